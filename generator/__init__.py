@@ -1,0 +1,1 @@
+"""looprl generator package."""
