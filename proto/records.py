@@ -1,0 +1,380 @@
+"""Every record that crosses a process boundary in looprl.
+
+Each docstring states producer -> consumer. Arrays are numpy arrays and travel as wire
+tensors (proto.tensors); times are Unix seconds (float); versions are the learner's
+strictly increasing integer weight versions (0 = the initial checkpoint, -1 = none yet).
+Decoding (proto.codec) validates types, shapes against lengths, bounds and the protocol
+version, and calls ``validate()`` for the cross-field rules below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from proto.errors import ProtocolError
+from proto.schema import U64_MAX, Scalar, array_field, record
+
+FINISH_REASONS = ("stop", "length", "abort")
+MAX_DEPTH = 255  # exit depths travel as uint8
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ProtocolError(msg)
+
+
+@record("hello")
+@dataclass
+class Hello:
+    """generator -> learner: first message after connecting (or reconnecting).
+
+    generator_id: stable id chosen by the generator ("host-pid-n"), unique per process.
+    host, pid: where it runs. families: model families its plugin serves.
+    max_inflight: work items it accepts at once. weight_version: version it serves (-1 none).
+    started_at: process start time (s).
+    """
+
+    generator_id: str
+    host: str
+    pid: int
+    families: list[str]
+    max_inflight: int
+    weight_version: int
+    started_at: float
+
+    def validate(self) -> None:
+        _need(bool(self.generator_id), "hello.generator_id: must be non-empty")
+        _need(self.max_inflight >= 1, f"hello.max_inflight: must be >= 1, got {self.max_inflight}")
+
+
+@record("welcome")
+@dataclass
+class Welcome:
+    """learner -> generator: reply to Hello.
+
+    run_id: the training run. generator_id: echoes the accepted id.
+    weight_version: the version the generator must load before serving work.
+    heartbeat_interval_s: how often both sides send Heartbeat (s).
+    settings: run-wide generator settings (scalars only), e.g. numerics mode.
+    """
+
+    run_id: str
+    generator_id: str
+    weight_version: int
+    heartbeat_interval_s: float
+    settings: dict[str, Scalar] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _need(self.heartbeat_interval_s > 0, "welcome.heartbeat_interval_s: must be > 0")
+
+
+@record("heartbeat")
+@dataclass
+class Heartbeat:
+    """both directions: liveness. sender_id: generator id or "learner".
+
+    sent_at: send time (s). weight_version: version the sender serves / trains.
+    inflight: work items the sender holds (generator) or has out (learner).
+    """
+
+    sender_id: str
+    sent_at: float
+    weight_version: int
+    inflight: int
+
+
+@record("work")
+@dataclass
+class WorkItem:
+    """learner (coordinator) -> generator: one prompt to sample ``len(latent_seeds)`` times.
+
+    work_id: unique id of this dispatch (re-dispatch after a failure reuses it).
+    prompt_id: id of the prompt in the task's dataset. prompt_tokens: int32 [P] token ids.
+    latent_seeds: uint64 [n] per-sample latent seeds (DESIGN contract 1); n = group size.
+    temperature (> 0; 0 means greedy), top_p in (0, 1], max_tokens >= 1, stop_token_ids.
+    task: scalar metadata the reward needs (e.g. {"answer": "42"}).
+    min_weight_version: the generator must serve at least this version.
+    issued_at: dispatch time (s).
+    """
+
+    work_id: str
+    prompt_id: str
+    prompt_tokens: np.ndarray = array_field("int32")
+    latent_seeds: np.ndarray = array_field("uint64")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    task: dict[str, Scalar] = field(default_factory=dict)
+    min_weight_version: int = 0
+    issued_at: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return int(self.latent_seeds.shape[0])
+
+    def validate(self) -> None:
+        _need(self.prompt_tokens.size >= 1, "work.prompt_tokens: must hold at least one token")
+        _need(bool((self.prompt_tokens >= 0).all()), "work.prompt_tokens: ids must be >= 0")
+        _need(self.n >= 1, "work.latent_seeds: at least one sample")
+        _need(self.temperature >= 0, f"work.temperature: must be >= 0, got {self.temperature}")
+        _need(0 < self.top_p <= 1, f"work.top_p: must be in (0, 1], got {self.top_p}")
+        _need(self.max_tokens >= 1, f"work.max_tokens: must be >= 1, got {self.max_tokens}")
+
+
+@record("rollout")
+@dataclass
+class Rollout:
+    """generator -> learner: one sampled completion, everything replay needs.
+
+    rollout_id: "<work_id>/<sample_index>", unique per accepted sample.
+    work_id, prompt_id, sample_index: where it came from (index into the group).
+    generator_id: producer. latent_seed: 64-bit seed of its latent noise (contract 1).
+    prompt_tokens: int32 [P]. tokens: int32 [T] sampled response ids (T >= 0).
+    logprobs: float32 [T] behaviour log-prob of each sampled token under the sampled
+      distribution (after temperature / top-p; contract 4), nats.
+    exit_depths: uint8 [T] core iterations run at the position that sampled token t,
+      1..max_depth (contract 2; exit_depths[0] = max_depth).
+    weight_version: version that produced token 0. token_versions: optional int64 [T],
+      the version per token when weights changed mid-completion (in-flight updates).
+    finish_reason: "stop" | "length" | "abort".
+    reward: scalar reward, or None when the reward function failed (see reward_info).
+    reward_info: scalars from the reward function (error text on failure).
+    metrics: generator-side measurements (e.g. gen_time_s, queue_time_s).
+    created_at: completion time (s).
+    """
+
+    rollout_id: str
+    work_id: str
+    prompt_id: str
+    sample_index: int
+    generator_id: str
+    latent_seed: int
+    prompt_tokens: np.ndarray = array_field("int32")
+    tokens: np.ndarray = array_field("int32")
+    logprobs: np.ndarray = array_field("float32")
+    exit_depths: np.ndarray = array_field("uint8")
+    weight_version: int = 0
+    token_versions: np.ndarray | None = array_field("int64", optional=True)
+    finish_reason: str = "stop"
+    reward: float | None = None
+    reward_info: dict[str, Scalar] = field(default_factory=dict)
+    metrics: dict[str, Scalar] = field(default_factory=dict)
+    created_at: float = 0.0
+
+    def validate(self) -> None:
+        r = f"rollout {self.rollout_id!r}"
+        t = self.tokens.shape[0]
+        _need(
+            self.logprobs.shape[0] == t,
+            f"{r}: logprobs has {self.logprobs.shape[0]} entries for {t} tokens",
+        )
+        _need(
+            self.exit_depths.shape[0] == t,
+            f"{r}: exit_depths has {self.exit_depths.shape[0]} entries for {t} tokens",
+        )
+        if self.token_versions is not None:
+            _need(
+                self.token_versions.shape[0] == t,
+                f"{r}: token_versions has {self.token_versions.shape[0]} entries for {t} tokens",
+            )
+        _need(0 <= self.latent_seed <= U64_MAX, f"{r}: latent_seed must be a uint64")
+        _need(self.sample_index >= 0, f"{r}: sample_index must be >= 0")
+        _need(self.prompt_tokens.size >= 1, f"{r}: prompt_tokens must not be empty")
+        _need(
+            t == 0 or bool((self.exit_depths >= 1).all()),
+            f"{r}: exit_depths must be in 1..{MAX_DEPTH}",
+        )
+        _need(
+            bool((self.tokens >= 0).all()) and bool((self.prompt_tokens >= 0).all()),
+            f"{r}: token ids must be >= 0",
+        )
+        _need(
+            not bool(np.isnan(self.logprobs).any()) and not bool((self.logprobs > 0).any()),
+            f"{r}: logprobs must be <= 0 and not NaN",
+        )
+        _need(
+            self.finish_reason in FINISH_REASONS,
+            f"{r}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}",
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@record("rollouts")
+@dataclass
+class RolloutBatch:
+    """generator -> learner: several rollouts in one frame (encoded column-wise).
+
+    rollouts: the completions, typically one GRPO group or what finished in one engine step.
+    """
+
+    rollouts: list[Rollout] = field(default_factory=list)
+
+
+@dataclass
+class TensorMeta:
+    """One tensor of a published weight set (inside WeightAnnounce).
+
+    name: HF parameter name. dtype: torch dtype name ("float32", "bfloat16", ...).
+    shape: dims. offset: byte offset in the concatenated weight blob. nbytes: byte length.
+    sha256: hex digest of this tensor's canonical bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    sha256: str
+
+
+record("tensor_meta")(TensorMeta)
+
+
+@record("weights")
+@dataclass
+class WeightAnnounce:
+    """learner -> generators: weight version ``version`` is available.
+
+    digest: sha256 hex over the canonical tensor bytes (DESIGN contract 6; models/ defines
+      the canonical order). total_bytes: size of the concatenated blob.
+    chunk_bytes, num_chunks: how the blob is split into WeightChunk messages (0 chunks when
+      the weights are only on disk). path: directory of the HF-layout publication, or "".
+    tensors: per-tensor layout inside the blob. config_json: the HF config.json text.
+    created_at: publication time (s).
+    """
+
+    version: int
+    digest: str
+    total_bytes: int
+    chunk_bytes: int
+    num_chunks: int
+    tensors: list[TensorMeta] = field(default_factory=list)
+    path: str = ""
+    config_json: str = ""
+    created_at: float = 0.0
+
+    def validate(self) -> None:
+        w = f"weights v{self.version}"
+        _need(self.version >= 0, f"{w}: version must be >= 0")
+        _need(len(self.digest) == 64, f"{w}: digest must be 64 hex chars (sha256)")
+        _need(self.total_bytes >= 0 and self.chunk_bytes >= 0, f"{w}: sizes must be >= 0")
+        if self.num_chunks:
+            _need(self.chunk_bytes > 0, f"{w}: chunk_bytes must be > 0 with chunks")
+            want = -(-self.total_bytes // self.chunk_bytes)
+            _need(
+                self.num_chunks == want,
+                f"{w}: {self.num_chunks} chunks cannot hold {self.total_bytes} bytes "
+                f"in {self.chunk_bytes}-byte chunks ({want} expected)",
+            )
+        end = 0
+        for t in self.tensors:
+            _need(t.offset == end, f"{w}: tensor {t.name} at offset {t.offset}, expected {end}")
+            _need(t.nbytes >= 0, f"{w}: tensor {t.name} has negative size")
+            end = t.offset + t.nbytes
+        if self.tensors:
+            _need(end == self.total_bytes, f"{w}: tensors cover {end} of {self.total_bytes} bytes")
+
+
+@record("chunk")
+@dataclass
+class WeightChunk:
+    """learner -> generators: bytes [offset, offset+len(data)) of weight blob ``version``.
+
+    index: chunk number (0-based). crc32: zlib.crc32 of data, to fail fast per chunk
+    (the version digest is still checked over the whole set before serving).
+    """
+
+    version: int
+    index: int
+    offset: int
+    data: bytes
+    crc32: int
+
+    def validate(self) -> None:
+        _need(self.index >= 0 and self.offset >= 0, "chunk: index and offset must be >= 0")
+
+
+@record("ack")
+@dataclass
+class Ack:
+    """either direction: ``ref`` of kind ``kind`` was received and accepted.
+
+    kind: "weights" (generator loaded and verified version), "rollout", "work".
+    ref: id of the acknowledged item (version number as text for weights).
+    version: weight version the sender now serves / trains.
+    """
+
+    kind: str
+    ref: str
+    version: int = -1
+
+
+@record("nack")
+@dataclass
+class Nack:
+    """either direction: ``ref`` of kind ``kind`` was refused; ``reason`` says why."""
+
+    kind: str
+    ref: str
+    reason: str
+    version: int = -1
+
+
+@record("work_return")
+@dataclass
+class WorkReturn:
+    """generator -> learner: hands back work it will not finish (shutdown, overload).
+
+    work_ids: the work items returned. reason: why.
+    """
+
+    generator_id: str
+    work_ids: list[str]
+    reason: str
+
+
+@record("goodbye")
+@dataclass
+class Goodbye:
+    """generator -> learner (or learner -> generators): clean departure; reason says why."""
+
+    sender_id: str
+    reason: str
+
+
+@record("error")
+@dataclass
+class ErrorMsg:
+    """either direction: a message from the peer was rejected.
+
+    code: short machine-readable code ("protocol", "auth", "stale", ...).
+    message: the human-readable reason. ref: id of the offending item, if known.
+    """
+
+    code: str
+    message: str
+    ref: str = ""
+
+
+ALL_RECORDS: tuple[type[Any], ...] = (
+    Hello,
+    Welcome,
+    Heartbeat,
+    WorkItem,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    WeightChunk,
+    Ack,
+    Nack,
+    WorkReturn,
+    Goodbye,
+    ErrorMsg,
+)

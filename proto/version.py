@@ -1,0 +1,29 @@
+"""Protocol version and the compatibility rule.
+
+Every frame carries ``(major, minor)`` in its header. Peers interoperate when the majors
+are equal; a minor bump only adds optional fields that an older peer ignores (decoders
+reject unknown fields of the *same* minor and accept them from a newer minor).
+"""
+
+from __future__ import annotations
+
+from proto.errors import ProtocolError
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
+
+
+def check_compatible(remote: tuple[int, int], *, what: str = "peer") -> None:
+    """Raise ProtocolError unless a peer speaking ``remote`` can talk to this build."""
+    major, minor = remote
+    if major != PROTOCOL_MAJOR:
+        raise ProtocolError(
+            f"incompatible protocol version {major}.{minor} from {what}: this build speaks "
+            f"{PROTOCOL_MAJOR}.x (major versions must match; upgrade the older side)"
+        )
+
+
+def is_newer_minor(remote: tuple[int, int]) -> bool:
+    """True when the remote speaks a newer minor of our major (unknown fields allowed)."""
+    return remote[0] == PROTOCOL_MAJOR and remote[1] > PROTOCOL_MINOR

@@ -1,0 +1,205 @@
+"""Round trips of every record, bounds and version refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from proto import Codec, ProtocolError, Rollout, RolloutBatch, records
+from proto.codec import HEADER, MAGIC
+from proto.schema import REGISTRY
+from tests.proto.strategies import ALL, rollouts
+
+
+def assert_same(a: object, b: object, where: str = "") -> None:
+    assert type(a) is type(b), where
+    if dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray)
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), where  # bit-exact, -inf included
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_every_record_has_a_strategy() -> None:
+    assert set(ALL) == {k for k in REGISTRY if k != "tensor_meta"}
+    assert {r.WIRE_TYPE for r in records.ALL_RECORDS} == set(ALL)
+
+
+@pytest.mark.parametrize("wire_type", sorted(ALL))
+@pytest.mark.parametrize("level", [0, 3])
+def test_round_trip(wire_type: str, level: int) -> None:
+    codec = Codec(level=level, min_compress_bytes=0)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(ALL[wire_type])
+    def check(rec: object) -> None:
+        frame = codec.encode(rec)
+        got = codec.decode(frame)
+        assert_same(rec, got, wire_type)
+        # Encoding is deterministic.
+        assert codec.encode(got) == frame
+
+    check()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rollouts())
+def test_batch_equals_singles(r: Rollout) -> None:
+    codec = Codec()
+    batch = codec.decode(codec.encode(RolloutBatch([r, r])))
+    single = codec.decode(codec.encode(r))
+    assert_same(batch.rollouts[0], single)
+    assert_same(batch.rollouts[1], r)
+
+
+def _rollout(t: int = 8) -> Rollout:
+    return Rollout(
+        rollout_id="w/0",
+        work_id="w",
+        prompt_id="p",
+        sample_index=0,
+        generator_id="g",
+        latent_seed=7,
+        prompt_tokens=np.arange(1, 4, dtype=np.int32),
+        tokens=np.arange(t, dtype=np.int32),
+        logprobs=np.full(t, -0.5, np.float32),
+        exit_depths=np.full(t, 2, np.uint8),
+        weight_version=3,
+    )
+
+
+def test_incompatible_major_is_refused() -> None:
+    frame = bytearray(Codec().encode(_rollout()))
+    frame[4] = 2  # protocol major
+    with pytest.raises(ProtocolError, match=r"incompatible protocol version 2\.0.*speaks 1\.x"):
+        Codec().decode(bytes(frame))
+
+
+def test_newer_minor_with_unknown_field_is_accepted_same_minor_refused() -> None:
+    codec = Codec(level=0)
+    body = msgpack.packb(["ack", {"kind": "rollout", "ref": "x", "version": 1, "future": 5}])
+    newer = HEADER.pack(MAGIC, 1, 9, 0, 0) + body
+    assert codec.decode(newer).ref == "x"
+    same = HEADER.pack(MAGIC, 1, 0, 0, 0) + body
+    with pytest.raises(ProtocolError, match="unknown field"):
+        codec.decode(same)
+
+
+def test_bad_magic_and_short_frame() -> None:
+    with pytest.raises(ProtocolError, match="bad magic"):
+        Codec().decode(b"HTTP/1.1 200 OK\r\n")
+    with pytest.raises(ProtocolError, match="shorter than"):
+        Codec().decode(b"LQ")
+
+
+def test_max_frame_bytes_enforced_both_ways() -> None:
+    small = Codec(level=0, max_frame_bytes=64)
+    with pytest.raises(ProtocolError, match="exceeds max_frame_bytes 64"):
+        small.encode(_rollout(100))
+    frame = Codec(level=0).encode(_rollout(100))
+    with pytest.raises(ProtocolError, match="exceeds max_frame_bytes"):
+        small.decode(frame)
+
+
+def test_zip_bomb_is_refused_before_allocation() -> None:
+    import zstandard
+
+    body = msgpack.packb(
+        ["chunk", {"version": 1, "index": 0, "offset": 0, "crc32": 0, "data": bytes(50 << 20)}]
+    )
+    frame = HEADER.pack(MAGIC, 1, 0, 1, 0) + zstandard.ZstdCompressor().compress(body)
+    assert len(frame) < 100_000
+    with pytest.raises(ProtocolError, match="exceeds max_message_bytes"):
+        Codec(max_message_bytes=1 << 20).decode(frame)
+
+
+def test_zstd_without_content_size_is_refused() -> None:
+    import zstandard
+
+    body = msgpack.packb(["goodbye", {"sender_id": "g", "reason": "x"}])
+    z = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    payload = z.compress(body) + z.flush()
+    with pytest.raises(ProtocolError, match="content size"):
+        Codec().decode(HEADER.pack(MAGIC, 1, 0, 1, 0) + payload)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: setattr(r, "logprobs", r.logprobs[:-1]), "logprobs has 7 entries for 8 tokens"),
+        (lambda r: setattr(r, "exit_depths", np.zeros(8, np.uint8)), "exit_depths must be in"),
+        (lambda r: setattr(r, "logprobs", np.full(8, 0.5, np.float32)), "logprobs must be <= 0"),
+        (lambda r: setattr(r, "finish_reason", "tired"), "finish_reason 'tired'"),
+        (lambda r: setattr(r, "latent_seed", -1), "latent_seed must be a uint64"),
+        (lambda r: setattr(r, "prompt_tokens", np.zeros(0, np.int32)), "prompt_tokens"),
+    ],
+)
+def test_invalid_rollout_is_refused_with_a_clear_message(mutate, message) -> None:  # type: ignore[no-untyped-def]
+    r = _rollout()
+    mutate(r)
+    codec = Codec()
+    with pytest.raises(ProtocolError, match=message):
+        codec.decode(codec.encode(r))
+
+
+def test_wrong_field_type_names_the_field() -> None:
+    body = msgpack.packb(
+        ["heartbeat", {"sender_id": "g", "sent_at": 1.0, "weight_version": "3", "inflight": 0}]
+    )
+    with pytest.raises(ProtocolError, match=r"heartbeat\.weight_version: expected an int, got str"):
+        Codec(level=0).decode(HEADER.pack(MAGIC, 1, 0, 0, 0) + body)
+
+
+def test_tensor_shape_must_match_bytes() -> None:
+    codec = Codec(level=0)
+    w = records.WorkItem(
+        work_id="a",
+        prompt_id="b",
+        prompt_tokens=np.arange(4, dtype=np.int32),
+        latent_seeds=np.array([1], np.uint64),
+    )
+    wire = msgpack.unpackb(codec.encode_body(w))
+    wire[1]["prompt_tokens"]["sh"] = [5]
+    frame = HEADER.pack(MAGIC, 1, 0, 0, 0) + msgpack.packb(wire)
+    with pytest.raises(
+        ProtocolError, match=r"work\.prompt_tokens: \d+ data bytes do not match shape \[5\]"
+    ):
+        codec.decode(frame)
+
+
+def test_no_pickle_anywhere() -> None:
+    import pathlib
+
+    for p in pathlib.Path("proto").glob("*.py"):
+        assert "pickle" not in p.read_text().replace("never pickle", "").replace(
+            "unpickled", ""
+        ).lower().replace("never pickle", ""), p
+
+
+def test_narrowing_and_shuffling_are_lossless_and_compress() -> None:
+    rng = np.random.default_rng(0)
+    t = 1024
+    r = _rollout(t)
+    r.tokens = np.minimum(rng.zipf(1.2, t), 65535).astype(np.int32)
+    r.logprobs = np.log(rng.uniform(0.01, 1.0, t)).astype(np.float32)
+    codec = Codec(level=1)
+    frame = codec.encode(r)
+    payload = len(
+        msgpack.packb([r.tokens.tobytes(), r.logprobs.tobytes(), r.exit_depths.tobytes()])
+    )
+    assert payload / len(frame) > 1.3
+    assert_same(codec.decode(frame), r)
+    assert struct.unpack_from("<B", frame, 6)[0] == 1  # compressed
