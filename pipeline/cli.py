@@ -1,0 +1,73 @@
+"""The ``looprl`` command line.
+
+Subcommands are added by the packages that own them; each ``add_parser`` registers its
+options and each ``run`` returns a process exit code. Imports are lazy so that
+``looprl --help`` and light subcommands start fast (vLLM and megatron-core take seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from models.init import init_checkpoint
+
+    path = init_checkpoint(args.family, args.size, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.family} ({args.size}) checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="looprl",
+        description="Asynchronous actor-learner RL post-training for looped language models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # looprl stream ...
+    stream = sub.add_parser("stream", help="recorded rollout streams")
+    stream_sub = stream.add_subparsers(dest="stream_command", required=True, metavar="ACTION")
+    from pipeline.stream_cli import add_parser as add_stream_parser
+
+    add_stream_parser(stream_sub)
+
+    # looprl model ...
+    model = sub.add_parser("model", help="looped model checkpoints")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    init = model_sub.add_parser(
+        "init", help="write a randomly initialised checkpoint in the family's HF layout"
+    )
+    init.add_argument(
+        "--family",
+        required=True,
+        choices=["huginn", "ouro", "nanbeige", "llama"],
+        help="model family",
+    )
+    init.add_argument("--size", default="tiny", help="preset size (default: tiny, head_dim 32)")
+    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    init.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (default: float32)",
+    )
+    init.add_argument("out", help="output directory (created; must be empty if it exists)")
+    init.set_defaults(func=_model_init)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, exit 2
+        print(f"looprl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

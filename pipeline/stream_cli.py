@@ -1,0 +1,234 @@
+"""``looprl stream inspect|recover``: look into a recorded rollout stream, repair one.
+
+``inspect`` reads every frame (never modifying the stream, so it also works on a stream
+being written), decodes each payload with :class:`proto.codec.Codec` and prints frame
+count, seq range, segments, bytes on disk, message types, weight versions, generators and
+compression; ``--json`` prints the same as one JSON object, ``--frames`` lists frames.
+``recover`` takes the writer lock, cuts a torn tail and rebuilds indexes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proto.stream import StreamError, StreamReader, recover
+from proto.stream_format import FRAME_HEADER_SIZE
+
+
+@dataclass
+class PayloadInfo:
+    """What one frame's payload holds, as far as ``stream inspect`` cares."""
+
+    wire_type: str  # record type ("rollouts", "rollout", ...) or "<undecodable>"
+    message_bytes: int  # decompressed message body bytes
+    rollouts: list[tuple[str, int]] = field(default_factory=list)  # (generator_id, version)
+    error: str | None = None  # why decoding failed
+
+
+PayloadDecoder = Callable[[bytes], PayloadInfo]
+
+
+def codec_decoder() -> PayloadDecoder:
+    """Decode payloads with the proto codec (frames of any record type)."""
+    from proto.codec import Codec
+    from proto.errors import ProtocolError
+    from proto.records import Rollout, RolloutBatch
+
+    codec = Codec()
+
+    def decode(payload: bytes) -> PayloadInfo:
+        try:
+            got = codec.decode_frame(payload)
+        except ProtocolError as e:
+            return PayloadInfo("<undecodable>", len(payload), error=str(e))
+        rec = got.record
+        rollouts: list[Rollout] = []
+        if isinstance(rec, RolloutBatch):
+            rollouts = rec.rollouts
+        elif isinstance(rec, Rollout):
+            rollouts = [rec]
+        pairs = [(r.generator_id, r.weight_version) for r in rollouts]
+        return PayloadInfo(got.wire_type, got.body_bytes, pairs)
+
+    return decode
+
+
+def _disk_bytes(root: Path) -> dict[str, int]:
+    out = {"segments": 0, "indexes": 0, "other": 0}
+    for name in os.listdir(root):
+        size = (root / name).stat().st_size
+        key = "segments" if name.endswith(".lrs") else "indexes" if name.endswith(".idx") else ""
+        out[key or "other"] += size
+    return out
+
+
+def inspect_stream(
+    path: str | os.PathLike[str], *, decode: PayloadDecoder | None = None, frames: bool = False
+) -> dict[str, Any]:
+    """Summary of a stream as a JSON-ready dict (see the module docstring)."""
+    decode = decode or codec_decoder()
+    root = Path(path)
+    types: Counter[str] = Counter()
+    versions: Counter[int] = Counter()
+    generators: Counter[str] = Counter()
+    wire = message = count = 0
+    errors: list[str] = []
+    listing: list[dict[str, Any]] = []
+    with StreamReader(root) as reader:
+        for fr in reader.iter():
+            info = decode(fr.payload)
+            count += 1
+            wire += len(fr.payload)
+            message += info.message_bytes
+            types[info.wire_type] += 1
+            if info.error is not None and len(errors) < 10:
+                errors.append(f"seq {fr.seq}: {info.error}")
+            for gen, ver in info.rollouts:
+                generators[gen] += 1
+                versions[ver] += 1
+            if frames:
+                vs = sorted({v for _, v in info.rollouts})
+                listing.append(
+                    {
+                        "seq": fr.seq,
+                        "type": info.wire_type,
+                        "bytes": fr.frame_bytes,
+                        "rollouts": len(info.rollouts),
+                        "versions": vs,
+                        "generators": sorted({g for g, _ in info.rollouts}),
+                    }
+                )
+        segments = [
+            {
+                "name": s.path.name,
+                "bytes": s.size,
+                "frames": len(s.seqs),
+                "first_seq": s.seqs[0] if s.seqs else None,
+                "last_seq": s.last_seq,
+            }
+            for s in reader.segments
+        ]
+        first, last, torn = reader.first_seq, reader.last_seq, reader.torn_tail
+        active = reader.writer_active()
+    disk = _disk_bytes(root)
+    out: dict[str, Any] = {
+        "path": str(root),
+        "frames": count,
+        "first_seq": first,
+        "last_seq": last,
+        "segments": segments,
+        "disk_bytes": sum(disk.values()),
+        "disk": disk,
+        "wire_bytes": wire,
+        "frame_header_bytes": count * FRAME_HEADER_SIZE,
+        "message_bytes": message,
+        "compression_ratio": round(message / wire, 4) if wire else None,
+        "types": dict(sorted(types.items())),
+        "rollouts": sum(generators.values()),
+        "weight_versions": {
+            "min": min(versions) if versions else None,
+            "max": max(versions) if versions else None,
+            "histogram": {str(v): n for v, n in sorted(versions.items())},
+        },
+        "generators": dict(sorted(generators.items())),
+        "undecodable": types.get("<undecodable>", 0),
+        "errors": errors,
+        "torn_tail": torn,
+        "writer_active": active,
+    }
+    if frames:
+        out["frame_list"] = listing
+    return out
+
+
+def _print_text(s: dict[str, Any]) -> None:
+    segs = s["segments"]
+    wv = s["weight_versions"]
+    rows = [
+        ("stream", s["path"] + ("  (writer active)" if s["writer_active"] else "")),
+        ("frames", f"{s['frames']}  seq {s['first_seq']}..{s['last_seq']}"),
+        ("segments", f"{len(segs)}  {segs[0]['name']} .. {segs[-1]['name']}" if segs else "0"),
+        (
+            "disk",
+            f"{s['disk_bytes']:,} bytes  " + ", ".join(f"{k} {v:,}" for k, v in s["disk"].items()),
+        ),
+        ("wire", f"{s['wire_bytes']:,} payload bytes (+{s['frame_header_bytes']:,} frame headers)"),
+        (
+            "messages",
+            f"{s['message_bytes']:,} bytes decoded; compression {s['compression_ratio']}x",
+        ),
+        ("types", ", ".join(f"{k} {v}" for k, v in s["types"].items()) or "-"),
+        ("rollouts", str(s["rollouts"])),
+        (
+            "versions",
+            f"min {wv['min']} max {wv['max']}  "
+            + " ".join(f"v{k}:{n}" for k, n in wv["histogram"].items()),
+        ),
+        ("generators", ", ".join(f"{k} {v}" for k, v in s["generators"].items()) or "-"),
+        ("torn tail", s["torn_tail"] or "none"),
+    ]
+    for k, v in rows:
+        print(f"{k:<11}{v}")
+    for e in s["errors"]:
+        print(f"error      {e}")
+    for seg in segs:
+        print(
+            f"  {seg['name']}  {seg['bytes']:>12,} B  {seg['frames']:>8} frames  "
+            f"seq {seg['first_seq']}..{seg['last_seq']}"
+        )
+    for f in s.get("frame_list", []):
+        vs = f["versions"]
+        ver = "-" if not vs else str(vs[0]) if len(vs) == 1 else f"{vs[0]}..{vs[-1]}"
+        gens = ",".join(f["generators"][:3]) + ("..." if len(f["generators"]) > 3 else "")
+        print(f"  seq {f['seq']:>10}  {f['type']:<12} {f['bytes']:>10,} B  v{ver:<8} {gens}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``looprl stream <action>``; returns the exit code (2: not a stream / corrupt)."""
+    try:
+        if args.stream_action == "recover":
+            rep = recover(args.path)
+            print(
+                json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(rep).items()})
+            )
+            return 0
+        summary = inspect_stream(args.path, frames=args.frames)
+    except StreamError as e:
+        print(f"looprl stream: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_text(summary)
+    return 1 if summary["undecodable"] else 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``inspect`` and ``recover`` under the ``looprl stream`` subparsers."""
+    p = subparsers.add_parser("inspect", help="summarise a recorded rollout stream")
+    p.add_argument("path", help="stream directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--frames", action="store_true", help="also list every frame")
+    p.set_defaults(func=run, stream_action="inspect")
+    r = subparsers.add_parser("recover", help="cut a torn tail and rebuild indexes")
+    r.add_argument("path", help="stream directory")
+    r.set_defaults(func=run, stream_action="recover")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="looprl stream")
+    add_parser(parser.add_subparsers(dest="stream_command", required=True, metavar="ACTION"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
