@@ -1,0 +1,223 @@
+"""The family-agnostic looped engine: KV cache per (iteration, layer) and one chunk forward.
+
+A chunk is B rows x S positions of new tokens (prefill: a prompt; decode: one token; replay:
+whole sequences). Positions are absolute; row b's K/V of position p live at index p of that
+row's cache. A chunk runs, for every position at once:
+
+    prelude stack (KV slot per prelude layer)  ->  s_0  ->
+    for d = 1 .. max_depth:  core stack with KV slot (d, layer), only for ACTIVE positions
+                             (a position is active until it exits) ->
+    readout: coda stack (KV slot per coda layer) on each position's final state -> head
+
+The last-exited rule (DESIGN contract 3) is implemented by copying: when a position exits
+after iteration e, its K/V of slots (e, l) are copied into slots (d, l) for every d > e, so any
+later query at iteration d reads the position's iteration-e K/V; its state is frozen (an
+inactive position's new state is discarded), and its K/V are never rewritten. Attention of the
+query at position p sees the cached positions t <= p of its own row (`filled`).
+
+Generation feeds the prompt as one chunk with every position at full depth, then one token per
+chunk with an exit policy; replay feeds whole sequences as one chunk with the recorded depths.
+Both compute the same values in the same order per position, which is what makes `exact`-mode
+replay bit-identical (`models.numerics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from models import numerics as nx
+from models.base import LoopedLM
+from models.exits import ExitCarry, ExitPolicy, StepInfo, needs_gate, needs_logits, should_exit
+from models.layers import Block
+
+
+@dataclasses.dataclass
+class KVCache:
+    """K/V of every attention slot: [layers, 2 (k, v), B, T, kv_heads, head_dim] per stack."""
+
+    prelude: Tensor
+    core: Tensor
+    """[max_depth, core layers, 2, B, T, G, D]."""
+    coda: Tensor
+    filled: Tensor
+    """[B, T] bool: positions whose K/V exist."""
+
+    @classmethod
+    def empty(cls, model: LoopedLM, batch: int, length: int, depth: int) -> KVCache:
+        g, d = model.kv_shape
+        dev = next(model.parameters()).device
+
+        def zeros(*lead: int) -> Tensor:
+            return torch.zeros(*lead, 2, batch, length, g, d, device=dev)
+
+        return cls(
+            prelude=zeros(len(model.prelude_blocks())),
+            core=zeros(depth, len(model.core_blocks())),
+            coda=zeros(len(model.coda_blocks())),
+            filled=torch.zeros(batch, length, dtype=torch.bool, device=dev),
+        )
+
+
+@dataclasses.dataclass
+class ChunkOut:
+    """Results of one chunk, per (row, position)."""
+
+    logits: Tensor
+    """[B, S, V] fp32 readout logits of the final state."""
+    hidden: Tensor
+    """[B, S, h] the hidden state the head reads."""
+    depths: Tensor
+    """[B, S] int64 iterations run (0 for padding)."""
+
+
+@dataclasses.dataclass
+class _Rows:
+    batch: int
+    seq: int
+    b: Tensor  # [N] row of each flattened position
+    pos: Tensor  # [N] absolute position
+    kmask: Tensor  # [B, S, T] keys visible to each query
+    rope: Tensor
+    mode: str
+
+
+def _stack(blocks: Sequence[Block], slots: Tensor, x: Tensor, write: Tensor, r: _Rows) -> Tensor:
+    """Run attention blocks on rows x [N, h]; write K/V of rows `write` into `slots`."""
+    wb, wp = r.b[write], r.pos[write]
+    for layer, blk in enumerate(blocks):
+        q, k, v = blk.qkv(x, r.rope, r.mode)
+        slots[layer, 0, wb, wp] = k[write]
+        slots[layer, 1, wb, wp] = v[write]
+        q = q.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
+        attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
+        x = blk.post(x, attn.reshape(x.shape[0], -1), r.mode)
+    return x
+
+
+def _readout(
+    model: LoopedLM, cache: KVCache, state: Tensor, write: Tensor, r: _Rows
+) -> tuple[Tensor, Tensor]:
+    x = model.readout_in(state, r.mode)
+    x = _stack(model.coda_blocks(), cache.coda, x, write, r)
+    hidden = model.readout_out(x, r.mode)
+    return model.head(hidden, r.mode), hidden
+
+
+def run_chunk(
+    model: LoopedLM,
+    cache: KVCache,
+    tokens: Tensor,
+    positions: Tensor,
+    valid: Tensor,
+    seeds: Sequence[int],
+    *,
+    max_depth: int,
+    depths: Tensor | None = None,
+    policy: ExitPolicy | None = None,
+    mode: str = "fast",
+) -> ChunkOut:
+    """One chunk forward (see module doc).
+
+    tokens, positions: [B, S] int64; valid: [B, S] bool (False = padding, never written);
+    seeds: one latent seed per row. Exactly one of `depths` ([B, S], 1..max_depth at valid
+    positions: replay / prefill) and `policy` (decode, S == 1) says when positions exit.
+    """
+    nx.check_mode(mode)
+    if (depths is None) == (policy is None):
+        raise ValueError("run_chunk needs exactly one of depths and policy")
+    bsz, seq = tokens.shape
+    if policy is not None and seq != 1:
+        raise ValueError("an exit policy decides per decoded token: chunks of one position")
+    if max_depth > cache.core.shape[0]:
+        raise ValueError(f"max_depth {max_depth} exceeds the cache's {cache.core.shape[0]} slots")
+    n = bsz * seq
+    dev = cache.filled.device
+    pos = positions.reshape(n).to(dev)
+    val = valid.reshape(n).to(dev)
+    rows = torch.arange(bsz, device=dev).repeat_interleave(seq)
+    if depths is not None:
+        dep = depths.reshape(n).to(dev)
+        bad = val & ((dep < 1) | (dep > max_depth))
+        if bad.any():
+            raise ValueError(f"depths must be in [1, {max_depth}] at valid positions")
+    cache.filled[rows[val], pos[val]] = True
+    key_pos = torch.arange(cache.filled.shape[1], device=dev)
+    kmask = cache.filled[:, None, :] & (key_pos[None, None, :] <= positions.to(dev)[:, :, None])
+    kmask[..., 0] |= ~kmask.any(dim=-1)  # padding queries that see nothing: keep softmax finite
+    r = _Rows(bsz, seq, rows, pos, kmask, model.rope(pos, mode), mode)
+    row_seeds = [int(seeds[b]) for b in rows.tolist()]
+
+    e = _stack(
+        model.prelude_blocks(), cache.prelude, model.embed(tokens.reshape(n).to(dev)), val, r
+    )
+    state = model.initial_state(e, pos, row_seeds)
+    done = ~val
+    ran = torch.zeros(n, dtype=torch.int64, device=dev)
+    carry: ExitCarry | None = None
+    for i in range(max_depth):
+        active = ~done
+        if not active.any():
+            break
+        x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), active, r)
+        new = model.core_out(x, mode)
+        prev, state = state, torch.where(active[:, None], new, state)
+        ran[active] = i + 1
+        if depths is not None:
+            stop = active & (dep == i + 1)
+        else:
+            assert policy is not None
+            info = StepInfo(i + 1, max_depth, new, prev, mode=mode)
+            if needs_logits(policy):
+                info.logits = _readout(model, cache, state, active, r)[0]
+            if needs_gate(policy):
+                info.gate_logit = model.gate_logit(new, mode)
+            hit, carry = should_exit(policy, info, carry)
+            stop = active & hit.to(dev)
+        if stop.any() and i + 1 < max_depth:
+            sb, sp = rows[stop], pos[stop]
+            cache.core[i + 1 :, :, :, sb, sp] = cache.core[i, :, :, sb, sp].unsqueeze(0)
+        done = done | stop
+    logits, hidden = _readout(model, cache, state, val, r)
+    return ChunkOut(
+        logits=logits.view(bsz, seq, -1),
+        hidden=hidden.view(bsz, seq, -1),
+        depths=torch.where(val, ran, 0).view(bsz, seq),
+    )
+
+
+def forward_full(
+    model: LoopedLM,
+    input_ids: Tensor,
+    latent_seeds: Sequence[int] | None = None,
+    *,
+    depth: int | None = None,
+    mode: str = "fast",
+) -> Tensor:
+    """Logits [B, S, V] of every position of `input_ids` [B, S] at full depth."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    bsz, seq = input_ids.shape
+    depth = model.max_depth if depth is None else depth
+    seeds = list(latent_seeds) if latent_seeds is not None else [0] * bsz
+    cache = KVCache.empty(model, bsz, seq, depth)
+    positions = torch.arange(seq).expand(bsz, seq)
+    ones = torch.ones(bsz, seq, dtype=torch.bool)
+    out = run_chunk(
+        model,
+        cache,
+        input_ids,
+        positions,
+        ones,
+        seeds,
+        max_depth=depth,
+        depths=torch.full((bsz, seq), depth),
+        mode=mode,
+    )
+    return out.logits
+
+
+__all__ = ["ChunkOut", "KVCache", "forward_full", "run_chunk"]

@@ -1,0 +1,193 @@
+"""Numerics modes: every arithmetic primitive of the reference forward, in two modes.
+
+`fast` (default): native fp32 kernels (MKL / cuBLAS / SDPA). Results depend on the kernel's
+summation order, hence on batch composition and row counts; mismatch against another engine
+is small and measured (DESIGN contract 5).
+
+`exact`: every primitive is computed in float64 from its fp32 inputs and rounded ONCE to fp32
+at the end of the primitive. A second implementation (the vLLM plugin, the megatron learner)
+that follows the recipe of each function below gets the same fp32 bits, because fp64
+accumulation error (~1e-16 relative) is far below fp32 resolution (~6e-8), so the final
+rounding erases differences of summation order, blocking, thread count and row count; and
+every fp64 transcendental (exp, sqrt, sin, cos) is within an fp64 ulp across libms, which the
+rounding also erases. (A flip remains possible only when an exact result lies within ~1e-16
+relative of an fp32 rounding midpoint; it has not been observed.) Element-wise fp32 ops that
+are single IEEE operations (residual adds, the embedding scale, the RMSNorm weight product)
+are exact by themselves and stay in fp32. No fused kernels anywhere (no torch rms_norm, no
+SiluAndMul op, no FMA-contracted RoPE in fp32): those round differently.
+
+Shapes: B batch rows, S query positions, T key positions, H query heads, G key/value heads,
+D head_dim. All tensors are fp32 unless stated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NumericsMode = Literal["fast", "exact"]
+MODES: tuple[str, ...] = ("fast", "exact")
+
+
+def check_mode(mode: str) -> NumericsMode:
+    """`mode` if it is a numerics mode, else ValueError."""
+    if mode not in MODES:
+        raise ValueError(f"numerics mode must be one of {MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "fast") -> Tensor:
+    """y = x W^T (+ b).
+
+    exact: `F.linear(x.double(), W.double(), b.double()).float()`: the dot products and the bias
+    add in fp64, one rounding to fp32.
+    """
+    if mode == "exact":
+        b = None if bias is None else bias.double()
+        return F.linear(x.double(), weight.double(), b).float()
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tensor:
+    """RMSNorm as Huginn and Ouro/Llama write it: normalise in fp32, cast back, times weight.
+
+    fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`.
+    exact: `xd = x.double(); y = xd * (1 / sqrt(mean(xd^2, -1) + eps))` in fp64, rounded to fp32,
+    then `* weight` in fp32 (a single IEEE product).
+    """
+    if mode == "exact":
+        xd = x.double()
+        y = xd * (1.0 / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
+        return y.float().to(x.dtype) * weight
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y.to(x.dtype) * weight
+
+
+def silu_mul(gate: Tensor, up: Tensor, mode: str = "fast") -> Tensor:
+    """SwiGLU inner product silu(gate) * up.
+
+    fast: `F.silu(gate) * up` in fp32. exact: `g * sigmoid(g) * u` in fp64 with
+    sigmoid(g) = 1 / (1 + exp(-g)), rounded once to fp32.
+    """
+    if mode == "exact":
+        g = gate.double()
+        return (g * torch.sigmoid(g) * up.double()).float()
+    return F.silu(gate) * up
+
+
+def sigmoid(x: Tensor, mode: str = "fast") -> Tensor:
+    """Logistic function; exact: fp64 then one rounding to fp32."""
+    if mode == "exact":
+        return torch.sigmoid(x.double()).float()
+    return torch.sigmoid(x.float())
+
+
+def log_softmax(x: Tensor, mode: str = "fast") -> Tensor:
+    """Row-wise log-softmax over the last dim, fp32 out (exact: fp64 inside)."""
+    if mode == "exact":
+        return torch.log_softmax(x.double(), dim=-1).float()
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
+    """Huginn RoPE on adjacent pairs (x[2i], x[2i+1]) in fp32.
+
+    x: [..., D]; cos_sin: [..., D/2, 2] broadcastable (cos, sin), the checkpoint's `freqs_cis`
+    rows at the token positions. out[2i] = x0 c - x1 s, out[2i+1] = x1 c + x0 s.
+    fast: in fp32 (the official order). exact: in fp64 (the products of fp32 values are exact
+    in fp64), one rounding to fp32.
+    """
+    dt = torch.float64 if mode == "exact" else torch.float32
+    pairs = x.to(dt).unflatten(-1, (-1, 2))
+    c, s = cos_sin[..., 0].to(dt), cos_sin[..., 1].to(dt)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
+    return out.float().to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, mode: str = "fast") -> Tensor:
+    """Split-half RoPE table for Ouro / Nanbeige / Llama: [N, 2, D] (cos, sin), fp32.
+
+    fast (= HF `default` rope): inv_freq = 1 / theta^(arange(0, D, 2) / D) in fp32;
+    angle = position * inv_freq in fp32; emb = cat(angle, angle); cos/sin in fp32.
+    exact: the same formula in fp64 on the CPU, rounded once to fp32 (another implementation
+    must use this table, e.g. by calling this function, not its own fp32 cos/sin cache).
+    """
+    dt = torch.float64 if mode == "exact" else torch.float32
+    pos = positions.to("cpu", dt) if mode == "exact" else positions.to(dt)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).to(dt)
+    inv_freq = 1.0 / (theta ** (exponent / head_dim))
+    angle = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat([angle, angle], dim=-1)
+    table = torch.stack([emb.cos(), emb.sin()], dim=1).float()
+    return table.to(positions.device)
+
+
+def rope_half(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
+    """Split-half (neox) RoPE: x cos + rotate_half(x) sin, rotate_half(x) = cat(-x2, x1).
+
+    x: [N, heads, D]; cos_sin: [N, 2, D] from `rope_cos_sin`. fast: fp32; exact: fp64, one
+    rounding to fp32.
+    """
+    dt = torch.float64 if mode == "exact" else torch.float32
+    xd = x.to(dt)
+    cos, sin = cos_sin[:, 0, None, :].to(dt), cos_sin[:, 1, None, :].to(dt)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-xd[..., half:], xd[..., :half]], dim=-1)
+    return (xd * cos + rot * sin).float().to(x.dtype)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast") -> Tensor:
+    """Softmax attention with an explicit boolean mask and grouped key/value heads.
+
+    q: [B, S, H, D]; k, v: [B, T, G, D] with H % G == 0, query head j reads kv head
+    j // (H / G) (HF `repeat_kv`); mask: [B, S, T] bool, True = visible (causality and the
+    last-exited rule live in the mask and in which K/V the caller passes). Every query row
+    must see at least one key. Returns [B, S, H * D].
+
+    exact, the one order-defined recipe:
+      1. promote q, k, v to fp64;
+      2. scores[b, h, s, t] = sum_d q[b, s, h, d] k[b, t, h // (H/G), d]   (fp64)
+         then scores *= 1 / sqrt(D)   (the scale as an fp64 number, applied after the dot);
+      3. masked scores = -inf; m = max_t scores; e = exp(scores - m); p = e / sum_t e  (fp64);
+      4. out[b, s, h, :] = sum_t p[b, h, s, t] v[b, t, h // (H/G), :]   (fp64);
+      5. round out to fp32.
+    fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask.
+    """
+    heads, groups, dim = q.shape[2], k.shape[2], q.shape[3]
+    rep = heads // groups
+    qh = q.transpose(1, 2)  # [B, H, S, D]
+    kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)  # [B, H, T, D]
+    vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+    m = mask[:, None, :, :]
+    if mode == "exact":
+        scores = torch.matmul(qh.double(), kh.double().transpose(-1, -2)) * (1.0 / math.sqrt(dim))
+        scores = scores.masked_fill(~m, float("-inf"))
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        e = torch.exp(scores)
+        p = e / e.sum(dim=-1, keepdim=True)
+        out = torch.matmul(p, vh.double()).float()
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
+    return out.transpose(1, 2).flatten(2).to(q.dtype)
+
+
+__all__ = [
+    "MODES",
+    "NumericsMode",
+    "attention",
+    "check_mode",
+    "linear",
+    "log_softmax",
+    "rms_norm",
+    "rope_adjacent",
+    "rope_cos_sin",
+    "rope_half",
+    "sigmoid",
+    "silu_mul",
+]

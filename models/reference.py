@@ -1,0 +1,338 @@
+"""Reference generation and replay: the numerical spec vLLM and megatron are tested against.
+
+`generate` decodes token by token with a KV cache per (iteration, layer) and an exit policy;
+`replay` recomputes the same completions in one parallel forward per iteration from the
+recorded `exit_depths`. In `exact` numerics replay reproduces generation's behaviour
+log-probs bit for bit; in `fast` numerics the difference is small and measured
+(benchmarks/parity.py).
+
+Behaviour log-probs (DESIGN contract 4) of a position with fp32 logits l (the first
+`vocab_size` entries; padded rows are dropped):
+
+    z  = l / temperature                                  (fp32 division)
+    z  = top_p_filter(z, top_p)                           (only if top_p < 1)
+    lp = log_softmax(z)                                   (fp32; exact: fp64 then fp32)
+
+top_p_filter follows vLLM's rule: sort z ascending (stable), p = softmax(sorted z),
+c = cumsum(p); drop entries with c <= 1 - top_p, never the largest; dropped entries become
+-inf, so their log-prob is -inf and the rest renormalise over the nucleus (the distribution
+actually sampled from). Greedy decoding takes argmax(lp) (first index on ties) and still
+reports lp of that token. Sampling draws q ~ Exp(1)^V from a torch.Generator seeded with
+`latent_seed ^ SAMPLING_SALT` and takes argmax(exp(lp) / q): reproducible per latent seed,
+independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
+
+Depths (contract 2): the prompt runs the full depth D (the policy's max depth); the position
+that samples completion token t ran `exit_depths[t]` iterations; `exit_depths[0] == D`.
+Replay reads D from `exit_depths[0]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from models import numerics as nx
+from models.base import LoopedLM
+from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
+from models.engine import KVCache, run_chunk
+from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
+
+SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn from the behaviour distribution."""
+
+    temperature: float = 1.0
+    """Logits are divided by this (> 0)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 = no filter."""
+    max_new_tokens: int = 16
+    """Completion length limit (>= 1)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends after sampling one of these (the stop token is kept)."""
+    greedy: bool = False
+    """argmax instead of sampling."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass
+class Generation:
+    """One completion."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    """Completion token ids (ends with the stop token if one was sampled)."""
+    logprobs: Tensor
+    """[n] fp32 behaviour log-probs of `tokens`."""
+    exit_depths: list[int]
+    """[n] iterations run at the position that sampled each token; [0] = full depth."""
+    latent_seed: int
+    finish_reason: str
+    """'stop' or 'length'."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayItem:
+    """One recorded completion to recompute."""
+
+    prompt_tokens: Sequence[int]
+    completion_tokens: Sequence[int]
+    latent_seed: int
+    exit_depths: Sequence[int]
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    """Recomputed values of one completion."""
+
+    logprobs: Tensor
+    """[n] fp32 behaviour log-probs of the completion tokens."""
+    entropies: Tensor
+    """[n] fp32 entropy of each sampled-from distribution."""
+    hidden: Tensor
+    """[n, h] hidden state the head read at each sampling position (for a value head)."""
+
+
+def top_p_filter(z: Tensor, top_p: float, mode: str = "fast") -> Tensor:
+    """Set logits outside the nucleus to -inf (vLLM's rule; see module doc)."""
+    if top_p >= 1.0:
+        return z
+    vals, idx = z.sort(dim=-1, descending=False, stable=True)
+    dt = torch.float64 if mode == "exact" else torch.float32
+    cum = torch.softmax(vals.to(dt), dim=-1).cumsum(dim=-1)
+    drop = cum <= torch.tensor(1.0, dtype=dt) - torch.tensor(top_p, dtype=dt)
+    drop[..., -1] = False
+    vals = vals.masked_fill(drop, float("-inf"))
+    return torch.empty_like(z).scatter_(-1, idx, vals)
+
+
+def behaviour_logprobs(
+    logits: Tensor, vocab_size: int, temperature: float, top_p: float, mode: str = "fast"
+) -> Tensor:
+    """[N, V] fp32 log-probs of the distribution sampled from (see module doc)."""
+    z = logits[..., :vocab_size].float() / torch.tensor(temperature, dtype=torch.float32)
+    return nx.log_softmax(top_p_filter(z, top_p, mode), mode)
+
+
+def entropy(logprobs: Tensor) -> Tensor:
+    """-sum exp(lp) lp over the finite entries, fp32."""
+    p = logprobs.exp()
+    return -torch.where(torch.isfinite(logprobs), p * logprobs, 0.0).sum(dim=-1)
+
+
+def _sample(lp: Tensor, greedy: bool, gen: torch.Generator) -> int:
+    if greedy:
+        return int(lp.argmax())
+    q = torch.empty(lp.shape, dtype=torch.float32).exponential_(generator=gen)
+    return int((lp.exp().cpu() / q).argmax())
+
+
+def _check_seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"latent seeds must be ints in [0, 2**64), got {seed!r}")
+    return seed
+
+
+@torch.no_grad()
+def generate(
+    model: LoopedLM,
+    prompts: Sequence[Sequence[int]],
+    latent_seeds: Sequence[int],
+    sampling: SamplingParams,
+    exit_policy: ExitPolicy | None = None,
+    numerics: str = "fast",
+) -> list[Generation]:
+    """Decode every prompt token by token (batched; see module doc). Default policy: full
+    depth."""
+    nx.check_mode(numerics)
+    if len(prompts) != len(latent_seeds) or not prompts:
+        raise ValueError("need one latent seed per prompt and at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must not be empty")
+    seeds = [_check_seed(s) for s in latent_seeds]
+    policy = exit_policy if exit_policy is not None else FixedDepth(model.max_depth)
+    depth = resolve_max_depth(policy, model.max_depth)
+    bsz, lens = len(prompts), [len(p) for p in prompts]
+    cache = KVCache.empty(model, bsz, max(lens) + sampling.max_new_tokens, depth)
+    gens = [torch.Generator().manual_seed(s ^ SAMPLING_SALT) for s in seeds]
+    toks = torch.zeros(bsz, max(lens), dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        toks[b, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
+    positions = torch.arange(max(lens)).expand(bsz, -1)
+    valid = positions < torch.tensor(lens)[:, None]
+    out = run_chunk(
+        model,
+        cache,
+        toks,
+        positions,
+        valid,
+        seeds,
+        max_depth=depth,
+        depths=torch.full(toks.shape, depth),
+        mode=numerics,
+    )
+    last = torch.tensor(lens) - 1
+    logits = out.logits[torch.arange(bsz), last]
+    step_depths = [depth] * bsz
+    tokens: list[list[int]] = [[] for _ in range(bsz)]
+    lps: list[list[float]] = [[] for _ in range(bsz)]
+    deps: list[list[int]] = [[] for _ in range(bsz)]
+    finish = [""] * bsz
+    for step in range(sampling.max_new_tokens):
+        lp = behaviour_logprobs(
+            logits, model.vocab_size, sampling.temperature, sampling.top_p, numerics
+        )
+        for b in range(bsz):
+            if finish[b]:
+                continue
+            tok = _sample(lp[b], sampling.greedy, gens[b])
+            tokens[b].append(tok)
+            lps[b].append(float(lp[b, tok]))
+            deps[b].append(step_depths[b])
+            if tok in sampling.stop_token_ids:
+                finish[b] = "stop"
+            elif len(tokens[b]) == sampling.max_new_tokens:
+                finish[b] = "length"
+        if all(finish) or step + 1 == sampling.max_new_tokens:
+            break
+        live = torch.tensor([not f for f in finish])
+        feed = torch.tensor([t[-1] if t else 0 for t in tokens])[:, None]
+        pos = torch.tensor([lens[b] + len(tokens[b]) - 1 for b in range(bsz)])[:, None]
+        out = run_chunk(
+            model, cache, feed, pos, live[:, None], seeds, max_depth=depth, policy=policy,
+            mode=numerics,
+        )  # fmt: skip
+        logits = out.logits[:, 0]
+        step_depths = out.depths[:, 0].tolist()
+    return [
+        Generation(
+            prompt_tokens=list(prompts[b]),
+            tokens=tokens[b],
+            logprobs=torch.tensor(lps[b], dtype=torch.float32),
+            exit_depths=deps[b],
+            latent_seed=seeds[b],
+            finish_reason=finish[b] or "length",
+        )
+        for b in range(bsz)
+    ]
+
+
+def _check_item(item: ReplayItem, model_depth: int) -> int:
+    n = len(item.completion_tokens)
+    if n == 0 or len(item.exit_depths) != n or not item.prompt_tokens:
+        raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
+    full = int(item.exit_depths[0])
+    if not 1 <= full <= model_depth:
+        raise ValueError(f"exit_depths[0] (the full depth) must be in [1, {model_depth}]")
+    if any(not 1 <= int(d) <= full for d in item.exit_depths):
+        raise ValueError(f"exit_depths must be in [1, exit_depths[0] = {full}]")
+    _check_seed(item.latent_seed)
+    return full
+
+
+@torch.no_grad()
+def replay(
+    model: LoopedLM,
+    items: Sequence[ReplayItem],
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    numerics: str = "fast",
+) -> list[ReplayResult]:
+    """Recompute completions in one parallel forward per iteration (mixed lengths padded)."""
+    nx.check_mode(numerics)
+    if not items:
+        return []
+    fulls = [_check_item(it, model.max_depth) for it in items]
+    seqs = [list(it.prompt_tokens) + list(it.completion_tokens)[:-1] for it in items]
+    bsz, length = len(items), max(len(s) for s in seqs)
+    toks = torch.zeros(bsz, length, dtype=torch.int64)
+    deps = torch.zeros(bsz, length, dtype=torch.int64)
+    for b, (it, s) in enumerate(zip(items, seqs)):
+        toks[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        plen = len(it.prompt_tokens)
+        deps[b, : plen - 1] = fulls[b]
+        deps[b, plen - 1 : len(s)] = torch.tensor([int(d) for d in it.exit_depths])
+    positions = torch.arange(length).expand(bsz, -1)
+    valid = positions < torch.tensor([len(s) for s in seqs])[:, None]
+    cache = KVCache.empty(model, bsz, length, max(fulls))
+    out = run_chunk(
+        model,
+        cache,
+        toks,
+        positions,
+        valid,
+        [it.latent_seed for it in items],
+        max_depth=max(fulls),
+        depths=deps,
+        mode=numerics,
+    )
+    results = []
+    for b, it in enumerate(items):
+        plen, n = len(it.prompt_tokens), len(it.completion_tokens)
+        rows = slice(plen - 1, plen - 1 + n)
+        lp = behaviour_logprobs(out.logits[b, rows], model.vocab_size, temperature, top_p, numerics)
+        target = torch.tensor([int(t) for t in it.completion_tokens], dtype=torch.int64)
+        results.append(
+            ReplayResult(
+                logprobs=lp.gather(-1, target[:, None].to(lp.device))[:, 0],
+                entropies=entropy(lp),
+                hidden=out.hidden[b, rows],
+            )
+        )
+    return results
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoopedLM:
+    """The reference module of `config`'s family, deterministically initialised from `seed`
+    (std: Huginn's init_values['std']; others 'initializer_range' if given, else 0.02).
+    Parameters are cast to `dtype`; Huginn's `freqs_cis` buffer stays fp32."""
+    from models.huginn import HuginnForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.nanbeige import NanbeigeLoopedForCausalLM
+    from models.ouro import OuroForCausalLM
+
+    model: LoopedLM
+    if isinstance(config, HuginnConfig):
+        model, std = HuginnForCausalLM(config), config.init_std
+    else:
+        std = float(dict(config.hf_extra).get("initializer_range", 0.02))
+        if isinstance(config, OuroConfig):
+            model = OuroForCausalLM(config)
+        elif isinstance(config, NanbeigeConfig):
+            model = NanbeigeLoopedForCausalLM(config)
+        elif isinstance(config, LlamaConfig):
+            model = LlamaForCausalLM(config)
+        else:
+            raise TypeError(f"not a model config: {type(config).__name__}")
+    model.init_weights(seed, std)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
+__all__ = [
+    "SAMPLING_SALT",
+    "Generation",
+    "ReplayItem",
+    "ReplayResult",
+    "SamplingParams",
+    "behaviour_logprobs",
+    "build_model",
+    "entropy",
+    "generate",
+    "replay",
+    "top_p_filter",
+]
