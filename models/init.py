@@ -1,0 +1,106 @@
+"""Fresh, randomly initialised checkpoints of every family, ready for vLLM and the learner.
+
+`init_checkpoint(family, size, out_dir)` writes, in one atomic step:
+
+    config.json                 the family's official config keys (`to_hf_dict`), plus
+                                torch_dtype and the tokenizer's bos/eos/pad ids
+    model.safetensors           official parameter names (sharded past 2 GiB); floating
+                                parameters in `dtype`, buffers (RoPE tables) as built (fp32);
+                                a head tied to the embedding stored once, as transformers does
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                `models.tokenizer`, vocab = the config's vocab_size
+    generation_config.json      bos / eos / pad ids
+
+Sizes: "tiny" = `models.config.tiny_config` (hidden 64, for tests); "small" = hidden 512,
+four blocks (~13-15M parameters), for runs that should learn something on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.checkpoint import save_checkpoint, state_dict_for_save, tied_from_module
+from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
+
+FAMILIES = ("huginn", "ouro", "nanbeige", "llama")
+SIZES = ("tiny", "small")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"huginn_raven": "huginn", "nanbeige_looped": "nanbeige"}
+
+_SMALL_HUGINN = {
+    "n_embd": 512,
+    "n_heads": 8,
+    "intermediate_size": 1536,
+    "block_size": 2048,
+}
+_SMALL_LLAMA_LIKE = {
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 2048,
+}
+
+
+def _family(family: str) -> str:
+    name = _ALIASES.get(family, family)
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; allowed: {', '.join(FAMILIES)}")
+    return name
+
+
+def model_config(family: str, size: str) -> Any:
+    """The typed config of `family` at `size` ("tiny" | "small")."""
+    from models.config import config_from_hf_dict, tiny_config
+
+    name = _family(family)
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; allowed: {', '.join(SIZES)}")
+    tiny = tiny_config(name)
+    if size == "tiny":
+        return tiny
+    d = {k: v for k, v in tiny.to_hf_dict().items() if k not in type(tiny).derived_keys}
+    d.update(_SMALL_HUGINN if name == "huginn" else _SMALL_LLAMA_LIKE)
+    return config_from_hf_dict(d)
+
+
+def init_checkpoint(
+    family: str,
+    size: str,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Build `family` at `size` with `models.reference.build_model(config, seed=seed)` and
+    write it, with its tokenizer, to `out_dir` (see the module doc); return the path.
+
+    Raises ValueError naming the allowed values for an unknown family, size or dtype.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    config = model_config(family, size)
+    from models.reference import build_model
+
+    model = build_model(config, seed=seed)
+    state = state_dict_for_save(model, DTYPES[dtype])
+    ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    config_dict = {**config.to_hf_dict(), **ids, "torch_dtype": dtype}
+    if config_dict.get("layer_types") == []:
+        # transformers' PreTrainedConfig (which AutoTokenizer and vLLM fall back to for a
+        # model_type it does not know) rejects a layer_types list shorter than the stack
+        config_dict["layer_types"] = ["full_attention"] * config_dict["num_hidden_layers"]
+    extra: dict[str, Any] = dict(tokenizer_files(config.vocab_size))
+    extra["generation_config.json"] = ids
+    return save_checkpoint(
+        state, config_dict, out_dir, tied=tied_from_module(model), extra_files=extra
+    )
+
+
+__all__ = ["DTYPES", "FAMILIES", "SIZES", "init_checkpoint", "model_config"]
