@@ -332,6 +332,7 @@ class OuroConfig(LlamaConfig):
             raise ConfigError("config field 'layer_types' must list only 'full_attention'")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError("config field 'layer_types' must have num_hidden_layers entries")
+        object.__setattr__(self, "layer_types", ())  # canonical: all full attention
         q = self.early_exit_threshold
         if q is not None and not 0.0 < q <= 1.0:
             raise ConfigError(f"config field 'early_exit_threshold' must be in (0, 1], got {q}")
@@ -339,6 +340,12 @@ class OuroConfig(LlamaConfig):
     @property
     def max_depth(self) -> int:
         return self.total_ut_steps
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out = super().to_hf_dict()
+        # transformers' generic config loader rejects an empty list: one entry per layer.
+        out["layer_types"] = ["full_attention"] * self.num_hidden_layers
+        return out
 
 
 ModelConfig = HuginnConfig | OuroConfig | NanbeigeConfig | LlamaConfig

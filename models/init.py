@@ -67,6 +67,7 @@ def model_config(family: str, size: str) -> Any:
         return tiny
     d = {k: v for k, v in tiny.to_hf_dict().items() if k not in type(tiny).derived_keys}
     d.update(_SMALL_HUGINN if name == "huginn" else _SMALL_LLAMA_LIKE)
+    d.pop("layer_types", None)  # per-layer list of the tiny stack; the default fits any depth
     return config_from_hf_dict(d)
 
 
