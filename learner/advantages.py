@@ -1,0 +1,148 @@
+"""Advantage estimators: token-level GAE (PPO with a critic) and group-relative (GRPO).
+
+Both run once per training step over the whole step's batch, before it is cut into
+micro-batches (group statistics need every member of a group), under `torch.no_grad()`,
+in fp32. Token tensors are [B, T], right- or left-padded, with a float `mask` (> 0 marks
+a response token); values at masked positions are ignored, whatever they hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["broadcast_to_tokens", "gae", "group_advantages", "normalize_advantages"]
+
+
+def _check_unit_interval(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}: expected a value in [0, 1], got {value}")
+
+
+@torch.no_grad()
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over response tokens.
+
+    The steps of a sequence are its masked-in tokens in order; masked-out positions
+    (padding on either side, or holes such as tool output) are skipped, not treated as
+    steps. With V(after the last step) = 0 (the episode ends; nothing is bootstrapped):
+
+        delta_t = r_t + gamma * V(next step) - V_t
+        A_t     = delta_t + gamma * lam * A(next step)
+        R_t     = A_t + V_t   (the critic's regression target)
+
+    Args:
+        rewards: [B, T] per-token rewards (typically nonzero on the last token only).
+        values: [B, T] critic values V_t of the pre-update critic.
+        mask: [B, T] float, > 0 on response tokens.
+        gamma: discount in [0, 1].
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        (advantages, returns), both [B, T] fp32, exactly 0 at masked-out positions.
+    """
+    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(
+            "rewards, values, mask: expected equal [B, T] shapes, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    _check_unit_interval("gamma", gamma)
+    _check_unit_interval("lam", lam)
+    r = rewards.float()
+    v = values.float()
+    live = mask > 0
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        step = live[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a_t = torch.where(step, delta + gamma * lam * next_adv, 0.0)
+        adv[:, t] = a_t
+        next_value = torch.where(step, v[:, t], next_value)
+        next_adv = torch.where(step, a_t, next_adv)
+    returns = torch.where(live, adv + v, 0.0)
+    return adv, returns
+
+
+@torch.no_grad()
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Group-relative (GRPO) per-sample advantages.
+
+    For sample i in group g with n_g members, mean m_g and sample standard deviation
+    s_g (Bessel-corrected, n_g - 1 in the denominator, as `torch.std`):
+
+        A_i = r_i - m_g                     (normalize_std=False, "Dr. GRPO")
+        A_i = (r_i - m_g) / (s_g + eps)     (normalize_std=True)
+
+    A group of one sample, or whose rewards are all equal, gets exactly 0 (no signal,
+    never 0/0). Group ids are arbitrary integers; members need not be adjacent.
+    Statistics are computed in fp64.
+
+    Args:
+        rewards: [N] scalar reward per sample (completion).
+        group_ids: [N] integer id of the prompt each sample answers.
+        normalize_std: divide by the group's standard deviation.
+        eps: >= 0, added to the standard deviation.
+
+    Returns:
+        [N] fp32 advantages; `broadcast_to_tokens` spreads them over each completion.
+    """
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            "rewards, group_ids: expected equal [N] shapes, got "
+            f"{tuple(rewards.shape)}, {tuple(group_ids.shape)}"
+        )
+    if group_ids.is_floating_point():
+        raise ValueError(f"group_ids: expected an integer tensor, got {group_ids.dtype}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps: expected >= 0, got {eps}")
+    r = rewards.double()
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max().item()) + 1 if inv.numel() else 0
+    zeros = torch.zeros(n_groups, dtype=r.dtype, device=r.device)
+    count = zeros.index_add(0, inv, torch.ones_like(r))
+    mean = zeros.index_add(0, inv, r) / count
+    dev = r - mean[inv]
+    hi = zeros.scatter_reduce(0, inv, r, reduce="amax", include_self=False)
+    lo = zeros.scatter_reduce(0, inv, r, reduce="amin", include_self=False)
+    informative = (count[inv] > 1) & (hi[inv] > lo[inv])
+    if normalize_std:
+        var = zeros.index_add(0, inv, dev * dev) / (count - 1).clamp_min(1)
+        dev = dev / (var.sqrt()[inv] + eps)
+    return torch.where(informative, dev, 0.0).float()
+
+
+def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
+    """[B] per-sequence advantages -> [B, T] per-token advantages, 0 where mask == 0."""
+    if advantages.dim() != 1 or mask.dim() != 2 or advantages.shape[0] != mask.shape[0]:
+        raise ValueError(
+            "advantages, mask: expected [B] and [B, T], got "
+            f"{tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    return torch.where(mask > 0, advantages.float()[:, None], 0.0)
+
+
+@torch.no_grad()
+def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """Whiten token advantages over the masked-in tokens: (A - mean) / (std + eps).
+
+    mean and std (population, n in the denominator) are mask-weighted over the batch;
+    masked-out positions come back as exactly 0. Used with GAE for PPO.
+    """
+    if advantages.shape != mask.shape:
+        raise ValueError(
+            f"advantages, mask: expected equal shapes, got {tuple(advantages.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    live = mask > 0
+    w = torch.where(live, mask.double(), 0.0)
+    a = torch.where(live, advantages.double(), 0.0)
+    total = w.sum().clamp_min(torch.finfo(torch.float64).tiny)
+    mean = (w * a).sum() / total
+    var = (w * (a - mean) ** 2).sum() / total
+    return torch.where(live, (a - mean) / (var.sqrt() + eps), 0.0).float()
