@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(stream_sub)
 
+    # looprl keys ...
+    from pipeline.keys_cli import add_parser as add_keys_parser
+
+    add_keys_parser(sub)
+
     # looprl model ...
     model = sub.add_parser("model", help="looped model checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

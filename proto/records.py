@@ -93,7 +93,9 @@ class WorkItem:
 
     work_id: unique id of this dispatch (re-dispatch after a failure reuses it).
     prompt_id: id of the prompt in the task's dataset. prompt_tokens: int32 [P] token ids.
-    latent_seeds: uint64 [n] per-sample latent seeds (DESIGN contract 1); n = group size.
+    latent_seeds: uint64 [k] latent seeds of the samples to draw (DESIGN contract 1).
+    sample_indices: group index of each seed; [] means 0..k-1. A re-dispatch after a failure
+      sends only the missing indices; Rollout.sample_index echoes them.
     temperature (> 0; 0 means greedy), top_p in (0, 1], max_tokens >= 1, stop_token_ids.
     task: scalar metadata the reward needs (e.g. {"answer": "42"}).
     min_weight_version: the generator must serve at least this version.
@@ -111,6 +113,7 @@ class WorkItem:
     task: dict[str, Scalar] = field(default_factory=dict)
     min_weight_version: int = 0
     issued_at: float = 0.0
+    sample_indices: list[int] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -123,6 +126,19 @@ class WorkItem:
         _need(self.temperature >= 0, f"work.temperature: must be >= 0, got {self.temperature}")
         _need(0 < self.top_p <= 1, f"work.top_p: must be in (0, 1], got {self.top_p}")
         _need(self.max_tokens >= 1, f"work.max_tokens: must be >= 1, got {self.max_tokens}")
+        idx = self.sample_indices
+        _need(
+            not idx or len(idx) == self.n,
+            f"work.sample_indices: {len(idx)} indices for {self.n} latent seeds",
+        )
+        _need(
+            all(i >= 0 for i in idx) and len(set(idx)) == len(idx),
+            "work.sample_indices: indices must be distinct and >= 0",
+        )
+
+    def indices(self) -> list[int]:
+        """Group index of each latent seed (0..n-1 unless a re-dispatch names them)."""
+        return list(self.sample_indices) if self.sample_indices else list(range(self.n))
 
 
 @record("rollout")
@@ -306,7 +322,8 @@ class WeightChunk:
 class Ack:
     """either direction: ``ref`` of kind ``kind`` was received and accepted.
 
-    kind: "weights" (generator loaded and verified version), "rollout", "work".
+    kind: "weights" (generator loaded and verified version), "chunk" (weight-chunk credit,
+      ref "<version>/<index>"), "rollout", "work".
     ref: id of the acknowledged item (version number as text for weights).
     version: weight version the sender now serves / trains.
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 
@@ -98,6 +99,10 @@ work_items = st.builds(
     task=smaps,
     min_weight_version=st.integers(0, 10**6),
     issued_at=finite,
+).flatmap(
+    lambda w: st.sampled_from([[], list(range(w.n))[::-1]]).map(
+        lambda idx: dataclasses.replace(w, sample_indices=idx)
+    )
 )
 
 ALL = {

@@ -1,0 +1,199 @@
+"""CURVE authentication and encryption for the learner's sockets.
+
+Rule: every socket bound to (or connected to) a non-loopback address uses CURVE: the
+learner's sockets are CURVE servers with the learner's keypair, a ZAP authenticator thread
+in the learner process admits only client public keys found in the allowed directory, and
+every generator proves its own keypair and pins the learner's public key. Loopback
+(127.0.0.0/8, ::1, localhost), ipc:// and inproc:// endpoints use CURVE only when
+``curve_on_loopback`` is set (both sides must agree). Binding a non-loopback address
+without keys raises :class:`InsecureBindError` unless ``insecure=True`` is passed.
+
+Key directory (written by ``looprl keys DIR``, see pipeline.keys_cli)::
+
+    DIR/learner.key                  learner public key  (copy to every generator host)
+    DIR/learner.key_secret           learner keypair     (learner host only)
+    DIR/allowed/<name>.key           generator public keys the learner admits
+    DIR/generators/<name>.key_secret generator keypair   (that generator's host only)
+
+Rejected handshakes never reach the application: the transport counts them from socket
+monitor events (``TransportStats.unauthenticated``) and keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger(__name__)
+
+LEARNER_NAME = "learner"
+ALLOWED_DIR = "allowed"
+GENERATORS_DIR = "generators"
+ZAP_DOMAIN = "looprl"
+
+
+class SecurityError(ValueError):
+    """Keys are missing or unusable, or a socket would be exposed without them."""
+
+
+class InsecureBindError(SecurityError):
+    """A non-loopback address would be bound without CURVE keys."""
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host part of a tcp:// endpoint ("*" for all interfaces); None for ipc/inproc."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        raise SecurityError(f"endpoint {endpoint!r} has no transport (e.g. tcp://127.0.0.1:5555)")
+    if scheme in ("ipc", "inproc"):
+        return None
+    if scheme != "tcp":
+        raise SecurityError(
+            f"endpoint {endpoint!r}: only tcp://, ipc:// and inproc:// are supported"
+        )
+    hostport = rest.split(";")[-1]  # "source;dest" form of connect endpoints
+    host = hostport.rsplit(":", 1)[0] if ":" in hostport else hostport
+    return host.strip("[]")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True when ``endpoint`` only reaches this host (loopback tcp, ipc, inproc)."""
+    host = endpoint_host(endpoint)
+    if host is None or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name: reachable from elsewhere
+        return False
+
+
+def _load_keypair(path: Path) -> tuple[bytes, bytes]:
+    if not path.is_file():
+        raise SecurityError(
+            f"CURVE secret key file {path} not found (create keys: looprl keys DIR)"
+        )
+    public, secret = zmq.auth.load_certificate(path)
+    if not secret:
+        raise SecurityError(f"{path} holds no secret key (expected a .key_secret file)")
+    return public, secret
+
+
+def _load_public(path: Path) -> bytes:
+    if not path.is_file():
+        raise SecurityError(
+            f"CURVE public key file {path} not found (create keys: looprl keys DIR)"
+        )
+    public, _ = zmq.auth.load_certificate(path)
+    return public
+
+
+class ServerCurve:
+    """Learner side: CURVE server keys plus the ZAP authenticator.
+
+    Order of calls: ``ServerCurve.from_dir(DIR)`` -> ``wants(endpoint)`` per socket ->
+    ``start(context)`` once before binding -> ``apply(socket)`` on each socket that wants
+    it -> (``reload()`` after adding generator keys) -> ``stop()`` before the context ends.
+    """
+
+    def __init__(self, secret_file: Path, allowed_dir: Path, *, curve_on_loopback: bool = False):
+        self.public_key, self.secret_key = _load_keypair(Path(secret_file))
+        self.allowed_dir = Path(allowed_dir)
+        if not self.allowed_dir.is_dir():
+            raise SecurityError(f"allowed client key directory {self.allowed_dir} not found")
+        if not any(self.allowed_dir.glob("*.key")):
+            log.warning("no client public keys in %s: every generator will be refused", allowed_dir)
+        self.curve_on_loopback = curve_on_loopback
+        self._auth: ThreadAuthenticator | None = None
+
+    @classmethod
+    def from_dir(cls, keys_dir: str | Path, *, curve_on_loopback: bool = False) -> ServerCurve:
+        d = Path(keys_dir)
+        return cls(
+            d / f"{LEARNER_NAME}.key_secret", d / ALLOWED_DIR, curve_on_loopback=curve_on_loopback
+        )
+
+    def wants(self, endpoint: str) -> bool:
+        return self.curve_on_loopback or not is_loopback(endpoint)
+
+    def start(self, context: zmq.Context) -> None:
+        if self._auth is not None:
+            return
+        self._auth = ThreadAuthenticator(context, log=log.getChild("zap"))
+        self._auth.start()
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the allowed directory (e.g. after ``looprl keys DIR --add``)."""
+        if self._auth is None:
+            raise SecurityError("ServerCurve.reload() before start()")
+        self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.allowed_dir))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        if self._auth is None:
+            raise SecurityError("ServerCurve.apply() before start(): no authenticator is running")
+        sock.curve_secretkey = self.secret_key
+        sock.curve_publickey = self.public_key
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+
+    def stop(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+@dataclass
+class ClientCurve:
+    """Generator side: its own keypair and the learner's public key (pinned)."""
+
+    server_public_key: bytes
+    public_key: bytes
+    secret_key: bytes
+    curve_on_loopback: bool = False
+
+    @classmethod
+    def from_files(
+        cls, learner_public: str | Path, secret_file: str | Path, *, curve_on_loopback: bool = False
+    ) -> ClientCurve:
+        public, secret = _load_keypair(Path(secret_file))
+        return cls(_load_public(Path(learner_public)), public, secret, curve_on_loopback)
+
+    @classmethod
+    def from_dir(
+        cls, keys_dir: str | Path, name: str, *, curve_on_loopback: bool = False
+    ) -> ClientCurve:
+        d = Path(keys_dir)
+        return cls.from_files(
+            d / f"{LEARNER_NAME}.key",
+            d / GENERATORS_DIR / f"{name}.key_secret",
+            curve_on_loopback=curve_on_loopback,
+        )
+
+    def wants(self, endpoint: str) -> bool:
+        return self.curve_on_loopback or not is_loopback(endpoint)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey = self.server_public_key
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+
+
+def check_bind(endpoint: str, server: ServerCurve | None, *, insecure: bool) -> bool:
+    """Whether ``endpoint`` gets CURVE; raise InsecureBindError for an unprotected exposure."""
+    if server is not None and server.wants(endpoint):
+        return True
+    if not is_loopback(endpoint) and not insecure:
+        raise InsecureBindError(
+            f"refusing to bind {endpoint} (reachable from other hosts) without CURVE keys: "
+            "create them with `looprl keys DIR` and pass them to the learner, bind a loopback "
+            "address, or pass insecure=True to accept unauthenticated, unencrypted traffic"
+        )
+    if not is_loopback(endpoint):
+        log.warning("binding %s WITHOUT authentication or encryption (insecure=True)", endpoint)
+    return False

@@ -1,0 +1,498 @@
+"""The two channels between the learner (rank 0) and its generators (docs/PROTOCOL.md).
+
+control  learner ROUTER (bind) <-> generator DEALER (connect), routing id = generator id:
+         Hello/Welcome, Heartbeat, WorkItem, Rollout(Batch), WorkReturn, Ack/Nack, Goodbye.
+weights  a second ROUTER (own port) <-> a second DEALER, same routing id: WeightAnnounce +
+         WeightChunk out, Ack(kind="chunk") credits and Ack/Nack(kind="weights") back.
+         Per-generator ROUTER, not PUB: PUB drops silently at a slow subscriber's HWM, has
+         no back channel for credits and misses late joiners; ROUTER_MANDATORY sends fail
+         visibly, so pipeline.weight_sync keeps <= window chunks in flight per generator.
+
+Order of calls (ZMQ: pipeline.transport_zmq; in-memory: MemoryNetwork; same behaviour)::
+
+    learner:   ep = ZmqLearnerEndpoint(cfg, control=..., weights=..., security=...)  # binds
+               loop: inc = ep.recv(timeout_s)     # Incoming(channel, peer, record) | None
+                     ep.send(peer, record, channel=...) -> bool (False: unknown/full peer)
+                     ep.expired_peers()           # silent > peer_timeout_s: treat as dead
+               ep.set_status(weight_version, inflight); ep.close()
+    generator: conn = ZmqGeneratorConnection(cfg, hello, control=..., weights=...)  # Hello
+               loop: inc = conn.recv(timeout_s)   # a Welcome sets conn.ready (again)
+                     conn.send(record, channel=...) -> bool
+               conn.set_status(weight_version, inflight); conn.close(reason)  # Goodbye
+
+``recv`` does the housekeeping (heartbeats, liveness, re-Hello): call it at least once per
+heartbeat interval. A generator that hears nothing for ``peer_timeout_s``, or gets
+``ErrorMsg("hello_first")`` from a learner that does not know it (restarted), re-sends
+Hello with exponential backoff until a Welcome; libzmq reconnects underneath. A malformed,
+oversized, multipart or out-of-place frame is counted (``stats.rejected``), answered with
+``ErrorMsg("protocol")`` and skipped; beyond limit + ``oversize_grace_bytes`` libzmq
+(ZMQ_MAXMSGSIZE) drops the connection instead. Not thread-safe: one thread per object.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from proto import (
+    Ack,
+    Codec,
+    ErrorMsg,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Nack,
+    ProtocolError,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    WeightChunk,
+    Welcome,
+    WorkItem,
+    WorkReturn,
+)
+
+log = logging.getLogger(__name__)
+
+Channel = Literal["control", "weights"]
+CHANNELS: tuple[Channel, Channel] = ("control", "weights")
+ACK_MAX_FRAME = 64 << 10  # the learner's weights socket only ever receives small acks
+Clock = Callable[[], float]
+Raw = tuple[Channel, str, list[bytes]]
+
+# What each side accepts on each channel; anything else is rejected like a malformed frame.
+_ACCEPTS: dict[tuple[str, Channel], tuple[type, ...]] = {
+    ("learner", "control"): (
+        Hello, Heartbeat, Rollout, RolloutBatch, WorkReturn, Ack, Nack, Goodbye, ErrorMsg,
+    ),
+    ("learner", "weights"): (Ack, Nack, ErrorMsg),
+    ("generator", "control"): (Welcome, Heartbeat, WorkItem, Ack, Nack, Goodbye, ErrorMsg),
+    ("generator", "weights"): (WeightAnnounce, WeightChunk, ErrorMsg),
+}  # fmt: skip
+
+
+class TransportError(ValueError):
+    """Bad transport settings or use (never raised for what a peer sends)."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings of both channels; both ends must use the same values."""
+
+    max_frame_bytes: int = 256 << 20  # largest control frame (either way) and weights frame out
+    weights_max_frame_bytes: int = 64 << 20  # largest frame a generator accepts on weights
+    oversize_grace_bytes: int = 1 << 20  # frames up to max+grace are decoded and answered
+    heartbeat_interval_s: float = 2.0  # heartbeat period, both directions
+    peer_timeout_s: float = 10.0  # silence after which the other side is considered gone
+    hello_retry_s: float = 0.5  # first Hello resend delay while no Welcome; doubles
+    hello_retry_max_s: float = 10.0  # cap of the Hello resend delay
+    reconnect_ivl_ms: int = 100  # ZMQ_RECONNECT_IVL: first reconnect attempt
+    reconnect_ivl_max_ms: int = 5000  # ZMQ_RECONNECT_IVL_MAX: backoff cap
+    hwm: int = 1000  # queued messages per peer and direction (ZMQ SNDHWM/RCVHWM)
+    compression_level: int = 1  # zstd level of control frames (weights go uncompressed)
+    linger_ms: int = 200  # how long close() waits to flush a Goodbye
+
+    def __post_init__(self) -> None:
+        if min(self.max_frame_bytes, self.weights_max_frame_bytes) < 1024:
+            raise TransportError("max_frame_bytes and weights_max_frame_bytes must be >= 1024")
+        if not 0 < self.heartbeat_interval_s < self.peer_timeout_s:
+            raise TransportError("need 0 < heartbeat_interval_s < peer_timeout_s")
+        if not 0 < self.hello_retry_s <= self.hello_retry_max_s:
+            raise TransportError("need 0 < hello_retry_s <= hello_retry_max_s")
+        if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
+            raise TransportError("need 0 < reconnect_ivl_ms <= reconnect_ivl_max_ms")
+        if self.hwm < 1 or self.oversize_grace_bytes < 0 or self.linger_ms < 0:
+            raise TransportError("hwm must be >= 1; grace and linger >= 0")
+
+    def recv_limit(self, side: str, channel: Channel) -> int:
+        """Largest frame ``side`` decodes on ``channel`` (the codec limit)."""
+        if channel == "control":
+            return self.max_frame_bytes
+        return ACK_MAX_FRAME if side == "learner" else self.weights_max_frame_bytes
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One decoded record: the channel it came on and its sender ("learner" or a generator id)."""
+
+    channel: Channel
+    peer: str
+    record: Any
+
+
+@dataclass
+class TransportStats:
+    sent: int = 0  # frames handed to the network
+    received: int = 0  # frames decoded and delivered to the caller
+    rejected: int = 0  # frames refused: malformed, oversized, multipart, wrong channel
+    unroutable: int = 0  # sends refused: unknown / gone peer, or its queue is full
+    unauthenticated: int = 0  # CURVE handshakes refused (no key, unknown key, wrong server)
+    disconnects: int = 0  # connections dropped (incl. libzmq dropping an over-limit frame)
+    reconnects: int = 0  # generator: learner lost and re-Hello started
+    last_error: str = ""
+
+
+class _Base:
+    side = ""
+
+    def __init__(self, config: TransportConfig, clock: Clock) -> None:
+        self.config = config
+        self.clock = clock
+        self.stats = TransportStats()
+        lim = config.recv_limit
+        peer = "generator" if self.side == "learner" else "learner"
+        self._dec = {ch: Codec(max_frame_bytes=lim(self.side, ch)) for ch in CHANNELS}
+        self._enc = {
+            "control": Codec(level=config.compression_level, max_frame_bytes=lim(peer, "control")),
+            "weights": Codec(level=0, max_frame_bytes=lim(peer, "weights")),
+        }
+        self.closed = False
+
+    # Provided by subclasses: frames in and out (ZMQ / memory), and the side's protocol:
+    # _tick() does the housekeeping and returns the seconds until it is due again.
+    _raw_send: Callable[[Channel, str, bytes], bool]
+    _raw_recv: Callable[[float], Raw | None]
+    _tick: Callable[[], float]
+    _on_valid: Callable[[Incoming], None]
+
+    def _send(self, channel: Channel, peer: str, record: Any) -> bool:
+        if self.closed:
+            raise TransportError("send on a closed transport")
+        if channel not in CHANNELS:
+            raise TransportError(f"unknown channel {channel!r}; use one of {CHANNELS}")
+        ok = self._raw_send(channel, peer, self._enc[channel].encode(record))
+        if ok:
+            self.stats.sent += 1
+        else:
+            self.stats.unroutable += 1
+        return ok
+
+    def send_frame(
+        self, frame: bytes, *, peer: str = "learner", channel: Channel = "control"
+    ) -> bool:
+        """Send pre-encoded bytes unchanged (forwarding, and tests of the receiving side)."""
+        return self._raw_send(channel, peer, frame)
+
+    def recv(self, timeout_s: float = 0.0) -> Incoming | None:
+        """The next valid record, or None after ``timeout_s`` (0: poll once)."""
+        if self.closed:
+            raise TransportError("recv on a closed transport")
+        end, skipped = time.monotonic() + max(0.0, timeout_s), 0
+        while True:
+            due = self._tick()
+            raw = self._raw_recv(max(0.0, min(end - time.monotonic(), due)))
+            if raw is not None:
+                inc = self._accept(*raw)
+                if inc is not None:
+                    self._on_valid(inc)
+                    return inc
+                skipped += 1  # past the deadline, skip at most 64 bad frames per call
+            if time.monotonic() >= end and (raw is None or skipped >= 64):
+                return None
+
+    def _accept(self, channel: Channel, peer: str, parts: list[bytes]) -> Incoming | None:
+        rec, why = None, ""
+        if len(parts) != 1:
+            why = f"expected 1 frame per message, got {len(parts)}"
+        else:
+            try:
+                rec = self._dec[channel].decode(parts[0])
+            except ProtocolError as e:
+                why = str(e)
+        if not why and not isinstance(rec, _ACCEPTS[(self.side, channel)]):
+            why = f"{type(rec).__name__} is not accepted on the {channel} channel"
+        if isinstance(rec, Hello) and rec.generator_id != peer:
+            why = f"hello.generator_id {rec.generator_id!r} differs from the routing id {peer!r}"
+        if why:
+            self.stats.rejected += 1
+            self.stats.last_error = why
+            log.warning("rejected a frame from %s on %s: %s", peer, channel, why)
+            self._send(channel, peer, ErrorMsg("protocol", why[:4000]))
+            return None
+        self.stats.received += 1
+        return Incoming(channel, peer, rec)
+
+
+class LearnerEndpoint(_Base):
+    """Learner side: binds both channels; peers are generators, registered by their Hello."""
+
+    side = "learner"
+
+    def __init__(self, config: TransportConfig, clock: Clock) -> None:
+        super().__init__(config, clock)
+        self._peers: dict[str, float] = {}  # registered generator -> last heard (clock)
+        self._nagged: dict[str, float] = {}  # unregistered sender -> last hello_first reply
+        self._next_hb = clock()
+        self._status = (-1, 0)
+
+    def send(self, peer: str, record: Any, *, channel: Channel = "control") -> bool:
+        """Queue ``record`` for generator ``peer``; False if it is unknown or its queue is full."""
+        return self._send(channel, peer, record)
+
+    def set_status(self, weight_version: int, inflight: int) -> None:
+        self._status = (weight_version, inflight)
+
+    def peers(self) -> list[str]:
+        """Generators registered by a Hello and not yet expired or gone."""
+        return list(self._peers)
+
+    def expired_peers(self) -> list[str]:
+        """Generators silent for more than peer_timeout_s; each is returned once, then forgotten."""
+        now = self.clock()
+        gone = [g for g, t in self._peers.items() if now - t > self.config.peer_timeout_s]
+        for g in gone:
+            del self._peers[g]
+        return gone
+
+    def forget(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def _tick(self) -> float:
+        now = self.clock()
+        if now >= self._next_hb:
+            self._next_hb = now + self.config.heartbeat_interval_s
+            hb = Heartbeat("learner", time.time(), *self._status)
+            for g in list(self._peers):
+                self._send("control", g, hb)
+        return max(0.001, self._next_hb - now)
+
+    def _on_valid(self, inc: Incoming) -> None:
+        now, rec, peer = self.clock(), inc.record, inc.peer
+        if isinstance(rec, Hello):
+            self._peers[peer] = now
+            self._nagged.pop(peer, None)
+        elif isinstance(rec, Goodbye):
+            self._peers.pop(peer, None)
+        elif peer in self._peers:
+            self._peers[peer] = now
+        elif now - self._nagged.get(peer, -1e18) >= self.config.heartbeat_interval_s:
+            self._nagged[peer] = now  # a generator we do not know (we restarted?): ask for Hello
+            self._send(inc.channel, peer, ErrorMsg("hello_first", "unknown generator: send Hello"))
+
+
+class GeneratorConnection(_Base):
+    """Generator side: connects both channels; ``ready`` once a Welcome answered our Hello."""
+
+    side = "generator"
+
+    def __init__(self, config: TransportConfig, hello: Hello, clock: Clock) -> None:
+        gid = hello.generator_id
+        if not gid or len(gid.encode()) > 255 or gid.startswith("\0"):
+            raise TransportError(
+                f"generator id {gid!r} must be 1..255 bytes, not starting with NUL"
+            )
+        super().__init__(config, clock)
+        self.hello = hello
+        self.welcome: Welcome | None = None
+        self.ready = False
+        now = clock()
+        self._last_heard = now
+        self._retry = config.hello_retry_s
+        self._next_hello = now
+        self._interval = config.heartbeat_interval_s
+        self._timeout = config.peer_timeout_s
+        self._next_hb = now
+        self._inflight = 0
+
+    @property
+    def generator_id(self) -> str:
+        return self.hello.generator_id
+
+    def send(self, record: Any, *, channel: Channel = "control") -> bool:
+        """Queue ``record`` for the learner (queued while it is away, up to hwm)."""
+        return self._send(channel, "learner", record)
+
+    def set_status(self, weight_version: int, inflight: int) -> None:
+        self.hello = replace(self.hello, weight_version=weight_version)
+        self._inflight = inflight
+
+    def _rehello(self, why: str) -> None:
+        log.warning("generator %s: %s; sending Hello again", self.generator_id, why)
+        self.ready = False
+        self.stats.reconnects += 1
+        self._retry = self.config.hello_retry_s
+        self._next_hello = self.clock()
+
+    def _tick(self) -> float:
+        now = self.clock()
+        if self.ready and now - self._last_heard > self._timeout:
+            self._rehello(f"learner silent for {now - self._last_heard:.1f}s")
+        if not self.ready and now >= self._next_hello:
+            self._send("control", "learner", self.hello)
+            self._next_hello = now + self._retry
+            self._retry = min(2 * self._retry, self.config.hello_retry_max_s)
+        if self.ready and now >= self._next_hb:
+            v = self.hello.weight_version
+            self._send(
+                "control", "learner", Heartbeat(self.generator_id, time.time(), v, self._inflight)
+            )
+            self._next_hb = now + self._interval
+        nxt = self._next_hb if self.ready else self._next_hello
+        if self.ready:
+            nxt = min(nxt, self._last_heard + self._timeout)
+        return max(0.001, nxt - now)
+
+    def _on_valid(self, inc: Incoming) -> None:
+        now, rec = self.clock(), inc.record
+        self._last_heard = now
+        if isinstance(rec, Welcome):
+            self.welcome, self.ready = rec, True
+            self._interval = rec.heartbeat_interval_s
+            self._timeout = max(self.config.peer_timeout_s, 3 * rec.heartbeat_interval_s)
+            self._next_hb = now + self._interval
+        elif isinstance(rec, ErrorMsg) and rec.code == "hello_first" and self.ready:
+            self._rehello("the learner does not know us")
+        elif isinstance(rec, Goodbye):
+            self.ready = False
+            self._next_hello = now + self.config.hello_retry_s
+
+
+# ---------------------------------------------------------------------------------------
+# In-memory implementation: same frames, same checks, queues instead of sockets.
+
+
+class _Box:
+    """A bounded, thread-safe FIFO of raw messages."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.q: deque[Raw] = deque()
+        self.cv = threading.Condition()
+
+    def put(self, item: Raw) -> bool:
+        with self.cv:
+            if len(self.q) >= self.cap:
+                return False
+            self.q.append(item)
+            self.cv.notify()
+            return True
+
+    def get(self, timeout_s: float) -> Raw | None:
+        with self.cv:
+            if not self.q and timeout_s > 0:
+                self.cv.wait_for(lambda: bool(self.q), timeout_s)
+            return self.q.popleft() if self.q else None
+
+
+class MemoryNetwork:
+    """Named in-process 'addresses': ``bind(name)`` a learner, ``connect(name, hello)`` generators.
+
+    A generator whose learner is away queues its frames (up to hwm) and they are delivered
+    when a learner binds the name again, as libzmq does for a connecting DEALER.
+    """
+
+    def __init__(self) -> None:
+        self._bound: dict[str, MemoryLearnerEndpoint] = {}
+        self._conns: dict[str, list[MemoryGeneratorConnection]] = {}
+        self._lock = threading.Lock()
+
+    def bind(
+        self, name: str, config: TransportConfig | None = None, *, clock: Clock = time.monotonic
+    ) -> MemoryLearnerEndpoint:
+        with self._lock:
+            if name in self._bound:
+                raise TransportError(f"address {name!r} is already bound")
+            ep = MemoryLearnerEndpoint(self, name, config or TransportConfig(), clock)
+            self._bound[name] = ep
+            conns = list(self._conns.get(name, ()))
+        for c in conns:
+            c._flush()
+        return ep
+
+    def connect(
+        self,
+        name: str,
+        hello: Hello,
+        config: TransportConfig | None = None,
+        *,
+        clock: Clock = time.monotonic,
+    ) -> MemoryGeneratorConnection:
+        conn = MemoryGeneratorConnection(self, name, hello, config or TransportConfig(), clock)
+        with self._lock:
+            self._conns.setdefault(name, []).append(conn)
+        conn._start()
+        return conn
+
+    def _route(self, name: str, gid: str) -> MemoryGeneratorConnection | None:
+        with self._lock:  # the newest connection with this id wins (ROUTER_HANDOVER)
+            live = [c for c in self._conns.get(name, ()) if c.generator_id == gid]
+            return live[-1] if live else None
+
+    def _endpoint(self, name: str) -> MemoryLearnerEndpoint | None:
+        with self._lock:
+            return self._bound.get(name)
+
+    def _unbind(self, name: str, ep: MemoryLearnerEndpoint) -> None:
+        with self._lock:
+            if self._bound.get(name) is ep:
+                del self._bound[name]
+
+    def _disconnect(self, name: str, conn: MemoryGeneratorConnection) -> None:
+        with self._lock:
+            if conn in self._conns.get(name, []):
+                self._conns[name].remove(conn)
+
+
+class MemoryLearnerEndpoint(LearnerEndpoint):
+    def __init__(self, net: MemoryNetwork, name: str, config: TransportConfig, clock: Clock):
+        super().__init__(config, clock)
+        self._net, self.name = net, name
+        self.inbox = _Box(2 * config.hwm)
+
+    def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
+        conn = self._net._route(self.name, peer)
+        return conn is not None and conn.inbox.put((channel, "learner", [bytes(frame)]))
+
+    def _raw_recv(self, timeout_s: float) -> Raw | None:
+        return self.inbox.get(timeout_s)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._net._unbind(self.name, self)
+
+
+class MemoryGeneratorConnection(GeneratorConnection):
+    def __init__(
+        self, net: MemoryNetwork, name: str, hello: Hello, config: TransportConfig, clock: Clock
+    ):
+        super().__init__(config, hello, clock)
+        self._net, self.name = net, name
+        self.inbox = _Box(2 * config.hwm)
+        self._outbox: deque[Raw] = deque()
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        self._tick()  # sends the first Hello
+
+    def _flush(self) -> None:
+        with self._lock:
+            ep = self._net._endpoint(self.name)
+            while ep is not None and self._outbox and ep.inbox.put(self._outbox[0]):
+                self._outbox.popleft()
+
+    def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
+        self._flush()
+        with self._lock:
+            ep = self._net._endpoint(self.name)
+            item: Raw = (channel, self.generator_id, [bytes(frame)])
+            if not self._outbox and ep is not None:
+                return ep.inbox.put(item)
+            if len(self._outbox) >= self.config.hwm:
+                return False
+            self._outbox.append(item)
+            return True
+
+    def _raw_recv(self, timeout_s: float) -> Raw | None:
+        return self.inbox.get(timeout_s)
+
+    def close(self, reason: str = "shutdown") -> None:
+        if not self.closed:
+            self._send("control", "learner", Goodbye(self.generator_id, reason))
+            self.closed = True
+            self._net._disconnect(self.name, self)

@@ -1,0 +1,219 @@
+"""ZMQ implementation of pipeline.transport (tcp, ipc or inproc; CURVE via pipeline.security).
+
+Sockets: two ROUTERs bound by the learner (control, weights) with ROUTER_MANDATORY (a send
+to an unknown or full peer fails instead of vanishing) and ROUTER_HANDOVER (a reconnecting
+generator takes its routing id back); two DEALERs per generator with ROUTING_ID = generator
+id and RECONNECT_IVL / RECONNECT_IVL_MAX. Every socket sets SNDHWM/RCVHWM = hwm,
+MAXMSGSIZE = the channel's frame limit + grace, ZMTP heartbeats (dead tcp connections are
+noticed and re-established) and a monitor that counts refused handshakes and disconnects.
+See pipeline.transport for the order of calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pipeline.security import ClientCurve, ServerCurve, check_bind
+from pipeline.transport import (
+    CHANNELS,
+    Channel,
+    Clock,
+    GeneratorConnection,
+    LearnerEndpoint,
+    Raw,
+    TransportConfig,
+    _Base,
+)
+from proto import Goodbye, Hello
+
+log = logging.getLogger(__name__)
+
+
+_DISCONNECTED, _FAILED_AUTH = 0x0200, 0x4000
+_MON_EVENTS = _DISCONNECTED | 0x0800 | 0x2000 | _FAILED_AUTH  # + HANDSHAKE_FAILED_{ANY,PROTO}
+
+
+class _ZmqMixin(_Base):
+    def _setup_zmq(self, context: zmq.Context | None) -> None:
+        self._ctx = context or zmq.Context()
+        self._own_ctx = context is None
+        self._socks: dict[Channel, zmq.Socket] = {}
+        self._mons: dict[zmq.Socket, bool] = {}  # monitor socket -> its socket uses CURVE
+        self._poller = zmq.Poller()
+        self._pending: deque[Raw] = deque()
+        self._rr = 0
+
+    def _socket(
+        self, channel: Channel, kind: int, curve: Callable[[zmq.Socket], None] | None
+    ) -> zmq.Socket:
+        cfg = self.config
+        s = self._ctx.socket(kind)
+        s.linger = cfg.linger_ms
+        s.sndhwm = s.rcvhwm = cfg.hwm
+        s.maxmsgsize = cfg.recv_limit(self.side, channel) + cfg.oversize_grace_bytes
+        s.heartbeat_ivl = int(cfg.heartbeat_interval_s * 1000)
+        s.heartbeat_timeout = int(cfg.peer_timeout_s * 1000)
+        if curve is not None:
+            curve(s)
+        mon = s.get_monitor_socket(_MON_EVENTS)
+        self._mons[mon] = curve is not None
+        self._poller.register(mon, zmq.POLLIN)
+        self._poller.register(s, zmq.POLLIN)
+        self._socks[channel] = s
+        return s
+
+    def _event(self, mon: zmq.Socket) -> None:
+        ev = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+        if ev == _DISCONNECTED:
+            self.stats.disconnects += 1
+        else:  # a failed handshake: on a CURVE socket, an unauthenticated peer
+            if self._mons[mon] or ev == _FAILED_AUTH:
+                self.stats.unauthenticated += 1
+            else:
+                self.stats.rejected += 1  # not ZMTP at all (a port scan, an HTTP request...)
+            self.stats.last_error = f"refused a handshake (zmq event 0x{ev:x})"
+            log.warning("refused a handshake (zmq event 0x%x)", ev)
+
+    def _raw_recv(self, timeout_s: float) -> Raw | None:
+        if not self._pending:
+            ready = dict(self._poller.poll(int(timeout_s * 1000 + 0.999)))
+            for mon in self._mons:
+                while mon in ready and mon.poll(0):
+                    self._event(mon)
+            order = CHANNELS if self._rr % 2 == 0 else CHANNELS[::-1]
+            self._rr += 1
+            for ch in order:  # one message per channel per round: neither starves the other
+                if self._socks[ch] in ready:
+                    self._pending.append(self._split(ch, self._socks[ch].recv_multipart()))
+        return self._pending.popleft() if self._pending else None
+
+    def _split(self, channel: Channel, parts: list[bytes]) -> Raw:
+        raise NotImplementedError
+
+    def _send_parts(self, channel: Channel, parts: list[bytes]) -> bool:
+        try:
+            self._socks[channel].send_multipart(parts, zmq.NOBLOCK, copy=len(parts[-1]) < 65536)
+            return True
+        except zmq.Again:  # the peer's queue is full (hwm)
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: no such peer connected
+                return False
+            raise
+
+    def _close_zmq(self, linger_ms: int) -> None:
+        for s in self._socks.values():
+            s.disable_monitor()
+        for m in self._mons:
+            m.close(0)
+        for s in self._socks.values():
+            s.close(linger_ms)
+        self._socks.clear()
+        self._mons.clear()
+
+    def _term(self) -> None:
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class ZmqLearnerEndpoint(_ZmqMixin, LearnerEndpoint):
+    """Binds ``control`` and ``weights`` (e.g. "tcp://10.0.0.5:5555"; port "*" picks a free
+    one, see ``.endpoints``). Non-loopback addresses need ``security`` or ``insecure=True``."""
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        *,
+        control: str,
+        weights: str,
+        security: ServerCurve | None = None,
+        insecure: bool = False,
+        context: zmq.Context | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        LearnerEndpoint.__init__(self, config, clock)
+        binds: dict[Channel, str] = {"control": control, "weights": weights}
+        curves = {ch: check_bind(ep, security, insecure=insecure) for ch, ep in binds.items()}
+        self._setup_zmq(context)
+        self._security = security if any(curves.values()) else None
+        self.endpoints: dict[Channel, str] = {}
+        try:
+            if self._security is not None:
+                self._security.start(self._ctx)
+            for ch, ep in binds.items():
+                apply = self._security.apply if self._security and curves[ch] else None
+                s = self._socket(ch, zmq.ROUTER, apply)
+                s.router_mandatory = 1
+                s.router_handover = 1
+                s.bind(ep)
+                self.endpoints[ch] = str(s.getsockopt_string(zmq.LAST_ENDPOINT))
+        except BaseException:
+            self.close()
+            raise
+
+    def _split(self, channel: Channel, parts: list[bytes]) -> Raw:
+        return channel, parts[0].decode("utf-8", "surrogateescape"), parts[1:]
+
+    def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
+        return self._send_parts(channel, [peer.encode("utf-8", "surrogateescape"), frame])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._close_zmq(0)
+        if self._security is not None:
+            self._security.stop()  # after the sockets that talk to it, before the context
+        self._term()
+
+
+class ZmqGeneratorConnection(_ZmqMixin, GeneratorConnection):
+    """Connects to the learner's ``control`` and ``weights`` endpoints and sends Hello."""
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        hello: Hello,
+        *,
+        control: str,
+        weights: str,
+        security: ClientCurve | None = None,
+        context: zmq.Context | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        GeneratorConnection.__init__(self, config, hello, clock)
+        self._setup_zmq(context)
+        try:
+            for ch, ep in (("control", control), ("weights", weights)):
+                curve = security.apply if security is not None and security.wants(ep) else None
+                s = self._socket(ch, zmq.DEALER, curve)  # type: ignore[arg-type]
+                s.routing_id = self.generator_id.encode()
+                s.reconnect_ivl = config.reconnect_ivl_ms
+                s.reconnect_ivl_max = config.reconnect_ivl_max_ms
+                s.connect(ep)
+        except BaseException:
+            self.close(None)
+            raise
+        self._tick()  # sends the first Hello
+
+    def _split(self, channel: Channel, parts: list[bytes]) -> Raw:
+        return channel, "learner", parts
+
+    def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
+        return self._send_parts(channel, [frame])
+
+    def close(self, reason: str | None = "shutdown") -> None:
+        """Send Goodbye(reason) (None: don't), wait up to linger_ms to flush it, release."""
+        if self.closed:
+            return
+        if reason is not None and "control" in self._socks:
+            self._send("control", "learner", Goodbye(self.generator_id, reason))
+        self.closed = True
+        self._close_zmq(self.config.linger_ms)
+        self._term()
