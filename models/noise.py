@@ -2,10 +2,11 @@
 
 Every completion has a 64-bit `latent_seed = derive_latent_seed(run_seed, prompt_id,
 sample_index)`. The noise of the token at absolute position p (0 = first prompt token) is
-`latent_noise(latent_seed, [p], h)[0]`: a function of (latent_seed, p, h) alone, computed on
-the CPU in integer and float64 arithmetic and rounded once to fp32. It does not depend on batch
-composition, prefill chunking, process, device or compute dtype: callers draw it here (CPU),
-then move / cast it. Callers multiply by their std and scale (Huginn: `models.huginn`).
+`latent_noise(latent_seed, [p], h)[0]`: a function of (latent_seed, p, h) alone, computed in
+integer and float64 arithmetic and rounded once to fp32. It does not depend on batch
+composition, prefill chunking, process, device, CPU kernel path or compute dtype: callers draw
+it here (CPU), then move / cast it. Callers multiply by their std and scale (Huginn:
+`models.huginn`). docs/NOISE.md is the normative, bit-exact specification.
 
 Algorithm (all integers unsigned 64-bit, arithmetic mod 2^64):
 
@@ -25,16 +26,23 @@ Algorithm (all integers unsigned 64-bit, arithmetic mod 2^64):
     latent_noise element (p, e) of seed s (e = 0 .. h-1):
         row  = mix(mix(s ^ 0x4C4F4F50524C4E5A) ^ p)         # 0x4C4F... = b"LOOPRLNZ"
         bits = mix(row + (e + 1) * GOLDEN)                  # SplitMix64 stream of `row`
-        u    = ((bits >> 11) + 0.5) * 2^-53                 # float64, exact, in (0, 1)
-        v    = LO + u * (HI - LO)                           # float64; LO = Phi(-3), HI = 1 - LO
-        z    = ndtri(v)                                     # float64 inverse normal CDF
+        u    = f64((bits >> 11) | 1) * 2^-53                # = (2 (bits >> 12) + 1) 2^-53: exact
+        v    = LO + u * W                                   # LO = Phi(-3), W = (1 - LO) - LO
+        z    = ppnd(v)                                      # inverse normal CDF, see below
         out  = float32(clamp(z, -3, 3))                     # round to nearest even
 
 i.e. a standard normal truncated to [-3, 3] by inversion, as the official Huginn init
-(`trunc_normal_(std, a=-3 std, b=3 std)`) has it after dividing by std. `ndtri` is torch's
-CPU float64 `torch.special.ndtri` (Cephes); any float64 implementation accurate to a few ulp
-gives the same fp32 bits except on a set of inputs of probability ~1e-9, so a second
-implementation should simply call this function.
+(`trunc_normal_(std, a=-3 std, b=3 std)`) has it after dividing by std. `u` is exact: an
+odd multiple of 2^-53 in (0, 1) (52 random bits; `u` and `1 - u` are equally likely).
+
+`ppnd` is Wichura's AS241 (PPND16, relative error ~1e-16), with its tail's `log` computed by a
+fixed range reduction and atanh series (`_log`). Every float64 step is ONE correctly rounded
+IEEE-754 operation (+, -, *, /, sqrt, or an exact one: frexp, negation, comparison, min/max),
+each a separate numpy elementwise call in a fixed order, so no library transcendental and no
+FMA contraction enters, and no intermediate is subnormal: every IEEE-754 host (any SIMD path,
+CUDA with `__dadd_rn`/`__dmul_rn`/`__ddiv_rn`/`__dsqrt_rn`, C with `-ffp-contract=off`)
+computes the same float64 bits. The constants are exact hex literals; docs/NOISE.md lists
+the operation sequence.
 """
 
 from __future__ import annotations
@@ -49,9 +57,64 @@ from torch import Tensor
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 NOISE_DOMAIN = 0x4C4F4F50524C4E5A
-PHI_MINUS_3 = 0.0013498980316300946
-"""Phi(-3) = 0.5 * erfc(3 / sqrt(2)) as the nearest float64."""
 TRUNCATION = 3.0
+
+_hex = float.fromhex
+
+PHI_MINUS_3 = _hex("0x1.61de1f985b5d7p-10")
+"""Phi(-3) = 0.00134989803163009452665181476759..., correctly rounded to float64 (evaluated
+in high precision, e.g. mpmath; `0.5 * erfc(3 / sqrt(2))` in float64 gives a different,
+wrong-by-5-ulp number). Use this literal, never recompute it."""
+LO = PHI_MINUS_3
+HI = _hex("0x1.ff4f10f033d25p-1")
+"""1.0 - LO, rounded to nearest even (what float64 `1.0 - LO` gives)."""
+WIDTH = _hex("0x1.fe9e21e067a4ap-1")
+"""HI - LO, rounded to nearest even (what float64 `HI - LO` gives)."""
+
+# AS241 (Wichura 1988, PPND16): float64 nearest to the paper's decimal coefficients, listed
+# highest degree first (Horner order). Central region |q| <= 0.425, in r = 0.180625 - q^2:
+# x = q A(r) / B(r). Tail, in r = sqrt(-log(min(p, 1 - p))) - 1.6: |x| = C(r) / D(r)
+# (r <= 5 always holds for p >= LO, so AS241's far-tail branch is never needed).
+AS241_A = tuple(map(_hex, (
+    "0x1.39a296f7d925ep+11", "0x1.052d26b2e45e4p+15", "0x1.06c1c55b78f20p+16",
+    "0x1.66c3e869b752ap+15", "0x1.ad1d8cd4ee71dp+13", "0x1.ece5d2213c0ccp+10",
+    "0x1.0a4888b1a436ep+7", "0x1.b18d91e9eef75p+1",
+)))  # fmt: skip
+AS241_B = tuple(map(_hex, (
+    "0x1.46a7eca984b69p+12", "0x1.c0e457cb1ae76p+14", "0x1.3317caa64f4bep+15",
+    "0x1.4b772d5d65266p+14", "0x1.512322e75c89fp+12", "0x1.5797efdc8b3f7p+9",
+    "0x1.5281b386e1ab5p+5", "0x1.0000000000000p+0",
+)))  # fmt: skip
+AS241_C = tuple(map(_hex, (
+    "0x1.9615ac0b7ace9p-11", "0x1.744eb6c45ec67p-6", "0x1.ef2abb9b85c37p-3",
+    "0x1.453cc085375b2p+0", "0x1.d2ecb1a3d02c4p+1", "0x1.713f71462256ap+2",
+    "0x1.2857748cab19bp+2", "0x1.6c665fde9526ap+0",
+)))  # fmt: skip
+AS241_D = tuple(map(_hex, (
+    "0x1.20d3f686439e4p-30", "0x1.1f18cbfdf2728p-11", "0x1.f207a7eab17bfp-7",
+    "0x1.2f5123394f040p-3", "0x1.61292f23385c9p-1", "0x1.ad278e6526633p+0",
+    "0x1.06cefbb46a449p+1", "0x1.0000000000000p+0",
+)))  # fmt: skip
+SPLIT = _hex("0x1.b333333333333p-2")  # 0.425
+R_CENTRAL = _hex("0x1.71eb851eb851fp-3")  # 0.180625
+R_TAIL = _hex("0x1.999999999999ap+0")  # 1.6
+
+# log(w) = e LN2_HI + (e LN2_LO + log(m)), w = m 2^e, m in [sqrt(1/2), sqrt(2)):
+# log(m) = 2 atanh(s) = 2 s + s (z L(z)), s = (m - 1) / (m + 1), z = s^2,
+# L(z) = sum_{k=1..10} 2 / (2k + 1) z^(k-1). |s| <= 0.1716, so the series' remainder is
+# < 1e-18 relative. LN2_HI has 21 trailing zero bits (e LN2_HI is exact); the fdlibm split.
+SQRT_HALF = _hex("0x1.6a09e667f3bcdp-1")
+LN2_HI = _hex("0x1.62e42fee00000p-1")
+LN2_LO = _hex("0x1.a39ef35793c76p-33")
+LOG_SERIES = tuple(map(_hex, (
+    "0x1.8618618618618p-4", "0x1.af286bca1af28p-4", "0x1.e1e1e1e1e1e1ep-4",
+    "0x1.1111111111111p-3", "0x1.3b13b13b13b14p-3", "0x1.745d1745d1746p-3",
+    "0x1.c71c71c71c71cp-3", "0x1.2492492492492p-2", "0x1.999999999999ap-2",
+    "0x1.5555555555555p-1",
+)))  # fmt: skip  # 2/21, 2/19, ..., 2/5, 2/3
+
+_BLOCK = 1 << 15
+"""Elements converted per block (cache-sized). Elementwise: blocking does not change bits."""
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -107,6 +170,67 @@ def _seed_array(latent_seed: int | Sequence[int] | np.ndarray | Tensor, n: int) 
     return arr
 
 
+def _horner(x: np.ndarray, coefs: tuple[float, ...]) -> np.ndarray:
+    """c[0] x^n + ... + c[n] by Horner: per step one RNE multiply, then one RNE add."""
+    acc = x * coefs[0]
+    acc += coefs[1]
+    for c in coefs[2:]:
+        acc *= x
+        acc += c
+    return acc
+
+
+def _log(w: np.ndarray) -> np.ndarray:
+    """Natural log of positive normal float64s with basic IEEE operations only (module doc)."""
+    m, e_int = np.frexp(w)  # exact: w = m 2^e, m in [0.5, 1)
+    e = e_int.astype(np.float64)  # exact (|e| < 1100)
+    small = m < SQRT_HALF
+    m = np.where(small, m + m, m)  # exact doubling: m in [sqrt(1/2), sqrt(2))
+    e = np.where(small, e - 1.0, e)  # exact
+    f = m - 1.0  # exact (Sterbenz)
+    s = f / (m + 1.0)
+    z = s * s
+    t = _horner(z, LOG_SERIES)  # L(z)
+    t *= z
+    t *= s
+    log_m = (s + s) + t
+    return (e * LN2_HI) + ((e * LN2_LO) + log_m)
+
+
+def ppnd(v: np.ndarray) -> np.ndarray:
+    """The standard normal quantile of float64 probabilities v in [LO, HI] (AS241, module doc).
+
+    Bit-reproducible: only correctly rounded IEEE operations, one per numpy call, fixed order.
+    """
+    q = v - 0.5
+    r = R_CENTRAL - q * q
+    x = _horner(r, AS241_A)
+    x *= q
+    x /= _horner(r, AS241_B)
+    tail = np.abs(q) > SPLIT
+    if tail.any():
+        vt, qt = v[tail], q[tail]
+        neg = qt < 0.0
+        w = np.where(neg, vt, 1.0 - vt)  # 1 - v is exact for v >= 1/2
+        rt = np.sqrt(-_log(w))
+        rt -= R_TAIL
+        xt = _horner(rt, AS241_C) / _horner(rt, AS241_D)
+        x[tail] = np.where(neg, -xt, xt)
+    return x
+
+
+def _uniform_to_noise(bits: np.ndarray) -> np.ndarray:
+    """uint64 counter outputs -> fp32 truncated standard normal (module doc, docs/NOISE.md)."""
+    k = (bits >> np.uint64(11)) | np.uint64(1)  # odd, < 2^53
+    u = k.astype(np.float64)  # exact
+    u *= 2.0**-53  # exact: u in (0, 1)
+    v = u * WIDTH
+    v += LO
+    z = ppnd(v)
+    np.clip(z, -TRUNCATION, TRUNCATION, out=z)
+    return z.astype(np.float32)  # one RNE rounding
+
+
 def latent_noise(
     latent_seed: int | Sequence[int] | np.ndarray | Tensor,
     positions: Tensor | Sequence[int],
@@ -127,12 +251,12 @@ def latent_noise(
     pos = pos_t.cpu().numpy().astype(np.uint64)
     row = _mix(_mix(seeds ^ np.uint64(NOISE_DOMAIN)) ^ pos)  # [T]
     offs = (np.arange(1, hidden_size + 1, dtype=np.uint64) * np.uint64(GOLDEN)).astype(np.uint64)
-    bits = _mix(row[:, None] + offs[None, :])  # [T, h]
-    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0**-53)
-    lo, hi = PHI_MINUS_3, 1.0 - PHI_MINUS_3
-    v = lo + u * (hi - lo)
-    z = torch.special.ndtri(torch.from_numpy(v))
-    return z.clamp_(-TRUNCATION, TRUNCATION).float()
+    out = np.empty((n, hidden_size), dtype=np.float32)
+    rows = max(1, _BLOCK // hidden_size)
+    for a in range(0, n, rows):
+        bits = _mix(row[a : a + rows, None] + offs[None, :])  # [rows, h]
+        out[a : a + rows] = _uniform_to_noise(bits)
+    return torch.from_numpy(out)
 
 
-__all__ = ["PHI_MINUS_3", "derive_latent_seed", "latent_noise"]
+__all__ = ["PHI_MINUS_3", "derive_latent_seed", "latent_noise", "ppnd"]

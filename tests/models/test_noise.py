@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -66,7 +68,31 @@ def test_noise_distribution_and_pinned_values() -> None:
         latent_noise(1, [-1], 4)
 
 
+def test_uniform_is_exact_and_inside_the_open_interval() -> None:
+    """u = f64((bits >> 11) | 1) 2^-53: exact odd multiples of 2^-53, never 0 or 1."""
+    extremes = [0, 1, (1 << 11) - 1, 1 << 11, 1 << 63, (1 << 64) - (1 << 11), (1 << 64) - 1]
+    bits = np.array(extremes, dtype=np.uint64)
+    k = (bits >> np.uint64(11)) | np.uint64(1)
+    u = k.astype(np.float64) * 2.0**-53
+    for b, x in zip(extremes, u.tolist(), strict=True):
+        assert Fraction(x) == Fraction((b >> 11) | 1, 2**53)  # exact
+        assert 0.0 < x < 1.0
+    assert u.min() == 2.0**-53 and u.max() == 1.0 - 2.0**-53
+    out = noise._uniform_to_noise(bits)
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    assert out.min() >= -3.0 and out.max() <= 3.0
+    assert out[0] == np.float32(-3.0) and out[-1] == np.float32(3.0)  # the ends round to +-3
+
+
+def test_log_is_accurate() -> None:
+    w = np.concatenate([np.geomspace(noise.LO * 0.99, 0.08, 20_001), 2.0 ** -np.arange(1, 11)])
+    got = noise._log(w.copy())
+    want = np.array([math.log(x) for x in w.tolist()])
+    assert (np.abs(got - want) <= 2 * np.spacing(np.abs(want))).all()
+
+
 def test_noise_is_fast_enough() -> None:
+    latent_noise(1, torch.arange(8), 5280)  # warm up
     t = time.perf_counter()
-    latent_noise(1, torch.arange(1024), 2048)
+    latent_noise(1, torch.arange(2048), 5280)  # Huginn width: ~0.25 s unloaded
     assert time.perf_counter() - t < 3.0
