@@ -67,6 +67,10 @@ def pair_reference(model: LoopedLM, case: Case, mode: str) -> tuple[float, int, 
 
 
 PAIRS: dict[str, PairFn] = {"reference": pair_reference}
+# vLLM is imported only when its pair runs (benchmarks/parity_vllm.py).
+PAIRS["vllm_vs_reference"] = lambda m, c, mode: __import__("parity_vllm").pair_vllm_vs_reference(
+    m, c, mode
+)
 
 
 def make_case(family: str, n_prompts: int, max_new_tokens: int, seed: int) -> Case:

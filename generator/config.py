@@ -1,0 +1,177 @@
+"""``GeneratorConfig``: the settings of one generator process, and how they are loaded.
+
+Precedence: schema defaults < the YAML file (``--config FILE``) < command-line flags.
+OmegaConf merges; the frozen dataclass is the schema: an unknown key, a value of the wrong
+type or an out-of-range value is a :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+NUMERICS = ("fast", "exact")
+REWARD_MODES = ("process", "thread", "inline")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """A generator config file or flag is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """Everything `looprl generator` needs (docs/REWARDS.md for the reward fields)."""
+
+    learner: str = ""
+    """Learner control endpoint, tcp://HOST:PORT (ipc:// and inproc:// work too); required."""
+    weights_endpoint: str = ""
+    """Learner weights endpoint; empty: the control endpoint with port + 1."""
+    model: str = ""
+    """Checkpoint directory (HF layout) the engine starts from, served as weight version 0."""
+    generator_id: str = ""
+    """Stable id of this process, unique among the learner's generators; empty: HOST-PID."""
+    max_inflight: int = 4
+    """Most work items held at once (queued + generating + scoring); the rest is handed back."""
+    max_batch_items: int = 0
+    """Most work items per engine.generate call; 0: max_inflight."""
+    batch_wait_s: float = 0.05
+    """Longest a ready work item waits for a fuller batch before generation starts (s)."""
+    numerics: str = "fast"
+    """Engine numerics: fast (native kernels) or exact (fp64-accumulated, bit-exact replay)."""
+    exit_policy: str = ""
+    """Exit policy as JSON, e.g. {"kind": "kl", "threshold": 0.1}; empty: full depth."""
+    max_num_seqs: int = 32
+    """vLLM: most sequences (samples) decoded at once."""
+    max_model_len: int = 1024
+    """vLLM: longest prompt + completion, in tokens."""
+    kv_cache_mb: int = 64
+    """vLLM: KV cache size (MiB)."""
+    seed: int = 0
+    """vLLM engine seed (sampling itself is seeded per sample by its latent seed)."""
+    inflight_updates: bool = False
+    """Swap weights between engine steps of a running batch (per-token versions)."""
+    keys: str = ""
+    """CURVE key directory (written by `looprl keys DIR`); empty: no CURVE (loopback only)."""
+    key_name: str = ""
+    """This generator's keypair KEYS/generators/NAME.key_secret; empty: the only one there."""
+    curve_on_loopback: bool = False
+    """Use CURVE on loopback endpoints too (the learner must agree)."""
+    reward: str = "exact_match"
+    """Reward function: built-in name or dotted path package.module:function."""
+    reward_timeout_s: float = 10.0
+    """Per-call reward timeout (s); a call past it scores None with kind "timeout"."""
+    reward_workers: int = 2
+    """Reward calls run at once (processes or threads)."""
+    reward_mode: str = "process"
+    """Where rewards run: process (killable on timeout), thread, or inline (no timeout)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long the batch in progress may take to finish, else handed back (s)."""
+    resend_after_s: float = 0.0
+    """Re-send rollouts not acknowledged after this long (s); 0: only after a reconnect."""
+    max_unacked: int = 256
+    """Most finished work items kept for re-sending until the learner acknowledges them."""
+    peer_timeout_s: float = 10.0
+    """Learner silence after which the generator re-sends Hello (s)."""
+    log_level: str = "INFO"
+    """Logging level: DEBUG, INFO, WARNING or ERROR."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_inflight >= 1, "max_inflight", "must be >= 1"),
+            (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
+            (self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0"),
+            (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (self.max_model_len >= 2, "max_model_len", "must be >= 2"),
+            (self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1"),
+            (self.reward_timeout_s > 0, "reward_timeout_s", "must be > 0"),
+            (self.reward_workers >= 1, "reward_workers", "must be >= 1"),
+            (self.reward_mode in REWARD_MODES, "reward_mode", f"must be one of {REWARD_MODES}"),
+            (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
+            (self.resend_after_s >= 0, "resend_after_s", "must be >= 0"),
+            (self.max_unacked >= 1, "max_unacked", "must be >= 1"),
+            (self.peer_timeout_s > 0, "peer_timeout_s", "must be > 0"),
+            (self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}"),
+        ]
+        for ok, key, why in checks:
+            if not ok:
+                raise ConfigError(f"generator config {key}={getattr(self, key)!r}: {why}")
+
+    def exit_policy_dict(self) -> dict[str, Any] | None:
+        """``exit_policy`` parsed (None when empty); ConfigError if it is not a JSON object."""
+        if not self.exit_policy:
+            return None
+        try:
+            d = json.loads(self.exit_policy)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"generator config exit_policy: not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError("generator config exit_policy: expected a JSON object")
+        return d
+
+    def require_learner(self) -> None:
+        """Raise ConfigError unless ``learner`` is set (checked at run time, not load time)."""
+        if not self.learner:
+            raise ConfigError(
+                "generator config learner: the learner endpoint is required "
+                "(--learner tcp://HOST:PORT or `learner:` in the config file)"
+            )
+
+
+def field_docs() -> dict[str, str]:
+    """{field name: its one-line docstring}, read from this module's source."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(GeneratorConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
+            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                out[a.target.id] = str(b.value.value)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> GeneratorConfig:
+    """Schema defaults, merged with the YAML at ``path``, then ``overrides`` (flag values;
+    None entries are skipped). Raises ConfigError naming the offending key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    known = [f.name for f in fields(GeneratorConfig)]
+    layers = [OmegaConf.structured(GeneratorConfig)]
+    where = "command line"
+    try:
+        if path is not None:
+            where = str(path)
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"generator config file {p} not found")
+            loaded = OmegaConf.load(p)
+            if not isinstance(loaded, Mapping) and not OmegaConf.is_dict(loaded):
+                raise ConfigError(f"{p}: expected a mapping of generator settings at top level")
+            layers.append(loaded)  # type: ignore[arg-type]
+        merged = OmegaConf.merge(*layers)
+        where = "command line"
+        if overrides:
+            given = {k: v for k, v in overrides.items() if v is not None}
+            merged = OmegaConf.merge(merged, OmegaConf.create(given))
+        obj = OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        key = getattr(e, "full_key", None) or str(e)
+        raise ConfigError(
+            f"{where}: unknown generator config key {key!r}; known keys: {', '.join(known)}"
+        ) from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "")
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"{where}: generator config {key}: {msg}") from None
+    assert isinstance(obj, GeneratorConfig)
+    return obj

@@ -1,0 +1,341 @@
+"""LoopedEngine: `vllm.LLM` with latent seeds, exit depths, behaviour log-probs and versions.
+
+Order of calls (one thread; `load_weights` may also come from another thread):
+
+    engine = LoopedEngine(model_dir, numerics="exact", exit_policy=KL(0.1))
+    samples = engine.generate(work_items)          # [item][sample] -> Sample
+    rollouts = to_rollouts(item, samples[i], generator_id)
+    engine.load_weights(state_or_dir, version=v, digest=d)   # verify, then swap in place
+
+One vLLM request per sample (each has its own latent seed, `extra_args["latent_seed"]`).
+Per-token exit depths, behaviour log-probs (DESIGN contract 4, the plugin's own
+`models.reference.behaviour_logprobs` of the sampling position, same numerics mode) and
+weight versions come from the plugin's side channel (`generator.vllm_records`), fetched with
+`LLM.collective_rpc` once a request finishes. vLLM's own sampler log-probs
+(`logprobs_mode="processed_logprobs"`: log-softmax after temperature and top-p) are kept in
+`Sample.sampler_logprobs` as a cross-check.
+
+Token sampling is seeded per request from the latent seed (`SamplingParams.seed`) except on
+CPU: vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked)
+prefill with `Generator.set_offset`, which CPU generators reject ("CPU Generator does not use
+offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
+Replay does not need the sampler's randomness (only tokens, seeds and depths).
+
+Weights: `load_weights` checks `canonical_digest` before anything is loaded; a mismatch raises
+`WeightDigestError` and the engine keeps serving the old version. By default a swap waits
+until no request is in flight (a lock around generate); with `inflight_updates=True` it is
+applied between two engine steps of a running `generate`, and each token records the version
+that computed it (`Sample.token_versions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from generator.plugin import ARCHITECTURES
+from generator.vllm_context import RECORD_KEY, SEED_KEY
+from generator.vllm_records import pop_records
+from generator.vllm_settings import PluginSettings, settings_to_dict
+from models.exits import ExitPolicy
+from proto.records import Rollout, WorkItem
+
+
+class WeightDigestError(ValueError):
+    """Published weights whose digest does not match their announcement."""
+
+
+def canonical_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 hex of a weight set's canonical bytes (DESIGN contract 6).
+
+    For each tensor in sorted-name order: utf-8 name, NUL, dtype name ("float32",
+    "bfloat16", ...), NUL, shape as comma-separated decimal dims ("" for a scalar), NUL,
+    byte length as 8-byte little-endian, then the raw little-endian element bytes in
+    row-major (C) order. Belongs in models/ next to the checkpoint IO (see the report).
+    """
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        h.update(name.encode("utf-8") + b"\0")
+        h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")
+        h.update(",".join(str(d) for d in t.shape).encode() + b"\0")
+        h.update(len(raw).to_bytes(8, "little") + raw)
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled completion (one latent seed of a WorkItem)."""
+
+    tokens: np.ndarray
+    """int32 [T] completion token ids (ends with the stop token if one was sampled)."""
+    logprobs: np.ndarray
+    """float32 [T] behaviour log-probs (contract 4)."""
+    exit_depths: np.ndarray
+    """uint8 [T] core iterations at the position that sampled each token (contract 2)."""
+    latent_seed: int
+    weight_version: int
+    """Version that computed token 0's distribution."""
+    token_versions: np.ndarray | None
+    """int64 [T] version per token (inflight_updates=True only)."""
+    finish_reason: str
+    """'stop' | 'length' | 'abort'."""
+    sampler_logprobs: np.ndarray | None = None
+    """float32 [T] vLLM's processed log-probs of the same tokens (cross-check)."""
+
+
+def _load_on_worker(worker: Any, state: dict[str, torch.Tensor], version: int) -> int:
+    model = worker.model_runner.get_model()
+    model.load_weights(iter(state.items()))
+    if hasattr(model, "record_book"):
+        model.weight_version = version
+    return version
+
+
+def _read_state(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    from models.checkpoint import load_checkpoint
+
+    return load_checkpoint(source)[1]
+
+
+class LoopedEngine:
+    """A vLLM engine serving a looped (or plain Llama) checkpoint; see module doc."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        numerics: str = "fast",
+        exit_policy: ExitPolicy | None = None,
+        max_num_seqs: int = 32,
+        kv_cache_bytes: int = 64 << 20,
+        max_model_len: int = 1024,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        max_num_batched_tokens: int | None = None,
+        inflight_updates: bool = False,
+        record: bool = True,
+        weight_version: int = 0,
+    ) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        from vllm.platforms import current_platform
+
+        self._cpu = current_platform.is_cpu()
+        if self._cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+        from vllm import LLM
+
+        from models.checkpoint import read_config
+
+        self.model_dir = str(model_dir)
+        arch = (read_config(self.model_dir).get("architectures") or [""])[0]
+        self.looped = arch in ARCHITECTURES
+        self.settings = PluginSettings(numerics, exit_policy, record)
+        self.inflight_updates = inflight_updates
+        self.weight_version = weight_version
+        kwargs: dict[str, Any] = {}
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+            kwargs["enable_chunked_prefill"] = True
+        self.llm = LLM(
+            model=self.model_dir,
+            dtype="float32",
+            enforce_eager=enforce_eager,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            enable_prefix_caching=not self.looped,
+            additional_config=settings_to_dict(self.settings) if self.looped else {},
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+        self._ids = itertools.count()
+        self._lock = threading.RLock()  # held by generate; swaps wait for it by default
+        self._pending: tuple[dict[str, Any], int] | None = None
+        self._pending_lock = threading.Lock()
+        self._set_version(weight_version)
+
+    # ---- weights -------------------------------------------------------------------------
+    def _set_version(self, version: int) -> None:
+        def set_version(worker: Any, v: int) -> None:
+            model = worker.model_runner.get_model()
+            if hasattr(model, "record_book"):
+                model.weight_version = v
+
+        self.llm.collective_rpc(set_version, args=(version,))
+
+    def _apply(self, state: dict[str, Any], version: int) -> None:
+        self.llm.collective_rpc(_load_on_worker, args=(state, version))
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def load_weights(
+        self,
+        source: str | os.PathLike | Mapping[str, torch.Tensor],
+        version: int,
+        digest: str,
+    ) -> None:
+        """Verify `digest` (`canonical_digest`) of `source` (a checkpoint directory or a state
+        dict of HF-named tensors), then serve it as `version` (see module doc)."""
+        if version <= self.weight_version:
+            raise ValueError(f"version {version} is not newer than {self.weight_version}")
+        state = _read_state(source)
+        got = canonical_digest(state)
+        if got != digest:
+            raise WeightDigestError(
+                f"weights v{version}: digest {got} does not match the announced {digest}; "
+                f"still serving v{self.weight_version}"
+            )
+        if self.inflight_updates and not self._lock.acquire(blocking=False):
+            with self._pending_lock:  # a generate is running: it swaps between steps
+                self._pending = (state, version)
+            return
+        if not self.inflight_updates:
+            self._lock.acquire()
+        try:
+            self._apply(state, version)
+        finally:
+            self._lock.release()
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._apply(*pending)
+
+    # ---- generation ----------------------------------------------------------------------
+    def _params(self, item: WorkItem, seed: int, key: str) -> Any:
+        from vllm import SamplingParams
+
+        greedy = item.temperature == 0
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else float(item.temperature),
+            top_p=1.0 if greedy else float(item.top_p),
+            max_tokens=int(item.max_tokens),
+            stop_token_ids=[int(t) for t in item.stop_token_ids],
+            ignore_eos=True,
+            seed=None if self._cpu else seed & 0x7FFF_FFFF_FFFF_FFFF,
+            logprobs=0,
+            detokenize=False,
+            extra_args={SEED_KEY: seed, RECORD_KEY: key},
+        )
+
+    def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
+        """Sample every item `item.n` times (one request per latent seed); results in order."""
+        with self._lock:
+            return self._generate(items)
+
+    def _generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        slots: dict[str, tuple[int, int, int]] = {}
+        for i, item in enumerate(items):
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in item.prompt_tokens])
+            for j, seed in enumerate(int(s) for s in item.latent_seeds):
+                key = f"looprl-{next(self._ids)}"
+                slots[key] = (i, j, seed)
+                engine.add_request(key, prompt, self._params(item, seed, key))
+        finished: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            if self.inflight_updates:
+                self._apply_pending()
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        if self.inflight_updates:
+            self._apply_pending()
+        outs = {k: finished[k].outputs[0] for k in slots}
+        records: dict[str, Any] = {}
+        if self.looped:
+            asks = [(k, list(outs[k].token_ids)) for k in slots]
+            records = self.llm.collective_rpc(pop_records, args=(asks,))[0]
+        results: list[list[Sample]] = [[None] * it.n for it in items]  # type: ignore[list-item]
+        for key, (i, j, seed) in slots.items():
+            results[i][j] = self._sample(outs[key], records.get(key), seed)
+        return results
+
+    def _sample(self, out: Any, record: Any, seed: int) -> Sample:
+        tokens = np.asarray(list(out.token_ids), dtype=np.int32)
+        n = tokens.shape[0]
+        sampler = None
+        if out.logprobs is not None:
+            sampler = np.asarray(
+                [lp[int(t)].logprob for lp, t in zip(out.logprobs, tokens)], dtype=np.float32
+            )
+        if record is None:  # a plain (depth-1) model: vLLM's own log-probs
+            depths = np.ones(n, dtype=np.uint8)
+            logprobs = sampler if sampler is not None else np.zeros(n, np.float32)
+            versions = np.full(n, self.weight_version, dtype=np.int64)
+        else:
+            d, lp, v = record
+            depths, logprobs = np.asarray(d, np.uint8), np.asarray(lp, np.float32)
+            versions = np.asarray(v, np.int64)
+            if n and (np.isnan(logprobs).any() or (depths == 0).any()):
+                raise RuntimeError("the plugin's side channel lacks entries for a completion")
+        return Sample(
+            tokens=tokens,
+            logprobs=logprobs,
+            exit_depths=depths,
+            latent_seed=seed,
+            weight_version=int(versions[0]) if n else self.weight_version,
+            token_versions=versions if self.inflight_updates else None,
+            finish_reason=str(out.finish_reason or "length"),
+            sampler_logprobs=sampler,
+        )
+
+    def close(self) -> None:
+        """Release the engine (tests share one per module)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def to_rollouts(item: WorkItem, samples: Sequence[Sample], generator_id: str) -> list[Rollout]:
+    """Rollout records of one WorkItem's samples (reward left empty for the reward step)."""
+    now = time.time()
+    return [
+        Rollout(
+            rollout_id=f"{item.work_id}/{j}",
+            work_id=item.work_id,
+            prompt_id=item.prompt_id,
+            sample_index=j,
+            generator_id=generator_id,
+            latent_seed=int(s.latent_seed),
+            prompt_tokens=np.asarray(item.prompt_tokens, dtype=np.int32),
+            tokens=s.tokens,
+            logprobs=s.logprobs,
+            exit_depths=s.exit_depths,
+            weight_version=s.weight_version,
+            token_versions=s.token_versions,
+            finish_reason=s.finish_reason,
+            created_at=now,
+        )
+        for j, s in enumerate(samples)
+    ]
+
+
+__all__ = [
+    "LoopedEngine",
+    "Sample",
+    "WeightDigestError",
+    "canonical_digest",
+    "to_rollouts",
+]

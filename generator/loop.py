@@ -1,0 +1,498 @@
+"""The generator main loop: work in, rollouts out, weights loaded between engine steps.
+
+Order of events (one ``GeneratorLoop.run()``)::
+
+    connection sends Hello (on connect and on every reconnect: the connection's job)
+    recv Welcome ─► required version := welcome.weight_version
+    until the engine serves >= that version: take WeightAnnounce/WeightChunk, load, Ack
+    loop until stop():
+        recv (control + weights; at least every poll_s, so the connection's heartbeats flow)
+          WorkItem        -> queue it, or hand it back (WorkReturn) when max_inflight are held
+          WeightAnnounce/Chunk -> weight sink; a verified set waits for the engine to be idle
+          Ack/Nack rollout     -> forget the acknowledged rollouts
+          Welcome again        -> a reconnect: re-send every unacknowledged RolloutBatch
+        engine idle: load pending weights, else start a batch (full, or oldest waited batch_wait_s)
+        batch generated -> score (reward runner, on its own thread) -> one RolloutBatch per item
+    stop(): hand back queued items, let the batch in progress finish within drain_timeout_s
+            (else hand it back too), wait briefly for acks, close the connection (Goodbye)
+
+Invariants: never more than ``max_inflight`` work items held (queued + generating +
+scoring), reported through ``connection.set_status`` (-> Heartbeat.inflight); no batch
+starts before the Welcome's weight version is served, nor with an item whose
+min_weight_version is above the served one; weights change only between engine calls (one
+engine thread runs generate and load_weights in order); a finished group stays in the
+unacked buffer (bounded by max_unacked) until the learner acks it, and is re-sent after a
+reconnect (the learner dedups by rollout_id); a failing reward never stops the loop (it
+scores None); the Goodbye is always sent, also when the loop dies of an error.
+
+Acks: ``Ack(kind="rollout" | "work", ref=work_id)`` acknowledges a whole group,
+``ref=rollout_id`` one rollout; a Nack of the same kinds drops them (refused, not retried).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from generator.protocols import (
+    Connection,
+    Engine,
+    Lane,
+    OnDisk,
+    ToRollouts,
+    WeightSink,
+    make_hello,
+    weights_source,
+)
+from generator.reward_runner import RewardRunner
+from proto import (
+    Ack,
+    ErrorMsg,
+    Goodbye,
+    Nack,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    WeightChunk,
+    Welcome,
+    WorkItem,
+    WorkReturn,
+)
+
+__all__ = ["FatalError", "GeneratorLoop", "LoopStats", "make_hello"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    item: WorkItem
+    received_at: float
+    started_at: float = 0.0
+
+
+@dataclass
+class _Unacked:
+    batch: RolloutBatch
+    pending: set[str]  # rollout ids not yet acknowledged
+    sent_at: float = -1.0  # -1: never sent (we were not connected)
+
+
+@dataclass
+class _Batch:
+    held: list[_Held]
+    future: Future[Any]
+    scoring: Future[Any] | None = None
+
+
+class FatalError(RuntimeError):
+    """The loop cannot go on (the engine failed, or the learner's settings are unusable)."""
+
+
+@dataclass
+class LoopStats:
+    """Counters of one loop (all monotone)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    max_held: int = 0  # the most work items ever held at once (<= max_inflight)
+
+
+class GeneratorLoop:
+    """Serves work items from the learner; see the module docstring for the loop.
+
+    Threads: the caller's thread runs ``run()`` and owns the connection; one engine thread
+    runs engine.generate, ``to_rollouts`` and engine.load_weights in order; one scoring
+    thread runs the reward runner. ``threaded=False`` runs both inline in ``step()``.
+    ``stop()`` only sets a flag, so a signal handler may call it.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        connection: Connection,
+        reward: RewardRunner,
+        *,
+        to_rollouts: ToRollouts,
+        generator_id: str,
+        max_inflight: int,
+        batch_wait_s: float = 0.05,
+        max_batch_items: int = 0,
+        weights: WeightSink | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        check_welcome: Callable[[Welcome], None] | None = None,
+        drain_timeout_s: float = 30.0,
+        ack_wait_s: float = 2.0,
+        resend_after_s: float = 0.0,
+        max_unacked: int = 256,
+        poll_s: float = 0.02,
+        threaded: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_inflight < 1 or max_batch_items < 0 or max_unacked < 1:
+            raise ValueError("need max_inflight >= 1, max_batch_items >= 0, max_unacked >= 1")
+        if min(batch_wait_s, drain_timeout_s, ack_wait_s, resend_after_s) < 0 or poll_s <= 0:
+            raise ValueError("waits and timeouts must be >= 0 (poll_s > 0)")
+        self.engine, self.conn, self.reward, self.weights = engine, connection, reward, weights
+        self.to_rollouts = to_rollouts
+        self.generator_id, self.max_inflight = generator_id, max_inflight
+        self.max_batch_items = max_batch_items or max_inflight
+        self.batch_wait_s, self.drain_timeout_s, self.ack_wait_s = (
+            batch_wait_s, drain_timeout_s, ack_wait_s,
+        )  # fmt: skip
+        self.resend_after_s, self.max_unacked, self.poll_s = resend_after_s, max_unacked, poll_s
+        self.detokenize, self.check_welcome, self.clock = detokenize, check_welcome, clock
+        self.stats = LoopStats()
+        self.welcome: Welcome | None = None
+        self.version = engine.weight_version  # the version the engine serves
+        self._need = 0  # the Welcome's version: nothing is generated below it
+        self._queue: deque[_Held] = deque()
+        self._ids: set[str] = set()  # work ids held (queued, generating or scoring)
+        self._batch: _Batch | None = None  # on the engine thread
+        self._scoring: deque[_Batch] = deque()  # on the scoring thread, in order
+        self._pending: Any = None  # verified weights waiting for the engine to be idle
+        self._load: tuple[Any, Future[Any]] | None = None
+        self._unacked: OrderedDict[str, _Unacked] = OrderedDict()
+        self._stopping, self._stop_reason = False, "shutdown"
+        self._engine_lane = Lane("generator-engine", inline=not threaded)
+        self._score_lane = Lane("generator-score", inline=not threaded)
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Work items held: queued + generating + scoring."""
+        return len(self._ids)
+
+    @property
+    def unacked(self) -> list[str]:
+        """Work ids whose rollouts the learner has not acknowledged yet, oldest first."""
+        return list(self._unacked)
+
+    @property
+    def serving(self) -> bool:
+        """Welcomed and serving at least the Welcome's weight version."""
+        return self.welcome is not None and self.version >= self._need
+
+    def stop(self, reason: str = "shutdown") -> None:
+        """Ask ``run()`` to finish (see the module docstring); safe in a signal handler."""
+        self._stop_reason = reason
+        self._stopping = True
+
+    def run(self) -> None:
+        """Serve until ``stop()``; then drain, hand back, say Goodbye. Re-raises fatal errors
+        after handing back every held item and sending Goodbye."""
+        try:
+            while not self._stopping:
+                self.step()
+            self._drain()
+        except BaseException as e:
+            self._abort(e)
+            raise
+        finally:
+            self._engine_lane.close()
+            self._score_lane.close()
+
+    def step(self, timeout_s: float | None = None) -> None:
+        """One turn: receive (waiting up to ``timeout_s``, default poll_s), harvest finished
+        batches, load weights or start a batch, re-send what is due, report status."""
+        inc = self.conn.recv(self.poll_s if timeout_s is None else timeout_s)
+        for _ in range(256):  # take what is queued, but keep the engine fed
+            if inc is None:
+                break
+            self._dispatch(inc.channel, inc.record)
+            inc = self.conn.recv(0.0)
+        self._harvest()
+        self._advance()
+        self._harvest()  # inline mode finishes within _advance
+        self._resend_due()
+        self.conn.set_status(self.version, self.held)
+
+    # -- incoming -------------------------------------------------------------------------
+    def _dispatch(self, channel: str, rec: Any) -> None:
+        c = self.stats.counts
+        if isinstance(rec, Welcome):
+            self._on_welcome(rec)
+        elif isinstance(rec, WorkItem):
+            self._admit(rec)
+        elif isinstance(rec, WeightAnnounce | WeightChunk):
+            self._on_weights(rec)
+        elif isinstance(rec, Ack | Nack) and rec.kind in ("rollout", "work"):
+            self._on_ack(rec)
+        elif isinstance(rec, ErrorMsg):
+            c["learner_errors"] += 1
+            log.warning("learner error on %s: %s: %s", channel, rec.code, rec.message)
+        elif isinstance(rec, Goodbye):
+            c["learner_goodbyes"] += 1
+            log.warning("the learner left (%s); waiting for it to come back", rec.reason)
+
+    def _on_welcome(self, w: Welcome) -> None:
+        again = self.welcome is not None
+        self.welcome, self._need = w, w.weight_version
+        if self.check_welcome is not None:
+            try:
+                self.check_welcome(w)
+            except ValueError as e:
+                raise FatalError(f"the learner's settings are unusable here: {e}") from e
+        self.stats.counts["reconnects" if again else "welcomes"] += 1
+        log.info(
+            "welcomed by run %s (weights v%d required, serving v%d)%s",
+            w.run_id, w.weight_version, self.version, "; re-sending unacked" if again else "",
+        )  # fmt: skip
+        for entry in self._unacked.values():
+            self._send_batch(entry, resend=again or entry.sent_at >= 0)
+
+    def _admit(self, item: WorkItem) -> None:
+        wid, c = item.work_id, self.stats.counts
+        c["work_received"] += 1
+        if wid in self._ids:
+            c["work_duplicate"] += 1  # a re-dispatch of what we hold: its result will come
+            return
+        if wid in self._unacked:
+            c["work_duplicate"] += 1  # finished already: our rollouts were lost, send again
+            self._send_batch(self._unacked[wid], resend=True)
+            return
+        if self._stopping:
+            self._return([wid], self._stop_reason)
+            return
+        if self.held >= self.max_inflight:
+            c["work_over_capacity"] += 1
+            self._return([wid], f"over capacity: max_inflight={self.max_inflight} held")
+            return
+        self._queue.append(_Held(item, self.clock()))
+        self._ids.add(wid)
+        self.stats.max_held = max(self.stats.max_held, self.held)
+
+    def _on_weights(self, rec: WeightAnnounce | WeightChunk) -> None:
+        ready: Any = None
+        if isinstance(rec, WeightAnnounce) and rec.num_chunks == 0 and rec.path:
+            ready = OnDisk(rec)  # published as files: the engine loads the directory
+        elif self.weights is not None:
+            ready = self.weights.handle(rec)
+        elif isinstance(rec, WeightAnnounce):
+            why = "this generator has no weight receiver for chunked weights"
+            self.conn.send(Nack("weights", str(rec.version), why, rec.version), channel="weights")
+        if ready is None:
+            return
+        if ready.version <= self.version:  # already served (our Ack was lost): acknowledge
+            self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+        else:
+            self._pending = ready  # a newer verified set replaces one not yet loaded
+
+    def _on_ack(self, rec: Ack | Nack) -> None:
+        entry = self._unacked.get(rec.ref)
+        wid = rec.ref
+        if entry is None:
+            wid = rec.ref.rpartition("/")[0]
+            entry = self._unacked.get(wid)
+            if entry is None or rec.ref not in entry.pending:
+                return
+            entry.pending.discard(rec.ref)
+        else:
+            entry.pending.clear()
+        if isinstance(rec, Nack):
+            self.stats.counts["rollouts_refused"] += 1
+            log.warning("learner refused %s: %s", rec.ref, rec.reason)
+        if not entry.pending:
+            del self._unacked[wid]
+            self.stats.counts["groups_acked"] += 1
+
+    # -- engine ---------------------------------------------------------------------------
+    def _advance(self) -> None:
+        if self._load is not None and self._load[1].done():
+            ready, fut = self._load
+            self._load = None
+            exc = fut.exception()
+            if exc is None:
+                self.version = int(fut.result())
+            self._weights_done(ready.version, exc)
+        if self._batch is not None or self._load is not None or self._stopping:
+            return
+        if self._pending is not None:
+            ready, self._pending = self._pending, None
+            self._load = (ready, self._engine_lane.submit(lambda: self._load_weights(ready)))
+            return self._advance() if self._engine_lane.inline else None
+        if self.serving:
+            self._maybe_start_batch()
+
+    def _load_weights(self, ready: Any) -> int:
+        self.engine.load_weights(weights_source(ready), ready.version, ready.announce.digest)
+        return self.engine.weight_version
+
+    def _weights_done(self, version: int, exc: BaseException | None) -> None:
+        c = self.stats.counts
+        if exc is not None:
+            c["weights_failed"] += 1
+            log.error("loading weights v%d failed: %r", version, exc)
+            if self.weights is not None:
+                self.weights.load_failed(version, repr(exc)[:2000])
+            else:
+                why = f"engine could not load: {exc!r}"[:2000]
+                self.conn.send(Nack("weights", str(version), why, version), channel="weights")
+            return
+        c["weights_loaded"] += 1
+        log.info("serving weights v%d", self.version)
+        if self.weights is not None:
+            self.weights.loaded(self.version)
+        else:
+            self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+
+    def _maybe_start_batch(self) -> None:
+        ready = [h for h in self._queue if h.item.min_weight_version <= self.version]
+        if not ready:
+            return
+        now = self.clock()
+        if not (
+            len(ready) >= self.max_batch_items
+            or self.held >= self.max_inflight  # nothing more can arrive
+            or now - ready[0].received_at >= self.batch_wait_s
+        ):
+            return
+        take = ready[: self.max_batch_items]
+        taken = {id(h) for h in take}
+        self._queue = deque(h for h in self._queue if id(h) not in taken)
+        for h in take:
+            h.started_at = now
+        items = [h.item for h in take]
+        self._batch = _Batch(take, self._engine_lane.submit(lambda: self._generate(items)))
+        self.stats.counts["batches"] += 1
+
+    def _generate(self, items: list[WorkItem]) -> tuple[list[list[Rollout]], float]:
+        t0 = time.perf_counter()
+        samples = self.engine.generate(items)
+        gen_s = time.perf_counter() - t0
+        if len(samples) != len(items):
+            raise FatalError(f"engine.generate returned {len(samples)} groups for {len(items)}")
+        rolls = [self.to_rollouts(it, list(s), self.generator_id) for it, s in zip(items, samples)]
+        return rolls, gen_s
+
+    def _score(
+        self, rolls: list[list[Rollout]], held: list[_Held], gen_s: float
+    ) -> list[list[Rollout]]:
+        calls, targets = [], []
+        for rs, h in zip(rolls, held):
+            for r in rs:
+                r.metrics.update(gen_time_s=gen_s, queue_time_s=h.started_at - h.received_at)
+                toks = [int(t) for t in r.tokens]
+                try:
+                    text = self.detokenize(toks) if self.detokenize is not None else ""
+                except Exception as e:  # a reward failure, not a generator failure
+                    r.reward = None
+                    r.reward_info = {"error": f"detokenize: {e!r}", "kind": "exception"}
+                    continue
+                calls.append((text, toks, dict(h.item.task)))
+                targets.append(r)
+        for r, res in zip(targets, self.reward.score_many(calls)):
+            r.reward, r.reward_info = res.reward, res.info
+            r.metrics["reward_time_s"] = res.elapsed_s
+        return rolls
+
+    def _harvest(self) -> None:
+        b = self._batch
+        if b is not None and b.future.done():
+            self._batch = None
+            exc = b.future.exception()
+            if exc is not None:
+                self._scoring.append(b)  # still held: _abort hands it back
+                raise FatalError(f"engine.generate failed: {exc!r}") from exc
+            rolls, gen_s = b.future.result()
+            held = b.held
+            b.scoring = self._score_lane.submit(lambda: self._score(rolls, held, gen_s))
+            self._scoring.append(b)
+        while (
+            self._scoring
+            and self._scoring[0].scoring is not None
+            and self._scoring[0].scoring.done()
+        ):
+            b = self._scoring[0]
+            assert b.scoring is not None
+            exc = b.scoring.exception()
+            if exc is not None:
+                raise FatalError(f"scoring failed: {exc!r}") from exc
+            self._scoring.popleft()
+            for h, rs in zip(b.held, b.scoring.result()):
+                self.stats.counts["reward_failures"] += sum(r.reward is None for r in rs)
+                self._finish(h, rs)
+
+    # -- outgoing -------------------------------------------------------------------------
+    def _finish(self, h: _Held, rollouts: list[Rollout]) -> None:
+        wid = h.item.work_id
+        self._ids.discard(wid)
+        entry = _Unacked(RolloutBatch(rollouts), {r.rollout_id for r in rollouts})
+        self._unacked[wid] = entry
+        self._unacked.move_to_end(wid)
+        self.stats.counts["groups_done"] += 1
+        self._send_batch(entry, resend=False)
+        while len(self._unacked) > self.max_unacked:
+            old, _ = self._unacked.popitem(last=False)
+            self.stats.counts["unacked_evicted"] += 1
+            log.warning("dropping unacknowledged rollouts of %s (max_unacked)", old)
+        if not entry.pending and entry.sent_at >= 0:
+            self._unacked.pop(wid, None)  # nothing to acknowledge
+
+    def _send_batch(self, entry: _Unacked, *, resend: bool) -> None:
+        if not self.conn.ready:
+            return  # sent after the next Welcome
+        if self.conn.send(entry.batch):
+            entry.sent_at = self.clock()
+            c = self.stats.counts
+            c["rollouts_resent" if resend else "rollouts_sent"] += len(entry.batch.rollouts)
+        else:
+            self.stats.counts["send_failed"] += 1
+
+    def _resend_due(self) -> None:
+        if not self.conn.ready or not self._unacked:
+            return
+        now = self.clock()
+        for entry in list(self._unacked.values()):
+            if entry.sent_at < 0:
+                self._send_batch(entry, resend=False)
+            elif self.resend_after_s and now - entry.sent_at >= self.resend_after_s:
+                self._send_batch(entry, resend=True)
+
+    def _return(self, work_ids: list[str], reason: str) -> None:
+        if work_ids:
+            self.conn.send(WorkReturn(self.generator_id, work_ids, reason))
+            self.stats.counts["work_returned"] += len(work_ids)
+
+    # -- shutdown -------------------------------------------------------------------------
+    def _drain(self) -> None:
+        reason = self._stop_reason
+        queued = [h.item.work_id for h in self._queue]
+        self._queue.clear()
+        self._ids.difference_update(queued)
+        self._return(queued, reason)
+        deadline = self.clock() + self.drain_timeout_s
+        while (self._batch or self._scoring or self._load) and self.clock() < deadline:
+            self.step()
+        left = [wid for b in self._busy_batches() for wid in (h.item.work_id for h in b.held)]
+        if left:
+            log.warning(
+                "batch not finished within drain_timeout_s: handing back %d items", len(left)
+            )
+            self._ids.difference_update(left)
+            self._return(left, f"{reason} (not finished within {self.drain_timeout_s}s)")
+            self._batch = None
+            self._scoring.clear()
+        deadline = self.clock() + self.ack_wait_s
+        while self._unacked and self.conn.ready and self.clock() < deadline:
+            self.step()
+        self.conn.set_status(self.version, self.held)
+        self.conn.close(reason)
+        self.stats.counts["stopped"] += 1
+
+    def _busy_batches(self) -> list[_Batch]:
+        return ([self._batch] if self._batch is not None else []) + list(self._scoring)
+
+    def _abort(self, exc: BaseException) -> None:
+        reason = f"error: {type(exc).__name__}: {exc}"[:500]
+        try:
+            held = [h.item.work_id for h in self._queue]
+            held += [h.item.work_id for b in self._busy_batches() for h in b.held]
+            self._return(held, reason)
+            self.conn.close(reason)
+        except Exception:  # the original error matters more
+            log.exception("could not hand back work after a fatal error")

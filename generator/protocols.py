@@ -1,0 +1,156 @@
+"""The generator's collaborators, as structural types: connection, engine, weight sink.
+
+generator/ never imports pipeline/; these Protocols are what generator.loop needs, written so
+that pipeline.transport.GeneratorConnection and pipeline.weight_sync.WeightReceiver satisfy
+them as they are, and generator.engine.LoopedEngine (or a fake in tests) is the Engine.
+Helpers: the Hello a generator introduces itself with, the weights handed to the engine, and
+the one-thread work lane that keeps engine calls in order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any, Literal, Protocol
+
+from proto import Hello, Rollout, WeightAnnounce, WorkItem
+
+Channel = Literal["control", "weights"]
+ToRollouts = Callable[[WorkItem, list[Any], str], list[Rollout]]
+"""(item, its samples, generator_id) -> one Rollout per sample (generator.engine.to_rollouts)."""
+
+
+class Received(Protocol):
+    """What ``Connection.recv`` returns (pipeline.transport.Incoming)."""
+
+    @property
+    def channel(self) -> Channel: ...
+    @property
+    def record(self) -> Any: ...
+
+
+class Connection(Protocol):
+    """The generator's link to the learner (pipeline.transport.GeneratorConnection).
+
+    It sends Hello when created and again whenever it lost the learner (``ready`` False
+    until the next Welcome, which ``recv`` also returns); it sends heartbeats carrying the
+    last ``set_status``; ``close(reason)`` sends Goodbye. Used from one thread only.
+    """
+
+    ready: bool
+
+    def send(self, record: Any, *, channel: Channel = "control") -> bool: ...
+    def recv(self, timeout_s: float = 0.0) -> Received | None: ...
+    def set_status(self, weight_version: int, inflight: int) -> None: ...
+    def close(self, reason: str = "shutdown") -> None: ...
+
+
+class Engine(Protocol):
+    """The sampling engine (generator.engine.LoopedEngine); called from one thread only."""
+
+    @property
+    def weight_version(self) -> int: ...
+    def generate(self, items: list[WorkItem]) -> list[list[Any]]: ...
+    def load_weights(self, source: Any, version: int, digest: str) -> None: ...
+
+
+class Verified(Protocol):
+    """A digest-checked weight set (pipeline.weight_sync.VerifiedWeights)."""
+
+    @property
+    def announce(self) -> WeightAnnounce: ...
+    @property
+    def version(self) -> int: ...
+
+
+class WeightSink(Protocol):
+    """Assembles weight chunks (pipeline.weight_sync.WeightReceiver); replies go out itself."""
+
+    def handle(self, rec: Any) -> Verified | None: ...
+    def loaded(self, version: int) -> None: ...
+    def load_failed(self, version: int, reason: str) -> None: ...
+
+
+def make_hello(
+    generator_id: str, max_inflight: int, weight_version: int, families: Sequence[str] = ()
+) -> Hello:
+    """The Hello this process introduces itself with."""
+    return Hello(
+        generator_id, socket.gethostname(), os.getpid(), list(families), max_inflight,
+        weight_version, time.time(),
+    )  # fmt: skip
+
+
+def weights_source(ready: Any) -> Any:
+    """What engine.load_weights receives for a verified set: {name: tensor} views of the blob
+    (torch imported lazily), or the announce's path when the set holds no bytes."""
+    ann: WeightAnnounce = ready.announce
+    blob = getattr(ready, "blob", None)
+    if not blob:
+        return ann.path
+    import torch
+
+    state = {}
+    for t in ann.tensors:
+        dtype = getattr(torch, t.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"weights v{ann.version}: tensor {t.name} has unknown dtype {t.dtype}")
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        if numel * dtype.itemsize != t.nbytes:
+            raise ValueError(f"weights v{ann.version}: tensor {t.name} size != shape x dtype")
+        flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=t.offset) if numel else None
+        state[t.name] = torch.empty(t.shape, dtype=dtype) if flat is None else flat.view(t.shape)
+    return state
+
+
+class Lane:
+    """One daemon thread running submitted calls in order (inline=True: run at submit)."""
+
+    def __init__(self, name: str, inline: bool) -> None:
+        self.inline = inline
+        self._q: SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = SimpleQueue()
+        if not inline:
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        if self.inline:
+            self._run(fut, fn)
+        else:
+            self._q.put((fut, fn))
+        return fut
+
+    @staticmethod
+    def _run(fut: Future[Any], fn: Callable[[], Any]) -> None:
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the loop thread, which decides
+            fut.set_exception(e)
+
+    def _work(self) -> None:
+        while (job := self._q.get()) is not None:
+            self._run(*job)
+
+    def close(self) -> None:
+        if not self.inline:
+            self._q.put(None)
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """Weights announced as a directory (no chunks): loaded from ``announce.path``."""
+
+    announce: WeightAnnounce
+
+    @property
+    def version(self) -> int:
+        return self.announce.version

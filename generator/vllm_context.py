@@ -1,0 +1,141 @@
+"""The model-runner hook: which request each flattened token belongs to (vLLM 0.32 internals).
+
+vLLM hands a model only flattened tokens (`input_ids`, `positions`). The looped models also
+need, per token, the request's latent seed (`SamplingParams.extra_args["latent_seed"]`), its
+prompt length (prompt positions run full depth) and its sampling settings (behaviour
+log-probs). `install_runner_hook()` wraps `GPUModelRunner._model_forward` (the CPU runner
+inherits it) so that, during the call, `current_runner()` returns the runner; `step_batch()`
+then reads, for the step being run:
+
+- `runner.input_batch.req_ids[:num_reqs]`: request ids in batch order;
+- `runner.query_start_loc.np[: num_reqs + 1]`: token offsets of each request in the flattened
+  batch (tokens past the last offset are padding);
+- `runner.requests[req_id]` (`CachedRequestState`): `sampling_params`, `num_prompt_tokens`.
+
+These are internals of vLLM 0.32's V1 model runner (`vllm/v1/worker/gpu_model_runner.py`);
+tests/generator/test_vllm_plugin.py exercises them. The V2 runner (`VLLM_USE_V2_MODEL_RUNNER=1`)
+does not call `_model_forward`: the looped models refuse to run under it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+_RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("looprl_runner", default=None)
+_HOOK_ATTR = "_looprl_hooked"
+
+SEED_KEY = "latent_seed"
+"""`SamplingParams.extra_args` key of the 64-bit latent seed (DESIGN contract 1)."""
+RECORD_KEY = "looprl_id"
+"""`SamplingParams.extra_args` key of the id the side-channel records are filed under
+(default: vLLM's internal request id)."""
+
+
+def install_runner_hook() -> None:
+    """Wrap `GPUModelRunner._model_forward` to expose the runner (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._model_forward
+    if getattr(original, _HOOK_ATTR, False):
+        return
+
+    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _RUNNER.set(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _RUNNER.reset(token)
+
+    setattr(_model_forward, _HOOK_ATTR, True)
+    _model_forward.__wrapped__ = original  # type: ignore[attr-defined]
+    GPUModelRunner._model_forward = _model_forward  # type: ignore[method-assign]
+
+
+def current_runner() -> Any:
+    """The model runner whose forward is in progress, or None (profiling, other callers)."""
+    return _RUNNER.get()
+
+
+@dataclasses.dataclass
+class RequestSlice:
+    """One request's tokens in the flattened batch."""
+
+    key: str
+    """Record key: extra_args[RECORD_KEY] or the vLLM request id."""
+    start: int
+    end: int
+    """Token rows [start, end) of the flattened batch."""
+    prompt_len: int
+    seed: int
+    temperature: float
+    """0 = greedy."""
+    top_p: float
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """Per-token request data of one forward (tokens past `n_real` are padding)."""
+
+    requests: list[RequestSlice]
+    seeds: np.ndarray
+    """uint64 [T] latent seed per token (0 for padding)."""
+    prompt_len: np.ndarray
+    """int64 [T] prompt length of the token's request (huge for padding: full depth)."""
+    n_real: int
+    logits_rows_valid: bool = True
+    """Set False once compute_logits consumed this step."""
+
+
+def _seed_of(params: Any) -> int:
+    extra = getattr(params, "extra_args", None) or {}
+    seed = extra.get(SEED_KEY, 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"extra_args[{SEED_KEY!r}] must be an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def step_batch(runner: Any, num_tokens: int) -> StepBatch:
+    """Read the current step's request layout from `runner` (see module doc)."""
+    big = np.iinfo(np.int64).max
+    seeds = np.zeros(num_tokens, dtype=np.uint64)
+    prompt_len = np.full(num_tokens, big, dtype=np.int64)
+    if runner is None:
+        return StepBatch([], seeds, prompt_len, 0)
+    batch = runner.input_batch
+    num_reqs = int(batch.num_reqs)
+    qsl = np.asarray(runner.query_start_loc.np[: num_reqs + 1], dtype=np.int64)
+    reqs: list[RequestSlice] = []
+    for i, rid in enumerate(batch.req_ids[:num_reqs]):
+        state = runner.requests[rid]
+        params = state.sampling_params
+        start, end = int(qsl[i]), int(qsl[i + 1])
+        extra = getattr(params, "extra_args", None) or {}
+        rs = RequestSlice(
+            key=str(extra.get(RECORD_KEY, rid)),
+            start=start,
+            end=end,
+            prompt_len=int(state.num_prompt_tokens),
+            seed=_seed_of(params),
+            temperature=float(getattr(params, "temperature", 1.0) or 0.0),
+            top_p=float(getattr(params, "top_p", 1.0)),
+        )
+        reqs.append(rs)
+        seeds[start:end] = np.uint64(rs.seed)
+        prompt_len[start:end] = rs.prompt_len
+    n_real = int(qsl[-1]) if num_reqs else 0
+    return StepBatch(reqs, seeds, prompt_len, min(n_real, num_tokens))
+
+
+__all__ = [
+    "RECORD_KEY",
+    "SEED_KEY",
+    "RequestSlice",
+    "StepBatch",
+    "current_runner",
+    "install_runner_hook",
+    "step_batch",
+]

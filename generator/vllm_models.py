@@ -1,0 +1,277 @@
+"""vLLM model classes of the looped families: the models/ modules with vLLM's paged attention.
+
+Each class subclasses the family's reference module (`models.huginn.HuginnForCausalLM`, ...),
+so its parameters carry the official checkpoint names and every non-attention primitive is
+the reference's own code (`qkv` / `post` of the blocks, `embed`, `initial_state`, `core_in`,
+`core_out`, `readout_in/out`, `head`, `gate_logit`). Only the attention is replaced: one
+`SlotAttention` (a vLLM `Attention` = one paged KV cache) per
+
+    prelude layer i      prefix "prelude.{i}.attn"
+    core (d, l)          prefix "core.{P + d * L + l}.attn"   d < D (the policy's max depth)
+    coda layer j         prefix "coda.{P + D * L + j}.attn"
+
+(every name holds one integer, unique across the model). A forward over the step's flattened
+tokens runs, like `models.engine.run_chunk`:
+
+    e = prelude(embed(tokens));  s = initial_state(e, positions, latent seeds)
+    for d in 1..D: core stack on every token (exited tokens: K/V carried from their exit
+                   iteration, state frozen; contract 3); exits: prompt positions at D,
+                   generated positions by the exit policy (or their recorded depth after a
+                   preemption), checked after each iteration
+    hidden = readout_out(coda(readout_in(s)))      -> compute_logits: head(hidden)
+
+Settings (numerics, exit policy, recording) come from `additional_config["looprl"]`
+(`generator.vllm_settings`). Per-token latent seeds and the request layout come from the
+runner hook (`generator.vllm_context`); depths / log-probs / versions go to `record_book`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from generator.vllm_attention import SlotAttention
+from generator.vllm_context import StepBatch, current_runner, step_batch
+from generator.vllm_records import RecordBook
+from generator.vllm_settings import settings_from_additional_config
+from models.base import LoopedLM
+from models.config import config_from_hf_dict
+from models.exits import (
+    ExitCarry,
+    FixedDepth,
+    StepInfo,
+    needs_gate,
+    needs_logits,
+    resolve_max_depth,
+    should_exit,
+)
+from models.huginn import HuginnForCausalLM
+from models.layers import Block
+from models.nanbeige import NanbeigeLoopedForCausalLM as _NanbeigeRef
+from models.ouro import OuroForCausalLM as _OuroRef
+from models.reference import behaviour_logprobs
+
+
+def _read_hf_config(vllm_config: Any) -> dict[str, Any]:
+    """config.json of the served model (local directory, else the HF cache)."""
+    import json
+    from pathlib import Path
+
+    mc = vllm_config.model_config
+    path = Path(mc.model) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(mc.model, "config.json", revision=mc.revision))
+    return dict(json.loads(path.read_text()))
+
+
+class _LoopedVllm:
+    """The vLLM side of a looped model (mixed into a `models` family module)."""
+
+    family_class: ClassVar[type[LoopedLM]]
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        config = config_from_hf_dict(_read_hf_config(vllm_config))
+        self.family_class.__init__(self, config)  # type: ignore[call-arg,arg-type]
+        if getattr(vllm_config, "use_v2_model_runner", False):
+            raise RuntimeError(
+                "looped models need vLLM's V1 model runner (per-request latent seeds are read "
+                "through GPUModelRunner._model_forward): set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        settings = settings_from_additional_config(vllm_config.additional_config)
+        me: Any = self
+        self.mode = settings.numerics
+        self.policy = settings.exit_policy or FixedDepth(me.max_depth)
+        self.depth = resolve_max_depth(self.policy, me.max_depth)
+        self.record = settings.record
+        self.record_book = RecordBook()
+        self.weight_version = 0
+        self._plans: dict[str, Any] = {}
+        self._step: StepBatch | None = None
+        self._step_positions: np.ndarray | None = None
+        cache = vllm_config.cache_config
+        p, core = len(me.prelude_blocks()), list(me.core_blocks())
+
+        def slots(blocks: Sequence[Block], name: str, first: int) -> nn.ModuleList:
+            return nn.ModuleList(
+                SlotAttention(
+                    b.n_heads,
+                    b.n_kv_heads,
+                    b.head_dim,
+                    mode=self.mode,
+                    prefix=f"{prefix}{'.' if prefix else ''}{name}.{first + i}.attn",
+                    cache_config=cache,
+                    plans=self._plans,
+                )
+                for i, b in enumerate(blocks)
+            )
+
+        self.prelude_attn = slots(me.prelude_blocks(), "prelude", 0)
+        self.core_attn = slots(core * self.depth, "core", p)
+        self.coda_attn = slots(me.coda_blocks(), "coda", p + self.depth * len(core))
+
+    # ---- vLLM model interface ------------------------------------------------------------
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.embed(input_ids)  # type: ignore[attr-defined,no-any-return]
+
+    def _stack(
+        self,
+        blocks: Sequence[Block],
+        slots: Iterable[Any],
+        x: Tensor,
+        rope: Tensor,
+        carry: list[tuple[Tensor, Tensor] | None] | None = None,
+        active: Tensor | None = None,
+    ) -> Tensor:
+        all_active = active is None or bool(active.all())
+        for layer, (blk, slot) in enumerate(zip(blocks, slots)):
+            q, k, v = blk.qkv(x, rope, self.mode)
+            if carry is not None:
+                old = carry[layer]
+                if old is not None and active is not None and not all_active:
+                    keep = active[:, None, None]
+                    k, v = torch.where(keep, k, old[0]), torch.where(keep, v, old[1])
+                carry[layer] = (k, v)
+            x = blk.post(x, slot(q, k, v), self.mode)
+        return x
+
+    def _readout(self, state: Tensor, rope: Tensor) -> Tensor:
+        me: Any = self
+        x = me.readout_in(state, self.mode)
+        x = self._stack(me.coda_blocks(), self.coda_attn, x, rope)
+        return me.readout_out(x, self.mode)  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor | None,
+        positions: Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Tensor | None = None,
+        **_: Any,
+    ) -> Tensor:
+        me: Any = self
+        mode, n = self.mode, positions.shape[0]
+        step = step_batch(current_runner(), n)
+        self._plans["plan"] = None
+        pos = positions.to(torch.int64)
+        pos_np = pos.cpu().numpy()
+        e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
+        rope = me.rope(pos, mode)
+        e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
+        state = me.initial_state(e, pos, step.seeds.tolist())
+
+        # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
+        target = np.where(pos_np < step.prompt_len, self.depth, 0)
+        if self.record and step.requests:
+            rec = self.record_book.recorded_depths(step, pos_np)
+            target = np.where((target == 0) & (rec > 0), rec, target)
+        dev = state.device
+        fixed = torch.from_numpy(target).to(dev)
+        pol_idx = torch.nonzero(fixed == 0).flatten()
+        ran = torch.zeros(n, dtype=torch.int64, device=dev)
+        active = torch.ones(n, dtype=torch.bool, device=dev)
+        core = list(me.core_blocks())
+        n_layers = len(core)
+        carry: list[tuple[Tensor, Tensor] | None] = [None] * n_layers
+        exit_carry: ExitCarry | None = None
+        for d in range(self.depth):
+            slots: list[Any] = list(self.core_attn[d * n_layers : (d + 1) * n_layers])
+            if not bool(active.any()):
+                for slot, kv in zip(slots, carry):  # keep the last-exited K/V visible
+                    assert kv is not None
+                    slot.write(*kv)
+                continue
+            x = me.core_in(state, e, mode)
+            x = self._stack(core, slots, x, rope, carry, active)
+            new = me.core_out(x, mode)
+            prev, state = state, torch.where(active[:, None], new, state)
+            ran = torch.where(active, d + 1, ran)
+            stop = active & (fixed == d + 1)
+            if pol_idx.numel():
+                info = StepInfo(d + 1, self.depth, new[pol_idx], prev[pol_idx], mode=mode)
+                if needs_logits(self.policy):
+                    info.logits = me.head(self._readout(state, rope), mode)[pol_idx]
+                if needs_gate(self.policy):
+                    info.gate_logit = me.gate_logit(new[pol_idx], mode)
+                hit, exit_carry = should_exit(self.policy, info, exit_carry)
+                stop[pol_idx] |= active[pol_idx] & hit.to(dev)
+            active = active & ~stop
+        hidden = self._readout(state, rope)
+        if self.record and step.requests:
+            toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
+            self.record_book.on_forward(step, pos_np, toks, ran.cpu().numpy(), self.weight_version)
+        self._step, self._step_positions = step, pos_np
+        return hidden
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        me: Any = self
+        logits = me.head(hidden_states, self.mode)[:, : me.vocab_size]
+        step, self._step = self._step, None
+        if (
+            self.record
+            and step is not None
+            and step.requests
+            and hidden_states.shape[0] == len(step.requests)
+        ):
+            groups: dict[tuple[float, float], list[int]] = {}
+            for i, rs in enumerate(step.requests):  # greedy: log-softmax of the raw logits
+                greedy = rs.temperature < 1e-5
+                key = (1.0, 1.0) if greedy else (rs.temperature, rs.top_p)
+                groups.setdefault(key, []).append(i)
+            rows: list[Tensor] = [logits[:0]] * len(step.requests)
+            for (temp, top_p), idx in groups.items():  # row-wise ops: grouping changes no bit
+                lp = behaviour_logprobs(logits[idx], me.vocab_size, temp, top_p, self.mode).cpu()
+                for j, i in enumerate(idx):
+                    rows[i] = lp[j]
+            assert self._step_positions is not None
+            self.record_book.on_logits(step, self._step_positions, rows)
+        return logits  # type: ignore[no-any-return]
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Load HF-named tensors 1:1 (a tied head's `lm_head.weight` is skipped, as HF does)."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        me: Any = self
+        params = dict(me.named_parameters())
+        buffers = dict(me.named_buffers())
+        all_params = dict(me.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name in params:
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            elif name in buffers:
+                buffers[name].copy_(tensor.to(buffers[name].dtype))
+            elif name in all_params:  # tied alias (e.g. lm_head.weight = wte.weight)
+                pass
+            else:
+                raise ValueError(f"unexpected tensor {name!r} for {type(self).__name__}")
+            loaded.add(name)
+        return loaded
+
+
+class RavenForCausalLM(_LoopedVllm, HuginnForCausalLM):  # type: ignore[misc]
+    """Huginn-0125 in vLLM."""
+
+    family_class = HuginnForCausalLM
+
+
+class OuroForCausalLM(_LoopedVllm, _OuroRef):  # type: ignore[misc]
+    """Ouro LoopLM in vLLM."""
+
+    family_class = _OuroRef
+
+
+class NanbeigeLoopedForCausalLM(_LoopedVllm, _NanbeigeRef):  # type: ignore[misc]
+    """Nanbeige looped model in vLLM."""
+
+    family_class = _NanbeigeRef
+
+
+__all__ = ["NanbeigeLoopedForCausalLM", "OuroForCausalLM", "RavenForCausalLM"]

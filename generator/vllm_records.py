@@ -1,0 +1,149 @@
+"""Side channel of the looped models: per-request exit depths, behaviour log-probs, versions.
+
+Completion token t of a request with prompt length P is sampled from the logits of position
+P - 1 + t. The book files, under the request's record key (`vllm_context.RECORD_KEY`):
+
+- depth[t]: core iterations run at position P - 1 + t (written by the forward; prompt
+  positions run full depth, so depth[0] is the full depth: contract 2);
+- version[t]: the weight version of the forward that computed that position;
+- logprob[t]: the behaviour log-prob of token t (contract 4). `compute_logits` keeps, per
+  request, the behaviour log-prob row of its sampling position; the token it sampled arrives
+  as the input of the request's next forward (or, for the last token, with `pop`), which
+  gathers logprob[t] = row[token] if the row's position is P - 1 + t.
+
+Rows are recomputed the same way after a preemption (recompute), so entries are idempotent.
+The engine wrapper calls `pop` (through `LLM.collective_rpc`) once per finished request; at
+most `max_requests` requests are kept (oldest dropped) so direct vLLM use cannot leak memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from generator.vllm_context import StepBatch
+
+
+@dataclasses.dataclass
+class _Entry:
+    prompt_len: int
+    depths: dict[int, int] = dataclasses.field(default_factory=dict)
+    versions: dict[int, int] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
+    pending: tuple[int, Tensor] | None = None
+    """(sampling position, fp32 behaviour log-prob row [V])."""
+
+
+@dataclasses.dataclass
+class Record:
+    """What `pop` returns for one request (lists indexed by completion token)."""
+
+    depths: list[int]
+    logprobs: list[float]
+    """NaN where unknown."""
+    versions: list[int]
+
+
+class RecordBook:
+    """Per-request records of one model instance (see module doc)."""
+
+    def __init__(self, max_requests: int = 65536) -> None:
+        self.max_requests = max_requests
+        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+
+    def _entry(self, key: str, prompt_len: int) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(prompt_len)
+            while len(self._entries) > self.max_requests:
+                self._entries.popitem(last=False)
+        return entry
+
+    def recorded_depths(self, step: StepBatch, positions: np.ndarray) -> np.ndarray:
+        """int64 [T]: the recorded depth of each token's position (0 = none recorded)."""
+        out = np.zeros(positions.shape[0], dtype=np.int64)
+        for rs in step.requests:
+            entry = self._entries.get(rs.key)
+            if entry is None or not entry.depths:
+                continue
+            for row in range(rs.start, rs.end):
+                d = entry.depths.get(int(positions[row]) - (rs.prompt_len - 1))
+                if d is not None:
+                    out[row] = d
+        return out
+
+    def on_forward(
+        self,
+        step: StepBatch,
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        depths: np.ndarray,
+        version: int,
+    ) -> None:
+        """File depth / version of sampling positions and the log-prob of fed tokens."""
+        for rs in step.requests:
+            if rs.end <= rs.start:
+                continue
+            first = int(positions[rs.start])
+            last = first + (rs.end - rs.start) - 1
+            if last < rs.prompt_len - 1:
+                continue  # a prompt chunk that samples nothing
+            entry = self._entry(rs.key, rs.prompt_len)
+            for pos in range(max(first, rs.prompt_len - 1), last + 1):
+                row = rs.start + pos - first
+                t = pos - (rs.prompt_len - 1)
+                entry.depths[t] = int(depths[row])
+                entry.versions[t] = version
+                if pos >= rs.prompt_len and entry.pending is not None:
+                    ppos, lp = entry.pending
+                    if ppos == pos - 1:
+                        entry.logprobs[t - 1] = float(lp[int(tokens[row])])
+
+    def on_logits(self, step: StepBatch, positions: np.ndarray, rows: list[Tensor]) -> None:
+        """Keep the behaviour row of every request whose last scheduled position samples."""
+        for rs, lp in zip(step.requests, rows):
+            last = int(positions[rs.end - 1])
+            if last >= rs.prompt_len - 1:
+                self._entry(rs.key, rs.prompt_len).pending = (last, lp)
+
+    def pop(self, key: str, tokens: list[int]) -> Record | None:
+        """Remove and return the record of `key` for its final completion `tokens`."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        n = len(tokens)
+        if n and entry.pending is not None and (n - 1) not in entry.logprobs:
+            ppos, lp = entry.pending
+            if ppos == entry.prompt_len - 1 + n - 1:
+                entry.logprobs[n - 1] = float(lp[int(tokens[-1])])
+        return Record(
+            depths=[entry.depths.get(t, 0) for t in range(n)],
+            logprobs=[entry.logprobs.get(t, float("nan")) for t in range(n)],
+            versions=[entry.versions.get(t, -1) for t in range(n)],
+        )
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def pop_records(worker: Any, requests: list[tuple[str, list[int]]]) -> dict[str, Any]:
+    """`LLM.collective_rpc` callable: pop the records of (key, final tokens) pairs.
+
+    Returns {key: (depths, logprobs, versions) or None} (plain lists: picklable)."""
+    model = worker.model_runner.get_model()
+    book: RecordBook = model.record_book
+    out: dict[str, Any] = {}
+    for key, toks in requests:
+        rec = book.pop(key, toks)
+        out[key] = None if rec is None else (rec.depths, rec.logprobs, rec.versions)
+    return out
+
+
+__all__ = ["Record", "RecordBook", "pop_records"]

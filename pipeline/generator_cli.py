@@ -1,0 +1,267 @@
+"""``looprl generator``: one generator process (vLLM engine + reward + loop) serving a learner.
+
+    looprl generator --learner tcp://10.0.0.5:5555 --model ckpt/ --reward numeric \\
+        [--config generator.yaml] [--keys keys/] [--max-inflight 8] [--numerics exact] ...
+
+Settings: generator.config.GeneratorConfig (defaults) < ``--config`` YAML < flags. The
+process connects out to the learner's control endpoint and to its weights endpoint (by
+default the same host with port + 1), introduces itself with Hello, loads the weight version
+the Welcome names, then serves work until SIGTERM / SIGINT, on which it finishes or hands
+back its work and says Goodbye (generator.loop). Exit codes: 0 after a clean stop, 1 when
+the loop died of an error (work handed back), 2 for bad settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from generator.config import (
+    LOG_LEVELS,
+    NUMERICS,
+    REWARD_MODES,
+    ConfigError,
+    GeneratorConfig,
+    field_docs,
+    load_config,
+)
+
+log = logging.getLogger(__name__)
+
+# Flags whose name is not just the field name with dashes (seconds fields drop their "_s").
+_FLAG_NAMES = {
+    "batch_wait_s": "--batch-wait",
+    "reward_timeout_s": "--reward-timeout",
+    "drain_timeout_s": "--drain-timeout",
+    "resend_after_s": "--resend-after",
+    "peer_timeout_s": "--peer-timeout",
+}
+_CHOICES: dict[str, Sequence[str]] = {
+    "numerics": NUMERICS,
+    "reward_mode": REWARD_MODES,
+    "log_level": LOG_LEVELS,
+}
+_METAVARS = {
+    "learner": "ENDPOINT",
+    "weights_endpoint": "ENDPOINT",
+    "model": "DIR",
+    "keys": "DIR",
+    "reward": "DOTTED",
+    "exit_policy": "JSON",
+    "max_model_len": "TOKENS",
+}
+_FAMILIES = {
+    "RavenForCausalLM": "huginn",
+    "OuroForCausalLM": "ouro",
+    "NanbeigeLoopedForCausalLM": "nanbeige",
+    "LlamaForCausalLM": "llama",
+}
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a GeneratorConfig field."""
+    return _FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``looprl generator`` (every GeneratorConfig field is a flag)."""
+    p = subparsers.add_parser(
+        "generator",
+        help="run a generator: connect to a learner, sample, score and stream rollouts",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Flags override the --config file, which overrides the defaults shown.",
+    )
+    p.add_argument(
+        "--config", metavar="FILE", default=None, help="YAML file of GeneratorConfig settings"
+    )
+    docs = field_docs()
+    for f in fields(GeneratorConfig):
+        default = f.default if f.default is not MISSING else None
+        shown = repr(default) if isinstance(default, str) else default
+        help_text = f"{docs.get(f.name, f.name)} (default: {shown})"
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
+            fallback = "N" if kw["type"] is int else f.name.rsplit("_", 1)[-1].upper()
+            kw["metavar"] = _METAVARS.get(f.name, fallback)
+            if f.name in _CHOICES:
+                kw["choices"] = list(_CHOICES[f.name])
+                kw.pop("metavar")
+        p.add_argument(flag_name(f.name), **kw)
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
+    """GeneratorConfig from ``--config`` and the flags given (ConfigError naming the key)."""
+    overrides = {f.name: getattr(args, f.name, None) for f in fields(GeneratorConfig)}
+    return load_config(getattr(args, "config", None), overrides)
+
+
+def weights_endpoint_for(control: str) -> str:
+    """Default weights endpoint: tcp -> same host, port + 1; ipc/inproc -> name + "-weights"."""
+    scheme, sep, rest = control.partition("://")
+    if not sep:
+        raise ConfigError(f"learner endpoint {control!r} has no transport (tcp://HOST:PORT)")
+    if scheme != "tcp":
+        return f"{control}-weights"
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"learner endpoint {control!r}: expected tcp://HOST:PORT")
+    return f"tcp://{host}:{int(port) + 1}"
+
+
+def _key_name(keys: str, name: str) -> str:
+    if name:
+        return name
+    found = sorted(
+        p.name.removesuffix(".key_secret") for p in (Path(keys) / "generators").glob("*.key_secret")
+    )
+    if len(found) != 1:
+        raise ConfigError(
+            f"key_name: {keys}/generators holds {len(found)} generator keypairs "
+            f"({', '.join(found) or 'none'}); pick one with --key-name"
+        )
+    return found[0]
+
+
+def _detokenizer(model_dir: str) -> Callable[[list[int]], str] | None:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        log.warning("no %s: rewards get empty completion text (token ids only)", path)
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+
+def _check_welcome(numerics: str) -> Callable[[Any], None]:
+    def check(welcome: Any) -> None:
+        want = welcome.settings.get("numerics")
+        if want is not None and want != numerics:
+            raise ValueError(
+                f"the learner runs numerics {want!r}, this generator {numerics!r} "
+                f"(restart it with --numerics {want})"
+            )
+
+    return check
+
+
+def serve(cfg: GeneratorConfig) -> int:
+    """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
+    from generator.engine import LoopedEngine, to_rollouts
+    from generator.loop import FatalError, GeneratorLoop, make_hello
+    from generator.reward_runner import RewardRunner
+    from generator.vllm_settings import policy_from_dict
+    from models.checkpoint import read_config
+    from pipeline.security import ClientCurve
+    from pipeline.transport import TransportConfig
+    from pipeline.transport_zmq import ZmqGeneratorConnection
+    from pipeline.weight_sync import WeightReceiver
+
+    cfg.require_learner()
+    if not cfg.model:
+        raise ConfigError(
+            "generator config model: the checkpoint directory is required (--model DIR)"
+        )
+    gid = cfg.generator_id or f"{socket.gethostname()}-{os.getpid()}"
+    weights_ep = cfg.weights_endpoint or weights_endpoint_for(cfg.learner)
+    security = None
+    if cfg.keys:
+        name = _key_name(cfg.keys, cfg.key_name)
+        security = ClientCurve.from_dir(cfg.keys, name, curve_on_loopback=cfg.curve_on_loopback)
+    transport = TransportConfig(peer_timeout_s=cfg.peer_timeout_s)
+    archs = read_config(cfg.model).get("architectures") or []
+    families = [_FAMILIES.get(a, a) for a in archs]
+    # The reward runner first: a bad reward path fails in a second, and its worker processes
+    # are spawned before vLLM starts its threads.
+    reward = RewardRunner(
+        cfg.reward, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers, mode=cfg.reward_mode
+    )
+    engine = None
+    try:
+        engine = LoopedEngine(
+            cfg.model,
+            numerics=cfg.numerics,
+            exit_policy=policy_from_dict(cfg.exit_policy_dict()),
+            max_num_seqs=cfg.max_num_seqs,
+            kv_cache_bytes=cfg.kv_cache_mb << 20,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            inflight_updates=cfg.inflight_updates,
+        )
+        hello = make_hello(gid, cfg.max_inflight, engine.weight_version, families)
+        conn = ZmqGeneratorConnection(
+            transport, hello, control=cfg.learner, weights=weights_ep, security=security
+        )
+        loop = GeneratorLoop(
+            engine,
+            conn,
+            reward,
+            to_rollouts=to_rollouts,
+            generator_id=gid,
+            max_inflight=cfg.max_inflight,
+            batch_wait_s=cfg.batch_wait_s,
+            max_batch_items=cfg.max_batch_items,
+            weights=WeightReceiver(conn, serving_version=engine.weight_version),
+            detokenize=_detokenizer(cfg.model),
+            check_welcome=_check_welcome(cfg.numerics),
+            drain_timeout_s=cfg.drain_timeout_s,
+            resend_after_s=cfg.resend_after_s,
+            max_unacked=cfg.max_unacked,
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: loop.stop(signal.Signals(signum).name))
+        log.info(
+            "generator %s -> %s (weights %s), reward %s", gid, cfg.learner, weights_ep, cfg.reward
+        )
+        try:
+            loop.run()
+        except FatalError as e:
+            log.error("generator %s stopped: %s", gid, e)
+            return 1
+        log.info("generator %s stopped cleanly: %s", gid, dict(loop.stats.counts))
+        return 0
+    finally:
+        reward.close()
+        if engine is not None:
+            engine.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """``looprl generator``: load the settings, then serve (see the module docstring)."""
+    try:
+        cfg = config_from_args(args)
+        cfg.require_learner()
+        if not cfg.weights_endpoint:
+            weights_endpoint_for(cfg.learner)  # validate the endpoint before starting vLLM
+    except ConfigError as e:
+        print(f"looprl generator: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return serve(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="looprl")
+    add_parser(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(["generator", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""LoopedEngine: fast-numerics parity, weight reload with digests, in-flight updates, rollouts."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from generator.engine import LoopedEngine, WeightDigestError, canonical_digest, to_rollouts
+from generator.vllm_context import RequestSlice, StepBatch
+from generator.vllm_records import RecordBook
+from models.checkpoint import load_checkpoint, load_model
+from models.exits import KL
+from models.init import init_checkpoint
+from tests.generator import prompts, replay_diff, work_item
+
+
+# ---- no engine ---------------------------------------------------------------------------
+def test_canonical_digest_is_order_free_and_content_sensitive() -> None:
+    a = {
+        "x": torch.arange(6, dtype=torch.float32).view(2, 3),
+        "b": torch.ones(2, dtype=torch.bfloat16),
+    }
+    b = {"b": a["b"].clone(), "x": a["x"].clone()}
+    assert canonical_digest(a) == canonical_digest(b)
+    assert len(canonical_digest(a)) == 64
+    b["x"][0, 0] = 0.5
+    assert canonical_digest(a) != canonical_digest(b)
+    assert canonical_digest({"x": a["x"].view(3, 2)}) != canonical_digest({"x": a["x"]})
+    assert canonical_digest({"x": a["x"].t()}) == canonical_digest({"x": a["x"].t().contiguous()})
+
+
+def test_record_book_files_depths_and_logprobs_by_completion_index() -> None:
+    book = RecordBook()
+    req = RequestSlice("r", 0, 3, prompt_len=3, seed=1, temperature=1.0, top_p=1.0)
+    step = StepBatch([req], np.ones(3, np.uint64), np.full(3, 3), 3)
+    pos = np.array([0, 1, 2])
+    book.on_forward(step, pos, np.array([5, 6, 7]), np.array([4, 4, 4]), version=3)
+    row0 = torch.log_softmax(torch.randn(10), -1)
+    book.on_logits(step, pos, [row0])
+    dec = RequestSlice("r", 0, 1, prompt_len=3, seed=1, temperature=1.0, top_p=1.0)
+    step2 = StepBatch([dec], np.ones(1, np.uint64), np.full(1, 3), 1)
+    book.on_forward(step2, np.array([3]), np.array([8]), np.array([2]), version=4)
+    row1 = torch.log_softmax(torch.randn(10), -1)
+    book.on_logits(step2, np.array([3]), [row1])
+    rec = book.pop("r", [8, 9])
+    assert rec is not None and rec.depths == [4, 2] and rec.versions == [3, 4]
+    assert rec.logprobs == [float(row0[8]), float(row1[9])]
+    assert book.pop("r", [8, 9]) is None
+
+
+# ---- one fast-numerics Huginn engine --------------------------------------------------------
+class Setup:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.path = init_checkpoint("huginn", "tiny", root / "huginn")
+        self.model = load_model(self.path)[1]
+        self.policy = KL(0.1)
+        self.engine = LoopedEngine(
+            self.path,
+            numerics="fast",
+            exit_policy=self.policy,
+            kv_cache_bytes=16 << 20,
+            max_model_len=256,
+            max_num_seqs=8,
+        )
+        self.version = 0
+
+    def weights(self, seed: int) -> dict[str, torch.Tensor]:
+        path = init_checkpoint("huginn", "tiny", self.root / f"w{seed}", seed=seed)
+        return load_checkpoint(path)[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    s = Setup(tmp_path_factory.mktemp("engine"))
+    yield s
+    s.engine.close()
+    del s.engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _greedy(setup: Setup, n: int = 6) -> Any:
+    item = work_item(prompts(1, [9], seed=7)[0], [3], temperature=0.0, max_tokens=n)
+    return item, setup.engine.generate([item])[0]
+
+
+@pytest.mark.vllm
+def test_fast_numerics_parity(setup: Setup) -> None:
+    items = [
+        work_item(p, [10 + i, 20 + i], name=f"f{i}", max_tokens=12)
+        for i, p in enumerate(prompts(3, [4, 10, 21], seed=6))
+    ]
+    results = setup.engine.generate(items)
+    diff = max(replay_diff(setup.model, it, ss, "fast") for it, ss in zip(items, results))
+    print(f"\nhuginn fast vllm-vs-replay max|dlogprob| = {diff:.3g}")
+    assert diff <= 1e-4
+    rollouts = to_rollouts(items[0], results[0], "gen-0")
+    for j, r in enumerate(rollouts):
+        r.validate()
+        assert r.rollout_id == f"f0/{j}" and r.num_tokens == 12 and r.exit_depths[0] == 6
+
+
+@pytest.mark.vllm
+def test_reload_changes_outputs_and_wrong_digest_is_refused(setup: Setup) -> None:
+    item, before = _greedy(setup)
+    new = setup.weights(seed=1)
+    with pytest.raises(WeightDigestError):
+        setup.engine.load_weights(new, setup.version + 1, "0" * 64)
+    _, still = _greedy(setup)
+    assert np.array_equal(still[0].logprobs, before[0].logprobs)
+    assert still[0].weight_version == setup.version
+    setup.version += 1
+    setup.engine.load_weights(new, setup.version, canonical_digest(new))
+    _, after = _greedy(setup)
+    assert after[0].weight_version == setup.version
+    assert not np.array_equal(after[0].logprobs, before[0].logprobs)
+    new_model = load_model(setup.root / "w1")[1]
+    assert replay_diff(new_model, item, after, "fast") <= 1e-4
+    with pytest.raises(ValueError, match="not newer"):
+        setup.engine.load_weights(new, setup.version, canonical_digest(new))
+
+
+@pytest.mark.vllm
+def test_inflight_update_records_token_versions(setup: Setup, monkeypatch: Any) -> None:
+    """A swap requested (from another thread) while generate runs lands between two steps."""
+    new = setup.weights(seed=2)
+    old, setup.version = setup.version, setup.version + 1
+    engine = setup.engine.llm.llm_engine
+    step, calls = engine.step, [0]
+
+    def step_then_request_swap() -> Any:
+        out = step()
+        calls[0] += 1
+        if calls[0] == 3:  # the generate thread holds the engine: the swap is queued
+            t = threading.Thread(
+                target=setup.engine.load_weights, args=(new, setup.version, canonical_digest(new))
+            )
+            t.start()
+            t.join()
+        return out
+
+    monkeypatch.setattr(engine, "step", step_then_request_swap)
+    monkeypatch.setattr(setup.engine, "inflight_updates", True)
+    item = work_item(prompts(1, [5], seed=8)[0], [9], temperature=0.0, max_tokens=8)
+    sample = setup.engine.generate([item])[0][0]
+    versions = sample.token_versions
+    assert versions is not None
+    assert versions.tolist() == [old] * 3 + [setup.version] * 5
+    assert setup.engine.weight_version == setup.version

@@ -1,0 +1,495 @@
+"""GeneratorLoop with a fake engine: ordering, bounded in-flight, reward failures, shutdown,
+reconnect (scripted connection and pipeline's in-memory transport)."""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from generator.loop import FatalError, GeneratorLoop
+from generator.reward_runner import RewardRunner
+from proto import (
+    Ack,
+    Goodbye,
+    Hello,
+    Rollout,
+    RolloutBatch,
+    TensorMeta,
+    WeightAnnounce,
+    Welcome,
+    WorkItem,
+    WorkReturn,
+)
+
+GID = "gen-test"
+DIGEST = "ab" * 32
+
+
+# -- fakes ----------------------------------------------------------------------------------
+@dataclass
+class FakeSample:
+    tokens: list[int]
+    latent_seed: int
+    weight_version: int
+
+
+class FakeEngine:
+    """Deterministic tokens (a function of the latent seed); logs every call in ``log``."""
+
+    def __init__(self, log: list[tuple[Any, ...]], version: int = 0) -> None:
+        self.log, self.weight_version = log, version
+        self.max_batch = 0
+        self.gate: threading.Event | None = None  # generate waits for it when set
+        self.fail = False
+
+    def generate(self, items: Sequence[WorkItem]) -> list[list[FakeSample]]:
+        self.log.append(("generate", [i.work_id for i in items], self.weight_version))
+        self.max_batch = max(self.max_batch, len(items))
+        if self.gate is not None:
+            self.gate.wait()
+        if self.fail:
+            raise RuntimeError("engine exploded")
+        return [
+            [
+                FakeSample([3 + (int(s) + k) % 7 for k in range(4)], int(s), self.weight_version)
+                for s in it.latent_seeds
+            ]
+            for it in items
+        ]
+
+    def load_weights(self, source: Any, version: int, digest: str) -> None:
+        self.log.append(("load", version, digest, source))
+        self.weight_version = version
+
+
+def to_rollouts(item: WorkItem, samples: list[FakeSample], gid: str) -> list[Rollout]:
+    n = len(samples[0].tokens) if samples else 0
+    return [
+        Rollout(
+            rollout_id=f"{item.work_id}/{j}",
+            work_id=item.work_id,
+            prompt_id=item.prompt_id,
+            sample_index=j,
+            generator_id=gid,
+            latent_seed=s.latent_seed,
+            prompt_tokens=item.prompt_tokens,
+            tokens=np.asarray(s.tokens, np.int32),
+            logprobs=np.full(n, -1.0, np.float32),
+            exit_depths=np.full(n, 4, np.uint8),
+            weight_version=s.weight_version,
+        )
+        for j, s in enumerate(samples)
+    ]
+
+
+class FakeClock:
+    """Monotonic time that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@dataclass
+class Inc:
+    channel: str
+    record: Any
+
+
+@dataclass
+class FakeConnection:
+    """Scripted link: the test puts records in ``inbox``; sends, statuses and the Goodbye are
+    logged. Like pipeline's connection it is ``ready`` after a Welcome came through ``recv``."""
+
+    log: list[tuple[Any, ...]]
+    inbox: queue.Queue[Inc] = field(default_factory=queue.Queue)
+    ready: bool = False
+    closed: str | None = None
+    statuses: list[tuple[int, int]] = field(default_factory=list)
+    sent: list[Any] = field(default_factory=list)
+
+    def push(self, *records: Any, channel: str = "control") -> None:
+        for r in records:
+            self.inbox.put(Inc(channel, r))
+
+    def send(self, record: Any, *, channel: str = "control") -> bool:
+        assert self.closed is None, "send after close"
+        self.sent.append(record)
+        self.log.append(("send", type(record).__name__, record))
+        return True
+
+    def recv(self, timeout_s: float = 0.0) -> Inc | None:
+        try:
+            inc = self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(inc.record, Welcome):
+            self.ready = True
+        self.log.append(("recv", type(inc.record).__name__))
+        return inc
+
+    def set_status(self, weight_version: int, inflight: int) -> None:
+        self.statuses.append((weight_version, inflight))
+
+    def close(self, reason: str = "shutdown") -> None:
+        self.send(Goodbye(GID, reason))
+        self.closed = reason
+
+    def of(self, cls: type) -> list[Any]:
+        return [r for r in self.sent if isinstance(r, cls)]
+
+
+def item(wid: str, n: int = 2, min_version: int = 0, task: dict | None = None) -> WorkItem:
+    return WorkItem(
+        work_id=wid,
+        prompt_id=f"p-{wid}",
+        prompt_tokens=np.array([1, 5, 6], np.int32),
+        latent_seeds=np.arange(n, dtype=np.uint64) + 11,
+        max_tokens=4,
+        task=task or {},
+        min_weight_version=min_version,
+    )
+
+
+def length_reward(text: str, tokens: list[int], task: dict) -> float:
+    if task.get("fail"):
+        raise ValueError("bad task")
+    return float(len(tokens))
+
+
+def make(
+    version: int = 0,
+    *,
+    threaded: bool = False,
+    reward: Callable[..., Any] = length_reward,
+    **kw: Any,
+) -> tuple[GeneratorLoop, FakeEngine, FakeConnection, list[tuple[Any, ...]]]:
+    log: list[tuple[Any, ...]] = []
+    engine, conn = FakeEngine(log, version), FakeConnection(log)
+    opts: dict[str, Any] = dict(max_inflight=4, batch_wait_s=0.0, threaded=threaded)
+    opts.update(kw)
+    loop = GeneratorLoop(
+        engine,
+        conn,
+        RewardRunner(reward, mode="inline"),
+        to_rollouts=to_rollouts,
+        generator_id=GID,
+        **opts,
+    )
+    return loop, engine, conn, log
+
+
+def generated(engine: FakeEngine) -> list[tuple[Any, ...]]:
+    return [e[1:] for e in engine.log if e[0] == "generate"]
+
+
+def spin(loop: GeneratorLoop, n: int = 5) -> None:
+    for _ in range(n):
+        loop.step(0.0)
+
+
+def welcome(version: int = 0) -> Welcome:
+    return Welcome("run-1", GID, version, 1.0)
+
+
+def on_disk(version: int) -> WeightAnnounce:
+    return WeightAnnounce(version, DIGEST, 0, 0, 0, path=f"/ckpt/v{version}")
+
+
+def kinds(log: list[tuple[Any, ...]]) -> list[str]:
+    """The log as 'recv:X' / 'send:X' / 'generate' / 'load' events."""
+    return [f"{e[0]}:{e[1]}" if e[0] in ("send", "recv") else e[0] for e in log]
+
+
+# -- ordering -------------------------------------------------------------------------------
+def test_welcome_then_weights_before_any_work() -> None:
+    loop, engine, conn, log = make(version=0)
+    conn.push(item("early"))  # work before the Welcome is held, not generated
+    spin(loop)
+    assert not any(e[0] == "generate" for e in log) and loop.held == 1
+    conn.push(welcome(version=2), item("w1"))
+    spin(loop)
+    assert not any(e[0] == "generate" for e in log), "generated below the Welcome's version"
+    assert not loop.serving
+    conn.push(on_disk(2), channel="weights")
+    spin(loop)
+    ev = kinds(log)
+    load, first_gen = ev.index("load"), ev.index("generate")
+    assert ev.index("recv:Welcome") < load < first_gen < ev.index("send:RolloutBatch")
+    assert log[load][1:] == (2, DIGEST, "/ckpt/v2")
+    assert ev.index("send:Ack") < first_gen  # weights acknowledged before serving
+    (ack,) = conn.of(Ack)
+    assert (ack.kind, ack.ref, ack.version) == ("weights", "2", 2)
+    assert all(e[2] == 2 for e in log if e[0] == "generate")
+    done = {r.rollout_id for b in conn.of(RolloutBatch) for r in b.rollouts}
+    assert done == {"early/0", "early/1", "w1/0", "w1/1"}
+    assert conn.statuses[-1] == (2, 0)
+
+
+def test_item_waits_for_its_min_weight_version() -> None:
+    loop, engine, conn, log = make(version=0)
+    conn.push(welcome(0), item("later", min_version=1), item("now"))
+    spin(loop)
+    assert [e[1] for e in log if e[0] == "generate"] == [["now"]]
+    conn.push(on_disk(1), channel="weights")
+    spin(loop)
+    assert [e[1:] for e in log if e[0] == "generate"] == [(["now"], 0), (["later"], 1)]
+
+
+def test_one_rollout_batch_per_work_item_with_rewards() -> None:
+    loop, engine, conn, _ = make(max_batch_items=3)
+    conn.push(welcome(), item("a", n=3), item("b", n=1))
+    spin(loop)
+    batches = conn.of(RolloutBatch)
+    assert [[r.rollout_id for r in b.rollouts] for b in batches] == [["a/0", "a/1", "a/2"], ["b/0"]]
+    r = batches[0].rollouts[0]
+    assert r.reward == 4.0 and r.generator_id == GID
+    assert {"gen_time_s", "queue_time_s", "reward_time_s"} <= set(r.metrics)
+
+
+# -- bounded in-flight ----------------------------------------------------------------------
+def test_never_holds_more_than_max_inflight() -> None:
+    loop, engine, conn, _ = make(max_inflight=3, max_batch_items=2, threaded=True, ack_wait_s=0)
+    engine.gate = threading.Event()
+    conn.push(welcome(), *[item(f"w{i}") for i in range(10)])
+    worker = threading.Thread(target=loop.run)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(conn.of(WorkReturn)) < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    returned = [w for r in conn.of(WorkReturn) for w in r.work_ids]
+    assert returned == [f"w{i}" for i in range(3, 10)]
+    assert all("max_inflight=3" in r.reason for r in conn.of(WorkReturn))
+    engine.gate.set()
+    # keep the learner's side saturated: more work as soon as items finish
+    for i in range(10, 30):
+        conn.push(item(f"w{i}"))
+        time.sleep(0.005)
+    deadline = time.monotonic() + 10
+    while loop.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert max(inflight for _, inflight in conn.statuses) <= 3
+    assert loop.stats.max_held <= 3 and engine.max_batch <= 2
+    done = [r.work_id for b in conn.of(RolloutBatch) for r in b.rollouts if r.sample_index == 0]
+    returned = [w for r in conn.of(WorkReturn) for w in r.work_ids]
+    assert len(done) == len(set(done))  # nothing generated twice
+    assert sorted(done + returned) == sorted(f"w{i}" for i in range(30))  # nothing lost
+
+
+# -- rewards --------------------------------------------------------------------------------
+def test_reward_failures_are_recorded_not_fatal() -> None:
+    def detok(tokens: list[int]) -> str:
+        if tokens and tokens[0] == 3 + (11 % 7):  # the first sample of every item
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad byte")
+        return "x" * len(tokens)
+
+    loop, _, conn, _ = make(detokenize=detok)
+    conn.push(welcome(), item("bad", task={"fail": True}), item("good"))
+    spin(loop)
+    (bad, good) = conn.of(RolloutBatch)
+    assert [r.reward for r in bad.rollouts] == [None, None]
+    assert bad.rollouts[0].reward_info["kind"] == "exception"
+    assert "detokenize" in str(bad.rollouts[0].reward_info["error"])
+    assert "bad task" in str(bad.rollouts[1].reward_info["error"])
+    assert [r.reward for r in good.rollouts] == [None, 4.0]
+    assert loop.stats.counts["reward_failures"] == 3 and conn.closed is None
+
+
+# -- shutdown -------------------------------------------------------------------------------
+@pytest.mark.parametrize("finishes", [True, False])
+def test_stop_finishes_or_hands_back_and_says_goodbye(finishes: bool) -> None:
+    loop, engine, conn, _ = make(max_inflight=4, max_batch_items=2, threaded=True)
+    loop.drain_timeout_s = 5.0 if finishes else 0.2
+    loop.ack_wait_s = 0.0
+    engine.gate = threading.Event()
+    conn.push(welcome(), *[item(f"w{i}") for i in range(4)])
+    worker = threading.Thread(target=loop.run)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not generated(engine) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert generated(engine) == [(["w0", "w1"], 0)]
+    loop.stop("SIGTERM")
+    time.sleep(0.1)
+    conn.push(item("late"))  # arrives while draining: handed back
+    time.sleep(0.1)
+    if finishes:
+        engine.gate.set()
+    worker.join(10)
+    assert not worker.is_alive()
+    returned = {w: r.reason for r in conn.of(WorkReturn) for w in r.work_ids}
+    done = {r.work_id for b in conn.of(RolloutBatch) for r in b.rollouts}
+    assert {"w2", "w3", "late"} <= set(returned) and returned["w2"] == "SIGTERM"
+    if finishes:
+        assert done == {"w0", "w1"} and "w0" not in returned
+    else:
+        assert not done and "not finished within" in returned["w0"] and "w1" in returned
+    assert isinstance(conn.sent[-1], Goodbye) and conn.closed == "SIGTERM"
+    assert generated(engine) == [(["w0", "w1"], 0)]
+    engine.gate.set()
+
+
+def test_engine_failure_hands_back_work_says_goodbye_and_raises() -> None:
+    loop, engine, conn, _ = make()
+    engine.fail = True
+    conn.push(welcome(), item("a"), item("b"))
+    with pytest.raises(FatalError, match="engine exploded"):
+        loop.run()
+    assert sorted(w for r in conn.of(WorkReturn) for w in r.work_ids) == ["a", "b"]
+    assert conn.closed is not None and conn.closed.startswith("error: FatalError")
+
+
+def test_unusable_welcome_settings_are_fatal() -> None:
+    def check(w: Welcome) -> None:
+        if w.settings.get("numerics") != "exact":
+            raise ValueError("learner wants numerics fast, we serve exact")
+
+    loop, _, conn, _ = make(check_welcome=check)
+    conn.push(welcome())
+    with pytest.raises(FatalError, match="numerics"):
+        loop.run()
+    assert isinstance(conn.sent[-1], Goodbye)
+
+
+# -- acks and reconnects --------------------------------------------------------------------
+def test_reconnect_resends_unacked_only() -> None:
+    loop, _, conn, _ = make()
+    conn.push(welcome(), item("a"), item("b"), item("c"))
+    spin(loop)
+    assert loop.unacked == ["a", "b", "c"]
+    conn.push(Ack("rollout", "a"), Ack("rollout", "b/0"), Ack("rollout", "b/1"))
+    conn.push(Ack("rollout", "c/0"))
+    spin(loop)
+    assert loop.unacked == ["c"]
+    conn.ready = False  # the learner went away; the connection re-Hellos
+    conn.push(item("d"))
+    spin(loop)
+    assert len(conn.of(RolloutBatch)) == 3  # d is finished but waits for a Welcome
+    conn.sent.clear()
+    conn.push(welcome())
+    spin(loop)
+    resent = [[r.rollout_id for r in b.rollouts] for b in conn.of(RolloutBatch)]
+    assert sorted(resent) == [["c/0", "c/1"], ["d/0", "d/1"]]
+    assert loop.stats.counts["reconnects"] == 1
+    # a re-dispatch of a finished, unacknowledged item re-sends instead of regenerating
+    conn.sent.clear()
+    conn.push(item("c"))
+    spin(loop)
+    assert [b.rollouts[0].work_id for b in conn.of(RolloutBatch)] == ["c"]
+
+
+def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> None:
+    transport = pytest.importorskip("pipeline.transport")
+    cfg = transport.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
+    net, clock = transport.MemoryNetwork(), FakeClock()
+    ep1 = net.bind("learner", cfg, clock=clock)
+    log: list[tuple[Any, ...]] = []
+    engine = FakeEngine(log)
+    hello = Hello(GID, "host", 1, ["fake"], 4, 0, 0.0)
+    conn = net.connect("learner", hello, cfg, clock=clock)
+    loop = GeneratorLoop(
+        engine, conn, RewardRunner(length_reward, mode="inline"), to_rollouts=to_rollouts,
+        generator_id=GID, max_inflight=4, batch_wait_s=0.0, threaded=False, clock=clock,
+    )  # fmt: skip
+
+    def learner_turn(ep: Any, got: dict[str, int], ack: Callable[[str], bool]) -> list[str]:
+        seen = []
+        while (inc := ep.recv(0.0)) is not None:
+            seen.append(type(inc.record).__name__)
+            if isinstance(inc.record, Hello):
+                ep.send(GID, Welcome("run-1", GID, 0, 1.0))
+            elif isinstance(inc.record, RolloutBatch):
+                for r in inc.record.rollouts:
+                    got[r.rollout_id] = got.get(r.rollout_id, 0) + 1
+                    if ack(r.work_id):
+                        ep.send(GID, Ack("rollout", r.rollout_id))
+        return seen
+
+    got1: dict[str, int] = {}
+    assert learner_turn(ep1, got1, lambda w: False) == ["Hello"]
+    for i in range(4):
+        ep1.send(GID, item(f"w{i}"))
+    for _ in range(3):
+        spin(loop, 2)
+        learner_turn(ep1, got1, lambda w: w in ("w0", "w1"))
+    assert set(got1) == {f"w{i}/{j}" for i in range(4) for j in range(2)}
+    spin(loop, 2)
+    assert loop.unacked == ["w2", "w3"]
+    ep1.send(GID, item("w4"))
+    ep1.close()  # the learner dies with w4 in flight and w2, w3 unacknowledged
+    spin(loop, 2)  # w4 finishes while nobody listens: queued by the transport
+    ep2 = net.bind("learner", cfg, clock=clock)  # restarted learner, same address
+    got2: dict[str, int] = {}
+    for _ in range(6):
+        clock.advance(0.5)
+        learner_turn(ep2, got2, lambda w: True)
+        spin(loop, 2)
+    assert conn.ready and loop.stats.counts["reconnects"] >= 1  # one per Welcome received
+    acked_by_1 = {f"w{i}/{j}" for i in (0, 1) for j in range(2)}
+    assert not acked_by_1 & set(got2), "acknowledged rollouts were sent again"
+    assert set(got2) == {f"w{i}/{j}" for i in (2, 3, 4) for j in range(2)}  # nothing lost
+    assert set(got1) | set(got2) == {f"w{i}/{j}" for i in range(5) for j in range(2)}
+    assert loop.unacked == []
+    loop.stop()
+    loop.run()
+    assert conn.closed
+
+
+def test_chunked_weights_through_pipeline_weight_sync() -> None:
+    """pipeline's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
+    transport = pytest.importorskip("pipeline.transport")
+    weight_sync = pytest.importorskip("pipeline.weight_sync")
+    torch = pytest.importorskip("torch")
+
+    net = transport.MemoryNetwork()
+    ep = net.bind("learner")
+    conn = net.connect("learner", Hello(GID, "host", 1, ["fake"], 4, 0, 0.0))
+    log: list[tuple[Any, ...]] = []
+    engine = FakeEngine(log, version=0)
+    loop = GeneratorLoop(
+        engine, conn, RewardRunner(length_reward, mode="inline"), to_rollouts=to_rollouts,
+        generator_id=GID, max_inflight=2, batch_wait_s=0.0, threaded=False,
+        weights=weight_sync.WeightReceiver(conn, serving_version=0),
+    )  # fmt: skip
+    pub = weight_sync.WeightPublisher(ep, chunk_bytes=100, window=2)
+    a = torch.arange(60, dtype=torch.float32).reshape(3, 20)
+    b = torch.ones(4, dtype=torch.bfloat16)
+    raw = a.numpy().tobytes() + b.view(torch.int16).numpy().tobytes()
+    metas = [
+        TensorMeta("a", "float32", [3, 20], 0, 240, hashlib.sha256(raw[:240]).hexdigest()),
+        TensorMeta("b", "bfloat16", [4], 240, 8, hashlib.sha256(raw[240:]).hexdigest()),
+    ]
+    while (inc := ep.recv(0.1)) is not None and not isinstance(inc.record, Hello):
+        pass
+    ep.send(GID, Welcome("run-1", GID, 1, 1.0))
+    pub.add_generator(GID, 0)
+    pub.publish(1, raw, tensors=metas)
+    ep.send(GID, item("w0", min_version=1))
+    for _ in range(50):
+        pub.pump()
+        loop.step(0.0)
+        while (inc := ep.recv(0.0)) is not None:
+            pub.handle(inc.peer, inc.record)
+        if pub.serving(GID) == 1 and not loop.held:
+            break
+    (load,) = [e for e in log if e[0] == "load"]
+    state = load[3]
+    assert load[1] == 1 and torch.equal(state["a"], a) and torch.equal(state["b"], b)
+    assert pub.serving(GID) == 1  # the receiver's Ack(kind="weights") reached the learner
+    assert [e[1:] for e in log if e[0] == "generate"] == [(["w0"], 1)]

@@ -1,0 +1,89 @@
+"""``looprl generator`` command line: options, config file validation, precedence (no vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from generator.config import ConfigError, GeneratorConfig
+from pipeline.generator_cli import (
+    add_parser,
+    config_from_args,
+    flag_name,
+    run,
+    weights_endpoint_for,
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="looprl")
+    add_parser(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_help_lists_every_option_with_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["generator", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    names = [flag_name(f.name) for f in fields(GeneratorConfig)]
+    for flag in ["--config", *names]:
+        assert flag in text, flag
+    for flag in ("--learner", "--model", "--generator-id", "--max-inflight", "--numerics",
+                 "--keys", "--reward", "--reward-timeout"):  # fmt: skip
+        assert flag in names  # the names the docs promise
+    assert text.count("(default:") == len(names)  # every field's flag has help + default
+    assert "{fast,exact}" in text
+
+
+def test_bad_config_key_is_an_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text("learner: tcp://127.0.0.1:5555\nmax_inflite: 8\n")
+    args = parser().parse_args(["generator", "--config", str(cfg)])
+    with pytest.raises(ConfigError, match="unknown generator config key 'max_inflite'"):
+        config_from_args(args)
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "max_inflite" in err and str(cfg) in err and "max_inflight" in err  # known keys
+
+
+def test_bad_values_and_missing_learner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text("max_inflight: many\n")
+    with pytest.raises(ConfigError, match="max_inflight"):
+        config_from_args(parser().parse_args(["generator", "--config", str(cfg)]))
+    with pytest.raises(ConfigError, match="reward_timeout_s"):
+        config_from_args(parser().parse_args(["generator", "--reward-timeout", "0"]))
+    assert run(parser().parse_args(["generator", "--model", "x"])) == 2
+    assert "learner endpoint is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["generator", "--numerics", "approximate"])
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text(
+        "learner: tcp://a:1\nmax_inflight: 8\nreward: numeric\ncurve_on_loopback: true\n"
+    )
+    args = parser().parse_args(
+        ["generator", "--config", str(cfg), "--max-inflight", "3", "--no-curve-on-loopback",
+         "--reward-timeout", "2.5", "--exit-policy", '{"kind": "kl", "threshold": 0.1}']
+    )  # fmt: skip
+    got = config_from_args(args)
+    assert (got.learner, got.max_inflight, got.reward) == ("tcp://a:1", 3, "numeric")
+    assert got.reward_timeout_s == 2.5 and got.curve_on_loopback is False
+    assert got.exit_policy_dict() == {"kind": "kl", "threshold": 0.1}
+    assert config_from_args(parser().parse_args(["generator"])) == GeneratorConfig()
+
+
+def test_weights_endpoint_default() -> None:
+    assert weights_endpoint_for("tcp://10.0.0.5:5555") == "tcp://10.0.0.5:5556"
+    assert weights_endpoint_for("tcp://[::1]:7000") == "tcp://[::1]:7001"
+    assert weights_endpoint_for("ipc:///tmp/learner") == "ipc:///tmp/learner-weights"
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        weights_endpoint_for("tcp://host")
