@@ -67,7 +67,10 @@ def pair_reference(model: LoopedLM, case: Case, mode: str) -> tuple[float, int, 
 
 
 PAIRS: dict[str, PairFn] = {"reference": pair_reference}
-# vLLM is imported only when its pair runs (benchmarks/parity_vllm.py).
+# vLLM / megatron are imported only when their pair runs (parity_vllm.py, parity_megatron.py).
+PAIRS["megatron_vs_reference"] = lambda m, c, mode: __import__(
+    "benchmarks.parity_megatron", fromlist=["_"]
+).pair_megatron_vs_reference(m, c, mode)
 PAIRS["vllm_vs_reference"] = lambda m, c, mode: __import__("parity_vllm").pair_vllm_vs_reference(
     m, c, mode
 )

@@ -1,0 +1,455 @@
+"""Looped LM providers on megatron-core: the learner's policy and critic.
+
+Public API (stable; see docs/LEARNER_MODELS.md):
+
+    info = learner.parallel.init_distributed(tp)              # first: TP group, CPU compat
+    policy = build_policy(model_config, MegatronOptions(), hf_state=None)
+    critic = build_critic(model_config, MegatronOptions(), policy=policy)
+    out = policy(tokens, depths, valid, latent_seeds)         # LoopedOutput
+    # or learner.replay.replay_forward(policy, batch, ...) for log-probs / entropy
+
+`model_config` is a `models.config` family config (Huginn, Ouro, Nanbeige, Llama). The model is
+a `MegatronModule` (its `.config` is megatron's `TransformerConfig`), so Megatron DDP,
+`get_megatron_optimizer` and `dist_checkpointing` (`.sharded_state_dict()`) take it as is.
+Weights come from a Hugging Face state dict (`learner.hf_convert`): `hf_state`, or, when None,
+the reference's deterministic init (`models.reference.build_model(config, seed=init_seed)`),
+so every TP size starts from the same full weights.
+
+Forward = the reference replay (`models.engine.run_chunk` with recorded depths), batch-first:
+tokens [B, S] right-padded; one parallel pass over all positions per core iteration d, with
+position p active while d <= depths[p]; an inactive position keeps its state and attends / is
+attended with its K/V of its exit iteration (last-exited rule, DESIGN contract 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+from torch import Tensor, nn
+
+from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
+from models import numerics as nx
+from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
+from models.noise import latent_noise
+
+RECOMPUTE = ("none", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronOptions:
+    """How the learner builds a looped model on megatron-core."""
+
+    numerics: str = "fast"
+    """Default numerics mode of forward ('fast' | 'exact'; DESIGN contract 5)."""
+    params_dtype: torch.dtype = torch.float32
+    """Parameter (and activation) dtype; exact mode needs float32."""
+    recompute: str = "none"
+    """Activation recompute: 'none' or 'block' (megatron `tensor_parallel.checkpoint` around
+    every block call of every iteration)."""
+    init_seed: int = 0
+    """Seed of the reference init used when no HF state is given."""
+    vocab_multiple: int = 1
+    """Embedding / head rows are padded to a multiple of lcm(vocab_multiple, tp); make it a
+    multiple of every TP size a dist checkpoint should reshard to (e.g. 128)."""
+
+    def __post_init__(self) -> None:
+        nx.check_mode(self.numerics)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.numerics == "exact" and self.params_dtype != torch.float32:
+            raise ValueError("exact numerics needs params_dtype float32")
+        if self.vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
+
+
+class LoopedOutput(NamedTuple):
+    """Per-position outputs of a forward."""
+
+    logits: Tensor | None
+    """[B, S, V_pad / tp] this rank's vocab shard of the logits (policy; None for a critic)."""
+    hidden: Tensor
+    """[B, S, h] the hidden state the head reads (replicated on the TP group)."""
+    values: Tensor | None
+    """[B, S] value estimates (critic; None for a policy)."""
+
+
+def padded_rows(config: ModelConfig, tp: int, multiple: int = 1) -> int:
+    """Embedding / head rows padded up to a multiple of lcm(multiple, tp) (padding logits are
+    never read; padding rows are zeros)."""
+    m = math.lcm(tp, multiple)
+    return -(-config.rows // m) * m
+
+
+def transformer_config(config: ModelConfig, options: MegatronOptions) -> TransformerConfig:
+    """megatron's TransformerConfig for `config` at the current TP size."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if isinstance(config, HuginnConfig):
+        layers = config.n_layers
+        heads = groups = config.n_heads
+        ffn, dim, h = config.intermediate_size, config.head_dim, config.n_embd
+    else:
+        layers, heads = config.num_hidden_layers, config.num_attention_heads
+        groups, ffn = config.num_key_value_heads, config.intermediate_size
+        dim, h = config.head_dim, config.hidden_size
+    if heads % tp or groups % tp:
+        raise ValueError(f"tp={tp} must divide heads ({heads}) and key/value heads ({groups})")
+    return TransformerConfig(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=dim,
+        ffn_hidden_size=ffn,
+        tensor_model_parallel_size=tp,
+        params_dtype=options.params_dtype,
+        bf16=options.params_dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        init_method=nn.init.zeros_,
+        output_layer_init_method=nn.init.zeros_,
+    )
+
+
+class LoopedGPT(MegatronModule):
+    """A looped family on megatron-core: prelude, core looped per token depth, coda, head.
+
+    Submodules (names used by `learner.hf_convert`): `embedding`, `prelude`, `core`, `coda`
+    (ModuleLists of `LoopedBlock`), `adapter` (Huginn), `final_norm`, `output_layer` (policy;
+    no weight of its own when tied), `exit_gate` (Ouro), `value_head` (critic); buffer
+    `freqs_cis` (Huginn's fp32 RoPE table, loaded from the checkpoint).
+    """
+
+    freqs_cis: Tensor
+
+    def __init__(
+        self, family_config: ModelConfig, options: MegatronOptions, *, critic: bool = False
+    ) -> None:
+        super().__init__(config=transformer_config(family_config, options))
+        c, tc = family_config, self.config
+        self.family_config, self.options, self.is_critic = c, options, critic
+        self.tp_size = tc.tensor_model_parallel_size
+        self.rows = padded_rows(c, self.tp_size, options.vocab_multiple)
+        self.huginn = isinstance(c, HuginnConfig)
+        h, dt = tc.hidden_size, tc.params_dtype
+        self.embedding = VocabParallelEmbedding(self.rows, h, init_method=nn.init.zeros_, config=tc)
+        if isinstance(c, HuginnConfig):
+            style, eps, counts = "huginn", c.norm_eps, c
+            kw: dict[str, Any] = dict(qk_bias=c.qk_bias)
+            n_pre, n_core, n_coda = (
+                counts.n_layers_in_prelude,
+                counts.n_layers_in_recurrent_block,
+                counts.n_layers_in_coda,
+            )
+            self.tied = c.tie_embeddings
+            self.adapter = ColumnParallelLinear(
+                2 * h, h, config=tc, init_method=nn.init.zeros_, bias=c.bias, gather_output=True
+            )
+            self.register_buffer(
+                "freqs_cis", torch.zeros(1, c.block_size, 1, c.head_dim // 2, 2), persistent=True
+            )
+        else:
+            assert isinstance(c, LlamaConfig)
+            style = "ouro" if isinstance(c, OuroConfig) else "llama"
+            eps, kw = c.rms_norm_eps, dict(qkv_bias=c.attention_bias, proj_bias=c.attention_bias)
+            n_pre, n_core, n_coda = 0, c.num_hidden_layers, 0
+            self.tied = c.tie_word_embeddings
+
+        def blocks(n: int) -> nn.ModuleList:
+            return nn.ModuleList(LoopedBlock(tc, style, eps=eps, **kw) for _ in range(n))
+
+        self.prelude, self.core, self.coda = blocks(n_pre), blocks(n_core), blocks(n_coda)
+        self.final_norm = RMSNorm(h, eps, dt)
+        if isinstance(c, OuroConfig):
+            self.exit_gate = nn.Linear(h, 1, dtype=dt)
+        if critic:
+            self.value_head = nn.Linear(h, 1, dtype=dt)
+        else:
+            self.output_layer = ColumnParallelLinear(
+                h,
+                self.rows,
+                config=tc,
+                init_method=nn.init.zeros_,
+                bias=False,
+                gather_output=False,
+                skip_weight_param_allocation=self.tied,
+            )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """megatron's default, recursing into the block lists (a plain ModuleList would be
+        saved as TP-replicated)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        own: dict[str, Any] = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(
+            own,
+            prefix,
+            {},
+            sharded_offsets,
+            tp_group=tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+        for name, module in self.named_children():
+            if isinstance(module, nn.ModuleList):
+                for i, blk in enumerate(_blocks(module)):
+                    out.update(
+                        blk.sharded_state_dict(f"{prefix}{name}.{i}.", sharded_offsets, metadata)
+                    )
+            else:
+                out.update(
+                    sharded_state_dict_default(
+                        module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group
+                    )
+                )
+        return out
+
+    # ---- family hooks (models.base.LoopedLM semantics) ----------------------------------------
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.family_config.max_depth)
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        e = self.embedding(tokens)
+        if self.huginn:
+            scale = self.family_config.embed_scale  # type: ignore[union-attr]
+            e = e * torch.tensor(scale, dtype=torch.float32, device=e.device)
+        return e.to(self.config.params_dtype)
+
+    def _rope(self, positions: Tensor, mode: str) -> Rope:
+        c = self.family_config
+        if isinstance(c, HuginnConfig):
+            if int(positions.max()) >= c.block_size:
+                raise ValueError(f"position {int(positions.max())} is beyond block_size")
+            return Rope("adjacent", self.freqs_cis[0, positions, 0].float())
+        table = nx.rope_cos_sin(positions.reshape(-1), c.head_dim, c.rope_theta, mode)
+        return Rope("half", table)
+
+    def _initial_state(self, e: Tensor, positions: Tensor, seeds: Tensor) -> Tensor:
+        if not self.huginn:
+            return e
+        c = self.family_config
+        b, s = positions.shape
+        z = latent_noise(seeds.cpu().repeat_interleave(s), positions.reshape(-1).cpu(), c.n_embd)  # type: ignore[union-attr]
+        std = torch.tensor(c.init_std, dtype=torch.float32)  # type: ignore[union-attr]
+        scale = torch.tensor(c.embed_scale, dtype=torch.float32)  # type: ignore[union-attr]
+        return ((z * std) * scale).view(b, s, -1).to(e.device, e.dtype)
+
+    def _core_in(self, state: Tensor, e: Tensor, mode: str) -> Tensor:
+        if self.huginn:
+            return column_linear(self.adapter, torch.cat([state, e], dim=-1), mode)
+        return state
+
+    def _core_out(self, x: Tensor, mode: str) -> Tensor:
+        return x if self.huginn else self.final_norm(x, mode)
+
+    def _readout(self, state: Tensor, rope: Rope, mask: Tensor, mode: str) -> Tensor:
+        x = self.final_norm(state, mode) if self.huginn else state
+        for blk in _blocks(self.coda):
+            x = self._block(blk, x, rope, mask, mode)[0]
+        return self.final_norm(x, mode) if self.huginn else x
+
+    def head_logits(self, hidden: Tensor, mode: str) -> Tensor:
+        """This rank's vocab shard of the logits, [B, S, V_pad / tp] (fp32 in exact mode)."""
+        weight = self.embedding.weight if self.tied else None
+        return column_linear(self.output_layer, hidden, mode, weight=weight)
+
+    def gate_logit(self, state: Tensor, mode: str) -> Tensor:
+        """Ouro's exit-gate logit of a (normed) state, [...]."""
+        return replicated_linear(self.exit_gate, state, mode)[..., 0]
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def _block(
+        self,
+        blk: LoopedBlock,
+        x: Tensor,
+        rope: Rope,
+        mask: Tensor,
+        mode: str,
+        prev: tuple[Tensor, Tensor] | None = None,
+        active: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if self.options.recompute == "none" or not torch.is_grad_enabled():
+            return blk(x, rope, mask, mode, prev, active)  # type: ignore[no-any-return]
+        if prev is None:
+
+            def run0(x_: Tensor, table: Tensor, mask_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                return blk(x_, Rope(rope.kind, table), mask_, mode)  # type: ignore[no-any-return]
+
+            return tensor_parallel.checkpoint(run0, False, x, rope.table, mask)  # type: ignore[no-any-return]
+
+        def run(
+            x_: Tensor, table: Tensor, mask_: Tensor, k: Tensor, v: Tensor, act: Tensor
+        ) -> tuple[Tensor, Tensor, Tensor]:
+            return blk(x_, Rope(rope.kind, table), mask_, mode, (k, v), act)  # type: ignore[no-any-return]
+
+        assert active is not None
+        return tensor_parallel.checkpoint(run, False, x, rope.table, mask, *prev, active)  # type: ignore[no-any-return]
+
+    def forward(
+        self,
+        tokens: Tensor,
+        depths: Tensor,
+        valid: Tensor,
+        latent_seeds: Tensor | Sequence[int],
+        numerics: str | None = None,
+    ) -> LoopedOutput:
+        """Replay forward of right-padded rows.
+
+        tokens [B, S] int64; depths [B, S] int64 core iterations per position (1..max_depth
+        where valid); valid [B, S] bool, a prefix of each row; latent_seeds: B uint64 seeds
+        (ints, or an int64 tensor read as two's complement). numerics: None = options.numerics.
+        """
+        mode = nx.check_mode(numerics or self.options.numerics)
+        bsz, seq = tokens.shape
+        dev = tokens.device
+        seeds = _seed_tensor(latent_seeds, bsz)
+        positions = torch.arange(seq, device=dev).expand(bsz, seq)
+        lengths = valid.sum(dim=1)
+        if not torch.equal(valid, positions < lengths[:, None]):
+            raise ValueError("valid must be a prefix of every row (right padding)")
+        if ((depths < 1) | (depths > self.max_depth))[valid].any():
+            raise ValueError(f"depths must be in [1, {self.max_depth}] at valid positions")
+        mask = valid[:, None, :] & (positions[:, None, :] <= positions[:, :, None])
+        mask[..., 0] |= ~mask.any(dim=-1)
+        rope = self._rope(positions, mode)
+        e = self._embed(tokens)
+        for blk in _blocks(self.prelude):
+            e = self._block(blk, e, rope, mask, mode)[0]
+        state = self._initial_state(e, positions, seeds)
+        prev: list[tuple[Tensor, Tensor] | None] = [None] * len(self.core)
+        n_iter = int(depths[valid].max()) if bool(valid.any()) else 0
+        for i in range(n_iter):
+            active = valid & (depths > i)
+            x = self._core_in(state, e, mode)
+            for layer, blk in enumerate(_blocks(self.core)):
+                x, k, v = self._block(blk, x, rope, mask, mode, prev[layer], active)
+                prev[layer] = (k, v)
+            state = torch.where(active[:, :, None], self._core_out(x, mode), state)
+        hidden = self._readout(state, rope, mask, mode)
+        if self.is_critic:
+            values = replicated_linear(self.value_head, hidden, mode)[..., 0]
+            return LoopedOutput(None, hidden, values)
+        return LoopedOutput(self.head_logits(hidden, mode), hidden, None)
+
+
+def _blocks(blocks: nn.ModuleList) -> list[LoopedBlock]:
+    return [b for b in blocks if isinstance(b, LoopedBlock)]
+
+
+def _seed_tensor(seeds: Tensor | Sequence[int], bsz: int) -> Tensor:
+    """B latent seeds as an int64 tensor (uint64 values in two's complement)."""
+    if isinstance(seeds, Tensor):
+        out = seeds.to("cpu", torch.int64).reshape(-1)
+    else:
+        vals = []
+        for s in seeds:
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64:
+                raise ValueError(f"latent seeds must be ints in [0, 2**64), got {s!r}")
+            vals.append(s - 2**64 if s >= 2**63 else s)
+        out = torch.tensor(vals, dtype=torch.int64)
+    if out.numel() != bsz:
+        raise ValueError(f"need one latent seed per row ({bsz}), got {out.numel()}")
+    return out
+
+
+def _reference_state(config: ModelConfig, seed: int) -> dict[str, Tensor]:
+    from models.reference import build_model
+
+    return dict(build_model(config, seed=seed).state_dict())
+
+
+def build_policy(
+    config: ModelConfig,
+    options: MegatronOptions | None = None,
+    hf_state: Mapping[str, Tensor] | None = None,
+) -> LoopedGPT:
+    """The policy (LM head) of `config`'s family on the current TP group, weights loaded from
+    `hf_state` (HF names, full tensors) or from the reference init. Call after
+    `init_distributed`."""
+    from learner.hf_convert import load_hf_state
+
+    options = options or MegatronOptions()
+    model = LoopedGPT(config, options)
+    load_hf_state(
+        model, hf_state if hf_state is not None else _reference_state(config, options.init_seed)
+    )
+    return _to_device(model)
+
+
+def build_critic(
+    config: ModelConfig,
+    options: MegatronOptions | None = None,
+    *,
+    policy: LoopedGPT | None = None,
+    hf_state: Mapping[str, Tensor] | None = None,
+    value_init_std: float = 0.0,
+) -> LoopedGPT:
+    """The critic: the policy's trunk with a scalar value head Linear(h -> 1) for the LM head.
+
+    Trunk weights from `policy` (copied, same TP layout), else `hf_state` / the reference init.
+    The value head is initialised with normal(0, value_init_std) weights (0 = zeros) drawn from
+    torch.Generator(options.init_seed), bias 0, identically on every rank.
+    """
+    from learner.hf_convert import load_hf_state
+
+    options = options or MegatronOptions()
+    model = LoopedGPT(config, options, critic=True)
+    if policy is not None:
+        trunk = {k: v for k, v in policy.state_dict().items() if not k.startswith("output_layer")}
+        missing, unexpected = model.load_state_dict(trunk, strict=False)
+        bad = [k for k in missing if not k.startswith("value_head")] + list(unexpected)
+        if bad:
+            raise ValueError(f"policy trunk does not fit the critic: {bad}")
+    else:
+        state = hf_state if hf_state is not None else _reference_state(config, options.init_seed)
+        load_hf_state(model, state)
+    gen = torch.Generator().manual_seed(options.init_seed)
+    with torch.no_grad():
+        w = torch.randn(model.value_head.weight.shape, generator=gen) * value_init_std
+        model.value_head.weight.copy_(w)
+        model.value_head.bias.zero_()
+    return _to_device(model)
+
+
+def _to_device(model: LoopedGPT) -> LoopedGPT:
+    if torch.cuda.is_available():  # megatron builds norms on the CPU
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+__all__ = [
+    "LoopedGPT",
+    "LoopedOutput",
+    "MegatronOptions",
+    "build_critic",
+    "build_policy",
+    "padded_rows",
+    "transformer_config",
+]
