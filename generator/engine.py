@@ -31,7 +31,6 @@ that computed it (`Sample.token_versions`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import os
 import threading
@@ -46,31 +45,13 @@ from generator.plugin import ARCHITECTURES
 from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_settings import PluginSettings, settings_to_dict
+from models.digest import canonical_digest
 from models.exits import ExitPolicy
 from proto.records import Rollout, WorkItem
 
 
 class WeightDigestError(ValueError):
     """Published weights whose digest does not match their announcement."""
-
-
-def canonical_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 hex of a weight set's canonical bytes (DESIGN contract 6).
-
-    For each tensor in sorted-name order: utf-8 name, NUL, dtype name ("float32",
-    "bfloat16", ...), NUL, shape as comma-separated decimal dims ("" for a scalar), NUL,
-    byte length as 8-byte little-endian, then the raw little-endian element bytes in
-    row-major (C) order. Belongs in models/ next to the checkpoint IO (see the report).
-    """
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        h.update(name.encode("utf-8") + b"\0")
-        h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")
-        h.update(",".join(str(d) for d in t.shape).encode() + b"\0")
-        h.update(len(raw).to_bytes(8, "little") + raw)
-    return h.hexdigest()
 
 
 @dataclasses.dataclass

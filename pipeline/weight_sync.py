@@ -23,7 +23,7 @@ window x chunk_bytes queued per generator, however slow that generator is (ZMQ S
 a backstop). A transfer whose credits stop coming for ``stall_timeout_s`` (frames lost on a
 reconnect) restarts from the announce; chunks the receiver already holds are ignored.
 
-Invariants: the receiver hands out a blob only after its sha256 equals the announced
+Invariants: the receiver hands out a blob only after its canonical digest (models.digest) equals the announced
 digest, so a generator never serves weights that do not match; a chunk with a bad crc32,
 index, offset or size, or a digest mismatch, discards the transfer and sends
 ``Nack(kind="weights")``, on which the publisher resends that version to that generator (at
@@ -44,9 +44,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from models.digest import digest_from_blob
 from proto import Ack, ErrorMsg, Nack, TensorMeta, WeightAnnounce, WeightChunk
 
 log = logging.getLogger(__name__)
+
+
+def blob_digest(blob: bytes | bytearray | memoryview, tensors: Sequence[Any]) -> str:
+    """The digest announced for a blob: the canonical weight digest (models.digest, DESIGN
+    contract 6) of the tensors the metadata describes, so the generator's engine can check
+    the same value on the state it loads; sha256 of the raw bytes for a blob without
+    tensor metadata (opaque payloads, used by tests)."""
+    if tensors:
+        return digest_from_blob(blob, tensors)
+    return hashlib.sha256(blob).hexdigest()
 
 
 class WeightSyncError(ValueError):
@@ -112,9 +123,12 @@ class WeightPublisher:
         """Make ``blob`` (canonical tensor bytes) version ``version`` and start sending it."""
         if version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than {self.version}")
-        actual = hashlib.sha256(blob).hexdigest()
+        try:
+            actual = blob_digest(blob, tensors)
+        except ValueError as e:
+            raise WeightSyncError(f"weight set v{version}: {e}") from e
         if digest is not None and digest != actual:
-            raise WeightSyncError(f"digest {digest} does not match the blob's sha256 {actual}")
+            raise WeightSyncError(f"digest {digest} does not match the blob's digest {actual}")
         n = len(blob)
         ann = WeightAnnounce(
             version=version,
@@ -232,7 +246,7 @@ class WeightPublisher:
 
 @dataclass(frozen=True)
 class VerifiedWeights:
-    """A complete blob whose sha256 matched its announcement; the caller owns ``blob``.
+    """A complete blob whose canonical digest matched its announcement; the caller owns ``blob``.
 
     An empty ``blob`` means an on-disk publication (``announce.path``, no chunks): the
     receiver cannot hash files, so the loader must check ``announce.digest`` before serving.
@@ -359,9 +373,13 @@ class WeightReceiver:
         t = self._t
         assert t is not None
         self._t = None
-        digest = hashlib.sha256(t.buf).hexdigest()
+        try:
+            digest = blob_digest(t.buf, t.ann.tensors)
+        except ValueError as e:
+            self._nack(t.ann.version, f"bad tensor metadata: {e}")
+            return None
         if digest != t.ann.digest:
-            self._nack(t.ann.version, f"sha256 {digest} != announced {t.ann.digest}")
+            self._nack(t.ann.version, f"digest {digest} != announced {t.ann.digest}")
             return None
         self._verified = t.ann.version
         self.counts["verified"] += 1

@@ -1,0 +1,223 @@
+"""Rollouts -> padded training tensors, and the advantages of a step.
+
+Order of calls in a training step (learner.trainer.Trainer.step):
+
+    batch = build_batch(rollouts)                      # sorted, padded [B, L] tensors
+    adv = group_token_advantages(batch, normalize_std)  # GRPO: from rewards and group ids
+    # or, with a critic: values = critic(batch); adv, ret = gae_advantages(batch, values, ...)
+    for mb in batch.micro_batches(micro_batch_size, rows=this_rank_rows): ...
+
+Layout. Rollouts are sorted by (work_id, sample_index, rollout_id), so the batch and every
+slice of it are independent of arrival order (replay of a recorded stream is bit-exact).
+Row b holds the model input `prompt + response[:-1]`, right-padded to L; the response token
+t is predicted at position p = P - 1 + t (P = prompt length):
+
+    input_ids[b, p]    token at p                   (0 on padding)
+    position_ids[b, p] p                            (continues on padding)
+    targets[b, p]      response[t] at p = P-1+t     (0 elsewhere)
+    mask[b, p]         1.0 at p = P-1+t             (0 elsewhere)
+    behav_logp[b, p]   rollout.logprobs[t]          (0 elsewhere)
+    exit_depths[b, p]  depth run at p: exit_depths[t] at p = P-1+t, the full depth
+                       exit_depths[0] at prompt positions (DESIGN contract 2), 1 on padding
+    token_rewards[b, p] the reward at the last response token, 0 elsewhere
+Per row: latent_seeds (int64 holding the uint64 bit pattern), group_ids (index of the
+work item in sorted order), rewards, weight_versions (rollout.weight_version), seq_lens
+(P + T - 1, or P for an empty response), prompt_lens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from learner.advantages import broadcast_to_tokens, gae, group_advantages
+from proto.records import Rollout
+
+__all__ = [
+    "TrainBatch",
+    "build_batch",
+    "gae_advantages",
+    "group_token_advantages",
+    "sort_rollouts",
+    "uint64_to_int64",
+]
+
+_TOKEN_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "targets",
+    "mask",
+    "behav_logp",
+    "exit_depths",
+    "token_rewards",
+)
+_ROW_FIELDS = ("latent_seeds", "group_ids", "rewards", "weight_versions", "seq_lens", "prompt_lens")
+
+
+def uint64_to_int64(x: int) -> int:
+    """The int64 with the same 64-bit pattern as the uint64 `x` (latent seeds in tensors)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """Padded training tensors (layout: module docstring); [B, L] token fields, [B] rows."""
+
+    rollout_ids: list[str]
+    input_ids: Tensor
+    position_ids: Tensor
+    targets: Tensor
+    mask: Tensor
+    behav_logp: Tensor
+    exit_depths: Tensor
+    token_rewards: Tensor
+    latent_seeds: Tensor
+    group_ids: Tensor
+    rewards: Tensor
+    weight_versions: Tensor
+    seq_lens: Tensor
+    prompt_lens: Tensor
+    extra: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    """[B, L] per-token tensors added by the trainer (advantages, prox_logp, ...)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.rollout_ids)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def seeds(self) -> list[int]:
+        """Latent seeds as Python uint64 ints."""
+        return [int(s) & ((1 << 64) - 1) for s in self.latent_seeds.tolist()]
+
+    def rows(self, start: int, stop: int, pad_to_multiple: int = 1) -> TrainBatch:
+        """Rows [start, stop), trimmed to their longest sequence rounded up to a multiple."""
+        n = int(self.seq_lens[start:stop].max()) if stop > start else 1
+        n = max(1, -(-n // pad_to_multiple) * pad_to_multiple)
+        sl = slice(start, stop)
+        fields: dict[str, Any] = {k: _fit(getattr(self, k)[sl], n, k) for k in _TOKEN_FIELDS}
+        fields.update({k: getattr(self, k)[sl] for k in _ROW_FIELDS})
+        extra = {k: _fit(v[sl], n, k) for k, v in self.extra.items()}
+        return TrainBatch(rollout_ids=self.rollout_ids[sl], extra=extra, **fields)
+
+    def micro_batches(
+        self, size: int, start: int, stop: int, pad_to_multiple: int = 1
+    ) -> Iterator[TrainBatch]:
+        """Consecutive micro-batches of `size` rows over rows [start, stop)."""
+        for i in range(start, stop, size):
+            yield self.rows(i, min(i + size, stop), pad_to_multiple)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        fields = {k: getattr(self, k).to(device) for k in _TOKEN_FIELDS + _ROW_FIELDS}
+        extra = {k: v.to(device) for k, v in self.extra.items()}
+        return TrainBatch(rollout_ids=list(self.rollout_ids), extra=extra, **fields)
+
+
+def _fit(x: Tensor, n: int, name: str) -> Tensor:
+    """[B, L, ...] cut or right-padded (position_ids continue, depths 1, else 0) to L = n."""
+    length = x.shape[1]
+    if n <= length:
+        return x[:, :n]
+    pad_shape = (x.shape[0], n - length, *x.shape[2:])
+    if name == "position_ids":
+        pad = torch.arange(length, n, dtype=x.dtype).expand(x.shape[0], n - length)
+    elif name == "exit_depths":
+        pad = torch.ones(pad_shape, dtype=x.dtype)
+    else:
+        pad = torch.zeros(pad_shape, dtype=x.dtype)
+    return torch.cat([x, pad.to(x.device)], dim=1)
+
+
+def sort_rollouts(rollouts: Sequence[Rollout]) -> list[Rollout]:
+    """Deterministic training order: by (work_id, sample_index, rollout_id); ValueError on a
+    duplicate rollout_id (a rollout is trained at most once)."""
+    ids = [r.rollout_id for r in rollouts]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"rollouts: duplicate rollout_id(s) {dup[:5]}")
+    return sorted(rollouts, key=lambda r: (r.work_id, r.sample_index, r.rollout_id))
+
+
+def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> TrainBatch:
+    """Sort and pad rollouts into a TrainBatch on the CPU (layout: module docstring).
+
+    Every rollout needs a reward (ValueError naming it otherwise: the coordinator filters
+    failed rewards before training). Group ids number the distinct work_ids in sorted order.
+    """
+    if not rollouts:
+        raise ValueError("rollouts: expected at least one rollout")
+    ordered = sort_rollouts(rollouts)
+    seq_lens, prompt_lens = [], []
+    for r in ordered:
+        if r.reward is None:
+            raise ValueError(f"rollout {r.rollout_id!r}: no reward (filter it before training)")
+        p, t = int(r.prompt_tokens.shape[0]), int(r.tokens.shape[0])
+        if p < 1:
+            raise ValueError(f"rollout {r.rollout_id!r}: empty prompt")
+        prompt_lens.append(p)
+        seq_lens.append(p + t - 1 if t else p)
+    b = len(ordered)
+    length = max(1, -(-max(seq_lens) // pad_to_multiple) * pad_to_multiple)
+    input_ids = np.zeros((b, length), dtype=np.int64)
+    targets = np.zeros((b, length), dtype=np.int64)
+    mask = np.zeros((b, length), dtype=np.float32)
+    behav = np.zeros((b, length), dtype=np.float32)
+    depths = np.ones((b, length), dtype=np.int64)
+    token_rewards = np.zeros((b, length), dtype=np.float32)
+    groups: dict[str, int] = {}
+    group_ids, seeds, rewards, versions = [], [], [], []
+    for i, r in enumerate(ordered):
+        p, t = prompt_lens[i], int(r.tokens.shape[0])
+        seq = np.concatenate([r.prompt_tokens.astype(np.int64), r.tokens.astype(np.int64)])
+        input_ids[i, : seq_lens[i]] = seq[: seq_lens[i]]
+        if t:
+            resp = slice(p - 1, p - 1 + t)
+            targets[i, resp] = r.tokens
+            mask[i, resp] = 1.0
+            behav[i, resp] = r.logprobs
+            depths[i, : p - 1] = int(r.exit_depths[0])
+            depths[i, resp] = r.exit_depths
+            token_rewards[i, p - 2 + t] = float(r.reward)  # type: ignore[arg-type]
+        group_ids.append(groups.setdefault(r.work_id, len(groups)))
+        seeds.append(uint64_to_int64(int(r.latent_seed)))
+        rewards.append(float(r.reward))  # type: ignore[arg-type]
+        versions.append(int(r.weight_version))
+    return TrainBatch(
+        rollout_ids=[r.rollout_id for r in ordered],
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.arange(length, dtype=torch.int64).expand(b, length).contiguous(),
+        targets=torch.from_numpy(targets),
+        mask=torch.from_numpy(mask),
+        behav_logp=torch.from_numpy(behav),
+        exit_depths=torch.from_numpy(depths),
+        token_rewards=torch.from_numpy(token_rewards),
+        latent_seeds=torch.tensor(seeds, dtype=torch.int64),
+        group_ids=torch.tensor(group_ids, dtype=torch.int64),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        weight_versions=torch.tensor(versions, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.int64),
+    )
+
+
+def group_token_advantages(batch: TrainBatch, normalize_std: bool = True) -> Tensor:
+    """GRPO advantages [B, L]: `group_advantages` over the batch's rows, spread over each
+    row's response tokens (0 elsewhere). Groups are the work items."""
+    adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=normalize_std)
+    return broadcast_to_tokens(adv, batch.mask)
+
+
+def gae_advantages(
+    batch: TrainBatch, values: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """(advantages, returns) [B, L] by GAE from the token rewards and critic values [B, L]
+    (V at position p is the value of the state that samples the token predicted at p)."""
+    return gae(batch.token_rewards, values, batch.mask, gamma, lam)

@@ -1,0 +1,313 @@
+"""Training checkpoints: everything needed to continue a run bit for bit.
+
+Order of calls (every rank calls both; the run directory is on a file system all ranks see):
+
+    path = save(trainer, run_dir, data_cursor=..., pipeline_state=..., keep_last=3)
+    ...                                  # a fresh process, same world size and TP size:
+    trainer = Trainer(...)               # built exactly as before (same configs, same seed)
+    state = load(trainer, latest(run_dir))   # -> Resumed(step, weight_version, ...)
+
+Layout of `<run_dir>/checkpoints/step_<step:08d>/` (step = completed `Trainer.step` calls):
+
+    dist/<network>/   megatron dist_checkpointing (torch_dist) of the network's model and
+                      optimizer (DistributedOptimizer state as `dp_reshardable`), network in
+                      {policy, critic}
+    rng/rank_<r:05d>.pt  this rank's RNG states: torch CPU, CUDA (all devices), numpy, python,
+                      megatron's RNG tracker (named states: model-parallel, data-parallel, ...)
+    meta.json         written last, by rank 0: format, step, update_count, weight_version,
+                      world / tp / dp sizes, each network's LR-scheduler state, the caller's
+                      data_cursor and pipeline_state (opaque JSON)
+
+Atomicity: all ranks write into `.tmp-step_<step>`; after a barrier rank 0 writes meta.json,
+fsyncs and renames the directory into place, then removes complete checkpoints beyond the
+newest `keep_last` and stale temporary directories. A directory without meta.json is never
+returned by `latest`.
+
+megatron-core 0.16.1 workarounds (docs/LEARNER_CPU.md, "megatron issues"): a fresh
+optimizer's per-parameter states are created first (Adam zeros + step 0, SGD momentum zeros:
+the values its first step starts from) before any sharded state dict is requested, and
+FP32Optimizer's missing SGD `init_state_fn` is replaced by a no-op; the optimizer state is
+loaded under `torch.no_grad()`; after loading, each parameter gets its own `step` tensor with
+the checkpoint's step (megatron leaves one shared tensor holding the fresh optimizer's step);
+`dp_reshardable` format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["CHECKPOINT_FORMAT", "Resumed", "latest", "load", "save"]
+
+CHECKPOINT_FORMAT = "looprl-train-ckpt/1"
+_META = "meta.json"
+_OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `load` restored besides the tensors (for the caller's own state)."""
+
+    path: Path
+    step: int
+    update_count: int
+    weight_version: int
+    data_cursor: Any
+    pipeline_state: dict[str, Any]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    np_state: Any = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            *[float(x) if isinstance(x, float) else int(x) for x in np_state[2:]],
+        ],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch_cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))  # type: ignore[arg-type]
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+
+
+def _check_json(name: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected a JSON-serialisable value ({e})") from e
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return int(ps.get_tensor_model_parallel_world_size())
+
+
+def save(
+    trainer: Any,
+    run_dir: str | os.PathLike,
+    *,
+    data_cursor: Any = None,
+    pipeline_state: dict[str, Any] | None = None,
+    keep_last: int = 3,
+) -> Path:
+    """Save `trainer` (a learner.trainer.Trainer) as `<run_dir>/checkpoints/step_<step>`; a
+    collective (every rank). data_cursor / pipeline_state: the caller's JSON-able state."""
+    from megatron.core import dist_checkpointing
+
+    if keep_last < 1:
+        raise ValueError(f"keep_last: expected >= 1, got {keep_last}")
+    pipeline_state = dict(pipeline_state or {})
+    _check_json("data_cursor", data_cursor)
+    _check_json("pipeline_state", pipeline_state)
+    root = Path(run_dir) / "checkpoints"
+    name = f"step_{trainer.step_count:08d}"
+    final, tmp = root / name, root / f".tmp-{name}"
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+        for net_name in trainer.networks():
+            (tmp / "dist" / net_name).mkdir(parents=True)
+    _barrier()
+    for net_name, net in trainer.networks().items():
+        _init_optimizer_state(net.opt)
+        model_sd = net.module.sharded_state_dict()
+        state = {
+            "model": model_sd,
+            "optimizer": net.opt.sharded_state_dict(model_sd, metadata=_OPT_META),
+        }
+        dist_checkpointing.save(state, str(tmp / "dist" / net_name))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    _barrier()
+    if _rank() == 0:
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "step": trainer.step_count,
+            "update_count": trainer.update_count,
+            "weight_version": trainer.weight_version,
+            "world_size": _world(),
+            "tp_size": _tp_size(),
+            "dp_size": trainer.dp_size,
+            "schedulers": {k: n.sched.state_dict() for k, n in trainer.networks().items()},
+            "data_cursor": data_cursor,
+            "pipeline_state": pipeline_state,
+        }
+        with open(tmp / _META, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. after a crash): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in root.glob("step_*") if root.is_dir() else []:
+        suffix = p.name.removeprefix("step_")
+        if suffix.isdigit() and (p / _META).is_file():
+            out.append((int(suffix), p))
+    return sorted(out)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for _, p in _complete(root)[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp-step_*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of `run_dir` (None if there is none)."""
+    found = _complete(Path(run_dir) / "checkpoints")
+    return found[-1][1] if found else None
+
+
+def _noop_init_state(opt: Any, config: Any = None) -> None:
+    return None
+
+
+def _init_optimizer_state(opt: Any) -> None:
+    """Create the lazily-made per-parameter states of a fresh optimizer, with the values the
+    first step would start from (so the update is unchanged): torch Adam's zeros and step 0,
+    SGD's momentum buffers as zeros (0 * momentum + grad == grad exactly, dampening 0).
+
+    megatron 0.16.1 without Apex/TE needs this: the DistributedOptimizer's state_dict()
+    asserts one common Adam step (none exists before the first step), FP32Optimizer calls its
+    `init_state_fn`, which is None for SGD, on loading, and an SGD momentum buffer that does not
+    exist yet would be missing from the checkpoint's keys."""
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        inner = sub.optimizer
+        if getattr(sub, "init_state_fn", _noop_init_state) is None:
+            sub.init_state_fn = _noop_init_state
+        adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if adam and not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                elif isinstance(inner, torch.optim.SGD) and group.get("momentum", 0.0):
+                    if state.get("momentum_buffer") is None:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+
+
+def _restore_steps(opt: Any) -> None:
+    """megatron 0.16.1 (no Apex/TE), DistributedOptimizer load: every parameter's Adam `step`
+    ends up as ONE shared tensor holding the *fresh* optimizer's value (the dp_reshardable
+    parameter state copies the current step into it); the checkpoint's step survives only in
+    the param groups. Give each parameter its own tensor with the group's step (else clone)."""
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if not state or not isinstance(state.get("step"), torch.Tensor):
+                    continue
+                step = group.get("step")
+                state["step"] = (
+                    torch.tensor(float(step), dtype=state["step"].dtype)
+                    if step is not None
+                    else state["step"].clone()
+                )
+
+
+def load(trainer: Any, path: str | os.PathLike) -> Resumed:
+    """Restore `trainer` (built as for the saved run) from checkpoint `path`; a collective.
+    ValueError when the checkpoint is incomplete or the world / TP size differ."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta_file = path / _META
+    if not meta_file.is_file():
+        raise ValueError(f"{path}: not a complete checkpoint (no {_META})")
+    meta = json.loads(meta_file.read_text("utf-8"))
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    here = {"world_size": _world(), "tp_size": _tp_size()}
+    for key, value in here.items():
+        if meta[key] != value:
+            raise ValueError(f"{path}: saved with {key}={meta[key]}, this job has {value}")
+    nets = trainer.networks()
+    if set(nets) != set(meta["schedulers"]):
+        raise ValueError(f"{path}: networks {sorted(meta['schedulers'])}, trainer {sorted(nets)}")
+    for net_name, net in nets.items():
+        _init_optimizer_state(net.opt)
+        model_sd = net.module.sharded_state_dict()
+        opt_sd = net.opt.sharded_state_dict(model_sd, is_loading=True, metadata=_OPT_META)
+        loaded = dist_checkpointing.load(
+            {"model": model_sd, "optimizer": opt_sd}, str(path / "dist" / net_name)
+        )
+        net.module.load_state_dict(loaded["model"])
+        with torch.no_grad():  # fp32 params: the main params are views of the model params
+            net.opt.load_state_dict(loaded["optimizer"])
+        _restore_steps(net.opt)
+        net.sched.load_state_dict(meta["schedulers"][net_name])
+    rng = torch.load(path / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
+    _set_rng_state(rng)
+    trainer.step_count = int(meta["step"])
+    trainer.update_count = int(meta["update_count"])
+    trainer.weight_version = int(meta["weight_version"])
+    _barrier()
+    return Resumed(
+        path=path,
+        step=trainer.step_count,
+        update_count=trainer.update_count,
+        weight_version=trainer.weight_version,
+        data_cursor=meta["data_cursor"],
+        pipeline_state=meta["pipeline_state"],
+    )

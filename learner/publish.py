@@ -1,0 +1,257 @@
+"""Weight publication: the policy, gathered over tensor parallel, in the family's HF layout.
+
+Order of calls (every rank calls; ranks outside data-parallel rank 0 return None at once):
+
+    pub = publish(trainer.policy_model, run_dir, trainer.weight_version, dtype=torch.bfloat16)
+    if pub is not None:                                  # global rank 0 (the coordinator)
+        ann = pub.announce(chunk_bytes)                  # proto.WeightAnnounce
+        publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), ...)
+
+What is published, for weight version v:
+
+1. the full HF state dict (`exporter`, default `looped_exporter`: learner.hf_convert's TP
+   all-gather over the TP group of data-parallel rank 0);
+2. floating parameters cast to `dtype` when given; buffers (Huginn's fp32 `freqs_cis`) keep
+   their dtype; tied tensors stay one tensor through the cast;
+3. tied weights (`lm_head.*` sharing its embedding) stored once, under the embedding's name,
+   as `save_pretrained` does: on disk, in the blob and in the digest alike;
+4. on global rank 0: `<run_dir>/weights/v<v>/` written atomically by
+   `models.checkpoint.save_checkpoint` (config.json, model.safetensors, manifest.json);
+   manifest.json = {"format", "version", "digest", "tied", "tensors": [{name, dtype, shape,
+   offset, nbytes, sha256}]}; the digest is `models.digest.canonical_digest` of the stored
+   tensors (= `digest_from_blob(blob, tensors)`);
+5. the same tensors as one contiguous blob + per-tensor metadata (`models.digest`) for the
+   chunked ZMQ broadcast (proto WeightAnnounce / WeightChunk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.checkpoint import json_bytes, load_checkpoint, save_checkpoint
+from models.digest import blob_and_meta, canonical_digest, digest_from_blob
+from proto.records import TensorMeta, WeightAnnounce
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Exporter",
+    "Publication",
+    "cast_for_publication",
+    "looped_exporter",
+    "publication_state",
+    "publish",
+    "read_manifest",
+    "tie_map",
+    "verify_publication",
+    "weights_dir",
+]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "looprl-weights/1"
+
+Exporter = Callable[[nn.Module], tuple[dict[str, Tensor], set[str]]]
+"""model -> (full HF state dict on every rank of the TP group, names that are buffers).
+A collective over the tensor-parallel group."""
+
+
+def looped_exporter(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
+    """HF state of a `learner.mcore_model.LoopedGPT` (`gather_hf_state`) and its buffers."""
+    from learner.hf_convert import conversion_rules, gather_hf_state
+
+    params = {n for n, _ in model.named_parameters()}
+    buffers = {h for r in conversion_rules(model) if r.mine not in params for h in r.hf}  # type: ignore[arg-type]
+    return gather_hf_state(model), buffers  # type: ignore[arg-type]
+
+
+def weights_dir(run_dir: str | os.PathLike, version: int) -> Path:
+    """`<run_dir>/weights/v<version>`."""
+    return Path(run_dir) / "weights" / f"v{version}"
+
+
+def tie_map(state: Mapping[str, Tensor], head_prefix: str = "lm_head.") -> dict[str, str]:
+    """{target: source} for names under `head_prefix` that are the very tensor of another
+    name (the embedding): the target is dropped on save, as transformers does."""
+    by_storage: dict[tuple, list[str]] = {}
+    for name in sorted(state):
+        t = state[name]
+        if t.numel():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+            by_storage.setdefault(key, []).append(name)
+    tied: dict[str, str] = {}
+    for names in by_storage.values():
+        sources = [n for n in names if not n.startswith(head_prefix)]
+        if len(names) > 1 and sources:
+            tied.update({n: sources[0] for n in names if n.startswith(head_prefix)})
+    return tied
+
+
+def cast_for_publication(
+    state: Mapping[str, Tensor], dtype: torch.dtype | None, keep: set[str]
+) -> dict[str, Tensor]:
+    """Floating tensors not in `keep` cast to `dtype` (None: unchanged); tensors that share
+    storage stay shared after the cast."""
+    if dtype is None:
+        return dict(state)
+    done: dict[tuple, Tensor] = {}
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        if name in keep or not t.is_floating_point():
+            out[name] = t
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in done:
+            done[key] = t.detach().to(dtype)
+        out[name] = done[key]
+    return out
+
+
+def publication_state(
+    model: nn.Module, *, dtype: torch.dtype | None = None, exporter: Exporter | None = None
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(stored tensors: tie targets dropped, CPU, contiguous; tied {target: source}).
+    A collective over the TP group (the exporter's gather)."""
+    state, buffers = (exporter or looped_exporter)(model)
+    state = cast_for_publication(state, dtype, buffers)
+    tied = tie_map(state)
+    stored = {n: t.detach().cpu().contiguous() for n, t in sorted(state.items()) if n not in tied}
+    return stored, tied
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One published weight set (rank 0's view)."""
+
+    version: int
+    """Weight version (strictly increasing)."""
+    digest: str
+    """`models.digest.canonical_digest` of the stored tensors (64 hex chars)."""
+    path: Path | None
+    """HF-layout directory, or None when nothing was written."""
+    blob: bytes
+    """Canonical bytes of every stored tensor, sorted by name (`models.digest.blob_and_meta`)."""
+    tensors: list[dict[str, Any]]
+    """Per-tensor {name, dtype, shape, offset, nbytes, sha256} inside the blob."""
+    tied: dict[str, str]
+    """{target: source} of tied weights (targets absent from blob and disk)."""
+    config_json: str
+    """The config.json text."""
+
+    def tensor_metas(self) -> list[TensorMeta]:
+        return [TensorMeta(**t) for t in self.tensors]
+
+    def announce(self, chunk_bytes: int, *, created_at: float = 0.0) -> WeightAnnounce:
+        """The WeightAnnounce for a chunked broadcast of `blob` in `chunk_bytes` chunks."""
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+        ann = WeightAnnounce(
+            version=self.version,
+            digest=self.digest,
+            total_bytes=len(self.blob),
+            chunk_bytes=chunk_bytes,
+            num_chunks=-(-len(self.blob) // chunk_bytes),
+            tensors=self.tensor_metas(),
+            path="" if self.path is None else str(self.path),
+            config_json=self.config_json,
+            created_at=created_at,
+        )
+        ann.validate()
+        return ann
+
+
+def _config_dict(model: nn.Module, config: Mapping[str, Any] | None) -> dict[str, Any]:
+    if config is not None:
+        return dict(config)
+    family = getattr(model, "family_config", None)
+    if family is None:
+        raise ValueError("config: required for a model without `family_config`")
+    return dict(family.to_hf_dict())
+
+
+def publish(
+    model: nn.Module,
+    run_dir: str | os.PathLike | None,
+    version: int,
+    *,
+    config: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    exporter: Exporter | None = None,
+    keep_last: int | None = None,
+) -> Publication | None:
+    """Publish the policy as weight version `version` (module docstring).
+
+    Call on every rank. Data-parallel rank 0's TP group gathers; global rank 0 writes
+    `weights_dir(run_dir, version)` (skipped when run_dir is None) and returns the
+    Publication; every other rank returns None. config: the HF config dict (default:
+    `model.family_config.to_hf_dict()`). keep_last: remove older `weights/v*` directories
+    beyond the newest `keep_last` (None keeps all).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if version < 0:
+        raise ValueError(f"version: expected >= 0, got {version}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last: expected None or >= 1, got {keep_last}")
+    if ps.get_data_parallel_rank() != 0:
+        return None
+    stored, tied = publication_state(model, dtype=dtype, exporter=exporter)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    config_dict = _config_dict(model, config)
+    blob, tensors = blob_and_meta(stored)
+    digest = digest_from_blob(blob, tensors)
+    path = None
+    if run_dir is not None:
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": version,
+            "digest": digest,
+            "tied": dict(sorted(tied.items())),
+            "tensors": tensors,
+        }
+        path = weights_dir(run_dir, version)
+        save_checkpoint(stored, config_dict, path, tied=tied, extra_files={MANIFEST_NAME: manifest})
+        if keep_last is not None:
+            _prune(Path(run_dir) / "weights", keep_last)
+    config_json = json_bytes(config_dict).decode("utf-8")
+    return Publication(version, digest, path, blob, tensors, tied, config_json)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    versions = sorted(
+        (int(p.name[1:]), p) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()
+    )
+    for _, p in versions[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest.json of a published weights directory."""
+    manifest: dict[str, Any] = json.loads((Path(path) / MANIFEST_NAME).read_text("utf-8"))
+    return manifest
+
+
+def verify_publication(path: str | os.PathLike) -> str:
+    """Recompute the digest of a published directory from its safetensors; ValueError unless
+    it equals the manifest's digest (and each tensor its sha256). Returns the digest."""
+    manifest = read_manifest(path)
+    _, state = load_checkpoint(path)
+    digest = canonical_digest(state)
+    if digest != manifest["digest"]:
+        raise ValueError(f"{path}: digest {digest} != manifest {manifest['digest']}")
+    blob, tensors = blob_and_meta(state)
+    want = {t["name"]: t["sha256"] for t in manifest["tensors"]}
+    got = {t["name"]: t["sha256"] for t in tensors}
+    if want != got:
+        bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
+        raise ValueError(f"{path}: per-tensor sha256 differ from the manifest: {bad}")
+    return digest

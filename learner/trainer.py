@@ -1,0 +1,498 @@
+"""The learner's training step on megatron-core: policy (and optional critic) updates.
+
+Order of calls (every rank runs the same calls with the same rollouts):
+
+    info = learner.parallel.init_distributed(tp)
+    trainer = Trainer(train_cfg, optim_cfg, schedule_cfg, looped_policy_spec(model_config),
+                      critic=..., critic_optim=..., critic_schedule=...)
+    learner.checkpoint.load(trainer, path)      # optional: resume
+    metrics = trainer.step(rollouts)            # k x global_batch_size rollouts -> k updates
+    learner.publish.publish(trainer.policy_model, run_dir, trainer.weight_version)
+    learner.checkpoint.save(trainer, run_dir, ...)
+
+`step(rollouts)` (details: docs/LEARNER.md): sorted padded batch -> advantages over the whole
+step (GRPO groups, or GAE with the pre-update critic's values) -> proximal pass with the
+pre-update weights when needed -> per update and micro-batch: forward, `token_stats`,
+`policy_loss` (normalizer: the update's global token or sequence count), backward of
+loss x dp_size (megatron DDP averages over DP; the normalizer already gives each rank its
+share of one global mean) -> `finalize_model_grads`, LR step, `optimizer.step()` (clipping
+inside); critic likewise -> `weight_version += 1`, metrics reduced over DP.
+
+The model hides behind `PolicySpec` / `CriticSpec` (build + forward): the looped families of
+learner/mcore_model.py (`looped_policy_spec`) and a plain megatron GPTModel plug in alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from learner.batching import TrainBatch, build_batch, gae_advantages, group_token_advantages
+from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.objectives import policy_loss, value_loss
+from learner.vocab_ops import token_stats
+from proto.records import Rollout
+
+__all__ = [
+    "CriticSpec",
+    "Network",
+    "PolicySpec",
+    "Trainer",
+    "looped_critic_spec",
+    "looped_policy_spec",
+]
+
+PolicyForward = Callable[[nn.Module, TrainBatch], dict[str, Tensor]]
+"""(model, micro-batch) -> one of (differentiable, full vocabulary, before temperature):
+{"logits": [B, L, V]} at every input position; {"mask_logits": [N, V]} at the N positions
+where mb.mask > 0, in row-major order; or {"logp": [B, L], "entropy": [B, L]} of the
+targets at the objective's temperature (not for flow_dppo, which needs logits)."""
+CriticForward = Callable[[nn.Module, TrainBatch], Tensor]
+"""(model, micro-batch) -> values [B, L] (differentiable)."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How to build and run the policy. `build(recompute)` returns an unwrapped megatron
+    module under the current parallel state; `forward` is a `PolicyForward`."""
+
+    build: Callable[[bool], nn.Module]
+    forward: PolicyForward
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """How to build and run the critic (`build(recompute)`, `forward`: a CriticForward)."""
+
+    build: Callable[[bool], nn.Module]
+    forward: CriticForward
+
+
+class Network:
+    """One trained network: module, Megatron DDP wrapper, optimizer, LR scheduler."""
+
+    def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if schedule.min_lr > optim.lr:
+            raise ValueError(f"min_lr: expected <= lr ({optim.lr}), got {schedule.min_lr}")
+        self.module, self.optim_cfg, self.schedule_cfg = module, optim, schedule
+        bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters())
+        ddp_cfg = DistributedDataParallelConfig(
+            use_distributed_optimizer=optim.distributed, grad_reduce_in_fp32=True
+        )
+        self.ddp = DistributedDataParallel(module.config, ddp_cfg, module)  # type: ignore[arg-type]
+        opt_cfg = OptimizerConfig(
+            optimizer=optim.name,
+            lr=optim.lr,
+            min_lr=schedule.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0],
+            adam_beta2=optim.betas[1],
+            adam_eps=optim.eps,
+            sgd_momentum=optim.sgd_momentum,
+            clip_grad=optim.clip_grad,
+            use_distributed_optimizer=optim.distributed,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
+        self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
+        warm = schedule.warmup_steps
+        self.sched = OptimizerParamScheduler(
+            self.opt,
+            init_lr=0.0 if warm else optim.lr,
+            max_lr=optim.lr,
+            min_lr=schedule.min_lr,
+            lr_warmup_steps=warm,
+            lr_decay_steps=max(schedule.total_steps, warm + 1),
+            lr_decay_style=schedule.style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def update(self) -> dict[str, float]:
+        """DP gradient all-reduce, next LR, optimizer step (clipping inside)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        self.sched.step(1)  # the n-th update uses lr(n): ScheduleConfig docstring
+        lr = float(self.opt.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.opt.step()
+        if not ok:
+            raise RuntimeError("optimizer step reported failure (non-finite gradients?)")
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": lr}
+
+
+class _Metrics:
+    """Sums, token-weighted means and maxima, reduced over the data-parallel group."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+
+    def add_sum(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def add_mean(self, key: str, value: float, weight: float) -> None:
+        self.add_weighted(key, value * weight, weight)
+
+    def add_weighted(self, key: str, weighted_sum: float, weight: float) -> None:
+        self.weighted[key] = self.weighted.get(key, 0.0) + weighted_sum
+        self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def add_max(self, key: str, value: float) -> None:
+        self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
+
+    def reduce(self, group: Any) -> dict[str, float]:
+        sk, wk, mk = sorted(self.sums), sorted(self.weighted), sorted(self.maxes)
+        flat = [self.sums[k] for k in sk]
+        flat += [self.weighted[k] for k in wk] + [self.weights[k] for k in wk]
+        packed = torch.tensor(flat, dtype=torch.float64)
+        peaks = torch.tensor([self.maxes[k] for k in mk], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(packed, group=group)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        vals, n = packed.tolist(), len(sk)
+        out = dict(zip(sk, vals[:n], strict=True))
+        for i, k in enumerate(wk):
+            w = vals[n + len(wk) + i]
+            out[k] = vals[n + i] / w if w > 0 else 0.0
+        out.update(zip(mk, peaks.tolist(), strict=True))
+        return out
+
+
+def _seed_all(seed: int) -> None:
+    """torch (CPU and CUDA), megatron's RNG tracker, numpy and python RNGs from one seed."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+class Trainer:
+    """Policy (+ critic) training on megatron-core; see the module docstring for the step."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        optim: OptimConfig,
+        schedule: ScheduleConfig,
+        policy: PolicySpec,
+        *,
+        critic: CriticSpec | None = None,
+        critic_optim: OptimConfig | None = None,
+        critic_schedule: ScheduleConfig | None = None,
+        initial_version: int = 0,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        if cfg.critic != (critic is not None):
+            raise ValueError(f"critic: TrainConfig.critic={cfg.critic} but critic spec {critic}")
+        self.cfg = cfg
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.grad_accum = cfg.grad_accum_steps(self.dp_size)
+        self.policy_spec, self.critic_spec = policy, critic
+        _seed_all(cfg.seed)
+        self.policy = Network(policy.build(cfg.recompute), optim, schedule)
+        self.critic: Network | None = None
+        if critic is not None:
+            self.critic = Network(
+                critic.build(cfg.recompute), critic_optim or optim, critic_schedule or schedule
+            )
+        self.weight_version = initial_version
+        """Version of the current policy weights (+1 per step)."""
+        self.step_count = 0
+        """Completed `step` calls."""
+        self.update_count = 0
+        """Completed optimizer updates (the schedule's n)."""
+
+    @property
+    def policy_model(self) -> nn.Module:
+        """The unwrapped policy module (this rank's TP shard)."""
+        return self.policy.module
+
+    def networks(self) -> dict[str, Network]:
+        """{"policy": ..., "critic": ...} (critic only when configured)."""
+        return {"policy": self.policy} | ({"critic": self.critic} if self.critic else {})
+
+    # ---------------------------------------------------------------- step helpers
+    def _local_rows(self, n_rows: int) -> list[tuple[int, int, int, int]]:
+        """(update start, update stop, this rank's start, stop) per update."""
+        g, share = self.cfg.global_batch_size, self.cfg.global_batch_size // self.dp_size
+        return [
+            (u * g, (u + 1) * g, u * g + self.dp_rank * share, u * g + (self.dp_rank + 1) * share)
+            for u in range(n_rows // g)
+        ]
+
+    def _micro(self, batch: TrainBatch, lo: int, hi: int) -> list[TrainBatch]:
+        mbs, pad = self.cfg.micro_batch_size, self.cfg.pad_to_multiple
+        return list(batch.micro_batches(mbs, lo, hi, pad))
+
+    @staticmethod
+    def _normalizer(batch: TrainBatch, lo: int, hi: int, aggregation: str) -> float:
+        """The update's global denominator: response tokens, or sequences with tokens."""
+        counts = (batch.mask[lo:hi] > 0).sum(dim=1)
+        if aggregation == "token_mean":
+            return float(counts.sum())
+        return float((counts > 0).sum())
+
+    def _stats(self, out: dict[str, Tensor], mb: TrainBatch, old: Tensor | None) -> dict:
+        """logp / entropy (/ kl, prox_logp from old logits) [B, L] from a PolicyForward;
+        full-vocabulary statistics are computed on the response rows only."""
+        obj = self.cfg.objective
+        if "logits" not in out and "mask_logits" not in out:
+            if old is not None:
+                raise ValueError("flow_dppo needs a PolicyForward that returns logits")
+            return {"logp": out["logp"], "entropy": out["entropy"]}
+        sel = mb.mask > 0
+        rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
+        stats = token_stats(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
+
+        def spread(x: Tensor) -> Tensor:
+            return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
+
+        res = {"logp": spread(stats.logp), "entropy": spread(stats.entropy), "rows": rows}
+        if stats.kl is not None and stats.logp_old is not None:
+            res["kl"] = spread(stats.kl)
+            res["prox_logp"] = spread(stats.logp_old)
+        return res
+
+    @torch.no_grad()
+    def _pre_update_passes(
+        self, batch: TrainBatch, rows: list[tuple[int, int, int, int]]
+    ) -> dict[tuple[int, int], Tensor]:
+        """Critic values (+ GAE) and proximal log-probs / logits with pre-update weights."""
+        cfg, flow = self.cfg, self.cfg.objective.kind == "flow_dppo"
+        old_logits: dict[tuple[int, int], Tensor] = {}
+        length = batch.length
+        zeros = torch.zeros(batch.size, length)
+        if self.critic is not None:
+            assert self.critic_spec is not None
+            values = zeros.clone()
+            self.critic.module.eval()
+            for _, _, lo, hi in rows:
+                start = lo
+                for mb in self._micro(batch, lo, hi):
+                    v = self.critic_spec.forward(self.critic.module, mb).float().cpu()
+                    values[start : start + mb.size, : v.shape[1]] = v[:, :length]
+                    start += mb.size
+            self.critic.module.train()
+            adv, ret = gae_advantages(batch, values, cfg.gamma, cfg.lam)
+            batch.extra.update(old_values=values, returns=ret)
+        else:
+            adv = group_token_advantages(batch, cfg.group_normalize_std)
+        local = torch.zeros(batch.size, dtype=torch.bool)
+        for _, _, lo, hi in rows:
+            local[lo:hi] = True
+        adv = torch.where(local[:, None], adv, 0.0)
+        if cfg.whiten_advantages:
+            adv = self._whiten(adv, torch.where(local[:, None], batch.mask, 0.0))
+        batch.extra["advantages"] = adv
+        if cfg.use_prox:
+            prox = zeros.clone()
+            self.policy.module.eval()
+            for u, (_, _, lo, hi) in enumerate(rows):
+                start = lo
+                for i, mb in enumerate(self._micro(batch, lo, hi)):
+                    stats = self._stats(self.policy_spec.forward(self.policy.module, mb), mb, None)
+                    if flow:
+                        if "rows" not in stats:
+                            raise ValueError("flow_dppo needs a PolicyForward that returns logits")
+                        old_logits[(u, i)] = stats["rows"].detach()
+                    lp = stats["logp"].float().cpu()
+                    prox[start : start + mb.size, : lp.shape[1]] = lp[:, :length]
+                    start += mb.size
+            self.policy.module.train()
+            batch.extra["prox_logp"] = prox
+        return old_logits
+
+    def _whiten(self, adv: Tensor, mask: Tensor) -> Tensor:
+        """(A - mean) / (std + 1e-6) over the masked tokens of all DP ranks (population std)."""
+        w = torch.where(mask > 0, mask.double(), 0.0)
+        a = adv.double()
+        sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
+        if dist.is_initialized() and self.dp_size > 1:
+            dist.all_reduce(sums, group=self.dp_group)
+        total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
+        mean = sums[1] / total
+        var = (sums[2] / total - mean * mean).clamp_min(0.0)
+        return torch.where(mask > 0, (a - mean) / (var.sqrt() + 1e-6), 0.0).float()
+
+    # ---------------------------------------------------------------- the step
+    def step(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        """Train on `rollouts` (a multiple of global_batch_size of them): one optimizer
+        update per global batch; returns metrics (identical on every rank)."""
+        cfg, g = self.cfg, self.cfg.global_batch_size
+        if not rollouts or len(rollouts) % g:
+            raise ValueError(
+                f"rollouts: expected a positive multiple of global_batch_size ({g}), "
+                f"got {len(rollouts)}"
+            )
+        batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
+        rows = self._local_rows(batch.size)
+        old_logits = self._pre_update_passes(batch, rows)
+        metrics = _Metrics()
+        device = next(self.policy.module.parameters()).device
+        use_prox_logp = cfg.use_prox and cfg.objective.kind != "flow_dppo"
+        for u, (g_lo, g_hi, lo, hi) in enumerate(rows):
+            norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
+            self.policy.zero_grad()
+            for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
+                mb = mb_cpu.to(device)
+                stats = self._stats(
+                    self.policy_spec.forward(self.policy.module, mb), mb, old_logits.get((u, i))
+                )
+                stats.pop("rows", None)
+                lb: dict[str, Any] = dict(stats, mask=mb.mask, behav_logp=mb.behav_logp)
+                lb.update(advantages=mb.extra["advantages"], normalizer=norm)
+                if use_prox_logp:
+                    lb["prox_logp"] = mb.extra["prox_logp"]
+                loss, m = policy_loss(cfg.objective, lb)
+                (loss * self.dp_size).backward()
+                self._record(metrics, m, mb, stats["logp"].detach(), u == 0, len(rows))
+            for k, v in self.policy.update().items():
+                metrics.add_mean(k, v, 1.0)
+            self.update_count += 1
+            if self.critic is not None:
+                vnorm = self._normalizer(batch, g_lo, g_hi, cfg.value.aggregation)
+                self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
+        self._batch_metrics(batch, metrics)
+        out = metrics.reduce(self.dp_group)
+        self.step_count += 1
+        self.weight_version += 1
+        out.update(weight_version=float(self.weight_version), updates=float(len(rows)))
+        return out
+
+    def _record(
+        self,
+        metrics: _Metrics,
+        m: dict[str, float],
+        mb: TrainBatch,
+        logp: Tensor,
+        first_update: bool,
+        n_updates: int,
+    ) -> None:
+        weight = float((mb.mask > 0).sum())
+        for k, v in m.items():
+            if k in ("loss", "pg_loss", "num_tokens"):  # shares of a global sum: mean per update
+                metrics.add_sum(k, v / n_updates)
+            else:
+                metrics.add_mean(k, v, weight)
+        # Behaviour vs learner log-probs: the proximal pass when it ran (pre-update weights for
+        # every update), else the training forward of the step's first update.
+        learner = mb.extra.get("prox_logp", logp if first_update else None)
+        if learner is None:
+            return
+        live = (mb.mask > 0) & torch.isfinite(mb.behav_logp) & torch.isfinite(learner)
+        d = torch.where(live, learner.float() - mb.behav_logp.float(), 0.0)
+        n = float(live.sum())
+        metrics.add_weighted("logp_mismatch_mean", float(d.abs().sum()), n)
+        metrics.add_weighted("kl", float((d.clamp(-20, 20).exp() - 1 - d).sum()), n)
+        metrics.add_max("logp_mismatch_max", float(d.abs().max()) if d.numel() else 0.0)
+
+    def _critic_update(
+        self, batch: TrainBatch, lo: int, hi: int, norm: float, metrics: _Metrics, n_updates: int
+    ) -> None:
+        assert self.critic is not None and self.critic_spec is not None
+        device = next(self.critic.module.parameters()).device
+        vcfg = self.cfg.value
+        self.critic.zero_grad()
+        for mb_cpu in self._micro(batch, lo, hi):
+            mb = mb_cpu.to(device)
+            values = self.critic_spec.forward(self.critic.module, mb)
+            vb = {"values": values, "mask": mb.mask, "normalizer": norm}
+            vb.update(old_values=mb.extra["old_values"], returns=mb.extra["returns"])
+            loss, m = value_loss(vcfg, vb)
+            (loss * self.dp_size).backward()
+            weight = float((mb.mask > 0).sum())
+            for k, v in m.items():
+                if k == "value_loss":
+                    metrics.add_sum(k, v / n_updates)
+                else:
+                    metrics.add_mean(k, v, weight)
+        for k, v in self.critic.update().items():
+            metrics.add_mean(f"critic_{k}", v, 1.0)
+
+    def _batch_metrics(self, batch: TrainBatch, metrics: _Metrics) -> None:
+        """Per-step quantities every rank knows in full (added on rank 0 of DP only)."""
+        if self.dp_rank != 0:
+            metrics.add_sum("reward_mean", 0.0)
+            metrics.add_sum("staleness_mean", 0.0)
+            metrics.add_max("staleness_max", -math.inf)
+            return
+        stale = (self.weight_version - batch.weight_versions).float()
+        metrics.add_sum("reward_mean", float(batch.rewards.mean()))
+        metrics.add_sum("staleness_mean", float(stale.mean()))
+        metrics.add_max("staleness_max", float(stale.max()))
+
+
+# -------------------------------------------------------------------- looped families
+def _valid(mb: TrainBatch) -> Tensor:
+    return mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
+
+
+def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> PolicySpec:
+    """PolicySpec of a looped family (`learner.mcore_model.build_policy`): the forward replays
+    the recorded exit depths and latent seeds and gathers the response rows' logits to the
+    full vocabulary (`learner.replay.full_vocab_logits`)."""
+    import dataclasses
+
+    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.replay import full_vocab_logits
+
+    base = options or MegatronOptions()
+
+    def build(recompute: bool) -> nn.Module:
+        opts = dataclasses.replace(base, recompute="block" if recompute else "none")
+        return build_policy(model_config, opts, hf_state)
+
+    def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
+        out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds)
+        return {"mask_logits": full_vocab_logits(model, out.logits[mb.mask > 0])}  # type: ignore[arg-type]
+
+    return PolicySpec(build, forward)
+
+
+def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> CriticSpec:
+    """CriticSpec of a looped family (`learner.mcore_model.build_critic`, value head)."""
+    import dataclasses
+
+    from learner.mcore_model import MegatronOptions, build_critic
+
+    base = options or MegatronOptions()
+
+    def build(recompute: bool) -> nn.Module:
+        opts = dataclasses.replace(base, recompute="block" if recompute else "none")
+        return build_critic(model_config, opts, hf_state=hf_state)
+
+    def forward(model: nn.Module, mb: TrainBatch) -> Tensor:
+        values: Tensor = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds).values
+        return values
+
+    return CriticSpec(build, forward)
