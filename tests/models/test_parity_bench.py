@@ -41,5 +41,8 @@ def test_parity_lines(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unknown_pair_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench()
     with pytest.raises(SystemExit):
-        bench.main(["--pairs", "vllm_vs_reference"])
-    assert "unknown pair 'vllm_vs_reference'; known pairs: reference" in capsys.readouterr().err
+        bench.main(["--pairs", "vllm_vs_nothing"])
+    err = capsys.readouterr().err
+    assert "unknown pair 'vllm_vs_nothing'; known pairs:" in err
+    for pair in ("megatron_vs_reference", "reference", "vllm_vs_reference"):
+        assert pair in err
