@@ -290,14 +290,19 @@ class LoopedEngine:
 
 
 def to_rollouts(item: WorkItem, samples: Sequence[Sample], generator_id: str) -> list[Rollout]:
-    """Rollout records of one WorkItem's samples (reward left empty for the reward step)."""
+    """Rollout records of one WorkItem's samples (reward left empty for the reward step).
+
+    Sample j is group member ``item.indices()[j]`` (a re-dispatch names the missing ones)."""
     now = time.time()
+    indices = item.indices()
+    if len(indices) != len(samples):
+        raise ValueError(f"{len(samples)} samples for {len(indices)} seeds of {item.work_id}")
     return [
         Rollout(
-            rollout_id=f"{item.work_id}/{j}",
+            rollout_id=f"{item.work_id}/{indices[j]}",
             work_id=item.work_id,
             prompt_id=item.prompt_id,
-            sample_index=j,
+            sample_index=indices[j],
             generator_id=generator_id,
             latent_seed=int(s.latent_seed),
             prompt_tokens=np.asarray(item.prompt_tokens, dtype=np.int32),

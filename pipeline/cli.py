@@ -39,6 +39,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_parser(sub)
 
+    # looprl learner ...
+    from pipeline.learner_main import add_parser as add_learner_parser
+
+    add_learner_parser(sub)
+
+    # looprl run ...
+    from pipeline.launcher import add_parser as add_run_parser
+
+    add_run_parser(sub)
+
+    # looprl replay ...
+    from pipeline.replay_main import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
+
+    # looprl generator ...
+    from pipeline.generator_cli import add_parser as add_generator_parser
+
+    add_generator_parser(sub)
+
     # looprl model ...
     model = sub.add_parser("model", help="looped model checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -18,6 +18,7 @@ from generator.vllm_records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
 from models.exits import KL
 from models.init import init_checkpoint
+from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
 
 
@@ -157,3 +158,33 @@ def test_inflight_update_records_token_versions(setup: Setup, monkeypatch: Any) 
     assert versions is not None
     assert versions.tolist() == [old] * 3 + [setup.version] * 5
     assert setup.engine.weight_version == setup.version
+
+
+def test_to_rollouts_keeps_redispatched_sample_indices() -> None:
+    from generator.engine import Sample
+
+    item = WorkItem(
+        work_id="w7",
+        prompt_id="p",
+        prompt_tokens=np.array([1, 2], np.int32),
+        latent_seeds=np.array([11, 13], np.uint64),
+        sample_indices=[3, 1],
+    )
+    samples = [
+        Sample(
+            tokens=np.array([5], np.int32),
+            logprobs=np.array([-0.5], np.float32),
+            exit_depths=np.array([4], np.uint8),
+            latent_seed=seed,
+            weight_version=2,
+            token_versions=None,
+            finish_reason="length",
+        )
+        for seed in (11, 13)
+    ]
+    rollouts = to_rollouts(item, samples, "gen-0")
+    assert [r.sample_index for r in rollouts] == [3, 1]
+    assert [r.rollout_id for r in rollouts] == ["w7/3", "w7/1"]
+    assert [r.latent_seed for r in rollouts] == [11, 13]
+    with pytest.raises(ValueError, match="1 samples for 2 seeds"):
+        to_rollouts(item, samples[:1], "gen-0")

@@ -1,0 +1,426 @@
+"""``RunConfig``: the settings of one training run (learner, generators, launcher, replay).
+
+Precedence: schema defaults < the YAML file (``--config FILE``) < ``key=value`` overrides
+(dotted keys, e.g. ``rollout.n=4 objective.kind=ppo``). OmegaConf merges; the frozen
+dataclasses below are the schema and the only place defaults live. An unknown key, a value
+of the wrong type or an out-of-range value is a :class:`ConfigError` naming the key.
+The defaults ARE the quickstart (configs/quickstart.yaml repeats them; a test checks that).
+Each component receives only its own section (``cfg.rollout``, ``cfg.staleness``, ...).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo")
+POLICIES = ("drop", "keep")
+NUMERICS = ("fast", "exact")
+BACKENDS = ("auto", "megatron", "reference")
+TASKS = ("synthetic", "jsonl")
+WEIGHT_TRANSPORTS = ("disk", "chunks")
+FSYNC = ("always", "batch", "never")
+
+
+class ConfigError(ValueError):
+    """A run config file or override is invalid; the message names the key."""
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"run config {key}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which checkpoint the run starts from."""
+
+    family: str = "huginn"
+    """Model family for a fresh checkpoint: huginn, ouro, nanbeige or llama."""
+    size: str = "tiny"
+    """Preset size for a fresh checkpoint (models.init): tiny or small."""
+    path: str = ""
+    """Existing HF-layout checkpoint directory; empty: create family/size in RUN_DIR/init."""
+    init_seed: int = 0
+    """Initialisation seed of a fresh checkpoint."""
+
+    def __post_init__(self) -> None:
+        _check(self.family in ("huginn", "ouro", "nanbeige", "llama"), "model.family",
+               self.family, "must be huginn, ouro, nanbeige or llama")  # fmt: skip
+        _check(self.size in ("tiny", "small"), "model.size", self.size, "must be tiny or small")
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    """Where prompts come from (the generators score them with ``reward``)."""
+
+    kind: str = "synthetic"
+    """synthetic (the count-on task, docs/REWARDS.md) or jsonl (``path``)."""
+    path: str = ""
+    """jsonl: one {"prompt_tokens": [ids], "task": {scalars}} object per line."""
+    num_prompts: int = 64
+    """synthetic: number of distinct prompts."""
+    seed: int = 0
+    """synthetic: prompt generation seed; also the epoch shuffle seed."""
+    max_step: int = 1
+    """synthetic: largest count step (1: always count up by one)."""
+    reward: str = "synthetic"
+    """Reward function the generators run (built-in name or package.module:function)."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in TASKS, "task.kind", self.kind, f"must be one of {TASKS}")
+        _check(self.kind != "jsonl" or bool(self.path), "task.path", self.path,
+               "required with task.kind=jsonl")  # fmt: skip
+        _check(self.num_prompts >= 1, "task.num_prompts", self.num_prompts, "must be >= 1")
+        _check(self.max_step >= 1, "task.max_step", self.max_step, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Sampling: how many completions of what length, and how many prompts per step."""
+
+    n: int = 8
+    """Group size: completions sampled per prompt (one GRPO group)."""
+    max_tokens: int = 8
+    """Longest completion, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the objective uses the same."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    prompts_per_step: int = 16
+    """Complete groups per training step."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion (kept in it)."""
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")
+        _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step,
+               "must be >= 1")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ObjectiveSection:
+    """The policy objective (learner.objectives.ObjectiveConfig) plus advantages and critic."""
+
+    kind: str = "grpo"
+    """grpo, ppo (with a critic), dppo (decoupled PPO) or flow_dppo."""
+    eps_low: float = 0.2
+    """Lower clip: ratio clipped below at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip: ratio clipped above at 1 + eps_high."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1; null disables."""
+    is_cap: float | None = None
+    """Cap on the behaviour importance weight; null: uncapped (only dppo applies it then)."""
+    is_mode: str = "truncate"
+    """Use of is_cap: truncate or mask."""
+    kl_threshold: float = 0.05
+    """flow_dppo trust region (KL old||new)."""
+    kl_coef: float = 0.0
+    """KL penalty coefficient against the reference policy."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    aggregation: str = "token_mean"
+    """Loss reduction: token_mean, seq_mean or seq_mean_token_sum."""
+    normalize_std: bool = True
+    """grpo/dppo/flow_dppo: divide group advantages by the group std (False: Dr. GRPO)."""
+    gamma: float = 1.0
+    """ppo: GAE discount."""
+    lam: float = 1.0
+    """ppo: GAE lambda."""
+    value_clip: float | None = 0.2
+    """ppo: critic value clip; null for the plain squared error."""
+    value_coef: float = 0.5
+    """ppo: weight of the critic loss."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in OBJECTIVES, "objective.kind", self.kind, f"must be one of {OBJECTIVES}")
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """Adam(W) settings."""
+
+    lr: float = 3e-3
+    """Learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
+        _check(self.grad_clip >= 0, "optimizer.grad_clip", self.grad_clip, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class StalenessSection:
+    """Bounded staleness (pipeline.staleness.StalenessGate)."""
+
+    max_staleness: int = 1
+    """Most learner versions a rollout may lag when trained (0: synchronous on-policy)."""
+    policy: str = "drop"
+    """Staler rollouts: drop (and the learner waits) or keep (flagged for correction)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_staleness >= 0, "staleness.max_staleness", self.max_staleness,
+               "must be >= 0")  # fmt: skip
+        _check(self.policy in POLICIES, "staleness.policy", self.policy, f"one of {POLICIES}")
+
+
+@dataclass(frozen=True)
+class GeneratorsSection:
+    """Generator processes: how many `looprl run` starts and how much work each gets."""
+
+    count: int = 2
+    """Generator processes `looprl run` starts (the learner accepts any number)."""
+    max_inflight: int = 2
+    """Work items each generator holds at once."""
+    peer_timeout_s: float = 10.0
+    """Silence after which a generator is declared dead and its work re-dispatched (s)."""
+    heartbeat_interval_s: float = 1.0
+    """Heartbeat period, both directions (s)."""
+    reward_mode: str = "thread"
+    """Where generators run rewards: process, thread or inline."""
+    threads: int = 1
+    """Torch threads per generator process (OMP_NUM_THREADS) under `looprl run`."""
+    max_model_len: int = 128
+    """vLLM context length (prompt + completion tokens) of the generators `looprl run` starts."""
+    extra_args: list[str] = field(default_factory=list)
+    """More `looprl generator` flags, passed verbatim by `looprl run`."""
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 0, "generators.count", self.count, "must be >= 0")
+        _check(self.max_inflight >= 1, "generators.max_inflight", self.max_inflight, ">= 1")
+        _check(0 < self.heartbeat_interval_s < self.peer_timeout_s, "generators.peer_timeout_s",
+               self.peer_timeout_s, "need 0 < heartbeat_interval_s < peer_timeout_s")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EndpointsSection:
+    """Where the learner binds (generators connect to control; weights is control + 1)."""
+
+    host: str = "127.0.0.1"
+    """Bind address; non-loopback needs ``keys`` (CURVE) or ``insecure``."""
+    port: int = 0
+    """Control port; weights use port + 1; 0: pick a free pair."""
+    keys: str = ""
+    """CURVE key directory (`looprl keys DIR`); empty: no CURVE (loopback only)."""
+    insecure: bool = False
+    """Allow a non-loopback bind without CURVE."""
+    curve_on_loopback: bool = False
+    """Use CURVE (with ``keys``) on loopback too; `looprl run` tells its generators the same."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65535, "endpoints.port", self.port, "must be in [0, 65535)")
+        _check(not self.curve_on_loopback or bool(self.keys), "endpoints.curve_on_loopback",
+               self.curve_on_loopback, "needs endpoints.keys")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PublishSection:
+    """Weight publication after training steps."""
+
+    every: int = 1
+    """Publish a new weight version every this many steps."""
+    transport: str = "disk"
+    """disk: announce RUN_DIR/weights/vN; chunks: also stream the blob over ZMQ."""
+    chunk_bytes: int = 4 << 20
+    """chunks: bytes per WeightChunk."""
+    window: int = 4
+    """chunks: uncredited chunks in flight per generator."""
+    keep: int = 3
+    """Published versions kept on disk (older ones deleted; 0 keeps all)."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 1, "publish.every", self.every, "must be >= 1")
+        _check(self.transport in WEIGHT_TRANSPORTS, "publish.transport", self.transport,
+               f"must be one of {WEIGHT_TRANSPORTS}")  # fmt: skip
+        _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Learner checkpoints (trainer state + pipeline state)."""
+
+    every: int = 20
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep: int = 2
+    """Checkpoints kept (0 keeps all)."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RecordSection:
+    """The rollout stream (RUN_DIR/stream) and the step log replay follows."""
+
+    enabled: bool = True
+    """Record every accepted rollout (before it is acknowledged) and every step's batch."""
+    fsync: str = "batch"
+    """Stream durability: always, batch (fsync per intake) or never."""
+
+    def __post_init__(self) -> None:
+        _check(self.fsync in FSYNC, "record.fsync", self.fsync, f"must be one of {FSYNC}")
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    """Where metrics go (RUN_DIR/metrics.jsonl always)."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard events to RUN_DIR/tb (skipped with a warning if unavailable)."""
+    plot: bool = True
+    """Write RUN_DIR/metrics.png at the end (needs matplotlib)."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run; see docs/PIPELINE.md for the reference."""
+
+    run_dir: str = "runs/quickstart"
+    """Run directory: checkpoints, weights, stream, metrics, logs."""
+    steps: int = 120
+    """Training steps to run."""
+    seed: int = 0
+    """Run seed: latent seeds, prompt order, learner RNG."""
+    backend: str = "auto"
+    """Trainer: megatron (learner.trainer), reference (pure PyTorch), auto (megatron if present)."""
+    tp: int = 1
+    """Tensor-parallel size (megatron backend)."""
+    numerics: str = "fast"
+    """fast or exact (bit-exact generator/learner log-probs), shared with the generators."""
+    max_wait_s: float = 600.0
+    """Give up (error) when no training step happens for this long (s)."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """Starting checkpoint."""
+    task: TaskSection = field(default_factory=TaskSection)
+    """Prompts and reward."""
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    """Sampling settings."""
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    """Policy objective."""
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """Optimizer."""
+    staleness: StalenessSection = field(default_factory=StalenessSection)
+    """Staleness bound and policy."""
+    generators: GeneratorsSection = field(default_factory=GeneratorsSection)
+    """Generator processes."""
+    endpoints: EndpointsSection = field(default_factory=EndpointsSection)
+    """Learner endpoints."""
+    publish: PublishSection = field(default_factory=PublishSection)
+    """Weight publication."""
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Checkpoints."""
+    record: RecordSection = field(default_factory=RecordSection)
+    """Rollout stream and step log."""
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    """Metrics outputs."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(self.backend in BACKENDS, "backend", self.backend, f"must be one of {BACKENDS}")
+        _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
+        _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
+        _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+
+
+# -- loading ----------------------------------------------------------------------------------
+def field_docs(cls: type = RunConfig, prefix: str = "") -> dict[str, str]:
+    """{dotted key: its one-line docstring} for every field, nested sections included."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
+            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                docs[a.target.id] = str(b.value.value)
+    out: dict[str, str] = {}
+    for f in fields(cls):
+        key = prefix + f.name
+        out[key] = docs.get(f.name, "")
+        default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(default):
+            out.update(field_docs(type(default), key + "."))
+    return out
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict (values parsed as YAML scalars / lists)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))  # type: ignore[return-value]
+    except Exception as e:
+        raise ConfigError(f"bad override in {list(items)}: expected key=value ({e})") from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """Defaults < YAML at ``path`` < ``overrides`` (``key=value`` strings or a nested dict)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    layers: list[Any] = [OmegaConf.structured(RunConfig)]
+    where = "defaults"
+    try:
+        if path is not None:
+            where = str(path)
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"run config file {p} not found")
+            loaded = OmegaConf.load(p)
+            if not OmegaConf.is_dict(loaded):
+                raise ConfigError(f"{p}: expected a mapping of run settings at top level")
+            layers.append(loaded)
+        merged = OmegaConf.merge(*layers)
+        if overrides:
+            where = "overrides"
+            given = overrides if isinstance(overrides, Mapping) else parse_overrides(overrides)
+            merged = OmegaConf.merge(merged, OmegaConf.create(dict(given)))
+        obj = OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        key = getattr(e, "full_key", None) or str(e).splitlines()[0]
+        raise ConfigError(
+            f"{where}: unknown run config key {key!r} (see docs/PIPELINE.md for the keys)"
+        ) from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "")
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        msg = str(cause) if cause else str(e).splitlines()[0]
+        raise ConfigError(f"{where}: run config {key}: {msg}") from None
+    assert isinstance(obj, RunConfig)
+    return obj
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML (written to RUN_DIR/config.yaml)."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]

@@ -1,0 +1,296 @@
+"""The coordinator (learner rank 0): dispatch, intake, staleness, training, publication.
+
+One thread runs ``Coordinator.run()``::
+
+    loop until `steps` training steps are done:
+        recv (<= poll_s; the endpoint's heartbeats ride on it), for each record:
+            Hello       -> Welcome(run_id, version); dispatcher/publisher learn the generator
+            Heartbeat   -> its served version (dispatcher, publisher)
+            RolloutBatch-> intake: ledger.receive; accepted -> stream (flushed) -> Ack
+            WorkReturn  -> re-dispatch those samples;  Goodbye -> generator gone
+            Ack/Nack on weights -> publisher
+        expired peers (silent > peer_timeout_s) -> generator gone: ledger re-dispatch
+        dispatcher.pump(v)      new / re-dispatched work within capacity, cap, staleness gate
+        publisher.pump()        weight transfers within credit windows
+        groups = intake.select(v, prompts_per_step); if groups and gate.can_train(v):
+            trainer.step -> step log -> ledger.settle -> metrics
+            every publish.every steps: v += 1, trainer.publish(RUN_DIR/weights/vN) -> announce
+            every checkpoint.every steps: trainer.save(ckpt, pipeline_state)
+
+Invariants: exactly-once (pipeline.ledger; nothing acknowledged before it is recorded),
+staleness (pipeline.staleness: nothing staler than max_staleness is trained except flagged
+under policy "keep"), and versions strictly increase, also across a resume (the restored
+weights are published as a new version). Checkpoint / resume: pipeline.resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+from pipeline.dispatch import Dispatcher, PromptSource
+from pipeline.intake import Group, Intake, fill_failed_rewards
+from pipeline.ledger import InFlightLedger
+from pipeline.publishing import CanonicalPublisher
+from pipeline.recorder import Recorder, StepRecord
+from pipeline.staleness import StalenessGate, oldest_version
+from pipeline.trainer_api import Trainer, publication_from_dir
+from proto import (
+    Ack,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Nack,
+    Rollout,
+    RolloutBatch,
+    Welcome,
+    WorkItem,
+    WorkReturn,
+)
+
+log = logging.getLogger(__name__)
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+class CoordinatorError(RuntimeError):
+    """The run cannot go on (no progress for max_wait_s)."""
+
+
+class Coordinator:
+    """See the module docstring. ``endpoint`` is a pipeline.transport.LearnerEndpoint."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        endpoint: Any,
+        trainer: Trainer,
+        prompts: PromptSource,
+        run_dir: Path,
+        on_step: StepCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = 0.02,
+    ) -> None:
+        self.cfg, self.endpoint, self.trainer, self.run_dir = cfg, endpoint, trainer, run_dir
+        self.on_step, self.clock, self.poll_s = on_step, clock, poll_s
+        self.run_id = uuid.uuid4().hex[:12]
+        self.step = 0
+        self.version = 0
+        self.ledger = InFlightLedger()
+        st = cfg.staleness
+        self.gate = StalenessGate(st.max_staleness, st.policy)  # type: ignore[arg-type]
+        r = cfg.rollout
+        self.dispatcher = Dispatcher(
+            n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+            stop_token_ids=list(r.stop_token_ids), cap=r.prompts_per_step * (st.max_staleness + 1),
+            per_step=r.prompts_per_step,
+            run_seed=cfg.seed, prompts=prompts, ledger=self.ledger, gate=self.gate,
+        )  # fmt: skip
+        self.recorder = Recorder(run_dir, enabled=cfg.record.enabled, fsync=cfg.record.fsync)  # type: ignore[arg-type]
+        self.intake = Intake(
+            ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
+            record=self.recorder.record, n=r.n,
+        )  # fmt: skip
+        p = cfg.publish
+        self.publisher = CanonicalPublisher(endpoint, chunk_bytes=p.chunk_bytes, window=p.window)
+        self.published: list[int] = []
+        self.last_digest = ""
+        self._last_progress = clock()
+        self._t0 = time.time()
+        self._last_step_t = time.time()
+
+    # -- incoming --------------------------------------------------------------------------------
+    def handle(self, channel: str, peer: str, rec: Any) -> None:
+        ep, d = self.endpoint, self.dispatcher
+        if channel == "weights":
+            if self.publisher.handle(peer, rec) and peer in self.publisher.generators():
+                d.set_version(peer, self.publisher.serving(peer))
+            return
+        if isinstance(rec, Hello):
+            log.info("generator %s joined (serving v%d)", peer, rec.weight_version)
+            d.add_generator(peer, rec.max_inflight, rec.weight_version, (rec.pid, rec.started_at))
+            self.publisher.add_generator(peer, rec.weight_version)
+            ep.send(peer, Welcome(self.run_id, peer, self.version,
+                                  ep.config.heartbeat_interval_s, {"numerics": self.cfg.numerics}))  # fmt: skip
+        elif isinstance(rec, Heartbeat):
+            d.set_version(peer, rec.weight_version)
+            if peer in self.publisher.generators():
+                self.publisher.observe(peer, rec.weight_version)
+        elif isinstance(rec, RolloutBatch | Rollout):
+            res = self.intake.receive(peer, rec)
+            for reply in res.replies:
+                ep.send(peer, reply)
+        elif isinstance(rec, WorkReturn):
+            n = d.returned(peer, list(rec.work_ids))
+            log.info("generator %s returned %d samples: %s", peer, n, rec.reason)
+        elif isinstance(rec, Goodbye):
+            self._gone(peer, f"goodbye: {rec.reason}")
+        elif isinstance(rec, Ack | Nack):
+            pass  # the generator acknowledges nothing we act on yet
+
+    def _gone(self, gid: str, why: str) -> None:
+        n = self.dispatcher.remove_generator(gid)
+        self.publisher.remove_generator(gid)
+        log.warning("generator %s gone (%s): %d samples to re-dispatch", gid, why, n)
+
+    def poll(self, timeout_s: float) -> int:
+        """Receive and handle what arrives within ``timeout_s``; returns records handled."""
+        handled = 0
+        inc = self.endpoint.recv(timeout_s)
+        while inc is not None and handled < 512:
+            self.handle(inc.channel, inc.peer, inc.record)
+            handled += 1
+            inc = self.endpoint.recv(0.0)
+        for gid in self.endpoint.expired_peers():
+            self._gone(gid, "heartbeat expired")
+        return handled
+
+    def _send_work(self, gid: str, item: WorkItem) -> bool:
+        return bool(self.endpoint.send(gid, item))
+
+    # -- training ----------------------------------------------------------------------------------
+    def try_train(self) -> bool:
+        """One training step if k complete, trainable groups are buffered and the gate allows."""
+        k = self.cfg.rollout.prompts_per_step
+        if not self.gate.can_train(self.version):
+            return False
+        groups = self.intake.select(self.version, k)
+        if groups is None:
+            return False
+        self._train(groups)
+        return True
+
+    def _train(self, groups: list[Group]) -> None:
+        rolls, failed = fill_failed_rewards([r for g in groups for r in g.rollouts])
+        flags = [f for g in groups for f in g.needs_correction]
+        t0 = time.time()
+        tm = dict(self.trainer.step(rolls, flags))
+        train_s = time.time() - t0
+        self.step += 1
+        publish = self.step % self.cfg.publish.every == 0
+        self.recorder.log_step(
+            StepRecord(self.step, self.version, [r.rollout_id for r in rolls], flags,
+                       self.version + 1 if publish else None)
+        )  # fmt: skip
+        self.intake.settle(groups)
+        stal = [v.staleness for g in groups for v in g.verdicts]
+        rewards = [float(r.reward or 0.0) for r in rolls]
+        now = time.time()
+        m: dict[str, Any] = {
+            "step": self.step,
+            "version": self.version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_max": max(rewards),
+            "staleness_mean": sum(stal) / len(stal),
+            "staleness_max": max(stal),
+            "stale_kept": sum(flags),
+            "dropped_stale_total": self.intake.counts["rollouts_dropped_stale"],
+            "reward_failed": failed,
+            "logprob_mismatch": self._mismatch(rolls, tm.get("logprob_mismatch", float("nan"))),
+            "logprob_mismatch_all": float(tm.get("logprob_mismatch", float("nan"))),
+            "train_s": train_s,
+            "step_s": now - self._last_step_t,
+            "elapsed_s": now - self._t0,
+            "generators": len(self.dispatcher.generators()),
+            "duplicates_total": self.intake.counts["duplicate"],
+            "redispatched_total": self.ledger.counts["released"],
+            "tokens": sum(r.num_tokens for r in rolls),
+        }
+        for key in ("correct", "exact"):
+            vals = [float(r.reward_info[key]) for r in rolls if key in r.reward_info]  # type: ignore[arg-type]
+            if vals:
+                m[f"reward_{key}"] = sum(vals) / len(vals)
+        m.update({f"train/{k}": float(v) for k, v in tm.items()})
+        self._last_step_t = now
+        if publish:
+            self.publish()
+        if self.on_step is not None:
+            self.on_step(m)
+
+    def _mismatch(self, rolls: list[Rollout], whole: float) -> float:
+        """Max |learner - generator| log-prob over the rollouts sampled with the weights
+        being trained (staleness 0): numerics, not policy change. Needs the trainer's
+        optional per-rollout ``last_mismatch``, else its batch ``logprob_mismatch`` (``whole``)
+        when every rollout is fresh; NaN otherwise."""
+        per = getattr(self.trainer, "last_mismatch", None)
+        if not per or len(per) != len(rolls):  # batch-level value: valid if all are fresh
+            if all(oldest_version(r) == self.version for r in rolls):
+                return float(whole)
+            return float("nan")
+        fresh = [m for m, r in zip(per, rolls) if oldest_version(r) == self.version]
+        return max(fresh) if fresh else float("nan")
+
+    # -- weights -------------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Publish the trainer's current weights as version + 1 (disk, and chunks if set)."""
+        v = self.version + 1
+        out = self.run_dir / "weights" / f"v{v}"
+        self.trainer.publish(out, v)
+        pub = publication_from_dir(out, v)
+        chunked = self.cfg.publish.transport == "chunks"
+        self.publisher.publish(
+            v, pub.blob, tensors=pub.tensors, config_json=pub.config_json,
+            path=str(out.resolve()), digest=pub.digest, chunked=chunked,
+        )  # fmt: skip
+        self.version, self.last_digest = v, pub.digest
+        self.published.append(v)
+        with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
+            f.write(json.dumps({"version": v, "digest": pub.digest}) + "\n")
+        self.endpoint.set_status(v, self.dispatcher.inflight())
+        keep = self.cfg.publish.keep
+        if keep and len(self.published) > keep:
+            for old in self.published[:-keep]:
+                shutil.rmtree(self.run_dir / "weights" / f"v{old}", ignore_errors=True)
+            self.published = self.published[-keep:]
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def turn(self, timeout_s: float | None = None) -> bool:
+        """One loop turn; True if a training step happened."""
+        self.poll(self.poll_s if timeout_s is None else timeout_s)
+        self.dispatcher.pump(self.version, self._send_work)
+        self.publisher.pump()
+        self.endpoint.set_status(self.version, self.dispatcher.inflight())
+        trained = self.try_train()
+        if trained:
+            self._last_progress = self.clock()
+        return trained
+
+    def run(
+        self,
+        steps: int,
+        *,
+        checkpoint: Callable[[], object] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Run until ``steps`` training steps are done (or ``stop()`` says so)."""
+        every = self.cfg.checkpoint.every
+        self._last_progress = self.clock()
+        while self.step < steps and not (stop is not None and stop()):
+            if self.turn():
+                if checkpoint is not None and every and self.step % every == 0:
+                    checkpoint()
+            elif self.clock() - self._last_progress > self.cfg.max_wait_s:
+                raise CoordinatorError(
+                    f"no training step for {self.cfg.max_wait_s:.0f}s (max_wait_s): "
+                    f"generators {self.dispatcher.generators()}, open work "
+                    f"{len(self.dispatcher.open)}, complete groups {len(self.intake.complete)}"
+                )
+
+    def counts(self) -> Mapping[str, Any]:
+        return {
+            "ledger": dict(self.ledger.counts),
+            "gate": dict(self.gate.counts),
+            "intake": dict(self.intake.counts),
+            "publisher": dict(self.publisher.counts),
+            "transport": vars(self.endpoint.stats),
+        }
+
+    def close(self) -> None:
+        self.recorder.close()

@@ -1,0 +1,287 @@
+"""Work dispatch: prompts -> WorkItems for generators, within capacity and the staleness gate.
+
+Loop (on the coordinator's thread)::
+
+    d = Dispatcher(rollout_cfg, run_seed, prompts, ledger, gate)
+    d.add_generator(gid, hello.max_inflight, hello.weight_version)     # on Hello
+    d.set_version(gid, v)                                               # Heartbeat / weights Ack
+    d.pump(learner_version, send)      # re-dispatch first, then new work, while capacity lasts
+    d.received(gid, work_id, index)    # an accepted sample frees capacity
+    d.remove_generator(gid)            # death / Goodbye: ledger.generator_died -> re-dispatch
+    d.returned(gid, work_ids)          # WorkReturn -> re-dispatch
+    d.finished(work_id)                # trained or dropped: forget it
+
+Work ids are ``w<counter>`` with a counter that only increases (saved in the checkpoint), and
+the prompt and latent seeds of a work id are a pure function of (run seed, counter), so a
+restarted learner re-creates exactly the work items it had dispatched.
+
+Invariants: a generator holds at most ``max_inflight`` work items from us; work goes only to
+a generator whose served version ``g`` passes ``gate.can_dispatch(v, g)``
+(WorkItem.min_weight_version = g); at most ``cap`` work items are open (dispatched and not
+yet trained or dropped), so generation runs at most ``max_staleness`` steps ahead; a
+re-dispatch sends only the sample indices the ledger says are unassigned.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from models.noise import derive_latent_seed
+from pipeline.ledger import InFlightLedger, Redispatch
+from pipeline.staleness import StalenessGate
+from proto import WorkItem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dataset prompt: id, token ids and the reward's task dict."""
+
+    prompt_id: str
+    tokens: list[int]
+    task: dict[str, Any]
+
+
+class PromptSource:
+    """Prompts in a deterministic order: epoch e visits every prompt once, shuffled by
+    (seed, e); ``at(c)`` is the c-th prompt of the run (a pure function of c)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int) -> None:
+        if not prompts:
+            raise ValueError("the prompt set is empty")
+        self.prompts, self.seed = prompts, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def at(self, counter: int) -> Prompt:
+        epoch, i = divmod(counter, len(self.prompts))
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self.prompts[order[i]]
+
+
+@dataclass
+class WorkSpec:
+    """What a work id stands for (kept until it is trained or dropped)."""
+
+    work_id: str
+    prompt: Prompt
+    seeds: list[int]
+    created_at: float
+    min_version: int = -1  # oldest weight version it was dispatched to (-1: not yet)
+
+    def index_of(self, seed: int) -> int | None:
+        try:
+            return self.seeds.index(seed)
+        except ValueError:
+            return None
+
+
+@dataclass
+class _Gen:
+    max_inflight: int
+    version: int
+    pending: dict[str, set[int]] = field(default_factory=dict)  # work id -> indices it holds
+    incarnation: Any = None  # (pid, started_at) of the process behind the id
+
+
+def work_id_of(counter: int) -> str:
+    return f"w{counter}"
+
+
+def counter_of(work_id: str) -> int:
+    if not work_id.startswith("w") or not work_id[1:].isdigit():
+        raise ValueError(f"not a coordinator work id: {work_id!r}")
+    return int(work_id[1:])
+
+
+class Dispatcher:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        cap: int,
+        per_step: int,
+        run_seed: int,
+        prompts: PromptSource,
+        ledger: InFlightLedger,
+        gate: StalenessGate,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if cap < 1 or n < 1:
+            raise ValueError("need cap >= 1 and n >= 1")
+        self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
+        self.stop_token_ids = list(stop_token_ids)
+        self.cap, self.per_step, self.run_seed, self.prompts = cap, per_step, run_seed, prompts
+        self.ledger, self.gate, self.clock = ledger, gate, clock
+        self.counter = 0  # next new work id
+        self.version = 0  # the learner's version at the last pump
+        self.open: dict[str, WorkSpec] = {}  # dispatched, not yet trained or dropped
+        self._redo: deque[Redispatch] = deque()
+        self._gens: dict[str, _Gen] = {}
+        self.sent = 0  # WorkItems sent (new + re-dispatch)
+
+    # -- generators ----------------------------------------------------------------------------
+    def add_generator(
+        self, gid: str, max_inflight: int, version: int, incarnation: Any = None
+    ) -> None:
+        """A generator said Hello. The same process again (same ``incarnation``: pid and
+        start time) keeps its work, which it still holds and will deliver; a new process
+        under a known id lost it: what the old one held is released for re-dispatch."""
+        old = self._gens.get(gid)
+        if old is not None and incarnation is not None and old.incarnation == incarnation:
+            old.max_inflight, old.version = max_inflight, max(old.version, version)
+            return
+        if old is not None:
+            self.remove_generator(gid)
+        self._gens[gid] = _Gen(max_inflight, version, incarnation=incarnation)
+
+    def set_version(self, gid: str, version: int) -> None:
+        g = self._gens.get(gid)
+        if g is not None and version > g.version:
+            g.version = version
+
+    def generators(self) -> dict[str, int]:
+        return {k: g.version for k, g in self._gens.items()}
+
+    def remove_generator(self, gid: str) -> int:
+        """Dead or gone: every sample it held goes back to the re-dispatch queue."""
+        self._gens.pop(gid, None)
+        return self._requeue(self.ledger.generator_died(gid))
+
+    def returned(self, gid: str, work_ids: list[str]) -> int:
+        g = self._gens.get(gid)
+        if g is not None:
+            for w in work_ids:
+                g.pending.pop(w, None)
+        return self._requeue(self.ledger.returned(gid, work_ids))
+
+    def _requeue(self, redo: list[Redispatch]) -> int:
+        for r in redo:
+            self.gate.settled(r.work_id)  # no longer in flight anywhere: the gate stops waiting
+            for g in self._gens.values():
+                g.pending.pop(r.work_id, None)
+            self._redo.append(r)
+        return sum(len(r.indices) for r in redo)
+
+    # -- work lifecycle ----------------------------------------------------------------------------
+    def spec(self, work_id: str) -> WorkSpec | None:
+        return self.open.get(work_id)
+
+    def make_spec(self, counter: int) -> WorkSpec:
+        p = self.prompts.at(counter)
+        seeds = [derive_latent_seed(self.run_seed, p.prompt_id, i) for i in range(self.n)]
+        return WorkSpec(work_id_of(counter), p, seeds, self.clock())
+
+    def received(self, gid: str, work_id: str, index: int) -> None:
+        """An accepted sample: ``gid`` no longer holds it."""
+        g = self._gens.get(gid)
+        if g is None:
+            return
+        held = g.pending.get(work_id)
+        if held is not None:
+            held.discard(index)
+            if not held:
+                del g.pending[work_id]
+        if self.ledger.is_received(work_id):
+            self.gate.settled(work_id)
+
+    def finished(self, work_id: str) -> None:
+        """Trained or dropped (the ledger has settled it)."""
+        self.open.pop(work_id, None)
+
+    def queue_redispatch(self, redo: list[Redispatch]) -> None:
+        """Samples to send again (after a restore)."""
+        self._redo.extend(redo)
+
+    def inflight(self) -> int:
+        return sum(len(g.pending) for g in self._gens.values())
+
+    # -- sending -----------------------------------------------------------------------------------
+    def pump(self, learner_version: int, send: Callable[[str, WorkItem], bool]) -> int:
+        """Send what capacity, the staleness gate and ``cap`` allow; returns items sent."""
+        sent = 0
+        self.version = learner_version
+        order = sorted(self._gens, key=lambda k: len(self._gens[k].pending))  # least loaded first
+        for gid in order:
+            g = self._gens.get(gid)
+            if g is None or not self.gate.can_dispatch(learner_version, g.version):
+                continue
+            while len(g.pending) < g.max_inflight:
+                item = self._next_item(gid, g)
+                if item is None:
+                    return sent
+                if not send(gid, item):  # unroutable: the peer is gone; death handling requeues
+                    self.remove_generator(gid)
+                    break
+                self.sent += 1
+                sent += 1
+        return sent
+
+    def _next_item(self, gid: str, g: _Gen) -> WorkItem | None:
+        while self._redo:
+            r = self._redo.popleft()
+            spec = self.open.get(r.work_id)
+            if spec is None:
+                continue
+            states = self.ledger.state(r.work_id)
+            unassigned = [i for i in r.indices if states[i] == "unassigned"]
+            if not unassigned:
+                continue
+            return self._issue(gid, g, spec, unassigned)
+        if len(self.open) >= self.cap or not self._budget(g.version):
+            return None
+        spec = self.make_spec(self.counter)
+        self.counter += 1
+        self.open[spec.work_id] = spec
+        return self._issue(gid, g, spec, list(range(self.n)))
+
+    def _budget(self, g: int) -> bool:
+        """Policy "drop": new work for a generator serving ``g`` is trainable up to learner
+        version d = g + max_staleness, i.e. in the (d - v + 1) steps left at versions v..d;
+        it is sent only while fewer than (d - v + 1) x prompts_per_step open work items
+        expire by d, so nothing is generated only to be dropped as stale."""
+        if self.gate.policy == "keep":
+            return True
+        s, v = self.gate.max_staleness, self.version
+        d = g + s
+        due = sum(1 for w in self.open.values() if 0 <= w.min_version and w.min_version + s <= d)
+        return due < (d - v + 1) * self.per_step
+
+    def _issue(self, gid: str, g: _Gen, spec: WorkSpec, indices: list[int]) -> WorkItem:
+        spec.min_version = g.version if spec.min_version < 0 else min(spec.min_version, g.version)
+        self.ledger.dispatch(spec.work_id, gid, self.n, indices=indices)
+        self.gate.dispatched(spec.work_id, g.version)
+        g.pending[spec.work_id] = set(indices)
+        full = indices == list(range(self.n))
+        return WorkItem(
+            work_id=spec.work_id,
+            prompt_id=spec.prompt.prompt_id,
+            prompt_tokens=np.asarray(spec.prompt.tokens, dtype=np.int32),
+            latent_seeds=np.asarray([spec.seeds[i] for i in indices], dtype=np.uint64),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            task=dict(spec.prompt.task),
+            min_weight_version=g.version,
+            issued_at=time.time(),
+            sample_indices=[] if full else list(indices),
+        )

@@ -1,0 +1,200 @@
+"""Rollout intake: ledger accounting, record-before-ack, GRPO group assembly, batch selection.
+
+Loop (coordinator thread)::
+
+    res = intake.receive(sender, batch)   # ledger.receive each rollout; accepted ones are
+                                          # recorded (stream append + flush) and buffered;
+                                          # then res.acks are sent (accepted and duplicates
+                                          # Ack'ed, unknown Nack'ed)
+    groups = intake.select(v, k)          # k complete groups within the staleness bound,
+                                          # or None; stale groups are dropped (policy drop)
+    ... train ...
+    intake.settle(groups)                 # ledger.settle: trained, never again
+
+Invariants (asserted by tests/pipeline/test_coordinator.py): a rollout is buffered only if
+the ledger accepted it, and only after the recorder made it durable (nothing acknowledged
+is lost); a group enters a batch only when all ``n`` samples are accepted, and each group
+is trained at most once; a group is trained at learner version v only if every rollout
+passes ``gate.check(v, r)`` (fresh, or stale-kept flagged for correction).
+
+Sample identity: the index of a sample is the position of its latent seed in the work
+item's seed list; a rollout whose ``sample_index`` disagrees (a generator that numbered a
+partial re-dispatch 0..k-1) is renumbered by its seed and counted (``remapped``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.dispatch import Dispatcher
+from pipeline.ledger import InFlightLedger
+from pipeline.staleness import StalenessGate, Verdict, oldest_version
+from proto import Ack, Nack, Rollout, RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IntakeResult:
+    """What one RolloutBatch did: the replies to send and the counts."""
+
+    replies: list[Any] = field(default_factory=list)
+    accepted: int = 0
+    duplicate: int = 0
+    unknown: int = 0
+
+
+@dataclass
+class Group:
+    """A complete GRPO group: the n accepted samples of one work item, by sample index."""
+
+    work_id: str
+    rollouts: list[Rollout]
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def needs_correction(self) -> list[bool]:
+        return [v.needs_correction for v in self.verdicts]
+
+
+class Intake:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        ledger: InFlightLedger,
+        gate: StalenessGate,
+        dispatcher: Dispatcher,
+        record: Callable[[list[Rollout]], Any],
+        n: int,
+    ) -> None:
+        self.ledger, self.gate, self.dispatcher, self.record, self.n = (
+            ledger, gate, dispatcher, record, n,
+        )  # fmt: skip
+        self._partial: dict[str, dict[int, Rollout]] = {}
+        self.complete: OrderedDict[str, Group] = OrderedDict()  # in order of completion
+        self.counts: Counter[str] = Counter()
+        self.trained: set[str] = set()  # work ids trained or dropped (for the invariant tests)
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _identify(self, r: Rollout) -> Rollout | None:
+        spec = self.dispatcher.spec(r.work_id)
+        if spec is None:
+            return r  # not ours (anymore): the ledger says duplicate / unknown
+        idx = spec.index_of(int(r.latent_seed))
+        if idx is None:
+            return None
+        if idx != r.sample_index:
+            self.counts["remapped"] += 1
+            r = dataclasses.replace(r, sample_index=idx, rollout_id=f"{r.work_id}/{idx}")
+        return r
+
+    def receive(self, sender: str, batch: RolloutBatch | Rollout) -> IntakeResult:
+        rolls = batch.rollouts if isinstance(batch, RolloutBatch) else [batch]
+        res = IntakeResult()
+        accepted: list[tuple[str, Rollout]] = []
+        for orig in rolls:
+            r = self._identify(orig)
+            outcome = "unknown" if r is None else self.ledger.receive(r, sender=sender)
+            self.counts[outcome] += 1
+            if outcome == "accepted":
+                assert r is not None
+                accepted.append((orig.rollout_id, r))
+                res.accepted += 1
+            elif outcome == "duplicate":
+                res.duplicate += 1
+                res.replies.append(Ack("rollout", orig.rollout_id))
+            else:
+                res.unknown += 1
+                res.replies.append(Nack("rollout", orig.rollout_id, "unknown work or sample"))
+        if accepted:
+            self.record([r for _, r in accepted])  # durable BEFORE anything is acknowledged
+            for orig_id, r in accepted:
+                self._buffer(r)
+                self.dispatcher.received(sender, r.work_id, r.sample_index)
+                res.replies.append(Ack("rollout", orig_id))
+        return res
+
+    def _buffer(self, r: Rollout) -> None:
+        g = self._partial.setdefault(r.work_id, {})
+        assert r.sample_index not in g, f"sample {r.rollout_id} accepted twice"
+        g[r.sample_index] = r
+        if len(g) == self.n:
+            del self._partial[r.work_id]
+            assert r.work_id not in self.complete and r.work_id not in self.trained
+            self.complete[r.work_id] = Group(r.work_id, [g[i] for i in range(self.n)])
+
+    def restore_accepted(self, r: Rollout) -> None:
+        """Resume: a rollout the ledger holds as accepted (from the checkpoint or the stream)."""
+        self._buffer(r)
+
+    # -- selecting -----------------------------------------------------------------------------
+    def select(self, version: int, k: int) -> list[Group] | None:
+        """k complete groups trainable at ``version`` (oldest version, then oldest
+        completion first), or None.
+
+        Under policy "drop", complete groups holding a rollout staler than the bound are
+        dropped first (settled in the ledger, counted); their prompts are not re-generated.
+        """
+        for wid in list(self.complete):
+            g = self.complete[wid]
+            if all(self.gate.is_fresh(version, r) for r in g.rollouts):
+                continue
+            verdicts = [self.gate.check(version, r) for r in g.rollouts]
+            if not all(v.accept for v in verdicts):
+                del self.complete[wid]
+                self.counts["groups_dropped_stale"] += 1
+                self.counts["rollouts_dropped_stale"] += len(g.rollouts)
+                self._settle(g)
+        if len(self.complete) < k:
+            return None
+        out = []
+        order = sorted(  # the groups closest to expiring first, then completion order
+            enumerate(self.complete.values()),
+            key=lambda ig: (min(oldest_version(r) for r in ig[1].rollouts), ig[0]),
+        )
+        for wid in [g.work_id for _, g in order[:k]]:
+            g = self.complete.pop(wid)
+            g.verdicts = [self.gate.check(version, r) for r in g.rollouts]
+            assert all(v.accept for v in g.verdicts)
+            out.append(g)
+        return out
+
+    def settle(self, groups: list[Group]) -> None:
+        for g in groups:
+            self._settle(g)
+
+    def _settle(self, g: Group) -> None:
+        assert g.work_id not in self.trained, f"group {g.work_id} trained twice"
+        self.ledger.settle(g.work_id, range(self.n))
+        self.trained.add(g.work_id)
+        self.dispatcher.finished(g.work_id)
+
+    # -- state -----------------------------------------------------------------------------------
+    def buffered_ids(self) -> list[str]:
+        """Accepted, untrained rollout ids (partial and complete groups)."""
+        ids = [r.rollout_id for g in self._partial.values() for r in g.values()]
+        ids += [r.rollout_id for g in self.complete.values() for r in g.rollouts]
+        return sorted(ids)
+
+
+def fill_failed_rewards(rolls: list[Rollout]) -> tuple[list[Rollout], int]:
+    """A failed reward (None) counts as the worst reward of its group (0.0 if all failed).
+    Used by live training and by replay alike, so both train on the same numbers."""
+    worst: dict[str, float] = {}
+    for r in rolls:
+        if r.reward is not None:
+            worst[r.work_id] = min(worst.get(r.work_id, r.reward), r.reward)
+    out, failed = [], 0
+    for r in rolls:
+        if r.reward is None:
+            failed += 1
+            r = dataclasses.replace(r, reward=worst.get(r.work_id, 0.0))
+        out.append(r)
+    return out, failed

@@ -1,0 +1,157 @@
+"""``looprl run``: a whole run on this host: the learner here, N generator processes beside it.
+
+    looprl run                                   # the quickstart (configs/quickstart.yaml)
+    looprl run --config configs/ppo.yaml steps=20 generators.count=1
+
+The learner runs in this process (pipeline.learner_main.run_learner); once its endpoints are
+bound, ``generators.count`` processes ``python -m pipeline.cli generator --learner ...`` start
+(logs in RUN_DIR/logs/gen<i>.log, torch threads = ``generators.threads``). At the end, on
+Ctrl-C or SIGTERM, each generator is stopped by its pid (SIGTERM, then SIGKILL after 20 s),
+and a summary prints the mean reward of the first and last 5 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, load_config
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "run",
+        help="run learner + generators on this host (no arguments: the quickstart)",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    p.add_argument("--config", metavar="FILE", help="run config YAML (default: the quickstart)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.set_defaults(func=run)
+    return p
+
+
+def generator_keys(keys: str) -> list[str]:
+    """Generator keypair names in KEYS/generators (written by `looprl keys KEYS -n N`)."""
+    names = sorted(
+        p.name.removesuffix(".key_secret") for p in (Path(keys) / "generators").glob("*.key_secret")
+    )
+    return names
+
+
+def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model: Path) -> list[str]:
+    g, e = cfg.generators, cfg.endpoints
+    curve: list[str] = []
+    if e.keys:
+        names = generator_keys(e.keys)
+        if len(names) < g.count:
+            raise ConfigError(
+                f"endpoints.keys {e.keys}: {len(names)} generator keypairs for generators.count="
+                f"{g.count}; add some with `looprl keys {e.keys} --add -n {g.count - len(names)}`"
+            )
+        curve = ["--keys", e.keys, "--key-name", names[i]]
+        curve += ["--curve-on-loopback"] if e.curve_on_loopback else []
+    return [
+        sys.executable, "-m", "pipeline.cli", "generator",
+        "--learner", control, "--weights-endpoint", weights, "--model", str(model),
+        "--generator-id", f"gen{i}", "--max-inflight", str(g.max_inflight),
+        "--reward", cfg.task.reward, "--reward-mode", g.reward_mode,
+        "--numerics", cfg.numerics, "--peer-timeout", str(g.peer_timeout_s),
+        "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
+        "--seed", str(cfg.seed + i), "--max-model-len", str(g.max_model_len), *curve,
+        *g.extra_args,
+    ]  # fmt: skip
+
+
+class Generators:
+    """The generator processes of one run; stopped by pid only."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = Path(cfg.run_dir) / "logs"
+
+    def start(self, control: str, weights: str, model: Path) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        threads = str(self.cfg.generators.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                              os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        for i in range(self.cfg.generators.count):
+            cmd = generator_command(self.cfg, i, control, weights, model)
+            out = open(self.logs / f"gen{i}.log", "ab")  # noqa: SIM115
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+            out.close()
+            log.info("generator gen%d: pid %d", i, self.procs[-1].pid)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def all_dead(self) -> bool:
+        """Every generator exited (a bad setting, a crash): the run cannot progress."""
+        dead = bool(self.procs) and all(p.poll() is not None for p in self.procs)
+        if dead:
+            log.error(
+                "every generator exited (codes %s); see %s",
+                [p.returncode for p in self.procs],
+                self.logs,
+            )
+        return dead
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("generator pid %d did not stop; SIGKILL", p.pid)
+                p.kill()
+                p.wait()
+
+
+def run_local(cfg: RunConfig) -> dict[str, Any]:
+    """Learner here + generators as processes; returns the learner's summary."""
+    from pipeline.learner_main import run_learner
+
+    gens = Generators(cfg)
+    t0 = time.time()
+    try:
+        summary = run_learner(cfg, on_bound=gens.start, stop=gens.all_dead)
+    finally:
+        gens.stop()
+    summary["wall_s"] = time.time() - t0
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+    except ConfigError as e:
+        print(f"looprl run: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    s = run_local(cfg)
+    print(
+        f"\nrun {cfg.run_dir}: {s.get('steps', 0)} steps in {s['wall_s']:.0f} s; mean reward "
+        f"first 5 steps {s.get('reward_first', float('nan')):.3f} -> last 5 steps "
+        f"{s.get('reward_last', float('nan')):.3f}; max staleness {s.get('staleness_max')}"
+    )
+    print(
+        f"metrics: {Path(cfg.run_dir) / 'metrics.jsonl'}; plot: {s.get('plot') or 'none (no matplotlib)'}"
+    )
+    (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(s, indent=1, default=str))
+    return 0

@@ -1,0 +1,251 @@
+"""``looprl learner``: the learner process (rank 0 hosts the coordinator).
+
+    looprl learner [--config FILE] [--resume RUN_DIR] [key=value ...]
+    torchrun --nproc-per-node 2 -m pipeline.cli learner --config configs/grpo.yaml tp=2
+
+Order: load the config (defaults < FILE < overrides; on --resume the run's own config.yaml
+replaces the defaults) -> the initial checkpoint (``model.path``, or a fresh family/size in
+RUN_DIR/init) -> the trainer (megatron: learner.parallel.init_distributed first) -> bind
+the endpoints and print how generators connect -> on --resume restore the latest
+checkpoint (pipeline.resume) -> the coordinator loop with a progress bar, metrics and
+checkpoints every ``checkpoint.every`` steps -> a final checkpoint, the plot, a summary.
+SIGTERM / SIGINT stop after the current turn (final checkpoint included). Exit codes: 0
+done, 1 the run failed, 2 bad settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, load_config, to_yaml
+
+log = logging.getLogger(__name__)
+OnBound = Callable[[str, str, Path], None]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "learner",
+        help="run the learner (coordinator on rank 0); generators connect to it",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    p.add_argument("--config", metavar="FILE", help="run config YAML (pipeline.config.RunConfig)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.set_defaults(func=run)
+    return p
+
+
+def resolve_config(config: str | None, resume: str | None, overrides: list[str]) -> RunConfig:
+    """Config for a new run, or for ``--resume RUN_DIR`` (its config.yaml, then FILE, then
+    overrides; run_dir forced to RUN_DIR)."""
+    if resume is None:
+        return load_config(config, overrides)
+    saved = Path(resume) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {resume}: {saved} not found (not a run directory)")
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(OmegaConf.load(saved))
+    extra = OmegaConf.to_container(OmegaConf.load(config)) if config else {}
+    merged = OmegaConf.merge(base, extra, OmegaConf.from_dotlist([*overrides, f"run_dir={resume}"]))
+    return load_config(None, OmegaConf.to_container(merged))  # type: ignore[arg-type]
+
+
+def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    """The starting checkpoint: ``model.path``, or RUN_DIR/init (created once)."""
+    if cfg.model.path:
+        p = Path(cfg.model.path)
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.path {p}: no config.json there (not an HF checkpoint)")
+        return p
+    p = run_dir / "init"
+    if not (p / "config.json").is_file():
+        from models.init import init_checkpoint
+
+        init_checkpoint(cfg.model.family, cfg.model.size, p, seed=cfg.model.init_seed)
+    return p
+
+
+def load_prompts(cfg: RunConfig, model: Path) -> Any:
+    """The run's PromptSource (synthetic count-on prompts, or a jsonl file)."""
+    from pipeline.dispatch import Prompt, PromptSource
+
+    t = cfg.task
+    if t.kind == "synthetic":
+        from generator.rewards import synthetic_task_prompts
+
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+        pairs = synthetic_task_prompts(t.num_prompts, t.seed, vocab, length=cfg.rollout.max_tokens,
+                                       max_step=t.max_step)  # fmt: skip
+        return PromptSource([Prompt(f"p{i}", p, dict(k)) for i, (p, k) in enumerate(pairs)], t.seed)
+    out = []
+    for i, line in enumerate(Path(t.path).read_text().splitlines()):
+        if line.strip():
+            d = json.loads(line)
+            out.append(Prompt(str(d.get("prompt_id", f"p{i}")), list(d["prompt_tokens"]),
+                              dict(d.get("task", {}))))  # fmt: skip
+    return PromptSource(out, t.seed)
+
+
+def _free_pair(host: str) -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind((host, port + 1))
+                except OSError:
+                    continue
+            return int(port)
+    raise RuntimeError(f"no free pair of ports on {host}")
+
+
+def bind_endpoint(cfg: RunConfig, port: int = 0) -> Any:
+    """Bind control (port) and weights (port + 1); port: endpoints.port, else the given
+    one (a resumed run's own, so its generators find it again), else a free pair."""
+    from pipeline.transport import TransportConfig
+    from pipeline.transport_zmq import ZmqLearnerEndpoint
+
+    e, g = cfg.endpoints, cfg.generators
+    security = None
+    if e.keys:
+        from pipeline.security import ServerCurve
+
+        security = ServerCurve.from_dir(e.keys, curve_on_loopback=e.curve_on_loopback)
+    tc = TransportConfig(
+        heartbeat_interval_s=g.heartbeat_interval_s, peer_timeout_s=g.peer_timeout_s
+    )
+    port = e.port or port or _free_pair(e.host)
+    return ZmqLearnerEndpoint(tc, control=f"tcp://{e.host}:{port}", weights=f"tcp://{e.host}:{port + 1}",
+                              security=security, insecure=e.insecure)  # fmt: skip
+
+
+def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,
+                stop: Callable[[], bool] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The whole learner (see the module docstring); returns the summary."""
+    from pipeline import resume as resume_mod
+    from pipeline.coordinator import Coordinator
+    from pipeline.metrics import MetricsWriter, read_metrics, summary
+    from pipeline.trainer_api import build_trainer
+
+    run_dir = Path(cfg.run_dir)
+    if os.environ.get("RANK", "0") != "0":  # torchrun: ranks > 0 repeat rank 0's trainer calls
+        return _follower(cfg, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    model = model_dir(cfg, run_dir)
+    prompts = load_prompts(cfg, model)
+    trainer: Any = build_trainer(cfg.backend, cfg, model)
+    if getattr(trainer, "world_size", 1) > 1:
+        from pipeline.ranks import Leader
+
+        trainer = Leader(trainer)
+    old_port = 0
+    if resume and (run_dir / "endpoints.json").is_file():  # generators reconnect by themselves
+        old = json.loads((run_dir / "endpoints.json").read_text())["control"]
+        old_port = int(old.rpartition(":")[2])
+    endpoint = bind_endpoint(cfg, old_port)
+    ctrl, wts = endpoint.endpoints["control"], endpoint.endpoints["weights"]
+    (run_dir / "endpoints.json").write_text(json.dumps({"control": ctrl, "weights": wts}))
+    print(f"learner: generators connect with\n  looprl generator --learner {ctrl} "
+          f"--weights-endpoint {wts} --model {model} --reward {cfg.task.reward} "
+          f"--numerics {cfg.numerics}", flush=True)  # fmt: skip
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard)
+    bar = _progress(cfg)
+
+    def on_step(m: dict[str, Any]) -> None:
+        metrics.log(m)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", stale=m["staleness_max"],
+                            v=m["version"])  # fmt: skip
+
+    coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
+                        run_dir=run_dir, on_step=on_step)  # fmt: skip
+    stopping = {"flag": False}
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.warning("learner: %s, stopping after this turn", signal.Signals(signum).name)
+        stopping["flag"] = True
+
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if resume:
+            ckpt = resume_mod.latest_checkpoint(coord)
+            if ckpt is None:
+                raise ConfigError(f"--resume {run_dir}: no checkpoint there")
+            resume_mod.restore(coord, ckpt)
+            if bar is not None:
+                bar.update(coord.step)
+        if on_bound is not None:
+            on_bound(ctrl, wts, model)
+        keep = cfg.checkpoint.keep
+        coord.run(cfg.steps, checkpoint=lambda: resume_mod.save(coord, keep),
+                  stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
+        resume_mod.save(coord, keep)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if bar is not None:
+            bar.close()
+        counts = coord.counts()
+        coord.close()
+        endpoint.close()
+        trainer.close()
+        plot = metrics.close(plot=cfg.metrics.plot)
+    out: dict[str, Any] = {**summary(read_metrics(metrics.path)), "final_version": coord.version,
+                           "final_digest": coord.last_digest, "plot": str(plot) if plot else None,
+                           "counts": counts}  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """A learner rank > 0: build the same trainer, then follow rank 0 (pipeline.ranks)."""
+    import time
+
+    from pipeline.ranks import follow
+    from pipeline.trainer_api import build_trainer
+
+    if cfg.backend == "reference":
+        raise ConfigError("backend=reference runs one learner process; use megatron with torchrun")
+    model = Path(cfg.model.path) if cfg.model.path else run_dir / "init"
+    for _ in range(600):  # rank 0 writes a fresh checkpoint first
+        if (model / "config.json").is_file():
+            break
+        time.sleep(0.1)
+    trainer = build_trainer("megatron", cfg, model)
+    return {"followed_steps": follow(trainer)}
+
+
+def _progress(cfg: RunConfig) -> Any:
+    if not cfg.metrics.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc="steps", unit="step", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = resolve_config(args.config, args.resume, list(args.overrides))
+    except ConfigError as e:
+        print(f"looprl learner: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    s = run_learner(cfg, resume=args.resume is not None)
+    print(f"learner done: {json.dumps({k: v for k, v in s.items() if k != 'counts'})}")
+    return 0

@@ -1,0 +1,114 @@
+"""Backend "megatron": learner.trainer.Trainer behind the coordinator's Trainer protocol.
+
+Maps the run config onto learner.config (TrainConfig / OptimConfig / ScheduleConfig), builds the
+looped policy (and, for ppo, the critic) on megatron-core from the starting HF checkpoint,
+and forwards step / publish / checkpoint calls to learner.trainer, learner.publish and
+learner.checkpoint (which stores the coordinator's pipeline_state in its meta.json).
+
+With several ranks (torchrun) every rank must run the same calls with the same rollouts:
+pipeline.ranks wraps rank 0's trainer (``Leader``) and runs the others (``follow``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from proto import Rollout
+
+log = logging.getLogger(__name__)
+
+
+class MegatronTrainer:
+    """See the module docstring; ``cfg`` is the RunConfig."""
+
+    def __init__(self, cfg: Any, model_dir: Path) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+        from learner.mcore_model import MegatronOptions
+        from learner.objectives import ObjectiveConfig, ValueLossConfig
+        from learner.parallel import init_distributed
+        from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
+        from models.checkpoint import load_checkpoint, load_config
+
+        if not ps.model_parallel_is_initialized():
+            init_distributed(cfg.tp, seed=cfg.seed)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        o, r, p = cfg.objective, cfg.rollout, cfg.optimizer
+        obj = ObjectiveConfig(
+            kind=o.kind, eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip,
+            is_cap=o.is_cap, is_mode=o.is_mode, kl_threshold=o.kl_threshold,
+            kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
+            aggregation=o.aggregation, temperature=r.temperature,
+        )  # fmt: skip
+        ppo = o.kind == "ppo"
+        batch = r.prompts_per_step * r.n
+        train = TrainConfig(
+            global_batch_size=batch, micro_batch_size=_micro(batch, r.n), seed=cfg.seed,
+            objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation),
+            gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std,
+        )  # fmt: skip
+        optim = OptimConfig(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps,
+                            weight_decay=p.weight_decay, clip_grad=p.grad_clip)  # fmt: skip
+        self.model_config = load_config(model_dir)
+        _, hf_state = load_checkpoint(model_dir)
+        options = MegatronOptions(numerics=cfg.numerics)
+        self.trainer = Trainer(
+            train, optim, ScheduleConfig(),
+            looped_policy_spec(self.model_config, options, hf_state),
+            critic=looped_critic_spec(self.model_config, options, hf_state) if ppo else None,
+        )  # fmt: skip
+        self.is_cap = o.is_cap
+        self.last_mismatch: list[float] = []
+
+    def step(
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
+    ) -> Mapping[str, float]:
+        if any(needs_correction) and self.is_cap is None:
+            log.warning(
+                "stale rollouts kept (policy keep) but objective.is_cap is unset: the megatron "
+                "trainer applies no per-rollout correction; set objective.is_cap"
+            )
+        out = dict(self.trainer.step(list(rollouts)))
+        out["logprob_mismatch"] = out.get("logp_mismatch_max", float("nan"))
+        return out
+
+    def publish(self, out_dir: Path, version: int) -> None:
+        from learner.publish import publish, weights_dir
+
+        run_dir = out_dir.parent.parent
+        if weights_dir(run_dir, version) != out_dir:
+            raise ValueError(f"publish: {out_dir} is not <run_dir>/weights/v{version}")
+        publish(self.trainer.policy_model, run_dir, version, config=self.model_config.to_hf_dict())
+
+    def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
+        from learner.checkpoint import save
+
+        return save(self.trainer, run_dir, pipeline_state=pipeline_state, keep_last=max(keep, 1))
+
+    def latest(self, run_dir: Path) -> Path | None:
+        from learner.checkpoint import latest
+
+        return latest(run_dir)
+
+    def load(self, ckpt: Path) -> dict[str, Any]:
+        from learner.checkpoint import load
+
+        return dict(load(self.trainer, ckpt).pipeline_state)
+
+    def close(self) -> None:
+        from learner.parallel import destroy_distributed
+
+        destroy_distributed()
+
+
+def _micro(batch: int, n: int) -> int:
+    """Micro-batch size: the group size if it divides the batch (it does), at most 16."""
+    m = min(n, 16)
+    while batch % m:
+        m -= 1
+    return m

@@ -1,0 +1,121 @@
+"""Run metrics: RUN_DIR/metrics.jsonl (always), TensorBoard (optional), a PNG plot at the end.
+
+    m = MetricsWriter(run_dir, tensorboard=True)
+    m.log(row)          # one dict per training step, with "step"; appended + flushed
+    m.close(plot=True)  # RUN_DIR/metrics.png: reward, staleness, log-prob mismatch per step
+
+TensorBoard needs ``torch.utils.tensorboard`` (the ``tensorboard`` package); the plot needs
+matplotlib. Either missing is a warning, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "metrics.png"
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / METRICS_NAME
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception as e:  # ImportError, or tensorboard's own import errors
+                log.warning("TensorBoard disabled (%s); metrics go to %s only", e, self.path)
+
+    def log(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in row.items()}  # fmt: skip
+        self._f.write(json.dumps(clean) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            step = int(row["step"])
+            for k, v in row.items():
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self, *, plot: bool = True) -> Path | None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+        return plot_metrics(self.path, self.run_dir / PLOT_NAME) if plot else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl; a resumed run's repeated steps keep the last occurrence."""
+    rows: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def summary(rows: list[dict[str, Any]], k: int = 5) -> dict[str, float]:
+    """Mean reward of the first and last k steps, steps and wall time."""
+    if not rows:
+        return {}
+    first = [r["reward_mean"] for r in rows[:k]]
+    last = [r["reward_mean"] for r in rows[-k:]]
+    return {
+        "steps": len(rows),
+        "reward_first": sum(first) / len(first),
+        "reward_last": sum(last) / len(last),
+        "staleness_max": max(r["staleness_max"] for r in rows),
+        "elapsed_s": rows[-1]["elapsed_s"],
+    }
+
+
+def plot_metrics(path: Path, out: Path) -> Path | None:
+    """Reward, staleness and log-prob mismatch per step -> ``out`` (None without matplotlib).
+
+    The mismatch panel shows ``logprob_mismatch`` (fresh rollouts: numerics) and
+    ``logprob_mismatch_all`` (every rollout of the step: includes the policy change of stale
+    ones), on a log scale."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plot (pip install matplotlib)")
+        return None
+    rows = read_metrics(path)
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    panels = [
+        ("reward", ["reward_mean", "reward_correct"]),
+        ("staleness (versions)", ["staleness_mean", "staleness_max"]),
+        ("max |learner - generator logprob|", ["logprob_mismatch", "logprob_mismatch_all"]),
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            ys = [r.get(key) for r in rows]
+            if any(y is not None for y in ys):
+                ax.plot(steps, [float("nan") if y is None else y for y in ys], label=key)
+        ax.set_title(title)
+        if title.startswith("max |"):  # numerics (~1e-6) next to policy change (~1): log scale
+            ax.set_yscale("log")
+        ax.legend(loc="best", fontsize=8)
+    axes[-1].set_xlabel("training step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

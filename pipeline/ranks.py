@@ -1,0 +1,116 @@
+"""Several learner ranks (torchrun): rank 0 leads, the other ranks repeat its trainer calls.
+
+The coordinator runs on global rank 0 only. Every trainer call of learner.trainer /
+learner.publish / learner.checkpoint is a collective, so rank 0's trainer is wrapped in
+``Leader``, which first broadcasts the call (op + arguments, rollouts as one encoded
+RolloutBatch frame: proto.codec, never pickle) to all ranks, then runs it; the other ranks
+sit in ``follow(trainer)``, which receives each call and runs it the same way, until "stop".
+
+    torchrun --nproc-per-node 2 -m pipeline.cli learner tp=2 ...
+
+Order of calls on every rank: the same sequence of step / publish / save / load, with the
+same rollouts in the same order (the trainer sorts them itself).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from proto import Codec, Rollout, RolloutBatch
+
+
+def _device() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    )
+
+
+def _bcast(data: bytes | None) -> bytes:
+    """Rank 0's bytes on every rank (length first, then the bytes as a uint8 tensor)."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    if data is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else None
+    else:
+        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+    if buf is None or buf.numel() == 0:
+        return b""
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().numpy().tobytes())
+
+
+class Leader:
+    """Rank 0's trainer: broadcasts every call, then runs it (same interface as the trainer)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.codec = Codec(level=1)
+
+    @property
+    def last_mismatch(self) -> list[float]:
+        return list(getattr(self.trainer, "last_mismatch", []))
+
+    def _send(self, op: str, **args: Any) -> None:
+        _bcast(json.dumps({"op": op, **args}).encode())
+
+    def step(
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
+    ) -> Mapping[str, float]:
+        self._send("step", flags=list(needs_correction))
+        _bcast(self.codec.encode(RolloutBatch(list(rollouts))))
+        return self.trainer.step(rollouts, needs_correction)  # type: ignore[no-any-return]
+
+    def publish(self, out_dir: Path, version: int) -> None:
+        self._send("publish", out_dir=str(out_dir), version=version)
+        self.trainer.publish(out_dir, version)
+
+    def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
+        self._send("save", run_dir=str(run_dir), keep=keep)
+        return self.trainer.save(run_dir, pipeline_state, keep)  # type: ignore[no-any-return]
+
+    def latest(self, run_dir: Path) -> Path | None:
+        return self.trainer.latest(run_dir)  # type: ignore[no-any-return]
+
+    def load(self, ckpt: Path) -> dict[str, Any]:
+        self._send("load", ckpt=str(ckpt))
+        return self.trainer.load(ckpt)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._send("stop")
+        self.trainer.close()
+
+
+def follow(trainer: Any) -> int:
+    """Ranks > 0: run rank 0's trainer calls until it says stop; returns the steps run."""
+    codec, steps = Codec(), 0
+    try:
+        while True:
+            cmd = json.loads(_bcast(None))
+            op = cmd["op"]
+            if op == "step":
+                batch = codec.decode(_bcast(None))
+                assert isinstance(batch, RolloutBatch)
+                trainer.step(batch.rollouts, cmd["flags"])
+                steps += 1
+            elif op == "publish":
+                trainer.publish(Path(cmd["out_dir"]), int(cmd["version"]))
+            elif op == "save":
+                trainer.save(Path(cmd["run_dir"]), {}, int(cmd["keep"]))
+            elif op == "load":
+                trainer.load(Path(cmd["ckpt"]))
+            elif op == "stop":
+                return steps
+            else:
+                raise ValueError(f"unknown learner op {op!r} from rank 0")
+    finally:
+        trainer.close()

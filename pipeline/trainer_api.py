@@ -1,0 +1,91 @@
+"""What the coordinator needs from a trainer, and weight publications (HF dir + blob + digest).
+
+Order of calls (learner rank 0; other ranks, if any, follow the same trainer calls)::
+
+    trainer = build_trainer(backend, cfg, model_dir)   # megatron (learner.trainer) or reference
+    ckpt = trainer.latest(run_dir)                     # on --resume
+    state = trainer.load(ckpt)                         # -> the pipeline_state saved with it
+    metrics = trainer.step(rollouts, flags)            # one training step on complete groups
+    trainer.publish(out_dir, version)                  # current weights, HF layout, written to
+                                                       # out_dir (= RUN_DIR/weights/v<version>)
+    trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
+
+``Publication`` is what goes to the generators: the directory, the blob (every tensor's
+canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets) and the
+canonical digest (models.digest) that generator.engine.LoopedEngine.load_weights verifies
+(DESIGN contract 6). It is read back from the written directory, so the digest is that of
+exactly what a generator loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from proto import Rollout, TensorMeta
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    """The learner's training side as the coordinator sees it (see the module docstring)."""
+
+    def step(
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
+    ) -> Mapping[str, float]: ...
+    def publish(self, out_dir: Path, version: int) -> None: ...
+    def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path: ...
+    def latest(self, run_dir: Path) -> Path | None: ...
+    def load(self, ckpt: Path) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A published weight set: HF-layout ``path``, ``blob`` + ``tensors``, canonical ``digest``."""
+
+    version: int
+    path: str
+    digest: str
+    blob: bytes
+    tensors: list[TensorMeta]
+    config_json: str
+
+
+def publication_from_dir(path: Path, version: int) -> Publication:
+    """Read a published HF directory back into blob + tensors + canonical digest (the engine
+    loads exactly this state from the directory, so the digests agree by construction)."""
+    from models.checkpoint import load_checkpoint
+    from models.digest import blob_and_meta, digest_from_blob
+
+    config, state = load_checkpoint(path)
+    blob, meta = blob_and_meta(state)
+    return Publication(
+        version=version,
+        path=str(path),
+        digest=digest_from_blob(blob, meta),
+        blob=blob,
+        tensors=[TensorMeta(**m) for m in meta],
+        config_json=json.dumps(config, sort_keys=True),
+    )
+
+
+def build_trainer(backend: str, cfg: Any, model_dir: Path) -> Trainer:
+    """The trainer for ``backend`` ("megatron", "reference", or "auto": megatron if
+    learner.trainer is importable, else the reference trainer with a warning)."""
+    if backend in ("auto", "megatron"):
+        try:
+            from pipeline.megatron_adapter import MegatronTrainer
+        except ImportError as e:
+            if backend == "megatron":
+                raise ValueError(f"backend=megatron: learner.trainer is not usable ({e})") from e
+            log.warning("learner.trainer not available (%s): using the reference trainer", e)
+        else:
+            return MegatronTrainer(cfg, model_dir)
+    from pipeline.reference_trainer import ReferenceTrainer
+
+    return ReferenceTrainer(cfg, model_dir)

@@ -1,0 +1,160 @@
+"""Fakes for coordinator tests: an in-memory generator and a trainer that only records."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import RunConfig, load_config
+from pipeline.coordinator import Coordinator
+from pipeline.dispatch import Prompt, PromptSource
+from pipeline.transport import MemoryNetwork, TransportConfig
+from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
+
+
+class FakeTrainer:
+    """Records every batch; its "weights" are one tensor holding the step count."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.flags: list[list[bool]] = []
+        self.versions_trained: list[list[int]] = []
+        self.steps = 0
+
+    def step(
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
+    ) -> Mapping[str, float]:
+        self.batches.append([r.rollout_id for r in rollouts])
+        self.flags.append(list(needs_correction))
+        self.versions_trained.append([r.weight_version for r in rollouts])
+        self.steps += 1
+        return {"logprob_mismatch": 0.0}
+
+    def publish(self, out_dir: Path, version: int) -> None:
+        from models.checkpoint import save_checkpoint
+
+        state = {"w": torch.tensor([float(self.steps)])}
+        save_checkpoint(state, {"architectures": ["Fake"]}, out_dir)
+
+    def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
+        path = run_dir / "checkpoints" / f"step_{self.steps:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "state.json").write_text(
+            json.dumps({"steps": self.steps, "pipeline": pipeline_state})
+        )
+        return path
+
+    def latest(self, run_dir: Path) -> Path | None:
+        found = sorted((run_dir / "checkpoints").glob("step_*"))
+        return found[-1] if found else None
+
+    def load(self, ckpt_dir: Path) -> dict[str, Any]:
+        d = json.loads((ckpt_dir / "state.json").read_text())
+        self.steps = d["steps"]
+        return dict(d["pipeline"])
+
+    def close(self) -> None:
+        pass
+
+
+TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0)
+
+
+class FakeGenerator:
+    """Answers WorkItems with rollouts (reward = random), loads announced weights at once.
+
+    ``number_from_zero``: number a partial re-dispatch's samples 0..k-1 (the bug intake
+    corrects by latent seed). ``delay``: turns before a work item is answered.
+    """
+
+    def __init__(self, net: MemoryNetwork, gid: str, *, max_inflight: int = 2,
+                 delay: int = 0, number_from_zero: bool = False, seed: int = 0,
+                 clock: Any = None) -> None:  # fmt: skip
+        hello = Hello(gid, "host", 1, ["fake"], max_inflight, 0, 0.0)
+        kw = {"clock": clock} if clock is not None else {}
+        self.conn = net.connect("learner", hello, TCFG, **kw)
+        self.gid, self.delay, self.zero = gid, delay, number_from_zero
+        self.version = 0
+        self.queue: list[tuple[int, WorkItem, int]] = []
+        self.sent: list[Rollout] = []
+        self.rng = random.Random(seed)
+        self.alive = True
+        self.paused = False
+
+    def step(self) -> None:
+        if not self.alive:
+            return
+        inc = self.conn.recv(0.0)
+        while inc is not None:
+            rec = inc.record
+            if isinstance(rec, WorkItem):
+                self.queue.append((self.delay, rec, self.version))  # generated at this version
+            elif isinstance(rec, WeightAnnounce):
+                self.version = rec.version
+                self.conn.send(Ack("weights", str(rec.version), rec.version), channel="weights")
+            elif isinstance(rec, Welcome):
+                pass
+            inc = self.conn.recv(0.0)
+        self.conn.set_status(self.version, len(self.queue))
+        if self.paused:
+            return
+        keep = []
+        for wait, item, v in self.queue:
+            if wait > 0:
+                keep.append((wait - 1, item, v))
+                continue
+            idx = list(range(item.n)) if self.zero else item.indices()
+            rolls = [self._rollout(item, i, int(s), v) for i, s in zip(idx, item.latent_seeds)]
+            self.sent.extend(rolls)
+            self.conn.send(RolloutBatch(rolls))
+        self.queue = keep
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        return Rollout(
+            rollout_id=f"{item.work_id}/{i}", work_id=item.work_id, prompt_id=item.prompt_id,
+            sample_index=i, generator_id=self.gid, latent_seed=seed,
+            prompt_tokens=item.prompt_tokens, tokens=np.array([5, 6], np.int32),
+            logprobs=np.array([-1.0, -1.0], np.float32), exit_depths=np.array([4, 4], np.uint8),
+            weight_version=version, reward=self.rng.random(),
+        )  # fmt: skip
+
+    def kill(self) -> None:
+        """Vanish without Goodbye (like kill -9)."""
+        self.alive = False
+
+
+def prompts(k: int = 10) -> PromptSource:
+    return PromptSource([Prompt(f"p{i}", [1, 18 + i % 10], {"i": i}) for i in range(k)], seed=0)
+
+
+def make_coordinator(tmp: Path, overrides: list[str], *, net: MemoryNetwork | None = None,
+                     trainer: FakeTrainer | None = None, clock: Any = None) -> tuple[Coordinator, MemoryNetwork, FakeTrainer]:  # fmt: skip
+    cfg: RunConfig = load_config(None, [f"run_dir={tmp}", "rollout.n=4", "rollout.prompts_per_step=2",
+                                        "publish.keep=0", *overrides])  # fmt: skip
+    net = net or MemoryNetwork()
+    kw = {"clock": clock} if clock is not None else {}
+    ep = net.bind("learner", TCFG, **kw)
+    trainer = trainer or FakeTrainer()
+    ckw = {"clock": clock} if clock is not None else {}
+    c = Coordinator(cfg, endpoint=ep, trainer=trainer, prompts=prompts(), run_dir=tmp, **ckw)
+    return c, net, trainer
+
+
+def drive(c: Coordinator, gens: list[FakeGenerator], steps: int, max_turns: int = 5000,
+          hook: Any = None) -> None:  # fmt: skip
+    """Alternate coordinator turns and generator steps until ``steps`` training steps."""
+    for turn in range(max_turns):
+        if c.step >= steps:
+            return
+        c.turn(0.0)
+        for g in gens:
+            g.step()
+        if hook is not None:
+            hook(turn)
+    raise AssertionError(f"only {c.step} of {steps} steps after {max_turns} turns")
