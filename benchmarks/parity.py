@@ -74,6 +74,7 @@ PAIRS["megatron_vs_reference"] = lambda m, c, mode: __import__(
 PAIRS["vllm_vs_reference"] = lambda m, c, mode: __import__("parity_vllm").pair_vllm_vs_reference(
     m, c, mode
 )
+PAIRS["megatron_vs_vllm"] = lambda *a: __import__("parity_cross").pair_megatron_vs_vllm(*a)
 
 
 def make_case(family: str, n_prompts: int, max_new_tokens: int, seed: int) -> Case:

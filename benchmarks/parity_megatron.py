@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # first: benchmarks/learner.py must not shadow the package
 
 from models.base import LoopedLM  # noqa: E402
 from models.config import LlamaConfig, ModelConfig, tiny_config  # noqa: E402
@@ -69,11 +69,15 @@ def _compare(model: LoopedLM, policy: Any, case: Any, gen_mode: str, mode: str) 
 
 def pair_megatron_vs_reference(model: LoopedLM, case: Any, mode: str) -> tuple[float, int, list]:
     """benchmarks/parity.py pair: reference generate vs megatron replay at TP=1, here."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from learner.mcore_model import MegatronOptions, build_policy
     from learner.parallel import init_distributed
 
+    if parallel_state.model_parallel_is_initialized() and not dist.is_initialized():
+        # Another pair (vLLM's cleanup) destroyed the process groups megatron still points to.
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1)
     policy = build_policy(model.config, MegatronOptions(), hf_state=model.state_dict())

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the root first: benchmarks/learner.py must not shadow the learner package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity import PAIRS, Case  # noqa: E402
 
