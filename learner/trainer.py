@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from learner.batching import TrainBatch, build_batch, gae_advantages, group_token_advantages
+from learner.batching import (
+    TrainBatch,
+    build_batch,
+    gae_advantages,
+    group_token_advantages,
+    sort_rollouts,
+)
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.objectives import policy_loss, value_loss
 from learner.vocab_ops import token_stats
@@ -227,6 +233,8 @@ class Trainer:
             )
         self.weight_version = initial_version
         """Version of the current policy weights (+1 per step)."""
+        self.last_mismatch: list[float] = []
+        """Per rollout of the last `step` (input order): max |learner - behaviour| log-prob."""
         self.step_count = 0
         """Completed `step` calls."""
         self.update_count = 0
@@ -360,9 +368,12 @@ class Trainer:
         metrics = _Metrics()
         device = next(self.policy.module.parameters()).device
         use_prox_logp = cfg.use_prox and cfg.objective.kind != "flow_dppo"
+        # Per batch row: max |learner - behaviour| log-prob (-1 where not measured).
+        row_mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
         for u, (g_lo, g_hi, lo, hi) in enumerate(rows):
             norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
             self.policy.zero_grad()
+            row0 = lo
             for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
                 mb = mb_cpu.to(device)
                 stats = self._stats(
@@ -376,6 +387,8 @@ class Trainer:
                 loss, m = policy_loss(cfg.objective, lb)
                 (loss * self.dp_size).backward()
                 self._record(metrics, m, mb, stats["logp"].detach(), u == 0, len(rows))
+                self._row_mismatch(row_mismatch, row0, mb, stats["logp"].detach(), u == 0)
+                row0 += mb.size
             for k, v in self.policy.update().items():
                 metrics.add_mean(k, v, 1.0)
             self.update_count += 1
@@ -383,11 +396,36 @@ class Trainer:
                 vnorm = self._normalizer(batch, g_lo, g_hi, cfg.value.aggregation)
                 self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
         self._batch_metrics(batch, metrics)
+        if self.dp_size > 1:  # each DP rank measured its own rows
+            import torch.distributed as dist
+
+            dist.all_reduce(row_mismatch, op=dist.ReduceOp.MAX, group=self.dp_group)
+        by_id = {
+            r.rollout_id: float(row_mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))
+        }
+        # Per input rollout: max over its tokens at the pre-update weights; -1.0 = not measured.
+        self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
         out = metrics.reduce(self.dp_group)
         self.step_count += 1
         self.weight_version += 1
         out.update(weight_version=float(self.weight_version), updates=float(len(rows)))
         return out
+
+    @staticmethod
+    def _row_mismatch(
+        out: Tensor, row0: int, mb: TrainBatch, logp: Tensor, first_update: bool
+    ) -> None:
+        """out[row0 : row0 + mb.size] = max over each row's tokens of |learner - behaviour|
+        log-prob (proximal pass when it ran, else the first update's forward)."""
+        learner = mb.extra.get("prox_logp", logp if first_update else None)
+        if learner is None:
+            return
+        live = (mb.mask > 0) & torch.isfinite(mb.behav_logp) & torch.isfinite(learner)
+        d = torch.where(live, (learner.float() - mb.behav_logp.float()).abs(), 0.0)
+        per = d.amax(dim=1).double().cpu() if d.numel() else torch.zeros(mb.size)
+        seen = live.any(dim=1).cpu()
+        rows = out[row0 : row0 + per.shape[0]]
+        rows.copy_(torch.where(seen, torch.maximum(rows, per), rows))
 
     def _record(
         self,

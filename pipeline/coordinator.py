@@ -224,7 +224,7 @@ class Coordinator:
             if all(oldest_version(r) == self.version for r in rolls):
                 return float(whole)
             return float("nan")
-        fresh = [m for m, r in zip(per, rolls) if oldest_version(r) == self.version]
+        fresh = [m for m, r in zip(per, rolls) if oldest_version(r) == self.version and m == m]
         return max(fresh) if fresh else float("nan")
 
     # -- weights -------------------------------------------------------------------------------------

@@ -74,6 +74,8 @@ class MegatronTrainer:
                 "trainer applies no per-rollout correction; set objective.is_cap"
             )
         out = dict(self.trainer.step(list(rollouts)))
+        # Per-rollout numerics mismatch for the coordinator's fresh-rollout metric.
+        self.last_mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]
         out["logprob_mismatch"] = out.get("logp_mismatch_max", float("nan"))
         return out
 

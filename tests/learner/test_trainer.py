@@ -171,7 +171,10 @@ def _improvement() -> dict[str, Any]:
         r.logprobs = row  # on-policy behaviour log-probs: ratio 1 at the start
     batch = build_batch(rollouts)
     adv = group_token_advantages(batch)
-    losses = [trainer.step(rollouts)["loss"], trainer.step(rollouts)["loss"]]
+    losses = [trainer.step(rollouts)["loss"]]
+    mismatch_first = list(trainer.last_mismatch)  # behaviour = these weights: ~0
+    losses.append(trainer.step(rollouts)["loss"])
+    mismatch_second = list(trainer.last_mismatch)  # the weights moved since behaviour
     after = learner_logp(trainer, rollouts)
     pos, neg = adv > 0, adv < 0
     return {
@@ -179,6 +182,9 @@ def _improvement() -> dict[str, Any]:
         "pos_gain": float((after - before)[pos].mean()),
         "neg_gain": float((after - before)[neg].mean()),
         "version": trainer.weight_version,
+        "mismatch_first": mismatch_first,
+        "mismatch_second": mismatch_second,
+        "n": len(rollouts),
     }
 
 
@@ -329,6 +335,11 @@ def test_grpo_step_improves_fixed_batch(single: dict[str, Any]) -> None:
     assert imp["losses"][1] < imp["losses"][0]
     assert imp["pos_gain"] > 0 > imp["neg_gain"]
     assert imp["version"] == 2
+    # Per-rollout learner-vs-behaviour mismatch, one value per rollout in input order.
+    assert len(imp["mismatch_first"]) == len(imp["mismatch_second"]) == imp["n"]
+    assert all(0.0 <= m <= 1e-5 for m in imp["mismatch_first"])
+    assert all(m >= 0.0 for m in imp["mismatch_second"])
+    assert max(imp["mismatch_second"]) > 1e-4
 
 
 def test_two_micro_batches_equal_one_batch(single: dict[str, Any]) -> None:
