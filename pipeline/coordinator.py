@@ -150,7 +150,14 @@ class Coordinator:
             inc = self.endpoint.recv(0.0)
         for gid in self.endpoint.expired_peers():
             self._gone(gid, "heartbeat expired")
+        for gid in list(self.publisher.generators()):
+            if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
+                self._gone(gid, "refused the current weights too often")
         return handled
+
+    def _expected_version(self, gid: str) -> int:
+        """The version ``gid`` will serve once the weights being sent to it are loaded."""
+        return self.publisher.target(gid) if gid in self.publisher.generators() else -1
 
     def _send_work(self, gid: str, item: WorkItem) -> bool:
         return bool(self.endpoint.send(gid, item))
@@ -254,7 +261,7 @@ class Coordinator:
     def turn(self, timeout_s: float | None = None) -> bool:
         """One loop turn; True if a training step happened."""
         self.poll(self.poll_s if timeout_s is None else timeout_s)
-        self.dispatcher.pump(self.version, self._send_work)
+        self.dispatcher.pump(self.version, self._send_work, self._expected_version)
         self.publisher.pump()
         self.endpoint.set_status(self.version, self.dispatcher.inflight())
         trained = self.try_train()

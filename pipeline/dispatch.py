@@ -215,17 +215,32 @@ class Dispatcher:
         return sum(len(g.pending) for g in self._gens.values())
 
     # -- sending -----------------------------------------------------------------------------------
-    def pump(self, learner_version: int, send: Callable[[str, WorkItem], bool]) -> int:
-        """Send what capacity, the staleness gate and ``cap`` allow; returns items sent."""
+    def pump(
+        self,
+        learner_version: int,
+        send: Callable[[str, WorkItem], bool],
+        expected: Callable[[str], int] | None = None,
+    ) -> int:
+        """Send what capacity, the staleness gate and ``cap`` allow; returns items sent.
+
+        ``expected(gid)``: the version a generator will serve once the weights being sent to
+        it are loaded. Work is issued against max(acknowledged, expected): the generator
+        loads pending weights before it starts a batch and never starts an item above the
+        version it serves (``min_weight_version``), so the staleness deadline stays exact,
+        and a generator whose batch arrives just before it loads the new version is not left
+        idle for a whole training step."""
         sent = 0
         self.version = learner_version
         order = sorted(self._gens, key=lambda k: len(self._gens[k].pending))  # least loaded first
         for gid in order:
             g = self._gens.get(gid)
-            if g is None or not self.gate.can_dispatch(learner_version, g.version):
+            if g is None:
+                continue
+            ver = max(g.version, expected(gid)) if expected is not None else g.version
+            if not self.gate.can_dispatch(learner_version, ver):
                 continue
             while len(g.pending) < g.max_inflight:
-                item = self._next_item(gid, g)
+                item = self._next_item(gid, g, ver)
                 if item is None:
                     return sent
                 if not send(gid, item):  # unroutable: the peer is gone; death handling requeues
@@ -235,7 +250,7 @@ class Dispatcher:
                 sent += 1
         return sent
 
-    def _next_item(self, gid: str, g: _Gen) -> WorkItem | None:
+    def _next_item(self, gid: str, g: _Gen, ver: int) -> WorkItem | None:
         while self._redo:
             r = self._redo.popleft()
             spec = self.open.get(r.work_id)
@@ -245,13 +260,13 @@ class Dispatcher:
             unassigned = [i for i in r.indices if states[i] == "unassigned"]
             if not unassigned:
                 continue
-            return self._issue(gid, g, spec, unassigned)
-        if len(self.open) >= self.cap or not self._budget(g.version):
+            return self._issue(gid, g, spec, unassigned, ver)
+        if len(self.open) >= self.cap or not self._budget(ver):
             return None
         spec = self.make_spec(self.counter)
         self.counter += 1
         self.open[spec.work_id] = spec
-        return self._issue(gid, g, spec, list(range(self.n)))
+        return self._issue(gid, g, spec, list(range(self.n)), ver)
 
     def _budget(self, g: int) -> bool:
         """Policy "drop": new work for a generator serving ``g`` is trainable up to learner
@@ -265,10 +280,10 @@ class Dispatcher:
         due = sum(1 for w in self.open.values() if 0 <= w.min_version and w.min_version + s <= d)
         return due < (d - v + 1) * self.per_step
 
-    def _issue(self, gid: str, g: _Gen, spec: WorkSpec, indices: list[int]) -> WorkItem:
-        spec.min_version = g.version if spec.min_version < 0 else min(spec.min_version, g.version)
+    def _issue(self, gid: str, g: _Gen, spec: WorkSpec, indices: list[int], ver: int) -> WorkItem:
+        spec.min_version = ver if spec.min_version < 0 else min(spec.min_version, ver)
         self.ledger.dispatch(spec.work_id, gid, self.n, indices=indices)
-        self.gate.dispatched(spec.work_id, g.version)
+        self.gate.dispatched(spec.work_id, ver)
         g.pending[spec.work_id] = set(indices)
         full = indices == list(range(self.n))
         return WorkItem(
@@ -281,7 +296,7 @@ class Dispatcher:
             max_tokens=self.max_tokens,
             stop_token_ids=list(self.stop_token_ids),
             task=dict(spec.prompt.task),
-            min_weight_version=g.version,
+            min_weight_version=ver,
             issued_at=time.time(),
             sample_indices=[] if full else list(indices),
         )

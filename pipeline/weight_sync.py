@@ -173,6 +173,11 @@ class WeightPublisher:
         """Generator id -> version it acknowledged serving."""
         return {k: g.serving for k, g in self._gens.items()}
 
+    def target(self, gid: str) -> int:
+        """The version ``gid`` will serve once the transfer in progress (if any) is loaded."""
+        g = self._gens.get(gid)
+        return -1 if g is None else max(g.serving, g.sending)
+
     def gave_up(self, gid: str) -> bool:
         """True when ``gid`` lags the current version and no transfer to it is running."""
         g = self._gens[gid]
