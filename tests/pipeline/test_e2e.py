@@ -24,6 +24,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.launcher import Generators
@@ -118,6 +119,7 @@ def test_learner_killed_and_resumed(tmp_path: Path) -> None:
     same run directory (and port) continues to the end: the generators reconnect by
     themselves, and across both lives every (work, sample index) is accepted once, nothing
     is trained twice, only complete groups are trained."""
+    import contextlib
     import json
     import subprocess
     import sys
@@ -138,8 +140,14 @@ def test_learner_killed_and_resumed(tmp_path: Path) -> None:
         gens.start(ep["control"], ep["weights"], tmp_path / "init")
         ckpts = tmp_path / "checkpoints"
         assert wait_until(lambda: any(ckpts.glob("step_*2")) and _rows(tmp_path) >= 3, 240)
+        # kill -9, then stop by pid what the learner had started (its checkpoint writer).
+        children = psutil.Process(learner.pid).children(recursive=True)
         os.kill(learner.pid, signal.SIGKILL)
         learner.wait()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+                child.wait(timeout=30)
         assert (tmp_path / "config.yaml").read_text() == to_yaml(cfg)
         learner = subprocess.Popen([*cmd, "--resume", str(tmp_path)], stdout=log,
                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
