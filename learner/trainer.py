@@ -42,6 +42,7 @@ from learner.batching import (
 )
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.objectives import policy_loss, value_loss
+from learner.step_metrics import StepMetrics
 from learner.vocab_ops import token_stats
 from proto.records import Rollout
 
@@ -144,46 +145,6 @@ class Network:
         if not ok:
             raise RuntimeError("optimizer step reported failure (non-finite gradients?)")
         return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": lr}
-
-
-class _Metrics:
-    """Sums, token-weighted means and maxima, reduced over the data-parallel group."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-
-    def add_sum(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
-
-    def add_mean(self, key: str, value: float, weight: float) -> None:
-        self.add_weighted(key, value * weight, weight)
-
-    def add_weighted(self, key: str, weighted_sum: float, weight: float) -> None:
-        self.weighted[key] = self.weighted.get(key, 0.0) + weighted_sum
-        self.weights[key] = self.weights.get(key, 0.0) + weight
-
-    def add_max(self, key: str, value: float) -> None:
-        self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
-
-    def reduce(self, group: Any) -> dict[str, float]:
-        sk, wk, mk = sorted(self.sums), sorted(self.weighted), sorted(self.maxes)
-        flat = [self.sums[k] for k in sk]
-        flat += [self.weighted[k] for k in wk] + [self.weights[k] for k in wk]
-        packed = torch.tensor(flat, dtype=torch.float64)
-        peaks = torch.tensor([self.maxes[k] for k in mk], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(packed, group=group)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
-        vals, n = packed.tolist(), len(sk)
-        out = dict(zip(sk, vals[:n], strict=True))
-        for i, k in enumerate(wk):
-            w = vals[n + len(wk) + i]
-            out[k] = vals[n + i] / w if w > 0 else 0.0
-        out.update(zip(mk, peaks.tolist(), strict=True))
-        return out
 
 
 def _seed_all(seed: int) -> None:
@@ -365,7 +326,7 @@ class Trainer:
         batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
         rows = self._local_rows(batch.size)
         old_logits = self._pre_update_passes(batch, rows)
-        metrics = _Metrics()
+        metrics = StepMetrics()
         device = next(self.policy.module.parameters()).device
         use_prox_logp = cfg.use_prox and cfg.objective.kind != "flow_dppo"
         # Per batch row: max |learner - behaviour| log-prob (-1 where not measured).
@@ -397,8 +358,6 @@ class Trainer:
                 self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
-            import torch.distributed as dist
-
             dist.all_reduce(row_mismatch, op=dist.ReduceOp.MAX, group=self.dp_group)
         by_id = {
             r.rollout_id: float(row_mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))
@@ -429,7 +388,7 @@ class Trainer:
 
     def _record(
         self,
-        metrics: _Metrics,
+        metrics: StepMetrics,
         m: dict[str, float],
         mb: TrainBatch,
         logp: Tensor,
@@ -455,7 +414,7 @@ class Trainer:
         metrics.add_max("logp_mismatch_max", float(d.abs().max()) if d.numel() else 0.0)
 
     def _critic_update(
-        self, batch: TrainBatch, lo: int, hi: int, norm: float, metrics: _Metrics, n_updates: int
+        self, batch: TrainBatch, lo: int, hi: int, norm: float, metrics: StepMetrics, n_updates: int
     ) -> None:
         assert self.critic is not None and self.critic_spec is not None
         device = next(self.critic.module.parameters()).device
@@ -477,7 +436,7 @@ class Trainer:
         for k, v in self.critic.update().items():
             metrics.add_mean(f"critic_{k}", v, 1.0)
 
-    def _batch_metrics(self, batch: TrainBatch, metrics: _Metrics) -> None:
+    def _batch_metrics(self, batch: TrainBatch, metrics: StepMetrics) -> None:
         """Per-step quantities every rank knows in full (added on rank 0 of DP only)."""
         if self.dp_rank != 0:
             metrics.add_sum("reward_mean", 0.0)
