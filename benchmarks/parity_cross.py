@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import subprocess
@@ -97,41 +96,11 @@ def splittable_model(model: LoopedLM, tps: Sequence[int], seed: int = 0) -> Loop
 def vllm_generate(model: LoopedLM, case: Any, mode: str, family: str) -> Job:
     """Serve `model` with LoopedEngine (numerics `mode`, the case's exit policy) and sample
     every prompt once with its latent seed, as parity_vllm.pair_vllm_vs_reference does."""
-    import numpy as np
-    from parity_vllm import _save
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    from generator.engine import LoopedEngine
-    from proto.records import WorkItem
+    from parity_vllm import vllm_samples
 
     t0 = time.perf_counter()
     s = case.sampling
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _save(model, Path(tmp) / "ckpt")
-        policy = case.policy if model.max_depth > 1 else None
-        engine = LoopedEngine(
-            path, numerics=mode, exit_policy=policy, kv_cache_bytes=32 << 20, max_model_len=512
-        )
-        try:
-            work = [
-                WorkItem(
-                    work_id=f"w{i}",
-                    prompt_id=f"p{i}",
-                    prompt_tokens=np.asarray(p, dtype=np.int32),
-                    latent_seeds=np.asarray([seed], dtype=np.uint64),
-                    temperature=1.0 if s.greedy else s.temperature,
-                    top_p=s.top_p,
-                    max_tokens=s.max_new_tokens,
-                    stop_token_ids=list(s.stop_token_ids),
-                )
-                for i, (p, seed) in enumerate(zip(case.prompts, case.seeds))
-            ]
-            samples = [ss[0] for ss in engine.generate(work)]
-        finally:
-            engine.close()
-            del engine
-            gc.collect()
-            cleanup_dist_env_and_memory()
+    samples = vllm_samples(model, case, mode)
     items = [
         ReplayItem(list(p), x.tokens.tolist(), int(x.latent_seed), [int(d) for d in x.exit_depths])
         for p, x in zip(case.prompts, samples)

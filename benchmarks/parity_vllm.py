@@ -16,6 +16,7 @@ import gc
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,8 +47,9 @@ def _save(model: LoopedLM, out: Path) -> Path:
     return save_checkpoint(state, config_dict, out, tied=tied_from_module(model), extra_files=extra)
 
 
-def pair_vllm_vs_reference(model: LoopedLM, case: Case, mode: str) -> tuple[float, int, list[int]]:
-    """vLLM plugin generation vs reference replay of the same completions (see module doc)."""
+def vllm_samples(model: LoopedLM, case: Case, mode: str) -> list[Any]:
+    """Serve `model` with LoopedEngine (numerics `mode`, the case's exit policy) and sample
+    every prompt once with its latent seed; returns one engine Sample per prompt."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from generator.engine import LoopedEngine
@@ -73,12 +75,18 @@ def pair_vllm_vs_reference(model: LoopedLM, case: Case, mode: str) -> tuple[floa
                 )
                 for i, (p, seed) in enumerate(zip(case.prompts, case.seeds))
             ]
-            samples = [ss[0] for ss in engine.generate(items)]
+            return [ss[0] for ss in engine.generate(items)]
         finally:
             engine.close()
             del engine
             gc.collect()
             cleanup_dist_env_and_memory()
+
+
+def pair_vllm_vs_reference(model: LoopedLM, case: Case, mode: str) -> tuple[float, int, list[int]]:
+    """vLLM plugin generation vs reference replay of the same completions (see module doc)."""
+    s = case.sampling
+    samples = vllm_samples(model, case, mode)
     replay_items = [
         ReplayItem(p, x.tokens.tolist(), x.latent_seed, x.exit_depths.tolist())
         for p, x in zip(case.prompts, samples)
