@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint on disk, or a state dict, does not match what is expected."""
+
+
+class NonFiniteWeightsError(ValueError):
+    """A weight set holds NaN or inf values: it must never be published (DESIGN invariant)."""

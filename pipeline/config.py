@@ -184,6 +184,23 @@ class StalenessSection:
 
 
 @dataclass(frozen=True)
+class IntakeSection:
+    """The learner's door (pipeline.validation): rollout checks and what refusals cost."""
+
+    reward_bound: float = 1e4
+    """Largest |reward| accepted; a finite reward beyond it is refused (NaN/inf: failed reward)."""
+    max_refused: int = 8
+    """Refused rollouts within ``window_s`` after which a generator is dropped for the run (0: never)."""
+    window_s: float = 60.0
+    """Sliding window of ``max_refused`` (s)."""
+
+    def __post_init__(self) -> None:
+        _check(self.reward_bound > 0, "intake.reward_bound", self.reward_bound, "must be > 0")
+        _check(self.max_refused >= 0, "intake.max_refused", self.max_refused, "must be >= 0")
+        _check(self.window_s > 0, "intake.window_s", self.window_s, "must be > 0")
+
+
+@dataclass(frozen=True)
 class GeneratorsSection:
     """Generator processes: how many `looprl run` starts and how much work each gets."""
 
@@ -322,6 +339,8 @@ class RunConfig:
     """Optimizer."""
     staleness: StalenessSection = field(default_factory=StalenessSection)
     """Staleness bound and policy."""
+    intake: IntakeSection = field(default_factory=IntakeSection)
+    """Rollout validation at the learner's door."""
     generators: GeneratorsSection = field(default_factory=GeneratorsSection)
     """Generator processes."""
     endpoints: EndpointsSection = field(default_factory=EndpointsSection)

@@ -34,16 +34,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from models.errors import NonFiniteWeightsError
 from pipeline.config import RunConfig
 from pipeline.dispatch import Dispatcher, PromptSource
 from pipeline.intake import Group, Intake, fill_failed_rewards
 from pipeline.ledger import InFlightLedger
 from pipeline.publishing import CanonicalPublisher
+from pipeline.quarantine import Quarantine
 from pipeline.recorder import Recorder, StepRecord
 from pipeline.staleness import StalenessGate, oldest_version
 from pipeline.trainer_api import Trainer, publication_from_dir
+from pipeline.validation import DoorRules, ModelLimits
 from proto import (
     Ack,
+    ErrorMsg,
     Goodbye,
     Heartbeat,
     Hello,
@@ -74,6 +78,7 @@ class Coordinator:
         trainer: Trainer,
         prompts: PromptSource,
         run_dir: Path,
+        limits: ModelLimits,
         on_step: StepCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.02,
@@ -94,10 +99,17 @@ class Coordinator:
             run_seed=cfg.seed, prompts=prompts, ledger=self.ledger, gate=self.gate,
         )  # fmt: skip
         self.recorder = Recorder(run_dir, enabled=cfg.record.enabled, fsync=cfg.record.fsync)  # type: ignore[arg-type]
+        self.quarantine = Quarantine(run_dir)
+        self.limits = limits
+        door = cfg.intake
         self.intake = Intake(
             ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
-            record=self.recorder.record, n=r.n,
+            record=self.recorder.record, n=r.n, limits=limits,
+            rules=DoorRules(reward_bound=door.reward_bound), quarantine=self.quarantine,
+            version=lambda: self.version, max_refused=door.max_refused,
+            window_s=door.window_s, clock=clock,
         )  # fmt: skip
+        self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         p = cfg.publish
         self.publisher = CanonicalPublisher(endpoint, chunk_bytes=p.chunk_bytes, window=p.window)
         self.published: list[int] = []
@@ -109,6 +121,11 @@ class Coordinator:
     # -- incoming --------------------------------------------------------------------------------
     def handle(self, channel: str, peer: str, rec: Any) -> None:
         ep, d = self.endpoint, self.dispatcher
+        if peer in self.banned:
+            self.intake.counts["from_banned"] += 1
+            if isinstance(rec, Hello):
+                ep.send(peer, ErrorMsg("banned", f"dropped for this run: {self.banned[peer]}"))
+            return
         if channel == "weights":
             if self.publisher.handle(peer, rec) and peer in self.publisher.generators():
                 d.set_version(peer, self.publisher.serving(peer))
@@ -127,6 +144,8 @@ class Coordinator:
             res = self.intake.receive(peer, rec)
             for reply in res.replies:
                 ep.send(peer, reply)
+            if res.ban is not None:
+                self.ban(peer, res.ban)
         elif isinstance(rec, WorkReturn):
             n = d.returned(peer, list(rec.work_ids))
             log.info("generator %s returned %d samples: %s", peer, n, rec.reason)
@@ -134,6 +153,15 @@ class Coordinator:
             self._gone(peer, f"goodbye: {rec.reason}")
         elif isinstance(rec, Ack | Nack):
             pass  # the generator acknowledges nothing we act on yet
+
+    def ban(self, gid: str, why: str) -> None:
+        """Drop ``gid`` for the rest of the run: its work is re-dispatched, whatever it sends
+        is ignored, and it is told so (ErrorMsg "banned"; a looprl generator exits)."""
+        self.banned[gid] = why
+        self.endpoint.send(gid, ErrorMsg("banned", f"dropped for this run: {why}"))
+        n = self.dispatcher.remove_generator(gid)
+        self.publisher.remove_generator(gid)
+        log.error("generator %s dropped for the run: %s; %d samples re-dispatched", gid, why, n)
 
     def _gone(self, gid: str, why: str) -> None:
         n = self.dispatcher.remove_generator(gid)
@@ -207,6 +235,8 @@ class Coordinator:
             "elapsed_s": now - self._t0,
             "generators": len(self.dispatcher.generators()),
             "duplicates_total": self.intake.counts["duplicate"],
+            "refused_total": self.intake.counts["refused"],
+            "reward_nonfinite_total": self.intake.counts["reward_nonfinite"],
             "redispatched_total": self.ledger.counts["released"],
             "tokens": sum(r.num_tokens for r in rolls),
         }
@@ -239,8 +269,17 @@ class Coordinator:
         """Publish the trainer's current weights as version + 1 (disk, and chunks if set)."""
         v = self.version + 1
         out = self.run_dir / "weights" / f"v{v}"
-        self.trainer.publish(out, v)
-        pub = publication_from_dir(out, v)
+        try:
+            self.trainer.publish(out, v)
+            pub = publication_from_dir(out, v)
+        except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
+            shutil.rmtree(out, ignore_errors=True)
+            self.intake.counts["publish_refused_nonfinite"] += 1
+            raise CoordinatorError(
+                f"step {self.step}: the trainer's weights are not finite ({e}); version v{v} "
+                f"was not published (generators keep v{self.version}); resume from the last "
+                "checkpoint with a lower optimizer.lr or a tighter optimizer.grad_clip"
+            ) from e
         chunked = self.cfg.publish.transport == "chunks"
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensors, config_json=pub.config_json,
@@ -295,9 +334,14 @@ class Coordinator:
             "ledger": dict(self.ledger.counts),
             "gate": dict(self.gate.counts),
             "intake": dict(self.intake.counts),
+            "refused_by_generator": {
+                g: dict(c) for g, c in self.intake.refusals.by_generator.items()
+            },
+            "banned": dict(self.banned),
             "publisher": dict(self.publisher.counts),
             "transport": vars(self.endpoint.stats),
         }
 
     def close(self) -> None:
         self.recorder.close()
+        self.quarantine.close()

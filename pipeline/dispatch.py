@@ -9,6 +9,8 @@ Loop (on the coordinator's thread)::
     d.received(gid, work_id, index)    # an accepted sample frees capacity
     d.remove_generator(gid)            # death / Goodbye: ledger.generator_died -> re-dispatch
     d.returned(gid, work_ids)          # WorkReturn -> re-dispatch
+    d.refused(gid, work_id, index)     # its rollout was refused at the door -> re-dispatch
+                                       # to another generator when there is one
     d.finished(work_id)                # trained or dropped: forget it
 
 Work ids are ``w<counter>`` with a counter that only increases (saved in the checkpoint), and
@@ -80,6 +82,7 @@ class WorkSpec:
     seeds: list[int]
     created_at: float
     min_version: int = -1  # oldest weight version it was dispatched to (-1: not yet)
+    issued: dict[int, int] = field(default_factory=dict)  # sample index -> its min_weight_version
 
     def index_of(self, seed: int) -> int | None:
         try:
@@ -135,6 +138,7 @@ class Dispatcher:
         self.version = 0  # the learner's version at the last pump
         self.open: dict[str, WorkSpec] = {}  # dispatched, not yet trained or dropped
         self._redo: deque[Redispatch] = deque()
+        self._avoid: dict[tuple[str, int], str] = {}  # refused sample -> generator to avoid
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
 
@@ -173,6 +177,17 @@ class Dispatcher:
                 g.pending.pop(w, None)
         return self._requeue(self.ledger.returned(gid, work_ids))
 
+    def refused(self, gid: str, work_id: str, index: int) -> int:
+        """``gid``'s rollout for sample ``index`` was refused: it no longer holds the sample,
+        which goes back to the queue, preferably to another generator."""
+        g = self._gens.get(gid)
+        if g is not None and work_id in g.pending:
+            g.pending[work_id].discard(index)
+            if not g.pending[work_id]:
+                del g.pending[work_id]
+        self._avoid[(work_id, index)] = gid
+        return self._requeue(self.ledger.release(gid, work_id, [index]))
+
     def _requeue(self, redo: list[Redispatch]) -> int:
         for r in redo:
             self.gate.settled(r.work_id)  # no longer in flight anywhere: the gate stops waiting
@@ -205,7 +220,10 @@ class Dispatcher:
 
     def finished(self, work_id: str) -> None:
         """Trained or dropped (the ledger has settled it)."""
-        self.open.pop(work_id, None)
+        spec = self.open.pop(work_id, None)
+        if spec is not None:
+            for i in range(self.n):
+                self._avoid.pop((work_id, i), None)
 
     def queue_redispatch(self, redo: list[Redispatch]) -> None:
         """Samples to send again (after a restore)."""
@@ -251,16 +269,27 @@ class Dispatcher:
         return sent
 
     def _next_item(self, gid: str, g: _Gen, ver: int) -> WorkItem | None:
-        while self._redo:
+        others = len(self._gens) > 1
+        skipped: list[Redispatch] = []
+        item = None
+        while self._redo and item is None:
             r = self._redo.popleft()
             spec = self.open.get(r.work_id)
             if spec is None:
                 continue
             states = self.ledger.state(r.work_id)
             unassigned = [i for i in r.indices if states[i] == "unassigned"]
-            if not unassigned:
-                continue
-            return self._issue(gid, g, spec, unassigned, ver)
+            mine = [
+                i for i in unassigned if not (others and self._avoid.get((r.work_id, i)) == gid)
+            ]
+            if len(mine) < len(unassigned):  # refused by this generator: leave to another
+                rest = tuple(i for i in unassigned if i not in mine)
+                skipped.append(Redispatch(r.work_id, r.n, rest))
+            if mine:
+                item = self._issue(gid, g, spec, mine, ver)
+        self._redo.extendleft(reversed(skipped))
+        if item is not None:
+            return item
         if len(self.open) >= self.cap or not self._budget(ver):
             return None
         spec = self.make_spec(self.counter)
@@ -282,6 +311,9 @@ class Dispatcher:
 
     def _issue(self, gid: str, g: _Gen, spec: WorkSpec, indices: list[int], ver: int) -> WorkItem:
         spec.min_version = ver if spec.min_version < 0 else min(spec.min_version, ver)
+        for i in indices:
+            spec.issued[i] = ver
+            self._avoid.pop((spec.work_id, i), None)
         self.ledger.dispatch(spec.work_id, gid, self.n, indices=indices)
         self.gate.dispatched(spec.work_id, ver)
         g.pending[spec.work_id] = set(indices)

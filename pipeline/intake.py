@@ -2,9 +2,13 @@
 
 Loop (coordinator thread)::
 
-    res = intake.receive(sender, batch)   # ledger.receive each rollout; accepted ones are
+    res = intake.receive(sender, batch)   # the door (pipeline.validation) checks each rollout
+                                          # the sender owns; refused ones are Nack'ed with the
+                                          # reason, quarantined and re-dispatched, and
+                                          # res.ban says when the sender must be dropped; the
+                                          # ledger accounts the rest; accepted ones are
                                           # recorded (stream append + flush) and buffered;
-                                          # then res.acks are sent (accepted and duplicates
+                                          # then res.replies are sent (accepted and duplicates
                                           # Ack'ed, unknown Nack'ed)
     groups = intake.select(v, k)          # k complete groups within the staleness bound,
                                           # or None; stale groups are dropped (policy drop)
@@ -26,14 +30,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.dispatch import Dispatcher
+from pipeline.dispatch import Dispatcher, WorkSpec
 from pipeline.ledger import InFlightLedger
+from pipeline.quarantine import Quarantine
 from pipeline.staleness import StalenessGate, Verdict, oldest_version
+from pipeline.validation import (
+    DoorRules,
+    Expected,
+    ModelLimits,
+    Refusal,
+    check_rollout,
+    sanitize_reward,
+)
 from proto import Ack, Nack, Rollout, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -41,12 +55,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class IntakeResult:
-    """What one RolloutBatch did: the replies to send and the counts."""
+    """What one RolloutBatch did: the replies to send, the counts, and a ban, if any."""
 
     replies: list[Any] = field(default_factory=list)
     accepted: int = 0
     duplicate: int = 0
     unknown: int = 0
+    refused: int = 0
+    ban: str | None = None  # why the sender must be dropped for the run (None: it may stay)
 
 
 @dataclass
@@ -62,6 +78,30 @@ class Group:
         return [v.needs_correction for v in self.verdicts]
 
 
+class RefusalTracker:
+    """Refusals per generator: totals per reason, and a sliding window that says when a
+    generator has sent ``max_refused`` bad rollouts within ``window_s`` seconds (drop it)."""
+
+    def __init__(self, max_refused: int, window_s: float, clock: Callable[[], float]) -> None:
+        self.max_refused, self.window_s, self.clock = max_refused, window_s, clock
+        self.by_generator: dict[str, Counter[str]] = {}
+        self._recent: dict[str, deque[float]] = {}
+
+    def note(self, gid: str, reason: str) -> str | None:
+        """Count one refusal; returns the ban reason when the window overflows."""
+        self.by_generator.setdefault(gid, Counter())[reason] += 1
+        now = self.clock()
+        q = self._recent.setdefault(gid, deque())
+        q.append(now)
+        while q and q[0] < now - self.window_s:
+            q.popleft()
+        if self.max_refused and len(q) >= self.max_refused:
+            reasons = dict(self.by_generator[gid])
+            return (f"{len(q)} refused rollouts within {self.window_s:g} s "
+                    f"(intake.max_refused={self.max_refused}); by reason {reasons}")  # fmt: skip
+        return None
+
+
 class Intake:
     """See the module docstring."""
 
@@ -73,38 +113,78 @@ class Intake:
         dispatcher: Dispatcher,
         record: Callable[[list[Rollout]], Any],
         n: int,
+        limits: ModelLimits,
+        rules: DoorRules,
+        quarantine: Quarantine,
+        version: Callable[[], int],
+        max_refused: int = 8,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ledger, self.gate, self.dispatcher, self.record, self.n = (
             ledger, gate, dispatcher, record, n,
         )  # fmt: skip
+        self.limits, self.rules, self.quarantine, self.version = limits, rules, quarantine, version
+        self.refusals = RefusalTracker(max_refused, window_s, clock)
         self._partial: dict[str, dict[int, Rollout]] = {}
         self.complete: OrderedDict[str, Group] = OrderedDict()  # in order of completion
         self.counts: Counter[str] = Counter()
         self.trained: set[str] = set()  # work ids trained or dropped (for the invariant tests)
 
     # -- receiving -----------------------------------------------------------------------------
-    def _identify(self, r: Rollout) -> Rollout | None:
+    def _identify(self, r: Rollout) -> tuple[Rollout, WorkSpec | None, bool]:
+        """(rollout renumbered by its seed, its work spec or None if not ours (anymore),
+        whether the seed is one of the work item's seeds)."""
         spec = self.dispatcher.spec(r.work_id)
         if spec is None:
-            return r  # not ours (anymore): the ledger says duplicate / unknown
+            return r, None, True  # the ledger says duplicate / unknown
         idx = spec.index_of(int(r.latent_seed))
         if idx is None:
-            return None
+            return r, spec, False
         if idx != r.sample_index:
             self.counts["remapped"] += 1
             r = dataclasses.replace(r, sample_index=idx, rollout_id=f"{r.work_id}/{idx}")
-        return r
+        return r, spec, True
+
+    def expected(self, spec: WorkSpec, index: int, sender: str | None) -> Expected:
+        """What sample ``index`` of ``spec`` was dispatched as (the door's reference)."""
+        seed = spec.seeds[index] if 0 <= index < len(spec.seeds) else -1
+        return Expected(
+            prompt_id=spec.prompt.prompt_id, prompt_tokens=list(spec.prompt.tokens),
+            latent_seed=seed, max_tokens=self.dispatcher.max_tokens,
+            min_version=spec.issued.get(index, max(spec.min_version, 0)),
+            max_version=self.version(), sender=sender,
+        )  # fmt: skip
 
     def receive(self, sender: str, batch: RolloutBatch | Rollout) -> IntakeResult:
         rolls = batch.rollouts if isinstance(batch, RolloutBatch) else [batch]
         res = IntakeResult()
         accepted: list[tuple[str, Rollout]] = []
         for orig in rolls:
-            r = self._identify(orig)
-            outcome = "unknown" if r is None else self.ledger.receive(r, sender=sender)
+            r, spec, seed_known = self._identify(orig)
+            r, failed = sanitize_reward(r)
+            if failed:
+                self.counts["reward_nonfinite"] += 1
+            if spec is not None and self.ledger.owner(r.work_id, r.sample_index) == sender:
+                refusal = (
+                    check_rollout(
+                        r,
+                        expect=self.expected(spec, r.sample_index, sender),
+                        limits=self.limits,
+                        rules=self.rules,
+                    )  # fmt: skip
+                    if seed_known
+                    else Refusal(
+                        "seed_mismatch",
+                        f"latent seed {int(r.latent_seed)} was not dispatched for {r.work_id}",
+                    )  # fmt: skip
+                )
+                if refusal is not None:
+                    self._refuse(sender, orig, r, refusal, res)
+                    continue
+            outcome = "unknown" if not seed_known else self.ledger.receive(r, sender=sender)
             self.counts[outcome] += 1
             if outcome == "accepted":
-                assert r is not None
                 accepted.append((orig.rollout_id, r))
                 res.accepted += 1
             elif outcome == "duplicate":
@@ -120,6 +200,19 @@ class Intake:
                 self.dispatcher.received(sender, r.work_id, r.sample_index)
                 res.replies.append(Ack("rollout", orig_id))
         return res
+
+    def _refuse(self, sender: str, orig: Rollout, r: Rollout, why: Refusal,
+                res: IntakeResult) -> None:  # fmt: skip
+        """Never trained: Nack with the reason, quarantine, count, re-dispatch the sample."""
+        self.counts["refused"] += 1
+        self.counts[f"refused_{why.reason}"] += 1
+        res.refused += 1
+        self.quarantine.put(orig, generator=sender, reason=why.reason, detail=why.detail)
+        self.dispatcher.refused(sender, r.work_id, r.sample_index)
+        res.replies.append(Nack("rollout", orig.rollout_id, f"refused: {why}"))
+        ban = self.refusals.note(sender, why.reason)
+        if ban is not None and res.ban is None:
+            res.ban = ban
 
     def _buffer(self, r: Rollout) -> None:
         g = self._partial.setdefault(r.work_id, {})

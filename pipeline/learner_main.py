@@ -138,6 +138,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     from pipeline.coordinator import Coordinator
     from pipeline.metrics import MetricsWriter, read_metrics, summary
     from pipeline.trainer_api import build_trainer
+    from pipeline.validation import ModelLimits
 
     run_dir = Path(cfg.run_dir)
     if os.environ.get("RANK", "0") != "0":  # torchrun: ranks > 0 repeat rank 0's trainer calls
@@ -172,7 +173,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                             v=m["version"])  # fmt: skip
 
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
-                        run_dir=run_dir, on_step=on_step)  # fmt: skip
+                        run_dir=run_dir, limits=ModelLimits.from_checkpoint(model),
+                        on_step=on_step)  # fmt: skip
     stopping = {"flag": False}
 
     def _stop(signum: int, _frame: Any) -> None:

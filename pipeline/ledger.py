@@ -120,7 +120,36 @@ class InFlightLedger:
                 self.counts["released"] += len(idx)
         return out
 
+    def release(self, generator_id: str, work_id: str, indices: Iterable[int]) -> list[Redispatch]:
+        """Samples ``generator_id`` holds of ``work_id`` whose rollout was refused at the door:
+        unassign them for re-dispatch (the generator keeps the rest of the item)."""
+        states = self._items.get(work_id)
+        if states is None:
+            return []
+        idx = tuple(i for i in sorted(set(indices)) if 0 <= i < len(states)
+                    and states[i] == generator_id)  # fmt: skip
+        for i in idx:
+            states[i] = UNASSIGNED
+        if generator_id not in states:
+            held = self._by_gen.get(generator_id)
+            if held is not None:
+                held.discard(work_id)
+                if not held:
+                    del self._by_gen[generator_id]
+        if not idx:
+            return []
+        self.counts["released"] += len(idx)
+        return [Redispatch(work_id, len(states), idx)]
+
     # -- intake side -------------------------------------------------------------------
+    def owner(self, work_id: str, index: int) -> str | None:
+        """The generator that sample ``index`` of ``work_id`` is assigned to, else None."""
+        states = self._items.get(work_id)
+        if states is None or not 0 <= index < len(states):
+            return None
+        s = states[index]
+        return None if s in (UNASSIGNED, ACCEPTED, SETTLED) else s
+
     def receive(self, rollout: Rollout, *, sender: str | None = None) -> Outcome:
         """Account one rollout; only "accepted" ones may go into the training buffer.
 
@@ -197,6 +226,14 @@ class InFlightLedger:
             for s in states
             if s not in (UNASSIGNED, ACCEPTED, SETTLED) and generator_id in (None, s)
         )
+
+    def is_open(self, work_id: str) -> bool:
+        """Dispatched and not yet fully settled."""
+        return work_id in self._items
+
+    def is_done(self, work_id: str) -> bool:
+        """Fully settled (remembered among the last ``remember_done`` items)."""
+        return work_id in self._done
 
     def is_received(self, work_id: str) -> bool:
         """Every sample of ``work_id`` accepted or settled (the group is complete)."""

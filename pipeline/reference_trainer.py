@@ -12,7 +12,9 @@ step(rollouts, flags):
                 positions' hidden states, reward on the last token.
     proximal    the pre-update weights are the current ones (one step per batch): prox_logp,
                 the KL reference of flow_dppo and ppo's old values are the detached forward.
-    update      policy_loss (+ value_coef x value_loss for ppo), grad clip, Adam.
+    update      policy_loss (+ value_coef x value_loss for ppo), grad clip, Adam; a step whose
+                loss or gradient norm is not finite is skipped (no update; counted as
+                ``skipped_nonfinite``), as megatron does on found-inf.
 Rollouts flagged ``needs_correction`` (stale, kept) get ``is_cap`` truncation even for kinds
 that only apply it when set (the off-policy correction of policy "keep").
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -81,6 +84,7 @@ class ReferenceTrainer:
             params, lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay
         )
         self.steps = 0
+        self.skipped = 0  # steps skipped because the loss or the gradient was not finite
         self.last_mismatch: list[float] = []  # per rollout of the last step: max |prox - behav|
 
     # -- forward ----------------------------------------------------------------------------
@@ -190,9 +194,18 @@ class ReferenceTrainer:
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in self.optim.param_groups for p in g["params"]]
-        if self.grad_clip > 0:
-            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        self.optim.step()
+        clip = self.grad_clip if self.grad_clip > 0 else float("inf")
+        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        finite = bool(torch.isfinite(loss.detach())) and math.isfinite(out["grad_norm"])
+        if finite:
+            self.optim.step()
+        else:  # like megatron's found-inf: no update, weights and optimizer state untouched
+            self.optim.zero_grad(set_to_none=True)
+            self.skipped += 1
+            log.warning("step %d skipped: loss %s, grad norm %s (not finite); weights unchanged",
+                        self.steps + 1, float(loss.detach()), out["grad_norm"])  # fmt: skip
+        out["skipped_nonfinite"] = 0.0 if finite else 1.0
+        out["skipped_nonfinite_total"] = float(self.skipped)
         self.steps += 1
         live = mask > 0
         diff = torch.where(live, (prox - behav).abs(), 0.0)

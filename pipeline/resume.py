@@ -104,11 +104,11 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
             elif seq >= cursor:
                 w, i = r.work_id, r.sample_index
                 if w not in d.open:
-                    if w in ledger._done:  # settled before the checkpoint
+                    if ledger.is_done(w):  # settled before the checkpoint
                         continue
                     d.open[w] = d.make_spec(counter_of(w))
                     d.counter = max(d.counter, counter_of(w) + 1)
-                states = ledger.state(w) if w in ledger._items else None
+                states = ledger.state(w) if ledger.is_open(w) else None
                 if states is not None and states[i] != "unassigned":
                     continue
                 ledger.dispatch(w, _RESTORE_GID, n, indices=[i])
@@ -123,7 +123,7 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
         w = work_id_of(cnt)
         d.open.setdefault(w, d.make_spec(cnt))
     for w in d.open:
-        if w not in ledger._items:
+        if not ledger.is_open(w):
             ledger.dispatch(w, _RESTORE_GID, n)
             ledger.generator_died(_RESTORE_GID)
     redo = ledger.unassigned()

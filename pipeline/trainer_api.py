@@ -14,7 +14,8 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
 canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets) and the
 canonical digest (models.digest) that generator.engine.LoopedEngine.load_weights verifies
 (DESIGN contract 6). It is read back from the written directory, so the digest is that of
-exactly what a generator loads.
+exactly what a generator loads, and refused (models.errors.NonFiniteWeightsError) when any
+tensor holds NaN or inf.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def publication_from_dir(path: Path, version: int) -> Publication:
     """Read a published HF directory back into blob + tensors + canonical digest (the engine
     loads exactly this state from the directory, so the digests agree by construction)."""
     from models.checkpoint import load_checkpoint
-    from models.digest import blob_and_meta, digest_from_blob
+    from models.digest import blob_and_meta, check_finite, digest_from_blob
 
     config, state = load_checkpoint(path)
+    check_finite(state, f"weights v{version} in {path}")
     blob, meta = blob_and_meta(state)
     return Publication(
         version=version,

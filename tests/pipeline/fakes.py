@@ -15,6 +15,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.coordinator import Coordinator
 from pipeline.dispatch import Prompt, PromptSource
 from pipeline.transport import MemoryNetwork, TransportConfig
+from pipeline.validation import ModelLimits
 from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
 
 
@@ -63,6 +64,7 @@ class FakeTrainer:
         pass
 
 
+FAKE_LIMITS = ModelLimits(vocab_size=64, max_depth=4)  # what FakeGenerator's rollouts fit
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0)
 
 
@@ -81,7 +83,7 @@ class FakeGenerator:
         self.conn = net.connect("learner", hello, TCFG, **kw)
         self.gid, self.delay, self.zero = gid, delay, number_from_zero
         self.version = 0
-        self.queue: list[tuple[int, WorkItem, int]] = []
+        self.queue: list[tuple[int, WorkItem, int]] = []  # (turns left, item, version or -1)
         self.sent: list[Rollout] = []
         self.rng = random.Random(seed)
         self.alive = True
@@ -93,8 +95,8 @@ class FakeGenerator:
         inc = self.conn.recv(0.0)
         while inc is not None:
             rec = inc.record
-            if isinstance(rec, WorkItem):
-                self.queue.append((self.delay, rec, self.version))  # generated at this version
+            if isinstance(rec, WorkItem):  # started (and stamped) once its weights are here
+                self.queue.append((self.delay, rec, -1))
             elif isinstance(rec, WeightAnnounce):
                 self.version = rec.version
                 self.conn.send(Ack("weights", str(rec.version), rec.version), channel="weights")
@@ -106,6 +108,11 @@ class FakeGenerator:
             return
         keep = []
         for wait, item, v in self.queue:
+            if v < 0:  # like a real generator: never start below min_weight_version
+                if self.version < item.min_weight_version:
+                    keep.append((wait, item, v))
+                    continue
+                v = self.version
             if wait > 0:
                 keep.append((wait - 1, item, v))
                 continue
@@ -142,7 +149,8 @@ def make_coordinator(tmp: Path, overrides: list[str], *, net: MemoryNetwork | No
     ep = net.bind("learner", TCFG, **kw)
     trainer = trainer or FakeTrainer()
     ckw = {"clock": clock} if clock is not None else {}
-    c = Coordinator(cfg, endpoint=ep, trainer=trainer, prompts=prompts(), run_dir=tmp, **ckw)
+    c = Coordinator(cfg, endpoint=ep, trainer=trainer, prompts=prompts(), run_dir=tmp,
+                    limits=FAKE_LIMITS, **ckw)  # fmt: skip
     return c, net, trainer
 
 

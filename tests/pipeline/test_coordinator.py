@@ -118,7 +118,8 @@ def test_late_duplicates_discarded_and_partial_redispatch_renumbered(tmp_path: P
     spec = c.dispatcher.make_spec(1000)
     c.dispatcher.open[spec.work_id] = spec
     c.ledger.dispatch(spec.work_id, "g0", 4, indices=[2, 3])
-    r = g0._rollout(__import__("proto").WorkItem(spec.work_id, "p", __import__("numpy").array([1], "int32"),
+    p = spec.prompt  # the rollout answers what was dispatched (the door checks the prompt)
+    r = g0._rollout(__import__("proto").WorkItem(spec.work_id, p.prompt_id, __import__("numpy").array(p.tokens, "int32"),
                     __import__("numpy").array(spec.seeds[2:3], "uint64")), 0, spec.seeds[2])  # fmt: skip
     res = c.intake.receive("g0", r)
     assert res.accepted == 1 and c.intake.counts["remapped"] == 1

@@ -1,0 +1,182 @@
+"""The learner's door: every rule a decoded rollout must pass before it is acked or recorded.
+
+A rollout that decodes (proto/ checked types, shapes and per-record consistency) can still be
+wrong: it may not answer what was dispatched, name ids outside the vocabulary, run deeper
+than the model, carry a non-finite reward. ``check_rollout`` is the one place these rules
+live; the coordinator's intake (live rollouts) and the resume path (rollouts read back from
+a recorded stream) both call it. Order of calls::
+
+    limits = ModelLimits.from_checkpoint(model_dir)         # once per run
+    r, fixed = sanitize_reward(r, rules)                     # NaN/inf reward -> failed (None)
+    refusal = check_rollout(r, expect=Expected(...), limits=limits, rules=rules)
+    if refusal: Nack(refusal.reason) + quarantine, else: ledger / record / Ack
+
+Rules (``Refusal.reason`` in brackets, the names counted per generator and reported):
+
+- [prompt_mismatch] prompt tokens and prompt id equal those dispatched for the work id;
+- [seed_mismatch]   latent seed equal to the seed dispatched for (work id, sample index);
+- [wrong_generator] the rollout's generator_id equals the peer that sent it, and that peer
+  is the one the sample was dispatched to (the transport's peer id is authoritative);
+- [token_out_of_vocab] every response token id in [0, vocab_size);
+- [too_long]        response length <= the WorkItem's max_tokens;
+- [exit_depth]      every exit depth in 1..max_depth (the model's), and exit_depths[0] (the
+  prompt's last position, contract 2) is the deepest of them: the policy's full depth;
+- [logprob]         log-probs finite and <= 0;
+- [reward_bound]    a finite reward with |reward| <= rules.reward_bound;
+- [weight_version]  weight_version (and every token version) in
+  [the WorkItem's min_weight_version, the learner's current version].
+
+A NaN or infinite reward is not a refusal: it is a failed reward (reward None, the error in
+``reward_info``), which intake handles as every failed reward (the worst of its group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from proto import Rollout
+
+REASONS = (
+    "prompt_mismatch",
+    "seed_mismatch",
+    "wrong_generator",
+    "token_out_of_vocab",
+    "too_long",
+    "exit_depth",
+    "logprob",
+    "reward_bound",
+    "weight_version",
+)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the learner's model can replay: token ids below ``vocab_size``, exit depths up to
+    ``max_depth`` core iterations."""
+
+    vocab_size: int
+    max_depth: int
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path) -> ModelLimits:
+        from models.checkpoint import load_config
+
+        cfg = load_config(model_dir)
+        return cls(vocab_size=int(cfg.vocab_size), max_depth=int(cfg.max_depth))
+
+
+@dataclass(frozen=True)
+class DoorRules:
+    """The configurable part of the rules (run config section ``door``)."""
+
+    reward_bound: float = 1e6
+    max_tokens: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What was dispatched for this sample; None fields are not checked (e.g. the sender of
+    a rollout read back from a stream is unknown)."""
+
+    prompt_id: str
+    prompt_tokens: list[int]
+    latent_seed: int
+    max_tokens: int
+    min_version: int
+    max_version: int
+    sender: str | None = None
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a rollout was refused: ``reason`` (one of REASONS) and a human ``detail``."""
+
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+
+def sanitize_reward(r: Rollout) -> tuple[Rollout, bool]:
+    """A NaN/inf reward becomes a failed reward (None, reason in reward_info); True if so."""
+    if r.reward is None or math.isfinite(r.reward):
+        return r, False
+    info = dict(r.reward_info)
+    info["error"] = f"non-finite reward {r.reward!r} from generator {r.generator_id!r}"
+    return dataclasses.replace(r, reward=None, reward_info=info), True
+
+
+def check_rollout(
+    r: Rollout, *, expect: Expected, limits: ModelLimits, rules: DoorRules
+) -> Refusal | None:
+    """The first rule ``r`` breaks, or None (see the module docstring)."""
+    if r.prompt_id != expect.prompt_id or not np.array_equal(
+        r.prompt_tokens, np.asarray(expect.prompt_tokens, dtype=r.prompt_tokens.dtype)
+    ):
+        return Refusal(
+            "prompt_mismatch",
+            f"prompt {r.prompt_id!r} ({r.prompt_tokens.size} tokens) is not the prompt "
+            f"{expect.prompt_id!r} ({len(expect.prompt_tokens)} tokens) dispatched as {r.work_id}",
+        )
+    if int(r.latent_seed) != int(expect.latent_seed):
+        return Refusal(
+            "seed_mismatch",
+            f"latent seed {int(r.latent_seed)} is not the seed {int(expect.latent_seed)} "
+            f"dispatched for {r.rollout_id}",
+        )
+    if expect.sender is not None and r.generator_id != expect.sender:
+        return Refusal(
+            "wrong_generator",
+            f"rollout claims generator {r.generator_id!r} but came from {expect.sender!r}",
+        )
+    if expect.owner is not None and expect.sender is not None and expect.owner != expect.sender:
+        return Refusal(
+            "wrong_generator",
+            f"{r.rollout_id} was dispatched to {expect.owner!r}, not to {expect.sender!r}",
+        )
+    t = r.tokens
+    if t.size and (int(t.min()) < 0 or int(t.max()) >= limits.vocab_size):
+        bad = int(t.max()) if int(t.max()) >= limits.vocab_size else int(t.min())
+        return Refusal(
+            "token_out_of_vocab", f"token id {bad} outside the vocabulary [0, {limits.vocab_size})"
+        )
+    limit = min(expect.max_tokens, rules.max_tokens)
+    if r.num_tokens > limit:
+        return Refusal("too_long", f"{r.num_tokens} response tokens > max_tokens {limit}")
+    d = r.exit_depths
+    if d.size:
+        lo, hi = int(d.min()), int(d.max())
+        if lo < 1 or hi > limits.max_depth:
+            return Refusal(
+                "exit_depth",
+                f"exit depths span {lo}..{hi}, outside 1..{limits.max_depth} (the model's depth)",
+            )
+        if int(d[0]) != hi:
+            return Refusal(
+                "exit_depth",
+                f"exit_depths[0] = {int(d[0])} is not the full depth {hi} (contract 2: the last "
+                "prompt position runs the policy's full depth)",
+            )
+    lp = r.logprobs
+    if lp.size and not (bool(np.isfinite(lp).all()) and float(lp.max()) <= 0.0):
+        return Refusal("logprob", "log-probs must be finite and <= 0")
+    if r.reward is not None and not abs(r.reward) <= rules.reward_bound:
+        return Refusal("reward_bound", f"reward {r.reward!r} outside +-{rules.reward_bound:g}")
+    versions = [int(r.weight_version)]
+    if r.token_versions is not None and r.token_versions.size:
+        versions += [int(r.token_versions.min()), int(r.token_versions.max())]
+    lo_v, hi_v = min(versions), max(versions)
+    if lo_v < expect.min_version or hi_v > expect.max_version:
+        return Refusal(
+            "weight_version",
+            f"weight versions {lo_v}..{hi_v} outside [{expect.min_version}, "
+            f"{expect.max_version}] (min_weight_version of the work item .. the learner's)",
+        )
+    return None
