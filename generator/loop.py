@@ -224,6 +224,8 @@ class GeneratorLoop:
             self._on_ack(rec)
         elif isinstance(rec, ErrorMsg):
             c["learner_errors"] += 1
+            if rec.code == "banned":  # the learner dropped us for the run: serving is pointless
+                raise FatalError(f"the learner dropped this generator: {rec.message}")
             log.warning("learner error on %s: %s: %s", channel, rec.code, rec.message)
         elif isinstance(rec, Goodbye):
             c["learner_goodbyes"] += 1

@@ -42,7 +42,7 @@ from pipeline.ledger import InFlightLedger
 from pipeline.publishing import CanonicalPublisher
 from pipeline.quarantine import Quarantine
 from pipeline.recorder import Recorder, StepRecord
-from pipeline.staleness import StalenessGate, oldest_version
+from pipeline.staleness import StalenessGate
 from pipeline.trainer_api import Trainer, publication_from_dir
 from pipeline.validation import DoorRules, ModelLimits
 from proto import (
@@ -60,6 +60,7 @@ from proto import (
 )
 
 log = logging.getLogger(__name__)
+VOIDED_NAME = "voided.jsonl"
 StepCallback = Callable[[dict[str, Any]], None]
 
 
@@ -107,7 +108,7 @@ class Coordinator:
             record=self.recorder.record, n=r.n, limits=limits,
             rules=DoorRules(reward_bound=door.reward_bound), quarantine=self.quarantine,
             version=lambda: self.version, max_refused=door.max_refused,
-            window_s=door.window_s, clock=clock,
+            window_s=door.window_s, clock=clock, void=self.void,
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         p = cfg.publish
@@ -153,6 +154,13 @@ class Coordinator:
             self._gone(peer, f"goodbye: {rec.reason}")
         elif isinstance(rec, Ack | Nack):
             pass  # the generator acknowledges nothing we act on yet
+
+    def void(self, entries: list[dict[str, Any]]) -> None:
+        """Recorded rollouts whose samples are generated again (a resume voided them):
+        RUN_DIR/voided.jsonl; replay takes the last recorded copy of a rollout id."""
+        with (self.run_dir / VOIDED_NAME).open("a", encoding="utf-8") as f:
+            for e in entries:
+                f.write(json.dumps({**e, "step": self.step}) + "\n")
 
     def ban(self, gid: str, why: str) -> None:
         """Drop ``gid`` for the rest of the run: its work is re-dispatched, whatever it sends
@@ -258,10 +266,10 @@ class Coordinator:
         when every rollout is fresh; NaN otherwise."""
         per = getattr(self.trainer, "last_mismatch", None)
         if not per or len(per) != len(rolls):  # batch-level value: valid if all are fresh
-            if all(oldest_version(r) == self.version for r in rolls):
+            if all(self.gate.oldest(r) == self.version for r in rolls):
                 return float(whole)
             return float("nan")
-        fresh = [m for m, r in zip(per, rolls) if oldest_version(r) == self.version and m == m]
+        fresh = [m for m, r in zip(per, rolls) if self.gate.oldest(r) == self.version and m == m]
         return max(fresh) if fresh else float("nan")
 
     # -- weights -------------------------------------------------------------------------------------

@@ -259,8 +259,8 @@ class Dispatcher:
                 continue
             while len(g.pending) < g.max_inflight:
                 item = self._next_item(gid, g, ver)
-                if item is None:
-                    return sent
+                if item is None:  # nothing for this one (what is left avoids it): next one
+                    break
                 if not send(gid, item):  # unroutable: the peer is gone; death handling requeues
                     self.remove_generator(gid)
                     break

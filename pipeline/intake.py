@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.dispatch import Dispatcher, WorkSpec
-from pipeline.ledger import InFlightLedger
+from pipeline.ledger import InFlightLedger, Redispatch
 from pipeline.quarantine import Quarantine
-from pipeline.staleness import StalenessGate, Verdict, oldest_version
+from pipeline.staleness import StalenessGate, Verdict
 from pipeline.validation import (
     DoorRules,
     Expected,
@@ -120,12 +120,15 @@ class Intake:
         max_refused: int = 8,
         window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        void: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self.ledger, self.gate, self.dispatcher, self.record, self.n = (
             ledger, gate, dispatcher, record, n,
         )  # fmt: skip
         self.limits, self.rules, self.quarantine, self.version = limits, rules, quarantine, version
         self.refusals = RefusalTracker(max_refused, window_s, clock)
+        self.void = void  # records rollouts whose samples are generated again (RUN_DIR/voided)
+        self.restored: set[str] = set()  # restored by a resume, not yet trained
         self._partial: dict[str, dict[int, Rollout]] = {}
         self.complete: OrderedDict[str, Group] = OrderedDict()  # in order of completion
         self.counts: Counter[str] = Counter()
@@ -224,8 +227,20 @@ class Intake:
             self.complete[r.work_id] = Group(r.work_id, [g[i] for i in range(self.n)])
 
     def restore_accepted(self, r: Rollout) -> None:
-        """Resume: a rollout the ledger holds as accepted (from the checkpoint or the stream)."""
+        """Resume: a rollout the ledger holds as accepted (from the checkpoint or the stream).
+        If it grows too stale before it is trained, its group is generated again, not dropped."""
+        self.restored.add(r.rollout_id)
         self._buffer(r)
+
+    def _regenerate(self, g: Group) -> None:
+        idx = list(range(self.n))
+        self.ledger.reopen(g.work_id, idx)
+        self.dispatcher.queue_redispatch([Redispatch(g.work_id, self.n, tuple(idx))])
+        self.counts["restored_regenerated"] += len(g.rollouts)
+        if self.void is not None:
+            self.void([{"rollout_id": r.rollout_id, "reason": "stale"} for r in g.rollouts])
+        for r in g.rollouts:
+            self.restored.discard(r.rollout_id)
 
     # -- selecting -----------------------------------------------------------------------------
     def select(self, version: int, k: int) -> list[Group] | None:
@@ -242,6 +257,9 @@ class Intake:
             verdicts = [self.gate.check(version, r) for r in g.rollouts]
             if not all(v.accept for v in verdicts):
                 del self.complete[wid]
+                if any(r.rollout_id in self.restored for r in g.rollouts):
+                    self._regenerate(g)  # restored by a resume: never lost, generated again
+                    continue
                 self.counts["groups_dropped_stale"] += 1
                 self.counts["rollouts_dropped_stale"] += len(g.rollouts)
                 self._settle(g)
@@ -250,7 +268,7 @@ class Intake:
         out = []
         order = sorted(  # the groups closest to expiring first, then completion order
             enumerate(self.complete.values()),
-            key=lambda ig: (min(oldest_version(r) for r in ig[1].rollouts), ig[0]),
+            key=lambda ig: (min(self.gate.oldest(r) for r in ig[1].rollouts), ig[0]),
         )
         for wid in [g.work_id for _, g in order[:k]]:
             g = self.complete.pop(wid)
@@ -265,6 +283,8 @@ class Intake:
 
     def _settle(self, g: Group) -> None:
         assert g.work_id not in self.trained, f"group {g.work_id} trained twice"
+        for r in g.rollouts:
+            self.restored.discard(r.rollout_id)
         self.ledger.settle(g.work_id, range(self.n))
         self.trained.add(g.work_id)
         self.dispatcher.finished(g.work_id)

@@ -141,6 +141,15 @@ class InFlightLedger:
         self.counts["released"] += len(idx)
         return [Redispatch(work_id, len(states), idx)]
 
+    def reopen(self, work_id: str, indices: Iterable[int]) -> None:
+        """Resume only: accepted samples whose rollout turned out invalid go back to
+        unassigned (never trained), to be dispatched again."""
+        states = self._items[work_id]
+        for i in indices:
+            if states[i] != ACCEPTED:
+                raise LedgerError(f"reopen: work {work_id!r} sample {i} is not accepted")
+            states[i] = UNASSIGNED
+
     # -- intake side -------------------------------------------------------------------
     def owner(self, work_id: str, index: int) -> str | None:
         """The generator that sample ``index`` of ``work_id`` is assigned to, else None."""

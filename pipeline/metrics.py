@@ -70,13 +70,18 @@ def summary(rows: list[dict[str, Any]], k: int = 5) -> dict[str, float]:
     """Mean reward of the first and last k steps, steps and wall time."""
     if not rows:
         return {}
-    first = [r["reward_mean"] for r in rows[:k]]
-    last = [r["reward_mean"] for r in rows[-k:]]
+
+    def mean(vals: list[Any]) -> float:  # a non-finite value was logged as null
+        ok = [float(v) for v in vals if isinstance(v, int | float)]
+        return sum(ok) / len(ok) if ok else float("nan")
+
+    first = [r.get("reward_mean") for r in rows[:k]]
+    last = [r.get("reward_mean") for r in rows[-k:]]
     return {
         "steps": len(rows),
-        "reward_first": sum(first) / len(first),
-        "reward_last": sum(last) / len(last),
-        "staleness_max": max(r["staleness_max"] for r in rows),
+        "reward_first": mean(first),
+        "reward_last": mean(last),
+        "staleness_max": max(int(r.get("staleness_max") or 0) for r in rows),
         "elapsed_s": rows[-1]["elapsed_s"],
     }
 

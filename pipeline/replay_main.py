@@ -55,7 +55,7 @@ def replay(stream: Path, out: Path, config: str | None = None,
     need = {rid for s in steps for rid in s.rollout_ids}
     rollouts = {}
     for _, r in read_rollouts(stream):
-        if r.rollout_id in need and r.rollout_id not in rollouts:
+        if r.rollout_id in need:  # the last copy: earlier ones were voided by a resume
             rollouts[r.rollout_id] = r
     missing = need - rollouts.keys()
     if missing:

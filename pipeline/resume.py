@@ -17,10 +17,22 @@ Every other sample of an open work item is re-dispatched; late rollouts of the o
 "duplicate". Finally, if versions were published after the checkpoint, the restored weights are
 published as a new version above all of them, so versions strictly increase and no
 generator keeps serving weights the restored learner never had.
+
+Nothing accepted is lost: staleness after a resume is measured on the restored line of
+weights (pipeline.staleness.VersionLineage), so the rollouts restored from the stream are
+trained when they are within ``max_staleness`` of the weights the learner really has, and
+dispatched again (not dropped) when they are not. Every rollout read back passes the door
+(pipeline.validation) first: one that an older learner accepted although it breaks a rule is
+quarantined (RUN_DIR/quarantine, source "resume") and its sample dispatched again, so a bad
+recorded rollout can never crash-loop a resume. A sample dispatched again is recorded again
+under the same rollout id; RUN_DIR/voided.jsonl names the voided copies (id, seq, reason), and
+replay takes the last copy of an id, the only one a surviving step can name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -29,6 +41,9 @@ from pipeline.coordinator import Coordinator
 from pipeline.dispatch import counter_of, work_id_of
 from pipeline.ledger import InFlightLedger
 from pipeline.recorder import read_rollouts
+from pipeline.staleness import VersionLineage
+from pipeline.validation import Refusal, check_rollout, sanitize_reward
+from proto import Rollout
 
 log = logging.getLogger(__name__)
 _RESTORE_GID = "\x01restore"
@@ -45,6 +60,7 @@ def pipeline_state(c: Coordinator) -> dict[str, Any]:
         "ledger": c.ledger.snapshot(),
         "buffered": c.intake.buffered_ids(),
         "recorder": c.recorder.cursor(),
+        "lineage": c.gate.lineage.to_list(),
     }
 
 
@@ -63,14 +79,22 @@ def _max_published(run_dir: Path) -> int:
     vs = [int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
     path = run_dir / "weights" / "digests.jsonl"
     if path.is_file():
-        import json
-
         for line in path.read_text().splitlines():
             try:
                 vs.append(int(json.loads(line)["version"]))
             except (ValueError, KeyError):
                 break
     return max(vs, default=0)
+
+
+def _refusal(c: Coordinator, r: Rollout, newest: int) -> Refusal | None:
+    """The door's rules for a rollout read back from the stream (its sender is unknown)."""
+    spec = c.dispatcher.spec(r.work_id)
+    if spec is None:
+        return Refusal("prompt_mismatch", f"{r.work_id} is not a work id of this run")
+    exp = dataclasses.replace(c.intake.expected(spec, r.sample_index, None), min_version=0,
+                              max_version=max(newest, c.version))  # fmt: skip
+    return check_rollout(r, expect=exp, limits=c.limits, rules=c.intake.rules)
 
 
 def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
@@ -88,10 +112,33 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
     for w in state["ledger"]["items"]:
         d.open[w] = d.make_spec(counter_of(w))
     c.recorder.rewind_steps(int(state["recorder"]["steps_bytes"]))
+    # Versions: published after the checkpoint means void; the restored weights will be
+    # published as newest + 1, and staleness is measured on the restored line of weights.
+    c.version = int(state["version"])
+    c.gate.lineage = VersionLineage(state.get("lineage"))
+    newest = max(_max_published(c.run_dir), c.version)
+    if newest > c.version:
+        c.gate.lineage.add_resume(c.version, newest + 1, newest)
+    target = newest + 1 if newest > c.version else c.version  # the version it trains at
     buffered = set(state["buffered"])
     cursor = int(state["recorder"]["next_seq"])
-    counts = {"from_buffer": 0, "from_stream": 0, "redispatch": 0}
+    counts = {"from_buffer": 0, "from_stream": 0, "redispatch": 0, "quarantined": 0,
+              "redispatch_stale": 0}  # fmt: skip
     seen: set[str] = set()
+    voided: list[dict[str, Any]] = []
+
+    def refused(seq: int, r: Rollout) -> bool:
+        r2, _ = sanitize_reward(r)
+        why = _refusal(c, r2, newest)
+        if why is None:
+            return False
+        c.quarantine.put(r, generator=r.generator_id, reason=why.reason, detail=why.detail,
+                         source="resume")  # fmt: skip
+        counts["quarantined"] += 1
+        voided.append({"rollout_id": r.rollout_id, "seq": seq, "reason": why.reason})
+        log.debug("resume: rollout %s from the stream refused (%s)", r.rollout_id, why)
+        return True
+
     stream = c.recorder.stream_path
     if stream.is_dir() and any(stream.glob("segment-*")):
         for seq, r in read_rollouts(stream):
@@ -99,7 +146,10 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
                 continue
             if r.rollout_id in buffered:
                 seen.add(r.rollout_id)
-                intake.restore_accepted(r)
+                if refused(seq, r):  # accepted by an older learner without the door
+                    ledger.reopen(r.work_id, [r.sample_index])
+                    continue
+                intake.restore_accepted(sanitize_reward(r)[0])
                 counts["from_buffer"] += 1
             elif seq >= cursor:
                 w, i = r.work_id, r.sample_index
@@ -109,13 +159,25 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
                     d.open[w] = d.make_spec(counter_of(w))
                     d.counter = max(d.counter, counter_of(w) + 1)
                 states = ledger.state(w) if ledger.is_open(w) else None
-                if states is not None and states[i] != "unassigned":
+                if states is not None and (i >= len(states) or states[i] != "unassigned"):
+                    continue
+                if refused(seq, r):
+                    continue
+                if c.gate.policy == "drop" and not c.gate.is_fresh(target, r):
+                    counts["redispatch_stale"] += 1  # generated again instead of dropped
+                    voided.append({"rollout_id": r.rollout_id, "seq": seq, "reason": "stale"})
                     continue
                 ledger.dispatch(w, _RESTORE_GID, n, indices=[i])
                 assert ledger.receive(r, sender=_RESTORE_GID) == "accepted"
                 seen.add(r.rollout_id)
-                intake.restore_accepted(r)
+                intake.restore_accepted(sanitize_reward(r)[0])
                 counts["from_stream"] += 1
+    if voided:  # these samples are generated again: the stream will hold a later copy
+        c.void(voided)
+    if counts["quarantined"]:
+        log.warning("resume: %d rollouts of the stream break the door's rules: quarantined "
+                    "(RUN_DIR/quarantine.jsonl), their samples are dispatched again",
+                    counts["quarantined"])  # fmt: skip
     missing = buffered - seen
     if missing:
         raise ValueError(f"{ckpt}: {len(missing)} buffered rollouts not in the stream")
@@ -130,8 +192,6 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
     ledger.counts["released"] = 0
     d.queue_redispatch(redo)
     counts["redispatch"] = sum(len(r.indices) for r in redo)
-    c.version = int(state["version"])
-    newest = _max_published(c.run_dir)
     if newest > c.version:  # versions published after the checkpoint are void: supersede them
         c.version = newest
         c.publish()  # the restored weights, as a version newer than anything published before

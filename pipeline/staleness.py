@@ -69,6 +69,43 @@ def oldest_version(rollout: Rollout) -> int:
     return v
 
 
+class VersionLineage:
+    """Where a version number sits on the learner's current line of weights, after resumes.
+
+    A learner resumed from a checkpoint taken at version c, when versions up to m > c had been
+    published since, holds the weights of c again and publishes them as n = m + 1 (versions
+    strictly increase). Staleness must then measure distance to the weights the learner really
+    has: a version v <= c is (c - v) updates away, so it counts as v + (n - c); a version
+    c < v <= m came from an abandoned branch (v - c) updates away from c, so it counts as
+    n - (v - c). Versions after the resume are unchanged. Several resumes compose in order.
+    Saved with the checkpoint's pipeline state (``to_list`` / ``from_list``).
+    """
+
+    def __init__(self, resumes: list[tuple[int, int, int]] | None = None) -> None:
+        self.resumes: list[tuple[int, int, int]] = [tuple(r) for r in resumes or []]  # type: ignore[misc]
+
+    def add_resume(self, checkpoint_version: int, new_version: int, newest_before: int) -> None:
+        """The learner at ``checkpoint_version`` publishes itself as ``new_version`` while
+        versions up to ``newest_before`` had been published by its previous life."""
+        if not checkpoint_version <= newest_before < new_version:
+            raise StalenessConfigError(
+                f"resume: need checkpoint {checkpoint_version} <= newest published "
+                f"{newest_before} < new version {new_version}"
+            )
+        self.resumes.append((checkpoint_version, new_version, newest_before))
+
+    def effective(self, v: int) -> int:
+        for c, n, m in self.resumes:
+            if v <= c:
+                v = v + (n - c)
+            elif v <= m:
+                v = n - (v - c)
+        return v
+
+    def to_list(self) -> list[list[int]]:
+        return [list(r) for r in self.resumes]
+
+
 class StalenessGate:
     """Bounded-staleness gate; see the module docstring for the rules and the loop."""
 
@@ -81,19 +118,24 @@ class StalenessGate:
         self.policy: Policy = policy
         self.counts: Counter[str] = Counter()
         self._deadline: dict[str, int] = {}  # in-flight work id -> last trainable version
+        self.lineage = VersionLineage()
 
     # -- train side --------------------------------------------------------------------
+    def oldest(self, rollout: Rollout) -> int:
+        """The rollout's oldest version, as a position on the learner's current lineage."""
+        return self.lineage.effective(oldest_version(rollout))
+
     def staleness(self, learner_version: int, rollout: Rollout) -> int:
-        return learner_version - oldest_version(rollout)
+        return learner_version - self.oldest(rollout)
 
     def is_fresh(self, learner_version: int, rollout: Rollout) -> bool:
         """Within the bound (no counting; for peeking at a buffer)."""
-        o = oldest_version(rollout)
+        o = self.oldest(rollout)
         return 0 <= o <= learner_version and learner_version - o <= self.max_staleness
 
     def check(self, learner_version: int, rollout: Rollout) -> Verdict:
         """Decide (and count) whether ``rollout`` may be trained at ``learner_version``."""
-        o = oldest_version(rollout)
+        o = self.oldest(rollout)
         s = learner_version - o
         if o < 0:
             v = Verdict(False, s, "invalid")
@@ -128,15 +170,14 @@ class StalenessGate:
         return learner_version - self.max_staleness
 
     def can_dispatch(self, learner_version: int, generator_version: int) -> bool:
-        return generator_version >= 0 and generator_version >= self.min_dispatch_version(
-            learner_version
-        )
+        g = self.lineage.effective(generator_version) if generator_version >= 0 else -1
+        return g >= 0 and g >= self.min_dispatch_version(learner_version)
 
     def dispatched(self, work_id: str, generator_version: int) -> None:
         """Work went out to a generator serving ``generator_version`` (a re-dispatch updates)."""
         if generator_version < 0:
             raise StalenessConfigError(f"work {work_id!r}: generator serves no version yet")
-        self._deadline[work_id] = generator_version + self.max_staleness
+        self._deadline[work_id] = self.lineage.effective(generator_version) + self.max_staleness
 
     def settled(self, work_id: str) -> None:
         """All of ``work_id`` arrived, or its generator died / returned it: stop waiting."""
