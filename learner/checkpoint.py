@@ -130,6 +130,19 @@ def _tp_size() -> int:
     return int(ps.get_tensor_model_parallel_world_size())
 
 
+def _in_process_results_queue() -> None:
+    """megatron's torch_dist writer collects its results through a multiprocessing Manager
+    queue, i.e. a spawned server process (~300 MB) that nothing stops when the learner is
+    killed -9: it outlived the learner. looprl saves synchronously (the results are put and
+    taken in this process), so an in-process queue does the same job with no child process."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(
     trainer: Any,
     run_dir: str | os.PathLike,
@@ -157,6 +170,7 @@ def save(
         for net_name in trainer.networks():
             (tmp / "dist" / net_name).mkdir(parents=True)
     _barrier()
+    _in_process_results_queue()
     for net_name, net in trainer.networks().items():
         _init_optimizer_state(net.opt)
         model_sd = net.module.sharded_state_dict()

@@ -193,11 +193,14 @@ class IntakeSection:
     """Refused rollouts within ``window_s`` after which a generator is dropped for the run (0: never)."""
     window_s: float = 60.0
     """Sliding window of ``max_refused`` (s)."""
+    work_timeout_s: float = 900.0
+    """Work a generator holds this long without answering is dispatched again elsewhere (s; 0: never)."""
 
     def __post_init__(self) -> None:
         _check(self.reward_bound > 0, "intake.reward_bound", self.reward_bound, "must be > 0")
         _check(self.max_refused >= 0, "intake.max_refused", self.max_refused, "must be >= 0")
         _check(self.window_s > 0, "intake.window_s", self.window_s, "must be > 0")
+        _check(self.work_timeout_s >= 0, "intake.work_timeout_s", self.work_timeout_s, ">= 0")
 
 
 @dataclass(frozen=True)

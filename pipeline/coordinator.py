@@ -186,6 +186,8 @@ class Coordinator:
             inc = self.endpoint.recv(0.0)
         for gid in self.endpoint.expired_peers():
             self._gone(gid, "heartbeat expired")
+        if self.cfg.intake.work_timeout_s:
+            self.dispatcher.overdue(self.cfg.intake.work_timeout_s)
         for gid in list(self.publisher.generators()):
             if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
                 self._gone(gid, "refused the current weights too often")

@@ -11,6 +11,7 @@ Loop (on the coordinator's thread)::
     d.returned(gid, work_ids)          # WorkReturn -> re-dispatch
     d.refused(gid, work_id, index)     # its rollout was refused at the door -> re-dispatch
                                        # to another generator when there is one
+    d.overdue(timeout_s)               # work unanswered for too long -> re-dispatch elsewhere
     d.finished(work_id)                # trained or dropped: forget it
 
 Work ids are ``w<counter>`` with a counter that only increases (saved in the checkpoint), and
@@ -96,6 +97,7 @@ class _Gen:
     max_inflight: int
     version: int
     pending: dict[str, set[int]] = field(default_factory=dict)  # work id -> indices it holds
+    issued_at: dict[str, float] = field(default_factory=dict)  # work id -> last sent (clock)
     incarnation: Any = None  # (pid, started_at) of the process behind the id
 
 
@@ -175,6 +177,7 @@ class Dispatcher:
         if g is not None:
             for w in work_ids:
                 g.pending.pop(w, None)
+                g.issued_at.pop(w, None)
         return self._requeue(self.ledger.returned(gid, work_ids))
 
     def refused(self, gid: str, work_id: str, index: int) -> int:
@@ -187,6 +190,21 @@ class Dispatcher:
                 del g.pending[work_id]
         self._avoid[(work_id, index)] = gid
         return self._requeue(self.ledger.release(gid, work_id, [index]))
+
+    def overdue(self, timeout_s: float) -> int:
+        """Work held longer than ``timeout_s`` without an answer (a generator that accepts
+        work and never delivers): released for re-dispatch elsewhere; returns samples."""
+        now, n = self.clock(), 0
+        for gid, g in list(self._gens.items()):
+            late = [w for w in g.pending if now - g.issued_at.get(w, now) > timeout_s]
+            if late:
+                log.warning("generator %s held %s for over %.0f s: dispatched again elsewhere",
+                            gid, late, timeout_s)  # fmt: skip
+                for w in late:
+                    for i in g.pending.get(w, ()):
+                        self._avoid[(w, i)] = gid
+                n += self.returned(gid, late)
+        return n
 
     def _requeue(self, redo: list[Redispatch]) -> int:
         for r in redo:
@@ -215,6 +233,7 @@ class Dispatcher:
             held.discard(index)
             if not held:
                 del g.pending[work_id]
+                g.issued_at.pop(work_id, None)
         if self.ledger.is_received(work_id):
             self.gate.settled(work_id)
 
@@ -285,8 +304,18 @@ class Dispatcher:
             if len(mine) < len(unassigned):  # refused by this generator: leave to another
                 rest = tuple(i for i in unassigned if i not in mine)
                 skipped.append(Redispatch(r.work_id, r.n, rest))
-            if mine:
-                item = self._issue(gid, g, spec, mine, ver)
+            if mine:  # with the other re-dispatches of the same work that it may take
+                for other in list(self._redo):
+                    if other.work_id == r.work_id:
+                        more = [i for i in other.indices if states[i] == "unassigned" and i not in mine
+                                and not (others and self._avoid.get((r.work_id, i)) == gid)]  # fmt: skip
+                        if more:
+                            self._redo.remove(other)
+                            rest = tuple(i for i in other.indices if i not in more)
+                            if rest:
+                                skipped.append(Redispatch(other.work_id, other.n, rest))
+                            mine += more
+                item = self._issue(gid, g, spec, sorted(mine), ver)
         self._redo.extendleft(reversed(skipped))
         if item is not None:
             return item
@@ -316,7 +345,8 @@ class Dispatcher:
             self._avoid.pop((spec.work_id, i), None)
         self.ledger.dispatch(spec.work_id, gid, self.n, indices=indices)
         self.gate.dispatched(spec.work_id, ver)
-        g.pending[spec.work_id] = set(indices)
+        g.pending.setdefault(spec.work_id, set()).update(indices)
+        g.issued_at[spec.work_id] = self.clock()
         full = indices == list(range(self.n))
         return WorkItem(
             work_id=spec.work_id,

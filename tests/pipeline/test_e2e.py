@@ -140,14 +140,17 @@ def test_learner_killed_and_resumed(tmp_path: Path) -> None:
         gens.start(ep["control"], ep["weights"], tmp_path / "init")
         ckpts = tmp_path / "checkpoints"
         assert wait_until(lambda: any(ckpts.glob("step_*2")) and _rows(tmp_path) >= 3, 240)
-        # kill -9, then stop by pid what the learner had started (its checkpoint writer).
+        # kill -9: nothing the learner started may outlive it (megatron's checkpoint writer
+        # used to leave a ~300 MB Manager process behind); a writer busy with a save at the
+        # moment of the kill finishes and exits by itself.
         children = psutil.Process(learner.pid).children(recursive=True)
         os.kill(learner.pid, signal.SIGKILL)
         learner.wait()
-        for child in children:
+        _, alive = psutil.wait_procs(children, timeout=30)
+        for child in alive:  # stop by pid what would otherwise leak, then fail
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
-                child.wait(timeout=30)
+        assert not alive, f"children outlived the killed learner: {[c.pid for c in alive]}"
         assert (tmp_path / "config.yaml").read_text() == to_yaml(cfg)
         learner = subprocess.Popen([*cmd, "--resume", str(tmp_path)], stdout=log,
                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
@@ -158,7 +161,8 @@ def test_learner_killed_and_resumed(tmp_path: Path) -> None:
             learner.wait()
         gens.stop()
         log.close()
-    check_run(tmp_path, 4, 8, max_staleness=None)  # staleness: versions jump at the resume
+    # staleness is measured on the restored line of weights: the bound holds across the resume
+    check_run(tmp_path, 4, 8, max_staleness=1)
     text = (tmp_path / "learner.log").read_text(errors="replace")
     assert "resumed from" in text
 

@@ -1,0 +1,139 @@
+"""The learner's door end to end: a real learner (megatron backend, in this process) and a
+real `looprl generator` (vLLM on CPU), and beside them a fake generator over real ZMQ
+sockets whose every work item comes back poisoned in one way (the rows of issue 9's table).
+The run finishes its steps with a finite loss, the refused rollouts are quarantined and
+never trained, the NaN/inf rewards are trained as failed rewards, and every published
+weight set is finite."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from models.checkpoint import load_checkpoint
+from pipeline.quarantine import read_quarantine
+from pipeline.recorder import read_rollouts, read_steps
+from pipeline.transport import TransportConfig
+from pipeline.transport_zmq import ZmqGeneratorConnection
+from proto import Ack, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from tests.pipeline.e2e_utils import check_run, run, small_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
+
+KINDS = ["reward_inf", "token_oov", "reward_nan", "depth_200", "too_long", "prompt", "seed",
+         "claims_other", "future_version"]  # fmt: skip
+
+
+class ZmqPoisoner:
+    """A generator that speaks the protocol correctly over ZMQ but lies in its rollouts."""
+
+    def __init__(self, control: str, weights: str) -> None:
+        hello = Hello("poison", "localhost", os.getpid(), ["huginn"], 2, 0, time.time())
+        tc = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=4.0)
+        self.conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
+        self.version, self.items, self.nacks = 0, 0, []  # type: ignore[var-annotated]
+        self.held: list[WorkItem] = []
+
+    def step(self) -> None:
+        inc = self.conn.recv(0.0)
+        while inc is not None:
+            rec = inc.record
+            if isinstance(rec, WeightAnnounce):  # claims to load it at once
+                self.version = rec.version
+                self.conn.send(Ack("weights", str(rec.version), rec.version), channel="weights")
+            elif isinstance(rec, WorkItem):
+                self.held.append(rec)
+            elif isinstance(rec, Nack):
+                self.nacks.append(rec)
+            inc = self.conn.recv(0.0)
+        ready = [w for w in self.held if w.min_weight_version <= self.version]
+        self.held = [w for w in self.held if w.min_weight_version > self.version]
+        for rec in ready:  # like a real generator: never below min_weight_version
+            kind = KINDS[self.items % len(KINDS)]
+            self.items += 1
+            self.conn.send(RolloutBatch([self._roll(rec, i, int(s), kind)
+                                         for i, s in zip(rec.indices(), rec.latent_seeds)]))  # fmt: skip
+        self.conn.set_status(self.version, 0)
+
+    def _roll(self, item: WorkItem, i: int, seed: int, kind: str) -> Rollout:
+        r = Rollout(
+            rollout_id=f"{item.work_id}/{i}", work_id=item.work_id, prompt_id=item.prompt_id,
+            sample_index=i, generator_id="poison", latent_seed=seed,
+            prompt_tokens=item.prompt_tokens, tokens=np.array([5, 6], np.int32),
+            logprobs=np.array([-1.0, -1.0], np.float32), exit_depths=np.array([6, 6], np.uint8),
+            weight_version=self.version, reward=1.0,
+        )  # fmt: skip
+        change: dict[str, Any] = {
+            "reward_inf": {"reward": math.inf},
+            "reward_nan": {"reward": math.nan},
+            "token_oov": {"tokens": np.array([5, 99999], np.int32)},
+            "depth_200": {"exit_depths": np.array([200, 6], np.uint8)},
+            "too_long": {
+                "tokens": np.full(4000, 5, np.int32),
+                "logprobs": -np.ones(4000, np.float32),
+                "exit_depths": np.full(4000, 6, np.uint8),
+            },  # fmt: skip
+            "prompt": {"prompt_tokens": np.concatenate([item.prompt_tokens, [7]]).astype(np.int32)},
+            "seed": {"latent_seed": (seed + 1) % (1 << 64)},
+            "claims_other": {"generator_id": "someone-else"},
+            "future_version": {"weight_version": self.version + 7},
+        }[kind]
+        return dataclasses.replace(r, **change)
+
+    def close(self) -> None:
+        self.conn.close(None)
+
+
+def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, "steps=6", "generators.count=1", "intake.max_refused=0")
+    state: dict[str, Any] = {}
+
+    def hook(steps: int, gens: Any) -> None:
+        ep = tmp_path / "endpoints.json"
+        if "p" not in state and ep.is_file():
+            e = json.loads(ep.read_text())
+            state["p"] = ZmqPoisoner(e["control"], e["weights"])
+        if "p" in state:
+            state["p"].step()
+
+    try:
+        s = run(cfg, hook)
+    finally:
+        if "p" in state:
+            state["p"].close()
+    rows = check_run(tmp_path, 4, 6, max_staleness=1)
+    p: ZmqPoisoner = state["p"]
+    assert p.items >= len(KINDS), f"the poisoner got only {p.items} work items"
+    for r in rows:  # finite loss at every step
+        assert r["train/loss"] is not None and math.isfinite(r["train/loss"]), r
+    intake = s["counts"]["intake"]
+    refused = s["counts"]["refused_by_generator"]["poison"]
+    assert set(refused) == {"token_out_of_vocab", "exit_depth", "too_long", "prompt_mismatch",
+                            "seed_mismatch", "wrong_generator", "weight_version"}, refused  # fmt: skip
+    assert intake["reward_nonfinite"] >= 1
+    assert len(read_quarantine(tmp_path)) == intake["refused"] == sum(refused.values())
+    assert p.nacks and all(n.reason.startswith("refused: ") for n in p.nacks)
+    # nothing refused was recorded or trained; every trained rollout is clean
+    recorded = {r.rollout_id: r for _, r in read_rollouts(tmp_path / "stream")}
+    trained = [
+        recorded[rid] for st in read_steps(tmp_path / "steps.jsonl") for rid in st.rollout_ids
+    ]
+    for r in trained:
+        assert int(r.tokens.max(initial=0)) < 512 and r.num_tokens <= 8
+        assert int(r.exit_depths.max(initial=1)) <= 6 and (
+            r.reward is None or math.isfinite(r.reward)
+        )
+    for v in range(1, s["final_version"] + 1):
+        wdir = tmp_path / "weights" / f"v{v}"
+        if wdir.is_dir():
+            _, state_dict = load_checkpoint(wdir)
+            assert all(bool(torch.isfinite(t).all()) for t in state_dict.values())
