@@ -1,6 +1,7 @@
 """The two channels between the learner (rank 0) and its generators (docs/PROTOCOL.md).
 
-control  learner ROUTER (bind) <-> generator DEALER (connect), routing id = generator id:
+control  learner ROUTER (bind) <-> generator DEALER (connect), routing id = generator id
+         (+ a per-connection nonce; with CURVE the key must own the id, transport_zmq):
          Hello/Welcome, Heartbeat, WorkItem, Rollout(Batch), WorkReturn, Ack/Nack, Goodbye.
 weights  a second ROUTER (own port) <-> a second DEALER, same routing id: WeightAnnounce +
          WeightChunk out, Ack(kind="chunk") credits and Ack/Nack(kind="weights") back.
@@ -26,7 +27,10 @@ heartbeat interval. A generator that hears nothing for ``peer_timeout_s``, or ge
 Hello with exponential backoff until a Welcome; libzmq reconnects underneath. A malformed,
 oversized, multipart or out-of-place frame is counted (``stats.rejected``), answered with
 ``ErrorMsg("protocol")`` and skipped; beyond limit + ``oversize_grace_bytes`` libzmq
-(ZMQ_MAXMSGSIZE) drops the connection instead. Not thread-safe: one thread per object.
+(ZMQ_MAXMSGSIZE) drops the connection instead. Warnings about what a peer sends are
+rate-limited (``log_interval_s``, pipeline.log_limit). What is queued from one connection
+is bounded in bytes (``recv_budget_bytes``, pipeline.transport_config). Not thread-safe:
+one thread per object.
 """
 
 from __future__ import annotations
