@@ -135,7 +135,7 @@ class _Authenticator(ThreadAuthenticator):
         return key in self.allowed
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.allowed[z85.encode(client_public_key)]
+        return self.allowed.get(z85.encode(client_public_key), "")  # "" owns no id
 
 
 def _load_keypair(path: Path) -> tuple[bytes, bytes]:

@@ -8,7 +8,7 @@ per-connection byte budget), MAXMSGSIZE = the channel's frame limit + grace, ZMT
 heartbeats (dead tcp connections are noticed and re-established) and a monitor that counts
 refused handshakes and disconnects. See pipeline.transport for the order of calls.
 
-Routing id = ``generator_id + b"\0" + nonce`` (8 random bytes per connection object, the
+Routing id = ``generator_id + NUL + nonce`` (8 random bytes per connection object, the
 same on both sockets). The learner strips the nonce (``peer`` is the generator id) and
 routes a generator's traffic to the routing id of its newest valid frame. The nonce keeps
 a second connection claiming the same id from colliding with (ROUTER_HANDOVER: taking over)
@@ -54,7 +54,7 @@ MAX_ID_BYTES = 255 - 1 - NONCE_BYTES  # a ZMQ routing id is at most 255 bytes
 
 
 def split_routing_id(rid: bytes) -> str:
-    """The generator id a routing id claims (``id + b"\0" + nonce``, or a bare id)."""
+    """The generator id a routing id claims (``id + NUL + nonce``, or a bare id)."""
     if len(rid) > NONCE_BYTES + 1 and rid[-NONCE_BYTES - 1] == 0:
         rid = rid[: -NONCE_BYTES - 1]
     return rid.decode("utf-8", "surrogateescape")
