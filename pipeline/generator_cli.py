@@ -166,7 +166,7 @@ def serve(cfg: GeneratorConfig) -> int:
     from generator.reward_runner import RewardRunner
     from generator.vllm_settings import policy_from_dict
     from models.checkpoint import read_config
-    from pipeline.security import ClientCurve
+    from pipeline.security import ClientCurve, generator_id_for
     from pipeline.transport import TransportConfig
     from pipeline.transport_zmq import ZmqGeneratorConnection
     from pipeline.weight_sync import WeightReceiver
@@ -182,6 +182,7 @@ def serve(cfg: GeneratorConfig) -> int:
     if cfg.keys:
         name = _key_name(cfg.keys, cfg.key_name)
         security = ClientCurve.from_dir(cfg.keys, name, curve_on_loopback=cfg.curve_on_loopback)
+        gid = generator_id_for(name, cfg.generator_id)  # the learner binds the key to NAME[:...]
     transport = TransportConfig(peer_timeout_s=cfg.peer_timeout_s)
     archs = read_config(cfg.model).get("architectures") or []
     families = [_FAMILIES.get(a, a) for a in archs]

@@ -15,6 +15,13 @@ Key directory (written by ``looprl keys DIR``, see pipeline.keys_cli)::
     DIR/allowed/<name>.key           generator public keys the learner admits
     DIR/generators/<name>.key_secret generator keypair   (that generator's host only)
 
+A client key is an identity: its file name ``<name>`` is the generator id it speaks for.
+The ZAP authenticator answers a handshake with User-Id = ``<name>``, and the learner's
+endpoint accepts a frame only when its routing id claims a generator id that name owns
+(:func:`owns`: ``<name>`` itself or ``<name>:<suffix>``, so one keypair shared by the
+replicas of a Deployment still gives each its own id). Everything else is refused, counted
+(``TransportStats.wrong_identity``) and dropped without an answer.
+
 Rejected handshakes never reach the application: the transport counts them from socket
 monitor events (``TransportStats.unauthenticated``) and keeps serving everyone else.
 """
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,9 @@ LEARNER_NAME = "learner"
 ALLOWED_DIR = "allowed"
 GENERATORS_DIR = "generators"
 ZAP_DOMAIN = "looprl"
+ID_SEP = ":"  # NAME:SUFFIX is a generator id that the key NAME speaks for
+MAX_KEY_NAME = 200  # bytes; leaves room for a suffix within the 246-byte generator id
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class SecurityError(ValueError):
@@ -73,6 +85,59 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
+def check_key_name(name: str) -> str:
+    """``name`` if it can name a client key (and so a generator id); SecurityError otherwise."""
+    if not _NAME.match(name) or len(name.encode()) > MAX_KEY_NAME or name == LEARNER_NAME:
+        raise SecurityError(
+            f"key name {name!r}: expected letters, digits, '.', '_' or '-' (at most "
+            f"{MAX_KEY_NAME} bytes, not starting with a symbol, not {LEARNER_NAME!r})"
+        )
+    return name
+
+
+def owns(key_name: str, generator_id: str) -> bool:
+    """Whether the client key ``key_name`` may speak for ``generator_id``."""
+    return generator_id == key_name or generator_id.startswith(key_name + ID_SEP)
+
+
+def generator_id_for(key_name: str, wanted: str = "") -> str:
+    """The generator id a client holding key ``key_name`` uses: ``wanted`` if that key owns
+    it, the key name if ``wanted`` is empty, else ``<key_name>:<wanted>``."""
+    if not wanted or owns(key_name, wanted):
+        return wanted or key_name
+    return f"{key_name}{ID_SEP}{wanted}"
+
+
+def load_allowed(allowed_dir: Path) -> dict[bytes, str]:
+    """z85 public key -> key name for every ``*.key`` in ``allowed_dir`` (SecurityError for
+    an unusable name or one public key under two names: its identity would be ambiguous)."""
+    names: dict[bytes, str] = {}
+    for f in sorted(Path(allowed_dir).glob("*.key")):
+        name = check_key_name(f.name.removesuffix(".key"))
+        public, _ = zmq.auth.load_certificate(f)
+        if public in names:
+            raise SecurityError(
+                f"{f} and {allowed_dir}/{names[public]}.key hold the same public key: a key "
+                "must name exactly one generator identity (remove one of them)"
+            )
+        names[public] = name
+    return names
+
+
+class _Authenticator(ThreadAuthenticator):
+    """ZAP handler: admits the public keys of ``allowed`` and answers User-Id = key name."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        super().__init__(context, log=log.getChild("zap"))
+        self.allowed: dict[bytes, str] = {}  # replaced whole on reload: safe across threads
+
+    def callback(self, domain: str, key: bytes) -> bool:  # credentials provider, z85 key
+        return key in self.allowed
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.allowed.get(z85.encode(client_public_key), "")  # "" owns no id
+
+
 def _load_keypair(path: Path) -> tuple[bytes, bytes]:
     if not path.is_file():
         raise SecurityError(
@@ -106,10 +171,11 @@ class ServerCurve:
         self.allowed_dir = Path(allowed_dir)
         if not self.allowed_dir.is_dir():
             raise SecurityError(f"allowed client key directory {self.allowed_dir} not found")
-        if not any(self.allowed_dir.glob("*.key")):
+        self.allowed = load_allowed(self.allowed_dir)  # checked now: a bad name fails at start
+        if not self.allowed:
             log.warning("no client public keys in %s: every generator will be refused", allowed_dir)
         self.curve_on_loopback = curve_on_loopback
-        self._auth: ThreadAuthenticator | None = None
+        self._auth: _Authenticator | None = None
 
     @classmethod
     def from_dir(cls, keys_dir: str | Path, *, curve_on_loopback: bool = False) -> ServerCurve:
@@ -124,15 +190,16 @@ class ServerCurve:
     def start(self, context: zmq.Context) -> None:
         if self._auth is not None:
             return
-        self._auth = ThreadAuthenticator(context, log=log.getChild("zap"))
+        self._auth = _Authenticator(context)
         self._auth.start()
-        self.reload()
+        self._auth.allowed = self.allowed
+        self._auth.configure_curve_callback(ZAP_DOMAIN, self._auth)
 
     def reload(self) -> None:
         """Re-read the allowed directory (e.g. after ``looprl keys DIR --add``)."""
         if self._auth is None:
             raise SecurityError("ServerCurve.reload() before start()")
-        self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.allowed_dir))
+        self.allowed = self._auth.allowed = load_allowed(self.allowed_dir)
 
     def apply(self, sock: zmq.Socket) -> None:
         if self._auth is None:
@@ -150,19 +217,22 @@ class ServerCurve:
 
 @dataclass
 class ClientCurve:
-    """Generator side: its own keypair and the learner's public key (pinned)."""
+    """Generator side: its own keypair and the learner's public key (pinned). ``name`` is
+    the key's name, i.e. the identity the learner binds it to ("": not known here)."""
 
     server_public_key: bytes
     public_key: bytes
     secret_key: bytes
     curve_on_loopback: bool = False
+    name: str = ""
 
     @classmethod
     def from_files(
         cls, learner_public: str | Path, secret_file: str | Path, *, curve_on_loopback: bool = False
     ) -> ClientCurve:
         public, secret = _load_keypair(Path(secret_file))
-        return cls(_load_public(Path(learner_public)), public, secret, curve_on_loopback)
+        name = Path(secret_file).name.removesuffix(".key_secret")
+        return cls(_load_public(Path(learner_public)), public, secret, curve_on_loopback, name)
 
     @classmethod
     def from_dir(

@@ -1,6 +1,7 @@
 """The two channels between the learner (rank 0) and its generators (docs/PROTOCOL.md).
 
-control  learner ROUTER (bind) <-> generator DEALER (connect), routing id = generator id:
+control  learner ROUTER (bind) <-> generator DEALER (connect), routing id = generator id
+         (+ a per-connection nonce; with CURVE the key must own the id, transport_zmq):
          Hello/Welcome, Heartbeat, WorkItem, Rollout(Batch), WorkReturn, Ack/Nack, Goodbye.
 weights  a second ROUTER (own port) <-> a second DEALER, same routing id: WeightAnnounce +
          WeightChunk out, Ack(kind="chunk") credits and Ack/Nack(kind="weights") back.
@@ -26,7 +27,10 @@ heartbeat interval. A generator that hears nothing for ``peer_timeout_s``, or ge
 Hello with exponential backoff until a Welcome; libzmq reconnects underneath. A malformed,
 oversized, multipart or out-of-place frame is counted (``stats.rejected``), answered with
 ``ErrorMsg("protocol")`` and skipped; beyond limit + ``oversize_grace_bytes`` libzmq
-(ZMQ_MAXMSGSIZE) drops the connection instead. Not thread-safe: one thread per object.
+(ZMQ_MAXMSGSIZE) drops the connection instead. Warnings about what a peer sends are
+rate-limited (``log_interval_s``, pipeline.log_limit). What is queued from one connection
+is bounded in bytes (``recv_budget_bytes``, pipeline.transport_config). Not thread-safe:
+one thread per object.
 """
 
 from __future__ import annotations
@@ -37,8 +41,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
+from pipeline.log_limit import RateLimitedLog
+from pipeline.transport_config import (  # noqa: F401  (re-exported: the transport's API)
+    ACK_MAX_FRAME,
+    CHANNELS,
+    Channel,
+    TransportConfig,
+    TransportError,
+    TransportStats,
+)
 from proto import (
     Ack,
     Codec,
@@ -59,9 +72,6 @@ from proto import (
 
 log = logging.getLogger(__name__)
 
-Channel = Literal["control", "weights"]
-CHANNELS: tuple[Channel, Channel] = ("control", "weights")
-ACK_MAX_FRAME = 64 << 10  # the learner's weights socket only ever receives small acks
 Clock = Callable[[], float]
 Raw = tuple[Channel, str, list[bytes]]
 
@@ -76,46 +86,6 @@ _ACCEPTS: dict[tuple[str, Channel], tuple[type, ...]] = {
 }  # fmt: skip
 
 
-class TransportError(ValueError):
-    """Bad transport settings or use (never raised for what a peer sends)."""
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """Settings of both channels; both ends must use the same values."""
-
-    max_frame_bytes: int = 256 << 20  # largest control frame (either way) and weights frame out
-    weights_max_frame_bytes: int = 64 << 20  # largest frame a generator accepts on weights
-    oversize_grace_bytes: int = 1 << 20  # frames up to max+grace are decoded and answered
-    heartbeat_interval_s: float = 2.0  # heartbeat period, both directions
-    peer_timeout_s: float = 10.0  # silence after which the other side is considered gone
-    hello_retry_s: float = 0.5  # first Hello resend delay while no Welcome; doubles
-    hello_retry_max_s: float = 10.0  # cap of the Hello resend delay
-    reconnect_ivl_ms: int = 100  # ZMQ_RECONNECT_IVL: first reconnect attempt
-    reconnect_ivl_max_ms: int = 5000  # ZMQ_RECONNECT_IVL_MAX: backoff cap
-    hwm: int = 1000  # queued messages per peer and direction (ZMQ SNDHWM/RCVHWM)
-    compression_level: int = 1  # zstd level of control frames (weights go uncompressed)
-    linger_ms: int = 200  # how long close() waits to flush a Goodbye
-
-    def __post_init__(self) -> None:
-        if min(self.max_frame_bytes, self.weights_max_frame_bytes) < 1024:
-            raise TransportError("max_frame_bytes and weights_max_frame_bytes must be >= 1024")
-        if not 0 < self.heartbeat_interval_s < self.peer_timeout_s:
-            raise TransportError("need 0 < heartbeat_interval_s < peer_timeout_s")
-        if not 0 < self.hello_retry_s <= self.hello_retry_max_s:
-            raise TransportError("need 0 < hello_retry_s <= hello_retry_max_s")
-        if not 0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms:
-            raise TransportError("need 0 < reconnect_ivl_ms <= reconnect_ivl_max_ms")
-        if self.hwm < 1 or self.oversize_grace_bytes < 0 or self.linger_ms < 0:
-            raise TransportError("hwm must be >= 1; grace and linger >= 0")
-
-    def recv_limit(self, side: str, channel: Channel) -> int:
-        """Largest frame ``side`` decodes on ``channel`` (the codec limit)."""
-        if channel == "control":
-            return self.max_frame_bytes
-        return ACK_MAX_FRAME if side == "learner" else self.weights_max_frame_bytes
-
-
 @dataclass(frozen=True)
 class Incoming:
     """One decoded record: the channel it came on and its sender ("learner" or a generator id)."""
@@ -123,18 +93,6 @@ class Incoming:
     channel: Channel
     peer: str
     record: Any
-
-
-@dataclass
-class TransportStats:
-    sent: int = 0  # frames handed to the network
-    received: int = 0  # frames decoded and delivered to the caller
-    rejected: int = 0  # frames refused: malformed, oversized, multipart, wrong channel
-    unroutable: int = 0  # sends refused: unknown / gone peer, or its queue is full
-    unauthenticated: int = 0  # CURVE handshakes refused (no key, unknown key, wrong server)
-    disconnects: int = 0  # connections dropped (incl. libzmq dropping an over-limit frame)
-    reconnects: int = 0  # generator: learner lost and re-Hello started
-    last_error: str = ""
 
 
 class _Base:
@@ -151,7 +109,14 @@ class _Base:
             "control": Codec(level=config.compression_level, max_frame_bytes=lim(peer, "control")),
             "weights": Codec(level=0, max_frame_bytes=lim(peer, "weights")),
         }
+        self._log = RateLimitedLog(log, config.log_interval_s, clock)
         self.closed = False
+
+    def _warn(self, peer: str, reason: str, fmt: str, *args: Any) -> None:
+        """A warning about what ``peer`` did: at most one line per (peer, reason) per
+        ``log_interval_s``; the others are counted in ``stats.warnings_suppressed``."""
+        if not self._log.warn(peer, reason, fmt, *args):
+            self.stats.warnings_suppressed += 1
 
     # Provided by subclasses: frames in and out (ZMQ / memory), and the side's protocol:
     # _tick() does the housekeeping and returns the seconds until it is due again.
@@ -196,22 +161,24 @@ class _Base:
                 return None
 
     def _accept(self, channel: Channel, peer: str, parts: list[bytes]) -> Incoming | None:
-        rec, why = None, ""
+        rec, why, kind = None, "", ""
         if len(parts) != 1:
-            why = f"expected 1 frame per message, got {len(parts)}"
+            why, kind = f"expected 1 frame per message, got {len(parts)}", "multipart"
         else:
             try:
                 rec = self._dec[channel].decode(parts[0])
             except ProtocolError as e:
-                why = str(e)
+                why, kind = str(e), "malformed"
         if not why and not isinstance(rec, _ACCEPTS[(self.side, channel)]):
             why = f"{type(rec).__name__} is not accepted on the {channel} channel"
+            kind = "wrong channel"
         if isinstance(rec, Hello) and rec.generator_id != peer:
             why = f"hello.generator_id {rec.generator_id!r} differs from the routing id {peer!r}"
+            kind = "hello id"
         if why:
             self.stats.rejected += 1
             self.stats.last_error = why
-            log.warning("rejected a frame from %s on %s: %s", peer, channel, why)
+            self._warn(peer, kind, "rejected a frame from %s on %s: %s", peer, channel, why)
             self._send(channel, peer, ErrorMsg("protocol", why[:4000]))
             return None
         self.stats.received += 1
@@ -357,18 +324,24 @@ class GeneratorConnection(_Base):
 
 
 class _Box:
-    """A bounded, thread-safe FIFO of raw messages."""
+    """A bounded, thread-safe FIFO of raw messages: at most ``cap`` messages, and at most
+    ``budget`` bytes from one sender (a first message may exceed it alone, as one frame
+    being decoded does in libzmq; None: no byte bound)."""
 
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
+    def __init__(self, cap: int, budget: int | None = None) -> None:
+        self.cap, self.budget = cap, budget
         self.q: deque[Raw] = deque()
+        self.held: dict[str, int] = {}  # sender -> bytes queued
         self.cv = threading.Condition()
 
     def put(self, item: Raw) -> bool:
+        n, peer = sum(len(p) for p in item[2]), item[1]
         with self.cv:
-            if len(self.q) >= self.cap:
+            held = self.held.get(peer, 0)
+            if len(self.q) >= self.cap or (self.budget and held and held + n > self.budget):
                 return False
             self.q.append(item)
+            self.held[peer] = held + n
             self.cv.notify()
             return True
 
@@ -376,7 +349,13 @@ class _Box:
         with self.cv:
             if not self.q and timeout_s > 0:
                 self.cv.wait_for(lambda: bool(self.q), timeout_s)
-            return self.q.popleft() if self.q else None
+            if not self.q:
+                return None
+            item = self.q.popleft()
+            left = self.held.pop(item[1]) - sum(len(p) for p in item[2])
+            if left:
+                self.held[item[1]] = left
+            return item
 
 
 class MemoryNetwork:
@@ -442,7 +421,7 @@ class MemoryLearnerEndpoint(LearnerEndpoint):
     def __init__(self, net: MemoryNetwork, name: str, config: TransportConfig, clock: Clock):
         super().__init__(config, clock)
         self._net, self.name = net, name
-        self.inbox = _Box(2 * config.hwm)
+        self.inbox = _Box(2 * config.hwm, config.recv_budget_bytes)
 
     def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
         conn = self._net._route(self.name, peer)

@@ -2,16 +2,26 @@
 
 Sockets: two ROUTERs bound by the learner (control, weights) with ROUTER_MANDATORY (a send
 to an unknown or full peer fails instead of vanishing) and ROUTER_HANDOVER (a reconnecting
-generator takes its routing id back); two DEALERs per generator with ROUTING_ID = generator
-id and RECONNECT_IVL / RECONNECT_IVL_MAX. Every socket sets SNDHWM/RCVHWM = hwm,
-MAXMSGSIZE = the channel's frame limit + grace, ZMTP heartbeats (dead tcp connections are
-noticed and re-established) and a monitor that counts refused handshakes and disconnects.
-See pipeline.transport for the order of calls.
+generator takes its routing id back); two DEALERs per generator with RECONNECT_IVL /
+RECONNECT_IVL_MAX. Every socket sets SNDHWM = hwm, RCVHWM = ``config.rcvhwm(...)`` (the
+per-connection byte budget), MAXMSGSIZE = the channel's frame limit + grace, ZMTP
+heartbeats (dead tcp connections are noticed and re-established) and a monitor that counts
+refused handshakes and disconnects. See pipeline.transport for the order of calls.
+
+Routing id = ``generator_id + NUL + nonce`` (8 random bytes per connection object, the
+same on both sockets). The learner strips the nonce (``peer`` is the generator id) and
+routes a generator's traffic to the routing id of its newest valid frame. The nonce keeps
+a second connection claiming the same id from colliding with (ROUTER_HANDOVER: taking over)
+a live one; on CURVE sockets every frame must also come from a key that owns the id it
+claims (ZAP User-Id, pipeline.security.owns), or it is refused, counted
+(``stats.wrong_identity``) and dropped. So a generator holding one allowed key can neither
+impersonate another nor take its connection; its own reconnects still hand over.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,15 +29,17 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pipeline.security import ClientCurve, ServerCurve, check_bind
+from pipeline.security import ClientCurve, ServerCurve, check_bind, owns
 from pipeline.transport import (
     CHANNELS,
     Channel,
     Clock,
     GeneratorConnection,
+    Incoming,
     LearnerEndpoint,
     Raw,
     TransportConfig,
+    TransportError,
     _Base,
 )
 from proto import Goodbye, Hello
@@ -37,16 +49,30 @@ log = logging.getLogger(__name__)
 
 _DISCONNECTED, _FAILED_AUTH = 0x0200, 0x4000
 _MON_EVENTS = _DISCONNECTED | 0x0800 | 0x2000 | _FAILED_AUTH  # + HANDSHAKE_FAILED_{ANY,PROTO}
+NONCE_BYTES = 8
+MAX_ID_BYTES = 255 - 1 - NONCE_BYTES  # a ZMQ routing id is at most 255 bytes
+
+
+def split_routing_id(rid: bytes) -> str:
+    """The generator id a routing id claims (``id + NUL + nonce``, or a bare id)."""
+    if len(rid) > NONCE_BYTES + 1 and rid[-NONCE_BYTES - 1] == 0:
+        rid = rid[: -NONCE_BYTES - 1]
+    return rid.decode("utf-8", "surrogateescape")
 
 
 class _ZmqMixin(_Base):
+    """Polling both sockets: at most one message per channel waits in ``_pending`` (it is
+    refilled only when empty), so the transport itself holds at most two frames."""
+
     def _setup_zmq(self, context: zmq.Context | None) -> None:
         self._ctx = context or zmq.Context()
         self._own_ctx = context is None
         self._socks: dict[Channel, zmq.Socket] = {}
+        self._zap: set[zmq.Socket] = set()  # CURVE server sockets: frames carry a ZAP User-Id
         self._mons: dict[zmq.Socket, bool] = {}  # monitor socket -> its socket uses CURVE
         self._poller = zmq.Poller()
-        self._pending: deque[Raw] = deque()
+        self._pending: deque[tuple[Raw, bytes]] = deque()  # (message, its routing id)
+        self._cur_rid = b""  # routing id of the message being handled
         self._rr = 0
 
     def _socket(
@@ -55,12 +81,15 @@ class _ZmqMixin(_Base):
         cfg = self.config
         s = self._ctx.socket(kind)
         s.linger = cfg.linger_ms
-        s.sndhwm = s.rcvhwm = cfg.hwm
+        s.sndhwm = cfg.hwm
+        s.rcvhwm = cfg.rcvhwm(self.side, channel)
         s.maxmsgsize = cfg.recv_limit(self.side, channel) + cfg.oversize_grace_bytes
         s.heartbeat_ivl = int(cfg.heartbeat_interval_s * 1000)
         s.heartbeat_timeout = int(cfg.peer_timeout_s * 1000)
         if curve is not None:
             curve(s)
+            if self.side == "learner":
+                self._zap.add(s)
         mon = s.get_monitor_socket(_MON_EVENTS)
         self._mons[mon] = curve is not None
         self._poller.register(mon, zmq.POLLIN)
@@ -78,7 +107,7 @@ class _ZmqMixin(_Base):
             else:
                 self.stats.rejected += 1  # not ZMTP at all (a port scan, an HTTP request...)
             self.stats.last_error = f"refused a handshake (zmq event 0x{ev:x})"
-            log.warning("refused a handshake (zmq event 0x%x)", ev)
+            self._warn("?", f"handshake 0x{ev:x}", "refused a handshake (zmq event 0x%x)", ev)
 
     def _raw_recv(self, timeout_s: float) -> Raw | None:
         if not self._pending:
@@ -89,11 +118,22 @@ class _ZmqMixin(_Base):
             order = CHANNELS if self._rr % 2 == 0 else CHANNELS[::-1]
             self._rr += 1
             for ch in order:  # one message per channel per round: neither starves the other
-                if self._socks[ch] in ready:
-                    self._pending.append(self._split(ch, self._socks[ch].recv_multipart()))
-        return self._pending.popleft() if self._pending else None
+                s = self._socks[ch]
+                if s in ready:
+                    frames = s.recv_multipart(copy=False)
+                    user = str(frames[-1].get("User-Id")) if s in self._zap else None
+                    msg = self._split(ch, [f.bytes for f in frames], user)
+                    if msg is not None:
+                        self._pending.append(msg)
+        if not self._pending:
+            return None
+        raw, self._cur_rid = self._pending.popleft()
+        return raw
 
-    def _split(self, channel: Channel, parts: list[bytes]) -> Raw:
+    def _split(
+        self, channel: Channel, parts: list[bytes], user: str | None
+    ) -> tuple[Raw, bytes] | None:
+        """(message, its routing id), or None for a message refused before decoding."""
         raise NotImplementedError
 
     def _send_parts(self, channel: Channel, parts: list[bytes]) -> bool:
@@ -138,6 +178,8 @@ class ZmqLearnerEndpoint(_ZmqMixin, LearnerEndpoint):
         clock: Clock = time.monotonic,
     ) -> None:
         LearnerEndpoint.__init__(self, config, clock)
+        self._routes: dict[str, bytes] = {}  # generator id -> routing id of its newest frame
+        self._replying: str | None = None
         binds: dict[Channel, str] = {"control": control, "weights": weights}
         curves = {ch: check_bind(ep, security, insecure=insecure) for ch, ep in binds.items()}
         self._setup_zmq(context)
@@ -157,11 +199,44 @@ class ZmqLearnerEndpoint(_ZmqMixin, LearnerEndpoint):
             self.close()
             raise
 
-    def _split(self, channel: Channel, parts: list[bytes]) -> Raw:
-        return channel, parts[0].decode("utf-8", "surrogateescape"), parts[1:]
+    def _split(
+        self, channel: Channel, parts: list[bytes], user: str | None
+    ) -> tuple[Raw, bytes] | None:
+        rid, peer = parts[0], split_routing_id(parts[0])
+        if user is not None and not owns(user, peer):  # CURVE: the key must own the id
+            self.stats.wrong_identity += 1
+            why = f"the CURVE key {user!r} does not own generator id {peer!r}"
+            self.stats.last_error = why
+            self._warn(peer, f"identity {user}", "refused frames on %s: %s", channel, why)
+            return None
+        return (channel, peer, parts[1:]), rid
+
+    def _accept(self, channel: Channel, peer: str, parts: list[bytes]) -> Incoming | None:
+        self._replying = peer  # replies to this frame go back to the connection it came on
+        try:
+            inc = super()._accept(channel, peer, parts)
+        finally:
+            self._replying = None
+        if inc is not None:
+            self._routes[peer] = self._cur_rid  # traffic for peer follows its newest frame
+        return inc
 
     def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
-        return self._send_parts(channel, [peer.encode("utf-8", "surrogateescape"), frame])
+        if peer == self._replying:
+            rid = self._cur_rid
+        else:
+            rid = self._routes.get(peer) or peer.encode("utf-8", "surrogateescape")
+        return self._send_parts(channel, [rid, frame])
+
+    def forget(self, peer: str) -> None:
+        super().forget(peer)
+        self._routes.pop(peer, None)
+
+    def expired_peers(self) -> list[str]:
+        gone = super().expired_peers()
+        for g in gone:
+            self._routes.pop(g, None)
+        return gone
 
     def close(self) -> None:
         if self.closed:
@@ -188,12 +263,21 @@ class ZmqGeneratorConnection(_ZmqMixin, GeneratorConnection):
         clock: Clock = time.monotonic,
     ) -> None:
         GeneratorConnection.__init__(self, config, hello, clock)
+        gid = self.generator_id
+        if len(gid.encode()) > MAX_ID_BYTES:
+            raise TransportError(f"generator id {gid!r} is over {MAX_ID_BYTES} bytes")
+        if security is not None and security.name and not owns(security.name, gid):
+            raise TransportError(
+                f"generator id {gid!r} does not belong to CURVE key {security.name!r}: the "
+                f"learner would refuse it; use {security.name!r} or '{security.name}:SUFFIX'"
+            )
+        rid = gid.encode() + b"\0" + os.urandom(NONCE_BYTES)
         self._setup_zmq(context)
         try:
             for ch, ep in (("control", control), ("weights", weights)):
                 curve = security.apply if security is not None and security.wants(ep) else None
                 s = self._socket(ch, zmq.DEALER, curve)  # type: ignore[arg-type]
-                s.routing_id = self.generator_id.encode()
+                s.routing_id = rid
                 s.reconnect_ivl = config.reconnect_ivl_ms
                 s.reconnect_ivl_max = config.reconnect_ivl_max_ms
                 s.connect(ep)
@@ -202,8 +286,10 @@ class ZmqGeneratorConnection(_ZmqMixin, GeneratorConnection):
             raise
         self._tick()  # sends the first Hello
 
-    def _split(self, channel: Channel, parts: list[bytes]) -> Raw:
-        return channel, "learner", parts
+    def _split(
+        self, channel: Channel, parts: list[bytes], user: str | None
+    ) -> tuple[Raw, bytes] | None:
+        return (channel, "learner", parts), b""
 
     def _raw_send(self, channel: Channel, peer: str, frame: bytes) -> bool:
         return self._send_parts(channel, [frame])

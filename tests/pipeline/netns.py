@@ -244,11 +244,13 @@ def _learner(a: argparse.Namespace, out: IO[str]) -> None:
 
 
 def _generator(a: argparse.Namespace, out: IO[str]) -> None:
-    from pipeline.security import ClientCurve
+    from pipeline.security import ClientCurve, generator_id_for
     from pipeline.transport_zmq import ZmqGeneratorConnection
     from proto import Hello
 
-    hello = Hello(a.id, "netns", os.getpid(), ["huginn"], 1, -1, time.time())
+    hello = Hello(
+        generator_id_for(a.key_name, a.id), "netns", os.getpid(), ["huginn"], 1, -1, time.time()
+    )
     curve = ClientCurve.from_dir(a.keys, a.key_name)
     conn = ZmqGeneratorConnection(
         _fast(), hello, control=a.control, weights=a.weights, security=curve

@@ -93,11 +93,11 @@ def test_curve_hello_welcome_across_namespaces(lab: netns.Lab, tmp_path: Path) -
     for p in (*gens, rogue, learner):
         assert _finish(lab, p, 60) == 0, netns.tail(tmp_path / "learner-learner.log")
     got = _read_json(out["learner"])
-    assert set(got["hellos"]) == {"gen0", "gen1"}
+    assert set(got["hellos"]) == {"generator-000:gen0", "generator-001:gen1"}  # key:id
     assert got["stats"]["unauthenticated"] >= 1  # the rogue's handshake, refused by ZAP
-    assert got["stats"]["rejected"] == 0
-    assert _read_json(out["gen0"]) == {"welcome": "gen0"}
-    assert _read_json(out["gen1"]) == {"welcome": "gen1"}
+    assert got["stats"]["rejected"] == got["stats"]["wrong_identity"] == 0
+    assert _read_json(out["gen0"]) == {"welcome": "generator-000:gen0"}
+    assert _read_json(out["gen1"]) == {"welcome": "generator-001:gen1"}
     assert _read_json(out["rogue"]) == {"got_reply": False}
     for g in ("gen0", "gen1"):
         rx, tx = lab.eth0_bytes(g)

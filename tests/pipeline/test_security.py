@@ -134,11 +134,11 @@ def test_curve_admits_known_keys_and_refuses_others(tmp_path: Path) -> None:
         zmq.curve_keypair()[0], good_curve.public_key, good_curve.secret_key, True
     )
     conns = [
-        _client(ep, "good", good_curve),
+        _client(ep, "generator-000", good_curve),
         _client(ep, "nokey", None),
         _client(
             ep,
-            "unlisted",
+            "stranger",
             ClientCurve.from_files(d / "learner.key", stranger_secret, curve_on_loopback=True),
         ),  # fmt: skip
         _client(ep, "wrong-server", wrong_server),
@@ -154,10 +154,10 @@ def test_curve_admits_known_keys_and_refuses_others(tmp_path: Path) -> None:
                     ep.send(inc.peer, Welcome("run", inc.peer, 0, 0.1))
             for c in conns:
                 c.recv(0)
-        assert {p for p, _ in got} == {"good"}  # nobody else got a single frame through
+        assert {p for p, _ in got} == {"generator-000"}  # nobody else got a single frame through
         assert ep.stats.unauthenticated >= 3  # each refused peer at least once (they retry)
         assert conns[0].ready and not any(c.ready for c in conns[1:])
-        assert conns[0].send(RolloutBatch([rollout(gid="good")]))  # still serving "good"
+        assert conns[0].send(RolloutBatch([rollout(gid="generator-000")]))  # still serving "good"
         end = time.monotonic() + 3
         while (inc := ep.recv(0.05)) is None or not isinstance(inc.record, RolloutBatch):
             assert time.monotonic() < end
