@@ -94,12 +94,12 @@ class ZmqPoisoner:
 
 
 def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, "steps=6", "generators.count=1", "intake.max_refused=0")
+    cfg = small_config(tmp_path, "steps=12", "generators.count=1", "intake.max_refused=0")
     state: dict[str, Any] = {}
 
     def hook(steps: int, gens: Any) -> None:
         ep = tmp_path / "endpoints.json"
-        if "p" not in state and ep.is_file():
+        if "p" not in state and ep.is_file() and steps >= 1:  # once the real one serves
             e = json.loads(ep.read_text())
             state["p"] = ZmqPoisoner(e["control"], e["weights"])
         if "p" in state:
@@ -110,7 +110,7 @@ def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
     finally:
         if "p" in state:
             state["p"].close()
-    rows = check_run(tmp_path, 4, 6, max_staleness=1)
+    rows = check_run(tmp_path, 4, 12, max_staleness=1)
     p: ZmqPoisoner = state["p"]
     assert p.items >= len(KINDS), f"the poisoner got only {p.items} work items"
     for r in rows:  # finite loss at every step
@@ -127,6 +127,8 @@ def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
     trained = [
         recorded[rid] for st in read_steps(tmp_path / "steps.jsonl") for rid in st.rollout_ids
     ]
+    real = [r for r in trained if r.generator_id != "poison"]
+    assert len(real) >= 4 * 4 and len(trained) - len(real) >= 4  # both trained, side by side
     for r in trained:
         assert int(r.tokens.max(initial=0)) < 512 and r.num_tokens <= 8
         assert int(r.exit_depths.max(initial=1)) <= 6 and (
