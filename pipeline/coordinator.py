@@ -31,6 +31,8 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from pipeline.publishing import CanonicalPublisher
 from pipeline.quarantine import Quarantine
 from pipeline.recorder import Recorder, StepRecord
 from pipeline.staleness import StalenessGate
-from pipeline.trainer_api import Trainer, publication_from_dir
+from pipeline.trainer_api import Publication, Trainer, publication_from_dir
 from pipeline.validation import DoorRules, ModelLimits
 from proto import (
     Ack,
@@ -65,7 +67,24 @@ StepCallback = Callable[[dict[str, Any]], None]
 
 
 class CoordinatorError(RuntimeError):
-    """The run cannot go on (no progress for max_wait_s)."""
+    """The run cannot go on (no progress for max_wait_s, non-finite weights)."""
+
+
+class NonFinitePublication(CoordinatorError):
+    """The trainer's weights hold NaN or inf: they were not published."""
+
+
+@dataclass
+class _Job:
+    """One training step in flight: its batch and the trainer thread's future
+    (metrics, train seconds, the Publication written after it or None)."""
+
+    groups: list[Group]
+    rolls: list[Rollout]
+    flags: list[bool]
+    failed: int
+    publish: bool
+    future: Future[Any]
 
 
 class Coordinator:
@@ -83,6 +102,7 @@ class Coordinator:
         on_step: StepCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.02,
+        background: bool = False,
     ) -> None:
         self.cfg, self.endpoint, self.trainer, self.run_dir = cfg, endpoint, trainer, run_dir
         self.on_step, self.clock, self.poll_s = on_step, clock, poll_s
@@ -116,6 +136,8 @@ class Coordinator:
         self.published: list[int] = []
         self.last_digest = ""
         self._last_progress = clock()
+        self._job: _Job | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer") if background else None
         self._t0 = time.time()
         self._last_step_t = time.time()
 
@@ -202,27 +224,74 @@ class Coordinator:
 
     # -- training ----------------------------------------------------------------------------------
     def try_train(self) -> bool:
-        """One training step if k complete, trainable groups are buffered and the gate allows."""
+        """True when a training step completed in this call. Synchronous mode: one step now,
+        if k complete, trainable groups are buffered and the gate allows. Background mode: a
+        step that finished on the trainer thread is completed here (logged, settled,
+        published), else a new one is started; the caller keeps listening meanwhile."""
+        if self._job is not None:
+            if not self._job.future.done():
+                return False
+            self._complete(self._job)
+            self._job = None
+            return True
         k = self.cfg.rollout.prompts_per_step
         if not self.gate.can_train(self.version):
             return False
         groups = self.intake.select(self.version, k)
         if groups is None:
             return False
-        self._train(groups)
+        job = self._start(groups)
+        if self._pool is None:
+            self._complete(job)
+            return True
+        self._job = job
+        return False
+
+    @property
+    def training(self) -> bool:
+        """A step is running on the trainer thread."""
+        return self._job is not None
+
+    def drain(self) -> bool:
+        """Wait for the step in flight (if any) and complete it; True if there was one."""
+        if self._job is None:
+            return False
+        self._job.future.result()  # (errors are raised by _complete)
+        self._complete(self._job)
+        self._job = None
         return True
 
-    def _train(self, groups: list[Group]) -> None:
+    def _start(self, groups: list[Group]) -> _Job:
+        """Everything that touches the trainer (step, then the publication's files when one
+        is due) as one job: on the trainer thread in background mode, else run here."""
         rolls, failed = fill_failed_rewards([r for g in groups for r in g.rollouts])
         flags = [f for g in groups for f in g.needs_correction]
-        t0 = time.time()
-        tm = dict(self.trainer.step(rolls, flags))
-        train_s = time.time() - t0
+        publish = (self.step + 1) % self.cfg.publish.every == 0
+        v = self.version + 1
+
+        def work() -> tuple[dict[str, Any], float, Any]:
+            t0 = time.time()
+            tm = dict(self.trainer.step(rolls, flags))
+            train_s = time.time() - t0
+            return tm, train_s, self._write_publication(v) if publish else None
+
+        if self._pool is None:
+            fut: Future[Any] = Future()
+            try:
+                fut.set_result(work())
+            except BaseException as e:  # raised again by _complete, on this thread
+                fut.set_exception(e)
+        else:
+            fut = self._pool.submit(work)
+        return _Job(groups, rolls, flags, failed, publish, fut)
+
+    def _complete(self, job: _Job) -> None:
+        tm, train_s, pub = job.future.result()
+        groups, rolls, flags = job.groups, job.rolls, job.flags
         self.step += 1
-        publish = self.step % self.cfg.publish.every == 0
         self.recorder.log_step(
             StepRecord(self.step, self.version, [r.rollout_id for r in rolls], flags,
-                       self.version + 1 if publish else None)
+                       self.version + 1 if job.publish else None)
         )  # fmt: skip
         self.intake.settle(groups)
         stal = [v.staleness for g in groups for v in g.verdicts]
@@ -237,7 +306,7 @@ class Coordinator:
             "staleness_max": max(stal),
             "stale_kept": sum(flags),
             "dropped_stale_total": self.intake.counts["rollouts_dropped_stale"],
-            "reward_failed": failed,
+            "reward_failed": job.failed,
             "logprob_mismatch": self._mismatch(rolls, tm.get("logprob_mismatch", float("nan"))),
             "logprob_mismatch_all": float(tm.get("logprob_mismatch", float("nan"))),
             "train_s": train_s,
@@ -256,8 +325,8 @@ class Coordinator:
                 m[f"reward_{key}"] = sum(vals) / len(vals)
         m.update({f"train/{k}": float(v) for k, v in tm.items()})
         self._last_step_t = now
-        if publish:
-            self.publish()
+        if pub is not None:
+            self._announce(pub)
         if self.on_step is not None:
             self.on_step(m)
 
@@ -276,20 +345,27 @@ class Coordinator:
 
     # -- weights -------------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Publish the trainer's current weights as version + 1 (disk, and chunks if set)."""
-        v = self.version + 1
+        """Publish the trainer's current weights as version + 1 (disk, and chunks if set).
+        Only while no step runs (resume, tests); steps publish through their job."""
+        assert self._job is None, "publish() while a step is running"
+        self._announce(self._write_publication(self.version + 1))
+
+    def _write_publication(self, v: int) -> Publication:
+        """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
         out = self.run_dir / "weights" / f"v{v}"
         try:
             self.trainer.publish(out, v)
-            pub = publication_from_dir(out, v)
+            return publication_from_dir(out, v)
         except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
             shutil.rmtree(out, ignore_errors=True)
-            self.intake.counts["publish_refused_nonfinite"] += 1
-            raise CoordinatorError(
-                f"step {self.step}: the trainer's weights are not finite ({e}); version v{v} "
-                f"was not published (generators keep v{self.version}); resume from the last "
+            raise NonFinitePublication(
+                f"step {self.step + 1}: the trainer's weights are not finite ({e}); version "
+                f"v{v} was not published (generators keep v{v - 1}); resume from the last "
                 "checkpoint with a lower optimizer.lr or a tighter optimizer.grad_clip"
             ) from e
+
+    def _announce(self, pub: Publication) -> None:
+        v, out = pub.version, Path(pub.path)
         chunked = self.cfg.publish.transport == "chunks"
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensors, config_json=pub.config_json,
@@ -331,13 +407,16 @@ class Coordinator:
         while self.step < steps and not (stop is not None and stop()):
             if self.turn():
                 if checkpoint is not None and every and self.step % every == 0:
-                    checkpoint()
+                    checkpoint()  # the trainer is idle: the next step starts next turn
+            elif self.training:
+                self._last_progress = self.clock()
             elif self.clock() - self._last_progress > self.cfg.max_wait_s:
                 raise CoordinatorError(
                     f"no training step for {self.cfg.max_wait_s:.0f}s (max_wait_s): "
                     f"generators {self.dispatcher.generators()}, open work "
                     f"{len(self.dispatcher.open)}, complete groups {len(self.intake.complete)}"
                 )
+        self.drain()  # a step started before a stop() is completed (logged, published)
 
     def counts(self) -> Mapping[str, Any]:
         return {
@@ -353,5 +432,7 @@ class Coordinator:
         }
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.recorder.close()
         self.quarantine.close()

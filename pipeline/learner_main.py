@@ -174,7 +174,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
 
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
                         run_dir=run_dir, limits=ModelLimits.from_checkpoint(model),
-                        on_step=on_step)  # fmt: skip
+                        on_step=on_step, background=True)  # fmt: skip
     stopping = {"flag": False}
 
     def _stop(signum: int, _frame: Any) -> None:

@@ -177,3 +177,55 @@ def test_rehello_same_process_keeps_work_new_process_releases_it(tmp_path: Path)
     sent.clear()
     d.pump(0, lambda gid, item: sent.append(item) or True)
     assert sorted(i.work_id for i in sent) == ["w0", "w1"]  # re-dispatched, same work ids
+
+
+class SlowTrainer(FakeTrainer):
+    """A step takes ``seconds`` of wall time on the trainer thread."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.threads: set[str] = set()
+
+    def step(self, rollouts, needs_correction):  # type: ignore[no-untyped-def]
+        import threading
+        import time
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.seconds)
+        return super().step(rollouts, needs_correction)
+
+
+def test_background_training_keeps_listening(tmp_path: Path) -> None:
+    """background=True: while a step runs on the trainer thread, the coordinator keeps
+    taking rollouts in (recorded, acknowledged) and dispatching; order and exactly-once are
+    unchanged and every step is logged before the next starts."""
+    import time
+
+    from pipeline.coordinator import Coordinator
+    from pipeline.transport import MemoryNetwork
+    from tests.pipeline.fakes import FAKE_LIMITS, TCFG, prompts
+
+    cfg = make_coordinator(tmp_path / "cfg", ["staleness.max_staleness=1"])[0].cfg
+    net = MemoryNetwork()
+    t = SlowTrainer(0.2)
+    c = Coordinator(cfg, endpoint=net.bind("learner", TCFG), trainer=t, prompts=prompts(),
+                    run_dir=tmp_path, limits=FAKE_LIMITS, background=True)  # fmt: skip
+    gens = [FakeGenerator(net, f"g{i}", seed=i) for i in range(2)]
+    during = 0
+    t0 = time.monotonic()
+    while c.step < 4 and time.monotonic() - t0 < 60:
+        busy = c.training
+        before = c.intake.counts["accepted"]
+        c.turn(0.005)
+        for g in gens:
+            g.step()
+        if busy and c.training:
+            during += c.intake.counts["accepted"] - before
+    c.drain()
+    c.close()
+    assert c.step >= 4, (c.step, c.intake.counts, c.gate.inflight())
+    assert t.threads and all(n.startswith("trainer") for n in t.threads)
+    assert during > 0, "nothing was taken in while a step ran"
+    check_exactly_once(t, 4)
+    assert [s.rollout_ids for s in read_steps(tmp_path / "steps.jsonl")] == t.batches
