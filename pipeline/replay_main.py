@@ -46,8 +46,15 @@ def replay(stream: Path, out: Path, config: str | None = None,
     from pipeline.learner_main import model_dir, resolve_config
     from pipeline.recorder import read_rollouts, read_steps
     from pipeline.trainer_api import build_trainer, publication_from_dir
+    from proto.stream_format import check_stream_dir
 
+    if not stream.exists():
+        raise ConfigError(f"--stream {stream}: no such stream directory (a run's RUN_DIR/stream)")
+    check_stream_dir(stream, create=False)  # StreamError naming the path and what is wrong
     run_dir = stream.resolve().parent
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--stream {stream}: {run_dir / 'config.yaml'} not found (replay reads "
+                          "the run's settings from the stream's parent directory)")  # fmt: skip
     cfg = resolve_config(config, str(run_dir), list(overrides or []))
     steps = read_steps(run_dir / "steps.jsonl")
     if not steps:
@@ -89,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else stream.resolve().parent / "replay"
     try:
         res = replay(stream, out, args.config, list(args.overrides))
-    except (ConfigError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # ConfigError, StreamError, bad model dir
         print(f"looprl replay: error: {e}", file=sys.stderr)
         return 2
     compared = {v: d for v, d in res.items() if d[0] is not None}
