@@ -212,19 +212,23 @@ def probe_learner(
         poller = zmq.Poller()
         for m in mons:
             poller.register(m, zmq.POLLIN)
+
+        def state() -> str:
+            """One line: the endpoints still waiting, grouped by what is known about them."""
+            by_why: dict[str, list[str]] = {}
+            for ep, why in waiting.items():
+                by_why.setdefault(failed.get(ep, why), []).append(ep)
+            hint = no_keys_hint(security) if failed or _REFUSED not in by_why else ""
+            return "; ".join(f"{' and '.join(eps)}: {why}" for why, eps in by_why.items()) + hint
+
         while waiting:
             now = time.monotonic()
             if timeout_s > 0 and now - start >= timeout_s:
-                ep = next(iter(waiting))
-                why = failed.get(ep, waiting[ep])
                 raise ConnectTimeout(
-                    f"no learner answered at {ep} within {timeout_s:g}s (--connect-timeout): "
-                    f"{why}{no_keys_hint(security)}"
+                    f"no learner answered within {timeout_s:g}s (--connect-timeout) at {state()}"
                 )
             if now >= next_report:
-                for ep, why in waiting.items():
-                    log.warning("waiting for the learner at %s for %.0fs: %s%s", ep,
-                                now - start, failed.get(ep, why), no_keys_hint(security))  # fmt: skip
+                log.warning("waiting for the learner for %.0fs at %s", now - start, state())
                 next_report = now + every_s
             for m, _ in poller.poll(200):
                 ev = recv_monitor_message(m)["event"]

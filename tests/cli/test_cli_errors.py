@@ -53,7 +53,7 @@ def generator(model: Path, learner: str, *extra: str) -> tuple[subprocess.Comple
 
 
 def _reports(text: str, endpoint: str) -> int:
-    return len(re.findall(rf"waiting for the learner at {re.escape(endpoint)} for \d+s", text))
+    return len(re.findall(rf"waiting for the learner for \d+s at {re.escape(endpoint)}", text))
 
 
 def test_generator_closed_port_says_so_and_exits_2(model: Path) -> None:
@@ -63,9 +63,9 @@ def test_generator_closed_port_says_so_and_exits_2(model: Path) -> None:
     err = out.stderr
     assert out.returncode == 2, err[-3000:]
     assert _reports(err, ep) >= 2  # one line every second or so (timeout 4 s)
-    assert f"no learner answered at {ep} within 4s (--connect-timeout)" in err
+    assert f"no learner answered within 4s (--connect-timeout) at {ep} and" in err
     assert "connection refused" in err and "Traceback" not in err
-    assert "--keys DIR" in err  # no keys here: the message says that may be the cause
+    assert "CURVE" not in err  # nothing listens: keys are not the cause
     assert took < 60
 
 
@@ -99,7 +99,7 @@ def test_generator_wrong_port_says_handshake_failed(model: Path, not_zmq: int) -
     ep = f"tcp://127.0.0.1:{not_zmq}"
     out, _ = generator(model, ep, "--weights-endpoint", ep)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert f"no learner answered at {ep}" in out.stderr
+    assert f"no learner answered within 4s (--connect-timeout) at {ep}" in out.stderr
     assert "TCP connects but the ZMQ handshake fails (not a looprl learner" in out.stderr
 
 
@@ -118,7 +118,7 @@ def test_generator_without_keys_against_a_curve_learner(model: Path, tmp_path: P
     try:
         out, _ = generator(model, ctrl)
         assert out.returncode == 2, out.stderr[-3000:]
-        assert f"no learner answered at {ctrl}" in out.stderr
+        assert f"no learner answered within 4s (--connect-timeout) at {ctrl}" in out.stderr
         assert "this generator has no CURVE keys" in out.stderr and "--keys DIR" in out.stderr
         # the same learner answers a probe that has the keys
         client = ClientCurve.from_dir(keys, "generator-000", curve_on_loopback=True)
