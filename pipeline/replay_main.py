@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="settings on top of the run's config.yaml")
     p.add_argument("--out", metavar="DIR", help="where replay publishes (default RUN_DIR/replay)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show third-party logs and warnings here, not only in "
+                        "OUT/replay.log (env: LOOPRL_VERBOSE=1)")  # fmt: skip
     p.set_defaults(func=run)
     return p
 
@@ -91,9 +94,15 @@ def replay(stream: Path, out: Path, config: str | None = None,
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pipeline import console
+
     stream = Path(args.stream)
     out = Path(args.out) if args.out else stream.resolve().parent / "replay"
+    verbose = console.verbose_from_env(getattr(args, "verbose", False))
+    if stream.is_dir():  # third-party warnings to OUT/replay.log (-v: here too)
+        console.setup(out / "replay.log", verbose=verbose, level=logging.WARNING)
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         res = replay(stream, out, args.config, list(args.overrides))
     except (ValueError, FileNotFoundError) as e:  # ConfigError, StreamError, bad model dir
