@@ -303,8 +303,8 @@ class GeneratorConnection(_Base):
         self._next_hb = now
         self._inflight = 0
         self._connect_deadline: float | None = None
+        self._next_report: float | None = None  # None: not watching (see watch_connect)
         self._report_every = 5.0
-        self._next_report = now + self._report_every
         self._started = now
         self.target = "the learner"
         self._hint = ""
@@ -346,7 +346,7 @@ class GeneratorConnection(_Base):
 
     def _tick(self) -> float:
         now = self.clock()
-        if self.welcome is None:
+        if self.welcome is None and self._next_report is not None:
             if self._connect_deadline is not None and now >= self._connect_deadline:
                 raise ConnectTimeout(f"generator {self.generator_id}: {self.no_answer()}")
             if now >= self._next_report:
@@ -367,7 +367,7 @@ class GeneratorConnection(_Base):
         nxt = self._next_hb if self.ready else self._next_hello
         if self.ready:
             nxt = min(nxt, self._last_heard + self._timeout)
-        elif self.welcome is None:
+        elif self.welcome is None and self._next_report is not None:
             nxt = min(nxt, self._next_report, self._connect_deadline or nxt)
         return max(0.001, nxt - now)
 
