@@ -76,6 +76,8 @@ class GeneratorConfig:
     """Most finished work items kept for re-sending until the learner acknowledges them."""
     peer_timeout_s: float = 10.0
     """Learner silence after which the generator re-sends Hello (s)."""
+    connect_timeout_s: float = 60.0
+    """Give up (exit 2) if the learner has not answered within this long at start (s); 0: never."""
     log_level: str = "INFO"
     """Logging level: DEBUG, INFO, WARNING or ERROR."""
 
@@ -95,6 +97,7 @@ class GeneratorConfig:
             (self.resend_after_s >= 0, "resend_after_s", "must be >= 0"),
             (self.max_unacked >= 1, "max_unacked", "must be >= 1"),
             (self.peer_timeout_s > 0, "peer_timeout_s", "must be > 0"),
+            (self.connect_timeout_s >= 0, "connect_timeout_s", "must be >= 0"),
             (self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}"),
         ]
         for ok, key, why in checks:

@@ -306,13 +306,19 @@ def load_config(path: str | os.PathLike) -> Any:
 
     A ConfigError (e.g. unknown model_type) is re-raised with the file's path in front.
     """
-    from models.config import config_from_hf_dict
+    from models.config import CONFIG_CLASSES, config_from_hf_dict
 
     config = read_config(path)
+    file = Path(path) / CONFIG_NAME
+    if "model_type" not in config:
+        raise ConfigError(
+            f"{file}: config field 'model_type' is missing (expected one of "
+            f"{', '.join(sorted(CONFIG_CLASSES))}; is this a looprl / HF checkpoint?)"
+        )
     try:
         return config_from_hf_dict(config)
     except ConfigError as e:
-        raise ConfigError(f"{Path(path) / CONFIG_NAME}: {e}") from e
+        raise ConfigError(f"{file}: {e}") from e
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:

@@ -395,6 +395,21 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         raise ConfigError(f"bad override in {list(items)}: expected key=value ({e})") from None
 
 
+def _writable(node: Any) -> Any:
+    """Clear the read-only flag OmegaConf < 2.4 puts on every node of a frozen dataclass
+    (merging a file or override into one then fails: "Cannot set value of read-only config
+    node"); the dataclasses built at the end stay frozen."""
+    from omegaconf import DictConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, False)
+    if isinstance(node, DictConfig):
+        for key in node:
+            child = node[key]
+            if OmegaConf.is_config(child):
+                _writable(child)
+    return node
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] | Mapping[str, Any] | None = None,
@@ -403,7 +418,7 @@ def load_config(
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    layers: list[Any] = [OmegaConf.structured(RunConfig)]
+    layers: list[Any] = [_writable(OmegaConf.structured(RunConfig))]
     where = "defaults"
     try:
         if path is not None:

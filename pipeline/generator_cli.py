@@ -7,8 +7,12 @@ Settings: generator.config.GeneratorConfig (defaults) < ``--config`` YAML < flag
 process connects out to the learner's control endpoint and to its weights endpoint (by
 default the same host with port + 1), introduces itself with Hello, loads the weight version
 the Welcome names, then serves work until SIGTERM / SIGINT, on which it finishes or hands
-back its work and says Goodbye (generator.loop). Exit codes: 0 after a clean stop, 1 when
-the loop died of an error (work handed back), 2 for bad settings.
+back its work and says Goodbye (generator.loop). Before the engine starts (it may take
+minutes), both endpoints are probed (a ZMQ handshake, CURVE included): while no learner
+answers, one line every few seconds names the endpoint and what failed, and after
+``--connect-timeout`` seconds the process exits 2. Exit codes: 0 after a clean stop, 1 when
+the loop died of an error (work handed back), 2 for bad settings, a bad model directory or
+no learner within the connect timeout.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ _FLAG_NAMES = {
     "drain_timeout_s": "--drain-timeout",
     "resend_after_s": "--resend-after",
     "peer_timeout_s": "--peer-timeout",
+    "connect_timeout_s": "--connect-timeout",
 }
 _CHOICES: dict[str, Sequence[str]] = {
     "numerics": NUMERICS,
@@ -147,6 +152,109 @@ def _detokenizer(model_dir: str) -> Callable[[list[int]], str] | None:
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
+_CONNECTED, _RETRIED, _CLOSED_BY_PEER, _HANDSHAKE_OK = 0x0001, 0x0004, 0x0200, 0x1000
+_REFUSED = "connection refused or unreachable (is the learner running, on this port?)"
+_FAILURES = {  # handshake failures: kept until a handshake succeeds (they explain the wait)
+    0x0800: "TCP connects but the ZMQ handshake fails (not a looprl learner on this port, or "
+    "its CURVE settings differ)",
+    0x2000: "TCP connects but the ZMQ handshake fails (protocol error: not a looprl learner, "
+    "or its CURVE settings differ)",
+    0x4000: "the learner refused this generator's CURVE key (is its public key in KEYS/allowed?)",
+}
+
+
+def no_keys_hint(security: Any) -> str:
+    """What to suspect when a generator without CURVE keys gets no answer."""
+    if security is not None:
+        return ""
+    return (
+        "; this generator has no CURVE keys: if the learner requires them (endpoints.keys), "
+        "the handshake cannot complete; pass --keys DIR"
+    )
+
+
+def probe_learner(
+    endpoints: dict[str, str], gid: str, security: Any, timeout_s: float, every_s: float = 5.0
+) -> None:
+    """Wait until every endpoint completes a ZMQ handshake (CURVE if ``security`` wants it).
+
+    Logs one line per endpoint still waiting every ``every_s`` seconds (the endpoint and the
+    last socket event); raises ConnectTimeout after ``timeout_s`` (0: wait forever). The
+    probe sockets carry ``gid`` as routing id, as the real connection will.
+    """
+    import time
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from pipeline.transport import ConnectTimeout
+
+    if timeout_s > 0:
+        every_s = min(every_s, max(1.0, timeout_s / 4))
+    ctx = zmq.Context()
+    waiting: dict[str, str] = {}  # endpoint -> what is known about it
+    failed: dict[str, str] = {}  # endpoint -> the last handshake failure
+    connected: dict[str, bool] = {}  # endpoint -> TCP connected since the last retry
+    mons: dict[zmq.Socket, tuple[zmq.Socket, str]] = {}
+    try:
+        for name, ep in endpoints.items():
+            s = ctx.socket(zmq.DEALER)
+            s.linger = 0
+            s.routing_id = gid.encode()
+            s.reconnect_ivl, s.reconnect_ivl_max = 100, 1000
+            if security is not None and security.wants(ep):
+                security.apply(s)
+            mons[s.get_monitor_socket()] = (s, ep)
+            s.connect(ep)
+            waiting[ep] = f"no connection yet ({name} endpoint)"
+        start = time.monotonic()
+        next_report = start + every_s
+        poller = zmq.Poller()
+        for m in mons:
+            poller.register(m, zmq.POLLIN)
+
+        def state() -> str:
+            """One line: the endpoints still waiting, grouped by what is known about them."""
+            by_why: dict[str, list[str]] = {}
+            for ep, why in waiting.items():
+                by_why.setdefault(failed.get(ep, why), []).append(ep)
+            hint = no_keys_hint(security) if failed or _REFUSED not in by_why else ""
+            return "; ".join(f"{' and '.join(eps)}: {why}" for why, eps in by_why.items()) + hint
+
+        while waiting:
+            now = time.monotonic()
+            if timeout_s > 0 and now - start >= timeout_s:
+                raise ConnectTimeout(
+                    f"no learner answered within {timeout_s:g}s (--connect-timeout) at {state()}"
+                )
+            if now >= next_report:
+                log.warning("waiting for the learner for %.0fs at %s", now - start, state())
+                next_report = now + every_s
+            for m, _ in poller.poll(200):
+                ev = recv_monitor_message(m)["event"]
+                ep = mons[m][1]
+                if ev == _HANDSHAKE_OK:
+                    waiting.pop(ep, None)
+                    log.info("learner endpoint %s answers", ep)
+                elif ev == _CONNECTED:
+                    connected[ep] = True
+                    waiting[ep] = "TCP connected, waiting for the ZMQ handshake"
+                elif ev in _FAILURES:
+                    failed[ep] = _FAILURES[ev]
+                elif ev == _CLOSED_BY_PEER and ep not in failed:
+                    waiting[ep] = "TCP connects but the peer closes it during the ZMQ handshake"
+                elif ev == _RETRIED:
+                    if not connected.get(ep):
+                        waiting[ep] = _REFUSED
+                    connected[ep] = False
+    finally:
+        for m, (s, _) in mons.items():
+            s.disable_monitor()
+            m.close(0)
+            s.close(0)
+        ctx.term()
+
+
 def _check_welcome(numerics: str) -> Callable[[Any], None]:
     def check(welcome: Any) -> None:
         want = welcome.settings.get("numerics")
@@ -165,9 +273,9 @@ def serve(cfg: GeneratorConfig) -> int:
     from generator.loop import FatalError, GeneratorLoop, make_hello
     from generator.reward_runner import RewardRunner
     from generator.vllm_settings import policy_from_dict
-    from models.checkpoint import read_config
+    from models.checkpoint import load_config, read_config
     from pipeline.security import ClientCurve, generator_id_for
-    from pipeline.transport import TransportConfig
+    from pipeline.transport import ConnectTimeout, TransportConfig
     from pipeline.transport_zmq import ZmqGeneratorConnection
     from pipeline.weight_sync import WeightReceiver
 
@@ -184,8 +292,15 @@ def serve(cfg: GeneratorConfig) -> int:
         security = ClientCurve.from_dir(cfg.keys, name, curve_on_loopback=cfg.curve_on_loopback)
         gid = generator_id_for(name, cfg.generator_id)  # the learner binds the key to NAME[:...]
     transport = TransportConfig(peer_timeout_s=cfg.peer_timeout_s)
+    load_config(cfg.model)  # a missing, empty or broken config.json: the file and the field
     archs = read_config(cfg.model).get("architectures") or []
     families = [_FAMILIES.get(a, a) for a in archs]
+    endpoints = {"control": cfg.learner, "weights": weights_ep}
+    try:
+        probe_learner(endpoints, gid, security, cfg.connect_timeout_s)
+    except ConnectTimeout as e:
+        log.error("generator %s: %s", gid, e)
+        return 2
     # The reward runner first: a bad reward path fails in a second, and its worker processes
     # are spawned before vLLM starts its threads.
     reward = RewardRunner(
@@ -207,6 +322,7 @@ def serve(cfg: GeneratorConfig) -> int:
         conn = ZmqGeneratorConnection(
             transport, hello, control=cfg.learner, weights=weights_ep, security=security
         )
+        conn.watch_connect(cfg.connect_timeout_s, cfg.learner, no_keys_hint(security))
         loop = GeneratorLoop(
             engine,
             conn,
@@ -233,6 +349,9 @@ def serve(cfg: GeneratorConfig) -> int:
         except FatalError as e:
             log.error("generator %s stopped: %s", gid, e)
             return 1
+        except ConnectTimeout as e:
+            log.error("%s", e)
+            return 2
         log.info("generator %s stopped cleanly: %s", gid, dict(loop.stats.counts))
         return 0
     finally:
@@ -254,7 +373,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return serve(cfg)
+    try:
+        return serve(cfg)
+    except ValueError as e:  # ConfigError, a bad config.json (models.errors), bad keys ...
+        print(f"looprl generator: error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

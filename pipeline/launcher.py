@@ -7,7 +7,9 @@ The learner runs in this process (pipeline.learner_main.run_learner); once its e
 bound, ``generators.count`` processes ``python -m pipeline.cli generator --learner ...`` start
 (logs in RUN_DIR/logs/gen<i>.log, torch threads = ``generators.threads``). At the end, on
 Ctrl-C or SIGTERM, each generator is stopped by its pid (SIGTERM, then SIGKILL after 20 s),
-and a summary prints the mean reward of the first and last 5 steps.
+and a summary prints the mean reward of the first and last 5 steps. The terminal shows
+looprl's warnings and errors and the progress bar; third-party logs and warnings go to
+RUN_DIR/logs/learner.log (``-v`` shows them too; pipeline.console).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="run config YAML (default: the quickstart)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    from pipeline.learner_main import add_verbose
+
+    add_verbose(p)
     p.set_defaults(func=run)
     return p
 
@@ -141,10 +146,18 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    s = run_local(cfg)
+    from pipeline import console
+    from pipeline.learner_main import log_file
+
+    verbose = console.verbose_from_env(getattr(args, "verbose", False))
+    path = console.setup(log_file(cfg), verbose=verbose, level=logging.WARNING)
+    if not verbose:
+        print(f"logs: {path} (third-party warnings too; -v shows them here)", file=sys.stderr)
+    try:
+        s = run_local(cfg)
+    except ConfigError as e:
+        print(f"looprl run: error: {e}", file=sys.stderr)
+        return 2
     print(
         f"\nrun {cfg.run_dir}: {s.get('steps', 0)} steps in {s['wall_s']:.0f} s; mean reward "
         f"first 5 steps {s.get('reward_first', float('nan')):.3f} -> last 5 steps "

@@ -9,8 +9,12 @@ RUN_DIR/init) -> the trainer (megatron: learner.parallel.init_distributed first)
 the endpoints and print how generators connect -> on --resume restore the latest
 checkpoint (pipeline.resume) -> the coordinator loop with a progress bar, metrics and
 checkpoints every ``checkpoint.every`` steps -> a final checkpoint, the plot, a summary.
-SIGTERM / SIGINT stop after the current turn (final checkpoint included). Exit codes: 0
-done, 1 the run failed, 2 bad settings.
+SIGTERM / SIGINT stop after the current turn (final checkpoint included). ``--resume`` of a
+run that already did its ``steps`` says so and leaves it (summary.json included) as it was.
+The terminal shows looprl's own lines and the progress bar; third-party logging and
+warnings (megatron, torch) go to RUN_DIR/logs/learner.log (``-v`` shows them here too,
+pipeline.console). Exit codes: 0 done, 1 the run failed, 2 bad settings (a busy port, a bad
+model directory, ...).
 """
 
 from __future__ import annotations
@@ -40,9 +44,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="run config YAML (pipeline.config.RunConfig)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    add_verbose(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     p.set_defaults(func=run)
     return p
+
+
+def add_verbose(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show third-party logs and warnings (megatron, torch) here, not "
+                        "only in RUN_DIR/logs/learner.log (env: LOOPRL_VERBOSE=1)")  # fmt: skip
 
 
 def resolve_config(config: str | None, resume: str | None, overrides: list[str]) -> RunConfig:
@@ -63,10 +74,16 @@ def resolve_config(config: str | None, resume: str | None, overrides: list[str])
 
 def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     """The starting checkpoint: ``model.path``, or RUN_DIR/init (created once)."""
+    from models.checkpoint import load_config as load_model_config
+
     if cfg.model.path:
         p = Path(cfg.model.path)
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.path {p}: no config.json there (not an HF checkpoint)")
+        try:
+            load_model_config(p)  # names the file and the missing or bad field
+        except ValueError as e:
+            raise ConfigError(f"model.path: {e}") from None
         return p
     p = run_dir / "init"
     if not (p / "config.json").is_file():
@@ -126,9 +143,63 @@ def bind_endpoint(cfg: RunConfig, port: int = 0) -> Any:
     tc = TransportConfig(
         heartbeat_interval_s=g.heartbeat_interval_s, peer_timeout_s=g.peer_timeout_s
     )
+    import zmq
+
     port = e.port or port or _free_pair(e.host)
-    return ZmqLearnerEndpoint(tc, control=f"tcp://{e.host}:{port}", weights=f"tcp://{e.host}:{port + 1}",
-                              security=security, insecure=e.insecure)  # fmt: skip
+    ctrl, wts = f"tcp://{e.host}:{port}", f"tcp://{e.host}:{port + 1}"
+    try:
+        return ZmqLearnerEndpoint(tc, control=ctrl, weights=wts, security=security,
+                                  insecure=e.insecure)  # fmt: skip
+    except zmq.ZMQError as err:
+        raise ConfigError(
+            f"cannot bind the learner's endpoints {ctrl} (control) and {wts} (weights): "
+            f"{err.strerror}; is another learner or process using the port? (endpoints.port="
+            f"{e.port}: pick a free pair, or 0 for any)"
+        ) from None
+
+
+def connect_host(host: str) -> tuple[str, str]:
+    """The address generators should connect to when the learner binds ``host``, and why
+    (empty: ``host`` itself). A wildcard (0.0.0.0, *, ::) is not an address: use the host
+    name when it resolves to a non-loopback address, else the first non-loopback address."""
+    if host not in ("0.0.0.0", "*", "::", "[::]"):
+        return host, ""
+    name = socket.gethostname()
+    try:
+        addrs = {str(a[4][0]) for a in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError:
+        addrs = set()
+    if any(not a.startswith("127.") for a in addrs):
+        return name, f"{host} is every interface; {name} is this host's name"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.connect(("10.255.255.255", 1))  # no packet is sent: only a route lookup
+            ip = str(u.getsockname()[0])
+    except OSError:
+        ip = ""
+    if ip and not ip.startswith("127."):
+        return ip, f"{host} is every interface; {ip} is this host's first non-loopback address"
+    return name, f"{host} is every interface; {name} may resolve to loopback only elsewhere"
+
+
+def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
+    """The ``looprl generator`` command printed for users (reachable address, keys)."""
+    host = cfg.endpoints.host
+    there, why = connect_host(host)
+    if why:
+        ctrl, wts = (ep.replace(f"//{host}:", f"//{there}:", 1) for ep in (ctrl, wts))
+    cmd = (f"looprl generator --learner {ctrl} --weights-endpoint {wts} --model {model} "
+           f"--reward {cfg.task.reward} --numerics {cfg.numerics}")  # fmt: skip
+    e = cfg.endpoints
+    if e.keys:
+        from pipeline.launcher import generator_keys
+
+        names = generator_keys(e.keys)
+        cmd += f" --keys {e.keys}"
+        cmd += f" --key-name {'|'.join(names) or 'NAME'}" if len(names) != 1 else ""
+        cmd += " --curve-on-loopback" if e.curve_on_loopback else ""
+    out = f"learner: generators connect with\n  {cmd}"
+    return out + (f"\n  ({why})" if why else "")
 
 
 def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,
@@ -159,9 +230,6 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     endpoint = bind_endpoint(cfg, old_port)
     ctrl, wts = endpoint.endpoints["control"], endpoint.endpoints["weights"]
     (run_dir / "endpoints.json").write_text(json.dumps({"control": ctrl, "weights": wts}))
-    print(f"learner: generators connect with\n  looprl generator --learner {ctrl} "
-          f"--weights-endpoint {wts} --model {model} --reward {cfg.task.reward} "
-          f"--numerics {cfg.numerics}", flush=True)  # fmt: skip
     metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard)
     bar = _progress(cfg)
 
@@ -182,20 +250,24 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         stopping["flag"] = True
 
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    finished: dict[str, Any] | None = None
     try:
         if resume:
             ckpt = resume_mod.latest_checkpoint(coord)
             if ckpt is None:
                 raise ConfigError(f"--resume {run_dir}: no checkpoint there")
             resume_mod.restore(coord, ckpt)
+            finished = _already_finished(run_dir, coord.step, cfg.steps)
             if bar is not None:
                 bar.update(coord.step)
-        if on_bound is not None:
-            on_bound(ctrl, wts, model)
-        keep = cfg.checkpoint.keep
-        coord.run(cfg.steps, checkpoint=lambda: resume_mod.save(coord, keep),
-                  stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
-        resume_mod.save(coord, keep)
+        if finished is None:
+            print(generator_hint(cfg, ctrl, wts, model), flush=True)
+            if on_bound is not None:
+                on_bound(ctrl, wts, model)
+            keep = cfg.checkpoint.keep
+            coord.run(cfg.steps, checkpoint=lambda: resume_mod.save(coord, keep),
+                      stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
+            resume_mod.save(coord, keep)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -205,12 +277,29 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         coord.close()
         endpoint.close()
         trainer.close()
-        plot = metrics.close(plot=cfg.metrics.plot)
+        plot = metrics.close(plot=cfg.metrics.plot and finished is None)
+    if finished is not None:
+        return finished
     out: dict[str, Any] = {**summary(read_metrics(metrics.path)), "final_version": coord.version,
                            "final_digest": coord.last_digest, "plot": str(plot) if plot else None,
                            "counts": counts}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1, default=str))
     return out
+
+
+def _already_finished(run_dir: Path, step: int, steps: int) -> dict[str, Any] | None:
+    """The run's summary when its checkpoint is at ``steps`` already (nothing to do): then
+    summary.json is left as it was (a resumed coordinator's counts start from zero)."""
+    if step < steps:
+        return None
+    path = run_dir / "summary.json"
+    try:
+        done: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        done = {}
+    print(f"learner: {run_dir} already finished (step {step} of steps={steps}); nothing to "
+          f"do, {path.name} left as it was (raise steps=N to train further)", flush=True)  # fmt: skip
+    return {**done, "already_finished": True}
 
 
 def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
@@ -239,15 +328,28 @@ def _progress(cfg: RunConfig) -> Any:
     return tqdm(total=cfg.steps, desc="steps", unit="step", file=sys.stderr)
 
 
+def log_file(cfg: RunConfig, name: str = "learner") -> Path:
+    """RUN_DIR/logs/learner.log (rank r > 0 of torchrun: learner-rank<r>.log)."""
+    rank = os.environ.get("RANK", "0")
+    return Path(cfg.run_dir) / "logs" / (f"{name}.log" if rank == "0" else f"{name}-rank{rank}.log")
+
+
 def run(args: argparse.Namespace) -> int:
+    from pipeline import console
+
     try:
         cfg = resolve_config(args.config, args.resume, list(args.overrides))
     except ConfigError as e:
         print(f"looprl learner: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    s = run_learner(cfg, resume=args.resume is not None)
+    verbose = console.verbose_from_env(getattr(args, "verbose", False))
+    path = console.setup(log_file(cfg), verbose=verbose)
+    if not verbose:
+        log.info("third-party logs and warnings go to %s (-v shows them here)", path)
+    try:
+        s = run_learner(cfg, resume=args.resume is not None)
+    except ConfigError as e:
+        print(f"looprl learner: error: {e}", file=sys.stderr)
+        return 2
     print(f"learner done: {json.dumps({k: v for k, v in s.items() if k != 'counts'})}")
     return 0

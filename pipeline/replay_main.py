@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="settings on top of the run's config.yaml")
     p.add_argument("--out", metavar="DIR", help="where replay publishes (default RUN_DIR/replay)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show third-party logs and warnings here, not only in "
+                        "OUT/replay.log (env: LOOPRL_VERBOSE=1)")  # fmt: skip
     p.set_defaults(func=run)
     return p
 
@@ -46,8 +49,15 @@ def replay(stream: Path, out: Path, config: str | None = None,
     from pipeline.learner_main import model_dir, resolve_config
     from pipeline.recorder import read_rollouts, read_steps
     from pipeline.trainer_api import build_trainer, publication_from_dir
+    from proto.stream_format import check_stream_dir
 
+    if not stream.exists():
+        raise ConfigError(f"--stream {stream}: no such stream directory (a run's RUN_DIR/stream)")
+    check_stream_dir(stream, create=False)  # StreamError naming the path and what is wrong
     run_dir = stream.resolve().parent
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--stream {stream}: {run_dir / 'config.yaml'} not found (replay reads "
+                          "the run's settings from the stream's parent directory)")  # fmt: skip
     cfg = resolve_config(config, str(run_dir), list(overrides or []))
     steps = read_steps(run_dir / "steps.jsonl")
     if not steps:
@@ -84,12 +94,18 @@ def replay(stream: Path, out: Path, config: str | None = None,
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pipeline import console
+
     stream = Path(args.stream)
     out = Path(args.out) if args.out else stream.resolve().parent / "replay"
+    verbose = console.verbose_from_env(getattr(args, "verbose", False))
+    if stream.is_dir():  # third-party warnings to OUT/replay.log (-v: here too)
+        console.setup(out / "replay.log", verbose=verbose, level=logging.WARNING)
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         res = replay(stream, out, args.config, list(args.overrides))
-    except (ConfigError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # ConfigError, StreamError, bad model dir
         print(f"looprl replay: error: {e}", file=sys.stderr)
         return 2
     compared = {v: d for v, d in res.items() if d[0] is not None}

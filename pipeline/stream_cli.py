@@ -4,7 +4,10 @@
 being written), decodes each payload with :class:`proto.codec.Codec` and prints frame
 count, seq range, segments, bytes on disk, message types, weight versions, generators and
 compression; ``--json`` prints the same as one JSON object, ``--frames`` lists frames.
-``recover`` takes the writer lock, cuts a torn tail and rebuilds indexes.
+``recover`` takes the writer lock, checks every frame, rewrites segments holding damage to
+their intact frames (originals kept in ``PATH.damaged-<time>``), cuts a torn tail and
+rebuilds indexes; it prints what was lost. A damaged stream makes ``inspect`` exit 2 after
+counting its intact frames and naming each damaged range.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proto.stream import StreamError, StreamReader, recover
-from proto.stream_format import FRAME_HEADER_SIZE
+from proto.stream import RecoveryReport, StreamCorruptError, StreamError, StreamReader, recover
+from proto.stream_format import FRAME_HEADER_SIZE, segment_name
+from proto.stream_salvage import survey
 
 
 @dataclass
@@ -191,16 +195,61 @@ def _print_text(s: dict[str, Any]) -> None:
         print(f"  seq {f['seq']:>10}  {f['type']:<12} {f['bytes']:>10,} B  v{ver:<8} {gens}")
 
 
+def _print_recovery(rep: RecoveryReport) -> None:
+    seqs = f"seq {rep.last_seq}" if rep.last_seq is not None else "no frames"
+    print(f"recovered {rep.path}: {rep.frames} intact frames (last {seqs}) in "
+          f"{rep.segments} segments; every frame checked")  # fmt: skip
+    for r in rep.lost:
+        n = f"{len(r.frames)} frame{'s' if len(r.frames) != 1 else ''}" if r.frames else (
+            "frame count unknown: a frame header is damaged")  # fmt: skip
+        print(f"  lost seq {r.seqs} ({n}): {segment_name(r.segment)} offset {r.offset}, "
+              f"{r.bytes} bytes ({r.reason})")  # fmt: skip
+    if rep.truncated_segment is not None:
+        print(f"  cut torn tail: {segment_name(rep.truncated_segment)} offset "
+              f"{rep.truncated_offset}, {rep.truncated_bytes} bytes ({rep.torn_reason})")  # fmt: skip
+    if rep.backup is not None:
+        print(f"  original files of the damaged segments kept in {rep.backup}")
+    if not rep.lost and rep.truncated_segment is None:
+        print("  nothing lost" + (f"; indexes rebuilt for segments {list(rep.indexes_repaired)}"
+                                  if rep.indexes_repaired else ""))  # fmt: skip
+
+
+def _damaged(path: str, err: StreamCorruptError, as_json: bool) -> int:
+    """Report a damaged stream: the error, then how much of it is intact (exit code 2)."""
+    try:
+        found = survey(path)
+    except StreamError as e:
+        print(f"looprl stream: error: {err} (and counting intact frames failed: {e})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    lost = [r.as_dict() for r in found.lost]
+    if as_json:
+        print(json.dumps({"path": str(path), "error": str(err), "intact_frames": found.frames,
+                          "first_seq": found.first_seq, "last_seq": found.last_seq,
+                          "damaged": lost, "torn_tail": found.torn}))  # fmt: skip
+    print(f"looprl stream: error: {err}", file=sys.stderr)
+    print(f"looprl stream: {found.frames} frames intact (seq {found.first_seq}.."
+          f"{found.last_seq}); {len(lost)} damaged ranges, {sum(r.bytes for r in found.lost)} "
+          f"bytes; `looprl stream recover {path}` salvages the intact frames", file=sys.stderr)  # fmt: skip
+    for r in lost:
+        print(f"  damaged: {r['segment']} offset {r['offset']}, {r['bytes']} bytes, seq "
+              f"{r['seqs']} ({r['reason']})", file=sys.stderr)  # fmt: skip
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``looprl stream <action>``; returns the exit code (2: not a stream / corrupt)."""
     try:
         if args.stream_action == "recover":
-            rep = recover(args.path)
-            print(
-                json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(rep).items()})
-            )
+            rep = recover(args.path, backup=args.backup)
+            if args.json:
+                print(json.dumps(rep.as_dict()))
+            else:
+                _print_recovery(rep)
             return 0
         summary = inspect_stream(args.path, frames=args.frames)
+    except StreamCorruptError as e:
+        return _damaged(args.path, e, getattr(args, "json", False))
     except StreamError as e:
         print(f"looprl stream: error: {e}", file=sys.stderr)
         return 2
@@ -218,8 +267,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--frames", action="store_true", help="also list every frame")
     p.set_defaults(func=run, stream_action="inspect")
-    r = subparsers.add_parser("recover", help="cut a torn tail and rebuild indexes")
+    r = subparsers.add_parser(
+        "recover",
+        help="check every frame; salvage intact frames around damage; cut a torn tail",
+    )
     r.add_argument("path", help="stream directory")
+    r.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    r.add_argument("--backup", metavar="DIR", default=None,
+                   help="keep the damaged segments' original files here "
+                        "(default: PATH.damaged-<time> beside the stream)")  # fmt: skip
     r.set_defaults(func=run, stream_action="recover")
 
 

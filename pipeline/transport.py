@@ -48,6 +48,7 @@ from pipeline.transport_config import (  # noqa: F401  (re-exported: the transpo
     ACK_MAX_FRAME,
     CHANNELS,
     Channel,
+    ConnectTimeout,
     TransportConfig,
     TransportError,
     TransportStats,
@@ -265,10 +266,32 @@ class GeneratorConnection(_Base):
         self._timeout = config.peer_timeout_s
         self._next_hb = now
         self._inflight = 0
+        self._connect_deadline: float | None = None
+        self._next_report: float | None = None  # None: not watching (see watch_connect)
+        self._report_every = 5.0
+        self._started = now
+        self.target = "the learner"
+        self._hint = ""
 
     @property
     def generator_id(self) -> str:
         return self.hello.generator_id
+
+    def watch_connect(self, timeout_s: float, target: str, hint: str = "") -> None:
+        """Until the first Welcome: log one line naming ``target`` every few seconds (with
+        ``hint``, a likely cause), and raise ConnectTimeout from ``recv`` after ``timeout_s``
+        (0: wait forever). Later silences re-Hello forever (a learner may be restarting)."""
+        now = self.clock()
+        self._started, self.target, self._hint = now, target, hint
+        self._connect_deadline = now + timeout_s if timeout_s > 0 else None
+        self._report_every = min(5.0, max(1.0, timeout_s / 4)) if timeout_s > 0 else 5.0
+        self._next_report = now + self._report_every
+
+    def no_answer(self) -> str:
+        """Why we are still waiting: the target, for how long, the last error and the hint."""
+        waited = self.clock() - self._started
+        why = self.stats.last_error or "no reply to Hello"
+        return f"no answer from {self.target} after {waited:.0f}s ({why}){self._hint}"
 
     def send(self, record: Any, *, channel: Channel = "control") -> bool:
         """Queue ``record`` for the learner (queued while it is away, up to hwm)."""
@@ -287,6 +310,12 @@ class GeneratorConnection(_Base):
 
     def _tick(self) -> float:
         now = self.clock()
+        if self.welcome is None and self._next_report is not None:
+            if self._connect_deadline is not None and now >= self._connect_deadline:
+                raise ConnectTimeout(f"generator {self.generator_id}: {self.no_answer()}")
+            if now >= self._next_report:
+                log.warning("generator %s: %s; still trying", self.generator_id, self.no_answer())
+                self._next_report = now + self._report_every
         if self.ready and now - self._last_heard > self._timeout:
             self._rehello(f"learner silent for {now - self._last_heard:.1f}s")
         if not self.ready and now >= self._next_hello:
@@ -302,6 +331,8 @@ class GeneratorConnection(_Base):
         nxt = self._next_hb if self.ready else self._next_hello
         if self.ready:
             nxt = min(nxt, self._last_heard + self._timeout)
+        elif self.welcome is None and self._next_report is not None:
+            nxt = min(nxt, self._next_report, self._connect_deadline or nxt)
         return max(0.001, nxt - now)
 
     def _on_valid(self, inc: Incoming) -> None:

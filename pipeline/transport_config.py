@@ -22,6 +22,10 @@ class TransportError(ValueError):
     """Bad transport settings or use (never raised for what a peer sends)."""
 
 
+class ConnectTimeout(TransportError):
+    """A generator heard nothing from its learner within its connect timeout."""
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """Settings of both channels; both ends must use the same values."""

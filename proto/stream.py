@@ -16,7 +16,9 @@ Order of calls::
 Crash safety: frames are only appended; a writer killed at any moment leaves at most one
 torn frame at the tail of the last segment. Readers stop before it without changing
 anything; ``StreamWriter`` (on open) and :func:`recover` truncate it and repair the index.
-Damage anywhere else raises :class:`StreamCorruptError` naming the segment and offset.
+Damage anywhere else raises :class:`StreamCorruptError` naming the segment and offset;
+:func:`recover` checks every frame and salvages the intact ones around it
+(:mod:`proto.stream_salvage`), keeping the original files in a backup directory.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -51,10 +53,12 @@ from proto.stream_format import (
     segment_name,
 )
 from proto.stream_reader import Frame, StreamReader
+from proto.stream_salvage import LostRange, salvage, survey
 
 __all__ = [
     "Frame",
     "FsyncMode",
+    "LostRange",
     "RecoveryReport",
     "StreamCorruptError",
     "StreamError",
@@ -83,6 +87,19 @@ class RecoveryReport:
     truncated_bytes: int  # bytes removed
     torn_reason: str | None  # what was wrong with the tail
     indexes_repaired: tuple[int, ...]  # segments whose index was rebuilt or completed
+    frames: int = 0  # intact frames in the stream after recovery
+    lost: tuple[LostRange, ...] = ()  # damaged byte ranges dropped by recover (not the tail)
+    backup: Path | None = None  # where recover kept the original files of damaged segments
+    checked_all: bool = False  # every frame's checksum was verified (recover), not only the tail
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready fields (paths as strings, lost ranges as dicts)."""
+        out: dict[str, object] = {}
+        for k, v in vars(self).items():
+            out[k] = str(v) if isinstance(v, Path) else v
+        out["lost"] = [r.as_dict() for r in self.lost]
+        out["lost_bytes"] = sum(r.bytes for r in self.lost)
+        return out
 
 
 def _fsync_dir(root: Path) -> None:
@@ -166,6 +183,7 @@ def _recover_locked(root: Path, *, sync: bool) -> tuple[RecoveryReport, SegmentS
     repaired: list[int] = []
     cut: tuple[int, int, int, str] | None = None
     scan: SegmentScan | None = None
+    frames = 0
     for i, n in enumerate(nums):
         fd = os.open(root / segment_name(n), os.O_RDWR)
         try:
@@ -185,6 +203,7 @@ def _recover_locked(root: Path, *, sync: bool) -> tuple[RecoveryReport, SegmentS
             os.close(fd)
         if _write_index(root, scan, sync):
             repaired.append(n)
+        frames += len(scan.seqs)
         prev = scan.last_seq if scan.seqs else prev
     report = RecoveryReport(
         path=root,
@@ -195,17 +214,44 @@ def _recover_locked(root: Path, *, sync: bool) -> tuple[RecoveryReport, SegmentS
         truncated_bytes=cut[2] if cut else 0,
         torn_reason=cut[3] if cut else None,
         indexes_repaired=tuple(repaired),
+        frames=frames,
     )
     return report, scan
 
 
-def recover(path: str | os.PathLike[str], *, fsync: bool = True) -> RecoveryReport:
-    """Repair a stream after a crash without writing to it (takes the writer lock)."""
+def recover(
+    path: str | os.PathLike[str],
+    *,
+    fsync: bool = True,
+    check_all: bool = True,
+    backup: str | os.PathLike[str] | None = None,
+) -> RecoveryReport:
+    """Repair a stream without appending to it (takes the writer lock).
+
+    ``check_all`` (the default): verify every frame's checksum, ignoring the indexes, and
+    rewrite each segment that holds damage to its intact frames (same bytes, same seqs);
+    the original files of those segments are kept in ``backup`` (default: a new directory
+    ``PATH.damaged-<time>`` beside the stream) and ``lost`` names every range dropped.
+    Then, as without it, cut a torn tail and rebuild the indexes. ``check_all=False`` only
+    scans what the indexes do not cover (what ``StreamWriter`` does on open) and raises
+    StreamCorruptError for damage it meets.
+    """
     root = Path(path)
     check_stream_dir(root, create=False)
     lock = _lock(root)
     try:
-        return _recover_locked(root, sync=fsync)[0]
+        if not check_all:
+            return _recover_locked(root, sync=fsync)[0]
+        found = survey(root)
+        kept = salvage(root, found, backup=Path(backup) if backup else None, sync=fsync)
+        report = _recover_locked(root, sync=fsync)[0]
+        report = replace(report, lost=tuple(found.lost), backup=kept, checked_all=True)
+        rewritten = {r.segment for r in found.lost}
+        if found.torn is not None and found.torn[0] in rewritten:  # dropped by the rewrite
+            seg, off, n, why = found.torn
+            report = replace(report, truncated_segment=seg, truncated_offset=off,
+                             truncated_bytes=n, torn_reason=why)  # fmt: skip
+        return report
     finally:
         os.close(lock)
 

@@ -87,3 +87,44 @@ def test_weights_endpoint_default() -> None:
     assert weights_endpoint_for("ipc:///tmp/learner") == "ipc:///tmp/learner-weights"
     with pytest.raises(ConfigError, match="HOST:PORT"):
         weights_endpoint_for("tcp://host")
+
+
+def test_connection_without_welcome_reports_then_times_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The generator side of the transport: no Welcome -> one line naming the target every
+    second (timeout 2 s), then ConnectTimeout from recv; a Welcome ends the watch."""
+    import time
+
+    from pipeline.transport import ConnectTimeout, MemoryNetwork, TransportConfig
+    from proto import Hello
+
+    net = MemoryNetwork()
+    conn = net.connect("learner", Hello("g0", "host", 1, ["llama"], 1, 0, 0.0), TransportConfig())
+    conn.watch_connect(2.0, "mem://learner", "; maybe the cause")
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING"), pytest.raises(ConnectTimeout, match="mem://learner") as e:
+        while time.monotonic() - t0 < 10:
+            conn.recv(0.1)
+    assert 2.0 <= time.monotonic() - t0 < 3.0
+    assert "no answer from mem://learner after 2s (no reply to Hello); maybe the cause" in str(
+        e.value
+    )
+    lines = [
+        r.getMessage() for r in caplog.records if "no answer from mem://learner" in r.getMessage()
+    ]
+    assert len(lines) >= 1 and all("; still trying" in x for x in lines)
+
+    net = MemoryNetwork()
+    ep = net.bind("learner")  # a learner that answers: no timeout after its Welcome
+    conn2 = net.connect("learner", Hello("g1", "host", 1, ["llama"], 1, 0, 0.0), TransportConfig())
+    conn2.watch_connect(1.0, "mem://learner")
+    inc = ep.recv(1.0)
+    assert inc is not None and inc.peer == "g1"
+    from proto import Welcome
+
+    ep.send("g1", Welcome("run", "g1", 0, 2.0, {}))
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < 2.0:
+        conn2.recv(0.1)
+    assert conn2.ready

@@ -1,0 +1,73 @@
+"""Where log records and Python warnings go: looprl's own lines to the terminal, the rest to
+a log file.
+
+``setup(log_file, verbose=..., level=...)`` configures the root logger of the process:
+
+- a file handler on ``log_file`` (e.g. RUN_DIR/logs/learner.log, appended): every record at
+  INFO and above from every logger, and every Python warning (``logging.captureWarnings``),
+  so megatron's and torch's UserWarnings / FutureWarnings land there, once each;
+- a stderr handler: records of looprl's own packages at ``level`` and above, anyone's
+  ERROR and above, and warnings raised from looprl's own code. With ``verbose`` (the
+  ``-v/--verbose`` flag, or ``LOOPRL_VERBOSE=1``) it shows everything the file gets.
+
+The progress bar (tqdm) writes to stderr itself and is not affected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+OWN_PACKAGES = ("pipeline", "generator", "learner", "models", "proto", "benchmarks", "__main__")
+_REPO = str(Path(__file__).resolve().parents[1])
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def verbose_from_env(flag: bool = False) -> bool:
+    """``flag`` or LOOPRL_VERBOSE set to something other than "", "0" or "false"."""
+    return flag or os.environ.get("LOOPRL_VERBOSE", "").lower() not in ("", "0", "false")
+
+
+def is_own(record: logging.LogRecord) -> bool:
+    """A record from looprl's code (a warning counts when raised in a file of this repo)."""
+    if record.name == "py.warnings":
+        text = record.getMessage()
+        return text.startswith(_REPO) and "site-packages" not in text.split(":", 1)[0]
+    return record.name.split(".", 1)[0] in OWN_PACKAGES
+
+
+class _Terminal(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        return is_own(record) and record.levelno >= self.level
+
+
+def setup(log_file: str | Path, *, verbose: bool = False, level: int = logging.INFO) -> Path:
+    """Configure logging as the module docstring says; returns the log file's path."""
+    path = Path(log_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for h in list(root.handlers):  # a second setup in one process (tests) replaces the first
+        if getattr(h, "_looprl", False):
+            root.removeHandler(h)
+            h.close()
+    fmt = logging.Formatter(_FORMAT)
+    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file.setFormatter(fmt)
+    to_file.setLevel(logging.INFO)
+    to_term = logging.StreamHandler()
+    to_term.setFormatter(fmt)
+    if not verbose:
+        to_term.addFilter(_Terminal(level))
+    for h in (to_file, to_term):
+        setattr(h, "_looprl", True)  # noqa: B010 (marks our handlers for a second setup)
+        root.addHandler(h)
+    root.setLevel(min(level, logging.INFO))
+    logging.captureWarnings(True)
+    return path

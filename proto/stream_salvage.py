@@ -1,0 +1,301 @@
+"""Checking every frame of a stream, and salvaging the intact ones around damage.
+
+:func:`survey` reads every frame of every segment, ignoring the indexes (read only, so it
+also works while a writer appends). Where a frame fails its checks it searches forward for
+the next intact frame (magic, header, checksum and an increasing seq) and records the bytes
+in between as a :class:`LostRange`; it never stops at the first damage. Bytes after the
+last intact frame of the last segment are the torn tail (``Survey.torn``), as for readers.
+
+:func:`salvage` (called by :func:`proto.stream.recover` under the writer lock) rewrites
+each damaged segment in place so that it holds exactly its intact frames, byte for byte and
+with their seqs, after hard-linking (or copying) the original segment and index files into a
+backup directory beside the stream. Invariant: every intact frame of the stream is still in
+it afterwards, at the same seq; nothing that failed its checks is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import shutil
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto.stream_format import (
+    FRAME_HEAD,
+    FRAME_HEADER_SIZE,
+    FRAME_MAGIC,
+    SEGMENT_HEADER_SIZE,
+    StreamError,
+    Window,
+    check_frame,
+    check_segment_header,
+    encode_segment_header,
+    find_frame,
+    index_bytes,
+    index_name,
+    list_segments,
+    new_entries,
+    segment_name,
+)
+
+
+@dataclass(frozen=True)
+class LostRange:
+    """Bytes of one segment that are not intact frames, followed by an intact frame or by
+    a later segment. ``after_seq``/``before_seq``: the nearest intact frames around it (None:
+    none in the stream), so the frames lost had seqs strictly between them. ``frames``: the
+    seqs read from the frame headers that chain exactly over the range (empty when a damaged
+    header breaks the chain, and the count is then unknown)."""
+
+    segment: int
+    offset: int
+    bytes: int
+    reason: str
+    after_seq: int | None
+    before_seq: int | None
+    frames: tuple[int, ...]
+
+    @property
+    def seqs(self) -> str:
+        """The seqs that may have been lost, as ``"a..b"`` (``"?"``: an end is unknown)."""
+        if self.frames:
+            return f"{self.frames[0]}..{self.frames[-1]}"
+        lo = "?" if self.after_seq is None else str(self.after_seq + 1)
+        hi = "?" if self.before_seq is None else str(self.before_seq - 1)
+        return f"{lo}..{hi}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "segment": segment_name(self.segment),
+            "offset": self.offset,
+            "bytes": self.bytes,
+            "reason": self.reason,
+            "after_seq": self.after_seq,
+            "before_seq": self.before_seq,
+            "frames": len(self.frames) if self.frames else None,
+            "seqs": self.seqs,
+        }
+
+
+@dataclass
+class SegmentSurvey:
+    """The intact frames of one segment: seq, offset and length of each."""
+
+    number: int
+    path: Path
+    size: int
+    header_ok: bool
+    seqs: array = field(default_factory=new_entries)
+    offsets: array = field(default_factory=new_entries)
+    lengths: array = field(default_factory=new_entries)
+    lost: list[LostRange] = field(default_factory=list)
+
+
+@dataclass
+class Survey:
+    """Every segment of a stream, checked frame by frame."""
+
+    path: Path
+    segments: list[SegmentSurvey]
+    torn: tuple[int, int, int, str] | None  # (segment, offset, bytes, reason) of a torn tail
+
+    @property
+    def frames(self) -> int:
+        return sum(len(s.seqs) for s in self.segments)
+
+    @property
+    def lost(self) -> list[LostRange]:
+        return [r for s in self.segments for r in s.lost]
+
+    @property
+    def first_seq(self) -> int | None:
+        return next((s.seqs[0] for s in self.segments if s.seqs), None)
+
+    @property
+    def last_seq(self) -> int | None:
+        return next((s.seqs[-1] for s in reversed(self.segments) if s.seqs), None)
+
+
+def _chained_headers(fd: int, start: int, end: int) -> tuple[int, ...]:
+    """Seqs of frame headers that tile ``[start, end)`` exactly (unverified), else ()."""
+    seqs, pos = [], start
+    while pos + FRAME_HEADER_SIZE <= end:
+        magic, _, _, _, seq, length = FRAME_HEAD.unpack_from(os.pread(fd, FRAME_HEAD.size, pos))
+        if magic != FRAME_MAGIC or pos + FRAME_HEADER_SIZE + length > end:
+            return ()
+        seqs.append(seq)
+        pos += FRAME_HEADER_SIZE + length
+    return tuple(seqs) if pos == end else ()
+
+
+def _next_intact(fd: int, start: int, size: int, prev: int | None, path: Path) -> int | None:
+    """Offset of the first intact frame at or after ``start`` whose seq exceeds ``prev``."""
+    while start < size:
+        pos = find_frame(fd, start, size, path)
+        if pos is None:
+            return None
+        got = check_frame(Window(fd), pos, size, path)
+        if isinstance(got, tuple) and (prev is None or got[0] > prev):
+            return pos
+        start = pos + 1
+    return None
+
+
+def _survey_segment(fd: int, path: Path, number: int, prev: int | None) -> SegmentSurvey:
+    size = os.fstat(fd).st_size
+    seg = SegmentSurvey(number, path, size, header_ok=True)
+    if size < SEGMENT_HEADER_SIZE:
+        seg.header_ok = False
+        return seg
+    try:
+        check_segment_header(os.pread(fd, SEGMENT_HEADER_SIZE, 0), path, number)
+    except StreamError as e:
+        if "version" in str(e) or _next_intact(fd, SEGMENT_HEADER_SIZE, size, prev, path) is None:
+            raise  # a newer format, or not a stream segment at all: nothing to salvage
+        seg.header_ok = False
+        seg.lost.append(LostRange(number, 0, SEGMENT_HEADER_SIZE, str(e), prev, None, ()))
+    pos, win = SEGMENT_HEADER_SIZE, Window(fd)
+    while pos < size:
+        got = check_frame(win, pos, size, path)
+        if isinstance(got, tuple) and (prev is None or got[0] > prev):
+            seg.seqs.append(got[0])
+            seg.offsets.append(pos)
+            seg.lengths.append(got[1])
+            prev = got[0]
+            pos += FRAME_HEADER_SIZE + got[1]
+            continue
+        reason = got if isinstance(got, str) else f"seq {got[0]} does not increase ({prev})"
+        nxt = _next_intact(fd, pos + 1, size, prev, path)
+        end = size if nxt is None else nxt
+        frames = _chained_headers(fd, pos, end)
+        seg.lost.append(LostRange(number, pos, end - pos, reason, prev, None, frames))
+        if nxt is None:
+            break
+        pos, win = nxt, Window(fd)
+    return seg
+
+
+def survey(path: str | os.PathLike[str]) -> Survey:
+    """Check every frame of the stream at ``path`` (read only; see the module docstring)."""
+    root = Path(path)
+    nums = list_segments(root)
+    if not nums:
+        raise StreamError(f"{root}: not a looprl stream (no segment-NNNNNNNN.lrs files)")
+    segs: list[SegmentSurvey] = []
+    prev: int | None = None
+    for n in nums:
+        fd = os.open(root / segment_name(n), os.O_RDONLY)
+        try:
+            seg = _survey_segment(fd, root / segment_name(n), n, prev)
+        finally:
+            os.close(fd)
+        segs.append(seg)
+        prev = seg.seqs[-1] if seg.seqs else prev
+    torn = None
+    last = segs[-1]
+    if last.size < SEGMENT_HEADER_SIZE:  # a segment being created: not damage
+        torn = (last.number, 0, last.size, "short segment header")
+    elif last.lost and last.lost[-1].offset + last.lost[-1].bytes == last.size:
+        t = last.lost.pop()  # nothing intact follows it: the torn tail readers stop at
+        torn = (t.segment, t.offset, t.bytes, t.reason)
+    for seg in segs[:-1]:
+        if seg.size < SEGMENT_HEADER_SIZE:
+            seg.lost.append(LostRange(seg.number, 0, seg.size, "segment header truncated",
+                                      None, None, ()))  # fmt: skip
+    _fill_before(segs)
+    return Survey(root, segs, torn)
+
+
+def _fill_before(segs: list[SegmentSurvey]) -> None:
+    """Set each LostRange's ``after_seq`` and ``before_seq`` from the intact frames."""
+    flat: list[tuple[int, int, int]] = []  # (segment, offset, seq) of every intact frame
+    for s in segs:
+        flat.extend((s.number, o, q) for o, q in zip(s.offsets, s.seqs))
+    keys = [(a, b) for a, b, _ in flat]
+    for s in segs:
+        for i, r in enumerate(s.lost):
+            j = bisect.bisect_left(keys, (r.segment, r.offset))
+            before = flat[j][2] if j < len(flat) else None
+            after = flat[j - 1][2] if j > 0 else None
+            s.lost[i] = LostRange(r.segment, r.offset, r.bytes, r.reason, after, before, r.frames)
+
+
+def _backup(root: Path, backup: Path | None) -> Path:
+    if backup is None:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        backup = root.with_name(f"{root.name}.damaged-{stamp}")
+        k = 1
+        while backup.exists():
+            backup = root.with_name(f"{root.name}.damaged-{stamp}-{k}")
+            k += 1
+    backup.mkdir(parents=True, exist_ok=True)
+    return backup
+
+
+def _keep(src: Path, dst_dir: Path) -> None:
+    """Hard-link ``src`` into ``dst_dir`` (a copy across file systems)."""
+    if not src.exists():
+        return
+    dst = dst_dir / src.name
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _rewrite(root: Path, seg: SegmentSurvey, sync: bool) -> None:
+    """Replace ``seg``'s file by its header and intact frames, and its index to match."""
+    src = os.open(seg.path, os.O_RDONLY)
+    tmp = seg.path.with_name(seg.path.name + ".tmp")
+    dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    offs = new_entries()
+    try:
+        os.write(dst, encode_segment_header(seg.number))
+        pos = SEGMENT_HEADER_SIZE
+        for off, length in zip(seg.offsets, seg.lengths):
+            n = FRAME_HEADER_SIZE + length
+            data = os.pread(src, n, off)
+            if len(data) != n:
+                raise StreamError(f"{seg.path}: changed while being salvaged (offset {off})")
+            os.write(dst, data)
+            offs.append(pos)
+            pos += n
+        if sync:
+            os.fsync(dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+    idx = root / index_name(seg.number)
+    itmp = idx.with_name(idx.name + ".tmp")
+    itmp.write_bytes(index_bytes(seg.seqs, offs))
+    if sync:
+        fd = os.open(itmp, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    os.replace(tmp, seg.path)
+    os.replace(itmp, idx)
+
+
+def salvage(
+    root: Path, found: Survey, *, backup: Path | None = None, sync: bool = True
+) -> Path | None:
+    """Rewrite every damaged segment of ``found`` to its intact frames (the caller holds the
+    writer lock); returns the backup directory holding the original files (None: no damage).
+    A torn tail is left to :func:`proto.stream.recover`'s truncation."""
+    damaged = [s for s in found.segments if s.lost]
+    if not damaged:
+        return None
+    where = _backup(root, backup)
+    for seg in damaged:
+        _keep(seg.path, where)
+        _keep(root / index_name(seg.number), where)
+    if sync:
+        fd = os.open(where, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    for seg in damaged:
+        _rewrite(root, seg, sync)
+    return where
