@@ -396,8 +396,9 @@ def test_reconnect_resends_unacked_only() -> None:
 
 def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> None:
     transport = pytest.importorskip("pipeline.transport")
+    transport_memory = pytest.importorskip("pipeline.transport_memory")
     cfg = transport.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
-    net, clock = transport.MemoryNetwork(), FakeClock()
+    net, clock = transport_memory.MemoryNetwork(), FakeClock()
     ep1 = net.bind("learner", cfg, clock=clock)
     log: list[tuple[Any, ...]] = []
     engine = FakeEngine(log)
@@ -453,11 +454,11 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
 
 def test_chunked_weights_through_pipeline_weight_sync() -> None:
     """pipeline's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
-    transport = pytest.importorskip("pipeline.transport")
+    transport_memory = pytest.importorskip("pipeline.transport_memory")
     weight_sync = pytest.importorskip("pipeline.weight_sync")
     torch = pytest.importorskip("torch")
 
-    net = transport.MemoryNetwork()
+    net = transport_memory.MemoryNetwork()
     ep = net.bind("learner")
     conn = net.connect("learner", Hello(GID, "host", 1, ["fake"], 4, 0, 0.0))
     log: list[tuple[Any, ...]] = []

@@ -14,7 +14,8 @@ import torch
 from pipeline.config import RunConfig, load_config
 from pipeline.coordinator import Coordinator
 from pipeline.dispatch import Prompt, PromptSource
-from pipeline.transport import MemoryNetwork, TransportConfig
+from pipeline.transport import TransportConfig
+from pipeline.transport_memory import MemoryNetwork
 from pipeline.validation import ModelLimits
 from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
 

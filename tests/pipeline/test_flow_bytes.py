@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.log_limit import RateLimitedLog
-from pipeline.transport import MemoryNetwork, TransportConfig, TransportError
+from pipeline.transport import TransportConfig, TransportError
+from pipeline.transport_memory import MemoryNetwork
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Hello, RolloutBatch, Welcome
 from tests.pipeline import FakeClock, hello, rollout

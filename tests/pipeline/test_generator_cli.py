@@ -96,7 +96,8 @@ def test_connection_without_welcome_reports_then_times_out(
     second (timeout 2 s), then ConnectTimeout from recv; a Welcome ends the watch."""
     import time
 
-    from pipeline.transport import ConnectTimeout, MemoryNetwork, TransportConfig
+    from pipeline.transport import ConnectTimeout, TransportConfig
+    from pipeline.transport_memory import MemoryNetwork
     from proto import Hello
 
     net = MemoryNetwork()

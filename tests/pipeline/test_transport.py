@@ -15,10 +15,10 @@ from pipeline.transport import (
     GeneratorConnection,
     Incoming,
     LearnerEndpoint,
-    MemoryNetwork,
     TransportConfig,
     TransportError,
 )
+from pipeline.transport_memory import MemoryNetwork
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import (
     Codec,

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.transport import MemoryNetwork, TransportConfig
+from pipeline.transport import TransportConfig
+from pipeline.transport_memory import MemoryNetwork
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from pipeline.weight_sync import (
     VerifiedWeights,
