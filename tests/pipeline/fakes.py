@@ -167,3 +167,32 @@ def drive(c: Coordinator, gens: list[FakeGenerator], steps: int, max_turns: int 
         if hook is not None:
             hook(turn)
     raise AssertionError(f"only {c.step} of {steps} steps after {max_turns} turns")
+
+
+POISONS = ("reward_inf", "reward_nan", "token_oov", "depth_200", "too_long", "prompt", "seed",
+           "claims_other", "future_version")  # fmt: skip
+"""The ways a generator can send a rollout that decodes but is wrong (issue 9's table)."""
+
+
+def poison(r: Rollout, kind: str) -> Rollout:
+    """``r`` (a correct rollout at full depth ``r.exit_depths[0]``) made wrong in one way."""
+    import dataclasses
+    import math
+
+    depth = int(r.exit_depths[0])
+    change: dict[str, Any] = {
+        "reward_inf": {"reward": math.inf},
+        "reward_nan": {"reward": math.nan},
+        "token_oov": {"tokens": np.array([5, 99999], np.int32)},
+        "depth_200": {"exit_depths": np.array([200, depth], np.uint8)},
+        "too_long": {
+            "tokens": np.full(4000, 5, np.int32),
+            "logprobs": -np.ones(4000, np.float32),
+            "exit_depths": np.full(4000, depth, np.uint8),
+        },  # fmt: skip
+        "prompt": {"prompt_tokens": np.concatenate([r.prompt_tokens, [7]]).astype(np.int32)},
+        "seed": {"latent_seed": (int(r.latent_seed) + 1) % (1 << 64)},
+        "claims_other": {"generator_id": "someone-else"},
+        "future_version": {"weight_version": r.weight_version + 7},
+    }[kind]
+    return dataclasses.replace(r, **change)

@@ -30,7 +30,14 @@ from pipeline.validation import (
     sanitize_reward,
 )
 from proto import ErrorMsg, Nack, Rollout, WorkItem
-from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
+from tests.pipeline.fakes import (
+    POISONS,
+    FakeGenerator,
+    FakeTrainer,
+    drive,
+    make_coordinator,
+    poison,
+)
 
 LIMITS = ModelLimits(vocab_size=256, max_depth=8)
 RULES = DoorRules(reward_bound=10.0)
@@ -99,8 +106,7 @@ def test_non_finite_reward_is_a_failed_reward(value: float) -> None:
 
 
 # -- through the coordinator (in-memory transport) ---------------------------------------------
-POISON = ["reward_inf", "reward_nan", "token_oov", "depth_200", "too_long", "prompt", "seed",
-          "claims_g0", "future_version"]  # fmt: skip
+POISON = list(POISONS)
 
 
 class PoisonGenerator(FakeGenerator):
@@ -129,22 +135,7 @@ class PoisonGenerator(FakeGenerator):
         kind = self.kind_of.setdefault(
             item.work_id, self.kinds[len(self.kind_of) % len(self.kinds)]
         )
-        change: dict[str, Any] = {
-            "reward_inf": {"reward": math.inf},
-            "reward_nan": {"reward": math.nan},
-            "token_oov": {"tokens": np.array([5, 99999], np.int32)},
-            "depth_200": {"exit_depths": np.array([200, 4], np.uint8)},
-            "too_long": {
-                "tokens": np.full(4000, 5, np.int32),
-                "logprobs": -np.ones(4000, np.float32),
-                "exit_depths": np.full(4000, 4, np.uint8),
-            },  # fmt: skip
-            "prompt": {"prompt_tokens": np.array([1, 2, 3, 4], np.int32)},
-            "seed": {"latent_seed": (seed + 1) % (1 << 64)},
-            "claims_g0": {"generator_id": "g0"},
-            "future_version": {"weight_version": version + 5},
-        }[kind]
-        return dataclasses.replace(r, **change)
+        return poison(r, kind)
 
 
 def test_poisoned_rollouts_never_trained_run_finishes(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ weight set is finite."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -26,11 +25,11 @@ from pipeline.transport import TransportConfig
 from pipeline.transport_zmq import ZmqGeneratorConnection
 from proto import Ack, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 from tests.pipeline.e2e_utils import check_run, run, small_config
+from tests.pipeline.fakes import POISONS, poison
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
-KINDS = ["reward_inf", "token_oov", "reward_nan", "depth_200", "too_long", "prompt", "seed",
-         "claims_other", "future_version"]  # fmt: skip
+KINDS = list(POISONS)
 
 
 class ZmqPoisoner:
@@ -72,22 +71,7 @@ class ZmqPoisoner:
             logprobs=np.array([-1.0, -1.0], np.float32), exit_depths=np.array([6, 6], np.uint8),
             weight_version=self.version, reward=1.0,
         )  # fmt: skip
-        change: dict[str, Any] = {
-            "reward_inf": {"reward": math.inf},
-            "reward_nan": {"reward": math.nan},
-            "token_oov": {"tokens": np.array([5, 99999], np.int32)},
-            "depth_200": {"exit_depths": np.array([200, 6], np.uint8)},
-            "too_long": {
-                "tokens": np.full(4000, 5, np.int32),
-                "logprobs": -np.ones(4000, np.float32),
-                "exit_depths": np.full(4000, 6, np.uint8),
-            },  # fmt: skip
-            "prompt": {"prompt_tokens": np.concatenate([item.prompt_tokens, [7]]).astype(np.int32)},
-            "seed": {"latent_seed": (seed + 1) % (1 << 64)},
-            "claims_other": {"generator_id": "someone-else"},
-            "future_version": {"weight_version": self.version + 7},
-        }[kind]
-        return dataclasses.replace(r, **change)
+        return poison(r, kind)
 
     def close(self) -> None:
         self.conn.close(None)
