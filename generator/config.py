@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-NUMERICS = ("fast", "exact")
+from models.contract import NUMERICS
+
 REWARD_MODES = ("process", "thread", "inline")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

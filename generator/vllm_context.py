@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from models.contract import check_latent_seed
+
 _RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("looprl_runner", default=None)
 _HOOK_ATTR = "_looprl_hooked"
 
@@ -92,10 +94,7 @@ class StepBatch:
 
 def _seed_of(params: Any) -> int:
     extra = getattr(params, "extra_args", None) or {}
-    seed = extra.get(SEED_KEY, 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"extra_args[{SEED_KEY!r}] must be an int in [0, 2**64), got {seed!r}")
-    return seed
+    return check_latent_seed(extra.get(SEED_KEY, 0), f"extra_args[{SEED_KEY!r}]")
 
 
 def step_batch(runner: Any, num_tokens: int) -> StepBatch:

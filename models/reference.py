@@ -37,6 +37,7 @@ from torch import Tensor
 from models import numerics as nx
 from models.base import LoopedLM
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
+from models.contract import check_latent_seed, full_depth, position_depths
 from models.engine import KVCache, run_chunk
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 
@@ -140,9 +141,7 @@ def _sample(lp: Tensor, greedy: bool, gen: torch.Generator) -> int:
 
 
 def _check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"latent seeds must be ints in [0, 2**64), got {seed!r}")
-    return seed
+    return check_latent_seed(seed, "latent seeds")
 
 
 @torch.no_grad()
@@ -233,11 +232,7 @@ def _check_item(item: ReplayItem, model_depth: int) -> int:
     n = len(item.completion_tokens)
     if n == 0 or len(item.exit_depths) != n or not item.prompt_tokens:
         raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
-    full = int(item.exit_depths[0])
-    if not 1 <= full <= model_depth:
-        raise ValueError(f"exit_depths[0] (the full depth) must be in [1, {model_depth}]")
-    if any(not 1 <= int(d) <= full for d in item.exit_depths):
-        raise ValueError(f"exit_depths must be in [1, exit_depths[0] = {full}]")
+    full = full_depth(item.exit_depths, model_depth)
     _check_seed(item.latent_seed)
     return full
 
@@ -262,9 +257,7 @@ def replay(
     deps = torch.zeros(bsz, length, dtype=torch.int64)
     for b, (it, s) in enumerate(zip(items, seqs)):
         toks[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
-        plen = len(it.prompt_tokens)
-        deps[b, : plen - 1] = fulls[b]
-        deps[b, plen - 1 : len(s)] = torch.tensor([int(d) for d in it.exit_depths])
+        deps[b, : len(s)] = torch.from_numpy(position_depths(len(it.prompt_tokens), it.exit_depths))
     positions = torch.arange(length).expand(bsz, -1)
     valid = positions < torch.tensor([len(s) for s in seqs])[:, None]
     cache = KVCache.empty(model, bsz, length, max(fulls))

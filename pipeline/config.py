@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from models.contract import NUMERICS
+
 OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo")
 POLICIES = ("drop", "keep")
-NUMERICS = ("fast", "exact")
 BACKENDS = ("auto", "megatron", "reference")
 TASKS = ("synthetic", "jsonl")
 WEIGHT_TRANSPORTS = ("disk", "chunks")

@@ -90,6 +90,7 @@ class ReferenceTrainer:
     # -- forward ----------------------------------------------------------------------------
     def _forward(self, rolls: Sequence[Rollout]) -> tuple[Tensor, Tensor, Tensor]:
         """(log-probs [B, T, V] of the sampled-from distributions, hidden [B, T, H], mask)."""
+        from models.contract import position_depths
         from models.engine import KVCache, run_chunk
         from models.reference import behaviour_logprobs
 
@@ -102,9 +103,12 @@ class ReferenceTrainer:
         deps = torch.ones(bsz, length, dtype=torch.int64)
         for b, (r, s) in enumerate(zip(rolls, seqs)):
             toks[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
-            plen = r.prompt_tokens.shape[0]
-            deps[b, : plen - 1] = full[b]
-            deps[b, plen - 1 : len(s)] = torch.from_numpy(r.exit_depths.astype("int64"))
+            if r.num_tokens:
+                deps[b, : len(s)] = torch.from_numpy(
+                    position_depths(r.prompt_tokens.shape[0], r.exit_depths)
+                )
+            else:
+                deps[b, : len(s)] = full[b]
         positions = torch.arange(length).expand(bsz, -1)
         valid = positions < torch.tensor([len(s) for s in seqs])[:, None]
         cache = KVCache.empty(m, bsz, length, max(full))

@@ -19,8 +19,9 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
   is the one the sample was dispatched to (the transport's peer id is authoritative);
 - [token_out_of_vocab] every response token id in [0, vocab_size);
 - [too_long]        response length <= the WorkItem's max_tokens;
-- [exit_depth]      every exit depth in 1..max_depth (the model's), and exit_depths[0] (the
-  prompt's last position, contract 2) is the deepest of them: the policy's full depth;
+- [exit_depth]      contract 2 (models.contract.full_depth): exit_depths[0], the full depth
+  run by the prompt's last position, in 1..max_depth (the model's) and every depth in
+  1..exit_depths[0];
 - [logprob]         log-probs finite and <= 0;
 - [reward_bound]    a finite reward with |reward| <= rules.reward_bound;
 - [weight_version]  weight_version (and every token version) in
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from models.contract import full_depth
 from proto import Rollout
 
 REASONS = (
@@ -150,20 +152,11 @@ def check_rollout(
     limit = min(expect.max_tokens, rules.max_tokens)
     if r.num_tokens > limit:
         return Refusal("too_long", f"{r.num_tokens} response tokens > max_tokens {limit}")
-    d = r.exit_depths
-    if d.size:
-        lo, hi = int(d.min()), int(d.max())
-        if lo < 1 or hi > limits.max_depth:
-            return Refusal(
-                "exit_depth",
-                f"exit depths span {lo}..{hi}, outside 1..{limits.max_depth} (the model's depth)",
-            )
-        if int(d[0]) != hi:
-            return Refusal(
-                "exit_depth",
-                f"exit_depths[0] = {int(d[0])} is not the full depth {hi} (contract 2: the last "
-                "prompt position runs the policy's full depth)",
-            )
+    if r.exit_depths.size:
+        try:
+            full_depth(r.exit_depths, limits.max_depth)
+        except ValueError as e:
+            return Refusal("exit_depth", str(e))
     lp = r.logprobs
     if lp.size and not (bool(np.isfinite(lp).all()) and float(lp.max()) <= 0.0):
         return Refusal("logprob", "log-probs must be finite and <= 0")

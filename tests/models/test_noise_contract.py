@@ -458,3 +458,29 @@ def test_bad_arguments_are_refused() -> None:
         latent_noise(2**64, [0], H)
     with pytest.raises(ValueError, match="per-token seeds must have shape \\(2,\\)"):
         latent_noise([1, 2, 3], [0, 1], H)
+
+
+def test_contract_module_seed_and_depth_rules() -> None:
+    """models.contract: one owner of the seed range and wrap and the contract-2 layout."""
+    import numpy as np
+    import pytest
+
+    from models.contract import (
+        check_latent_seed,
+        full_depth,
+        position_depths,
+        seed_from_i64,
+        seed_to_i64,
+    )
+
+    for s in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
+        assert seed_from_i64(seed_to_i64(s)) == s and -(1 << 63) <= seed_to_i64(s) < 1 << 63
+    for bad in (-1, 1 << 64, True, 1.0, "3"):
+        with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+            check_latent_seed(bad)
+    assert full_depth([4, 1, 4, 2], 4) == 4
+    for bad_d, model in (([5, 1], 4), ([0, 1], 4), ([3, 4], 4), ([], 4)):
+        with pytest.raises(ValueError):
+            full_depth(bad_d, model)
+    assert position_depths(3, [4, 2, 1]).tolist() == [4, 4, 4, 2, 1]
+    assert position_depths(1, np.array([2], np.uint8)).tolist() == [2]

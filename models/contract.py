@@ -1,0 +1,82 @@
+"""The replay contracts (DESIGN.md 1, 2 and 5) as code: one owner that every consumer imports.
+
+- Latent seeds (contract 1): 64-bit unsigned integers. ``check_latent_seed`` validates one;
+  ``seed_to_i64`` / ``seed_from_i64`` wrap it into the signed int64 that torch tensors hold
+  and back (two's complement, so the 64 bits are unchanged).
+- Exit depths (contract 2): ``exit_depths[t]`` is the number of core iterations run at the
+  position that sampled response token t; the prompt's positions run the policy's full depth
+  D = ``exit_depths[0]`` (the last prompt position samples token 0). ``full_depth`` checks a
+  depth list against a model and returns D; ``position_depths`` lays the depths out over the
+  positions a replay feeds (the prompt, then every response token but the last).
+- Numerics (contract 5): ``NumericsMode`` and ``NUMERICS`` (models.numerics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from models.numerics import MODES as NUMERICS
+from models.numerics import NumericsMode
+from proto.schema import U64_MAX  # the wire format owns the 64-bit range
+
+__all__ = [
+    "NUMERICS",
+    "U64_MAX",
+    "NumericsMode",
+    "check_latent_seed",
+    "full_depth",
+    "position_depths",
+    "seed_from_i64",
+    "seed_to_i64",
+]
+
+
+def check_latent_seed(seed: Any, what: str = "latent seed") -> int:
+    """``seed`` as an int, or ValueError unless it is an integer in [0, 2**64)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= U64_MAX:
+        raise ValueError(f"{what} must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def seed_to_i64(seed: int) -> int:
+    """The uint64 seed as the int64 with the same bits (for torch int64 tensors)."""
+    s = check_latent_seed(seed)
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
+def seed_from_i64(x: int) -> int:
+    """Inverse of ``seed_to_i64``."""
+    return int(x) & U64_MAX
+
+
+def full_depth(exit_depths: Sequence[int] | np.ndarray, model_depth: int) -> int:
+    """D = exit_depths[0] after checking contract 2: D in [1, model_depth] and every depth in
+    [1, D]. ValueError naming the broken rule otherwise (also for an empty list)."""
+    if len(exit_depths) == 0:
+        raise ValueError("exit_depths is empty (a completion has at least one token)")
+    d = [int(x) for x in exit_depths]
+    full = d[0]
+    if not 1 <= full <= model_depth:
+        raise ValueError(
+            f"exit_depths[0] (the full depth) = {full} must be in [1, {model_depth}] "
+            "(the model's depth)"
+        )
+    lo, hi = min(d), max(d)
+    if lo < 1 or hi > full:
+        raise ValueError(
+            f"exit_depths must be in [1, exit_depths[0] = {full}], got {lo}..{hi} "
+            "(contract 2: the last prompt position runs the full depth)"
+        )
+    return full
+
+
+def position_depths(prompt_len: int, exit_depths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """int64 [prompt_len - 1 + T]: the depth run at each position a replay feeds (prompt
+    positions 0..P-2 at the full depth exit_depths[0]; position P-1+t at exit_depths[t])."""
+    d = np.asarray(exit_depths, dtype=np.int64)
+    if prompt_len < 1 or d.size < 1:
+        raise ValueError("position_depths needs a prompt and at least one response token")
+    return np.concatenate([np.full(prompt_len - 1, d[0], np.int64), d])
