@@ -320,23 +320,22 @@ class LoopedGPT(MegatronModule):
     ) -> tuple[Tensor, Tensor, Tensor]:
         if self.options.recompute == "none" or not torch.is_grad_enabled():
             return blk(x, rope, mask, mode, prev, active, frozen)  # type: ignore[no-any-return]
-        if prev is None:
-            assert frozen is None  # truncation only touches core iterations
+        # megatron's checkpoint takes tensors only: the optional ones travel as a flat tuple.
+        # Its output needs an input that requires grad, or the block's weights get none (the
+        # first iteration after no-grad ones, when nothing but the state enters the core).
+        if not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        has = (prev is not None, active is not None, frozen is not None)
+        opt = [*(prev or ()), *(t for t in (active, frozen) if t is not None)]
 
-            def run0(x_: Tensor, table: Tensor, mask_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-                return blk(x_, Rope(rope.kind, table), mask_, mode)  # type: ignore[no-any-return]
+        def run(x_: Tensor, table: Tensor, mask_: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+            it = iter(rest)
+            pkv = (next(it), next(it)) if has[0] else None
+            act = next(it) if has[1] else None
+            fr = next(it) if has[2] else None
+            return blk(x_, Rope(rope.kind, table), mask_, mode, pkv, act, fr)  # type: ignore[no-any-return]
 
-            return tensor_parallel.checkpoint(run0, False, x, rope.table, mask)  # type: ignore[no-any-return]
-
-        def run(
-            x_: Tensor, table: Tensor, mask_: Tensor, k: Tensor, v: Tensor, act: Tensor, *fr: Tensor
-        ) -> tuple[Tensor, Tensor, Tensor]:
-            f = fr[0] if fr else None
-            return blk(x_, Rope(rope.kind, table), mask_, mode, (k, v), act, f)  # type: ignore[no-any-return]
-
-        assert active is not None
-        extra = () if frozen is None else (frozen,)
-        return tensor_parallel.checkpoint(run, False, x, rope.table, mask, *prev, active, *extra)  # type: ignore[no-any-return]
+        return tensor_parallel.checkpoint(run, False, x, rope.table, mask, *opt)  # type: ignore[no-any-return]
 
     def forward(
         self,

@@ -48,6 +48,7 @@ from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
 from learner.step_metrics import StepMetrics
+from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import token_stats
 from proto.records import Rollout
 
@@ -167,7 +168,8 @@ class Trainer:
             return {"logp": out["logp"], "entropy": out["entropy"]}
         sel = mb.mask > 0
         rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
-        stats = token_stats(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
+        stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
+        stats = stats_fn(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
 
         def spread(x: Tensor) -> Tensor:
             return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)

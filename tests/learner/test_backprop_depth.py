@@ -105,8 +105,10 @@ def body() -> dict[str, Any]:
         for shape, its in (("adaptive", items), ("uniform", uniform)):
             batch = make_replay_batch(its)
             res: dict[str, Any] = {}
-            for name, k in (("truncated", K), ("hooks", 0), ("full", 0)):
-                model = build_policy(cfg, MegatronOptions(init_seed=3, backprop_depth=k))
+            for name, k in (("truncated", K), ("hooks", 0), ("full", 0), ("recompute", K)):
+                rc = "block" if name == "recompute" else "none"
+                opts = MegatronOptions(init_seed=3, backprop_depth=k, recompute=rc)
+                model = build_policy(cfg, opts)
                 seen = _grad_mode_per_iteration(model) if name == "truncated" else []
                 if name == "hooks":
                     _hooked(model, batch.depths, batch.valid, K)
@@ -131,17 +133,21 @@ def runs() -> dict[str, Any]:
 def test_truncated_gradients_equal_the_hooked_implementation(runs: dict, case: str) -> None:
     r = runs[case]
     assert r["truncated"]["backprop_depth"] == K and r["hooks"]["backprop_depth"] == 0
-    for name in ("hooks", "full"):  # log-probs bit-identical whatever is truncated
+    for name in ("hooks", "full", "recompute"):  # log-probs bit-identical whatever is truncated
         assert torch.equal(
             torch.as_tensor(r[name]["logp"]), torch.as_tensor(r["truncated"]["logp"])
         )
-    worst = moved = 0.0
+    worst = moved = recomputed = 0.0
     for key in r["truncated"]["grads"]:
-        g, h, f = (torch.as_tensor(r[n]["grads"][key]) for n in ("truncated", "hooks", "full"))
+        g, h, f, rc = (
+            torch.as_tensor(r[n]["grads"][key]) for n in ("truncated", "hooks", "full", "recompute")
+        )
         scale = float(f.abs().max()) or 1.0
         worst = max(worst, float((g - h).abs().max()) / scale)
         moved = max(moved, float((g - f).abs().max()) / scale)
+        recomputed = max(recomputed, float((g - rc).abs().max()) / scale)
     assert worst <= 1e-6, (case, worst)
+    assert recomputed <= 1e-6, (case, recomputed)  # block recompute keeps the truncation
     assert moved > 1e-3, (case, moved)  # truncation really changes the gradient
     modes, depth = r["truncated"]["grad_modes"], r["truncated"]["max_depth"]
     assert depth > K
