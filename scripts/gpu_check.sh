@@ -10,8 +10,8 @@
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
-# needs torch and triton. Env: PARTS, TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
-# T_1B / T_0125 (seconds per 1B / Huginn-0125 run), LOG (default $OUT or /tmp/gpu_check).
+# needs torch and triton. Env: PARTS, BENCHES (trainer labels to run; default all), TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
+# T_TESTS, T_DP (seconds), LOG (default $OUT or /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -37,20 +37,20 @@ if has tests; then
         tests/learner/test_triton_token_stats.py 2>&1 | tail -n 15 | tee "$LOG/tests.txt"
 fi
 
-bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/trainer_gpu.py run
+bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/trainer_gpu.py run (if in $BENCHES)
     local name=$1 t=$2
     shift 2
+    [[ " ${BENCHES:-$name} " == *" $name "* ]] || return 0
     timeout "$t" "$PY" benchmarks/trainer_gpu.py --label "$name" "$@" \
         2>"$LOG/$name.err" | tee -a "$LOG/trainer.jsonl"
     echo "$name rc=${PIPESTATUS[0]}"
     grep -E "^step|Error|error:" "$LOG/$name.err" | tail -n 4
 }
 if has trainer; then
-    bench 1b_eager "${T_1B:-120}" --shape huginn_1b --steps 10
-    bench 1b_compiled "${T_1B:-150}" --shape huginn_1b --steps 10 --warmup 3 --compile
-    bench 0125_eager "${T_0125:-200}" --shape huginn_0125 --steps "$STEPS" \
-        --micro "${HUGINN_MICRO:-1}"
-    bench 0125_compiled "${T_0125:-240}" --shape huginn_0125 --steps "$STEPS" --warmup 3 \
+    bench 1b_eager 90 --shape huginn_1b --steps 10
+    bench 1b_compiled 130 --shape huginn_1b --steps 10 --warmup 3 --compile
+    bench 0125_eager 200 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}"
+    bench 0125_compiled 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
         --micro "${HUGINN_MICRO:-1}" --compile
 fi
 if has dp; then  # two GPUs: DP = 2 on the Huginn shape (torchrun, NCCL)
