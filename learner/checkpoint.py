@@ -191,6 +191,7 @@ def save(
             "tp_size": _tp_size(),
             "dp_size": trainer.dp_size,
             "schedulers": {k: n.sched.state_dict() for k, n in trainer.networks().items()},
+            "skipped_nonfinite": {k: n.skipped_nonfinite for k, n in trainer.networks().items()},
             "data_cursor": data_cursor,
             "pipeline_state": pipeline_state,
         }
@@ -311,6 +312,8 @@ def load(trainer: Any, path: str | os.PathLike) -> Resumed:
             net.opt.load_state_dict(loaded["optimizer"])
         _restore_steps(net.opt)
         net.sched.load_state_dict(meta["schedulers"][net_name])
+        # Older checkpoints predate the count: 0.
+        net.skipped_nonfinite = int(meta.get("skipped_nonfinite", {}).get(net_name, 0))
     rng = torch.load(path / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
     _set_rng_state(rng)
     trainer.step_count = int(meta["step"])

@@ -140,6 +140,9 @@ class TrainConfig:
     """Group advantages: divide by the group's std (GRPO) or not (Dr. GRPO)."""
     whiten_advantages: bool = False
     """Whiten advantages over the step's tokens (all data-parallel ranks)."""
+    fused_token_stats: bool = True
+    """CUDA logits go through the fused Triton token-stats kernel (learner.triton_token_stats;
+    the PyTorch path elsewhere); False: always the PyTorch path (exact numerics)."""
     recompute_prox: bool | None = None
     """Recompute proximal log-probs with the pre-update weights: None = when the objective
     needs them (dppo, flow_dppo, is_cap set); True = always (the ratio base of ppo/grpo

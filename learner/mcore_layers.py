@@ -130,6 +130,17 @@ class RMSNorm(nn.Module):
         return nx.rms_norm(x, self.weight, self.eps, mode)
 
 
+class RowLinear(RowParallelLinear):
+    """megatron's RowParallelLinear, passing its own TP group to the matmul: 0.16.1's forward
+    passes `tp_group=None`, whose fallback (`get_tensor_model_parallel_group_if_none`) warns on
+    every call, a torch.compile graph break inside each block. Same group, same result."""
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 def _zero_init(t: Tensor) -> Tensor:
     """Megatron init method: weights are loaded afterwards (hf_convert)."""
     return nn.init.zeros_(t)
@@ -173,7 +184,7 @@ class LoopedBlock(nn.Module):
         if qk_bias:
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads_local, dim, dtype=dt))
             set_tensor_model_parallel_attributes(self.qk_bias, True, 2, 1)
-        self.linear_proj = RowParallelLinear(
+        self.linear_proj = RowLinear(
             heads * dim, h, bias=proj_bias, input_is_parallel=True, skip_bias_add=False, **common
         )
         self.pre_mlp_norm = RMSNorm(h, eps, dt)
@@ -181,7 +192,7 @@ class LoopedBlock(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(
             h, 2 * ffn, bias=False, gather_output=False, **common
         )
-        self.linear_fc2 = RowParallelLinear(
+        self.linear_fc2 = RowLinear(
             ffn, h, bias=False, input_is_parallel=True, skip_bias_add=False, **common
         )
         if style != "llama":
@@ -226,16 +237,25 @@ class LoopedBlock(nn.Module):
         mode: str,
         prev_kv: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
+        frozen: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(x out, k, v). With `prev_kv` and `active` ([B, S] bool), inactive positions attend
-        with (and return) their previous K/V: the last-exited rule."""
+        with (and return) their previous K/V: the last-exited rule. `frozen` ([B, S] bool):
+        positions whose computation here carries no gradient (truncated depth backprop):
+        their K/V are detached before attention and their output is detached (values equal)."""
         q, k, v = self.qkv(x, rope, mode)
         if prev_kv is not None:
             assert active is not None
             keep = active[:, :, None, None]
             k = torch.where(keep, k, prev_kv[0])
             v = torch.where(keep, v, prev_kv[1])
-        return self.post(x, core_attention(q, k, v, mask, mode), mode), k, v
+        if frozen is not None:
+            f4 = frozen[:, :, None, None]
+            k, v = torch.where(f4, k.detach(), k), torch.where(f4, v.detach(), v)
+        out = self.post(x, core_attention(q, k, v, mask, mode), mode)
+        if frozen is not None:
+            out = torch.where(frozen[:, :, None], out.detach(), out)
+        return out, k, v
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -272,6 +292,7 @@ __all__ = [
     "LoopedBlock",
     "RMSNorm",
     "Rope",
+    "RowLinear",
     "column_linear",
     "core_attention",
     "replicated_linear",

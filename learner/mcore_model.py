@@ -23,6 +23,7 @@ attended with its K/V of its exit iteration (last-exited rule, DESIGN contract 3
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
-from models.noise import latent_noise
+from models.noise import latent_noise, latent_noise_torch
 
 RECOMPUTE = ("none", "block")
 
@@ -64,9 +65,19 @@ class MegatronOptions:
     vocab_multiple: int = 1
     """Embedding / head rows are padded to a multiple of lcm(vocab_multiple, tp); make it a
     multiple of every TP size a dist checkpoint should reshard to (e.g. 128)."""
+    backprop_depth: int | None = None
+    """Truncated backprop through depth: gradients flow through each token's last k core
+    iterations only (earlier ones are constants); None = the family's `mean_backprop_depth`
+    (Huginn; others 0), 0 = all iterations. Log-probs are unchanged."""
+    compile: bool = False
+    """torch.compile every block (fast numerics only)."""
 
     def __post_init__(self) -> None:
         nx.check_mode(self.numerics)
+        if self.backprop_depth is not None and self.backprop_depth < 0:
+            raise ValueError(f"backprop_depth must be None or >= 0, got {self.backprop_depth}")
+        if self.compile and self.numerics == "exact":
+            raise ValueError("compile needs numerics 'fast' (exact keeps its own kernels)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.numerics == "exact" and self.params_dtype != torch.float32:
@@ -184,6 +195,11 @@ class LoopedGPT(MegatronModule):
         self.final_norm = RMSNorm(h, eps, dt)
         if isinstance(c, OuroConfig):
             self.exit_gate = nn.Linear(h, 1, dtype=dt)
+        k = options.backprop_depth
+        if k is None:
+            k = int(getattr(c, "mean_backprop_depth", 0))
+        self.backprop_depth = 0 if k >= self.max_depth else k
+        """Core iterations with gradient per token (0 = all; >= max_depth is all)."""
         if critic:
             self.value_head = nn.Linear(h, 1, dtype=dt)
         else:
@@ -255,9 +271,15 @@ class LoopedGPT(MegatronModule):
             return e
         c = self.family_config
         b, s = positions.shape
-        z = latent_noise(seeds.cpu().repeat_interleave(s), positions.reshape(-1).cpu(), c.n_embd)  # type: ignore[union-attr]
-        std = torch.tensor(c.init_std, dtype=torch.float32)  # type: ignore[union-attr]
-        scale = torch.tensor(c.embed_scale, dtype=torch.float32)  # type: ignore[union-attr]
+        h = c.n_embd  # type: ignore[union-attr]
+        if e.is_cuda:  # same bits as the CPU spec (models.noise.latent_noise_torch)
+            z = latent_noise_torch(
+                seeds.to(e.device).repeat_interleave(s), positions.reshape(-1), h
+            )
+        else:
+            z = latent_noise(seeds.cpu().repeat_interleave(s), positions.reshape(-1).cpu(), h)
+        std = torch.tensor(c.init_std, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
+        scale = torch.tensor(c.embed_scale, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
         return ((z * std) * scale).view(b, s, -1).to(e.device, e.dtype)
 
     def _core_in(self, state: Tensor, e: Tensor, mode: str) -> Tensor:
@@ -294,23 +316,26 @@ class LoopedGPT(MegatronModule):
         mode: str,
         prev: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
+        frozen: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if self.options.recompute == "none" or not torch.is_grad_enabled():
-            return blk(x, rope, mask, mode, prev, active)  # type: ignore[no-any-return]
-        if prev is None:
+            return blk(x, rope, mask, mode, prev, active, frozen)  # type: ignore[no-any-return]
+        # megatron's checkpoint takes tensors only: the optional ones travel as a flat tuple.
+        # Its output needs an input that requires grad, or the block's weights get none (the
+        # first iteration after no-grad ones, when nothing but the state enters the core).
+        if not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        has = (prev is not None, active is not None, frozen is not None)
+        opt = [*(prev or ()), *(t for t in (active, frozen) if t is not None)]
 
-            def run0(x_: Tensor, table: Tensor, mask_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-                return blk(x_, Rope(rope.kind, table), mask_, mode)  # type: ignore[no-any-return]
+        def run(x_: Tensor, table: Tensor, mask_: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+            it = iter(rest)
+            pkv = (next(it), next(it)) if has[0] else None
+            act = next(it) if has[1] else None
+            fr = next(it) if has[2] else None
+            return blk(x_, Rope(rope.kind, table), mask_, mode, pkv, act, fr)  # type: ignore[no-any-return]
 
-            return tensor_parallel.checkpoint(run0, False, x, rope.table, mask)  # type: ignore[no-any-return]
-
-        def run(
-            x_: Tensor, table: Tensor, mask_: Tensor, k: Tensor, v: Tensor, act: Tensor
-        ) -> tuple[Tensor, Tensor, Tensor]:
-            return blk(x_, Rope(rope.kind, table), mask_, mode, (k, v), act)  # type: ignore[no-any-return]
-
-        assert active is not None
-        return tensor_parallel.checkpoint(run, False, x, rope.table, mask, *prev, active)  # type: ignore[no-any-return]
+        return tensor_parallel.checkpoint(run, False, x, rope.table, mask, *opt)  # type: ignore[no-any-return]
 
     def forward(
         self,
@@ -345,13 +370,24 @@ class LoopedGPT(MegatronModule):
         state = self._initial_state(e, positions, seeds)
         prev: list[tuple[Tensor, Tensor] | None] = [None] * len(self.core)
         n_iter = int(depths[valid].max()) if bool(valid.any()) else 0
+        # Truncated backprop (k > 0): token t's iterations i < depths[t] - k carry no gradient.
+        # Iterations where that holds for every valid token run under no_grad; the others
+        # detach the frozen tokens' K/V and outputs (LoopedBlock) and their new state.
+        k_bp = self.backprop_depth if torch.is_grad_enabled() else 0
+        lo = int(depths[valid].min()) - k_bp if k_bp and n_iter else 0
+        hi = n_iter - k_bp if k_bp else 0
         for i in range(n_iter):
             active = valid & (depths > i)
-            x = self._core_in(state, e, mode)
-            for layer, blk in enumerate(_blocks(self.core)):
-                x, k, v = self._block(blk, x, rope, mask, mode, prev[layer], active)
-                prev[layer] = (k, v)
-            state = torch.where(active[:, :, None], self._core_out(x, mode), state)
+            frozen = valid & (depths - k_bp > i) if lo <= i < hi else None
+            with torch.no_grad() if i < lo else contextlib.nullcontext():
+                x = self._core_in(state, e, mode)
+                for layer, blk in enumerate(_blocks(self.core)):
+                    x, k, v = self._block(blk, x, rope, mask, mode, prev[layer], active, frozen)
+                    prev[layer] = (k, v)
+                new = self._core_out(x, mode)
+                if frozen is not None:
+                    new = torch.where(frozen[:, :, None], new.detach(), new)
+                state = torch.where(active[:, :, None], new, state)
         hidden = self._readout(state, rope, mask, mode)
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]
@@ -400,7 +436,7 @@ def build_policy(
     load_hf_state(
         model, hf_state if hf_state is not None else _reference_state(config, options.init_seed)
     )
-    return _to_device(model)
+    return _compile_blocks(_to_device(model))
 
 
 def build_critic(
@@ -435,7 +471,21 @@ def build_critic(
         w = torch.randn(model.value_head.weight.shape, generator=gen) * value_init_std
         model.value_head.weight.copy_(w)
         model.value_head.bias.zero_()
-    return _to_device(model)
+    return _compile_blocks(_to_device(model))
+
+
+def _compile_blocks(model: LoopedGPT) -> LoopedGPT:
+    """`options.compile`: torch.compile each block in place (parameters and state dict keys
+    unchanged; `RowLinear` removes megatron's per-call graph break)."""
+    if model.options.compile:
+        import torch._dynamo as dynamo
+
+        # One graph per (block, grad mode, argument pattern); shapes vary with the batch.
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        for blocks in (model.prelude, model.core, model.coda):
+            for blk in _blocks(blocks):
+                blk.compile()
+    return model
 
 
 def _to_device(model: LoopedGPT) -> LoopedGPT:

@@ -22,6 +22,12 @@ What is published, for weight version v:
    tensors (= `digest_from_blob(blob, tensors)`);
 5. the same tensors as one contiguous blob + per-tensor metadata (`models.digest`) for the
    chunked ZMQ broadcast (proto WeightAnnounce / WeightChunk).
+
+Non-finite weights are never published: `publication_state` checks every stored tensor after
+the cast (a finite fp32 value can overflow bf16) and raises `NonFiniteWeightsError` naming the
+first offending tensor (sorted by name) and its count of NaN / inf elements; nothing is written.
+It is raised on every rank of data-parallel rank 0's TP group (they all hold the full state);
+the other DP ranks return None as always.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ from proto.records import TensorMeta, WeightAnnounce
 __all__ = [
     "MANIFEST_NAME",
     "Exporter",
+    "NonFiniteWeightsError",
     "Publication",
     "cast_for_publication",
+    "check_finite",
     "looped_exporter",
     "publication_state",
     "publish",
@@ -70,6 +78,28 @@ def looped_exporter(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
     params = {n for n, _ in model.named_parameters()}
     buffers = {h for r in conversion_rules(model) if r.mine not in params for h in r.hf}  # type: ignore[arg-type]
     return gather_hf_state(model), buffers  # type: ignore[arg-type]
+
+
+class NonFiniteWeightsError(ValueError):
+    """A weight set to be published holds NaN or inf; `name` is the first such tensor (sorted
+    by name), `count` its number of non-finite elements, `numel` its size."""
+
+    def __init__(self, name: str, count: int, numel: int) -> None:
+        self.name, self.count, self.numel = name, count, numel
+        super().__init__(
+            f"refusing to publish non-finite weights: tensor {name!r} has {count} non-finite "
+            f"(NaN/inf) elements of {numel}"
+        )
+
+
+def check_finite(state: Mapping[str, Tensor]) -> None:
+    """NonFiniteWeightsError unless every floating tensor of `state` is finite."""
+    for name in sorted(state):
+        t = state[name]
+        if t.is_floating_point() and t.numel():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise NonFiniteWeightsError(name, bad, t.numel())
 
 
 def weights_dir(run_dir: str | os.PathLike, version: int) -> Path:
@@ -118,11 +148,13 @@ def publication_state(
     model: nn.Module, *, dtype: torch.dtype | None = None, exporter: Exporter | None = None
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
     """(stored tensors: tie targets dropped, CPU, contiguous; tied {target: source}).
-    A collective over the TP group (the exporter's gather)."""
+    A collective over the TP group (the exporter's gather). NonFiniteWeightsError when a
+    stored tensor holds NaN or inf (`check_finite`)."""
     state, buffers = (exporter or looped_exporter)(model)
     state = cast_for_publication(state, dtype, buffers)
     tied = tie_map(state)
     stored = {n: t.detach().cpu().contiguous() for n, t in sorted(state.items()) if n not in tied}
+    check_finite(stored)
     return stored, tied
 
 
@@ -192,7 +224,8 @@ def publish(
     `weights_dir(run_dir, version)` (skipped when run_dir is None) and returns the
     Publication; every other rank returns None. config: the HF config dict (default:
     `model.family_config.to_hf_dict()`). keep_last: remove older `weights/v*` directories
-    beyond the newest `keep_last` (None keeps all).
+    beyond the newest `keep_last` (None keeps all). Raises NonFiniteWeightsError (nothing
+    written) when a published tensor is not finite.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps

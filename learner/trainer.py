@@ -15,8 +15,12 @@ step (GRPO groups, or GAE with the pre-update critic's values) -> proximal pass 
 pre-update weights when needed -> per update and micro-batch: forward, `token_stats`,
 `policy_loss` (normalizer: the update's global token or sequence count), backward of
 loss x dp_size (megatron DDP averages over DP; the normalizer already gives each rank its
-share of one global mean) -> `finalize_model_grads`, LR step, `optimizer.step()` (clipping
-inside); critic likewise -> `weight_version += 1`, metrics reduced over DP.
+share of one global mean) -> `finalize_model_grads`, finiteness check, LR step,
+`optimizer.step()` (clipping inside); critic likewise -> `weight_version += 1`, metrics reduced
+over DP. An update whose loss or gradient norm is not finite on any rank is skipped on every
+rank (learner.network.Network.update): weights, optimizer state and LR schedule stay as they
+were; the step's metrics say so (`skipped_nonfinite`: skipped policy updates of this step,
+`skipped_nonfinite_total`: so far, `critic_skipped_nonfinite`).
 
 The model hides behind `PolicySpec` / `CriticSpec` (build + forward): the looped families of
 learner/mcore_model.py (`looped_policy_spec`) and a plain megatron GPTModel plug in alike.
@@ -41,8 +45,10 @@ from learner.batching import (
     sort_rollouts,
 )
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
 from learner.step_metrics import StepMetrics
+from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import token_stats
 from proto.records import Rollout
 
@@ -81,85 +87,6 @@ class CriticSpec:
     forward: CriticForward
 
 
-class Network:
-    """One trained network: module, Megatron DDP wrapper, optimizer, LR scheduler."""
-
-    def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        if schedule.min_lr > optim.lr:
-            raise ValueError(f"min_lr: expected <= lr ({optim.lr}), got {schedule.min_lr}")
-        self.module, self.optim_cfg, self.schedule_cfg = module, optim, schedule
-        bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters())
-        ddp_cfg = DistributedDataParallelConfig(
-            use_distributed_optimizer=optim.distributed, grad_reduce_in_fp32=True
-        )
-        self.ddp = DistributedDataParallel(module.config, ddp_cfg, module)  # type: ignore[arg-type]
-        opt_cfg = OptimizerConfig(
-            optimizer=optim.name,
-            lr=optim.lr,
-            min_lr=schedule.min_lr,
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.betas[0],
-            adam_beta2=optim.betas[1],
-            adam_eps=optim.eps,
-            sgd_momentum=optim.sgd_momentum,
-            clip_grad=optim.clip_grad,
-            use_distributed_optimizer=optim.distributed,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        )
-        self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
-        warm = schedule.warmup_steps
-        self.sched = OptimizerParamScheduler(
-            self.opt,
-            init_lr=0.0 if warm else optim.lr,
-            max_lr=optim.lr,
-            min_lr=schedule.min_lr,
-            lr_warmup_steps=warm,
-            lr_decay_steps=max(schedule.total_steps, warm + 1),
-            lr_decay_style=schedule.style,
-            start_wd=optim.weight_decay,
-            end_wd=optim.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
-
-    def zero_grad(self) -> None:
-        self.ddp.zero_grad_buffer()
-        self.opt.zero_grad()
-
-    def update(self) -> dict[str, float]:
-        """DP gradient all-reduce, next LR, optimizer step (clipping inside)."""
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads([self.ddp])
-        self.sched.step(1)  # the n-th update uses lr(n): ScheduleConfig docstring
-        lr = float(self.opt.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.opt.step()
-        if not ok:
-            raise RuntimeError("optimizer step reported failure (non-finite gradients?)")
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": lr}
-
-
-def _seed_all(seed: int) -> None:
-    """torch (CPU and CUDA), megatron's RNG tracker, numpy and python RNGs from one seed."""
-    import random
-
-    import numpy as np
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-
-
 class Trainer:
     """Policy (+ critic) training on megatron-core; see the module docstring for the step."""
 
@@ -185,7 +112,7 @@ class Trainer:
         self.dp_group = ps.get_data_parallel_group()
         self.grad_accum = cfg.grad_accum_steps(self.dp_size)
         self.policy_spec, self.critic_spec = policy, critic
-        _seed_all(cfg.seed)
+        seed_all(cfg.seed)
         self.policy = Network(policy.build(cfg.recompute), optim, schedule)
         self.critic: Network | None = None
         if critic is not None:
@@ -199,7 +126,7 @@ class Trainer:
         self.step_count = 0
         """Completed `step` calls."""
         self.update_count = 0
-        """Completed optimizer updates (the schedule's n)."""
+        """Applied policy optimizer updates (the schedule's n; skipped ones do not count)."""
 
     @property
     def policy_model(self) -> nn.Module:
@@ -241,7 +168,8 @@ class Trainer:
             return {"logp": out["logp"], "entropy": out["entropy"]}
         sel = mb.mask > 0
         rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
-        stats = token_stats(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
+        stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
+        stats = stats_fn(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
 
         def spread(x: Tensor) -> Tensor:
             return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
@@ -331,10 +259,11 @@ class Trainer:
         use_prox_logp = cfg.use_prox and cfg.objective.kind != "flow_dppo"
         # Per batch row: max |learner - behaviour| log-prob (-1 where not measured).
         row_mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
+        skipped = 0.0  # policy updates of this step skipped as non-finite (same on every rank)
         for u, (g_lo, g_hi, lo, hi) in enumerate(rows):
             norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
             self.policy.zero_grad()
-            row0 = lo
+            row0, loss_finite = lo, True
             for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
                 mb = mb_cpu.to(device)
                 stats = self._stats(
@@ -347,12 +276,16 @@ class Trainer:
                     lb["prox_logp"] = mb.extra["prox_logp"]
                 loss, m = policy_loss(cfg.objective, lb)
                 (loss * self.dp_size).backward()
+                loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
                 self._record(metrics, m, mb, stats["logp"].detach(), u == 0, len(rows))
                 self._row_mismatch(row_mismatch, row0, mb, stats["logp"].detach(), u == 0)
                 row0 += mb.size
-            for k, v in self.policy.update().items():
+            upd = self.policy.update(loss_finite)  # skips a non-finite update (learner.network)
+            skip = upd.pop("skipped_nonfinite")
+            skipped += skip
+            for k, v in upd.items():
                 metrics.add_mean(k, v, 1.0)
-            self.update_count += 1
+            self.update_count += 0 if skip else 1
             if self.critic is not None:
                 vnorm = self._normalizer(batch, g_lo, g_hi, cfg.value.aggregation)
                 self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
@@ -368,6 +301,9 @@ class Trainer:
         self.step_count += 1
         self.weight_version += 1
         out.update(weight_version=float(self.weight_version), updates=float(len(rows)))
+        out.update(
+            skipped_nonfinite=skipped, skipped_nonfinite_total=float(self.policy.skipped_nonfinite)
+        )
         return out
 
     @staticmethod
@@ -420,6 +356,7 @@ class Trainer:
         device = next(self.critic.module.parameters()).device
         vcfg = self.cfg.value
         self.critic.zero_grad()
+        loss_finite = True
         for mb_cpu in self._micro(batch, lo, hi):
             mb = mb_cpu.to(device)
             values = self.critic_spec.forward(self.critic.module, mb)
@@ -427,13 +364,16 @@ class Trainer:
             vb.update(old_values=mb.extra["old_values"], returns=mb.extra["returns"])
             loss, m = value_loss(vcfg, vb)
             (loss * self.dp_size).backward()
+            loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             weight = float((mb.mask > 0).sum())
             for k, v in m.items():
                 if k == "value_loss":
                     metrics.add_sum(k, v / n_updates)
                 else:
                     metrics.add_mean(k, v, weight)
-        for k, v in self.critic.update().items():
+        upd = self.critic.update(loss_finite)
+        metrics.add_max("critic_skipped_nonfinite", upd.pop("skipped_nonfinite"))
+        for k, v in upd.items():
             metrics.add_mean(f"critic_{k}", v, 1.0)
 
     def _batch_metrics(self, batch: TrainBatch, metrics: StepMetrics) -> None:

@@ -259,4 +259,110 @@ def latent_noise(
     return torch.from_numpy(out)
 
 
-__all__ = ["PHI_MINUS_3", "derive_latent_seed", "latent_noise", "ppnd"]
+# ---- the same function in torch ops, on any device ------------------------------------------
+# int64 tensors hold the u64 values (two's complement: xor, + and * wrap mod 2^64 alike); a
+# logical shift is an arithmetic shift then a mask. Every float64 step is one torch elementwise
+# op (one kernel each, never fused or compiled: no FMA contraction), in numpy's order above, so
+# CUDA's correctly rounded +, -, *, / and sqrt give the CPU bits (tests/models/test_noise.py;
+# on CUDA: scripts/gpu_check.sh).
+
+
+def _i64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(z: Tensor, k: int) -> Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix_t(z: Tensor) -> Tensor:
+    z = (z ^ _srl(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _i64(0x94D049BB133111EB)
+    return z ^ _srl(z, 31)
+
+
+def _sqrt_t(x: Tensor) -> Tensor:
+    """Correctly rounded sqrt: CUDA's double sqrt is (IEEE 754); torch's CPU kernel is not
+    always (1 ulp off seen on x86), so the CPU takes numpy's."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(x.numpy()))
+    return torch.sqrt(x)
+
+
+def _horner_t(x: Tensor, coefs: tuple[float, ...]) -> Tensor:
+    acc = x * coefs[0]
+    acc = acc + coefs[1]
+    for c in coefs[2:]:
+        acc = acc * x
+        acc = acc + c
+    return acc
+
+
+def _log_t(w: Tensor) -> Tensor:
+    """`_log` in torch ops; frexp by bit manipulation (exact for positive normal w)."""
+    bits = w.view(torch.int64)
+    e = (((bits >> 52) & 0x7FF) - 1022).to(torch.float64)  # exact
+    m = ((bits & ((1 << 52) - 1)) | (1022 << 52)).view(torch.float64)  # in [0.5, 1)
+    small = m < SQRT_HALF
+    m = torch.where(small, m + m, m)
+    e = torch.where(small, e - 1.0, e)
+    f = m - 1.0
+    s = f / (m + 1.0)
+    z = s * s
+    t = _horner_t(z, LOG_SERIES)
+    t = t * z
+    t = t * s
+    log_m = (s + s) + t
+    return (e * LN2_HI) + ((e * LN2_LO) + log_m)
+
+
+def _ppnd_t(v: Tensor) -> Tensor:
+    """`ppnd` in torch ops: both branches on every element, then a select (elementwise, so
+    each element's bits are those of its own branch)."""
+    q = v - 0.5
+    r = R_CENTRAL - q * q
+    x = _horner_t(r, AS241_A)
+    x = x * q
+    x = x / _horner_t(r, AS241_B)
+    neg = q < 0.0
+    w = torch.where(neg, v, 1.0 - v)
+    rt = _sqrt_t(-_log_t(w))
+    rt = rt - R_TAIL
+    xt = _horner_t(rt, AS241_C) / _horner_t(rt, AS241_D)
+    return torch.where(q.abs() > SPLIT, torch.where(neg, -xt, xt), x)
+
+
+def latent_noise_torch(
+    seeds: Tensor, positions: Tensor, hidden_size: int, *, chunk_elems: int = 1 << 24
+) -> Tensor:
+    """`latent_noise` computed with torch ops on the tensors' device, bit-identical to it.
+
+    seeds: [T] int64 (u64 seeds as two's complement), positions: [T] int64 >= 0, same device.
+    Returns fp32 [T, hidden_size] on that device; rows are done `chunk_elems` elements at a time.
+    """
+    if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError(f"seeds and positions must be int64, got {seeds.dtype}, {positions.dtype}")
+    if seeds.shape != positions.shape or seeds.dim() != 1:
+        raise ValueError(f"seeds {tuple(seeds.shape)} and positions must both be [T]")
+    if hidden_size <= 0:
+        raise ValueError(f"hidden_size must be > 0, got {hidden_size}")
+    if positions.numel() and bool((positions < 0).any()):
+        raise ValueError("positions must be >= 0")
+    dev = seeds.device
+    row = _mix_t(_mix_t(seeds ^ NOISE_DOMAIN) ^ positions)  # [T]
+    e = torch.arange(1, hidden_size + 1, dtype=torch.int64, device=dev)
+    offs = e * _i64(GOLDEN)
+    out = torch.empty((seeds.numel(), hidden_size), dtype=torch.float32, device=dev)
+    rows = max(1, chunk_elems // hidden_size)
+    for a in range(0, seeds.numel(), rows):
+        bits = _mix_t(row[a : a + rows, None] + offs[None, :])
+        k = _srl(bits, 11) | 1  # odd, < 2^53
+        u = k.to(torch.float64) * 2.0**-53  # both exact
+        v = u * WIDTH
+        v = v + LO
+        z = _ppnd_t(v).clamp_(-TRUNCATION, TRUNCATION)
+        out[a : a + rows] = z.to(torch.float32)  # one RNE rounding
+    return out
+
+
+__all__ = ["PHI_MINUS_3", "derive_latent_seed", "latent_noise", "latent_noise_torch", "ppnd"]

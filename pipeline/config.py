@@ -313,6 +313,33 @@ class MetricsSection:
     """Show a tqdm progress bar."""
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class LearnerSection:
+    """The megatron learner's compute settings (backend megatron; reference refuses them)."""
+
+    precision: str = "fp32"
+    """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state."""
+    backprop_depth: int = -1
+    """Core iterations with gradient per token: -1 the checkpoint's mean_backprop_depth, 0 all."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward per rank; 0: the group size if it divides, at most 16."""
+    recompute: bool = False
+    """Activation recompute around every block call (less memory, one more forward)."""
+    compile: bool = False
+    """torch.compile every transformer block (numerics fast only)."""
+
+    def __post_init__(self) -> None:
+        _check(self.precision in PRECISIONS, "learner.precision", self.precision,
+               f"must be one of {PRECISIONS}")  # fmt: skip
+        _check(self.backprop_depth >= -1, "learner.backprop_depth", self.backprop_depth,
+               "must be -1 (the checkpoint's), 0 (all) or a positive iteration count")  # fmt: skip
+        _check(self.micro_batch_size >= 0, "learner.micro_batch_size", self.micro_batch_size,
+               "must be >= 0 (0: automatic)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One training run; see docs/PIPELINE.md for the reference."""
@@ -357,6 +384,8 @@ class RunConfig:
     """Rollout stream and step log."""
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """Metrics outputs."""
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    """Learner precision, truncated depth backprop, micro-batching, recompute, compile."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -364,6 +393,20 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        lr = self.learner
+        if self.numerics == "exact":  # exact keeps its own rules: fp32, its own kernels
+            _check(lr.precision == "fp32", "learner.precision", lr.precision,
+                   "numerics=exact needs fp32")  # fmt: skip
+            _check(not lr.compile, "learner.compile", lr.compile, "numerics=exact needs False")
+        if self.backend == "reference":  # rule: every key honoured by every backend or refused
+            for key, value, default in (
+                ("precision", lr.precision, "fp32"), ("micro_batch_size", lr.micro_batch_size, 0),
+                ("recompute", lr.recompute, False), ("compile", lr.compile, False),
+            ):  # fmt: skip
+                _check(value == default, f"learner.{key}", value,
+                       f"backend=reference does not implement it (use {default!r} or megatron)")  # fmt: skip
+            _check(lr.backprop_depth in (-1, 0), "learner.backprop_depth", lr.backprop_depth,
+                   "backend=reference backpropagates through every iteration (use 0 or megatron)")  # fmt: skip
 
 
 # -- loading ----------------------------------------------------------------------------------

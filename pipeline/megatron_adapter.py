@@ -1,7 +1,8 @@
 """Backend "megatron": learner.trainer.Trainer behind the coordinator's Trainer protocol.
 
-Maps the run config onto learner.config (TrainConfig / OptimConfig / ScheduleConfig), builds the
-looped policy (and, for ppo, the critic) on megatron-core from the starting HF checkpoint,
+Maps the run config onto learner.config (TrainConfig / OptimConfig / ScheduleConfig) and, from
+the ``learner`` section, MegatronOptions (precision, backprop depth, compile; `build_learner_trainer`,
+shared with benchmarks/trainer_gpu.py), builds the looped policy (and, for ppo, the critic) on megatron-core from the starting HF checkpoint,
 and forwards step / publish / checkpoint calls to learner.trainer, learner.publish and
 learner.checkpoint (which stores the coordinator's pipeline_state in its meta.json).
 
@@ -28,41 +29,16 @@ class MegatronTrainer:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-        from learner.mcore_model import MegatronOptions
-        from learner.objectives import ObjectiveConfig, ValueLossConfig
         from learner.parallel import init_distributed
-        from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
         from models.checkpoint import load_checkpoint, load_config
 
         if not ps.model_parallel_is_initialized():
             init_distributed(cfg.tp, seed=cfg.seed)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        o, r, p = cfg.objective, cfg.rollout, cfg.optimizer
-        obj = ObjectiveConfig(
-            kind=o.kind, eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip,
-            is_cap=o.is_cap, is_mode=o.is_mode, kl_threshold=o.kl_threshold,
-            kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
-            aggregation=o.aggregation, temperature=r.temperature,
-        )  # fmt: skip
-        ppo = o.kind == "ppo"
-        batch = r.prompts_per_step * r.n
-        train = TrainConfig(
-            global_batch_size=batch, micro_batch_size=_micro(batch, r.n), seed=cfg.seed,
-            objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation),
-            gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std,
-        )  # fmt: skip
-        optim = OptimConfig(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps,
-                            weight_decay=p.weight_decay, clip_grad=p.grad_clip)  # fmt: skip
         self.model_config = load_config(model_dir)
         _, hf_state = load_checkpoint(model_dir)
-        options = MegatronOptions(numerics=cfg.numerics)
-        self.trainer = Trainer(
-            train, optim, ScheduleConfig(),
-            looped_policy_spec(self.model_config, options, hf_state),
-            critic=looped_critic_spec(self.model_config, options, hf_state) if ppo else None,
-        )  # fmt: skip
-        self.is_cap = o.is_cap
+        self.trainer = build_learner_trainer(cfg, self.model_config, hf_state)
+        self.is_cap = cfg.objective.is_cap
         self.last_mismatch: list[float] = []
 
     def step(
@@ -106,6 +82,47 @@ class MegatronTrainer:
         from learner.parallel import destroy_distributed
 
         destroy_distributed()
+
+
+def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
+    """learner.trainer.Trainer of the RunConfig `cfg` (distributed already initialised):
+    the mapping of the run config onto learner.config and MegatronOptions. hf_state: the
+    starting HF state dict (None: the reference init). benchmarks/trainer_gpu.py uses it too."""
+    import torch
+
+    from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+    from learner.mcore_model import MegatronOptions
+    from learner.objectives import ObjectiveConfig, ValueLossConfig
+    from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
+
+    o, r, p, lr = cfg.objective, cfg.rollout, cfg.optimizer, cfg.learner
+    obj = ObjectiveConfig(
+        kind=o.kind, eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip,
+        is_cap=o.is_cap, is_mode=o.is_mode, kl_threshold=o.kl_threshold,
+        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
+        aggregation=o.aggregation, temperature=r.temperature,
+    )  # fmt: skip
+    ppo = o.kind == "ppo"
+    batch = r.prompts_per_step * r.n
+    train = TrainConfig(
+        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
+        seed=cfg.seed, objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation),
+        gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std, recompute=lr.recompute,
+        fused_token_stats=cfg.numerics == "fast",
+    )  # fmt: skip
+    optim = OptimConfig(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps,
+                        weight_decay=p.weight_decay, clip_grad=p.grad_clip)  # fmt: skip
+    options = MegatronOptions(
+        numerics=cfg.numerics,
+        params_dtype=torch.bfloat16 if lr.precision == "bf16" else torch.float32,
+        backprop_depth=None if lr.backprop_depth < 0 else lr.backprop_depth,
+        compile=lr.compile,
+    )
+    return Trainer(
+        train, optim, ScheduleConfig(),
+        looped_policy_spec(model_config, options, hf_state),
+        critic=looped_critic_spec(model_config, options, hf_state) if ppo else None,
+    )  # fmt: skip
 
 
 def _micro(batch: int, n: int) -> int:

@@ -1,34 +1,80 @@
 #!/usr/bin/env bash
-# GPU check of the learner on a CUDA host (the lent H200): Triton token_stats vs the PyTorch
-# path (values, grads, timing) and the learner step's tokens/s and MFU. Prints one JSON line
-# per benchmark (last lines of the output); logs go to $OUT (when set) or /tmp/gpu_check.
+# GPU check of the learner on a CUDA host (the lent H200): correctness on CUDA (device latent
+# noise bit-identical to the CPU spec, truncated depth backprop, Triton token_stats), then the
+# real Trainer's step (benchmarks/trainer_gpu.py) at the ~1B Huginn shape and the Huginn-0125
+# shape, eager and compiled; optionally the older stand-ins (token_stats_gpu.py, learner.py).
+# One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
-#   bash scripts/gpu_check.sh            # from the repository root
+#   bash scripts/gpu_check.sh                       # from the repository root
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin
 #
-# Wheels in .whl/ (megatron-core, fetched on a host with pip: see docs/PERFORMANCE.md, "GPU")
-# are installed to /tmp/site first; the host needs torch and triton already.
-# Env: TS_TIMEOUT / LEARNER_TIMEOUT (seconds per benchmark), LEARNER_ARGS (extra arguments).
+# Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
+# zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
+# needs torch and triton. Env: PARTS, BENCHES (trainer labels to run; default all), TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
+# T_TESTS, T_DP (seconds), LOG (default $OUT or /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-LOG=${OUT:-/tmp/gpu_check}
+LOG=${LOG:-${OUT:-/tmp/gpu_check}}
+PARTS=${PARTS:-tests trainer}
+STEPS=${TRAINER_STEPS:-20}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=0
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader || true
-"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |
-    tee "$LOG/token_stats.json"
-echo "token_stats_gpu rc=${PIPESTATUS[0]}"
-tail -n 5 "$LOG/token_stats.err"
-# shellcheck disable=SC2086
-timeout "${LEARNER_TIMEOUT:-300}" "$PY" benchmarks/learner.py ${LEARNER_ARGS:-} \
-    2>"$LOG/learner.err" | tee "$LOG/learner.json"
-echo "learner rc=${PIPESTATUS[0]}"
-grep -v -i "warn" "$LOG/learner.err" | tail -n 8
-echo "== JSON"
-cat "$LOG/token_stats.json" "$LOG/learner.json"
+"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+"gpus", torch.cuda.device_count())'
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if has tests; then
+    timeout "${T_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/learner/test_device_noise.py tests/learner/test_backprop_depth.py \
+        tests/learner/test_triton_token_stats.py 2>&1 | tail -n 15 | tee "$LOG/tests.txt"
+fi
+
+bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/trainer_gpu.py run (if in $BENCHES)
+    local name=$1 t=$2
+    shift 2
+    [[ " ${BENCHES:-$name} " == *" $name "* ]] || return 0
+    timeout "$t" "$PY" benchmarks/trainer_gpu.py --label "$name" "$@" \
+        2>"$LOG/$name.err" | tee -a "$LOG/trainer.jsonl"
+    echo "$name rc=${PIPESTATUS[0]}"
+    grep -E "^step|Error|error:" "$LOG/$name.err" | tail -n 4
+}
+if has trainer; then
+    bench 1b_eager 90 --shape huginn_1b --steps 10
+    bench 1b_compiled 130 --shape huginn_1b --steps 10 --warmup 3 --compile
+    bench 0125_eager 200 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}"
+    bench 0125_compiled 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
+        --micro "${HUGINN_MICRO:-1}" --compile
+fi
+if has dp; then  # two GPUs: DP = 2 on the Huginn shape (torchrun, NCCL)
+    timeout "${T_DP:-300}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+        benchmarks/trainer_gpu.py --label 0125_dp2 --shape huginn_0125 --steps 10 \
+        --micro "${HUGINN_MICRO:-1}" --batch 8 2>"$LOG/dp2.err" | tee -a "$LOG/trainer.jsonl"
+    grep -E "^step|Error" "$LOG/dp2.err" | tail -n 4
+fi
+if has standin; then
+    timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |
+        tee "$LOG/token_stats.json"
+    timeout "${LEARNER_TIMEOUT:-300}" "$PY" benchmarks/learner.py 2>"$LOG/learner.err" |
+        tee "$LOG/learner.json"
+fi
+echo "== summary"
+"$PY" - "$LOG/trainer.jsonl" <<'EOF'
+import json, sys
+try:
+    rows = [json.loads(x) for x in open(sys.argv[1]) if x.startswith("{")]
+except FileNotFoundError:
+    rows = []
+for r in rows:
+    print(f"{r['label']:16s} tok/s {r['tokens_per_s']:>10.0f}  MFU {r['mfu']:.3f}  step "
+          f"{r['step_ms_median']:>8.1f} ms  peak {r['peak_mem_gib']:6.1f} GiB  finite "
+          f"{r['loss_finite_every_step']}  skipped {r['skipped_nonfinite_total']}  "
+          f"loss {r['losses'][0]:.4f}->{r['losses'][-1]:.4f}")
+EOF

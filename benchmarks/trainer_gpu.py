@@ -1,0 +1,249 @@
+"""The real learner's `Trainer.step` on synthetic rollouts: tokens/s, MFU, memory, one JSON line.
+
+    python benchmarks/trainer_gpu.py --shape huginn_1b         # ~1B Huginn shape, r = 4
+    python benchmarks/trainer_gpu.py --shape huginn_0125       # Huginn-0125: r = 32, k = 8
+    python benchmarks/trainer_gpu.py --device cpu --tiny       # CPU smoke test (tests/learner)
+    torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py ...   # DP = 2 (or --tp 2)
+
+The Trainer is built exactly as `looprl learner` builds it: a RunConfig (`--set key=value`
+overrides on top of the flags) through `pipeline.megatron_adapter.build_learner_trainer` (the
+run-config mapping: megatron DDP + DistributedOptimizer, the GRPO objective, global batch =
+prompts_per_step x n, micro-batching, critic off, `learner.*` precision / backprop depth /
+recompute / compile). Weights: Huginn's own init (`huginn_init_state`: truncated normal with
+the config's init std, out projections std / sqrt(2 x effective depth), norms 1, biases 0),
+drawn on the device. Rollouts: groups of `n` completions of one random prompt, every position
+at the full depth r (fixed recurrence, as the seed's recipe), random tokens, behaviour
+log-probs ~ -log V + U(-0.5, 0.5) (near the random init's), rewards 0/1; new ones each step.
+
+Timed: `--steps` calls of `trainer.step` after `--warmup` calls (compilation, allocator), each
+synchronised, wall clock (the CPU side of the step is part of it). FLOPs per token (state what
+counts; matmuls only, norms and element-wise ops omitted):
+    2 x P_nograd + 6 x P_grad + attention,
+    P_grad = (prelude + coda) x block + k x (core x block + adapter) + V x h   (V x h: the head,
+             at every position), P_nograd = (r - k) x (core x block + adapter),
+    block = 4 h^2 + 3 h f (qkv, proj, SwiGLU), adapter = 2 h^2,
+    attention = (4 x L_nograd + 12 x L_grad) x seq x h (QK^T and AV as full s x s products),
+    L_grad = prelude + coda + k x core, L_nograd = (r - k) x core.
+No-grad iterations count as forward only. MFU = FLOP/s / 989e12 (H100/H200 dense bf16
+datasheet; the learner.py stand-in used the same). k = min(backprop depth, r) (0 = all = r).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_BF16 = 989e12
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "huginn_1b": dict(hidden=2048, heads=16, prelude=2, core=4, coda=2, ffn=5632, vocab=65536,
+                      recurrence=4, backprop_depth=8, seq=2048, batch=16, n=4, micro=4),
+    "huginn_0125": dict(hidden=5280, heads=55, prelude=2, core=4, coda=2, ffn=17920,
+                        vocab=65536, recurrence=32, backprop_depth=8, seq=2048, batch=4, n=2,
+                        micro=2),
+    "tiny": dict(hidden=64, heads=2, prelude=1, core=2, coda=1, ffn=128, vocab=512,
+                 recurrence=4, backprop_depth=2, seq=32, batch=4, n=2, micro=2),
+}  # fmt: skip
+
+
+def huginn_config(s: dict[str, Any]) -> Any:
+    from models.config import HuginnConfig
+
+    return HuginnConfig.from_hf_dict(
+        dict(
+            model_type="huginn_raven", n_embd=s["hidden"], n_heads=s["heads"],
+            n_layers=s["prelude"] + s["core"] + s["coda"], n_layers_in_prelude=s["prelude"],
+            n_layers_in_recurrent_block=s["core"], n_layers_in_coda=s["coda"],
+            mean_recurrence=s["recurrence"], mean_backprop_depth=s["backprop_depth"],
+            vocab_size=s["vocab"], padded_vocab_size=s["vocab"], intermediate_size=s["ffn"],
+            block_size=max(4096, s["seq"]), rope_base=50000.0, norm_eps=1e-6, qk_bias=True,
+            tie_embeddings=True, bos_token_id=1, eos_token_id=2,
+        )
+    )  # fmt: skip
+
+
+def huginn_init_state(c: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
+    """HF-named full state with Huginn's init (module doc), drawn on `device`, stored on the
+    CPU in `dtype` (the RoPE table fp32)."""
+    import torch
+
+    from models.huginn import HuginnForCausalLM, precompute_freqs_cis
+
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in HuginnForCausalLM(c).named_parameters()}
+    std, out_std = c.init_std, c.init_values["out_proj"]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, Any] = {}
+    for name, shape in sorted(shapes.items()):
+        if "norm" in name or name.endswith("ln_f.weight"):
+            t = torch.ones(shape, device=device)
+        elif name.endswith("qk_bias") or name.endswith(".bias"):
+            t = torch.zeros(shape, device=device)
+        else:
+            s = out_std if name.endswith("proj.weight") else std
+            t = torch.randn(shape, device=device, generator=gen).mul_(s).clamp_(-3 * s, 3 * s)
+        state[name] = t.to(dtype).cpu()
+    state["freqs_cis"] = precompute_freqs_cis(c.head_dim, c.block_size, c.rope_base)
+    return state
+
+
+def rollouts(s: dict[str, Any], step: int, version: int, seed: int) -> list[Any]:
+    import numpy as np
+
+    from proto.records import Rollout
+
+    rng = np.random.default_rng(seed * 1000 + step)
+    plen, n, seq = min(64, s["seq"] // 2), s["n"], s["seq"]
+    out = []
+    for g in range(s["batch"] // n):
+        prompt = rng.integers(3, s["vocab"], size=plen).astype(np.int32)
+        for i in range(n):
+            t = seq - plen + 1  # the model sees prompt + completion[:-1]: seq positions
+            out.append(Rollout(
+                rollout_id=f"s{step}-{g}/{i}", work_id=f"s{step}-{g}", prompt_id=f"p{g}",
+                sample_index=i, generator_id="bench",
+                latent_seed=int(rng.integers(0, 2**63)) * 2 + 1, prompt_tokens=prompt,
+                tokens=rng.integers(3, s["vocab"], size=t).astype(np.int32),
+                logprobs=(-np.log(s["vocab"]) + rng.uniform(-0.5, 0.5, t)).astype(np.float32),
+                exit_depths=np.full(t, s["recurrence"], dtype=np.uint8),
+                weight_version=version, reward=float((i + g) % 2),
+            ))  # fmt: skip
+    return out
+
+
+def flop_counts(s: dict[str, Any], k: int) -> dict[str, Any]:
+    h, f, v, r, seq = s["hidden"], s["ffn"], s["vocab"], s["recurrence"], s["seq"]
+    block, adapter = 4 * h * h + 3 * h * f, 2 * h * h
+    k = r if k <= 0 else min(k, r)
+    it = s["core"] * block + adapter
+    p_grad = (s["prelude"] + s["coda"]) * block + k * it + v * h
+    p_nograd = (r - k) * it
+    l_grad, l_nograd = s["prelude"] + s["coda"] + k * s["core"], (r - k) * s["core"]
+    attn = (4 * l_nograd + 12 * l_grad) * seq * h
+    return dict(
+        backprop_depth_used=k,
+        params_grad_per_token=p_grad,
+        params_nograd_per_token=p_nograd,
+        flops_per_token=2 * p_nograd + 6 * p_grad + attn,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="huginn_1b")
+    ap.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--backprop-depth", type=int, default=None, help="default: the shape's")
+    ap.add_argument("--recurrence", type=int, default=None, help="default: the shape's")
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="rollouts per step (global batch)")
+    ap.add_argument("--micro", type=int, default=None, help="micro-batch size")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
+    a = ap.parse_args()
+    if a.device == "cpu":  # before torch is imported: the learner picks CUDA when it sees it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    from learner.parallel import init_distributed
+    from pipeline.config import load_config
+    from pipeline.megatron_adapter import build_learner_trainer
+
+    s = dict(SHAPES["tiny" if a.tiny else a.shape])
+    for key in ("recurrence", "seq", "batch", "micro", "backprop_depth"):
+        if getattr(a, key) is not None:
+            s[key] = getattr(a, key)
+    if a.tiny:
+        a.steps, a.warmup = min(a.steps, 2), min(a.warmup, 1)
+    info = init_distributed(a.tp, seed=0)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    c = huginn_config(s)
+    overrides = [
+        f"rollout.n={s['n']}", f"rollout.prompts_per_step={s['batch'] // s['n']}",
+        f"tp={a.tp}", f"learner.precision={a.precision}",
+        f"learner.backprop_depth={s['backprop_depth']}", f"learner.micro_batch_size={s['micro']}",
+        f"learner.compile={a.compile}", f"learner.recompute={a.recompute}", *a.set,
+    ]  # fmt: skip
+    cfg = load_config(None, overrides)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    t0 = time.perf_counter()
+    trainer = build_learner_trainer(cfg, c, huginn_init_state(c, dev, dtype))
+    build_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in trainer.policy_model.parameters())
+    times, losses, metrics = [], [], {}
+    for i in range(a.warmup + a.steps):
+        batch = rollouts(s, i, trainer.weight_version, cfg.seed)
+        if cuda:
+            torch.cuda.synchronize()
+            if i == a.warmup:
+                torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        metrics = trainer.step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        losses.append(metrics["loss"])
+        if i >= a.warmup:
+            times.append(dt)
+        if rank0:
+            print(f"step {i} {dt * 1e3:.0f} ms loss {metrics['loss']:.5f} grad_norm "
+                  f"{metrics['grad_norm']:.3g} skipped {metrics['skipped_nonfinite']:.0f}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    fc = flop_counts(s, trainer.policy_model.backprop_depth)
+    tokens = s["batch"] * s["seq"]
+    step_s = statistics.median(times)
+    res: dict[str, Any] = {
+        "bench": "trainer_step",
+        "label": a.label,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "world": info.world_size,
+        "dp": info.dp_size,
+        "tp": a.tp,
+        "shape": {**s, "params": params},
+        "precision": a.precision,
+        "compile": a.compile,
+        "recompute": a.recompute,
+        "build_s": round(build_s, 1),
+        "tokens_per_step": tokens,
+        **fc,
+        "flops_formula": "2*P_nograd + 6*P_grad + (4*L_nograd + 12*L_grad)*seq*h per token",
+        "step_ms_median": round(step_s * 1e3, 1),
+        "step_ms_mean": round(statistics.fmean(times) * 1e3, 1) if times else None,
+        "tokens_per_s": round(tokens / step_s, 1),
+        "mfu": round(fc["flops_per_token"] * tokens / step_s / PEAK_BF16, 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
+        "losses": [round(x, 6) for x in losses],
+        "loss_finite_every_step": all(math.isfinite(x) for x in losses),
+        "skipped_nonfinite_total": metrics.get("skipped_nonfinite_total"),
+        "last_grad_norm": metrics.get("grad_norm"),
+        "command": " ".join(sys.argv),
+    }
+    if rank0:
+        print(json.dumps(res), flush=True)
+    from learner.parallel import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""One trained network (module, Megatron DDP, megatron optimizer, LR schedule) and its update.
+
+Order of calls per optimizer update (learner.trainer.Trainer drives it):
+
+    net.zero_grad()
+    ... backward of every micro-batch ...
+    out = net.update(loss_finite)     # {"grad_norm", "lr", "skipped_nonfinite"}
+
+Invariant: non-finite weights are never produced. `update` reduces the gradients over DP
+(`finalize_model_grads`), then asks the megatron optimizer for the global gradient norm
+(`prepare_grads` + `get_grad_norm`: the same collective over the grad-stats group that its
+clipping uses) and all-reduces one "bad" flag (norm or loss not finite on any rank) over the
+whole world, so every TP/DP rank takes the same branch. A bad update is skipped: gradients
+zeroed, weights, optimizer state and LR schedule untouched (megatron's found-inf handling does
+the same, but only runs with a loss scaler, and its own grad norm arrives after the weights
+moved: clipping by a NaN norm is a no-op in `clip_grad_by_total_norm_fp32`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from learner.config import OptimConfig, ScheduleConfig
+
+__all__ = ["Network", "seed_all"]
+
+log = logging.getLogger(__name__)
+
+
+class Network:
+    """One trained network: module, Megatron DDP wrapper, optimizer, LR scheduler."""
+
+    def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if schedule.min_lr > optim.lr:
+            raise ValueError(f"min_lr: expected <= lr ({optim.lr}), got {schedule.min_lr}")
+        self.module, self.optim_cfg, self.schedule_cfg = module, optim, schedule
+        bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters())
+        ddp_cfg = DistributedDataParallelConfig(
+            use_distributed_optimizer=optim.distributed, grad_reduce_in_fp32=True
+        )
+        self.ddp = DistributedDataParallel(module.config, ddp_cfg, module)  # type: ignore[arg-type]
+        opt_cfg = OptimizerConfig(
+            optimizer=optim.name,
+            lr=optim.lr,
+            min_lr=schedule.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0],
+            adam_beta2=optim.betas[1],
+            adam_eps=optim.eps,
+            sgd_momentum=optim.sgd_momentum,
+            clip_grad=optim.clip_grad,
+            use_distributed_optimizer=optim.distributed,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
+        self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
+        warm = schedule.warmup_steps
+        self.sched = OptimizerParamScheduler(
+            self.opt,
+            init_lr=0.0 if warm else optim.lr,
+            max_lr=optim.lr,
+            min_lr=schedule.min_lr,
+            lr_warmup_steps=warm,
+            lr_decay_steps=max(schedule.total_steps, warm + 1),
+            lr_decay_style=schedule.style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        self.skipped_nonfinite = 0
+        """Updates skipped so far because the loss or the gradients were not finite."""
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def _all_finite(self, loss_finite: bool) -> tuple[bool, float]:
+        """(every rank's loss and the global grad norm finite, that norm); a collective."""
+        # Copies the grads to the optimizer's main grads; opt.step() repeats it (idempotent: no
+        # loss scaler is configured, so nothing is unscaled twice; found_inf stays False).
+        found_inf = bool(self.opt.prepare_grads())
+        norm = float(self.opt.get_grad_norm() or 0.0)
+        bad = found_inf or not loss_finite or not math.isfinite(norm)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = next(self.module.parameters()).device
+            flag = torch.tensor([1.0 if bad else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bad = bool(flag.item() > 0)
+        return not bad, norm
+
+    def update(self, loss_finite: bool = True) -> dict[str, float]:
+        """DP gradient all-reduce, finiteness check (module docstring), next LR, optimizer
+        step (clipping inside). `loss_finite`: this rank's micro-batch losses were finite."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        ok, norm = self._all_finite(loss_finite)
+        if ok:
+            self.sched.step(1)  # the n-th update uses lr(n): ScheduleConfig docstring
+            ok, grad_norm, _ = self.opt.step()
+            if ok:
+                lr = float(self.opt.param_groups[0]["lr"])
+                gn = float(grad_norm) if grad_norm is not None else norm
+                return {"grad_norm": gn, "lr": lr, "skipped_nonfinite": 0.0}
+            self.sched.step(-1)  # megatron's own found-inf skip (loss scaler): undo the LR step
+        self.zero_grad()
+        self.skipped_nonfinite += 1
+        log.warning(
+            "non-finite loss or gradients (grad norm %s, loss finite on this rank: %s): update "
+            "skipped, weights and optimizer state unchanged (%d skipped so far)",
+            norm, loss_finite, self.skipped_nonfinite,
+        )  # fmt: skip
+        lr = float(self.opt.param_groups[0]["lr"])
+        return {"grad_norm": norm, "lr": lr, "skipped_nonfinite": 1.0}
+
+
+def seed_all(seed: int) -> None:
+    """torch (CPU and CUDA), megatron's RNG tracker, numpy and python RNGs from one seed."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,117 @@
+"""The learner's run-config knobs (issue 12): `learner.precision`, `learner.backprop_depth`,
+micro-batching, recompute, compile, mapped by `pipeline.megatron_adapter.build_learner_trainer`
+(the path `looprl learner` takes), refused where a backend or numerics mode cannot honour them;
+and the CPU smoke mode of benchmarks/trainer_gpu.py (the real Trainer, tiny shape).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from tests.learner.dist_utils import run_distributed
+from tests.learner.test_trainer import rollouts_for
+
+pytestmark = pytest.mark.megatron
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_config_refuses_what_a_backend_cannot_honour() -> None:
+    assert load_config(None, ["learner.precision=bf16"]).learner.precision == "bf16"
+    with pytest.raises(ConfigError, match="learner.precision.*numerics=exact needs fp32"):
+        load_config(None, ["learner.precision=bf16", "numerics=exact"])
+    with pytest.raises(ConfigError, match="learner.compile.*numerics=exact"):
+        load_config(None, ["learner.compile=true", "numerics=exact"])
+    with pytest.raises(ConfigError, match="learner.precision.*backend=reference"):
+        load_config(None, ["learner.precision=bf16", "backend=reference"])
+    with pytest.raises(ConfigError, match="learner.backprop_depth.*backend=reference"):
+        load_config(None, ["learner.backprop_depth=4", "backend=reference"])
+    for key in ("recompute=true", "compile=true", "micro_batch_size=2"):
+        with pytest.raises(ConfigError, match=f"learner.{key.split('=')[0]}.*backend=reference"):
+            load_config(None, [f"learner.{key}", "backend=reference"])
+    assert load_config(None, ["learner.backprop_depth=0", "backend=reference"]).backend
+    with pytest.raises(ConfigError, match="learner.precision"):
+        load_config(None, ["learner.precision=fp16"])
+    with pytest.raises(ConfigError, match="learner.backprop_depth"):
+        load_config(None, ["learner.backprop_depth=-2"])
+
+
+def precision_body() -> dict[str, Any]:
+    from learner.parallel import destroy_distributed, init_distributed
+    from learner.publish import publication_state
+    from models.config import tiny_config
+    from pipeline.megatron_adapter import build_learner_trainer
+
+    init_distributed(tp=1, seed=0)
+    out: dict[str, Any] = {}
+    base = ["rollout.n=4", "rollout.prompts_per_step=2", "optimizer.lr=1e-3"]
+    for name, extra in (
+        ("fp32", []),
+        ("bf16", ["learner.precision=bf16", "learner.backprop_depth=2",
+                  "learner.micro_batch_size=2", "learner.recompute=true"]),
+    ):  # fmt: skip
+        cfg = load_config(None, base + extra)
+        trainer = build_learner_trainer(cfg, tiny_config("huginn"), None)
+        model = trainer.policy_model
+        opt = trainer.policy.opt.chained_optimizers[0]
+        mains = [p for g in getattr(opt, "shard_fp32_from_float16_groups", []) for p in g]
+        metrics = [trainer.step(rollouts_for(7 + i)) for i in range(2)]
+        stored, _ = publication_state(model)
+        out[name] = {
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "main_dtypes": sorted({str(p.dtype) for p in mains}),
+            "optimizer": type(opt).__name__,
+            "backprop_depth": model.backprop_depth,
+            "micro": trainer.cfg.micro_batch_size,
+            "recompute": model.options.recompute,
+            "losses": [m["loss"] for m in metrics],
+            "grad_norms": [m["grad_norm"] for m in metrics],
+            "published": sorted({str(t.dtype) for n, t in stored.items() if n != "freqs_cis"}),
+        }
+    destroy_distributed()
+    return out
+
+
+@pytest.fixture(scope="module")
+def precision() -> dict[str, Any]:
+    return run_distributed(precision_body, 1, torchrun_env=False, timeout_s=300)[0]
+
+
+def test_bf16_is_megatron_mixed_precision(precision: dict[str, Any]) -> None:
+    fp32, bf16 = precision["fp32"], precision["bf16"]
+    assert fp32["param_dtypes"] == ["torch.float32"] and fp32["main_dtypes"] == []
+    assert bf16["param_dtypes"] == ["torch.bfloat16"]
+    assert bf16["optimizer"] == "DistributedOptimizer" and bf16["main_dtypes"] == ["torch.float32"]
+    assert bf16["published"] == ["torch.bfloat16"] and fp32["published"] == ["torch.float32"]
+    assert (fp32["backprop_depth"], bf16["backprop_depth"]) == (0, 2)  # -1: checkpoint's 8 >= 6
+    assert (fp32["micro"], bf16["micro"]) == (4, 2)
+    assert (fp32["recompute"], bf16["recompute"]) == ("none", "block")
+    for a, b in zip(fp32["losses"], bf16["losses"], strict=True):
+        assert math.isfinite(b) and b == pytest.approx(a, rel=0.1, abs=2e-2)
+    assert all(math.isfinite(g) and g > 0 for g in bf16["grad_norms"])
+
+
+def test_trainer_benchmark_cpu_smoke() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/trainer_gpu.py", "--device", "cpu", "--tiny"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["bench"] == "trainer_step" and res["device"] == "cpu"
+    assert res["loss_finite_every_step"] and len(res["losses"]) == 3
+    assert all(math.isfinite(x) for x in res["losses"])
+    assert res["tokens_per_s"] > 0 and res["backprop_depth_used"] == 2
+    assert res["precision"] == "bf16" and res["skipped_nonfinite_total"] == 0.0
+    assert torch.tensor(res["flops_per_token"]) > 0
