@@ -44,7 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from models.checkpoint import json_bytes, load_checkpoint, save_checkpoint
-from models.digest import blob_and_meta, canonical_digest, digest_from_blob
+from models.digest import blob_and_meta, canonical_digest, check_finite, digest_from_blob
+from models.errors import NonFiniteWeightsError
 from proto.records import TensorMeta, WeightAnnounce
 
 __all__ = [
@@ -78,28 +79,6 @@ def looped_exporter(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
     params = {n for n, _ in model.named_parameters()}
     buffers = {h for r in conversion_rules(model) if r.mine not in params for h in r.hf}  # type: ignore[arg-type]
     return gather_hf_state(model), buffers  # type: ignore[arg-type]
-
-
-class NonFiniteWeightsError(ValueError):
-    """A weight set to be published holds NaN or inf; `name` is the first such tensor (sorted
-    by name), `count` its number of non-finite elements, `numel` its size."""
-
-    def __init__(self, name: str, count: int, numel: int) -> None:
-        self.name, self.count, self.numel = name, count, numel
-        super().__init__(
-            f"refusing to publish non-finite weights: tensor {name!r} has {count} non-finite "
-            f"(NaN/inf) elements of {numel}"
-        )
-
-
-def check_finite(state: Mapping[str, Tensor]) -> None:
-    """NonFiniteWeightsError unless every floating tensor of `state` is finite."""
-    for name in sorted(state):
-        t = state[name]
-        if t.is_floating_point() and t.numel():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                raise NonFiniteWeightsError(name, bad, t.numel())
 
 
 def weights_dir(run_dir: str | os.PathLike, version: int) -> Path:

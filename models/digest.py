@@ -100,23 +100,17 @@ def canonical_digest(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def check_finite(state: Mapping[str, torch.Tensor], what: str = "weights") -> None:
-    """Raise models.errors.NonFiniteWeightsError naming the first tensor (in sorted-name
-    order) that holds NaN or inf, and how many such elements the whole set has."""
+def check_finite(state: Mapping[str, torch.Tensor], where: str = "") -> None:
+    """models.errors.NonFiniteWeightsError naming the first tensor (in sorted-name order)
+    that holds NaN or inf; every publication passes this check (learner and pipeline)."""
     from models.errors import NonFiniteWeightsError
 
-    first, bad = "", 0
     for name in sorted(state):
         t = state[name]
-        if t.is_floating_point():
-            k = int((~torch.isfinite(t)).sum())
-            if k and not first:
-                first = f"{name} ({k} of {t.numel()} elements)"
-            bad += k
-    if bad:
-        raise NonFiniteWeightsError(
-            f"{what}: {bad} non-finite values, first in tensor {first}; refusing to publish"
-        )
+        if t.is_floating_point() and t.numel():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise NonFiniteWeightsError(name, bad, t.numel(), where)
 
 
 def blob_and_meta(state: Mapping[str, torch.Tensor]) -> tuple[bytes, list[dict[str, Any]]]:

@@ -10,4 +10,13 @@ class CheckpointError(ValueError):
 
 
 class NonFiniteWeightsError(ValueError):
-    """A weight set holds NaN or inf values: it must never be published (DESIGN invariant)."""
+    """A weight set holds NaN or inf values: it must never be published (DESIGN invariant).
+    ``name`` is the first such tensor (sorted by name), ``count`` its number of non-finite
+    elements, ``numel`` its size; ``where`` says which weight set (may be empty)."""
+
+    def __init__(self, name: str, count: int, numel: int, where: str = "") -> None:
+        self.name, self.count, self.numel = name, count, numel
+        super().__init__(
+            f"{where + ': ' if where else ''}refusing to publish non-finite weights: tensor "
+            f"{name!r} has {count} non-finite (NaN/inf) elements of {numel}"
+        )
