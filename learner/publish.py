@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from torch import Tensor, nn
 from models.checkpoint import json_bytes, load_checkpoint, save_checkpoint
 from models.digest import blob_and_meta, canonical_digest, check_finite, digest_from_blob
 from models.errors import NonFiniteWeightsError
-from proto.records import TensorMeta, WeightAnnounce
+from models.publication import Publication
 
 __all__ = [
     "MANIFEST_NAME",
@@ -135,47 +134,6 @@ def publication_state(
     stored = {n: t.detach().cpu().contiguous() for n, t in sorted(state.items()) if n not in tied}
     check_finite(stored)
     return stored, tied
-
-
-@dataclass(frozen=True)
-class Publication:
-    """One published weight set (rank 0's view)."""
-
-    version: int
-    """Weight version (strictly increasing)."""
-    digest: str
-    """`models.digest.canonical_digest` of the stored tensors (64 hex chars)."""
-    path: Path | None
-    """HF-layout directory, or None when nothing was written."""
-    blob: bytes
-    """Canonical bytes of every stored tensor, sorted by name (`models.digest.blob_and_meta`)."""
-    tensors: list[dict[str, Any]]
-    """Per-tensor {name, dtype, shape, offset, nbytes, sha256} inside the blob."""
-    tied: dict[str, str]
-    """{target: source} of tied weights (targets absent from blob and disk)."""
-    config_json: str
-    """The config.json text."""
-
-    def tensor_metas(self) -> list[TensorMeta]:
-        return [TensorMeta(**t) for t in self.tensors]
-
-    def announce(self, chunk_bytes: int, *, created_at: float = 0.0) -> WeightAnnounce:
-        """The WeightAnnounce for a chunked broadcast of `blob` in `chunk_bytes` chunks."""
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
-        ann = WeightAnnounce(
-            version=self.version,
-            digest=self.digest,
-            total_bytes=len(self.blob),
-            chunk_bytes=chunk_bytes,
-            num_chunks=-(-len(self.blob) // chunk_bytes),
-            tensors=self.tensor_metas(),
-            path="" if self.path is None else str(self.path),
-            config_json=self.config_json,
-            created_at=created_at,
-        )
-        ann.validate()
-        return ann
 
 
 def _config_dict(model: nn.Module, config: Mapping[str, Any] | None) -> dict[str, Any]:

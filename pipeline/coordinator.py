@@ -37,16 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import NonFiniteWeightsError
+from models.publication import Publication
 from pipeline.config import RunConfig
 from pipeline.dispatch import Dispatcher, PromptSource
 from pipeline.intake import Group, Intake, fill_failed_rewards
 from pipeline.ledger import InFlightLedger
-from pipeline.publishing import CanonicalPublisher
 from pipeline.quarantine import Quarantine
 from pipeline.recorder import Recorder, StepRecord
 from pipeline.staleness import StalenessGate
-from pipeline.trainer_api import Publication, Trainer, publication_from_dir
+from pipeline.trainer_api import Trainer
 from pipeline.validation import DoorRules, ModelLimits
+from pipeline.weight_sync import WeightPublisher
 from proto import (
     Ack,
     ErrorMsg,
@@ -132,7 +133,7 @@ class Coordinator:
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         p = cfg.publish
-        self.publisher = CanonicalPublisher(endpoint, chunk_bytes=p.chunk_bytes, window=p.window)
+        self.publisher = WeightPublisher(endpoint, chunk_bytes=p.chunk_bytes, window=p.window)
         self.published: list[int] = []
         self.last_digest = ""
         self._last_progress = clock()
@@ -354,8 +355,7 @@ class Coordinator:
         """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
         out = self.run_dir / "weights" / f"v{v}"
         try:
-            self.trainer.publish(out, v)
-            return publication_from_dir(out, v)
+            return self.trainer.publish(out, v)
         except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
             shutil.rmtree(out, ignore_errors=True)
             raise NonFinitePublication(
@@ -365,11 +365,14 @@ class Coordinator:
             ) from e
 
     def _announce(self, pub: Publication) -> None:
-        v, out = pub.version, Path(pub.path)
-        chunked = self.cfg.publish.transport == "chunks"
+        """Announce the trainer's Publication as it is (its digest is not computed again)."""
+        v = pub.version
+        if pub.path is None:
+            raise CoordinatorError(f"publication v{v} has no directory")
         self.publisher.publish(
-            v, pub.blob, tensors=pub.tensors, config_json=pub.config_json,
-            path=str(out.resolve()), digest=pub.digest, chunked=chunked,
+            v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
+            path=str(Path(pub.path).resolve()), digest=pub.digest,
+            chunked=self.cfg.publish.transport == "chunks",
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
         self.published.append(v)

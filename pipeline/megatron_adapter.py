@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from models.publication import Publication
 from proto import Rollout
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,17 @@ class MegatronTrainer:
         out["logprob_mismatch"] = out.get("logp_mismatch_max", float("nan"))
         return out
 
-    def publish(self, out_dir: Path, version: int) -> None:
+    def publish(self, out_dir: Path, version: int) -> Publication:
         from learner.publish import publish, weights_dir
 
         run_dir = out_dir.parent.parent
         if weights_dir(run_dir, version) != out_dir:
             raise ValueError(f"publish: {out_dir} is not <run_dir>/weights/v{version}")
-        publish(self.trainer.policy_model, run_dir, version, config=self.model_config.to_hf_dict())
+        pub = publish(self.trainer.policy_model, run_dir, version,
+                      config=self.model_config.to_hf_dict())  # fmt: skip
+        if pub is None:
+            raise RuntimeError("publish: learner rank 0 got no Publication")
+        return pub
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         from learner.checkpoint import save

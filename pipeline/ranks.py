@@ -70,9 +70,9 @@ class Leader:
         _bcast(self.codec.encode(RolloutBatch(list(rollouts))))
         return self.trainer.step(rollouts, needs_correction)  # type: ignore[no-any-return]
 
-    def publish(self, out_dir: Path, version: int) -> None:
+    def publish(self, out_dir: Path, version: int) -> Any:
         self._send("publish", out_dir=str(out_dir), version=version)
-        self.trainer.publish(out_dir, version)
+        return self.trainer.publish(out_dir, version)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         self._send("save", run_dir=str(run_dir), keep=keep)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.publication import Publication
 from proto import Rollout
 
 log = logging.getLogger(__name__)
@@ -219,14 +220,17 @@ class ReferenceTrainer:
         return out
 
     # -- weights and checkpoints ------------------------------------------------------------
-    def publish(self, out_dir: Path, version: int) -> None:
+    def publish(self, out_dir: Path, version: int) -> Publication:
         from models.checkpoint import save_checkpoint, state_dict_for_save
+        from models.digest import check_finite
 
         extra: dict[str, Any] = {
             n: self.model_dir / n for n in _KEEP_FILES if (self.model_dir / n).is_file()
         }
         state = state_dict_for_save(self.model)
+        check_finite(state, f"weights v{version}")  # nothing non-finite is even written
         save_checkpoint(state, self.hf_config, out_dir, tied=self.tied, extra_files=extra)
+        return Publication.from_dir(out_dir, version)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json}, written to

@@ -45,10 +45,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def replay(stream: Path, out: Path, config: str | None = None,
            overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Replay ``stream`` (see the module docstring); returns {version: [live, replay digest]}."""
+    from models.publication import Publication
     from pipeline.intake import fill_failed_rewards
     from pipeline.learner_main import model_dir, resolve_config
     from pipeline.recorder import read_rollouts, read_steps
-    from pipeline.trainer_api import build_trainer, publication_from_dir
+    from pipeline.trainer_api import build_trainer
     from proto.stream_format import check_stream_dir
 
     if not stream.exists():
@@ -86,7 +87,7 @@ def replay(stream: Path, out: Path, config: str | None = None,
             if s.publish is not None:
                 vdir = out / "weights" / f"v{s.publish}"
                 trainer.publish(vdir, s.publish)
-                digest = publication_from_dir(vdir, s.publish).digest
+                digest = Publication.from_dir(vdir, s.publish).digest
                 result[str(s.publish)] = [live.get(s.publish), digest]
     finally:
         trainer.close()

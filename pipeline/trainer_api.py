@@ -6,28 +6,28 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
     ckpt = trainer.latest(run_dir)                     # on --resume
     state = trainer.load(ckpt)                         # -> the pipeline_state saved with it
     metrics = trainer.step(rollouts, flags)            # one training step on complete groups
-    trainer.publish(out_dir, version)                  # current weights, HF layout, written to
-                                                       # out_dir (= RUN_DIR/weights/v<version>)
+    pub = trainer.publish(out_dir, version)            # current weights, HF layout, written to
+                                                       # out_dir (= RUN_DIR/weights/v<version>);
+                                                       # the Publication the coordinator announces
     trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
 
-``Publication`` is what goes to the generators: the directory, the blob (every tensor's
-canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets) and the
-canonical digest (models.digest) that generator.engine.LoopedEngine.load_weights verifies
-(DESIGN contract 6). It is read back from the written directory, so the digest is that of
-exactly what a generator loads, and refused (models.errors.NonFiniteWeightsError) when any
-tensor holds NaN or inf.
+``models.publication.Publication`` is what goes to the generators: the directory, the blob
+(every tensor's canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets)
+and the canonical digest (models.digest) that generator.engine.LoopedEngine.load_weights
+verifies (DESIGN contract 6). The trainer's publish computes it once (megatron: from the
+state it writes; reference: ``Publication.from_dir`` on what it wrote); non-finite weights are
+refused (models.errors.NonFiniteWeightsError) and never written or announced.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from proto import Rollout, TensorMeta
+from models.publication import Publication
+from proto import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -38,42 +38,11 @@ class Trainer(Protocol):
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
     ) -> Mapping[str, float]: ...
-    def publish(self, out_dir: Path, version: int) -> None: ...
+    def publish(self, out_dir: Path, version: int) -> Publication: ...
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path: ...
     def latest(self, run_dir: Path) -> Path | None: ...
     def load(self, ckpt: Path) -> dict[str, Any]: ...
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Publication:
-    """A published weight set: HF-layout ``path``, ``blob`` + ``tensors``, canonical ``digest``."""
-
-    version: int
-    path: str
-    digest: str
-    blob: bytes
-    tensors: list[TensorMeta]
-    config_json: str
-
-
-def publication_from_dir(path: Path, version: int) -> Publication:
-    """Read a published HF directory back into blob + tensors + canonical digest (the engine
-    loads exactly this state from the directory, so the digests agree by construction)."""
-    from models.checkpoint import load_checkpoint
-    from models.digest import blob_and_meta, check_finite, digest_from_blob
-
-    config, state = load_checkpoint(path)
-    check_finite(state, f"weights v{version} in {path}")
-    blob, meta = blob_and_meta(state)
-    return Publication(
-        version=version,
-        path=str(path),
-        digest=digest_from_blob(blob, meta),
-        blob=blob,
-        tensors=[TensorMeta(**m) for m in meta],
-        config_json=json.dumps(config, sort_keys=True),
-    )
 
 
 def build_trainer(backend: str, cfg: Any, model_dir: Path) -> Trainer:

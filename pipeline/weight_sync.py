@@ -119,30 +119,37 @@ class WeightPublisher:
         config_json: str = "",
         path: str = "",
         digest: str | None = None,
+        chunked: bool = True,
     ) -> WeightAnnounce:
-        """Make ``blob`` (canonical tensor bytes) version ``version`` and start sending it."""
+        """Make ``blob`` (canonical tensor bytes) version ``version`` and start sending it.
+
+        ``digest``: the canonical digest the caller computed (models.publication; trusted, not
+        computed again); None: computed here from the blob. ``chunked=False`` (publish
+        transport "disk"): only the announce travels, with ``path`` (required) and the digest
+        (required); the generator's engine loads the directory and checks that digest."""
         if version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than {self.version}")
-        try:
-            actual = blob_digest(blob, tensors)
-        except ValueError as e:
-            raise WeightSyncError(f"weight set v{version}: {e}") from e
-        if digest is not None and digest != actual:
-            raise WeightSyncError(f"digest {digest} does not match the blob's digest {actual}")
+        if not chunked and (not path or digest is None):
+            raise WeightSyncError("an on-disk publication needs its path and canonical digest")
+        if digest is None:
+            try:
+                digest = blob_digest(blob, tensors)
+            except ValueError as e:
+                raise WeightSyncError(f"weight set v{version}: {e}") from e
         n = len(blob)
         ann = WeightAnnounce(
             version=version,
-            digest=actual,
+            digest=digest,
             total_bytes=n,
-            chunk_bytes=self.chunk_bytes,
-            num_chunks=-(-n // self.chunk_bytes),
+            chunk_bytes=self.chunk_bytes if chunked else 0,
+            num_chunks=-(-n // self.chunk_bytes) if chunked else 0,
             tensors=list(tensors),
             path=path,
             config_json=config_json,
             created_at=time.time(),
         )
         ann.validate()
-        self.announce, self._blob = ann, bytes(blob)
+        self.announce, self._blob = ann, bytes(blob) if chunked else b""
         for g in self._gens.values():
             if g.serving < version:
                 self._start(g)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.publication import Publication
 from pipeline.config import RunConfig, load_config
 from pipeline.coordinator import Coordinator
 from pipeline.dispatch import Prompt, PromptSource
@@ -38,11 +39,12 @@ class FakeTrainer:
         self.steps += 1
         return {"logprob_mismatch": 0.0}
 
-    def publish(self, out_dir: Path, version: int) -> None:
+    def publish(self, out_dir: Path, version: int) -> Publication:
         from models.checkpoint import save_checkpoint
 
         state = {"w": torch.tensor([float(self.steps)])}
         save_checkpoint(state, {"architectures": ["Fake"]}, out_dir)
+        return Publication.from_dir(out_dir, version)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         path = run_dir / "checkpoints" / f"step_{self.steps:08d}"

@@ -190,10 +190,12 @@ def test_repeat_offender_dropped_for_the_run(tmp_path: Path) -> None:
 
 
 class NanTrainer(FakeTrainer):
-    def publish(self, out_dir: Path, version: int) -> None:
+    def publish(self, out_dir: Path, version: int) -> Any:
         from models.checkpoint import save_checkpoint
+        from models.publication import Publication
 
         save_checkpoint({"w": torch.tensor([1.0, float("nan")])}, {"architectures": ["F"]}, out_dir)
+        return Publication.from_dir(out_dir, version)
 
 
 def test_non_finite_weights_never_published(tmp_path: Path) -> None:
