@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
-from learner.mcore_model import LoopedGPT
 from models.config import HuginnConfig, OuroConfig
 from models.errors import CheckpointError
+
+if TYPE_CHECKING:  # learner.mcore_model imports this module to load HF states
+    from learner.mcore_model import LoopedGPT
 
 __all__ = ["Rule", "conversion_rules", "gather_hf_state", "load_hf_state", "to_local_state"]
 

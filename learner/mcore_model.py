@@ -41,6 +41,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor, nn
 
+from learner.hf_convert import load_hf_state
 from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
@@ -429,8 +430,6 @@ def build_policy(
     """The policy (LM head) of `config`'s family on the current TP group, weights loaded from
     `hf_state` (HF names, full tensors) or from the reference init. Call after
     `init_distributed`."""
-    from learner.hf_convert import load_hf_state
-
     options = options or MegatronOptions()
     model = LoopedGPT(config, options)
     load_hf_state(
@@ -453,8 +452,6 @@ def build_critic(
     The value head is initialised with normal(0, value_init_std) weights (0 = zeros) drawn from
     torch.Generator(options.init_seed), bias 0, identically on every rank.
     """
-    from learner.hf_convert import load_hf_state
-
     options = options or MegatronOptions()
     model = LoopedGPT(config, options, critic=True)
     if policy is not None:

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.layers import Block
+from models.engine import forward_full
+from models.layers import Block, RMSNorm
 
 
 class LoopedLM(nn.Module):
@@ -97,16 +98,12 @@ class LoopedLM(nn.Module):
         numerics: str = "fast",
     ) -> Tensor:
         """Logits [B, S, V] of every position at full depth (`depth`, default max_depth)."""
-        from models.engine import forward_full
-
         return forward_full(self, input_ids, latent_seeds, depth=depth, mode=numerics)
 
     def init_weights(self, seed: int, std: float) -> None:
         """Deterministic init: every parameter, in sorted-name order, gets normal(0, std)
         clamped to +-3 std from torch.Generator(seed); then biases (incl. qk_bias) are zeroed
         and RMSNorm weights set to 1."""
-        from models.layers import RMSNorm
-
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for _, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):

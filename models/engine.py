@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.base import LoopedLM
 from models.exits import ExitCarry, ExitPolicy, StepInfo, needs_gate, needs_logits, should_exit
 from models.layers import Block
+
+if TYPE_CHECKING:  # models.base imports this module (its forward runs forward_full)
+    from models.base import LoopedLM
 
 
 @dataclasses.dataclass
