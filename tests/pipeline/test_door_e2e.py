@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from models.checkpoint import load_checkpoint
+from pipeline.launcher import Generators
+from pipeline.learner_main import run_learner
 from pipeline.quarantine import read_quarantine
 from pipeline.recorder import read_rollouts, read_steps
 from pipeline.transport import TransportConfig
 from pipeline.transport_zmq import ZmqGeneratorConnection
 from proto import Ack, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
-from tests.pipeline.e2e_utils import check_run, run, small_config
+from tests.pipeline.e2e_utils import check_run, small_config
 from tests.pipeline.fakes import POISONS, poison
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
@@ -39,7 +41,7 @@ class ZmqPoisoner:
         hello = Hello("poison", "localhost", os.getpid(), ["huginn"], 2, 0, time.time())
         tc = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=4.0)
         self.conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
-        self.version, self.items, self.nacks = 0, 0, []  # type: ignore[var-annotated]
+        self.version, self.items, self.sent, self.nacks = 0, 0, 0, []  # type: ignore[var-annotated]
         self.held: list[WorkItem] = []
 
     def step(self) -> None:
@@ -57,10 +59,12 @@ class ZmqPoisoner:
         ready = [w for w in self.held if w.min_weight_version <= self.version]
         self.held = [w for w in self.held if w.min_weight_version > self.version]
         for rec in ready:  # like a real generator: never below min_weight_version
-            kind = KINDS[self.items % len(KINDS)]
             self.items += 1
-            self.conn.send(RolloutBatch([self._roll(rec, i, int(s), kind)
-                                         for i, s in zip(rec.indices(), rec.latent_seeds)]))  # fmt: skip
+            rolls = []
+            for i, s in zip(rec.indices(), rec.latent_seeds):  # each rollout: the next poison
+                rolls.append(self._roll(rec, i, int(s), KINDS[self.sent % len(KINDS)]))
+                self.sent += 1
+            self.conn.send(RolloutBatch(rolls))
         self.conn.set_status(self.version, 0)
 
     def _roll(self, item: WorkItem, i: int, seed: int, kind: str) -> Rollout:
@@ -78,25 +82,35 @@ class ZmqPoisoner:
 
 
 def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, "steps=12", "generators.count=1", "intake.max_refused=0")
-    state: dict[str, Any] = {}
+    """The run stops once the poisoner has answered every kind twice (and >= 6 steps)."""
+    cfg = small_config(tmp_path, "steps=60", "generators.count=1", "intake.max_refused=0")
+    state: dict[str, Any] = {"steps": 0}
+    metrics = tmp_path / "metrics.jsonl"
+    gens = Generators(cfg)
 
-    def hook(steps: int, gens: Any) -> None:
+    def stop() -> bool:
         ep = tmp_path / "endpoints.json"
+        steps = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
         if "p" not in state and ep.is_file() and steps >= 1:  # once the real one serves
             e = json.loads(ep.read_text())
             state["p"] = ZmqPoisoner(e["control"], e["weights"])
         if "p" in state:
             state["p"].step()
+        state["steps"] = steps
+        done = "p" in state and state["p"].sent >= 2 * len(KINDS) and steps >= 6
+        return done or gens.all_dead()
 
     try:
-        s = run(cfg, hook)
+        s = run_learner(cfg, on_bound=gens.start, stop=stop)
     finally:
+        gens.stop()
         if "p" in state:
             state["p"].close()
-    rows = check_run(tmp_path, 4, 12, max_staleness=1)
+    steps = s["steps"]
+    assert 6 <= steps < 60, steps
+    rows = check_run(tmp_path, 4, steps, max_staleness=1)
     p: ZmqPoisoner = state["p"]
-    assert p.items >= len(KINDS), f"the poisoner got only {p.items} work items"
+    assert p.sent >= 2 * len(KINDS), f"the poisoner answered only {p.sent} samples"
     for r in rows:  # finite loss at every step
         assert r["train/loss"] is not None and math.isfinite(r["train/loss"]), r
     intake = s["counts"]["intake"]
@@ -112,7 +126,7 @@ def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
         recorded[rid] for st in read_steps(tmp_path / "steps.jsonl") for rid in st.rollout_ids
     ]
     real = [r for r in trained if r.generator_id != "poison"]
-    assert len(real) >= 4 * 4 and len(trained) - len(real) >= 4  # both trained, side by side
+    assert len(real) >= 4 * 4 and len(trained) > len(real)  # both trained, side by side
     for r in trained:
         assert int(r.tokens.max(initial=0)) < 512 and r.num_tokens <= 8
         assert int(r.exit_depths.max(initial=1)) <= 6 and (
