@@ -1,0 +1,316 @@
+"""Many generators, one learner: the real coordinator under N simulated generators.
+
+    python benchmarks/scale.py                          # N = 8, 64, 256; ~3 minutes on 2 cores
+    python benchmarks/scale.py --gens 64 --step-s 0.5 --seconds 20
+    python benchmarks/scale.py --weights --gens 1,4,16 --sizes-mb 10,100
+
+Load (default): the product's Coordinator (pipeline.coordinator, ``background=True`` as
+`looprl learner` runs it: the trainer's step on its own thread) on a real ZMQ endpoint, with a
+stand-in trainer whose step takes ``--step-s`` seconds (sleeping, so the GIL is free as in a
+real step) and whose publications are a tiny real weight set. N simulated generators live in
+``--procs`` worker processes; each is a real ``ZmqGeneratorConnection`` (heartbeats, Hello,
+credits) that answers every WorkItem with valid rollouts after ``--gen-s`` seconds and acks
+every weight version. Reported per N: intake rollouts/s and MB/s, dispatch latency (WorkItem
+``issued_at`` to its arrival at a generator, same host clock) p50/p99 for items issued while a
+step was running, heartbeat expiries (a false one: a live simulated generator declared dead),
+the coordinator process's RSS growth, steps done.
+
+Weights (``--weights``): the time from announcing one version to every generator's ack, for
+each size and N, with publish transport "chunks" (the blob over ZeroMQ, credit windows) and
+"disk" (shared storage: only the announce travels; each generator reads the directory and
+checks the canonical digest), and the ratio to N = 1.
+
+Stand-ins, named as such: the trainer (fixed step time) and the generators (no vLLM). The
+coordinator, transport, door, ledger, gate, recorder and weight publisher are the product's.
+Prints one JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from models.checkpoint import save_checkpoint  # noqa: E402
+from models.publication import Publication  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.coordinator import Coordinator  # noqa: E402
+from pipeline.dispatch import Prompt, PromptSource  # noqa: E402
+from pipeline.transport import TransportConfig  # noqa: E402
+from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
+from pipeline.validation import ModelLimits  # noqa: E402
+from pipeline.weight_sync import WeightReceiver  # noqa: E402
+from proto import Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
+
+TCFG = dict(heartbeat_interval_s=1.0, peer_timeout_s=10.0)
+LIMITS = ModelLimits(vocab_size=512, max_depth=4)
+
+
+class StandInTrainer:
+    """A step of fixed wall time; publications are a real weight set of ``publish_mb``."""
+
+    def __init__(self, step_s: float, publish_mb: float = 0.01) -> None:
+        self.step_s, self.steps = step_s, 0
+        n = max(1, int(publish_mb * (1 << 20) / 4))
+        self.w = torch.zeros(n, dtype=torch.float32)
+        self.intervals: list[tuple[float, float]] = []
+
+    def step(self, rollouts: Any, needs_correction: Any) -> dict[str, float]:
+        t0 = time.time()
+        time.sleep(self.step_s)
+        self.steps += 1
+        self.w[0] = float(self.steps)
+        self.intervals.append((t0, time.time()))
+        return {"loss": 0.0}
+
+    def publish(self, out_dir: Path, version: int) -> Publication:
+        save_checkpoint({"w": self.w}, {"architectures": ["StandIn"]}, out_dir)
+        return Publication.from_dir(out_dir, version)
+
+    def save(self, run_dir: Path, state: dict[str, Any], keep: int) -> Path:
+        return run_dir
+
+    def latest(self, run_dir: Path) -> Path | None:
+        return None
+
+    def load(self, ckpt: Path) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+# -- simulated generators (worker processes) -------------------------------------------------------
+def _rollouts(item: WorkItem, gid: str, version: int, tokens: int) -> RolloutBatch:
+    rolls = []
+    for i, s in zip(item.indices(), item.latent_seeds):
+        rolls.append(Rollout(
+            rollout_id=f"{item.work_id}/{i}", work_id=item.work_id, prompt_id=item.prompt_id,
+            sample_index=i, generator_id=gid, latent_seed=int(s), prompt_tokens=item.prompt_tokens,
+            tokens=np.full(tokens, 5, np.int32), logprobs=np.full(tokens, -1.0, np.float32),
+            exit_depths=np.full(tokens, 4, np.uint8), weight_version=version, reward=0.5,
+        ))  # fmt: skip
+    return RolloutBatch(rolls)
+
+
+def sim_worker(ids: list[str], control: str, weights: str, gen_s: float, tokens: int,
+               stop: Any, out: Any, check_digest: bool) -> None:  # fmt: skip
+    """Host ``ids`` simulated generators in this process until ``stop`` is set."""
+    tc = TransportConfig(**TCFG)  # type: ignore[arg-type]
+    gens = []
+    for gid in ids:
+        hello = Hello(gid, "sim", os.getpid(), ["huginn"], 2, 0, time.time())
+        conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
+        gens.append({"gid": gid, "conn": conn, "rx": WeightReceiver(conn), "v": 0, "q": []})
+    lat: list[tuple[float, float]] = []  # (issued_at, latency)
+    acked: list[tuple[str, int, float]] = []  # (gid, version, time)
+    while not stop.is_set():
+        now = time.time()
+        for g in gens:
+            conn = g["conn"]
+            inc = conn.recv(0.0)
+            while inc is not None:
+                rec = inc.record
+                if isinstance(rec, WorkItem):
+                    lat.append((rec.issued_at, time.time() - rec.issued_at))
+                    g["q"].append((time.time() + gen_s, rec))
+                elif inc.channel == "weights":
+                    ready = g["rx"].handle(rec)
+                    if ready is not None:
+                        ann = ready.announce
+                        if check_digest and ann.path and not ready.blob:  # on disk: verify
+                            if Publication.from_dir(ann.path, ann.version).digest != ann.digest:
+                                raise RuntimeError(f"{g['gid']}: digest mismatch v{ann.version}")
+                        g["v"] = ready.version
+                        g["rx"].loaded(ready.version)
+                        acked.append((g["gid"], ready.version, time.time()))
+                inc = conn.recv(0.0)
+            due = [x for x in g["q"] if x[0] <= now and x[1].min_weight_version <= g["v"]]
+            for x in due:
+                g["q"].remove(x)
+                conn.send(_rollouts(x[1], g["gid"], g["v"], tokens))
+            conn.set_status(g["v"], len(g["q"]))
+        time.sleep(0.001)
+    for g in gens:
+        g["conn"].close(None)
+    out.put({"lat": lat, "acked": acked})
+
+
+def start_sims(n: int, procs: int, ep: Any, gen_s: float, tokens: int,
+               check_digest: bool = True) -> tuple[Any, list[Any], Any]:  # fmt: skip
+    ctx = mp.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    ids = [f"sim{i:04d}" for i in range(n)]
+    ps = []
+    for k in range(procs):
+        part = ids[k::procs]
+        if part:
+            p = ctx.Process(target=sim_worker, args=(part, ep.endpoints["control"],
+                            ep.endpoints["weights"], gen_s, tokens, stop, out, check_digest))  # fmt: skip
+            p.start()
+            ps.append(p)
+    return stop, ps, out
+
+
+def collect(stop: Any, ps: list[Any], out: Any) -> dict[str, list[Any]]:
+    stop.set()
+    got: dict[str, list[Any]] = {"lat": [], "acked": []}
+    for _ in ps:
+        r = out.get(timeout=120)
+        got["lat"] += r["lat"]
+        got["acked"] += r["acked"]
+    for p in ps:  # stopped by pid, every one
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return got
+
+
+# -- the coordinator ---------------------------------------------------------------------------------
+def coordinator(run_dir: Path, trainer: Any, n_prompts: int, extra: list[str]) -> Coordinator:
+    cfg = load_config(None, [f"run_dir={run_dir}", "rollout.n=4", "rollout.max_tokens=16",
+                             "record.fsync=never", "publish.keep=2", "max_wait_s=120",
+                             f"generators.heartbeat_interval_s={TCFG['heartbeat_interval_s']}",
+                             f"generators.peer_timeout_s={TCFG['peer_timeout_s']}", *extra])  # fmt: skip
+    ep = ZmqLearnerEndpoint(TransportConfig(**TCFG), control="tcp://127.0.0.1:*",  # type: ignore[arg-type]
+                            weights="tcp://127.0.0.1:*")  # fmt: skip
+    prompts = PromptSource([Prompt(f"p{i}", [1, 10 + i % 400], {}) for i in range(n_prompts)], 0)
+    return Coordinator(cfg, endpoint=ep, trainer=trainer, prompts=prompts, run_dir=run_dir,
+                       limits=LIMITS, background=True)  # fmt: skip
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def run_load(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
+    trainer = StandInTrainer(args.step_s)
+    c = coordinator(run_dir, trainer, 4096, [f"rollout.prompts_per_step={args.prompts_per_step}",
+                                             f"staleness.max_staleness={args.max_staleness}"])  # fmt: skip
+    gone: list[str] = []
+    orig = c._gone
+
+    def spy(gid: str, why: str) -> None:
+        gone.append(why)
+        orig(gid, why)
+
+    c._gone = spy  # type: ignore[method-assign]
+    proc = psutil.Process()
+    stop, ps, out = start_sims(n, args.procs, c.endpoint, args.gen_s, args.tokens)
+    t_join = time.time()
+    while len(c.dispatcher.generators()) < n and time.time() - t_join < 120:
+        c.turn(0.01)
+    joined_s = time.time() - t_join
+    rss0 = proc.memory_info().rss
+    acc0 = c.intake.counts["accepted"]
+    t0 = time.time()
+    steps0 = c.step
+    while time.time() - t0 < args.seconds:
+        c.turn()
+    dt = time.time() - t0
+    c.drain()
+    got = collect(stop, ps, out)
+    rss1 = proc.memory_info().rss
+    accepted = c.intake.counts["accepted"] - acc0
+    from proto import Codec
+
+    one = len(Codec().encode(_rollouts(WorkItem("w0", "p0", np.array([1, 2], np.int32),
+                                                np.arange(4, dtype=np.uint64)), "sim0000", 0,
+                                       args.tokens))) / 4  # fmt: skip
+    during = [
+        lat for (t, lat) in got["lat"] if t >= t0 and any(a <= t <= b for a, b in trainer.intervals)
+    ]
+    allw = [lat for (t, lat) in got["lat"] if t >= t0]
+    c.close()
+    c.endpoint.close()
+    return {
+        "bench": "scale_load", "generators": n, "procs": args.procs, "step_s": args.step_s,
+        "prompts_per_step": args.prompts_per_step, "max_staleness": args.max_staleness,
+        "gen_s": args.gen_s, "seconds": round(dt, 1), "join_s": round(joined_s, 2),
+        "steps": c.step - steps0, "intake_rollouts_per_s": round(accepted / dt, 1),
+        "intake_mb_per_s": round(accepted * one / dt / 1e6, 3),
+        "dispatch_during_step_ms_p50": round(1e3 * pct(during, 50), 2),
+        "dispatch_during_step_ms_p99": round(1e3 * pct(during, 99), 2),
+        "dispatch_all_ms_p99": round(1e3 * pct(allw, 99), 2), "dispatched_during_step": len(during),
+        "heartbeat_expiries": sum(1 for w in gone if w == "heartbeat expired"),
+        "rss_growth_mb": round((rss1 - rss0) / 1e6, 1), "rss_mb": round(rss1 / 1e6, 1),
+        "refused": c.intake.counts["refused"],
+    }  # fmt: skip
+
+
+def run_weights(n: int, mb: float, transport: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Announce one version of ``mb`` MB and time until all ``n`` generators acked it."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"w{n}-"))
+    trainer = StandInTrainer(0.0, publish_mb=mb)
+    c = coordinator(run_dir, trainer, 64, [f"publish.transport={transport}",
+                                           f"publish.chunk_bytes={4 << 20}"])  # fmt: skip
+    stop, ps, out = start_sims(n, min(args.procs, n), c.endpoint, 1e9, args.tokens)
+    while len(c.dispatcher.generators()) < n:
+        c.turn(0.01)
+    c.dispatcher.cap = 0  # no work: weights only
+    c.publish()  # the trainer writes v1, the coordinator announces it: the clock starts there
+    t0 = time.time()
+    v = c.version
+    while (
+        any(c.publisher.serving(g) < v for g in c.publisher.generators()) and time.time() - t0 < 600
+    ):
+        c.poll(0.005)
+        c.publisher.pump()
+    dt = time.time() - t0
+    collect(stop, ps, out)
+    c.close()
+    c.endpoint.close()
+    return {"bench": "scale_weights", "transport": transport, "generators": n, "mb": mb,
+            "seconds": round(dt, 3), "gb_per_s_to_all": round(n * mb / 1e3 / dt, 3)}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gens", default="8,64,256", help="comma-separated generator counts")
+    ap.add_argument(
+        "--procs", type=int, default=2, help="worker processes hosting the simulated generators"
+    )
+    ap.add_argument("--step-s", type=float, default=1.0, help="stand-in trainer step time (s)")
+    ap.add_argument(
+        "--gen-s", type=float, default=0.5, help="simulated generation time per item (s)"
+    )
+    ap.add_argument("--tokens", type=int, default=16, help="response tokens per rollout")
+    ap.add_argument("--prompts-per-step", type=int, default=32, help="groups (of 4) per step")
+    ap.add_argument("--max-staleness", type=int, default=2, help="staleness.max_staleness")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured window per N (s)")
+    ap.add_argument("--weights", action="store_true", help="measure weight delivery instead")
+    ap.add_argument("--sizes-mb", default="10,100", help="weights: sizes (MB)")
+    ap.add_argument("--transports", default="chunks,disk", help="weights: publish transports")
+    args = ap.parse_args()
+    gens = [int(x) for x in args.gens.split(",")]
+    if args.weights:
+        for mb in [float(x) for x in args.sizes_mb.split(",")]:
+            for tr in args.transports.split(","):
+                base = None
+                for n in gens:
+                    row = run_weights(n, mb, tr, args)
+                    base = base or row["seconds"]
+                    row["ratio_to_first"] = round(row["seconds"] / base, 2)
+                    print(json.dumps(row), flush=True)
+        return 0
+    for n in gens:
+        print(json.dumps(run_load(n, args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
