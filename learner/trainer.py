@@ -47,7 +47,7 @@ from learner.batching import (
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
-from learner.step_metrics import StepMetrics
+from learner.step_metrics import StepMetrics, all_reduce_
 from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import token_stats
 from proto.records import Rollout
@@ -235,7 +235,7 @@ class Trainer:
         a = adv.double()
         sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
         if dist.is_initialized() and self.dp_size > 1:
-            dist.all_reduce(sums, group=self.dp_group)
+            all_reduce_(sums, self.dp_group)
         total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
         mean = sums[1] / total
         var = (sums[2] / total - mean * mean).clamp_min(0.0)
@@ -291,7 +291,7 @@ class Trainer:
                 self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
-            dist.all_reduce(row_mismatch, op=dist.ReduceOp.MAX, group=self.dp_group)
+            all_reduce_(row_mismatch, self.dp_group, dist.ReduceOp.MAX)
         by_id = {
             r.rollout_id: float(row_mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))
         }
