@@ -25,8 +25,8 @@ counts; matmuls only, norms and element-wise ops omitted):
     block = 4 h^2 + 3 h f (qkv, proj, SwiGLU), adapter = 2 h^2,
     attention = (4 x L_nograd + 12 x L_grad) x seq x h (QK^T and AV as full s x s products),
     L_grad = prelude + coda + k x core, L_nograd = (r - k) x core.
-No-grad iterations count as forward only. MFU = FLOP/s / 989e12 (H100/H200 dense bf16
-datasheet; the learner.py stand-in used the same). k = min(backprop depth, r) (0 = all = r).
+No-grad iterations count as forward only. MFU = FLOP/s / (989e12 x GPUs) (H100/H200 dense
+bf16 datasheet; the learner.py stand-in used the same); tokens/s counts all ranks' tokens. k = min(backprop depth, r) (0 = all = r).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def main() -> None:
         "step_ms_median": round(step_s * 1e3, 1),
         "step_ms_mean": round(statistics.fmean(times) * 1e3, 1) if times else None,
         "tokens_per_s": round(tokens / step_s, 1),
-        "mfu": round(fc["flops_per_token"] * tokens / step_s / PEAK_BF16, 4),
+        "mfu": round(fc["flops_per_token"] * tokens / step_s / (PEAK_BF16 * info.world_size), 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
         "losses": [round(x, 6) for x in losses],
         "loss_finite_every_step": all(math.isfinite(x) for x in losses),

@@ -186,6 +186,7 @@ class Trainer:
     ) -> dict[tuple[int, int], Tensor]:
         """Critic values (+ GAE) and proximal log-probs / logits with pre-update weights."""
         cfg, flow = self.cfg, self.cfg.objective.kind == "flow_dppo"
+        device = next(self.policy.module.parameters()).device
         old_logits: dict[tuple[int, int], Tensor] = {}
         length = batch.length
         zeros = torch.zeros(batch.size, length)
@@ -196,6 +197,7 @@ class Trainer:
             for _, _, lo, hi in rows:
                 start = lo
                 for mb in self._micro(batch, lo, hi):
+                    mb = mb.to(device)
                     v = self.critic_spec.forward(self.critic.module, mb).float().cpu()
                     values[start : start + mb.size, : v.shape[1]] = v[:, :length]
                     start += mb.size
@@ -216,7 +218,8 @@ class Trainer:
             self.policy.module.eval()
             for u, (_, _, lo, hi) in enumerate(rows):
                 start = lo
-                for i, mb in enumerate(self._micro(batch, lo, hi)):
+                for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
+                    mb = mb_cpu.to(device)
                     stats = self._stats(self.policy_spec.forward(self.policy.module, mb), mb, None)
                     if flow:
                         if "rows" not in stats:

@@ -57,7 +57,8 @@ if has trainer; then
 fi
 if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     timeout "${T_DP_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA \
-        tests/learner/test_trainer.py -k "tp2_and_dp2" 2>&1 | grep -E "^E |passed|failed|error" |
+        tests/learner/test_trainer.py tests/learner/test_nonfinite.py \
+        -k "tp2_and_dp2 or skipped_on_every_rank" 2>&1 | grep -E "^E |PASSED|FAILED|ERROR|passed|failed" |
         tail -n 30 | tee "$LOG/dp_tests.txt"
     dist() {  # dist NAME TIMEOUT ARGS...: benchmarks/trainer_gpu.py on 2 GPUs (torchrun)
         local name=$1 t=$2
