@@ -2,6 +2,7 @@
 
     python benchmarks/trainer_gpu.py --shape huginn_1b         # ~1B Huginn shape, r = 4
     python benchmarks/trainer_gpu.py --shape huginn_0125       # Huginn-0125: r = 32, k = 8
+    python benchmarks/trainer_gpu.py --shape ouro_1b --tp 2    # Ouro-1.4B shape (torchrun, 2 GPUs)
     python benchmarks/trainer_gpu.py --device cpu --tiny       # CPU smoke test (tests/learner)
     torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py ...   # DP = 2 (or --tp 2)
 
@@ -9,7 +10,7 @@ The Trainer is built exactly as `looprl learner` builds it: a RunConfig (`--set 
 overrides on top of the flags) through `pipeline.megatron_adapter.build_learner_trainer` (the
 run-config mapping: megatron DDP + DistributedOptimizer, the GRPO objective, global batch =
 prompts_per_step x n, micro-batching, critic off, `learner.*` precision / backprop depth /
-recompute / compile). Weights: Huginn's own init (`huginn_init_state`: truncated normal with
+recompute / compile). Weights: Huginn's own init (`init_state`: truncated normal with
 the config's init std, out projections std / sqrt(2 x effective depth), norms 1, biases 0),
 drawn on the device. Rollouts: groups of `n` completions of one random prompt, every position
 at the full depth r (fixed recurrence, as the seed's recipe), random tokens, behaviour
@@ -24,8 +25,8 @@ counts; matmuls only, norms and element-wise ops omitted):
     block = 4 h^2 + 3 h f (qkv, proj, SwiGLU), adapter = 2 h^2,
     attention = (4 x L_nograd + 12 x L_grad) x seq x h (QK^T and AV as full s x s products),
     L_grad = prelude + coda + k x core, L_nograd = (r - k) x core.
-No-grad iterations count as forward only. MFU = FLOP/s / 989e12 (H100/H200 dense bf16
-datasheet; the learner.py stand-in used the same). k = min(backprop depth, r) (0 = all = r).
+No-grad iterations count as forward only. MFU = FLOP/s / (989e12 x GPUs) (H100/H200 dense
+bf16 datasheet; the learner.py stand-in used the same); tokens/s counts all ranks' tokens. k = min(backprop depth, r) (0 = all = r).
 """
 
 from __future__ import annotations
@@ -50,13 +51,30 @@ SHAPES: dict[str, dict[str, Any]] = {
     "huginn_0125": dict(hidden=5280, heads=55, prelude=2, core=4, coda=2, ffn=17920,
                         vocab=65536, recurrence=32, backprop_depth=8, seq=2048, batch=4, n=2,
                         micro=2),
+    "ouro_1b": dict(family="ouro", hidden=2048, heads=16, prelude=0, core=24, coda=0,
+                    ffn=5632, vocab=49152, recurrence=4, backprop_depth=0, seq=2048, batch=8,
+                    n=4, micro=1),
     "tiny": dict(hidden=64, heads=2, prelude=1, core=2, coda=1, ffn=128, vocab=512,
                  recurrence=4, backprop_depth=2, seq=32, batch=4, n=2, micro=2),
 }  # fmt: skip
 
 
-def huginn_config(s: dict[str, Any]) -> Any:
-    from models.config import HuginnConfig
+def model_config(s: dict[str, Any]) -> Any:
+    """The shape's HuginnConfig, or an OuroConfig (family ouro: core = its layers, looped
+    `recurrence` times)."""
+    from models.config import HuginnConfig, OuroConfig
+
+    if s.get("family") == "ouro":
+        return OuroConfig.from_hf_dict(
+            dict(
+                model_type="ouro", vocab_size=s["vocab"], hidden_size=s["hidden"],
+                intermediate_size=s["ffn"], num_hidden_layers=s["core"],
+                num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+                head_dim=s["hidden"] // s["heads"], rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=max(4096, s["seq"]), total_ut_steps=s["recurrence"],
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            )
+        )  # fmt: skip
 
     return HuginnConfig.from_hf_dict(
         dict(
@@ -71,20 +89,24 @@ def huginn_config(s: dict[str, Any]) -> Any:
     )  # fmt: skip
 
 
-def huginn_init_state(c: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
-    """HF-named full state with Huginn's init (module doc), drawn on `device`, stored on the
-    CPU in `dtype` (the RoPE table fp32)."""
+def init_state(c: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
+    """HF-named full state with Huginn's init (module doc; other families: std 0.02 for every
+    matrix), drawn on `device`, stored on the CPU in `dtype` (Huginn's RoPE table fp32)."""
     import torch
 
+    from models.config import HuginnConfig
     from models.huginn import HuginnForCausalLM, precompute_freqs_cis
+    from models.ouro import OuroForCausalLM
 
+    huginn = isinstance(c, HuginnConfig)
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in HuginnForCausalLM(c).named_parameters()}
-    std, out_std = c.init_std, c.init_values["out_proj"]
+        meta = HuginnForCausalLM(c) if huginn else OuroForCausalLM(c)
+        shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    std, out_std = (c.init_std, c.init_values["out_proj"]) if huginn else (0.02, 0.02)
     gen = torch.Generator(device=device).manual_seed(seed)
     state: dict[str, Any] = {}
     for name, shape in sorted(shapes.items()):
-        if "norm" in name or name.endswith("ln_f.weight"):
+        if "norm" in name or name.endswith("ln_f.weight") or len(shape) == 1 and "bias" not in name:
             t = torch.ones(shape, device=device)
         elif name.endswith("qk_bias") or name.endswith(".bias"):
             t = torch.zeros(shape, device=device)
@@ -92,7 +114,8 @@ def huginn_init_state(c: Any, device: Any, dtype: Any, seed: int = 0) -> dict[st
             s = out_std if name.endswith("proj.weight") else std
             t = torch.randn(shape, device=device, generator=gen).mul_(s).clamp_(-3 * s, 3 * s)
         state[name] = t.to(dtype).cpu()
-    state["freqs_cis"] = precompute_freqs_cis(c.head_dim, c.block_size, c.rope_base)
+    if huginn:
+        state["freqs_cis"] = precompute_freqs_cis(c.head_dim, c.block_size, c.rope_base)
     return state
 
 
@@ -122,7 +145,8 @@ def rollouts(s: dict[str, Any], step: int, version: int, seed: int) -> list[Any]
 
 def flop_counts(s: dict[str, Any], k: int) -> dict[str, Any]:
     h, f, v, r, seq = s["hidden"], s["ffn"], s["vocab"], s["recurrence"], s["seq"]
-    block, adapter = 4 * h * h + 3 * h * f, 2 * h * h
+    block = 4 * h * h + 3 * h * f
+    adapter = 0 if s.get("family") == "ouro" else 2 * h * h
     k = r if k <= 0 else min(k, r)
     it = s["core"] * block + adapter
     p_grad = (s["prelude"] + s["coda"]) * block + k * it + v * h
@@ -175,7 +199,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    c = huginn_config(s)
+    c = model_config(s)
     overrides = [
         f"rollout.n={s['n']}", f"rollout.prompts_per_step={s['batch'] // s['n']}",
         f"tp={a.tp}", f"learner.precision={a.precision}",
@@ -186,7 +210,7 @@ def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     t0 = time.perf_counter()
-    trainer = build_learner_trainer(cfg, c, huginn_init_state(c, dev, dtype))
+    trainer = build_learner_trainer(cfg, c, init_state(c, dev, dtype))
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in trainer.policy_model.parameters())
     times, losses, metrics = [], [], {}
@@ -230,7 +254,7 @@ def main() -> None:
         "step_ms_median": round(step_s * 1e3, 1),
         "step_ms_mean": round(statistics.fmean(times) * 1e3, 1) if times else None,
         "tokens_per_s": round(tokens / step_s, 1),
-        "mfu": round(fc["flops_per_token"] * tokens / step_s / PEAK_BF16, 4),
+        "mfu": round(fc["flops_per_token"] * tokens / step_s / (PEAK_BF16 * info.world_size), 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
         "losses": [round(x, 6) for x in losses],
         "loss_finite_every_step": all(math.isfinite(x) for x in losses),

@@ -9,6 +9,18 @@ import torch
 import torch.distributed as dist
 
 
+def all_reduce_(t: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of a CPU tensor over `group`, through the current CUDA device when
+    the group's backend is NCCL (which has no CPU tensors); returns `t`."""
+    if dist.get_backend(group) == "nccl":
+        dev = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(dev, op=op, group=group)
+        t.copy_(dev.cpu())
+    else:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
 class StepMetrics:
     """Sums, token-weighted means and maxima, reduced over the data-parallel group."""
 
@@ -38,8 +50,8 @@ class StepMetrics:
         packed = torch.tensor(flat, dtype=torch.float64)
         peaks = torch.tensor([self.maxes[k] for k in mk], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(packed, group=group)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(packed, group)
+            all_reduce_(peaks, group, dist.ReduceOp.MAX)
         vals, n = packed.tolist(), len(sk)
         out = dict(zip(sk, vals[:n], strict=True))
         for i, k in enumerate(wk):

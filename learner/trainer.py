@@ -47,7 +47,7 @@ from learner.batching import (
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
-from learner.step_metrics import StepMetrics
+from learner.step_metrics import StepMetrics, all_reduce_
 from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import token_stats
 from proto.records import Rollout
@@ -186,6 +186,7 @@ class Trainer:
     ) -> dict[tuple[int, int], Tensor]:
         """Critic values (+ GAE) and proximal log-probs / logits with pre-update weights."""
         cfg, flow = self.cfg, self.cfg.objective.kind == "flow_dppo"
+        device = next(self.policy.module.parameters()).device
         old_logits: dict[tuple[int, int], Tensor] = {}
         length = batch.length
         zeros = torch.zeros(batch.size, length)
@@ -196,6 +197,7 @@ class Trainer:
             for _, _, lo, hi in rows:
                 start = lo
                 for mb in self._micro(batch, lo, hi):
+                    mb = mb.to(device)
                     v = self.critic_spec.forward(self.critic.module, mb).float().cpu()
                     values[start : start + mb.size, : v.shape[1]] = v[:, :length]
                     start += mb.size
@@ -216,7 +218,8 @@ class Trainer:
             self.policy.module.eval()
             for u, (_, _, lo, hi) in enumerate(rows):
                 start = lo
-                for i, mb in enumerate(self._micro(batch, lo, hi)):
+                for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
+                    mb = mb_cpu.to(device)
                     stats = self._stats(self.policy_spec.forward(self.policy.module, mb), mb, None)
                     if flow:
                         if "rows" not in stats:
@@ -235,7 +238,7 @@ class Trainer:
         a = adv.double()
         sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
         if dist.is_initialized() and self.dp_size > 1:
-            dist.all_reduce(sums, group=self.dp_group)
+            all_reduce_(sums, self.dp_group)
         total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
         mean = sums[1] / total
         var = (sums[2] / total - mean * mean).clamp_min(0.0)
@@ -291,7 +294,7 @@ class Trainer:
                 self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
-            dist.all_reduce(row_mismatch, op=dist.ReduceOp.MAX, group=self.dp_group)
+            all_reduce_(row_mismatch, self.dp_group, dist.ReduceOp.MAX)
         by_id = {
             r.rollout_id: float(row_mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))
         }

@@ -34,7 +34,8 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
     timeout "${T_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider \
         tests/learner/test_device_noise.py tests/learner/test_backprop_depth.py \
-        tests/learner/test_triton_token_stats.py 2>&1 | tail -n 15 | tee "$LOG/tests.txt"
+        tests/learner/test_triton_token_stats.py -rA 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
+        tail -n 40 | tee "$LOG/tests.txt"
 fi
 
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/trainer_gpu.py run (if in $BENCHES)
@@ -49,15 +50,31 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/trainer_gpu.py run (if i
 if has trainer; then
     bench 1b_eager 90 --shape huginn_1b --steps 10
     bench 1b_compiled 130 --shape huginn_1b --steps 10 --warmup 3 --compile
+    bench 1b_compiled_m8 130 --shape huginn_1b --steps 10 --warmup 3 --compile --micro 8
     bench 0125_eager 200 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}"
     bench 0125_compiled 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
         --micro "${HUGINN_MICRO:-1}" --compile
 fi
-if has dp; then  # two GPUs: DP = 2 on the Huginn shape (torchrun, NCCL)
-    timeout "${T_DP:-300}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
-        benchmarks/trainer_gpu.py --label 0125_dp2 --shape huginn_0125 --steps 10 \
-        --micro "${HUGINN_MICRO:-1}" --batch 8 2>"$LOG/dp2.err" | tee -a "$LOG/trainer.jsonl"
-    grep -E "^step|Error" "$LOG/dp2.err" | tail -n 4
+if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
+    timeout "${T_DP_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+        tests/learner/test_trainer.py tests/learner/test_nonfinite.py \
+        -k "tp2_and_dp2 or skipped_on_every_rank" 2>&1 | grep -E "^E |PASSED|FAILED|ERROR|passed|failed" |
+        tail -n 30 | tee "$LOG/dp_tests.txt"
+    dist() {  # dist NAME TIMEOUT ARGS...: benchmarks/trainer_gpu.py on 2 GPUs (torchrun)
+        local name=$1 t=$2
+        shift 2
+        [[ " ${BENCHES:-$name} " == *" $name "* ]] || return 0
+        timeout "$t" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+            benchmarks/trainer_gpu.py --label "$name" "$@" 2>"$LOG/$name.err" |
+            tee -a "$LOG/trainer.jsonl"
+        grep -E "^step|Error" "$LOG/$name.err" | tail -n 3
+    }
+    dist 0125_dp2_compiled 200 --shape huginn_0125 --steps 10 --warmup 3 --batch 8 \
+        --micro "${HUGINN_MICRO:-1}" --compile
+    bench ouro_eager 120 --shape ouro_1b --steps 8
+    dist ouro_tp2_eager 150 --shape ouro_1b --steps 8 --tp 2
+    bench ouro_compiled 150 --shape ouro_1b --steps 8 --warmup 3 --compile
+    dist ouro_tp2_compiled 180 --shape ouro_1b --steps 8 --warmup 3 --tp 2 --compile
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |

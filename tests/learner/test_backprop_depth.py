@@ -103,7 +103,8 @@ def body() -> dict[str, Any]:
         uniform = [dataclasses.replace(it, exit_depths=[cfg.max_depth] * len(it.exit_depths))
                    for it in items]  # fmt: skip
         for shape, its in (("adaptive", items), ("uniform", uniform)):
-            batch = make_replay_batch(its)
+            dev = "cuda" if torch.cuda.is_available() else "cpu"  # the model's device
+            batch = make_replay_batch(its).to(dev)
             res: dict[str, Any] = {}
             for name, k in (("truncated", K), ("hooks", 0), ("full", 0), ("recompute", K)):
                 rc = "block" if name == "recompute" else "none"

@@ -103,7 +103,8 @@ def gpt_policy_spec(tp: int, **overrides: Any) -> Any:
 
     def forward(model: torch.nn.Module, mb: Any) -> dict[str, torch.Tensor]:
         b, s = mb.input_ids.shape
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s)
+        ones = torch.ones(s, s, dtype=torch.bool, device=mb.input_ids.device)
+        causal = torch.triu(ones, diagonal=1).expand(b, 1, s, s)
         return {"logits": model(mb.input_ids, mb.position_ids, causal)}
 
     return PolicySpec(build, forward)
@@ -124,16 +125,17 @@ def looped_trainer(
 
 def learner_logp(trainer: Any, rollouts: list[Rollout]) -> torch.Tensor:
     """[B, L] log-probs of the sorted batch's targets under the trainer's current policy."""
-    batch = build_batch(rollouts)
+    device = next(trainer.policy_model.parameters()).device  # CUDA on a GPU host
+    batch = build_batch(rollouts).to(device)
     with torch.no_grad():
         out = trainer._stats(trainer.policy_spec.forward(trainer.policy_model, batch), batch, None)
-    return out["logp"]
+    return out["logp"].cpu()
 
 
 def hf_params(model: Any) -> dict[str, torch.Tensor]:
     from learner.hf_convert import gather_hf_state
 
-    return {k: v.clone() for k, v in gather_hf_state(model).items()}
+    return {k: v.detach().cpu().clone() for k, v in gather_hf_state(model).items()}
 
 
 def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -257,7 +259,7 @@ def _recompute() -> dict[str, float]:
                 trainer = looped_trainer(cfg, REF_OPTIMS["adam"])
                 trainer.step(rollouts_for(17))
             params.append(
-                {n: p.detach().clone() for n, p in trainer.policy_model.named_parameters()}
+                {n: p.detach().cpu().clone() for n, p in trainer.policy_model.named_parameters()}
             )
         out[name] = max_diff(*params)
     return out
