@@ -16,6 +16,7 @@ from typing import Any
 from models.contract import NUMERICS
 
 REWARD_MODES = ("process", "thread", "inline")
+DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -45,6 +46,9 @@ class GeneratorConfig:
     """Engine numerics: fast (native kernels) or exact (fp64-accumulated, bit-exact replay)."""
     exit_policy: str = ""
     """Exit policy as JSON, e.g. {"kind": "kl", "threshold": 0.1}; empty: full depth."""
+    dtype: str = "auto"
+    """vLLM model dtype: auto (float32 on CPU; on a GPU the checkpoint's torch_dtype, i.e. that
+    of the weights the learner publishes), float32 or bfloat16; numerics exact needs float32."""
     max_num_seqs: int = 32
     """vLLM: most sequences (samples) decoded at once."""
     max_model_len: int = 1024
@@ -88,6 +92,12 @@ class GeneratorConfig:
             (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
             (self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0"),
             (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
+            (self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}"),
+            (
+                self.numerics != "exact" or self.dtype in ("auto", "float32"),
+                "dtype",
+                "numerics exact computes in float32 (use auto or float32)",
+            ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
             (self.max_model_len >= 2, "max_model_len", "must be >= 2"),
             (self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1"),

@@ -91,6 +91,24 @@ def _read_state(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> dict[
     return load_checkpoint(source)[1]
 
 
+def resolve_dtype(dtype: str, hf_config: dict[str, Any], *, cpu: bool, numerics: str) -> str:
+    """The vLLM model dtype: ``auto`` is float32 on CPU and in exact numerics, else the
+    checkpoint's torch_dtype (the dtype of the weights the learner publishes; float32 if
+    absent). An explicit dtype is used as given (exact numerics needs float32)."""
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if numerics == "exact":
+        if dtype == "bfloat16":
+            raise ValueError("numerics exact computes in float32: dtype must be auto or float32")
+        return "float32"
+    if dtype != "auto":
+        return dtype
+    if cpu:
+        return "float32"
+    tdt = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+    return "bfloat16" if tdt in ("bfloat16", "torch.bfloat16") else "float32"
+
+
 class LoopedEngine:
     """A vLLM engine serving a looped (or plain Llama) checkpoint; see module doc."""
 
@@ -109,6 +127,7 @@ class LoopedEngine:
         inflight_updates: bool = False,
         record: bool = True,
         weight_version: int = 0,
+        dtype: str = "auto",
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -132,9 +151,11 @@ class LoopedEngine:
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
             kwargs["enable_chunked_prefill"] = True
+        self.dtype = resolve_dtype(dtype, read_config(self.model_dir), cpu=self._cpu,
+                                   numerics=numerics)  # fmt: skip
         self.llm = LLM(
             model=self.model_dir,
-            dtype="float32",
+            dtype=self.dtype,  # type: ignore[arg-type]
             enforce_eager=enforce_eager,
             seed=seed,
             max_num_seqs=max_num_seqs,

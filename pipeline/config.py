@@ -222,12 +222,17 @@ class GeneratorsSection:
     """Torch threads per generator process (OMP_NUM_THREADS) under `looprl run`."""
     max_model_len: int = 128
     """vLLM context length (prompt + completion tokens) of the generators `looprl run` starts."""
+    dtype: str = "auto"
+    """vLLM dtype of the generators `looprl run` starts: auto (bfloat16 when learner.precision is
+    bf16, else the generator's own rule: float32 on CPU), float32 or bfloat16."""
     extra_args: list[str] = field(default_factory=list)
     """More `looprl generator` flags, passed verbatim by `looprl run`."""
 
     def __post_init__(self) -> None:
         _check(self.count >= 0, "generators.count", self.count, "must be >= 0")
         _check(self.max_inflight >= 1, "generators.max_inflight", self.max_inflight, ">= 1")
+        _check(self.dtype in ("auto", "float32", "bfloat16"), "generators.dtype", self.dtype,
+               "must be auto, float32 or bfloat16")  # fmt: skip
         _check(0 < self.heartbeat_interval_s < self.peer_timeout_s, "generators.peer_timeout_s",
                self.peer_timeout_s, "need 0 < heartbeat_interval_s < peer_timeout_s")  # fmt: skip
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from generator.config import (
+    DTYPES,
     LOG_LEVELS,
     NUMERICS,
     REWARD_MODES,
@@ -51,6 +52,7 @@ _FLAG_NAMES = {
 }
 _CHOICES: dict[str, Sequence[str]] = {
     "numerics": NUMERICS,
+    "dtype": DTYPES,
     "reward_mode": REWARD_MODES,
     "log_level": LOG_LEVELS,
 }
@@ -311,6 +313,7 @@ def serve(cfg: GeneratorConfig) -> int:
         engine = LoopedEngine(
             cfg.model,
             numerics=cfg.numerics,
+            dtype=cfg.dtype,
             exit_policy=policy_from_dict(cfg.exit_policy_dict()),
             max_num_seqs=cfg.max_num_seqs,
             kv_cache_bytes=cfg.kv_cache_mb << 20,

@@ -73,8 +73,18 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
         "--numerics", cfg.numerics, "--peer-timeout", str(g.peer_timeout_s),
         "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
         "--seed", str(cfg.seed + i), "--max-model-len", str(g.max_model_len), *curve,
+        "--dtype", _generator_dtype(cfg),
         *g.extra_args,
     ]  # fmt: skip
+
+
+def _generator_dtype(cfg: RunConfig) -> str:
+    """generators.dtype; auto follows the published weights (bfloat16 under learner.precision
+    bf16; otherwise the generator's own auto rule)."""
+    g = cfg.generators.dtype
+    if g != "auto":
+        return g
+    return "bfloat16" if cfg.learner.precision == "bf16" and cfg.numerics == "fast" else "auto"
 
 
 class Generators:
