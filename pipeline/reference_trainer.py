@@ -57,6 +57,16 @@ class ReferenceTrainer:
 
         self.config, model = load_model(self.model_dir)
         assert isinstance(model, LoopedLM)
+        k = int(getattr(self.config, "mean_backprop_depth", 0) or 0)
+        if cfg.learner.backprop_depth == -1 and 0 < k < model.max_depth:
+            from pipeline.config import ConfigError
+
+            raise ConfigError(
+                f"run config learner.backprop_depth=-1 means the checkpoint's mean_backprop_depth "
+                f"({k} of {model.max_depth} iterations), which backend=reference does not "
+                "implement (it backpropagates through every iteration): set "
+                "learner.backprop_depth=0 or use backend=megatron"
+            )
         self.model: LoopedLM = model
         self.model.train()
         self.tied = tied_from_module(self.model)
