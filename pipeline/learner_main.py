@@ -77,24 +77,10 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def load_prompts(cfg: RunConfig, model: Path) -> Any:
-    """The run's PromptSource (synthetic count-on prompts, or a jsonl file)."""
-    from pipeline.dispatch import Prompt, PromptSource
+    """The run's PromptSource (pipeline.tasks: synthetic, jsonl or dataset)."""
+    from pipeline.tasks import load_prompts as load
 
-    t = cfg.task
-    if t.kind == "synthetic":
-        from generator.rewards import synthetic_task_prompts
-
-        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-        pairs = synthetic_task_prompts(t.num_prompts, t.seed, vocab, length=cfg.rollout.max_tokens,
-                                       max_step=t.max_step)  # fmt: skip
-        return PromptSource([Prompt(f"p{i}", p, dict(k)) for i, (p, k) in enumerate(pairs)], t.seed)
-    out = []
-    for i, line in enumerate(Path(t.path).read_text().splitlines()):
-        if line.strip():
-            d = json.loads(line)
-            out.append(Prompt(str(d.get("prompt_id", f"p{i}")), list(d["prompt_tokens"]),
-                              dict(d.get("task", {}))))  # fmt: skip
-    return PromptSource(out, t.seed)
+    return load(cfg, model)
 
 
 def _free_pair(host: str) -> int:
@@ -135,6 +121,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                 stop: Callable[[], bool] | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole learner (see the module docstring); returns the summary."""
     from pipeline import resume as resume_mod
+    from pipeline import tasks
     from pipeline.coordinator import Coordinator
     from pipeline.metrics import MetricsWriter, read_metrics, summary
     from pipeline.trainer_api import build_trainer
@@ -146,7 +133,9 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     model = model_dir(cfg, run_dir)
+    cfg = tasks.with_task_stops(cfg, model)  # dataset: stop at the checkpoint's EOS ids
     prompts = load_prompts(cfg, model)
+    tasks.check_data(run_dir, prompts, resume=resume)  # the data a resumed run continues on
     trainer: Any = build_trainer(cfg.backend, cfg, model)
     if getattr(trainer, "world_size", 1) > 1:
         from pipeline.ranks import Leader
@@ -193,7 +182,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         if on_bound is not None:
             on_bound(ctrl, wts, model)
         keep = cfg.checkpoint.keep
-        coord.run(cfg.steps, checkpoint=lambda: resume_mod.save(coord, keep),
+        coord.run(tasks.planned_steps(cfg, prompts), checkpoint=lambda: resume_mod.save(coord, keep),
                   stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
         resume_mod.save(coord, keep)
     finally:
