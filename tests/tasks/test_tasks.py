@@ -253,7 +253,7 @@ def test_resume_continues_the_data_where_it_stopped(tmp_path: Path, model: Path)
     c.recorder.close()
     c.endpoint.close()
     saved = json.loads((run / "task.json").read_text())
-    assert saved["rows"] == ROWS and saved["counter"] == 0
+    assert saved["rows"] == saved["kept"] == ROWS and saved["dropped_too_long"] == 0
     net2, t2 = MemoryNetwork(), FakeTrainer()
     c2 = coordinator(net2, t2, True)
     resume.restore(c2, t.latest(run))
