@@ -1,0 +1,116 @@
+"""Evaluate a checkpoint on the run's eval split, on its own (no learner, no generators).
+
+    python -m pipeline.evaluation --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
+                                  [--temperature 0] [--limit 0] [key=value ...]
+
+Order: the run config's task (pipeline.tasks: same rendering, limits, reward_args) is read
+with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
+checkpoint loaded by models.checkpoint.load_model, decoded by models.reference.generate
+(greedy when ``temperature`` is 0; latent seeds from (run seed, "eval/" + prompt id, sample);
+stops at rollout.stop_token_ids plus the EOS ids) -> each completion is decoded once and
+scored by the task's reward through the RewardRunner (mode inline) -> one JSON line:
+``eval/accuracy`` (pass@1: sample 0 correct), ``eval/mean@n`` (mean over all samples),
+``eval/reward_mean``, ``eval/prompts``, ``eval/n``, ``model``. Correct means the reward's info
+says ``correct`` (the math reward), else reward >= 1.
+
+This uses the reference PyTorch forward (models/reference.py), which is the numerical spec but
+not fast: fine for the tiny and small checkpoints on a CPU, slow for real ones (where the
+generators should run the eval split: see docs/TASKS.md, "Evaluation").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, load_config
+
+
+def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
+    """A scored completion counts as correct: info["correct"] if the reward sets it, else
+    reward >= 1."""
+    if "correct" in info:
+        return bool(info["correct"])
+    return reward is not None and reward >= 1.0
+
+
+def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
+             temperature: float = 0.0, limit: int = 0, batch: int = 64,
+             tokenizer: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
+    ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
+    RUN_DIR/weights/vN hold none: use RUN_DIR/init)."""
+    import torch
+
+    from generator.reward_runner import RewardRunner
+    from models.chat import ChatRenderer, eos_token_ids
+    from models.checkpoint import load_model
+    from models.noise import derive_latent_seed
+    from models.reference import SamplingParams, generate
+    from pipeline.tasks import dataset_prompts, prompt_limit
+
+    if cfg.task.kind != "dataset":
+        raise ConfigError(
+            f"run config task.kind={cfg.task.kind!r}: evaluation needs a dataset task"
+        )
+    if n < 1 or temperature < 0:
+        raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")
+    tok_dir = tokenizer or model
+    prompts, _ = dataset_prompts(cfg.task, tok_dir, prompt_limit(cfg), split=split)
+    prompts = prompts[:limit] if limit else prompts
+    net: Any = load_model(model)[1]
+    net.eval()
+    stops = tuple(sorted({*cfg.rollout.stop_token_ids, *eos_token_ids(tok_dir)}))
+    greedy = temperature == 0
+    sampling = SamplingParams(temperature=1.0 if greedy else temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=cfg.rollout.max_tokens, stop_token_ids=stops,
+                              greedy=greedy)  # fmt: skip
+    renderer = ChatRenderer.from_checkpoint(tok_dir, template="plain")  # decode only
+    calls, items = [], [(p, i) for p in prompts for i in range(n)]
+    with torch.no_grad():
+        for k in range(0, len(items), batch):
+            part = items[k : k + batch]
+            seeds = [derive_latent_seed(cfg.seed, f"eval/{p.prompt_id}", i) for p, i in part]
+            for (p, _i), g in zip(
+                part, generate(net, [p.tokens for p, _ in part], seeds, sampling)
+            ):
+                toks = [int(t) for t in g.tokens]
+                calls.append((renderer.decode(toks), toks, dict(p.task)))
+    with RewardRunner(cfg.task.reward, mode="inline") as runner:
+        results = runner.score_many(calls)
+    ok = [correct_of(r.reward, dict(r.info)) for r in results]
+    first = [ok[j] for j in range(0, len(ok), n)]
+    return {"model": str(model), "eval/split": split, "eval/prompts": len(prompts), "eval/n": n,
+            "eval/accuracy": sum(first) / len(first), "eval/mean@n": sum(ok) / len(ok),
+            "eval/reward_mean": sum(float(r.reward or 0.0) for r in results) / len(results)}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.evaluation",
+                                description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--config", metavar="FILE", help="run config YAML (its task section is used)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --model)")
+    p.add_argument("--split", default="test", help="split to evaluate (default: test)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.config, list(a.overrides))
+        out = evaluate(cfg, Path(a.model), split=a.split, n=a.n, temperature=a.temperature,
+                       limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None)  # fmt: skip
+    except ConfigError as e:
+        print(f"evaluation: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Stand-alone evaluation (pipeline/evaluation.py) of a real tiny checkpoint on a dataset
+split: the figures it reports are those of its own completions, scored by the task reward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.evaluation import correct_of, evaluate, main
+from pipeline.make_math_data import make_dataset
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from models.init import init_checkpoint
+
+    tmp = tmp_path_factory.mktemp("eval")
+    model = init_checkpoint("huginn", "tiny", tmp / "model")
+    make_dataset(tmp / "data", train=20, test=6)
+    return model, tmp / "data"
+
+
+def cfg(data: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return load_config(None, ["task.kind=dataset", f"task.path={data}", "task.reward=math",
+                              "rollout.max_tokens=3", "task.reward_args.format_weight=0.5",
+                              *extra])  # fmt: skip
+
+
+def test_greedy_and_sampled_figures(setup: tuple[Path, Path]) -> None:
+    model, data = setup
+    greedy = evaluate(cfg(data), model)
+    assert greedy["eval/prompts"] == 6 and greedy["eval/n"] == 1
+    assert greedy["eval/accuracy"] == greedy["eval/mean@n"]
+    assert 0.0 <= greedy["eval/accuracy"] <= 1.0
+    assert evaluate(cfg(data), model) == greedy  # greedy: deterministic
+    sampled = evaluate(cfg(data), model, n=3, temperature=1.0, limit=4)
+    assert sampled["eval/prompts"] == 4 and sampled["eval/n"] == 3
+    assert evaluate(cfg(data), model, n=3, temperature=1.0, limit=4) == sampled  # seeded
+    # the reward mean is format_weight x formatted + (1 - format_weight) x correct
+    assert sampled["eval/reward_mean"] >= 0.5 * sampled["eval/mean@n"]
+
+
+def test_cli_prints_one_json_line_and_refuses_bad_settings(
+    setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, data = setup
+    args = ["--model", str(model), "task.kind=dataset", f"task.path={data}", "task.reward=math",
+            "rollout.max_tokens=2", "--limit", "2"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["eval/prompts"] == 2 and out["eval/split"] == "test"
+    assert main(["--model", str(model)]) == 2  # the synthetic task has no eval split
+    assert "evaluation needs a dataset task" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="need n >= 1"):
+        evaluate(cfg(data), model, n=0)
+
+
+def test_correct_of() -> None:
+    assert correct_of(0.2, {"correct": True}) and not correct_of(1.0, {"correct": False})
+    assert correct_of(1.0, {}) and not correct_of(0.5, {}) and not correct_of(None, {})
