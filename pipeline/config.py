@@ -347,6 +347,28 @@ class MetricsSection:
 
 
 @dataclass(frozen=True)
+class EvalSection:
+    """Evaluation during training on a dataset task's eval split (pipeline/evaluation.py)."""
+
+    every: int = 0
+    """Evaluate at step 1 and every this many steps after it, and at the last step; 0: never."""
+    split: str = "test"
+    """Split of task.path to evaluate on."""
+    n: int = 1
+    """Completions per prompt (eval/accuracy is pass@1; eval/mean@n the mean over all)."""
+    temperature: float = 0.0
+    """Sampling temperature of the eval; 0: greedy."""
+    limit: int = 0
+    """Evaluate the first this many prompts of the split; 0: all."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0")
+        _check(self.n >= 1, "eval.n", self.n, "must be >= 1")
+        _check(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
+        _check(self.limit >= 0, "eval.limit", self.limit, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One training run; see docs/PIPELINE.md for the reference."""
 
@@ -390,6 +412,8 @@ class RunConfig:
     """Rollout stream and step log."""
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """Metrics outputs."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Evaluation during training (dataset tasks)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -397,6 +421,8 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        _check(not self.eval.every or self.task.kind == "dataset", "eval.every", self.eval.every,
+               "needs task.kind=dataset (an eval split)")  # fmt: skip
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, load_config
+
+log = logging.getLogger(__name__)
 
 
 def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
@@ -38,12 +41,22 @@ def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
     return reward is not None and reward >= 1.0
 
 
-def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
-             temperature: float = 0.0, limit: int = 0, batch: int = 64,
-             tokenizer: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
-    ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
-    RUN_DIR/weights/vN hold none: use RUN_DIR/init)."""
+def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> list[Any]:
+    """The prompts of ``split`` of the run's dataset task (rendered as for training)."""
+    from pipeline.tasks import dataset_prompts, prompt_limit
+
+    if cfg.task.kind != "dataset":
+        raise ConfigError(
+            f"run config task.kind={cfg.task.kind!r}: evaluation needs a dataset task"
+        )
+    prompts, _ = dataset_prompts(cfg.task, tok_dir, prompt_limit(cfg), split=split)
+    return prompts[:limit] if limit else prompts
+
+
+def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequence[Any], *,
+                     n: int = 1, temperature: float = 0.0, batch: int = 64) -> dict[str, Any]:  # fmt: skip
+    """Complete every prompt ``n`` times with the checkpoint at ``weights`` and score the
+    completions with the task's reward (see the module doc)."""
     import torch
 
     from generator.reward_runner import RewardRunner
@@ -51,18 +64,10 @@ def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
     from models.checkpoint import load_model
     from models.noise import derive_latent_seed
     from models.reference import SamplingParams, generate
-    from pipeline.tasks import dataset_prompts, prompt_limit
 
-    if cfg.task.kind != "dataset":
-        raise ConfigError(
-            f"run config task.kind={cfg.task.kind!r}: evaluation needs a dataset task"
-        )
     if n < 1 or temperature < 0:
         raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")
-    tok_dir = tokenizer or model
-    prompts, _ = dataset_prompts(cfg.task, tok_dir, prompt_limit(cfg), split=split)
-    prompts = prompts[:limit] if limit else prompts
-    net: Any = load_model(model)[1]
+    net: Any = load_model(weights)[1]
     net.eval()
     stops = tuple(sorted({*cfg.rollout.stop_token_ids, *eos_token_ids(tok_dir)}))
     greedy = temperature == 0
@@ -84,9 +89,55 @@ def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
         results = runner.score_many(calls)
     ok = [correct_of(r.reward, dict(r.info)) for r in results]
     first = [ok[j] for j in range(0, len(ok), n)]
-    return {"model": str(model), "eval/split": split, "eval/prompts": len(prompts), "eval/n": n,
-            "eval/accuracy": sum(first) / len(first), "eval/mean@n": sum(ok) / len(ok),
+    return {"eval/prompts": len(prompts), "eval/n": n, "eval/accuracy": sum(first) / len(first),
+            "eval/mean@n": sum(ok) / len(ok),
             "eval/reward_mean": sum(float(r.reward or 0.0) for r in results) / len(results)}  # fmt: skip
+
+
+def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
+             temperature: float = 0.0, limit: int = 0,
+             tokenizer: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
+    ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
+    RUN_DIR/weights/vN hold none: use RUN_DIR/init)."""
+    tok_dir = tokenizer or model
+    prompts = eval_prompts(cfg, tok_dir, split, limit)
+    out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature)
+    return {"model": str(model), "eval/split": split, **out}
+
+
+class PeriodicEval:
+    """Evaluation during training, on the learner (``eval.every`` > 0; docs/TASKS.md).
+
+    Called with every training step's metrics row: on steps 1, 1 + every, 1 + 2 x every, ...
+    and on the last step it scores the weights that step trained on (version ``row["version"]``:
+    the starting checkpoint for 0, else RUN_DIR/weights/vN) and adds eval/accuracy,
+    eval/mean@n, eval/reward_mean, eval/version and eval/s to the row. Rollouts of the eval
+    never reach the generators, the training stream or the staleness accounting."""
+
+    def __init__(self, cfg: RunConfig, model: Path, run_dir: Path, last_step: int) -> None:
+        e = cfg.eval
+        self.cfg, self.model, self.run_dir, self.last_step = cfg, model, run_dir, last_step
+        self.prompts = eval_prompts(cfg, model, e.split, e.limit)
+
+    def due(self, step: int) -> bool:
+        return (step - 1) % self.cfg.eval.every == 0 or step == self.last_step
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        import time
+
+        step, version = int(row["step"]), int(row["version"])
+        if not self.due(step):
+            return
+        weights = self.model if version == 0 else self.run_dir / "weights" / f"v{version}"
+        if not (weights / "config.json").is_file():
+            log.warning("eval at step %d: %s is gone (publish.keep); skipped", step, weights)
+            return
+        t0 = time.perf_counter()
+        e = self.cfg.eval
+        out = score_checkpoint(self.cfg, weights, self.model, self.prompts, n=e.n,
+                               temperature=e.temperature)  # fmt: skip
+        row.update(out, **{"eval/version": version, "eval/s": time.perf_counter() - t0})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

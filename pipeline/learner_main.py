@@ -153,8 +153,15 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
           f"--numerics {cfg.numerics}", flush=True)  # fmt: skip
     metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard)
     bar = _progress(cfg)
+    evaluate = None
+    if cfg.eval.every:  # on the learner, outside the stream (pipeline/evaluation.py)
+        from pipeline.evaluation import PeriodicEval
+
+        evaluate = PeriodicEval(cfg, model, run_dir, tasks.planned_steps(cfg, prompts))
 
     def on_step(m: dict[str, Any]) -> None:
+        if evaluate is not None:
+            evaluate(m)
         metrics.log(m)
         if bar is not None:
             bar.update(1)
