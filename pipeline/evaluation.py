@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on the run's eval split, on its own (no learner, no generators).
 
-    python -m pipeline.evaluation --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
-                                  [--temperature 0] [--limit 0] [key=value ...]
+    looprl eval --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
+                [--temperature 0] [--limit 0] [key=value ...]
 
 Order: the run config's task (pipeline.tasks: same rendering, limits, reward_args) is read
 with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
@@ -140,9 +140,7 @@ class PeriodicEval:
         row.update(out, **{"eval/version": version, "eval/s": time.perf_counter() - t0})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.evaluation",
-                                description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     p.add_argument("--config", metavar="FILE", help="run config YAML (its task section is used)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --model)")
@@ -151,16 +149,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    a = p.parse_args(argv)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``looprl eval``."""
+    p = subparsers.add_parser("eval", help="evaluate a checkpoint on the task's eval split",
+                              description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
+    _add_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
+    """``looprl eval``: one JSON line of scores; exit 2 for bad settings."""
     try:
         cfg = load_config(a.config, list(a.overrides))
         out = evaluate(cfg, Path(a.model), split=a.split, n=a.n, temperature=a.temperature,
                        limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None)  # fmt: skip
     except ConfigError as e:
-        print(f"evaluation: error: {e}", file=sys.stderr)
+        print(f"looprl eval: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(out))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="looprl eval", description=(__doc__ or "").split("\n\n")[0])
+    _add_args(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def test_cli_prints_one_json_line_and_refuses_bad_settings(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["eval/prompts"] == 2 and out["eval/split"] == "test"
     assert main(["--model", str(model)]) == 2  # the synthetic task has no eval split
-    assert "evaluation needs a dataset task" in capsys.readouterr().err
+    assert "looprl eval: error: run config task.kind='synthetic'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="need n >= 1"):
         evaluate(cfg(data), model, n=0)
 
