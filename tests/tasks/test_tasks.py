@@ -269,3 +269,23 @@ def test_resume_continues_the_data_where_it_stopped(tmp_path: Path, model: Path)
     write(path, rows(ROWS, start=1))
     with pytest.raises(TaskError, match="the prompts changed since the checkpoint"):
         check_data(run, load_prompts(cfg, model), resume=True)
+
+
+def test_synthetic_and_jsonl_kinds_still_load(tmp_path: Path, model: Path) -> None:
+    from generator.rewards import synthetic_task_prompts
+
+    src = load_prompts(load_config(None, ["task.num_prompts=5", "rollout.max_tokens=4"]), model)
+    want = synthetic_task_prompts(5, 0, 512, length=4, max_step=1)
+    assert [(p.prompt_id, p.tokens, p.task) for p in src.prompts] == [
+        (f"p{i}", toks, task) for i, (toks, task) in enumerate(want)
+    ]
+    lines = [
+        {"prompt_tokens": [1, 5, 6], "task": {"answer": "3"}},
+        {"prompt_id": "x", "prompt_tokens": [1]},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    src = load_prompts(load_config(None, ["task.kind=jsonl", f"task.path={path}"]), model)
+    assert [(p.prompt_id, p.tokens, p.task) for p in src.prompts] == [
+        ("p0", [1, 5, 6], {"answer": "3"}), ("x", [1], {})]  # fmt: skip
+    assert src.stats.kept == 2 and len(src.stats.fingerprint) == 16
