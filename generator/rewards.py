@@ -7,9 +7,10 @@ A reward function has the signature (docs/REWARDS.md)::
 
 and is named by a dotted path, ``"package.module:function"`` or ``"package.module.function"``;
 a bare name (``"numeric"``) means a built-in of this module. Built-ins: ``exact_match``,
-``numeric``, ``regex`` and ``synthetic`` (the quickstart's count-on task, with
-:func:`synthetic_task_prompts`). Rewards are called through
-:class:`generator.reward_runner.RewardRunner`, which adds timeouts and error capture.
+``numeric``, ``regex``, ``synthetic`` (the quickstart's count-on task, with
+:func:`synthetic_task_prompts`) and ``math`` (generator.math_reward, on math-verify).
+Rewards are called through :class:`generator.reward_runner.RewardRunner`, which adds
+timeouts and error capture.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import Any
 Scalar = None | bool | int | float | str
 Task = dict[str, Scalar]
 RewardFn = Callable[[str, list[int], Task], Any]
-BUILTINS = ("exact_match", "numeric", "regex", "synthetic")
+BUILTINS = ("exact_match", "numeric", "regex", "synthetic", "math")
+_ELSEWHERE = {"math": "generator.math_reward:math"}
+"""Built-ins that live in their own module (imported only when named: heavier dependencies)."""
 
 
 class RewardError(ValueError):
@@ -39,7 +42,7 @@ def resolve_reward(path: str) -> RewardFn:
         raise RewardError(
             f"reward must be a dotted path like 'package.module:function', got {path!r}"
         )
-    path = path.strip()
+    path = _ELSEWHERE.get(path.strip(), path.strip())
     if path in BUILTINS:
         return globals()[path]  # type: ignore[no-any-return]
     if ":" in path:

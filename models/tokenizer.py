@@ -1,16 +1,22 @@
 """A small Hugging Face fast tokenizer built locally, for tiny test models (no downloads).
 
-Byte-level BPE (so any text round-trips) trained in code on `CORPUS`, with every digit its
-own token (arithmetic stays readable to the model). Ids:
+At every `vocab_size` >= 4 (`MIN_VOCAB_SIZE`), with every digit its own token (arithmetic
+stays readable to the model) and "0".."9" at ids 18..27 whenever the vocabulary holds them:
 
-    0 <|pad|>   1 <|bos|>   2 <|eos|>   3.. byte alphabet and BPE merges
-    then <|reserved_0|>, <|reserved_1|>, ... up to exactly `vocab_size` when the corpus
-    supports fewer merges than asked for (special tokens, never produced from plain text)
+- `vocab_size` >= 259 (`BYTE_LEVEL_MIN`): byte-level BPE (so any text round-trips) trained in
+  code on `CORPUS`. Ids: 0 <|pad|>, 1 <|bos|>, 2 <|eos|>, 3.. the byte alphabet and BPE
+  merges, then <|reserved_0|>, <|reserved_1|>, ... up to exactly `vocab_size` when the
+  corpus supports fewer merges than asked for (special tokens, never produced from text).
+- smaller: one token per character. Ids: 0 <|pad|>, 1 <|bos|>, 2 <|eos|>, then the
+  printable ASCII characters "!".."~" in code-point order, space, newline, tab, as many as
+  fit, then reserved tokens up to vocab_size - 1, and <|unk|> last (any other character).
 
-Encoding prepends <|bos|>. The directory holds tokenizer.json, tokenizer_config.json and
-special_tokens_map.json, which `transformers.AutoTokenizer.from_pretrained` and vLLM load
-offline. Built with the `tokenizers` library only (no `transformers` import here); the same
-`vocab_size` always gives the same bytes.
+Encoding prepends <|bos|>. tokenizer_config.json carries `CHAT_TEMPLATE` (plain-text roles,
+``User: ...`` / ``Assistant: ...``; models/chat.py and transformers render it). The directory
+holds tokenizer.json, tokenizer_config.json and special_tokens_map.json, which
+`transformers.AutoTokenizer.from_pretrained` and vLLM load offline. Built with the
+`tokenizers` library only (no `transformers` import here); the same `vocab_size` always gives
+the same bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,25 @@ PAD_TOKEN = "<|pad|>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
 """In id order; bos 1 / eos 2 are what `models.config.tiny_config` declares."""
-MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+UNK_TOKEN = "<|unk|>"
+BYTE_LEVEL_MIN = len(SPECIAL_TOKENS) + 256
+"""Smallest vocabulary of the byte-level BPE (the 256 bytes and the special tokens)."""
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 1
+"""Smallest vocabulary at all: the special tokens and <|unk|> (character level below 259)."""
+CHARACTERS = [chr(c) for c in range(33, 127)] + [" ", "\n", "\t"]
+"""Character-level alphabet in id order from id 3 ("0" lands on id 18, as in the BPE)."""
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}{{ eos_token }}\n"
+    "{% else %}{{ raise_exception('unknown chat role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+"""Jinja chat template written into tokenizer_config.json (transformers' convention)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 CORPUS = """\
@@ -84,25 +108,49 @@ def _train(vocab_size: int) -> Tokenizer:
     return tok
 
 
+def _characters(vocab_size: int) -> Tokenizer:
+    """One token per character (see the module doc): BPE without merges, <|unk|> last."""
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    room = vocab_size - len(vocab) - 1
+    for ch in CHARACTERS[:room]:
+        vocab[ch] = len(vocab)
+    reserved = [f"<|reserved_{i}|>" for i in range(room - len(CHARACTERS))]
+    for name in reserved:
+        vocab[name] = len(vocab)
+    vocab[UNK_TOKEN] = len(vocab)
+    tok = Tokenizer(bpe_models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    tok.add_special_tokens([*SPECIAL_TOKENS, *reserved, UNK_TOKEN])
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A:0",
+        pair=f"{BOS_TOKEN} $A:0 $B:1",
+        special_tokens=[(BOS_TOKEN, BOS_ID)],
+    )
+    return tok
+
+
 def tokenizer_files(vocab_size: int = 512) -> dict[str, bytes]:
     """{file name: bytes} of the tokenizer with exactly `vocab_size` tokens."""
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} "
-            f"special tokens), got {vocab_size!r}"
+            f"vocab_size must be an int >= {MIN_VOCAB_SIZE} ({len(SPECIAL_TOKENS)} special "
+            f"tokens + {UNK_TOKEN}), got {vocab_size!r}"
         )
-    tok = _train(vocab_size)
+    tok = _train(vocab_size) if vocab_size >= BYTE_LEVEL_MIN else _characters(vocab_size)
     got = tok.get_vocab_size(with_added_tokens=True)
     ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
     assert got == vocab_size, (got, vocab_size)
     assert ids == [PAD_ID, BOS_ID, EOS_ID], ids
     specials = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+    if vocab_size < BYTE_LEVEL_MIN:
+        specials["unk_token"] = UNK_TOKEN
     config = {
         **specials,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1_000_000,
         "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
     }
     return {
         "tokenizer.json": (tok.to_str(pretty=True) + "\n").encode("utf-8"),
@@ -115,7 +163,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512) -> Path:
     """Write the tokenizer files into `out_dir` (created if needed); return it.
 
     Each file is written to a temporary file and renamed into place. Raises ValueError for a
-    `vocab_size` below `MIN_VOCAB_SIZE`.
+    `vocab_size` below `MIN_VOCAB_SIZE` (4).
     """
     files = tokenizer_files(vocab_size)
     out = Path(out_dir)

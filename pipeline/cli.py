@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replay_parser(sub)
 
+    # looprl eval ...
+    from pipeline.evaluation import add_parser as add_eval_parser
+
+    add_eval_parser(sub)
+
     # looprl generator ...
     from pipeline.generator_cli import add_parser as add_generator_parser
 

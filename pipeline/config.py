@@ -22,7 +22,7 @@ from models.contract import NUMERICS
 OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo")
 POLICIES = ("drop", "keep")
 BACKENDS = ("auto", "megatron", "reference")
-TASKS = ("synthetic", "jsonl")
+TASKS = ("synthetic", "jsonl", "dataset")
 WEIGHT_TRANSPORTS = ("disk", "chunks")
 FSYNC = ("always", "batch", "never")
 
@@ -57,27 +57,61 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class TaskSection:
-    """Where prompts come from (the generators score them with ``reward``)."""
+    """Where prompts come from (the generators score them with ``reward``); docs/TASKS.md."""
 
     kind: str = "synthetic"
-    """synthetic (the count-on task, docs/REWARDS.md) or jsonl (``path``)."""
+    """synthetic (the count-on task, docs/REWARDS.md), jsonl (``path``) or dataset (``path``)."""
     path: str = ""
-    """jsonl: one {"prompt_tokens": [ids], "task": {scalars}} object per line."""
+    """jsonl: {"prompt_tokens", "task"} lines; dataset: data file(s), glob or directory (TASKS.md)."""
     num_prompts: int = 64
     """synthetic: number of distinct prompts."""
     seed: int = 0
-    """synthetic: prompt generation seed; also the epoch shuffle seed."""
+    """Prompt shuffle seed of every epoch (synthetic: also the prompt generation seed)."""
     max_step: int = 1
     """synthetic: largest count step (1: always count up by one)."""
     reward: str = "synthetic"
     """Reward function the generators run (built-in name or package.module:function)."""
+    split: str = "train"
+    """dataset: the split to train on (a single file or glob is split "train")."""
+    prompt_column: str = "prompt"
+    """dataset: column of the prompt, a string or chat messages [{role, content}]."""
+    answer_column: str = "answer"
+    """dataset: column of the ground truth, passed to the reward as task["answer"]; empty: none."""
+    id_column: str = ""
+    """dataset: column of a stable prompt id; empty: the row number in the split."""
+    metadata_columns: list[str] = field(default_factory=list)
+    """dataset: more columns passed to the reward in its task dict (lists/dicts as JSON text)."""
+    reward_args: dict[str, Any] = field(default_factory=dict)
+    """Scalars added to every prompt's task dict (e.g. format_weight of the math reward)."""
+    template: str = "auto"
+    """dataset: auto (the checkpoint's chat template if it has one), chat, or plain text."""
+    system_prompt: str = ""
+    """dataset: system message put before every prompt; empty: none."""
+    instruction: str = ""
+    """dataset: text appended to every prompt's (last) user message."""
+    max_prompt_tokens: int = 0
+    """dataset: longer rendered prompts are dropped and counted; 0: max_model_len - max_tokens."""
+    epochs: int = 0
+    """dataset: passes over the data; caps the steps at epochs x rows / prompts_per_step (0: no cap)."""
+    stop_on_eos: bool = True
+    """dataset: completions also stop at the checkpoint's EOS ids (generation_config.json)."""
 
     def __post_init__(self) -> None:
         _check(self.kind in TASKS, "task.kind", self.kind, f"must be one of {TASKS}")
-        _check(self.kind != "jsonl" or bool(self.path), "task.path", self.path,
-               "required with task.kind=jsonl")  # fmt: skip
+        _check(self.kind not in ("jsonl", "dataset") or bool(self.path), "task.path", self.path,
+               f"required with task.kind={self.kind}")  # fmt: skip
         _check(self.num_prompts >= 1, "task.num_prompts", self.num_prompts, "must be >= 1")
         _check(self.max_step >= 1, "task.max_step", self.max_step, "must be >= 1")
+        _check(bool(self.split), "task.split", self.split, "must name a split")
+        _check(bool(self.prompt_column), "task.prompt_column", self.prompt_column, "required")
+        _check(self.template in ("auto", "chat", "plain"), "task.template", self.template,
+               "must be auto, chat or plain")  # fmt: skip
+        _check(self.max_prompt_tokens >= 0, "task.max_prompt_tokens", self.max_prompt_tokens,
+               "must be >= 0")  # fmt: skip
+        _check(self.epochs >= 0, "task.epochs", self.epochs, "must be >= 0")
+        bad = {k: v for k, v in self.reward_args.items()
+               if not (v is None or isinstance(v, bool | int | float | str))}  # fmt: skip
+        _check(not bad, "task.reward_args", bad, "values must be scalars (str, number, bool, null)")
 
 
 @dataclass(frozen=True)
@@ -346,6 +380,28 @@ class LearnerSection:
 
 
 @dataclass(frozen=True)
+class EvalSection:
+    """Evaluation during training on a dataset task's eval split (pipeline/evaluation.py)."""
+
+    every: int = 0
+    """Evaluate at step 1 and every this many steps after it, and at the last step; 0: never."""
+    split: str = "test"
+    """Split of task.path to evaluate on."""
+    n: int = 1
+    """Completions per prompt (eval/accuracy is pass@1; eval/mean@n the mean over all)."""
+    temperature: float = 0.0
+    """Sampling temperature of the eval; 0: greedy."""
+    limit: int = 0
+    """Evaluate the first this many prompts of the split; 0: all."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0")
+        _check(self.n >= 1, "eval.n", self.n, "must be >= 1")
+        _check(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
+        _check(self.limit >= 0, "eval.limit", self.limit, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One training run; see docs/PIPELINE.md for the reference."""
 
@@ -391,6 +447,8 @@ class RunConfig:
     """Metrics outputs."""
     learner: LearnerSection = field(default_factory=LearnerSection)
     """Learner precision, truncated depth backprop, micro-batching, recompute, compile."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Evaluation during training (dataset tasks)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -412,6 +470,8 @@ class RunConfig:
                        f"backend=reference does not implement it (use {default!r} or megatron)")  # fmt: skip
             _check(lr.backprop_depth in (-1, 0), "learner.backprop_depth", lr.backprop_depth,
                    "backend=reference backpropagates through every iteration (use 0 or megatron)")  # fmt: skip
+        _check(not self.eval.every or self.task.kind == "dataset", "eval.every", self.eval.every,
+               "needs task.kind=dataset (an eval split)")  # fmt: skip
 
 
 # -- loading ----------------------------------------------------------------------------------

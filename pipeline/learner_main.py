@@ -94,24 +94,10 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def load_prompts(cfg: RunConfig, model: Path) -> Any:
-    """The run's PromptSource (synthetic count-on prompts, or a jsonl file)."""
-    from pipeline.dispatch import Prompt, PromptSource
+    """The run's PromptSource (pipeline.tasks: synthetic, jsonl or dataset)."""
+    from pipeline.tasks import load_prompts as load
 
-    t = cfg.task
-    if t.kind == "synthetic":
-        from generator.rewards import synthetic_task_prompts
-
-        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-        pairs = synthetic_task_prompts(t.num_prompts, t.seed, vocab, length=cfg.rollout.max_tokens,
-                                       max_step=t.max_step)  # fmt: skip
-        return PromptSource([Prompt(f"p{i}", p, dict(k)) for i, (p, k) in enumerate(pairs)], t.seed)
-    out = []
-    for i, line in enumerate(Path(t.path).read_text().splitlines()):
-        if line.strip():
-            d = json.loads(line)
-            out.append(Prompt(str(d.get("prompt_id", f"p{i}")), list(d["prompt_tokens"]),
-                              dict(d.get("task", {}))))  # fmt: skip
-    return PromptSource(out, t.seed)
+    return load(cfg, model)
 
 
 def _free_pair(host: str) -> int:
@@ -206,6 +192,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                 stop: Callable[[], bool] | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole learner (see the module docstring); returns the summary."""
     from pipeline import resume as resume_mod
+    from pipeline import tasks
     from pipeline.coordinator import Coordinator
     from pipeline.metrics import MetricsWriter, read_metrics, summary
     from pipeline.trainer_api import build_trainer
@@ -217,7 +204,9 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     model = model_dir(cfg, run_dir)
+    cfg = tasks.with_task_stops(cfg, model)  # dataset: stop at the checkpoint's EOS ids
     prompts = load_prompts(cfg, model)
+    tasks.check_data(run_dir, prompts, resume=resume)  # the data a resumed run continues on
     trainer: Any = build_trainer(cfg.backend, cfg, model)
     if getattr(trainer, "world_size", 1) > 1:
         from pipeline.ranks import Leader
@@ -232,8 +221,15 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     (run_dir / "endpoints.json").write_text(json.dumps({"control": ctrl, "weights": wts}))
     metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard)
     bar = _progress(cfg)
+    evaluate = None
+    if cfg.eval.every:  # on the learner, outside the stream (pipeline/evaluation.py)
+        from pipeline.evaluation import PeriodicEval
+
+        evaluate = PeriodicEval(cfg, model, run_dir, tasks.planned_steps(cfg, prompts))
 
     def on_step(m: dict[str, Any]) -> None:
+        if evaluate is not None:
+            evaluate(m)
         metrics.log(m)
         if bar is not None:
             bar.update(1)
@@ -257,7 +253,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             if ckpt is None:
                 raise ConfigError(f"--resume {run_dir}: no checkpoint there")
             resume_mod.restore(coord, ckpt)
-            finished = _already_finished(run_dir, coord.step, cfg.steps)
+            finished = _already_finished(run_dir, coord.step, tasks.planned_steps(cfg, prompts))
             if bar is not None:
                 bar.update(coord.step)
         if finished is None:
@@ -265,7 +261,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             if on_bound is not None:
                 on_bound(ctrl, wts, model)
             keep = cfg.checkpoint.keep
-            coord.run(cfg.steps, checkpoint=lambda: resume_mod.save(coord, keep),
+            coord.run(tasks.planned_steps(cfg, prompts), checkpoint=lambda: resume_mod.save(coord, keep),
                       stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
             resume_mod.save(coord, keep)
     finally:

@@ -105,7 +105,7 @@ def plot_metrics(path: Path, out: Path) -> Path | None:
         return None
     steps = [r["step"] for r in rows]
     panels = [
-        ("reward", ["reward_mean", "reward_correct"]),
+        ("reward", ["reward_mean", "reward_correct", "eval/accuracy"]),
         ("staleness (versions)", ["staleness_mean", "staleness_max"]),
         ("max |learner - generator logprob|", ["logprob_mismatch", "logprob_mismatch_all"]),
     ]
@@ -113,7 +113,11 @@ def plot_metrics(path: Path, out: Path) -> Path | None:
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             ys = [r.get(key) for r in rows]
-            if any(y is not None for y in ys):
+            if key.startswith("eval/"):  # every eval.every steps: points joined over the gaps
+                pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=key)
+            elif any(y is not None for y in ys):
                 ax.plot(steps, [float("nan") if y is None else y for y in ys], label=key)
         ax.set_title(title)
         if title.startswith("max |"):  # numerics (~1e-6) next to policy change (~1): log scale

@@ -1,0 +1,183 @@
+"""Evaluate a checkpoint on the run's eval split, on its own (no learner, no generators).
+
+    looprl eval --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
+                [--temperature 0] [--limit 0] [key=value ...]
+
+Order: the run config's task (pipeline.tasks: same rendering, limits, reward_args) is read
+with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
+checkpoint loaded by models.checkpoint.load_model, decoded by models.reference.generate
+(greedy when ``temperature`` is 0; latent seeds from (run seed, "eval/" + prompt id, sample);
+stops at rollout.stop_token_ids plus the EOS ids) -> each completion is decoded once and
+scored by the task's reward through the RewardRunner (mode inline) -> one JSON line:
+``eval/accuracy`` (pass@1: sample 0 correct), ``eval/mean@n`` (mean over all samples),
+``eval/reward_mean``, ``eval/prompts``, ``eval/n``, ``model``. Correct means the reward's info
+says ``correct`` (the math reward), else reward >= 1.
+
+This uses the reference PyTorch forward (models/reference.py), which is the numerical spec but
+not fast: fine for the tiny and small checkpoints on a CPU, slow for real ones (where the
+generators should run the eval split: see docs/TASKS.md, "Evaluation").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, load_config
+
+log = logging.getLogger(__name__)
+
+
+def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
+    """A scored completion counts as correct: info["correct"] if the reward sets it, else
+    reward >= 1."""
+    if "correct" in info:
+        return bool(info["correct"])
+    return reward is not None and reward >= 1.0
+
+
+def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> list[Any]:
+    """The prompts of ``split`` of the run's dataset task (rendered as for training)."""
+    from pipeline.tasks import dataset_prompts, prompt_limit
+
+    if cfg.task.kind != "dataset":
+        raise ConfigError(
+            f"run config task.kind={cfg.task.kind!r}: evaluation needs a dataset task"
+        )
+    prompts, _ = dataset_prompts(cfg.task, tok_dir, prompt_limit(cfg), split=split)
+    return prompts[:limit] if limit else prompts
+
+
+def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequence[Any], *,
+                     n: int = 1, temperature: float = 0.0, batch: int = 64) -> dict[str, Any]:  # fmt: skip
+    """Complete every prompt ``n`` times with the checkpoint at ``weights`` and score the
+    completions with the task's reward (see the module doc)."""
+    import torch
+
+    from generator.reward_runner import RewardRunner
+    from models.chat import ChatRenderer, eos_token_ids
+    from models.checkpoint import load_model
+    from models.noise import derive_latent_seed
+    from models.reference import SamplingParams, generate
+
+    if n < 1 or temperature < 0:
+        raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")
+    net: Any = load_model(weights)[1]
+    net.eval()
+    stops = tuple(sorted({*cfg.rollout.stop_token_ids, *eos_token_ids(tok_dir)}))
+    greedy = temperature == 0
+    sampling = SamplingParams(temperature=1.0 if greedy else temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=cfg.rollout.max_tokens, stop_token_ids=stops,
+                              greedy=greedy)  # fmt: skip
+    renderer = ChatRenderer.from_checkpoint(tok_dir, template="plain")  # decode only
+    calls, items = [], [(p, i) for p in prompts for i in range(n)]
+    with torch.no_grad():
+        for k in range(0, len(items), batch):
+            part = items[k : k + batch]
+            seeds = [derive_latent_seed(cfg.seed, f"eval/{p.prompt_id}", i) for p, i in part]
+            for (p, _i), g in zip(
+                part, generate(net, [p.tokens for p, _ in part], seeds, sampling)
+            ):
+                toks = [int(t) for t in g.tokens]
+                calls.append((renderer.decode(toks), toks, dict(p.task)))
+    with RewardRunner(cfg.task.reward, mode="inline") as runner:
+        results = runner.score_many(calls)
+    ok = [correct_of(r.reward, dict(r.info)) for r in results]
+    first = [ok[j] for j in range(0, len(ok), n)]
+    return {"eval/prompts": len(prompts), "eval/n": n, "eval/accuracy": sum(first) / len(first),
+            "eval/mean@n": sum(ok) / len(ok),
+            "eval/reward_mean": sum(float(r.reward or 0.0) for r in results) / len(results)}  # fmt: skip
+
+
+def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
+             temperature: float = 0.0, limit: int = 0,
+             tokenizer: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
+    ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
+    RUN_DIR/weights/vN hold none: use RUN_DIR/init)."""
+    tok_dir = tokenizer or model
+    prompts = eval_prompts(cfg, tok_dir, split, limit)
+    out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature)
+    return {"model": str(model), "eval/split": split, **out}
+
+
+class PeriodicEval:
+    """Evaluation during training, on the learner (``eval.every`` > 0; docs/TASKS.md).
+
+    Called with every training step's metrics row: on steps 1, 1 + every, 1 + 2 x every, ...
+    and on the last step it scores the weights that step trained on (version ``row["version"]``:
+    the starting checkpoint for 0, else RUN_DIR/weights/vN) and adds eval/accuracy,
+    eval/mean@n, eval/reward_mean, eval/version and eval/s to the row. Rollouts of the eval
+    never reach the generators, the training stream or the staleness accounting."""
+
+    def __init__(self, cfg: RunConfig, model: Path, run_dir: Path, last_step: int) -> None:
+        e = cfg.eval
+        self.cfg, self.model, self.run_dir, self.last_step = cfg, model, run_dir, last_step
+        self.prompts = eval_prompts(cfg, model, e.split, e.limit)
+
+    def due(self, step: int) -> bool:
+        return (step - 1) % self.cfg.eval.every == 0 or step == self.last_step
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        import time
+
+        step, version = int(row["step"]), int(row["version"])
+        if not self.due(step):
+            return
+        weights = self.model if version == 0 else self.run_dir / "weights" / f"v{version}"
+        if not (weights / "config.json").is_file():
+            log.warning("eval at step %d: %s is gone (publish.keep); skipped", step, weights)
+            return
+        t0 = time.perf_counter()
+        e = self.cfg.eval
+        out = score_checkpoint(self.cfg, weights, self.model, self.prompts, n=e.n,
+                               temperature=e.temperature)  # fmt: skip
+        row.update(out, **{"eval/version": version, "eval/s": time.perf_counter() - t0})
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--config", metavar="FILE", help="run config YAML (its task section is used)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --model)")
+    p.add_argument("--split", default="test", help="split to evaluate (default: test)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``looprl eval``."""
+    p = subparsers.add_parser("eval", help="evaluate a checkpoint on the task's eval split",
+                              description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
+    _add_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
+    """``looprl eval``: one JSON line of scores; exit 2 for bad settings."""
+    try:
+        cfg = load_config(a.config, list(a.overrides))
+        out = evaluate(cfg, Path(a.model), split=a.split, n=a.n, temperature=a.temperature,
+                       limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None)  # fmt: skip
+    except ConfigError as e:
+        print(f"looprl eval: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="looprl eval", description=(__doc__ or "").split("\n\n")[0])
+    _add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

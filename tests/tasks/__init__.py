@@ -1,0 +1,1 @@
+"""Tests of real-task training: datasets, chat templates, the math reward, evaluation."""
