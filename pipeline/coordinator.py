@@ -355,7 +355,10 @@ class Coordinator:
         """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
         out = self.run_dir / "weights" / f"v{v}"
         try:
-            return self.trainer.publish(out, v)
+            pub = self.trainer.publish(out, v)
+            if pub is None:
+                raise CoordinatorError(f"the trainer returned no publication for v{v}")
+            return pub
         except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
             shutil.rmtree(out, ignore_errors=True)
             raise NonFinitePublication(

@@ -56,7 +56,8 @@ class MegatronTrainer:
         out["logprob_mismatch"] = out.get("logp_mismatch_max", float("nan"))
         return out
 
-    def publish(self, out_dir: Path, version: int) -> Publication:
+    def publish(self, out_dir: Path, version: int) -> Publication | None:
+        """The Publication on learner rank 0 (None on the other ranks, which only take part)."""
         from learner.publish import publish, weights_dir
 
         run_dir = out_dir.parent.parent
@@ -64,7 +65,7 @@ class MegatronTrainer:
             raise ValueError(f"publish: {out_dir} is not <run_dir>/weights/v{version}")
         pub = publish(self.trainer.policy_model, run_dir, version,
                       config=self.model_config.to_hf_dict())  # fmt: skip
-        if pub is None:
+        if pub is None and self.rank == 0:
             raise RuntimeError("publish: learner rank 0 got no Publication")
         return pub
 
