@@ -28,7 +28,7 @@ from pipeline.tasks import (
     read_split,
     with_task_stops,
 )
-from pipeline.transport import MemoryNetwork
+from pipeline.transport_memory import MemoryNetwork
 from pipeline.validation import ModelLimits
 from tests.pipeline.fakes import TCFG, FakeGenerator, FakeTrainer, drive
 
