@@ -12,7 +12,8 @@ real step) and whose publications are a tiny real weight set. N simulated genera
 credits) that answers every WorkItem with valid rollouts after ``--gen-s`` seconds and acks
 every weight version. Reported per N: intake rollouts/s and MB/s, dispatch latency (WorkItem
 ``issued_at`` to its arrival at a generator, same host clock) p50/p99 for items issued while a
-step was running, heartbeat expiries (a false one: a live simulated generator declared dead),
+step was running, the rollout Ack latency (sent -> acknowledged: intake, door, record, Ack) for
+rollouts sent and acknowledged within a step, heartbeat expiries (a false one: a live simulated generator declared dead),
 the coordinator process's RSS growth, steps done.
 
 Weights (``--weights``): the time from announcing one version to every generator's ack, for
@@ -53,7 +54,7 @@ from pipeline.transport import TransportConfig  # noqa: E402
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
 from pipeline.validation import ModelLimits  # noqa: E402
 from pipeline.weight_sync import WeightReceiver  # noqa: E402
-from proto import Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
+from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
 
 TCFG = dict(heartbeat_interval_s=1.0, peer_timeout_s=10.0)
 LIMITS = ModelLimits(vocab_size=512, max_depth=4)
@@ -115,7 +116,9 @@ def sim_worker(ids: list[str], control: str, weights: str, gen_s: float, tokens:
         hello = Hello(gid, "sim", os.getpid(), ["huginn"], 2, 0, time.time())
         conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
         gens.append({"gid": gid, "conn": conn, "rx": WeightReceiver(conn), "v": 0, "q": []})
-    lat: list[tuple[float, float]] = []  # (issued_at, latency)
+    lat: list[tuple[float, float]] = []  # (issued_at, latency) of WorkItems
+    sent_at: dict[str, float] = {}
+    acks: list[tuple[float, float]] = []  # (sent, latency) of rollout Acks
     acked: list[tuple[str, int, float]] = []  # (gid, version, time)
     while not stop.is_set():
         now = time.time()
@@ -127,6 +130,9 @@ def sim_worker(ids: list[str], control: str, weights: str, gen_s: float, tokens:
                 if isinstance(rec, WorkItem):
                     lat.append((rec.issued_at, time.time() - rec.issued_at))
                     g["q"].append((time.time() + gen_s, rec))
+                elif isinstance(rec, Ack) and rec.kind == "rollout" and rec.ref in sent_at:
+                    t = sent_at.pop(rec.ref)
+                    acks.append((t, time.time() - t))
                 elif inc.channel == "weights":
                     ready = g["rx"].handle(rec)
                     if ready is not None:
@@ -141,12 +147,15 @@ def sim_worker(ids: list[str], control: str, weights: str, gen_s: float, tokens:
             due = [x for x in g["q"] if x[0] <= now and x[1].min_weight_version <= g["v"]]
             for x in due:
                 g["q"].remove(x)
-                conn.send(_rollouts(x[1], g["gid"], g["v"], tokens))
+                batch = _rollouts(x[1], g["gid"], g["v"], tokens)
+                t = time.time()
+                sent_at.update({r.rollout_id: t for r in batch.rollouts})
+                conn.send(batch)
             conn.set_status(g["v"], len(g["q"]))
         time.sleep(0.001)
     for g in gens:
         g["conn"].close(None)
-    out.put({"lat": lat, "acked": acked})
+    out.put({"lat": lat, "acked": acked, "acks": acks})
 
 
 def start_sims(n: int, procs: int, ep: Any, gen_s: float, tokens: int,
@@ -167,11 +176,11 @@ def start_sims(n: int, procs: int, ep: Any, gen_s: float, tokens: int,
 
 def collect(stop: Any, ps: list[Any], out: Any) -> dict[str, list[Any]]:
     stop.set()
-    got: dict[str, list[Any]] = {"lat": [], "acked": []}
+    got: dict[str, list[Any]] = {"lat": [], "acked": [], "acks": []}
     for _ in ps:
         r = out.get(timeout=120)
-        got["lat"] += r["lat"]
-        got["acked"] += r["acked"]
+        for k in got:
+            got[k] += r[k]
     for p in ps:  # stopped by pid, every one
         p.join(timeout=30)
         if p.is_alive():
@@ -180,7 +189,8 @@ def collect(stop: Any, ps: list[Any], out: Any) -> dict[str, list[Any]]:
 
 
 # -- the coordinator ---------------------------------------------------------------------------------
-def coordinator(run_dir: Path, trainer: Any, n_prompts: int, extra: list[str]) -> Coordinator:
+def coordinator(run_dir: Path, trainer: Any, n_prompts: int, extra: list[str],
+                background: bool = True) -> Coordinator:  # fmt: skip
     cfg = load_config(None, [f"run_dir={run_dir}", "rollout.n=4", "rollout.max_tokens=16",
                              "record.fsync=never", "publish.keep=2", "max_wait_s=120",
                              f"generators.heartbeat_interval_s={TCFG['heartbeat_interval_s']}",
@@ -189,7 +199,7 @@ def coordinator(run_dir: Path, trainer: Any, n_prompts: int, extra: list[str]) -
                             weights="tcp://127.0.0.1:*")  # fmt: skip
     prompts = PromptSource([Prompt(f"p{i}", [1, 10 + i % 400], {}) for i in range(n_prompts)], 0)
     return Coordinator(cfg, endpoint=ep, trainer=trainer, prompts=prompts, run_dir=run_dir,
-                       limits=LIMITS, background=True)  # fmt: skip
+                       limits=LIMITS, background=background)  # fmt: skip
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -200,7 +210,8 @@ def run_load(n: int, args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
     trainer = StandInTrainer(args.step_s)
     c = coordinator(run_dir, trainer, 4096, [f"rollout.prompts_per_step={args.prompts_per_step}",
-                                             f"staleness.max_staleness={args.max_staleness}"])  # fmt: skip
+                                             f"staleness.max_staleness={args.max_staleness}"],
+                    background=not args.sync)  # fmt: skip
     gone: list[str] = []
     orig = c._gone
 
@@ -235,10 +246,13 @@ def run_load(n: int, args: argparse.Namespace) -> dict[str, Any]:
         lat for (t, lat) in got["lat"] if t >= t0 and any(a <= t <= b for a, b in trainer.intervals)
     ]
     allw = [lat for (t, lat) in got["lat"] if t >= t0]
+    ack_during = [lat for (t, lat) in got["acks"]
+                  if t >= t0 and any(a <= t and t + lat <= b for a, b in trainer.intervals)]  # fmt: skip
     c.close()
     c.endpoint.close()
     return {
-        "bench": "scale_load", "generators": n, "procs": args.procs, "step_s": args.step_s,
+        "bench": "scale_load", "coordinator": "sync" if args.sync else "background",
+        "generators": n, "procs": args.procs, "step_s": args.step_s,
         "prompts_per_step": args.prompts_per_step, "max_staleness": args.max_staleness,
         "gen_s": args.gen_s, "seconds": round(dt, 1), "join_s": round(joined_s, 2),
         "steps": c.step - steps0, "intake_rollouts_per_s": round(accepted / dt, 1),
@@ -246,6 +260,11 @@ def run_load(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "dispatch_during_step_ms_p50": round(1e3 * pct(during, 50), 2),
         "dispatch_during_step_ms_p99": round(1e3 * pct(during, 99), 2),
         "dispatch_all_ms_p99": round(1e3 * pct(allw, 99), 2), "dispatched_during_step": len(during),
+        "ack_during_step_ms_p50": round(1e3 * pct(ack_during, 50), 2),
+        "ack_during_step_ms_p99": round(1e3 * pct(ack_during, 99), 2),
+        "acked_during_step": len(ack_during),
+        "ack_all_ms_p50": round(1e3 * pct([x for t, x in got["acks"] if t >= t0], 50), 2),
+        "ack_all_ms_p99": round(1e3 * pct([x for t, x in got["acks"] if t >= t0], 99), 2),
         "heartbeat_expiries": sum(1 for w in gone if w == "heartbeat expired"),
         "rss_growth_mb": round((rss1 - rss0) / 1e6, 1), "rss_mb": round(rss1 / 1e6, 1),
         "refused": c.intake.counts["refused"],
@@ -293,6 +312,8 @@ def main() -> int:
     ap.add_argument("--max-staleness", type=int, default=2, help="staleness.max_staleness")
     ap.add_argument("--seconds", type=float, default=20.0, help="measured window per N (s)")
     ap.add_argument("--weights", action="store_true", help="measure weight delivery instead")
+    ap.add_argument("--sync", action="store_true",
+                    help="baseline: the step on the coordinator's own thread (round 1)")  # fmt: skip
     ap.add_argument("--sizes-mb", default="10,100", help="weights: sizes (MB)")
     ap.add_argument("--transports", default="chunks,disk", help="weights: publish transports")
     args = ap.parse_args()
