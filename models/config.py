@@ -314,7 +314,11 @@ class OuroConfig(LlamaConfig):
     total_ut_steps: int = 4
     """Loops of the whole stack (the model's max_depth)."""
     early_exit_threshold: float | None = None
-    """Default q of the exit gate (exit when the cumulative exit probability >= q)."""
+    """The official code's default q of the exit gate (exit when the cumulative exit
+    probability >= q); kept for round trips: looprl's exit is the generator's exit policy."""
+    early_exit_step: int | None = None
+    """The official code's forced exit step (0-based UT step, null: none); kept for round
+    trips: looprl's exit is the generator's exit policy (FixedDepth(early_exit_step + 1))."""
     use_sliding_window: bool = False
     """Must be false."""
     sliding_window: int | None = None
@@ -336,6 +340,12 @@ class OuroConfig(LlamaConfig):
         q = self.early_exit_threshold
         if q is not None and not 0.0 < q <= 1.0:
             raise ConfigError(f"config field 'early_exit_threshold' must be in (0, 1], got {q}")
+        e = self.early_exit_step
+        if e is not None and not 0 <= e < self.total_ut_steps:
+            raise ConfigError(
+                f"config field 'early_exit_step' must be null or in [0, total_ut_steps = "
+                f"{self.total_ut_steps}), got {e}"
+            )
 
     @property
     def max_depth(self) -> int:

@@ -95,6 +95,28 @@ def test_official_huginn_keys_accepted() -> None:
     assert HuginnConfig.from_hf_dict(d).init_std == pytest.approx(std)
 
 
+def test_official_ouro_keys_accepted() -> None:
+    """A config.json as the official Ouro checkpoints write it (early_exit_step null, the
+    official threshold and head_dim, sliding-window bookkeeping, HF keys) loads and round
+    trips; early_exit_step is checked against total_ut_steps; an unknown key is still an error."""
+    from models.config import OuroConfig
+
+    d = dict(tiny_config("ouro").to_hf_dict())
+    d.update({"early_exit_step": None, "early_exit_threshold": 1.0, "use_cache": True,
+              "sliding_window": None, "max_window_layers": 24, "bos_token_id": 0,
+              "eos_token_id": 0, "torch_dtype": "bfloat16", "transformers_version": "4.55.0",
+              "auto_map": {"AutoConfig": "configuration_ouro.OuroConfig"}})  # fmt: skip
+    c = config_from_hf_dict(d)
+    assert isinstance(c, OuroConfig) and c.early_exit_step is None
+    assert config_from_hf_dict(c.to_hf_dict()) == c
+    c2 = config_from_hf_dict(dict(d, early_exit_step=c.total_ut_steps - 1))
+    assert c2.early_exit_step == c.total_ut_steps - 1 and c2.to_hf_dict()["early_exit_step"] == 3
+    with pytest.raises(ConfigError, match="early_exit_step"):
+        config_from_hf_dict(dict(d, early_exit_step=c.total_ut_steps))
+    with pytest.raises(ConfigError, match="early_exit_stepp"):
+        config_from_hf_dict(dict(d, early_exit_stepp=1))
+
+
 def _layer_keys(prefix: str, names: list[str]) -> set[str]:
     return {f"{prefix}.{n}" for n in names}
 
