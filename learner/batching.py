@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from learner.advantages import broadcast_to_tokens, gae, group_advantages
+from models.contract import position_depths, seed_from_i64, seed_to_i64
 from proto.records import Rollout
 
 __all__ = [
@@ -59,9 +60,7 @@ _TOKEN_FIELDS = (
 _ROW_FIELDS = ("latent_seeds", "group_ids", "rewards", "weight_versions", "seq_lens", "prompt_lens")
 
 
-def uint64_to_int64(x: int) -> int:
-    """The int64 with the same 64-bit pattern as the uint64 `x` (latent seeds in tensors)."""
-    return x - (1 << 64) if x >= 1 << 63 else x
+uint64_to_int64 = seed_to_i64  # models.contract owns the wrap (kept name: learner API)
 
 
 @dataclasses.dataclass
@@ -96,7 +95,7 @@ class TrainBatch:
     @property
     def seeds(self) -> list[int]:
         """Latent seeds as Python uint64 ints."""
-        return [int(s) & ((1 << 64) - 1) for s in self.latent_seeds.tolist()]
+        return [seed_from_i64(s) for s in self.latent_seeds.tolist()]
 
     def rows(self, start: int, stop: int, pad_to_multiple: int = 1) -> TrainBatch:
         """Rows [start, stop), trimmed to their longest sequence rounded up to a multiple."""
@@ -183,8 +182,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
             targets[i, resp] = r.tokens
             mask[i, resp] = 1.0
             behav[i, resp] = r.logprobs
-            depths[i, : p - 1] = int(r.exit_depths[0])
-            depths[i, resp] = r.exit_depths
+            depths[i, : p - 1 + t] = position_depths(p, r.exit_depths)
             token_rewards[i, p - 2 + t] = float(r.reward)  # type: ignore[arg-type]
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
         seeds.append(uint64_to_int64(int(r.latent_seed)))

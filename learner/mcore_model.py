@@ -45,6 +45,7 @@ from learner.hf_convert import load_hf_state
 from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
+from models.contract import seed_to_i64
 from models.noise import latent_noise, latent_noise_torch
 
 RECOMPUTE = ("none", "block")
@@ -405,12 +406,7 @@ def _seed_tensor(seeds: Tensor | Sequence[int], bsz: int) -> Tensor:
     if isinstance(seeds, Tensor):
         out = seeds.to("cpu", torch.int64).reshape(-1)
     else:
-        vals = []
-        for s in seeds:
-            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64:
-                raise ValueError(f"latent seeds must be ints in [0, 2**64), got {s!r}")
-            vals.append(s - 2**64 if s >= 2**63 else s)
-        out = torch.tensor(vals, dtype=torch.int64)
+        out = torch.tensor([seed_to_i64(s) for s in seeds], dtype=torch.int64)
     if out.numel() != bsz:
         raise ValueError(f"need one latent seed per row ({bsz}), got {out.numel()}")
     return out

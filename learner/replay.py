@@ -36,7 +36,9 @@ from torch import Tensor
 from learner.mcore_model import LoopedGPT, _seed_tensor
 from learner.vocab_ops import token_stats
 from models import numerics as nx
+from models.contract import full_depth, position_depths
 from models.reference import ReplayItem, ReplayResult, behaviour_logprobs, entropy
+from proto.records import MAX_DEPTH
 
 __all__ = [
     "ReplayBatch",
@@ -78,15 +80,12 @@ def make_replay_batch(items: Sequence[ReplayItem], pad_to_multiple: int = 1) -> 
     """Pack recorded completions (checks as `models.reference.replay`)."""
     if not items:
         raise ValueError("make_replay_batch needs at least one item")
-    seqs, fulls = [], []
+    seqs = []
     for it in items:
         n = len(it.completion_tokens)
         if n == 0 or len(it.exit_depths) != n or not it.prompt_tokens:
             raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
-        full = int(it.exit_depths[0])
-        if any(not 1 <= int(d) <= full for d in it.exit_depths):
-            raise ValueError(f"exit_depths must be in [1, exit_depths[0] = {full}]")
-        fulls.append(full)
+        full_depth(it.exit_depths, MAX_DEPTH)  # contract 2; the model's depth: forward checks it
         seqs.append(list(it.prompt_tokens) + list(it.completion_tokens)[:-1])
     bsz = len(items)
     length = max(len(s) for s in seqs)
@@ -100,8 +99,7 @@ def make_replay_batch(items: Sequence[ReplayItem], pad_to_multiple: int = 1) -> 
         plen, n = len(it.prompt_tokens), len(it.completion_tokens)
         tokens[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
         valid[b, : len(s)] = True
-        depths[b, : plen - 1] = fulls[b]
-        depths[b, plen - 1 : len(s)] = torch.tensor([int(d) for d in it.exit_depths])
+        depths[b, : len(s)] = torch.from_numpy(position_depths(plen, it.exit_depths))
         targets[b, plen - 1 : plen - 1 + n] = torch.tensor([int(t) for t in it.completion_tokens])
         loss_mask[b, plen - 1 : plen - 1 + n] = True
     seeds = _seed_tensor([int(it.latent_seed) for it in items], bsz)
