@@ -117,6 +117,10 @@ class TrainConfig:
 
     global_batch_size: int = 64
     """Sequences (completions) per optimizer update, summed over data-parallel ranks, >= 1."""
+    epochs: int = 1
+    """Passes over a step's rollouts (each pass: one update per global batch, in a shuffled
+    order after the first pass); advantages and proximal log-probs come from the step's
+    starting weights, >= 1."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one rank, >= 1; global_batch_size must be a
     multiple of micro_batch_size x data-parallel size (the quotient is grad_accum_steps)."""
@@ -153,6 +157,8 @@ class TrainConfig:
             _fail("global_batch_size", "an integer >= 1", self.global_batch_size)
         if self.micro_batch_size < 1:
             _fail("micro_batch_size", "an integer >= 1", self.micro_batch_size)
+        if self.epochs < 1:
+            _fail("epochs", "an integer >= 1", self.epochs)
         if self.global_batch_size % self.micro_batch_size:
             _fail(
                 "global_batch_size",

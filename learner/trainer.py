@@ -146,6 +146,21 @@ class Trainer:
             for u in range(n_rows // g)
         ]
 
+    def _schedule(
+        self, rows: list[tuple[int, int, int, int]]
+    ) -> list[tuple[int, tuple[int, int, int, int]]]:
+        """(update index, rows) for every update of the step: `epochs` passes over the
+        global batches, the first in order, later ones shuffled by (seed, step, epoch) (the
+        same order on every rank). Update u uses global batch u % len(rows)."""
+        out = [(u, r) for u, r in enumerate(rows)]
+        for e in range(1, self.cfg.epochs):
+            gen = torch.Generator().manual_seed(
+                self.cfg.seed * 1_000_003 + self.step_count * 101 + e
+            )
+            order = torch.randperm(len(rows), generator=gen).tolist()
+            out += [(e * len(rows) + j, rows[j]) for j in order]
+        return out
+
     def _micro(self, batch: TrainBatch, lo: int, hi: int) -> list[TrainBatch]:
         mbs, pad = self.cfg.micro_batch_size, self.cfg.pad_to_multiple
         return list(batch.micro_batches(mbs, lo, hi, pad))
@@ -263,15 +278,17 @@ class Trainer:
         # Per batch row: max |learner - behaviour| log-prob (-1 where not measured).
         row_mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
         skipped = 0.0  # policy updates of this step skipped as non-finite (same on every rank)
-        for u, (g_lo, g_hi, lo, hi) in enumerate(rows):
+        n_updates = len(rows) * cfg.epochs
+        for u, (g_lo, g_hi, lo, hi) in self._schedule(rows):
             norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
             self.policy.zero_grad()
             row0, loss_finite = lo, True
             for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
                 mb = mb_cpu.to(device)
                 stats = self._stats(
-                    self.policy_spec.forward(self.policy.module, mb), mb, old_logits.get((u, i))
-                )
+                    self.policy_spec.forward(self.policy.module, mb), mb,
+                    old_logits.get((u % len(rows), i)),
+                )  # fmt: skip
                 stats.pop("rows", None)
                 lb: dict[str, Any] = dict(stats, mask=mb.mask, behav_logp=mb.behav_logp)
                 lb.update(advantages=mb.extra["advantages"], normalizer=norm)
@@ -280,7 +297,7 @@ class Trainer:
                 loss, m = policy_loss(cfg.objective, lb)
                 (loss * self.dp_size).backward()
                 loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
-                self._record(metrics, m, mb, stats["logp"].detach(), u == 0, len(rows))
+                self._record(metrics, m, mb, stats["logp"].detach(), u == 0, n_updates)
                 self._row_mismatch(row_mismatch, row0, mb, stats["logp"].detach(), u == 0)
                 row0 += mb.size
             upd = self.policy.update(loss_finite)  # skips a non-finite update (learner.network)
@@ -291,7 +308,7 @@ class Trainer:
             self.update_count += 0 if skip else 1
             if self.critic is not None:
                 vnorm = self._normalizer(batch, g_lo, g_hi, cfg.value.aggregation)
-                self._critic_update(batch, lo, hi, vnorm, metrics, len(rows))
+                self._critic_update(batch, lo, hi, vnorm, metrics, n_updates)
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
             all_reduce_(row_mismatch, self.dp_group, dist.ReduceOp.MAX)
@@ -303,7 +320,8 @@ class Trainer:
         out = metrics.reduce(self.dp_group)
         self.step_count += 1
         self.weight_version += 1
-        out.update(weight_version=float(self.weight_version), updates=float(len(rows)))
+        out.update(weight_version=float(self.weight_version), updates=float(n_updates),
+                   epochs=float(cfg.epochs))  # fmt: skip
         out.update(
             skipped_nonfinite=skipped, skipped_nonfinite_total=float(self.policy.skipped_nonfinite)
         )

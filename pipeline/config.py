@@ -146,6 +146,10 @@ class ObjectiveSection:
 
     kind: str = "grpo"
     """grpo, ppo (with a critic), dppo (decoupled PPO) or flow_dppo."""
+    epochs: int = 1
+    """Passes over each step's rollouts (proximal log-probs and advantages from the step's start)."""
+    minibatches: int = 1
+    """Optimizer updates per pass: the step's groups split into this many mini-batches."""
     eps_low: float = 0.2
     """Lower clip: ratio clipped below at 1 - eps_low."""
     eps_high: float = 0.2
@@ -179,6 +183,8 @@ class ObjectiveSection:
 
     def __post_init__(self) -> None:
         _check(self.kind in OBJECTIVES, "objective.kind", self.kind, f"must be one of {OBJECTIVES}")
+        _check(self.epochs >= 1, "objective.epochs", self.epochs, "must be >= 1")
+        _check(self.minibatches >= 1, "objective.minibatches", self.minibatches, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -456,6 +462,10 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        _check(self.rollout.prompts_per_step % self.objective.minibatches == 0,
+               "objective.minibatches", self.objective.minibatches,
+               f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}): a "
+               "mini-batch holds whole groups")  # fmt: skip
         lr = self.learner
         if self.numerics == "exact":  # exact keeps its own rules: fp32, its own kernels
             _check(lr.precision == "fp32", "learner.precision", lr.precision,

@@ -109,9 +109,10 @@ def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
         aggregation=o.aggregation, temperature=r.temperature,
     )  # fmt: skip
     ppo = o.kind == "ppo"
-    batch = r.prompts_per_step * r.n
+    batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
     train = TrainConfig(
-        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
+        global_batch_size=batch, epochs=o.epochs,
+        micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
         seed=cfg.seed, objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation),
         gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std, recompute=lr.recompute,
         fused_token_stats=cfg.numerics == "fast",

@@ -21,6 +21,7 @@ that only apply it when set (the off-policy correction of policy "keep").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -95,6 +96,7 @@ class ReferenceTrainer:
             params, lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay
         )
         self.steps = 0
+        self.epochs, self.minibatches, self.seed = o.epochs, o.minibatches, cfg.seed
         self.skipped = 0  # steps skipped because the loss or the gradient was not finite
         self.last_mismatch: list[float] = []  # per rollout of the last step: max |prox - behav|
 
@@ -148,7 +150,6 @@ class ReferenceTrainer:
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
     ) -> Mapping[str, float]:
         from learner.advantages import broadcast_to_tokens, gae, group_advantages
-        from learner.objectives import policy_loss, value_loss
 
         rolls = list(rollouts)
         if not rolls:
@@ -161,30 +162,99 @@ class ReferenceTrainer:
             targets[b, : r.num_tokens] = torch.from_numpy(r.tokens.astype("int64"))
             behav[b, : r.num_tokens] = torch.from_numpy(r.logprobs.astype("float32"))
         rewards = torch.tensor([float(r.reward or 0.0) for r in rolls], dtype=torch.float32)
-        # One optimizer step per batch: the proximal (pre-update) policy is the current one,
-        # so a single forward serves both (prox = detached logp; old values detached too).
-        lp_all, hid, mask = self._forward(rolls)
-        old_lp = lp_all.detach()
-        logp = lp_all.gather(-1, targets[..., None])[..., 0]
-        prox = logp.detach()
+        # The step's starting weights give the proximal log-probs, the flow_dppo reference
+        # and the critic's old values. One update per step: that forward is also the training
+        # forward (prox = its detached log-probs); several: a no-grad pass first.
+        multi = self.epochs > 1 or self.minibatches > 1
+        with torch.no_grad() if multi else contextlib.nullcontext():
+            lp0, hid0, mask = self._forward(rolls)
+        old_lp = lp0.detach()
+        prox = old_lp.gather(-1, targets[..., None])[..., 0]
         old_values = None
         if self.value_head is not None:
-            old_values = self.value_head(hid)[..., 0].detach()
-        batch: dict[str, Any] = {"mask": mask, "logp": logp, "behav_logp": behav,
-                                 "prox_logp": prox}  # fmt: skip
+            old_values = self.value_head(hid0)[..., 0].detach()
+        returns = None
         if self.kind == "ppo":
-            assert old_values is not None and self.value_head is not None
+            assert old_values is not None
             tok_r = torch.zeros(bsz, tmax)
             for b, r in enumerate(rolls):
                 tok_r[b, max(r.num_tokens - 1, 0)] = rewards[b]
             adv, returns = gae(tok_r, old_values, mask, self.gamma, self.lam)
-            batch["advantages"] = adv
         else:
             ids: dict[str, int] = {}
             gid = torch.tensor([ids.setdefault(r.work_id, len(ids)) for r in rolls])
             adv_b = group_advantages(rewards, gid, self.normalize_std)
-            batch["advantages"] = adv_b if self.kind == "grpo" else broadcast_to_tokens(adv_b, mask)
+            adv = adv_b if self.kind == "grpo" else broadcast_to_tokens(adv_b, mask)
+        cfg = self.obj
+        if any(needs_correction) and cfg.is_cap is None:
+            from dataclasses import replace
+
+            cfg = replace(cfg, is_cap=2.0)
+        sums: dict[str, float] = {}
+        schedule = self._schedule(rolls)
+        skipped = 0
+        for idx in schedule:
+            if multi:
+                lp, hid, _ = self._forward([rolls[i] for i in idx])
+            else:
+                lp, hid = lp0, hid0
+            t = lp.shape[1]
+            rows = torch.tensor(idx)
+            sub = {"mask": mask[rows, :t], "targets": targets[rows, :t],
+                   "behav": behav[rows, :t], "prox": prox[rows, :t], "old_lp": old_lp[rows, :t],
+                   "adv": adv[rows] if adv.dim() == 1 else adv[rows, :t]}  # fmt: skip
+            if old_values is not None and returns is not None:
+                sub.update(old_values=old_values[rows, :t], returns=returns[rows, :t])
+            m, finite = self._update(cfg, lp, hid, sub)
+            skipped += 0 if finite else 1
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / len(schedule)
+        self.skipped += skipped
+        self.steps += 1
+        out: dict[str, float] = dict(sums)
+        out["skipped_nonfinite"] = float(skipped)
+        out["skipped_nonfinite_total"] = float(self.skipped)
+        out["updates"] = float(len(schedule))
+        live = mask > 0
+        diff = torch.where(live, (prox - behav).abs(), 0.0)
+        self.last_mismatch = [float(x) for x in diff.max(dim=1).values]
+        out["logprob_mismatch"] = float(diff.max())
+        return out
+
+    def _schedule(self, rolls: list[Rollout]) -> list[list[int]]:
+        """Row indices of every update: ``epochs`` passes over ``minibatches`` mini-batches
+        of whole groups (work ids in batch order), the first pass in order, later passes in
+        an order shuffled by (seed, step, epoch)."""
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(rolls):
+            groups.setdefault(r.work_id, []).append(i)
+        glist = list(groups.values())
+        k = self.minibatches
+        if len(glist) % k:
+            raise ValueError(
+                f"objective.minibatches={k} must divide the step's {len(glist)} groups"
+            )
+        per = len(glist) // k
+        mbs = [[i for g in glist[j * per : (j + 1) * per] for i in g] for j in range(k)]
+        out = list(mbs)
+        for e in range(1, self.epochs):
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.steps * 101 + e)
+            out += [mbs[j] for j in torch.randperm(k, generator=gen).tolist()]
+        return out
+
+    def _update(
+        self, cfg: Any, lp_all: Tensor, hid: Tensor, sub: dict[str, Tensor]
+    ) -> tuple[dict[str, float], bool]:
+        """One optimizer update on a mini-batch: policy loss (+ value_coef x value loss),
+        grad clip, Adam; skipped (weights untouched) when the loss or grad norm is not finite."""
+        from learner.objectives import policy_loss, value_loss
+
+        mask = sub["mask"]
+        logp = lp_all.gather(-1, sub["targets"][..., None])[..., 0]
+        batch: dict[str, Any] = {"mask": mask, "logp": logp, "behav_logp": sub["behav"],
+                                 "prox_logp": sub["prox"], "advantages": sub["adv"]}  # fmt: skip
         if self.kind == "flow_dppo":
+            old_lp = sub["old_lp"]
             p_old = old_lp.exp()
             fin = torch.isfinite(old_lp) & torch.isfinite(lp_all)
             diff = torch.where(fin, old_lp - lp_all, 0.0)
@@ -192,20 +262,15 @@ class ReferenceTrainer:
         if self.obj.entropy_coef > 0:
             p = lp_all.exp()
             batch["entropy"] = -torch.where(torch.isfinite(lp_all), p * lp_all, 0.0).sum(-1)
-        cfg = self.obj
-        if any(needs_correction) and cfg.is_cap is None:
-            from dataclasses import replace
-
-            cfg = replace(cfg, is_cap=2.0)
         loss, metrics = policy_loss(cfg, batch)
-        out = dict(metrics)
+        out = {k: float(v) for k, v in metrics.items()}
         if self.kind == "ppo":
-            assert self.value_head is not None and old_values is not None
+            assert self.value_head is not None
             vbatch = {"mask": mask, "values": self.value_head(hid)[..., 0],
-                      "old_values": old_values, "returns": returns}  # fmt: skip
+                      "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
             vloss, vm = value_loss(self.vobj, vbatch)
             loss = loss + self.value_coef * vloss
-            out.update(vm)
+            out.update({k: float(v) for k, v in vm.items()})
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in self.optim.param_groups for p in g["params"]]
@@ -216,18 +281,11 @@ class ReferenceTrainer:
             self.optim.step()
         else:  # like megatron's found-inf: no update, weights and optimizer state untouched
             self.optim.zero_grad(set_to_none=True)
-            self.skipped += 1
-            log.warning("step %d skipped: loss %s, grad norm %s (not finite); weights unchanged",
-                        self.steps + 1, float(loss.detach()), out["grad_norm"])  # fmt: skip
-        out["skipped_nonfinite"] = 0.0 if finite else 1.0
-        out["skipped_nonfinite_total"] = float(self.skipped)
-        self.steps += 1
-        live = mask > 0
-        diff = torch.where(live, (prox - behav).abs(), 0.0)
-        self.last_mismatch = [float(x) for x in diff.max(dim=1).values]
-        out["logprob_mismatch"] = float(diff.max())
+            log.warning("step %d: an update skipped: loss %s, grad norm %s (not finite); "
+                        "weights unchanged", self.steps + 1, float(loss.detach()),
+                        out["grad_norm"])  # fmt: skip
         out["total_loss"] = float(loss.detach())
-        return out
+        return out, finite
 
     # -- weights and checkpoints ------------------------------------------------------------
     def publish(self, out_dir: Path, version: int) -> Publication:

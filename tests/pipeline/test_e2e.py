@@ -71,7 +71,13 @@ def test_grpo_survives_a_generator_killed_mid_run(tmp_path: Path) -> None:
         ("ppo", ["staleness.max_staleness=0"], 0),
         (
             "dppo",
-            ["objective.is_cap=2.0", "staleness.max_staleness=2", "staleness.policy=keep"],
+            [
+                "objective.is_cap=2.0",
+                "staleness.max_staleness=2",
+                "staleness.policy=keep",
+                "objective.epochs=2",
+                "objective.minibatches=2",
+            ],  # fmt: skip
             None,
         ),
         # flow_dppo also streams its weights in chunks (publish.transport=chunks)
@@ -95,6 +101,9 @@ def test_objectives(tmp_path: Path, kind: str, overrides: list[str], bound: int 
     assert all(r["train/loss"] == r["train/loss"] for r in rows)  # finite (not NaN)
     if kind == "ppo":
         assert "train/value_loss" in rows[-1]
+    if kind == "dppo":  # 2 epochs x 2 mini-batches: 4 updates a step, the clip acts
+        assert all(r["train/updates"] == 4.0 for r in rows)
+        assert max(r["train/clip_frac"] for r in rows) > 0.0
     if kind == "flow_dppo":  # every generator verified and loaded the chunked versions
         assert s["counts"]["publisher"]["acked"] >= 2  # each loaded >= 1 version (staleness 1)
         assert s["counts"]["publisher"].get("nacked", 0) == 0
