@@ -129,10 +129,15 @@ class ValueLossConfig:
     """Max |v - old_v| the clipped term allows; > 0, or None for plain 0.5 (v - R)^2."""
     aggregation: str = "token_mean"
     """Reduction over tokens: 'token_mean', 'seq_mean' or 'seq_mean_token_sum'."""
+    coef: float = 1.0
+    """Weight of the critic loss (run config objective.value_coef); > 0. With a separate
+    critic network and Adam it only matters through Adam's epsilon."""
 
     def __post_init__(self) -> None:
         if self.value_clip is not None and not self.value_clip > 0.0:
             _fail("value_clip", "None or a value > 0", self.value_clip)
+        if not self.coef > 0.0:
+            _fail("coef", "a value > 0", self.coef)
         if self.aggregation not in AGGREGATIONS:
             _fail("aggregation", f"one of {AGGREGATIONS}", self.aggregation)
 

@@ -384,7 +384,7 @@ class Trainer:
             vb = {"values": values, "mask": mb.mask, "normalizer": norm}
             vb.update(old_values=mb.extra["old_values"], returns=mb.extra["returns"])
             loss, m = value_loss(vcfg, vb)
-            (loss * self.dp_size).backward()
+            (loss * (vcfg.coef * self.dp_size)).backward()
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             weight = float((mb.mask > 0).sum())
             for k, v in m.items():

@@ -163,7 +163,7 @@ class ObjectiveSection:
     kl_threshold: float = 0.05
     """flow_dppo trust region (KL old||new)."""
     kl_coef: float = 0.0
-    """KL penalty coefficient against the reference policy."""
+    """KL penalty coefficient against a reference policy; only 0 for now (no reference model)."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3."""
     entropy_coef: float = 0.0
@@ -184,6 +184,10 @@ class ObjectiveSection:
     def __post_init__(self) -> None:
         _check(self.kind in OBJECTIVES, "objective.kind", self.kind, f"must be one of {OBJECTIVES}")
         _check(self.epochs >= 1, "objective.epochs", self.epochs, "must be >= 1")
+        _check(self.kl_coef == 0.0, "objective.kl_coef", self.kl_coef,
+               "must be 0: a reference-policy KL needs a frozen reference model, which neither "
+               "backend loads yet")  # fmt: skip
+        _check(self.value_coef > 0, "objective.value_coef", self.value_coef, "must be > 0")
         _check(self.minibatches >= 1, "objective.minibatches", self.minibatches, "must be >= 1")
 
 
@@ -462,6 +466,10 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        _check(self.staleness.policy != "keep" or self.objective.is_cap is not None,
+               "staleness.policy", self.staleness.policy,
+               "keep trains stale rollouts, which needs an off-policy correction: set "
+               "objective.is_cap (e.g. 2.0), applied by both backends")  # fmt: skip
         _check(self.rollout.prompts_per_step % self.objective.minibatches == 0,
                "objective.minibatches", self.objective.minibatches,
                f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}): a "

@@ -45,11 +45,7 @@ class MegatronTrainer:
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
     ) -> Mapping[str, float]:
-        if any(needs_correction) and self.is_cap is None:
-            log.warning(
-                "stale rollouts kept (policy keep) but objective.is_cap is unset: the megatron "
-                "trainer applies no per-rollout correction; set objective.is_cap"
-            )
+        # policy keep requires objective.is_cap (pipeline.config), applied to every rollout
         out = dict(self.trainer.step(list(rollouts)))
         # Per-rollout numerics mismatch for the coordinator's fresh-rollout metric.
         self.last_mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]
@@ -113,7 +109,7 @@ def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
     train = TrainConfig(
         global_batch_size=batch, epochs=o.epochs,
         micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
-        seed=cfg.seed, objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation),
+        seed=cfg.seed, objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation, o.value_coef),
         gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std, recompute=lr.recompute,
         fused_token_stats=cfg.numerics == "fast",
     )  # fmt: skip

@@ -15,8 +15,8 @@ step(rollouts, flags):
     update      policy_loss (+ value_coef x value_loss for ppo), grad clip, Adam; a step whose
                 loss or gradient norm is not finite is skipped (no update; counted as
                 ``skipped_nonfinite``), as megatron does on found-inf.
-Rollouts flagged ``needs_correction`` (stale, kept) get ``is_cap`` truncation even for kinds
-that only apply it when set (the off-policy correction of policy "keep").
+Policy "keep" (stale rollouts trained) requires ``objective.is_cap`` (the run config refuses it
+otherwise), applied to every rollout of the step as the megatron backend does.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ class ReferenceTrainer:
             kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
             aggregation=o.aggregation, temperature=r.temperature,
         )  # fmt: skip
-        self.vobj = ValueLossConfig(value_clip=o.value_clip, aggregation=o.aggregation)
+        self.vobj = ValueLossConfig(value_clip=o.value_clip, aggregation=o.aggregation,
+                                    coef=o.value_coef)  # fmt: skip
         self.normalize_std, self.gamma, self.lam = o.normalize_std, o.gamma, o.lam
-        self.value_coef = o.value_coef
         self.temperature, self.top_p, self.numerics = r.temperature, r.top_p, cfg.numerics
         params = list(self.model.parameters())
         self.value_head: torch.nn.Linear | None = None
@@ -185,11 +185,7 @@ class ReferenceTrainer:
             gid = torch.tensor([ids.setdefault(r.work_id, len(ids)) for r in rolls])
             adv_b = group_advantages(rewards, gid, self.normalize_std)
             adv = adv_b if self.kind == "grpo" else broadcast_to_tokens(adv_b, mask)
-        cfg = self.obj
-        if any(needs_correction) and cfg.is_cap is None:
-            from dataclasses import replace
-
-            cfg = replace(cfg, is_cap=2.0)
+        cfg = self.obj  # policy keep requires objective.is_cap (pipeline.config)
         sums: dict[str, float] = {}
         schedule = self._schedule(rolls)
         skipped = 0
@@ -269,7 +265,7 @@ class ReferenceTrainer:
             vbatch = {"mask": mask, "values": self.value_head(hid)[..., 0],
                       "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
             vloss, vm = value_loss(self.vobj, vbatch)
-            loss = loss + self.value_coef * vloss
+            loss = loss + self.vobj.coef * vloss
             out.update({k: float(v) for k, v in vm.items()})
         self.optim.zero_grad(set_to_none=True)
         loss.backward()

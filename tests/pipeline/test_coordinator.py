@@ -80,7 +80,8 @@ def test_staleness_bound_never_exceeded(tmp_path: Path, max_staleness: int) -> N
 
 
 def test_policy_keep_flags_stale_rollouts(tmp_path: Path) -> None:
-    c, net, t = make_coordinator(tmp_path, ["staleness.max_staleness=1", "staleness.policy=keep"])
+    c, net, t = make_coordinator(tmp_path, ["staleness.max_staleness=1", "staleness.policy=keep",
+                                            "objective.is_cap=2.0"])  # fmt: skip
     gens = [FakeGenerator(net, "g0", delay=12), FakeGenerator(net, "g1", seed=1)]
     drive(c, gens, 14)
     check_exactly_once(t, 4)

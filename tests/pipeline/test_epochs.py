@@ -86,3 +86,18 @@ def test_minibatches_must_divide_the_groups() -> None:
         load_config(None, ["rollout.prompts_per_step=3", "objective.minibatches=2"])
     with pytest.raises(ConfigError, match="objective.epochs"):
         load_config(None, ["objective.epochs=0"])
+
+
+def test_objective_keys_either_backend_cannot_honour_are_refused() -> None:
+    """Rule: every key is honoured by every backend or refused with a message."""
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="objective.kl_coef.*reference model"):
+        load_config(None, ["objective.kl_coef=0.05"])
+    with pytest.raises(ConfigError, match="staleness.policy.*objective.is_cap"):
+        load_config(None, ["staleness.policy=keep"])
+    assert (
+        load_config(None, ["staleness.policy=keep", "objective.is_cap=2.0"]).objective.is_cap == 2.0
+    )
+    with pytest.raises(ConfigError, match="objective.value_coef"):
+        load_config(None, ["objective.value_coef=0"])
