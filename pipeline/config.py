@@ -179,7 +179,17 @@ class ObjectiveSection:
     value_clip: float | None = 0.2
     """ppo: critic value clip; null for the plain squared error."""
     value_coef: float = 0.5
-    """ppo: weight of the critic loss."""
+    """Weight of the critic loss (objectives with a critic)."""
+    critic: bool | None = None
+    """Train a critic and use GAE advantages: null = on for ppo only; true for dppo / flow_dppo
+    too (actor/critic); grpo has group advantages and no critic."""
+    whiten: bool = False
+    """Whiten the advantages over the step's response tokens (mean 0, std 1)."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """A critic is trained (ppo, or objective.critic true)."""
+        return self.kind == "ppo" if self.critic is None else bool(self.critic)
 
     def __post_init__(self) -> None:
         _check(self.kind in OBJECTIVES, "objective.kind", self.kind, f"must be one of {OBJECTIVES}")
@@ -188,6 +198,10 @@ class ObjectiveSection:
                "must be 0: a reference-policy KL needs a frozen reference model, which neither "
                "backend loads yet")  # fmt: skip
         _check(self.value_coef > 0, "objective.value_coef", self.value_coef, "must be > 0")
+        _check(self.critic is not False or self.kind != "ppo", "objective.critic", self.critic,
+               "ppo needs its critic (GAE values)")  # fmt: skip
+        _check(not (self.critic and self.kind == "grpo"), "objective.critic", self.critic,
+               "grpo uses group advantages, not a critic")  # fmt: skip
         _check(self.minibatches >= 1, "objective.minibatches", self.minibatches, "must be >= 1")
 
 
@@ -207,10 +221,14 @@ class OptimizerSection:
     """Decoupled weight decay."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables."""
+    critic_lr: float | None = None
+    """Learning rate of the critic (null: lr)."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
         _check(self.grad_clip >= 0, "optimizer.grad_clip", self.grad_clip, "must be >= 0")
+        _check(self.critic_lr is None or self.critic_lr > 0, "optimizer.critic_lr",
+               self.critic_lr, "must be null or > 0")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ pipeline.ranks wraps rank 0's trainer (``Leader``) and runs the others (``follow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -104,12 +105,13 @@ def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
         kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
         aggregation=o.aggregation, temperature=r.temperature,
     )  # fmt: skip
-    ppo = o.kind == "ppo"
+    critic = o.uses_critic
     batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
     train = TrainConfig(
         global_batch_size=batch, epochs=o.epochs,
         micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
-        seed=cfg.seed, objective=obj, critic=ppo, value=ValueLossConfig(o.value_clip, o.aggregation, o.value_coef),
+        seed=cfg.seed, objective=obj, critic=critic, whiten_advantages=o.whiten,
+        value=ValueLossConfig(o.value_clip, o.aggregation, o.value_coef),
         gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std, recompute=lr.recompute,
         fused_token_stats=cfg.numerics == "fast",
     )  # fmt: skip
@@ -121,10 +123,12 @@ def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
         backprop_depth=None if lr.backprop_depth < 0 else lr.backprop_depth,
         compile=lr.compile,
     )
+    critic_optim = dataclasses.replace(optim, lr=p.critic_lr) if p.critic_lr else optim
     return Trainer(
         train, optim, ScheduleConfig(),
         looped_policy_spec(model_config, options, hf_state),
-        critic=looped_critic_spec(model_config, options, hf_state) if ppo else None,
+        critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
+        critic_optim=critic_optim,
     )  # fmt: skip
 
 

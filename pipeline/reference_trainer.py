@@ -83,17 +83,19 @@ class ReferenceTrainer:
                                     coef=o.value_coef)  # fmt: skip
         self.normalize_std, self.gamma, self.lam = o.normalize_std, o.gamma, o.lam
         self.temperature, self.top_p, self.numerics = r.temperature, r.top_p, cfg.numerics
-        params = list(self.model.parameters())
+        groups: list[dict[str, Any]] = [{"params": list(self.model.parameters())}]
         self.value_head: torch.nn.Linear | None = None
-        if o.kind == "ppo":
+        p = cfg.optimizer
+        if o.uses_critic:  # a value head on the policy's trunk, its own learning rate
             self.value_head = torch.nn.Linear(self.model.hidden_size, 1)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
-            params += list(self.value_head.parameters())
-        p = cfg.optimizer
+            groups.append({"params": list(self.value_head.parameters()),
+                           "lr": p.critic_lr or p.lr})  # fmt: skip
+        self.whiten = o.whiten
         self.grad_clip = p.grad_clip
         self.optim = torch.optim.AdamW(
-            params, lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay
+            groups, lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay
         )
         self.steps = 0
         self.epochs, self.minibatches, self.seed = o.epochs, o.minibatches, cfg.seed
@@ -174,8 +176,7 @@ class ReferenceTrainer:
         if self.value_head is not None:
             old_values = self.value_head(hid0)[..., 0].detach()
         returns = None
-        if self.kind == "ppo":
-            assert old_values is not None
+        if old_values is not None:  # a critic: GAE advantages (ppo, or objective.critic)
             tok_r = torch.zeros(bsz, tmax)
             for b, r in enumerate(rolls):
                 tok_r[b, max(r.num_tokens - 1, 0)] = rewards[b]
@@ -185,6 +186,14 @@ class ReferenceTrainer:
             gid = torch.tensor([ids.setdefault(r.work_id, len(ids)) for r in rolls])
             adv_b = group_advantages(rewards, gid, self.normalize_std)
             adv = adv_b if self.kind == "grpo" else broadcast_to_tokens(adv_b, mask)
+        if self.whiten:  # over the step's response tokens, as the megatron trainer does
+            tok = adv if adv.dim() == 2 else broadcast_to_tokens(adv, mask)
+            w = (mask > 0).to(torch.float64)
+            total = w.sum().clamp_min(torch.finfo(torch.float64).tiny)
+            mean = (tok.double() * w).sum() / total
+            var = ((tok.double() ** 2) * w).sum() / total - mean * mean
+            std = var.clamp_min(0).sqrt()
+            adv = torch.where(mask > 0, (tok.double() - mean) / (std + 1e-6), 0.0).float()
         cfg = self.obj  # policy keep requires objective.is_cap (pipeline.config)
         sums: dict[str, float] = {}
         schedule = self._schedule(rolls)
@@ -260,8 +269,7 @@ class ReferenceTrainer:
             batch["entropy"] = -torch.where(torch.isfinite(lp_all), p * lp_all, 0.0).sum(-1)
         loss, metrics = policy_loss(cfg, batch)
         out = {k: float(v) for k, v in metrics.items()}
-        if self.kind == "ppo":
-            assert self.value_head is not None
+        if self.value_head is not None:
             vbatch = {"mask": mask, "values": self.value_head(hid)[..., 0],
                       "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
             vloss, vm = value_loss(self.vobj, vbatch)

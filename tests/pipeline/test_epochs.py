@@ -101,3 +101,29 @@ def test_objective_keys_either_backend_cannot_honour_are_refused() -> None:
     )
     with pytest.raises(ConfigError, match="objective.value_coef"):
         load_config(None, ["objective.value_coef=0"])
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
+)
+def test_actor_critic_for_dppo_with_its_own_lr_and_whitening(model: Path, backend: str) -> None:
+    """objective.critic=true gives dppo a critic (GAE advantages, value loss reported) with
+    optimizer.critic_lr; objective.whiten whitens the advantages; both backends."""
+    rolls = _rollouts()
+    t = _trainer(backend, model, "objective.critic=true", "optimizer.critic_lr=0.001",
+                 "objective.whiten=true", "objective.is_cap=2.0")  # fmt: skip
+    try:
+        m = t.step(rolls, [False] * len(rolls))
+        if backend == "reference":
+            assert [g["lr"] for g in t.optim.param_groups] == [0.05, 0.001]
+        else:
+            assert t.trainer.critic is not None and t.trainer.cfg.whiten_advantages
+    finally:
+        t.close() if backend == "megatron" else None
+    assert "value_loss" in m and np.isfinite(m["value_loss"]) and np.isfinite(m["loss"])
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grpo uses group advantages"):
+        load_config(None, ["objective.critic=true"])
+    with pytest.raises(ConfigError, match="ppo needs its critic"):
+        load_config(None, ["objective.kind=ppo", "objective.critic=false"])
