@@ -185,6 +185,12 @@ class ObjectiveSection:
     too (actor/critic); grpo has group advantages and no critic."""
     whiten: bool = False
     """Whiten the advantages over the step's response tokens (mean 0, std 1)."""
+    dynamic_sampling: bool = False
+    """Drop complete groups whose rewards are all equal (no group signal); new prompts refill."""
+    overlong_buffer: int = 0
+    """Soft overlong penalty over the last this many tokens before rollout.max_tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """The penalty at rollout.max_tokens (linear from 0 at max_tokens - overlong_buffer)."""
 
     @property
     def uses_critic(self) -> bool:
@@ -198,6 +204,10 @@ class ObjectiveSection:
                "must be 0: a reference-policy KL needs a frozen reference model, which neither "
                "backend loads yet")  # fmt: skip
         _check(self.value_coef > 0, "objective.value_coef", self.value_coef, "must be > 0")
+        _check(self.overlong_buffer >= 0, "objective.overlong_buffer", self.overlong_buffer,
+               "must be >= 0")  # fmt: skip
+        _check(self.overlong_penalty >= 0, "objective.overlong_penalty", self.overlong_penalty,
+               "must be >= 0")  # fmt: skip
         _check(self.critic is not False or self.kind != "ppo", "objective.critic", self.critic,
                "ppo needs its critic (GAE values)")  # fmt: skip
         _check(not (self.critic and self.kind == "grpo"), "objective.critic", self.critic,
@@ -488,6 +498,9 @@ class RunConfig:
                "staleness.policy", self.staleness.policy,
                "keep trains stale rollouts, which needs an off-policy correction: set "
                "objective.is_cap (e.g. 2.0), applied by both backends")  # fmt: skip
+        _check(self.objective.overlong_buffer <= self.rollout.max_tokens,
+               "objective.overlong_buffer", self.objective.overlong_buffer,
+               f"must be <= rollout.max_tokens ({self.rollout.max_tokens})")  # fmt: skip
         _check(self.rollout.prompts_per_step % self.objective.minibatches == 0,
                "objective.minibatches", self.objective.minibatches,
                f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}): a "

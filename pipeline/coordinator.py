@@ -40,7 +40,7 @@ from models.errors import NonFiniteWeightsError
 from models.publication import Publication
 from pipeline.config import RunConfig
 from pipeline.dispatch import Dispatcher, PromptSource
-from pipeline.intake import Group, Intake, fill_failed_rewards
+from pipeline.intake import Group, Intake, training_rewards
 from pipeline.ledger import InFlightLedger
 from pipeline.quarantine import Quarantine
 from pipeline.recorder import Recorder, StepRecord
@@ -130,6 +130,7 @@ class Coordinator:
             rules=DoorRules(reward_bound=door.reward_bound), quarantine=self.quarantine,
             version=lambda: self.version, max_refused=door.max_refused,
             window_s=door.window_s, clock=clock, void=self.void,
+            dynamic_sampling=cfg.objective.dynamic_sampling,
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         p = cfg.publish
@@ -265,7 +266,11 @@ class Coordinator:
     def _start(self, groups: list[Group]) -> _Job:
         """Everything that touches the trainer (step, then the publication's files when one
         is due) as one job: on the trainer thread in background mode, else run here."""
-        rolls, failed = fill_failed_rewards([r for g in groups for r in g.rollouts])
+        o = self.cfg.objective
+        rolls, failed = training_rewards(
+            [r for g in groups for r in g.rollouts], max_tokens=self.cfg.rollout.max_tokens,
+            overlong_buffer=o.overlong_buffer, overlong_penalty=o.overlong_penalty,
+        )  # fmt: skip
         flags = [f for g in groups for f in g.needs_correction]
         publish = (self.step + 1) % self.cfg.publish.every == 0
         v = self.version + 1
@@ -316,6 +321,7 @@ class Coordinator:
             "generators": len(self.dispatcher.generators()),
             "duplicates_total": self.intake.counts["duplicate"],
             "refused_total": self.intake.counts["refused"],
+            "filtered_uniform_total": self.intake.counts["groups_filtered_uniform"],
             "reward_nonfinite_total": self.intake.counts["reward_nonfinite"],
             "redispatched_total": self.ledger.counts["released"],
             "tokens": sum(r.num_tokens for r in rolls),

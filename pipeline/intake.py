@@ -121,6 +121,7 @@ class Intake:
         window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         void: Callable[[list[dict[str, Any]]], None] | None = None,
+        dynamic_sampling: bool = False,
     ) -> None:
         self.ledger, self.gate, self.dispatcher, self.record, self.n = (
             ledger, gate, dispatcher, record, n,
@@ -128,6 +129,7 @@ class Intake:
         self.limits, self.rules, self.quarantine, self.version = limits, rules, quarantine, version
         self.refusals = RefusalTracker(max_refused, window_s, clock)
         self.void = void  # records rollouts whose samples are generated again (RUN_DIR/voided)
+        self.dynamic_sampling = dynamic_sampling  # drop groups whose rewards are all equal
         self.restored: set[str] = set()  # restored by a resume, not yet trained
         self._partial: dict[str, dict[int, Rollout]] = {}
         self.complete: OrderedDict[str, Group] = OrderedDict()  # in order of completion
@@ -224,7 +226,14 @@ class Intake:
         if len(g) == self.n:
             del self._partial[r.work_id]
             assert r.work_id not in self.complete and r.work_id not in self.trained
-            self.complete[r.work_id] = Group(r.work_id, [g[i] for i in range(self.n)])
+            group = Group(r.work_id, [g[i] for i in range(self.n)])
+            if self.dynamic_sampling and len({x.reward for x in group.rollouts}) == 1:
+                # every sample scored the same: no group-relative signal; dropped (settled)
+                # and its place in the open-work cap goes to a new prompt
+                self.counts["groups_filtered_uniform"] += 1
+                self._settle(group)
+                return
+            self.complete[r.work_id] = group
 
     def restore_accepted(self, r: Rollout) -> None:
         """Resume: a rollout the ledger holds as accepted (from the checkpoint or the stream).
@@ -310,4 +319,28 @@ def fill_failed_rewards(rolls: list[Rollout]) -> tuple[list[Rollout], int]:
             failed += 1
             r = dataclasses.replace(r, reward=worst.get(r.work_id, 0.0))
         out.append(r)
+    return out, failed
+
+
+def training_rewards(
+    rolls: list[Rollout],
+    *,
+    max_tokens: int,
+    overlong_buffer: int = 0,
+    overlong_penalty: float = 1.0,
+) -> tuple[list[Rollout], int]:
+    """The rewards a step trains on, for live training and replay alike: failed rewards
+    filled (``fill_failed_rewards``), then the soft overlong penalty (DAPO): a completion whose
+    length L passes ``max_tokens - overlong_buffer`` loses ``overlong_penalty`` x (L -
+    (max_tokens - overlong_buffer)) / overlong_buffer (up to the whole penalty at max_tokens);
+    ``overlong_buffer`` 0 disables it. Returns (rollouts, failed rewards)."""
+    out, failed = fill_failed_rewards(rolls)
+    if overlong_buffer > 0:
+        start = max_tokens - overlong_buffer
+        out = [
+            dataclasses.replace(r, reward=float(r.reward or 0.0) - overlong_penalty
+                                * min(r.num_tokens - start, overlong_buffer) / overlong_buffer)
+            if r.num_tokens > start else r
+            for r in out
+        ]  # fmt: skip
     return out, failed

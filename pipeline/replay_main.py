@@ -46,7 +46,7 @@ def replay(stream: Path, out: Path, config: str | None = None,
            overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Replay ``stream`` (see the module docstring); returns {version: [live, replay digest]}."""
     from models.publication import Publication
-    from pipeline.intake import fill_failed_rewards
+    from pipeline.intake import training_rewards
     from pipeline.learner_main import model_dir, resolve_config
     from pipeline.recorder import read_rollouts, read_steps
     from pipeline.trainer_api import build_trainer
@@ -82,7 +82,11 @@ def replay(stream: Path, out: Path, config: str | None = None,
     result: dict[str, Any] = {}
     try:
         for s in steps:
-            rolls, _ = fill_failed_rewards([rollouts[rid] for rid in s.rollout_ids])
+            o = cfg.objective
+            rolls, _ = training_rewards(
+                [rollouts[rid] for rid in s.rollout_ids], max_tokens=cfg.rollout.max_tokens,
+                overlong_buffer=o.overlong_buffer, overlong_penalty=o.overlong_penalty,
+            )  # fmt: skip
             trainer.step(rolls, s.corrections)
             if s.publish is not None:
                 vdir = out / "weights" / f"v{s.publish}"

@@ -320,3 +320,37 @@ def test_work_held_without_answer_is_dispatched_elsewhere(tmp_path: Path) -> Non
     assert c.ledger.counts["released"] >= 1 and hole.queue  # it held work, which went elsewhere
     trained = {rid for b in t.batches for rid in b}
     assert len(trained) == 4 * 8
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills(tmp_path: Path) -> None:
+    """objective.dynamic_sampling: a group whose samples all scored the same is dropped
+    (counted, never trained) and new prompts take its place; the steps still fill."""
+
+    class HalfUniform(FakeGenerator):
+        def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+            r = super()._rollout(item, i, seed, version)
+            return dataclasses.replace(r, reward=1.0) if int(item.work_id[1:]) % 2 else r
+
+    c, net, t = make_coordinator(tmp_path, ["objective.dynamic_sampling=true"])
+    drive(c, [HalfUniform(net, "g0", seed=1), HalfUniform(net, "g1", seed=2)], 5)
+    trained = {rid.rpartition("/")[0] for b in t.batches for rid in b}
+    assert trained and all(int(w[1:]) % 2 == 0 for w in trained)
+    assert c.intake.counts["groups_filtered_uniform"] >= 3
+    assert len(trained) == 5 * 2  # every step still trains prompts_per_step groups
+
+
+def test_overlong_penalty_is_shared_by_live_training_and_replay() -> None:
+    from pipeline.intake import training_rewards
+
+    g = FakeGenerator.__new__(FakeGenerator)
+    g.gid, g.rng = "g0", __import__("random").Random(0)
+    item = WorkItem("w0", "p0", np.array([1, 2], np.int32), np.array([1, 2, 3], np.uint64))
+    rolls = [g._rollout(item, i, s) for i, s in enumerate([1, 2, 3])]
+    lens = [4, 6, 8]
+    rolls = [dataclasses.replace(r, reward=1.0, tokens=np.full(n, 5, np.int32),
+                                 logprobs=-np.ones(n, np.float32),
+                                 exit_depths=np.full(n, 4, np.uint8)) for r, n in zip(rolls, lens)]  # fmt: skip
+    out, _ = training_rewards(rolls, max_tokens=8, overlong_buffer=4, overlong_penalty=0.5)
+    assert [r.reward for r in out] == [1.0, 0.75, 0.5]  # 0 at 4 tokens, -0.25 at 6, -0.5 at 8
+    same, _ = training_rewards(rolls, max_tokens=8)
+    assert [r.reward for r in same] == [1.0, 1.0, 1.0]
