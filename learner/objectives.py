@@ -89,6 +89,9 @@ class ObjectiveConfig:
     """Reduction over tokens: 'token_mean', 'seq_mean' or 'seq_mean_token_sum'."""
     temperature: float = 1.0
     """Sampling temperature > 0 applied to batch logits (must match the generator's)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1] of the generator's sampling: the learner renormalises over the
+    same nucleus (contract 4; the trainer applies it to full-vocabulary logits)."""
     vocab_chunk: int = DEFAULT_CHUNK
     """Vocabulary columns per slice in token_stats when the batch carries logits; >= 1."""
 
@@ -117,6 +120,8 @@ class ObjectiveConfig:
             _fail("aggregation", f"one of {AGGREGATIONS}", self.aggregation)
         if not self.temperature > 0.0:
             _fail("temperature", "a value > 0", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", "a value in (0, 1]", self.top_p)
         if self.vocab_chunk < 1:
             _fail("vocab_chunk", "an integer >= 1", self.vocab_chunk)
 

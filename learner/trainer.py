@@ -49,7 +49,7 @@ from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
 from learner.step_metrics import StepMetrics, all_reduce_
 from learner.triton_token_stats import token_stats_auto
-from learner.vocab_ops import token_stats
+from learner.vocab_ops import nucleus_rows, token_stats
 from proto.records import Rollout
 
 __all__ = [
@@ -183,6 +183,8 @@ class Trainer:
             return {"logp": out["logp"], "entropy": out["entropy"]}
         sel = mb.mask > 0
         rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
+        if obj.top_p < 1.0:  # the generator sampled from the nucleus: renormalise over it
+            rows = nucleus_rows(rows, obj.temperature, obj.top_p)
         stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
         stats = stats_fn(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
 

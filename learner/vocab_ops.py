@@ -226,3 +226,15 @@ def token_stats(
     if logits_old is None:
         return TokenStats(logp, entropy, None, None)
     return TokenStats(logp, entropy, kl, logp_old)
+
+
+def nucleus_rows(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """``logits`` [N, V] (full vocabulary) with the entries outside the top-p nucleus of
+    softmax(logits / temperature) set to -inf (vLLM's rule, models.reference.top_p_filter),
+    so that token_stats renormalises over the nucleus (contract 4). Differentiable in the kept
+    entries. Full rows only: tensor-parallel vocabulary shards are refused by the run config."""
+    from models.reference import top_p_filter
+
+    with torch.no_grad():
+        kept = torch.isfinite(top_p_filter(logits.float() / temperature, top_p))
+    return logits.masked_fill(~kept, float("-inf"))

@@ -498,6 +498,10 @@ class RunConfig:
                "staleness.policy", self.staleness.policy,
                "keep trains stale rollouts, which needs an off-policy correction: set "
                "objective.is_cap (e.g. 2.0), applied by both backends")  # fmt: skip
+        _check(self.rollout.top_p == 1.0 or self.tp == 1 or self.backend == "reference",
+               "rollout.top_p", self.rollout.top_p,
+               "< 1 needs the whole vocabulary on one rank: the megatron learner supports it "
+               "at tp=1 only")  # fmt: skip
         _check(self.objective.overlong_buffer <= self.rollout.max_tokens,
                "objective.overlong_buffer", self.objective.overlong_buffer,
                f"must be <= rollout.max_tokens ({self.rollout.max_tokens})")  # fmt: skip

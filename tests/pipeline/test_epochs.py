@@ -127,3 +127,38 @@ def test_actor_critic_for_dppo_with_its_own_lr_and_whitening(model: Path, backen
         load_config(None, ["objective.critic=true"])
     with pytest.raises(ConfigError, match="ppo needs its critic"):
         load_config(None, ["objective.kind=ppo", "objective.critic=false"])
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
+)
+def test_fresh_logprob_mismatch_at_top_p(model: Path, backend: str) -> None:
+    """Contract 4: behaviour log-probs are nucleus-renormalised; the learner renormalises over
+    the same nucleus, so fresh rollouts (same weights) match at top_p 0.7 as at 1."""
+    from models.checkpoint import load_model
+    from models.reference import SamplingParams, generate
+
+    _, m = load_model(model)
+    prompts = [[1, 18 + i, 19 + i] for i in range(2)]
+    seeds = [[11 + 10 * g + i for i in range(4)] for g in range(2)]
+    worst = {}
+    for top_p in (1.0, 0.7):
+        rolls = []
+        for g, p in enumerate(prompts):
+            gens = generate(m, [p] * 4, seeds[g], SamplingParams(top_p=top_p, max_new_tokens=6))
+            for i, x in enumerate(gens):
+                rolls.append(Rollout(
+                    rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
+                    generator_id="g0", latent_seed=seeds[g][i],
+                    prompt_tokens=np.array(x.prompt_tokens, np.int32),
+                    tokens=np.array(x.tokens, np.int32), logprobs=x.logprobs.numpy(),
+                    exit_depths=np.array(x.exit_depths, np.uint8), weight_version=0,
+                    reward=float(i),
+                ))  # fmt: skip
+        t = _trainer(backend, model, f"rollout.top_p={top_p}", "objective.kind=grpo")
+        try:
+            t.step(rolls, [False] * len(rolls))
+            worst[top_p] = max(t.last_mismatch)
+        finally:
+            t.close() if backend == "megatron" else None
+    assert worst[1.0] <= 1e-5 and worst[0.7] <= 1e-5, worst
