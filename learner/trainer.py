@@ -241,7 +241,12 @@ class Trainer:
                     if flow:
                         if "rows" not in stats:
                             raise ValueError("flow_dppo needs a PolicyForward that returns logits")
-                        old_logits[(u, i)] = stats["rows"].detach()
+                        # host memory (pinned on CUDA): one micro-batch of full-vocabulary
+                        # old logits is on the device at a time, not the whole step's
+                        rows_old = stats["rows"].detach()
+                        host = torch.empty(rows_old.shape, dtype=rows_old.dtype, device="cpu",
+                                           pin_memory=rows_old.is_cuda)  # fmt: skip
+                        old_logits[(u, i)] = host.copy_(rows_old)
                     lp = stats["logp"].float().cpu()
                     prox[start : start + mb.size, : lp.shape[1]] = lp[:, :length]
                     start += mb.size
@@ -287,9 +292,10 @@ class Trainer:
             row0, loss_finite = lo, True
             for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
                 mb = mb_cpu.to(device)
+                old = old_logits.get((u % len(rows), i))
                 stats = self._stats(
                     self.policy_spec.forward(self.policy.module, mb), mb,
-                    old_logits.get((u % len(rows), i)),
+                    None if old is None else old.to(device, non_blocking=True),
                 )  # fmt: skip
                 stats.pop("rows", None)
                 lb: dict[str, Any] = dict(stats, mask=mb.mask, behav_logp=mb.behav_logp)
