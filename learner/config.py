@@ -142,6 +142,9 @@ class TrainConfig:
     """GAE lambda in [0, 1]."""
     group_normalize_std: bool = True
     """Group advantages: divide by the group's std (GRPO) or not (Dr. GRPO)."""
+    kl_in_reward: bool = False
+    """objective.kl_coef x the sampled tokens' KL estimate (summed per sequence) is subtracted
+    from each rollout's reward before the advantages, instead of being a loss term."""
     whiten_advantages: bool = False
     """Whiten advantages over the step's tokens (all data-parallel ranks)."""
     fused_token_stats: bool = True

@@ -28,6 +28,7 @@ learner/mcore_model.py (`looped_policy_spec`) and a plain megatron GPTModel plug
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from learner.batching import (
     sort_rollouts,
 )
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.losses import kl_penalty
 from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
 from learner.step_metrics import StepMetrics, all_reduce_
@@ -101,6 +103,7 @@ class Trainer:
         critic_optim: OptimConfig | None = None,
         critic_schedule: ScheduleConfig | None = None,
         initial_version: int = 0,
+        reference: PolicySpec | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -119,6 +122,14 @@ class Trainer:
             self.critic = Network(
                 critic.build(cfg.recompute), critic_optim or optim, critic_schedule or schedule
             )
+        self.ref_module: nn.Module | None = None
+        """Frozen reference policy of objective.kl_coef (no optimizer, no grad)."""
+        if reference is not None:
+            self.ref_module = reference.build(False)
+            self.ref_module.eval()
+            self.ref_module.requires_grad_(False)
+        if cfg.objective.kl_coef > 0 and self.ref_module is None:
+            raise ValueError("objective.kl_coef > 0 needs a reference PolicySpec")
         self.weight_version = initial_version
         """Version of the current policy weights (+1 per step)."""
         self.last_mismatch: list[float] = []
@@ -198,6 +209,42 @@ class Trainer:
         return res
 
     @torch.no_grad()
+    def _ref_logp(self, mb: TrainBatch) -> Tensor:
+        """[B, L] log-probs of the sampled tokens under the frozen reference policy."""
+        assert self.ref_module is not None
+        return self._stats(self.policy_spec.forward(self.ref_module, mb), mb, None)["logp"]
+
+    @torch.no_grad()
+    def _kl_reward_penalty(self, batch: TrainBatch, rows: list[tuple[int, int, int, int]]) -> None:
+        """kl_in_reward: reward -= kl_coef x sum over the response of the estimator of
+        KL(behaviour || reference) at the sampled tokens (all data-parallel ranks' rows)."""
+        obj = self.cfg.objective
+        device = next(self.policy.module.parameters()).device
+        pen = torch.zeros(batch.size, dtype=torch.float64)
+        for _, _, lo, hi in rows:
+            start = lo
+            for mb_cpu in self._micro(batch, lo, hi):
+                mb = mb_cpu.to(device)
+                ref = self._ref_logp(mb)
+                live = mb.mask > 0
+                k = torch.where(
+                    live, kl_penalty(mb.behav_logp.float(), ref.float(), obj.kl_estimator), 0.0
+                )
+                pen[start : start + mb.size] = k.sum(dim=1).double().cpu()
+                start += mb.size
+        if dist.is_initialized() and self.dp_size > 1:
+            all_reduce_(pen, self.dp_group)
+        ntok = (batch.mask > 0).sum(dim=1).clamp_min(1)
+        self._kl_reward_mean = float((pen / ntok).mean())
+        delta = (obj.kl_coef * pen).float()
+        batch.rewards = batch.rewards - delta
+        # the token reward sits at each row's last response position (learner.batching)
+        last = (batch.mask > 0).float().cumsum(dim=1).argmax(dim=1)
+        tr = batch.token_rewards.clone()
+        tr[torch.arange(batch.size), last] -= delta
+        batch.token_rewards = tr
+
+    @torch.no_grad()
     def _pre_update_passes(
         self, batch: TrainBatch, rows: list[tuple[int, int, int, int]]
     ) -> dict[tuple[int, int], Tensor]:
@@ -207,6 +254,8 @@ class Trainer:
         old_logits: dict[tuple[int, int], Tensor] = {}
         length = batch.length
         zeros = torch.zeros(batch.size, length)
+        if self.ref_module is not None and cfg.kl_in_reward:
+            self._kl_reward_penalty(batch, rows)
         if self.critic is not None:
             assert self.critic_spec is not None
             values = zeros.clone()
@@ -286,6 +335,10 @@ class Trainer:
         row_mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
         skipped = 0.0  # policy updates of this step skipped as non-finite (same on every rank)
         n_updates = len(rows) * cfg.epochs
+        # kl_in_reward: the KL went into the rewards, not into the loss
+        loss_obj = (
+            dataclasses.replace(cfg.objective, kl_coef=0.0) if cfg.kl_in_reward else cfg.objective
+        )
         for u, (g_lo, g_hi, lo, hi) in self._schedule(rows):
             norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
             self.policy.zero_grad()
@@ -302,7 +355,9 @@ class Trainer:
                 lb.update(advantages=mb.extra["advantages"], normalizer=norm)
                 if use_prox_logp:
                     lb["prox_logp"] = mb.extra["prox_logp"]
-                loss, m = policy_loss(cfg.objective, lb)
+                if self.ref_module is not None and not cfg.kl_in_reward:
+                    lb["ref_logp"] = self._ref_logp(mb)
+                loss, m = policy_loss(loss_obj, lb)
                 (loss * self.dp_size).backward()
                 loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
                 self._record(metrics, m, mb, stats["logp"].detach(), u == 0, n_updates)
@@ -328,6 +383,8 @@ class Trainer:
         out = metrics.reduce(self.dp_group)
         self.step_count += 1
         self.weight_version += 1
+        if self.ref_module is not None and cfg.kl_in_reward:
+            out["kl_ref"] = self._kl_reward_mean
         out.update(weight_version=float(self.weight_version), updates=float(n_updates),
                    epochs=float(cfg.epochs))  # fmt: skip
         out.update(

@@ -48,6 +48,8 @@ class ModelSection:
     """Existing HF-layout checkpoint directory; empty: create family/size in RUN_DIR/init."""
     init_seed: int = 0
     """Initialisation seed of a fresh checkpoint."""
+    reference_path: str = ""
+    """Frozen reference policy of objective.kl_coef (HF checkpoint); empty: the starting checkpoint."""
 
     def __post_init__(self) -> None:
         _check(self.family in ("huginn", "ouro", "nanbeige", "llama"), "model.family",
@@ -163,7 +165,9 @@ class ObjectiveSection:
     kl_threshold: float = 0.05
     """flow_dppo trust region (KL old||new)."""
     kl_coef: float = 0.0
-    """KL penalty coefficient against a reference policy; only 0 for now (no reference model)."""
+    """KL(policy || reference) coefficient (> 0 loads a frozen reference policy: model.reference_path)."""
+    kl_in_reward: bool = False
+    """Apply the KL as a per-sequence reward penalty (sum over tokens) instead of a loss term."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3."""
     entropy_coef: float = 0.0
@@ -200,9 +204,9 @@ class ObjectiveSection:
     def __post_init__(self) -> None:
         _check(self.kind in OBJECTIVES, "objective.kind", self.kind, f"must be one of {OBJECTIVES}")
         _check(self.epochs >= 1, "objective.epochs", self.epochs, "must be >= 1")
-        _check(self.kl_coef == 0.0, "objective.kl_coef", self.kl_coef,
-               "must be 0: a reference-policy KL needs a frozen reference model, which neither "
-               "backend loads yet")  # fmt: skip
+        _check(self.kl_coef >= 0.0, "objective.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.kl_estimator in ("k1", "k2", "k3"), "objective.kl_estimator",
+               self.kl_estimator, "must be k1, k2 or k3")  # fmt: skip
         _check(self.value_coef > 0, "objective.value_coef", self.value_coef, "must be > 0")
         _check(self.overlong_buffer >= 0, "objective.overlong_buffer", self.overlong_buffer,
                "must be >= 0")  # fmt: skip

@@ -39,7 +39,12 @@ class MegatronTrainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_config = load_config(model_dir)
         _, hf_state = load_checkpoint(model_dir)
-        self.trainer = build_learner_trainer(cfg, self.model_config, hf_state)
+        ref_state = None
+        if cfg.objective.kl_coef > 0:  # the frozen reference policy of the KL term
+            ref_dir = Path(cfg.model.reference_path) if cfg.model.reference_path else model_dir
+            check_reference(load_config(ref_dir), self.model_config, ref_dir)
+            ref_state = load_checkpoint(ref_dir)[1]
+        self.trainer = build_learner_trainer(cfg, self.model_config, hf_state, ref_state=ref_state)
         self.is_cap = cfg.objective.is_cap
         self.last_mismatch: list[float] = []
 
@@ -87,7 +92,18 @@ class MegatronTrainer:
         destroy_distributed()
 
 
-def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
+def check_reference(ref_config: Any, config: Any, ref_dir: Path) -> None:
+    """The reference policy must be the same model (family and shapes) as the policy."""
+    if ref_config.to_hf_dict() != config.to_hf_dict():
+        from pipeline.config import ConfigError
+
+        raise ConfigError(f"model.reference_path {ref_dir}: its config.json is not the policy's "
+                          "(the reference policy must be the same model)")  # fmt: skip
+
+
+def build_learner_trainer(
+    cfg: Any, model_config: Any, hf_state: Any, *, ref_state: Any = None
+) -> Any:
     """learner.trainer.Trainer of the RunConfig `cfg` (distributed already initialised):
     the mapping of the run config onto learner.config and MegatronOptions. hf_state: the
     starting HF state dict (None: the reference init). benchmarks/trainer_gpu.py uses it too."""
@@ -113,7 +129,7 @@ def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
         seed=cfg.seed, objective=obj, critic=critic, whiten_advantages=o.whiten,
         value=ValueLossConfig(o.value_clip, o.aggregation, o.value_coef),
         gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std, recompute=lr.recompute,
-        fused_token_stats=cfg.numerics == "fast",
+        fused_token_stats=cfg.numerics == "fast", kl_in_reward=o.kl_in_reward,
     )  # fmt: skip
     optim = OptimConfig(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps,
                         weight_decay=p.weight_decay, clip_grad=p.grad_clip)  # fmt: skip
@@ -129,6 +145,8 @@ def build_learner_trainer(cfg: Any, model_config: Any, hf_state: Any) -> Any:
         looped_policy_spec(model_config, options, hf_state),
         critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
         critic_optim=critic_optim,
+        reference=looped_policy_spec(model_config, options, ref_state)
+        if o.kl_coef > 0 else None,
     )  # fmt: skip
 
 

@@ -93,6 +93,17 @@ class ReferenceTrainer:
             groups.append({"params": list(self.value_head.parameters()),
                            "lr": p.critic_lr or p.lr})  # fmt: skip
         self.whiten = o.whiten
+        self.ref: LoopedLM | None = None  # frozen reference policy of objective.kl_coef
+        self.kl_in_reward = o.kl_in_reward
+        if o.kl_coef > 0:
+            from pipeline.megatron_adapter import check_reference
+
+            ref_dir = Path(cfg.model.reference_path) if cfg.model.reference_path else self.model_dir
+            ref_cfg, ref = load_model(ref_dir)
+            check_reference(ref_cfg, self.config, ref_dir)
+            self.ref = ref  # type: ignore[assignment]
+            ref.eval()
+            ref.requires_grad_(False)
         self.grad_clip = p.grad_clip
         self.optim = torch.optim.AdamW(
             groups, lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay
@@ -103,13 +114,16 @@ class ReferenceTrainer:
         self.last_mismatch: list[float] = []  # per rollout of the last step: max |prox - behav|
 
     # -- forward ----------------------------------------------------------------------------
-    def _forward(self, rolls: Sequence[Rollout]) -> tuple[Tensor, Tensor, Tensor]:
-        """(log-probs [B, T, V] of the sampled-from distributions, hidden [B, T, H], mask)."""
+    def _forward(
+        self, rolls: Sequence[Rollout], model: Any = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(log-probs [B, T, V] of the sampled-from distributions, hidden [B, T, H], mask) of
+        the policy (or of ``model``: the frozen reference policy)."""
         from models.contract import position_depths
         from models.engine import KVCache, run_chunk
         from models.reference import behaviour_logprobs
 
-        m = self.model
+        m = self.model if model is None else model
         full = [int(r.exit_depths[0]) if r.num_tokens else m.max_depth for r in rolls]
         seqs = [[int(t) for t in r.prompt_tokens] + [int(t) for t in r.tokens[:-1]] for r in rolls]
         bsz, length = len(rolls), max(len(s) for s in seqs)
@@ -175,6 +189,20 @@ class ReferenceTrainer:
         old_values = None
         if self.value_head is not None:
             old_values = self.value_head(hid0)[..., 0].detach()
+        ref_logp, kl_ref = None, None
+        if self.ref is not None:
+            from learner.losses import kl_penalty
+
+            with torch.no_grad():
+                lpr, _, _ = self._forward(rolls, model=self.ref)
+            ref_logp = lpr.gather(-1, targets[..., None])[..., 0]
+            if self.kl_in_reward:  # per-sequence penalty on the sampled tokens' estimate
+                kl_tok = torch.where(
+                    mask > 0, kl_penalty(behav, ref_logp, self.obj.kl_estimator), 0.0
+                )
+                pen = kl_tok.sum(dim=1)
+                kl_ref = float((pen / (mask > 0).sum(dim=1).clamp_min(1)).mean())
+                rewards = rewards - self.obj.kl_coef * pen
         returns = None
         if old_values is not None:  # a critic: GAE advantages (ppo, or objective.critic)
             tok_r = torch.zeros(bsz, tmax)
@@ -195,6 +223,10 @@ class ReferenceTrainer:
             std = var.clamp_min(0).sqrt()
             adv = torch.where(mask > 0, (tok.double() - mean) / (std + 1e-6), 0.0).float()
         cfg = self.obj  # policy keep requires objective.is_cap (pipeline.config)
+        if self.kl_in_reward:  # the KL went into the rewards, not into the loss
+            from dataclasses import replace
+
+            cfg = replace(cfg, kl_coef=0.0)
         sums: dict[str, float] = {}
         schedule = self._schedule(rolls)
         skipped = 0
@@ -210,6 +242,8 @@ class ReferenceTrainer:
                    "adv": adv[rows] if adv.dim() == 1 else adv[rows, :t]}  # fmt: skip
             if old_values is not None and returns is not None:
                 sub.update(old_values=old_values[rows, :t], returns=returns[rows, :t])
+            if ref_logp is not None and not self.kl_in_reward:
+                sub["ref_logp"] = ref_logp[rows, :t]
             m, finite = self._update(cfg, lp, hid, sub)
             skipped += 0 if finite else 1
             for k, v in m.items():
@@ -220,6 +254,8 @@ class ReferenceTrainer:
         out["skipped_nonfinite"] = float(skipped)
         out["skipped_nonfinite_total"] = float(self.skipped)
         out["updates"] = float(len(schedule))
+        if kl_ref is not None:
+            out["kl_ref"] = kl_ref
         live = mask > 0
         diff = torch.where(live, (prox - behav).abs(), 0.0)
         self.last_mismatch = [float(x) for x in diff.max(dim=1).values]
@@ -258,6 +294,8 @@ class ReferenceTrainer:
         logp = lp_all.gather(-1, sub["targets"][..., None])[..., 0]
         batch: dict[str, Any] = {"mask": mask, "logp": logp, "behav_logp": sub["behav"],
                                  "prox_logp": sub["prox"], "advantages": sub["adv"]}  # fmt: skip
+        if "ref_logp" in sub:
+            batch["ref_logp"] = sub["ref_logp"]
         if self.kind == "flow_dppo":
             old_lp = sub["old_lp"]
             p_old = old_lp.exp()

@@ -92,8 +92,8 @@ def test_objective_keys_either_backend_cannot_honour_are_refused() -> None:
     """Rule: every key is honoured by every backend or refused with a message."""
     from pipeline.config import ConfigError
 
-    with pytest.raises(ConfigError, match="objective.kl_coef.*reference model"):
-        load_config(None, ["objective.kl_coef=0.05"])
+    with pytest.raises(ConfigError, match="objective.kl_estimator"):
+        load_config(None, ["objective.kl_coef=0.05", "objective.kl_estimator=k9"])
     with pytest.raises(ConfigError, match="staleness.policy.*objective.is_cap"):
         load_config(None, ["staleness.policy=keep"])
     assert (
@@ -162,3 +162,35 @@ def test_fresh_logprob_mismatch_at_top_p(model: Path, backend: str) -> None:
         finally:
             t.close() if backend == "megatron" else None
     assert worst[1.0] <= 1e-5 and worst[0.7] <= 1e-5, worst
+
+
+@pytest.mark.parametrize("in_reward", [False, True])
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
+)
+def test_reference_policy_kl(model: Path, backend: str, in_reward: bool) -> None:
+    """objective.kl_coef 0.05 loads the starting checkpoint as a frozen reference policy: the
+    first step's KL is 0 (policy = reference), after updates it is > 0 and reported as kl_ref;
+    as a loss term or as a reward penalty (objective.kl_in_reward)."""
+    rolls = _rollouts()
+    t = _trainer(backend, model, "objective.kl_coef=0.05", f"objective.kl_in_reward={in_reward}")
+    try:
+        first = t.step(rolls, [False] * len(rolls))
+        second = t.step(rolls, [False] * len(rolls))
+    finally:
+        t.close() if backend == "megatron" else None
+    if in_reward:  # behaviour (-6 here) vs the frozen reference: fixed, > 0, every step
+        assert first["kl_ref"] > 0 and abs(first["kl_ref"] - second["kl_ref"]) < 1e-5
+    else:  # the first update's policy is the reference itself
+        assert abs(first["kl_ref"]) < 1e-3 and second["kl_ref"] > first["kl_ref"]
+    assert np.isfinite(second["loss"]) and second["skipped_nonfinite"] == 0.0
+
+
+def test_reference_path_must_be_the_same_model(model: Path, tmp_path: Path) -> None:
+    from models.init import init_checkpoint
+    from pipeline.config import ConfigError
+
+    init_checkpoint("ouro", "tiny", tmp_path / "ouro", seed=0)
+    with pytest.raises(ConfigError, match="model.reference_path.*not the policy's"):
+        _trainer("reference", model, "objective.kl_coef=0.05",
+                 f"model.reference_path={tmp_path / 'ouro'}")  # fmt: skip
