@@ -190,7 +190,8 @@ class TrainConfig:
     def needs_prox_default(self) -> bool:
         """The objective cannot run without proximal log-probs (or old logits)."""
         o = self.objective
-        return o.kind in ("dppo", "flow_dppo") or o.is_cap is not None
+        return (o.kind in ("dppo", "flow_dppo") or o.is_cap is not None
+                or (o.kind == "divergence_ppo" and o.anchor == "proximal"))  # fmt: skip
 
     @property
     def use_prox(self) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "aggregate",
     "behaviour_weight",
     "clipped_surrogate",
+    "divergence_surrogate",
     "flow_dppo_surrogate",
     "kl_penalty",
     "masked_mean",
@@ -170,6 +171,40 @@ def flow_dppo_surrogate(
         dropped = pushing & (kl > threshold)
     loss = torch.where(dropped, 0.0, -ratio * advantages)
     return loss, dropped
+
+
+def divergence_surrogate(
+    ratio: Tensor,
+    logp: Tensor,
+    anchor_logp: Tensor,
+    advantages: Tensor,
+    divergence: str,
+    threshold: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Divergence PPO (Qi et al. 2026, arXiv 2602.04879, the binary approximation): the
+    unclipped -r A with r = pi / mu, where a token is dropped when the binary divergence
+    between Bernoulli(mu(a)) and Bernoulli(pi(a)) of its sampled token exceeds ``threshold``
+    and the update pushes further out (A > 0 and pi > mu, or A < 0 and pi < mu):
+
+        tv:  |pi(a) - mu(a)|
+        kl:  mu log(mu / pi) + (1 - mu) log((1 - mu) / (1 - pi))
+
+    mu is the anchor (behaviour or proximal policy), pi the current one. Returns (loss [B, T],
+    dropped [B, T] bool, divergence [B, T])."""
+    with torch.no_grad():
+        pi, mu = logp.detach().float().exp(), anchor_logp.detach().float().exp()
+        if divergence == "tv":
+            div = (pi - mu).abs()
+        elif divergence == "kl":
+            eps = 1e-12
+            pi_c, mu_c = pi.clamp(eps, 1 - eps), mu.clamp(eps, 1 - eps)
+            div = mu_c * (mu_c / pi_c).log() + (1 - mu_c) * ((1 - mu_c) / (1 - pi_c)).log()
+        else:
+            raise ValueError(f"divergence: expected 'tv' or 'kl', got {divergence!r}")
+        pushing = ((advantages > 0) & (pi > mu)) | ((advantages < 0) & (pi < mu))
+        dropped = pushing & (div > threshold)
+    loss = torch.where(dropped, 0.0, -ratio * advantages)
+    return loss, dropped, div
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:

@@ -43,6 +43,7 @@ from learner.losses import (
     aggregate,
     behaviour_weight,
     clipped_surrogate,
+    divergence_surrogate,
     flow_dppo_surrogate,
     kl_penalty,
     masked_mean,
@@ -53,7 +54,9 @@ from learner.vocab_ops import DEFAULT_CHUNK, token_stats
 
 __all__ = ["KINDS", "ObjectiveConfig", "ValueLossConfig", "policy_loss", "value_loss"]
 
-KINDS = ("ppo", "grpo", "dppo", "flow_dppo")
+KINDS = ("ppo", "grpo", "dppo", "flow_dppo", "divergence_ppo")
+DIVERGENCES = ("tv", "kl")
+ANCHORS = ("behaviour", "proximal")
 IS_MODES = ("truncate", "mask")
 
 
@@ -77,6 +80,12 @@ class ObjectiveConfig:
     """Cap C > 0 on w = exp(prox_logp - behav_logp); ppo/grpo/flow_dppo apply w only if set."""
     is_mode: str = "truncate"
     """Use of is_cap: 'truncate' (w = min(w, C)) or 'mask' (tokens with w > C get weight 0)."""
+    divergence: str = "tv"
+    """divergence_ppo's per-token binary divergence: 'tv' or 'kl' (Bernoulli of the sampled token)."""
+    divergence_threshold: float = 0.2
+    """divergence_ppo's trust region: tokens beyond it that push further out are dropped; > 0."""
+    anchor: str = "behaviour"
+    """divergence_ppo's mu: the 'behaviour' (sampling) policy or the 'proximal' one."""
     kl_threshold: float = 0.05
     """flow_dppo trust region: updates with KL(old||new) > this that push further are dropped; > 0."""
     kl_coef: float = 0.0
@@ -108,6 +117,12 @@ class ObjectiveConfig:
             _fail("is_cap", "None or a value > 0", self.is_cap)
         if self.is_mode not in IS_MODES:
             _fail("is_mode", f"one of {IS_MODES}", self.is_mode)
+        if self.divergence not in DIVERGENCES:
+            _fail("divergence", f"one of {DIVERGENCES}", self.divergence)
+        if not self.divergence_threshold > 0.0:
+            _fail("divergence_threshold", "a value > 0", self.divergence_threshold)
+        if self.anchor not in ANCHORS:
+            _fail("anchor", f"one of {ANCHORS}", self.anchor)
         if not self.kl_threshold > 0.0:
             _fail("kl_threshold", "a value > 0", self.kl_threshold)
         if not self.kl_coef >= 0.0:
@@ -219,6 +234,8 @@ def policy_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, di
         dppo:        l = w * clip_surrogate(r = exp(logp - prox_logp), A)
                      w = exp(prox_logp - behav_logp), capped/masked by is_cap/is_mode
         flow_dppo:   l = w * (0 if dropped else -r A),  r = exp(logp - prox_logp)
+        divergence_ppo: l = 0 if dropped else -r A,  r = exp(logp - anchor_logp), dropped when
+                     the binary TV / KL of the sampled token beyond the threshold pushes out
         all kinds:   l += kl_coef * k(logp, ref_logp) - entropy_coef * H
     loss = aggregate(l, mask, cfg.aggregation, batch.get("normalizer")).
 
@@ -245,7 +262,12 @@ def policy_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, di
         _require(prox, "prox_logp", "for dppo and whenever is_cap is set")
     if cfg.kind == "flow_dppo":
         _require(kl_old, "kl", "for flow_dppo (or old_logits with logits)")
-    base_in = prox if prox is not None else _require(behav, "behav_logp", "(or prox_logp)")
+    if cfg.kind == "divergence_ppo":  # r = pi / mu against the configured anchor
+        base_in = (_require(behav, "behav_logp", "for divergence_ppo (anchor behaviour)")
+                   if cfg.anchor == "behaviour"
+                   else _require(prox, "prox_logp", "for divergence_ppo (anchor proximal)"))  # fmt: skip
+    else:
+        base_in = prox if prox is not None else _require(behav, "behav_logp", "(or prox_logp)")
     if cfg.kl_coef > 0:
         _require(ref, "ref_logp", "for kl_coef > 0")
     if cfg.entropy_coef > 0:
@@ -294,6 +316,12 @@ def policy_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, di
         metrics["drop_frac"] = masked_mean((dropped & valid).float(), mask)
         over = (kl_old > cfg.kl_threshold) & valid
         metrics["kl_over_threshold_frac"] = masked_mean(over.float(), mask)
+    elif cfg.kind == "divergence_ppo":
+        pg, dropped, div = divergence_surrogate(
+            ratio, logp, base, adv, cfg.divergence, cfg.divergence_threshold
+        )
+        metrics["drop_frac"] = masked_mean((dropped & valid).float(), mask)
+        metrics["divergence_mean"] = masked_mean(torch.where(valid, div, 0.0), mask)
     else:
         surr = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
         pg = surr.loss

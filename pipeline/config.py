@@ -19,7 +19,7 @@ from typing import Any
 
 from models.contract import NUMERICS
 
-OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo")
+OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo", "divergence_ppo")
 POLICIES = ("drop", "keep")
 BACKENDS = ("auto", "megatron", "reference")
 TASKS = ("synthetic", "jsonl", "dataset")
@@ -147,7 +147,7 @@ class ObjectiveSection:
     """The policy objective (learner.objectives.ObjectiveConfig) plus advantages and critic."""
 
     kind: str = "grpo"
-    """grpo, ppo (with a critic), dppo (decoupled PPO) or flow_dppo."""
+    """grpo, ppo (with a critic), dppo (decoupled PPO), flow_dppo or divergence_ppo."""
     epochs: int = 1
     """Passes over each step's rollouts (proximal log-probs and advantages from the step's start)."""
     minibatches: int = 1
@@ -164,6 +164,12 @@ class ObjectiveSection:
     """Use of is_cap: truncate or mask."""
     kl_threshold: float = 0.05
     """flow_dppo trust region (KL old||new)."""
+    divergence: str = "tv"
+    """divergence_ppo: binary divergence of the sampled token, tv or kl."""
+    divergence_threshold: float = 0.2
+    """divergence_ppo: trust region (tokens beyond it that push further out are dropped)."""
+    anchor: str = "behaviour"
+    """divergence_ppo: the policy r = pi / mu is measured against: behaviour or proximal."""
     kl_coef: float = 0.0
     """KL(policy || reference) coefficient (> 0 loads a frozen reference policy: model.reference_path)."""
     kl_in_reward: bool = False
@@ -208,6 +214,12 @@ class ObjectiveSection:
         _check(self.kl_estimator in ("k1", "k2", "k3"), "objective.kl_estimator",
                self.kl_estimator, "must be k1, k2 or k3")  # fmt: skip
         _check(self.value_coef > 0, "objective.value_coef", self.value_coef, "must be > 0")
+        _check(self.divergence in ("tv", "kl"), "objective.divergence", self.divergence,
+               "must be tv or kl")  # fmt: skip
+        _check(self.divergence_threshold > 0, "objective.divergence_threshold",
+               self.divergence_threshold, "must be > 0")  # fmt: skip
+        _check(self.anchor in ("behaviour", "proximal"), "objective.anchor", self.anchor,
+               "must be behaviour or proximal")  # fmt: skip
         _check(self.overlong_buffer >= 0, "objective.overlong_buffer", self.overlong_buffer,
                "must be >= 0")  # fmt: skip
         _check(self.overlong_penalty >= 0, "objective.overlong_penalty", self.overlong_penalty,

@@ -118,6 +118,7 @@ def build_learner_trainer(
     obj = ObjectiveConfig(
         kind=o.kind, eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip,
         is_cap=o.is_cap, is_mode=o.is_mode, kl_threshold=o.kl_threshold,
+        divergence=o.divergence, divergence_threshold=o.divergence_threshold, anchor=o.anchor,
         kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
         aggregation=o.aggregation, temperature=r.temperature, top_p=r.top_p,
     )  # fmt: skip

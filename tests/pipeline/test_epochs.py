@@ -194,3 +194,31 @@ def test_reference_path_must_be_the_same_model(model: Path, tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="model.reference_path.*not the policy's"):
         _trainer("reference", model, "objective.kl_coef=0.05",
                  f"model.reference_path={tmp_path / 'ouro'}")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind_over", [
+    ["objective.kind=divergence_ppo", "objective.divergence=tv"],
+    ["objective.kind=divergence_ppo", "objective.divergence=kl", "objective.anchor=proximal"],
+    ["objective.kind=flow_dppo", "objective.is_cap=2.0"],
+])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
+)
+def test_trust_region_masks_act(model: Path, backend: str, kind_over: list[str]) -> None:
+    """Divergence PPO (both divergences, both anchors) and Flow-DPPO drop tokens once the
+    policy moved (2 epochs x 2 mini-batches, a tight region); with a region no divergence can
+    leave, nothing is dropped."""
+    rolls = _rollouts()
+    tight = ["objective.divergence_threshold=1e-6", "objective.kl_threshold=1e-6"]
+    loose = ["objective.divergence_threshold=10", "objective.kl_threshold=1e6"]
+    out = {}
+    for name, region in (("tight", tight), ("loose", loose)):
+        t = _trainer(backend, model, *kind_over, *region, "objective.epochs=2",
+                     "objective.minibatches=2")  # fmt: skip
+        try:
+            out[name] = t.step(rolls, [False] * len(rolls))
+        finally:
+            t.close() if backend == "megatron" else None
+    assert out["tight"]["drop_frac"] > 0.0, out["tight"]
+    assert out["loose"]["drop_frac"] == 0.0
+    assert np.isfinite(out["tight"]["loss"]) and out["tight"]["updates"] == 4.0
