@@ -55,19 +55,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.mark.parametrize("kind", ["dppo", "ppo"])
 @pytest.mark.parametrize(
     "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
 )
-def test_one_update_never_clips_several_do(model: Path, backend: str) -> None:
+def test_one_update_never_clips_several_do(model: Path, backend: str, kind: str) -> None:
     rolls = _rollouts()
-    t = _trainer(backend, model)
+    t = _trainer(backend, model, f"objective.kind={kind}", "objective.is_cap=2.0")
     try:
         one = t.step(rolls, [False] * len(rolls))
     finally:
         t.close() if backend == "megatron" else None
     assert one["updates"] == 1.0
     assert one["clip_frac"] == 0.0 and abs(one["ratio_mean"] - 1.0) < 1e-6  # prox == current
-    t = _trainer(backend, model, "objective.epochs=2", "objective.minibatches=2")
+    t = _trainer(backend, model, f"objective.kind={kind}", "objective.is_cap=2.0",
+                 "objective.epochs=2", "objective.minibatches=2")  # fmt: skip
     try:
         four = t.step(rolls, [False] * len(rolls))
         again = t.step(rolls, [False] * len(rolls))
