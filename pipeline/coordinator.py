@@ -40,6 +40,7 @@ from models.errors import NonFiniteWeightsError
 from models.publication import Publication
 from pipeline.config import RunConfig
 from pipeline.dispatch import Dispatcher, PromptSource
+from pipeline.eval_rounds import is_eval_work
 from pipeline.intake import Group, Intake, training_rewards
 from pipeline.ledger import InFlightLedger
 from pipeline.quarantine import Quarantine
@@ -133,6 +134,7 @@ class Coordinator:
             dynamic_sampling=cfg.objective.dynamic_sampling,
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
+        self.evals: Any = None  # pipeline.eval_rounds.EvalRounds (eval.every > 0)
         p = cfg.publish
         self.publisher = WeightPublisher(endpoint, chunk_bytes=p.chunk_bytes, window=p.window)
         self.published: list[int] = []
@@ -166,6 +168,17 @@ class Coordinator:
             if peer in self.publisher.generators():
                 self.publisher.observe(peer, rec.weight_version)
         elif isinstance(rec, RolloutBatch | Rollout):
+            rolls = rec.rollouts if isinstance(rec, RolloutBatch) else [rec]
+            if self.evals is not None and any(is_eval_work(r.work_id) for r in rolls):
+                ev = [r for r in rolls if is_eval_work(r.work_id)]
+                for ack in self.evals.receive(peer, ev):
+                    ep.send(peer, ack)
+                for w in {r.work_id for r in ev} - set(self.evals.held.get(peer, {})):
+                    d.received_eval(peer, w)
+                rolls = [r for r in rolls if not is_eval_work(r.work_id)]
+                if not rolls:
+                    return
+                rec = RolloutBatch(rolls)
             res = self.intake.receive(peer, rec)
             for reply in res.replies:
                 ep.send(peer, reply)
@@ -336,6 +349,8 @@ class Coordinator:
             self._announce(pub)
         if self.on_step is not None:
             self.on_step(m)
+        if self.evals is not None and self.evals.due(self.step):
+            self.evals.start(self.step, self.version)
 
     def _mismatch(self, rolls: list[Rollout], whole: float) -> float:
         """Max |learner - generator| log-prob over the rollouts sampled with the weights
@@ -429,6 +444,13 @@ class Coordinator:
                     f"{len(self.dispatcher.open)}, complete groups {len(self.intake.complete)}"
                 )
         self.drain()  # a step started before a stop() is completed (logged, published)
+        deadline = self.clock() + self.cfg.max_wait_s
+        while self.evals is not None and self.evals.pending() and self.clock() < deadline:
+            if stop is not None and stop():
+                break
+            self.poll(self.poll_s)  # the last eval round: served, not trained
+            self.dispatcher.pump(self.version, self._send_work, self._expected_version)
+            self.publisher.pump()
 
     def counts(self) -> Mapping[str, Any]:
         return {

@@ -141,6 +141,7 @@ class Dispatcher:
         self.open: dict[str, WorkSpec] = {}  # dispatched, not yet trained or dropped
         self._redo: deque[Redispatch] = deque()
         self._avoid: dict[tuple[str, int], str] = {}  # refused sample -> generator to avoid
+        self.evals: Any = None  # pipeline.eval_rounds.EvalRounds: eval items go out first
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
 
@@ -167,8 +168,17 @@ class Dispatcher:
     def generators(self) -> dict[str, int]:
         return {k: g.version for k, g in self._gens.items()}
 
+    def received_eval(self, gid: str, work_id: str) -> None:
+        """An eval item is fully answered: ``gid`` no longer holds it."""
+        g = self._gens.get(gid)
+        if g is not None:
+            g.pending.pop(work_id, None)
+            g.issued_at.pop(work_id, None)
+
     def remove_generator(self, gid: str) -> int:
         """Dead or gone: every sample it held goes back to the re-dispatch queue."""
+        if self.evals is not None:
+            self.evals.release(gid)
         self._gens.pop(gid, None)
         return self._requeue(self.ledger.generator_died(gid))
 
@@ -178,6 +188,8 @@ class Dispatcher:
             for w in work_ids:
                 g.pending.pop(w, None)
                 g.issued_at.pop(w, None)
+        if self.evals is not None:
+            self.evals.release(gid, list(work_ids))
         return self._requeue(self.ledger.returned(gid, work_ids))
 
     def refused(self, gid: str, work_id: str, index: int) -> int:
@@ -277,6 +289,16 @@ class Dispatcher:
             if not self.gate.can_dispatch(learner_version, ver):
                 continue
             while len(g.pending) < g.max_inflight:
+                ev = self.evals.next_item(gid, ver) if self.evals is not None else None
+                if ev is not None:  # evaluation work: outside the ledger and the gate
+                    if not send(gid, ev):
+                        self.evals.release(gid, [ev.work_id])
+                        self.remove_generator(gid)
+                        break
+                    g.pending[ev.work_id] = set(range(len(ev.latent_seeds)))
+                    g.issued_at[ev.work_id] = self.clock()
+                    sent += 1
+                    continue
                 item = self._next_item(gid, g, ver)
                 if item is None:  # nothing for this one (what is left avoids it): next one
                     break

@@ -106,40 +106,6 @@ def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
     return {"model": str(model), "eval/split": split, **out}
 
 
-class PeriodicEval:
-    """Evaluation during training, on the learner (``eval.every`` > 0; docs/TASKS.md).
-
-    Called with every training step's metrics row: on steps 1, 1 + every, 1 + 2 x every, ...
-    and on the last step it scores the weights that step trained on (version ``row["version"]``:
-    the starting checkpoint for 0, else RUN_DIR/weights/vN) and adds eval/accuracy,
-    eval/mean@n, eval/reward_mean, eval/version and eval/s to the row. Rollouts of the eval
-    never reach the generators, the training stream or the staleness accounting."""
-
-    def __init__(self, cfg: RunConfig, model: Path, run_dir: Path, last_step: int) -> None:
-        e = cfg.eval
-        self.cfg, self.model, self.run_dir, self.last_step = cfg, model, run_dir, last_step
-        self.prompts = eval_prompts(cfg, model, e.split, e.limit)
-
-    def due(self, step: int) -> bool:
-        return (step - 1) % self.cfg.eval.every == 0 or step == self.last_step
-
-    def __call__(self, row: dict[str, Any]) -> None:
-        import time
-
-        step, version = int(row["step"]), int(row["version"])
-        if not self.due(step):
-            return
-        weights = self.model if version == 0 else self.run_dir / "weights" / f"v{version}"
-        if not (weights / "config.json").is_file():
-            log.warning("eval at step %d: %s is gone (publish.keep); skipped", step, weights)
-            return
-        t0 = time.perf_counter()
-        e = self.cfg.eval
-        out = score_checkpoint(self.cfg, weights, self.model, self.prompts, n=e.n,
-                               temperature=e.temperature)  # fmt: skip
-        row.update(out, **{"eval/version": version, "eval/s": time.perf_counter() - t0})
-
-
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     p.add_argument("--config", metavar="FILE", help="run config YAML (its task section is used)")

@@ -221,15 +221,21 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     (run_dir / "endpoints.json").write_text(json.dumps({"control": ctrl, "weights": wts}))
     metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard)
     bar = _progress(cfg)
-    evaluate = None
-    if cfg.eval.every:  # on the learner, outside the stream (pipeline/evaluation.py)
-        from pipeline.evaluation import PeriodicEval
+    rows: dict[int, dict[str, Any]] = {}  # logged rows, by step (eval results join them)
+    pending_eval: dict[int, dict[str, Any]] = {}
 
-        evaluate = PeriodicEval(cfg, model, run_dir, tasks.planned_steps(cfg, prompts))
+    def on_eval(step: int, ev: dict[str, Any]) -> None:
+        """An eval round finished (on the generators): into its step's row (round 0: step 1)."""
+        target = max(step, 1)
+        if target in rows:
+            rows[target].update(ev)
+            metrics.log(rows[target])  # the later copy of a step's row wins (read_metrics)
+        else:
+            pending_eval[target] = ev
 
     def on_step(m: dict[str, Any]) -> None:
-        if evaluate is not None:
-            evaluate(m)
+        m.update(pending_eval.pop(int(m["step"]), {}))
+        rows[int(m["step"])] = m
         metrics.log(m)
         if bar is not None:
             bar.update(1)
@@ -239,6 +245,17 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
                         run_dir=run_dir, limits=ModelLimits.from_checkpoint(model),
                         on_step=on_step, background=True)  # fmt: skip
+    if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
+        from pipeline.eval_rounds import EvalRounds
+        from pipeline.evaluation import eval_prompts
+
+        e = cfg.eval
+        coord.evals = coord.dispatcher.evals = EvalRounds(
+            eval_prompts(cfg, model, e.split, e.limit), n=e.n, temperature=e.temperature,
+            max_tokens=cfg.rollout.max_tokens, stop_token_ids=cfg.rollout.stop_token_ids,
+            run_seed=cfg.seed, every=e.every, last_step=tasks.planned_steps(cfg, prompts),
+            on_result=on_eval,
+        )  # fmt: skip
     stopping = {"flag": False}
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -261,6 +278,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             if on_bound is not None:
                 on_bound(ctrl, wts, model)
             keep = cfg.checkpoint.keep
+            if coord.evals is not None:  # the starting weights' accuracy (reported with step 1)
+                coord.evals.start(coord.step, coord.version)
             coord.run(tasks.planned_steps(cfg, prompts), checkpoint=lambda: resume_mod.save(coord, keep),
                       stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
             resume_mod.save(coord, keep)

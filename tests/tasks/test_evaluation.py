@@ -63,27 +63,6 @@ def test_correct_of() -> None:
     assert correct_of(1.0, {}) and not correct_of(0.5, {}) and not correct_of(None, {})
 
 
-def test_periodic_eval_adds_eval_metrics_to_the_due_rows(
-    setup: tuple[Path, Path], tmp_path: Path
-) -> None:
-    import shutil
-
-    from pipeline.evaluation import PeriodicEval
-
-    model, data = setup
-    c = cfg(data, "eval.every=2", "eval.limit=3", f"run_dir={tmp_path}")
-    shutil.copytree(model, tmp_path / "weights" / "v2")  # a "published" version
-    ev = PeriodicEval(c, model, tmp_path, last_step=6)
-    assert [s for s in range(1, 7) if ev.due(s)] == [1, 3, 5, 6]
-    rows = [{"step": s, "version": v} for s, v in [(1, 0), (2, 1), (3, 2), (5, 4)]]
-    for r in rows:
-        ev(r)
-    assert "eval/accuracy" not in rows[1]  # not due
-    assert rows[0]["eval/version"] == 0 and rows[2]["eval/version"] == 2
-    assert rows[0]["eval/prompts"] == 3 and 0.0 <= rows[2]["eval/accuracy"] <= 1.0
-    assert {k for k in rows[0] if k.startswith("eval/")} == {"eval/prompts", "eval/n",
-        "eval/accuracy", "eval/mean@n", "eval/reward_mean", "eval/version", "eval/s"}  # fmt: skip
-    assert rows[0]["eval/accuracy"] == rows[2]["eval/accuracy"]  # same weights, greedy
-    assert "eval/accuracy" not in rows[3]  # v4 was never published here: skipped, not fatal
+def test_eval_needs_a_dataset_task() -> None:
     with pytest.raises(ConfigError, match="eval.every=5: needs task.kind=dataset"):
         load_config(None, ["eval.every=5"])

@@ -1,0 +1,187 @@
+"""Evaluation during training, run by the generators (``eval.every`` > 0; docs/TASKS.md).
+
+The loop, on the coordinator's thread::
+
+    rounds = EvalRounds(prompts, ...)                 # the eval split, rendered as for training
+    after step s published version v: if rounds.due(s): rounds.start(s, v)
+    dispatcher.pump(...)  -> rounds.next_item(gid, version)   # eval items first, within the
+                                                             # generator's max_inflight
+    RolloutBatch with eval work ids (``e<round>-<i>``) -> rounds.receive(gid, rollouts) -> Acks
+    generator gone / WorkReturn -> rounds.release(gid, work_ids)   # sent again elsewhere
+    a round complete -> on_result(step, {"eval/accuracy", "eval/mean@n", "eval/n",
+                                         "eval/reward_mean", "eval/version", "eval/version_max",
+                                         "eval/prompts", "eval/s"})
+
+Invariants: eval work never enters the ledger, the staleness gate, the training stream or the
+step log, and its rollouts are never trained; every eval item is answered by a generator that
+serves the round's version (``min_weight_version`` = v) or is sent again; each (prompt,
+sample) counts once (late duplicates are acknowledged and ignored). Accuracy is pass@1 (the
+first sample of each prompt) and mean@n (all samples), with the task reward's ``correct``
+(pipeline.evaluation.correct_of).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from models.noise import derive_latent_seed
+from proto import Ack, Rollout, WorkItem
+
+EVAL_PREFIX = "e"
+
+
+def is_eval_work(work_id: str) -> bool:
+    return work_id.startswith(EVAL_PREFIX)
+
+
+@dataclass
+class _Round:
+    step: int
+    version: int
+    started: float
+    items: dict[str, WorkItem]
+    results: dict[str, dict[int, tuple[float | None, dict[str, Any]]]] = field(default_factory=dict)
+    reported: bool = False
+    versions: list[int] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return all(
+            len(self.results.get(w, {})) == len(it.latent_seeds) for w, it in self.items.items()
+        )
+
+
+class EvalRounds:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        run_seed: int,
+        every: int,
+        last_step: int,
+        on_result: Callable[[int, dict[str, Any]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prompts, self.n, self.temperature = list(prompts), n, temperature
+        self.max_tokens, self.stop = max_tokens, list(stop_token_ids)
+        self.run_seed, self.every, self.last_step = run_seed, every, last_step
+        self.on_result, self.clock = on_result, clock
+        self.rounds: dict[int, _Round] = {}
+        self.queue: deque[WorkItem] = deque()
+        self.held: dict[str, dict[str, WorkItem]] = {}  # generator -> work id -> item
+        self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0}
+
+    def due(self, step: int) -> bool:
+        """After step ``step``: every ``every`` steps and the last one (the run starts a round
+        at step 0 too, on the starting weights, reported with step 1)."""
+        return bool(self.prompts) and (step % self.every == 0 or step == self.last_step)
+
+    def start(self, step: int, version: int) -> None:
+        r = len(self.rounds)
+        items = {}
+        for i, p in enumerate(self.prompts):
+            wid = f"{EVAL_PREFIX}{r}-{i}"
+            seeds = [
+                derive_latent_seed(self.run_seed, f"eval/{p.prompt_id}", j) for j in range(self.n)
+            ]
+            items[wid] = WorkItem(
+                work_id=wid, prompt_id=p.prompt_id,
+                prompt_tokens=np.asarray(p.tokens, dtype=np.int32),
+                latent_seeds=np.asarray(seeds, dtype=np.uint64), temperature=self.temperature,
+                top_p=1.0, max_tokens=self.max_tokens, stop_token_ids=list(self.stop),
+                task=dict(p.task), min_weight_version=version, issued_at=time.time(),
+            )  # fmt: skip
+        self.rounds[r] = _Round(step, version, self.clock(), items)
+        self.queue.extend(items.values())
+        self.counts["rounds"] += 1
+
+    def pending(self) -> bool:
+        return any(not rd.done() for rd in self.rounds.values())
+
+    def next_item(self, gid: str, version: int) -> WorkItem | None:
+        """The next eval item a generator that will serve ``version`` may take."""
+        for _ in range(len(self.queue)):
+            item = self.queue.popleft()
+            if version >= item.min_weight_version:
+                self.held.setdefault(gid, {})[item.work_id] = item
+                self.counts["items_sent"] += 1
+                return item
+            self.queue.append(item)
+        return None
+
+    def release(self, gid: str, work_ids: Sequence[str] | None = None) -> int:
+        """A generator died or handed work back: its unanswered eval items go out again."""
+        held = self.held.get(gid, {})
+        ids = list(held) if work_ids is None else [w for w in work_ids if w in held]
+        for w in ids:
+            self.queue.appendleft(held.pop(w))
+            self.counts["resent"] += 1
+        return len(ids)
+
+    def receive(self, gid: str, rollouts: Sequence[Rollout]) -> list[Ack]:
+        """Eval rollouts from ``gid``: recorded once per (item, sample), all acknowledged."""
+        acks = []
+        for ro in rollouts:
+            acks.append(Ack("rollout", ro.rollout_id))
+            rd = self.rounds.get(_round_of(ro.work_id))
+            item = rd.items.get(ro.work_id) if rd is not None else None
+            if rd is None or item is None:
+                self.counts["duplicates"] += 1
+                continue
+            seeds = [int(s) for s in item.latent_seeds]
+            idx = seeds.index(int(ro.latent_seed)) if int(ro.latent_seed) in seeds else -1
+            got = rd.results.setdefault(ro.work_id, {})
+            if idx < 0 or idx in got:
+                self.counts["duplicates"] += 1
+                continue
+            got[idx] = (ro.reward, dict(ro.reward_info))
+            rd.versions.append(int(ro.weight_version))
+            if len(got) == len(seeds):
+                self.held.get(gid, {}).pop(ro.work_id, None)
+        for rd in list(self.rounds.values()):
+            if rd.done() and not rd.reported:
+                rd.reported = True
+                self.on_result(rd.step, self._metrics(rd))
+        return acks
+
+    def _metrics(self, rd: _Round) -> dict[str, Any]:
+        from pipeline.evaluation import correct_of
+
+        first, every_sample, rewards = [], [], []
+        for w in rd.items:
+            res = rd.results[w]
+            for j in sorted(res):
+                reward, info = res[j]
+                ok = correct_of(reward, info)
+                every_sample.append(ok)
+                rewards.append(float(reward or 0.0))
+                if j == 0:
+                    first.append(ok)
+        return {
+            "eval/accuracy": sum(first) / max(len(first), 1),
+            "eval/mean@n": sum(every_sample) / max(len(every_sample), 1),
+            "eval/n": self.n,
+            "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "eval/version": min(rd.versions, default=rd.version),
+            "eval/version_max": max(rd.versions, default=rd.version),
+            "eval/prompts": len(rd.items),
+            "eval/s": self.clock() - rd.started,
+        }
+
+
+def _round_of(work_id: str) -> int:
+    try:
+        return int(work_id[len(EVAL_PREFIX) :].split("-", 1)[0])
+    except ValueError:
+        return -1

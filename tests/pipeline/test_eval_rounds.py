@@ -1,0 +1,80 @@
+"""Evaluation rounds on the generators (pipeline.eval_rounds): eval items go out before
+training work, outside the ledger, the gate, the stream and the step log; every round is
+reported once with pass@1 / mean@n and the versions it was measured at; a generator that
+dies holding eval items has them sent again."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from pipeline.dispatch import Prompt
+from pipeline.eval_rounds import EvalRounds, is_eval_work
+from pipeline.recorder import read_rollouts, read_steps
+from proto import Rollout, WorkItem
+from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator
+
+
+class Grader(FakeGenerator):
+    """Eval prompts whose id ends in an even digit are answered correctly."""
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        r = super()._rollout(item, i, seed, version)
+        ok = int(item.prompt_id[-1]) % 2 == 0
+        return dataclasses.replace(r, reward=float(ok), reward_info={"correct": ok})
+
+
+def _rounds(results: list[tuple[int, dict[str, Any]]], last: int) -> EvalRounds:
+    prompts = [Prompt(f"q{i}", [1, 30 + i], {}) for i in range(6)]
+    return EvalRounds(prompts, n=2, temperature=0.0, max_tokens=8, stop_token_ids=[],
+                      run_seed=0, every=2, last_step=last,
+                      on_result=lambda s, m: results.append((s, m)))  # fmt: skip
+
+
+def test_eval_rounds_on_generators(tmp_path: Path) -> None:
+    c, net, t = make_coordinator(tmp_path, [])
+    results: list[tuple[int, dict[str, Any]]] = []
+    c.evals = c.dispatcher.evals = _rounds(results, last=5)
+    c.evals.start(0, 0)
+    gens = [Grader(net, "g0", seed=1), Grader(net, "g1", seed=2)]
+    drive(c, gens, 5)
+    for _ in range(200):  # the last round: served after the last step
+        if not c.evals.pending():
+            break
+        c.turn(0.0)
+        for g in gens:
+            g.step()
+    c.close()
+    assert [s for s, _ in results] == [0, 2, 4, 5]
+    for _, m in results:
+        assert m["eval/accuracy"] == 0.5 and m["eval/mean@n"] == 0.5 and m["eval/prompts"] == 6
+    assert results[-1][1]["eval/version"] >= 5
+    trained = [rid for st in read_steps(tmp_path / "steps.jsonl") for rid in st.rollout_ids]
+    recorded = [r.rollout_id for _, r in read_rollouts(tmp_path / "stream")]
+    assert trained and not any(is_eval_work(x) for x in trained + recorded)
+    eval_ids = [w for rd in c.evals.rounds.values() for w in rd.items]
+    assert not any(c.ledger.is_open(w) or c.ledger.is_done(w) for w in eval_ids)  # never seen
+    assert not c.gate.inflight().keys() & set(eval_ids)
+    assert c.evals.counts["items_sent"] == 4 * 6
+
+
+def test_eval_items_of_a_dead_generator_are_sent_again(tmp_path: Path) -> None:
+    c, net, t = make_coordinator(tmp_path, ["generators.peer_timeout_s=2.0"])
+    results: list[tuple[int, dict[str, Any]]] = []
+    c.evals = c.dispatcher.evals = _rounds(results, last=100)
+    c.evals.start(0, 0)
+    dead = Grader(net, "dead", seed=1)
+    dead.paused = True
+    dead.step()
+    c.turn(0.0)
+    dead.step()
+    assert c.evals.held.get("dead"), "the first generator took eval items"
+    c.dispatcher.remove_generator("dead")  # as on heartbeat expiry
+    live = Grader(net, "live", seed=2)
+    for _ in range(100):
+        c.turn(0.0)
+        live.step()
+        if results:
+            break
+    assert results and results[0][0] == 0 and c.evals.counts["resent"] >= 1
