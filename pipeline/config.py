@@ -404,6 +404,10 @@ class MetricsSection:
     """Write RUN_DIR/metrics.png at the end (needs matplotlib)."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    wandb: bool = False
+    """Also log to Weights & Biases (imported only then; offline unless WANDB_MODE says otherwise)."""
+    wandb_project: str = "looprl"
+    """Weights & Biases project name."""
 
 
 PRECISIONS = ("fp32", "bf16")

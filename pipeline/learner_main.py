@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, RunConfig, load_config, to_yaml
+from pipeline.config import ConfigError, RunConfig, load_config, to_dict, to_yaml
 
 log = logging.getLogger(__name__)
 OnBound = Callable[[str, str, Path], None]
@@ -219,7 +219,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     endpoint = bind_endpoint(cfg, old_port)
     ctrl, wts = endpoint.endpoints["control"], endpoint.endpoints["weights"]
     (run_dir / "endpoints.json").write_text(json.dumps({"control": ctrl, "weights": wts}))
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard)
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb,
+                            wandb_project=cfg.metrics.wandb_project, config=to_dict(cfg))  # fmt: skip
     bar = _progress(cfg)
     rows: dict[int, dict[str, Any]] = {}  # logged rows, by step (eval results join them)
     pending_eval: dict[int, dict[str, Any]] = {}

@@ -5,7 +5,9 @@
     m.close(plot=True)  # RUN_DIR/metrics.png: reward, staleness, log-prob mismatch per step
 
 TensorBoard needs ``torch.utils.tensorboard`` (the ``tensorboard`` package); the plot needs
-matplotlib. Either missing is a warning, never an error.
+matplotlib. Either missing is a warning, never an error. Weights & Biases (``metrics.wandb``)
+is imported only when enabled, logs every row's scalars by step, and runs offline (files in
+RUN_DIR/wandb, `wandb sync` uploads them) unless WANDB_MODE says otherwise.
 """
 
 from __future__ import annotations
@@ -22,9 +24,25 @@ PLOT_NAME = "metrics.png"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "looprl", config: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.run_dir = run_dir
         self.path = run_dir / METRICS_NAME
+        self._wb: Any = None
+        if wandb:  # imported only when enabled; no network here: offline unless WANDB_MODE
+            try:
+                import wandb as wandb_mod
+            except ImportError as e:
+                raise ValueError(
+                    "run config metrics.wandb=true needs the wandb package "
+                    "(pip install wandb, or looprl[wandb])"
+                ) from e
+            import os
+
+            self._wb = wandb_mod.init(
+                project=wandb_project, dir=str(run_dir), name=run_dir.name, config=config or {},
+                mode=os.environ.get("WANDB_MODE", "offline"), resume="allow",  # type: ignore[arg-type]
+            )  # fmt: skip
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._tb: Any = None
         if tensorboard:
@@ -40,16 +58,20 @@ class MetricsWriter:
                  for k, v in row.items()}  # fmt: skip
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
+        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, int | float)
+                   and not isinstance(v, bool) and math.isfinite(v)}  # fmt: skip
         if self._tb is not None:
-            step = int(row["step"])
-            for k, v in row.items():
-                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, int(row["step"]))
+        if self._wb is not None:
+            self._wb.log(scalars, step=int(row["step"]))
 
     def close(self, *, plot: bool = True) -> Path | None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wb is not None:
+            self._wb.finish()
         return plot_metrics(self.path, self.run_dir / PLOT_NAME) if plot else None
 
 

@@ -78,3 +78,22 @@ def test_eval_items_of_a_dead_generator_are_sent_again(tmp_path: Path) -> None:
         if results:
             break
     assert results and results[0][0] == 0 and c.evals.counts["resent"] >= 1
+
+
+def test_wandb_logging_offline(tmp_path: Path) -> None:
+    """metrics.wandb: every row's scalars go to a Weights & Biases run (offline here), with the
+    step; the run's files land in RUN_DIR/wandb."""
+    import json
+
+    from pipeline.metrics import MetricsWriter
+
+    m = MetricsWriter(tmp_path, tensorboard=False, wandb=True, wandb_project="looprl-test",
+                      config={"seed": 0})  # fmt: skip
+    m.log({"step": 1, "reward_mean": 0.5, "eval/accuracy": 0.25, "note": "x"})
+    m.log({"step": 2, "reward_mean": 0.75})
+    m.close(plot=False)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    assert [
+        json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [1, 2]
