@@ -234,7 +234,9 @@ class LoopedEngine:
             ignore_eos=True,
             seed=None if self._cpu else seed & 0x7FFF_FFFF_FFFF_FFFF,
             logprobs=0,
-            detokenize=False,
+            detokenize=bool(item.stop),  # stop strings are matched on the detokenized text
+            stop=list(item.stop) or None,
+            include_stop_str_in_output=True,
             extra_args={SEED_KEY: seed, RECORD_KEY: key},
         )
 

@@ -132,6 +132,8 @@ class RolloutSection:
     """Complete groups per training step."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a completion (kept in it)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion (kept in it; the generators detokenize to find them)."""
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")

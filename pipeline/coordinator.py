@@ -117,7 +117,8 @@ class Coordinator:
         r = cfg.rollout
         self.dispatcher = Dispatcher(
             n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-            stop_token_ids=list(r.stop_token_ids), cap=r.prompts_per_step * (st.max_staleness + 1),
+            stop_token_ids=list(r.stop_token_ids), stop=list(r.stop),
+            cap=r.prompts_per_step * (st.max_staleness + 1),
             per_step=r.prompts_per_step,
             run_seed=cfg.seed, prompts=prompts, ledger=self.ledger, gate=self.gate,
         )  # fmt: skip

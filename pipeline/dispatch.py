@@ -123,6 +123,7 @@ class Dispatcher:
         top_p: float,
         stop_token_ids: list[int],
         cap: int,
+        stop: list[str] | None = None,
         per_step: int,
         run_seed: int,
         prompts: PromptSource,
@@ -134,6 +135,7 @@ class Dispatcher:
             raise ValueError("need cap >= 1 and n >= 1")
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
         self.stop_token_ids = list(stop_token_ids)
+        self.stop = list(stop or [])
         self.cap, self.per_step, self.run_seed, self.prompts = cap, per_step, run_seed, prompts
         self.ledger, self.gate, self.clock = ledger, gate, clock
         self.counter = 0  # next new work id
@@ -379,6 +381,7 @@ class Dispatcher:
             top_p=self.top_p,
             max_tokens=self.max_tokens,
             stop_token_ids=list(self.stop_token_ids),
+            stop=list(self.stop),
             task=dict(spec.prompt.task),
             min_weight_version=ver,
             issued_at=time.time(),

@@ -68,13 +68,14 @@ class EvalRounds:
         max_tokens: int,
         stop_token_ids: Sequence[int],
         run_seed: int,
+        stop: Sequence[str] = (),
         every: int,
         last_step: int,
         on_result: Callable[[int, dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.prompts, self.n, self.temperature = list(prompts), n, temperature
-        self.max_tokens, self.stop = max_tokens, list(stop_token_ids)
+        self.max_tokens, self.stop_ids, self.stop = max_tokens, list(stop_token_ids), list(stop)
         self.run_seed, self.every, self.last_step = run_seed, every, last_step
         self.on_result, self.clock = on_result, clock
         self.rounds: dict[int, _Round] = {}
@@ -99,7 +100,8 @@ class EvalRounds:
                 work_id=wid, prompt_id=p.prompt_id,
                 prompt_tokens=np.asarray(p.tokens, dtype=np.int32),
                 latent_seeds=np.asarray(seeds, dtype=np.uint64), temperature=self.temperature,
-                top_p=1.0, max_tokens=self.max_tokens, stop_token_ids=list(self.stop),
+                top_p=1.0, max_tokens=self.max_tokens, stop_token_ids=list(self.stop_ids),
+                stop=list(self.stop),
                 task=dict(p.task), min_weight_version=version, issued_at=time.time(),
             )  # fmt: skip
         self.rounds[r] = _Round(step, version, self.clock(), items)

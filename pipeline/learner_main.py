@@ -254,7 +254,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         coord.evals = coord.dispatcher.evals = EvalRounds(
             eval_prompts(cfg, model, e.split, e.limit), n=e.n, temperature=e.temperature,
             max_tokens=cfg.rollout.max_tokens, stop_token_ids=cfg.rollout.stop_token_ids,
-            run_seed=cfg.seed, every=e.every, last_step=tasks.planned_steps(cfg, prompts),
+            run_seed=cfg.seed, stop=cfg.rollout.stop, every=e.every,
+            last_step=tasks.planned_steps(cfg, prompts),
             on_result=on_eval,
         )  # fmt: skip
     stopping = {"flag": False}

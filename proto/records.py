@@ -100,6 +100,7 @@ class WorkItem:
     task: scalar metadata the reward needs (e.g. {"answer": "42"}).
     min_weight_version: the generator must serve at least this version.
     issued_at: dispatch time (s).
+    stop: strings that end a completion (kept in it; protocol 1.1: the engine detokenizes).
     """
 
     work_id: str
@@ -114,6 +115,7 @@ class WorkItem:
     min_weight_version: int = 0
     issued_at: float = 0.0
     sample_indices: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -126,6 +128,8 @@ class WorkItem:
         _need(self.temperature >= 0, f"work.temperature: must be >= 0, got {self.temperature}")
         _need(0 < self.top_p <= 1, f"work.top_p: must be in (0, 1], got {self.top_p}")
         _need(self.max_tokens >= 1, f"work.max_tokens: must be >= 1, got {self.max_tokens}")
+        _need(len(self.stop) <= 16 and all(0 < len(x) <= 256 for x in self.stop),
+              "work.stop: at most 16 non-empty strings of at most 256 characters")  # fmt: skip
         idx = self.sample_indices
         _need(
             not idx or len(idx) == self.n,

@@ -188,3 +188,25 @@ def test_to_rollouts_keeps_redispatched_sample_indices() -> None:
     assert [r.latent_seed for r in rollouts] == [11, 13]
     with pytest.raises(ValueError, match="1 samples for 2 seeds"):
         to_rollouts(item, samples[:1], "gen-0")
+
+
+@pytest.mark.vllm
+def test_stop_strings_end_a_completion(setup: Setup) -> None:
+    """WorkItem.stop (protocol 1.1): the engine detokenizes and stops after the first stop
+    string; the completion keeps it, with the same tokens and log-probs as without the stop."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(setup.path) / "tokenizer.json"))
+    item, (full,) = _greedy(setup, 12)
+    text = tok.decode([int(t) for t in full.tokens])
+    cut = tok.decode([int(t) for t in full.tokens[:5]])
+    stop = next(text[i : i + 2] for i in range(len(cut) - 2, 0, -1) if text[i : i + 2].strip())
+    first = text.index(stop)
+    stopped = WorkItem(**{**item.__dict__, "stop": [stop]})
+    (s,) = setup.engine.generate([stopped])[0]
+    got = tok.decode([int(t) for t in s.tokens])
+    assert (
+        len(s.tokens) < 12 and got.endswith(stop) and got.rstrip(stop) == text[:first].rstrip(stop)
+    )
+    assert list(s.tokens) == list(full.tokens[: len(s.tokens)])  # the same greedy prefix
+    assert np.allclose(s.logprobs, full.logprobs[: len(s.tokens)], atol=1e-6)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from proto import Codec, ProtocolError, Rollout, RolloutBatch, records
 from proto.codec import HEADER, MAGIC
 from proto.schema import REGISTRY
+from proto.version import PROTOCOL_MINOR
 from tests.proto.strategies import ALL, rollouts
 
 
@@ -84,7 +85,9 @@ def _rollout(t: int = 8) -> Rollout:
 def test_incompatible_major_is_refused() -> None:
     frame = bytearray(Codec().encode(_rollout()))
     frame[4] = 2  # protocol major
-    with pytest.raises(ProtocolError, match=r"incompatible protocol version 2\.0.*speaks 1\.x"):
+    with pytest.raises(
+        ProtocolError, match=rf"incompatible protocol version 2\.{PROTOCOL_MINOR}.*speaks 1\.x"
+    ):
         Codec().decode(bytes(frame))
 
 
@@ -93,7 +96,7 @@ def test_newer_minor_with_unknown_field_is_accepted_same_minor_refused() -> None
     body = msgpack.packb(["ack", {"kind": "rollout", "ref": "x", "version": 1, "future": 5}])
     newer = HEADER.pack(MAGIC, 1, 9, 0, 0) + body
     assert codec.decode(newer).ref == "x"
-    same = HEADER.pack(MAGIC, 1, 0, 0, 0) + body
+    same = HEADER.pack(MAGIC, 1, PROTOCOL_MINOR, 0, 0) + body
     with pytest.raises(ProtocolError, match="unknown field"):
         codec.decode(same)
 
