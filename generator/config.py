@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from models.contract import NUMERICS
+from models.errors import ConfigError as _ConfigError
 
 REWARD_MODES = ("process", "thread", "inline")
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-class ConfigError(ValueError):
-    """A generator config file or flag is invalid; the message names the key."""
+ConfigError = _ConfigError  # the project's one ConfigError (models.errors)
 
 
 @dataclass(frozen=True)

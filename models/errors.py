@@ -2,7 +2,9 @@
 
 
 class ConfigError(ValueError):
-    """A model configuration is invalid, incomplete or of an unknown family."""
+    """A configuration is invalid: a model's config.json, a run config, a generator config or
+    a command-line setting; the message names the key and what is expected. The one
+    ConfigError of the project (pipeline.config and generator.config re-export it)."""
 
 
 class CheckpointError(ValueError):

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from generator.config import REWARD_MODES
 from models.contract import NUMERICS
+from models.errors import ConfigError as _ConfigError
 
 OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo", "divergence_ppo")
 POLICIES = ("drop", "keep")
@@ -27,8 +29,7 @@ WEIGHT_TRANSPORTS = ("disk", "chunks")
 FSYNC = ("always", "batch", "never")
 
 
-class ConfigError(ValueError):
-    """A run config file or override is invalid; the message names the key."""
+ConfigError = _ConfigError  # the project's one ConfigError (models.errors)
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
@@ -321,6 +322,8 @@ class GeneratorsSection:
     def __post_init__(self) -> None:
         _check(self.count >= 0, "generators.count", self.count, "must be >= 0")
         _check(self.max_inflight >= 1, "generators.max_inflight", self.max_inflight, ">= 1")
+        _check(self.reward_mode in REWARD_MODES, "generators.reward_mode", self.reward_mode,
+               f"must be one of {REWARD_MODES}")  # fmt: skip
         _check(self.dtype in ("auto", "float32", "bfloat16"), "generators.dtype", self.dtype,
                "must be auto, float32 or bfloat16")  # fmt: skip
         _check(0 < self.heartbeat_interval_s < self.peer_timeout_s, "generators.peer_timeout_s",
