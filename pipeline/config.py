@@ -252,10 +252,23 @@ class OptimizerSection:
     """Global gradient-norm clip; 0 disables."""
     critic_lr: float | None = None
     """Learning rate of the critic (null: lr)."""
+    schedule: str = "constant"
+    """LR after the warmup: constant, linear or cosine decay to min_lr (learner.config.ScheduleConfig)."""
+    warmup_steps: int = 0
+    """Optimizer updates of linear warmup from 0 to lr."""
+    decay_steps: int = 0
+    """Update at which linear / cosine decay reaches min_lr; 0: the run's last update."""
+    min_lr: float = 0.0
+    """LR at the end of the decay."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
         _check(self.grad_clip >= 0, "optimizer.grad_clip", self.grad_clip, "must be >= 0")
+        _check(self.schedule in ("constant", "linear", "cosine"), "optimizer.schedule",
+               self.schedule, "must be constant, linear or cosine")  # fmt: skip
+        _check(self.warmup_steps >= 0 and self.decay_steps >= 0, "optimizer.warmup_steps",
+               (self.warmup_steps, self.decay_steps), "warmup_steps and decay_steps >= 0")  # fmt: skip
+        _check(0 <= self.min_lr <= self.lr, "optimizer.min_lr", self.min_lr, "must be in [0, lr]")
         _check(self.critic_lr is None or self.critic_lr > 0, "optimizer.critic_lr",
                self.critic_lr, "must be null or > 0")  # fmt: skip
 
@@ -512,6 +525,16 @@ class RunConfig:
     """Learner precision, truncated depth backprop, micro-batching, recompute, compile."""
     eval: EvalSection = field(default_factory=EvalSection)
     """Evaluation during training (dataset tasks)."""
+
+    def schedule(self) -> Any:
+        """The LR schedule both backends apply (learner.config.ScheduleConfig): updates are
+        counted over the run (steps x epochs x minibatches)."""
+        from learner.config import ScheduleConfig
+
+        p, o = self.optimizer, self.objective
+        total = p.decay_steps or self.steps * o.epochs * o.minibatches
+        return ScheduleConfig(style=p.schedule, warmup_steps=p.warmup_steps,
+                              total_steps=max(total, p.warmup_steps + 1), min_lr=p.min_lr)  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")

@@ -109,7 +109,7 @@ def build_learner_trainer(
     starting HF state dict (None: the reference init). benchmarks/trainer_gpu.py uses it too."""
     import torch
 
-    from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+    from learner.config import OptimConfig, TrainConfig
     from learner.mcore_model import MegatronOptions
     from learner.objectives import ObjectiveConfig, ValueLossConfig
     from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
@@ -141,11 +141,12 @@ def build_learner_trainer(
         compile=lr.compile,
     )
     critic_optim = dataclasses.replace(optim, lr=p.critic_lr) if p.critic_lr else optim
+    critic_schedule = dataclasses.replace(cfg.schedule(), min_lr=min(p.min_lr, critic_optim.lr))
     return Trainer(
-        train, optim, ScheduleConfig(),
+        train, optim, cfg.schedule(),
         looped_policy_spec(model_config, options, hf_state),
         critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
-        critic_optim=critic_optim,
+        critic_optim=critic_optim, critic_schedule=critic_schedule,
         reference=looped_policy_spec(model_config, options, ref_state)
         if o.kl_coef > 0 else None,
     )  # fmt: skip

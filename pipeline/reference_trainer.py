@@ -94,6 +94,7 @@ class ReferenceTrainer:
             groups.append({"params": list(self.value_head.parameters()),
                            "lr": p.critic_lr or p.lr})  # fmt: skip
         self.whiten = o.whiten
+        self.sched, self.updates = cfg.schedule(), 0  # the LR of the n-th applied update
         self.ref: LoopedLM | None = None  # frozen reference policy of objective.kl_coef
         self.kl_in_reward = o.kl_in_reward
         if o.kl_coef > 0:
@@ -321,13 +322,18 @@ class ReferenceTrainer:
         out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
         finite = bool(torch.isfinite(loss.detach())) and math.isfinite(out["grad_norm"])
         if finite:
+            n = self.updates + 1
+            for g in self.optim.param_groups:
+                g["lr"] = self.sched.lr_at(g.setdefault("peak_lr", g["lr"]), n)
             self.optim.step()
+            self.updates = n
         else:  # like megatron's found-inf: no update, weights and optimizer state untouched
             self.optim.zero_grad(set_to_none=True)
             log.warning("step %d: an update skipped: loss %s, grad norm %s (not finite); "
                         "weights unchanged", self.steps + 1, float(loss.detach()),
                         out["grad_norm"])  # fmt: skip
         out["total_loss"] = float(loss.detach())
+        out["lr"] = float(self.optim.param_groups[0]["lr"])
         return out, finite
 
     # -- weights and checkpoints ------------------------------------------------------------
@@ -356,6 +362,7 @@ class ReferenceTrainer:
             "optim": self.optim.state_dict(),
             "value_head": None if self.value_head is None else self.value_head.state_dict(),
             "steps": self.steps,
+            "updates": self.updates,
             "rng": torch.get_rng_state(),
         }
         torch.save(blob, tmp / "trainer.pt")
@@ -384,6 +391,7 @@ class ReferenceTrainer:
         if self.value_head is not None and blob["value_head"] is not None:
             self.value_head.load_state_dict(blob["value_head"])
         self.steps = int(blob["steps"])
+        self.updates = int(blob.get("updates", self.steps))
         torch.set_rng_state(blob["rng"])
         state: dict[str, Any] = json.loads((ckpt / "pipeline_state.json").read_text())
         return state

@@ -274,3 +274,25 @@ def test_backends_agree_on_loss_metrics_and_weights(model: Path, tmp_path: Path,
     assert a.keys() == b.keys()
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
     assert worst <= 1e-6, worst
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
+)
+def test_lr_schedule_from_the_run_config(model: Path, backend: str) -> None:
+    """optimizer.schedule / warmup_steps / decay_steps / min_lr: both backends use
+    ScheduleConfig.lr_at for the n-th update (updates counted over the run)."""
+    from pipeline.config import load_config
+
+    over = ["optimizer.lr=0.01", "optimizer.schedule=cosine", "optimizer.warmup_steps=2",
+            "optimizer.decay_steps=6", "optimizer.min_lr=0.001", "objective.minibatches=2"]  # fmt: skip
+    sched = load_config(None, over).schedule()
+    rolls = _rollouts()
+    t = _trainer(backend, model, *over)
+    try:
+        got = [t.step(rolls, [False] * len(rolls))["lr"] for _ in range(4)]
+    finally:
+        t.close() if backend == "megatron" else None
+    want = [(sched.lr_at(0.01, 2 * s + 1) + sched.lr_at(0.01, 2 * s + 2)) / 2 for s in range(4)]
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-9), (got, want)
+    assert want[0] < 0.01 and want[3] < want[2] < want[1]  # warmup, then the cosine decay
