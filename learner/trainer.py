@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,6 +48,12 @@ from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.losses import kl_penalty
 from learner.network import Network, seed_all
 from learner.objectives import policy_loss, value_loss
+from learner.specs import (  # noqa: F401  (the looped families' specs: part of this API)
+    CriticSpec,
+    PolicySpec,
+    looped_critic_spec,
+    looped_policy_spec,
+)
 from learner.step_metrics import StepMetrics, all_reduce_
 from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import nucleus_rows, token_stats
@@ -62,31 +67,6 @@ __all__ = [
     "looped_critic_spec",
     "looped_policy_spec",
 ]
-
-PolicyForward = Callable[[nn.Module, TrainBatch], dict[str, Tensor]]
-"""(model, micro-batch) -> one of (differentiable, full vocabulary, before temperature):
-{"logits": [B, L, V]} at every input position; {"mask_logits": [N, V]} at the N positions
-where mb.mask > 0, in row-major order; or {"logp": [B, L], "entropy": [B, L]} of the
-targets at the objective's temperature (not for flow_dppo, which needs logits)."""
-CriticForward = Callable[[nn.Module, TrainBatch], Tensor]
-"""(model, micro-batch) -> values [B, L] (differentiable)."""
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """How to build and run the policy. `build(recompute)` returns an unwrapped megatron
-    module under the current parallel state; `forward` is a `PolicyForward`."""
-
-    build: Callable[[bool], nn.Module]
-    forward: PolicyForward
-
-
-@dataclass(frozen=True)
-class CriticSpec:
-    """How to build and run the critic (`build(recompute)`, `forward`: a CriticForward)."""
-
-    build: Callable[[bool], nn.Module]
-    forward: CriticForward
 
 
 class Trainer:
@@ -473,49 +453,3 @@ class Trainer:
         metrics.add_sum("reward_mean", float(batch.rewards.mean()))
         metrics.add_sum("staleness_mean", float(stale.mean()))
         metrics.add_max("staleness_max", float(stale.max()))
-
-
-# -------------------------------------------------------------------- looped families
-def _valid(mb: TrainBatch) -> Tensor:
-    return mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
-
-
-def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> PolicySpec:
-    """PolicySpec of a looped family (`learner.mcore_model.build_policy`): the forward replays
-    the recorded exit depths and latent seeds and gathers the response rows' logits to the
-    full vocabulary (`learner.replay.full_vocab_logits`)."""
-    import dataclasses
-
-    from learner.mcore_model import MegatronOptions, build_policy
-    from learner.replay import full_vocab_logits
-
-    base = options or MegatronOptions()
-
-    def build(recompute: bool) -> nn.Module:
-        opts = dataclasses.replace(base, recompute="block" if recompute else "none")
-        return build_policy(model_config, opts, hf_state)
-
-    def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
-        out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds)
-        return {"mask_logits": full_vocab_logits(model, out.logits[mb.mask > 0])}  # type: ignore[arg-type]
-
-    return PolicySpec(build, forward)
-
-
-def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> CriticSpec:
-    """CriticSpec of a looped family (`learner.mcore_model.build_critic`, value head)."""
-    import dataclasses
-
-    from learner.mcore_model import MegatronOptions, build_critic
-
-    base = options or MegatronOptions()
-
-    def build(recompute: bool) -> nn.Module:
-        opts = dataclasses.replace(base, recompute="block" if recompute else "none")
-        return build_critic(model_config, opts, hf_state=hf_state)
-
-    def forward(model: nn.Module, mb: TrainBatch) -> Tensor:
-        values: Tensor = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds).values
-        return values
-
-    return CriticSpec(build, forward)

@@ -39,6 +39,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.errors import CheckpointError, ConfigError
+from models.ties import (  # noqa: F401  (part of this module's API)
+    alias_groups,
+    apply_ties,
+    drop_tied,
+    find_aliases,
+    same_tensor,
+    tied_from_module,
+    view_key,
+)
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -60,61 +69,6 @@ def json_bytes(obj: Any) -> bytes:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _view_key(t: torch.Tensor) -> tuple:
-    storage = (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset())
-    return (*storage, tuple(t.shape), t.stride(), t.dtype)
-
-
-def _alias_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """Sorted groups (2+ names) of tensors that are the same view of the same memory."""
-    groups: dict[tuple, list[str]] = {}
-    for name in sorted(state):
-        t = state[name]
-        if isinstance(t, torch.Tensor) and t.numel() > 0:  # empty tensors share nothing
-            groups.setdefault(_view_key(t), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def find_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """{alias: canonical} for names whose tensors are the same view of the same memory
-    (canonical: the group's first name in sorted order)."""
-    return {alias: names[0] for names in _alias_groups(state) for alias in names[1:]}
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.shape == b.shape and torch.equal(a.cpu(), b.cpu().to(a.dtype)))
-
-
-def tied_from_module(module: torch.nn.Module, head_prefix: str = "lm_head.") -> dict[str, str]:
-    """{target: source} to save a module whose head shares its embedding: as transformers
-    does, the head (names starting with `head_prefix`) is the target dropped on save, the
-    other name of the same tensor the source kept. Other aliases are left out."""
-    tied: dict[str, str] = {}
-    for names in _alias_groups(module.state_dict()):
-        sources = sorted(n for n in names if not n.startswith(head_prefix))
-        if sources:
-            tied.update({n: sources[0] for n in names if n.startswith(head_prefix)})
-    return tied
-
-
-def _drop_tied(
-    state: Mapping[str, torch.Tensor], tied: Mapping[str, str]
-) -> dict[str, torch.Tensor]:
-    out = dict(state)
-    for target, source in sorted(tied.items()):
-        if source not in state:
-            raise ValueError(f"tied weight {target!r} -> {source!r}: source not in state dict")
-        if target in tied.values():
-            raise ValueError(f"tied weight {target!r} is also a tie source (no chains)")
-        if target in state:
-            if state[target].dtype != state[source].dtype or not _same(
-                state[target], state[source]
-            ):
-                raise ValueError(f"tied weight {target!r} differs from its source {source!r}")
-            del out[target]
-    return out
 
 
 def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -251,7 +205,7 @@ def save_checkpoint(
     extras = dict(extra_files or {})
     for name in extras:
         _check_extra_name(name)
-    state = _drop_tied(state_dict, dict(tied or {}))
+    state = drop_tied(state_dict, dict(tied or {}))
     shards = plan_shards({k: _nbytes(v) for k, v in state.items()}, max_shard_bytes)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -358,19 +312,6 @@ def _weight_files(root: Path) -> dict[Path, set[str] | None]:
     return {root / f: names for f, names in sorted(by_file.items())}
 
 
-def apply_ties(state: dict[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, str]:
-    """Make each tie target the very tensor of its source (a present one must equal it)."""
-    made: dict[str, str] = {}
-    for target, source in sorted(tied.items()):
-        if source not in state:
-            raise CheckpointError(f"tied weight {target!r}: its source {source!r} is missing")
-        if target in state and not _same(state[target], state[source]):
-            raise CheckpointError(f"tied weight {target!r} differs from its source {source!r}")
-        state[target] = state[source]
-        made[target] = source
-    return made
-
-
 def load_checkpoint(
     path: str | os.PathLike, *, tied: Mapping[str, str] | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -456,10 +397,10 @@ def load_into(
     own = module.state_dict()
     state = dict(state)
     ties = {t: s for t, s in dict(tied or {}).items() if t in own}
-    for names in _alias_groups(own):
+    for names in alias_groups(own):
         present = [n for n in names if n in state]
         for other in present[1:]:
-            if not _same(state[other], state[present[0]]):
+            if not same_tensor(state[other], state[present[0]]):
                 raise CheckpointError(
                     f"{other} and {present[0]} are one tensor in the model but differ in the "
                     "state dict"
@@ -488,7 +429,7 @@ def state_dict_for_save(
     out, cast = dict(module.state_dict()), dict[tuple, torch.Tensor]()
     for name, t in list(out.items()):
         if dtype is not None and name in params and t.is_floating_point():
-            key = _view_key(t)
+            key = view_key(t)
             out[name] = cast[key] = cast[key] if key in cast else t.detach().to(dtype)
     return out
 

@@ -1,0 +1,93 @@
+"""What the learner's Trainer trains: how to build and run a policy or critic network
+(`PolicySpec`, `CriticSpec`), and the specs of the looped families on megatron-core
+(`looped_policy_spec`, `looped_critic_spec`). A plain megatron GPTModel plugs in alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from learner.batching import TrainBatch
+
+__all__ = [
+    "CriticForward",
+    "CriticSpec",
+    "PolicyForward",
+    "PolicySpec",
+    "looped_critic_spec",
+    "looped_policy_spec",
+]
+
+PolicyForward = Callable[[nn.Module, TrainBatch], dict[str, Tensor]]
+"""(model, micro-batch) -> one of (differentiable, full vocabulary, before temperature):
+{"logits": [B, L, V]} at every input position; {"mask_logits": [N, V]} at the N positions
+where mb.mask > 0, in row-major order; or {"logp": [B, L], "entropy": [B, L]} of the
+targets at the objective's temperature (not for flow_dppo, which needs logits)."""
+CriticForward = Callable[[nn.Module, TrainBatch], Tensor]
+"""(model, micro-batch) -> values [B, L] (differentiable)."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How to build and run the policy. `build(recompute)` returns an unwrapped megatron
+    module under the current parallel state; `forward` is a `PolicyForward`."""
+
+    build: Callable[[bool], nn.Module]
+    forward: PolicyForward
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """How to build and run the critic (`build(recompute)`, `forward`: a CriticForward)."""
+
+    build: Callable[[bool], nn.Module]
+    forward: CriticForward
+
+
+# -------------------------------------------------------------------- looped families
+def _valid(mb: TrainBatch) -> Tensor:
+    return mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
+
+
+def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> PolicySpec:
+    """PolicySpec of a looped family (`learner.mcore_model.build_policy`): the forward replays
+    the recorded exit depths and latent seeds and gathers the response rows' logits to the
+    full vocabulary (`learner.replay.full_vocab_logits`)."""
+    import dataclasses
+
+    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.replay import full_vocab_logits
+
+    base = options or MegatronOptions()
+
+    def build(recompute: bool) -> nn.Module:
+        opts = dataclasses.replace(base, recompute="block" if recompute else "none")
+        return build_policy(model_config, opts, hf_state)
+
+    def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
+        out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds)
+        return {"mask_logits": full_vocab_logits(model, out.logits[mb.mask > 0])}  # type: ignore[arg-type]
+
+    return PolicySpec(build, forward)
+
+
+def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> CriticSpec:
+    """CriticSpec of a looped family (`learner.mcore_model.build_critic`, value head)."""
+    import dataclasses
+
+    from learner.mcore_model import MegatronOptions, build_critic
+
+    base = options or MegatronOptions()
+
+    def build(recompute: bool) -> nn.Module:
+        opts = dataclasses.replace(base, recompute="block" if recompute else "none")
+        return build_critic(model_config, opts, hf_state=hf_state)
+
+    def forward(model: nn.Module, mb: TrainBatch) -> Tensor:
+        values: Tensor = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds).values
+        return values
+
+    return CriticSpec(build, forward)
