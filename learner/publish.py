@@ -46,6 +46,7 @@ from models.checkpoint import json_bytes, load_checkpoint, save_checkpoint
 from models.digest import blob_and_meta, canonical_digest, check_finite, digest_from_blob
 from models.errors import NonFiniteWeightsError
 from models.publication import Publication
+from models.ties import view_key
 
 __all__ = [
     "MANIFEST_NAME",
@@ -92,7 +93,7 @@ def tie_map(state: Mapping[str, Tensor], head_prefix: str = "lm_head.") -> dict[
     for name in sorted(state):
         t = state[name]
         if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+            key = view_key(t)
             by_storage.setdefault(key, []).append(name)
     tied: dict[str, str] = {}
     for names in by_storage.values():
@@ -115,7 +116,7 @@ def cast_for_publication(
         if name in keep or not t.is_floating_point():
             out[name] = t
             continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        key = view_key(t)
         if key not in done:
             done[key] = t.detach().to(dtype)
         out[name] = done[key]

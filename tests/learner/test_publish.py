@@ -134,3 +134,26 @@ def test_reference_model_replays_the_same_logprobs(published: list[dict[str, Any
     for rank in published:  # both TP ranks computed the (replicated) log-probs
         for r, mine in zip(ref, rank["mcore_logprobs"], strict=True):
             assert float((r.logprobs - torch.as_tensor(mine)).abs().max()) <= 1e-6
+
+
+def test_cast_for_publication_keeps_ties_and_kept_names() -> None:
+    """A tied pair stays one tensor after the bf16 cast; names in `keep` and integer
+    tensors pass through untouched; a same-shaped untied tensor is cast on its own."""
+    from learner.publish import cast_for_publication
+
+    emb = torch.randn(8, 4)
+    state = {
+        "embed.weight": emb,
+        "lm_head.weight": emb,  # tied: same view of the same memory
+        "other.weight": torch.randn(8, 4),
+        "norm.buffer": torch.randn(4),
+        "steps": torch.arange(3),
+    }
+    out = cast_for_publication(state, torch.bfloat16, keep={"norm.buffer"})
+    assert out["embed.weight"] is out["lm_head.weight"]
+    assert out["embed.weight"].dtype == torch.bfloat16
+    assert out["other.weight"] is not out["embed.weight"]
+    assert out["other.weight"].dtype == torch.bfloat16
+    assert out["norm.buffer"] is state["norm.buffer"]
+    assert out["steps"] is state["steps"]
+    assert torch.equal(out["embed.weight"], emb.to(torch.bfloat16))
