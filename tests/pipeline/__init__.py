@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.transport_config import TransportConfig
 from proto import Hello, Rollout
+
+
+def fast_zmq(**overrides: object) -> TransportConfig:
+    """Transport settings for tests over real ZeroMQ sockets on loopback: quick heartbeats,
+    retries and reconnects, no linger; `overrides` set any other field."""
+    settings: dict[str, object] = dict(
+        heartbeat_interval_s=0.1,
+        peer_timeout_s=2.0,
+        hello_retry_s=0.05,
+        hello_retry_max_s=0.2,
+        reconnect_ivl_ms=20,
+        reconnect_ivl_max_ms=100,
+        linger_ms=0,
+    )
+    settings.update(overrides)
+    return TransportConfig(**settings)  # type: ignore[arg-type]
 
 
 class FakeClock:

@@ -21,7 +21,7 @@ from pipeline.transport import TransportConfig, TransportError
 from pipeline.transport_memory import MemoryNetwork
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Hello, RolloutBatch, Welcome
-from tests.pipeline import FakeClock, hello, rollout
+from tests.pipeline import FakeClock, fast_zmq, hello, rollout
 
 MIB = 1 << 20
 FLOOD_FRAMES = 150  # of 1 MiB each: 150 MiB offered by one connection
@@ -62,17 +62,11 @@ def test_rcvhwm_from_the_byte_budget() -> None:
 
 def test_flood_of_large_frames_is_bounded_in_bytes(caplog: pytest.LogCaptureFixture) -> None:
     budget = 4 * MIB
-    cfg = TransportConfig(
+    cfg = fast_zmq(
         max_frame_bytes=MIB,
         weights_max_frame_bytes=MIB,
         oversize_grace_bytes=64 << 10,
         recv_budget_bytes=budget,
-        heartbeat_interval_s=0.1,
-        peer_timeout_s=2.0,
-        hello_retry_s=0.05,
-        hello_retry_max_s=0.2,
-        reconnect_ivl_ms=20,
-        linger_ms=0,
     )
     held_max = (cfg.rcvhwm("learner", "control") + 1) * (MIB + (64 << 10))
     assert held_max <= budget

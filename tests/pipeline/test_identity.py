@@ -24,20 +24,12 @@ from pipeline.security import (
     generator_id_for,
     owns,
 )
-from pipeline.transport import GeneratorConnection, Incoming, TransportConfig, TransportError
+from pipeline.transport import GeneratorConnection, Incoming, TransportError
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Codec, ErrorMsg, Hello, RolloutBatch, Welcome, WorkItem
-from tests.pipeline import rollout
+from tests.pipeline import fast_zmq, rollout
 
-CFG = TransportConfig(
-    heartbeat_interval_s=0.1,
-    peer_timeout_s=2.0,
-    hello_retry_s=0.05,
-    hello_retry_max_s=0.2,
-    reconnect_ivl_ms=20,
-    reconnect_ivl_max_ms=100,
-    linger_ms=0,
-)
+CFG = fast_zmq()
 B, A = "generator-000", "generator-001"
 
 

@@ -21,20 +21,11 @@ from pipeline.security import (
     check_bind,
     is_loopback,
 )
-from pipeline.transport import TransportConfig
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Hello, RolloutBatch, Welcome
-from tests.pipeline import hello, rollout
+from tests.pipeline import fast_zmq, hello, rollout
 
-CFG = TransportConfig(
-    heartbeat_interval_s=0.1,
-    peer_timeout_s=0.6,
-    hello_retry_s=0.05,
-    hello_retry_max_s=0.2,
-    reconnect_ivl_ms=20,
-    reconnect_ivl_max_ms=100,
-    linger_ms=0,
-)
+CFG = fast_zmq(peer_timeout_s=0.6)
 
 
 def keys(tmp_path: Path, n: int = 2) -> Path:
