@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from models import settings
 from models.contract import NUMERICS
 from models.errors import ConfigError as _ConfigError
 
@@ -138,17 +139,7 @@ class GeneratorConfig:
 
 def field_docs() -> dict[str, str]:
     """{field name: its one-line docstring}, read from this module's source."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(GeneratorConfig))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    out: dict[str, str] = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
-            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                out[a.target.id] = str(b.value.value)
-    return out
+    return settings.field_docs(GeneratorConfig)
 
 
 def load_config(
@@ -156,36 +147,6 @@ def load_config(
 ) -> GeneratorConfig:
     """Schema defaults, merged with the YAML at ``path``, then ``overrides`` (flag values;
     None entries are skipped). Raises ConfigError naming the offending key."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    known = [f.name for f in fields(GeneratorConfig)]
-    layers = [OmegaConf.structured(GeneratorConfig)]
-    where = "command line"
-    try:
-        if path is not None:
-            where = str(path)
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"generator config file {p} not found")
-            loaded = OmegaConf.load(p)
-            if not isinstance(loaded, Mapping) and not OmegaConf.is_dict(loaded):
-                raise ConfigError(f"{p}: expected a mapping of generator settings at top level")
-            layers.append(loaded)  # type: ignore[arg-type]
-        merged = OmegaConf.merge(*layers)
-        where = "command line"
-        if overrides:
-            given = {k: v for k, v in overrides.items() if v is not None}
-            merged = OmegaConf.merge(merged, OmegaConf.create(given))
-        obj = OmegaConf.to_object(merged)
-    except ConfigKeyError as e:
-        key = getattr(e, "full_key", None) or str(e)
-        raise ConfigError(
-            f"{where}: unknown generator config key {key!r}; known keys: {', '.join(known)}"
-        ) from None
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", "")
-        msg = str(e).splitlines()[0]
-        raise ConfigError(f"{where}: generator config {key}: {msg}") from None
-    assert isinstance(obj, GeneratorConfig)
-    return obj
+    known = ", ".join(f.name for f in fields(GeneratorConfig))
+    return settings.load(GeneratorConfig, path, overrides, what="generator config",
+                         keys_hint=f"known keys: {known}", skip_none=True)  # fmt: skip

@@ -11,15 +11,15 @@ Each component receives only its own section (``cfg.rollout``, ``cfg.staleness``
 
 from __future__ import annotations
 
-import ast
-import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models import settings
 from models.contract import NUMERICS
-from models.errors import ConfigError
+from models.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError)
+from models.settings import parse_overrides  # noqa: F401  (part of this API)
 from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
     FSYNC,
     OBJECTIVES,
@@ -145,49 +145,10 @@ class RunConfig:
                "needs task.kind=dataset (an eval split)")  # fmt: skip
 
 
-# -- loading ----------------------------------------------------------------------------------
+# -- loading (models.settings: the one loader of every component config) -------------------
 def field_docs(cls: type = RunConfig, prefix: str = "") -> dict[str, str]:
     """{dotted key: its one-line docstring} for every field, nested sections included."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
-            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                docs[a.target.id] = str(b.value.value)
-    out: dict[str, str] = {}
-    for f in fields(cls):
-        key = prefix + f.name
-        out[key] = docs.get(f.name, "")
-        default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
-        if is_dataclass(default):
-            out.update(field_docs(type(default), key + "."))
-    return out
-
-
-def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict (values parsed as YAML scalars / lists)."""
-    from omegaconf import OmegaConf
-
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))  # type: ignore[return-value]
-    except Exception as e:
-        raise ConfigError(f"bad override in {list(items)}: expected key=value ({e})") from None
-
-
-def _writable(node: Any) -> Any:
-    """Clear the read-only flag OmegaConf < 2.4 puts on every node of a frozen dataclass
-    (merging a file or override into one then fails: "Cannot set value of read-only config
-    node"); the dataclasses built at the end stay frozen."""
-    from omegaconf import DictConfig, OmegaConf
-
-    OmegaConf.set_readonly(node, False)
-    if isinstance(node, DictConfig):
-        for key in node:
-            child = node[key]
-            if OmegaConf.is_config(child):
-                _writable(child)
-    return node
+    return settings.field_docs(cls, prefix)
 
 
 def load_config(
@@ -195,49 +156,14 @@ def load_config(
     overrides: Sequence[str] | Mapping[str, Any] | None = None,
 ) -> RunConfig:
     """Defaults < YAML at ``path`` < ``overrides`` (``key=value`` strings or a nested dict)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    layers: list[Any] = [_writable(OmegaConf.structured(RunConfig))]
-    where = "defaults"
-    try:
-        if path is not None:
-            where = str(path)
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"run config file {p} not found")
-            loaded = OmegaConf.load(p)
-            if not OmegaConf.is_dict(loaded):
-                raise ConfigError(f"{p}: expected a mapping of run settings at top level")
-            layers.append(loaded)
-        merged = OmegaConf.merge(*layers)
-        if overrides:
-            where = "overrides"
-            given = overrides if isinstance(overrides, Mapping) else parse_overrides(overrides)
-            merged = OmegaConf.merge(merged, OmegaConf.create(dict(given)))
-        obj = OmegaConf.to_object(merged)
-    except ConfigKeyError as e:
-        key = getattr(e, "full_key", None) or str(e).splitlines()[0]
-        raise ConfigError(
-            f"{where}: unknown run config key {key!r} (see docs/PIPELINE.md for the keys)"
-        ) from None
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", "")
-        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
-        msg = str(cause) if cause else str(e).splitlines()[0]
-        raise ConfigError(f"{where}: run config {key}: {msg}") from None
-    assert isinstance(obj, RunConfig)
-    return obj
+    return settings.load(RunConfig, path, overrides, what="run config",
+                         keys_hint="see docs/PIPELINE.md for the keys")  # fmt: skip
 
 
 def to_yaml(cfg: RunConfig) -> str:
     """The config as YAML (written to RUN_DIR/config.yaml)."""
-    from omegaconf import OmegaConf
-
-    return str(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return settings.to_yaml(cfg)
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+    return settings.to_dict(cfg)
