@@ -37,7 +37,7 @@ class GeneratorConfig:
     """Checkpoint directory (HF layout) the engine starts from, served as weight version 0."""
     generator_id: str = ""
     """Stable id of this process, unique among the learner's generators; empty: HOST-PID."""
-    max_inflight: int = 4
+    max_inflight: int = 2
     """Most work items held at once (queued + generating + scoring); the rest is handed back."""
     max_batch_items: int = 0
     """Most work items per engine.generate call; 0: max_inflight."""
@@ -72,8 +72,9 @@ class GeneratorConfig:
     """Per-call reward timeout (s); a call past it scores None with kind "timeout"."""
     reward_workers: int = 2
     """Reward calls run at once (processes or threads)."""
-    reward_mode: str = "process"
-    """Where rewards run: process (killable on timeout), thread, or inline (no timeout)."""
+    reward_mode: str = "thread"
+    """Where rewards run: thread (a call past its timeout is abandoned), process (killed on
+    timeout: for reward functions that can hang or crash), or inline (no timeout)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long the batch in progress may take to finish, else handed back (s)."""
     resend_after_s: float = 0.0

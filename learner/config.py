@@ -1,73 +1,208 @@
-"""Typed configs of the learner's training step: optimizer, LR schedule, training loop.
+"""The learner's configs: the objective, the optimizer, the LR schedule and the learner's
+compute settings (each a section of the run config, which composes them as they are), and
+``TrainConfig``, the per-step record a Trainer receives.
 
-Each is a frozen dataclass validated on construction; a bad value raises
-`ValueError("<field>: expected <range>, got <value>")`. Defaults live here only.
-`learner.trainer.Trainer` receives them; docs/LEARNER.md explains how they interact.
+Each is a frozen dataclass validated on construction (models.settings): a bad value raises
+``models.errors.ConfigError("<section>.<field>=<value>: <what is expected>")``. Defaults live
+here only; they are the quickstart's (a tiny model on CPU): real models want e.g. lr 1e-6.
+docs/LEARNER.md explains how they interact; docs/OBJECTIVES.md gives the formulas.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any
 
-from learner.objectives import ObjectiveConfig, ValueLossConfig
+from models.contract import Sampling
+from models.settings import check
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "ScheduleConfig", "TrainConfig"]
+__all__ = [
+    "AGGREGATIONS",
+    "KINDS",
+    "KL_ESTIMATORS",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "SCHEDULES",
+    "LearnerConfig",
+    "ObjectiveConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+]
 
+KINDS = ("grpo", "ppo", "dppo", "flow_dppo", "divergence_ppo")
+AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+DIVERGENCES = ("tv", "kl")
+ANCHORS = ("behaviour", "proximal")
+IS_MODES = ("truncate", "mask")
 OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("fp32", "bf16")
+DEFAULT_VOCAB_CHUNK = 4096
+"""Vocabulary slice width of the token statistics: 256 tokens x 4096 columns x 4 B = 4 MiB."""
 
 
-def _fail(name: str, expected: str, got: Any) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {got!r}")
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The policy objective, its advantages and its critic (docs/OBJECTIVES.md)."""
+
+    kind: str = "grpo"
+    """grpo, ppo (with a critic), dppo (AReaL decoupled PPO), flow_dppo or divergence_ppo."""
+    epochs: int = 1
+    """Passes over each step's rollouts (proximal log-probs and advantages from the step's start)."""
+    minibatches: int = 1
+    """Optimizer updates per pass: the step's groups split into this many mini-batches."""
+    critic: bool | None = None
+    """Train a critic and use GAE advantages: null = on for ppo only; true for dppo / flow_dppo
+    / divergence_ppo too (actor/critic); grpo has group advantages and no critic."""
+    whiten: bool = False
+    """Whiten the advantages over the step's response tokens (mean 0, std 1)."""
+    dynamic_sampling: bool = False
+    """Drop complete groups whose rewards are all equal (no group signal); new prompts refill."""
+    overlong_buffer: int = 0
+    """Soft overlong penalty over the last this many tokens before rollout.max_tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """The penalty at rollout.max_tokens (linear from 0 at max_tokens - overlong_buffer)."""
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped below at 1 - eps_low; in [0, 1)."""
+    eps_high: float = 0.2
+    """Upper clip: the ratio is clipped above at 1 + eps_high (> eps_low = clip-higher); >= 0."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of A < 0 tokens at c|A|; null disables."""
+    is_cap: float | None = None
+    """Cap C > 0 on w = exp(prox_logp - behav_logp); ppo/grpo/flow_dppo apply w only if set."""
+    is_mode: str = "truncate"
+    """Use of is_cap: truncate (w = min(w, C)) or mask (tokens with w > C get weight 0)."""
+    kl_threshold: float = 0.05
+    """flow_dppo trust region: updates with KL(old||new) > this that push further are dropped."""
+    divergence: str = "tv"
+    """divergence_ppo: per-token binary divergence of the sampled token, tv or kl."""
+    divergence_threshold: float = 0.2
+    """divergence_ppo: trust region (tokens beyond it that push further out are dropped); > 0."""
+    anchor: str = "behaviour"
+    """divergence_ppo: the policy mu that r = pi / mu is measured against: behaviour or proximal."""
+    kl_coef: float = 0.0
+    """KL(policy || reference) coefficient >= 0 (> 0 loads a frozen reference policy:
+    model.reference_path)."""
+    kl_in_reward: bool = False
+    """Apply the KL as a per-sequence reward penalty (kl_coef x the sum over the response of the
+    estimator) before the advantages, instead of a loss term."""
+    kl_estimator: str = "k3"
+    """Per-token estimator of KL(pi || pi_ref): k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient >= 0 (subtracted from the loss)."""
+    aggregation: str = "token_mean"
+    """Loss reduction over tokens: token_mean, seq_mean or seq_mean_token_sum."""
+    normalize_std: bool = True
+    """Group advantages: divide by the group's std (GRPO) or not (Dr. GRPO)."""
+    gamma: float = 1.0
+    """GAE discount in [0, 1] (objectives with a critic)."""
+    lam: float = 1.0
+    """GAE lambda in [0, 1] (objectives with a critic)."""
+    value_clip: float | None = 0.2
+    """Critic: max |v - old_v| the clipped term allows (> 0); null for plain 0.5 (v - R)^2."""
+    value_coef: float = 0.5
+    """Weight of the critic loss (> 0); with a separate critic network and Adam it only matters
+    through Adam's epsilon."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """A critic is trained (ppo, or ``critic`` true)."""
+        return self.kind == "ppo" if self.critic is None else bool(self.critic)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            check(ok, f"objective.{name}", getattr(self, name), why)
+
+        need(self.kind in KINDS, "kind", f"must be one of {KINDS}")
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.minibatches >= 1, "minibatches", "must be >= 1")
+        need(self.critic is not False or self.kind != "ppo", "critic",
+             "ppo needs its critic (GAE values)")  # fmt: skip
+        need(not (self.critic and self.kind == "grpo"), "critic",
+             "grpo uses group advantages, not a critic")  # fmt: skip
+        need(self.overlong_buffer >= 0, "overlong_buffer", "must be >= 0")
+        need(self.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+        need(0.0 <= self.eps_low < 1.0, "eps_low", "must be in [0, 1)")
+        need(self.eps_high >= 0.0, "eps_high", "must be >= 0")
+        need(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be null or > 1")
+        need(self.is_cap is None or self.is_cap > 0.0, "is_cap", "must be null or > 0")
+        need(self.is_mode in IS_MODES, "is_mode", f"must be one of {IS_MODES}")
+        need(self.kl_threshold > 0.0, "kl_threshold", "must be > 0")
+        need(self.divergence in DIVERGENCES, "divergence", f"must be one of {DIVERGENCES}")
+        need(self.divergence_threshold > 0.0, "divergence_threshold", "must be > 0")
+        need(self.anchor in ANCHORS, "anchor", f"must be one of {ANCHORS}")
+        need(self.kl_coef >= 0.0, "kl_coef", "must be >= 0")
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"must be one of {KL_ESTIMATORS}")
+        need(self.entropy_coef >= 0.0, "entropy_coef", "must be >= 0")
+        need(self.aggregation in AGGREGATIONS, "aggregation", f"must be one of {AGGREGATIONS}")
+        need(0.0 <= self.gamma <= 1.0, "gamma", "must be in [0, 1]")
+        need(0.0 <= self.lam <= 1.0, "lam", "must be in [0, 1]")
+        need(self.value_clip is None or self.value_clip > 0.0, "value_clip", "must be null or > 0")
+        need(self.value_coef > 0, "value_coef", "must be > 0")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer of one network (policy or critic), built by megatron's get_megatron_optimizer."""
+    """Optimizer of the policy (and, with critic_lr, of the critic), built by megatron's
+    get_megatron_optimizer (backend megatron) or torch.optim (backend reference)."""
 
     name: str = "adam"
-    """'adam' (torch AdamW: decoupled weight decay) or 'sgd'."""
-    lr: float = 1e-6
-    """Peak learning rate, > 0 (the schedule scales it)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam (beta1, beta2), each in [0, 1)."""
+    """adam (torch AdamW: decoupled weight decay) or sgd."""
+    lr: float = 3e-3
+    """Peak learning rate, > 0 (the schedule scales it); the tiny quickstart's: real models
+    want much less (e.g. 1e-6)."""
+    beta1: float = 0.9
+    """Adam beta1 in [0, 1)."""
+    beta2: float = 0.999
+    """Adam beta2 in [0, 1)."""
     eps: float = 1e-8
     """Adam epsilon, > 0."""
     weight_decay: float = 0.0
     """Decoupled weight decay, >= 0."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip, > 0; 0 disables clipping."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip, >= 0; 0 disables clipping."""
+    critic_lr: float | None = None
+    """Learning rate of the critic (null: lr)."""
     sgd_momentum: float = 0.0
-    """SGD momentum in [0, 1)."""
+    """sgd: momentum in [0, 1)."""
     distributed: bool = True
-    """Adam only: shard the optimizer state over data-parallel ranks (DistributedOptimizer)."""
+    """adam: shard the optimizer state over data-parallel ranks (DistributedOptimizer)."""
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            _fail("name", f"one of {OPTIMIZERS}", self.name)
-        if not self.lr > 0.0:
-            _fail("lr", "a value > 0", self.lr)
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            _fail("betas", "two values in [0, 1)", self.betas)
-        if not self.eps > 0.0:
-            _fail("eps", "a value > 0", self.eps)
-        if not self.weight_decay >= 0.0:
-            _fail("weight_decay", "a value >= 0", self.weight_decay)
-        if not self.clip_grad >= 0.0:
-            _fail("clip_grad", "a value >= 0 (0 disables)", self.clip_grad)
-        if not 0.0 <= self.sgd_momentum < 1.0:
-            _fail("sgd_momentum", "a value in [0, 1)", self.sgd_momentum)
-        if self.name == "sgd" and self.distributed:
-            _fail("distributed", "False for sgd (megatron shards Adam state only)", True)
+        def need(ok: bool, name: str, why: str) -> None:
+            check(ok, f"optimizer.{name}", getattr(self, name), why)
+
+        need(self.name in OPTIMIZERS, "name", f"must be one of {OPTIMIZERS}")
+        need(self.lr > 0.0, "lr", "must be > 0")
+        need(0.0 <= self.beta1 < 1.0, "beta1", "must be in [0, 1)")
+        need(0.0 <= self.beta2 < 1.0, "beta2", "must be in [0, 1)")
+        need(self.eps > 0.0, "eps", "must be > 0")
+        need(self.weight_decay >= 0.0, "weight_decay", "must be >= 0")
+        need(self.grad_clip >= 0.0, "grad_clip", "must be >= 0 (0 disables)")
+        need(self.critic_lr is None or self.critic_lr > 0, "critic_lr", "must be null or > 0")
+        need(0.0 <= self.sgd_momentum < 1.0, "sgd_momentum", "must be in [0, 1)")
+        need(self.name != "sgd" or not self.distributed, "distributed",
+             "must be false for sgd (megatron shards Adam state only)")  # fmt: skip
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.beta1, self.beta2)
+
+    def for_critic(self) -> OptimConfig:
+        """The critic's optimizer: this one at ``critic_lr`` (when set)."""
+        return dataclasses.replace(self, lr=self.critic_lr) if self.critic_lr else self
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """Learning-rate schedule (megatron's OptimizerParamScheduler).
+    """Learning-rate schedule (megatron's OptimizerParamScheduler; the reference backend
+    computes the same ``lr_at``).
 
-    Update n (1-based: the n-th optimizer update) uses, with peak = OptimConfig.lr,
-    W = warmup_steps, N = total_steps:
+    Update n (1-based: the n-th optimizer update) uses, with peak = optimizer.lr,
+    W = warmup_steps, N = decay_steps:
         n <= W:        peak * n / W                               (linear warmup from 0)
         constant:      peak
         n > N:         min_lr
@@ -76,77 +211,94 @@ class ScheduleConfig:
     """
 
     style: str = "constant"
-    """'constant', 'linear' or 'cosine' decay after the warmup."""
+    """LR after the warmup: constant, or linear / cosine decay to min_lr."""
     warmup_steps: int = 0
-    """Updates of linear warmup from 0 to the peak LR, >= 0."""
-    total_steps: int = 1
-    """Update at which the decay reaches min_lr, >= 1; > warmup_steps unless constant."""
+    """Optimizer updates of linear warmup from 0 to the peak LR, >= 0."""
+    decay_steps: int = 0
+    """Update at which linear / cosine decay reaches min_lr; 0: the run's last update."""
     min_lr: float = 0.0
-    """LR at and after total_steps, in [0, peak lr]."""
+    """LR at and after decay_steps, in [0, optimizer.lr]."""
 
     def __post_init__(self) -> None:
-        if self.style not in SCHEDULES:
-            _fail("style", f"one of {SCHEDULES}", self.style)
-        if self.warmup_steps < 0:
-            _fail("warmup_steps", "an integer >= 0", self.warmup_steps)
-        if self.total_steps < 1:
-            _fail("total_steps", "an integer >= 1", self.total_steps)
-        if self.style != "constant" and self.total_steps <= self.warmup_steps:
-            _fail("total_steps", f"> warmup_steps ({self.warmup_steps})", self.total_steps)
-        if not self.min_lr >= 0.0:
-            _fail("min_lr", "a value >= 0", self.min_lr)
+        def need(ok: bool, name: str, why: str) -> None:
+            check(ok, f"schedule.{name}", getattr(self, name), why)
+
+        need(self.style in SCHEDULES, "style", f"must be one of {SCHEDULES}")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(self.decay_steps >= 0, "decay_steps", "must be >= 0 (0: the run's last update)")
+        need(self.style == "constant" or not self.decay_steps
+             or self.decay_steps > self.warmup_steps, "decay_steps",
+             f"must be 0 (the run's last update) or > warmup_steps ({self.warmup_steps})")  # fmt: skip
+        need(self.min_lr >= 0.0, "min_lr", "must be >= 0")
+
+    def resolved(self, total_updates: int) -> ScheduleConfig:
+        """decay_steps 0 made the run's update count (at least warmup_steps + 1)."""
+        if self.decay_steps:
+            return self
+        return dataclasses.replace(self, decay_steps=max(total_updates, self.warmup_steps + 1))
 
     def lr_at(self, peak: float, n: int) -> float:
         """The LR of the n-th update (1-based), as the formula in the class docstring."""
-        import math
-
         if self.warmup_steps > 0 and n <= self.warmup_steps:
             return peak * n / self.warmup_steps
         if self.style == "constant":
             return peak
-        if n > self.total_steps:
+        if not self.decay_steps:
+            raise ValueError("schedule.decay_steps=0: resolve it first (ScheduleConfig.resolved)")
+        if n > self.decay_steps:
             return self.min_lr
-        ratio = (n - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1)
         return self.min_lr + coeff * (peak - self.min_lr)
 
 
 @dataclass(frozen=True)
+class LearnerConfig:
+    """The megatron learner's compute settings (backend reference refuses all but defaults)."""
+
+    precision: str = "fp32"
+    """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state."""
+    backprop_depth: int = -1
+    """Core iterations with gradient per token: -1 the checkpoint's mean_backprop_depth, 0 all."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward per rank; 0: the group size if it divides, at most 16."""
+    recompute: bool = False
+    """Activation recompute around every block call (less memory, one more forward)."""
+    compile: bool = False
+    """torch.compile every transformer block (numerics fast only)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            check(ok, f"learner.{name}", getattr(self, name), why)
+
+        need(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}")
+        need(self.backprop_depth >= -1, "backprop_depth",
+             "must be -1 (the checkpoint's), 0 (all) or a positive iteration count")  # fmt: skip
+        need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: automatic)")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """One training step: batch shape, advantages, objective, critic, determinism."""
+    """What one Trainer step runs with: built by pipeline's build_learner_trainer from the run
+    config's sections (tests and benchmarks build it directly). Not a run-config section."""
 
     global_batch_size: int = 64
     """Sequences (completions) per optimizer update, summed over data-parallel ranks, >= 1."""
-    epochs: int = 1
-    """Passes over a step's rollouts (each pass: one update per global batch, in a shuffled
-    order after the first pass); advantages and proximal log-probs come from the step's
-    starting weights, >= 1."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward on one rank, >= 1; global_batch_size must be a
-    multiple of micro_batch_size x data-parallel size (the quotient is grad_accum_steps)."""
+    """Sequences per forward/backward on one rank, >= 1 (learner.micro_batch_size resolved);
+    global_batch_size must be a multiple of micro_batch_size x data-parallel size."""
     pad_to_multiple: int = 1
     """Pad each micro-batch's sequence length up to a multiple of this, >= 1."""
     recompute: bool = False
-    """Activation recompute (megatron 'full' / 'uniform', one layer per unit)."""
+    """Activation recompute (learner.recompute: megatron 'full' / 'uniform', one layer per unit)."""
     seed: int = 1234
     """Seed of megatron's RNG tracker and torch/numpy/python RNGs, >= 0."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    """Policy objective (learner.objectives.ObjectiveConfig)."""
-    critic: bool = False
-    """Train a critic and use GAE advantages (required for ppo, not allowed for grpo)."""
-    value: ValueLossConfig = field(default_factory=ValueLossConfig)
-    """Critic loss (used when critic is on)."""
-    gamma: float = 1.0
-    """GAE discount in [0, 1]."""
-    lam: float = 1.0
-    """GAE lambda in [0, 1]."""
-    group_normalize_std: bool = True
-    """Group advantages: divide by the group's std (GRPO) or not (Dr. GRPO)."""
-    kl_in_reward: bool = False
-    """objective.kl_coef x the sampled tokens' KL estimate (summed per sequence) is subtracted
-    from each rollout's reward before the advantages, instead of being a loss term."""
-    whiten_advantages: bool = False
-    """Whiten advantages over the step's tokens (all data-parallel ranks)."""
+    """The objective (its epochs, critic, advantages and loss terms)."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """The generator's temperature and top_p (the run's rollout section)."""
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK
+    """Vocabulary columns per slice of the token statistics, >= 1."""
     fused_token_stats: bool = True
     """CUDA logits go through the fused Triton token-stats kernel (learner.triton_token_stats;
     the PyTorch path elsewhere); False: always the PyTorch path (exact numerics)."""
@@ -156,35 +308,18 @@ class TrainConfig:
     becomes the learner's own log-prob instead of the behaviour one); False = never."""
 
     def __post_init__(self) -> None:
-        if self.global_batch_size < 1:
-            _fail("global_batch_size", "an integer >= 1", self.global_batch_size)
-        if self.micro_batch_size < 1:
-            _fail("micro_batch_size", "an integer >= 1", self.micro_batch_size)
-        if self.epochs < 1:
-            _fail("epochs", "an integer >= 1", self.epochs)
-        if self.global_batch_size % self.micro_batch_size:
-            _fail(
-                "global_batch_size",
-                f"a multiple of micro_batch_size ({self.micro_batch_size})",
-                self.global_batch_size,
-            )
-        if self.pad_to_multiple < 1:
-            _fail("pad_to_multiple", "an integer >= 1", self.pad_to_multiple)
-        if self.seed < 0:
-            _fail("seed", "an integer >= 0", self.seed)
-        if not isinstance(self.objective, ObjectiveConfig):
-            _fail("objective", "an ObjectiveConfig", type(self.objective).__name__)
-        if not isinstance(self.value, ValueLossConfig):
-            _fail("value", "a ValueLossConfig", type(self.value).__name__)
-        if self.objective.kind == "ppo" and not self.critic:
-            _fail("critic", "True for objective kind 'ppo' (GAE needs values)", self.critic)
-        if self.objective.kind == "grpo" and self.critic:
-            _fail("critic", "False for objective kind 'grpo' (group advantages)", self.critic)
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                _fail(name, "a value in [0, 1]", getattr(self, name))
-        if self.recompute_prox is False and self.needs_prox_default:
-            _fail("recompute_prox", f"None or True for kind {self.objective.kind!r}", False)
+        def need(ok: bool, name: str, why: str) -> None:
+            check(ok, f"train.{name}", getattr(self, name), why)
+
+        need(self.global_batch_size >= 1, "global_batch_size", "must be >= 1")
+        need(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        need(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
+             f"must be a multiple of micro_batch_size ({self.micro_batch_size})")  # fmt: skip
+        need(self.pad_to_multiple >= 1, "pad_to_multiple", "must be >= 1")
+        need(self.seed >= 0, "seed", "must be >= 0")
+        need(self.vocab_chunk >= 1, "vocab_chunk", "must be >= 1")
+        need(self.recompute_prox is not False or not self.needs_prox_default, "recompute_prox",
+             f"must be None or True for objective kind {self.objective.kind!r}")  # fmt: skip
 
     @property
     def needs_prox_default(self) -> bool:
@@ -199,12 +334,9 @@ class TrainConfig:
         return self.needs_prox_default if self.recompute_prox is None else self.recompute_prox
 
     def grad_accum_steps(self, dp_size: int) -> int:
-        """Micro-batches per rank per update; ValueError unless the batch divides evenly."""
+        """Micro-batches per rank per update; ConfigError unless the batch divides evenly."""
         per_update = self.micro_batch_size * dp_size
-        if dp_size < 1 or self.global_batch_size % per_update:
-            _fail(
-                "global_batch_size",
-                f"a multiple of micro_batch_size x dp_size ({per_update})",
-                self.global_batch_size,
-            )
+        check(dp_size >= 1 and self.global_batch_size % per_update == 0,
+              "train.global_batch_size", self.global_batch_size,
+              f"must be a multiple of micro_batch_size x dp_size ({per_update})")  # fmt: skip
         return self.global_batch_size // per_update

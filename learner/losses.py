@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from learner.config import AGGREGATIONS, KL_ESTIMATORS
+
 __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
@@ -29,8 +31,6 @@ __all__ = [
     "value_loss_terms",
 ]
 
-AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 MAX_LOG_RATIO = 20.0
 """Log-ratios are clamped to [-20, 20] before `exp` (ratios in [2e-9, 4.9e8]): only a

@@ -45,6 +45,8 @@ class Network:
 
         if schedule.min_lr > optim.lr:
             raise ValueError(f"min_lr: expected <= lr ({optim.lr}), got {schedule.min_lr}")
+        if schedule.style != "constant" and not schedule.decay_steps:
+            raise ValueError("schedule.decay_steps=0: resolve it first (ScheduleConfig.resolved)")
         self.module, self.optim_cfg, self.schedule_cfg = module, optim, schedule
         bf16 = any(p.dtype == torch.bfloat16 for p in module.parameters())
         ddp_cfg = DistributedDataParallelConfig(
@@ -56,11 +58,11 @@ class Network:
             lr=optim.lr,
             min_lr=schedule.min_lr,
             weight_decay=optim.weight_decay,
-            adam_beta1=optim.betas[0],
-            adam_beta2=optim.betas[1],
+            adam_beta1=optim.beta1,
+            adam_beta2=optim.beta2,
             adam_eps=optim.eps,
             sgd_momentum=optim.sgd_momentum,
-            clip_grad=optim.clip_grad,
+            clip_grad=optim.grad_clip,
             use_distributed_optimizer=optim.distributed,
             bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -73,7 +75,7 @@ class Network:
             max_lr=optim.lr,
             min_lr=schedule.min_lr,
             lr_warmup_steps=warm,
-            lr_decay_steps=max(schedule.total_steps, warm + 1),
+            lr_decay_steps=max(schedule.decay_steps, warm + 1),
             lr_decay_style=schedule.style,
             start_wd=optim.weight_decay,
             end_wd=optim.weight_decay,

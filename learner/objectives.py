@@ -14,7 +14,7 @@ Batch keys (all [B, T] unless stated; fp32 or castable; absent = not provided):
     logp        log pi_theta(token), differentiable: the current policy.
     logits      [B, T, V] current logits (instead of logp), with `targets` [B, T] int:
                 logp, entropy (and, with `old_logits`, prox_logp and the full-vocab KL)
-                are then computed by `learner.vocab_ops.token_stats` at cfg.temperature.
+                are then computed by `learner.vocab_ops.token_stats` at ``temperature``.
     old_logits  [B, T, V] proximal logits (pre-update weights, recomputed); flow_dppo.
     behav_logp  log-prob under the behaviour policy (the generator), after temperature.
     prox_logp   log-prob under the proximal policy (the learner's pre-update weights).
@@ -31,15 +31,13 @@ to the gradient, still counts in the token_mean denominator, and is reported in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from learner.config import KINDS, ObjectiveConfig
 from learner.losses import (
-    AGGREGATIONS,
-    KL_ESTIMATORS,
     aggregate,
     behaviour_weight,
     clipped_surrogate,
@@ -52,114 +50,7 @@ from learner.losses import (
 )
 from learner.vocab_ops import DEFAULT_CHUNK, token_stats
 
-__all__ = ["KINDS", "ObjectiveConfig", "ValueLossConfig", "policy_loss", "value_loss"]
-
-KINDS = ("ppo", "grpo", "dppo", "flow_dppo", "divergence_ppo")
-DIVERGENCES = ("tv", "kl")
-ANCHORS = ("behaviour", "proximal")
-IS_MODES = ("truncate", "mask")
-
-
-def _fail(field: str, expected: str, got: Any) -> None:
-    raise ValueError(f"{field}: expected {expected}, got {got!r}")
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """Policy objective (validated on construction; see docs/OBJECTIVES.md)."""
-
-    kind: str = "grpo"
-    """Objective: 'ppo', 'grpo', 'dppo' (AReaL decoupled PPO) or 'flow_dppo'."""
-    eps_low: float = 0.2
-    """Lower clip: the ratio is clipped below at 1 - eps_low; in [0, 1)."""
-    eps_high: float = 0.2
-    """Upper clip: the ratio is clipped above at 1 + eps_high (> eps_low = clip-higher); >= 0."""
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1 bounding the loss of A < 0 tokens at c|A|; None disables."""
-    is_cap: float | None = None
-    """Cap C > 0 on w = exp(prox_logp - behav_logp); ppo/grpo/flow_dppo apply w only if set."""
-    is_mode: str = "truncate"
-    """Use of is_cap: 'truncate' (w = min(w, C)) or 'mask' (tokens with w > C get weight 0)."""
-    divergence: str = "tv"
-    """divergence_ppo's per-token binary divergence: 'tv' or 'kl' (Bernoulli of the sampled token)."""
-    divergence_threshold: float = 0.2
-    """divergence_ppo's trust region: tokens beyond it that push further out are dropped; > 0."""
-    anchor: str = "behaviour"
-    """divergence_ppo's mu: the 'behaviour' (sampling) policy or the 'proximal' one."""
-    kl_threshold: float = 0.05
-    """flow_dppo trust region: updates with KL(old||new) > this that push further are dropped; > 0."""
-    kl_coef: float = 0.0
-    """Coefficient >= 0 of the KL penalty against the reference policy (needs ref_logp)."""
-    kl_estimator: str = "k3"
-    """Per-token estimator of KL(pi || pi_ref): 'k1', 'k2' or 'k3'."""
-    entropy_coef: float = 0.0
-    """Coefficient >= 0 of the entropy bonus (subtracted from the loss)."""
-    aggregation: str = "token_mean"
-    """Reduction over tokens: 'token_mean', 'seq_mean' or 'seq_mean_token_sum'."""
-    temperature: float = 1.0
-    """Sampling temperature > 0 applied to batch logits (must match the generator's)."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1] of the generator's sampling: the learner renormalises over the
-    same nucleus (contract 4; the trainer applies it to full-vocabulary logits)."""
-    vocab_chunk: int = DEFAULT_CHUNK
-    """Vocabulary columns per slice in token_stats when the batch carries logits; >= 1."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            _fail("kind", f"one of {KINDS}", self.kind)
-        if not 0.0 <= self.eps_low < 1.0:
-            _fail("eps_low", "a value in [0, 1)", self.eps_low)
-        if not self.eps_high >= 0.0:
-            _fail("eps_high", "a value >= 0", self.eps_high)
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            _fail("dual_clip", "None or a value > 1", self.dual_clip)
-        if self.is_cap is not None and not self.is_cap > 0.0:
-            _fail("is_cap", "None or a value > 0", self.is_cap)
-        if self.is_mode not in IS_MODES:
-            _fail("is_mode", f"one of {IS_MODES}", self.is_mode)
-        if self.divergence not in DIVERGENCES:
-            _fail("divergence", f"one of {DIVERGENCES}", self.divergence)
-        if not self.divergence_threshold > 0.0:
-            _fail("divergence_threshold", "a value > 0", self.divergence_threshold)
-        if self.anchor not in ANCHORS:
-            _fail("anchor", f"one of {ANCHORS}", self.anchor)
-        if not self.kl_threshold > 0.0:
-            _fail("kl_threshold", "a value > 0", self.kl_threshold)
-        if not self.kl_coef >= 0.0:
-            _fail("kl_coef", "a value >= 0", self.kl_coef)
-        if self.kl_estimator not in KL_ESTIMATORS:
-            _fail("kl_estimator", f"one of {KL_ESTIMATORS}", self.kl_estimator)
-        if not self.entropy_coef >= 0.0:
-            _fail("entropy_coef", "a value >= 0", self.entropy_coef)
-        if self.aggregation not in AGGREGATIONS:
-            _fail("aggregation", f"one of {AGGREGATIONS}", self.aggregation)
-        if not self.temperature > 0.0:
-            _fail("temperature", "a value > 0", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("top_p", "a value in (0, 1]", self.top_p)
-        if self.vocab_chunk < 1:
-            _fail("vocab_chunk", "an integer >= 1", self.vocab_chunk)
-
-
-@dataclass(frozen=True)
-class ValueLossConfig:
-    """Critic objective (PPO): clipped squared error against the GAE returns."""
-
-    value_clip: float | None = 0.2
-    """Max |v - old_v| the clipped term allows; > 0, or None for plain 0.5 (v - R)^2."""
-    aggregation: str = "token_mean"
-    """Reduction over tokens: 'token_mean', 'seq_mean' or 'seq_mean_token_sum'."""
-    coef: float = 1.0
-    """Weight of the critic loss (run config objective.value_coef); > 0. With a separate
-    critic network and Adam it only matters through Adam's epsilon."""
-
-    def __post_init__(self) -> None:
-        if self.value_clip is not None and not self.value_clip > 0.0:
-            _fail("value_clip", "None or a value > 0", self.value_clip)
-        if not self.coef > 0.0:
-            _fail("coef", "a value > 0", self.coef)
-        if self.aggregation not in AGGREGATIONS:
-            _fail("aggregation", f"one of {AGGREGATIONS}", self.aggregation)
+__all__ = ["KINDS", "ObjectiveConfig", "policy_loss", "value_loss"]
 
 
 def _token_tensor(batch: dict[str, Any], key: str, shape: torch.Size) -> Tensor | None:
@@ -178,7 +69,9 @@ def _require(x: Tensor | None, key: str, why: str) -> Tensor:
     return x
 
 
-def _from_logits(cfg: ObjectiveConfig, batch: dict[str, Any], mask: Tensor) -> dict[str, Tensor]:
+def _from_logits(
+    batch: dict[str, Any], mask: Tensor, temperature: float, vocab_chunk: int
+) -> dict[str, Tensor]:
     """logp, entropy (and prox_logp, kl with old_logits) [B, T] from batch logits."""
     logits = batch["logits"]
     b, t = mask.shape
@@ -198,8 +91,8 @@ def _from_logits(cfg: ObjectiveConfig, batch: dict[str, Any], mask: Tensor) -> d
         logits.reshape(-1, v),
         None if old is None else old.reshape(-1, v),
         safe_targets,
-        cfg.temperature,
-        cfg.vocab_chunk,
+        temperature,
+        vocab_chunk,
     )
     out = {"logp": stats.logp.view(b, t), "entropy": stats.entropy.view(b, t)}
     if stats.kl is not None and stats.logp_old is not None:
@@ -225,8 +118,15 @@ def _advantages(cfg: ObjectiveConfig, batch: dict[str, Any], shape: torch.Size) 
     return adv.detach().float()
 
 
-def policy_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
-    """Policy loss of `cfg.kind` over a (micro-)batch; see the module docstring for keys.
+def policy_loss(
+    cfg: ObjectiveConfig,
+    batch: dict[str, Any],
+    *,
+    temperature: float = 1.0,
+    vocab_chunk: int = DEFAULT_CHUNK,
+) -> tuple[Tensor, dict[str, float]]:
+    """Policy loss of `cfg.kind` over a (micro-)batch; see the module docstring for keys
+    (``temperature`` and ``vocab_chunk``: of the token statistics of batch logits).
 
     Per valid token (A: advantage, r: ratio, w: behaviour weight, H: entropy):
         ppo / grpo:  l = w * clip_surrogate(r = exp(logp - base), A)
@@ -251,7 +151,7 @@ def policy_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, di
         for k in ("logp", "behav_logp", "prox_logp", "kl", "entropy", "ref_logp")
     }
     if "logits" in batch:
-        tok.update(_from_logits(cfg, batch, mask))
+        tok.update(_from_logits(batch, mask, temperature, vocab_chunk))
     logp_in = _require(tok["logp"], "logp", "(or logits + targets)")
     behav, prox, ref, kl_old = tok["behav_logp"], tok["prox_logp"], tok["ref_logp"], tok["kl"]
     weighted = cfg.kind == "dppo" or cfg.is_cap is not None
@@ -360,7 +260,7 @@ def policy_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, di
     return loss, _to_floats(metrics)
 
 
-def value_loss(cfg: ValueLossConfig, batch: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
+def value_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
     """Clipped critic loss; batch keys (all [B, T]): values (differentiable), old_values
     (the critic's values when the rollout was scored), returns (from `gae`), mask,
     optional normalizer. Returns (scalar loss, metrics)."""

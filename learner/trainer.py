@@ -87,8 +87,9 @@ class Trainer:
     ) -> None:
         from megatron.core import parallel_state as ps
 
-        if cfg.critic != (critic is not None):
-            raise ValueError(f"critic: TrainConfig.critic={cfg.critic} but critic spec {critic}")
+        if cfg.objective.uses_critic != (critic is not None):
+            raise ValueError(f"critic: objective {cfg.objective.kind!r} with critic="
+                             f"{cfg.objective.critic} but critic spec {critic}")  # fmt: skip
         self.cfg = cfg
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -144,7 +145,7 @@ class Trainer:
         global batches, the first in order, later ones shuffled by (seed, step, epoch) (the
         same order on every rank). Update u uses global batch u % len(rows)."""
         out = [(u, r) for u, r in enumerate(rows)]
-        for e in range(1, self.cfg.epochs):
+        for e in range(1, self.cfg.objective.epochs):
             gen = torch.Generator().manual_seed(
                 self.cfg.seed * 1_000_003 + self.step_count * 101 + e
             )
@@ -167,17 +168,17 @@ class Trainer:
     def _stats(self, out: dict[str, Tensor], mb: TrainBatch, old: Tensor | None) -> dict:
         """logp / entropy (/ kl, prox_logp from old logits) [B, L] from a PolicyForward;
         full-vocabulary statistics are computed on the response rows only."""
-        obj = self.cfg.objective
+        smp = self.cfg.sampling
         if "logits" not in out and "mask_logits" not in out:
             if old is not None:
                 raise ValueError("flow_dppo needs a PolicyForward that returns logits")
             return {"logp": out["logp"], "entropy": out["entropy"]}
         sel = mb.mask > 0
         rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
-        if obj.top_p < 1.0:  # the generator sampled from the nucleus: renormalise over it
-            rows = nucleus_rows(rows, obj.temperature, obj.top_p)
+        if smp.top_p < 1.0:  # the generator sampled from the nucleus: renormalise over it
+            rows = nucleus_rows(rows, smp.temperature, smp.top_p)
         stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
-        stats = stats_fn(rows, old, mb.targets[sel], obj.temperature, obj.vocab_chunk)
+        stats = stats_fn(rows, old, mb.targets[sel], smp.temperature, self.cfg.vocab_chunk)
 
         def spread(x: Tensor) -> Tensor:
             return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
@@ -234,7 +235,7 @@ class Trainer:
         old_logits: dict[tuple[int, int], Tensor] = {}
         length = batch.length
         zeros = torch.zeros(batch.size, length)
-        if self.ref_module is not None and cfg.kl_in_reward:
+        if self.ref_module is not None and cfg.objective.kl_in_reward:
             self._kl_reward_penalty(batch, rows)
         if self.critic is not None:
             assert self.critic_spec is not None
@@ -248,15 +249,15 @@ class Trainer:
                     values[start : start + mb.size, : v.shape[1]] = v[:, :length]
                     start += mb.size
             self.critic.module.train()
-            adv, ret = gae_advantages(batch, values, cfg.gamma, cfg.lam)
+            adv, ret = gae_advantages(batch, values, cfg.objective.gamma, cfg.objective.lam)
             batch.extra.update(old_values=values, returns=ret)
         else:
-            adv = group_token_advantages(batch, cfg.group_normalize_std)
+            adv = group_token_advantages(batch, cfg.objective.normalize_std)
         local = torch.zeros(batch.size, dtype=torch.bool)
         for _, _, lo, hi in rows:
             local[lo:hi] = True
         adv = torch.where(local[:, None], adv, 0.0)
-        if cfg.whiten_advantages:
+        if cfg.objective.whiten:
             adv = self._whiten(adv, torch.where(local[:, None], batch.mask, 0.0))
         batch.extra["advantages"] = adv
         if cfg.use_prox:
@@ -314,10 +315,12 @@ class Trainer:
         # Per batch row: max |learner - behaviour| log-prob (-1 where not measured).
         row_mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
         skipped = 0.0  # policy updates of this step skipped as non-finite (same on every rank)
-        n_updates = len(rows) * cfg.epochs
+        n_updates = len(rows) * cfg.objective.epochs
         # kl_in_reward: the KL went into the rewards, not into the loss
         loss_obj = (
-            dataclasses.replace(cfg.objective, kl_coef=0.0) if cfg.kl_in_reward else cfg.objective
+            dataclasses.replace(cfg.objective, kl_coef=0.0)
+            if cfg.objective.kl_in_reward
+            else cfg.objective
         )
         for u, (g_lo, g_hi, lo, hi) in self._schedule(rows):
             norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
@@ -335,7 +338,7 @@ class Trainer:
                 lb.update(advantages=mb.extra["advantages"], normalizer=norm)
                 if use_prox_logp:
                     lb["prox_logp"] = mb.extra["prox_logp"]
-                if self.ref_module is not None and not cfg.kl_in_reward:
+                if self.ref_module is not None and not cfg.objective.kl_in_reward:
                     lb["ref_logp"] = self._ref_logp(mb)
                 loss, m = policy_loss(loss_obj, lb)
                 (loss * self.dp_size).backward()
@@ -350,7 +353,7 @@ class Trainer:
                 metrics.add_mean(k, v, 1.0)
             self.update_count += 0 if skip else 1
             if self.critic is not None:
-                vnorm = self._normalizer(batch, g_lo, g_hi, cfg.value.aggregation)
+                vnorm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
                 self._critic_update(batch, lo, hi, vnorm, metrics, n_updates)
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
@@ -363,10 +366,10 @@ class Trainer:
         out = metrics.reduce(self.dp_group)
         self.step_count += 1
         self.weight_version += 1
-        if self.ref_module is not None and cfg.kl_in_reward:
+        if self.ref_module is not None and cfg.objective.kl_in_reward:
             out["kl_ref"] = self._kl_reward_mean
         out.update(weight_version=float(self.weight_version), updates=float(n_updates),
-                   epochs=float(cfg.epochs))  # fmt: skip
+                   epochs=float(cfg.objective.epochs))  # fmt: skip
         out.update(
             skipped_nonfinite=skipped, skipped_nonfinite_total=float(self.policy.skipped_nonfinite)
         )
@@ -420,7 +423,7 @@ class Trainer:
     ) -> None:
         assert self.critic is not None and self.critic_spec is not None
         device = next(self.critic.module.parameters()).device
-        vcfg = self.cfg.value
+        vcfg = self.cfg.objective
         self.critic.zero_grad()
         loss_finite = True
         for mb_cpu in self._micro(batch, lo, hi):
@@ -429,7 +432,7 @@ class Trainer:
             vb = {"values": values, "mask": mb.mask, "normalizer": norm}
             vb.update(old_values=mb.extra["old_values"], returns=mb.extra["returns"])
             loss, m = value_loss(vcfg, vb)
-            (loss * (vcfg.coef * self.dp_size)).backward()
+            (loss * (vcfg.value_coef * self.dp_size)).backward()
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             weight = float((mb.mask > 0).sum())
             for k, v in m.items():

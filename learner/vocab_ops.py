@@ -40,10 +40,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from learner.config import DEFAULT_VOCAB_CHUNK
+
 __all__ = ["DEFAULT_CHUNK", "TokenStats", "token_stats"]
 
-DEFAULT_CHUNK = 4096
-"""Default vocabulary slice width: 256 tokens x 4096 columns x 4 bytes = 4 MiB per temporary."""
+DEFAULT_CHUNK = DEFAULT_VOCAB_CHUNK
+"""Default vocabulary slice width (learner.config owns it): 256 tokens x 4096 columns x 4 bytes = 4 MiB per temporary."""
 
 
 class TokenStats(NamedTuple):

@@ -8,24 +8,30 @@
   D = ``exit_depths[0]`` (the last prompt position samples token 0). ``full_depth`` checks a
   depth list against a model and returns D; ``position_depths`` lays the depths out over the
   positions a replay feeds (the prompt, then every response token but the last).
+- Sampling (contract 4): ``Sampling`` (temperature, top_p): the distribution a behaviour
+  log-prob is taken from; the run's rollout section is one, and the learner computes its
+  log-probs from the same one.
 - Numerics (contract 5): ``NumericsMode`` and ``NUMERICS`` (models.numerics).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from models.numerics import MODES as NUMERICS
 from models.numerics import NumericsMode
+from models.settings import check
 from proto.schema import U64_MAX  # the wire format owns the 64-bit range
 
 __all__ = [
     "NUMERICS",
     "U64_MAX",
     "NumericsMode",
+    "Sampling",
     "check_latent_seed",
     "full_depth",
     "position_depths",
@@ -80,3 +86,17 @@ def position_depths(prompt_len: int, exit_depths: Sequence[int] | np.ndarray) ->
     if prompt_len < 1 or d.size < 1:
         raise ValueError("position_depths needs a prompt and at least one response token")
     return np.concatenate([np.full(prompt_len - 1, d[0], np.int64), d])
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the generator samples a token (contract 4); the learner renormalises the same way."""
+
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the objective uses the same."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]: the learner renormalises over the same nucleus."""
+
+    def __post_init__(self) -> None:
+        check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")

@@ -24,10 +24,10 @@ from models.errors import ConfigError
 T = TypeVar("T")
 
 
-def check(ok: bool, key: str, value: Any, why: str, *, what: str = "config") -> None:
-    """Raise ``ConfigError("<what> <key>=<value>: <why>")`` unless ``ok``."""
+def check(ok: bool, key: str, value: Any, why: str, *, what: str = "") -> None:
+    """Raise ``ConfigError("[<what> ]<key>=<value>: <why>")`` unless ``ok``."""
     if not ok:
-        raise ConfigError(f"{what} {key}={value!r}: {why}")
+        raise ConfigError(f"{what + ' ' if what else ''}{key}={value!r}: {why}")
 
 
 def _own_docs(cls: type) -> dict[str, str]:
@@ -60,6 +60,49 @@ def field_docs(cls: type, prefix: str = "") -> dict[str, str]:
         if is_dataclass(default):
             out.update(field_docs(type(default), key + "."))
     return out
+
+
+def defaults(cls: type, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: default value} of every leaf field of ``cls`` (nested sections flattened)."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        value = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(value):
+            out.update(defaults(type(value), prefix + f.name + "."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def reference_table(cls: type, notes: Mapping[str, str] | None = None) -> str:
+    """The Markdown reference of a config: one row per leaf key with its default and its
+    docstring, or ``notes[key]`` instead (the docs' configuration tables are this text; a
+    test checks they are current)."""
+
+    def show(v: Any) -> str:
+        text = "null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v)
+        return f"`{text}`".replace("|", "\\|")
+
+    docs = field_docs(cls)
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for key, value in defaults(cls).items():
+        doc = (notes or {}).get(key) or " ".join(docs.get(key, "").split())
+        doc = doc.replace("|", "\\|")
+        rows.append(f"| `{key}` | {show(value)} | {doc} |")
+    return "\n".join(rows) + "\n"
+
+
+MARK_START, MARK_END = "<!-- config-reference:{}:start -->", "<!-- config-reference:{}:end -->"
+
+
+def splice_reference(text: str, name: str, table: str) -> str:
+    """``text`` with the block between the ``name`` markers replaced by ``table``
+    (ValueError if the markers are missing)."""
+    start, end = MARK_START.format(name), MARK_END.format(name)
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"markers {start} ... {end} not found")
+    return text[: i + len(start)] + "\n" + table + text[j:]
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from learner.config import KINDS as OBJECTIVES  # noqa: F401  (part of this API)
+from learner.config import LearnerConfig, ObjectiveConfig, OptimConfig, ScheduleConfig
 from models import settings
 from models.contract import NUMERICS
 from models.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError)
 from models.settings import parse_overrides  # noqa: F401  (part of this API)
 from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
     FSYNC,
-    OBJECTIVES,
     POLICIES,
     TASKS,
     WEIGHT_TRANSPORTS,
@@ -31,11 +32,8 @@ from pipeline.config_sections import (  # noqa: F401  (the sections are part of 
     EvalSection,
     GeneratorsSection,
     IntakeSection,
-    LearnerSection,
     MetricsSection,
     ModelSection,
-    ObjectiveSection,
-    OptimizerSection,
     PublishSection,
     RecordSection,
     RolloutSection,
@@ -71,10 +69,12 @@ class RunConfig:
     """Prompts and reward."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
     """Sampling settings."""
-    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
-    """Policy objective."""
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    """Optimizer."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """Policy objective, advantages and critic (learner.config)."""
+    optimizer: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer (learner.config)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule (learner.config)."""
     staleness: StalenessSection = field(default_factory=StalenessSection)
     """Staleness bound and policy."""
     intake: IntakeSection = field(default_factory=IntakeSection)
@@ -91,20 +91,17 @@ class RunConfig:
     """Rollout stream and step log."""
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """Metrics outputs."""
-    learner: LearnerSection = field(default_factory=LearnerSection)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     """Learner precision, truncated depth backprop, micro-batching, recompute, compile."""
     eval: EvalSection = field(default_factory=EvalSection)
     """Evaluation during training (dataset tasks)."""
 
-    def schedule(self) -> Any:
-        """The LR schedule both backends apply (learner.config.ScheduleConfig): updates are
-        counted over the run (steps x epochs x minibatches)."""
-        from learner.config import ScheduleConfig
-
-        p, o = self.optimizer, self.objective
-        total = p.decay_steps or self.steps * o.epochs * o.minibatches
-        return ScheduleConfig(style=p.schedule, warmup_steps=p.warmup_steps,
-                              total_steps=max(total, p.warmup_steps + 1), min_lr=p.min_lr)  # fmt: skip
+    def resolved_schedule(self) -> ScheduleConfig:
+        """The LR schedule both backends apply: schedule.decay_steps 0 is the run's last
+        update (updates are counted over the run: steps x epochs x minibatches)."""
+        return self.schedule.resolved(
+            self.steps * self.objective.epochs * self.objective.minibatches
+        )
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -112,6 +109,8 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        _check(self.schedule.min_lr <= self.optimizer.lr, "schedule.min_lr", self.schedule.min_lr,
+               f"must be <= optimizer.lr ({self.optimizer.lr})")  # fmt: skip
         _check(self.staleness.policy != "keep" or self.objective.is_cap is not None,
                "staleness.policy", self.staleness.policy,
                "keep trains stale rollouts, which needs an off-policy correction: set "

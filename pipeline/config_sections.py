@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from generator.config import REWARD_MODES
-from models.errors import ConfigError
+from generator.config import GeneratorConfig
+from models.contract import Sampling
+from models.settings import check
 
-OBJECTIVES = ("grpo", "ppo", "dppo", "flow_dppo", "divergence_ppo")
 POLICIES = ("drop", "keep")
 TASKS = ("synthetic", "jsonl", "dataset")
 WEIGHT_TRANSPORTS = ("disk", "chunks")
@@ -18,8 +18,7 @@ FSYNC = ("always", "batch", "never")
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"run config {key}={value!r}: {why}")
+    check(ok, key, value, why, what="run config")
 
 
 @dataclass(frozen=True)
@@ -103,17 +102,14 @@ class TaskSection:
 
 
 @dataclass(frozen=True)
-class RolloutSection:
-    """Sampling: how many completions of what length, and how many prompts per step."""
+class RolloutSection(Sampling):
+    """Sampling (temperature and top_p: models.contract.Sampling, which the learner gets too):
+    how many completions of what length, and how many prompts per step."""
 
     n: int = 8
     """Group size: completions sampled per prompt (one GRPO group)."""
     max_tokens: int = 8
     """Longest completion, in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0); the objective uses the same."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]."""
     prompts_per_step: int = 16
     """Complete groups per training step."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -121,141 +117,17 @@ class RolloutSection:
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion (kept in it; the generators detokenize to find them)."""
 
+    @property
+    def sampling(self) -> Sampling:
+        """The temperature and top_p alone (what the learner's log-probs use)."""
+        return Sampling(temperature=self.temperature, top_p=self.top_p)
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")
         _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1")
-        _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
-        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step,
                "must be >= 1")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ObjectiveSection:
-    """The policy objective (learner.objectives.ObjectiveConfig) plus advantages and critic."""
-
-    kind: str = "grpo"
-    """grpo, ppo (with a critic), dppo (decoupled PPO), flow_dppo or divergence_ppo."""
-    epochs: int = 1
-    """Passes over each step's rollouts (proximal log-probs and advantages from the step's start)."""
-    minibatches: int = 1
-    """Optimizer updates per pass: the step's groups split into this many mini-batches."""
-    eps_low: float = 0.2
-    """Lower clip: ratio clipped below at 1 - eps_low."""
-    eps_high: float = 0.2
-    """Upper clip: ratio clipped above at 1 + eps_high."""
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1; null disables."""
-    is_cap: float | None = None
-    """Cap on the behaviour importance weight; null: uncapped (only dppo applies it then)."""
-    is_mode: str = "truncate"
-    """Use of is_cap: truncate or mask."""
-    kl_threshold: float = 0.05
-    """flow_dppo trust region (KL old||new)."""
-    divergence: str = "tv"
-    """divergence_ppo: binary divergence of the sampled token, tv or kl."""
-    divergence_threshold: float = 0.2
-    """divergence_ppo: trust region (tokens beyond it that push further out are dropped)."""
-    anchor: str = "behaviour"
-    """divergence_ppo: the policy r = pi / mu is measured against: behaviour or proximal."""
-    kl_coef: float = 0.0
-    """KL(policy || reference) coefficient (> 0 loads a frozen reference policy: model.reference_path)."""
-    kl_in_reward: bool = False
-    """Apply the KL as a per-sequence reward penalty (sum over tokens) instead of a loss term."""
-    kl_estimator: str = "k3"
-    """KL estimator: k1, k2 or k3."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
-    aggregation: str = "token_mean"
-    """Loss reduction: token_mean, seq_mean or seq_mean_token_sum."""
-    normalize_std: bool = True
-    """grpo/dppo/flow_dppo: divide group advantages by the group std (False: Dr. GRPO)."""
-    gamma: float = 1.0
-    """ppo: GAE discount."""
-    lam: float = 1.0
-    """ppo: GAE lambda."""
-    value_clip: float | None = 0.2
-    """ppo: critic value clip; null for the plain squared error."""
-    value_coef: float = 0.5
-    """Weight of the critic loss (objectives with a critic)."""
-    critic: bool | None = None
-    """Train a critic and use GAE advantages: null = on for ppo only; true for dppo / flow_dppo
-    too (actor/critic); grpo has group advantages and no critic."""
-    whiten: bool = False
-    """Whiten the advantages over the step's response tokens (mean 0, std 1)."""
-    dynamic_sampling: bool = False
-    """Drop complete groups whose rewards are all equal (no group signal); new prompts refill."""
-    overlong_buffer: int = 0
-    """Soft overlong penalty over the last this many tokens before rollout.max_tokens (0: off)."""
-    overlong_penalty: float = 1.0
-    """The penalty at rollout.max_tokens (linear from 0 at max_tokens - overlong_buffer)."""
-
-    @property
-    def uses_critic(self) -> bool:
-        """A critic is trained (ppo, or objective.critic true)."""
-        return self.kind == "ppo" if self.critic is None else bool(self.critic)
-
-    def __post_init__(self) -> None:
-        _check(self.kind in OBJECTIVES, "objective.kind", self.kind, f"must be one of {OBJECTIVES}")
-        _check(self.epochs >= 1, "objective.epochs", self.epochs, "must be >= 1")
-        _check(self.kl_coef >= 0.0, "objective.kl_coef", self.kl_coef, "must be >= 0")
-        _check(self.kl_estimator in ("k1", "k2", "k3"), "objective.kl_estimator",
-               self.kl_estimator, "must be k1, k2 or k3")  # fmt: skip
-        _check(self.value_coef > 0, "objective.value_coef", self.value_coef, "must be > 0")
-        _check(self.divergence in ("tv", "kl"), "objective.divergence", self.divergence,
-               "must be tv or kl")  # fmt: skip
-        _check(self.divergence_threshold > 0, "objective.divergence_threshold",
-               self.divergence_threshold, "must be > 0")  # fmt: skip
-        _check(self.anchor in ("behaviour", "proximal"), "objective.anchor", self.anchor,
-               "must be behaviour or proximal")  # fmt: skip
-        _check(self.overlong_buffer >= 0, "objective.overlong_buffer", self.overlong_buffer,
-               "must be >= 0")  # fmt: skip
-        _check(self.overlong_penalty >= 0, "objective.overlong_penalty", self.overlong_penalty,
-               "must be >= 0")  # fmt: skip
-        _check(self.critic is not False or self.kind != "ppo", "objective.critic", self.critic,
-               "ppo needs its critic (GAE values)")  # fmt: skip
-        _check(not (self.critic and self.kind == "grpo"), "objective.critic", self.critic,
-               "grpo uses group advantages, not a critic")  # fmt: skip
-        _check(self.minibatches >= 1, "objective.minibatches", self.minibatches, "must be >= 1")
-
-
-@dataclass(frozen=True)
-class OptimizerSection:
-    """Adam(W) settings."""
-
-    lr: float = 3e-3
-    """Learning rate."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.999
-    """Adam beta2."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip; 0 disables."""
-    critic_lr: float | None = None
-    """Learning rate of the critic (null: lr)."""
-    schedule: str = "constant"
-    """LR after the warmup: constant, linear or cosine decay to min_lr (learner.config.ScheduleConfig)."""
-    warmup_steps: int = 0
-    """Optimizer updates of linear warmup from 0 to lr."""
-    decay_steps: int = 0
-    """Update at which linear / cosine decay reaches min_lr; 0: the run's last update."""
-    min_lr: float = 0.0
-    """LR at the end of the decay."""
-
-    def __post_init__(self) -> None:
-        _check(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
-        _check(self.grad_clip >= 0, "optimizer.grad_clip", self.grad_clip, "must be >= 0")
-        _check(self.schedule in ("constant", "linear", "cosine"), "optimizer.schedule",
-               self.schedule, "must be constant, linear or cosine")  # fmt: skip
-        _check(self.warmup_steps >= 0 and self.decay_steps >= 0, "optimizer.warmup_steps",
-               (self.warmup_steps, self.decay_steps), "warmup_steps and decay_steps >= 0")  # fmt: skip
-        _check(0 <= self.min_lr <= self.lr, "optimizer.min_lr", self.min_lr, "must be in [0, lr]")
-        _check(self.critic_lr is None or self.critic_lr > 0, "optimizer.critic_lr",
-               self.critic_lr, "must be null or > 0")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -293,39 +165,55 @@ class IntakeSection:
         _check(self.work_timeout_s >= 0, "intake.work_timeout_s", self.work_timeout_s, ">= 0")
 
 
+# GeneratorConfig fields `looprl run` sets itself for every generator: (what sets them).
+RUN_MANAGED = {
+    "learner": "endpoints.host / endpoints.port",
+    "weights_endpoint": "endpoints.host / endpoints.port",
+    "model": "model.path (or the fresh checkpoint)",
+    "generator_id": "the launcher (gen0, gen1, ...)",
+    "numerics": "the run's numerics",
+    "seed": "the run's seed (+ the generator's index)",
+    "reward": "task.reward",
+    "keys": "endpoints.keys",
+    "key_name": "endpoints.keys (one keypair per generator)",
+    "curve_on_loopback": "endpoints.curve_on_loopback",
+    "max_num_seqs": "generators.max_inflight x rollout.n",
+}
+
+
 @dataclass(frozen=True)
-class GeneratorsSection:
-    """Generator processes: how many `looprl run` starts and how much work each gets."""
+class GeneratorsSection(GeneratorConfig):
+    """The generators `looprl run` starts: how many, and their settings (every
+    generator.config.GeneratorConfig key with its default there, except those the run sets
+    itself: RUN_MANAGED)."""
 
     count: int = 2
     """Generator processes `looprl run` starts (the learner accepts any number)."""
-    max_inflight: int = 2
-    """Work items each generator holds at once."""
-    peer_timeout_s: float = 10.0
-    """Silence after which a generator is declared dead and its work re-dispatched (s)."""
-    heartbeat_interval_s: float = 1.0
-    """Heartbeat period, both directions (s)."""
-    reward_mode: str = "thread"
-    """Where generators run rewards: process, thread or inline."""
     threads: int = 1
     """Torch threads per generator process (OMP_NUM_THREADS) under `looprl run`."""
-    max_model_len: int = 128
-    """vLLM context length (prompt + completion tokens) of the generators `looprl run` starts."""
-    dtype: str = "auto"
-    """vLLM dtype of the generators `looprl run` starts: auto (bfloat16 when learner.precision is
-    bf16, else the generator's own rule: float32 on CPU), float32 or bfloat16."""
+    heartbeat_interval_s: float = 1.0
+    """Heartbeat period, both directions (s); peer_timeout_s is also the learner's."""
     extra_args: list[str] = field(default_factory=list)
     """More `looprl generator` flags, passed verbatim by `looprl run`."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        defaults = GeneratorConfig()
+        for key, owner in RUN_MANAGED.items():
+            _check(getattr(self, key) == getattr(defaults, key), f"generators.{key}",
+                   getattr(self, key), f"set by looprl run from {owner}; leave it unset")  # fmt: skip
         _check(self.count >= 0, "generators.count", self.count, "must be >= 0")
-        _check(self.max_inflight >= 1, "generators.max_inflight", self.max_inflight, ">= 1")
-        _check(self.reward_mode in REWARD_MODES, "generators.reward_mode", self.reward_mode,
-               f"must be one of {REWARD_MODES}")  # fmt: skip
-        _check(self.dtype in ("auto", "float32", "bfloat16"), "generators.dtype", self.dtype,
-               "must be auto, float32 or bfloat16")  # fmt: skip
+        _check(self.threads >= 1, "generators.threads", self.threads, "must be >= 1")
         _check(0 < self.heartbeat_interval_s < self.peer_timeout_s, "generators.peer_timeout_s",
                self.peer_timeout_s, "need 0 < heartbeat_interval_s < peer_timeout_s")  # fmt: skip
+
+    def generator_settings(self) -> dict[str, Any]:
+        """The GeneratorConfig keys this section sets (the file `looprl run` hands to each
+        generator with --config), the run-managed ones left out."""
+        from dataclasses import fields
+
+        return {f.name: getattr(self, f.name) for f in fields(GeneratorConfig)
+                if f.name not in RUN_MANAGED}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -411,33 +299,6 @@ class MetricsSection:
     """Also log to Weights & Biases (imported only then; offline unless WANDB_MODE says otherwise)."""
     wandb_project: str = "looprl"
     """Weights & Biases project name."""
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-@dataclass(frozen=True)
-class LearnerSection:
-    """The megatron learner's compute settings (backend megatron; reference refuses them)."""
-
-    precision: str = "fp32"
-    """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state."""
-    backprop_depth: int = -1
-    """Core iterations with gradient per token: -1 the checkpoint's mean_backprop_depth, 0 all."""
-    micro_batch_size: int = 0
-    """Sequences per forward/backward per rank; 0: the group size if it divides, at most 16."""
-    recompute: bool = False
-    """Activation recompute around every block call (less memory, one more forward)."""
-    compile: bool = False
-    """torch.compile every transformer block (numerics fast only)."""
-
-    def __post_init__(self) -> None:
-        _check(self.precision in PRECISIONS, "learner.precision", self.precision,
-               f"must be one of {PRECISIONS}")  # fmt: skip
-        _check(self.backprop_depth >= -1, "learner.backprop_depth", self.backprop_depth,
-               "must be -1 (the checkpoint's), 0 (all) or a positive iteration count")  # fmt: skip
-        _check(self.micro_batch_size >= 0, "learner.micro_batch_size", self.micro_batch_size,
-               "must be >= 0 (0: automatic)")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -68,14 +68,31 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
     return [
         sys.executable, "-m", "pipeline.cli", "generator",
         "--learner", control, "--weights-endpoint", weights, "--model", str(model),
-        "--generator-id", f"gen{i}", "--max-inflight", str(g.max_inflight),
-        "--reward", cfg.task.reward, "--reward-mode", g.reward_mode,
-        "--numerics", cfg.numerics, "--peer-timeout", str(g.peer_timeout_s),
+        "--generator-id", f"gen{i}", "--reward", cfg.task.reward, "--numerics", cfg.numerics,
         "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
-        "--seed", str(cfg.seed + i), "--max-model-len", str(g.max_model_len), *curve,
-        "--dtype", _generator_dtype(cfg),
+        "--seed", str(cfg.seed + i), *curve,
+        "--dtype", _generator_dtype(cfg), *settings_flags(cfg),
         *g.extra_args,
     ]  # fmt: skip
+
+
+def settings_flags(cfg: RunConfig) -> list[str]:
+    """The run's generators section as `looprl generator` flags: every GeneratorConfig key
+    that differs from its default, except the run-managed ones (set per generator above)."""
+    from generator.config import GeneratorConfig
+    from pipeline.generator_cli import flag_name
+
+    out: list[str] = []
+    default = GeneratorConfig()
+    for key, value in cfg.generators.generator_settings().items():
+        if key == "dtype" or value == getattr(default, key):
+            continue  # dtype: _generator_dtype resolves auto
+        name = flag_name(key)
+        if isinstance(value, bool):
+            out.append(name if value else "--no-" + name.removeprefix("--"))
+        else:
+            out += [name, str(value)]
+    return out
 
 
 def _generator_dtype(cfg: RunConfig) -> str:

@@ -1,7 +1,8 @@
 """Backend "megatron": learner.trainer.Trainer behind the coordinator's Trainer protocol.
 
-Maps the run config onto learner.config (TrainConfig / OptimConfig / ScheduleConfig) and, from
-the ``learner`` section, MegatronOptions (precision, backprop depth, compile; `build_learner_trainer`,
+Hands the run config's learner-owned sections (objective, optimizer, schedule, learner: they
+are learner.config's classes) to the Trainer, with the step's TrainConfig and, from the
+``learner`` section, MegatronOptions (precision, backprop depth, compile; `build_learner_trainer`,
 shared with benchmarks/trainer_gpu.py), builds the looped policy (and, for ppo, the critic) on megatron-core from the starting HF checkpoint,
 and forwards step / publish / checkpoint calls to learner.trainer, learner.publish and
 learner.checkpoint (which stores the coordinator's pipeline_state in its meta.json).
@@ -109,41 +110,29 @@ def build_learner_trainer(
     starting HF state dict (None: the reference init). benchmarks/trainer_gpu.py uses it too."""
     import torch
 
-    from learner.config import OptimConfig, TrainConfig
+    from learner.config import TrainConfig
     from learner.mcore_model import MegatronOptions
-    from learner.objectives import ObjectiveConfig, ValueLossConfig
     from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
 
     o, r, p, lr = cfg.objective, cfg.rollout, cfg.optimizer, cfg.learner
-    obj = ObjectiveConfig(
-        kind=o.kind, eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip,
-        is_cap=o.is_cap, is_mode=o.is_mode, kl_threshold=o.kl_threshold,
-        divergence=o.divergence, divergence_threshold=o.divergence_threshold, anchor=o.anchor,
-        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
-        aggregation=o.aggregation, temperature=r.temperature, top_p=r.top_p,
-    )  # fmt: skip
     critic = o.uses_critic
     batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
     train = TrainConfig(
-        global_batch_size=batch, epochs=o.epochs,
-        micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
-        seed=cfg.seed, objective=obj, critic=critic, whiten_advantages=o.whiten,
-        value=ValueLossConfig(o.value_clip, o.aggregation, o.value_coef),
-        gamma=o.gamma, lam=o.lam, group_normalize_std=o.normalize_std, recompute=lr.recompute,
-        fused_token_stats=cfg.numerics == "fast", kl_in_reward=o.kl_in_reward,
+        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
+        seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
+        fused_token_stats=cfg.numerics == "fast",
     )  # fmt: skip
-    optim = OptimConfig(lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps,
-                        weight_decay=p.weight_decay, clip_grad=p.grad_clip)  # fmt: skip
     options = MegatronOptions(
         numerics=cfg.numerics,
         params_dtype=torch.bfloat16 if lr.precision == "bf16" else torch.float32,
         backprop_depth=None if lr.backprop_depth < 0 else lr.backprop_depth,
         compile=lr.compile,
     )
-    critic_optim = dataclasses.replace(optim, lr=p.critic_lr) if p.critic_lr else optim
-    critic_schedule = dataclasses.replace(cfg.schedule(), min_lr=min(p.min_lr, critic_optim.lr))
+    schedule = cfg.resolved_schedule()
+    critic_optim = p.for_critic()
+    critic_schedule = dataclasses.replace(schedule, min_lr=min(schedule.min_lr, critic_optim.lr))
     return Trainer(
-        train, optim, cfg.schedule(),
+        train, p, schedule,
         looped_policy_spec(model_config, options, hf_state),
         critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
         critic_optim=critic_optim, critic_schedule=critic_schedule,

@@ -48,7 +48,6 @@ class ReferenceTrainer:
     sections: objective, optimizer, rollout, numerics, seed)."""
 
     def __init__(self, cfg: Any, model_dir: Path) -> None:
-        from learner.objectives import ObjectiveConfig, ValueLossConfig
         from models.checkpoint import load_model, read_config, tied_from_module
 
         torch.manual_seed(cfg.seed)
@@ -73,15 +72,7 @@ class ReferenceTrainer:
         self.tied = tied_from_module(self.model)
         o, r = cfg.objective, cfg.rollout
         self.kind = o.kind
-        self.obj = ObjectiveConfig(
-            kind=o.kind, eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip,
-            is_cap=o.is_cap, is_mode=o.is_mode, kl_threshold=o.kl_threshold,
-        divergence=o.divergence, divergence_threshold=o.divergence_threshold, anchor=o.anchor,
-            kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
-            aggregation=o.aggregation, temperature=r.temperature,
-        )  # fmt: skip
-        self.vobj = ValueLossConfig(value_clip=o.value_clip, aggregation=o.aggregation,
-                                    coef=o.value_coef)  # fmt: skip
+        self.obj = o  # learner.config.ObjectiveConfig, as the megatron backend gets it
         self.normalize_std, self.gamma, self.lam = o.normalize_std, o.gamma, o.lam
         self.temperature, self.top_p, self.numerics = r.temperature, r.top_p, cfg.numerics
         groups: list[dict[str, Any]] = [{"params": list(self.model.parameters())}]
@@ -92,9 +83,9 @@ class ReferenceTrainer:
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
             groups.append({"params": list(self.value_head.parameters()),
-                           "lr": p.critic_lr or p.lr})  # fmt: skip
+                           "lr": p.for_critic().lr})  # fmt: skip
         self.whiten = o.whiten
-        self.sched, self.updates = cfg.schedule(), 0  # the LR of the n-th applied update
+        self.sched, self.updates = cfg.resolved_schedule(), 0  # the LR of the n-th applied update
         self.ref: LoopedLM | None = None  # frozen reference policy of objective.kl_coef
         self.kl_in_reward = o.kl_in_reward
         if o.kl_coef > 0:
@@ -107,9 +98,13 @@ class ReferenceTrainer:
             ref.eval()
             ref.requires_grad_(False)
         self.grad_clip = p.grad_clip
-        self.optim = torch.optim.AdamW(
-            groups, lr=p.lr, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay
-        )
+        self.optim: torch.optim.Optimizer
+        if p.name == "sgd":  # megatron's SGD: torch SGD with L2 weight decay and momentum
+            self.optim = torch.optim.SGD(groups, lr=p.lr, momentum=p.sgd_momentum,
+                                         weight_decay=p.weight_decay)  # fmt: skip
+        else:
+            self.optim = torch.optim.AdamW(groups, lr=p.lr, betas=p.betas, eps=p.eps,
+                                           weight_decay=p.weight_decay)  # fmt: skip
         self.steps = 0
         self.epochs, self.minibatches, self.seed = o.epochs, o.minibatches, cfg.seed
         self.skipped = 0  # steps skipped because the loss or the gradient was not finite
@@ -312,8 +307,8 @@ class ReferenceTrainer:
         if self.value_head is not None:
             vbatch = {"mask": mask, "values": self.value_head(hid)[..., 0],
                       "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
-            vloss, vm = value_loss(self.vobj, vbatch)
-            loss = loss + self.vobj.coef * vloss
+            vloss, vm = value_loss(self.obj, vbatch)
+            loss = loss + self.obj.value_coef * vloss
             out.update({k: float(v) for k, v in vm.items()})
         self.optim.zero_grad(set_to_none=True)
         loss.backward()

@@ -62,3 +62,61 @@ def test_overrides_layer_on_the_file(tmp_path: Path) -> None:
     cfg = load_config(f, ["rollout.n=2", "objective.is_cap=1.5"])
     assert (cfg.steps, cfg.rollout.n, cfg.objective.is_cap) == (7, 2, 1.5)
     assert cfg.rollout.max_tokens == RunConfig().rollout.max_tokens
+
+
+def test_reference_tables_in_the_docs_are_generated_from_the_schemas() -> None:
+    """docs/PIPELINE.md and docs/GENERATOR.md hold models.settings.reference_table of the run
+    and generator configs verbatim (`python scripts/config_docs.py` regenerates them)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "config_docs.py"), "--check"],
+                         capture_output=True, text=True, cwd=root)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (root / "docs" / "PIPELINE.md").read_text()
+    for key in ("objective.epochs", "optimizer.grad_clip", "schedule.decay_steps",
+                "generators.kv_cache_mb", "learner.precision"):  # fmt: skip
+        assert f"| `{key}` |" in text
+
+
+def test_each_default_is_stated_once_by_its_component() -> None:
+    """The run config composes the components' own classes: its defaults are theirs."""
+    from generator.config import GeneratorConfig
+    from learner.config import LearnerConfig, ObjectiveConfig, OptimConfig, ScheduleConfig
+    from models.contract import Sampling
+
+    cfg = RunConfig()
+    assert type(cfg.objective) is ObjectiveConfig and type(cfg.optimizer) is OptimConfig
+    assert type(cfg.schedule) is ScheduleConfig and type(cfg.learner) is LearnerConfig
+    assert isinstance(cfg.rollout, Sampling) and isinstance(cfg.generators, GeneratorConfig)
+    gen = GeneratorConfig()
+    for key in ("max_inflight", "reward_mode", "max_model_len", "peer_timeout_s", "dtype"):
+        assert getattr(cfg.generators, key) == getattr(gen, key)
+
+
+def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path) -> None:
+    """Every generator key of the run config reaches the generators `looprl run` starts (as
+    flags of their command line); the keys the run sets itself are refused, naming the run
+    key that sets them."""
+    import argparse
+
+    from pipeline.generator_cli import add_parser, config_from_args
+    from pipeline.launcher import generator_command
+
+    cfg = load_config(None, ["generators.kv_cache_mb=96", "generators.reward_timeout_s=3.5",
+                             "generators.max_inflight=3", "generators.inflight_updates=true",
+                             "generators.reward_mode=process"])  # fmt: skip
+    cmd = generator_command(cfg, 1, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", tmp_path / "m")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    gen = config_from_args(parser.parse_args(cmd[cmd.index("generator") :]))
+    got = (gen.kv_cache_mb, gen.reward_timeout_s, gen.max_inflight, gen.inflight_updates)
+    assert got == (96, 3.5, 3, True) and gen.reward_mode == "process"
+    assert gen.max_num_seqs == 3 * cfg.rollout.n and gen.seed == cfg.seed + 1
+    with pytest.raises(
+        ConfigError, match="generators.seed=7: set by looprl run from the run's seed"
+    ):
+        load_config(None, ["generators.seed=7"])
+    with pytest.raises(ConfigError, match="generators.reward=.*task.reward"):
+        load_config(None, ["generators.reward=math"])

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.megatron
 
 N_STEPS = 4
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
-SCHEDULE = ScheduleConfig(style="cosine", warmup_steps=1, total_steps=6, min_lr=1e-5)
+SCHEDULE = ScheduleConfig(style="cosine", warmup_steps=1, decay_steps=6, min_lr=1e-5)
 
 
 def _trainer(case: str, tp: int) -> Any:
@@ -42,11 +42,7 @@ def _trainer(case: str, tp: int) -> Any:
         global_batch_size=4,
         micro_batch_size=2,
         seed=SEED,
-        objective=ObjectiveConfig(kind="ppo"),
-        critic=True,
-        gamma=0.99,
-        lam=0.95,
-        whiten_advantages=True,
+        objective=ObjectiveConfig(kind="ppo", gamma=0.99, lam=0.95, whiten=True),
     )
     sgd = OptimConfig(name="sgd", lr=1e-2, sgd_momentum=0.9, distributed=False)
     return Trainer(

@@ -26,8 +26,8 @@ from tests.learner.test_trainer import SEED, looped_trainer, rollouts_for
 pytestmark = pytest.mark.megatron
 
 CFG = TrainConfig(global_batch_size=8, micro_batch_size=2, seed=SEED)
-ADAM = OptimConfig(name="adam", lr=1e-3, clip_grad=1.0)  # DistributedOptimizer
-WARMUP = ScheduleConfig(style="linear", warmup_steps=2, total_steps=4)  # LR differs per update
+ADAM = OptimConfig(name="adam", lr=1e-3, grad_clip=1.0)  # DistributedOptimizer
+WARMUP = ScheduleConfig(style="linear", warmup_steps=2, decay_steps=4)  # LR differs per update
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from learner.advantages import broadcast_to_tokens, gae, group_advantages, normalize_advantages
+from learner.config import TrainConfig
 from learner.losses import aggregate
-from learner.objectives import ObjectiveConfig, ValueLossConfig, policy_loss, value_loss
+from learner.objectives import ObjectiveConfig, policy_loss, value_loss
+from models.contract import Sampling
 
 LN = math.log
 INF = float("inf")
@@ -260,8 +262,8 @@ def test_flow_dppo_sign_cases_by_hand() -> None:
         "logits": logits,
         "old_logits": old,
     }
-    cfg = ObjectiveConfig(kind="flow_dppo", kl_threshold=0.1, vocab_chunk=1)
-    loss, m = policy_loss(cfg, batch)
+    cfg = ObjectiveConfig(kind="flow_dppo", kl_threshold=0.1)
+    loss, m = policy_loss(cfg, batch, vocab_chunk=1)
     close(loss, 0.02)
     g = grad_of(loss, logits)
     close(g, [[[0, 0], [0.064, -0.064], [0, 0], [0.064, -0.064], [-0.099, 0.099]]])
@@ -364,11 +366,11 @@ def test_value_loss_clipping_by_hand() -> None:
         "returns": t([[1.5, 0.0, 2.5, 0.0]]),
         "values": values,
     }
-    loss, m = value_loss(ValueLossConfig(value_clip=0.2), batch)
+    loss, m = value_loss(ObjectiveConfig(value_clip=0.2), batch)
     close(loss, 0.99)
     close(grad_of(loss, values), [[-0.5 / 3, 2.0 / 3, 0, 0]])
     close(m["value_clip_frac"], 1 / 3)
-    loss, _ = value_loss(ValueLossConfig(value_clip=None), batch)
+    loss, _ = value_loss(ObjectiveConfig(value_clip=None), batch)
     close(loss, 0.75)
 
 
@@ -390,18 +392,24 @@ def test_value_loss_clipping_by_hand() -> None:
         ("kl_estimator", "k4"),
         ("entropy_coef", -0.1),
         ("aggregation", "sum"),
-        ("temperature", 0.0),
-        ("vocab_chunk", 0),
+        ("value_clip", 0.0),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"^{field}: expected"):
+    with pytest.raises(ValueError, match=f"^objective.{field}={value!r}: must"):
         ObjectiveConfig(**{field: value})  # type: ignore[arg-type]
 
 
+def test_sampling_and_token_stats_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="^rollout.temperature=0.0: must be > 0"):
+        Sampling(temperature=0.0)
+    with pytest.raises(ValueError, match="^rollout.top_p=0.0: must be in"):
+        Sampling(top_p=0.0)
+    with pytest.raises(ValueError, match="^train.vocab_chunk=0: must be >= 1"):
+        TrainConfig(vocab_chunk=0)
+
+
 def test_value_config_and_missing_batch_keys() -> None:
-    with pytest.raises(ValueError, match="^value_clip: expected"):
-        ValueLossConfig(value_clip=0.0)
     base = {"mask": t([[1]]), "advantages": t([[1]]), "logp": t([[0]])}
     with pytest.raises(ValueError, match="behav_logp"):
         policy_loss(ObjectiveConfig(kind="ppo"), base)

@@ -117,7 +117,7 @@ def looped_trainer(
     from models.config import tiny_config
 
     fam = tiny_config(FAMILY)
-    critic = looped_critic_spec(fam) if cfg.critic else None
+    critic = looped_critic_spec(fam) if cfg.objective.uses_critic else None
     return Trainer(
         cfg, optim, schedule or ScheduleConfig(), looped_policy_spec(fam), critic=critic, **kw
     )
@@ -152,8 +152,8 @@ def rollouts_for(seed: int, n_groups: int = 2, size: int = 4) -> list[Rollout]:
 
 REF_CFG = TrainConfig(global_batch_size=8, micro_batch_size=4, seed=SEED)
 REF_OPTIMS = {
-    "sgd": OptimConfig(name="sgd", lr=0.5, distributed=False, clip_grad=0.0),
-    "adam": OptimConfig(name="adam", lr=1e-3, eps=1e-6, clip_grad=1.0),
+    "sgd": OptimConfig(name="sgd", lr=0.5, distributed=False, grad_clip=0.0),
+    "adam": OptimConfig(name="adam", lr=1e-3, eps=1e-6, grad_clip=1.0),
 }
 
 
@@ -212,11 +212,11 @@ def _microbatching() -> dict[str, float]:
 def _schedule() -> dict[str, Any]:
     cfg = TrainConfig(global_batch_size=2, micro_batch_size=2, seed=SEED)
     optim = OptimConfig(name="sgd", lr=1e-3, distributed=False)
-    linear = ScheduleConfig(style="linear", warmup_steps=2, total_steps=6, min_lr=1e-4)
+    linear = ScheduleConfig(style="linear", warmup_steps=2, decay_steps=6, min_lr=1e-4)
     trainer = looped_trainer(cfg, optim, linear)
     rollouts = rollouts_for(11, n_groups=1, size=2)
     lrs = [trainer.step(rollouts)["lr"] for _ in range(7)]
-    cosine = ScheduleConfig(style="cosine", warmup_steps=1, total_steps=5, min_lr=0.0)
+    cosine = ScheduleConfig(style="cosine", warmup_steps=1, decay_steps=5, min_lr=0.0)
     sched = looped_trainer(cfg, optim, cosine).policy.sched
     cos = []
     for _ in range(6):
@@ -230,7 +230,7 @@ def _clipping() -> dict[str, float]:
     for name, clip in (("free", 0.0), ("clipped", 1e-3)):
         cfg = TrainConfig(global_batch_size=8, micro_batch_size=8, seed=SEED)
         trainer = looped_trainer(
-            cfg, OptimConfig(name="sgd", lr=1.0, distributed=False, clip_grad=clip)
+            cfg, OptimConfig(name="sgd", lr=1.0, distributed=False, grad_clip=clip)
         )
         before = {n: p.detach().clone() for n, p in trainer.policy_model.named_parameters()}
         m = trainer.step(rollouts_for(13))
@@ -269,9 +269,7 @@ def _kinds() -> dict[str, dict[str, float]]:
     out = {}
     for kind in ("ppo", "dppo", "flow_dppo"):
         obj = ObjectiveConfig(kind=kind, is_cap=2.0 if kind == "flow_dppo" else None)
-        cfg = TrainConfig(
-            global_batch_size=4, micro_batch_size=2, objective=obj, critic=kind == "ppo"
-        )
+        cfg = TrainConfig(global_batch_size=4, micro_batch_size=2, objective=obj)
         trainer = looped_trainer(cfg, REF_OPTIMS["adam"], critic_optim=REF_OPTIMS["sgd"])
         critic0 = None if trainer.critic is None else hf_params(trainer.critic.module)
         out[kind] = trainer.step(rollouts_for(19, n_groups=2, size=4))  # 2 updates per step
@@ -358,7 +356,7 @@ def test_lr_schedule_matches_hand_computed_values(single: dict[str, Any]) -> Non
     want_cos = [1e-3, 1e-3 * 0.5 * (1 + c), 5e-4, 1e-3 * 0.5 * (1 - c), 0.0, 0.0]
     assert single["schedule"]["cosine"] == pytest.approx(want_cos, rel=1e-12, abs=1e-15)
     assert single["schedule"]["updates"] == 7
-    sched = ScheduleConfig(style="linear", warmup_steps=2, total_steps=6, min_lr=1e-4)
+    sched = ScheduleConfig(style="linear", warmup_steps=2, decay_steps=6, min_lr=1e-4)
     assert [sched.lr_at(1e-3, n) for n in range(1, 8)] == pytest.approx(want, rel=1e-12)
 
 
@@ -400,16 +398,16 @@ def test_tp2_and_dp2_match_single_rank(single: dict[str, Any], pair: list[dict[s
 
 
 def test_config_validation_names_the_field() -> None:
-    with pytest.raises(ValueError, match="lr: expected"):
+    with pytest.raises(ValueError, match="optimizer.lr=0.0: must be > 0"):
         OptimConfig(lr=0.0)
-    with pytest.raises(ValueError, match="distributed: expected False for sgd"):
+    with pytest.raises(ValueError, match="optimizer.distributed=True: must be false for sgd"):
         OptimConfig(name="sgd")
-    with pytest.raises(ValueError, match="total_steps"):
-        ScheduleConfig(style="cosine", warmup_steps=3, total_steps=3)
+    with pytest.raises(ValueError, match="schedule.decay_steps=3: .* > warmup_steps"):
+        ScheduleConfig(style="cosine", warmup_steps=3, decay_steps=3)
     with pytest.raises(ValueError, match="global_batch_size"):
         TrainConfig(global_batch_size=6, micro_batch_size=4)
-    with pytest.raises(ValueError, match="critic: expected True"):
-        TrainConfig(objective=ObjectiveConfig(kind="ppo"))
+    with pytest.raises(ValueError, match="objective.critic=False: ppo needs its critic"):
+        TrainConfig(objective=ObjectiveConfig(kind="ppo", critic=False))
     with pytest.raises(ValueError, match="recompute_prox"):
         TrainConfig(objective=ObjectiveConfig(kind="dppo"), recompute_prox=False)
     with pytest.raises(ValueError, match="global_batch_size"):

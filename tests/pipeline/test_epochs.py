@@ -119,7 +119,7 @@ def test_actor_critic_for_dppo_with_its_own_lr_and_whitening(model: Path, backen
         if backend == "reference":
             assert [g["lr"] for g in t.optim.param_groups] == [0.05, 0.001]
         else:
-            assert t.trainer.critic is not None and t.trainer.cfg.whiten_advantages
+            assert t.trainer.critic is not None and t.trainer.cfg.objective.whiten
     finally:
         t.close() if backend == "megatron" else None
     assert "value_loss" in m and np.isfinite(m["value_loss"]) and np.isfinite(m["loss"])
@@ -280,13 +280,13 @@ def test_backends_agree_on_loss_metrics_and_weights(model: Path, tmp_path: Path,
     "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
 )
 def test_lr_schedule_from_the_run_config(model: Path, backend: str) -> None:
-    """optimizer.schedule / warmup_steps / decay_steps / min_lr: both backends use
+    """schedule.style / warmup_steps / decay_steps / min_lr: both backends use
     ScheduleConfig.lr_at for the n-th update (updates counted over the run)."""
     from pipeline.config import load_config
 
-    over = ["optimizer.lr=0.01", "optimizer.schedule=cosine", "optimizer.warmup_steps=2",
-            "optimizer.decay_steps=6", "optimizer.min_lr=0.001", "objective.minibatches=2"]  # fmt: skip
-    sched = load_config(None, over).schedule()
+    over = ["optimizer.lr=0.01", "schedule.style=cosine", "schedule.warmup_steps=2",
+            "schedule.decay_steps=6", "schedule.min_lr=0.001", "objective.minibatches=2"]  # fmt: skip
+    sched = load_config(None, over).resolved_schedule()
     rolls = _rollouts()
     t = _trainer(backend, model, *over)
     try:
