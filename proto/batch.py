@@ -4,63 +4,50 @@ A batch of rollouts travels as one map of columns: per-rollout scalars as lists,
 arrays of all rollouts concatenated (one wire tensor each) with per-rollout lengths. This
 costs one numpy concatenation per column instead of one tensor per rollout, compresses
 better (zstd sees long homogeneous runs) and is validated in a few vectorised checks.
+
+The columns are derived from :class:`Rollout`'s fields: each array field is one
+concatenated column of its declared dtype (its length per rollout in ``plen`` for the prompt,
+``tlen`` for the per-token arrays; an optional one adds a ``has_<col>`` flag list), every
+other field is a list decoded by the record schema's own field codec. The record's rules
+apply: :meth:`Rollout.check_values` once on the whole columns, :meth:`Rollout.validate`
+(without the value rules) per rollout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from proto.errors import ProtocolError
-from proto.records import FINISH_REASONS, Rollout, RolloutBatch
-from proto.schema import MAX_ELEMENTS, MAX_LIST, U64_MAX
+from proto.records import Rollout, RolloutBatch
+from proto.schema import MAX_ELEMENTS, MAX_LIST, _codecs
 from proto.tensors import decode_array, encode_array
 
-_STR_COLS = ("rollout_id", "work_id", "prompt_id", "generator_id", "finish_reason")
-_INT_COLS = ("sample_index", "weight_version", "latent_seed")
-_ARR_COLS: dict[str, np.dtype[Any]] = {
-    "prompt_tokens": np.dtype("int32"),
-    "tokens": np.dtype("int32"),
-    "logprobs": np.dtype("float32"),
-    "exit_depths": np.dtype("uint8"),
-}
-_KEYS = frozenset(
-    {
-        "n",
-        "plen",
-        "tlen",
-        "has_tv",
-        "token_versions",
-        "reward",
-        "reward_info",
-        "metrics",
-        "created_at",
-        *_STR_COLS,
-        *_INT_COLS,
-        *_ARR_COLS,
-    }
-)
+_FIELDS = dataclasses.fields(Rollout)
+_ARRAYS: dict[str, np.dtype[Any]] = {f.name: f.metadata["array"] for f in _FIELDS
+                                     if "array" in f.metadata}  # fmt: skip
+_OPTIONAL = frozenset(f.name for f in _FIELDS if "array" in f.metadata and f.default is None)
+_SCALARS = [(name, enc, dec) for name, enc, dec in _codecs(Rollout) if name not in _ARRAYS]
+_LENGTH = {name: "plen" if name == "prompt_tokens" else "tlen" for name in _ARRAYS}
+_FLAG = {name: "has_tv" if name == "token_versions" else f"has_{name}" for name in _OPTIONAL}
+_KEYS = frozenset({"n", "plen", "tlen", *_FLAG.values(), *_ARRAYS, *(s[0] for s in _SCALARS)})
 
 
 def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
     rs = batch.rollouts
     out: dict[str, Any] = {"n": len(rs)}
-    for c in _STR_COLS + _INT_COLS:
-        out[c] = [getattr(r, c) for r in rs]
-    out["reward"] = [r.reward for r in rs]
-    out["reward_info"] = [r.reward_info for r in rs]
-    out["metrics"] = [r.metrics for r in rs]
-    out["created_at"] = [float(r.created_at) for r in rs]
+    for name, enc, _ in _SCALARS:
+        out[name] = [enc(getattr(r, name)) for r in rs]
     out["plen"] = encode_array(np.array([r.prompt_tokens.shape[0] for r in rs], np.int64))
     out["tlen"] = encode_array(np.array([r.tokens.shape[0] for r in rs], np.int64))
-    for c, dt in _ARR_COLS.items():
-        parts = [np.asarray(getattr(r, c), dtype=dt) for r in rs]
-        out[c] = encode_array(np.concatenate(parts) if parts else np.zeros(0, dt))
-    has_tv = [r.token_versions is not None for r in rs]
-    out["has_tv"] = has_tv
-    tv = [np.asarray(r.token_versions, np.int64) for r in rs if r.token_versions is not None]
-    out["token_versions"] = encode_array(np.concatenate(tv) if tv else np.zeros(0, np.int64))
+    for name, dt in _ARRAYS.items():
+        given = [getattr(r, name) for r in rs]
+        if name in _OPTIONAL:
+            out[_FLAG[name]] = [a is not None for a in given]
+        parts = [np.asarray(a, dtype=dt) for a in given if a is not None]
+        out[name] = encode_array(np.concatenate(parts) if parts else np.zeros(0, dt))
     return out
 
 
@@ -92,108 +79,42 @@ def decode_batch(obj: Any) -> RolloutBatch:
     n = obj["n"]
     if type(n) is not int or not 0 <= n <= MAX_LIST:
         raise ProtocolError(f"rollouts.n: expected an int in 0..{MAX_LIST}, got {n!r}")
-    cols = {
-        c: _col(obj, c, n)
-        for c in (
-            *_STR_COLS,
-            *_INT_COLS,
-            "reward",
-            "reward_info",
-            "metrics",
-            "created_at",
-            "has_tv",
-        )
-    }
-    plen, tlen = _lengths(obj, "plen", n), _lengths(obj, "tlen", n)
-    arrs: dict[str, np.ndarray] = {}
-    for c, dt in _ARR_COLS.items():
-        a = decode_array(obj[c], field=f"rollouts.{c}", max_elements=MAX_ELEMENTS)
-        if a.dtype != dt or a.ndim != 1:
-            raise ProtocolError(f"rollouts.{c}: expected a 1-d {dt} array")
-        want = int(plen.sum() if c == "prompt_tokens" else tlen.sum())
-        if a.shape[0] != want:
-            raise ProtocolError(f"rollouts.{c}: {a.shape[0]} values for lengths summing to {want}")
-        arrs[c] = a
-    # Vectorised checks over all rollouts at once.
-    if n and int(plen.min()) < 1:
+    lengths = {"plen": _lengths(obj, "plen", n), "tlen": _lengths(obj, "tlen", n)}
+    if n and int(lengths["plen"].min()) < 1:
         raise ProtocolError("rollouts.plen: every rollout needs a non-empty prompt")
-    if arrs["tokens"].size and int(arrs["tokens"].min()) < 0:
-        raise ProtocolError("rollouts.tokens: token ids must be >= 0")
-    if arrs["prompt_tokens"].size and int(arrs["prompt_tokens"].min()) < 0:
-        raise ProtocolError("rollouts.prompt_tokens: token ids must be >= 0")
-    if arrs["exit_depths"].size and int(arrs["exit_depths"].min()) < 1:
-        raise ProtocolError("rollouts.exit_depths: depths must be >= 1")
-    lp = arrs["logprobs"]
-    if lp.size and not bool((lp <= 0).all()):  # NaN fails this too
-        raise ProtocolError("rollouts.logprobs: log-probs must be <= 0 and not NaN")
-    has_tv = cols["has_tv"]
-    if any(type(h) is not bool for h in has_tv):
-        raise ProtocolError("rollouts.has_tv: expected bools")
-    tv = decode_array(
-        obj["token_versions"], field="rollouts.token_versions", max_elements=MAX_ELEMENTS
-    )
-    if tv.dtype != np.int64 or tv.ndim != 1:
-        raise ProtocolError("rollouts.token_versions: expected a 1-d int64 array")
-    tv_want = int(sum(int(t) for t, h in zip(tlen, has_tv) if h))
-    if tv.shape[0] != tv_want:
-        raise ProtocolError(f"rollouts.token_versions: {tv.shape[0]} values, {tv_want} expected")
-
-    rollouts: list[Rollout] = []
-    po = to = vo = 0
-    for i in range(n):
-        p, t = int(plen[i]), int(tlen[i])
-        w = f"rollouts[{i}]"
-        for c in _STR_COLS:
-            if type(cols[c][i]) is not str:
-                raise ProtocolError(f"{w}.{c}: expected a str")
-        for c in _INT_COLS:
-            if type(cols[c][i]) is not int:
-                raise ProtocolError(f"{w}.{c}: expected an int")
-        seed = cols["latent_seed"][i]
-        if not 0 <= seed <= U64_MAX:
-            raise ProtocolError(f"{w}.latent_seed: must be a uint64")
-        if cols["sample_index"][i] < 0:
-            raise ProtocolError(f"{w}.sample_index: must be >= 0")
-        if cols["finish_reason"][i] not in FINISH_REASONS:
-            raise ProtocolError(f"{w}.finish_reason: not in {FINISH_REASONS}")
-        reward = cols["reward"][i]
-        if reward is not None and type(reward) not in (int, float):
-            raise ProtocolError(f"{w}.reward: expected a float or None")
-        created = cols["created_at"][i]
-        if type(created) not in (int, float):
-            raise ProtocolError(f"{w}.created_at: expected a float")
-        for c in ("reward_info", "metrics"):
-            d = cols[c][i]
-            if type(d) is not dict or not all(
-                type(k) is str and (v is None or isinstance(v, bool | int | float | str))
-                for k, v in d.items()
-            ):
-                raise ProtocolError(f"{w}.{c}: expected a map of str -> scalar")
-        token_versions = None
-        if has_tv[i]:
-            token_versions = tv[vo : vo + t]
-            vo += t
-        rollouts.append(
-            Rollout(
-                rollout_id=cols["rollout_id"][i],
-                work_id=cols["work_id"][i],
-                prompt_id=cols["prompt_id"][i],
-                sample_index=cols["sample_index"][i],
-                generator_id=cols["generator_id"][i],
-                latent_seed=seed,
-                prompt_tokens=arrs["prompt_tokens"][po : po + p],
-                tokens=arrs["tokens"][to : to + t],
-                logprobs=lp[to : to + t],
-                exit_depths=arrs["exit_depths"][to : to + t],
-                weight_version=cols["weight_version"][i],
-                token_versions=token_versions,
-                finish_reason=cols["finish_reason"][i],
-                reward=None if reward is None else float(reward),
-                reward_info=cols["reward_info"][i],
-                metrics=cols["metrics"][i],
-                created_at=float(created),
+    flags: dict[str, list[Any]] = {}
+    for name, flag in _FLAG.items():
+        flags[name] = _col(obj, flag, n)
+        if any(type(h) is not bool for h in flags[name]):
+            raise ProtocolError(f"rollouts.{flag}: expected bools")
+    per_rollout: dict[str, list[np.ndarray | None]] = {}
+    cols: dict[str, np.ndarray] = {}
+    for name, dt in _ARRAYS.items():
+        a = decode_array(obj[name], field=f"rollouts.{name}", max_elements=MAX_ELEMENTS)
+        if a.dtype != dt or a.ndim != 1:
+            raise ProtocolError(f"rollouts.{name}: expected a 1-d {dt} array")
+        lens = lengths[_LENGTH[name]]
+        present = flags.get(name, [True] * n)
+        want = int(sum(int(k) for k, h in zip(lens, present) if h))
+        if a.shape[0] != want:
+            raise ProtocolError(
+                f"rollouts.{name}: {a.shape[0]} values for lengths summing to {want}"
             )
-        )
-        po += p
-        to += t
+        cols[name], out, at = a, [], 0
+        for k, h in zip(lens, present):
+            out.append(a[at : at + int(k)] if h else None)
+            at += int(k) if h else 0
+        per_rollout[name] = out
+    # The record's per-value rules once over the whole columns (vectorised).
+    Rollout.check_values("rollouts", cols["prompt_tokens"], cols["tokens"], cols["logprobs"],
+                         cols["exit_depths"])  # fmt: skip
+    scalars = {name: (_col(obj, name, n), dec) for name, _, dec in _SCALARS}
+    rollouts: list[Rollout] = []
+    for i in range(n):
+        kw: dict[str, Any] = {name: col[i] for name, col in per_rollout.items()}
+        for name, (col, dec) in scalars.items():
+            kw[name] = dec(col[i], f"rollouts[{i}].{name}")
+        r = Rollout(**kw)
+        r.validate(values=False)
+        rollouts.append(r)
     return RolloutBatch(rollouts=rollouts)

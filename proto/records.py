@@ -185,40 +185,46 @@ class Rollout:
     metrics: dict[str, Scalar] = field(default_factory=dict)
     created_at: float = 0.0
 
-    def validate(self) -> None:
+    def validate(self, *, values: bool = True) -> None:
+        """The record's rules; ``values=False`` skips the per-value array rules
+        (:meth:`check_values`), which proto.batch applies to whole columns at once."""
         r = f"rollout {self.rollout_id!r}"
         t = self.tokens.shape[0]
-        _need(
-            self.logprobs.shape[0] == t,
-            f"{r}: logprobs has {self.logprobs.shape[0]} entries for {t} tokens",
-        )
-        _need(
-            self.exit_depths.shape[0] == t,
-            f"{r}: exit_depths has {self.exit_depths.shape[0]} entries for {t} tokens",
-        )
-        if self.token_versions is not None:
-            _need(
-                self.token_versions.shape[0] == t,
-                f"{r}: token_versions has {self.token_versions.shape[0]} entries for {t} tokens",
-            )
+        for name in ("logprobs", "exit_depths", "token_versions"):
+            a = getattr(self, name)
+            _need(a is None or a.shape[0] == t, f"{r}: {name} has {0 if a is None else a.shape[0]} "
+                  f"entries for {t} tokens")  # fmt: skip
         _need(0 <= self.latent_seed <= U64_MAX, f"{r}: latent_seed must be a uint64")
         _need(self.sample_index >= 0, f"{r}: sample_index must be >= 0")
         _need(self.prompt_tokens.size >= 1, f"{r}: prompt_tokens must not be empty")
         _need(
-            t == 0 or bool((self.exit_depths >= 1).all()),
-            f"{r}: exit_depths must be in 1..{MAX_DEPTH}",
-        )
-        _need(
-            bool((self.tokens >= 0).all()) and bool((self.prompt_tokens >= 0).all()),
-            f"{r}: token ids must be >= 0",
-        )
-        _need(
-            not bool(np.isnan(self.logprobs).any()) and not bool((self.logprobs > 0).any()),
-            f"{r}: logprobs must be <= 0 and not NaN",
-        )
-        _need(
             self.finish_reason in FINISH_REASONS,
             f"{r}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}",
+        )
+        if values:
+            self.check_values(r, self.prompt_tokens, self.tokens, self.logprobs, self.exit_depths)
+
+    @staticmethod
+    def check_values(
+        where: str,
+        prompt_tokens: np.ndarray,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        exit_depths: np.ndarray,
+    ) -> None:
+        """Per-value rules of the arrays: of one rollout, or of a batch's columns (all its
+        rollouts' arrays concatenated)."""
+        _need(
+            exit_depths.size == 0 or bool((exit_depths >= 1).all()),
+            f"{where}: exit_depths must be in 1..{MAX_DEPTH}",
+        )
+        _need(
+            bool((tokens >= 0).all()) and bool((prompt_tokens >= 0).all()),
+            f"{where}: token ids must be >= 0",
+        )
+        _need(
+            logprobs.size == 0 or bool((logprobs <= 0).all()),  # NaN fails this too
+            f"{where}: logprobs must be <= 0 and not NaN",
         )
 
     @property
