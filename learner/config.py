@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from models.contract import Sampling
-from models.settings import check
+from models.settings import check, checker
 
 __all__ = [
     "AGGREGATIONS",
@@ -113,8 +113,7 @@ class ObjectiveConfig:
         return self.kind == "ppo" if self.critic is None else bool(self.critic)
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, why: str) -> None:
-            check(ok, f"objective.{name}", getattr(self, name), why)
+        need = checker(self, "objective")
 
         need(self.kind in KINDS, "kind", f"must be one of {KINDS}")
         need(self.epochs >= 1, "epochs", "must be >= 1")
@@ -172,8 +171,7 @@ class OptimConfig:
     """adam: shard the optimizer state over data-parallel ranks (DistributedOptimizer)."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, why: str) -> None:
-            check(ok, f"optimizer.{name}", getattr(self, name), why)
+        need = checker(self, "optimizer")
 
         need(self.name in OPTIMIZERS, "name", f"must be one of {OPTIMIZERS}")
         need(self.lr > 0.0, "lr", "must be > 0")
@@ -220,8 +218,7 @@ class ScheduleConfig:
     """LR at and after decay_steps, in [0, optimizer.lr]."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, why: str) -> None:
-            check(ok, f"schedule.{name}", getattr(self, name), why)
+        need = checker(self, "schedule")
 
         need(self.style in SCHEDULES, "style", f"must be one of {SCHEDULES}")
         need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
@@ -268,8 +265,7 @@ class LearnerConfig:
     """torch.compile every transformer block (numerics fast only)."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, why: str) -> None:
-            check(ok, f"learner.{name}", getattr(self, name), why)
+        need = checker(self, "learner")
 
         need(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}")
         need(self.backprop_depth >= -1, "backprop_depth",
@@ -308,8 +304,7 @@ class TrainConfig:
     becomes the learner's own log-prob instead of the behaviour one); False = never."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, why: str) -> None:
-            check(ok, f"train.{name}", getattr(self, name), why)
+        need = checker(self, "train")
 
         need(self.global_batch_size >= 1, "global_batch_size", "must be >= 1")
         need(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")

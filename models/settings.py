@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +28,15 @@ def check(ok: bool, key: str, value: Any, why: str, *, what: str = "") -> None:
     """Raise ``ConfigError("[<what> ]<key>=<value>: <why>")`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{what + ' ' if what else ''}{key}={value!r}: {why}")
+
+
+def checker(obj: Any, section: str, what: str = "") -> Callable[[bool, str, str], None]:
+    """``need(ok, field, why)``: :func:`check` of ``obj``'s field, keyed ``section.field``."""
+
+    def need(ok: bool, name: str, why: str) -> None:
+        check(ok, f"{section}.{name}", getattr(obj, name), why, what=what)
+
+    return need
 
 
 def _own_docs(cls: type) -> dict[str, str]:
