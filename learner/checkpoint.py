@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from proto.fileio import fsync_path
+
 __all__ = ["CHECKPOINT_FORMAT", "Resumed", "latest", "load", "save"]
 
 CHECKPOINT_FORMAT = "looprl-train-ckpt/1"
@@ -76,14 +78,6 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -199,11 +193,11 @@ def save(
             json.dump(meta, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():  # the same step saved again (e.g. after a crash): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         _prune(root, keep_last)
     _barrier()
     return final

@@ -48,6 +48,7 @@ from models.ties import (  # noqa: F401  (part of this module's API)
     tied_from_module,
     view_key,
 )
+from proto.fileio import fsync_path
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -108,15 +109,7 @@ def _shard_tensors(state: Mapping[str, torch.Tensor], names: list[str]) -> dict[
 
 def _write_bytes(path: Path, data: bytes) -> None:
     path.write_bytes(data)
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _is_weights_or_config(name: str) -> bool:
@@ -216,7 +209,7 @@ def save_checkpoint(
             n = len(shards)
             fname = SAFE_WEIGHTS_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
             save_file(_shard_tensors(state, names), str(tmp / fname), SAFETENSORS_METADATA)
-            _fsync(tmp / fname)
+            fsync_path(tmp / fname)
             weight_map.update({n: fname for n in names})
         if len(shards) > 1:
             total = sum(_nbytes(v) for v in state.values())
@@ -228,9 +221,9 @@ def save_checkpoint(
         if out_dir.is_dir():
             _carry_over(out_dir, tmp)
         os.chmod(tmp, 0o755)
-        _fsync(tmp)
+        fsync_path(tmp)
         _swap_into_place(tmp, out_dir)
-        _fsync(out_dir.parent)
+        fsync_path(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

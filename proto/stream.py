@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from proto.fileio import fsync_path
 from proto.stream_format import (
     FRAME_HEADER_SIZE,
     INDEX_ENTRY_SIZE,
@@ -100,14 +101,6 @@ class RecoveryReport:
         out["lost"] = [r.as_dict() for r in self.lost]
         out["lost_bytes"] = sum(r.bytes for r in self.lost)
         return out
-
-
-def _fsync_dir(root: Path) -> None:
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, bufs: list[bytes]) -> None:
@@ -449,7 +442,7 @@ class StreamWriter:
         os.close(os.open(self.path / index_name(number), os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
         os.replace(tmp, final)
         if self._sync:
-            _fsync_dir(self.path)
+            fsync_path(self.path)
 
     def _open_segment(self) -> None:
         self._fd = os.open(self.path / segment_name(self._segment), os.O_WRONLY | os.O_APPEND)
