@@ -174,6 +174,10 @@ class Coordinator:
                 ev = [r for r in rolls if is_eval_work(r.work_id)]
                 for ack in self.evals.receive(peer, ev):
                     ep.send(peer, ack)
+                ban, self.intake.pending_ban = self.intake.pending_ban, None
+                if ban is not None:  # refused eval rollouts count toward a ban too
+                    self.ban(peer, ban)
+                    return
                 for w in {r.work_id for r in ev} - set(self.evals.held.get(peer, {})):
                     d.received_eval(peer, w)
                 rolls = [r for r in rolls if not is_eval_work(r.work_id)]

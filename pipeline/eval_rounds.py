@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from models.noise import derive_latent_seed
-from proto import Ack, Rollout, WorkItem
+from proto import Ack, Nack, Rollout, WorkItem
 
 EVAL_PREFIX = "e"
 
@@ -73,15 +73,16 @@ class EvalRounds:
         last_step: int,
         on_result: Callable[[int, dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
+        door: Callable[[str, Rollout, WorkItem], tuple[Rollout, Any]] | None = None,
     ) -> None:
         self.prompts, self.n, self.temperature = list(prompts), n, temperature
         self.max_tokens, self.stop_ids, self.stop = max_tokens, list(stop_token_ids), list(stop)
         self.run_seed, self.every, self.last_step = run_seed, every, last_step
-        self.on_result, self.clock = on_result, clock
+        self.on_result, self.clock, self.door = on_result, clock, door
         self.rounds: dict[int, _Round] = {}
         self.queue: deque[WorkItem] = deque()
         self.held: dict[str, dict[str, WorkItem]] = {}  # generator -> work id -> item
-        self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0}
+        self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0, "refused": 0}
 
     def due(self, step: int) -> bool:
         """After step ``step``: every ``every`` steps and the last one (the run starts a round
@@ -131,16 +132,26 @@ class EvalRounds:
             self.counts["resent"] += 1
         return len(ids)
 
-    def receive(self, gid: str, rollouts: Sequence[Rollout]) -> list[Ack]:
-        """Eval rollouts from ``gid``: recorded once per (item, sample), all acknowledged."""
-        acks = []
+    def receive(self, gid: str, rollouts: Sequence[Rollout]) -> list[Ack | Nack]:
+        """Eval rollouts from ``gid``: each through the learner's door (``door``: the rollout
+        as the door sees it, a NaN/inf reward made a failed one, and the reason it is refused,
+        or None), then recorded once per (item, sample) and acknowledged.
+        A refused one is answered with a Nack and its item goes out again (to any generator)."""
+        acks: list[Ack | Nack] = []
         for ro in rollouts:
-            acks.append(Ack("rollout", ro.rollout_id))
             rd = self.rounds.get(_round_of(ro.work_id))
             item = rd.items.get(ro.work_id) if rd is not None else None
             if rd is None or item is None:
+                acks.append(Ack("rollout", ro.rollout_id))
                 self.counts["duplicates"] += 1
                 continue
+            ro, why = self.door(gid, ro, item) if self.door is not None else (ro, None)
+            if why is not None:
+                acks.append(Nack("rollout", ro.rollout_id, f"refused: {why}"))
+                self.counts["refused"] += 1
+                self.release(gid, [ro.work_id])
+                continue
+            acks.append(Ack("rollout", ro.rollout_id))
             seeds = [int(s) for s in item.latent_seeds]
             idx = seeds.index(int(ro.latent_seed)) if int(ro.latent_seed) in seeds else -1
             got = rd.results.setdefault(ro.work_id, {})

@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 
 
 def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
-    """A scored completion counts as correct: info["correct"] if the reward sets it, else
-    reward >= 1."""
+    """A scored completion counts as correct: never when its reward failed (None: an error,
+    a timeout, or a NaN/inf reward the door made a failure); else info["correct"] if the
+    reward sets it, else reward >= 1."""
+    if reward is None:
+        return False
     if "correct" in info:
         return bool(info["correct"])
     return reward is not None and reward >= 1.0

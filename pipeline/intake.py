@@ -48,7 +48,7 @@ from pipeline.validation import (
     check_rollout,
     sanitize_reward,
 )
-from proto import Ack, Nack, Rollout, RolloutBatch
+from proto import Ack, Nack, Rollout, RolloutBatch, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class Intake:
         )  # fmt: skip
         self.limits, self.rules, self.quarantine, self.version = limits, rules, quarantine, version
         self.refusals = RefusalTracker(max_refused, window_s, clock)
+        self.pending_ban: str | None = None  # a ban check_eval decided (the coordinator acts)
         self.void = void  # records rollouts whose samples are generated again (RUN_DIR/voided)
         self.dynamic_sampling = dynamic_sampling  # drop groups whose rewards are all equal
         self.restored: set[str] = set()  # restored by a resume, not yet trained
@@ -205,6 +206,30 @@ class Intake:
                 self.dispatcher.received(sender, r.work_id, r.sample_index)
                 res.replies.append(Ack("rollout", orig_id))
         return res
+
+    def check_eval(self, sender: str, r: Rollout, item: WorkItem) -> tuple[Rollout, Refusal | None]:
+        """The door for an eval rollout (pipeline.eval_rounds): the same rules against its
+        eval work item; a refusal is quarantined and counted toward a ban like any other
+        (``self.pending_ban`` holds a ban for the coordinator to carry out). Returns the
+        rollout with a NaN/inf reward made a failed reward, as for training, and the refusal."""
+        seeds = [int(s) for s in item.latent_seeds]
+        seed = int(r.latent_seed) if int(r.latent_seed) in seeds else -1
+        expect = Expected(
+            prompt_id=item.prompt_id, prompt_tokens=[int(t) for t in item.prompt_tokens],
+            latent_seed=seed, max_tokens=item.max_tokens, min_version=item.min_weight_version,
+            max_version=self.version(), sender=sender,
+        )  # fmt: skip
+        r, _ = sanitize_reward(r)
+        why = check_rollout(r, expect=expect, limits=self.limits, rules=self.rules)
+        if why is None:
+            return r, None
+        self.counts["refused"] += 1
+        self.counts[f"refused_{why.reason}"] += 1
+        self.quarantine.put(r, generator=sender, reason=why.reason, detail=why.detail)
+        ban = self.refusals.note(sender, why.reason)
+        if ban is not None and self.pending_ban is None:
+            self.pending_ban = ban
+        return r, why
 
     def _refuse(self, sender: str, orig: Rollout, r: Rollout, why: Refusal,
                 res: IntakeResult) -> None:  # fmt: skip

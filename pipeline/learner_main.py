@@ -256,7 +256,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             max_tokens=cfg.rollout.max_tokens, stop_token_ids=cfg.rollout.stop_token_ids,
             run_seed=cfg.seed, stop=cfg.rollout.stop, every=e.every,
             last_step=tasks.planned_steps(cfg, prompts),
-            on_result=on_eval,
+            on_result=on_eval, door=lambda g, r, item: coord.intake.check_eval(g, r, item),
         )  # fmt: skip
     stopping = {"flag": False}
 

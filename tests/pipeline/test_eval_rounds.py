@@ -6,14 +6,17 @@ dies holding eval items has them sent again."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from pipeline.dispatch import Prompt
 from pipeline.eval_rounds import EvalRounds, is_eval_work
 from pipeline.recorder import read_rollouts, read_steps
 from proto import Rollout, WorkItem
-from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator
+from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator, poison
 
 
 class Grader(FakeGenerator):
@@ -25,10 +28,10 @@ class Grader(FakeGenerator):
         return dataclasses.replace(r, reward=float(ok), reward_info={"correct": ok})
 
 
-def _rounds(results: list[tuple[int, dict[str, Any]]], last: int) -> EvalRounds:
+def _rounds(results: list[tuple[int, dict[str, Any]]], last: int, door: Any = None) -> EvalRounds:
     prompts = [Prompt(f"q{i}", [1, 30 + i], {}) for i in range(6)]
     return EvalRounds(prompts, n=2, temperature=0.0, max_tokens=8, stop_token_ids=[],
-                      run_seed=0, every=2, last_step=last,
+                      run_seed=0, every=2, last_step=last, door=door,
                       on_result=lambda s, m: results.append((s, m)))  # fmt: skip
 
 
@@ -78,6 +81,57 @@ def test_eval_items_of_a_dead_generator_are_sent_again(tmp_path: Path) -> None:
         if results:
             break
     assert results and results[0][0] == 0 and c.evals.counts["resent"] >= 1
+
+
+class Liar(Grader):
+    """Claims every eval answer correct, with rollouts the door must refuse (one poison each)."""
+
+    def __init__(self, *a: Any, kind: str, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.kind = kind
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        r = super()._rollout(item, i, seed, version)
+        if not is_eval_work(item.work_id):
+            return r
+        return poison(dataclasses.replace(r, reward=1.0, reward_info={"correct": True}), self.kind)
+
+
+@pytest.mark.parametrize("kind", ["token_oov", "seed", "claims_other", "depth_200", "reward_inf"])
+def test_eval_rollouts_go_through_the_door(tmp_path: Path, kind: str) -> None:
+    """A generator lying in its eval rollouts cannot bend eval/accuracy: they are refused
+    (Nack, quarantined, counted toward a ban) and their items answered by another generator."""
+    c, net, _ = make_coordinator(tmp_path, ["intake.max_refused=0"])
+    results: list[tuple[int, dict[str, Any]]] = []
+    door = lambda g, r, item: c.intake.check_eval(g, r, item)  # noqa: E731
+    c.evals = c.dispatcher.evals = _rounds(results, last=100, door=door)
+    c.evals.start(0, 0)
+    liar, honest = Liar(net, "liar", seed=1, kind=kind), Grader(net, "honest", seed=2)
+    honest.paused = True
+    for _ in range(6):  # the liar takes eval items first
+        c.turn(0.0)
+        liar.step()
+    assert c.evals.counts["refused"] >= 1 or kind == "reward_inf"
+    honest.paused = False
+    for _ in range(300):
+        c.turn(0.0)
+        liar.step()
+        honest.step()
+        if results:
+            break
+    c.close()
+    assert results
+    if kind != "reward_inf":
+        assert results[0][1]["eval/accuracy"] == 0.5  # the honest answers only
+        assert c.intake.counts["refused"] == c.evals.counts["refused"] >= 1
+    if kind == "reward_inf":  # not refused: a failed reward (as in training), so not correct
+        assert c.evals.counts["refused"] == 0 and results[0][1]["eval/accuracy"] <= 0.5
+        return
+    reason = {"token_oov": "token_out_of_vocab", "seed": "seed_mismatch",
+              "claims_other": "wrong_generator", "depth_200": "exit_depth"}[kind]  # fmt: skip
+    quarantined = [json.loads(x) for x in (tmp_path / "quarantine.jsonl").read_text().splitlines()]
+    assert quarantined and all(q["generator"] == "liar" for q in quarantined)
+    assert {q["reason"] for q in quarantined} <= {reason}
 
 
 def test_wandb_logging_offline(tmp_path: Path) -> None:
