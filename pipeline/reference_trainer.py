@@ -8,11 +8,13 @@ bits, which is what `looprl replay` relies on.
 
 step(rollouts, flags):
     advantages  grpo/dppo/flow_dppo: group-relative (learner.advantages.group_advantages) over
-                the batch's groups (work_id); ppo: GAE on a value head over the sampling
-                positions' hidden states, reward on the last token.
+                the batch's groups (work_id); with a critic (ppo, objective.critic): GAE on
+                the values of a separate critic network (pipeline.reference_critic, as the
+                megatron backend's), reward on the last token.
     proximal    the pre-update weights are the current ones (one step per batch): prox_logp,
                 the KL reference of flow_dppo and ppo's old values are the detached forward.
-    update      policy_loss (+ value_coef x value_loss for ppo), grad clip, Adam; a step whose
+    update      policy_loss, grad clip, optimizer step; then the critic's own update
+                (value_coef x value_loss, critic_lr); an update whose
                 loss or gradient norm is not finite is skipped (no update; counted as
                 ``skipped_nonfinite``), as megatron does on found-inf.
 Policy "keep" (stale rollouts trained) requires ``objective.is_cap`` (the run config refuses it
@@ -24,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 
 from models.publication import Publication
+from pipeline.reference_critic import ReferenceCritic, clip_and_step, make_optimizer
 from proto import Rollout
 
 log = logging.getLogger(__name__)
@@ -75,15 +77,10 @@ class ReferenceTrainer:
         self.obj = o  # learner.config.ObjectiveConfig, as the megatron backend gets it
         self.normalize_std, self.gamma, self.lam = o.normalize_std, o.gamma, o.lam
         self.temperature, self.top_p, self.numerics = r.temperature, r.top_p, cfg.numerics
-        groups: list[dict[str, Any]] = [{"params": list(self.model.parameters())}]
-        self.value_head: torch.nn.Linear | None = None
         p = cfg.optimizer
-        if o.uses_critic:  # a value head on the policy's trunk, its own learning rate
-            self.value_head = torch.nn.Linear(self.model.hidden_size, 1)
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
-            groups.append({"params": list(self.value_head.parameters()),
-                           "lr": p.for_critic().lr})  # fmt: skip
+        self.critic: ReferenceCritic | None = None  # its own network, as megatron's critic
+        if o.uses_critic:
+            self.critic = ReferenceCritic(self.model_dir, p, cfg.resolved_schedule(), o)
         self.whiten = o.whiten
         self.sched, self.updates = cfg.resolved_schedule(), 0  # the LR of the n-th applied update
         self.ref: LoopedLM | None = None  # frozen reference policy of objective.kl_coef
@@ -98,13 +95,7 @@ class ReferenceTrainer:
             ref.eval()
             ref.requires_grad_(False)
         self.grad_clip = p.grad_clip
-        self.optim: torch.optim.Optimizer
-        if p.name == "sgd":  # megatron's SGD: torch SGD with L2 weight decay and momentum
-            self.optim = torch.optim.SGD(groups, lr=p.lr, momentum=p.sgd_momentum,
-                                         weight_decay=p.weight_decay)  # fmt: skip
-        else:
-            self.optim = torch.optim.AdamW(groups, lr=p.lr, betas=p.betas, eps=p.eps,
-                                           weight_decay=p.weight_decay)  # fmt: skip
+        self.optim = make_optimizer(self.model.parameters(), p)
         self.steps = 0
         self.epochs, self.minibatches, self.seed = o.epochs, o.minibatches, cfg.seed
         self.skipped = 0  # steps skipped because the loss or the gradient was not finite
@@ -180,12 +171,13 @@ class ReferenceTrainer:
         # forward (prox = its detached log-probs); several: a no-grad pass first.
         multi = self.epochs > 1 or self.minibatches > 1
         with torch.no_grad() if multi else contextlib.nullcontext():
-            lp0, hid0, mask = self._forward(rolls)
+            lp0, _, mask = self._forward(rolls)
         old_lp = lp0.detach()
         prox = old_lp.gather(-1, targets[..., None])[..., 0]
         old_values = None
-        if self.value_head is not None:
-            old_values = self.value_head(hid0)[..., 0].detach()
+        if self.critic is not None:  # the pre-update critic's values (no grad)
+            with torch.no_grad():
+                old_values = self.critic.values(self._forward, rolls)
         ref_logp, kl_ref = None, None
         if self.ref is not None:
             from learner.losses import kl_penalty
@@ -229,9 +221,9 @@ class ReferenceTrainer:
         skipped = 0
         for idx in schedule:
             if multi:
-                lp, hid, _ = self._forward([rolls[i] for i in idx])
+                lp, _, _ = self._forward([rolls[i] for i in idx])
             else:
-                lp, hid = lp0, hid0
+                lp = lp0
             t = lp.shape[1]
             rows = torch.tensor(idx)
             sub = {"mask": mask[rows, :t], "targets": targets[rows, :t],
@@ -241,7 +233,9 @@ class ReferenceTrainer:
                 sub.update(old_values=old_values[rows, :t], returns=returns[rows, :t])
             if ref_logp is not None and not self.kl_in_reward:
                 sub["ref_logp"] = ref_logp[rows, :t]
-            m, finite = self._update(cfg, lp, hid, sub)
+            m, finite = self._update(cfg, lp, sub)
+            if self.critic is not None:  # after the policy's update, as megatron's trainer
+                m.update(self.critic.update(self._forward, [rolls[i] for i in idx], sub))
             skipped += 0 if finite else 1
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / len(schedule)
@@ -281,11 +275,11 @@ class ReferenceTrainer:
         return out
 
     def _update(
-        self, cfg: Any, lp_all: Tensor, hid: Tensor, sub: dict[str, Tensor]
+        self, cfg: Any, lp_all: Tensor, sub: dict[str, Tensor]
     ) -> tuple[dict[str, float], bool]:
-        """One optimizer update on a mini-batch: policy loss (+ value_coef x value loss),
-        grad clip, Adam; skipped (weights untouched) when the loss or grad norm is not finite."""
-        from learner.objectives import policy_loss, value_loss
+        """One policy update on a mini-batch: policy loss, grad clip, optimizer step; skipped
+        (weights untouched) when the loss or grad norm is not finite."""
+        from learner.objectives import policy_loss
 
         mask = sub["mask"]
         logp = lp_all.gather(-1, sub["targets"][..., None])[..., 0]
@@ -304,26 +298,13 @@ class ReferenceTrainer:
             batch["entropy"] = -torch.where(torch.isfinite(lp_all), p * lp_all, 0.0).sum(-1)
         loss, metrics = policy_loss(cfg, batch)
         out = {k: float(v) for k, v in metrics.items()}
-        if self.value_head is not None:
-            vbatch = {"mask": mask, "values": self.value_head(hid)[..., 0],
-                      "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
-            vloss, vm = value_loss(self.obj, vbatch)
-            loss = loss + self.obj.value_coef * vloss
-            out.update({k: float(v) for k, v in vm.items()})
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
-        params = [p for g in self.optim.param_groups for p in g["params"]]
-        clip = self.grad_clip if self.grad_clip > 0 else float("inf")
-        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        finite = bool(torch.isfinite(loss.detach())) and math.isfinite(out["grad_norm"])
+        out["grad_norm"], finite = clip_and_step(self.optim, loss, self.grad_clip, self.sched,
+                                                 self.updates + 1)  # fmt: skip
         if finite:
-            n = self.updates + 1
-            for g in self.optim.param_groups:
-                g["lr"] = self.sched.lr_at(g.setdefault("peak_lr", g["lr"]), n)
-            self.optim.step()
-            self.updates = n
+            self.updates += 1
         else:  # like megatron's found-inf: no update, weights and optimizer state untouched
-            self.optim.zero_grad(set_to_none=True)
             log.warning("step %d: an update skipped: loss %s, grad norm %s (not finite); "
                         "weights unchanged", self.steps + 1, float(loss.detach()),
                         out["grad_norm"])  # fmt: skip
@@ -355,7 +336,7 @@ class ReferenceTrainer:
         blob = {
             "model": self.model.state_dict(),
             "optim": self.optim.state_dict(),
-            "value_head": None if self.value_head is None else self.value_head.state_dict(),
+            "critic": None if self.critic is None else self.critic.state_dict(),
             "steps": self.steps,
             "updates": self.updates,
             "rng": torch.get_rng_state(),
@@ -383,8 +364,8 @@ class ReferenceTrainer:
         blob = torch.load(ckpt / "trainer.pt", weights_only=False)
         self.model.load_state_dict(blob["model"])
         self.optim.load_state_dict(blob["optim"])
-        if self.value_head is not None and blob["value_head"] is not None:
-            self.value_head.load_state_dict(blob["value_head"])
+        if self.critic is not None and blob.get("critic") is not None:
+            self.critic.load_state_dict(blob["critic"])
         self.steps = int(blob["steps"])
         self.updates = int(blob.get("updates", self.steps))
         torch.set_rng_state(blob["rng"])

@@ -117,7 +117,8 @@ def test_actor_critic_for_dppo_with_its_own_lr_and_whitening(model: Path, backen
     try:
         m = t.step(rolls, [False] * len(rolls))
         if backend == "reference":
-            assert [g["lr"] for g in t.optim.param_groups] == [0.05, 0.001]
+            assert [g["lr"] for g in t.optim.param_groups] == [0.05]
+            assert [g["lr"] for g in t.critic.optim.param_groups] == [0.001]
         else:
             assert t.trainer.critic is not None and t.trainer.cfg.objective.whiten
     finally:
@@ -227,14 +228,15 @@ def test_trust_region_masks_act(model: Path, backend: str, kind_over: list[str])
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("kind", ["grpo", "dppo", "flow_dppo", "divergence_ppo"])
+@pytest.mark.parametrize("kind", ["grpo", "dppo", "flow_dppo", "divergence_ppo", "ppo", "dppo+critic"])
 def test_backends_agree_on_loss_metrics_and_weights(model: Path, tmp_path: Path, kind: str) -> None:
     """The megatron and the reference backend, same fresh rollouts (equal lengths, so that
     both form the same mini-batches), 2 epochs x 2 mini-batches, the entropy bonus, the
     reference KL and is_cap all on: every shared metric and every published weight agree
-    within 1e-6 (fast numerics, fp32). Dropping a term in either backend breaks it.
-    Objectives with a critic differ by design (megatron: a separate critic network;
-    reference: a value head on the policy's trunk) and are not compared."""
+    within 1e-6 (fast numerics, fp32). Dropping a term in either backend breaks it. With a
+    critic (ppo; dppo with objective.critic) both train a separate critic network with its
+    own learning rate after each policy update; two steps, so that the second step's GAE
+    advantages come from the critic the first step trained."""
     from models.checkpoint import load_checkpoint, load_model
     from models.reference import SamplingParams, generate
 
@@ -253,14 +255,19 @@ def test_backends_agree_on_loss_metrics_and_weights(model: Path, tmp_path: Path,
                 reward=float((7 * i + 3 * g) % 5),
             ))  # fmt: skip
     assert len({r.num_tokens for r in rolls}) == 1
-    over = [f"objective.kind={kind}", "objective.epochs=2", "objective.minibatches=2",
-            "optimizer.lr=1e-5", "objective.is_cap=2.0", "objective.entropy_coef=0.01",
-            "objective.kl_coef=0.05"]  # fmt: skip
+    critic = kind in ("ppo", "dppo+critic")
+    over = [f"objective.kind={kind.split('+')[0]}", "objective.epochs=2",
+            "objective.minibatches=2", "optimizer.lr=1e-5", "objective.is_cap=2.0",
+            "objective.entropy_coef=0.01", "objective.kl_coef=0.05"]  # fmt: skip
+    if critic:
+        over += ["objective.critic=true", "optimizer.critic_lr=1e-3"]
     res, weights = {}, {}
     for backend in ("reference", "megatron"):
         t = _trainer(backend, model, *over)
         try:
             res[backend] = t.step(rolls, [False] * len(rolls))
+            if critic:
+                res[backend] = t.step(rolls, [False] * len(rolls))
             out = tmp_path / backend / "weights" / "v1"
             t.publish(out, 1)
             weights[backend] = load_checkpoint(out)[1]
@@ -268,6 +275,9 @@ def test_backends_agree_on_loss_metrics_and_weights(model: Path, tmp_path: Path,
             t.close() if backend == "megatron" else None
     shared = set(res["reference"]) & set(res["megatron"])
     assert {"loss", "pg_loss", "entropy", "kl_ref", "ratio_mean", "grad_norm"} <= shared
+    if critic:
+        assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= shared
+        assert res["megatron"]["value_mean"] != 0.0  # the critic trained in step 1 acts
     for k in sorted(shared):
         assert abs(res["reference"][k] - res["megatron"][k]) <= 1e-6, (k, res)
     a, b = weights["reference"], weights["megatron"]

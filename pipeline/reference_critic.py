@@ -1,0 +1,111 @@
+"""The reference backend's critic and optimizers, built as the megatron backend builds them.
+
+The critic is its own network (learner.mcore_model.build_critic's counterpart): a copy of the
+starting checkpoint's trunk with a zero-initialised value head Linear(hidden -> 1) in place of
+the LM head, trained by its own optimizer (``optimizer.critic_lr``, its own gradient clip)
+after each policy update, on the same mini-batch, with the value loss x ``value_coef``. Its
+values are read at the positions that sampled each response token, with the rollout's latent
+seed and exit depths, as the policy's log-probs are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from learner.config import ObjectiveConfig, OptimConfig, ScheduleConfig
+
+
+def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimizer:
+    """torch's counterpart of megatron's optimizer for ``p``: AdamW, or SGD with momentum
+    and L2 weight decay."""
+    if p.name == "sgd":
+        return torch.optim.SGD(params, lr=p.lr, momentum=p.sgd_momentum,
+                               weight_decay=p.weight_decay)  # fmt: skip
+    return torch.optim.AdamW(params, lr=p.lr, betas=p.betas, eps=p.eps,
+                             weight_decay=p.weight_decay)  # fmt: skip
+
+
+def clip_and_step(
+    optim: torch.optim.Optimizer, loss: Tensor, grad_clip: float, schedule: ScheduleConfig,
+    n: int,
+) -> tuple[float, bool]:  # fmt: skip
+    """Clip the gradients (by their global norm; 0: no clip) and apply update ``n`` at the
+    schedule's LR, unless the loss or the norm is not finite (then nothing changes, as on
+    megatron's found-inf). Returns (grad norm, applied)."""
+    params = [p for g in optim.param_groups for p in g["params"]]
+    clip = grad_clip if grad_clip > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    ok = bool(torch.isfinite(loss.detach())) and math.isfinite(norm)
+    if ok:
+        for g in optim.param_groups:
+            g["lr"] = schedule.lr_at(g.setdefault("peak_lr", g["lr"]), n)
+        optim.step()
+    optim.zero_grad(set_to_none=True)
+    return norm, ok
+
+
+class ReferenceCritic:
+    """See the module docstring. ``forward(rolls, model)`` is the trainer's forward: (log-probs,
+    hidden [B, T, H], mask) of the response positions."""
+
+    def __init__(self, model_dir: Path, optim: OptimConfig, schedule: ScheduleConfig,
+                 objective: ObjectiveConfig) -> None:  # fmt: skip
+        from models.base import LoopedLM
+        from models.checkpoint import load_model
+
+        _, model = load_model(model_dir)
+        assert isinstance(model, LoopedLM)
+        self.model: LoopedLM = model
+        self.model.train()
+        self.head = torch.nn.Linear(self.model.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.opt_cfg = optim.for_critic()
+        self.schedule = dataclasses.replace(schedule, min_lr=min(schedule.min_lr, self.opt_cfg.lr))
+        self.objective = objective
+        self.optim = make_optimizer(
+            [{"params": list(self.model.parameters()) + list(self.head.parameters())}],
+            self.opt_cfg,
+        )
+        self.updates = 0
+
+    def values(self, forward: Callable[..., Any], rolls: list[Any]) -> Tensor:
+        """[B, T] values at the response positions (differentiable)."""
+        _, hid, _ = forward(rolls, model=self.model)
+        out: Tensor = self.head(hid)[..., 0]
+        return out
+
+    def update(self, forward: Callable[..., Any], rolls: list[Any], sub: dict[str, Tensor]
+               ) -> dict[str, float]:  # fmt: skip
+        """One critic update on a mini-batch (after the policy's); its metrics."""
+        from learner.objectives import value_loss
+
+        t = sub["mask"].shape[1]
+        vb = {"mask": sub["mask"], "values": self.values(forward, rolls)[:, :t],
+              "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
+        loss, m = value_loss(self.objective, vb)
+        self.optim.zero_grad(set_to_none=True)
+        (loss * self.objective.value_coef).backward()
+        norm, ok = clip_and_step(self.optim, loss, self.opt_cfg.grad_clip, self.schedule,
+                                 self.updates + 1)  # fmt: skip
+        self.updates += 1 if ok else 0
+        out = {k: float(v) for k, v in m.items()}
+        out.update(critic_grad_norm=norm, critic_lr=float(self.optim.param_groups[0]["lr"]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "head": self.head.state_dict(),
+                "optim": self.optim.state_dict(), "updates": self.updates}  # fmt: skip
+
+    def load_state_dict(self, blob: dict[str, Any]) -> None:
+        self.model.load_state_dict(blob["model"])
+        self.head.load_state_dict(blob["head"])
+        self.optim.load_state_dict(blob["optim"])
+        self.updates = int(blob["updates"])
