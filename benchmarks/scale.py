@@ -193,8 +193,8 @@ def coordinator(run_dir: Path, trainer: Any, n_prompts: int, extra: list[str],
                 background: bool = True) -> Coordinator:  # fmt: skip
     cfg = load_config(None, [f"run_dir={run_dir}", "rollout.n=4", "rollout.max_tokens=16",
                              "record.fsync=never", "publish.keep=2", "max_wait_s=120",
-                             f"generators.heartbeat_interval_s={TCFG['heartbeat_interval_s']}",
-                             f"generators.peer_timeout_s={TCFG['peer_timeout_s']}", *extra])  # fmt: skip
+                             f"transport.heartbeat_interval_s={TCFG['heartbeat_interval_s']}",
+                             f"transport.peer_timeout_s={TCFG['peer_timeout_s']}", *extra])  # fmt: skip
     ep = ZmqLearnerEndpoint(TransportConfig(**TCFG), control="tcp://127.0.0.1:*",  # type: ignore[arg-type]
                             weights="tcp://127.0.0.1:*")  # fmt: skip
     prompts = PromptSource([Prompt(f"p{i}", [1, 10 + i % 400], {}) for i in range(n_prompts)], 0)

@@ -178,6 +178,8 @@ RUN_MANAGED = {
     "key_name": "endpoints.keys (one keypair per generator)",
     "curve_on_loopback": "endpoints.curve_on_loopback",
     "max_num_seqs": "generators.max_inflight x rollout.n",
+    "peer_timeout_s": "transport.peer_timeout_s",
+    "transport": "the transport section",
 }
 
 
@@ -191,8 +193,6 @@ class GeneratorsSection(GeneratorConfig):
     """Generator processes `looprl run` starts (the learner accepts any number)."""
     threads: int = 1
     """Torch threads per generator process (OMP_NUM_THREADS) under `looprl run`."""
-    heartbeat_interval_s: float = 1.0
-    """Heartbeat period, both directions (s); peer_timeout_s is also the learner's."""
     extra_args: list[str] = field(default_factory=list)
     """More `looprl generator` flags, passed verbatim by `looprl run`."""
 
@@ -204,8 +204,6 @@ class GeneratorsSection(GeneratorConfig):
                    getattr(self, key), f"set by looprl run from {owner}; leave it unset")  # fmt: skip
         _check(self.count >= 0, "generators.count", self.count, "must be >= 0")
         _check(self.threads >= 1, "generators.threads", self.threads, "must be >= 1")
-        _check(0 < self.heartbeat_interval_s < self.peer_timeout_s, "generators.peer_timeout_s",
-               self.peer_timeout_s, "need 0 < heartbeat_interval_s < peer_timeout_s")  # fmt: skip
 
     def generator_settings(self) -> dict[str, Any]:
         """The GeneratorConfig keys this section sets (the file `looprl run` hands to each

@@ -38,6 +38,7 @@ from generator.config import (
     field_docs,
     load_config,
 )
+from pipeline.transport_config import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,25 @@ def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
     """GeneratorConfig from ``--config`` and the flags given (ConfigError naming the key)."""
     overrides = {f.name: getattr(args, f.name, None) for f in fields(GeneratorConfig)}
     return load_config(getattr(args, "config", None), overrides)
+
+
+def transport_config(cfg: GeneratorConfig) -> TransportConfig:
+    """The generator's TransportConfig: ``peer_timeout_s`` and the ``transport`` JSON
+    (ConfigError naming the key for a bad one)."""
+    import json
+
+    try:
+        extra = json.loads(cfg.transport) if cfg.transport else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"generator config transport: not JSON ({e})") from None
+    if not isinstance(extra, dict):
+        raise ConfigError("generator config transport: expected a JSON object of settings")
+    known = {f.name for f in fields(TransportConfig)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(f"generator config transport: unknown key(s) {unknown}; known: "
+                          f"{', '.join(sorted(known))}")  # fmt: skip
+    return TransportConfig(**{"peer_timeout_s": cfg.peer_timeout_s, **extra})
 
 
 def weights_endpoint_for(control: str) -> str:
@@ -277,7 +297,7 @@ def serve(cfg: GeneratorConfig) -> int:
     from generator.vllm_settings import policy_from_dict
     from models.checkpoint import load_config, read_config
     from pipeline.security import ClientCurve, generator_id_for
-    from pipeline.transport import ConnectTimeout, TransportConfig
+    from pipeline.transport import ConnectTimeout
     from pipeline.transport_zmq import ZmqGeneratorConnection
     from pipeline.weight_sync import WeightReceiver
 
@@ -293,7 +313,7 @@ def serve(cfg: GeneratorConfig) -> int:
         name = _key_name(cfg.keys, cfg.key_name)
         security = ClientCurve.from_dir(cfg.keys, name, curve_on_loopback=cfg.curve_on_loopback)
         gid = generator_id_for(name, cfg.generator_id)  # the learner binds the key to NAME[:...]
-    transport = TransportConfig(peer_timeout_s=cfg.peer_timeout_s)
+    transport = transport_config(cfg)
     load_config(cfg.model)  # a missing, empty or broken config.json: the file and the field
     archs = read_config(cfg.model).get("architectures") or []
     families = [_FAMILIES.get(a, a) for a in archs]

@@ -70,10 +70,24 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
         "--learner", control, "--weights-endpoint", weights, "--model", str(model),
         "--generator-id", f"gen{i}", "--reward", cfg.task.reward, "--numerics", cfg.numerics,
         "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
-        "--seed", str(cfg.seed + i), *curve,
+        "--seed", str(cfg.seed + i), *curve, *transport_flags(cfg),
         "--dtype", _generator_dtype(cfg), *settings_flags(cfg),
         *g.extra_args,
     ]  # fmt: skip
+
+
+def transport_flags(cfg: RunConfig) -> list[str]:
+    """The run's transport section for a generator: --peer-timeout, and --transport JSON with
+    every other setting that differs from its default (both ends must agree)."""
+    import dataclasses
+
+    from pipeline.transport_config import TransportConfig
+
+    t, default = cfg.transport, TransportConfig()
+    extra = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)
+             if f.name != "peer_timeout_s" and getattr(t, f.name) != getattr(default, f.name)}  # fmt: skip
+    out = ["--peer-timeout", str(t.peer_timeout_s)]
+    return out + (["--transport", json.dumps(extra, sort_keys=True)] if extra else [])
 
 
 def settings_flags(cfg: RunConfig) -> list[str]:

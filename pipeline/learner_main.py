@@ -117,18 +117,15 @@ def _free_pair(host: str) -> int:
 def bind_endpoint(cfg: RunConfig, port: int = 0) -> Any:
     """Bind control (port) and weights (port + 1); port: endpoints.port, else the given
     one (a resumed run's own, so its generators find it again), else a free pair."""
-    from pipeline.transport import TransportConfig
     from pipeline.transport_zmq import ZmqLearnerEndpoint
 
-    e, g = cfg.endpoints, cfg.generators
+    e = cfg.endpoints
     security = None
     if e.keys:
         from pipeline.security import ServerCurve
 
         security = ServerCurve.from_dir(e.keys, curve_on_loopback=e.curve_on_loopback)
-    tc = TransportConfig(
-        heartbeat_interval_s=g.heartbeat_interval_s, peer_timeout_s=g.peer_timeout_s
-    )
+    tc = cfg.transport
     import zmq
 
     port = e.port or port or _free_pair(e.host)

@@ -13,12 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from models.errors import ConfigError
+
 Channel = Literal["control", "weights"]
 CHANNELS: tuple[Channel, Channel] = ("control", "weights")
 ACK_MAX_FRAME = 64 << 10  # the learner's weights socket only ever receives small acks
 
 
-class TransportError(ValueError):
+class TransportError(ConfigError):
     """Bad transport settings or use (never raised for what a peer sends)."""
 
 
@@ -28,7 +30,8 @@ class ConnectTimeout(TransportError):
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """Settings of both channels; both ends must use the same values."""
+    """Settings of both channels (the run config's ``transport`` section; `looprl run` hands
+    the same values to its generators); both ends must use the same values."""
 
     max_frame_bytes: int = 256 << 20
     """Largest control frame (either way) and largest weights frame the learner sends."""
@@ -38,10 +41,11 @@ class TransportConfig:
     """Frames up to limit + grace are decoded and answered; larger ones drop the connection."""
     recv_budget_bytes: int = 1 << 30
     """Most bytes queued from one connection: RCVHWM = budget // (limit + grace) - 1."""
-    heartbeat_interval_s: float = 2.0
-    """Heartbeat period, both directions."""
+    heartbeat_interval_s: float = 1.0
+    """Heartbeat period, both directions (s; the learner tells its generators in Welcome)."""
     peer_timeout_s: float = 10.0
-    """Silence after which the other side is considered gone."""
+    """Silence after which the other side is considered gone (s): a generator's work is then
+    dispatched again."""
     hello_retry_s: float = 0.5
     """First Hello resend delay while no Welcome; doubles."""
     hello_retry_max_s: float = 10.0

@@ -106,7 +106,8 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
 
     cfg = load_config(None, ["generators.kv_cache_mb=96", "generators.reward_timeout_s=3.5",
                              "generators.max_inflight=3", "generators.inflight_updates=true",
-                             "generators.reward_mode=process"])  # fmt: skip
+                             "generators.reward_mode=process", "transport.peer_timeout_s=7",
+                             "transport.weights_max_frame_bytes=134217728"])  # fmt: skip
     cmd = generator_command(cfg, 1, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", tmp_path / "m")
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -114,6 +115,14 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
     got = (gen.kv_cache_mb, gen.reward_timeout_s, gen.max_inflight, gen.inflight_updates)
     assert got == (96, 3.5, 3, True) and gen.reward_mode == "process"
     assert gen.max_num_seqs == 3 * cfg.rollout.n and gen.seed == cfg.seed + 1
+    from pipeline.generator_cli import transport_config
+
+    assert transport_config(gen) == cfg.transport  # both ends, the same transport settings
+    assert cfg.transport.peer_timeout_s == 7 and cfg.transport.weights_max_frame_bytes == 1 << 27
+    with pytest.raises(ConfigError, match="generators.peer_timeout_s=5.0: set by looprl run"):
+        load_config(None, ["generators.peer_timeout_s=5"])
+    with pytest.raises(ConfigError, match="heartbeat_interval_s < peer_timeout_s"):
+        load_config(None, ["transport.heartbeat_interval_s=20"])
     with pytest.raises(
         ConfigError, match="generators.seed=7: set by looprl run from the run's seed"
     ):

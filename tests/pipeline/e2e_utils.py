@@ -20,8 +20,8 @@ from pipeline.recorder import read_rollouts, read_steps
 
 SMALL = [
     "rollout.n=4", "rollout.max_tokens=8", "rollout.prompts_per_step=2", "task.num_prompts=16",
-    "generators.count=2", "generators.max_inflight=2", "generators.peer_timeout_s=4",
-    "generators.heartbeat_interval_s=0.5", "metrics.progress=false", "metrics.tensorboard=false",
+    "generators.count=2", "generators.max_inflight=2", "transport.peer_timeout_s=4",
+    "transport.heartbeat_interval_s=0.5", "metrics.progress=false", "metrics.tensorboard=false",
     "metrics.plot=false", "checkpoint.every=0", "backend=megatron", "max_wait_s=240",
 ]  # fmt: skip
 

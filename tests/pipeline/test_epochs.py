@@ -228,7 +228,9 @@ def test_trust_region_masks_act(model: Path, backend: str, kind_over: list[str])
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("kind", ["grpo", "dppo", "flow_dppo", "divergence_ppo", "ppo", "dppo+critic"])
+@pytest.mark.parametrize(
+    "kind", ["grpo", "dppo", "flow_dppo", "divergence_ppo", "ppo", "dppo+critic"]
+)
 def test_backends_agree_on_loss_metrics_and_weights(model: Path, tmp_path: Path, kind: str) -> None:
     """The megatron and the reference backend, same fresh rollouts (equal lengths, so that
     both form the same mini-batches), 2 epochs x 2 mini-batches, the entropy bonus, the

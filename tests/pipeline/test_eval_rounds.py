@@ -63,7 +63,7 @@ def test_eval_rounds_on_generators(tmp_path: Path) -> None:
 
 
 def test_eval_items_of_a_dead_generator_are_sent_again(tmp_path: Path) -> None:
-    c, net, t = make_coordinator(tmp_path, ["generators.peer_timeout_s=2.0"])
+    c, net, t = make_coordinator(tmp_path, ["transport.peer_timeout_s=2.0"])
     results: list[tuple[int, dict[str, Any]]] = []
     c.evals = c.dispatcher.evals = _rounds(results, last=100)
     c.evals.start(0, 0)
