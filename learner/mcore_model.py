@@ -92,7 +92,7 @@ class LoopedOutput(NamedTuple):
     """Per-position outputs of a forward."""
 
     logits: Tensor | None
-    """[B, S, V_pad / tp] this rank's vocab shard of the logits (policy; None for a critic)."""
+    """[B, S, V_pad / tp] this rank's vocab shard of the logits ([N, ...]: head_rows; critic None)"""
     hidden: Tensor
     """[B, S, h] the hidden state the head reads (replicated on the TP group)."""
     values: Tensor | None
@@ -307,8 +307,6 @@ class LoopedGPT(MegatronModule):
         """Ouro's exit-gate logit of a (normed) state, [...]."""
         return replicated_linear(self.exit_gate, state, mode)[..., 0]
 
-    # ---- forward --------------------------------------------------------------------------------
-
     def _block(
         self,
         blk: LoopedBlock,
@@ -346,12 +344,14 @@ class LoopedGPT(MegatronModule):
         valid: Tensor,
         latent_seeds: Tensor | Sequence[int],
         numerics: str | None = None,
+        head_rows: Tensor | None = None,
     ) -> LoopedOutput:
         """Replay forward of right-padded rows.
 
         tokens [B, S] int64; depths [B, S] int64 core iterations per position (1..max_depth
         where valid); valid [B, S] bool, a prefix of each row; latent_seeds: B uint64 seeds
         (ints, or an int64 tensor read as two's complement). numerics: None = options.numerics.
+        head_rows [B, S] bool: the head runs at those N positions only (logits [N, V_pad / tp]).
         """
         mode = nx.check_mode(numerics or self.options.numerics)
         bsz, seq = tokens.shape
@@ -394,7 +394,8 @@ class LoopedGPT(MegatronModule):
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]
             return LoopedOutput(None, hidden, values)
-        return LoopedOutput(self.head_logits(hidden, mode), hidden, None)
+        rows = hidden if head_rows is None else hidden[head_rows.to(hidden.device)]
+        return LoopedOutput(self.head_logits(rows, mode), hidden, None)
 
 
 def _blocks(blocks: nn.ModuleList) -> list[LoopedBlock]:
