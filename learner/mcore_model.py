@@ -43,10 +43,11 @@ from torch import Tensor, nn
 
 from learner.hf_convert import load_hf_state
 from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
+from learner.triton_noise import latent_noise_cuda
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.contract import seed_to_i64
-from models.noise import latent_noise, latent_noise_torch
+from models.noise import latent_noise
 
 RECOMPUTE = ("none", "block")
 
@@ -274,10 +275,8 @@ class LoopedGPT(MegatronModule):
         c = self.family_config
         b, s = positions.shape
         h = c.n_embd  # type: ignore[union-attr]
-        if e.is_cuda:  # same bits as the CPU spec (models.noise.latent_noise_torch)
-            z = latent_noise_torch(
-                seeds.to(e.device).repeat_interleave(s), positions.reshape(-1), h
-            )
+        if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.triton_noise)
+            z = latent_noise_cuda(seeds.to(e.device).repeat_interleave(s), positions.reshape(-1), h)
         else:
             z = latent_noise(seeds.cpu().repeat_interleave(s), positions.reshape(-1).cpu(), h)
         std = torch.tensor(c.init_std, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
