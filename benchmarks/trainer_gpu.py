@@ -246,15 +246,20 @@ def main() -> None:
             print(f"step {i} {dt * 1e3:.0f} ms loss {metrics['loss']:.5f} grad_norm "
                   f"{metrics['grad_norm']:.3g} skipped {metrics['skipped_nonfinite']:.0f}",
                   file=sys.stderr, flush=True)  # fmt: skip
-    if a.profile and cuda and info.world_size == 1:
+    if a.profile and cuda:  # rank 0 profiles; the other ranks run the same two steps
         from benchmarks.step_profile import profile_call
 
         n = a.warmup + a.steps
         batch = rollouts(s, n, trainer.weight_version, cfg.seed)
-        prof = profile_call(lambda: trainer.step(batch), a.profile, a.label or a.shape)
-        path = Path(a.profile) / f"{a.label or a.shape}_profile.json"
-        path.write_text(json.dumps(prof, indent=1), "utf-8")
-        print(json.dumps({k: v for k, v in prof.items() if k != "top_kernels"}), file=sys.stderr)
+        if rank0:
+            prof = profile_call(lambda: trainer.step(batch), a.profile, a.label or a.shape)
+            path = Path(a.profile) / f"{a.label or a.shape}_profile.json"
+            path.write_text(json.dumps(prof, indent=1), "utf-8")
+            print(json.dumps({k: v for k, v in prof.items() if k != "top_kernels"}),
+                  file=sys.stderr)  # fmt: skip
+        else:
+            trainer.step(batch)
+            trainer.step(batch)
     fc = flop_counts(s, trainer.policy_model.backprop_depth)
     tokens = s["batch"] * s["seq"]
     step_s = statistics.median(times)
