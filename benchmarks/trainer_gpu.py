@@ -19,9 +19,11 @@ log-probs ~ -log V + U(-0.5, 0.5) (near the random init's), rewards 0/1; new one
 Timed: `--steps` calls of `trainer.step` after `--warmup` calls (compilation, allocator), each
 synchronised, wall clock (the CPU side of the step is part of it). FLOPs per token (state what
 counts; matmuls only, norms and element-wise ops omitted):
-    2 x P_nograd + 6 x P_grad + attention,
-    P_grad = (prelude + coda) x block + k x (core x block + adapter) + V x h   (V x h: the head,
-             at every position), P_nograd = (r - k) x (core x block + adapter),
+    2 x P_nograd + 6 x P_grad + 6 x V x h x R / seq + attention,
+    P_grad = (prelude + coda) x block + k x (core x block + adapter), P_nograd = (r - k) x
+             (core x block + adapter), V x h: the head, which runs at the R = seq - prompt + 1
+             response positions of a row only (`mfu_head_every_position`: at all seq, as the
+             benchmark counted before the head skipped the prompt rows),
     block = 4 h^2 + 3 h f (qkv, proj, SwiGLU), adapter = 2 h^2,
     attention = (4 x L_nograd + 12 x L_grad) x seq x h (QK^T and AV as full s x s products),
     L_grad = prelude + coda + k x core, L_nograd = (r - k) x core.
@@ -125,7 +127,7 @@ def rollouts(s: dict[str, Any], step: int, version: int, seed: int) -> list[Any]
     from proto.records import Rollout
 
     rng = np.random.default_rng(seed * 1000 + step)
-    plen, n, seq = min(64, s["seq"] // 2), s["n"], s["seq"]
+    plen, n, seq = prompt_len(s), s["n"], s["seq"]
     out = []
     for g in range(s["batch"] // n):
         prompt = rng.integers(3, s["vocab"], size=plen).astype(np.int32)
@@ -149,16 +151,25 @@ def flop_counts(s: dict[str, Any], k: int) -> dict[str, Any]:
     adapter = 0 if s.get("family") == "ouro" else 2 * h * h
     k = r if k <= 0 else min(k, r)
     it = s["core"] * block + adapter
-    p_grad = (s["prelude"] + s["coda"]) * block + k * it + v * h
+    p_grad = (s["prelude"] + s["coda"]) * block + k * it
     p_nograd = (r - k) * it
     l_grad, l_nograd = s["prelude"] + s["coda"] + k * s["core"], (r - k) * s["core"]
     attn = (4 * l_nograd + 12 * l_grad) * seq * h
+    rows = (seq - prompt_len(s) + 1) / seq  # head rows per position
+    body = 2 * p_nograd + 6 * p_grad + attn
     return dict(
         backprop_depth_used=k,
-        params_grad_per_token=p_grad,
+        params_grad_per_token=p_grad + v * h,
         params_nograd_per_token=p_nograd,
-        flops_per_token=2 * p_nograd + 6 * p_grad + attn,
+        head_rows_per_position=round(rows, 5),
+        flops_per_token=body + 6 * v * h * rows,
+        flops_per_token_head_every_position=body + 6 * v * h,
     )
+
+
+def prompt_len(s: dict[str, Any]) -> int:
+    """Prompt tokens of the synthetic rollouts (the head skips all but the last one's row)."""
+    return min(64, s["seq"] // 2)
 
 
 def main() -> None:
@@ -178,6 +189,9 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--label", default="")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after timing, profile one more step (benchmarks/step_profile.py): "
+                    "DIR/<label>_profile.json and DIR/<label>_kernels.txt")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
     a = ap.parse_args()
     if a.device == "cpu":  # before torch is imported: the learner picks CUDA when it sees it
@@ -232,6 +246,20 @@ def main() -> None:
             print(f"step {i} {dt * 1e3:.0f} ms loss {metrics['loss']:.5f} grad_norm "
                   f"{metrics['grad_norm']:.3g} skipped {metrics['skipped_nonfinite']:.0f}",
                   file=sys.stderr, flush=True)  # fmt: skip
+    if a.profile and cuda:  # rank 0 profiles; the other ranks run the same two steps
+        from benchmarks.step_profile import profile_call
+
+        n = a.warmup + a.steps
+        batch = rollouts(s, n, trainer.weight_version, cfg.seed)
+        if rank0:
+            prof = profile_call(lambda: trainer.step(batch), a.profile, a.label or a.shape)
+            path = Path(a.profile) / f"{a.label or a.shape}_profile.json"
+            path.write_text(json.dumps(prof, indent=1), "utf-8")
+            print(json.dumps({k: v for k, v in prof.items() if k != "top_kernels"}),
+                  file=sys.stderr)  # fmt: skip
+        else:
+            trainer.step(batch)
+            trainer.step(batch)
     fc = flop_counts(s, trainer.policy_model.backprop_depth)
     tokens = s["batch"] * s["seq"]
     step_s = statistics.median(times)
@@ -250,11 +278,19 @@ def main() -> None:
         "build_s": round(build_s, 1),
         "tokens_per_step": tokens,
         **fc,
-        "flops_formula": "2*P_nograd + 6*P_grad + (4*L_nograd + 12*L_grad)*seq*h per token",
+        "flops_formula": "2*P_nograd + 6*P_grad + 6*V*h*R/seq + (4*L_nograd + 12*L_grad)*seq*h "
+        "per token (R: response positions; the head runs there only)",
         "step_ms_median": round(step_s * 1e3, 1),
         "step_ms_mean": round(statistics.fmean(times) * 1e3, 1) if times else None,
         "tokens_per_s": round(tokens / step_s, 1),
         "mfu": round(fc["flops_per_token"] * tokens / step_s / (PEAK_BF16 * info.world_size), 4),
+        "mfu_head_every_position": round(
+            fc["flops_per_token_head_every_position"]
+            * tokens
+            / step_s
+            / (PEAK_BF16 * info.world_size),
+            4,
+        ),  # fmt: skip
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
         "losses": [round(x, 6) for x in losses],
         "loss_finite_every_step": all(math.isfinite(x) for x in losses),

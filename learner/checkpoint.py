@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from learner.network import adam_step_tensor
 from proto.fileio import fsync_path
 
 __all__ = ["CHECKPOINT_FORMAT", "Resumed", "latest", "load", "save"]
@@ -247,7 +248,7 @@ def _init_optimizer_state(opt: Any) -> None:
             for p in group["params"]:
                 state = inner.state[p]
                 if adam and not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = adam_step_tensor(0.0, group, p)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 elif isinstance(inner, torch.optim.SGD) and group.get("momentum", 0.0):
@@ -269,7 +270,7 @@ def _restore_steps(opt: Any) -> None:
                     continue
                 step = group.get("step")
                 state["step"] = (
-                    torch.tensor(float(step), dtype=state["step"].dtype)
+                    adam_step_tensor(float(step), group, p)
                     if step is not None
                     else state["step"].clone()
                 )

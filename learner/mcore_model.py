@@ -43,10 +43,11 @@ from torch import Tensor, nn
 
 from learner.hf_convert import load_hf_state
 from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
+from learner.triton_noise import latent_noise_cuda
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.contract import seed_to_i64
-from models.noise import latent_noise, latent_noise_torch
+from models.noise import latent_noise
 
 RECOMPUTE = ("none", "block")
 
@@ -92,7 +93,7 @@ class LoopedOutput(NamedTuple):
     """Per-position outputs of a forward."""
 
     logits: Tensor | None
-    """[B, S, V_pad / tp] this rank's vocab shard of the logits (policy; None for a critic)."""
+    """[B, S, V_pad / tp] this rank's vocab shard of the logits ([N, ...]: head_rows; critic None)"""
     hidden: Tensor
     """[B, S, h] the hidden state the head reads (replicated on the TP group)."""
     values: Tensor | None
@@ -274,10 +275,8 @@ class LoopedGPT(MegatronModule):
         c = self.family_config
         b, s = positions.shape
         h = c.n_embd  # type: ignore[union-attr]
-        if e.is_cuda:  # same bits as the CPU spec (models.noise.latent_noise_torch)
-            z = latent_noise_torch(
-                seeds.to(e.device).repeat_interleave(s), positions.reshape(-1), h
-            )
+        if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.triton_noise)
+            z = latent_noise_cuda(seeds.to(e.device).repeat_interleave(s), positions.reshape(-1), h)
         else:
             z = latent_noise(seeds.cpu().repeat_interleave(s), positions.reshape(-1).cpu(), h)
         std = torch.tensor(c.init_std, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
@@ -306,8 +305,6 @@ class LoopedGPT(MegatronModule):
     def gate_logit(self, state: Tensor, mode: str) -> Tensor:
         """Ouro's exit-gate logit of a (normed) state, [...]."""
         return replicated_linear(self.exit_gate, state, mode)[..., 0]
-
-    # ---- forward --------------------------------------------------------------------------------
 
     def _block(
         self,
@@ -346,12 +343,14 @@ class LoopedGPT(MegatronModule):
         valid: Tensor,
         latent_seeds: Tensor | Sequence[int],
         numerics: str | None = None,
+        head_rows: Tensor | None = None,
     ) -> LoopedOutput:
         """Replay forward of right-padded rows.
 
         tokens [B, S] int64; depths [B, S] int64 core iterations per position (1..max_depth
         where valid); valid [B, S] bool, a prefix of each row; latent_seeds: B uint64 seeds
         (ints, or an int64 tensor read as two's complement). numerics: None = options.numerics.
+        head_rows [B, S] bool: the head runs at those N positions only (logits [N, V_pad / tp]).
         """
         mode = nx.check_mode(numerics or self.options.numerics)
         bsz, seq = tokens.shape
@@ -394,7 +393,8 @@ class LoopedGPT(MegatronModule):
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]
             return LoopedOutput(None, hidden, values)
-        return LoopedOutput(self.head_logits(hidden, mode), hidden, None)
+        rows = hidden if head_rows is None else hidden[head_rows.to(hidden.device)]
+        return LoopedOutput(self.head_logits(rows, mode), hidden, None)
 
 
 def _blocks(blocks: nn.ModuleList) -> list[LoopedBlock]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from learner.config import OptimConfig, ScheduleConfig
 
-__all__ = ["Network", "seed_all"]
+__all__ = ["Network", "adam_step_tensor", "seed_all", "use_fused_adam"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,10 @@ class Network:
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
         )
         self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
+        self.fused_adam = use_fused_adam(self.opt)
+        """torch's fused Adam kernel steps the main weights (CUDA, megatron without TE/Apex)."""
+        if self.fused_adam:
+            _sync_free_fallbacks()
         warm = schedule.warmup_steps
         self.sched = OptimizerParamScheduler(
             self.opt,
@@ -127,6 +131,74 @@ class Network:
         )  # fmt: skip
         lr = float(self.opt.param_groups[0]["lr"])
         return {"grad_norm": norm, "lr": lr, "skipped_nonfinite": 1.0}
+
+
+def use_fused_adam(opt: object) -> bool:
+    """Switch the torch Adam / AdamW that megatron-core 0.16.1 falls back to without
+    Transformer Engine or Apex to torch's fused kernel, when all its parameters (the fp32 main
+    weights) are on CUDA; returns whether it did. Megatron builds the fallback with torch's
+    default, the multi-tensor (foreach) implementation: about ten passes over the fp32 weights,
+    grads and Adam state per step (~80 bytes a parameter) against the fused kernel's one
+    (~28 bytes): the same update up to fp32 rounding. CPU runs keep the default."""
+    from megatron.core import optimizer as mcore_opt
+
+    if not getattr(mcore_opt, "USING_PYTORCH_OPTIMIZER", False):
+        return False  # TE / Apex FusedAdam: already fused
+    inner = [getattr(sub, "optimizer", None) for sub in getattr(opt, "chained_optimizers", [opt])]
+    adams = [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
+    params = [p for o in adams for g in o.param_groups for p in g["params"]]
+    if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
+        return False
+    for o in adams:
+        if any(o.state.get(p) for g in o.param_groups for p in g["params"]):
+            return False  # states made for the foreach kernel (CPU steps): leave it as built
+        for g in o.param_groups:
+            g["fused"], g["foreach"] = True, False
+    return True
+
+
+def adam_step_tensor(value: float, group: dict, param: torch.Tensor) -> torch.Tensor:
+    """A torch Adam `step` state as torch's `_init_group` makes it for `group`: a 0-d fp32
+    tensor on the parameter's device for the fused kernel, else on the CPU (fp32, or fp64
+    under a float64 default dtype)."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(value), dtype=torch.float32, device=param.device)
+    f64 = torch.get_default_dtype() == torch.float64
+    return torch.tensor(float(value), dtype=torch.float64 if f64 else torch.float32)
+
+
+def _sync_free_fallbacks() -> None:
+    """On CUDA, megatron 0.16.1 without Apex computes the gradient norm with
+    `local_multi_tensor_l2_norm`, which copies every tensor's norm to the host (one device
+    sync per parameter, twice per update: our finiteness check and the clipping), and scales
+    with one `copy_(src * scale)` per tensor. Replace both (in `megatron.core.optimizer.
+    clip_grads` and `.optimizer`, only where they are megatron's local fallbacks) by
+    multi-tensor versions that stay on the device; the norm's one sync stays in megatron."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    for mod in (clip_grads, optimizer):
+        if getattr(mod, "l2_norm_impl", None) is mcore_utils.local_multi_tensor_l2_norm:
+            mod.l2_norm_impl = _l2_norm  # type: ignore[attr-defined]
+        if getattr(mod, "multi_tensor_scale_impl", None) is mcore_utils.local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = _scale  # type: ignore[attr-defined]
+
+
+def _l2_norm(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool, *args: object
+) -> tuple[torch.Tensor, None]:
+    """amp_C.multi_tensor_l2norm's contract (total norm, fp32 [1] on the device), no sync."""
+    norm = torch.nn.utils.get_total_norm(tensor_lists[0], 2.0, foreach=True)
+    return norm.float().reshape(1), None
+
+
+def _scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float) -> None:
+    """amp_C.multi_tensor_scale's contract: dst = src * scale, per pair of tensors."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
 def seed_all(seed: int) -> None:

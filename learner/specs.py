@@ -68,8 +68,10 @@ def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = N
         return build_policy(model_config, opts, hf_state)
 
     def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
-        out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds)
-        return {"mask_logits": full_vocab_logits(model, out.logits[mb.mask > 0])}  # type: ignore[arg-type]
+        # the head runs on the response rows only (no [B, L, V] logits, no gather of them)
+        out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds,
+                    head_rows=mb.mask > 0)  # fmt: skip
+        return {"mask_logits": full_vocab_logits(model, out.logits)}  # type: ignore[arg-type]
 
     return PolicySpec(build, forward)
 

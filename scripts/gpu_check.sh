@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -33,8 +33,8 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 if has tests; then
     timeout "${T_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider \
-        tests/learner/test_device_noise.py tests/learner/test_backprop_depth.py \
-        tests/learner/test_triton_token_stats.py -rA 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
+        tests/learner/test_device_noise.py tests/learner/test_triton_noise.py \
+        tests/learner/test_backprop_depth.py tests/learner/test_triton_token_stats.py -rA 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 40 | tee "$LOG/tests.txt"
 fi
 
@@ -75,6 +75,10 @@ if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     dist ouro_tp2_eager 150 --shape ouro_1b --steps 8 --tp 2
     bench ouro_compiled 150 --shape ouro_1b --steps 8 --warmup 3 --compile
     dist ouro_tp2_compiled 180 --shape ouro_1b --steps 8 --warmup 3 --tp 2 --compile
+fi
+if has decode; then  # the reference engine's decode step in a CUDA graph vs eager (issue 14)
+    timeout "${T_DECODE:-200}" "$PY" benchmarks/decode_graph.py 2>"$LOG/decode.err" |
+        tee "$LOG/decode.json"
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |

@@ -120,6 +120,15 @@ def _checks_tp1() -> dict[str, Any]:
     )
     policy = build_policy(cfg)
     pol = policy(batch.tokens, batch.depths, batch.valid, batch.latent_seeds)
+    # head_rows: the head at the loss positions only == those rows of the full logits (+ grads)
+    sel, w = batch.loss_mask, policy.core[0].linear_qkv.weight
+    rows = policy(batch.tokens, batch.depths, batch.valid, batch.latent_seeds, head_rows=sel)
+    full = pol.logits[sel]
+    out["head_rows_shape"] = tuple(rows.logits.shape) == (int(sel.sum()), pol.logits.shape[-1])
+    out["head_rows_err"] = float((rows.logits - full).detach().abs().max())
+    g_rows = torch.autograd.grad(rows.logits.logsumexp(-1).sum(), w)[0]
+    g_full = torch.autograd.grad(full.logsumexp(-1).sum(), w)[0]
+    out["head_rows_grad_err"] = float((g_rows - g_full).abs().max() / g_full.abs().max())
     critic = build_critic(cfg, policy=policy)
     crit = critic(batch.tokens, batch.depths, batch.valid, batch.latent_seeds)
     out["critic_shape"] = tuple(crit.values.shape)
@@ -246,6 +255,12 @@ def test_replay_batch_layout(runs: tuple[dict[str, Any], dict[str, Any]]) -> Non
     assert b["depths"][plen - 1 : plen - 1 + n] == list(it.exit_depths)
     assert b["loss_mask"] == [plen - 1 <= p < plen - 1 + n for p in range(len(b["loss_mask"]))]
     assert b["valid"] == [len(x.prompt_tokens) + len(x.completion_tokens) - 1 for x in items]
+
+
+def test_head_rows_are_the_full_logits_rows(runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    tp1 = runs[0]
+    assert tp1["head_rows_shape"]
+    assert tp1["head_rows_err"] <= 1e-6 and tp1["head_rows_grad_err"] <= 1e-6, tp1
 
 
 def test_bad_inputs_raise(runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
