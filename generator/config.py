@@ -52,8 +52,8 @@ class GeneratorConfig:
     of the weights the learner publishes), float32 or bfloat16; numerics exact needs float32."""
     max_num_seqs: int = 32
     """vLLM: most sequences (samples) decoded at once."""
-    max_model_len: int = 1024
-    """vLLM: longest prompt + completion, in tokens."""
+    max_model_len: int = 0
+    """vLLM: longest prompt + completion, in tokens; 0: the checkpoint's max_position_embeddings."""
     kv_cache_mb: int = 64
     """vLLM: KV cache size (MiB)."""
     seed: int = 0
@@ -104,7 +104,11 @@ class GeneratorConfig:
                 "numerics exact computes in float32 (use auto or float32)",
             ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
-            (self.max_model_len >= 2, "max_model_len", "must be >= 2"),
+            (
+                self.max_model_len == 0 or self.max_model_len >= 2,
+                "max_model_len",
+                "must be 0 (the checkpoint's) or >= 2",
+            ),
             (self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1"),
             (self.reward_timeout_s > 0, "reward_timeout_s", "must be > 0"),
             (self.reward_workers >= 1, "reward_workers", "must be >= 1"),

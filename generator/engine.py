@@ -120,7 +120,7 @@ class LoopedEngine:
         exit_policy: ExitPolicy | None = None,
         max_num_seqs: int = 32,
         kv_cache_bytes: int = 64 << 20,
-        max_model_len: int = 1024,
+        max_model_len: int | None = 1024,
         enforce_eager: bool = True,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,

@@ -52,7 +52,7 @@ def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> l
         raise ConfigError(
             f"run config task.kind={cfg.task.kind!r}: evaluation needs a dataset task"
         )
-    prompts, _ = dataset_prompts(cfg.task, tok_dir, prompt_limit(cfg), split=split)
+    prompts, _ = dataset_prompts(cfg.task, tok_dir, prompt_limit(cfg, tok_dir), split=split)
     return prompts[:limit] if limit else prompts
 
 

@@ -337,7 +337,7 @@ def serve(cfg: GeneratorConfig) -> int:
             exit_policy=policy_from_dict(cfg.exit_policy_dict()),
             max_num_seqs=cfg.max_num_seqs,
             kv_cache_bytes=cfg.kv_cache_mb << 20,
-            max_model_len=cfg.max_model_len,
+            max_model_len=cfg.max_model_len or None,
             seed=cfg.seed,
             inflight_updates=cfg.inflight_updates,
         )

@@ -208,15 +208,24 @@ def dataset_prompts(
 
 
 # -- the run's source ------------------------------------------------------------------------
-def prompt_limit(cfg: RunConfig) -> int:
+def prompt_limit(cfg: RunConfig, model: Path) -> int:
     """Longest prompt a generator can take: task.max_prompt_tokens, else the context
-    (generators.max_model_len) minus the completion (rollout.max_tokens)."""
+    (generators.max_model_len; 0: the checkpoint's max_position_embeddings, as vLLM derives
+    it) minus the completion (rollout.max_tokens)."""
     if cfg.task.max_prompt_tokens:
         return cfg.task.max_prompt_tokens
-    room = cfg.generators.max_model_len - cfg.rollout.max_tokens
+    context = cfg.generators.max_model_len
+    if not context:
+        from models.checkpoint import read_config
+
+        context = int(read_config(model).get("max_position_embeddings") or 0)
+        if not context:
+            raise ConfigError(f"{model}/config.json has no max_position_embeddings: set "
+                              "run config generators.max_model_len")  # fmt: skip
+    room = context - cfg.rollout.max_tokens
     if room < 1:
         raise ConfigError(
-            f"run config generators.max_model_len={cfg.generators.max_model_len}: leaves no "
+            f"run config generators.max_model_len={context}: leaves no "
             f"room for a prompt beside rollout.max_tokens={cfg.rollout.max_tokens}"
         )
     return room
@@ -240,7 +249,7 @@ def load_prompts(cfg: RunConfig, model: Path) -> TaskSource:
                 prompts.append(Prompt(str(d.get("prompt_id", f"p{i}")), list(d["prompt_tokens"]),
                                       dict(d.get("task", {}))))  # fmt: skip
     else:
-        prompts, stats = dataset_prompts(t, model, prompt_limit(cfg))
+        prompts, stats = dataset_prompts(t, model, prompt_limit(cfg, model))
         log.info("task: %d prompts from %s (%s), longest %d tokens", stats.kept, t.path,
                  t.split, stats.longest)  # fmt: skip
         return TaskSource(prompts, t.seed, stats)
