@@ -80,13 +80,13 @@ def test_grpo_survives_a_generator_killed_mid_run(tmp_path: Path) -> None:
             ],  # fmt: skip
             None,
         ),
-        # flow_dppo also streams its weights in chunks (publish.transport=chunks)
+        # flow_dppo also streams its weights over ZMQ (publish.transport=zmq)
         (
             "flow_dppo",
             [
                 "objective.is_cap=2.0",
                 "staleness.max_staleness=1",
-                "publish.transport=chunks",
+                "publish.transport=zmq",
                 "publish.chunk_bytes=65536",
             ],
             1,
