@@ -57,7 +57,7 @@ class _Round:
     name: str
     version: int
     members: list[str]
-    future: Future[list[str]]
+    future: Future[tuple[list[str], dict[str, float]]]
     started: float
 
 
@@ -147,9 +147,13 @@ class CollectivePublisher(WeightPublisher):
         self._round = _Round(name, ann.version, sent, fut, self.clock())
         self.counts["collective_rounds"] += 1
 
-    def _run(self, name: str, members: list[str], blob: bytes) -> list[str]:
-        """The worker thread: rendezvous, group, broadcast; returns the ids that were in it."""
-        deadline = time.monotonic() + self.timeout_s
+    def _run(
+        self, name: str, members: list[str], blob: bytes
+    ) -> tuple[list[str], dict[str, float]]:
+        """The worker thread: rendezvous, group, broadcast; returns the ids that were in it and
+        the seconds of each phase."""
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
         keys = {gid: coll.join_key(name, gid) for gid in members}
         joined: list[str] = []
         while time.monotonic() < deadline:
@@ -158,12 +162,15 @@ class CollectivePublisher(WeightPublisher):
                 break
             time.sleep(0.002)
         self.store.set(coll.roster_key(name), coll.encode_roster(joined))
+        t1 = t2 = time.monotonic()
         if joined:
             group = coll.open_group(self.store, name, 0, len(joined) + 1, backend=self.backend,
                                     timeout_s=self.timeout_s, hostname=self.host)  # fmt: skip
+            t2 = time.monotonic()
             coll.broadcast(group, coll.blob_tensor(blob, self.backend), self.timeout_s)
             del group
-        return joined
+        t3 = time.monotonic()
+        return joined, {"join_s": t1 - t0, "group_s": t2 - t1, "broadcast_s": t3 - t2}
 
     def _reap(self) -> None:
         r = self._round
@@ -171,10 +178,11 @@ class CollectivePublisher(WeightPublisher):
             return
         self._round = None
         exc = r.future.exception()
-        joined = [] if exc is not None else r.future.result()
-        entry = {"round": r.name, "members": len(r.members), "joined": len(joined),
-                 "seconds": round(self.clock() - r.started, 4),
-                 "error": "" if exc is None else str(exc)[:300]}  # fmt: skip
+        joined, phases = ([], {}) if exc is not None else r.future.result()
+        entry: dict[str, Any] = {"round": r.name, "members": len(r.members),
+                                 "joined": len(joined), "seconds": round(self.clock() - r.started, 4),
+                                 "error": "" if exc is None else str(exc)[:300]}  # fmt: skip
+        entry.update({k: round(v, 4) for k, v in phases.items()})
         self.round_log.append(entry)
         del self.round_log[:-64]
         if exc is not None:
