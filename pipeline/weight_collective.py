@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models import collective as coll
-from pipeline.weight_sync import WeightPublisher, _LearnerSide
-from proto import Nack
+from pipeline.weight_sync import WeightPublisher, WeightSyncError, _LearnerSide
+from proto import Nack, WeightAnnounce
 from proto.schema import Scalar
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,12 @@ class CollectivePublisher(WeightPublisher):
         self.round_log: list[dict[str, Any]] = []  # per finished round: members, joined, s, error
 
     # -- WeightPublisher interface ------------------------------------------------------------
+    def publish(self, version: int, blob: bytes, **kw: Any) -> WeightAnnounce:
+        """As WeightPublisher.publish; the blob is kept (it is broadcast, and the fallback)."""
+        if kw.get("chunked", True) is False:
+            raise WeightSyncError("the collective transport needs the blob (chunked=True)")
+        return super().publish(version, blob, **kw)
+
     def add_generator(self, gid: str, serving_version: int = -1) -> None:
         """A (re)connected generator takes the collective path (again), whatever it did before."""
         self._delivered.pop(gid, None)
