@@ -28,7 +28,10 @@ from tests.pipeline.collective_utils import (
 )
 from tests.pipeline.fakes import FAKE_LIMITS, prompts
 
-TIMEOUT_S = 2.0  # publish.collective_timeout_s in these tests
+TIMEOUT_S = 3.0  # publish.collective_timeout_s in these tests
+# A round run inside the coordinator's loop would make one turn last >= TIMEOUT_S when a
+# member is missing (the join wait, the group wait); beside the loop, turns stay short (their
+# length here is the busy 2-core host's scheduling, up to ~1.3 s seen at load average 35).
 
 
 @pytest.fixture
@@ -120,7 +123,7 @@ def test_two_generators_get_bit_equal_weights_by_one_broadcast_and_a_late_joiner
         assert late.sink.counts["verified"] == 1 and late.chunks.counts["verified"] == 0
         assert [(e["members"], e["joined"]) for e in pub.round_log][-1] == (1, 1)
         assert pub.counts["frames"] == 0
-        assert turns.longest < 1.0  # the rounds ran beside the loop, not in it
+        assert turns.longest < TIMEOUT_S  # the rounds ran beside the loop, not in it
     finally:
         for r in gens:
             r.stop()
@@ -186,7 +189,7 @@ def test_a_killed_or_hung_generator_costs_at_most_one_timeout_and_the_others_get
             assert r.chunks.counts["verified"] == 0  # the broadcast itself, not the fallback
         assert "hung" not in pub.external  # it fell back to ZMQ chunks (until it reconnects)
         assert pub.counts["collective_fallbacks"] == last["members"] - 2
-        assert turns.longest < 1.0
+        assert turns.longest < TIMEOUT_S
     finally:
         reap(dead)
         reap(hung)
@@ -215,7 +218,7 @@ def test_a_generator_dying_inside_a_round_fails_it_within_the_timeout_and_zmq_de
         assert pub.counts["collective_failed"] == 1 and pub.counts["collective_fallbacks"] == 3
         for r in gens:
             assert same_bits(r.engine.loaded[1], state_for(1)) and r.chunks.counts["verified"] == 1
-        assert turns.longest < 1.0
+        assert turns.longest < TIMEOUT_S
     finally:
         reap(p)
         for r in gens:
