@@ -17,9 +17,14 @@ rollouts sent and acknowledged within a step, heartbeat expiries (a false one: a
 the coordinator process's RSS growth, steps done.
 
 Weights (``--weights``): the time from announcing one version to every generator's ack, for
-each size and N, with publish transport "chunks" (the blob over ZeroMQ, credit windows) and
-"disk" (shared storage: only the announce travels; each generator reads the directory and
-checks the canonical digest), and the ratio to N = 1.
+each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
+"shared_fs" (shared storage: only the announce travels; each generator reads the directory and
+checks the canonical digest) and "collective" (one gloo broadcast from the learner to all N,
+pipeline.weight_collective; each generator checks the digest of what it received), and the
+ratio to N = 1. In this mode every simulated generator runs on a thread of its own (a
+collective receive blocks its generator's loop, as in the product); "round_s" is the
+learner's side of the collective round (joins, group, broadcast), without the generators'
+digest checks.
 
 Stand-ins, named as such: the trainer (fixed step time) and the generators (no vLLM). The
 coordinator, transport, door, ledger, gate, recorder and weight publisher are the product's.
@@ -45,6 +50,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from generator.weights_collective import CollectiveWeightSink  # noqa: E402
 from models.checkpoint import save_checkpoint  # noqa: E402
 from models.publication import Publication  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
@@ -53,10 +59,13 @@ from pipeline.dispatch import Prompt, PromptSource  # noqa: E402
 from pipeline.transport import TransportConfig  # noqa: E402
 from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
 from pipeline.validation import ModelLimits  # noqa: E402
+from pipeline.weight_collective import CollectivePublisher  # noqa: E402
 from pipeline.weight_sync import WeightReceiver  # noqa: E402
 from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
 
-TCFG = dict(heartbeat_interval_s=1.0, peer_timeout_s=10.0)
+# --peer-timeout-s reaches the spawned simulated generators through the environment
+TCFG = dict(heartbeat_interval_s=1.0,
+            peer_timeout_s=float(os.environ.get("LOOPRL_SCALE_PEER_TIMEOUT_S", "10")))  # fmt: skip
 LIMITS = ModelLimits(vocab_size=512, max_depth=4)
 
 
@@ -108,58 +117,76 @@ def _rollouts(item: WorkItem, gid: str, version: int, tokens: int) -> RolloutBat
 
 
 def sim_worker(ids: list[str], control: str, weights: str, gen_s: float, tokens: int,
-               stop: Any, out: Any, check_digest: bool) -> None:  # fmt: skip
-    """Host ``ids`` simulated generators in this process until ``stop`` is set."""
+               stop: Any, out: Any, check_digest: bool, threaded: bool = False) -> None:  # fmt: skip
+    """Host ``ids`` simulated generators in this process until ``stop`` is set (one loop over
+    all of them; ``threaded``: one thread each)."""
     tc = TransportConfig(**TCFG)  # type: ignore[arg-type]
     gens = []
     for gid in ids:
         hello = Hello(gid, "sim", os.getpid(), ["huginn"], 2, 0, time.time())
         conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
-        gens.append({"gid": gid, "conn": conn, "rx": WeightReceiver(conn), "v": 0, "q": []})
-    lat: list[tuple[float, float]] = []  # (issued_at, latency) of WorkItems
+        rx = CollectiveWeightSink(conn, WeightReceiver(conn), gid)
+        gens.append({"gid": gid, "conn": conn, "rx": rx, "v": 0, "q": []})
+    got: dict[str, list[Any]] = {"lat": [], "acked": [], "acks": []}
     sent_at: dict[str, float] = {}
-    acks: list[tuple[float, float]] = []  # (sent, latency) of rollout Acks
-    acked: list[tuple[str, int, float]] = []  # (gid, version, time)
-    while not stop.is_set():
-        now = time.time()
+    if threaded:
+        import threading
+
+        def one(g: dict[str, Any]) -> None:
+            while not stop.is_set():
+                _turn(g, gen_s, tokens, check_digest, got, sent_at)
+                time.sleep(0.001)
+
+        ts = [threading.Thread(target=one, args=(g,), daemon=True) for g in gens]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    while not threaded and not stop.is_set():
         for g in gens:
-            conn = g["conn"]
-            inc = conn.recv(0.0)
-            while inc is not None:
-                rec = inc.record
-                if isinstance(rec, WorkItem):
-                    lat.append((rec.issued_at, time.time() - rec.issued_at))
-                    g["q"].append((time.time() + gen_s, rec))
-                elif isinstance(rec, Ack) and rec.kind == "rollout" and rec.ref in sent_at:
-                    t = sent_at.pop(rec.ref)
-                    acks.append((t, time.time() - t))
-                elif inc.channel == "weights":
-                    ready = g["rx"].handle(rec)
-                    if ready is not None:
-                        ann = ready.announce
-                        if check_digest and ann.path and not ready.blob:  # on disk: verify
-                            if Publication.from_dir(ann.path, ann.version).digest != ann.digest:
-                                raise RuntimeError(f"{g['gid']}: digest mismatch v{ann.version}")
-                        g["v"] = ready.version
-                        g["rx"].loaded(ready.version)
-                        acked.append((g["gid"], ready.version, time.time()))
-                inc = conn.recv(0.0)
-            due = [x for x in g["q"] if x[0] <= now and x[1].min_weight_version <= g["v"]]
-            for x in due:
-                g["q"].remove(x)
-                batch = _rollouts(x[1], g["gid"], g["v"], tokens)
-                t = time.time()
-                sent_at.update({r.rollout_id: t for r in batch.rollouts})
-                conn.send(batch)
-            conn.set_status(g["v"], len(g["q"]))
+            _turn(g, gen_s, tokens, check_digest, got, sent_at)
         time.sleep(0.001)
     for g in gens:
         g["conn"].close(None)
-    out.put({"lat": lat, "acked": acked, "acks": acks})
+    out.put(got)
+
+
+def _turn(g: dict[str, Any], gen_s: float, tokens: int, check_digest: bool,
+          got: dict[str, list[Any]], sent_at: dict[str, float]) -> None:  # fmt: skip
+    """One turn of one simulated generator: take what arrived, answer what is due."""
+    conn, now = g["conn"], time.time()
+    inc = conn.recv(0.0)
+    while inc is not None:
+        rec = inc.record
+        if isinstance(rec, WorkItem):
+            got["lat"].append((rec.issued_at, time.time() - rec.issued_at))
+            g["q"].append((time.time() + gen_s, rec))
+        elif isinstance(rec, Ack) and rec.kind == "rollout" and rec.ref in sent_at:
+            t = sent_at.pop(rec.ref)
+            got["acks"].append((t, time.time() - t))
+        elif inc.channel == "weights":
+            ready = g["rx"].handle(rec)  # a collective receive blocks here, digest checked
+            if ready is not None:
+                ann = ready.announce
+                if check_digest and ann.path and not getattr(ready, "blob", b""):  # on disk
+                    if Publication.from_dir(ann.path, ann.version).digest != ann.digest:
+                        raise RuntimeError(f"{g['gid']}: digest mismatch v{ann.version}")
+                g["v"] = ready.version
+                g["rx"].loaded(ready.version)
+                got["acked"].append((g["gid"], ready.version, time.time()))
+        inc = conn.recv(0.0)
+    due = [x for x in g["q"] if x[0] <= now and x[1].min_weight_version <= g["v"]]
+    for x in due:
+        g["q"].remove(x)
+        batch = _rollouts(x[1], g["gid"], g["v"], tokens)
+        t = time.time()
+        sent_at.update({r.rollout_id: t for r in batch.rollouts})
+        conn.send(batch)
+    conn.set_status(g["v"], len(g["q"]))
 
 
 def start_sims(n: int, procs: int, ep: Any, gen_s: float, tokens: int,
-               check_digest: bool = True) -> tuple[Any, list[Any], Any]:  # fmt: skip
+               check_digest: bool = True, threaded: bool = False) -> tuple[Any, list[Any], Any]:  # fmt: skip
     ctx = mp.get_context("spawn")
     stop, out = ctx.Event(), ctx.Queue()
     ids = [f"sim{i:04d}" for i in range(n)]
@@ -168,7 +195,8 @@ def start_sims(n: int, procs: int, ep: Any, gen_s: float, tokens: int,
         part = ids[k::procs]
         if part:
             p = ctx.Process(target=sim_worker, args=(part, ep.endpoints["control"],
-                            ep.endpoints["weights"], gen_s, tokens, stop, out, check_digest))  # fmt: skip
+                            ep.endpoints["weights"], gen_s, tokens, stop, out, check_digest,
+                            threaded))  # fmt: skip
             p.start()
             ps.append(p)
     return stop, ps, out
@@ -276,8 +304,9 @@ def run_weights(n: int, mb: float, transport: str, args: argparse.Namespace) -> 
     run_dir = Path(tempfile.mkdtemp(prefix=f"w{n}-"))
     trainer = StandInTrainer(0.0, publish_mb=mb)
     c = coordinator(run_dir, trainer, 64, [f"publish.transport={transport}",
-                                           f"publish.chunk_bytes={4 << 20}"])  # fmt: skip
-    stop, ps, out = start_sims(n, min(args.procs, n), c.endpoint, 1e9, args.tokens)
+                                           f"publish.chunk_bytes={4 << 20}",
+                                           f"publish.collective_timeout_s={args.collective_timeout_s}"])  # fmt: skip
+    stop, ps, out = start_sims(n, min(args.procs, n), c.endpoint, 1e9, args.tokens, threaded=True)
     while len(c.dispatcher.generators()) < n:
         c.turn(0.01)
     c.dispatcher.cap = 0  # no work: weights only
@@ -291,10 +320,18 @@ def run_weights(n: int, mb: float, transport: str, args: argparse.Namespace) -> 
         c.publisher.pump()
     dt = time.time() - t0
     collect(stop, ps, out)
+    pub = c.publisher
+    rounds = pub.round_log if isinstance(pub, CollectivePublisher) else []
     c.close()
     c.endpoint.close()
-    return {"bench": "scale_weights", "transport": transport, "generators": n, "mb": mb,
-            "seconds": round(dt, 3), "gb_per_s_to_all": round(n * mb / 1e3 / dt, 3)}  # fmt: skip
+    row = {"bench": "scale_weights", "transport": transport, "generators": n, "mb": mb,
+           "seconds": round(dt, 3), "gb_per_s_to_all": round(n * mb / 1e3 / dt, 3)}  # fmt: skip
+    if rounds:
+        row.update(round_s=round(sum(r["seconds"] for r in rounds), 3), rounds=len(rounds),
+                   fallbacks=pub.counts["collective_fallbacks"])  # fmt: skip
+        for k in ("join_s", "group_s", "broadcast_s"):
+            row[k] = round(sum(r.get(k, 0.0) for r in rounds), 3)
+    return row
 
 
 def main() -> int:
@@ -315,8 +352,16 @@ def main() -> int:
     ap.add_argument("--sync", action="store_true",
                     help="baseline: the step on the coordinator's own thread (round 1)")  # fmt: skip
     ap.add_argument("--sizes-mb", default="10,100", help="weights: sizes (MB)")
-    ap.add_argument("--transports", default="chunks,disk", help="weights: publish transports")
+    ap.add_argument("--transports", default="zmq,shared_fs,collective",
+                    help="weights: publish transports")  # fmt: skip
+    ap.add_argument("--collective-timeout-s", type=float, default=60.0,
+                    help="weights: publish.collective_timeout_s (a round's waits)")  # fmt: skip
+    ap.add_argument("--peer-timeout-s", type=float, default=10.0,
+                    help="heartbeat timeout, both sides (a generator verifying 1 GB on a busy "
+                         "2-core host can be silent longer than 10 s)")  # fmt: skip
     args = ap.parse_args()
+    os.environ["LOOPRL_SCALE_PEER_TIMEOUT_S"] = str(args.peer_timeout_s)
+    TCFG["peer_timeout_s"] = args.peer_timeout_s
     gens = [int(x) for x in args.gens.split(",")]
     if args.weights:
         for mb in [float(x) for x in args.sizes_mb.split(",")]:

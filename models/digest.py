@@ -41,6 +41,7 @@ import torch
 
 __all__ = [
     "blob_and_meta",
+    "blob_digest",
     "canonical_digest",
     "digest_from_blob",
     "dtype_name",
@@ -187,6 +188,15 @@ def digest_from_blob(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) 
         h.update(_header(name, dtype_name(dtype), shape, len(raw)))
         h.update(raw)
     return h.hexdigest()
+
+
+def blob_digest(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) -> str:
+    """The digest a weight announcement carries for a blob: the canonical digest of the tensors
+    ``meta`` describes; sha256 of the raw bytes for a blob without tensor metadata (opaque
+    payloads, used by tests). Shared by the publisher and every receiver, whatever transport."""
+    if meta:
+        return digest_from_blob(blob, meta)
+    return hashlib.sha256(blob).hexdigest()
 
 
 def state_from_blob(

@@ -112,6 +112,11 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        _check(self.publish.transport != "collective"
+               or self.publish.collective_timeout_s < self.transport.peer_timeout_s,
+               "publish.collective_timeout_s", self.publish.collective_timeout_s,
+               f"must be < transport.peer_timeout_s ({self.transport.peer_timeout_s}): a "
+               "generator's loop waits in the broadcast")  # fmt: skip
         _check(self.schedule.min_lr <= self.optimizer.lr, "schedule.min_lr", self.schedule.min_lr,
                f"must be <= optimizer.lr ({self.optimizer.lr})")  # fmt: skip
         _check(self.staleness.policy != "keep" or self.objective.is_cap is not None,

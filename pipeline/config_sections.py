@@ -13,7 +13,9 @@ from models.settings import check
 
 POLICIES = ("drop", "keep")
 TASKS = ("synthetic", "jsonl", "dataset")
-WEIGHT_TRANSPORTS = ("disk", "chunks")
+WEIGHT_TRANSPORTS = ("shared_fs", "zmq", "collective")
+WEIGHT_TRANSPORT_ALIASES = {"disk": "shared_fs", "chunks": "zmq"}  # the names before issue 15
+COLLECTIVE_BACKENDS = ("gloo", "nccl")
 FSYNC = ("always", "batch", "never")
 
 
@@ -241,20 +243,41 @@ class PublishSection:
 
     every: int = 1
     """Publish a new weight version every this many steps."""
-    transport: str = "disk"
-    """disk: announce RUN_DIR/weights/vN; chunks: also stream the blob over ZMQ."""
+    transport: str = "shared_fs"
+    """shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); zmq: stream the
+    blob over the weights socket; collective: torch.distributed broadcast (old names disk,
+    chunks are accepted)."""
     chunk_bytes: int = 4 << 20
-    """chunks: bytes per WeightChunk."""
+    """zmq (and collective's fallback): bytes per WeightChunk."""
     window: int = 4
-    """chunks: uncredited chunks in flight per generator."""
+    """zmq (and collective's fallback): uncredited chunks in flight per generator."""
     keep: int = 3
     """Published versions kept on disk (older ones deleted; 0 keeps all)."""
+    collective_host: str = "127.0.0.1"
+    """collective: the learner's address generators reach its TCPStore and gloo ranks at."""
+    collective_port: int = 0
+    """collective: the TCPStore's port (0: any free port; the announce carries it)."""
+    collective_backend: str = "gloo"
+    """collective: gloo (CPU tensors, any host) or nccl (CUDA on both sides)."""
+    collective_timeout_s: float = 5.0
+    """collective: bound of each wait of a round (join, group, broadcast); keep it below
+    transport.peer_timeout_s (the generator's loop waits in the receive)."""
 
     def __post_init__(self) -> None:
+        if self.transport in WEIGHT_TRANSPORT_ALIASES:
+            object.__setattr__(self, "transport", WEIGHT_TRANSPORT_ALIASES[self.transport])
         _check(self.every >= 1, "publish.every", self.every, "must be >= 1")
         _check(self.transport in WEIGHT_TRANSPORTS, "publish.transport", self.transport,
                f"must be one of {WEIGHT_TRANSPORTS}")  # fmt: skip
         _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
+        _check(self.collective_backend in COLLECTIVE_BACKENDS, "publish.collective_backend",
+               self.collective_backend, f"must be one of {COLLECTIVE_BACKENDS}")  # fmt: skip
+        _check(self.collective_timeout_s > 0, "publish.collective_timeout_s",
+               self.collective_timeout_s, "must be > 0")  # fmt: skip
+        _check(0 <= self.collective_port < 65536, "publish.collective_port",
+               self.collective_port, "must be in [0, 65536)")  # fmt: skip
+        _check(bool(self.collective_host), "publish.collective_host", self.collective_host,
+               "must be an address the generators can reach")  # fmt: skip
 
 
 @dataclass(frozen=True)

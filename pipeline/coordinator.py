@@ -48,7 +48,7 @@ from pipeline.recorder import Recorder, StepRecord
 from pipeline.staleness import StalenessGate
 from pipeline.trainer_api import Trainer
 from pipeline.validation import DoorRules, ModelLimits
-from pipeline.weight_sync import WeightPublisher
+from pipeline.weight_collective import make_publisher
 from proto import (
     Ack,
     ErrorMsg,
@@ -136,8 +136,7 @@ class Coordinator:
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         self.evals: Any = None  # pipeline.eval_rounds.EvalRounds (eval.every > 0)
-        p = cfg.publish
-        self.publisher = WeightPublisher(endpoint, chunk_bytes=p.chunk_bytes, window=p.window)
+        self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
         self.published: list[int] = []
         self.last_digest = ""
         self._last_progress = clock()
@@ -372,7 +371,7 @@ class Coordinator:
 
     # -- weights -------------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Publish the trainer's current weights as version + 1 (disk, and chunks if set).
+        """Publish the trainer's current weights as version + 1 (on disk, and sent if set).
         Only while no step runs (resume, tests); steps publish through their job."""
         assert self._job is None, "publish() while a step is running"
         self._announce(self._write_publication(self.version + 1))
@@ -401,7 +400,7 @@ class Coordinator:
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
             path=str(Path(pub.path).resolve()), digest=pub.digest,
-            chunked=self.cfg.publish.transport == "chunks",
+            chunked=self.cfg.publish.transport != "shared_fs",  # collective keeps the blob too
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
         self.published.append(v)
@@ -473,5 +472,6 @@ class Coordinator:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.publisher.close()
         self.recorder.close()
         self.quarantine.close()

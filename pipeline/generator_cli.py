@@ -295,6 +295,7 @@ def serve(cfg: GeneratorConfig) -> int:
     from generator.loop import FatalError, GeneratorLoop, make_hello
     from generator.reward_runner import RewardRunner
     from generator.vllm_settings import policy_from_dict
+    from generator.weights_collective import CollectiveWeightSink
     from models.checkpoint import load_config, read_config
     from pipeline.security import ClientCurve, generator_id_for
     from pipeline.transport import ConnectTimeout
@@ -355,7 +356,12 @@ def serve(cfg: GeneratorConfig) -> int:
             max_inflight=cfg.max_inflight,
             batch_wait_s=cfg.batch_wait_s,
             max_batch_items=cfg.max_batch_items,
-            weights=WeightReceiver(conn, serving_version=engine.weight_version),
+            weights=CollectiveWeightSink(  # any transport: collective, else the chunk receiver
+                conn,
+                WeightReceiver(conn, serving_version=engine.weight_version),
+                gid,
+                serving_version=engine.weight_version,
+            ),
             detokenize=_detokenizer(cfg.model),
             check_welcome=_check_welcome(cfg.numerics),
             drain_timeout_s=cfg.drain_timeout_s,

@@ -35,7 +35,6 @@ an incomplete older transfer; the publisher only ever sends the newest version.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import zlib
@@ -44,20 +43,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from models.digest import digest_from_blob
+from models.digest import blob_digest
 from proto import Ack, ErrorMsg, Nack, TensorMeta, WeightAnnounce, WeightChunk
 
 log = logging.getLogger(__name__)
-
-
-def blob_digest(blob: bytes | bytearray | memoryview, tensors: Sequence[Any]) -> str:
-    """The digest announced for a blob: the canonical weight digest (models.digest, DESIGN
-    contract 6) of the tensors the metadata describes, so the generator's engine can check
-    the same value on the state it loads; sha256 of the raw bytes for a blob without
-    tensor metadata (opaque payloads, used by tests)."""
-    if tensors:
-        return digest_from_blob(blob, tensors)
-    return hashlib.sha256(blob).hexdigest()
 
 
 class WeightSyncError(ValueError):
@@ -104,6 +93,9 @@ class WeightPublisher:
         self.announce: WeightAnnounce | None = None
         self._blob = b""
         self._gens: dict[str, _Gen] = {}
+        self.external: set[str] = set()
+        """Generators whose transfers another transport carries (pipeline.weight_collective):
+        their state is kept here (versions, Acks, Nacks), but ``pump`` sends them nothing."""
         self.counts: Counter[str] = Counter()
 
     @property
@@ -125,7 +117,7 @@ class WeightPublisher:
 
         ``digest``: the canonical digest the caller computed (models.publication; trusted, not
         computed again); None: computed here from the blob. ``chunked=False`` (publish
-        transport "disk"): only the announce travels, with ``path`` (required) and the digest
+        transport "shared_fs"): only the announce travels, with ``path`` (required) and the digest
         (required); the generator's engine loads the directory and checks that digest."""
         if version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than {self.version}")
@@ -164,6 +156,7 @@ class WeightPublisher:
 
     def remove_generator(self, gid: str) -> None:
         self._gens.pop(gid, None)
+        self.external.discard(gid)
 
     def observe(self, gid: str, serving_version: int) -> None:
         """A Heartbeat says ``gid`` serves ``serving_version`` (covers a lost final Ack)."""
@@ -208,7 +201,7 @@ class WeightPublisher:
         if ann is None:
             return 0
         for gid, g in self._gens.items():
-            if g.sending != ann.version:
+            if g.sending != ann.version or gid in self.external:
                 continue
             if g.outstanding and now - g.progress_at > self.stall_timeout_s:
                 log.warning("weights v%d to %s stalled; restarting the transfer", g.sending, gid)
@@ -226,6 +219,9 @@ class WeightPublisher:
                 g.progress_at, sent = now, sent + 1
         self.counts["frames"] += sent
         return sent
+
+    def close(self) -> None:
+        """Release what the transport holds (nothing for ZeroMQ chunks)."""
 
     def handle(self, peer: str, rec: Any) -> bool:
         """Consume an Ack/Nack from the weights channel; False if it is not ours."""

@@ -274,6 +274,10 @@ class WeightAnnounce:
       the weights are only on disk). path: directory of the HF-layout publication, or "".
     tensors: per-tensor layout inside the blob. config_json: the HF config.json text.
     created_at: publication time (s).
+    collective (protocol 1.2; empty otherwise): the blob comes by a torch.distributed broadcast
+      (publish.transport=collective; models.collective): ``store`` "host:port" of the learner's
+      TCPStore, ``round`` the key prefix of this delivery round, ``backend`` gloo | nccl,
+      ``timeout_s`` the bound of each wait (s). No chunks and no path then.
     """
 
     version: int
@@ -285,6 +289,7 @@ class WeightAnnounce:
     path: str = ""
     config_json: str = ""
     created_at: float = 0.0
+    collective: dict[str, Scalar] = field(default_factory=dict)
 
     def validate(self) -> None:
         w = f"weights v{self.version}"
@@ -306,6 +311,15 @@ class WeightAnnounce:
             end = t.offset + t.nbytes
         if self.tensors:
             _need(end == self.total_bytes, f"{w}: tensors cover {end} of {self.total_bytes} bytes")
+        if self.collective:
+            c = self.collective
+            _need(self.num_chunks == 0 and not self.path, f"{w}: collective with chunks or a path")
+            for key, typ in (("store", str), ("round", str), ("backend", str)):
+                _need(isinstance(c.get(key), typ) and bool(c.get(key)),
+                      f"{w}: collective.{key} must be a non-empty string")  # fmt: skip
+            tmo = c.get("timeout_s")
+            _need(isinstance(tmo, int | float) and not isinstance(tmo, bool) and tmo > 0,
+                  f"{w}: collective.timeout_s must be a number > 0")  # fmt: skip
 
 
 @record("chunk")

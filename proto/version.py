@@ -10,7 +10,7 @@ from __future__ import annotations
 from proto.errors import ProtocolError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: WorkItem.stop
+PROTOCOL_MINOR = 2  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 

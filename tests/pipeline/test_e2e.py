@@ -8,6 +8,7 @@ the staleness bound held (policy drop); published versions are 1, 2, 3, ...
 
 - GRPO with generator 1 hung (SIGSTOP) then killed (SIGKILL): re-dispatch, training goes on
 - ppo (critic), dppo (staleness 2, keep), flow_dppo: 3 steps each
+- publish.transport=collective: every version by gloo broadcast, 3 steps
 - the quickstart (30 steps): the mean reward rises
 - learner kill -9 after a checkpoint, then `looprl learner --resume`
 - CURVE on loopback (keys from `looprl keys`), an unauthenticated client refused
@@ -80,13 +81,13 @@ def test_grpo_survives_a_generator_killed_mid_run(tmp_path: Path) -> None:
             ],  # fmt: skip
             None,
         ),
-        # flow_dppo also streams its weights in chunks (publish.transport=chunks)
+        # flow_dppo also streams its weights over ZMQ (publish.transport=zmq)
         (
             "flow_dppo",
             [
                 "objective.is_cap=2.0",
                 "staleness.max_staleness=1",
-                "publish.transport=chunks",
+                "publish.transport=zmq",
                 "publish.chunk_bytes=65536",
             ],
             1,
@@ -108,6 +109,22 @@ def test_objectives(tmp_path: Path, kind: str, overrides: list[str], bound: int 
         assert s["counts"]["publisher"]["acked"] >= 2  # each loaded >= 1 version (staleness 1)
         assert s["counts"]["publisher"].get("nacked", 0) == 0
         assert s["counts"]["publisher"]["frames"] > 2 * 10  # announces + ~14 chunks each
+
+
+def test_weights_by_collective_broadcast(tmp_path: Path) -> None:
+    """publish.transport=collective with the real `looprl generator` processes: every version
+    reaches both generators by gloo broadcast (no ZMQ chunk sent, no fallback), each checks the
+    digest and its engine loads it; the run's invariants hold."""
+    cfg = small_config(tmp_path, "steps=3", "objective.kind=grpo", "staleness.max_staleness=1",
+                       "publish.transport=collective", "publish.collective_timeout_s=3")  # fmt: skip
+    s = run(cfg)
+    check_run(tmp_path, 4, 3, max_staleness=1)
+    assert s["final_version"] == 3
+    pub = s["counts"]["publisher"]
+    assert pub["collective_rounds"] >= 2 and pub["collective_delivered"] >= 2, pub
+    assert pub["acked"] >= pub["collective_delivered"], pub  # each delivery verified, loaded
+    assert pub.get("frames", 0) == 0 and pub.get("collective_fallbacks", 0) == 0, pub
+    assert pub.get("nacked", 0) == 0 and pub.get("collective_nacked", 0) == 0, pub
 
 
 def test_quickstart_reward_rises(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def test_curve_hello_welcome_across_namespaces(lab: netns.Lab, tmp_path: Path) -
 STEPS = 3
 LEARNER_OVERRIDES = (
     f"steps={STEPS} rollout.prompts_per_step=4 rollout.n=4 task.num_prompts=8 "
-    "publish.transport=chunks checkpoint.every=0 max_wait_s=120 metrics.progress=false "
+    "publish.transport=zmq checkpoint.every=0 max_wait_s=120 metrics.progress=false "
     "metrics.tensorboard=false metrics.plot=false"
 ).split()
 GENERATOR_FLAGS = (

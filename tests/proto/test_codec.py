@@ -206,3 +206,24 @@ def test_narrowing_and_shuffling_are_lossless_and_compress() -> None:
     assert payload / len(frame) > 1.3
     assert_same(codec.decode(frame), r)
     assert struct.unpack_from("<B", frame, 6)[0] == 1  # compressed
+
+
+def test_weight_announce_collective_round_trips_and_is_validated() -> None:
+    """Protocol 1.2: WeightAnnounce.collective (publish.transport=collective)."""
+    info = {"store": "10.0.0.5:29610", "round": "v3/r7", "backend": "gloo", "timeout_s": 5.0}
+    ann = records.WeightAnnounce(3, "a" * 64, 12, 0, 0, collective=info)
+    codec = Codec()
+    back = codec.decode(codec.encode(ann))
+    assert back == ann and back.collective == info
+    for bad, message in (
+        ({**info, "store": ""}, "collective.store must be a non-empty string"),
+        ({k: v for k, v in info.items() if k != "round"}, "collective.round"),
+        ({**info, "timeout_s": 0}, "collective.timeout_s must be a number > 0"),
+        ({**info, "timeout_s": "5"}, "collective.timeout_s"),
+    ):
+        wrong = dataclasses.replace(ann, collective=bad)
+        with pytest.raises(ProtocolError, match=message):
+            codec.decode(codec.encode(wrong))
+    with_chunks = dataclasses.replace(ann, chunk_bytes=4, num_chunks=3)
+    with pytest.raises(ProtocolError, match="collective with chunks or a path"):
+        codec.decode(codec.encode(with_chunks))

@@ -1,0 +1,145 @@
+"""The weight-broadcast group of ``publish.transport=collective``: helpers both sides share.
+
+The learner's publisher (pipeline.weight_collective, rank 0) and every generator's weight sink
+(generator.weights_collective, ranks 1..n) meet through a TCPStore the learner hosts; its
+address travels in ``WeightAnnounce.collective`` on the weights channel. One delivery round
+(one version to the generators that lack it) uses the store keys under the round's prefix::
+
+    <round>/join/<generator id>   generator -> learner: here, ready to receive
+    <round>/roster                learner -> generators: JSON list of the ids that joined in time;
+                                  a generator's rank is its index + 1 (0 is the learner)
+    <round>/pg/...                the process group's own rendezvous (PrefixStore)
+
+then one broadcast of the blob (canonical tensor bytes, models.digest) as a uint8 tensor from
+rank 0. The group is built without torch.distributed's default (world) group, so the learner's
+own ranks (megatron, gloo or NCCL) are untouched: ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
+on the store directly. Every wait is bounded (``timeout_s``); a dead peer makes the round fail
+with an error, never hang.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+
+class CollectiveError(RuntimeError):
+    """A round could not complete (a peer missing, dead or too slow, or a bad setting)."""
+
+
+def split_address(addr: str) -> tuple[str, int]:
+    """Split "host:port" into (host, port); ValueError naming the address otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"collective store address {addr!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP address this host uses to reach ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return str(s.getsockname()[0])
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The learner's store (``port`` 0: any free port; read it from ``.port``)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def join_store(addr: str, timeout_s: float) -> dist.TCPStore:
+    """A generator's client connection to the learner's store at ``addr`` ("host:port")."""
+    host, port = split_address(addr)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def roster_key(prefix: str) -> str:
+    return f"{prefix}/roster"
+
+
+def join_key(prefix: str, generator_id: str) -> str:
+    return f"{prefix}/join/{generator_id}"
+
+
+def encode_roster(ids: list[str]) -> str:
+    return json.dumps(ids)
+
+
+def decode_roster(raw: bytes) -> list[str]:
+    ids = json.loads(raw.decode())
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise CollectiveError(f"bad roster {raw[:200]!r}: expected a JSON list of ids")
+    return ids
+
+
+def open_group(
+    store: dist.Store, prefix: str, rank: int, world: int, *, backend: str, timeout_s: float,
+    hostname: str,
+) -> Any:  # fmt: skip
+    """The round's process group (blocks until all ``world`` ranks arrived, <= timeout_s).
+
+    ``hostname``: the local address gloo binds and advertises (reachable from every peer)."""
+    if backend not in BACKENDS:
+        raise CollectiveError(f"collective backend {backend!r}: expected one of {BACKENDS}")
+    store = dist.PrefixStore(f"{prefix}/pg", store)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+            return dist.ProcessGroupGloo(store, rank, world, opts)
+        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+            raise CollectiveError("collective backend nccl needs CUDA and an NCCL build of torch")
+        nopts = dist.ProcessGroupNCCL.Options()
+        nopts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, nopts)
+    except CollectiveError:
+        raise
+    except Exception as e:  # a rendezvous that timed out or a peer that vanished
+        raise CollectiveError(f"rank {rank}/{world}: could not form the group: {e}") from e
+
+
+def broadcast(group: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast ``tensor`` from rank 0 to every rank of ``group`` in place (<= timeout_s)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    try:
+        work = group.broadcast([tensor], opts)
+        if not work.wait(timedelta(seconds=timeout_s)):
+            raise CollectiveError(f"broadcast did not finish within {timeout_s}s")
+    except CollectiveError:
+        raise
+    except Exception as e:
+        raise CollectiveError(f"broadcast failed: {e}") from e
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+def buffer_tensor(nbytes: int, backend: str) -> tuple[bytearray, torch.Tensor]:
+    """A receive buffer: (host bytes, the tensor the broadcast writes; shares the bytes on gloo)."""
+    host = bytearray(nbytes)
+    t = torch.frombuffer(host, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return host, (t.cuda() if backend == "nccl" else t)
+
+
+def blob_tensor(blob: bytes | bytearray | memoryview, backend: str) -> torch.Tensor:
+    """The publisher's blob as the uint8 tensor rank 0 broadcasts (a copy on CUDA for nccl)."""
+    import warnings
+
+    with warnings.catch_warnings():  # read-only buffer: rank 0 only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        t = (
+            torch.frombuffer(blob, dtype=torch.uint8)
+            if len(blob)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+    return t.cuda() if backend == "nccl" else t
