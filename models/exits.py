@@ -43,6 +43,7 @@ fp64 from the same fp32 inputs, so another exact implementation takes the same d
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -63,6 +64,13 @@ def _check_kv(owner: str, kv: str | None) -> None:
         )
 
 
+def _check_depth(owner: str, name: str, depth: int | None) -> None:
+    if depth is None:
+        return
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"{owner}.{name} must be an int in [1, {MAX_DEPTH}], got {depth!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class FixedDepth:
     """Every token runs exactly `depth` core iterations."""
@@ -74,8 +82,7 @@ class FixedDepth:
     Every token exits at `depth`, so both give the same values; recorded for the run."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
-            raise ValueError(f"FixedDepth.depth must be an int >= 1, got {self.depth!r}")
+        _check_depth("FixedDepth", "depth", self.depth)
         _check_kv("FixedDepth", self.kv)
 
 
@@ -92,6 +99,7 @@ class _Adaptive:
 
     def __post_init__(self) -> None:
         _check_kv(type(self).__name__, self.kv)
+        _check_depth(type(self).__name__, "max_depth", self.max_depth)
         if not isinstance(self.threshold, int | float) or not math.isfinite(self.threshold):
             raise ValueError(f"{type(self).__name__}.threshold must be a finite number")
         if self.min_depth < 1:
@@ -130,6 +138,7 @@ class OuroGate:
 
     def __post_init__(self) -> None:
         _check_kv("OuroGate", self.kv)
+        _check_depth("OuroGate", "max_depth", self.max_depth)
         if not 0.0 < self.q <= 1.0:
             raise ValueError(f"OuroGate.q must be in (0, 1], got {self.q}")
         if self.min_depth < 1:
@@ -221,6 +230,12 @@ def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
         if type(policy) is cls:
             return {"kind": kind, **dataclasses.asdict(policy)}
     raise ValueError(f"unknown exit policy {policy!r}")
+
+
+def policy_json(policy: ExitPolicy | None) -> str:
+    """Canonical JSON of `policy` ('' for None): equal strings = equal policies."""
+    d = policy_to_dict(policy)
+    return "" if d is None else json.dumps(d, sort_keys=True)
 
 
 def policy_from_dict(d: Mapping[str, Any] | None) -> ExitPolicy | None:
@@ -319,6 +334,7 @@ __all__ = [
     "needs_gate",
     "needs_logits",
     "policy_from_dict",
+    "policy_json",
     "policy_to_dict",
     "resolve_kv",
     "resolve_max_depth",

@@ -120,8 +120,20 @@ class RolloutSection:
     """Token ids that end a completion (kept in it)."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion (kept in it; the generators detokenize to find them)."""
+    exit_policy: dict[str, Any] = field(default_factory=dict)
+    """Exit policy, e.g. {kind: ouro_gate, q: 0.8, kv: full}; kinds fixed (depth), latent_diff / kl / entropy_diff (threshold), ouro_gate (q); min_depth, max_depth (up to 255, beyond the model's depth allowed); kv full | last_exited (null: the family's default, docs/MODELS.md). Empty: every token at the model's depth. Generators run it, the door bounds exit depths by it, replay uses its kv."""
+
+    def policy(self) -> Any:
+        """`exit_policy` as a models.exits policy (None when empty)."""
+        from models.exits import policy_from_dict
+
+        return policy_from_dict(self.exit_policy) if self.exit_policy else None
 
     def __post_init__(self) -> None:
+        try:
+            self.policy()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"rollout.exit_policy {dict(self.exit_policy)!r}: {e}") from None
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")
         _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1")
         _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")

@@ -74,8 +74,17 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
         "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
         "--seed", str(cfg.seed + i), "--max-model-len", str(g.max_model_len), *curve,
         "--dtype", _generator_dtype(cfg),
+        *_exit_policy_args(cfg),
         *g.extra_args,
     ]  # fmt: skip
+
+
+def _exit_policy_args(cfg: RunConfig) -> list[str]:
+    """rollout.exit_policy as the generator's --exit-policy JSON (none when empty)."""
+    from models.exits import policy_json
+
+    policy = cfg.rollout.policy()
+    return ["--exit-policy", policy_json(policy)] if policy is not None else []
 
 
 def _generator_dtype(cfg: RunConfig) -> str:

@@ -243,9 +243,9 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", stale=m["staleness_max"],
                             v=m["version"])  # fmt: skip
 
+    limits = ModelLimits.from_checkpoint(model, cfg.rollout.policy())  # depths: the policy's
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
-                        run_dir=run_dir, limits=ModelLimits.from_checkpoint(model),
-                        on_step=on_step, background=True)  # fmt: skip
+                        run_dir=run_dir, limits=limits, on_step=on_step, background=True)  # fmt: skip
     if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
         from pipeline.eval_rounds import EvalRounds
         from pipeline.evaluation import eval_prompts

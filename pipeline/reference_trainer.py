@@ -50,6 +50,7 @@ class ReferenceTrainer:
     def __init__(self, cfg: Any, model_dir: Path) -> None:
         from learner.objectives import ObjectiveConfig, ValueLossConfig
         from models.checkpoint import load_model, read_config, tied_from_module
+        from models.exits import resolve_kv
 
         torch.manual_seed(cfg.seed)
         self.model_dir = Path(model_dir)
@@ -84,6 +85,7 @@ class ReferenceTrainer:
                                     coef=o.value_coef)  # fmt: skip
         self.normalize_std, self.gamma, self.lam = o.normalize_std, o.gamma, o.lam
         self.temperature, self.top_p, self.numerics = r.temperature, r.top_p, cfg.numerics
+        self.kv = resolve_kv(r.policy(), self.config)  # replay the run's exit KV semantics
         groups: list[dict[str, Any]] = [{"params": list(self.model.parameters())}]
         self.value_head: torch.nn.Linear | None = None
         p = cfg.optimizer
@@ -145,7 +147,8 @@ class ReferenceTrainer:
         cache = KVCache.empty(m, bsz, length, max(full))
         out = run_chunk(
             m, cache, toks, positions, valid, [int(r.latent_seed) for r in rolls],
-            max_depth=max(full), depths=deps, mode=self.numerics,
+            max_depth=max(full), depths=deps, mode=self.numerics, kv=self.kv,
+            row_depths=full if self.kv == "full" else None,
         )  # fmt: skip
         vocab = m.vocab_size
         mask = torch.zeros(bsz, tmax)

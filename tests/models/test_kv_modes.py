@@ -128,7 +128,7 @@ def test_huginn_thinks_deeper_than_mean_recurrence() -> None:
     assert a.exit_depths[0] == 48
     (ra,) = replay(model, items_of([a]), numerics="exact")
     assert float((ra.logprobs - a.logprobs).abs().max()) <= 1e-6
-    with pytest.raises(ValueError, match="> 255"):
+    with pytest.raises(ValueError, match=r"FixedDepth.depth must be an int in \[1, 255\]"):
         generate(model, [PROMPTS[0]], [0], sampling, FixedDepth(256))
     with pytest.raises(ValueError, match="full depth"):
         replay(model, [ReplayItem([1, 2], [3], 0, [256])])
