@@ -121,7 +121,11 @@ class RolloutSection:
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion (kept in it; the generators detokenize to find them)."""
     exit_policy: dict[str, Any] = field(default_factory=dict)
-    """Exit policy, e.g. {kind: ouro_gate, q: 0.8, kv: full}; kinds fixed (depth), latent_diff / kl / entropy_diff (threshold), ouro_gate (q); min_depth, max_depth (up to 255, beyond the model's depth allowed); kv full | last_exited (null: the family's default, docs/MODELS.md). Empty: every token at the model's depth. Generators run it, the door bounds exit depths by it, replay uses its kv."""
+    """Exit policy, e.g. {kind: ouro_gate, q: 0.8, kv: full}: kinds fixed (depth), latent_diff /
+    kl / entropy_diff (threshold), ouro_gate (q); min_depth, max_depth (up to 255, beyond the
+    model's depth allowed); kv full | last_exited (null: the family's default, docs/MODELS.md).
+    Empty: every token at the model's depth. The generators run it, the door bounds exit depths
+    by its max depth, both backends replay in its kv."""
 
     def policy(self) -> Any:
         """`exit_policy` as a models.exits policy (None when empty)."""

@@ -102,3 +102,40 @@ def test_megatron_replay_matches_reference_in_both_kv_and_deeper() -> None:
         assert exact == dict(logprob=0.0, entropy=0.0, hidden=0.0), (name, exact)
         assert fast["logprob"] <= 1e-5, (name, fast)
         assert results[f"{name}/other"] > 1e-4, name  # the kv setting is honoured
+
+
+def adapter_body(items: list[ReplayItem], logprobs: list[torch.Tensor]) -> dict[str, Any]:
+    """build_learner_trainer (the `looprl learner` path) maps rollout.exit_policy's kv onto
+    MegatronOptions.kv: replay with the trainer's policy model, kv left to the options."""
+    from learner.parallel import destroy_distributed, init_distributed
+    from learner.replay import replay, unwrap
+    from pipeline.config import load_config
+    from pipeline.megatron_adapter import build_learner_trainer
+
+    init_distributed(tp=1, seed=0)
+    cfg_ouro = tiny_config("ouro")
+    state = build_model(cfg_ouro, seed=0).state_dict()
+    out: dict[str, Any] = {}
+    for name, policy in (("default", {}), ("full", {"kind": "ouro_gate", "q": 0.8, "kv": "full"}),
+                         ("last_exited", {**{"kind": "ouro_gate", "q": 0.8}, "kv": "last_exited"})):  # fmt: skip
+        over = {"rollout": {"n": 4, "prompts_per_step": 2, "exit_policy": policy}}
+        trainer = build_learner_trainer(load_config(None, over), cfg_ouro, state)
+        model = trainer.policy_model
+        res = replay(model, items, numerics="exact")
+        out[name] = (unwrap(model).options.kv, _max_diff([r.logprobs for r in res], logprobs))
+    destroy_distributed()
+    return out
+
+
+def test_run_exit_policy_sets_the_megatron_trainers_kv() -> None:
+    model = build_model(tiny_config("ouro"), seed=0)
+    gens = generate(model, [[5, 9, 13, 17], [300, 4]], [1, 2], SamplingParams(max_new_tokens=8),
+                    OuroGate(0.8, kv="full"), "exact")  # fmt: skip
+    assert len({d for g in gens for d in g.exit_depths}) > 1
+    items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+    logprobs = [g.logprobs for g in gens]
+    out = run_distributed(adapter_body, 1, items, logprobs, torchrun_env=False, timeout_s=300)[0]
+    print(f"\n{out}")
+    assert out["full"] == ("full", 0.0)
+    assert out["default"] == ("full", 0.0)  # Ouro's default: its official semantics
+    assert out["last_exited"][0] == "last_exited" and out["last_exited"][1] > 1e-4
