@@ -176,6 +176,10 @@ def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
         ctrl, wts = (ep.replace(f"//{host}:", f"//{there}:", 1) for ep in (ctrl, wts))
     cmd = (f"looprl generator --learner {ctrl} --weights-endpoint {wts} --model {model} "
            f"--reward {cfg.task.reward} --numerics {cfg.numerics}")  # fmt: skip
+    if cfg.rollout.policy() is not None:  # the run's exit policy (Welcome checks it)
+        from models.exits import policy_json
+
+        cmd += f" --exit-policy '{policy_json(cfg.rollout.policy())}'"
     e = cfg.endpoints
     if e.keys:
         from pipeline.launcher import generator_keys

@@ -49,6 +49,11 @@ def test_launcher_and_welcome_carry_the_run_policy() -> None:
     assert policy_from_dict(sent) == OuroGate(0.8, kv="full")
     plain = generator_command(load_config(), 0, "tcp://a:1", "tcp://a:2", Path("m"))
     assert "--exit-policy" not in plain
+    from pipeline.learner_main import generator_hint
+
+    hint = generator_hint(cfg, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", Path("m"))
+    assert f"--exit-policy '{policy_json(OuroGate(0.8, kv='full'))}'" in hint
+    assert "--exit-policy" not in generator_hint(load_config(), "tcp://a:1", "tcp://a:2", Path("m"))
     settings = Coordinator._welcome_settings(SimpleNamespace(cfg=cfg))  # type: ignore[arg-type]
     assert settings == {"numerics": "fast", "exit_policy": policy_json(OuroGate(0.8, kv="full"))}
     welcome = SimpleNamespace(settings=settings)
