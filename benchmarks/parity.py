@@ -4,7 +4,10 @@
         [--modes exact,fast] [--max-new-tokens 24] [--prompts 4] [--seed 0]
 
 Each line: {"family", "pair", "mode", "max_abs_logprob_diff", "tokens", "depth_min",
-"depth_max", "seconds"}. Pairs:
+"depth_max", "kv", "seconds"}. Families are the four tiny models with their default policy
+and KV semantics, plus variants (`VARIANTS`): Ouro's gate (q = 0.8) in each exit KV semantics
+(`ouro_kv_full`, `ouro_kv_last_exited`, DESIGN contract 3) and Huginn thinking 48 iterations,
+8x its tiny mean_recurrence of 6 (`huginn_depth48`). Pairs:
 
 - reference: `models.reference.generate` (token by token, KV cache per (iteration, layer),
   adaptive exits: Huginn KL(0.1), Ouro gate q=0.8) vs `models.reference.replay` (one parallel
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.base import LoopedLM  # noqa: E402
 from models.config import tiny_config  # noqa: E402
-from models.exits import KL, ExitPolicy, FixedDepth, OuroGate  # noqa: E402
+from models.exits import KL, ExitPolicy, FixedDepth, OuroGate, resolve_kv  # noqa: E402
 from models.reference import ReplayItem, SamplingParams, build_model, generate, replay  # noqa: E402
 
 FAMILIES = ("huginn", "ouro", "nanbeige", "llama")
@@ -39,6 +42,11 @@ POLICIES: dict[str, ExitPolicy] = {
     "ouro": OuroGate(0.8),
     "nanbeige": FixedDepth(4),
     "llama": FixedDepth(1),
+}
+VARIANTS: dict[str, tuple[str, ExitPolicy]] = {  # name: (family, policy)
+    "ouro_kv_full": ("ouro", OuroGate(0.8, kv="full")),
+    "ouro_kv_last_exited": ("ouro", OuroGate(0.8, kv="last_exited")),
+    "huginn_depth48": ("huginn", FixedDepth(48)),
 }
 
 
@@ -60,7 +68,9 @@ def pair_reference(model: LoopedLM, case: Case, mode: str) -> tuple[float, int, 
     gens = generate(model, case.prompts, case.seeds, case.sampling, case.policy, mode)
     items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
     s = case.sampling
-    results = replay(model, items, temperature=s.temperature, top_p=s.top_p, numerics=mode)
+    results = replay(
+        model, items, temperature=s.temperature, top_p=s.top_p, numerics=mode, kv=case.policy.kv
+    )
     diff = max(float((g.logprobs - r.logprobs).abs().max()) for g, r in zip(gens, results))
     depths = [d for g in gens for d in g.exit_depths]
     return diff, sum(len(g.tokens) for g in gens), depths
@@ -78,6 +88,7 @@ PAIRS["megatron_vs_vllm"] = lambda *a: __import__("parity_cross").pair_megatron_
 
 
 def make_case(family: str, n_prompts: int, max_new_tokens: int, seed: int) -> Case:
+    """`family` is one of FAMILIES or VARIANTS."""
     gen = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(n_prompts):
@@ -85,13 +96,14 @@ def make_case(family: str, n_prompts: int, max_new_tokens: int, seed: int) -> Ca
         prompts.append(torch.randint(3, 512, (length,), generator=gen).tolist())
     seeds = [int(torch.randint(0, 2**62, (1,), generator=gen)) for _ in range(n_prompts)]
     sampling = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=max_new_tokens)
-    return Case(prompts, seeds, sampling, POLICIES[family])
+    policy = VARIANTS[family][1] if family in VARIANTS else POLICIES[family]
+    return Case(prompts, seeds, sampling, policy)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", default="reference", help=f"comma list of {sorted(PAIRS)}")
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join([*FAMILIES, *VARIANTS]))
     ap.add_argument("--modes", default="exact,fast")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=4)
@@ -103,15 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown pair {p!r}; known pairs: {', '.join(sorted(PAIRS))}")
     families = [f for f in args.families.split(",") if f]
     for f in families:
-        if f not in FAMILIES:
-            ap.error(f"unknown family {f!r}; known: {', '.join(FAMILIES)}")
+        if f not in FAMILIES and f not in VARIANTS:
+            ap.error(f"unknown family {f!r}; known: {', '.join([*FAMILIES, *VARIANTS])}")
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in ("exact", "fast"):
             ap.error(f"unknown numerics mode {m!r}; known: exact, fast")
     torch.set_num_threads(1)
     for family in families:
-        model = build_model(tiny_config(family), seed=args.seed)
+        base = VARIANTS[family][0] if family in VARIANTS else family
+        model = build_model(tiny_config(base), seed=args.seed)
         case = make_case(family, args.prompts, args.max_new_tokens, args.seed)
         for pair in pairs:
             for mode in modes:
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens": tokens,
                     "depth_min": min(depths),
                     "depth_max": max(depths),
+                    "kv": resolve_kv(case.policy, model.config),
                     "seconds": round(time.perf_counter() - t0, 3),
                 }
                 print(json.dumps(line), flush=True)

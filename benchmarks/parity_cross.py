@@ -71,6 +71,8 @@ class Job:
     temperature: float
     top_p: float
     gen_seconds: float
+    kv: str | None = None
+    """The exit policy's KV semantics (DESIGN contract 3; None = the family's default)."""
 
 
 def splits(config: ModelConfig, tp: int) -> bool:
@@ -115,6 +117,7 @@ def vllm_generate(model: LoopedLM, case: Any, mode: str, family: str) -> Job:
         temperature=s.temperature,
         top_p=s.top_p,
         gen_seconds=time.perf_counter() - t0,
+        kv=case.policy.kv,
     )
 
 
@@ -123,7 +126,7 @@ def megatron_replay(jobs: Sequence[Job], tp: int) -> list[tuple[list[torch.Tenso
     per job, (replay log-probs per item, seconds of policy build + replay)."""
     with tempfile.TemporaryDirectory() as tmp:
         payload, out = Path(tmp) / "jobs.pt", Path(tmp) / "out.pt"
-        keys = ("mode", "config", "state", "temperature", "top_p")
+        keys = ("mode", "config", "state", "temperature", "top_p", "kv")
         specs = [dict({k: getattr(j, k) for k in keys}, items=j.items) for j in jobs]
         torch.save(specs, payload)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -147,7 +150,8 @@ def worker(tp: int, payload: str, out: str) -> int:
     results = []
     for spec in specs:
         t0 = time.perf_counter()
-        policy = build_policy(spec["config"], MegatronOptions(), hf_state=spec["state"])
+        options = MegatronOptions(kv=spec["kv"])
+        policy = build_policy(spec["config"], options, hf_state=spec["state"])
         res = replay(
             policy,
             spec["items"],

@@ -80,7 +80,8 @@ def pair_megatron_vs_reference(model: LoopedLM, case: Any, mode: str) -> tuple[f
         parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1)
-    policy = build_policy(model.config, MegatronOptions(), hf_state=model.state_dict())
+    options = MegatronOptions(kv=case.policy.kv)  # the case's exit KV semantics (contract 3)
+    policy = build_policy(model.config, options, hf_state=model.state_dict())
     gens = generate(model, case.prompts, case.seeds, case.sampling, case.policy, mode)
     items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
     from learner.replay import replay

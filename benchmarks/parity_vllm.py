@@ -91,7 +91,10 @@ def pair_vllm_vs_reference(model: LoopedLM, case: Case, mode: str) -> tuple[floa
         ReplayItem(p, x.tokens.tolist(), x.latent_seed, x.exit_depths.tolist())
         for p, x in zip(case.prompts, samples)
     ]
-    results = replay(model, replay_items, temperature=s.temperature, top_p=s.top_p, numerics=mode)
+    results = replay(
+        model, replay_items, temperature=s.temperature, top_p=s.top_p, numerics=mode,
+        kv=case.policy.kv,
+    )  # fmt: skip
     diff = max(
         float((torch.from_numpy(x.logprobs) - r.logprobs).abs().max())
         for x, r in zip(samples, results)

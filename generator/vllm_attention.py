@@ -10,7 +10,8 @@ layer, each owning a vLLM `Attention` (hence its own paged KV cache). Per call:
   through the block table and attention runs as `models.numerics.attention(mode="exact")`
   (fp64, the order-defined recipe), so it equals the reference bit for bit.
 - `write(k, v)`: only stores k, v (iterations no token of the step still runs; the cache
-  must still hold every token's last-exited K/V for later queries, DESIGN contract 3).
+  must still hold every token's last-exited K/V for later queries, DESIGN contract 3,
+  kv: last_exited; under kv: full every token runs every iteration and writes its own).
 
 Cache layouts read back in exact mode (vLLM 0.32): CPU_ATTN `[blocks, kv_heads, block, 2*D]`
 (each (block, head) page: the keys transposed [D, block], then the values [block, D]; this is

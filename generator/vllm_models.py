@@ -14,11 +14,13 @@ the reference's own code (`qkv` / `post` of the blocks, `embed`, `initial_state`
 tokens runs, like `models.engine.run_chunk`:
 
     e = prelude(embed(tokens));  s = initial_state(e, positions, latent seeds)
-    for d in 1..D: core stack on every token (exited tokens: K/V carried from their exit
-                   iteration, state frozen; contract 3); exits: prompt positions at D,
-                   generated positions by the exit policy (or their recorded depth after a
-                   preemption), checked after each iteration
-    hidden = readout_out(coda(readout_in(s)))      -> compute_logits: head(hidden)
+    for d in 1..D: core stack on every token; exits: prompt positions at D, generated
+                   positions by the exit policy (or their recorded depth after a
+                   preemption), checked after each iteration. Exited tokens (contract 3,
+                   the policy's kv): 'last_exited': K/V carried from their exit iteration,
+                   state frozen; 'full': they run on (K/V of every iteration), their exit
+                   state is kept aside for the readout
+    hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
 
 Settings (numerics, exit policy, recording) come from `additional_config["looprl"]`
 (`generator.vllm_settings`). Per-token latent seeds and the request layout come from the
@@ -46,6 +48,7 @@ from models.exits import (
     StepInfo,
     needs_gate,
     needs_logits,
+    resolve_kv,
     resolve_max_depth,
     should_exit,
 )
@@ -88,6 +91,7 @@ class _LoopedVllm:
         self.mode = settings.numerics
         self.policy = settings.exit_policy or FixedDepth(me.max_depth)
         self.depth = resolve_max_depth(self.policy, me.max_depth)
+        self.kv = resolve_kv(self.policy, config)
         self.record = settings.record
         self.record_book = RecordBook()
         self.weight_version = 0
@@ -180,17 +184,19 @@ class _LoopedVllm:
         n_layers = len(core)
         carry: list[tuple[Tensor, Tensor] | None] = [None] * n_layers
         exit_carry: ExitCarry | None = None
+        full = self.kv == "full"  # every token runs every iteration; exit state kept aside
+        out_state = state
         for d in range(self.depth):
             slots: list[Any] = list(self.core_attn[d * n_layers : (d + 1) * n_layers])
-            if not bool(active.any()):
+            if not full and not bool(active.any()):
                 for slot, kv in zip(slots, carry):  # keep the last-exited K/V visible
                     assert kv is not None
                     slot.write(*kv)
                 continue
             x = me.core_in(state, e, mode)
-            x = self._stack(core, slots, x, rope, carry, active)
+            x = self._stack(core, slots, x, rope, *((None, None) if full else (carry, active)))
             new = me.core_out(x, mode)
-            prev, state = state, torch.where(active[:, None], new, state)
+            prev, state = state, new if full else torch.where(active[:, None], new, state)
             ran = torch.where(active, d + 1, ran)
             stop = active & (fixed == d + 1)
             if pol_idx.numel():
@@ -201,8 +207,10 @@ class _LoopedVllm:
                     info.gate_logit = me.gate_logit(new[pol_idx], mode)
                 hit, exit_carry = should_exit(self.policy, info, exit_carry)
                 stop[pol_idx] |= active[pol_idx] & hit.to(dev)
+            if full:
+                out_state = torch.where(stop[:, None], state, out_state)
             active = active & ~stop
-        hidden = self._readout(state, rope)
+        hidden = self._readout(out_state if full else state, rope)
         if self.record and step.requests:
             toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
             self.record_book.on_forward(step, pos_np, toks, ran.cpu().numpy(), self.weight_version)

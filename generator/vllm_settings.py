@@ -7,10 +7,13 @@
                   | {"kind": "latent_diff" | "kl" | "entropy_diff", "threshold": 0.1,
                      "min_depth": 1, "max_depth": null}
                   | {"kind": "ouro_gate", "q": 0.8, "min_depth": 1, "max_depth": null},
+                  every kind also takes "kv": "full" | "last_exited" | null (family default;
+                  DESIGN contract 3) and a depth / max_depth up to 255 (beyond the model's own)
      "record": true}                                      per-token depths / log-probs side channel
 
-Kept out of config.json on purpose: `models.config` parses config.json strictly, and these are
-serving choices, not model facts. The settings are engine-wide (one policy per engine).
+The policy's JSON form and its parser live in `models.exits` (the learner reads the same run
+setting); they are re-exported here. Kept out of config.json on purpose: `models.config`
+parses config.json strictly, and these are serving choices, not model facts. The settings are engine-wide (one policy per engine).
 """
 
 from __future__ import annotations
@@ -20,18 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from models import numerics as nx
-from models.exits import KL, EntropyDiff, ExitPolicy, FixedDepth, LatentDiff, OuroGate
+from models.exits import ExitPolicy, policy_from_dict, policy_to_dict
 
 KEY = "looprl"
 """The key of `additional_config` that holds the plugin settings."""
-
-_KINDS: dict[str, type] = {
-    "fixed": FixedDepth,
-    "latent_diff": LatentDiff,
-    "kl": KL,
-    "entropy_diff": EntropyDiff,
-    "ouro_gate": OuroGate,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,31 +39,6 @@ class PluginSettings:
     """Engine-wide exit policy; None = every token at the model's max_depth."""
     record: bool = True
     """Keep per-token exit depths, behaviour log-probs and weight versions per request."""
-
-
-def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
-    """JSON form of an exit policy (see module doc)."""
-    if policy is None:
-        return None
-    for kind, cls in _KINDS.items():
-        if type(policy) is cls:
-            return {"kind": kind, **dataclasses.asdict(policy)}
-    raise ValueError(f"unknown exit policy {policy!r}")
-
-
-def policy_from_dict(d: Mapping[str, Any] | None) -> ExitPolicy | None:
-    """Inverse of `policy_to_dict` (ValueError naming the allowed kinds / fields)."""
-    if d is None:
-        return None
-    if not isinstance(d, Mapping) or d.get("kind") not in _KINDS:
-        raise ValueError(f"exit_policy needs 'kind' in {sorted(_KINDS)}, got {d!r}")
-    cls = _KINDS[d["kind"]]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    args = {k: v for k, v in d.items() if k != "kind"}
-    unknown = set(args) - fields
-    if unknown:
-        raise ValueError(f"exit_policy {d['kind']!r}: unknown fields {sorted(unknown)}")
-    return cls(**args)  # type: ignore[no-any-return]
 
 
 def settings_to_dict(settings: PluginSettings) -> dict[str, Any]:

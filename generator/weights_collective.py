@@ -97,7 +97,9 @@ class CollectiveWeightSink:
         if ann.total_bytes > self.max_total_bytes:
             self._nack(v, f"{ann.total_bytes} bytes exceed max_total_bytes {self.max_total_bytes}")
             return None
-        name, backend, timeout_s = str(c["round"]), str(c["backend"]), float(c["timeout_s"])
+        limit = c["timeout_s"]  # WeightAnnounce.validate checked it is a number > 0
+        assert isinstance(limit, int | float)
+        name, backend, timeout_s = str(c["round"]), str(c["backend"]), float(limit)
         try:
             store = self._store(str(c["store"]), timeout_s)
             store.set(coll.join_key(name, self.generator_id), "1")

@@ -10,8 +10,8 @@ Numerics (DESIGN contract 5, `models.numerics`):
 
 - `fast`: megatron's own forward (native fp32 / bf16 matmuls) and attention through
   `F.scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels on GPU). A
-  causal mask is all the depth logic needs: the last-exited rule lives in which K/V are passed,
-  and rows are right-padded, so a real query never sees a padding key.
+  causal mask is all the depth logic needs: the exit KV semantics (contract 3) live in which
+  K/V are passed, and rows are right-padded, so a real query never sees a padding key.
 - `exact`: every linear is `F.linear(x.double(), W.double())`; a `RowParallelLinear`'s fp64
   partial sums are all-reduced in fp64 over the TP group, the bias added in fp64, and the result
   rounded ONCE to fp32 after the reduction, so TP=1 and TP=2 agree bit for bit with the reference.

@@ -16,23 +16,23 @@ the reference's deterministic init (`models.reference.build_model(config, seed=i
 so every TP size starts from the same full weights.
 
 Forward = the reference replay (`models.engine.run_chunk` with recorded depths), batch-first:
-tokens [B, S] right-padded; one parallel pass over all positions per core iteration d, with
-position p active while d <= depths[p]; an inactive position keeps its state and attends / is
-attended with its K/V of its exit iteration (last-exited rule, DESIGN contract 3).
+tokens [B, S] right-padded; one parallel pass over all positions per core iteration d. Exited
+positions follow the KV semantics `kv` (DESIGN contract 3; `MegatronOptions.kv`, default the
+family's): 'last_exited': position p is active while d <= depths[p]; an inactive position
+keeps its state and attends / is attended with its K/V of its exit iteration. 'full': every
+position of row b runs its row's full depth D_b = depths[b, 0] (the prompt's depth); the state
+read out at p is the one after iteration depths[p].
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
@@ -43,50 +43,13 @@ from torch import Tensor, nn
 
 from learner.hf_convert import load_hf_state
 from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
+from learner.mcore_options import MegatronOptions, padded_rows, transformer_config
 from learner.triton_noise import latent_noise_cuda
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.contract import seed_to_i64
+from models.exits import MAX_DEPTH, check_kv, default_kv
 from models.noise import latent_noise
-
-RECOMPUTE = ("none", "block")
-
-
-@dataclasses.dataclass(frozen=True)
-class MegatronOptions:
-    """How the learner builds a looped model on megatron-core."""
-
-    numerics: str = "fast"
-    """Default numerics mode of forward ('fast' | 'exact'; DESIGN contract 5)."""
-    params_dtype: torch.dtype = torch.float32
-    """Parameter (and activation) dtype; exact mode needs float32."""
-    recompute: str = "none"
-    """Activation recompute: 'none' or 'block' (megatron `tensor_parallel.checkpoint` around
-    every block call of every iteration)."""
-    init_seed: int = 0
-    """Seed of the reference init used when no HF state is given."""
-    vocab_multiple: int = 1
-    """Embedding / head rows are padded to a multiple of lcm(vocab_multiple, tp); make it a
-    multiple of every TP size a dist checkpoint should reshard to (e.g. 128)."""
-    backprop_depth: int | None = None
-    """Truncated backprop through depth: gradients flow through each token's last k core
-    iterations only (earlier ones are constants); None = the family's `mean_backprop_depth`
-    (Huginn; others 0), 0 = all iterations. Log-probs are unchanged."""
-    compile: bool = False
-    """torch.compile every block (fast numerics only)."""
-
-    def __post_init__(self) -> None:
-        nx.check_mode(self.numerics)
-        if self.backprop_depth is not None and self.backprop_depth < 0:
-            raise ValueError(f"backprop_depth must be None or >= 0, got {self.backprop_depth}")
-        if self.compile and self.numerics == "exact":
-            raise ValueError("compile needs numerics 'fast' (exact keeps its own kernels)")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.numerics == "exact" and self.params_dtype != torch.float32:
-            raise ValueError("exact numerics needs params_dtype float32")
-        if self.vocab_multiple < 1:
-            raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
 
 
 class LoopedOutput(NamedTuple):
@@ -98,53 +61,6 @@ class LoopedOutput(NamedTuple):
     """[B, S, h] the hidden state the head reads (replicated on the TP group)."""
     values: Tensor | None
     """[B, S] value estimates (critic; None for a policy)."""
-
-
-def padded_rows(config: ModelConfig, tp: int, multiple: int = 1) -> int:
-    """Embedding / head rows padded up to a multiple of lcm(multiple, tp) (padding logits are
-    never read; padding rows are zeros)."""
-    m = math.lcm(tp, multiple)
-    return -(-config.rows // m) * m
-
-
-def transformer_config(config: ModelConfig, options: MegatronOptions) -> TransformerConfig:
-    """megatron's TransformerConfig for `config` at the current TP size."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if isinstance(config, HuginnConfig):
-        layers = config.n_layers
-        heads = groups = config.n_heads
-        ffn, dim, h = config.intermediate_size, config.head_dim, config.n_embd
-    else:
-        layers, heads = config.num_hidden_layers, config.num_attention_heads
-        groups, ffn = config.num_key_value_heads, config.intermediate_size
-        dim, h = config.head_dim, config.hidden_size
-    if heads % tp or groups % tp:
-        raise ValueError(f"tp={tp} must divide heads ({heads}) and key/value heads ({groups})")
-    return TransformerConfig(
-        num_layers=layers,
-        hidden_size=h,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=dim,
-        ffn_hidden_size=ffn,
-        tensor_model_parallel_size=tp,
-        params_dtype=options.params_dtype,
-        bf16=options.params_dtype == torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        add_bias_linear=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        init_method=nn.init.zeros_,
-        output_layer_init_method=nn.init.zeros_,
-    )
 
 
 class LoopedGPT(MegatronModule):
@@ -344,15 +260,19 @@ class LoopedGPT(MegatronModule):
         latent_seeds: Tensor | Sequence[int],
         numerics: str | None = None,
         head_rows: Tensor | None = None,
+        kv: str | None = None,
     ) -> LoopedOutput:
         """Replay forward of right-padded rows.
 
-        tokens [B, S] int64; depths [B, S] int64 core iterations per position (1..max_depth
-        where valid); valid [B, S] bool, a prefix of each row; latent_seeds: B uint64 seeds
-        (ints, or an int64 tensor read as two's complement). numerics: None = options.numerics.
-        head_rows [B, S] bool: the head runs at those N positions only (logits [N, V_pad / tp]).
+        tokens [B, S] int64; depths [B, S] int64 exit depths per position (1..255 where valid;
+        the model may run deeper than its trained max_depth); valid [B, S] bool, a prefix of
+        each row; latent_seeds: B uint64 seeds (ints, or an int64 tensor read as two's
+        complement). numerics: None = options.numerics; kv: None = options.kv, else the
+        family's default. head_rows [B, S] bool: the head runs at those N positions only
+        (logits [N, V_pad / tp]).
         """
         mode = nx.check_mode(numerics or self.options.numerics)
+        kv = check_kv(kv or self.options.kv or default_kv(self.family_config))
         bsz, seq = tokens.shape
         dev = tokens.device
         seeds = _seed_tensor(latent_seeds, bsz)
@@ -360,8 +280,12 @@ class LoopedGPT(MegatronModule):
         lengths = valid.sum(dim=1)
         if not torch.equal(valid, positions < lengths[:, None]):
             raise ValueError("valid must be a prefix of every row (right padding)")
-        if ((depths < 1) | (depths > self.max_depth))[valid].any():
-            raise ValueError(f"depths must be in [1, {self.max_depth}] at valid positions")
+        if ((depths < 1) | (depths > MAX_DEPTH))[valid].any():
+            raise ValueError(f"depths must be in [1, {MAX_DEPTH}] at valid positions")
+        full = kv == "full"
+        run_to = depths[:, :1].expand(bsz, seq) if full else depths  # full: the row's depth
+        if full and bool((depths > run_to)[valid].any()):
+            raise ValueError("kv='full': an exit depth exceeds its row's full depth depths[b, 0]")
         mask = valid[:, None, :] & (positions[:, None, :] <= positions[:, :, None])
         mask[..., 0] |= ~mask.any(dim=-1)
         rope = self._rope(positions, mode)
@@ -370,7 +294,8 @@ class LoopedGPT(MegatronModule):
             e = self._block(blk, e, rope, mask, mode)[0]
         state = self._initial_state(e, positions, seeds)
         prev: list[tuple[Tensor, Tensor] | None] = [None] * len(self.core)
-        n_iter = int(depths[valid].max()) if bool(valid.any()) else 0
+        n_iter = int(run_to[valid].max()) if bool(valid.any()) else 0
+        out_state = state
         # Truncated backprop (k > 0): token t's iterations i < depths[t] - k carry no gradient.
         # Iterations where that holds for every valid token run under no_grad; the others
         # detach the frozen tokens' K/V and outputs (LoopedBlock) and their new state.
@@ -378,7 +303,7 @@ class LoopedGPT(MegatronModule):
         lo = int(depths[valid].min()) - k_bp if k_bp and n_iter else 0
         hi = n_iter - k_bp if k_bp else 0
         for i in range(n_iter):
-            active = valid & (depths > i)
+            active = valid & (run_to > i)
             frozen = valid & (depths - k_bp > i) if lo <= i < hi else None
             with torch.no_grad() if i < lo else contextlib.nullcontext():
                 x = self._core_in(state, e, mode)
@@ -389,7 +314,9 @@ class LoopedGPT(MegatronModule):
                 if frozen is not None:
                     new = torch.where(frozen[:, :, None], new.detach(), new)
                 state = torch.where(active[:, :, None], new, state)
-        hidden = self._readout(state, rope, mask, mode)
+                if full:
+                    out_state = torch.where((depths == i + 1)[:, :, None], state, out_state)
+        hidden = self._readout(out_state if full else state, rope, mask, mode)
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]
             return LoopedOutput(None, hidden, values)

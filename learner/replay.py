@@ -12,7 +12,9 @@ shape the parity checks compare.
 Batch layout (the same as `models.reference.replay`): row b holds prompt + completion[:-1]
 (the last completion token is never fed), right-padded. Position p predicts token p + 1; the
 positions plen - 1 .. plen + n - 2 sampled the n completion tokens (`loss_mask`). Prompt
-positions run the full depth D = exit_depths[0], position plen - 1 + t runs exit_depths[t].
+positions run the full depth D = exit_depths[0], position plen - 1 + t exits after
+exit_depths[t] iterations; `kv` names the KV semantics of exited positions (DESIGN contract
+3; None = the model's `MegatronOptions.kv`, else the family's default).
 
 Token statistics. The head gives this rank's vocab shard of the logits; at TP > 1 the rows of
 `loss_mask` are all-gathered to full vocabulary (megatron's gather, whose backward takes the
@@ -162,6 +164,7 @@ def replay_forward(
     temperature: float = 1.0,
     top_p: float = 1.0,
     numerics: str | None = None,
+    kv: str | None = None,
 ) -> ReplayOutput:
     """Differentiable replay of `batch` through the policy (module doc). `model` is a
     LoopedGPT or a wrapper of one (Megatron DDP): the wrapper's forward is the one called."""
@@ -169,7 +172,7 @@ def replay_forward(
     if core.is_critic:
         raise ValueError("replay_forward needs a policy (LM head), got a critic")
     mode = nx.check_mode(numerics or core.options.numerics)
-    out = model(batch.tokens, batch.depths, batch.valid, batch.latent_seeds, numerics=mode)
+    out = model(batch.tokens, batch.depths, batch.valid, batch.latent_seeds, numerics=mode, kv=kv)
     assert out.logits is not None
     sel = batch.loss_mask
     lp, ent = token_logprobs(
@@ -188,13 +191,16 @@ def replay(
     temperature: float = 1.0,
     top_p: float = 1.0,
     numerics: str | None = None,
+    kv: str | None = None,
 ) -> list[ReplayResult]:
     """`models.reference.replay`'s results, computed by the megatron model (no grad)."""
     if not items:
         return []
     dev = next(model.parameters()).device
     batch = make_replay_batch(items).to(dev)
-    out = replay_forward(model, batch, temperature=temperature, top_p=top_p, numerics=numerics)
+    out = replay_forward(
+        model, batch, temperature=temperature, top_p=top_p, numerics=numerics, kv=kv
+    )
     results = []
     for b in range(len(items)):
         sel = batch.loss_mask[b]

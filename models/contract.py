@@ -60,7 +60,9 @@ def seed_from_i64(x: int) -> int:
 
 def full_depth(exit_depths: Sequence[int] | np.ndarray, model_depth: int) -> int:
     """D = exit_depths[0] after checking contract 2: D in [1, model_depth] and every depth in
-    [1, D]. ValueError naming the broken rule otherwise (also for an empty list)."""
+    [1, D]. ValueError naming the broken rule otherwise (also for an empty list).
+    `model_depth` is the deepest full depth allowed: the run's exit policy's max depth (which
+    may exceed the model's trained depth), or MAX_DEPTH (255) where no policy is known."""
     if len(exit_depths) == 0:
         raise ValueError("exit_depths is empty (a completion has at least one token)")
     d = [int(x) for x in exit_depths]
@@ -68,7 +70,7 @@ def full_depth(exit_depths: Sequence[int] | np.ndarray, model_depth: int) -> int
     if not 1 <= full <= model_depth:
         raise ValueError(
             f"exit_depths[0] (the full depth) = {full} must be in [1, {model_depth}] "
-            "(the model's depth)"
+            "(the exit policy's max depth)"
         )
     lo, hi = min(d), max(d)
     if lo < 1 or hi > full:

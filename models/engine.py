@@ -9,11 +9,18 @@ row's cache. A chunk runs, for every position at once:
                              (a position is active until it exits) ->
     readout: coda stack (KV slot per coda layer) on each position's final state -> head
 
-The last-exited rule (DESIGN contract 3) is implemented by copying: when a position exits
-after iteration e, its K/V of slots (e, l) are copied into slots (d, l) for every d > e, so any
-later query at iteration d reads the position's iteration-e K/V; its state is frozen (an
-inactive position's new state is discarded), and its K/V are never rewritten. Attention of the
-query at position p sees the cached positions t <= p of its own row (`filled`).
+Exited positions follow one of the two KV semantics of DESIGN contract 3 (`kv`):
+
+- `last_exited` is implemented by copying: when a position exits after iteration e, its K/V of
+  slots (e, l) are copied into slots (d, l) for every d > e, so any later query at iteration d
+  reads the position's iteration-e K/V; its state is frozen (an inactive position's new state
+  is discarded), and its K/V are never rewritten.
+- `full`: every valid position runs every iteration up to its row's full depth (`max_depth`,
+  or `row_depths`) and writes its K/V in every slot; the state read out is the one after its
+  exit iteration (kept aside when it exits; later iterations only feed the K/V).
+
+Attention of the query at position p sees the cached positions t <= p of its own row
+(`filled`).
 
 Generation feeds the prompt as one chunk with every position at full depth, then one token per
 chunk with an exit policy; replay feeds whole sequences as one chunk with the recorded depths.
@@ -31,7 +38,15 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.exits import ExitCarry, ExitPolicy, StepInfo, needs_gate, needs_logits, should_exit
+from models.exits import (
+    ExitCarry,
+    ExitPolicy,
+    StepInfo,
+    check_kv,
+    needs_gate,
+    needs_logits,
+    should_exit,
+)
 from models.layers import Block
 
 if TYPE_CHECKING:  # models.base imports this module (its forward runs forward_full)
@@ -122,14 +137,20 @@ def run_chunk(
     depths: Tensor | None = None,
     policy: ExitPolicy | None = None,
     mode: str = "fast",
+    kv: str = "last_exited",
+    row_depths: Sequence[int] | None = None,
 ) -> ChunkOut:
     """One chunk forward (see module doc).
 
     tokens, positions: [B, S] int64; valid: [B, S] bool (False = padding, never written);
     seeds: one latent seed per row. Exactly one of `depths` ([B, S], 1..max_depth at valid
     positions: replay / prefill) and `policy` (decode, S == 1) says when positions exit.
+    kv: 'last_exited' | 'full' (contract 3); row_depths (kv='full' only): each row's full
+    depth, the iterations every position of the row runs (default: max_depth). `depths` of
+    the returned ChunkOut are the exit depths.
     """
     nx.check_mode(mode)
+    full = check_kv(kv) == "full"
     if (depths is None) == (policy is None):
         raise ValueError("run_chunk needs exactly one of depths and policy")
     bsz, seq = tokens.shape
@@ -161,13 +182,24 @@ def run_chunk(
     done = ~val
     ran = torch.zeros(n, dtype=torch.int64, device=dev)
     carry: ExitCarry | None = None
+    run_to = torch.full((n,), max_depth, dtype=torch.int64, device=dev)
+    if row_depths is not None:
+        if not full:
+            raise ValueError("row_depths is for kv='full' (last_exited runs to the exit depth)")
+        run_to = torch.as_tensor(list(row_depths), dtype=torch.int64, device=dev)[rows]
+        if bool(((run_to < 1) | (run_to > max_depth)).any()):
+            raise ValueError(f"row_depths must be in [1, {max_depth}]")
+    if full and depths is not None and bool((val & (dep > run_to)).any()):
+        raise ValueError("kv='full': an exit depth exceeds its row's full depth")
+    out_state = state
     for i in range(max_depth):
         active = ~done
-        if not active.any():
+        running = val & (run_to > i) if full else active
+        if not running.any():
             break
-        x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), active, r)
+        x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), running, r)
         new = model.core_out(x, mode)
-        prev, state = state, torch.where(active[:, None], new, state)
+        prev, state = state, torch.where(running[:, None], new, state)
         ran[active] = i + 1
         if depths is not None:
             stop = active & (dep == i + 1)
@@ -180,11 +212,13 @@ def run_chunk(
                 info.gate_logit = model.gate_logit(new, mode)
             hit, carry = should_exit(policy, info, carry)
             stop = active & hit.to(dev)
-        if stop.any() and i + 1 < max_depth:
+        if full:  # keep the exit state aside; the position runs on for the K/V
+            out_state = torch.where(stop[:, None], state, out_state)
+        elif stop.any() and i + 1 < max_depth:
             sb, sp = rows[stop], pos[stop]
             cache.core[i + 1 :, :, :, sb, sp] = cache.core[i, :, :, sb, sp].unsqueeze(0)
         done = done | stop
-    logits, hidden = _readout(model, cache, state, val, r)
+    logits, hidden = _readout(model, cache, out_state if full else state, val, r)
     return ChunkOut(
         logits=logits.view(bsz, seq, -1),
         hidden=hidden.view(bsz, seq, -1),

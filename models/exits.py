@@ -20,18 +20,55 @@ Criteria (Huginn's from `generate_with_adaptive_compute` in seal-rg/recurrent-pr
   p_d = lambda_d * R_{d-1}, R_d = R_{d-1} (1 - lambda_d), R_0 = 1; exit at the first d with
   cumulative sum_{i<=d} p_i >= q (the official cumsum-threshold rule).
 
-Every policy also exits at its max depth (default: the model's max_depth) and never before
-min_depth. fast mode evaluates the criteria in fp32 as the official code does; exact mode in
+Every policy also exits at its max depth (default: the model's max_depth; up to MAX_DEPTH = 255,
+the wire format's bound, so a model may think longer than it was trained to) and never before
+min_depth.
+
+KV semantics of exited tokens (DESIGN contract 3), the policy's `kv` field:
+
+- `last_exited`: an exited token's state is frozen; deeper iterations' queries see its K/V of
+  its exit iteration (Huginn's official cache behaviour with adaptive compute: a later step
+  reads the latest entry a token wrote). Saves the exited token's compute.
+- `full`: every token runs every iteration up to the policy's max depth (its K/V exist at
+  every iteration); the exit only picks which iteration's state is read out and sampled from
+  (official Ouro: `OuroForCausalLM.forward` runs all `total_ut_steps` and selects the output
+  at the exit step).
+
+None = the family's default (`default_kv`): the one its official code implements.
+
+fast mode evaluates the criteria in fp32 as the official code does; exact mode in
 fp64 from the same fp32 inputs, so another exact implementation takes the same decisions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from proto.records import MAX_DEPTH  # the deepest exit policy: exit depths travel as uint8
+
+KV_MODES = ("full", "last_exited")
+"""KV semantics of exited tokens (module doc)."""
+
+
+def _check_kv(owner: str, kv: str | None) -> None:
+    if kv is not None and kv not in KV_MODES:
+        raise ValueError(
+            f"{owner}.kv must be one of {KV_MODES} or None (family default), got {kv!r}"
+        )
+
+
+def _check_depth(owner: str, name: str, depth: int | None) -> None:
+    if depth is None:
+        return
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"{owner}.{name} must be an int in [1, {MAX_DEPTH}], got {depth!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +76,14 @@ class FixedDepth:
     """Every token runs exactly `depth` core iterations."""
 
     depth: int
-    """Iterations (1 .. model max_depth)."""
+    """Iterations (1 .. MAX_DEPTH; beyond the model's max_depth = thinking longer)."""
+    kv: str | None = None
+    """KV semantics of exited tokens ('full' | 'last_exited'; None = the family's default).
+    Every token exits at `depth`, so both give the same values; recorded for the run."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
-            raise ValueError(f"FixedDepth.depth must be an int >= 1, got {self.depth!r}")
+        _check_depth("FixedDepth", "depth", self.depth)
+        _check_kv("FixedDepth", self.kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +94,12 @@ class _Adaptive:
     """No exit before this many iterations."""
     max_depth: int | None = None
     """Forced exit here; None = the model's max_depth."""
+    kv: str | None = None
+    """KV semantics of exited tokens ('full' | 'last_exited'; None = the family's default)."""
 
     def __post_init__(self) -> None:
+        _check_kv(type(self).__name__, self.kv)
+        _check_depth(type(self).__name__, "max_depth", self.max_depth)
         if not isinstance(self.threshold, int | float) or not math.isfinite(self.threshold):
             raise ValueError(f"{type(self).__name__}.threshold must be a finite number")
         if self.min_depth < 1:
@@ -89,12 +133,18 @@ class OuroGate:
     """No exit before this many iterations."""
     max_depth: int | None = None
     """Forced exit here; None = the model's max_depth."""
+    kv: str | None = None
+    """KV semantics of exited tokens ('full' | 'last_exited'; None = the family's default)."""
 
     def __post_init__(self) -> None:
+        _check_kv("OuroGate", self.kv)
+        _check_depth("OuroGate", "max_depth", self.max_depth)
         if not 0.0 < self.q <= 1.0:
             raise ValueError(f"OuroGate.q must be in (0, 1], got {self.q}")
         if self.min_depth < 1:
             raise ValueError("OuroGate.min_depth must be >= 1")
+        if self.max_depth is not None and self.max_depth < self.min_depth:
+            raise ValueError("OuroGate.max_depth must be >= min_depth")
 
 
 ExitPolicy = FixedDepth | LatentDiff | KL | EntropyDiff | OuroGate
@@ -131,15 +181,79 @@ class ExitCarry:
 
 
 def resolve_max_depth(policy: ExitPolicy, model_max_depth: int) -> int:
-    """The depth prompt positions run and the forced-exit depth of `policy`."""
+    """The depth prompt positions run and the forced-exit depth of `policy` (its own max depth,
+    else the model's; deeper than the model's is allowed up to MAX_DEPTH)."""
     depth = policy.depth if isinstance(policy, FixedDepth) else policy.max_depth
     depth = model_max_depth if depth is None else depth
-    if depth > model_max_depth:
+    if depth > MAX_DEPTH:
         raise ValueError(
-            f"{type(policy).__name__} asks for depth {depth} > the model's max_depth "
-            f"{model_max_depth}"
+            f"{type(policy).__name__} asks for depth {depth} > {MAX_DEPTH} (exit depths travel "
+            "as uint8)"
         )
     return depth
+
+
+def default_kv(config: Any) -> str:
+    """The KV semantics a family's official code implements: 'last_exited' for Huginn (its
+    cache), 'full' for the others (Ouro runs every step; Nanbeige and Llama never exit early).
+    `config` is a `models.config` family config (or anything with its `model_type`)."""
+    return "last_exited" if getattr(config, "model_type", "") == "huginn_raven" else "full"
+
+
+def resolve_kv(policy: ExitPolicy | None, config: Any) -> str:
+    """`policy.kv`, or the family's default when the policy leaves it None (or is None)."""
+    kv = None if policy is None else policy.kv
+    return default_kv(config) if kv is None else kv
+
+
+def check_kv(kv: str) -> str:
+    """`kv` if it is one of KV_MODES, else ValueError naming them."""
+    _check_kv("kv", kv)
+    return kv
+
+
+_KINDS: dict[str, type] = {
+    "fixed": FixedDepth,
+    "latent_diff": LatentDiff,
+    "kl": KL,
+    "entropy_diff": EntropyDiff,
+    "ouro_gate": OuroGate,
+}
+
+
+def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
+    """JSON form of an exit policy: {"kind": "fixed" | "latent_diff" | "kl" | "entropy_diff" |
+    "ouro_gate", **its fields}."""
+    if policy is None:
+        return None
+    for kind, cls in _KINDS.items():
+        if type(policy) is cls:
+            return {"kind": kind, **dataclasses.asdict(policy)}
+    raise ValueError(f"unknown exit policy {policy!r}")
+
+
+def policy_json(policy: ExitPolicy | None) -> str:
+    """Canonical JSON of `policy` ('' for None): equal strings = equal policies."""
+    d = policy_to_dict(policy)
+    return "" if d is None else json.dumps(d, sort_keys=True)
+
+
+def policy_from_dict(d: Mapping[str, Any] | None) -> ExitPolicy | None:
+    """Inverse of `policy_to_dict` (ValueError naming the allowed kinds / fields)."""
+    if d is None:
+        return None
+    if not isinstance(d, Mapping) or d.get("kind") not in _KINDS:
+        raise ValueError(f"exit_policy needs 'kind' in {sorted(_KINDS)}, got {d!r}")
+    cls = _KINDS[d["kind"]]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    args = {k: v for k, v in d.items() if k != "kind"}
+    unknown = set(args) - fields
+    if unknown:
+        raise ValueError(
+            f"exit_policy {d['kind']!r}: unknown fields {sorted(unknown)} (expected some of "
+            f"{sorted(fields)})"
+        )
+    return cls(**args)  # type: ignore[no-any-return]
 
 
 def needs_logits(policy: ExitPolicy) -> bool:
@@ -210,11 +324,19 @@ __all__ = [
     "ExitCarry",
     "ExitPolicy",
     "FixedDepth",
+    "KV_MODES",
     "LatentDiff",
+    "MAX_DEPTH",
     "OuroGate",
     "StepInfo",
+    "check_kv",
+    "default_kv",
     "needs_gate",
     "needs_logits",
+    "policy_from_dict",
+    "policy_json",
+    "policy_to_dict",
+    "resolve_kv",
     "resolve_max_depth",
     "should_exit",
 ]

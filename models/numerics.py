@@ -147,8 +147,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
 
     q: [B, S, H, D]; k, v: [B, T, G, D] with H % G == 0, query head j reads kv head
     j // (H / G) (HF `repeat_kv`); mask: [B, S, T] bool, True = visible (causality and the
-    last-exited rule live in the mask and in which K/V the caller passes). Every query row
-    must see at least one key. Returns [B, S, H * D].
+    exit KV semantics, contract 3, live in the mask and in which K/V the caller passes).
+    Every query row must see at least one key. Returns [B, S, H * D].
 
     exact, the one order-defined recipe:
       1. promote q, k, v to fp64;

@@ -21,9 +21,12 @@ reports lp of that token. Sampling draws q ~ Exp(1)^V from a torch.Generator see
 `latent_seed ^ SAMPLING_SALT` and takes argmax(exp(lp) / q): reproducible per latent seed,
 independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
 
-Depths (contract 2): the prompt runs the full depth D (the policy's max depth); the position
-that samples completion token t ran `exit_depths[t]` iterations; `exit_depths[0] == D`.
-Replay reads D from `exit_depths[0]`.
+Depths (contract 2): the prompt runs the full depth D (the policy's max depth, which may
+exceed the model's trained depth up to 255); the position that samples completion token t
+exited after `exit_depths[t]` iterations; `exit_depths[0] == D`. Replay reads D from
+`exit_depths[0]`. KV semantics of exited tokens (contract 3): the policy's `kv` (None = the
+family's default, `models.exits.default_kv`); replay takes the same `kv`. With kv='full' every
+position runs D iterations and samples from its state after `exit_depths[t]`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from models.base import LoopedLM
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
 from models.contract import check_latent_seed, full_depth, position_depths
 from models.engine import KVCache, run_chunk
-from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
+from models.exits import MAX_DEPTH, ExitPolicy, FixedDepth, check_kv, resolve_kv, resolve_max_depth
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
 
@@ -163,6 +166,7 @@ def generate(
     seeds = [_check_seed(s) for s in latent_seeds]
     policy = exit_policy if exit_policy is not None else FixedDepth(model.max_depth)
     depth = resolve_max_depth(policy, model.max_depth)
+    kv = resolve_kv(policy, model.config)
     bsz, lens = len(prompts), [len(p) for p in prompts]
     cache = KVCache.empty(model, bsz, max(lens) + sampling.max_new_tokens, depth)
     gens = [torch.Generator().manual_seed(s ^ SAMPLING_SALT) for s in seeds]
@@ -181,6 +185,7 @@ def generate(
         max_depth=depth,
         depths=torch.full(toks.shape, depth),
         mode=numerics,
+        kv=kv,
     )
     last = torch.tensor(lens) - 1
     logits = out.logits[torch.arange(bsz), last]
@@ -211,7 +216,7 @@ def generate(
         pos = torch.tensor([lens[b] + len(tokens[b]) - 1 for b in range(bsz)])[:, None]
         out = run_chunk(
             model, cache, feed, pos, live[:, None], seeds, max_depth=depth, policy=policy,
-            mode=numerics,
+            mode=numerics, kv=kv,
         )  # fmt: skip
         logits = out.logits[:, 0]
         step_depths = out.depths[:, 0].tolist()
@@ -228,11 +233,11 @@ def generate(
     ]
 
 
-def _check_item(item: ReplayItem, model_depth: int) -> int:
+def _check_item(item: ReplayItem) -> int:
     n = len(item.completion_tokens)
     if n == 0 or len(item.exit_depths) != n or not item.prompt_tokens:
         raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
-    full = full_depth(item.exit_depths, model_depth)
+    full = full_depth(item.exit_depths, MAX_DEPTH)
     _check_seed(item.latent_seed)
     return full
 
@@ -245,12 +250,15 @@ def replay(
     temperature: float = 1.0,
     top_p: float = 1.0,
     numerics: str = "fast",
+    kv: str | None = None,
 ) -> list[ReplayResult]:
-    """Recompute completions in one parallel forward per iteration (mixed lengths padded)."""
+    """Recompute completions in one parallel forward per iteration (mixed lengths padded).
+    kv: the KV semantics they were generated with (None = the family's default)."""
     nx.check_mode(numerics)
+    kv = check_kv(kv) if kv is not None else resolve_kv(None, model.config)
     if not items:
         return []
-    fulls = [_check_item(it, model.max_depth) for it in items]
+    fulls = [_check_item(it) for it in items]
     seqs = [list(it.prompt_tokens) + list(it.completion_tokens)[:-1] for it in items]
     bsz, length = len(items), max(len(s) for s in seqs)
     toks = torch.zeros(bsz, length, dtype=torch.int64)
@@ -271,6 +279,8 @@ def replay(
         max_depth=max(fulls),
         depths=deps,
         mode=numerics,
+        kv=kv,
+        row_depths=fulls if kv == "full" else None,
     )
     results = []
     for b, it in enumerate(items):

@@ -9,6 +9,7 @@ from typing import Any
 
 from generator.config import GeneratorConfig
 from models.contract import Sampling
+from models.errors import ConfigError
 from models.settings import check
 
 POLICIES = ("drop", "keep")
@@ -118,6 +119,18 @@ class RolloutSection(Sampling):
     """Token ids that end a completion (kept in it)."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion (kept in it; the generators detokenize to find them)."""
+    exit_policy: dict[str, Any] = field(default_factory=dict)
+    """Exit policy, e.g. {kind: ouro_gate, q: 0.8, kv: full}: kinds fixed (depth), latent_diff /
+    kl / entropy_diff (threshold), ouro_gate (q); min_depth, max_depth (up to 255, beyond the
+    model's depth allowed); kv full | last_exited (null: the family's default, docs/MODELS.md).
+    Empty: every token at the model's depth. The generators run it, the door bounds exit depths
+    by its max depth, both backends replay in its kv."""
+
+    def policy(self) -> Any:
+        """`exit_policy` as a models.exits policy (None when empty)."""
+        from models.exits import policy_from_dict
+
+        return policy_from_dict(self.exit_policy) if self.exit_policy else None
 
     @property
     def sampling(self) -> Sampling:
@@ -126,6 +139,10 @@ class RolloutSection(Sampling):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        try:
+            self.policy()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"rollout.exit_policy {dict(self.exit_policy)!r}: {e}") from None
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")
         _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1")
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step,
@@ -181,6 +198,7 @@ RUN_MANAGED = {
     "curve_on_loopback": "endpoints.curve_on_loopback",
     "max_num_seqs": "generators.max_inflight x rollout.n",
     "peer_timeout_s": "transport.peer_timeout_s",
+    "exit_policy": "rollout.exit_policy",
     "transport": "the transport section",
 }
 

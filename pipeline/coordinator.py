@@ -162,7 +162,7 @@ class Coordinator:
             d.add_generator(peer, rec.max_inflight, rec.weight_version, (rec.pid, rec.started_at))
             self.publisher.add_generator(peer, rec.weight_version)
             ep.send(peer, Welcome(self.run_id, peer, self.version,
-                                  ep.config.heartbeat_interval_s, {"numerics": self.cfg.numerics}))  # fmt: skip
+                                  ep.config.heartbeat_interval_s, self._welcome_settings()))  # fmt: skip
         elif isinstance(rec, Heartbeat):
             d.set_version(peer, rec.weight_version)
             if peer in self.publisher.generators():
@@ -195,6 +195,16 @@ class Coordinator:
             self._gone(peer, f"goodbye: {rec.reason}")
         elif isinstance(rec, Ack | Nack):
             pass  # the generator acknowledges nothing we act on yet
+
+    def _welcome_settings(self) -> dict[str, Any]:
+        """Run-wide generator settings a generator checks on Welcome: numerics and the exit
+        policy (canonical JSON, '' = full depth; its kv and max depth bound replay)."""
+        from models.exits import policy_json
+
+        return {
+            "numerics": self.cfg.numerics,
+            "exit_policy": policy_json(self.cfg.rollout.policy()),
+        }
 
     def void(self, entries: list[dict[str, Any]]) -> None:
         """Recorded rollouts whose samples are generated again (a resume voided them):

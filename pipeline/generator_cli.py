@@ -277,13 +277,23 @@ def probe_learner(
         ctx.term()
 
 
-def _check_welcome(numerics: str) -> Callable[[Any], None]:
+def _check_welcome(numerics: str, exit_policy: str = "") -> Callable[[Any], None]:
+    """A Welcome check: the learner's numerics and exit policy (canonical JSON,
+    `models.exits.policy_json`) must be this generator's."""
+
     def check(welcome: Any) -> None:
         want = welcome.settings.get("numerics")
         if want is not None and want != numerics:
             raise ValueError(
                 f"the learner runs numerics {want!r}, this generator {numerics!r} "
                 f"(restart it with --numerics {want})"
+            )
+        want = welcome.settings.get("exit_policy")
+        if want is not None and want != exit_policy:
+            raise ValueError(
+                f"the learner's run uses exit policy {want or 'none (full depth)'}, this "
+                f"generator {exit_policy or 'none (full depth)'} (restart it with "
+                f"--exit-policy '{want}', the run config's rollout.exit_policy)"
             )
 
     return check
@@ -294,9 +304,9 @@ def serve(cfg: GeneratorConfig) -> int:
     from generator.engine import LoopedEngine, to_rollouts
     from generator.loop import FatalError, GeneratorLoop, make_hello
     from generator.reward_runner import RewardRunner
-    from generator.vllm_settings import policy_from_dict
     from generator.weights_collective import CollectiveWeightSink
     from models.checkpoint import load_config, read_config
+    from models.exits import policy_from_dict, policy_json
     from pipeline.security import ClientCurve, generator_id_for
     from pipeline.transport import ConnectTimeout
     from pipeline.transport_zmq import ZmqGeneratorConnection
@@ -316,6 +326,10 @@ def serve(cfg: GeneratorConfig) -> int:
         gid = generator_id_for(name, cfg.generator_id)  # the learner binds the key to NAME[:...]
     transport = transport_config(cfg)
     load_config(cfg.model)  # a missing, empty or broken config.json: the file and the field
+    try:
+        policy = policy_from_dict(cfg.exit_policy_dict())
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"generator config exit_policy: {e}") from None
     archs = read_config(cfg.model).get("architectures") or []
     families = [_FAMILIES.get(a, a) for a in archs]
     endpoints = {"control": cfg.learner, "weights": weights_ep}
@@ -335,7 +349,7 @@ def serve(cfg: GeneratorConfig) -> int:
             cfg.model,
             numerics=cfg.numerics,
             dtype=cfg.dtype,
-            exit_policy=policy_from_dict(cfg.exit_policy_dict()),
+            exit_policy=policy,
             max_num_seqs=cfg.max_num_seqs,
             kv_cache_bytes=cfg.kv_cache_mb << 20,
             max_model_len=cfg.max_model_len or None,
@@ -363,7 +377,7 @@ def serve(cfg: GeneratorConfig) -> int:
                 serving_version=engine.weight_version,
             ),
             detokenize=_detokenizer(cfg.model),
-            check_welcome=_check_welcome(cfg.numerics),
+            check_welcome=_check_welcome(cfg.numerics, policy_json(policy)),
             drain_timeout_s=cfg.drain_timeout_s,
             resend_after_s=cfg.resend_after_s,
             max_unacked=cfg.max_unacked,

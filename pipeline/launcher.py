@@ -72,6 +72,7 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
         "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
         "--seed", str(cfg.seed + i), *curve, *transport_flags(cfg),
         "--dtype", _generator_dtype(cfg), *settings_flags(cfg),
+        *_exit_policy_args(cfg),
         *g.extra_args,
     ]  # fmt: skip
 
@@ -107,6 +108,14 @@ def settings_flags(cfg: RunConfig) -> list[str]:
         else:
             out += [name, str(value)]
     return out
+
+
+def _exit_policy_args(cfg: RunConfig) -> list[str]:
+    """rollout.exit_policy as the generator's --exit-policy JSON (none when empty)."""
+    from models.exits import policy_json
+
+    policy = cfg.rollout.policy()
+    return ["--exit-policy", policy_json(policy)] if policy is not None else []
 
 
 def _generator_dtype(cfg: RunConfig) -> str:

@@ -173,6 +173,10 @@ def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
         ctrl, wts = (ep.replace(f"//{host}:", f"//{there}:", 1) for ep in (ctrl, wts))
     cmd = (f"looprl generator --learner {ctrl} --weights-endpoint {wts} --model {model} "
            f"--reward {cfg.task.reward} --numerics {cfg.numerics}")  # fmt: skip
+    if cfg.rollout.policy() is not None:  # the run's exit policy (Welcome checks it)
+        from models.exits import policy_json
+
+        cmd += f" --exit-policy '{policy_json(cfg.rollout.policy())}'"
     e = cfg.endpoints
     if e.keys:
         from pipeline.launcher import generator_keys
@@ -240,9 +244,9 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", stale=m["staleness_max"],
                             v=m["version"])  # fmt: skip
 
+    limits = ModelLimits.from_checkpoint(model, cfg.rollout.policy())  # depths: the policy's
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
-                        run_dir=run_dir, limits=ModelLimits.from_checkpoint(model),
-                        on_step=on_step, background=True)  # fmt: skip
+                        run_dir=run_dir, limits=limits, on_step=on_step, background=True)  # fmt: skip
     if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
         from pipeline.eval_rounds import EvalRounds
         from pipeline.evaluation import eval_prompts

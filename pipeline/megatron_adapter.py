@@ -113,6 +113,7 @@ def build_learner_trainer(
     from learner.config import TrainConfig
     from learner.mcore_model import MegatronOptions
     from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
+    from models.exits import resolve_kv
 
     o, r, p, lr = cfg.objective, cfg.rollout, cfg.optimizer, cfg.learner
     critic = o.uses_critic
@@ -127,6 +128,7 @@ def build_learner_trainer(
         params_dtype=torch.bfloat16 if lr.precision == "bf16" else torch.float32,
         backprop_depth=None if lr.backprop_depth < 0 else lr.backprop_depth,
         compile=lr.compile,
+        kv=resolve_kv(r.policy(), model_config),  # replay the run's exit KV semantics
     )
     schedule = cfg.resolved_schedule()
     critic_optim = p.for_critic()

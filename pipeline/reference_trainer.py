@@ -51,6 +51,7 @@ class ReferenceTrainer:
 
     def __init__(self, cfg: Any, model_dir: Path) -> None:
         from models.checkpoint import load_model, read_config, tied_from_module
+        from models.exits import resolve_kv
 
         torch.manual_seed(cfg.seed)
         self.model_dir = Path(model_dir)
@@ -77,6 +78,7 @@ class ReferenceTrainer:
         self.obj = o  # learner.config.ObjectiveConfig, as the megatron backend gets it
         self.normalize_std, self.gamma, self.lam = o.normalize_std, o.gamma, o.lam
         self.temperature, self.top_p, self.numerics = r.temperature, r.top_p, cfg.numerics
+        self.kv = resolve_kv(r.policy(), self.config)  # replay the run's exit KV semantics
         p = cfg.optimizer
         self.critic: ReferenceCritic | None = None  # its own network, as megatron's critic
         if o.uses_critic:
@@ -131,7 +133,8 @@ class ReferenceTrainer:
         cache = KVCache.empty(m, bsz, length, max(full))
         out = run_chunk(
             m, cache, toks, positions, valid, [int(r.latent_seed) for r in rolls],
-            max_depth=max(full), depths=deps, mode=self.numerics,
+            max_depth=max(full), depths=deps, mode=self.numerics, kv=self.kv,
+            row_depths=full if self.kv == "full" else None,
         )  # fmt: skip
         vocab = m.vocab_size
         mask = torch.zeros(bsz, tmax)

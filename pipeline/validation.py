@@ -6,7 +6,7 @@ than the model, carry a non-finite reward. ``check_rollout`` is the one place th
 live; the coordinator's intake (live rollouts) and the resume path (rollouts read back from
 a recorded stream) both call it. Order of calls::
 
-    limits = ModelLimits.from_checkpoint(model_dir)         # once per run
+    limits = ModelLimits.from_checkpoint(model_dir, policy)  # once per run
     r, fixed = sanitize_reward(r, rules)                     # NaN/inf reward -> failed (None)
     refusal = check_rollout(r, expect=Expected(...), limits=limits, rules=rules)
     if refusal: Nack(refusal.reason) + quarantine, else: ledger / record / Ack
@@ -20,8 +20,9 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
 - [token_out_of_vocab] every response token id in [0, vocab_size);
 - [too_long]        response length <= the WorkItem's max_tokens;
 - [exit_depth]      contract 2 (models.contract.full_depth): exit_depths[0], the full depth
-  run by the prompt's last position, in 1..max_depth (the model's) and every depth in
-  1..exit_depths[0];
+  run by the prompt's last position, in 1..max_depth (the run's exit policy's max depth,
+  which may exceed the model's trained depth; the model's when the run sets no policy) and
+  every depth in 1..exit_depths[0];
 - [logprob]         log-probs finite and <= 0;
 - [reward_bound]    a finite reward with |reward| <= rules.reward_bound;
 - [weight_version]  weight_version (and every token version) in
@@ -37,6 +38,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,18 +60,23 @@ REASONS = (
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the learner's model can replay: token ids below ``vocab_size``, exit depths up to
-    ``max_depth`` core iterations."""
+    """What the learner replays: token ids below ``vocab_size``, exit depths up to
+    ``max_depth`` core iterations (the run's exit policy's max depth)."""
 
     vocab_size: int
     max_depth: int
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path) -> ModelLimits:
+    def from_checkpoint(cls, model_dir: str | Path, policy: Any = None) -> ModelLimits:
+        """Limits of the checkpoint at ``model_dir`` under the run's exit policy (a
+        models.exits policy, e.g. ``RunConfig.rollout.policy()``; None: full depth, the
+        model's own)."""
         from models.checkpoint import load_config
+        from models.exits import resolve_max_depth
 
         cfg = load_config(model_dir)
-        return cls(vocab_size=int(cfg.vocab_size), max_depth=int(cfg.max_depth))
+        depth = int(cfg.max_depth) if policy is None else resolve_max_depth(policy, cfg.max_depth)
+        return cls(vocab_size=int(cfg.vocab_size), max_depth=depth)
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,15 @@ def prompts(n: int, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     ]
 
 
-def replay_diff(model: LoopedLM, item: WorkItem, samples: Sequence[Sample], mode: str) -> float:
-    """max |engine log-prob - reference replay log-prob| over the samples of `item`."""
+def replay_diff(
+    model: LoopedLM,
+    item: WorkItem,
+    samples: Sequence[Sample],
+    mode: str,
+    kv: str | None = None,
+) -> float:
+    """max |engine log-prob - reference replay log-prob| over the samples of `item` (replayed
+    with KV semantics `kv`; None = the family's default)."""
     greedy = item.temperature == 0
     items = [
         ReplayItem(
@@ -56,6 +63,7 @@ def replay_diff(model: LoopedLM, item: WorkItem, samples: Sequence[Sample], mode
         temperature=1.0 if greedy else item.temperature,
         top_p=1.0 if greedy else item.top_p,
         numerics=mode,
+        kv=kv,
     )
     return max(
         float((torch.from_numpy(s.logprobs) - r.logprobs).abs().max())

@@ -37,8 +37,15 @@ def test_validation_and_max_depth() -> None:
     assert resolve_max_depth(FixedDepth(3), 6) == 3
     assert resolve_max_depth(KL(0.1), 6) == 6
     assert resolve_max_depth(LatentDiff(0.1, max_depth=4), 6) == 4
-    with pytest.raises(ValueError, match="depth 7 > the model's max_depth 6"):
-        resolve_max_depth(FixedDepth(7), 6)
+    assert resolve_max_depth(FixedDepth(48), 6) == 48  # deeper than trained: allowed
+    with pytest.raises(ValueError, match=r"FixedDepth.depth must be an int in \[1, 255\]"):
+        resolve_max_depth(FixedDepth(256), 6)
+    with pytest.raises(ValueError, match=r"KL.max_depth must be an int in \[1, 255\]"):
+        KL(0.1, max_depth=300)
+    with pytest.raises(ValueError, match="KL.kv must be one of"):
+        KL(0.1, kv="fulll")
+    with pytest.raises(ValueError, match="OuroGate.max_depth must be >= min_depth"):
+        OuroGate(0.5, min_depth=3, max_depth=2)
 
 
 def test_fixed_depth_exits_only_at_max() -> None:

@@ -46,3 +46,21 @@ def test_unknown_pair_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "unknown pair 'vllm_vs_nothing'; known pairs:" in err
     for pair in ("megatron_vs_reference", "reference", "vllm_vs_reference"):
         assert pair in err
+
+
+def test_parity_rows_for_exit_kv_and_depth(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench()
+    fams = "ouro_kv_full,ouro_kv_last_exited,huginn_depth48"
+    args = ["--families", fams, "--max-new-tokens", "6", "--prompts", "2"]
+    assert bench.main(args) == 0
+    lines = {
+        (x["family"], x["mode"]): x for x in map(json.loads, capsys.readouterr().out.splitlines())
+    }
+    assert sorted(lines) == sorted((f, m) for f in fams.split(",") for m in ("exact", "fast"))
+    for (_family, mode), x in lines.items():
+        assert x["pair"] == "reference" and x["tokens"] == 12
+        assert x["max_abs_logprob_diff"] <= (1e-6 if mode == "exact" else 1e-5), x
+    assert lines[("ouro_kv_full", "exact")]["kv"] == "full"
+    assert lines[("ouro_kv_last_exited", "exact")]["kv"] == "last_exited"
+    deep = lines[("huginn_depth48", "exact")]
+    assert deep["depth_min"] == deep["depth_max"] == 48 and deep["kv"] == "last_exited"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -132,8 +133,8 @@ def test_top_p_outside_nucleus_is_minus_inf_and_stop_tokens() -> None:
 
 def test_replay_validation() -> None:
     model = model_of("huginn")
-    with pytest.raises(ValueError, match="full depth"):
-        replay(model, [ReplayItem([1, 2], [3], 0, [7])])
+    with pytest.raises(ValueError, match="full depth"):  # deeper than the wire's uint8
+        replay(model, [ReplayItem([1, 2], [3], 0, [256])])
     with pytest.raises(ValueError, match="one depth each"):
         replay(model, [ReplayItem([1, 2], [3, 4], 0, [6])])
     with pytest.raises(ValueError, match=r"exit_depths must be in \[1, exit_depths\[0\] = 4\]"):
@@ -203,6 +204,7 @@ def naive_logits(
 @pytest.mark.parametrize("family,policy", [CASES[0], CASES[2]])
 def test_last_exited_kv_rule(family: str, policy: ExitPolicy) -> None:
     model = model_of(family)
+    policy = dataclasses.replace(policy, kv="last_exited")  # Ouro's default is kv='full'
     (g,) = generate(
         model, [PROMPTS[0]], [SEEDS[0]], SamplingParams(max_new_tokens=10), policy, "exact"
     )
@@ -218,7 +220,7 @@ def test_last_exited_kv_rule(family: str, policy: ExitPolicy) -> None:
 
     rule = lps(naive_logits(model, seq, depths, g.latent_seed, last_exited=True))
     other = lps(naive_logits(model, seq, depths, g.latent_seed, last_exited=False))
-    (rep,) = replay(model, items_of([g]), numerics="exact")
+    (rep,) = replay(model, items_of([g]), numerics="exact", kv="last_exited")
     assert float((rule - g.logprobs).abs().max()) <= 1e-6  # generation follows the rule
     assert float((rule - rep.logprobs).abs().max()) <= 1e-6  # and so does replay
     assert float((other - rule).abs().max()) > 1e-4  # the rule matters in this case
