@@ -47,6 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # first: benchmarks/learner.py must not shadow the package
 
+from parity_cases import make_case  # noqa: E402
+from parity_megatron import bench_config  # noqa: E402
+from parity_vllm import vllm_samples  # noqa: E402
+
 from models.base import LoopedLM  # noqa: E402
 from models.config import HuginnConfig, LlamaConfig, ModelConfig  # noqa: E402
 from models.reference import ReplayItem, build_model  # noqa: E402
@@ -98,7 +102,6 @@ def splittable_model(model: LoopedLM, tps: Sequence[int], seed: int = 0) -> Loop
 def vllm_generate(model: LoopedLM, case: Any, mode: str, family: str) -> Job:
     """Serve `model` with LoopedEngine (numerics `mode`, the case's exit policy) and sample
     every prompt once with its latent seed, as parity_vllm.pair_vllm_vs_reference does."""
-    from parity_vllm import vllm_samples
 
     t0 = time.perf_counter()
     s = case.sampling
@@ -224,9 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         if m not in ("exact", "fast"):
             ap.error(f"unknown numerics mode {m!r}; known: exact, fast")
     tps = [int(t) for t in args.tps.split(",") if t]
-    from parity import make_case
-    from parity_megatron import bench_config
-
     torch.set_num_threads(1)
     jobs = []
     for family in families:

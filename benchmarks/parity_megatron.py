@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # first: benchmarks/learner.py must not shadow the package
 
+from parity_cases import make_case  # noqa: E402
+
 from models.base import LoopedLM  # noqa: E402
 from models.config import LlamaConfig, ModelConfig, tiny_config  # noqa: E402
 from models.reference import ReplayItem, build_model, generate  # noqa: E402
@@ -94,8 +96,6 @@ def pair_megatron_vs_reference(model: LoopedLM, case: Any, mode: str) -> tuple[f
 
 def worker(args: argparse.Namespace) -> int:
     """One TP group (under torchrun): rank 0 prints the JSON lines."""
-    from parity import make_case
-
     from learner.mcore_model import MegatronOptions, build_policy
     from learner.parallel import destroy_distributed, init_distributed
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the root first: benchmarks/learner.py must not shadow the learner package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parity import PAIRS, Case  # noqa: E402
+from parity_cases import Case, cli, pair_reference  # noqa: E402
 
 from models.base import LoopedLM  # noqa: E402
 from models.reference import ReplayItem, replay  # noqa: E402
@@ -104,13 +104,8 @@ def pair_vllm_vs_reference(model: LoopedLM, case: Case, mode: str) -> tuple[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    import parity
-
-    PAIRS["vllm_vs_reference"] = pair_vllm_vs_reference
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith("--pairs") for a in args):
-        args = ["--pairs", "vllm_vs_reference", *args]
-    return parity.main(args)
+    pairs = {"vllm_vs_reference": pair_vllm_vs_reference, "reference": pair_reference}
+    return cli(argv, pairs, "vllm_vs_reference", __doc__ or "")
 
 
 if __name__ == "__main__":
