@@ -356,10 +356,13 @@ def main() -> int:
                     help="weights: publish transports")  # fmt: skip
     ap.add_argument("--collective-timeout-s", type=float, default=60.0,
                     help="weights: publish.collective_timeout_s (a round's waits)")  # fmt: skip
-    ap.add_argument("--peer-timeout-s", type=float, default=10.0,
-                    help="heartbeat timeout, both sides (a generator verifying 1 GB on a busy "
-                         "2-core host can be silent longer than 10 s)")  # fmt: skip
+    ap.add_argument("--peer-timeout-s", type=float, default=None,
+                    help="heartbeat timeout, both sides (default 10 s; with --weights 2 x the "
+                         "collective timeout: the run config refuses a collective timeout at or "
+                         "above it, since a generator's loop waits in the broadcast)")  # fmt: skip
     args = ap.parse_args()
+    if args.peer_timeout_s is None:
+        args.peer_timeout_s = 2 * args.collective_timeout_s if args.weights else 10.0
     os.environ["LOOPRL_SCALE_PEER_TIMEOUT_S"] = str(args.peer_timeout_s)
     TCFG["peer_timeout_s"] = args.peer_timeout_s
     gens = [int(x) for x in args.gens.split(",")]
