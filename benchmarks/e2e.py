@@ -43,10 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.commands.launcher import generator_command  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.launcher import generator_command  # noqa: E402
-from pipeline.metrics import read_metrics  # noqa: E402
-from pipeline.recorder import read_rollouts  # noqa: E402
+from pipeline.core.metrics import read_metrics  # noqa: E402
+from pipeline.core.recorder import read_rollouts  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -4,7 +4,7 @@
     python benchmarks/scale.py --gens 64 --step-s 0.5 --seconds 20
     python benchmarks/scale.py --weights --gens 1,4,16 --sizes-mb 10,100
 
-Load (default): the product's Coordinator (pipeline.coordinator, ``background=True`` as
+Load (default): the product's Coordinator (pipeline.core.coordinator, ``background=True`` as
 `looprl learner` runs it: the trainer's step on its own thread) on a real ZMQ endpoint, with a
 stand-in trainer whose step takes ``--step-s`` seconds (sleeping, so the GIL is free as in a
 real step) and whose publications are a tiny real weight set. N simulated generators live in
@@ -20,7 +20,7 @@ Weights (``--weights``): the time from announcing one version to every generator
 each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
 checks the canonical digest) and "collective" (one gloo broadcast from the learner to all N,
-pipeline.weight_collective; each generator checks the digest of what it received), and the
+pipeline.net.weight_collective; each generator checks the digest of what it received), and the
 ratio to N = 1. In this mode every simulated generator runs on a thread of its own (a
 collective receive blocks its generator's loop, as in the product); "round_s" is the
 learner's side of the collective round (joins, group, broadcast), without the generators'
@@ -54,13 +54,13 @@ from generator.weights_collective import CollectiveWeightSink  # noqa: E402
 from models.checkpoint import save_checkpoint  # noqa: E402
 from models.publication import Publication  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.coordinator import Coordinator  # noqa: E402
-from pipeline.dispatch import Prompt, PromptSource  # noqa: E402
-from pipeline.transport import TransportConfig  # noqa: E402
-from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
-from pipeline.validation import ModelLimits  # noqa: E402
-from pipeline.weight_collective import CollectivePublisher  # noqa: E402
-from pipeline.weight_sync import WeightReceiver  # noqa: E402
+from pipeline.core.coordinator import Coordinator  # noqa: E402
+from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402
+from pipeline.core.validation import ModelLimits  # noqa: E402
+from pipeline.net.transport import TransportConfig  # noqa: E402
+from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
+from pipeline.net.weight_collective import CollectivePublisher  # noqa: E402
+from pipeline.net.weight_sync import WeightReceiver  # noqa: E402
 from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
 
 # --peer-timeout-s reaches the spawned simulated generators through the environment

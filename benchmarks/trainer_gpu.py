@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py ...   # DP = 2 (or --tp 2)
 
 The Trainer is built exactly as `looprl learner` builds it: a RunConfig (`--set key=value`
-overrides on top of the flags) through `pipeline.megatron_adapter.build_learner_trainer` (the
+overrides on top of the flags) through `pipeline.backends.megatron_adapter.build_learner_trainer` (the
 run-config mapping: megatron DDP + DistributedOptimizer, the GRPO objective, global batch =
 prompts_per_step x n, micro-batching, critic off, `learner.*` precision / backprop depth /
 recompute / compile). Weights: Huginn's own init (`init_state`: truncated normal with
@@ -199,8 +199,8 @@ def main() -> None:
     import torch
 
     from learner.parallel import init_distributed
+    from pipeline.backends.megatron_adapter import build_learner_trainer
     from pipeline.config import load_config
-    from pipeline.megatron_adapter import build_learner_trainer
 
     s = dict(SHAPES["tiny" if a.tiny else a.shape])
     for key in ("recurrence", "seq", "batch", "micro", "backprop_depth"):

@@ -1,7 +1,7 @@
 """The generator's collaborators, as structural types: connection, engine, weight sink.
 
 generator/ never imports pipeline/; these Protocols are what generator.loop needs, written so
-that pipeline.transport.GeneratorConnection and pipeline.weight_sync.WeightReceiver satisfy
+that pipeline.net.transport.GeneratorConnection and pipeline.net.weight_sync.WeightReceiver satisfy
 them as they are, and generator.engine.LoopedEngine (or a fake in tests) is the Engine.
 Helpers: the Hello a generator introduces itself with, the weights handed to the engine, and
 the one-thread work lane that keeps engine calls in order.
@@ -27,7 +27,7 @@ ToRollouts = Callable[[WorkItem, list[Any], str], list[Rollout]]
 
 
 class Received(Protocol):
-    """What ``Connection.recv`` returns (pipeline.transport.Incoming)."""
+    """What ``Connection.recv`` returns (pipeline.net.transport.Incoming)."""
 
     @property
     def channel(self) -> Channel: ...
@@ -36,7 +36,7 @@ class Received(Protocol):
 
 
 class Connection(Protocol):
-    """The generator's link to the learner (pipeline.transport.GeneratorConnection).
+    """The generator's link to the learner (pipeline.net.transport.GeneratorConnection).
 
     It sends Hello when created and again whenever it lost the learner (``ready`` False
     until the next Welcome, which ``recv`` also returns); it sends heartbeats carrying the
@@ -61,7 +61,7 @@ class Engine(Protocol):
 
 
 class Verified(Protocol):
-    """A digest-checked weight set (pipeline.weight_sync.VerifiedWeights)."""
+    """A digest-checked weight set (pipeline.net.weight_sync.VerifiedWeights)."""
 
     @property
     def announce(self) -> WeightAnnounce: ...
@@ -70,7 +70,7 @@ class Verified(Protocol):
 
 
 class WeightSink(Protocol):
-    """Assembles weight chunks (pipeline.weight_sync.WeightReceiver); replies go out itself."""
+    """Assembles weight chunks (pipeline.net.weight_sync.WeightReceiver); replies go out itself."""
 
     def handle(self, rec: Any) -> Verified | None: ...
     def loaded(self, version: int) -> None: ...

@@ -3,7 +3,7 @@
 ``CollectiveWeightSink`` is the loop's weight sink (generator.protocols.WeightSink): a
 WeightAnnounce whose ``collective`` field is set is received here; every other weight record
 (ZMQ chunks, the fallback the learner switches a generator to when a round fails) goes to the
-``fallback`` sink (pipeline.weight_sync.WeightReceiver), so a generator serves whichever
+``fallback`` sink (pipeline.net.weight_sync.WeightReceiver), so a generator serves whichever
 transport the learner picks, without a setting of its own. One announce, on the loop's
 thread (models.collective has the keys)::
 

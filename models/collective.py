@@ -1,6 +1,6 @@
 """The weight-broadcast group of ``publish.transport=collective``: helpers both sides share.
 
-The learner's publisher (pipeline.weight_collective, rank 0) and every generator's weight sink
+The learner's publisher (pipeline.net.weight_collective, rank 0) and every generator's weight sink
 (generator.weights_collective, ranks 1..n) meet through a TCPStore the learner hosts; its
 address travels in ``WeightAnnounce.collective`` on the weights channel. One delivery round
 (one version to the generators that lack it) uses the store keys under the round's prefix::

@@ -30,37 +30,37 @@ def build_parser() -> argparse.ArgumentParser:
     # looprl stream ...
     stream = sub.add_parser("stream", help="recorded rollout streams")
     stream_sub = stream.add_subparsers(dest="stream_command", required=True, metavar="ACTION")
-    from pipeline.stream_cli import add_parser as add_stream_parser
+    from pipeline.commands.stream_cli import add_parser as add_stream_parser
 
     add_stream_parser(stream_sub)
 
     # looprl keys ...
-    from pipeline.keys_cli import add_parser as add_keys_parser
+    from pipeline.commands.keys_cli import add_parser as add_keys_parser
 
     add_keys_parser(sub)
 
     # looprl learner ...
-    from pipeline.learner_main import add_parser as add_learner_parser
+    from pipeline.commands.learner_main import add_parser as add_learner_parser
 
     add_learner_parser(sub)
 
     # looprl run ...
-    from pipeline.launcher import add_parser as add_run_parser
+    from pipeline.commands.launcher import add_parser as add_run_parser
 
     add_run_parser(sub)
 
     # looprl replay ...
-    from pipeline.replay_main import add_parser as add_replay_parser
+    from pipeline.commands.replay_main import add_parser as add_replay_parser
 
     add_replay_parser(sub)
 
     # looprl eval ...
-    from pipeline.evaluation import add_parser as add_eval_parser
+    from pipeline.commands.evaluation import add_parser as add_eval_parser
 
     add_eval_parser(sub)
 
     # looprl generator ...
-    from pipeline.generator_cli import add_parser as add_generator_parser
+    from pipeline.commands.generator_cli import add_parser as add_generator_parser
 
     add_generator_parser(sub)
 

@@ -41,7 +41,7 @@ from pipeline.config_sections import (  # noqa: F401  (the sections are part of 
     TaskSection,
     _check,
 )
-from pipeline.transport_config import TransportConfig
+from pipeline.net.transport_config import TransportConfig
 
 BACKENDS = ("auto", "megatron", "reference")
 
@@ -85,7 +85,7 @@ class RunConfig:
     endpoints: EndpointsSection = field(default_factory=EndpointsSection)
     """Learner endpoints."""
     transport: TransportConfig = field(default_factory=TransportConfig)
-    """Both channels' settings (pipeline.transport_config), the same on the generators."""
+    """Both channels' settings (pipeline.net.transport_config), the same on the generators."""
     publish: PublishSection = field(default_factory=PublishSection)
     """Weight publication."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

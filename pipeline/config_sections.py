@@ -151,7 +151,7 @@ class RolloutSection(Sampling):
 
 @dataclass(frozen=True)
 class StalenessSection:
-    """Bounded staleness (pipeline.staleness.StalenessGate)."""
+    """Bounded staleness (pipeline.core.staleness.StalenessGate)."""
 
     max_staleness: int = 1
     """Most learner versions a rollout may lag when trained (0: synchronous on-policy)."""
@@ -166,7 +166,7 @@ class StalenessSection:
 
 @dataclass(frozen=True)
 class IntakeSection:
-    """The learner's door (pipeline.validation): rollout checks and what refusals cost."""
+    """The learner's door (pipeline.core.validation): rollout checks and what refusals cost."""
 
     reward_bound: float = 1e4
     """Largest |reward| accepted; a finite reward beyond it is refused (NaN/inf: failed reward)."""
@@ -342,7 +342,7 @@ class MetricsSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    """Evaluation during training on a dataset task's eval split (pipeline/evaluation.py)."""
+    """Evaluation during training on a dataset task's eval split (pipeline/commands/evaluation.py)."""
 
     every: int = 0
     """Evaluate at step 1 and every this many steps after it, and at the last step; 0: never."""

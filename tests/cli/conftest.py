@@ -1,4 +1,4 @@
-"""Commands run in-process here configure logging (pipeline.console): undo it after each test."""
+"""Commands run in-process here configure logging (pipeline.commands.console): undo it after each test."""
 
 from __future__ import annotations
 

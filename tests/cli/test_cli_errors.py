@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from pipeline.commands.learner_main import connect_host, generator_hint
 from pipeline.config import load_config
-from pipeline.learner_main import connect_host, generator_hint
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -104,10 +104,10 @@ def test_generator_wrong_port_says_handshake_failed(model: Path, not_zmq: int) -
 
 
 def test_generator_without_keys_against_a_curve_learner(model: Path, tmp_path: Path) -> None:
-    from pipeline.generator_cli import probe_learner
-    from pipeline.security import ClientCurve, ServerCurve
-    from pipeline.transport import TransportConfig
-    from pipeline.transport_zmq import ZmqLearnerEndpoint
+    from pipeline.commands.generator_cli import probe_learner
+    from pipeline.net.security import ClientCurve, ServerCurve
+    from pipeline.net.transport import TransportConfig
+    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
 
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "-n", "1"]) == 0
@@ -157,7 +157,7 @@ def test_bad_model_config_names_file_and_field(
     (d / "config.json").write_text(text)
     import argparse
 
-    from pipeline.generator_cli import add_parser, run
+    from pipeline.commands.generator_cli import add_parser, run
 
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="command"))

@@ -1,4 +1,4 @@
-"""pipeline.console: looprl's lines on the terminal, third-party logs and warnings in the file.
+"""pipeline.commands.console: looprl's lines on the terminal, third-party logs and warnings in the file.
 
 (Loggers that do not propagate to the root, like torch's own, keep their own handlers.)"""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import console
+from pipeline.commands import console
 
 
 def _emit() -> None:
-    logging.getLogger("pipeline.coordinator").info("own info line")
+    logging.getLogger("pipeline.core.coordinator").info("own info line")
     logging.getLogger("megatron.core.optimizer").info("third-party info line")
     logging.getLogger("somelib.worker").error("third-party error line")
     with warnings.catch_warnings():

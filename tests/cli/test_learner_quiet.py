@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.transport import TransportConfig
-from pipeline.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_zmq import ZmqGeneratorConnection
 from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
 REPO = Path(__file__).resolve().parents[2]

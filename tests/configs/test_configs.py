@@ -101,8 +101,8 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
     key that sets them."""
     import argparse
 
-    from pipeline.generator_cli import add_parser, config_from_args
-    from pipeline.launcher import generator_command
+    from pipeline.commands.generator_cli import add_parser, config_from_args
+    from pipeline.commands.launcher import generator_command
 
     cfg = load_config(None, ["generators.kv_cache_mb=96", "generators.reward_timeout_s=3.5",
                              "generators.max_inflight=3", "generators.inflight_updates=true",
@@ -115,7 +115,7 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
     got = (gen.kv_cache_mb, gen.reward_timeout_s, gen.max_inflight, gen.inflight_updates)
     assert got == (96, 3.5, 3, True) and gen.reward_mode == "process"
     assert gen.max_num_seqs == 3 * cfg.rollout.n and gen.seed == cfg.seed + 1
-    from pipeline.generator_cli import transport_config
+    from pipeline.commands.generator_cli import transport_config
 
     assert transport_config(gen) == cfg.transport  # both ends, the same transport settings
     assert cfg.transport.peer_timeout_s == 7 and cfg.transport.weights_max_frame_bytes == 1 << 27

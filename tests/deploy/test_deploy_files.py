@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from pipeline.cli import build_parser
+from pipeline.commands.generator_cli import config_from_args
 from pipeline.config import field_docs, load_config
-from pipeline.generator_cli import config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

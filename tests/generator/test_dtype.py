@@ -9,8 +9,8 @@ import pytest
 
 from generator.config import ConfigError, GeneratorConfig
 from generator.engine import resolve_dtype
+from pipeline.commands.launcher import generator_command
 from pipeline.config import load_config
-from pipeline.launcher import generator_command
 
 
 def test_auto_follows_the_checkpoint_on_gpu_and_is_fp32_on_cpu() -> None:

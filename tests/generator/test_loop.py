@@ -395,8 +395,8 @@ def test_reconnect_resends_unacked_only() -> None:
 
 
 def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> None:
-    transport = pytest.importorskip("pipeline.transport")
-    transport_memory = pytest.importorskip("pipeline.transport_memory")
+    transport = pytest.importorskip("pipeline.net.transport")
+    transport_memory = pytest.importorskip("pipeline.net.transport_memory")
     cfg = transport.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
     net, clock = transport_memory.MemoryNetwork(), FakeClock()
     ep1 = net.bind("learner", cfg, clock=clock)
@@ -454,8 +454,8 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
 
 def test_chunked_weights_through_pipeline_weight_sync() -> None:
     """pipeline's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
-    transport_memory = pytest.importorskip("pipeline.transport_memory")
-    weight_sync = pytest.importorskip("pipeline.weight_sync")
+    transport_memory = pytest.importorskip("pipeline.net.transport_memory")
+    weight_sync = pytest.importorskip("pipeline.net.weight_sync")
     torch = pytest.importorskip("torch")
 
     net = transport_memory.MemoryNetwork()

@@ -1,5 +1,5 @@
 """The learner's run-config knobs (issue 12): `learner.precision`, `learner.backprop_depth`,
-micro-batching, recompute, compile, mapped by `pipeline.megatron_adapter.build_learner_trainer`
+micro-batching, recompute, compile, mapped by `pipeline.backends.megatron_adapter.build_learner_trainer`
 (the path `looprl learner` takes), refused where a backend or numerics mode cannot honour them;
 and the CPU smoke mode of benchmarks/trainer_gpu.py (the real Trainer, tiny shape).
 """
@@ -50,7 +50,7 @@ def precision_body() -> dict[str, Any]:
     from learner.parallel import destroy_distributed, init_distributed
     from learner.publish import publication_state
     from models.config import tiny_config
-    from pipeline.megatron_adapter import build_learner_trainer
+    from pipeline.backends.megatron_adapter import build_learner_trainer
 
     init_distributed(tp=1, seed=0)
     out: dict[str, Any] = {}

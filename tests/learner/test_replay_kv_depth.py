@@ -109,8 +109,8 @@ def adapter_body(items: list[ReplayItem], logprobs: list[torch.Tensor]) -> dict[
     MegatronOptions.kv: replay with the trainer's policy model, kv left to the options."""
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import replay, unwrap
+    from pipeline.backends.megatron_adapter import build_learner_trainer
     from pipeline.config import load_config
-    from pipeline.megatron_adapter import build_learner_trainer
 
     init_distributed(tp=1, seed=0)
     cfg_ouro = tiny_config("ouro")

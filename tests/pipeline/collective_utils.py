@@ -20,9 +20,9 @@ from generator.weights_collective import CollectiveWeightSink
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.digest import canonical_digest, tensor_bytes
 from models.publication import Publication
-from pipeline.transport import TransportConfig
-from pipeline.transport_zmq import ZmqGeneratorConnection
-from pipeline.weight_sync import WeightReceiver
+from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.weight_sync import WeightReceiver
 from tests.pipeline.fakes import FakeTrainer
 
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=30.0)

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.commands.launcher import Generators
+from pipeline.commands.learner_main import run_learner
 from pipeline.config import RunConfig, load_config
-from pipeline.launcher import Generators
-from pipeline.learner_main import run_learner
-from pipeline.metrics import read_metrics
-from pipeline.recorder import read_rollouts, read_steps
+from pipeline.core.metrics import read_metrics
+from pipeline.core.recorder import read_rollouts, read_steps
 
 SMALL = [
     "rollout.n=4", "rollout.max_tokens=8", "rollout.prompts_per_step=2", "task.num_prompts=16",

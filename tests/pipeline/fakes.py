@@ -13,11 +13,11 @@ import torch
 
 from models.publication import Publication
 from pipeline.config import RunConfig, load_config
-from pipeline.coordinator import Coordinator
-from pipeline.dispatch import Prompt, PromptSource
-from pipeline.transport import TransportConfig
-from pipeline.transport_memory import MemoryNetwork
-from pipeline.validation import ModelLimits
+from pipeline.core.coordinator import Coordinator
+from pipeline.core.dispatch import Prompt, PromptSource
+from pipeline.core.validation import ModelLimits
+from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_memory import MemoryNetwork
 from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
 
 

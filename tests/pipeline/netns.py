@@ -207,7 +207,7 @@ def tail(path: Path, n: int = 40) -> str:
 
 # -- peers run inside the namespaces (python -m tests.pipeline.netns ROLE ...) ---------------
 def _fast() -> Any:
-    from pipeline.transport import TransportConfig
+    from pipeline.net.transport import TransportConfig
 
     return TransportConfig(
         heartbeat_interval_s=0.2,
@@ -220,8 +220,8 @@ def _fast() -> Any:
 
 
 def _learner(a: argparse.Namespace, out: IO[str]) -> None:
-    from pipeline.security import ServerCurve
-    from pipeline.transport_zmq import ZmqLearnerEndpoint
+    from pipeline.net.security import ServerCurve
+    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
     from proto import Hello, Welcome
 
     ep = ZmqLearnerEndpoint(
@@ -244,8 +244,8 @@ def _learner(a: argparse.Namespace, out: IO[str]) -> None:
 
 
 def _generator(a: argparse.Namespace, out: IO[str]) -> None:
-    from pipeline.security import ClientCurve, generator_id_for
-    from pipeline.transport_zmq import ZmqGeneratorConnection
+    from pipeline.net.security import ClientCurve, generator_id_for
+    from pipeline.net.transport_zmq import ZmqGeneratorConnection
     from proto import Hello
 
     hello = Hello(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import resume
-from pipeline.recorder import read_rollouts, read_steps
+from pipeline.core import resume
+from pipeline.core.recorder import read_rollouts, read_steps
 from proto import Ack
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
@@ -203,8 +203,8 @@ def test_background_training_keeps_listening(tmp_path: Path) -> None:
     unchanged and every step is logged before the next starts."""
     import time
 
-    from pipeline.coordinator import Coordinator
-    from pipeline.transport_memory import MemoryNetwork
+    from pipeline.core.coordinator import Coordinator
+    from pipeline.net.transport_memory import MemoryNetwork
     from tests.pipeline.fakes import FAKE_LIMITS, TCFG, prompts
 
     cfg = make_coordinator(tmp_path / "cfg", ["staleness.max_staleness=1"])[0].cfg

@@ -1,4 +1,4 @@
-"""The learner's door (pipeline.validation + intake): a rollout that decodes but is wrong is
+"""The learner's door (pipeline.core.validation + intake): a rollout that decodes but is wrong is
 refused (Nack with the reason, quarantined, re-dispatched, never trained); NaN/inf rewards
 are failed rewards; a generator that keeps sending bad rollouts is dropped for the run; a
 non-finite step is skipped and non-finite weights are never published; a resume over a
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from models.checkpoint import load_checkpoint
-from pipeline import resume
-from pipeline.coordinator import CoordinatorError
-from pipeline.quarantine import read_quarantine
-from pipeline.recorder import read_rollouts, read_steps
-from pipeline.validation import (
+from pipeline.core import resume
+from pipeline.core.coordinator import CoordinatorError
+from pipeline.core.quarantine import read_quarantine
+from pipeline.core.recorder import read_rollouts, read_steps
+from pipeline.core.validation import (
     DoorRules,
     Expected,
     ModelLimits,
@@ -209,8 +209,8 @@ def test_non_finite_weights_never_published(tmp_path: Path) -> None:
 def test_reference_trainer_skips_a_non_finite_step(tmp_path: Path) -> None:
     """A NaN advantage (an inf reward fed past the door) -> no update, counted."""
     from models.init import init_checkpoint
+    from pipeline.backends.reference_trainer import ReferenceTrainer
     from pipeline.config import load_config
-    from pipeline.reference_trainer import ReferenceTrainer
 
     init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     tr = ReferenceTrainer(load_config(None, ["optimizer.lr=0.1"]), tmp_path / "m")
@@ -340,7 +340,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(tmp_path: Path) -> No
 
 
 def test_overlong_penalty_is_shared_by_live_training_and_replay() -> None:
-    from pipeline.intake import training_rewards
+    from pipeline.core.intake import training_rewards
 
     g = FakeGenerator.__new__(FakeGenerator)
     g.gid, g.rng = "g0", __import__("random").Random(0)

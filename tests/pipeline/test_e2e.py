@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.launcher import Generators
+from pipeline.commands.launcher import Generators
 from tests.pipeline.e2e_utils import SMALL, check_run, kill9, run, small_config, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -130,8 +130,8 @@ def test_weights_by_collective_broadcast(tmp_path: Path) -> None:
 def test_quickstart_reward_rises(tmp_path: Path) -> None:
     """The quickstart defaults (GRPO, 16 prompts x 8 samples), 30 steps: the mean reward of
     the last 5 steps is well above the first 5 (the format term alone lifts it to ~0.2)."""
+    from pipeline.commands.launcher import run_local
     from pipeline.config import load_config
-    from pipeline.launcher import run_local
 
     cfg = load_config(None, [f"run_dir={tmp_path}", "steps=30", "metrics.progress=false",
                              "metrics.plot=false", "metrics.tensorboard=false"])  # fmt: skip
@@ -206,7 +206,7 @@ def test_curve_on_loopback(tmp_path: Path) -> None:
 
     import zmq
 
-    from pipeline.keys_cli import create_keys
+    from pipeline.commands.keys_cli import create_keys
 
     keys = tmp_path / "keys"
     create_keys(keys, 2)
@@ -241,7 +241,7 @@ def test_torchrun_two_learner_ranks(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from pipeline.learner_main import _free_pair
+    from pipeline.commands.learner_main import _free_pair
 
     overrides = [f"run_dir={tmp_path}", *SMALL, "steps=3", "tp=2", "generators.count=2"]
     cfg = small_config(tmp_path, "steps=3", "tp=2")

@@ -38,10 +38,10 @@ def _trainer(backend: str, model: Path, *over: str) -> Any:
                              "objective.kind=dppo", "optimizer.lr=0.05", "learner.backprop_depth=0",
                              *over])  # fmt: skip
     if backend == "reference":
-        from pipeline.reference_trainer import ReferenceTrainer
+        from pipeline.backends.reference_trainer import ReferenceTrainer
 
         return ReferenceTrainer(cfg, model)
-    from pipeline.megatron_adapter import MegatronTrainer
+    from pipeline.backends.megatron_adapter import MegatronTrainer
 
     return MegatronTrainer(cfg, model)
 

@@ -1,4 +1,4 @@
-"""Evaluation rounds on the generators (pipeline.eval_rounds): eval items go out before
+"""Evaluation rounds on the generators (pipeline.core.eval_rounds): eval items go out before
 training work, outside the ledger, the gate, the stream and the step log; every round is
 reported once with pass@1 / mean@n and the versions it was measured at; a generator that
 dies holding eval items has them sent again."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.dispatch import Prompt
-from pipeline.eval_rounds import EvalRounds, is_eval_work
-from pipeline.recorder import read_rollouts, read_steps
+from pipeline.core.dispatch import Prompt
+from pipeline.core.eval_rounds import EvalRounds, is_eval_work
+from pipeline.core.recorder import read_rollouts, read_steps
 from proto import Rollout, WorkItem
 from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator, poison
 
@@ -139,7 +139,7 @@ def test_wandb_logging_offline(tmp_path: Path) -> None:
     step; the run's files land in RUN_DIR/wandb."""
     import json
 
-    from pipeline.metrics import MetricsWriter
+    from pipeline.core.metrics import MetricsWriter
 
     m = MetricsWriter(tmp_path, tensorboard=False, wandb=True, wandb_project="looprl-test",
                       config={"seed": 0})  # fmt: skip

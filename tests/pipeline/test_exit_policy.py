@@ -15,7 +15,7 @@ import torch
 
 from models.exits import FixedDepth, LatentDiff, OuroGate, policy_from_dict, policy_json
 from pipeline.config import ConfigError, load_config
-from pipeline.validation import DoorRules, Expected, ModelLimits, check_rollout
+from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
 from proto import Rollout
 
 GATE = {"kind": "ouro_gate", "q": 0.8, "kv": "full"}
@@ -39,9 +39,9 @@ def test_run_config_key_parsed_and_refused_with_a_message(tmp_path: Path) -> Non
 
 
 def test_launcher_and_welcome_carry_the_run_policy() -> None:
-    from pipeline.coordinator import Coordinator
-    from pipeline.generator_cli import _check_welcome
-    from pipeline.launcher import generator_command
+    from pipeline.commands.generator_cli import _check_welcome
+    from pipeline.commands.launcher import generator_command
+    from pipeline.core.coordinator import Coordinator
 
     cfg = load_config(None, {"rollout": {"exit_policy": GATE}})
     cmd = generator_command(cfg, 0, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", Path("m"))
@@ -49,7 +49,7 @@ def test_launcher_and_welcome_carry_the_run_policy() -> None:
     assert policy_from_dict(sent) == OuroGate(0.8, kv="full")
     plain = generator_command(load_config(), 0, "tcp://a:1", "tcp://a:2", Path("m"))
     assert "--exit-policy" not in plain
-    from pipeline.learner_main import generator_hint
+    from pipeline.commands.learner_main import generator_hint
 
     hint = generator_hint(cfg, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", Path("m"))
     assert f"--exit-policy '{policy_json(OuroGate(0.8, kv='full'))}'" in hint
@@ -100,7 +100,7 @@ def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> No
     from models.checkpoint import load_model
     from models.init import init_checkpoint
     from models.reference import SamplingParams, generate
-    from pipeline.reference_trainer import ReferenceTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer
 
     path = init_checkpoint("ouro", "tiny", tmp_path / "m")
     policy = OuroGate(0.8, kv=kv)

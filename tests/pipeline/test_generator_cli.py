@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from generator.config import ConfigError, GeneratorConfig
-from pipeline.generator_cli import (
+from pipeline.commands.generator_cli import (
     add_parser,
     config_from_args,
     flag_name,
@@ -96,8 +96,8 @@ def test_connection_without_welcome_reports_then_times_out(
     second (timeout 2 s), then ConnectTimeout from recv; a Welcome ends the watch."""
     import time
 
-    from pipeline.transport import ConnectTimeout, TransportConfig
-    from pipeline.transport_memory import MemoryNetwork
+    from pipeline.net.transport import ConnectTimeout, TransportConfig
+    from pipeline.net.transport_memory import MemoryNetwork
     from proto import Hello
 
     net = MemoryNetwork()

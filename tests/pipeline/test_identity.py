@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeline import keys_cli
-from pipeline.security import (
+from pipeline.commands import keys_cli
+from pipeline.net.security import (
     ClientCurve,
     SecurityError,
     ServerCurve,
     generator_id_for,
     owns,
 )
-from pipeline.transport import GeneratorConnection, Incoming, TransportError
-from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.transport import GeneratorConnection, Incoming, TransportError
+from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Codec, ErrorMsg, Hello, RolloutBatch, Welcome, WorkItem
 from tests.pipeline import fast_zmq, rollout
 

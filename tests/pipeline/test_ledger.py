@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pipeline.ledger import InFlightLedger, LedgerError, Redispatch
+from pipeline.core.ledger import InFlightLedger, LedgerError, Redispatch
 from tests.pipeline import rollout
 
 

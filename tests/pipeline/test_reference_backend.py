@@ -12,7 +12,7 @@ from pipeline.config import ConfigError, load_config
 
 def test_reference_refuses_the_checkpoints_truncated_backprop(tmp_path: Path) -> None:
     from models.init import init_checkpoint
-    from pipeline.reference_trainer import ReferenceTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer
 
     init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     cfg_path = tmp_path / "m" / "config.json"

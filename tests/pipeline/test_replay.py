@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.commands.replay_main import replay
 from pipeline.config import ConfigError
-from pipeline.replay_main import replay
 from tests.pipeline.e2e_utils import check_run, run, small_config
 
 
@@ -35,7 +35,7 @@ def test_replay_fake_free(tmp_path: Path, backend: str) -> None:
 
 
 def test_replay_errors(tmp_path: Path) -> None:
-    from pipeline.recorder import Recorder, StepRecord
+    from pipeline.core.recorder import Recorder, StepRecord
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from pipeline import keys_cli
-from pipeline.security import (
+from pipeline.commands import keys_cli
+from pipeline.net.security import (
     ClientCurve,
     InsecureBindError,
     SecurityError,
@@ -21,7 +21,7 @@ from pipeline.security import (
     check_bind,
     is_loopback,
 )
-from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Hello, RolloutBatch, Welcome
 from tests.pipeline import fast_zmq, hello, rollout
 

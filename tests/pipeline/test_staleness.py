@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.staleness import StalenessConfigError, StalenessGate, oldest_version
+from pipeline.core.staleness import StalenessConfigError, StalenessGate, oldest_version
 from tests.pipeline import rollout
 
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeline.transport import (
+from pipeline.net.transport import (
     GeneratorConnection,
     Incoming,
     LearnerEndpoint,
     TransportConfig,
     TransportError,
 )
-from pipeline.transport_memory import MemoryNetwork
-from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.transport_memory import MemoryNetwork
+from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import (
     Codec,
     ErrorMsg,

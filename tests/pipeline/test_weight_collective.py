@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from pipeline.config import load_config
-from pipeline.coordinator import Coordinator
-from pipeline.transport_zmq import ZmqLearnerEndpoint
-from pipeline.weight_collective import CollectivePublisher, make_publisher
+from pipeline.core.coordinator import Coordinator
+from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+from pipeline.net.weight_collective import CollectivePublisher, make_publisher
 from tests.pipeline.collective_utils import (
     TCFG,
     Receiver,

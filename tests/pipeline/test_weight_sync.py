@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.transport import TransportConfig
-from pipeline.transport_memory import MemoryNetwork
-from pipeline.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from pipeline.weight_sync import (
+from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_memory import MemoryNetwork
+from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.weight_sync import (
     VerifiedWeights,
     WeightPublisher,
     WeightReceiver,

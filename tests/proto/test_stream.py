@@ -410,7 +410,7 @@ def test_inspect_cli(tmp_path: Path) -> None:
             w.append(codec.encode(RolloutBatch(rollouts=batch)))
         w.append(codec.encode(rollout(99, "gen-9", 7)))
         w.append(codec.encode(Heartbeat(sender_id="x", sent_at=1.0, weight_version=3, inflight=0)))
-    cmd = [sys.executable, "-m", "pipeline.stream_cli", "inspect", str(s)]
+    cmd = [sys.executable, "-m", "pipeline.commands.stream_cli", "inspect", str(s)]
     out = subprocess.run([*cmd, "--json", "--frames"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     j = json.loads(out.stdout)

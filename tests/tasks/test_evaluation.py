@@ -1,4 +1,4 @@
-"""Stand-alone evaluation (pipeline/evaluation.py) of a real tiny checkpoint on a dataset
+"""Stand-alone evaluation (pipeline/commands/evaluation.py) of a real tiny checkpoint on a dataset
 split: the figures it reports are those of its own completions, scored by the task reward."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.commands.evaluation import correct_of, evaluate, main
+from pipeline.commands.make_math_data import make_dataset
 from pipeline.config import ConfigError, load_config
-from pipeline.evaluation import correct_of, evaluate, main
-from pipeline.make_math_data import make_dataset
 
 
 @pytest.fixture(scope="module")

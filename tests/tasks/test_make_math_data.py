@@ -1,4 +1,4 @@
-"""The GSM8K-format data generator (pipeline/make_math_data.py): deterministic bytes, test
+"""The GSM8K-format data generator (pipeline/commands/make_math_data.py): deterministic bytes, test
 questions disjoint from train, gold solutions the math reward accepts, easy answers 0..9,
 and the committed example data is what the generator writes."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from generator.math_reward import hash_answer, math
-from pipeline.make_math_data import main, make_dataset, make_rows
-from pipeline.tasks import read_split
+from pipeline.commands.make_math_data import main, make_dataset, make_rows
+from pipeline.core.tasks import read_split
 
 REPO = Path(__file__).resolve().parents[2]
 

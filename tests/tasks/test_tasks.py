@@ -1,4 +1,4 @@
-"""The dataset prompt source (pipeline/tasks.py): parquet and jsonl with both column styles,
+"""The dataset prompt source (pipeline/core/tasks.py): parquet and jsonl with both column styles,
 splits, rendering with the checkpoint's chat template, dropped long prompts, shuffle and
 epochs, and the data cursor a resumed run continues from (real files, real Coordinator)."""
 
@@ -13,13 +13,13 @@ import pytest
 
 from models.chat import ChatRenderer
 from models.tokenizer import EOS_ID, build_tokenizer
-from pipeline import resume
 from pipeline.config import ConfigError, load_config
-from pipeline.coordinator import Coordinator
-from pipeline.dispatch import Dispatcher
-from pipeline.ledger import InFlightLedger
-from pipeline.staleness import StalenessGate
-from pipeline.tasks import (
+from pipeline.core import resume
+from pipeline.core.coordinator import Coordinator
+from pipeline.core.dispatch import Dispatcher
+from pipeline.core.ledger import InFlightLedger
+from pipeline.core.staleness import StalenessGate
+from pipeline.core.tasks import (
     TaskError,
     check_data,
     dataset_prompts,
@@ -28,8 +28,8 @@ from pipeline.tasks import (
     read_split,
     with_task_stops,
 )
-from pipeline.transport_memory import MemoryNetwork
-from pipeline.validation import ModelLimits
+from pipeline.core.validation import ModelLimits
+from pipeline.net.transport_memory import MemoryNetwork
 from tests.pipeline.fakes import TCFG, FakeGenerator, FakeTrainer, drive
 
 ROWS = 12

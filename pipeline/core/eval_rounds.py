@@ -17,7 +17,7 @@ step log, and its rollouts are never trained; every eval item is answered by a g
 serves the round's version (``min_weight_version`` = v) or is sent again; each (prompt,
 sample) counts once (late duplicates are acknowledged and ignored). Accuracy is pass@1 (the
 first sample of each prompt) and mean@n (all samples), with the task reward's ``correct``
-(pipeline.evaluation.correct_of).
+(`correct_of` below).
 """
 
 from __future__ import annotations
@@ -169,8 +169,6 @@ class EvalRounds:
         return acks
 
     def _metrics(self, rd: _Round) -> dict[str, Any]:
-        from pipeline.evaluation import correct_of
-
         first, every_sample, rewards = [], [], []
         for w in rd.items:
             res = rd.results[w]
@@ -191,6 +189,17 @@ class EvalRounds:
             "eval/prompts": len(rd.items),
             "eval/s": self.clock() - rd.started,
         }
+
+
+def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
+    """A scored completion counts as correct: never when its reward failed (None: an error,
+    a timeout, or a NaN/inf reward the door made a failure); else info["correct"] if the
+    reward sets it, else reward >= 1."""
+    if reward is None:
+        return False
+    if "correct" in info:
+        return bool(info["correct"])
+    return reward is not None and reward >= 1.0
 
 
 def _round_of(work_id: str) -> int:

@@ -1,13 +1,13 @@
 """``looprl keys DIR``: CURVE keypairs for the learner and its generators.
 
-Writes (directories 0700, every file 0600; see pipeline.security for who needs what)::
+Writes (directories 0700, every file 0600; see pipeline.net.security for who needs what)::
 
     DIR/learner.key, DIR/learner.key_secret        the learner's keypair
     DIR/generators/NAME.key[_secret]               one keypair per generator
     DIR/allowed/NAME.key                           their public keys, admitted by the learner
 
 NAME is the identity the learner binds the key to: a generator holding it may only use the
-generator id NAME or NAME:SUFFIX (pipeline.security.owns). Names are generator-NNN, or those
+generator id NAME or NAME:SUFFIX (pipeline.net.security.owns). Names are generator-NNN, or those
 given with ``--name``. Existing keys are never overwritten: without ``--add`` an existing
 learner key is an error; with ``--add`` the learner key is kept and new generators are
 numbered after the existing ones. Keys are generated in a private temporary directory and
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import zmq.auth
 
-from pipeline.security import (
+from pipeline.net.security import (
     ALLOWED_DIR,
     GENERATORS_DIR,
     LEARNER_NAME,

@@ -1,6 +1,6 @@
 """A small GSM8K-format dataset of arithmetic word problems, generated in code (no downloads).
 
-    python -m pipeline.make_math_data OUT_DIR [--train 1000] [--test 100] [--level easy]
+    python -m pipeline.commands.make_math_data OUT_DIR [--train 1000] [--test 100] [--level easy]
                                       [--format jsonl|parquet] [--seed 0]
 
 writes OUT_DIR/train.<ext> and OUT_DIR/test.<ext> (the split names `datasets` recognises),
@@ -126,7 +126,7 @@ def make_dataset(out: Path, *, train: int = 1000, test: int = 100, level: str = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.make_math_data",
+    p = argparse.ArgumentParser(prog="python -m pipeline.commands.make_math_data",
                                 description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
     p.add_argument("out", help="output directory (train.<ext> and test.<ext> are written)")
     p.add_argument("--train", type=int, default=1000, help="train rows (default 1000)")

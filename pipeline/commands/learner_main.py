@@ -7,13 +7,13 @@ Order: load the config (defaults < FILE < overrides; on --resume the run's own c
 replaces the defaults) -> the initial checkpoint (``model.path``, or a fresh family/size in
 RUN_DIR/init) -> the trainer (megatron: learner.parallel.init_distributed first) -> bind
 the endpoints and print how generators connect -> on --resume restore the latest
-checkpoint (pipeline.resume) -> the coordinator loop with a progress bar, metrics and
+checkpoint (pipeline.core.resume) -> the coordinator loop with a progress bar, metrics and
 checkpoints every ``checkpoint.every`` steps -> a final checkpoint, the plot, a summary.
 SIGTERM / SIGINT stop after the current turn (final checkpoint included). ``--resume`` of a
 run that already did its ``steps`` says so and leaves it (summary.json included) as it was.
 The terminal shows looprl's own lines and the progress bar; third-party logging and
 warnings (megatron, torch) go to RUN_DIR/logs/learner.log (``-v`` shows them here too,
-pipeline.console). Exit codes: 0 done, 1 the run failed, 2 bad settings (a busy port, a bad
+pipeline.commands.console). Exit codes: 0 done, 1 the run failed, 2 bad settings (a busy port, a bad
 model directory, ...).
 """
 
@@ -94,8 +94,8 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def load_prompts(cfg: RunConfig, model: Path) -> Any:
-    """The run's PromptSource (pipeline.tasks: synthetic, jsonl or dataset)."""
-    from pipeline.tasks import load_prompts as load
+    """The run's PromptSource (pipeline.core.tasks: synthetic, jsonl or dataset)."""
+    from pipeline.core.tasks import load_prompts as load
 
     return load(cfg, model)
 
@@ -117,12 +117,12 @@ def _free_pair(host: str) -> int:
 def bind_endpoint(cfg: RunConfig, port: int = 0) -> Any:
     """Bind control (port) and weights (port + 1); port: endpoints.port, else the given
     one (a resumed run's own, so its generators find it again), else a free pair."""
-    from pipeline.transport_zmq import ZmqLearnerEndpoint
+    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
 
     e = cfg.endpoints
     security = None
     if e.keys:
-        from pipeline.security import ServerCurve
+        from pipeline.net.security import ServerCurve
 
         security = ServerCurve.from_dir(e.keys, curve_on_loopback=e.curve_on_loopback)
     tc = cfg.transport
@@ -179,7 +179,7 @@ def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
         cmd += f" --exit-policy '{policy_json(cfg.rollout.policy())}'"
     e = cfg.endpoints
     if e.keys:
-        from pipeline.launcher import generator_keys
+        from pipeline.commands.launcher import generator_keys
 
         names = generator_keys(e.keys)
         cmd += f" --keys {e.keys}"
@@ -192,12 +192,12 @@ def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
 def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,
                 stop: Callable[[], bool] | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole learner (see the module docstring); returns the summary."""
-    from pipeline import resume as resume_mod
-    from pipeline import tasks
-    from pipeline.coordinator import Coordinator
-    from pipeline.metrics import MetricsWriter, read_metrics, summary
-    from pipeline.trainer_api import build_trainer
-    from pipeline.validation import ModelLimits
+    from pipeline.backends.trainer_api import build_trainer
+    from pipeline.core import resume as resume_mod
+    from pipeline.core import tasks
+    from pipeline.core.coordinator import Coordinator
+    from pipeline.core.metrics import MetricsWriter, read_metrics, summary
+    from pipeline.core.validation import ModelLimits
 
     run_dir = Path(cfg.run_dir)
     if os.environ.get("RANK", "0") != "0":  # torchrun: ranks > 0 repeat rank 0's trainer calls
@@ -210,7 +210,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     tasks.check_data(run_dir, prompts, resume=resume)  # the data a resumed run continues on
     trainer: Any = build_trainer(cfg.backend, cfg, model)
     if getattr(trainer, "world_size", 1) > 1:
-        from pipeline.ranks import Leader
+        from pipeline.backends.ranks import Leader
 
         trainer = Leader(trainer)
     old_port = 0
@@ -248,8 +248,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
                         run_dir=run_dir, limits=limits, on_step=on_step, background=True)  # fmt: skip
     if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
-        from pipeline.eval_rounds import EvalRounds
-        from pipeline.evaluation import eval_prompts
+        from pipeline.commands.evaluation import eval_prompts
+        from pipeline.core.eval_rounds import EvalRounds
 
         e = cfg.eval
         coord.evals = coord.dispatcher.evals = EvalRounds(
@@ -321,11 +321,11 @@ def _already_finished(run_dir: Path, step: int, steps: int) -> dict[str, Any] | 
 
 
 def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """A learner rank > 0: build the same trainer, then follow rank 0 (pipeline.ranks)."""
+    """A learner rank > 0: build the same trainer, then follow rank 0 (pipeline.backends.ranks)."""
     import time
 
-    from pipeline.ranks import follow
-    from pipeline.trainer_api import build_trainer
+    from pipeline.backends.ranks import follow
+    from pipeline.backends.trainer_api import build_trainer
 
     if cfg.backend == "reference":
         raise ConfigError("backend=reference runs one learner process; use megatron with torchrun")
@@ -353,7 +353,7 @@ def log_file(cfg: RunConfig, name: str = "learner") -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline import console
+    from pipeline.commands import console
 
     try:
         cfg = resolve_config(args.config, args.resume, list(args.overrides))

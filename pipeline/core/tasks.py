@@ -12,7 +12,7 @@
 
 Order and cursor: the dispatcher asks ``source.at(counter)`` for its c-th work item, a pure
 function of (rows, task.seed, c): epoch e = c // rows visits every row once in the order of
-a shuffle seeded by (seed, e) (pipeline.dispatch.PromptSource). The counter is saved in
+a shuffle seeded by (seed, e) (pipeline.core.dispatch.PromptSource). The counter is saved in
 every checkpoint, so a resumed run rebuilds the same source from the same files and
 continues at the same row; ``cursor(c)`` names that place (epoch, index) with a fingerprint
 of the prompts, and ``check_cursor(saved)`` refuses to continue over data that changed.
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, TaskSection
-from pipeline.dispatch import Prompt, PromptSource
+from pipeline.core.dispatch import Prompt, PromptSource
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ One thread runs ``Coordinator.run()``::
             every publish.every steps: v += 1, trainer.publish(RUN_DIR/weights/vN) -> announce
             every checkpoint.every steps: trainer.save(ckpt, pipeline_state)
 
-Invariants: exactly-once (pipeline.ledger; nothing acknowledged before it is recorded),
-staleness (pipeline.staleness: nothing staler than max_staleness is trained except flagged
+Invariants: exactly-once (pipeline.core.ledger; nothing acknowledged before it is recorded),
+staleness (pipeline.core.staleness: nothing staler than max_staleness is trained except flagged
 under policy "keep"), and versions strictly increase, also across a resume (the restored
-weights are published as a new version). Checkpoint / resume: pipeline.resume.
+weights are published as a new version). Checkpoint / resume: pipeline.core.resume.
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from typing import Any
 
 from models.errors import NonFiniteWeightsError
 from models.publication import Publication
+from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
-from pipeline.dispatch import Dispatcher, PromptSource
-from pipeline.eval_rounds import is_eval_work
-from pipeline.intake import Group, Intake, training_rewards
-from pipeline.ledger import InFlightLedger
-from pipeline.quarantine import Quarantine
-from pipeline.recorder import Recorder, StepRecord
-from pipeline.staleness import StalenessGate
-from pipeline.trainer_api import Trainer
-from pipeline.validation import DoorRules, ModelLimits
-from pipeline.weight_collective import make_publisher
+from pipeline.core.dispatch import Dispatcher, PromptSource
+from pipeline.core.eval_rounds import is_eval_work
+from pipeline.core.intake import Group, Intake, training_rewards
+from pipeline.core.ledger import InFlightLedger
+from pipeline.core.quarantine import Quarantine
+from pipeline.core.recorder import Recorder, StepRecord
+from pipeline.core.staleness import StalenessGate
+from pipeline.core.validation import DoorRules, ModelLimits
+from pipeline.net.weight_collective import make_publisher
 from proto import (
     Ack,
     ErrorMsg,
@@ -90,7 +90,7 @@ class _Job:
 
 
 class Coordinator:
-    """See the module docstring. ``endpoint`` is a pipeline.transport.LearnerEndpoint."""
+    """See the module docstring. ``endpoint`` is a pipeline.net.transport.LearnerEndpoint."""
 
     def __init__(
         self,
@@ -135,7 +135,7 @@ class Coordinator:
             dynamic_sampling=cfg.objective.dynamic_sampling,
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
-        self.evals: Any = None  # pipeline.eval_rounds.EvalRounds (eval.every > 0)
+        self.evals: Any = None  # pipeline.core.eval_rounds.EvalRounds (eval.every > 0)
         self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
         self.published: list[int] = []
         self.last_digest = ""

@@ -38,7 +38,7 @@ from generator.config import (
     field_docs,
     load_config,
 )
-from pipeline.transport_config import TransportConfig
+from pipeline.net.transport_config import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def probe_learner(
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
-    from pipeline.transport import ConnectTimeout
+    from pipeline.net.transport import ConnectTimeout
 
     if timeout_s > 0:
         every_s = min(every_s, max(1.0, timeout_s / 4))
@@ -307,10 +307,10 @@ def serve(cfg: GeneratorConfig) -> int:
     from generator.weights_collective import CollectiveWeightSink
     from models.checkpoint import load_config, read_config
     from models.exits import policy_from_dict, policy_json
-    from pipeline.security import ClientCurve, generator_id_for
-    from pipeline.transport import ConnectTimeout
-    from pipeline.transport_zmq import ZmqGeneratorConnection
-    from pipeline.weight_sync import WeightReceiver
+    from pipeline.net.security import ClientCurve, generator_id_for
+    from pipeline.net.transport import ConnectTimeout
+    from pipeline.net.transport_zmq import ZmqGeneratorConnection
+    from pipeline.net.weight_sync import WeightReceiver
 
     cfg.require_learner()
     if not cfg.model:

@@ -19,10 +19,10 @@ published as a new version above all of them, so versions strictly increase and 
 generator keeps serving weights the restored learner never had.
 
 Nothing accepted is lost: staleness after a resume is measured on the restored line of
-weights (pipeline.staleness.VersionLineage), so the rollouts restored from the stream are
+weights (pipeline.core.staleness.VersionLineage), so the rollouts restored from the stream are
 trained when they are within ``max_staleness`` of the weights the learner really has, and
 dispatched again (not dropped) when they are not. Every rollout read back passes the door
-(pipeline.validation) first: one that an older learner accepted although it breaks a rule is
+(pipeline.core.validation) first: one that an older learner accepted although it breaks a rule is
 quarantined (RUN_DIR/quarantine, source "resume") and its sample dispatched again, so a bad
 recorded rollout can never crash-loop a resume. A sample dispatched again is recorded again
 under the same rollout id; RUN_DIR/voided.jsonl names the voided copies (id, seq, reason), and
@@ -37,12 +37,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.coordinator import Coordinator
-from pipeline.dispatch import counter_of, work_id_of
-from pipeline.ledger import InFlightLedger
-from pipeline.recorder import read_rollouts
-from pipeline.staleness import VersionLineage
-from pipeline.validation import Refusal, check_rollout, sanitize_reward
+from pipeline.core.coordinator import Coordinator
+from pipeline.core.dispatch import counter_of, work_id_of
+from pipeline.core.ledger import InFlightLedger
+from pipeline.core.recorder import read_rollouts
+from pipeline.core.staleness import VersionLineage
+from pipeline.core.validation import Refusal, check_rollout, sanitize_reward
 from proto import Rollout
 
 log = logging.getLogger(__name__)

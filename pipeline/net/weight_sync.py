@@ -94,7 +94,7 @@ class WeightPublisher:
         self._blob = b""
         self._gens: dict[str, _Gen] = {}
         self.external: set[str] = set()
-        """Generators whose transfers another transport carries (pipeline.weight_collective):
+        """Generators whose transfers another transport carries (pipeline.net.weight_collective):
         their state is kept here (versions, Acks, Nacks), but ``pump`` sends them nothing."""
         self.counts: Counter[str] = Counter()
 

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 OWN_PACKAGES = ("pipeline", "generator", "learner", "models", "proto", "benchmarks", "__main__")
-_REPO = str(Path(__file__).resolve().parents[1])
+_REPO = str(Path(__file__).resolve().parents[2])
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -1,4 +1,4 @@
-"""ZMQ implementation of pipeline.transport (tcp, ipc or inproc; CURVE via pipeline.security).
+"""ZMQ implementation of pipeline.net.transport (tcp, ipc or inproc; CURVE via pipeline.net.security).
 
 Sockets: two ROUTERs bound by the learner (control, weights) with ROUTER_MANDATORY (a send
 to an unknown or full peer fails instead of vanishing) and ROUTER_HANDOVER (a reconnecting
@@ -6,14 +6,14 @@ generator takes its routing id back); two DEALERs per generator with RECONNECT_I
 RECONNECT_IVL_MAX. Every socket sets SNDHWM = hwm, RCVHWM = ``config.rcvhwm(...)`` (the
 per-connection byte budget), MAXMSGSIZE = the channel's frame limit + grace, ZMTP
 heartbeats (dead tcp connections are noticed and re-established) and a monitor that counts
-refused handshakes and disconnects. See pipeline.transport for the order of calls.
+refused handshakes and disconnects. See pipeline.net.transport for the order of calls.
 
 Routing id = ``generator_id + NUL + nonce`` (8 random bytes per connection object, the
 same on both sockets). The learner strips the nonce (``peer`` is the generator id) and
 routes a generator's traffic to the routing id of its newest valid frame. The nonce keeps
 a second connection claiming the same id from colliding with (ROUTER_HANDOVER: taking over)
 a live one; on CURVE sockets every frame must also come from a key that owns the id it
-claims (ZAP User-Id, pipeline.security.owns), or it is refused, counted
+claims (ZAP User-Id, pipeline.net.security.owns), or it is refused, counted
 (``stats.wrong_identity``) and dropped. So a generator holding one allowed key can neither
 impersonate another nor take its connection; its own reconnects still hand over.
 """
@@ -29,8 +29,8 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pipeline.security import ClientCurve, ServerCurve, check_bind, owns
-from pipeline.transport import (
+from pipeline.net.security import ClientCurve, ServerCurve, check_bind, owns
+from pipeline.net.transport import (
     CHANNELS,
     Channel,
     Clock,

@@ -1,6 +1,6 @@
 """A pure-PyTorch trainer on models.reference (backend "reference"): CPU runs and tests.
 
-It implements pipeline.trainer_api.Trainer with the reference forward (models.engine.run_chunk
+It implements pipeline.backends.trainer_api.Trainer with the reference forward (models.engine.run_chunk
 replaying each rollout's latent seed and exit depths) and learner.objectives, one optimizer
 step per call. It stands in until the megatron trainer (learner.trainer) is available and
 stays useful as a small, deterministic baseline: same inputs, same thread count -> the same
@@ -9,7 +9,7 @@ bits, which is what `looprl replay` relies on.
 step(rollouts, flags):
     advantages  grpo/dppo/flow_dppo: group-relative (learner.advantages.group_advantages) over
                 the batch's groups (work_id); with a critic (ppo, objective.critic): GAE on
-                the values of a separate critic network (pipeline.reference_critic, as the
+                the values of a separate critic network (pipeline.backends.reference_critic, as the
                 megatron backend's), reward on the last token.
     proximal    the pre-update weights are the current ones (one step per batch): prox_logp,
                 the KL reference of flow_dppo and ppo's old values are the detached forward.
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from models.publication import Publication
-from pipeline.reference_critic import ReferenceCritic, clip_and_step, make_optimizer
+from pipeline.backends.reference_critic import ReferenceCritic, clip_and_step, make_optimizer
 from proto import Rollout
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class ReferenceTrainer:
         self.ref: LoopedLM | None = None  # frozen reference policy of objective.kl_coef
         self.kl_in_reward = o.kl_in_reward
         if o.kl_coef > 0:
-            from pipeline.megatron_adapter import check_reference
+            from pipeline.backends.megatron_adapter import check_reference
 
             ref_dir = Path(cfg.model.reference_path) if cfg.model.reference_path else self.model_dir
             ref_cfg, ref = load_model(ref_dir)

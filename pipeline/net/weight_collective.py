@@ -1,6 +1,6 @@
 """Weight push over a torch.distributed broadcast (publish.transport=collective), learner side.
 
-``CollectivePublisher`` is a ``WeightPublisher`` (pipeline.weight_sync) whose generators get
+``CollectivePublisher`` is a ``WeightPublisher`` (pipeline.net.weight_sync) whose generators get
 each version by one broadcast from the learner (rank 0) instead of one chunk stream each; the
 coordinator drives it exactly like the ZMQ publisher (publish / add_generator / handle / observe
 / remove_generator / pump / close). models.collective has the rendezvous keys. Loop, on the
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models import collective as coll
-from pipeline.weight_sync import WeightPublisher, WeightSyncError, _LearnerSide
+from pipeline.net.weight_sync import WeightPublisher, WeightSyncError, _LearnerSide
 from proto import Nack, WeightAnnounce
 from proto.schema import Scalar
 

@@ -7,9 +7,9 @@ weights  a second ROUTER (own port) <-> a second DEALER, same routing id: Weight
          WeightChunk out, Ack(kind="chunk") credits and Ack/Nack(kind="weights") back.
          Per-generator ROUTER, not PUB: PUB drops silently at a slow subscriber's HWM, has
          no back channel for credits and misses late joiners; ROUTER_MANDATORY sends fail
-         visibly, so pipeline.weight_sync keeps <= window chunks in flight per generator.
+         visibly, so pipeline.net.weight_sync keeps <= window chunks in flight per generator.
 
-Order of calls (ZMQ: pipeline.transport_zmq; in-memory: pipeline.transport_memory; same behaviour)::
+Order of calls (ZMQ: pipeline.net.transport_zmq; in-memory: pipeline.net.transport_memory; same behaviour)::
 
     learner:   ep = ZmqLearnerEndpoint(cfg, control=..., weights=..., security=...)  # binds
                loop: inc = ep.recv(timeout_s)     # Incoming(channel, peer, record) | None
@@ -28,8 +28,8 @@ Hello with exponential backoff until a Welcome; libzmq reconnects underneath. A 
 oversized, multipart or out-of-place frame is counted (``stats.rejected``), answered with
 ``ErrorMsg("protocol")`` and skipped; beyond limit + ``oversize_grace_bytes`` libzmq
 (ZMQ_MAXMSGSIZE) drops the connection instead. Warnings about what a peer sends are
-rate-limited (``log_interval_s``, pipeline.log_limit). What is queued from one connection
-is bounded in bytes (``recv_budget_bytes``, pipeline.transport_config). Not thread-safe:
+rate-limited (``log_interval_s``, pipeline.net.log_limit). What is queued from one connection
+is bounded in bytes (``recv_budget_bytes``, pipeline.net.transport_config). Not thread-safe:
 one thread per object.
 """
 
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.log_limit import RateLimitedLog
-from pipeline.transport_config import (  # noqa: F401  (re-exported: the transport's API)
+from pipeline.net.log_limit import RateLimitedLog
+from pipeline.net.transport_config import (  # noqa: F401  (re-exported: the transport's API)
     ACK_MAX_FRAME,
     CHANNELS,
     Channel,

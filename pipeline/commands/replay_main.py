@@ -46,10 +46,10 @@ def replay(stream: Path, out: Path, config: str | None = None,
            overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Replay ``stream`` (see the module docstring); returns {version: [live, replay digest]}."""
     from models.publication import Publication
-    from pipeline.intake import training_rewards
-    from pipeline.learner_main import model_dir, resolve_config
-    from pipeline.recorder import read_rollouts, read_steps
-    from pipeline.trainer_api import build_trainer
+    from pipeline.backends.trainer_api import build_trainer
+    from pipeline.commands.learner_main import model_dir, resolve_config
+    from pipeline.core.intake import training_rewards
+    from pipeline.core.recorder import read_rollouts, read_steps
     from proto.stream_format import check_stream_dir
 
     if not stream.exists():
@@ -99,7 +99,7 @@ def replay(stream: Path, out: Path, config: str | None = None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline import console
+    from pipeline.commands import console
 
     stream = Path(args.stream)
     out = Path(args.out) if args.out else stream.resolve().parent / "replay"

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from models.noise import derive_latent_seed
-from pipeline.ledger import InFlightLedger, Redispatch
-from pipeline.staleness import StalenessGate
+from pipeline.core.ledger import InFlightLedger, Redispatch
+from pipeline.core.staleness import StalenessGate
 from proto import WorkItem
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Dispatcher:
         self.open: dict[str, WorkSpec] = {}  # dispatched, not yet trained or dropped
         self._redo: deque[Redispatch] = deque()
         self._avoid: dict[tuple[str, int], str] = {}  # refused sample -> generator to avoid
-        self.evals: Any = None  # pipeline.eval_rounds.EvalRounds: eval items go out first
+        self.evals: Any = None  # pipeline.core.eval_rounds.EvalRounds: eval items go out first
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
 

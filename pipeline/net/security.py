@@ -8,7 +8,7 @@ every generator proves its own keypair and pins the learner's public key. Loopba
 ``curve_on_loopback`` is set (both sides must agree). Binding a non-loopback address
 without keys raises :class:`InsecureBindError` unless ``insecure=True`` is passed.
 
-Key directory (written by ``looprl keys DIR``, see pipeline.keys_cli)::
+Key directory (written by ``looprl keys DIR``, see pipeline.commands.keys_cli)::
 
     DIR/learner.key                  learner public key  (copy to every generator host)
     DIR/learner.key_secret           learner keypair     (learner host only)

@@ -51,13 +51,13 @@ def build_trainer(backend: str, cfg: Any, model_dir: Path) -> Trainer:
     learner.trainer is importable, else the reference trainer with a warning)."""
     if backend in ("auto", "megatron"):
         try:
-            from pipeline.megatron_adapter import MegatronTrainer
+            from pipeline.backends.megatron_adapter import MegatronTrainer
         except ImportError as e:
             if backend == "megatron":
                 raise ValueError(f"backend=megatron: learner.trainer is not usable ({e})") from e
             log.warning("learner.trainer not available (%s): using the reference trainer", e)
         else:
             return MegatronTrainer(cfg, model_dir)
-    from pipeline.reference_trainer import ReferenceTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer
 
     return ReferenceTrainer(cfg, model_dir)

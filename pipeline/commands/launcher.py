@@ -3,13 +3,13 @@
     looprl run                                   # the quickstart (configs/quickstart.yaml)
     looprl run --config configs/ppo.yaml steps=20 generators.count=1
 
-The learner runs in this process (pipeline.learner_main.run_learner); once its endpoints are
+The learner runs in this process (pipeline.commands.learner_main.run_learner); once its endpoints are
 bound, ``generators.count`` processes ``python -m pipeline.cli generator --learner ...`` start
 (logs in RUN_DIR/logs/gen<i>.log, torch threads = ``generators.threads``). At the end, on
 Ctrl-C or SIGTERM, each generator is stopped by its pid (SIGTERM, then SIGKILL after 20 s),
 and a summary prints the mean reward of the first and last 5 steps. The terminal shows
 looprl's warnings and errors and the progress bar; third-party logs and warnings go to
-RUN_DIR/logs/learner.log (``-v`` shows them too; pipeline.console).
+RUN_DIR/logs/learner.log (``-v`` shows them too; pipeline.commands.console).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="run config YAML (default: the quickstart)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    from pipeline.learner_main import add_verbose
+    from pipeline.commands.learner_main import add_verbose
 
     add_verbose(p)
     p.set_defaults(func=run)
@@ -82,7 +82,7 @@ def transport_flags(cfg: RunConfig) -> list[str]:
     every other setting that differs from its default (both ends must agree)."""
     import dataclasses
 
-    from pipeline.transport_config import TransportConfig
+    from pipeline.net.transport_config import TransportConfig
 
     t, default = cfg.transport, TransportConfig()
     extra = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)
@@ -95,7 +95,7 @@ def settings_flags(cfg: RunConfig) -> list[str]:
     """The run's generators section as `looprl generator` flags: every GeneratorConfig key
     that differs from its default, except the run-managed ones (set per generator above)."""
     from generator.config import GeneratorConfig
-    from pipeline.generator_cli import flag_name
+    from pipeline.commands.generator_cli import flag_name
 
     out: list[str] = []
     default = GeneratorConfig()
@@ -139,7 +139,7 @@ class Generators:
         self.logs.mkdir(parents=True, exist_ok=True)
         threads = str(self.cfg.generators.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                               os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         for i in range(self.cfg.generators.count):
             cmd = generator_command(self.cfg, i, control, weights, model)
@@ -178,7 +178,7 @@ class Generators:
 
 def run_local(cfg: RunConfig) -> dict[str, Any]:
     """Learner here + generators as processes; returns the learner's summary."""
-    from pipeline.learner_main import run_learner
+    from pipeline.commands.learner_main import run_learner
 
     gens = Generators(cfg)
     t0 = time.time()
@@ -196,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2
-    from pipeline import console
-    from pipeline.learner_main import log_file
+    from pipeline.commands import console
+    from pipeline.commands.learner_main import log_file
 
     verbose = console.verbose_from_env(getattr(args, "verbose", False))
     path = console.setup(log_file(cfg), verbose=verbose, level=logging.WARNING)

@@ -2,7 +2,7 @@
 
 Loop (coordinator thread)::
 
-    res = intake.receive(sender, batch)   # the door (pipeline.validation) checks each rollout
+    res = intake.receive(sender, batch)   # the door (pipeline.core.validation) checks each rollout
                                           # the sender owns; refused ones are Nack'ed with the
                                           # reason, quarantined and re-dispatched, and
                                           # res.ban says when the sender must be dropped; the
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.dispatch import Dispatcher, WorkSpec
-from pipeline.ledger import InFlightLedger, Redispatch
-from pipeline.quarantine import Quarantine
-from pipeline.staleness import StalenessGate, Verdict
-from pipeline.validation import (
+from pipeline.core.dispatch import Dispatcher, WorkSpec
+from pipeline.core.ledger import InFlightLedger, Redispatch
+from pipeline.core.quarantine import Quarantine
+from pipeline.core.staleness import StalenessGate, Verdict
+from pipeline.core.validation import (
     DoorRules,
     Expected,
     ModelLimits,
@@ -208,7 +208,7 @@ class Intake:
         return res
 
     def check_eval(self, sender: str, r: Rollout, item: WorkItem) -> tuple[Rollout, Refusal | None]:
-        """The door for an eval rollout (pipeline.eval_rounds): the same rules against its
+        """The door for an eval rollout (pipeline.core.eval_rounds): the same rules against its
         eval work item; a refusal is quarantined and counted toward a ban like any other
         (``self.pending_ban`` holds a ban for the coordinator to carry out). Returns the
         rollout with a NaN/inf reward made a failed reward, as for training, and the refusal."""

@@ -8,7 +8,7 @@ and forwards step / publish / checkpoint calls to learner.trainer, learner.publi
 learner.checkpoint (which stores the coordinator's pipeline_state in its meta.json).
 
 With several ranks (torchrun) every rank must run the same calls with the same rollouts:
-pipeline.ranks wraps rank 0's trainer (``Leader``) and runs the others (``follow``).
+pipeline.backends.ranks wraps rank 0's trainer (``Leader``) and runs the others (``follow``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     looprl eval --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
                 [--temperature 0] [--limit 0] [key=value ...]
 
-Order: the run config's task (pipeline.tasks: same rendering, limits, reward_args) is read
+Order: the run config's task (pipeline.core.tasks: same rendering, limits, reward_args) is read
 with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
 checkpoint loaded by models.checkpoint.load_model, decoded by models.reference.generate
 (greedy when ``temperature`` is 0; latent seeds from (run seed, "eval/" + prompt id, sample);
@@ -29,24 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.core.eval_rounds import correct_of  # noqa: F401  (also this command's API)
 
 log = logging.getLogger(__name__)
 
 
-def correct_of(reward: float | None, info: dict[str, Any]) -> bool:
-    """A scored completion counts as correct: never when its reward failed (None: an error,
-    a timeout, or a NaN/inf reward the door made a failure); else info["correct"] if the
-    reward sets it, else reward >= 1."""
-    if reward is None:
-        return False
-    if "correct" in info:
-        return bool(info["correct"])
-    return reward is not None and reward >= 1.0
-
-
 def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> list[Any]:
     """The prompts of ``split`` of the run's dataset task (rendered as for training)."""
-    from pipeline.tasks import dataset_prompts, prompt_limit
+    from pipeline.core.tasks import dataset_prompts, prompt_limit
 
     if cfg.task.kind != "dataset":
         raise ConfigError(
