@@ -216,12 +216,13 @@ def prompt_limit(cfg: RunConfig, model: Path) -> int:
         return cfg.task.max_prompt_tokens
     context = cfg.generators.max_model_len
     if not context:
-        from models.checkpoint import read_config
+        from models.checkpoint import load_config
 
-        context = int(read_config(model).get("max_position_embeddings") or 0)
+        mc = load_config(model)  # Huginn names it block_size (vLLM maps it the same way)
+        context = int(getattr(mc, "max_position_embeddings", 0) or getattr(mc, "block_size", 0))
         if not context:
-            raise ConfigError(f"{model}/config.json has no max_position_embeddings: set "
-                              "run config generators.max_model_len")  # fmt: skip
+            raise ConfigError(f"{model}/config.json gives no context length: set run config "
+                              "generators.max_model_len")  # fmt: skip
     room = context - cfg.rollout.max_tokens
     if room < 1:
         raise ConfigError(

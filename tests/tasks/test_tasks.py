@@ -289,3 +289,20 @@ def test_synthetic_and_jsonl_kinds_still_load(tmp_path: Path, model: Path) -> No
     assert [(p.prompt_id, p.tokens, p.task) for p in src.prompts] == [
         ("p0", [1, 5, 6], {"answer": "3"}), ("x", [1], {})]  # fmt: skip
     assert src.stats.kept == 2 and len(src.stats.fingerprint) == 16
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_prompt_limit_reads_the_checkpoints_context(tmp_path: Path, family: str) -> None:
+    """generators.max_model_len 0 (the default) is the checkpoint's context length, as vLLM
+    derives it (Huginn: block_size; the others: max_position_embeddings)."""
+    from models.init import init_checkpoint
+    from pipeline.core.tasks import prompt_limit
+
+    d = tmp_path / family
+    init_checkpoint(family, "tiny", d, seed=0)
+    cfg = load_config(None, ["rollout.max_tokens=12"])
+    assert prompt_limit(cfg, d) == 512 - 12
+    assert prompt_limit(load_config(None, ["generators.max_model_len=100",
+                                           "rollout.max_tokens=12"]), d) == 88  # fmt: skip
+    with pytest.raises(ConfigError, match="leaves no room"):
+        prompt_limit(load_config(None, ["generators.max_model_len=8", "rollout.max_tokens=12"]), d)
