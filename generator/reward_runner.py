@@ -93,6 +93,9 @@ def _worker_main(conn: Connection, path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     try:
         fn = resolve_reward(path)
+        warm = getattr(fn, "warm_up", None)  # e.g. the math reward imports math-verify
+        if callable(warm):
+            warm()
     except Exception as e:
         conn.send(("fatal", str(e)))
         return
@@ -111,7 +114,9 @@ class RewardRunner:
     """Scores completions with one reward function under a per-call timeout.
 
     mode "process": ``workers`` spawned processes (the reward runs in a clean interpreter,
-      never a fork of the vLLM process); a call past ``timeout_s`` kills its worker, which is
+      never a fork of the vLLM process; a reward function's optional ``warm_up()`` attribute
+      runs there before the worker reports ready, so that no call's timeout pays for
+      imports); a call past ``timeout_s`` kills its worker, which is
       replaced while the others keep serving. Calls and results cross a local pipe (pickle,
       between our own processes only).
     mode "thread": ``workers`` calls at once in daemon threads; a timed-out thread cannot be
