@@ -256,3 +256,31 @@ def test_measure_overhead_reports_every_mode() -> None:
     got = measure_overhead(calls=128, workers=1)
     assert set(got) == {f"{m}_{k}_us" for m in MODES for k in ("single", "batch64")}
     assert all(v > 0 for v in got.values())
+
+
+def test_process_worker_warms_up_before_it_is_ready(tmp_path: Path) -> None:
+    """A reward's warm_up() runs in each worker before it reports ready: its cost (here 2 s)
+    never counts against a call's timeout (1 s), also after a worker is replaced."""
+    import sys
+
+    (tmp_path / "slow_start_reward.py").write_text(
+        "import time\n"
+        "READY = []\n"
+        "def warm_up():\n    time.sleep(2.0)\n    READY.append(1)\n"
+        "def fn(text, tokens, task):\n"
+        "    if not READY:\n        warm_up()  # a lazy import, as math-verify's\n"
+        "    if text == 'hang':\n        time.sleep(60)\n"
+        "    return 1.0\n"
+        "fn.warm_up = warm_up\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with RewardRunner("slow_start_reward:fn", mode="process", workers=1,
+                          timeout_s=1.0) as runner:  # fmt: skip
+            hung, first, second = runner.score_many([("hang", [], {}), ("a", [], {}),
+                                                     ("b", [], {})])  # fmt: skip
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert hung.reward is None and hung.info["kind"] == "timeout"
+    assert first.reward == 1.0 and second.reward == 1.0  # the replaced worker warmed up first
+    assert runner.stats["recycled"] == 1
