@@ -216,10 +216,10 @@ def prompt_limit(cfg: RunConfig, model: Path) -> int:
         return cfg.task.max_prompt_tokens
     context = cfg.generators.max_model_len
     if not context:
-        from models.checkpoint import load_config
+        from models.checkpoint import read_config
 
-        mc = load_config(model)  # Huginn names it block_size (vLLM maps it the same way)
-        context = int(getattr(mc, "max_position_embeddings", 0) or getattr(mc, "block_size", 0))
+        hf = read_config(model)  # Huginn names it block_size (vLLM maps it the same way)
+        context = int(hf.get("max_position_embeddings") or hf.get("block_size") or 0)
         if not context:
             raise ConfigError(f"{model}/config.json gives no context length: set run config "
                               "generators.max_model_len")  # fmt: skip

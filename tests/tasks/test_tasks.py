@@ -64,7 +64,7 @@ def write(path: Path, rs: list[dict[str, Any]]) -> Path:
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     d = build_tokenizer(tmp_path / "model", 512)
-    (d / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    (d / "config.json").write_text(json.dumps({"vocab_size": 512, "max_position_embeddings": 128}))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))
     return d
 
