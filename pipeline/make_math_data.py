@@ -29,9 +29,19 @@ from typing import Any
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eva", "Ben")
 THINGS = ("apples", "pens", "books", "cards", "coins", "eggs", "toys", "cups", "shells", "stamps")
-LEVELS = ("easy", "medium")
+LEVELS = ("copy", "easy", "medium")
 
 Problem = tuple[str, str, str]  # (question, solution, op)
+
+
+def _copy(rng: random.Random) -> Problem:
+    name, thing, a = rng.choice(NAMES), rng.choice(THINGS), rng.randint(0, 9)
+    q = rng.choice((
+        f"{name} has {a} {thing}. How many {thing} does {name} have?",
+        f"{name} buys {a} {thing}. How many {thing} did {name} buy?",
+        f"There are {a} {thing} in a box. How many {thing} are in the box?",
+    ))  # fmt: skip
+    return q, f"#### {a}", "copy"
 
 
 def _easy(rng: random.Random) -> Problem:
@@ -68,7 +78,11 @@ def _medium(rng: random.Random) -> Problem:
     return q, f"{a} * {b} = {a * b}\n{a * b} + {c} = {a * b + c}\n#### {a * b + c}", "mul"
 
 
-_MAKERS: dict[str, Callable[[random.Random], Problem]] = {"easy": _easy, "medium": _medium}
+_MAKERS: dict[str, Callable[[random.Random], Problem]] = {
+    "copy": _copy,
+    "easy": _easy,
+    "medium": _medium,
+}
 
 
 def make_rows(
