@@ -5,11 +5,12 @@
 
 RL needs a policy that already answers in the task's format now and then: a randomly
 initialised model spreads its first token over the whole vocabulary, so it almost never
-writes a digit, and the few rewarded samples all share the one digit its random weights
+writes a digit, and most rewarded samples start with the one digit its random weights
 favour. GRPO then reinforces that digit on every prompt (the answer it is right on a tenth
 of the time) and its entropy collapses before any prompt-dependent answer is sampled
-(docs/TASKS.md, "Why a random model collapses"). A few supervised steps on the data's
-reference solutions (what pretraining and SFT give a real model) fix that.
+(docs/TASKS.md, "Why a random model collapses"). Supervised steps on the data's reference
+solutions (what pretraining and SFT give a real model) give GRPO a policy to improve: enough
+of them that the model has begun to answer from the question, not only in the format.
 
 Order: the run config's dataset task is rendered as for training (pipeline.tasks:
 checkpoint's chat template, system prompt, instruction, prompt limit) -> each row's target is
