@@ -10,7 +10,9 @@
 #   bash scripts/math_warm_start.sh [OUT]     # from the repository root; OUT: runs/math-sft
 #
 # Why chained: one 60-100 step `looprl sft` call from the fresh model (seed 0, lr 3e-3 or 5e-3)
-# learned the format but not yet the number (accuracy 0.04-0.14); this chain had.
+# learned the format but not yet the number (accuracy 0.04-0.14); this chain had, at 70 steps.
+# One 120-step call had just crossed over (0.23), but RL from it kept the format with one
+# seed of two (docs/TASKS.md).
 set -euo pipefail
 OUT=${1:-runs/math-sft}
 SFT=(looprl sft --config configs/math.yaml)
