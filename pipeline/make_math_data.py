@@ -1,19 +1,21 @@
 """A small GSM8K-format dataset of arithmetic word problems, generated in code (no downloads).
 
-    python -m pipeline.make_math_data OUT_DIR [--train 1000] [--test 100] [--level easy]
-                                      [--format jsonl|parquet] [--seed 0]
+    python -m pipeline.make_math_data OUT_DIR [--train 1000] [--test 100]
+                                      [--level easy|copy|medium] [--format jsonl|parquet]
+                                      [--seed 0]
 
 writes OUT_DIR/train.<ext> and OUT_DIR/test.<ext> (the split names `datasets` recognises),
 one problem per row with the columns
 
     prompt    the question, e.g. "Mia has 3 pens and gets 4 more. How many pens now?"
     answer    a GSM8K-style solution ending in the final answer: "3 + 4 = 7\\n#### 7"
-    level     "easy" or "medium"
-    op        the arithmetic the problem needs: add, sub, mul, add_sub
+    level     "copy", "easy" or "medium"
+    op        the arithmetic the problem needs: copy, add, sub, mul, add_sub
 
-Levels: easy (one operation, every answer 0..9: a tiny model can learn it on a CPU, as in
-configs/math.yaml) and medium (two operations on numbers up to 99). Rows are a pure function
-of (seed, split, row): the same arguments always write the same bytes, and the test split
+Levels: copy (the answer, 0..9 and each digit equally likely, is the one number in the
+question; the solution is just "#### 7": what configs/math.yaml trains the tiny model on),
+easy (one operation, every answer 0..9) and medium (two operations on numbers up to 99).
+Rows are a pure function of (seed, split, row): the same arguments always write the same bytes, and the test split
 uses its own seed stream, with questions that do not occur in train.
 """
 
