@@ -15,8 +15,8 @@ one problem per row with the columns
 Levels: copy (the answer, 0..9 and each digit equally likely, is the one number in the
 question; the solution is just "#### 7": what configs/math.yaml trains the tiny model on),
 easy (one operation, every answer 0..9) and medium (two operations on numbers up to 99).
-Rows are a pure function of (seed, split, row): the same arguments always write the same bytes, and the test split
-uses its own seed stream, with questions that do not occur in train.
+Rows are a pure function of (seed, split, row): the same arguments always write the same
+bytes, and the test split uses its own seed stream, with questions that do not occur in train.
 """
 
 from __future__ import annotations
