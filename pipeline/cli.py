@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
 
+    # looprl sft ...
+    from pipeline.commands.warm_start import add_parser as add_sft_parser
+
+    add_sft_parser(sub)
+
     # looprl generator ...
     from pipeline.commands.generator_cli import add_parser as add_generator_parser
 

@@ -1,20 +1,22 @@
 """A small GSM8K-format dataset of arithmetic word problems, generated in code (no downloads).
 
-    python -m pipeline.commands.make_math_data OUT_DIR [--train 1000] [--test 100] [--level easy]
-                                      [--format jsonl|parquet] [--seed 0]
+    python -m pipeline.commands.make_math_data OUT_DIR [--train 1000] [--test 100]
+                                      [--level easy|copy|medium] [--format jsonl|parquet]
+                                      [--seed 0]
 
 writes OUT_DIR/train.<ext> and OUT_DIR/test.<ext> (the split names `datasets` recognises),
 one problem per row with the columns
 
     prompt    the question, e.g. "Mia has 3 pens and gets 4 more. How many pens now?"
     answer    a GSM8K-style solution ending in the final answer: "3 + 4 = 7\\n#### 7"
-    level     "easy" or "medium"
-    op        the arithmetic the problem needs: add, sub, mul, add_sub
+    level     "copy", "easy" or "medium"
+    op        the arithmetic the problem needs: copy, add, sub, mul, add_sub
 
-Levels: easy (one operation, every answer 0..9: a tiny model can learn it on a CPU, as in
-configs/math.yaml) and medium (two operations on numbers up to 99). Rows are a pure function
-of (seed, split, row): the same arguments always write the same bytes, and the test split
-uses its own seed stream, with questions that do not occur in train.
+Levels: copy (the answer, 0..9 and each digit equally likely, is the one number in the
+question; the solution is just "#### 7": what configs/math.yaml trains the tiny model on),
+easy (one operation, every answer 0..9) and medium (two operations on numbers up to 99).
+Rows are a pure function of (seed, split, row): the same arguments always write the same
+bytes, and the test split uses its own seed stream, with questions that do not occur in train.
 """
 
 from __future__ import annotations
@@ -29,9 +31,19 @@ from typing import Any
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eva", "Ben")
 THINGS = ("apples", "pens", "books", "cards", "coins", "eggs", "toys", "cups", "shells", "stamps")
-LEVELS = ("easy", "medium")
+LEVELS = ("copy", "easy", "medium")
 
 Problem = tuple[str, str, str]  # (question, solution, op)
+
+
+def _copy(rng: random.Random) -> Problem:
+    name, thing, a = rng.choice(NAMES), rng.choice(THINGS), rng.randint(0, 9)
+    q = rng.choice((
+        f"{name} has {a} {thing}. How many {thing} does {name} have?",
+        f"{name} buys {a} {thing}. How many {thing} did {name} buy?",
+        f"There are {a} {thing} in a box. How many {thing} are in the box?",
+    ))  # fmt: skip
+    return q, f"#### {a}", "copy"
 
 
 def _easy(rng: random.Random) -> Problem:
@@ -68,7 +80,11 @@ def _medium(rng: random.Random) -> Problem:
     return q, f"{a} * {b} = {a * b}\n{a * b} + {c} = {a * b + c}\n#### {a * b + c}", "mul"
 
 
-_MAKERS: dict[str, Callable[[random.Random], Problem]] = {"easy": _easy, "medium": _medium}
+_MAKERS: dict[str, Callable[[random.Random], Problem]] = {
+    "copy": _copy,
+    "easy": _easy,
+    "medium": _medium,
+}
 
 
 def make_rows(

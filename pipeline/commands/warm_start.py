@@ -1,0 +1,212 @@
+"""A short supervised warm start: fine-tune a checkpoint on the train split's reference answers.
+
+    looprl sft --config FILE --out DIR [--model DIR] [--steps 60] [--lr 3e-3] [--batch 32]
+               [--seed 0] [key=value ...]
+
+RL needs a policy that already answers in the task's format now and then: a randomly
+initialised model spreads its first token over the whole vocabulary, so it almost never
+writes a digit, and most rewarded samples start with the one digit its random weights
+favour. GRPO then reinforces that digit on every prompt (the answer it is right on a tenth
+of the time) and its entropy collapses before any prompt-dependent answer is sampled
+(docs/TASKS.md, "Why a random model collapses"). Supervised steps on the data's reference
+solutions (what pretraining and SFT give a real model) give GRPO a policy to improve: enough
+of them that the model has begun to answer from the question, not only in the format.
+
+Order: the run config's dataset task is rendered as for training (pipeline.core.tasks:
+checkpoint's chat template, system prompt, instruction, prompt limit) -> each row's target is
+what the chat template puts after the generation prompt when the reference answer is the
+assistant's message, up to and including its EOS (``completion_tokens``) -> ``steps`` AdamW
+steps of next-token cross-entropy on the target tokens only, over shuffled batches of
+``batch`` rows (the reference PyTorch forward, models/reference.py, full depth, one latent
+seed per row) -> the weights are written as a full checkpoint (config, tokenizer and
+generation config copied from the source) to ``out``. Deterministic for a given (checkpoint,
+data, steps, lr, batch, seed) on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, load_config
+
+log = logging.getLogger(__name__)
+
+Example = tuple[list[int], list[int]]  # (prompt tokens, target tokens)
+
+
+def completion_tokens(renderer: Any, prompt: Any, answer: str, eos: Sequence[int]) -> list[int]:
+    """Token ids the model should write after the rendered ``prompt`` to answer ``answer``:
+    with a chat template, the text it renders after the generation prompt for the assistant
+    message ``answer`` (cut after the first EOS id); without one (or when the template's
+    conversation does not start with the generation prompt), ``answer`` then the first EOS."""
+    tok = renderer.tokenizer
+    text = None
+    if renderer.template is not None:
+        from models.chat import _compile
+
+        msgs = [*renderer.messages(prompt), {"role": "assistant", "content": answer}]
+        full = str(_compile(renderer.template).render(messages=msgs, add_generation_prompt=False,
+                                                      **renderer.special))  # fmt: skip
+        head = renderer.text(prompt)
+        text = full[len(head) :] if full.startswith(head) else None
+    ids = list(tok.encode(text if text is not None else answer, add_special_tokens=False).ids)
+    cut = [i for i, t in enumerate(ids) if t in set(eos)]
+    if cut:
+        return ids[: cut[0] + 1]
+    return [*ids, eos[0]] if eos else ids
+
+
+def sft_examples(cfg: RunConfig, model: Path) -> list[Example]:
+    """(prompt tokens, target tokens) of every row of the task's train split (see the module
+    doc); ConfigError for a task that is not a dataset with an answer column."""
+    from models.chat import ChatRenderer, eos_token_ids
+    from pipeline.core.tasks import TaskError, prompt_limit, read_split
+
+    t = cfg.task
+    if t.kind != "dataset" or not t.answer_column:
+        raise ConfigError(
+            f"run config task.kind={t.kind!r}, task.answer_column={t.answer_column!r}: a warm "
+            "start needs a dataset task with an answer column (the reference solutions)"
+        )
+    renderer = ChatRenderer.from_checkpoint(model, template=t.template,
+                                            system_prompt=t.system_prompt, suffix=t.instruction)  # fmt: skip
+    eos, limit = eos_token_ids(model), prompt_limit(cfg, model)
+    ds = read_split(t.path, t.split)
+    for c in (t.prompt_column, t.answer_column):
+        if c not in ds.column_names:
+            raise TaskError(f"task.path={t.path} split {t.split!r}: no column {c!r}; it has "
+                            f"{ds.column_names}")  # fmt: skip
+    out: list[Example] = []
+    for row in ds:
+        prompt, answer = row[t.prompt_column], row[t.answer_column]
+        if answer is None:
+            continue
+        p = renderer.render(prompt)
+        if len(p) <= limit:
+            out.append((p, completion_tokens(renderer, prompt, str(answer), eos)))
+    if not out:
+        raise TaskError(f"task.path={t.path} split {t.split!r}: no row to warm start on")
+    return out
+
+
+def _batch(examples: Sequence[Example], pad: int) -> tuple[Any, Any]:
+    """(input ids [B, S], loss mask [B, S - 1]: position t predicts a target token t + 1)."""
+    import torch
+
+    rows = [p + c for p, c in examples]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width - 1)
+    for b, ((p, _), r) in enumerate(zip(examples, rows, strict=True)):
+        ids[b, : len(r)] = torch.tensor(r)
+        mask[b, len(p) - 1 : len(r) - 1] = 1.0
+    return ids, mask
+
+
+def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60, lr: float = 3e-3,
+               batch: int = 32, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Fine-tune checkpoint ``model`` on the task's reference answers and write it to ``out``
+    (see the module doc). Returns {"steps", "examples", "loss_first", "loss_last", "s"}."""
+    if steps < 1 or batch < 1 or not lr > 0:
+        raise ConfigError(f"warm start needs steps >= 1, batch >= 1, lr > 0; got steps={steps}, "
+                          f"batch={batch}, lr={lr}")  # fmt: skip
+    import torch
+
+    from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
+    from models.checkpoint import tied_from_module as tied_of
+
+    t0 = time.perf_counter()
+    examples = sft_examples(cfg, model)
+    _, module = load_model(model)
+    module.train()
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
+    rng, order, losses = random.Random(seed), list(range(len(examples))), []
+    pad = int(read_config(model).get("pad_token_id") or 0)
+    for step in range(steps):
+        if step * batch % len(examples) < batch:
+            rng.shuffle(order)
+        pick = [order[(step * batch + i) % len(order)] for i in range(batch)]
+        ids, mask = _batch([examples[i] for i in pick], pad)
+        logits = module(ids, latent_seeds=[rng.getrandbits(32) for _ in pick])[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    module.eval()
+    files = sorted(f for f in Path(model).iterdir() if f.is_file() and not f.name.startswith("."))
+    extra = {f.name: f for f in files  # tokenizer, generation config, ...: not the weights
+             if f.name != "config.json" and ".safetensors" not in f.name}  # fmt: skip
+    dtype = next(iter(module.parameters())).dtype
+    save_checkpoint(state_dict_for_save(module, dtype), read_config(model), out,
+                    tied=tied_of(module), extra_files=extra)  # fmt: skip
+    stats = {"steps": steps, "examples": len(examples), "loss_first": losses[0],
+             "loss_last": losses[-1], "s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    log.info("warm start: %s", stats)
+    return stats
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="run config YAML (its task and model)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the checkpoint")
+    p.add_argument("--model", metavar="DIR",
+                   help="checkpoint to start from (default: model.path, else a fresh "
+                        "model.family / model.size / model.init_seed one)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--batch", type=int, default=32, help="rows per step (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle and latent seed (default 0)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``looprl sft``."""
+    p = subparsers.add_parser("sft", help="supervised warm start on the task's reference answers",
+                              description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
+    _add_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
+    """``looprl sft``: one JSON line of stats; exit 2 for bad settings."""
+    try:
+        cfg = load_config(a.config, list(a.overrides))
+        out = Path(a.out)
+        if a.model:
+            model = Path(a.model)
+        elif cfg.model.path:
+            model = Path(cfg.model.path)
+        else:
+            from models.init import init_checkpoint
+
+            model = init_checkpoint(cfg.model.family, cfg.model.size, out,
+                                    seed=cfg.model.init_seed)  # fmt: skip
+        stats = warm_start(cfg, model, out, steps=a.steps, lr=a.lr, batch=a.batch, seed=a.seed)
+    except (ConfigError, ValueError) as e:
+        print(f"looprl sft: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": str(out), **stats}))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="looprl sft", description=(__doc__ or "").split("\n\n")[0])
+    _add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The real-task example (configs/math.yaml, docs/TASKS.md): its committed data is what the
+generator writes, balanced over the answers 0..9 with the answer in the question; every
+value the example needs is stated in the YAML (not left to defaults that may move); a prompt
+plus the warm start's target fits the generator's context and completion budget; and the
+warm start (``looprl sft``, pipeline/commands/warm_start.py) trains on the reference answers and writes
+a checkpoint that loads. Fast: no run, a few optimizer steps on a handful of rows."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from generator.math_reward import hash_answer, math
+from models.chat import ChatRenderer, eos_token_ids
+from models.init import init_checkpoint
+from pipeline.commands.make_math_data import main as make_data
+from pipeline.commands.warm_start import completion_tokens, sft_examples, warm_start
+from pipeline.commands.warm_start import main as sft_main
+from pipeline.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "math.yaml"
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = load_config(CONFIG)
+    out = tmp_path_factory.mktemp("init") / "m"
+    return init_checkpoint(cfg.model.family, cfg.model.size, out, seed=cfg.model.init_seed)
+
+
+def test_committed_data_is_the_copy_level(tmp_path: Path) -> None:
+    cfg = load_config(CONFIG)
+    data = REPO / cfg.task.path
+    assert make_data([str(tmp_path), "--level", "copy"]) == 0
+    for split in ("train", "test"):
+        assert (data / f"{split}.jsonl").read_bytes() == (tmp_path / f"{split}.jsonl").read_bytes()
+    train, test = _rows(data / "train.jsonl"), _rows(data / "test.jsonl")
+    assert (len(train), len(test)) == (1000, 100)
+    for r in train + test:
+        final = hash_answer(r["answer"])
+        assert final is not None and final in r["prompt"].split() and r["level"] == "copy"
+        assert math(f"#### {final}", [], {"answer": r["answer"]})[0] == 1.0
+    counts = Counter(hash_answer(r["answer"]) for r in train)
+    assert sorted(counts) == [str(d) for d in range(10)]
+    assert min(counts.values()) >= 80  # balanced: a constant answer earns ~10%, no more
+
+
+def test_example_states_what_it_needs() -> None:
+    raw = yaml.safe_load(CONFIG.read_text())
+    g, r, t = raw["generators"], raw["rollout"], raw["task"]
+    assert {"max_inflight", "reward_mode", "max_model_len", "count"} <= set(g)
+    assert g["reward_mode"] == "process"  # math-verify's time limit needs a main thread
+    assert {"n", "max_tokens", "temperature", "prompts_per_step"} <= set(r)
+    assert t["kind"] == "dataset" and t["reward"] == "math" and t["template"] == "auto"
+    assert {"lr"} <= set(raw["optimizer"]) and raw["eval"]["every"] > 0
+    cfg = load_config(CONFIG)
+    assert cfg.eval.every < cfg.steps  # eval/accuracy at least twice (step 1 and the last)
+
+
+def test_prompt_and_target_fit_the_budget(tiny: Path) -> None:
+    cfg = load_config(CONFIG)
+    examples = sft_examples(cfg, tiny)
+    assert len(examples) == 1000
+    eos = eos_token_ids(tiny)
+    for prompt, target in examples:
+        assert target[-1] in eos and len(target) <= cfg.rollout.max_tokens
+        assert len(prompt) + cfg.rollout.max_tokens <= cfg.generators.max_model_len
+    r = ChatRenderer.from_checkpoint(tiny)
+    ids = completion_tokens(r, "Mia has 7 pens. How many pens does Mia have?", "#### 7", eos)
+    assert r.decode(ids) == " #### 7"  # what the template writes after "Assistant:"
+
+
+def test_warm_start_lowers_the_loss_and_writes_a_checkpoint(tiny: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    assert make_data([str(data), "--level", "copy", "--train", "4", "--test", "2"]) == 0
+    cfg = load_config(CONFIG, [f"task.path={data}"])
+    out = tmp_path / "sft"
+    stats = warm_start(cfg, tiny, out, steps=4, lr=3e-3, batch=4)
+    assert stats["examples"] == 4 and stats["loss_last"] < stats["loss_first"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (out / name).is_file()
+    assert (out / "model.safetensors").read_bytes() != (tiny / "model.safetensors").read_bytes()
+    assert load_config(CONFIG, [f"model.path={out}"]).model.path == str(out)
+
+
+def test_sft_cli_refuses_a_task_without_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sft_main(["--out", "/nonexistent/never-written", "--model", "/nonexistent"]) == 2
+    assert "needs a dataset task with an answer column" in capsys.readouterr().err
