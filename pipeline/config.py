@@ -39,6 +39,7 @@ from pipeline.config_sections import (  # noqa: F401  (the sections are part of 
     RolloutSection,
     StalenessSection,
     TaskSection,
+    WarmStartSection,
     _check,
 )
 from pipeline.net.transport_config import TransportConfig
@@ -98,6 +99,8 @@ class RunConfig:
     """Learner precision, truncated depth backprop, micro-batching, recompute, compile."""
     eval: EvalSection = field(default_factory=EvalSection)
     """Evaluation during training (dataset tasks)."""
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    """Supervised warm start before RL (dataset tasks with an answer column)."""
 
     def resolved_schedule(self) -> ScheduleConfig:
         """The LR schedule both backends apply: schedule.decay_steps 0 is the run's last
@@ -148,6 +151,10 @@ class RunConfig:
                        f"backend=reference does not implement it (use {default!r} or megatron)")  # fmt: skip
             _check(lr.backprop_depth in (-1, 0), "learner.backprop_depth", lr.backprop_depth,
                    "backend=reference backpropagates through every iteration (use 0 or megatron)")  # fmt: skip
+        _check(not self.warm_start.segments or (self.task.kind == "dataset"
+                                                  and bool(self.task.answer_column)),
+               "warm_start.segments", self.warm_start.segments,
+               "needs task.kind=dataset with task.answer_column (the reference answers)")  # fmt: skip
         _check(not self.eval.every or self.task.kind == "dataset", "eval.every", self.eval.every,
                "needs task.kind=dataset (an eval split)")  # fmt: skip
 

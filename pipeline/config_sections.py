@@ -360,3 +360,24 @@ class EvalSection:
         _check(self.n >= 1, "eval.n", self.n, "must be >= 1")
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
         _check(self.limit >= 0, "eval.limit", self.limit, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class WarmStartSection:
+    """A supervised warm start before RL (`looprl sft`'s steps, run by `looprl learner` into
+    RUN_DIR/init before the first step; docs/TASKS.md)."""
+
+    segments: list[int] = field(default_factory=list)
+    """Optimizer steps of each segment on the task's reference answers, from the starting
+    checkpoint; each segment a fresh AdamW and a data order seeded by the steps before it
+    (`looprl sft --steps S --seed <steps so far>` chained); empty: no warm start."""
+    lr: float = 3e-3
+    """Learning rate of the warm start's AdamW."""
+    batch: int = 32
+    """Examples per warm-start step."""
+
+    def __post_init__(self) -> None:
+        _check(all(s >= 1 for s in self.segments), "warm_start.segments", self.segments,
+               "every segment needs >= 1 step")  # fmt: skip
+        _check(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
+        _check(self.batch >= 1, "warm_start.batch", self.batch, "must be >= 1")

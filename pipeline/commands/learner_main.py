@@ -73,10 +73,12 @@ def resolve_config(config: str | None, resume: str | None, overrides: list[str])
 
 
 def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """The starting checkpoint: ``model.path``, or RUN_DIR/init (created once)."""
+    """The starting checkpoint: ``model.path``, or RUN_DIR/init (created once); with
+    ``warm_start.segments``, RUN_DIR/init is the warm-started one (from model.path or a fresh
+    checkpoint), written once before the first step."""
     from models.checkpoint import load_config as load_model_config
 
-    if cfg.model.path:
+    if cfg.model.path and not cfg.warm_start.segments:
         p = Path(cfg.model.path)
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.path {p}: no config.json there (not an HF checkpoint)")
@@ -86,10 +88,19 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
             raise ConfigError(f"model.path: {e}") from None
         return p
     p = run_dir / "init"
-    if not (p / "config.json").is_file():
-        from models.init import init_checkpoint
+    if (p / "config.json").is_file():
+        return p  # created (and warm-started) by an earlier start of this run
+    from models.init import init_checkpoint
 
+    if not cfg.warm_start.segments:
         init_checkpoint(cfg.model.family, cfg.model.size, p, seed=cfg.model.init_seed)
+        return p
+    from pipeline.commands.warm_start import warm_start_chain
+
+    src = Path(cfg.model.path) if cfg.model.path else run_dir / ".init-fresh"
+    if not cfg.model.path:
+        init_checkpoint(cfg.model.family, cfg.model.size, src, seed=cfg.model.init_seed)
+    warm_start_chain(cfg, src, p)  # writes RUN_DIR/init last, atomically
     return p
 
 

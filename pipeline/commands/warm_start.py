@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -155,6 +156,27 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60, lr: f
     stats = {"steps": steps, "examples": len(examples), "loss_first": losses[0],
              "loss_last": losses[-1], "s": round(time.perf_counter() - t0, 2)}  # fmt: skip
     log.info("warm start: %s", stats)
+    return stats
+
+
+def warm_start_chain(cfg: RunConfig, model: Path, out: Path) -> list[dict[str, Any]]:
+    """The run config's warm start (``warm_start.segments``): ``warm_start`` segment after
+    segment from ``model``, each seeded by the steps before it (the same as chained `looprl
+    sft --steps S --seed <steps so far>` calls), the last one renamed to ``out`` at the end
+    (so ``out`` exists only when the whole chain is done). Returns each segment's stats."""
+    import shutil
+
+    w, work = cfg.warm_start, out.parent / f".{out.name}-warm-start"
+    shutil.rmtree(work, ignore_errors=True)
+    cur, done, stats = model, 0, []
+    for k, steps in enumerate(w.segments):
+        nxt = work / f"s{done + steps}"
+        stats.append(warm_start(cfg, cur, nxt, steps=steps, lr=w.lr, batch=w.batch, seed=done))
+        cur, done = nxt, done + steps
+        log.info("warm start: segment %d of %d done (%d steps)", k + 1, len(w.segments), done)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(cur, out)
+    shutil.rmtree(work, ignore_errors=True)
     return stats
 
 
