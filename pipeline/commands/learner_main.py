@@ -101,6 +101,10 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     if not cfg.model.path:
         init_checkpoint(cfg.model.family, cfg.model.size, src, seed=cfg.model.init_seed)
     warm_start_chain(cfg, src, p)  # writes RUN_DIR/init last, atomically
+    if not cfg.model.path:
+        import shutil
+
+        shutil.rmtree(src, ignore_errors=True)
     return p
 
 
