@@ -95,3 +95,27 @@ def test_warm_start_lowers_the_loss_and_writes_a_checkpoint(tiny: Path, tmp_path
 def test_sft_cli_refuses_a_task_without_answers(capsys: pytest.CaptureFixture[str]) -> None:
     assert sft_main(["--out", "/nonexistent/never-written", "--model", "/nonexistent"]) == 2
     assert "needs a dataset task with an answer column" in capsys.readouterr().err
+
+
+def test_run_config_warm_start_is_the_chained_sft_calls(tiny: Path, tmp_path: Path) -> None:
+    """warm_start.segments [2, 1] writes exactly what `looprl sft --steps 2 --seed 0` then
+    `--steps 1 --seed 2` from its output write; bad settings name the key."""
+    from models.checkpoint import load_checkpoint
+    from pipeline.commands.warm_start import warm_start_chain
+    from pipeline.config import ConfigError
+
+    data = tmp_path / "data"
+    assert make_data([str(data), "--level", "copy", "--train", "6", "--test", "2"]) == 0
+    cfg = load_config(CONFIG, [f"task.path={data}", "warm_start.segments=[2,1]",
+                               "warm_start.batch=3"])  # fmt: skip
+    stats = warm_start_chain(cfg, tiny, tmp_path / "init")
+    assert [s["steps"] for s in stats] == [2, 1]
+    warm_start(cfg, tiny, tmp_path / "a", steps=2, batch=3, seed=0)
+    warm_start(cfg, tmp_path / "a", tmp_path / "b", steps=1, batch=3, seed=2)
+    x, y = load_checkpoint(tmp_path / "init")[1], load_checkpoint(tmp_path / "b")[1]
+    assert x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x)
+    assert not list(tmp_path.glob(".init-warm-start*"))  # the intermediate segments are gone
+    with pytest.raises(ConfigError, match="warm_start.segments.*needs task.kind=dataset"):
+        load_config(None, ["warm_start.segments=[5]"])
+    with pytest.raises(ConfigError, match="warm_start.segments.*>= 1 step"):
+        load_config(CONFIG, ["warm_start.segments=[5,0]"])
