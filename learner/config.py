@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from models.contract import Sampling
+from models.contract import NUMERICS, Sampling
 from models.settings import check, checker
 
 __all__ = [
@@ -295,6 +295,9 @@ class TrainConfig:
     """The generator's temperature and top_p (the run's rollout section)."""
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK
     """Vocabulary columns per slice of the token statistics, >= 1."""
+    numerics: str = "fast"
+    """The run's numerics: exact computes the token statistics as the contract defines them
+    (models.reference.behaviour_logprobs in exact mode), the reference backend's operations."""
     fused_token_stats: bool = True
     """CUDA logits go through the fused Triton token-stats kernel (learner.triton_token_stats;
     the PyTorch path elsewhere); False: always the PyTorch path (exact numerics)."""
@@ -313,6 +316,7 @@ class TrainConfig:
         need(self.pad_to_multiple >= 1, "pad_to_multiple", "must be >= 1")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.vocab_chunk >= 1, "vocab_chunk", "must be >= 1")
+        need(self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}")
         need(self.recompute_prox is not False or not self.needs_prox_default, "recompute_prox",
              f"must be None or True for objective kind {self.objective.kind!r}")  # fmt: skip
 

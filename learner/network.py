@@ -35,7 +35,14 @@ log = logging.getLogger(__name__)
 class Network:
     """One trained network: module, Megatron DDP wrapper, optimizer, LR scheduler."""
 
-    def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optim: OptimConfig,
+        schedule: ScheduleConfig,
+        *,
+        exact: bool = False,
+    ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -72,6 +79,8 @@ class Network:
         """torch's fused Adam kernel steps the main weights (CUDA, megatron without TE/Apex)."""
         if self.fused_adam:
             _sync_free_fallbacks()
+        if exact:  # numerics exact: the gradient norm as the reference backend computes it
+            _exact_grad_norm()
         warm = schedule.warmup_steps
         self.sched = OptimizerParamScheduler(
             self.opt,
@@ -165,6 +174,36 @@ def adam_step_tensor(value: float, group: dict, param: torch.Tensor) -> torch.Te
         return torch.tensor(float(value), dtype=torch.float32, device=param.device)
     f64 = torch.get_default_dtype() == torch.float64
     return torch.tensor(float(value), dtype=torch.float64 if f64 else torch.float32)
+
+
+def exact_l2_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of ``tensors`` summed in fp64 and rounded to fp32 ([1]): the same bits
+    whatever the order of the tensors (numerics exact: both trainer backends clip by it)."""
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32)
+    total = torch.stack([t.detach().double().square().sum() for t in tensors]).sum()
+    return total.sqrt().float().reshape(1).to(tensors[0].device)
+
+
+def exact_clip_coeff(norm: torch.Tensor, max_norm: float) -> float:
+    """megatron's clip factor from an fp32 norm [1] (get_grad_norm_fp32 squares it in fp32,
+    takes the square root of the Python float, clip_grad_by_total_norm_fp32 divides): the
+    reference backend scales its gradients by the same float when it is < 1."""
+    total = float((norm**2.0).item()) ** 0.5
+    return max_norm / (total + 1.0e-6)
+
+
+def _exact_grad_norm() -> None:
+    """megatron's gradient norm (for clipping and the grad_norm metric) through exact_l2_norm."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def impl(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool,
+             *args: object) -> tuple[torch.Tensor, None]:  # fmt: skip
+        return exact_l2_norm(list(tensor_lists[0])), None
+
+    for mod in (clip_grads, optimizer):
+        if hasattr(mod, "l2_norm_impl"):
+            mod.l2_norm_impl = impl  # type: ignore[attr-defined]
 
 
 def _sync_free_fallbacks() -> None:

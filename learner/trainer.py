@@ -97,11 +97,15 @@ class Trainer:
         self.grad_accum = cfg.grad_accum_steps(self.dp_size)
         self.policy_spec, self.critic_spec = policy, critic
         seed_all(cfg.seed)
-        self.policy = Network(policy.build(cfg.recompute), optim, schedule)
+        exact = cfg.numerics == "exact"
+        self.policy = Network(policy.build(cfg.recompute), optim, schedule, exact=exact)
         self.critic: Network | None = None
         if critic is not None:
             self.critic = Network(
-                critic.build(cfg.recompute), critic_optim or optim, critic_schedule or schedule
+                critic.build(cfg.recompute),
+                critic_optim or optim,
+                critic_schedule or schedule,
+                exact=exact,
             )
         self.ref_module: nn.Module | None = None
         """Frozen reference policy of objective.kl_coef (no optimizer, no grad)."""
@@ -175,18 +179,40 @@ class Trainer:
             return {"logp": out["logp"], "entropy": out["entropy"]}
         sel = mb.mask > 0
         rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
+
+        def spread(x: Tensor) -> Tensor:
+            return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
+
+        if self.cfg.numerics == "exact":  # the contract's own log-probs, op for op
+            return self._exact_stats(rows, old, mb.targets[sel], spread)
         if smp.top_p < 1.0:  # the generator sampled from the nucleus: renormalise over it
             rows = nucleus_rows(rows, smp.temperature, smp.top_p)
         stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
         stats = stats_fn(rows, old, mb.targets[sel], smp.temperature, self.cfg.vocab_chunk)
 
-        def spread(x: Tensor) -> Tensor:
-            return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
-
         res = {"logp": spread(stats.logp), "entropy": spread(stats.entropy), "rows": rows}
         if stats.kl is not None and stats.logp_old is not None:
             res["kl"] = spread(stats.kl)
             res["prox_logp"] = spread(stats.logp_old)
+        return res
+
+    def _exact_stats(self, rows: Tensor, old: Tensor | None, targets: Tensor, spread: Any) -> dict:
+        """numerics exact: logp / entropy (/ kl, prox_logp) from the sampled-from distribution
+        exactly as the contract defines it (models.reference.behaviour_logprobs in exact mode,
+        the nucleus included), the same operations the reference backend and the generator
+        run, so that both backends' per-token statistics are the same bits."""
+        from models.reference import behaviour_logprobs, entropy
+
+        smp, v = self.cfg.sampling, rows.shape[-1]
+        lp = behaviour_logprobs(rows, v, smp.temperature, smp.top_p, "exact")
+        res = {"logp": spread(lp.gather(-1, targets.long()[:, None])[:, 0]),
+               "entropy": spread(entropy(lp)), "rows": rows}  # fmt: skip
+        if old is not None:
+            olp = behaviour_logprobs(old.to(rows.dtype), v, smp.temperature, smp.top_p, "exact")
+            fin = torch.isfinite(olp) & torch.isfinite(lp)
+            kl = (torch.where(fin, olp.exp(), 0.0) * torch.where(fin, olp - lp, 0.0)).sum(-1)
+            res["kl"] = spread(kl)
+            res["prox_logp"] = spread(olp.gather(-1, targets.long()[:, None])[:, 0])
         return res
 
     @torch.no_grad()

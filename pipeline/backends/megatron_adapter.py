@@ -121,7 +121,7 @@ def build_learner_trainer(
     train = TrainConfig(
         global_batch_size=batch, micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
         seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
-        fused_token_stats=cfg.numerics == "fast",
+        fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
     )  # fmt: skip
     options = MegatronOptions(
         numerics=cfg.numerics,

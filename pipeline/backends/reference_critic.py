@@ -34,14 +34,27 @@ def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimiz
 
 def clip_and_step(
     optim: torch.optim.Optimizer, loss: Tensor, grad_clip: float, schedule: ScheduleConfig,
-    n: int,
+    n: int, *, exact: bool = False,
 ) -> tuple[float, bool]:  # fmt: skip
     """Clip the gradients (by their global norm; 0: no clip) and apply update ``n`` at the
     schedule's LR, unless the loss or the norm is not finite (then nothing changes, as on
-    megatron's found-inf). Returns (grad norm, applied)."""
+    megatron's found-inf). ``exact`` (numerics exact): the norm and the clip factor as the
+    megatron backend computes them there (learner.network.exact_l2_norm). Returns (grad norm,
+    applied)."""
     params = [p for g in optim.param_groups for p in g["params"]]
-    clip = grad_clip if grad_clip > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    if exact:
+        from learner.network import exact_clip_coeff, exact_l2_norm
+
+        grads = [p.grad for p in params if p.grad is not None]
+        n32 = exact_l2_norm(grads)
+        norm = float((n32**2.0).item()) ** 0.5  # the norm megatron reports
+        coeff = exact_clip_coeff(n32, grad_clip) if grad_clip > 0 else 1.0
+        if coeff < 1.0 and math.isfinite(norm):
+            for g in grads:
+                g.copy_(g * coeff)
+    else:
+        clip = grad_clip if grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
     ok = bool(torch.isfinite(loss.detach())) and math.isfinite(norm)
     if ok:
         for g in optim.param_groups:
@@ -56,7 +69,7 @@ class ReferenceCritic:
     hidden [B, T, H], mask) of the response positions."""
 
     def __init__(self, model_dir: Path, optim: OptimConfig, schedule: ScheduleConfig,
-                 objective: ObjectiveConfig) -> None:  # fmt: skip
+                 objective: ObjectiveConfig, *, exact: bool = False) -> None:  # fmt: skip
         from models.base import LoopedLM
         from models.checkpoint import load_model
 
@@ -74,12 +87,15 @@ class ReferenceCritic:
             [{"params": list(self.model.parameters()) + list(self.head.parameters())}],
             self.opt_cfg,
         )
-        self.updates = 0
+        self.updates, self.exact = 0, exact
 
     def values(self, forward: Callable[..., Any], rolls: list[Any]) -> Tensor:
         """[B, T] values at the response positions (differentiable)."""
+        from models import numerics as nx
+
         _, hid, _ = forward(rolls, model=self.model)
-        out: Tensor = self.head(hid)[..., 0]
+        mode = "exact" if self.exact else "fast"  # megatron's value head: numerics.linear too
+        out: Tensor = nx.linear(hid, self.head.weight, self.head.bias, mode)[..., 0]
         return out
 
     def update(self, forward: Callable[..., Any], rolls: list[Any], sub: dict[str, Tensor]
@@ -94,7 +110,7 @@ class ReferenceCritic:
         self.optim.zero_grad(set_to_none=True)
         (loss * self.objective.value_coef).backward()
         norm, ok = clip_and_step(self.optim, loss, self.opt_cfg.grad_clip, self.schedule,
-                                 self.updates + 1)  # fmt: skip
+                                 self.updates + 1, exact=self.exact)  # fmt: skip
         self.updates += 1 if ok else 0
         out = {k: float(v) for k, v in m.items()}
         out.update(critic_grad_norm=norm, critic_lr=float(self.optim.param_groups[0]["lr"]))

@@ -40,6 +40,8 @@ from pipeline.backends.reference_critic import ReferenceCritic, clip_and_step, m
 from proto import Rollout
 
 log = logging.getLogger(__name__)
+_PER_UPDATE = ("grad_norm", "lr", "critic_grad_norm", "critic_lr")
+_SHARES = ("loss", "pg_loss", "num_tokens", "value_loss", "total_loss")
 
 _KEEP_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "generation_config.json")  # fmt: skip
@@ -82,7 +84,8 @@ class ReferenceTrainer:
         p = cfg.optimizer
         self.critic: ReferenceCritic | None = None  # its own network, as megatron's critic
         if o.uses_critic:
-            self.critic = ReferenceCritic(self.model_dir, p, cfg.resolved_schedule(), o)
+            self.critic = ReferenceCritic(self.model_dir, p, cfg.resolved_schedule(), o,
+                                          exact=cfg.numerics == "exact")  # fmt: skip
         self.whiten = o.whiten
         self.sched, self.updates = cfg.resolved_schedule(), 0  # the LR of the n-th applied update
         self.ref: LoopedLM | None = None  # frozen reference policy of objective.kl_coef
@@ -219,7 +222,9 @@ class ReferenceTrainer:
             from dataclasses import replace
 
             cfg = replace(cfg, kl_coef=0.0)
-        sums: dict[str, float] = {}
+        from learner.step_metrics import StepMetrics
+
+        metrics = StepMetrics()  # reduced as the megatron trainer reduces its step's metrics
         schedule = self._schedule(rolls)
         skipped = 0
         for idx in schedule:
@@ -240,11 +245,17 @@ class ReferenceTrainer:
             if self.critic is not None:  # after the policy's update, as megatron's trainer
                 m.update(self.critic.update(self._forward, [rolls[i] for i in idx], sub))
             skipped += 0 if finite else 1
+            tokens = float((sub["mask"] > 0).sum())
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v) / len(schedule)
+                if k in _PER_UPDATE:  # the optimizer's own numbers: a mean over updates
+                    metrics.add_mean(k, float(v), 1.0)
+                elif k in _SHARES:  # shares of a global sum: a mean per update
+                    metrics.add_sum(k, float(v) / len(schedule))
+                else:  # token means
+                    metrics.add_mean(k, float(v), tokens)
         self.skipped += skipped
         self.steps += 1
-        out: dict[str, float] = dict(sums)
+        out: dict[str, float] = metrics.reduce(None)
         out["skipped_nonfinite"] = float(skipped)
         out["skipped_nonfinite_total"] = float(self.skipped)
         out["updates"] = float(len(schedule))
@@ -304,7 +315,8 @@ class ReferenceTrainer:
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         out["grad_norm"], finite = clip_and_step(self.optim, loss, self.grad_clip, self.sched,
-                                                 self.updates + 1)  # fmt: skip
+                                                 self.updates + 1,
+                                                 exact=self.numerics == "exact")  # fmt: skip
         if finite:
             self.updates += 1
         else:  # like megatron's found-inf: no update, weights and optimizer state untouched
