@@ -118,6 +118,10 @@ class _LoopedVllm:
         self.prelude_attn = slots(me.prelude_blocks(), "prelude", 0)
         self.core_attn = slots(core * self.depth, "core", p)
         self.coda_attn = slots(me.coda_blocks(), "coda", p + self.depth * len(core))
+        n = len(core)  # per-iteration slot lists (slicing a ModuleList builds a new one)
+        self._iter_slots: list[list[Any]] = [
+            list(self.core_attn[d * n : (d + 1) * n]) for d in range(self.depth)
+        ]
 
     # ---- vLLM model interface ------------------------------------------------------------
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
@@ -175,19 +179,45 @@ class _LoopedVllm:
         if self.record and step.requests:
             rec = self.record_book.recorded_depths(step, pos_np)
             target = np.where((target == 0) & (rec > 0), rec, target)
+        core = list(me.core_blocks())
+        if isinstance(self.policy, FixedDepth) and bool(
+            np.all((target == 0) | (target == self.depth))
+        ):
+            # every token runs all D iterations (FixedDepth exits at D): no masks, no carry,
+            # no exit checks, no host syncs; the same values as the general loop below with
+            # every row active (its torch.where(all True, new, old) selects new)
+            for d in range(self.depth):
+                x = self._stack(core, self._iter_slots[d], me.core_in(state, e, mode), rope)
+                state = me.core_out(x, mode)
+            hidden = self._readout(state, rope)
+            ran_np = np.full(n, self.depth, dtype=np.int64)
+        else:
+            hidden, ran_np = self._loop(state, e, rope, target)
+        if self.record and step.requests:
+            toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
+            self.record_book.on_forward(step, pos_np, toks, ran_np, self.weight_version)
+        self._step, self._step_positions = step, pos_np
+        return hidden
+
+    def _loop(
+        self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray
+    ) -> tuple[Tensor, np.ndarray]:
+        """The depth loop with exits (target: per-token exit depth, 0 = the policy's);
+        returns (hidden, iterations run per token)."""
+        me: Any = self
+        mode, n = self.mode, state.shape[0]
         dev = state.device
         fixed = torch.from_numpy(target).to(dev)
         pol_idx = torch.nonzero(fixed == 0).flatten()
         ran = torch.zeros(n, dtype=torch.int64, device=dev)
         active = torch.ones(n, dtype=torch.bool, device=dev)
         core = list(me.core_blocks())
-        n_layers = len(core)
-        carry: list[tuple[Tensor, Tensor] | None] = [None] * n_layers
+        carry: list[tuple[Tensor, Tensor] | None] = [None] * len(core)
         exit_carry: ExitCarry | None = None
         full = self.kv == "full"  # every token runs every iteration; exit state kept aside
         out_state = state
         for d in range(self.depth):
-            slots: list[Any] = list(self.core_attn[d * n_layers : (d + 1) * n_layers])
+            slots = self._iter_slots[d]
             if not full and not bool(active.any()):
                 for slot, kv in zip(slots, carry):  # keep the last-exited K/V visible
                     assert kv is not None
@@ -210,12 +240,7 @@ class _LoopedVllm:
             if full:
                 out_state = torch.where(stop[:, None], state, out_state)
             active = active & ~stop
-        hidden = self._readout(out_state if full else state, rope)
-        if self.record and step.requests:
-            toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
-            self.record_book.on_forward(step, pos_np, toks, ran.cpu().numpy(), self.weight_version)
-        self._step, self._step_positions = step, pos_np
-        return hidden
+        return self._readout(out_state if full else state, rope), ran.cpu().numpy()
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         me: Any = self
@@ -232,11 +257,12 @@ class _LoopedVllm:
                 greedy = rs.temperature < 1e-5
                 key = (1.0, 1.0) if greedy else (rs.temperature, rs.top_p)
                 groups.setdefault(key, []).append(i)
-            rows: list[Tensor] = [logits[:0]] * len(step.requests)
+            rows: list[np.ndarray] = [np.zeros(0, np.float32)] * len(step.requests)
             for (temp, top_p), idx in groups.items():  # row-wise ops: grouping changes no bit
-                lp = behaviour_logprobs(logits[idx], me.vocab_size, temp, top_p, self.mode).cpu()
+                lp = behaviour_logprobs(logits[idx], me.vocab_size, temp, top_p, self.mode)
+                lp_np = lp.cpu().numpy()
                 for j, i in enumerate(idx):
-                    rows[i] = lp[j]
+                    rows[i] = lp_np[j]
             assert self._step_positions is not None
             self.record_book.on_logits(step, self._step_positions, rows)
         return logits  # type: ignore[no-any-return]

@@ -23,7 +23,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from torch import Tensor
 
 from generator.vllm_context import StepBatch
 
@@ -34,7 +33,7 @@ class _Entry:
     depths: dict[int, int] = dataclasses.field(default_factory=dict)
     versions: dict[int, int] = dataclasses.field(default_factory=dict)
     logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
-    pending: tuple[int, Tensor] | None = None
+    pending: tuple[int, np.ndarray] | None = None
     """(sampling position, fp32 behaviour log-prob row [V])."""
 
 
@@ -103,7 +102,7 @@ class RecordBook:
                     if ppos == pos - 1:
                         entry.logprobs[t - 1] = float(lp[int(tokens[row])])
 
-    def on_logits(self, step: StepBatch, positions: np.ndarray, rows: list[Tensor]) -> None:
+    def on_logits(self, step: StepBatch, positions: np.ndarray, rows: list[np.ndarray]) -> None:
         """Keep the behaviour row of every request whose last scheduled position samples."""
         for rs, lp in zip(step.requests, rows):
             last = int(positions[rs.end - 1])
