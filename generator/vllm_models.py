@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from generator.vllm_attention import SlotAttention
 from generator.vllm_context import StepBatch, current_runner, step_batch
+from generator.vllm_noise import NoiseAhead
 from generator.vllm_records import RecordBook
 from generator.vllm_settings import settings_from_additional_config
 from models.base import LoopedLM
@@ -94,6 +95,7 @@ class _LoopedVllm:
         self.kv = resolve_kv(self.policy, config)
         self.record = settings.record
         self.record_book = RecordBook()
+        self._noise = NoiseAhead(config.hidden_size)
         self.weight_version = 0
         self._plans: dict[str, Any] = {}
         self._step: StepBatch | None = None
@@ -172,7 +174,8 @@ class _LoopedVllm:
         e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
         rope = me.rope(pos, mode)
         e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
-        state = me.initial_state(e, pos, step.seeds.tolist())
+        noise = self._noise.rows(step, pos_np) if me.draws_latent_noise else None
+        state = me.initial_state(e, pos, step.seeds.tolist(), noise)
 
         # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
         target = np.where(pos_np < step.prompt_len, self.depth, 0)
