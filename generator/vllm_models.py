@@ -179,13 +179,12 @@ class _LoopedVllm:
 
         # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
         target = np.where(pos_np < step.prompt_len, self.depth, 0)
-        if self.record and step.requests:
+        fixed_depth = isinstance(self.policy, FixedDepth)
+        if self.record and step.requests and not fixed_depth:  # (FixedDepth records only D)
             rec = self.record_book.recorded_depths(step, pos_np)
             target = np.where((target == 0) & (rec > 0), rec, target)
         core = list(me.core_blocks())
-        if isinstance(self.policy, FixedDepth) and bool(
-            np.all((target == 0) | (target == self.depth))
-        ):
+        if fixed_depth and bool(np.all((target == 0) | (target == self.depth))):
             # every token runs all D iterations (FixedDepth exits at D): no masks, no carry,
             # no exit checks, no host syncs; the same values as the general loop below with
             # every row active (its torch.where(all True, new, old) selects new)

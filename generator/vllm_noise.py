@@ -6,7 +6,7 @@ in a batch, are the same bits. A decode step needs one row per request (its next
 and drawing that row costs about 50 numpy calls whatever the number of rows, so each request
 whose rows are not drawn yet gets its positions of this step plus the next `ahead` ones, all
 requests of the step in one `latent_noise` call; the following steps of that request copy
-their row from the block. Blocks are kept per latent seed, least recently used dropped first
+their row from the block. Blocks are kept per latent seed, the oldest drawn dropped first
 beyond `max_bytes`.
 
 Rows that belong to no request (padding, dummy runs) and requests whose positions in the step
@@ -30,43 +30,44 @@ class NoiseAhead:
 
     def __init__(self, hidden: int, ahead: int = 32, max_bytes: int = 32 << 20) -> None:
         self.hidden, self.ahead, self.max_bytes = hidden, ahead, max_bytes
-        self._blocks: collections.OrderedDict[int, tuple[int, np.ndarray]] = (
+        self._blocks: collections.OrderedDict[int, tuple[int, int, np.ndarray]] = (
             collections.OrderedDict()
         )
+        """seed -> (first position, end position, rows [end - first, hidden])."""
         self._bytes = 0
 
     def _store(self, seed: int, first: int, rows: np.ndarray) -> None:
         old = self._blocks.pop(seed, None)
         if old is not None:
-            self._bytes -= old[1].nbytes
-        self._blocks[seed] = (first, rows)
+            self._bytes -= old[2].nbytes
+        self._blocks[seed] = (first, first + rows.shape[0], rows)
         self._bytes += rows.nbytes
         while self._bytes > self.max_bytes and len(self._blocks) > 1:
-            _, (_, dropped) = self._blocks.popitem(last=False)
+            _, (_, _, dropped) = self._blocks.popitem(last=False)  # oldest drawn first
             self._bytes -= dropped.nbytes
 
     def rows(self, step: StepBatch, positions: np.ndarray) -> Tensor:
         """fp32 [T, hidden]: `latent_noise(step.seeds, positions, hidden)`, bit for bit."""
         n, h = positions.shape[0], self.hidden
         out = np.empty((n, h), dtype=np.float32)
-        done = np.zeros(n, dtype=bool)
+        covered = 0
         draw: list[tuple[int, int, int, int]] = []  # (seed, first position, start, end)
+        get = self._blocks.get
         for rs in step.requests:
-            m = rs.end - rs.start
-            if m <= 0:
+            start, end = rs.start, rs.end
+            if end <= start:
                 continue
-            first = int(positions[rs.start])
-            if m > 1 and not np.array_equal(
-                positions[rs.start : rs.end], np.arange(first, first + m)
+            first = int(positions[start])
+            if end - start > 1 and not np.array_equal(
+                positions[start:end], np.arange(first, first + end - start)
             ):
                 continue  # not consecutive: drawn directly below
-            block = self._blocks.get(rs.seed)
-            if block is not None and block[0] <= first and first + m <= block[0] + len(block[1]):
-                out[rs.start : rs.end] = block[1][first - block[0] : first - block[0] + m]
-                self._blocks.move_to_end(rs.seed)
-                done[rs.start : rs.end] = True
+            block = get(rs.seed)
+            if block is not None and block[0] <= first and first + end - start <= block[1]:
+                out[start:end] = block[2][first - block[0] : first - block[0] + end - start]
             else:
-                draw.append((rs.seed, first, rs.start, rs.end))
+                draw.append((rs.seed, first, start, end))
+            covered += end - start
         if draw:
             sizes = [end - start + self.ahead for _, _, start, end in draw]
             seeds = np.repeat(np.asarray([d[0] for d in draw], dtype=np.uint64), sizes)
@@ -77,11 +78,19 @@ class NoiseAhead:
                 fresh = drawn[at : at + k].copy()
                 at += k
                 out[start:end] = fresh[: end - start]
-                done[start:end] = True
                 self._store(seed, first, fresh)
-        rest = np.flatnonzero(~done)
-        if rest.size:
-            out[rest] = latent_noise(step.seeds[rest], torch.from_numpy(positions[rest]), h).numpy()
+        if covered < n:  # padding, rows of no request, non-consecutive requests
+            done = np.zeros(n, dtype=bool)
+            for rs in step.requests:
+                first = int(positions[rs.start]) if rs.end > rs.start else 0
+                m = rs.end - rs.start
+                if m == 1 or (m > 1 and np.array_equal(
+                    positions[rs.start : rs.end], np.arange(first, first + m)
+                )):  # fmt: skip
+                    done[rs.start : rs.end] = True
+            rest = np.flatnonzero(~done)
+            seeds_rest = step.seeds[rest]
+            out[rest] = latent_noise(seeds_rest, torch.from_numpy(positions[rest]), h).numpy()
         return torch.from_numpy(out)
 
     def clear(self) -> None:

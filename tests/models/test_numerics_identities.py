@@ -21,17 +21,20 @@ def _rope_adjacent_formula(x: Tensor, cos_sin: Tensor, mode: str) -> Tensor:
     return out.float().to(x.dtype)
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 40])  # 40: not the complex-product path
 @pytest.mark.parametrize("mode", ["fast", "exact"])
-def test_rope_adjacent_is_the_formula_bit_for_bit(mode: str) -> None:
+def test_rope_adjacent_is_the_formula_bit_for_bit(mode: str, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    table = precompute_freqs_cis(32, 4096, 50000.0)
-    for scale in (1e-6, 1e-2, 1.0, 1e3, 1e6):
-        x = torch.randn(257, 2, 3, 32, generator=gen) * scale
-        x[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])  # signed zeros
-        cs = table[0, torch.randint(0, 4096, (257,), generator=gen), 0][:, None, None]
-        want = _rope_adjacent_formula(x, cs, mode)
-        got = nx.rope_adjacent(x, cs, mode)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    table = precompute_freqs_cis(head_dim, 4096, 50000.0)
+    for scale in (1e-30, 1e-6, 1e-2, 1.0, 1e3, 1e6, 1e30):
+        for rows in (1, 3, 257):
+            x = torch.randn(rows, 2, 3, head_dim, generator=gen) * scale
+            x[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])  # signed zeros
+            cs = table[0, torch.randint(0, 4096, (rows,), generator=gen), 0][:, None, None]
+            want = _rope_adjacent_formula(x, cs, mode)
+            for got in (nx.rope_adjacent(x, cs, mode), nx.rope_adjacent(x[:, :, :2], cs, mode)):
+                ref = want if got.shape == want.shape else want[:, :, :2]
+                assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.mark.parametrize("mode", ["fast", "exact"])
@@ -52,3 +55,16 @@ def test_sandwich_qkv_joint_rope_is_per_head_rope(mode: str) -> None:
     for got, want in ((q, _rope_adjacent_formula(q0, cs, mode)),
                       (k, _rope_adjacent_formula(k0, cs, mode)), (v, v0)):  # fmt: skip
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_rms_norm_fast_is_the_formula_bit_for_bit() -> None:
+    """fast rms_norm (torch's rms_norm on the CPU in fp32) = the docstring's formula."""
+    gen = torch.Generator().manual_seed(2)
+    for hidden, scale in ((64, 1.0), (96, 1e-3), (5280, 1e2), (7, 1e-20), (64, 1e20)):
+        x = torch.randn(301, hidden, generator=gen) * scale
+        w = torch.randn(hidden, generator=gen)
+        for eps in (1e-6, 1e-5, 0.0):
+            xf = x.float()
+            want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+            got = nx.rms_norm(x, w, eps, "fast")
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (hidden, eps)
