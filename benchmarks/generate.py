@@ -7,7 +7,9 @@ A tiny random checkpoint of `family` runs at fixed full depth r (FixedDepth(max_
 baseline is vLLM's LlamaForCausalLM with n_layers = prelude + core * r + coda layers of the
 same width (hidden, heads, head_dim, MLP width), i.e. the same attention layers per token.
 Both serve the same batch (one request per prompt, temperature 1) through
-`generator.engine.LoopedEngine`. The looped model runs twice on one engine: recording of
+`generator.engine.LoopedEngine`; both engines live in the process together and each repeat
+runs Llama, then the looped model twice, so they share the machine's noise (best of
+`--repeats` each). The looped model runs twice on one engine: recording of
 exit depths / behaviour log-probs / versions on and off (the plugin's `record` flag, toggled
 through `collective_rpc`); `record_overhead` = t(on) / t(off) - 1 (target <= 0.10).
 
@@ -142,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(max_num_seqs=args.batch, kv_cache_bytes=64 << 20, max_model_len=512)
     with tempfile.TemporaryDirectory() as tmp:
         llama_path, layers = llama_like(args.family, Path(tmp) / "llama")
-        engine = LoopedEngine(llama_path, **common)  # type: ignore[arg-type]
-        tok_llama, cpu_llama = _tok_s(engine, items, args.repeats)
-        _close(engine)
+        llama = LoopedEngine(llama_path, **common)  # type: ignore[arg-type]
         looped_path = init_checkpoint(args.family, "tiny", Path(tmp) / args.family)
         depth = int(tiny_config(args.family).max_depth)
         engine = LoopedEngine(
@@ -153,13 +153,16 @@ def main(argv: list[str] | None = None) -> int:
             exit_policy=FixedDepth(depth),
             **common,  # type: ignore[arg-type]
         )
-        on, off = [], []
+        base, on, off = [], [], []
         for _ in range(args.repeats):  # interleave to share the machine's noise
+            base.append(_tok_s(llama, items, 1))
             _set_record(engine, True)
             on.append(_tok_s(engine, items, 1))
             _set_record(engine, False)
             off.append(_tok_s(engine, items, 1))
         _close(engine)
+        _close(llama)
+    tok_llama, cpu_llama = max(t for t, _ in base), max(c for _, c in base)
     tok_on, tok_off = max(t for t, _ in on), max(t for t, _ in off)
     cpu_on = max(c for _, c in on)
     line = {

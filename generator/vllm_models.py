@@ -261,7 +261,8 @@ class _LoopedVllm:
                 groups.setdefault(key, []).append(i)
             rows: list[np.ndarray] = [np.zeros(0, np.float32)] * len(step.requests)
             for (temp, top_p), idx in groups.items():  # row-wise ops: grouping changes no bit
-                lp = behaviour_logprobs(logits[idx], me.vocab_size, temp, top_p, self.mode)
+                rows_in = logits if len(idx) == len(rows) else logits[idx]
+                lp = behaviour_logprobs(rows_in, me.vocab_size, temp, top_p, self.mode)
                 lp_np = lp.cpu().numpy()
                 for j, i in enumerate(idx):
                     rows[i] = lp_np[j]
