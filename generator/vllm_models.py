@@ -22,6 +22,10 @@ tokens runs, like `models.engine.run_chunk`:
                    state is kept aside for the readout
     hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
 
+Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
+exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless
+`enforce_eager`; Huginn's latent noise comes from `generator.vllm_noise.NoiseAhead`.
+
 Settings (numerics, exit policy, recording) come from `additional_config["looprl"]`
 (`generator.vllm_settings`). Per-token latent seeds and the request layout come from the
 runner hook (`generator.vllm_context`); depths / log-probs / versions go to `record_book`.
@@ -120,6 +124,13 @@ class _LoopedVllm:
         self.prelude_attn = slots(me.prelude_blocks(), "prelude", 0)
         self.core_attn = slots(core * self.depth, "core", p)
         self.coda_attn = slots(me.coda_blocks(), "coda", p + self.depth * len(core))
+        self._compiled: list[Any] = []
+        if isinstance(self.policy, FixedDepth) and self.mode == "fast":
+            from generator.vllm_compiled import FixedDepthCore
+
+            core_mod = FixedDepthCore(vllm_config=vllm_config, prefix=prefix, owner=self)
+            if not getattr(core_mod, "do_not_compile", True):
+                self._compiled.append(core_mod)  # a list: not a submodule
         n = len(core)  # per-iteration slot lists (slicing a ModuleList builds a new one)
         self._iter_slots: list[list[Any]] = [
             list(self.core_attn[d * n : (d + 1) * n]) for d in range(self.depth)
@@ -171,35 +182,58 @@ class _LoopedVllm:
         self._plans["plan"] = None
         pos = positions.to(torch.int64)
         pos_np = pos.cpu().numpy()
-        e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
-        rope = me.rope(pos, mode)
-        e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
         noise = self._noise.rows(step, pos_np) if me.draws_latent_noise else None
-        state = me.initial_state(e, pos, step.seeds.tolist(), noise)
-
         # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
         target = np.where(pos_np < step.prompt_len, self.depth, 0)
         fixed_depth = isinstance(self.policy, FixedDepth)
         if self.record and step.requests and not fixed_depth:  # (FixedDepth records only D)
             rec = self.record_book.recorded_depths(step, pos_np)
             target = np.where((target == 0) & (rec > 0), rec, target)
-        core = list(me.core_blocks())
-        if fixed_depth and bool(np.all((target == 0) | (target == self.depth))):
+        all_d = fixed_depth and bool(np.all((target == 0) | (target == self.depth)))
+        if all_d and self._compiled and input_ids is not None and inputs_embeds is None:
+            me.rope(pos, mode)  # (its position check, outside the compiled graph)
+            hidden = self._compiled[0](input_ids, pos, noise)
+            ran_np = np.full(n, self.depth, dtype=np.int64)
+        elif all_d:
             # every token runs all D iterations (FixedDepth exits at D): no masks, no carry,
             # no exit checks, no host syncs; the same values as the general loop below with
             # every row active (its torch.where(all True, new, old) selects new)
-            for d in range(self.depth):
-                x = self._stack(core, self._iter_slots[d], me.core_in(state, e, mode), rope)
-                state = me.core_out(x, mode)
-            hidden = self._readout(state, rope)
+            if inputs_embeds is None:
+                hidden = self._fixed_core(input_ids, pos, noise)
+            else:
+                hidden = self._fixed_core(None, pos, noise, inputs_embeds)
             ran_np = np.full(n, self.depth, dtype=np.int64)
         else:
+            e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
+            rope = me.rope(pos, mode)
+            e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
+            state = me.initial_state(e, pos, step.seeds.tolist(), noise)
             hidden, ran_np = self._loop(state, e, rope, target)
         if self.record and step.requests:
             toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
             self.record_book.on_forward(step, pos_np, toks, ran_np, self.weight_version)
         self._step, self._step_positions = step, pos_np
         return hidden
+
+    def _fixed_core(
+        self,
+        input_ids: Tensor | None,
+        pos: Tensor,
+        noise: Tensor | None,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """embed -> prelude -> s_0 -> D iterations -> readout (FixedDepth, no exits)."""
+        me: Any = self
+        mode = self.mode
+        e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
+        rope = me.rope(pos, mode)
+        e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
+        state = me.initial_state(e, pos, [], noise)
+        core = list(me.core_blocks())
+        for d in range(self.depth):
+            x = self._stack(core, self._iter_slots[d], me.core_in(state, e, mode), rope)
+            state = me.core_out(x, mode)
+        return self._readout(state, rope)
 
     def _loop(
         self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray

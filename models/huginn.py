@@ -93,7 +93,7 @@ class HuginnForCausalLM(LoopedLM):
         return e * torch.tensor(self.config.embed_scale, dtype=torch.float32)
 
     def rope(self, positions: Tensor, mode: str) -> Tensor:
-        if int(positions.max()) >= self.freqs_cis.shape[1]:
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.freqs_cis.shape[1]:
             raise ValueError(
                 f"position {int(positions.max())} is beyond block_size {self.freqs_cis.shape[1]}"
             )

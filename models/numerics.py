@@ -56,6 +56,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "f
     return F.linear(x, weight, bias)
 
 
+OPAQUE_NORM_UNDER_COMPILE = False
+"""When True, `rms_norm(mode="fast")` traced by torch.compile is one opaque op running the
+eager kernels (inductor's fused RMSNorm reduces in another order: other bits). Set by the
+vLLM plugin's compiled decode (generator/vllm_compiled.py); forward only (no autograd)."""
+
+
+@torch.library.custom_op("looprl::rms_norm_fast", mutates_args=())
+def _rms_norm_fast_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return rms_norm(x, weight, eps, "fast")
+
+
+@_rms_norm_fast_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tensor:
     """RMSNorm as Huginn and Ouro/Llama write it: normalise in fp32, cast back, times weight.
 
@@ -70,6 +86,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tenso
         xd = x.double()
         y = xd * (1.0 / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
         return y.float().to(x.dtype) * weight
+    if OPAQUE_NORM_UNDER_COMPILE and torch.compiler.is_compiling():
+        return _rms_norm_fast_op(x, weight, eps)  # type: ignore[no-any-return]
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         if x.device.type == "cpu":  # torch's CPU rms_norm: these very kernels, in C++
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
