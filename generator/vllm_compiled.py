@@ -15,10 +15,6 @@ from typing import Any
 from torch import Tensor, nn
 from vllm.compilation.decorators import support_torch_compile
 
-from models import numerics as nx
-
-nx.OPAQUE_NORM_UNDER_COMPILE = True
-
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "noise": 0})
 class FixedDepthCore(nn.Module):

@@ -45,6 +45,7 @@ from generator.vllm_context import StepBatch, current_runner, step_batch
 from generator.vllm_noise import NoiseAhead
 from generator.vllm_records import RecordBook
 from generator.vllm_settings import settings_from_additional_config
+from models import numerics as nx
 from models.base import LoopedLM
 from models.config import config_from_hf_dict
 from models.exits import (
@@ -131,6 +132,8 @@ class _LoopedVllm:
             core_mod = FixedDepthCore(vllm_config=vllm_config, prefix=prefix, owner=self)
             if not getattr(core_mod, "do_not_compile", True):
                 self._compiled.append(core_mod)  # a list: not a submodule
+                # RMSNorm opaque to inductor in this (generator) process: eager bits
+                nx.OPAQUE_NORM_UNDER_COMPILE = True
         n = len(core)  # per-iteration slot lists (slicing a ModuleList builds a new one)
         self._iter_slots: list[list[Any]] = [
             list(self.core_attn[d * n : (d + 1) * n]) for d in range(self.depth)

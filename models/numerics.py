@@ -59,7 +59,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "f
 OPAQUE_NORM_UNDER_COMPILE = False
 """When True, `rms_norm(mode="fast")` traced by torch.compile is one opaque op running the
 eager kernels (inductor's fused RMSNorm reduces in another order: other bits). Set by the
-vLLM plugin's compiled decode (generator/vllm_compiled.py); forward only (no autograd)."""
+vLLM plugin when vLLM compiles its decode core (generator/vllm_models.py, generator processes
+only); forward only: the op has no autograd formula, so a process that also trains compiled
+blocks must leave it False."""
 
 
 @torch.library.custom_op("looprl::rms_norm_fast", mutates_args=())
