@@ -7,12 +7,16 @@ A tiny random checkpoint of `family` runs at fixed full depth r (FixedDepth(max_
 baseline is vLLM's LlamaForCausalLM with n_layers = prelude + core * r + coda layers of the
 same width (hidden, heads, head_dim, MLP width), i.e. the same attention layers per token.
 Both serve the same batch (one request per prompt, temperature 1) through
-`generator.engine.LoopedEngine`. The looped model runs twice on one engine: recording of
+`generator.engine.LoopedEngine`; both engines live in the process together and each repeat
+runs Llama, then the looped model twice, so they share the machine's noise (best of
+`--repeats` each). The looped model runs twice on one engine: recording of
 exit depths / behaviour log-probs / versions on and off (the plugin's `record` flag, toggled
 through `collective_rpc`); `record_overhead` = t(on) / t(off) - 1 (target <= 0.10).
 
 Prints one JSON line: tok_s_llama, tok_s_looped (recording on), tok_s_looped_norecord,
-record_overhead, looped_vs_llama = tok_s_looped / tok_s_llama, and the workload.
+record_overhead, looped_vs_llama = tok_s_looped / tok_s_llama, and the workload; the `_cpu`
+fields divide by the process's CPU time (`time.process_time`) instead of wall time, which
+other processes on a shared machine disturb much less (one thread: OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -91,15 +95,17 @@ def _items(batch: int, prompt_len: int, max_tokens: int) -> list[WorkItem]:
     ]
 
 
-def _tok_s(engine: Any, items: list[WorkItem], repeats: int) -> float:
+def _tok_s(engine: Any, items: list[WorkItem], repeats: int) -> tuple[float, float]:
+    """(tokens / best wall time, tokens / best CPU time of this process) over `repeats`."""
     engine.generate(items[:2])  # warm-up
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = engine.generate(items)
         best = min(best, time.perf_counter() - t0)
+        best_cpu = min(best_cpu, time.process_time() - c0)
     tokens = sum(int(s.tokens.shape[0]) for ss in out for s in ss)
-    return tokens / best
+    return tokens / best, tokens / best_cpu
 
 
 def _set_record(engine: Any, flag: bool) -> None:
@@ -138,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(max_num_seqs=args.batch, kv_cache_bytes=64 << 20, max_model_len=512)
     with tempfile.TemporaryDirectory() as tmp:
         llama_path, layers = llama_like(args.family, Path(tmp) / "llama")
-        engine = LoopedEngine(llama_path, **common)  # type: ignore[arg-type]
-        tok_llama = _tok_s(engine, items, args.repeats)
-        _close(engine)
+        llama = LoopedEngine(llama_path, **common)  # type: ignore[arg-type]
         looped_path = init_checkpoint(args.family, "tiny", Path(tmp) / args.family)
         depth = int(tiny_config(args.family).max_depth)
         engine = LoopedEngine(
@@ -149,14 +153,18 @@ def main(argv: list[str] | None = None) -> int:
             exit_policy=FixedDepth(depth),
             **common,  # type: ignore[arg-type]
         )
-        on, off = [], []
+        base, on, off = [], [], []
         for _ in range(args.repeats):  # interleave to share the machine's noise
+            base.append(_tok_s(llama, items, 1))
             _set_record(engine, True)
             on.append(_tok_s(engine, items, 1))
             _set_record(engine, False)
             off.append(_tok_s(engine, items, 1))
         _close(engine)
-    tok_on, tok_off = max(on), max(off)
+        _close(llama)
+    tok_llama, cpu_llama = max(t for t, _ in base), max(c for _, c in base)
+    tok_on, tok_off = max(t for t, _ in on), max(t for t, _ in off)
+    cpu_on = max(c for _, c in on)
     line = {
         "bench": "generate",
         "family": args.family,
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_looped_norecord": round(tok_off, 1),
         "record_overhead": round(tok_off / tok_on - 1.0, 4),
         "looped_vs_llama": round(tok_on / tok_llama, 3),
+        "tok_s_llama_cpu": round(cpu_llama, 1),
+        "tok_s_looped_cpu": round(cpu_on, 1),
+        "looped_vs_llama_cpu": round(cpu_on / cpu_llama, 3),
     }
     print(json.dumps(line), flush=True)
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import weakref
 from typing import Any
 
 import numpy as np
@@ -97,36 +98,60 @@ def _seed_of(params: Any) -> int:
     return check_latent_seed(extra.get(SEED_KEY, 0), f"extra_args[{SEED_KEY!r}]")
 
 
+_REQUEST_CACHE: dict[str, tuple[Any, tuple[str, int, int, float, float]]] = {}
+"""req_id -> (weak reference to its CachedRequestState, (key, prompt_len, seed, temperature,
+top_p)): read once per request state, not once per step (a new state object, e.g. the same
+request id in another engine, is read again)."""
+
+
+def _request_fields(rid: str, state: Any) -> tuple[str, int, int, float, float]:
+    hit = _REQUEST_CACHE.get(rid)
+    if hit is not None and hit[0]() is state:
+        return hit[1]
+    params = state.sampling_params
+    extra = getattr(params, "extra_args", None) or {}
+    fields = (
+        str(extra.get(RECORD_KEY, rid)),
+        int(state.num_prompt_tokens),
+        _seed_of(params),
+        float(getattr(params, "temperature", 1.0) or 0.0),
+        float(getattr(params, "top_p", 1.0)),
+    )
+    try:
+        ref = weakref.ref(state)
+    except TypeError:  # not weak-referenceable: no cache
+        return fields
+    if len(_REQUEST_CACHE) >= 1 << 14:
+        _REQUEST_CACHE.clear()
+    _REQUEST_CACHE[rid] = (ref, fields)
+    return fields
+
+
 def step_batch(runner: Any, num_tokens: int) -> StepBatch:
     """Read the current step's request layout from `runner` (see module doc)."""
     big = np.iinfo(np.int64).max
-    seeds = np.zeros(num_tokens, dtype=np.uint64)
-    prompt_len = np.full(num_tokens, big, dtype=np.int64)
     if runner is None:
-        return StepBatch([], seeds, prompt_len, 0)
+        seeds = np.zeros(num_tokens, dtype=np.uint64)
+        return StepBatch([], seeds, np.full(num_tokens, big, dtype=np.int64), 0)
     batch = runner.input_batch
     num_reqs = int(batch.num_reqs)
     qsl = np.asarray(runner.query_start_loc.np[: num_reqs + 1], dtype=np.int64)
+    bounds = qsl.tolist()
     reqs: list[RequestSlice] = []
     for i, rid in enumerate(batch.req_ids[:num_reqs]):
-        state = runner.requests[rid]
-        params = state.sampling_params
-        start, end = int(qsl[i]), int(qsl[i + 1])
-        extra = getattr(params, "extra_args", None) or {}
-        rs = RequestSlice(
-            key=str(extra.get(RECORD_KEY, rid)),
-            start=start,
-            end=end,
-            prompt_len=int(state.num_prompt_tokens),
-            seed=_seed_of(params),
-            temperature=float(getattr(params, "temperature", 1.0) or 0.0),
-            top_p=float(getattr(params, "top_p", 1.0)),
+        key, prompt_len, seed, temperature, top_p = _request_fields(rid, runner.requests[rid])
+        reqs.append(
+            RequestSlice(key, bounds[i], bounds[i + 1], prompt_len, seed, temperature, top_p)
         )
-        reqs.append(rs)
-        seeds[start:end] = np.uint64(rs.seed)
-        prompt_len[start:end] = rs.prompt_len
-    n_real = int(qsl[-1]) if num_reqs else 0
-    return StepBatch(reqs, seeds, prompt_len, min(n_real, num_tokens))
+    n_real = min(bounds[-1] if num_reqs else 0, num_tokens)
+    lengths = np.diff(qsl) if num_reqs else np.zeros(0, dtype=np.int64)
+    seeds = np.zeros(num_tokens, dtype=np.uint64)
+    plen = np.full(num_tokens, big, dtype=np.int64)
+    seeds[:n_real] = np.repeat(np.asarray([r.seed for r in reqs], dtype=np.uint64), lengths)[
+        :n_real
+    ]
+    plen[:n_real] = np.repeat(np.asarray([r.prompt_len for r in reqs], np.int64), lengths)[:n_real]
+    return StepBatch(reqs, seeds, plen, n_real)
 
 
 __all__ = [

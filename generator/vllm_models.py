@@ -22,6 +22,10 @@ tokens runs, like `models.engine.run_chunk`:
                    state is kept aside for the readout
     hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
 
+Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
+exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless
+`enforce_eager`; Huginn's latent noise comes from `generator.vllm_noise.NoiseAhead`.
+
 Settings (numerics, exit policy, recording) come from `additional_config["looprl"]`
 (`generator.vllm_settings`). Per-token latent seeds and the request layout come from the
 runner hook (`generator.vllm_context`); depths / log-probs / versions go to `record_book`.
@@ -38,8 +42,10 @@ from torch import Tensor, nn
 
 from generator.vllm_attention import SlotAttention
 from generator.vllm_context import StepBatch, current_runner, step_batch
+from generator.vllm_noise import NoiseAhead
 from generator.vllm_records import RecordBook
 from generator.vllm_settings import settings_from_additional_config
+from models import numerics as nx
 from models.base import LoopedLM
 from models.config import config_from_hf_dict
 from models.exits import (
@@ -94,6 +100,7 @@ class _LoopedVllm:
         self.kv = resolve_kv(self.policy, config)
         self.record = settings.record
         self.record_book = RecordBook()
+        self._noise = NoiseAhead(config.hidden_size)
         self.weight_version = 0
         self._plans: dict[str, Any] = {}
         self._step: StepBatch | None = None
@@ -118,6 +125,19 @@ class _LoopedVllm:
         self.prelude_attn = slots(me.prelude_blocks(), "prelude", 0)
         self.core_attn = slots(core * self.depth, "core", p)
         self.coda_attn = slots(me.coda_blocks(), "coda", p + self.depth * len(core))
+        self._compiled: list[Any] = []
+        if isinstance(self.policy, FixedDepth) and self.mode == "fast":
+            from generator.vllm_compiled import FixedDepthCore
+
+            core_mod = FixedDepthCore(vllm_config=vllm_config, prefix=prefix, owner=self)
+            if not getattr(core_mod, "do_not_compile", True):
+                self._compiled.append(core_mod)  # a list: not a submodule
+                # RMSNorm opaque to inductor in this (generator) process: eager bits
+                nx.OPAQUE_NORM_UNDER_COMPILE = True
+        n = len(core)  # per-iteration slot lists (slicing a ModuleList builds a new one)
+        self._iter_slots: list[list[Any]] = [
+            list(self.core_attn[d * n : (d + 1) * n]) for d in range(self.depth)
+        ]
 
     # ---- vLLM model interface ------------------------------------------------------------
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
@@ -165,29 +185,78 @@ class _LoopedVllm:
         self._plans["plan"] = None
         pos = positions.to(torch.int64)
         pos_np = pos.cpu().numpy()
+        noise = self._noise.rows(step, pos_np) if me.draws_latent_noise else None
+        # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
+        target = np.where(pos_np < step.prompt_len, self.depth, 0)
+        fixed_depth = isinstance(self.policy, FixedDepth)
+        if self.record and step.requests and not fixed_depth:  # (FixedDepth records only D)
+            rec = self.record_book.recorded_depths(step, pos_np)
+            target = np.where((target == 0) & (rec > 0), rec, target)
+        all_d = fixed_depth and bool(np.all((target == 0) | (target == self.depth)))
+        if all_d and self._compiled and input_ids is not None and inputs_embeds is None:
+            me.rope(pos, mode)  # (its position check, outside the compiled graph)
+            hidden = self._compiled[0](input_ids, pos, noise)
+            ran_np = np.full(n, self.depth, dtype=np.int64)
+        elif all_d:
+            # every token runs all D iterations (FixedDepth exits at D): no masks, no carry,
+            # no exit checks, no host syncs; the same values as the general loop below with
+            # every row active (its torch.where(all True, new, old) selects new)
+            if inputs_embeds is None:
+                hidden = self._fixed_core(input_ids, pos, noise)
+            else:
+                hidden = self._fixed_core(None, pos, noise, inputs_embeds)
+            ran_np = np.full(n, self.depth, dtype=np.int64)
+        else:
+            e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
+            rope = me.rope(pos, mode)
+            e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
+            state = me.initial_state(e, pos, step.seeds.tolist(), noise)
+            hidden, ran_np = self._loop(state, e, rope, target)
+        if self.record and step.requests:
+            toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
+            self.record_book.on_forward(step, pos_np, toks, ran_np, self.weight_version)
+        self._step, self._step_positions = step, pos_np
+        return hidden
+
+    def _fixed_core(
+        self,
+        input_ids: Tensor | None,
+        pos: Tensor,
+        noise: Tensor | None,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """embed -> prelude -> s_0 -> D iterations -> readout (FixedDepth, no exits)."""
+        me: Any = self
+        mode = self.mode
         e = inputs_embeds if inputs_embeds is not None else me.embed(input_ids)
         rope = me.rope(pos, mode)
         e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
-        state = me.initial_state(e, pos, step.seeds.tolist())
+        state = me.initial_state(e, pos, [], noise)
+        core = list(me.core_blocks())
+        for d in range(self.depth):
+            x = self._stack(core, self._iter_slots[d], me.core_in(state, e, mode), rope)
+            state = me.core_out(x, mode)
+        return self._readout(state, rope)
 
-        # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
-        target = np.where(pos_np < step.prompt_len, self.depth, 0)
-        if self.record and step.requests:
-            rec = self.record_book.recorded_depths(step, pos_np)
-            target = np.where((target == 0) & (rec > 0), rec, target)
+    def _loop(
+        self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray
+    ) -> tuple[Tensor, np.ndarray]:
+        """The depth loop with exits (target: per-token exit depth, 0 = the policy's);
+        returns (hidden, iterations run per token)."""
+        me: Any = self
+        mode, n = self.mode, state.shape[0]
         dev = state.device
         fixed = torch.from_numpy(target).to(dev)
         pol_idx = torch.nonzero(fixed == 0).flatten()
         ran = torch.zeros(n, dtype=torch.int64, device=dev)
         active = torch.ones(n, dtype=torch.bool, device=dev)
         core = list(me.core_blocks())
-        n_layers = len(core)
-        carry: list[tuple[Tensor, Tensor] | None] = [None] * n_layers
+        carry: list[tuple[Tensor, Tensor] | None] = [None] * len(core)
         exit_carry: ExitCarry | None = None
         full = self.kv == "full"  # every token runs every iteration; exit state kept aside
         out_state = state
         for d in range(self.depth):
-            slots: list[Any] = list(self.core_attn[d * n_layers : (d + 1) * n_layers])
+            slots = self._iter_slots[d]
             if not full and not bool(active.any()):
                 for slot, kv in zip(slots, carry):  # keep the last-exited K/V visible
                     assert kv is not None
@@ -210,12 +279,7 @@ class _LoopedVllm:
             if full:
                 out_state = torch.where(stop[:, None], state, out_state)
             active = active & ~stop
-        hidden = self._readout(out_state if full else state, rope)
-        if self.record and step.requests:
-            toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
-            self.record_book.on_forward(step, pos_np, toks, ran.cpu().numpy(), self.weight_version)
-        self._step, self._step_positions = step, pos_np
-        return hidden
+        return self._readout(out_state if full else state, rope), ran.cpu().numpy()
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         me: Any = self
@@ -232,11 +296,13 @@ class _LoopedVllm:
                 greedy = rs.temperature < 1e-5
                 key = (1.0, 1.0) if greedy else (rs.temperature, rs.top_p)
                 groups.setdefault(key, []).append(i)
-            rows: list[Tensor] = [logits[:0]] * len(step.requests)
+            rows: list[np.ndarray] = [np.zeros(0, np.float32)] * len(step.requests)
             for (temp, top_p), idx in groups.items():  # row-wise ops: grouping changes no bit
-                lp = behaviour_logprobs(logits[idx], me.vocab_size, temp, top_p, self.mode).cpu()
+                rows_in = logits if len(idx) == len(rows) else logits[idx]
+                lp = behaviour_logprobs(rows_in, me.vocab_size, temp, top_p, self.mode)
+                lp_np = lp.cpu().numpy()
                 for j, i in enumerate(idx):
-                    rows[i] = lp[j]
+                    rows[i] = lp_np[j]
             assert self._step_positions is not None
             self.record_book.on_logits(step, self._step_positions, rows)
         return logits  # type: ignore[no-any-return]

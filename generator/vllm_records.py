@@ -23,7 +23,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from torch import Tensor
 
 from generator.vllm_context import StepBatch
 
@@ -34,7 +33,7 @@ class _Entry:
     depths: dict[int, int] = dataclasses.field(default_factory=dict)
     versions: dict[int, int] = dataclasses.field(default_factory=dict)
     logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
-    pending: tuple[int, Tensor] | None = None
+    pending: tuple[int, np.ndarray] | None = None
     """(sampling position, fp32 behaviour log-prob row [V])."""
 
 
@@ -85,10 +84,11 @@ class RecordBook:
         version: int,
     ) -> None:
         """File depth / version of sampling positions and the log-prob of fed tokens."""
+        pos_l, tok_l, dep_l = positions.tolist(), tokens.tolist(), depths.tolist()
         for rs in step.requests:
             if rs.end <= rs.start:
                 continue
-            first = int(positions[rs.start])
+            first = pos_l[rs.start]
             last = first + (rs.end - rs.start) - 1
             if last < rs.prompt_len - 1:
                 continue  # a prompt chunk that samples nothing
@@ -96,17 +96,18 @@ class RecordBook:
             for pos in range(max(first, rs.prompt_len - 1), last + 1):
                 row = rs.start + pos - first
                 t = pos - (rs.prompt_len - 1)
-                entry.depths[t] = int(depths[row])
+                entry.depths[t] = dep_l[row]
                 entry.versions[t] = version
                 if pos >= rs.prompt_len and entry.pending is not None:
                     ppos, lp = entry.pending
                     if ppos == pos - 1:
-                        entry.logprobs[t - 1] = float(lp[int(tokens[row])])
+                        entry.logprobs[t - 1] = float(lp[tok_l[row]])
 
-    def on_logits(self, step: StepBatch, positions: np.ndarray, rows: list[Tensor]) -> None:
+    def on_logits(self, step: StepBatch, positions: np.ndarray, rows: list[np.ndarray]) -> None:
         """Keep the behaviour row of every request whose last scheduled position samples."""
+        pos_l = positions.tolist()
         for rs, lp in zip(step.requests, rows):
-            last = int(positions[rs.end - 1])
+            last = pos_l[rs.end - 1]
             if last >= rs.prompt_len - 1:
                 self._entry(rs.key, rs.prompt_len).pending = (last, lp)
 

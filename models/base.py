@@ -68,8 +68,14 @@ class LoopedLM(nn.Module):
     def rope(self, positions: Tensor, mode: str) -> Tensor:
         raise NotImplementedError
 
-    def initial_state(self, e: Tensor, positions: Tensor, seeds: Sequence[int]) -> Tensor:
-        """s_0 of rows [N] (seeds: one latent seed per row)."""
+    draws_latent_noise = False
+    """True when `initial_state` draws latent noise (Huginn)."""
+
+    def initial_state(
+        self, e: Tensor, positions: Tensor, seeds: Sequence[int], noise: Tensor | None = None
+    ) -> Tensor:
+        """s_0 of rows [N] (seeds: one latent seed per row; `noise`: the rows'
+        `models.noise.latent_noise`, when the caller drew them already)."""
         return e
 
     def core_in(self, state: Tensor, e: Tensor, mode: str) -> Tensor:

@@ -93,14 +93,20 @@ class HuginnForCausalLM(LoopedLM):
         return e * torch.tensor(self.config.embed_scale, dtype=torch.float32)
 
     def rope(self, positions: Tensor, mode: str) -> Tensor:
-        if int(positions.max()) >= self.freqs_cis.shape[1]:
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.freqs_cis.shape[1]:
             raise ValueError(
                 f"position {int(positions.max())} is beyond block_size {self.freqs_cis.shape[1]}"
             )
         return self.freqs_cis[0, positions, 0].float()  # [N, D/2, 2]
 
-    def initial_state(self, e: Tensor, positions: Tensor, seeds: Sequence[int]) -> Tensor:
-        z = latent_noise(list(seeds), positions.cpu(), self.config.n_embd).to(e.device)
+    draws_latent_noise = True
+
+    def initial_state(
+        self, e: Tensor, positions: Tensor, seeds: Sequence[int], noise: Tensor | None = None
+    ) -> Tensor:
+        if noise is None:
+            noise = latent_noise(list(seeds), positions.cpu(), self.config.n_embd)
+        z = noise.to(e.device)
         std = torch.tensor(self.config.init_std, dtype=torch.float32)
         scale = torch.tensor(self.config.embed_scale, dtype=torch.float32)
         return (z * std) * scale

@@ -49,13 +49,38 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "f
     if mode == "exact":
         b = None if bias is None else bias.double()
         return F.linear(x.double(), weight.double(), b).float()
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if weight.dtype != x.dtype:  # (a .to() of the same dtype is a no-op, but a dispatch)
+        weight = weight.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+OPAQUE_NORM_UNDER_COMPILE = False
+"""When True, `rms_norm(mode="fast")` traced by torch.compile is one opaque op running the
+eager kernels (inductor's fused RMSNorm reduces in another order: other bits). Set by the
+vLLM plugin when vLLM compiles its decode core (generator/vllm_models.py, generator processes
+only); forward only: the op has no autograd formula, so a process that also trains compiled
+blocks must leave it False."""
+
+
+@torch.library.custom_op("looprl::rms_norm_fast", mutates_args=())
+def _rms_norm_fast_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return rms_norm(x, weight, eps, "fast")
+
+
+@_rms_norm_fast_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tensor:
     """RMSNorm as Huginn and Ouro/Llama write it: normalise in fp32, cast back, times weight.
 
     fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`.
+    On the CPU in fp32 this is `F.rms_norm`: torch's CPU implementation runs the same kernels
+    in the same order (pow, mean, + eps, rsqrt, two products; tests/models/
+    test_numerics_identities.py checks the bits), with less Python in between.
     exact: `xd = x.double(); y = xd * (1 / sqrt(mean(xd^2, -1) + eps))` in fp64, rounded to fp32,
     then `* weight` in fp32 (a single IEEE product).
     """
@@ -63,6 +88,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tenso
         xd = x.double()
         y = xd * (1.0 / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
         return y.float().to(x.dtype) * weight
+    if OPAQUE_NORM_UNDER_COMPILE and torch.compiler.is_compiling():
+        return _rms_norm_fast_op(x, weight, eps)  # type: ignore[no-any-return]
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if x.device.type == "cpu":  # torch's CPU rms_norm: these very kernels, in C++
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight
@@ -94,6 +125,33 @@ def log_softmax(x: Tensor, mode: str = "fast") -> Tensor:
     return torch.log_softmax(x.float(), dim=-1)
 
 
+_PAIR_SIGNS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _pair_signs(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(-1, +1) as a [2] tensor (cached per dtype and device)."""
+    key = (dtype, device)
+    signs = _PAIR_SIGNS.get(key)
+    if signs is None:
+        signs = _PAIR_SIGNS[key] = torch.tensor([-1.0, 1.0], dtype=dtype, device=device)
+    return signs
+
+
+_VECTOR_ISA = torch.backends.cpu.get_cpu_capability()
+
+
+def _complex_rope_exact(x: Tensor, cos_sin: Tensor) -> bool:
+    """Whether `rope_adjacent`'s complex product gives the formula's bits (see there)."""
+    return (
+        x.device.type == "cpu"
+        and cos_sin.device.type == "cpu"
+        and x.dtype == torch.float32
+        and cos_sin.dtype == torch.float32
+        and x.shape[-1] % 32 == 0
+        and _VECTOR_ISA in ("AVX2", "AVX512")
+    )
+
+
 def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     """Huginn RoPE on adjacent pairs (x[2i], x[2i+1]) in fp32.
 
@@ -101,13 +159,30 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     rows at the token positions. out[2i] = x0 c - x1 s, out[2i+1] = x1 c + x0 s.
     fast: in fp32 (the official order). exact: in fp64 (the products of fp32 values are exact
     in fp64), one rounding to fp32.
+
+    Computed as pairs * c + swap(pairs) * (-s, s): x1 (-s) = -(x1 s) and a + (-b) = a - b are
+    exact IEEE identities, so these are the bits of the formula above, in 4 kernels (mul,
+    flip, mul, add) plus the sign product, instead of 7. fast, fp32 on an AVX2 / AVX512 CPU
+    with head_dim % 32 == 0: one complex product (x0 + i x1)(c + i s), whose ATen vector
+    kernel computes x0 c, x1 s, x0 s, x1 c with one rounded multiply each and then the
+    difference / sum with one rounded add each (`_mm*_mul_ps` and `hsub`, no FMA); whole
+    vectors only (the inner run of head_dim / 2 complex numbers fills 2-vector chunks, so the
+    scalar remainder loop never runs). tests/models/test_numerics_identities.py checks it.
     """
+    if mode != "exact" and _complex_rope_exact(x, cos_sin):
+        try:
+            xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+            return torch.view_as_real(xc * torch.view_as_complex(cos_sin)).flatten(-2)
+        except RuntimeError:  # strides view_as_complex refuses: the general path
+            pass
     dt = torch.float64 if mode == "exact" else torch.float32
-    pairs = x.to(dt).unflatten(-1, (-1, 2))
-    c, s = cos_sin[..., 0].to(dt), cos_sin[..., 1].to(dt)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
-    return out.float().to(x.dtype)
+    pairs = (x if x.dtype == dt else x.to(dt)).unflatten(-1, (-1, 2))
+    cs = cos_sin if cos_sin.dtype == dt else cos_sin.to(dt)
+    out = pairs * cs[..., :1] + pairs.flip(-1) * (cs[..., 1:] * _pair_signs(dt, cs.device))
+    out = out.flatten(-2)
+    if out.dtype != torch.float32:
+        out = out.float()
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, mode: str = "fast") -> Tensor:
