@@ -407,6 +407,10 @@ class Coordinator:
         v = pub.version
         if pub.path is None:
             raise CoordinatorError(f"publication v{v} has no directory")
+        # Write-ahead: a version is in digests.jsonl before any generator can hear of it, so a
+        # resume never reuses the number of weights that were announced (pipeline.core.resume).
+        with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
+            f.write(json.dumps({"version": v, "digest": pub.digest}) + "\n")
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
             path=str(Path(pub.path).resolve()), digest=pub.digest,
@@ -414,8 +418,6 @@ class Coordinator:
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
         self.published.append(v)
-        with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
-            f.write(json.dumps({"version": v, "digest": pub.digest}) + "\n")
         self.endpoint.set_status(v, self.dispatcher.inflight())
         keep = self.cfg.publish.keep
         if keep and len(self.published) > keep:

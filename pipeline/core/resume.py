@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,10 @@ def latest_checkpoint(c: Coordinator) -> Path | None:
 
 
 def _max_published(run_dir: Path) -> int:
-    vs = [int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+    """The newest version in weights/digests.jsonl (written before a version is announced). A
+    weights/vN directory beyond it was written by a learner killed before announcing it: no
+    generator heard of it, so it is removed and its number published again."""
+    vs: list[int] = []
     path = run_dir / "weights" / "digests.jsonl"
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -84,7 +88,12 @@ def _max_published(run_dir: Path) -> int:
                 vs.append(int(json.loads(line)["version"]))
             except (ValueError, KeyError):
                 break
-    return max(vs, default=0)
+    newest = max(vs, default=0)
+    for p in (run_dir / "weights").glob("v*"):
+        if p.name[1:].isdigit() and int(p.name[1:]) > newest and p.is_dir():
+            log.info("resume: removing %s (written, never announced)", p)
+            shutil.rmtree(p, ignore_errors=True)
+    return newest
 
 
 def _refusal(c: Coordinator, r: Rollout, newest: int) -> Refusal | None:

@@ -230,3 +230,19 @@ def test_background_training_keeps_listening(tmp_path: Path) -> None:
     assert during > 0, "nothing was taken in while a step ran"
     check_exactly_once(t, 4)
     assert [s.rollout_ids for s in read_steps(tmp_path / "steps.jsonl")] == t.batches
+
+
+def test_resume_republishes_a_version_written_but_never_announced(tmp_path: Path) -> None:
+    """digests.jsonl is written before a version is announced; a weights/vN directory beyond
+    its last line (a learner killed between writing the weights and announcing them) was heard
+    of by no generator: a resume removes it and publishes N again, so versions stay 1, 2, ...
+    without a gap."""
+    import json
+
+    w = tmp_path / "weights"
+    for v in (1, 2, 3):
+        (w / f"v{v}").mkdir(parents=True)
+    (w / "digests.jsonl").write_text("".join(json.dumps({"version": v, "digest": f"d{v}"}) + "\n"
+                                             for v in (1, 2)))  # fmt: skip
+    assert resume._max_published(tmp_path) == 2
+    assert sorted(p.name for p in w.glob("v*")) == ["v1", "v2"]
