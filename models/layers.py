@@ -76,12 +76,12 @@ class SandwichBlock(nn.Module):
 
     def qkv(self, x: Tensor, rope: Tensor, mode: str) -> tuple[Tensor, Tensor, Tensor]:
         h = self.norm_1(x, mode)
-        qkv = _lin(self.attn.Wqkv, h, mode).view(x.shape[0], 3, self.n_heads, -1)
-        qk = qkv[:, :2]  # q and k together: one bias add, one RoPE (elementwise: same bits)
-        if hasattr(self.attn, "qk_bias"):
-            qk = qk + self.attn.qk_bias[:, 0]  # [2, H, D]: q += bias[0], k += bias[1]
-        q, k = nx.rope_adjacent(qk, rope[:, None, None], mode).unbind(1)  # rope [N,1,1,D/2,2]
-        return q, k, qkv[:, 2]
+        q, k, v = _lin(self.attn.Wqkv, h, mode).view(x.shape[0], 3, self.n_heads, -1).unbind(1)
+        if hasattr(self.attn, "qk_bias"):  # one add each: the bias gradients then reduce as
+            q = q + self.attn.qk_bias[0, 0]  # the learner's (megatron) do, bit for bit
+            k = k + self.attn.qk_bias[1, 0]
+        cs = rope[:, None]  # [N, 1, D/2, 2]
+        return nx.rope_adjacent(q, cs, mode), nx.rope_adjacent(k, cs, mode), v
 
     def post(self, x: Tensor, attn: Tensor, mode: str) -> Tensor:
         x = self.norm_2(_lin(self.attn.proj, attn, mode) + x, mode)

@@ -176,6 +176,13 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
         except RuntimeError:  # strides view_as_complex refuses: the general path
             pass
     dt = torch.float64 if mode == "exact" else torch.float32
+    if mode == "exact":  # the formula's own ops: their backward is the learner's, bit for bit
+        pairs = x.to(dt).unflatten(-1, (-1, 2))
+        c, s = cos_sin[..., 0].to(dt), cos_sin[..., 1].to(dt)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        return (
+            torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2).float().to(x.dtype)
+        )
     pairs = (x if x.dtype == dt else x.to(dt)).unflatten(-1, (-1, 2))
     cs = cos_sin if cos_sin.dtype == dt else cos_sin.to(dt)
     out = pairs * cs[..., :1] + pairs.flip(-1) * (cs[..., 1:] * _pair_signs(dt, cs.device))
