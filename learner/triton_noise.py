@@ -120,14 +120,7 @@ def latent_noise_cuda(seeds: Tensor, positions: Tensor, hidden_size: int) -> Ten
     to latent_noise_torch off CUDA or without Triton."""
     if not (HAVE_TRITON and seeds.is_cuda):
         return spec.latent_noise_torch(seeds, positions, hidden_size)
-    if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
-        raise ValueError(f"seeds and positions must be int64, got {seeds.dtype}, {positions.dtype}")
-    if seeds.shape != positions.shape or seeds.dim() != 1:
-        raise ValueError(f"seeds {tuple(seeds.shape)} and positions must both be [T]")
-    if hidden_size <= 0:
-        raise ValueError(f"hidden_size must be > 0, got {hidden_size}")
-    if positions.numel() and bool((positions < 0).any()):
-        raise ValueError("positions must be >= 0")
+    spec.check_noise_args(seeds, positions, hidden_size)
     assert spec.TRUNCATION == 3.0  # the kernel's clamp
     row = spec._mix_t(spec._mix_t(seeds ^ spec.NOISE_DOMAIN) ^ positions).contiguous()
     out = torch.empty((seeds.numel(), hidden_size), dtype=torch.float32, device=seeds.device)

@@ -332,14 +332,9 @@ def _ppnd_t(v: Tensor) -> Tensor:
     return torch.where(q.abs() > SPLIT, torch.where(neg, -xt, xt), x)
 
 
-def latent_noise_torch(
-    seeds: Tensor, positions: Tensor, hidden_size: int, *, chunk_elems: int = 1 << 24
-) -> Tensor:
-    """`latent_noise` computed with torch ops on the tensors' device, bit-identical to it.
-
-    seeds: [T] int64 (u64 seeds as two's complement), positions: [T] int64 >= 0, same device.
-    Returns fp32 [T, hidden_size] on that device; rows are done `chunk_elems` elements at a time.
-    """
+def check_noise_args(seeds: torch.Tensor, positions: torch.Tensor, hidden_size: int) -> None:
+    """ValueError unless seeds / positions are [T] int64 (positions >= 0) and hidden_size > 0:
+    the arguments of every device implementation of the noise (torch, Triton)."""
     if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
         raise ValueError(f"seeds and positions must be int64, got {seeds.dtype}, {positions.dtype}")
     if seeds.shape != positions.shape or seeds.dim() != 1:
@@ -348,6 +343,17 @@ def latent_noise_torch(
         raise ValueError(f"hidden_size must be > 0, got {hidden_size}")
     if positions.numel() and bool((positions < 0).any()):
         raise ValueError("positions must be >= 0")
+
+
+def latent_noise_torch(
+    seeds: Tensor, positions: Tensor, hidden_size: int, *, chunk_elems: int = 1 << 24
+) -> Tensor:
+    """`latent_noise` computed with torch ops on the tensors' device, bit-identical to it.
+
+    seeds: [T] int64 (u64 seeds as two's complement), positions: [T] int64 >= 0, same device.
+    Returns fp32 [T, hidden_size] on that device; rows are done `chunk_elems` elements at a time.
+    """
+    check_noise_args(seeds, positions, hidden_size)
     dev = seeds.device
     row = _mix_t(_mix_t(seeds ^ NOISE_DOMAIN) ^ positions)  # [T]
     e = torch.arange(1, hidden_size + 1, dtype=torch.int64, device=dev)

@@ -112,10 +112,14 @@ def _batch(examples: Sequence[Example], pad: int) -> tuple[Any, Any]:
     return ids, mask
 
 
-def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60, lr: float = 3e-3,
-               batch: int = 32, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
+               lr: float | None = None, batch: int | None = None,
+               seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Fine-tune checkpoint ``model`` on the task's reference answers and write it to ``out``
-    (see the module doc). Returns {"steps", "examples", "loss_first", "loss_last", "s"}."""
+    (see the module doc); ``lr`` / ``batch`` None: the run config's warm_start.lr / batch.
+    Returns {"steps", "examples", "loss_first", "loss_last", "s"}."""
+    lr = cfg.warm_start.lr if lr is None else lr
+    batch = cfg.warm_start.batch if batch is None else batch
     if steps < 1 or batch < 1 or not lr > 0:
         raise ConfigError(f"warm start needs steps >= 1, batch >= 1, lr > 0; got steps={steps}, "
                           f"batch={batch}, lr={lr}")  # fmt: skip
@@ -187,8 +191,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint to start from (default: model.path, else a fresh "
                         "model.family / model.size / model.init_seed one)")  # fmt: skip
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--batch", type=int, default=32, help="rows per step (default 32)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default: the config's warm_start.lr)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per step (default: the config's warm_start.batch)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="shuffle and latent seed (default 0)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
