@@ -103,21 +103,32 @@ class _Rows:
     mode: str
 
 
-def _stack(blocks: Sequence[Block], slots: Tensor, x: Tensor, write: Tensor, r: _Rows) -> Tensor:
-    """Run attention blocks on rows x [N, h]; write K/V of rows `write` into `slots`."""
-    wb, wp = r.b[write], r.pos[write]
+def _stack(
+    blocks: Sequence[Block], slots: Tensor, x: Tensor, write: Tensor | None, r: _Rows
+) -> Tensor:
+    """Run attention blocks on rows x [N, h]; write K/V of rows `write` into `slots` (None:
+    every row, with integer indices only: no boolean-mask indexing, no host sync)."""
+    wb, wp = (r.b, r.pos) if write is None else (r.b[write], r.pos[write])
     for layer, blk in enumerate(blocks):
         q, k, v = blk.qkv(x, r.rope, r.mode)
-        slots[layer, 0, wb, wp] = k[write]
-        slots[layer, 1, wb, wp] = v[write]
+        slots[layer, 0, wb, wp] = k if write is None else k[write]
+        slots[layer, 1, wb, wp] = v if write is None else v[write]
         q = q.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
         attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
         x = blk.post(x, attn.reshape(x.shape[0], -1), r.mode)
     return x
 
 
+def _key_mask(filled: Tensor, positions: Tensor) -> Tensor:
+    """[B, S, T] keys visible to each query: the row's filled positions t <= the query's."""
+    key_pos = torch.arange(filled.shape[1], device=filled.device)
+    kmask = filled[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
+    kmask[..., 0] |= ~kmask.any(dim=-1)  # padding queries that see nothing: keep softmax finite
+    return kmask
+
+
 def _readout(
-    model: LoopedLM, cache: KVCache, state: Tensor, write: Tensor, r: _Rows
+    model: LoopedLM, cache: KVCache, state: Tensor, write: Tensor | None, r: _Rows
 ) -> tuple[Tensor, Tensor]:
     x = model.readout_in(state, r.mode)
     x = _stack(model.coda_blocks(), cache.coda, x, write, r)
@@ -169,9 +180,7 @@ def run_chunk(
         if bad.any():
             raise ValueError(f"depths must be in [1, {max_depth}] at valid positions")
     cache.filled[rows[val], pos[val]] = True
-    key_pos = torch.arange(cache.filled.shape[1], device=dev)
-    kmask = cache.filled[:, None, :] & (key_pos[None, None, :] <= positions.to(dev)[:, :, None])
-    kmask[..., 0] |= ~kmask.any(dim=-1)  # padding queries that see nothing: keep softmax finite
+    kmask = _key_mask(cache.filled, positions.to(dev))
     r = _Rows(bsz, seq, rows, pos, kmask, model.rope(pos, mode), mode)
     row_seeds = [int(seeds[b]) for b in rows.tolist()]
 

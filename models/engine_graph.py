@@ -1,0 +1,183 @@
+"""The fixed-depth decode step without host syncs, and its CUDA graph (issue 14 item 4).
+
+`models.engine.run_chunk` decodes one token per row per chunk; at a fixed depth (every token
+runs `depth` core iterations: `models.exits.FixedDepth`) its arithmetic has no data-dependent
+control flow, yet it syncs with the host every chunk (boolean-mask K/V writes, `.any()`
+checks, `.tolist()` of rows, the CPU latent noise), so it cannot be captured in a CUDA graph.
+`decode_step` is that decode path with the syncs taken out: the same module calls in the same
+order (`embed`, the prelude / core / coda stacks of `qkv` -> K/V write at the position ->
+`numerics.attention` -> `post`, `initial_state`, `core_in` / `core_out`, `readout_in` /
+`readout_out`, `head`), through the engine's own `_stack` / `_readout` / `_key_mask`, with K/V
+written by integer indices and every row valid. At a fixed depth the two KV semantics
+(contract 3) compute the same values (every token exits at `depth`), so one step serves both.
+Its logits equal run_chunk's decode (tests/models/test_engine_graph.py: bit for bit on the
+CPU in both numerics modes).
+
+`GraphDecoder` owns the step's static inputs (token, position, RoPE rows, Huginn's latent
+noise) and, on CUDA, captures the step once in a `torch.cuda.CUDAGraph` (warm-up on a side
+stream first, as torch documents) and replays it per token; on the CPU (or `graph=False`) it
+runs the very same step eagerly on the same buffers, so CPU tests exercise the graph's code.
+What depends on (seed, position) and is not computed inside the graph, per step, before the
+replay, then copied into the static buffers:
+
+- the RoPE rows: `model.rope(positions)` on the device positions, as run_chunk computes them
+  (Huginn's bounds check reads the positions on the host, and exact-mode split-half RoPE builds
+  its fp64 table on the CPU: neither can live in a graph);
+- Huginn's latent noise z (DESIGN contract 1): `models.noise.latent_noise`, the spec, drawn on
+  the CPU as run_chunk draws it; the graph computes s_0 = (z std) scale from the buffer.
+  (`models.noise.latent_noise_torch` gives the same bits on the device, but its argument
+  checks sync; the learner's Triton kernel is learner-only by the layout rules.)
+
+The step's outputs are the graph's static output tensors: read (or clone) them before the next
+step. The graph reads the cache and the parameters by address: keep the cache's tensors (write
+into them in place only) and load new weights in place (`param.copy_`), or build a new
+decoder. One decoder per cache; the capture happens at the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from models import numerics as nx
+from models.engine import ChunkOut, KVCache, _key_mask, _readout, _Rows, _stack
+from models.noise import latent_noise
+
+if TYPE_CHECKING:
+    from models.base import LoopedLM
+
+
+def decode_step(
+    model: LoopedLM,
+    cache: KVCache,
+    tokens: Tensor,
+    positions: Tensor,
+    rope: Tensor,
+    seeds: Sequence[int],
+    *,
+    depth: int,
+    mode: str = "fast",
+    noise: Tensor | None = None,
+) -> ChunkOut:
+    """One token per row at a fixed `depth`, every row valid, no host sync (see module doc).
+
+    tokens, positions: [B] int64 on the cache's device; rope: `model.rope(positions, mode)`;
+    seeds: the rows' latent seeds; noise: [B, h] the rows' `latent_noise` at `positions` (None:
+    `initial_state` draws it, on the CPU: a sync, eager use only). Writes the rows' K/V at
+    their positions and marks them filled, as run_chunk does for valid positions. Returns the
+    chunk's logits [B, 1, V], hidden [B, 1, h] and depths [B, 1] (= depth)."""
+    bsz = tokens.shape[0]
+    dev = cache.filled.device
+    rows = torch.arange(bsz, device=dev)
+    cache.filled.index_put_((rows, positions), torch.ones((), dtype=torch.bool, device=dev))
+    r = _Rows(bsz, 1, rows, positions, _key_mask(cache.filled, positions[:, None]), rope, mode)
+    e = _stack(model.prelude_blocks(), cache.prelude, model.embed(tokens), None, r)
+    state = model.initial_state(e, positions, seeds, noise)
+    for i in range(depth):
+        x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), None, r)
+        state = model.core_out(x, mode)
+    logits, hidden = _readout(model, cache, state, None, r)
+    return ChunkOut(
+        logits=logits.view(bsz, 1, -1),
+        hidden=hidden.view(bsz, 1, -1),
+        depths=torch.full((bsz, 1), depth, dtype=torch.int64, device=dev),
+    )
+
+
+class GraphDecoder:
+    """`decode_step` on static buffers: a CUDA graph replayed per token on CUDA, the same step
+    eagerly on the CPU (see module doc).
+
+    graph: None = a graph exactly when the cache is on CUDA; False = eager on any device
+    (the benchmark's comparison); True = a graph (CUDA only). warmup: eager runs of the step
+    on a side stream before the capture (they rewrite the first step's K/V with the same
+    values: the step is idempotent for the same inputs).
+    """
+
+    def __init__(
+        self,
+        model: LoopedLM,
+        cache: KVCache,
+        seeds: Sequence[int],
+        *,
+        depth: int,
+        mode: str = "fast",
+        graph: bool | None = None,
+        warmup: int = 2,
+    ) -> None:
+        nx.check_mode(mode)
+        dev = cache.filled.device
+        bsz, self.length = cache.filled.shape
+        if not 1 <= depth <= cache.core.shape[0]:
+            raise ValueError(
+                f"depth {depth} outside [1, {cache.core.shape[0]}] (the cache's slots)"
+            )
+        if len(seeds) != bsz:
+            raise ValueError(f"need one latent seed per row: {len(seeds)} seeds, {bsz} rows")
+        self.graphed = dev.type == "cuda" if graph is None else graph
+        if self.graphed and dev.type != "cuda":
+            raise ValueError(f"a CUDA graph needs the cache on a CUDA device, not {dev}")
+        self.model, self.cache, self.seeds = model, cache, [int(s) for s in seeds]
+        self.depth, self.mode, self.warmup = depth, mode, warmup
+        self.tokens = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        with torch.no_grad():
+            self.rope = model.rope(self.positions, mode).clone()
+        self.noise = (
+            torch.zeros(bsz, model.hidden_size, dtype=torch.float32, device=dev)
+            if model.draws_latent_noise
+            else None
+        )
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._out: ChunkOut | None = None
+
+    def _run(self) -> ChunkOut:
+        return decode_step(
+            self.model, self.cache, self.tokens, self.positions, self.rope, self.seeds,
+            depth=self.depth, mode=self.mode, noise=self.noise,
+        )  # fmt: skip
+
+    def _capture(self) -> None:
+        dev = self.cache.filled.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self._run()
+        self._graph = graph
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, positions: Tensor) -> ChunkOut:
+        """Decode `tokens` [B] at absolute `positions` [B] (int64; positions best on the CPU,
+        where the noise is drawn): fill the static buffers, then replay the graph (capturing it
+        at the first call) or run the step eagerly. The outputs are overwritten by the next
+        step."""
+        pos = torch.as_tensor(positions, dtype=torch.int64).cpu().reshape(-1)
+        if pos.shape != self.positions.shape:
+            raise ValueError(
+                f"positions {tuple(pos.shape)}: need one per row, {self.positions.shape}"
+            )
+        if int(pos.min()) < 0 or int(pos.max()) >= self.length:
+            raise ValueError(f"positions must be in [0, {self.length}) (the cache's length)")
+        self.tokens.copy_(torch.as_tensor(tokens, dtype=torch.int64).reshape(-1))
+        self.positions.copy_(pos)
+        self.rope.copy_(self.model.rope(self.positions, self.mode))
+        if self.noise is not None:
+            self.noise.copy_(latent_noise(self.seeds, pos, self.noise.shape[1]))
+        if not self.graphed:
+            return self._run()
+        if self._graph is None:
+            self._capture()
+        assert self._graph is not None and self._out is not None
+        self._graph.replay()
+        return self._out
+
+
+__all__ = ["GraphDecoder", "decode_step"]
