@@ -42,6 +42,7 @@ from models.base import LoopedLM
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
 from models.contract import check_latent_seed, full_depth, position_depths
 from models.engine import KVCache, run_chunk
+from models.engine_graph import GraphDecoder
 from models.exits import MAX_DEPTH, ExitPolicy, FixedDepth, check_kv, resolve_kv, resolve_max_depth
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
@@ -155,10 +156,23 @@ def generate(
     sampling: SamplingParams,
     exit_policy: ExitPolicy | None = None,
     numerics: str = "fast",
+    *,
+    graph: bool = False,
 ) -> list[Generation]:
     """Decode every prompt token by token (batched; see module doc). Default policy: full
-    depth."""
+    depth.
+
+    graph=True (fixed depth only: `FixedDepth` or the default policy) decodes through
+    `models.engine_graph.GraphDecoder`: one CUDA graph replayed per token on CUDA, the same
+    sync-free step eagerly on the CPU. Finished rows keep being fed (their outputs ignored).
+    Prefill and sampling are the same; tokens, log-probs and depths equal graph=False's."""
     nx.check_mode(numerics)
+    if graph and exit_policy is not None and not isinstance(exit_policy, FixedDepth):
+        raise ValueError(
+            f"generate(graph=True) needs a fixed depth (FixedDepth), not "
+            f"{type(exit_policy).__name__}: an adaptive exit decides per token on the device's "
+            "values, control flow a CUDA graph cannot hold; use graph=False"
+        )
     if len(prompts) != len(latent_seeds) or not prompts:
         raise ValueError("need one latent seed per prompt and at least one prompt")
     if any(len(p) == 0 for p in prompts):
@@ -194,6 +208,7 @@ def generate(
     lps: list[list[float]] = [[] for _ in range(bsz)]
     deps: list[list[int]] = [[] for _ in range(bsz)]
     finish = [""] * bsz
+    decoder = GraphDecoder(model, cache, seeds, depth=depth, mode=numerics) if graph else None
     for step in range(sampling.max_new_tokens):
         lp = behaviour_logprobs(
             logits, model.vocab_size, sampling.temperature, sampling.top_p, numerics
@@ -214,10 +229,13 @@ def generate(
         live = torch.tensor([not f for f in finish])
         feed = torch.tensor([t[-1] if t else 0 for t in tokens])[:, None]
         pos = torch.tensor([lens[b] + len(tokens[b]) - 1 for b in range(bsz)])[:, None]
-        out = run_chunk(
-            model, cache, feed, pos, live[:, None], seeds, max_depth=depth, policy=policy,
-            mode=numerics, kv=kv,
-        )  # fmt: skip
+        if decoder is not None:  # finished rows are fed too (their outputs are ignored)
+            out = decoder.step(feed[:, 0], pos[:, 0])
+        else:
+            out = run_chunk(
+                model, cache, feed, pos, live[:, None], seeds, max_depth=depth, policy=policy,
+                mode=numerics, kv=kv,
+            )  # fmt: skip
         logits = out.logits[:, 0]
         step_depths = out.depths[:, 0].tolist()
     return [
