@@ -77,6 +77,8 @@ if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     dist ouro_tp2_compiled 180 --shape ouro_1b --steps 8 --warmup 3 --tp 2 --compile
 fi
 if has decode; then  # the reference engine's decode step in a CUDA graph vs eager (issue 14)
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rA tests/models/test_engine_graph.py \
+        -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 10
     timeout "${T_DECODE:-200}" "$PY" benchmarks/decode_graph.py 2>"$LOG/decode.err" |
         tee "$LOG/decode.json"
 fi
