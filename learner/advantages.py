@@ -8,10 +8,18 @@ a response token); values at masked positions are ignored, whatever they hold.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-__all__ = ["broadcast_to_tokens", "gae", "group_advantages", "normalize_advantages"]
+__all__ = [
+    "broadcast_to_tokens",
+    "gae",
+    "group_advantages",
+    "normalize_advantages",
+    "whiten_tokens",
+]
 
 
 def _check_unit_interval(name: str, value: float) -> None:
@@ -146,3 +154,21 @@ def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-6) ->
     mean = (w * a).sum() / total
     var = (w * (a - mean) ** 2).sum() / total
     return torch.where(live, (a - mean) / (var.sqrt() + eps), 0.0).float()
+
+
+@torch.no_grad()
+def whiten_tokens(
+    adv: Tensor, mask: Tensor, reduce: Callable[[Tensor], object] | None = None
+) -> Tensor:
+    """(A - mean) / (std + 1e-6) over the masked-in tokens (population std), the sums in
+    fp64; ``reduce`` (in place on [count, sum, sum of squares]) adds other ranks' shares.
+    Both trainer backends whiten through it (objective.whiten)."""
+    w = torch.where(mask > 0, mask.double(), 0.0)
+    a = adv.double()
+    sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
+    if reduce is not None:
+        reduce(sums)
+    total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
+    mean = sums[1] / total
+    var = (sums[2] / total - mean * mean).clamp_min(0.0)
+    return torch.where(mask > 0, (a - mean) / (var.sqrt() + 1e-6), 0.0).float()

@@ -219,3 +219,27 @@ def gae_advantages(
     """(advantages, returns) [B, L] by GAE from the token rewards and critic values [B, L]
     (V at position p is the value of the state that samples the token predicted at p)."""
     return gae(batch.token_rewards, values, batch.mask, gamma, lam)
+
+
+def update_normalizer(batch: TrainBatch, lo: int, hi: int, aggregation: str) -> float:
+    """An update's global loss denominator over rows [lo, hi): its response tokens
+    (token_mean), or its sequences with tokens (the seq_* aggregations)."""
+    counts = (batch.mask[lo:hi] > 0).sum(dim=1)
+    if aggregation == "token_mean":
+        return float(counts.sum())
+    return float((counts > 0).sum())
+
+
+def penalise_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float:
+    """objective.kl_in_reward: rewards (and the token rewards at each row's last response
+    position) -= coef x pen, pen [B] fp64 the per-row sum of the KL estimator; returns the
+    mean per-token estimate (train/kl_ref). Both trainer backends apply it."""
+    ntok = (batch.mask > 0).sum(dim=1).clamp_min(1)
+    mean = float((pen / ntok).mean())
+    delta = (coef * pen).float()
+    batch.rewards = batch.rewards - delta
+    last = (batch.mask > 0).float().cumsum(dim=1).argmax(dim=1)
+    tr = batch.token_rewards.clone()
+    tr[torch.arange(batch.size), last] -= delta
+    batch.token_rewards = tr
+    return mean

@@ -59,3 +59,57 @@ class StepMetrics:
             out[k] = vals[n + i] / w if w > 0 else 0.0
         out.update(zip(mk, peaks.tolist(), strict=True))
         return out
+
+
+def record_policy(
+    metrics: StepMetrics,
+    m: dict[str, float],
+    mask: torch.Tensor,
+    behav_logp: torch.Tensor,
+    learner_logp: torch.Tensor | None,
+    n_updates: int,
+) -> None:
+    """Add one micro-batch's policy_loss metrics ``m`` (shares of a global sum: a mean per
+    update; the rest token-weighted) and, when ``learner_logp`` is given (the proximal pass,
+    else the step's first update's forward), the behaviour vs learner log-prob statistics.
+    Both trainer backends record through it, so their step metrics are the same bits."""
+    weight = float((mask > 0).sum())
+    for k, v in m.items():
+        if k in ("loss", "pg_loss", "num_tokens"):
+            metrics.add_sum(k, v / n_updates)
+        else:
+            metrics.add_mean(k, v, weight)
+    if learner_logp is None:
+        return
+    live = (mask > 0) & torch.isfinite(behav_logp) & torch.isfinite(learner_logp)
+    d = torch.where(live, learner_logp.float() - behav_logp.float(), 0.0)
+    n = float(live.sum())
+    metrics.add_weighted("logp_mismatch_mean", float(d.abs().sum()), n)
+    metrics.add_weighted("kl", float((d.clamp(-20, 20).exp() - 1 - d).sum()), n)
+    metrics.add_max("logp_mismatch_max", float(d.abs().max()) if d.numel() else 0.0)
+
+
+def record_value(
+    metrics: StepMetrics, m: dict[str, float], mask: torch.Tensor, n_updates: int
+) -> None:
+    """Add one micro-batch's value_loss metrics (value_loss: a share of a global sum)."""
+    weight = float((mask > 0).sum())
+    for k, v in m.items():
+        if k == "value_loss":
+            metrics.add_sum(k, v / n_updates)
+        else:
+            metrics.add_mean(k, v, weight)
+
+
+def row_mismatch(
+    out: torch.Tensor, row0: int, mask: torch.Tensor, behav_logp: torch.Tensor,
+    learner_logp: torch.Tensor,
+) -> None:  # fmt: skip
+    """out[row0 : row0 + B] = max(itself, max over each row's live tokens of |learner -
+    behaviour| log-prob); rows without a live token keep their value."""
+    live = (mask > 0) & torch.isfinite(behav_logp) & torch.isfinite(learner_logp)
+    d = torch.where(live, (learner_logp.float() - behav_logp.float()).abs(), 0.0)
+    per = d.amax(dim=1).double().cpu() if d.numel() else torch.zeros(mask.shape[0])
+    seen = live.any(dim=1).cpu()
+    rows = out[row0 : row0 + per.shape[0]]
+    rows.copy_(torch.where(seen, torch.maximum(rows, per), rows))

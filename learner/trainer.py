@@ -37,12 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from learner.advantages import whiten_tokens
 from learner.batching import (
     TrainBatch,
     build_batch,
     gae_advantages,
     group_token_advantages,
+    penalise_rewards,
     sort_rollouts,
+    update_normalizer,
 )
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.losses import kl_penalty
@@ -54,9 +57,15 @@ from learner.specs import (  # noqa: F401  (the looped families' specs: part of 
     looped_critic_spec,
     looped_policy_spec,
 )
-from learner.step_metrics import StepMetrics, all_reduce_
+from learner.step_metrics import (
+    StepMetrics,
+    all_reduce_,
+    record_policy,
+    record_value,
+    row_mismatch,
+)
 from learner.triton_token_stats import token_stats_auto
-from learner.vocab_ops import nucleus_rows, token_stats
+from learner.vocab_ops import contract_token_stats, nucleus_rows, token_stats
 from proto.records import Rollout
 
 __all__ = [
@@ -161,14 +170,6 @@ class Trainer:
         mbs, pad = self.cfg.micro_batch_size, self.cfg.pad_to_multiple
         return list(batch.micro_batches(mbs, lo, hi, pad))
 
-    @staticmethod
-    def _normalizer(batch: TrainBatch, lo: int, hi: int, aggregation: str) -> float:
-        """The update's global denominator: response tokens, or sequences with tokens."""
-        counts = (batch.mask[lo:hi] > 0).sum(dim=1)
-        if aggregation == "token_mean":
-            return float(counts.sum())
-        return float((counts > 0).sum())
-
     def _stats(self, out: dict[str, Tensor], mb: TrainBatch, old: Tensor | None) -> dict:
         """logp / entropy (/ kl, prox_logp from old logits) [B, L] from a PolicyForward;
         full-vocabulary statistics are computed on the response rows only."""
@@ -198,22 +199,11 @@ class Trainer:
 
     def _exact_stats(self, rows: Tensor, old: Tensor | None, targets: Tensor, spread: Any) -> dict:
         """numerics exact: logp / entropy (/ kl, prox_logp) from the sampled-from distribution
-        exactly as the contract defines it (models.reference.behaviour_logprobs in exact mode,
-        the nucleus included), the same operations the reference backend and the generator
-        run, so that both backends' per-token statistics are the same bits."""
-        from models.reference import behaviour_logprobs, entropy
-
-        smp, v = self.cfg.sampling, rows.shape[-1]
-        lp = behaviour_logprobs(rows, v, smp.temperature, smp.top_p, "exact")
-        res = {"logp": spread(lp.gather(-1, targets.long()[:, None])[:, 0]),
-               "entropy": spread(entropy(lp)), "rows": rows}  # fmt: skip
-        if old is not None:
-            olp = behaviour_logprobs(old.to(rows.dtype), v, smp.temperature, smp.top_p, "exact")
-            fin = torch.isfinite(olp) & torch.isfinite(lp)
-            kl = (torch.where(fin, olp.exp(), 0.0) * torch.where(fin, olp - lp, 0.0)).sum(-1)
-            res["kl"] = spread(kl)
-            res["prox_logp"] = spread(olp.gather(-1, targets.long()[:, None])[:, 0])
-        return res
+        exactly as the contract defines it (learner.vocab_ops.contract_token_stats), the
+        operations the reference backend and the generator run: the same bits."""
+        smp = self.cfg.sampling
+        st = contract_token_stats(rows, old, targets, smp.temperature, smp.top_p, "exact")
+        return {k: spread(v) for k, v in st.items()} | {"rows": rows}
 
     @torch.no_grad()
     def _ref_logp(self, mb: TrainBatch) -> Tensor:
@@ -241,15 +231,7 @@ class Trainer:
                 start += mb.size
         if dist.is_initialized() and self.dp_size > 1:
             all_reduce_(pen, self.dp_group)
-        ntok = (batch.mask > 0).sum(dim=1).clamp_min(1)
-        self._kl_reward_mean = float((pen / ntok).mean())
-        delta = (obj.kl_coef * pen).float()
-        batch.rewards = batch.rewards - delta
-        # the token reward sits at each row's last response position (learner.batching)
-        last = (batch.mask > 0).float().cumsum(dim=1).argmax(dim=1)
-        tr = batch.token_rewards.clone()
-        tr[torch.arange(batch.size), last] -= delta
-        batch.token_rewards = tr
+        self._kl_reward_mean = penalise_rewards(batch, pen, obj.kl_coef)
 
     @torch.no_grad()
     def _pre_update_passes(
@@ -311,16 +293,11 @@ class Trainer:
         return old_logits
 
     def _whiten(self, adv: Tensor, mask: Tensor) -> Tensor:
-        """(A - mean) / (std + 1e-6) over the masked tokens of all DP ranks (population std)."""
-        w = torch.where(mask > 0, mask.double(), 0.0)
-        a = adv.double()
-        sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
-        if dist.is_initialized() and self.dp_size > 1:
-            all_reduce_(sums, self.dp_group)
-        total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
-        mean = sums[1] / total
-        var = (sums[2] / total - mean * mean).clamp_min(0.0)
-        return torch.where(mask > 0, (a - mean) / (var.sqrt() + 1e-6), 0.0).float()
+        """learner.advantages.whiten_tokens over the masked tokens of all DP ranks."""
+        multi = dist.is_initialized() and self.dp_size > 1
+        return whiten_tokens(
+            adv, mask, (lambda t: all_reduce_(t, self.dp_group)) if multi else None
+        )
 
     # ---------------------------------------------------------------- the step
     def step(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -349,7 +326,7 @@ class Trainer:
             else cfg.objective
         )
         for u, (g_lo, g_hi, lo, hi) in self._schedule(rows):
-            norm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
+            norm = update_normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
             self.policy.zero_grad()
             row0, loss_finite = lo, True
             for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
@@ -369,7 +346,8 @@ class Trainer:
                 loss, m = policy_loss(loss_obj, lb)
                 (loss * self.dp_size).backward()
                 loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
-                self._record(metrics, m, mb, stats["logp"].detach(), u == 0, n_updates)
+                learner = mb.extra.get("prox_logp", stats["logp"].detach() if u == 0 else None)
+                record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates)
                 self._row_mismatch(row_mismatch, row0, mb, stats["logp"].detach(), u == 0)
                 row0 += mb.size
             upd = self.policy.update(loss_finite)  # skips a non-finite update (learner.network)
@@ -379,7 +357,7 @@ class Trainer:
                 metrics.add_mean(k, v, 1.0)
             self.update_count += 0 if skip else 1
             if self.critic is not None:
-                vnorm = self._normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
+                vnorm = update_normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
                 self._critic_update(batch, lo, hi, vnorm, metrics, n_updates)
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
@@ -408,41 +386,8 @@ class Trainer:
         """out[row0 : row0 + mb.size] = max over each row's tokens of |learner - behaviour|
         log-prob (proximal pass when it ran, else the first update's forward)."""
         learner = mb.extra.get("prox_logp", logp if first_update else None)
-        if learner is None:
-            return
-        live = (mb.mask > 0) & torch.isfinite(mb.behav_logp) & torch.isfinite(learner)
-        d = torch.where(live, (learner.float() - mb.behav_logp.float()).abs(), 0.0)
-        per = d.amax(dim=1).double().cpu() if d.numel() else torch.zeros(mb.size)
-        seen = live.any(dim=1).cpu()
-        rows = out[row0 : row0 + per.shape[0]]
-        rows.copy_(torch.where(seen, torch.maximum(rows, per), rows))
-
-    def _record(
-        self,
-        metrics: StepMetrics,
-        m: dict[str, float],
-        mb: TrainBatch,
-        logp: Tensor,
-        first_update: bool,
-        n_updates: int,
-    ) -> None:
-        weight = float((mb.mask > 0).sum())
-        for k, v in m.items():
-            if k in ("loss", "pg_loss", "num_tokens"):  # shares of a global sum: mean per update
-                metrics.add_sum(k, v / n_updates)
-            else:
-                metrics.add_mean(k, v, weight)
-        # Behaviour vs learner log-probs: the proximal pass when it ran (pre-update weights for
-        # every update), else the training forward of the step's first update.
-        learner = mb.extra.get("prox_logp", logp if first_update else None)
-        if learner is None:
-            return
-        live = (mb.mask > 0) & torch.isfinite(mb.behav_logp) & torch.isfinite(learner)
-        d = torch.where(live, learner.float() - mb.behav_logp.float(), 0.0)
-        n = float(live.sum())
-        metrics.add_weighted("logp_mismatch_mean", float(d.abs().sum()), n)
-        metrics.add_weighted("kl", float((d.clamp(-20, 20).exp() - 1 - d).sum()), n)
-        metrics.add_max("logp_mismatch_max", float(d.abs().max()) if d.numel() else 0.0)
+        if learner is not None:
+            row_mismatch(out, row0, mb.mask, mb.behav_logp, learner)
 
     def _critic_update(
         self, batch: TrainBatch, lo: int, hi: int, norm: float, metrics: StepMetrics, n_updates: int
@@ -460,12 +405,7 @@ class Trainer:
             loss, m = value_loss(vcfg, vb)
             (loss * (vcfg.value_coef * self.dp_size)).backward()
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
-            weight = float((mb.mask > 0).sum())
-            for k, v in m.items():
-                if k == "value_loss":
-                    metrics.add_sum(k, v / n_updates)
-                else:
-                    metrics.add_mean(k, v, weight)
+            record_value(metrics, m, mb.mask, n_updates)
         upd = self.critic.update(loss_finite)
         metrics.add_max("critic_skipped_nonfinite", upd.pop("skipped_nonfinite"))
         for k, v in upd.items():

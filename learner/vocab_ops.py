@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from learner.config import DEFAULT_VOCAB_CHUNK
 
-__all__ = ["DEFAULT_CHUNK", "TokenStats", "token_stats"]
+__all__ = ["DEFAULT_CHUNK", "TokenStats", "contract_token_stats", "token_stats"]
 
 DEFAULT_CHUNK = DEFAULT_VOCAB_CHUNK
 """Default vocabulary slice width (learner.config owns it): 256 tokens x 4096 columns x 4 bytes = 4 MiB per temporary."""
@@ -240,3 +240,27 @@ def nucleus_rows(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     with torch.no_grad():
         kept = torch.isfinite(top_p_filter(logits.float() / temperature, top_p))
     return logits.masked_fill(~kept, float("-inf"))
+
+
+def contract_token_stats(
+    rows: Tensor, old: Tensor | None, targets: Tensor, temperature: float, top_p: float,
+    mode: str,
+) -> dict[str, Tensor]:  # fmt: skip
+    """Token statistics of logit rows [N, V] exactly as DESIGN contract 4 defines the sampled-from
+    distribution (models.reference.behaviour_logprobs in ``mode``, the nucleus included):
+    {"logp", "entropy"} [N] and, with the proximal rows ``old``, {"kl": KL(old || new),
+    "prox_logp"}. The megatron learner in numerics exact and the reference backend (always)
+    compute them through it, so their per-token statistics are the same operations."""
+    from models.reference import behaviour_logprobs, entropy
+
+    v = rows.shape[-1]
+    idx = targets.long()[:, None]
+    lp = behaviour_logprobs(rows, v, temperature, top_p, mode)
+    res = {"logp": lp.gather(-1, idx)[:, 0], "entropy": entropy(lp)}
+    if old is not None:
+        olp = behaviour_logprobs(old.to(rows.dtype), v, temperature, top_p, mode)
+        fin = torch.isfinite(olp) & torch.isfinite(lp)
+        kl = (torch.where(fin, olp.exp(), 0.0) * torch.where(fin, olp - lp, 0.0)).sum(-1)
+        res["kl"] = kl
+        res["prox_logp"] = olp.gather(-1, idx)[:, 0]
+    return res
