@@ -251,7 +251,8 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """The megatron learner's compute settings (backend reference refuses all but defaults)."""
+    """The learner's compute settings (backend reference honours micro_batch_size and
+    backprop_depth 0 / -1 without truncation, and refuses the others' non-defaults)."""
 
     precision: str = "fp32"
     """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state."""

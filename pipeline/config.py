@@ -144,8 +144,8 @@ class RunConfig:
             _check(not lr.compile, "learner.compile", lr.compile, "numerics=exact needs False")
         if self.backend == "reference":  # rule: every key honoured by every backend or refused
             for key, value, default in (
-                ("precision", lr.precision, "fp32"), ("micro_batch_size", lr.micro_batch_size, 0),
-                ("recompute", lr.recompute, False), ("compile", lr.compile, False),
+                ("precision", lr.precision, "fp32"), ("recompute", lr.recompute, False),
+                ("compile", lr.compile, False),
             ):  # fmt: skip
                 _check(value == default, f"learner.{key}", value,
                        f"backend=reference does not implement it (use {default!r} or megatron)")  # fmt: skip

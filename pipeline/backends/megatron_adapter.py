@@ -110,19 +110,13 @@ def build_learner_trainer(
     starting HF state dict (None: the reference init). benchmarks/trainer_gpu.py uses it too."""
     import torch
 
-    from learner.config import TrainConfig
     from learner.mcore_model import MegatronOptions
     from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
     from models.exits import resolve_kv
 
     o, r, p, lr = cfg.objective, cfg.rollout, cfg.optimizer, cfg.learner
     critic = o.uses_critic
-    batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
-    train = TrainConfig(
-        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or _micro(batch, r.n),
-        seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
-        fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
-    )  # fmt: skip
+    train = train_config(cfg)
     options = MegatronOptions(
         numerics=cfg.numerics,
         params_dtype=torch.bfloat16 if lr.precision == "bf16" else torch.float32,
@@ -143,7 +137,23 @@ def build_learner_trainer(
     )  # fmt: skip
 
 
-def _micro(batch: int, n: int) -> int:
+def train_config(cfg: Any, batch: int | None = None) -> Any:
+    """learner.config.TrainConfig of the RunConfig ``cfg``: ``batch`` (default: the step's
+    rollouts / objective.minibatches) sequences per optimizer update, learner.micro_batch_size
+    (0: `micro_batch_size`) per forward/backward. Both backends step by it."""
+    from learner.config import TrainConfig
+
+    o, r, lr = cfg.objective, cfg.rollout, cfg.learner
+    if batch is None:
+        batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
+    return TrainConfig(
+        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or micro_batch_size(batch, r.n),
+        seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
+        fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
+    )  # fmt: skip
+
+
+def micro_batch_size(batch: int, n: int) -> int:
     """Micro-batch size: the group size if it divides the batch (it does), at most 16."""
     m = min(n, 16)
     while batch % m:

@@ -33,11 +33,12 @@ def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimiz
 
 
 def clip_and_step(
-    optim: torch.optim.Optimizer, loss: Tensor, grad_clip: float, schedule: ScheduleConfig,
+    optim: torch.optim.Optimizer, loss_finite: bool, grad_clip: float, schedule: ScheduleConfig,
     n: int, *, exact: bool = False,
 ) -> tuple[float, bool]:  # fmt: skip
-    """Clip the gradients (by their global norm; 0: no clip) and apply update ``n`` at the
-    schedule's LR, unless the loss or the norm is not finite (then nothing changes, as on
+    """Clip the gradients (accumulated over the micro-batches, by their global norm; 0: no
+    clip) and apply update ``n`` at the schedule's LR, unless a micro-batch's loss
+    (``loss_finite`` False) or the norm is not finite (then nothing changes, as on
     megatron's found-inf). ``exact`` (numerics exact): the norm and the clip factor as the
     megatron backend computes them there (learner.network.exact_l2_norm). Returns (grad norm,
     applied)."""
@@ -55,7 +56,7 @@ def clip_and_step(
     else:
         clip = grad_clip if grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-    ok = bool(torch.isfinite(loss.detach())) and math.isfinite(norm)
+    ok = loss_finite and math.isfinite(norm)
     if ok:
         for g in optim.param_groups:
             g["lr"] = schedule.lr_at(g.setdefault("peak_lr", g["lr"]), n)
@@ -90,31 +91,39 @@ class ReferenceCritic:
         self.updates, self.exact = 0, exact
 
     def values(self, forward: Callable[..., Any], rolls: list[Any]) -> Tensor:
-        """[B, T] values at the response positions (differentiable)."""
+        """[B, L] values at every input position of ``rolls`` (differentiable)."""
         from models import numerics as nx
 
-        _, hid, _ = forward(rolls, model=self.model)
+        _, hid = forward(rolls, model=self.model)
         mode = "exact" if self.exact else "fast"  # megatron's value head: numerics.linear too
         out: Tensor = nx.linear(hid, self.head.weight, self.head.bias, mode)[..., 0]
         return out
 
-    def update(self, forward: Callable[..., Any], rolls: list[Any], sub: dict[str, Tensor]
-               ) -> dict[str, float]:  # fmt: skip
-        """One critic update on a mini-batch (after the policy's); its metrics."""
+    def update(self, forward: Callable[..., Any], rolls: list[Any], batch: Any,
+               micro: list[tuple[int, int]], norm: float, metrics: Any, n_updates: int
+               ) -> None:  # fmt: skip
+        """One critic update on a mini-batch (after the policy's), micro-batch by micro-batch
+        with gradient accumulation and ``norm`` the update's loss denominator (as learner.
+        trainer's critic update); its metrics into the StepMetrics ``metrics``."""
         from learner.objectives import value_loss
+        from learner.step_metrics import record_value
 
-        t = sub["mask"].shape[1]
-        vb = {"mask": sub["mask"], "values": self.values(forward, rolls)[:, :t],
-              "old_values": sub["old_values"], "returns": sub["returns"]}  # fmt: skip
-        loss, m = value_loss(self.objective, vb)
         self.optim.zero_grad(set_to_none=True)
-        (loss * self.objective.value_coef).backward()
-        norm, ok = clip_and_step(self.optim, loss, self.opt_cfg.grad_clip, self.schedule,
-                                 self.updates + 1, exact=self.exact)  # fmt: skip
+        finite = True
+        for a, b in micro:
+            mb = batch.rows(a, b)
+            vb = {"mask": mb.mask, "values": self.values(forward, rolls[a:b]), "normalizer": norm,
+                  "old_values": mb.extra["old_values"], "returns": mb.extra["returns"]}  # fmt: skip
+            loss, m = value_loss(self.objective, vb)
+            (loss * self.objective.value_coef).backward()
+            finite = finite and bool(torch.isfinite(loss.detach()))
+            record_value(metrics, m, mb.mask, n_updates)
+        gn, ok = clip_and_step(self.optim, finite, self.opt_cfg.grad_clip, self.schedule,
+                               self.updates + 1, exact=self.exact)  # fmt: skip
         self.updates += 1 if ok else 0
-        out = {k: float(v) for k, v in m.items()}
-        out.update(critic_grad_norm=norm, critic_lr=float(self.optim.param_groups[0]["lr"]))
-        return out
+        metrics.add_max("critic_skipped_nonfinite", 0.0 if ok else 1.0)
+        metrics.add_mean("critic_grad_norm", gn, 1.0)
+        metrics.add_mean("critic_lr", float(self.optim.param_groups[0]["lr"]), 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "head": self.head.state_dict(),

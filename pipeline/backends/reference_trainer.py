@@ -1,29 +1,39 @@
 """A pure-PyTorch trainer on models.reference (backend "reference"): CPU runs and tests.
 
 It implements pipeline.backends.trainer_api.Trainer with the reference forward (models.engine.run_chunk
-replaying each rollout's latent seed and exit depths) and learner.objectives, one optimizer
-step per call. It stands in until the megatron trainer (learner.trainer) is available and
+replaying each rollout's latent seed and exit depths) and learner.objectives,
+objective.epochs x objective.minibatches optimizer updates per call. It stands in until the megatron trainer (learner.trainer) is available and
 stays useful as a small, deterministic baseline: same inputs, same thread count -> the same
 bits, which is what `looprl replay` relies on.
 
-step(rollouts, flags):
-    advantages  grpo/dppo/flow_dppo: group-relative (learner.advantages.group_advantages) over
-                the batch's groups (work_id); with a critic (ppo, objective.critic): GAE on
-                the values of a separate critic network (pipeline.backends.reference_critic, as the
-                megatron backend's), reward on the last token.
-    proximal    the pre-update weights are the current ones (one step per batch): prox_logp,
-                the KL reference of flow_dppo and ppo's old values are the detached forward.
-    update      policy_loss, grad clip, optimizer step; then the critic's own update
-                (value_coef x value_loss, critic_lr); an update whose
-                loss or gradient norm is not finite is skipped (no update; counted as
-                ``skipped_nonfinite``), as megatron does on found-inf.
+step(rollouts, flags) runs learner.trainer.Trainer.step's sequence on the same layout, so that
+in numerics exact the two backends' losses, metrics and weights are the same bits
+(tests/pipeline/test_epochs.py):
+    layout      learner.batching.build_batch: rollouts sorted, [B, prompt + response] rows;
+                mini-batches = ``objective.minibatches`` row ranges of whole groups, each cut
+                into micro-batches of learner.micro_batch_size rows (0: the group size if it
+                divides, at most 16; megatron_adapter.train_config).
+    advantages  grpo/dppo/flow_dppo: group-relative (learner.batching.group_token_advantages);
+                with a critic (ppo, objective.critic): GAE on the values of a separate critic
+                network (pipeline.backends.reference_critic, as the megatron backend's);
+                objective.whiten: learner.advantages.whiten_tokens.
+    proximal    with the step's starting weights, micro-batch by micro-batch, when the objective
+                needs it (TrainConfig.use_prox): prox_logp and flow_dppo's proximal logits (the
+                first mini-batch's from its first update's forward: the same weights).
+    update      per micro-batch: forward, token statistics (learner.vocab_ops.
+                contract_token_stats), policy_loss with the update's token count as normalizer,
+                backward (gradients accumulate in fp32 over the micro-batches, as megatron's
+                main_grad); then grad clip, optimizer step, and the critic's own update
+                (value_coef x value_loss, critic_lr) likewise; an update whose loss or gradient
+                norm is not finite is skipped (no update; counted as ``skipped_nonfinite``), as
+                megatron does on found-inf. Metrics through learner.step_metrics.
 Policy "keep" (stale rollouts trained) requires ``objective.is_cap`` (the run config refuses it
 otherwise), applied to every rollout of the step as the megatron backend does.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -36,12 +46,11 @@ import torch
 from torch import Tensor
 
 from models.publication import Publication
+from pipeline.backends.megatron_adapter import train_config
 from pipeline.backends.reference_critic import ReferenceCritic, clip_and_step, make_optimizer
 from proto import Rollout
 
 log = logging.getLogger(__name__)
-_PER_UPDATE = ("grad_norm", "lr", "critic_grad_norm", "critic_lr")
-_SHARES = ("loss", "pg_loss", "num_tokens", "value_loss", "total_loss")
 
 _KEEP_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "generation_config.json")  # fmt: skip
@@ -60,6 +69,8 @@ class ReferenceTrainer:
         self.hf_config = read_config(self.model_dir)
         from models.base import LoopedLM
 
+        self.run_cfg = cfg
+        train_config(cfg)  # refuses a learner.micro_batch_size that does not divide the batch
         self.config, model = load_model(self.model_dir)
         assert isinstance(model, LoopedLM)
         k = int(getattr(self.config, "mean_backprop_depth", 0) or 0)
@@ -107,20 +118,16 @@ class ReferenceTrainer:
         self.last_mismatch: list[float] = []  # per rollout of the last step: max |prox - behav|
 
     # -- forward ----------------------------------------------------------------------------
-    def _forward(
-        self, rolls: Sequence[Rollout], model: Any = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """(log-probs [B, T, V] of the sampled-from distributions, hidden [B, T, H], mask) of
-        the policy (or of ``model``: the frozen reference policy)."""
+    def _forward(self, rolls: Sequence[Rollout], model: Any = None) -> tuple[Tensor, Tensor]:
+        """(logits [B, L, V], hidden [B, L, H]) of the policy (or of ``model``) at every input
+        position of ``rolls`` (prompt + response[:-1], right-padded: learner.batching's rows)."""
         from models.contract import position_depths
         from models.engine import KVCache, run_chunk
-        from models.reference import behaviour_logprobs
 
         m = self.model if model is None else model
         full = [int(r.exit_depths[0]) if r.num_tokens else m.max_depth for r in rolls]
         seqs = [[int(t) for t in r.prompt_tokens] + [int(t) for t in r.tokens[:-1]] for r in rolls]
         bsz, length = len(rolls), max(len(s) for s in seqs)
-        tmax = max(max(r.num_tokens for r in rolls), 1)
         toks = torch.zeros(bsz, length, dtype=torch.int64)
         deps = torch.ones(bsz, length, dtype=torch.int64)
         for b, (r, s) in enumerate(zip(rolls, seqs)):
@@ -139,193 +146,171 @@ class ReferenceTrainer:
             max_depth=max(full), depths=deps, mode=self.numerics, kv=self.kv,
             row_depths=full if self.kv == "full" else None,
         )  # fmt: skip
-        vocab = m.vocab_size
-        mask = torch.zeros(bsz, tmax)
-        rows_lp, rows_h = [], []
-        for b, r in enumerate(rolls):
-            plen, n = r.prompt_tokens.shape[0], r.num_tokens
-            rows = slice(plen - 1, plen - 1 + n)
-            pad = tmax - n
-            x = behaviour_logprobs(out.logits[b, rows], vocab, self.temperature, self.top_p,
-                                   self.numerics)  # fmt: skip
-            rows_lp.append(torch.nn.functional.pad(x, (0, 0, 0, pad)))
-            rows_h.append(torch.nn.functional.pad(out.hidden[b, rows], (0, 0, 0, pad)))
-            mask[b, :n] = 1.0
-        lp = torch.stack(rows_lp)
-        hid = torch.stack(rows_h)
-        return lp, hid, mask
+        return out.logits[..., : m.vocab_size], out.hidden
+
+    def _stats(self, logits: Tensor, mb: Any, old: Tensor | None) -> dict[str, Tensor]:
+        """logp, entropy (with the proximal rows ``old``: kl, prox_logp) [B, L], 0 off the
+        response, and "rows": the response positions' logits [N, V]; as the megatron learner
+        lays them out (learner.vocab_ops.contract_token_stats on the mask's rows)."""
+        from learner.vocab_ops import contract_token_stats
+
+        sel = mb.mask > 0
+        rows = logits[sel]
+        st = contract_token_stats(rows, old, mb.targets[sel], self.temperature, self.top_p,
+                                  self.numerics)  # fmt: skip
+        out = {k: torch.zeros(sel.shape, dtype=v.dtype).masked_scatter(sel, v)
+               for k, v in st.items()}  # fmt: skip
+        return out | {"rows": rows}
 
     # -- training ---------------------------------------------------------------------------
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
     ) -> Mapping[str, float]:
-        from learner.advantages import broadcast_to_tokens, gae, group_advantages
+        """One step, as learner.trainer.Trainer.step runs it (module docstring)."""
+        from learner.batching import build_batch, sort_rollouts, update_normalizer
+        from learner.objectives import policy_loss
+        from learner.step_metrics import StepMetrics, record_policy, row_mismatch
 
-        rolls = list(rollouts)
-        if not rolls:
+        if not rollouts:
             raise ValueError("trainer.step: no rollouts")
-        bsz = len(rolls)
-        tmax = max(max(r.num_tokens for r in rolls), 1)
-        targets = torch.zeros(bsz, tmax, dtype=torch.int64)
-        behav = torch.zeros(bsz, tmax)
-        for b, r in enumerate(rolls):
-            targets[b, : r.num_tokens] = torch.from_numpy(r.tokens.astype("int64"))
-            behav[b, : r.num_tokens] = torch.from_numpy(r.logprobs.astype("float32"))
-        rewards = torch.tensor([float(r.reward or 0.0) for r in rolls], dtype=torch.float32)
-        # The step's starting weights give the proximal log-probs, the flow_dppo reference
-        # and the critic's old values. One update per step: that forward is also the training
-        # forward (prox = its detached log-probs); several: a no-grad pass first.
-        multi = self.epochs > 1 or self.minibatches > 1
-        with torch.no_grad() if multi else contextlib.nullcontext():
-            lp0, _, mask = self._forward(rolls)
-        old_lp = lp0.detach()
-        prox = old_lp.gather(-1, targets[..., None])[..., 0]
-        old_values = None
-        if self.critic is not None:  # the pre-update critic's values (no grad)
-            with torch.no_grad():
-                old_values = self.critic.values(self._forward, rolls)
-        ref_logp, kl_ref = None, None
-        if self.ref is not None:
-            from learner.losses import kl_penalty
-
-            with torch.no_grad():
-                lpr, _, _ = self._forward(rolls, model=self.ref)
-            ref_logp = lpr.gather(-1, targets[..., None])[..., 0]
-            if self.kl_in_reward:  # per-sequence penalty on the sampled tokens' estimate
-                kl_tok = torch.where(
-                    mask > 0, kl_penalty(behav, ref_logp, self.obj.kl_estimator), 0.0
-                )
-                pen = kl_tok.sum(dim=1)
-                kl_ref = float((pen / (mask > 0).sum(dim=1).clamp_min(1)).mean())
-                rewards = rewards - self.obj.kl_coef * pen
-        returns = None
-        if old_values is not None:  # a critic: GAE advantages (ppo, or objective.critic)
-            tok_r = torch.zeros(bsz, tmax)
-            for b, r in enumerate(rolls):
-                tok_r[b, max(r.num_tokens - 1, 0)] = rewards[b]
-            adv, returns = gae(tok_r, old_values, mask, self.gamma, self.lam)
-        else:
-            ids: dict[str, int] = {}
-            gid = torch.tensor([ids.setdefault(r.work_id, len(ids)) for r in rolls])
-            adv_b = group_advantages(rewards, gid, self.normalize_std)
-            adv = adv_b if self.kind == "grpo" else broadcast_to_tokens(adv_b, mask)
-        if self.whiten:  # over the step's response tokens, as the megatron trainer does
-            tok = adv if adv.dim() == 2 else broadcast_to_tokens(adv, mask)
-            w = (mask > 0).to(torch.float64)
-            total = w.sum().clamp_min(torch.finfo(torch.float64).tiny)
-            mean = (tok.double() * w).sum() / total
-            var = ((tok.double() ** 2) * w).sum() / total - mean * mean
-            std = var.clamp_min(0).sqrt()
-            adv = torch.where(mask > 0, (tok.double() - mean) / (std + 1e-6), 0.0).float()
+        rolls = sort_rollouts(rollouts)
+        batch = build_batch(rolls)
+        ranges = self._ranges(rolls)
+        tc = train_config(self.run_cfg, ranges[0][1])
+        micro = [[(a, min(a + tc.micro_batch_size, hi))
+                  for a in range(lo, hi, tc.micro_batch_size)] for lo, hi in ranges]  # fmt: skip
+        flow, use_prox = self.kind == "flow_dppo", tc.use_prox
+        old_rows, kl_ref = self._pre_update(batch, rolls, micro, use_prox)
         cfg = self.obj  # policy keep requires objective.is_cap (pipeline.config)
         if self.kl_in_reward:  # the KL went into the rewards, not into the loss
-            from dataclasses import replace
-
-            cfg = replace(cfg, kl_coef=0.0)
-        from learner.step_metrics import StepMetrics
-
+            cfg = dataclasses.replace(cfg, kl_coef=0.0)
         metrics = StepMetrics()  # reduced as the megatron trainer reduces its step's metrics
-        schedule = self._schedule(rolls)
-        skipped = 0
-        for idx in schedule:
-            if multi:
-                lp, _, _ = self._forward([rolls[i] for i in idx])
-            else:
-                lp = lp0
-            t = lp.shape[1]
-            rows = torch.tensor(idx)
-            sub = {"mask": mask[rows, :t], "targets": targets[rows, :t],
-                   "behav": behav[rows, :t], "prox": prox[rows, :t], "old_lp": old_lp[rows, :t],
-                   "adv": adv[rows] if adv.dim() == 1 else adv[rows, :t]}  # fmt: skip
-            if old_values is not None and returns is not None:
-                sub.update(old_values=old_values[rows, :t], returns=returns[rows, :t])
-            if ref_logp is not None and not self.kl_in_reward:
-                sub["ref_logp"] = ref_logp[rows, :t]
-            m, finite = self._update(cfg, lp, sub)
+        mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
+        schedule = self._schedule(len(ranges))
+        n_updates, skipped = len(schedule), 0
+        for u, j in schedule:
+            lo, hi = ranges[j]
+            norm = update_normalizer(batch, lo, hi, cfg.aggregation)
+            self.optim.zero_grad(set_to_none=True)
+            finite = True
+            for i, (a, b) in enumerate(micro[j]):
+                logits, _ = self._forward(rolls[a:b])
+                mb = batch.rows(a, b)
+                first = u == 0 and use_prox  # pre-update weights: this forward is the proximal
+                old = logits[mb.mask > 0].detach() if first and flow else old_rows.get((j, i))
+                st = self._stats(logits, mb, old)
+                rows = st.pop("rows")
+                if first:
+                    lp0 = st["logp"].detach()
+                    batch.extra["prox_logp"][a:b, : lp0.shape[1]] = lp0
+                    mb.extra["prox_logp"] = lp0
+                    if flow:
+                        old_rows[(j, i)] = rows.detach()
+                lb: dict[str, Any] = dict(st, mask=mb.mask, behav_logp=mb.behav_logp)
+                lb.update(advantages=mb.extra["advantages"], normalizer=norm)
+                if use_prox and not flow:
+                    lb["prox_logp"] = mb.extra["prox_logp"]
+                if "ref_logp" in mb.extra:
+                    lb["ref_logp"] = mb.extra["ref_logp"]
+                loss, m = policy_loss(cfg, lb)
+                loss.backward()
+                finite = finite and bool(torch.isfinite(loss.detach()))
+                learner = mb.extra.get("prox_logp", st["logp"].detach() if u == 0 else None)
+                record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates)
+                if learner is not None:
+                    row_mismatch(mismatch, a, mb.mask, mb.behav_logp, learner)
+            norm_g, ok = clip_and_step(self.optim, finite, self.grad_clip, self.sched,
+                                       self.updates + 1, exact=self.numerics == "exact")  # fmt: skip
+            self.updates += 1 if ok else 0
+            skipped += 0 if ok else 1
+            if not ok:  # like megatron's found-inf: no update, weights and optimizer untouched
+                log.warning("step %d: an update skipped: loss or grad norm %s not finite; "
+                            "weights unchanged", self.steps + 1, norm_g)  # fmt: skip
+            metrics.add_mean("grad_norm", norm_g, 1.0)
+            metrics.add_mean("lr", float(self.optim.param_groups[0]["lr"]), 1.0)
             if self.critic is not None:  # after the policy's update, as megatron's trainer
-                m.update(self.critic.update(self._forward, [rolls[i] for i in idx], sub))
-            skipped += 0 if finite else 1
-            tokens = float((sub["mask"] > 0).sum())
-            for k, v in m.items():
-                if k in _PER_UPDATE:  # the optimizer's own numbers: a mean over updates
-                    metrics.add_mean(k, float(v), 1.0)
-                elif k in _SHARES:  # shares of a global sum: a mean per update
-                    metrics.add_sum(k, float(v) / len(schedule))
-                else:  # token means
-                    metrics.add_mean(k, float(v), tokens)
+                self.critic.update(self._forward, rolls, batch, micro[j], norm, metrics, n_updates)
         self.skipped += skipped
         self.steps += 1
         out: dict[str, float] = metrics.reduce(None)
-        out["skipped_nonfinite"] = float(skipped)
-        out["skipped_nonfinite_total"] = float(self.skipped)
-        out["updates"] = float(len(schedule))
+        out.update(skipped_nonfinite=float(skipped), skipped_nonfinite_total=float(self.skipped),
+                   updates=float(n_updates), epochs=float(self.epochs))  # fmt: skip
         if kl_ref is not None:
             out["kl_ref"] = kl_ref
-        live = mask > 0
-        diff = torch.where(live, (prox - behav).abs(), 0.0)
-        self.last_mismatch = [float(x) for x in diff.max(dim=1).values]
-        out["logprob_mismatch"] = float(diff.max())
+        by_id = {r.rollout_id: float(x) for r, x in zip(rolls, mismatch.tolist())}
+        self.last_mismatch = [by_id[r.rollout_id] if by_id[r.rollout_id] >= 0 else float("nan")
+                              for r in rollouts]  # fmt: skip
+        out["logprob_mismatch"] = out.get("logp_mismatch_max", float("nan"))
         return out
 
-    def _schedule(self, rolls: list[Rollout]) -> list[list[int]]:
-        """Row indices of every update: ``epochs`` passes over ``minibatches`` mini-batches
-        of whole groups (work ids in batch order), the first pass in order, later passes in
-        an order shuffled by (seed, step, epoch)."""
-        groups: dict[str, list[int]] = {}
-        for i, r in enumerate(rolls):
-            groups.setdefault(r.work_id, []).append(i)
-        glist = list(groups.values())
+    @torch.no_grad()
+    def _pre_update(
+        self, batch: Any, rolls: list[Rollout], micro: list[list[tuple[int, int]]], use_prox: bool
+    ) -> tuple[dict[tuple[int, int], Tensor], float | None]:
+        """With the step's starting weights, in batch.extra (as learner.trainer's pre-update
+        passes, micro-batch by micro-batch): the frozen reference's log-probs (or, with
+        kl_in_reward, the rewards' penalty), the critic's values and GAE, the advantages
+        (whitened with objective.whiten) and the proximal log-probs; returns the proximal
+        logits of flow_dppo per (mini-batch, micro-batch) and kl_ref of kl_in_reward. The first
+        mini-batch's proximal values come from its first update's forward (the same weights)."""
+        from learner.advantages import whiten_tokens
+        from learner.batching import gae_advantages, group_token_advantages, penalise_rewards
+        from learner.losses import kl_penalty
+
+        zeros = torch.zeros(batch.size, batch.length)
+        kl_ref, old_rows = None, {}
+        if self.ref is not None:
+            ref_lp, pen = zeros.clone(), torch.zeros(batch.size, dtype=torch.float64)
+            for a, b in (ab for mbs in micro for ab in mbs):
+                mb = batch.rows(a, b)
+                lp = self._stats(self._forward(rolls[a:b], model=self.ref)[0], mb, None)["logp"]
+                ref_lp[a:b, : lp.shape[1]] = lp
+                k = kl_penalty(mb.behav_logp.float(), lp.float(), self.obj.kl_estimator)
+                pen[a:b] = torch.where(mb.mask > 0, k, 0.0).sum(dim=1).double()
+            if self.kl_in_reward:
+                kl_ref = penalise_rewards(batch, pen, self.obj.kl_coef)
+            else:
+                batch.extra["ref_logp"] = ref_lp
+        if self.critic is not None:
+            values = zeros.clone()
+            for a, b in (ab for mbs in micro for ab in mbs):
+                v = self.critic.values(self._forward, rolls[a:b])
+                values[a:b, : v.shape[1]] = v
+            adv, ret = gae_advantages(batch, values, self.gamma, self.lam)
+            batch.extra.update(old_values=values, returns=ret)
+        else:
+            adv = group_token_advantages(batch, self.normalize_std)
+        batch.extra["advantages"] = whiten_tokens(adv, batch.mask) if self.whiten else adv
+        if use_prox:
+            prox = zeros.clone()
+            for j, mbs in enumerate(micro[1:], start=1):
+                for i, (a, b) in enumerate(mbs):
+                    st = self._stats(self._forward(rolls[a:b])[0], batch.rows(a, b), None)
+                    prox[a:b, : st["logp"].shape[1]] = st["logp"]
+                    if self.kind == "flow_dppo":
+                        old_rows[(j, i)] = st["rows"]
+            batch.extra["prox_logp"] = prox
+        return old_rows, kl_ref
+
+    def _ranges(self, rolls: list[Rollout]) -> list[tuple[int, int]]:
+        """Rows [lo, hi) of the sorted batch per mini-batch: ``minibatches`` equal slices of
+        whole groups (work ids), as the megatron trainer's global batches."""
+        groups = len({r.work_id for r in rolls})
         k = self.minibatches
-        if len(glist) % k:
-            raise ValueError(
-                f"objective.minibatches={k} must divide the step's {len(glist)} groups"
-            )
-        per = len(glist) // k
-        mbs = [[i for g in glist[j * per : (j + 1) * per] for i in g] for j in range(k)]
-        out = list(mbs)
+        if groups % k or len(rolls) % k:
+            raise ValueError(f"objective.minibatches={k} must divide the step's {groups} groups "
+                             f"({len(rolls)} rollouts)")  # fmt: skip
+        g = len(rolls) // k
+        return [(j * g, (j + 1) * g) for j in range(k)]
+
+    def _schedule(self, k: int) -> list[tuple[int, int]]:
+        """(update index, mini-batch) of every update: ``epochs`` passes over the ``k``
+        mini-batches, the first in order, later ones shuffled by (seed, step, epoch)."""
+        out = [(j, j) for j in range(k)]
         for e in range(1, self.epochs):
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.steps * 101 + e)
-            out += [mbs[j] for j in torch.randperm(k, generator=gen).tolist()]
+            out += [(e * k + n, j) for n, j in enumerate(torch.randperm(k, generator=gen).tolist())]
         return out
-
-    def _update(
-        self, cfg: Any, lp_all: Tensor, sub: dict[str, Tensor]
-    ) -> tuple[dict[str, float], bool]:
-        """One policy update on a mini-batch: policy loss, grad clip, optimizer step; skipped
-        (weights untouched) when the loss or grad norm is not finite."""
-        from learner.objectives import policy_loss
-
-        mask = sub["mask"]
-        logp = lp_all.gather(-1, sub["targets"][..., None])[..., 0]
-        batch: dict[str, Any] = {"mask": mask, "logp": logp, "behav_logp": sub["behav"],
-                                 "prox_logp": sub["prox"], "advantages": sub["adv"]}  # fmt: skip
-        if "ref_logp" in sub:
-            batch["ref_logp"] = sub["ref_logp"]
-        if self.kind == "flow_dppo":
-            old_lp = sub["old_lp"]
-            p_old = old_lp.exp()
-            fin = torch.isfinite(old_lp) & torch.isfinite(lp_all)
-            diff = torch.where(fin, old_lp - lp_all, 0.0)
-            batch["kl"] = (torch.where(fin, p_old, 0.0) * diff).sum(-1)
-        if self.obj.entropy_coef > 0:
-            p = lp_all.exp()
-            batch["entropy"] = -torch.where(torch.isfinite(lp_all), p * lp_all, 0.0).sum(-1)
-        loss, metrics = policy_loss(cfg, batch)
-        out = {k: float(v) for k, v in metrics.items()}
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        out["grad_norm"], finite = clip_and_step(self.optim, loss, self.grad_clip, self.sched,
-                                                 self.updates + 1,
-                                                 exact=self.numerics == "exact")  # fmt: skip
-        if finite:
-            self.updates += 1
-        else:  # like megatron's found-inf: no update, weights and optimizer state untouched
-            log.warning("step %d: an update skipped: loss %s, grad norm %s (not finite); "
-                        "weights unchanged", self.steps + 1, float(loss.detach()),
-                        out["grad_norm"])  # fmt: skip
-        out["total_loss"] = float(loss.detach())
-        out["lr"] = float(self.optim.param_groups[0]["lr"])
-        return out, finite
 
     # -- weights and checkpoints ------------------------------------------------------------
     def publish(self, out_dir: Path, version: int) -> Publication:

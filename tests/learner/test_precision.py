@@ -36,10 +36,12 @@ def test_config_refuses_what_a_backend_cannot_honour() -> None:
         load_config(None, ["learner.precision=bf16", "backend=reference"])
     with pytest.raises(ConfigError, match="learner.backprop_depth.*backend=reference"):
         load_config(None, ["learner.backprop_depth=4", "backend=reference"])
-    for key in ("recompute=true", "compile=true", "micro_batch_size=2"):
+    for key in ("recompute=true", "compile=true"):
         with pytest.raises(ConfigError, match=f"learner.{key.split('=')[0]}.*backend=reference"):
             load_config(None, [f"learner.{key}", "backend=reference"])
     assert load_config(None, ["learner.backprop_depth=0", "backend=reference"]).backend
+    # learner.micro_batch_size: honoured by both backends (tests/pipeline/test_epochs.py)
+    assert load_config(None, ["learner.micro_batch_size=2", "backend=reference"]).learner
     with pytest.raises(ConfigError, match="learner.precision"):
         load_config(None, ["learner.precision=fp16"])
     with pytest.raises(ConfigError, match="learner.backprop_depth"):

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.config import load_config
 from proto import Rollout
@@ -227,49 +228,75 @@ def test_trust_region_masks_act(model: Path, backend: str, kind_over: list[str])
     assert np.isfinite(out["tight"]["loss"]) and out["tight"]["updates"] == 4.0
 
 
-@pytest.mark.megatron
-@pytest.mark.parametrize(
-    ("kind", "numerics"),
-    [(k, "fast") for k in ("grpo", "dppo", "flow_dppo", "divergence_ppo", "ppo", "dppo+critic")]
-    + [("grpo", "exact"), ("flow_dppo", "exact"), ("ppo", "exact")],
-)
-def test_backends_agree_on_loss_metrics_and_weights(
-    model: Path, tmp_path: Path, kind: str, numerics: str
-) -> None:
-    """The megatron and the reference backend, same fresh rollouts (equal lengths, so that
-    both form the same mini-batches), 2 epochs x 2 mini-batches, the entropy bonus, the
-    reference KL and is_cap all on: every shared metric and every published weight agree
-    within 1e-6 (fast numerics, fp32). Dropping a term in either backend breaks it. With a
-    critic (ppo; dppo with objective.critic) both train a separate critic network with its
-    own learning rate after each policy update; two steps, so that the second step's GAE
-    advantages come from the critic the first step trained. In exact numerics the published
-    weights are the same bits (both backends compute the token statistics as the contract
-    defines them and the gradient norm in fp64; one micro-batch per mini-batch); the metrics
-    still differ in the last bits (each backend sums them over its own token layout)."""
-    from models.checkpoint import load_checkpoint, load_model
+@pytest.fixture(scope="module")
+def fresh(model: Path) -> dict[str, list[Rollout]]:
+    """Per numerics: 2 groups x 4 fresh rollouts of the starting weights, 6 tokens each,
+    sampled in that numerics (shared by every case of the cross-backend test)."""
+    from models.checkpoint import load_model
     from models.reference import SamplingParams, generate
 
     _, m = load_model(model)
-    rolls = []
-    for g in range(2):
-        seeds = [11 + 10 * g + i for i in range(4)]
-        for i, x in enumerate(generate(m, [[1, 18 + g, 19 + g]] * 4, seeds,
-                                       SamplingParams(max_new_tokens=6), None, numerics)):  # fmt: skip
-            rolls.append(Rollout(
-                rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
-                generator_id="g0", latent_seed=seeds[i],
-                prompt_tokens=np.array(x.prompt_tokens, np.int32),
-                tokens=np.array(x.tokens, np.int32), logprobs=x.logprobs.numpy(),
-                exit_depths=np.array(x.exit_depths, np.uint8), weight_version=0,
-                reward=float((7 * i + 3 * g) % 5),
-            ))  # fmt: skip
-    assert len({r.num_tokens for r in rolls}) == 1
-    critic = kind in ("ppo", "dppo+critic")
-    over = [f"objective.kind={kind.split('+')[0]}", "objective.epochs=2",
-            "objective.minibatches=2", "optimizer.lr=1e-5", "objective.is_cap=2.0",
-            "objective.entropy_coef=0.01", "objective.kl_coef=0.05", f"numerics={numerics}"]  # fmt: skip
-    if critic:
-        over += ["objective.critic=true", "optimizer.critic_lr=1e-3"]
+    out: dict[str, list[Rollout]] = {}
+    for numerics in ("fast", "exact"):
+        rolls = out.setdefault(numerics, [])
+        for g in range(2):
+            seeds = [11 + 10 * g + i for i in range(4)]
+            for i, x in enumerate(generate(m, [[1, 18 + g, 19 + g]] * 4, seeds,
+                                           SamplingParams(max_new_tokens=6), None, numerics)):  # fmt: skip
+                rolls.append(Rollout(
+                    rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
+                    generator_id="g0", latent_seed=seeds[i],
+                    prompt_tokens=np.array(x.prompt_tokens, np.int32),
+                    tokens=np.array(x.tokens, np.int32), logprobs=x.logprobs.numpy(),
+                    exit_depths=np.array(x.exit_depths, np.uint8), weight_version=0,
+                    reward=float((7 * i + 3 * g) % 5),
+                ))  # fmt: skip
+        assert len({r.num_tokens for r in rolls}) == 1
+    return out
+
+
+_VARIANTS = {  # name -> run config overrides on top of the shared ones
+    "critic": ["objective.critic=true"],
+    "kl": ["objective.divergence=kl", "objective.anchor=proximal"],
+    "micro": ["learner.micro_batch_size=2"],  # 2 micro-batches per mini-batch
+    "reward": ["objective.kl_in_reward=true"],
+}
+_FAST = ["grpo", "dppo", "flow_dppo", "divergence_ppo", "divergence_ppo+kl", "ppo",
+         "dppo+critic", "ppo+micro"]  # fmt: skip
+_EXACT = ["grpo", "dppo", "flow_dppo+micro", "divergence_ppo", "divergence_ppo+kl",
+          "ppo+micro+reward", "dppo+critic"]  # fmt: skip
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize(
+    ("kind", "numerics"),
+    [(k, "fast") for k in _FAST] + [(k, "exact") for k in _EXACT],
+)
+def test_backends_agree_on_loss_metrics_and_weights(
+    model: Path, fresh: dict[str, list[Rollout]], tmp_path: Path, kind: str, numerics: str
+) -> None:
+    """The megatron and the reference backend, same fresh rollouts, 2 epochs x 2 mini-batches,
+    the entropy bonus, the reference KL and is_cap all on (+micro: 2 micro-batches per
+    mini-batch, gradients accumulated; +reward: the KL as a reward penalty): both report the
+    same metric keys (the reference all but megatron's version / reward / staleness
+    bookkeeping), and every metric and every published weight agree within 1e-6 in fast
+    numerics (fp32) and are the same bits in exact numerics: both backends lay the per-token
+    values out in the learner's [B, prompt + response] rows, reduce them through the same
+    functions (learner.objectives, learner.step_metrics) micro-batch by micro-batch, compute
+    the token statistics as the contract defines them and the gradient norm in fp64.
+    Dropping a term in either backend breaks it. With a critic (ppo; dppo with
+    objective.critic) both train a separate critic network with its own learning rate after
+    each policy update; two steps, so that the second step's GAE advantages come from the
+    critic the first step trained."""
+    from models.checkpoint import load_checkpoint
+
+    rolls = fresh[numerics]
+    name, *variants = kind.split("+")
+    critic = name == "ppo" or "critic" in variants
+    over = [f"objective.kind={name}", "objective.epochs=2", "objective.minibatches=2",
+            "optimizer.lr=1e-5", "objective.is_cap=2.0", "objective.entropy_coef=0.01",
+            "objective.kl_coef=0.05", f"numerics={numerics}", "optimizer.critic_lr=1e-3"]  # fmt: skip
+    over += [o for v in variants for o in _VARIANTS[v]]
     res, weights = {}, {}
     for backend in ("reference", "megatron"):
         t = _trainer(backend, model, *over)
@@ -282,17 +309,26 @@ def test_backends_agree_on_loss_metrics_and_weights(
             weights[backend] = load_checkpoint(out)[1]
         finally:
             t.close() if backend == "megatron" else None
-    shared = set(res["reference"]) & set(res["megatron"])
-    assert {"loss", "pg_loss", "entropy", "kl_ref", "ratio_mean", "grad_norm"} <= shared
+    ref, meg = res["reference"], res["megatron"]
+    bookkeeping = {"weight_version", "reward_mean", "staleness_mean", "staleness_max"}
+    assert set(meg) - set(ref) == bookkeeping and set(ref) <= set(meg), set(ref) ^ set(meg)
+    assert {"loss", "pg_loss", "entropy", "kl_ref", "ratio_mean", "grad_norm", "kl",
+            "logp_mismatch_mean", "num_tokens"} <= set(ref)  # fmt: skip
+    assert ref["updates"] == 4.0 and ref["num_tokens"] == 6 * 8 / 2
     if critic:
-        assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= shared
-        assert res["megatron"]["value_mean"] != 0.0  # the critic trained in step 1 acts
-    for k in sorted(shared):
-        assert abs(res["reference"][k] - res["megatron"][k]) <= 1e-6, (k, res)
+        assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= set(ref)
+        assert meg["value_mean"] != 0.0  # the critic trained in step 1 acts
+    tol = 0.0 if numerics == "exact" else 1e-6
+    bad = {k: (ref[k], meg[k]) for k in ref if not abs(ref[k] - meg[k]) <= tol}
+    assert not bad, bad
     a, b = weights["reference"], weights["megatron"]
     assert a.keys() == b.keys()
+    if numerics == "exact":
+        assert all(torch.equal(a[k], b[k]) for k in a), [
+            k for k in a if not torch.equal(a[k], b[k])
+        ]
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst <= (0.0 if numerics == "exact" else 1e-6), worst
+    assert worst <= tol, worst
 
 
 @pytest.mark.parametrize(
