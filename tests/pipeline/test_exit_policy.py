@@ -99,7 +99,7 @@ def test_door_bounds_exit_depths_by_the_run_policy(tmp_path: Path) -> None:
 def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> None:
     from models.checkpoint import load_model
     from models.init import init_checkpoint
-    from models.reference import SamplingParams, generate
+    from models.reference import SamplingParams, behaviour_logprobs, generate
     from pipeline.backends.reference_trainer import ReferenceTrainer
 
     path = init_checkpoint("ouro", "tiny", tmp_path / "m")
@@ -130,12 +130,15 @@ def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> No
         over = {"backend": "reference", "rollout": {"exit_policy": {**GATE, "kv": run_kv}}}
         trainer = ReferenceTrainer(load_config(None, over), path)
         with torch.no_grad():
-            lp = trainer._forward(rolls)[0]
-        return max(
-            float((lp[b, : len(g.tokens)].gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
-                   - g.logprobs).abs().max())
-            for b, g in enumerate(gens)
-        )  # fmt: skip
+            logits = trainer._forward(rolls)[0]  # at every input position
+        out = 0.0
+        for b, g in enumerate(gens):
+            at = slice(len(g.prompt_tokens) - 1, len(g.prompt_tokens) - 1 + len(g.tokens))
+            lp = behaviour_logprobs(logits[b, at], logits.shape[-1], trainer.temperature,
+                                    trainer.top_p)  # fmt: skip
+            got = lp.gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
+            out = max(out, float((got - g.logprobs).abs().max()))
+        return out
 
     other = "full" if kv == "last_exited" else "last_exited"
     assert diff(kv) <= 1e-5
