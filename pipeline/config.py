@@ -138,6 +138,11 @@ class RunConfig:
                f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}): a "
                "mini-batch holds whole groups")  # fmt: skip
         lr = self.learner
+        per_update = self.rollout.prompts_per_step * self.rollout.n // self.objective.minibatches
+        _check(not lr.micro_batch_size or per_update % lr.micro_batch_size == 0,
+               "learner.micro_batch_size", lr.micro_batch_size,
+               f"must divide the rollouts of an update ({per_update}: rollout.prompts_per_step x "
+               "rollout.n / objective.minibatches)")  # fmt: skip
         if self.numerics == "exact":  # exact keeps its own rules: fp32, its own kernels
             _check(lr.precision == "fp32", "learner.precision", lr.precision,
                    "numerics=exact needs fp32")  # fmt: skip

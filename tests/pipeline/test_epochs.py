@@ -89,6 +89,9 @@ def test_minibatches_must_divide_the_groups() -> None:
         load_config(None, ["rollout.prompts_per_step=3", "objective.minibatches=2"])
     with pytest.raises(ConfigError, match="objective.epochs"):
         load_config(None, ["objective.epochs=0"])
+    with pytest.raises(ConfigError, match="learner.micro_batch_size.*must divide.*4"):
+        load_config(None, ["rollout.prompts_per_step=2", "rollout.n=4", "objective.minibatches=2",
+                           "learner.micro_batch_size=3"])  # fmt: skip
 
 
 def test_objective_keys_either_backend_cannot_honour_are_refused() -> None:
