@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHUNK_MB = 8  # models.collective.DEFAULT_PIPE_BYTES (the module is loaded in the ranks)
 
 
 def _coll() -> Any:
@@ -42,7 +43,7 @@ def _coll() -> Any:
 
 
 def rank_main(rank: int, world: int, port: int, nbytes: int, backend: str, digest: bool,
-              out: Any) -> None:  # fmt: skip
+              chunk: int, out: Any) -> None:  # fmt: skip
     import torch
 
     coll = _coll()
@@ -67,7 +68,7 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, backend: str, diges
         while int(store.add(f"ready-{k}", 0)) < world:  # start together
             time.sleep(0.0005)
         s = time.time()
-        coll.broadcast(group, t, 120)
+        coll.deliver(group, t, rank, world, chunk_bytes=chunk, timeout_s=120)
         times[k] = (s, time.time())
     done = time.time()
     ok = True
@@ -84,11 +85,12 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, backend: str, diges
             time.sleep(0.01)
 
 
-def measure(n: int, mb: float, backend: str, digest: bool, port: int) -> dict[str, Any]:
+def measure(n: int, mb: float, backend: str, digest: bool, port: int, chunk_mb: float = 0.0
+            ) -> dict[str, Any]:  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    nbytes = int(mb * 1e6)
-    ps = [ctx.Process(target=rank_main, args=(r, n + 1, port, nbytes, backend, digest, out))
+    nbytes, chunk = int(mb * 1e6), int(chunk_mb * (1 << 20))
+    ps = [ctx.Process(target=rank_main, args=(r, n + 1, port, nbytes, backend, digest, chunk, out))
           for r in range(n + 1)]  # fmt: skip
     for p in ps:
         p.start()
@@ -103,6 +105,7 @@ def measure(n: int, mb: float, backend: str, digest: bool, port: int) -> dict[st
     second = max(g["times"]["second"][1] for g in gens) - r0["times"]["second"][0]
     to_digest = max(g["done"] for g in gens) - r0["times"]["second"][0]
     return {"bench": "collective_bcast", "backend": backend, "generators": n, "mb": mb,
+            "chunk_mb": chunk_mb,
             "group_s": round(max(r["group_s"] for r in res), 4),
             "first_bcast_s": round(first, 4), "second_bcast_s": round(second, 4),
             "to_last_digest_s": round(to_digest, 4), "digest_ok": all(g["ok"] for g in gens),
@@ -116,17 +119,23 @@ def main() -> int:
     ap.add_argument("--sizes-mb", default="10,100", help="comma-separated sizes (MB)")
     ap.add_argument("--no-digest", action="store_true", help="skip the receivers' sha256")
     ap.add_argument("--port", type=int, default=29731, help="the store's port")
+    ap.add_argument("--chunk-mb", default=str(DEFAULT_CHUNK_MB),
+                    help="comma-separated publish.collective_chunk_bytes values in MiB, each "
+                         "measured (0: one whole broadcast, gloo's tree; > 0: pipelined)")  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     measure(1, 1.0, args.backend, False, args.port - 1)  # warm-up (page cache, first imports)
+    port = args.port
     for mb in [float(x) for x in args.sizes_mb.split(",")]:
-        base = None
-        for i, n in enumerate(int(x) for x in args.gens.split(",")):
-            row = measure(n, mb, args.backend, not args.no_digest, args.port + i)
-            base = base or row
-            for k in ("first_bcast_s", "second_bcast_s", "to_last_digest_s"):
-                row[k.replace("_s", "_ratio")] = round(row[k] / base[k], 2)
-            print(json.dumps(row), flush=True)
+        for chunk_mb in [float(x) for x in args.chunk_mb.split(",")]:
+            base = None
+            for n in (int(x) for x in args.gens.split(",")):
+                port += 1
+                row = measure(n, mb, args.backend, not args.no_digest, port, chunk_mb)
+                base = base or row
+                for k in ("first_bcast_s", "second_bcast_s", "to_last_digest_s"):
+                    row[k.replace("_s", "_ratio")] = round(row[k] / base[k], 2)
+                print(json.dumps(row), flush=True)
     return 0
 
 

@@ -10,7 +10,8 @@ thread (models.collective has the keys)::
     store := the learner's TCPStore at collective.store (one client per address, kept)
     set <round>/join/<id>; wait <= timeout_s for <round>/roster
     not in the roster (joined too late): Nack -> the learner sends this version by ZMQ
-    group on the store (rank = index in roster + 1), receive the blob (<= timeout_s)
+    group on the store (rank = index in roster + 1), receive the blob (<= timeout_s), forwarding
+        it piece by piece to the next rank when collective.chunk_bytes > 0 (models.collective.deliver)
     digest (models.digest.blob_digest) == announced? -> hand the blob to the loop, which loads
         it through engine.load_weights (which checks the digest again), then Ack
     else / any failure: Nack(reason); nothing is served
@@ -100,6 +101,8 @@ class CollectiveWeightSink:
         limit = c["timeout_s"]  # WeightAnnounce.validate checked it is a number > 0
         assert isinstance(limit, int | float)
         name, backend, timeout_s = str(c["round"]), str(c["backend"]), float(limit)
+        pipe = c.get("chunk_bytes", 0)  # absent (a 1.2 learner): one whole broadcast
+        assert isinstance(pipe, int)
         try:
             store = self._store(str(c["store"]), timeout_s)
             store.set(coll.join_key(name, self.generator_id), "1")
@@ -113,7 +116,7 @@ class CollectiveWeightSink:
             group = coll.open_group(store, name, rank, len(roster) + 1, backend=backend,
                                     timeout_s=timeout_s, hostname=self._hostname(c))  # fmt: skip
             blob, t = coll.buffer_tensor(ann.total_bytes, backend)
-            coll.broadcast(group, t, timeout_s)
+            coll.deliver(group, t, rank, len(roster) + 1, chunk_bytes=pipe, timeout_s=timeout_s)
             del group
             if t.is_cuda:  # nccl: the bytes come back to host memory for the loop's loader
                 torch.frombuffer(blob, dtype=torch.uint8).copy_(t.cpu())

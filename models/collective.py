@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -122,6 +123,77 @@ def broadcast(group: Any, tensor: torch.Tensor, timeout_s: float) -> None:
         raise CollectiveError(f"broadcast failed: {e}") from e
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
+
+
+DEFAULT_PIPE_BYTES = 8 << 20
+"""Default ``publish.collective_chunk_bytes``: the piece a pipelined delivery forwards at a time."""
+
+
+def check_pipe_bytes(chunk_bytes: Any) -> int:
+    """``chunk_bytes`` as an int >= 0 (0: one whole broadcast); ValueError naming it otherwise."""
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 0:
+        raise ValueError(f"collective chunk_bytes {chunk_bytes!r}: expected an integer >= 0 "
+                         "(0: one broadcast of the whole blob)")  # fmt: skip
+    return chunk_bytes
+
+
+def pieces(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[(start, end)] covering ``nbytes`` in ``chunk_bytes`` pieces (the last one shorter)."""
+    if nbytes <= 0:
+        return []
+    step = chunk_bytes if chunk_bytes > 0 else nbytes
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
+def deliver(
+    group: Any, tensor: torch.Tensor, rank: int, world: int, *, chunk_bytes: int, timeout_s: float,
+) -> None:  # fmt: skip
+    """Copy rank 0's ``tensor`` into every rank's ``tensor`` (same size everywhere), <= timeout_s.
+
+    ``chunk_bytes`` 0: one broadcast (gloo's is a tree: log2(world) hops, each a whole copy).
+    > 0 on gloo: a pipelined chain 0 -> 1 -> ... -> world-1, piece by piece: rank r forwards
+    piece k to r + 1 as soon as it has it, while piece k + 1 arrives, so the hops overlap and
+    the time is about one copy + (world - 2) pieces; every link carries the blob once. > 0 on
+    nccl: one broadcast per piece (NCCL's broadcast is a pipelined ring already). Every rank
+    must pass the same ``chunk_bytes`` (the announcement carries it)."""
+    check_pipe_bytes(chunk_bytes)
+    n = tensor.numel()
+    if chunk_bytes == 0 or n == 0:
+        return broadcast(group, tensor, timeout_s) if n else None
+    spans = pieces(n, chunk_bytes)
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> timedelta:
+        s = deadline - time.monotonic()
+        if s <= 0:
+            raise CollectiveError(f"pipelined delivery did not finish within {timeout_s}s")
+        return timedelta(seconds=s)
+
+    try:
+        if tensor.is_cuda:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            works = [group.broadcast([tensor[a:b]], opts) for a, b in spans]
+            for w in works:
+                if not w.wait(left()):
+                    raise CollectiveError(f"broadcast did not finish within {timeout_s}s")
+            torch.cuda.synchronize(tensor.device)
+            return None
+        sends: list[Any] = []
+        recvs = [group.recv([tensor[a:b]], rank - 1, k) for k, (a, b) in enumerate(spans)] \
+            if rank > 0 else []  # fmt: skip
+        for k, (a, b) in enumerate(spans):
+            if recvs:
+                recvs[k].wait(left())
+            if rank + 1 < world:
+                sends.append(group.send([tensor[a:b]], rank + 1, k))
+        for w in sends:
+            w.wait(left())
+    except CollectiveError:
+        raise
+    except Exception as e:
+        raise CollectiveError(f"rank {rank}/{world}: pipelined delivery failed: {e}") from e
+    return None
 
 
 def buffer_tensor(nbytes: int, backend: str) -> tuple[bytearray, torch.Tensor]:

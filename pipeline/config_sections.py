@@ -280,6 +280,10 @@ class PublishSection:
     collective_timeout_s: float = 5.0
     """collective: bound of each wait of a round (join, group, broadcast); keep it below
     transport.peer_timeout_s (the generator's loop waits in the receive)."""
+    collective_chunk_bytes: int = 8 << 20
+    """collective: piece size of the pipelined delivery (gloo: a chain learner -> generator 1
+    -> 2 -> ..., each forwarding a piece while the next arrives; nccl: one broadcast per
+    piece); 0: one broadcast of the whole blob (gloo's tree, log2(N+1) whole copies)."""
 
     def __post_init__(self) -> None:
         if self.transport in WEIGHT_TRANSPORT_ALIASES:
@@ -294,6 +298,11 @@ class PublishSection:
                self.collective_timeout_s, "must be > 0")  # fmt: skip
         _check(0 <= self.collective_port < 65536, "publish.collective_port",
                self.collective_port, "must be in [0, 65536)")  # fmt: skip
+        _check(not isinstance(self.collective_chunk_bytes, bool)
+               and isinstance(self.collective_chunk_bytes, int)
+               and (self.collective_chunk_bytes == 0 or self.collective_chunk_bytes >= 1 << 16),
+               "publish.collective_chunk_bytes", self.collective_chunk_bytes,
+               "must be 0 (one whole broadcast) or an integer >= 65536 (64 KiB)")  # fmt: skip
         _check(bool(self.collective_host), "publish.collective_host", self.collective_host,
                "must be an address the generators can reach")  # fmt: skip
 

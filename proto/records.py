@@ -277,7 +277,9 @@ class WeightAnnounce:
     collective (protocol 1.2; empty otherwise): the blob comes by a torch.distributed broadcast
       (publish.transport=collective; models.collective): ``store`` "host:port" of the learner's
       TCPStore, ``round`` the key prefix of this delivery round, ``backend`` gloo | nccl,
-      ``timeout_s`` the bound of each wait (s). No chunks and no path then.
+      ``timeout_s`` the bound of each wait (s); optional ``chunk_bytes`` (int >= 0, 0 when
+      absent): the piece size of a pipelined delivery (models.collective.deliver), 0 one whole
+      broadcast. No chunks and no path then.
     """
 
     version: int
@@ -320,6 +322,9 @@ class WeightAnnounce:
             tmo = c.get("timeout_s")
             _need(isinstance(tmo, int | float) and not isinstance(tmo, bool) and tmo > 0,
                   f"{w}: collective.timeout_s must be a number > 0")  # fmt: skip
+            pipe = c.get("chunk_bytes", 0)
+            _need(isinstance(pipe, int) and not isinstance(pipe, bool) and pipe >= 0,
+                  f"{w}: collective.chunk_bytes must be an integer >= 0")  # fmt: skip
 
 
 @record("chunk")

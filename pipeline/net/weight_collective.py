@@ -12,7 +12,13 @@ coordinator's thread, every ``pump()``::
         round r := those generators; each gets WeightAnnounce(vN, collective={store, round r,
         backend, timeout_s}) on the weights channel, then a worker thread runs the round:
             wait <= timeout_s for every member's join key; roster := those that joined
-            group (rank 0 + roster) on the store, broadcast the blob, drop the group
+            group (rank 0 + roster) on the store, deliver the blob, drop the group
+
+Delivery (models.collective.deliver): with ``pipe_bytes`` > 0 (publish.collective_chunk_bytes,
+8 MiB by default; the announce carries it as collective.chunk_bytes so every rank cuts the same
+pieces) gloo forwards the blob piece by piece along the chain learner -> 1 -> 2 -> ... (hops
+overlap: about one copy's time + a piece per extra generator, against gloo's tree broadcast,
+log2(N + 1) whole copies in sequence); nccl broadcasts piece by piece. 0: one broadcast.
 
 A new group per round: its members are exactly the generators that lack the version, so a
 generator that joins mid-run (its Hello -> ``add_generator``) gets the current version in a
@@ -72,6 +78,7 @@ class CollectivePublisher(WeightPublisher):
         port: int = 0,
         backend: str = "gloo",
         timeout_s: float = 5.0,
+        pipe_bytes: int = coll.DEFAULT_PIPE_BYTES,
         chunk_bytes: int = 16 << 20,
         window: int = 4,
         clock: Callable[[], float] = time.monotonic,
@@ -80,6 +87,7 @@ class CollectivePublisher(WeightPublisher):
         if backend not in coll.BACKENDS:
             raise ValueError(f"collective backend {backend!r}: expected one of {coll.BACKENDS}")
         self.host, self.backend, self.timeout_s = host, backend, timeout_s
+        self.pipe_bytes = coll.check_pipe_bytes(pipe_bytes)
         self.store = coll.host_store(host, port, timeout_s)
         self.address = f"{host}:{self.store.port}"
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-collective")
@@ -144,7 +152,7 @@ class CollectivePublisher(WeightPublisher):
         self._rounds += 1
         name = f"v{ann.version}/r{self._rounds}"
         info: dict[str, Scalar] = {"store": self.address, "round": name, "backend": self.backend,
-                "timeout_s": float(self.timeout_s)}  # fmt: skip
+                "timeout_s": float(self.timeout_s), "chunk_bytes": self.pipe_bytes}  # fmt: skip
         out = dataclasses.replace(ann, chunk_bytes=0, num_chunks=0, path="", collective=info)
         sent = [gid for gid in members if self.endpoint.send(gid, out, channel="weights")]
         if not sent:
@@ -173,7 +181,8 @@ class CollectivePublisher(WeightPublisher):
             group = coll.open_group(self.store, name, 0, len(joined) + 1, backend=self.backend,
                                     timeout_s=self.timeout_s, hostname=self.host)  # fmt: skip
             t2 = time.monotonic()
-            coll.broadcast(group, coll.blob_tensor(blob, self.backend), self.timeout_s)
+            coll.deliver(group, coll.blob_tensor(blob, self.backend), 0, len(joined) + 1,
+                         chunk_bytes=self.pipe_bytes, timeout_s=self.timeout_s)  # fmt: skip
             del group
         t3 = time.monotonic()
         return joined, {"join_s": t1 - t0, "group_s": t2 - t1, "broadcast_s": t3 - t2}
@@ -223,7 +232,7 @@ def make_publisher(transport: str, endpoint: _LearnerSide, section: Any) -> Weig
     return CollectivePublisher(
         endpoint, host=section.collective_host, port=section.collective_port,
         backend=section.collective_backend, timeout_s=section.collective_timeout_s,
-        chunk_bytes=section.chunk_bytes, window=section.window,
+        pipe_bytes=section.collective_chunk_bytes, chunk_bytes=section.chunk_bytes, window=section.window,
     )  # fmt: skip
 
 

@@ -38,7 +38,8 @@ TIMEOUT_S = 3.0  # publish.collective_timeout_s in these tests
 def coord(tmp_path: Path) -> Iterator[Coordinator]:
     cfg = load_config(None, [f"run_dir={tmp_path}", "rollout.n=4", "publish.keep=0",
                              "publish.transport=collective", f"publish.collective_timeout_s={TIMEOUT_S}",
-                             "publish.chunk_bytes=262144"])  # fmt: skip
+                             "publish.chunk_bytes=262144",
+                             "publish.collective_chunk_bytes=262144"])  # fmt: skip
     ep = ZmqLearnerEndpoint(TCFG, control="tcp://127.0.0.1:*", weights="tcp://127.0.0.1:*")
     c = Coordinator(cfg, endpoint=ep, trainer=StateTrainer(), prompts=prompts(), run_dir=tmp_path,
                     limits=FAKE_LIMITS)  # fmt: skip
