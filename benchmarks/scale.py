@@ -3,6 +3,7 @@
     python benchmarks/scale.py                          # N = 8, 64, 256; ~3 minutes on 2 cores
     python benchmarks/scale.py --gens 64 --step-s 0.5 --seconds 20
     python benchmarks/scale.py --weights --gens 1,4,16 --sizes-mb 10,100
+    python benchmarks/scale.py --weights --sim threads ...   # the generators as threads of 2 processes
 
 Load (default): the product's Coordinator (pipeline.core.coordinator, ``background=True`` as
 `looprl learner` runs it: the trainer's step on its own thread) on a real ZMQ endpoint, with a
@@ -20,11 +21,18 @@ Weights (``--weights``): the time from announcing one version to every generator
 each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
 checks the canonical digest) and "collective" (one gloo broadcast from the learner to all N,
-pipeline.net.weight_collective; each generator checks the digest of what it received), and the
-ratio to N = 1. In this mode every simulated generator runs on a thread of its own (a
-collective receive blocks its generator's loop, as in the product); "round_s" is the
-learner's side of the collective round (joins, group, broadcast), without the generators'
-digest checks.
+pipeline.net.weight_collective, pipelined in ``--collective-chunk-mb`` pieces; each generator
+checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
+simulated generator is a process of its own (``--sim processes``, the default: a real
+ZmqGeneratorConnection and the product's weight sink, CollectiveWeightSink over the ZMQ chunk
+receiver, so its reads, copies and sha256 run on its own interpreter as a real generator's do;
+a collective receive blocks its loop, as in the product); ``--sim threads`` puts them on threads
+of ``--procs`` processes instead (the earlier method: their reads and digests share one
+interpreter per process). The learner's side: "publish_s" (the trainer writes the version and
+the coordinator hashes it, before the clock starts) and, for the collective, "round_s" (the
+round on the learner: joins, group, delivery; without the generators' digest checks); zmq's
+learner side is the whole delivery (it streams every copy), shared_fs's is publish_s alone;
+"learner_s" sums them.
 
 Stand-ins, named as such: the trainer (fixed step time) and the generators (no vLLM). The
 coordinator, transport, door, ledger, gate, recorder and weight publisher are the product's.
@@ -303,13 +311,21 @@ def run_weights(n: int, mb: float, transport: str, args: argparse.Namespace) -> 
     """Announce one version of ``mb`` MB and time until all ``n`` generators acked it."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"w{n}-"))
     trainer = StandInTrainer(0.0, publish_mb=mb)
+    pipe = int(args.collective_chunk_mb * (1 << 20))
     c = coordinator(run_dir, trainer, 64, [f"publish.transport={transport}",
                                            f"publish.chunk_bytes={4 << 20}",
+                                           f"publish.collective_chunk_bytes={pipe}",
                                            f"publish.collective_timeout_s={args.collective_timeout_s}"])  # fmt: skip
-    stop, ps, out = start_sims(n, min(args.procs, n), c.endpoint, 1e9, args.tokens, threaded=True)
+    threads = args.sim == "threads"
+    stop, ps, out = start_sims(n, min(args.procs, n) if threads else n, c.endpoint, 1e9,
+                               args.tokens, threaded=threads)  # fmt: skip
+    t_join = time.time()
     while len(c.dispatcher.generators()) < n:
         c.turn(0.01)
+        if time.time() - t_join > 300:
+            raise RuntimeError(f"only {len(c.dispatcher.generators())} of {n} generators joined")
     c.dispatcher.cap = 0  # no work: weights only
+    tp = time.time()
     c.publish()  # the trainer writes v1, the coordinator announces it: the clock starts there
     t0 = time.time()
     v = c.version
@@ -324,13 +340,18 @@ def run_weights(n: int, mb: float, transport: str, args: argparse.Namespace) -> 
     rounds = pub.round_log if isinstance(pub, CollectivePublisher) else []
     c.close()
     c.endpoint.close()
-    row = {"bench": "scale_weights", "transport": transport, "generators": n, "mb": mb,
-           "seconds": round(dt, 3), "gb_per_s_to_all": round(n * mb / 1e3 / dt, 3)}  # fmt: skip
+    row = {"bench": "scale_weights", "sim": args.sim, "transport": transport, "generators": n,
+           "mb": mb, "seconds": round(dt, 3), "publish_s": round(t0 - tp, 3),
+           "gb_per_s_to_all": round(n * mb / 1e3 / dt, 3), "cpus": os.cpu_count()}  # fmt: skip
+    if transport == "collective":
+        row["collective_chunk_mb"] = args.collective_chunk_mb
     if rounds:
         row.update(round_s=round(sum(r["seconds"] for r in rounds), 3), rounds=len(rounds),
                    fallbacks=pub.counts["collective_fallbacks"])  # fmt: skip
         for k in ("join_s", "group_s", "broadcast_s"):
             row[k] = round(sum(r.get(k, 0.0) for r in rounds), 3)
+    extra = {"collective": row.get("round_s", 0.0), "zmq": dt}.get(transport, 0.0)
+    row["learner_s"] = round(row["publish_s"] + extra, 3)  # see the module docstring
     return row
 
 
@@ -354,6 +375,12 @@ def main() -> int:
     ap.add_argument("--sizes-mb", default="10,100", help="weights: sizes (MB)")
     ap.add_argument("--transports", default="zmq,shared_fs,collective",
                     help="weights: publish transports")  # fmt: skip
+    ap.add_argument("--sim", choices=("processes", "threads"), default="processes",
+                    help="weights: each simulated generator a process of its own, or threads "
+                         "of --procs processes")  # fmt: skip
+    ap.add_argument("--collective-chunk-mb", type=float, default=8.0,
+                    help="weights: publish.collective_chunk_bytes in MiB (0: one whole "
+                         "broadcast, gloo's tree)")  # fmt: skip
     ap.add_argument("--collective-timeout-s", type=float, default=60.0,
                     help="weights: publish.collective_timeout_s (a round's waits)")  # fmt: skip
     ap.add_argument("--peer-timeout-s", type=float, default=None,
