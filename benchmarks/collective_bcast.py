@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHUNK_MB = 8  # models.collective.DEFAULT_PIPE_BYTES (the module is loaded in the ranks)
+DEFAULT_CHUNK_MB = 4  # models.collective.DEFAULT_PIPE_BYTES (the module is loaded in the ranks)
 
 
 def _coll() -> Any:

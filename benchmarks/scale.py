@@ -378,7 +378,7 @@ def main() -> int:
     ap.add_argument("--sim", choices=("processes", "threads"), default="processes",
                     help="weights: each simulated generator a process of its own, or threads "
                          "of --procs processes")  # fmt: skip
-    ap.add_argument("--collective-chunk-mb", type=float, default=8.0,
+    ap.add_argument("--collective-chunk-mb", type=float, default=4.0,
                     help="weights: publish.collective_chunk_bytes in MiB (0: one whole "
                          "broadcast, gloo's tree)")  # fmt: skip
     ap.add_argument("--collective-timeout-s", type=float, default=60.0,

@@ -125,7 +125,7 @@ def broadcast(group: Any, tensor: torch.Tensor, timeout_s: float) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
-DEFAULT_PIPE_BYTES = 8 << 20
+DEFAULT_PIPE_BYTES = 4 << 20
 """Default ``publish.collective_chunk_bytes``: the piece a pipelined delivery forwards at a time."""
 
 

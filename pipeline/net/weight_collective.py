@@ -15,7 +15,7 @@ coordinator's thread, every ``pump()``::
             group (rank 0 + roster) on the store, deliver the blob, drop the group
 
 Delivery (models.collective.deliver): with ``pipe_bytes`` > 0 (publish.collective_chunk_bytes,
-8 MiB by default; the announce carries it as collective.chunk_bytes so every rank cuts the same
+4 MiB by default; the announce carries it as collective.chunk_bytes so every rank cuts the same
 pieces) gloo forwards the blob piece by piece along the chain learner -> 1 -> 2 -> ... (hops
 overlap: about one copy's time + a piece per extra generator, against gloo's tree broadcast,
 log2(N + 1) whole copies in sequence); nccl broadcasts piece by piece. 0: one broadcast.
