@@ -56,9 +56,10 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, backend: str, diges
                             hostname="127.0.0.1")  # fmt: skip
     group_s = time.time() - t0
     if rank == 0:
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        base = torch.randint(0, 256, (min(nbytes, 64 << 20),), dtype=torch.uint8)
+        src = base.repeat(-(-nbytes // max(1, base.numel())))[:nbytes]  # 64 MiB of noise, tiled
         t = src.cuda() if backend == "nccl" else src
-        want = hashlib.sha256(src.numpy().tobytes()).hexdigest() if digest else ""
+        want = hashlib.sha256(src.numpy().data).hexdigest() if digest else ""
         store.set("want", want)
     else:
         host, t = coll.buffer_tensor(nbytes, backend)
@@ -74,7 +75,7 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, backend: str, diges
     ok = True
     if rank > 0:
         if backend == "nccl":
-            torch.frombuffer(host, dtype=torch.uint8).copy_(t.cpu())
+            torch.frombuffer(host, dtype=torch.uint8).copy_(t)  # device -> host, one copy
         if digest:
             ok = hashlib.sha256(host).hexdigest() == store.get("want").decode()
         done = time.time()

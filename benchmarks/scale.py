@@ -45,6 +45,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -340,6 +341,7 @@ def run_weights(n: int, mb: float, transport: str, args: argparse.Namespace) -> 
     rounds = pub.round_log if isinstance(pub, CollectivePublisher) else []
     c.close()
     c.endpoint.close()
+    shutil.rmtree(run_dir, ignore_errors=True)  # a GB-sized version per run otherwise
     row = {"bench": "scale_weights", "sim": args.sim, "transport": transport, "generators": n,
            "mb": mb, "seconds": round(dt, 3), "publish_s": round(t0 - tp, 3),
            "gb_per_s_to_all": round(n * mb / 1e3 / dt, 3), "cpus": os.cpu_count()}  # fmt: skip

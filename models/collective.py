@@ -199,8 +199,10 @@ def deliver(
 def buffer_tensor(nbytes: int, backend: str) -> tuple[bytearray, torch.Tensor]:
     """A receive buffer: (host bytes, the tensor the broadcast writes; shares the bytes on gloo)."""
     host = bytearray(nbytes)
+    if backend == "nccl":  # the broadcast writes device memory; the caller copies it back
+        return host, torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     t = torch.frombuffer(host, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-    return host, (t.cuda() if backend == "nccl" else t)
+    return host, t
 
 
 def blob_tensor(blob: bytes | bytearray | memoryview, backend: str) -> torch.Tensor:
