@@ -118,9 +118,7 @@ class CollectiveWeightSink:
             blob, t = coll.buffer_tensor(ann.total_bytes, backend)
             coll.deliver(group, t, rank, len(roster) + 1, chunk_bytes=pipe, timeout_s=timeout_s)
             del group
-            if t.is_cuda and len(
-                blob
-            ):  # nccl: the bytes come back to host memory for the loop's loader
+            if t.is_cuda and len(blob):  # nccl: the bytes come back to host memory (the loader)
                 torch.frombuffer(blob, dtype=torch.uint8).copy_(t)  # one device -> host copy
         except Exception as e:  # a timeout, a dead peer, an unreachable store: refuse, go on
             self._stores.pop(str(c.get("store")), None)
