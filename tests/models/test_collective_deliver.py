@@ -100,3 +100,35 @@ def test_announce_validates_chunk_bytes() -> None:
         ann = WeightAnnounce(1, "a" * 64, 12, 0, 0, collective={**info, "chunk_bytes": bad})
         with pytest.raises(ProtocolError, match="collective.chunk_bytes"):
             ann.validate()
+
+
+def test_a_rank_that_never_takes_part_fails_the_chain_within_the_timeout() -> None:
+    """Rank 1 forms the group, then does nothing: rank 0's sends and rank 2's receives end in
+    a CollectiveError within the timeout, nobody hangs."""
+    store = coll.host_store("127.0.0.1", 0, 30.0)
+    nbytes, timeout_s = 1 << 20, 2.0
+    errors: dict[int, BaseException] = {}
+    idle = threading.Event()
+
+    def rank_main(rank: int) -> None:
+        s = store if rank == 0 else coll.join_store(f"127.0.0.1:{store.port}", 30.0)
+        group = coll.open_group(s, "hung", rank, 3, backend="gloo", timeout_s=30.0,
+                                hostname="127.0.0.1")  # fmt: skip
+        if rank == 1:
+            idle.wait(3 * timeout_s)  # alive, in the group, never receiving
+            return
+        t = coll.buffer_tensor(nbytes, "gloo")[1]
+        try:
+            coll.deliver(group, t, rank, 3, chunk_bytes=1 << 16, timeout_s=timeout_s)
+        except coll.CollectiveError as e:
+            errors[rank] = e
+
+    ts = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(3)]
+    for t in ts:
+        t.start()
+    ts[0].join(timeout=4 * timeout_s)
+    ts[2].join(timeout=4 * timeout_s)
+    idle.set()
+    ts[1].join(timeout=10)
+    assert not any(t.is_alive() for t in ts)
+    assert sorted(errors) == [0, 2], errors
