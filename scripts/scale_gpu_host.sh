@@ -7,7 +7,7 @@
 #      16, 10 / 100 / 1000 MB, transports zmq, shared_fs, collective (pipelined, the default)
 #   4. the same for collective with the tree broadcast (--collective-chunk-mb 0), N = 1, 16
 # One JSON line per configuration in $LOG/*.jsonl (LOG defaults to $OUT); about 6 minutes,
-# each part bounded by its own timeout (sum < 8 min).
+# each part bounded by its own timeout (sum 480 s + the wheels' install).
 #
 #   bash scripts/scale_gpu_host.sh            # from the repository root
 #   PARTS="bcast scale" bash scripts/scale_gpu_host.sh   # parts: nccl bcast scale tree
@@ -44,19 +44,19 @@ part() {  # part NAME TIMEOUT SCRIPT ARGS...: one benchmark run, its JSON lines 
     grep -E "Error|error:|Traceback" "$LOG/$name.err" | tail -n 4
 }
 if has nccl; then  # runs first: it also grows the machine's memory (tens of GB) for the rest
-    part bcast_nccl 110 benchmarks/collective_bcast.py --backend nccl --gens 1 \
+    part bcast_nccl 90 benchmarks/collective_bcast.py --backend nccl --gens 1 \
         --sizes-mb "$NCCL_MB" --port 29731
 fi
 if has bcast; then
-    part bcast_gloo 80 benchmarks/collective_bcast.py --backend gloo --gens "$GENS" \
+    part bcast_gloo 100 benchmarks/collective_bcast.py --backend gloo --gens "$GENS" \
         --sizes-mb "${SMALL_MB##*,},$BIG_MB" --chunk-mb 0,4 --port 29831
 fi
 if has scale; then
-    part scale_small 130 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$SMALL_MB"
-    part scale_1gb 110 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$BIG_MB"
+    part scale_small 110 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$SMALL_MB"
+    part scale_1gb 140 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$BIG_MB"
 fi
 if has tree; then
-    part scale_tree 50 benchmarks/scale.py --weights --gens "${GENS%%,*},${GENS##*,}" \
+    part scale_tree 40 benchmarks/scale.py --weights --gens "${GENS%%,*},${GENS##*,}" \
         --sizes-mb "${SMALL_MB##*,},$BIG_MB" \
         --transports collective --collective-chunk-mb 0
 fi
