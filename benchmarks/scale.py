@@ -20,7 +20,8 @@ the coordinator process's RSS growth, steps done.
 Weights (``--weights``): the time from announcing one version to every generator's ack, for
 each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
-checks the canonical digest) and "collective" (one gloo broadcast from the learner to all N,
+checks the canonical digest as generator.engine.load_weights does: load_checkpoint, then
+canonical_digest) and "collective" (one gloo broadcast from the learner to all N,
 pipeline.net.weight_collective, pipelined in ``--collective-chunk-mb`` pieces; each generator
 checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
 simulated generator is a process of its own (``--sim processes``, the default: a real
@@ -60,7 +61,8 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from generator.weights_collective import CollectiveWeightSink  # noqa: E402
-from models.checkpoint import save_checkpoint  # noqa: E402
+from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from models.digest import canonical_digest  # noqa: E402
 from models.publication import Publication  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
@@ -178,7 +180,8 @@ def _turn(g: dict[str, Any], gen_s: float, tokens: int, check_digest: bool,
             if ready is not None:
                 ann = ready.announce
                 if check_digest and ann.path and not getattr(ready, "blob", b""):  # on disk
-                    if Publication.from_dir(ann.path, ann.version).digest != ann.digest:
+                    # what generator.engine.load_weights does with a directory before serving
+                    if canonical_digest(load_checkpoint(ann.path)[1]) != ann.digest:
                         raise RuntimeError(f"{g['gid']}: digest mismatch v{ann.version}")
                 g["v"] = ready.version
                 g["rx"].loaded(ready.version)

@@ -67,14 +67,21 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Canonical bytes of `t`: little-endian elements in row-major order, bf16 as raw bits."""
+    view = _canonical_view(t)
+    return b"" if view is None else bytes(view)
+
+
+def _canonical_view(t: torch.Tensor) -> memoryview | None:
+    """The canonical bytes of `t` as a read-only view of a CPU tensor's memory (no copy when
+    `t` is already a contiguous CPU tensor); None for an empty tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     if t.is_sparse or t.is_complex():
         raise ValueError("canonical bytes are defined for dense real tensors only")
     flat = t.detach().cpu().resolve_neg().contiguous().reshape(-1)
     if flat.numel() == 0:
-        return b""
-    return bytes(flat.view(torch.uint8).numpy().data)
+        return None
+    return memoryview(flat.view(torch.uint8).numpy().data).toreadonly()
 
 
 def _header(name: str, dtype: str, shape: Iterable[int], nbytes: int) -> bytes:
@@ -95,9 +102,10 @@ def canonical_digest(state: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name]
-        raw = tensor_bytes(t)
-        h.update(_header(name, dtype_name(t.dtype), t.shape, len(raw)))
-        h.update(raw)
+        raw = _canonical_view(t)  # hashed in place: a generator verifying GBs copies nothing
+        h.update(_header(name, dtype_name(t.dtype), t.shape, 0 if raw is None else raw.nbytes))
+        if raw is not None:
+            h.update(raw)
     return h.hexdigest()
 
 
@@ -117,12 +125,12 @@ def check_finite(state: Mapping[str, torch.Tensor], where: str = "") -> None:
 def blob_and_meta(state: Mapping[str, torch.Tensor]) -> tuple[bytes, list[dict[str, Any]]]:
     """(blob, metadata): canonical bytes concatenated in sorted-name order, and per tensor
     {name, dtype, shape, offset, nbytes, sha256} (the fields of proto's TensorMeta)."""
-    parts: list[bytes] = []
+    parts: list[memoryview] = []
     meta: list[dict[str, Any]] = []
     offset = 0
     for name in sorted(state):
         t = state[name]
-        raw = tensor_bytes(t)
+        raw = _canonical_view(t) or memoryview(b"")  # one copy in all: the join below
         meta.append(
             {
                 "name": name,

@@ -6,8 +6,9 @@
 #   3. benchmarks/scale.py --weights (each simulated generator a process of its own), N = 1, 4,
 #      16, 10 / 100 / 1000 MB, transports zmq, shared_fs, collective (pipelined, the default)
 #   4. the same for collective with the tree broadcast (--collective-chunk-mb 0), N = 1, 16
-# One JSON line per configuration in $LOG/*.jsonl (LOG defaults to $OUT); about 6 minutes,
-# each part bounded by its own timeout (sum 480 s + the wheels' install).
+# One JSON line per configuration in $LOG/*.jsonl (LOG defaults to $OUT), each part bounded by
+# its own timeout. All parts take ~11 minutes on a 16-core host: one device call allows 10, so
+# run it as two calls, PARTS="nccl bcast" (~4 min) and PARTS="scale tree" (~7 min).
 #
 #   bash scripts/scale_gpu_host.sh            # from the repository root
 #   PARTS="bcast scale" bash scripts/scale_gpu_host.sh   # parts: nccl bcast scale tree
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG=${LOG:-${OUT:-/tmp/scale_gpu_host}}
 PARTS=${PARTS:-nccl bcast scale tree}
-GENS=${GENS:-1,4,16} SMALL_MB=${SMALL_MB:-10,100} BIG_MB=${BIG_MB:-1000} NCCL_MB=${NCCL_MB:-100,1000,7000}
+GENS=${GENS:-1,4,16} TRANSPORTS=${TRANSPORTS:-zmq,shared_fs,collective} SMALL_MB=${SMALL_MB:-10,100} BIG_MB=${BIG_MB:-1000} NCCL_MB=${NCCL_MB:-100,1000,7000}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=0
@@ -48,15 +49,17 @@ if has nccl; then  # runs first: it also grows the machine's memory (tens of GB)
         --sizes-mb "$NCCL_MB" --port 29731
 fi
 if has bcast; then
-    part bcast_gloo 100 benchmarks/collective_bcast.py --backend gloo --gens "$GENS" \
+    part bcast_gloo 150 benchmarks/collective_bcast.py --backend gloo --gens "$GENS" \
         --sizes-mb "${SMALL_MB##*,},$BIG_MB" --chunk-mb 0,4 --port 29831
 fi
 if has scale; then
-    part scale_small 110 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$SMALL_MB"
-    part scale_1gb 140 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$BIG_MB"
+    part scale_small 170 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$SMALL_MB" \
+        --transports "$TRANSPORTS"
+    part scale_1gb 200 benchmarks/scale.py --weights --gens "$GENS" --sizes-mb "$BIG_MB" \
+        --transports "$TRANSPORTS"
 fi
 if has tree; then
-    part scale_tree 40 benchmarks/scale.py --weights --gens "${GENS%%,*},${GENS##*,}" \
+    part scale_tree 80 benchmarks/scale.py --weights --gens "${GENS%%,*},${GENS##*,}" \
         --sizes-mb "${SMALL_MB##*,},$BIG_MB" \
         --transports collective --collective-chunk-mb 0
 fi
