@@ -104,7 +104,9 @@ class TransportStats:
     wrong_identity: int = 0  # frames refused: the CURVE key does not own the claimed id
     unroutable: int = 0  # sends refused: unknown / gone peer, or its queue is full
     unauthenticated: int = 0  # CURVE handshakes refused (no key, unknown key, wrong server)
-    disconnects: int = 0  # connections dropped (incl. libzmq dropping an over-limit frame)
+    # connections closed: peers leaving, libzmq dropping an over-limit frame, and each
+    # generator's start-up probe (generator_cli.probe_learner: one per endpoint it probes)
+    disconnects: int = 0
     reconnects: int = 0  # generator: learner lost and re-Hello started
     warnings_suppressed: int = 0  # warning lines not printed (log_interval_s rate limit)
     last_error: str = ""
