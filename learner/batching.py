@@ -243,3 +243,14 @@ def penalise_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float:
     tr[torch.arange(batch.size), last] -= delta
     batch.token_rewards = tr
     return mean
+
+
+def update_order(minibatches: int, epochs: int, seed: int, step: int) -> list[int]:
+    """The mini-batch of every optimizer update of a step: ``epochs`` passes over the
+    ``minibatches``, the first in order, later ones shuffled by (seed, step, epoch): the same
+    order on every rank and in both trainer backends."""
+    order = list(range(minibatches))
+    for e in range(1, epochs):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + e)
+        order += torch.randperm(minibatches, generator=gen).tolist()
+    return order

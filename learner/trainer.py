@@ -46,6 +46,7 @@ from learner.batching import (
     penalise_rewards,
     sort_rollouts,
     update_normalizer,
+    update_order,
 )
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.losses import kl_penalty
@@ -150,21 +151,6 @@ class Trainer:
             (u * g, (u + 1) * g, u * g + self.dp_rank * share, u * g + (self.dp_rank + 1) * share)
             for u in range(n_rows // g)
         ]
-
-    def _schedule(
-        self, rows: list[tuple[int, int, int, int]]
-    ) -> list[tuple[int, tuple[int, int, int, int]]]:
-        """(update index, rows) for every update of the step: `epochs` passes over the
-        global batches, the first in order, later ones shuffled by (seed, step, epoch) (the
-        same order on every rank). Update u uses global batch u % len(rows)."""
-        out = [(u, r) for u, r in enumerate(rows)]
-        for e in range(1, self.cfg.objective.epochs):
-            gen = torch.Generator().manual_seed(
-                self.cfg.seed * 1_000_003 + self.step_count * 101 + e
-            )
-            order = torch.randperm(len(rows), generator=gen).tolist()
-            out += [(e * len(rows) + j, rows[j]) for j in order]
-        return out
 
     def _micro(self, batch: TrainBatch, lo: int, hi: int) -> list[TrainBatch]:
         mbs, pad = self.cfg.micro_batch_size, self.cfg.pad_to_multiple
@@ -316,7 +302,7 @@ class Trainer:
         device = next(self.policy.module.parameters()).device
         use_prox_logp = cfg.use_prox and cfg.objective.kind != "flow_dppo"
         # Per batch row: max |learner - behaviour| log-prob (-1 where not measured).
-        row_mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
+        mismatch_rows = torch.full((batch.size,), -1.0, dtype=torch.float64)
         skipped = 0.0  # policy updates of this step skipped as non-finite (same on every rank)
         n_updates = len(rows) * cfg.objective.epochs
         # kl_in_reward: the KL went into the rewards, not into the loss
@@ -325,13 +311,17 @@ class Trainer:
             if cfg.objective.kl_in_reward
             else cfg.objective
         )
-        for u, (g_lo, g_hi, lo, hi) in self._schedule(rows):
+        # epochs passes over the global batches, the first in order, later ones shuffled by
+        # (seed, step, epoch): the same order on every rank (learner.batching.update_order)
+        order = update_order(len(rows), cfg.objective.epochs, cfg.seed, self.step_count)
+        for u, j in enumerate(order):
+            g_lo, g_hi, lo, hi = rows[j]
             norm = update_normalizer(batch, g_lo, g_hi, cfg.objective.aggregation)
             self.policy.zero_grad()
             row0, loss_finite = lo, True
             for i, mb_cpu in enumerate(self._micro(batch, lo, hi)):
                 mb = mb_cpu.to(device)
-                old = old_logits.get((u % len(rows), i))
+                old = old_logits.get((j, i))
                 stats = self._stats(
                     self.policy_spec.forward(self.policy.module, mb), mb,
                     None if old is None else old.to(device, non_blocking=True),
@@ -346,9 +336,12 @@ class Trainer:
                 loss, m = policy_loss(loss_obj, lb)
                 (loss * self.dp_size).backward()
                 loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
+                # behaviour vs learner log-probs: the proximal pass when it ran, else the
+                # training forward of the step's first update
                 learner = mb.extra.get("prox_logp", stats["logp"].detach() if u == 0 else None)
                 record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates)
-                self._row_mismatch(row_mismatch, row0, mb, stats["logp"].detach(), u == 0)
+                if learner is not None:
+                    row_mismatch(mismatch_rows, row0, mb.mask, mb.behav_logp, learner)
                 row0 += mb.size
             upd = self.policy.update(loss_finite)  # skips a non-finite update (learner.network)
             skip = upd.pop("skipped_nonfinite")
@@ -361,9 +354,9 @@ class Trainer:
                 self._critic_update(batch, lo, hi, vnorm, metrics, n_updates)
         self._batch_metrics(batch, metrics)
         if self.dp_size > 1:  # each DP rank measured its own rows
-            all_reduce_(row_mismatch, self.dp_group, dist.ReduceOp.MAX)
+            all_reduce_(mismatch_rows, self.dp_group, dist.ReduceOp.MAX)
         by_id = {
-            r.rollout_id: float(row_mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))
+            r.rollout_id: float(mismatch_rows[i]) for i, r in enumerate(sort_rollouts(rollouts))
         }
         # Per input rollout: max over its tokens at the pre-update weights; -1.0 = not measured.
         self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
@@ -378,16 +371,6 @@ class Trainer:
             skipped_nonfinite=skipped, skipped_nonfinite_total=float(self.policy.skipped_nonfinite)
         )
         return out
-
-    @staticmethod
-    def _row_mismatch(
-        out: Tensor, row0: int, mb: TrainBatch, logp: Tensor, first_update: bool
-    ) -> None:
-        """out[row0 : row0 + mb.size] = max over each row's tokens of |learner - behaviour|
-        log-prob (proximal pass when it ran, else the first update's forward)."""
-        learner = mb.extra.get("prox_logp", logp if first_update else None)
-        if learner is not None:
-            row_mismatch(out, row0, mb.mask, mb.behav_logp, learner)
 
     def _critic_update(
         self, batch: TrainBatch, lo: int, hi: int, norm: float, metrics: StepMetrics, n_updates: int

@@ -167,7 +167,7 @@ class ReferenceTrainer:
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
     ) -> Mapping[str, float]:
         """One step, as learner.trainer.Trainer.step runs it (module docstring)."""
-        from learner.batching import build_batch, sort_rollouts, update_normalizer
+        from learner.batching import build_batch, sort_rollouts, update_normalizer, update_order
         from learner.objectives import policy_loss
         from learner.step_metrics import StepMetrics, record_policy, row_mismatch
 
@@ -186,9 +186,9 @@ class ReferenceTrainer:
             cfg = dataclasses.replace(cfg, kl_coef=0.0)
         metrics = StepMetrics()  # reduced as the megatron trainer reduces its step's metrics
         mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)
-        schedule = self._schedule(len(ranges))
-        n_updates, skipped = len(schedule), 0
-        for u, j in schedule:
+        order = update_order(len(ranges), self.epochs, self.seed, self.steps)
+        n_updates, skipped = len(order), 0
+        for u, j in enumerate(order):
             lo, hi = ranges[j]
             norm = update_normalizer(batch, lo, hi, cfg.aggregation)
             self.optim.zero_grad(set_to_none=True)
@@ -302,15 +302,6 @@ class ReferenceTrainer:
                              f"({len(rolls)} rollouts)")  # fmt: skip
         g = len(rolls) // k
         return [(j * g, (j + 1) * g) for j in range(k)]
-
-    def _schedule(self, k: int) -> list[tuple[int, int]]:
-        """(update index, mini-batch) of every update: ``epochs`` passes over the ``k``
-        mini-batches, the first in order, later ones shuffled by (seed, step, epoch)."""
-        out = [(j, j) for j in range(k)]
-        for e in range(1, self.epochs):
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.steps * 101 + e)
-            out += [(e * k + n, j) for n, j in enumerate(torch.randperm(k, generator=gen).tolist())]
-        return out
 
     # -- weights and checkpoints ------------------------------------------------------------
     def publish(self, out_dir: Path, version: int) -> Publication:
