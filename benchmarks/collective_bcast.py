@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHUNK_MB = 4  # models.collective.DEFAULT_PIPE_BYTES (the module is loaded in the ranks)
 
 
 def _coll() -> Any:
@@ -120,7 +119,7 @@ def main() -> int:
     ap.add_argument("--sizes-mb", default="10,100", help="comma-separated sizes (MB)")
     ap.add_argument("--no-digest", action="store_true", help="skip the receivers' sha256")
     ap.add_argument("--port", type=int, default=29731, help="the store's port")
-    ap.add_argument("--chunk-mb", default=str(DEFAULT_CHUNK_MB),
+    ap.add_argument("--chunk-mb", default=f"{_coll().DEFAULT_PIPE_BYTES / (1 << 20):g}",
                     help="comma-separated publish.collective_chunk_bytes values in MiB, each "
                          "measured (0: one whole broadcast, gloo's tree; > 0: pipelined)")  # fmt: skip
     args = ap.parse_args()

@@ -43,15 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from benchmarks.trainer_gpu import SHAPES as TRAINER_SHAPES  # noqa: E402
+from benchmarks.trainer_gpu import model_config  # noqa: E402
 from models.engine import KVCache, run_chunk  # noqa: E402
 from models.engine_graph import GraphDecoder  # noqa: E402
 from models.exits import FixedDepth  # noqa: E402
 
-SHAPES = {  # Huginn-shaped (benchmarks/trainer_gpu.py's huginn_1b), reference module in fp32
-    "huginn_1b": dict(hidden=2048, heads=16, prelude=2, core=4, coda=2, ffn=5632, vocab=65536,
-                      recurrence=8, backprop_depth=8, seq=512),
-    "tiny": dict(hidden=64, heads=2, prelude=1, core=2, coda=1, ffn=128, vocab=512,
-                 recurrence=4, backprop_depth=2, seq=64),
+_MODEL_KEYS = ("hidden", "heads", "prelude", "core", "coda", "ffn", "vocab", "backprop_depth")
+SHAPES = {  # trainer_gpu.py's model shapes (the reference module in fp32), decode's own r / seq
+    name: {**{k: TRAINER_SHAPES[name][k] for k in _MODEL_KEYS}, **extra}
+    for name, extra in (("huginn_1b", dict(recurrence=8, seq=512)),
+                        ("tiny", dict(recurrence=4, seq=64)))
 }  # fmt: skip
 
 
@@ -164,7 +166,6 @@ def main() -> None:
     ap.add_argument("--mode", choices=("fast", "exact"), default="fast")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per variant (median)")
     a = ap.parse_args()
-    from benchmarks.trainer_gpu import model_config
     from models.reference import SamplingParams, build_model, generate
 
     s = dict(SHAPES["tiny" if a.tiny else a.shape])

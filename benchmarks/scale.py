@@ -21,8 +21,9 @@ Weights (``--weights``): the time from announcing one version to every generator
 each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
 checks the canonical digest as generator.engine.load_weights does: load_checkpoint, then
-canonical_digest) and "collective" (one gloo broadcast from the learner to all N,
-pipeline.net.weight_collective, pipelined in ``--collective-chunk-mb`` pieces; each generator
+canonical_digest) and "collective" (gloo from the learner to all N,
+pipeline.net.weight_collective, pipelined in ``--collective-chunk-mb`` pieces, 0: one
+broadcast; each generator
 checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
 simulated generator is a process of its own (``--sim processes``, the default: a real
 ZmqGeneratorConnection and the product's weight sink, CollectiveWeightSink over the ZMQ chunk
@@ -62,6 +63,7 @@ import torch  # noqa: E402
 
 from generator.weights_collective import CollectiveWeightSink  # noqa: E402
 from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from models.collective import DEFAULT_PIPE_BYTES  # noqa: E402
 from models.digest import canonical_digest  # noqa: E402
 from models.publication import Publication  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
@@ -383,9 +385,9 @@ def main() -> int:
     ap.add_argument("--sim", choices=("processes", "threads"), default="processes",
                     help="weights: each simulated generator a process of its own, or threads "
                          "of --procs processes")  # fmt: skip
-    ap.add_argument("--collective-chunk-mb", type=float, default=4.0,
-                    help="weights: publish.collective_chunk_bytes in MiB (0: one whole "
-                         "broadcast, gloo's tree)")  # fmt: skip
+    ap.add_argument("--collective-chunk-mb", type=float, default=DEFAULT_PIPE_BYTES / (1 << 20),
+                    help="weights: publish.collective_chunk_bytes in MiB (default: its default; 0: "
+                         "one whole broadcast, gloo's tree)")  # fmt: skip
     ap.add_argument("--collective-timeout-s", type=float, default=60.0,
                     help="weights: publish.collective_timeout_s (a round's waits)")  # fmt: skip
     ap.add_argument("--peer-timeout-s", type=float, default=None,

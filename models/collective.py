@@ -158,8 +158,11 @@ def deliver(
     must pass the same ``chunk_bytes`` (the announcement carries it)."""
     check_pipe_bytes(chunk_bytes)
     n = tensor.numel()
-    if chunk_bytes == 0 or n == 0:
-        return broadcast(group, tensor, timeout_s) if n else None
+    if n == 0:
+        return
+    if chunk_bytes == 0:
+        broadcast(group, tensor, timeout_s)
+        return
     spans = pieces(n, chunk_bytes)
     deadline = time.monotonic() + timeout_s
 
@@ -178,7 +181,7 @@ def deliver(
                 if not w.wait(left()):
                     raise CollectiveError(f"broadcast did not finish within {timeout_s}s")
             torch.cuda.synchronize(tensor.device)
-            return None
+            return
         sends: list[Any] = []
         recvs = [group.recv([tensor[a:b]], rank - 1, k) for k, (a, b) in enumerate(spans)] \
             if rank > 0 else []  # fmt: skip
@@ -193,7 +196,6 @@ def deliver(
         raise
     except Exception as e:
         raise CollectiveError(f"rank {rank}/{world}: pipelined delivery failed: {e}") from e
-    return None
 
 
 def buffer_tensor(nbytes: int, backend: str) -> tuple[bytearray, torch.Tensor]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from generator.config import GeneratorConfig
+from models.collective import DEFAULT_PIPE_BYTES
 from models.contract import Sampling
 from models.errors import ConfigError
 from models.settings import check
@@ -280,7 +281,7 @@ class PublishSection:
     collective_timeout_s: float = 5.0
     """collective: bound of each wait of a round (join, group, broadcast); keep it below
     transport.peer_timeout_s (the generator's loop waits in the receive)."""
-    collective_chunk_bytes: int = 4 << 20
+    collective_chunk_bytes: int = DEFAULT_PIPE_BYTES
     """collective: piece size of the pipelined delivery (gloo: a chain learner -> generator 1
     -> 2 -> ..., each forwarding a piece while the next arrives; nccl: one broadcast per
     piece); 0: one broadcast of the whole blob (gloo's tree, log2(N+1) whole copies)."""
