@@ -99,6 +99,7 @@ class _Gen:
     pending: dict[str, set[int]] = field(default_factory=dict)  # work id -> indices it holds
     issued_at: dict[str, float] = field(default_factory=dict)  # work id -> last sent (clock)
     incarnation: Any = None  # (pid, started_at) of the process behind the id
+    served: int = -1  # the dispatch sequence number of its last item (-1: none yet)
 
 
 def work_id_of(counter: int) -> str:
@@ -146,6 +147,7 @@ class Dispatcher:
         self.evals: Any = None  # pipeline.core.eval_rounds.EvalRounds: eval items go out first
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
+        self._seq = 0  # items issued (work and evaluation): orders ties between generators
 
     # -- generators ----------------------------------------------------------------------------
     def add_generator(
@@ -282,34 +284,44 @@ class Dispatcher:
         idle for a whole training step."""
         sent = 0
         self.version = learner_version
-        order = sorted(self._gens, key=lambda k: len(self._gens[k].pending))  # least loaded first
-        for gid in order:
-            g = self._gens.get(gid)
-            if g is None:
-                continue
+        full: set[str] = set()  # generators given all they can take in this pump
+        while True:
+            # one item at a time to the least loaded; among equals, the one served least
+            # recently: when work (not generators) is short, a generator that joined later
+            # is not starved by the first one taking every item that frees up
+            gens = self._gens.items()
+            ready = [k for k, g in gens if k not in full and len(g.pending) < g.max_inflight]
+            if not ready:
+                return sent
+            gid = min(ready, key=lambda k: (len(self._gens[k].pending), self._gens[k].served))
+            g = self._gens[gid]
             ver = max(g.version, expected(gid)) if expected is not None else g.version
-            if not self.gate.can_dispatch(learner_version, ver):
-                continue
-            while len(g.pending) < g.max_inflight:
-                ev = self.evals.next_item(gid, ver) if self.evals is not None else None
-                if ev is not None:  # evaluation work: outside the ledger and the gate
-                    if not send(gid, ev):
-                        self.evals.release(gid, [ev.work_id])
-                        self.remove_generator(gid)
-                        break
-                    g.pending[ev.work_id] = set(range(len(ev.latent_seeds)))
-                    g.issued_at[ev.work_id] = self.clock()
-                    sent += 1
-                    continue
-                item = self._next_item(gid, g, ver)
-                if item is None:  # nothing for this one (what is left avoids it): next one
-                    break
-                if not send(gid, item):  # unroutable: the peer is gone; death handling requeues
-                    self.remove_generator(gid)
-                    break
-                self.sent += 1
+            if self.gate.can_dispatch(learner_version, ver) and self._give(gid, g, ver, send):
                 sent += 1
-        return sent
+            else:
+                full.add(gid)
+
+    def _give(self, gid: str, g: _Gen, ver: int, send: Callable[[str, WorkItem], bool]) -> bool:
+        """Send ``gid`` its next item (evaluation work first); False: nothing for it now
+        (what is left avoids it) or it is unroutable (removed: death handling requeues)."""
+        ev = self.evals.next_item(gid, ver) if self.evals is not None else None
+        if ev is not None:  # evaluation work: outside the ledger and the gate
+            if not send(gid, ev):
+                self.evals.release(gid, [ev.work_id])
+                self.remove_generator(gid)
+                return False
+            g.pending[ev.work_id] = set(range(len(ev.latent_seeds)))
+            g.issued_at[ev.work_id] = self.clock()
+            g.served, self._seq = self._seq, self._seq + 1
+            return True
+        item = self._next_item(gid, g, ver)
+        if item is None:
+            return False
+        if not send(gid, item):
+            self.remove_generator(gid)
+            return False
+        self.sent += 1
+        return True
 
     def _next_item(self, gid: str, g: _Gen, ver: int) -> WorkItem | None:
         others = len(self._gens) > 1
@@ -371,6 +383,7 @@ class Dispatcher:
         self.gate.dispatched(spec.work_id, ver)
         g.pending.setdefault(spec.work_id, set()).update(indices)
         g.issued_at[spec.work_id] = self.clock()
+        g.served, self._seq = self._seq, self._seq + 1
         full = indices == list(range(self.n))
         return WorkItem(
             work_id=spec.work_id,

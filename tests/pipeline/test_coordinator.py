@@ -246,3 +246,20 @@ def test_resume_republishes_a_version_written_but_never_announced(tmp_path: Path
                                              for v in (1, 2)))  # fmt: skip
     assert resume._max_published(tmp_path) == 2
     assert sorted(p.name for p in w.glob("v*")) == ["v1", "v2"]
+
+
+def test_a_generator_that_joins_later_gets_its_share(tmp_path: Path) -> None:
+    """When work, not generators, is short (the staleness gate holds it back), the items that
+    free up go to the least loaded generator, ties to the one served least recently: one that
+    joins later is not starved by the first taking every freed item."""
+    c, net, t = make_coordinator(tmp_path, ["staleness.max_staleness=1"])
+    first = FakeGenerator(net, "g0", seed=0)
+    drive(c, [first], 2)
+    before = {r.rollout_id for _, r in read_rollouts(tmp_path / "stream")}
+    drive(c, [first, FakeGenerator(net, "g1", seed=1)], 14)
+    c.close()
+    after = Counter(r.generator_id for _, r in read_rollouts(tmp_path / "stream")
+                    if r.rollout_id not in before)  # fmt: skip
+    total = sum(after.values())
+    assert total >= 12 * 2 * 4, after
+    assert min(after["g0"], after["g1"]) >= total / 3, after  # each at least a third
