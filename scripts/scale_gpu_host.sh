@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Weight delivery to many generators on a many-core host (issue 15; the lent 2-GPU machine):
-#   1. benchmarks/collective_bcast.py --backend nccl, N = 1 (GPU 0 -> GPU 1), 100 MB .. 7 GB
+#   1. benchmarks/collective_bcast.py --backend nccl, N = 1 (GPU 0 -> GPU 1), 100 MB .. 7 GB, and
+#      the product's publish round over NCCL (tests/pipeline/test_weight_collective.py -k nccl)
 #   2. benchmarks/collective_bcast.py --backend gloo, N = 1, 4, 16, 100 MB and 1 GB, the tree
 #      broadcast (--chunk-mb 0) against the pipelined chain (4 MiB pieces)
 #   3. benchmarks/scale.py --weights (each simulated generator a process of its own), N = 1, 4,
@@ -45,6 +46,9 @@ part() {  # part NAME TIMEOUT SCRIPT ARGS...: one benchmark run, its JSON lines 
     grep -E "Error|error:|Traceback" "$LOG/$name.err" | tail -n 4
 }
 if has nccl; then  # runs first: it also grows the machine's memory (tens of GB) for the rest
+    # the product's round over NCCL: the learner (GPU 0) and a generator process (GPU 1)
+    timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rA tests/pipeline/test_weight_collective.py \
+        -k nccl 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|skipped|^E " | tail -n 20
     part bcast_nccl 90 benchmarks/collective_bcast.py --backend nccl --gens 1 \
         --sizes-mb "$NCCL_MB" --port 29731
 fi

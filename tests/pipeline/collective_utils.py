@@ -99,11 +99,14 @@ def _zero_reward(text: str, tokens: list[int], task: dict[str, Any]) -> float:
     return 0.0
 
 
-def child(gid: str, control: str, weights: str, die_in_round: bool) -> None:
+def child(gid: str, control: str, weights: str, die_in_round: bool, device: int = -1) -> None:
     """A receiver in a process of its own (spawned; the test kills it by pid).
 
     ``die_in_round``: the process exits at once after joining a round's rendezvous, before
-    the group forms (a generator dying mid-round)."""
+    the group forms (a generator dying mid-round). ``device`` >= 0: its current CUDA device
+    (an NCCL rank of its own)."""
+    if device >= 0:
+        torch.cuda.set_device(device)
     if die_in_round:
         import models.collective as coll
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pipeline.config import load_config
 from pipeline.core.coordinator import Coordinator
@@ -34,20 +35,25 @@ TIMEOUT_S = 3.0  # publish.collective_timeout_s in these tests
 # length here is the busy 2-core host's scheduling, up to ~1.3 s seen at load average 35).
 
 
-@pytest.fixture
-def coord(tmp_path: Path) -> Iterator[Coordinator]:
+def make_coord(tmp_path: Path, *overrides: str) -> Coordinator:
     cfg = load_config(None, [f"run_dir={tmp_path}", "rollout.n=4", "publish.keep=0",
                              "publish.transport=collective", f"publish.collective_timeout_s={TIMEOUT_S}",
                              "publish.chunk_bytes=262144",
-                             "publish.collective_chunk_bytes=262144"])  # fmt: skip
+                             "publish.collective_chunk_bytes=262144", *overrides])  # fmt: skip
     ep = ZmqLearnerEndpoint(TCFG, control="tcp://127.0.0.1:*", weights="tcp://127.0.0.1:*")
     c = Coordinator(cfg, endpoint=ep, trainer=StateTrainer(), prompts=prompts(), run_dir=tmp_path,
                     limits=FAKE_LIMITS)  # fmt: skip
     c.dispatcher.cap = 0  # weights only: no work is dispatched
     assert isinstance(c.publisher, CollectivePublisher)
+    return c
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[Coordinator]:
+    c = make_coord(tmp_path)
     yield c
     c.close()
-    ep.close()
+    c.endpoint.close()
 
 
 class Turns:
@@ -78,10 +84,10 @@ def joined(c: Coordinator, n: int) -> Callable[[], bool]:
     return lambda: len(c.publisher.generators()) >= n
 
 
-def spawn(c: Coordinator, gid: str, die_in_round: bool) -> Any:
+def spawn(c: Coordinator, gid: str, die_in_round: bool, device: int = -1) -> Any:
     ep = c.endpoint.endpoints  # type: ignore[attr-defined]
     p = mp.get_context("spawn").Process(target=child, args=(gid, ep["control"], ep["weights"],
-                                                            die_in_round), daemon=True)  # fmt: skip
+                                                            die_in_round, device), daemon=True)  # fmt: skip
     p.start()
     return p
 
@@ -224,6 +230,32 @@ def test_a_generator_dying_inside_a_round_fails_it_within_the_timeout_and_zmq_de
         reap(p)
         for r in gens:
             r.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_nccl_round_delivers_to_a_generator_on_another_gpu(tmp_path: Path) -> None:
+    """publish.collective_backend=nccl: the learner (this process, GPU 0) and a generator
+    process on GPU 1; two versions, each one NCCL round in 256 KiB pieces, the bytes checked
+    against the announced digest on the generator (a mismatch would Nack and fall back)."""
+    torch.cuda.set_device(0)
+    c = make_coord(tmp_path, "publish.collective_backend=nccl", "publish.collective_timeout_s=60")
+    turns = Turns(c)
+    p = spawn(c, "g1", die_in_round=False, device=1)
+    try:
+        turns.until(joined(c, 1), 120)
+        for v in (1, 2):
+            c.publish()
+            turns.until(serving(c, ["g1"], v), 120)
+        pub = c.publisher
+        assert isinstance(pub, CollectivePublisher)
+        turns.until(lambda: pub._round is None, 30)
+        assert [(e["members"], e["joined"], e["error"]) for e in pub.round_log] == [(1, 1, "")] * 2
+        assert pub.counts["frames"] == 0 and pub.counts["collective_fallbacks"] == 0
+        assert pub.counts["collective_nacked"] == 0
+    finally:
+        reap(p)
+        c.close()
+        c.endpoint.close()
 
 
 def test_make_publisher_picks_the_transport(tmp_path: Path) -> None:
