@@ -27,6 +27,7 @@ re-dispatch sends only the sample indices the ledger says are unassigned.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import time
@@ -284,22 +285,24 @@ class Dispatcher:
         idle for a whole training step."""
         sent = 0
         self.version = learner_version
-        full: set[str] = set()  # generators given all they can take in this pump
-        while True:
-            # one item at a time to the least loaded; among equals, the one served least
-            # recently: when work (not generators) is short, a generator that joined later
-            # is not starved by the first one taking every item that frees up
-            gens = self._gens.items()
-            ready = [k for k, g in gens if k not in full and len(g.pending) < g.max_inflight]
-            if not ready:
-                return sent
-            gid = min(ready, key=lambda k: (len(self._gens[k].pending), self._gens[k].served))
-            g = self._gens[gid]
+        # one item at a time to the least loaded; among equals, the one served least recently
+        # (when work, not generators, is short, a generator that joined later is not starved
+        # by the first one taking every item that frees up); a heap: O(items x log N)
+        heap = [(len(g.pending), g.served, k) for k, g in self._gens.items()
+                if len(g.pending) < g.max_inflight]  # fmt: skip
+        heapq.heapify(heap)
+        while heap:
+            gid = heapq.heappop(heap)[2]
+            g = self._gens.get(gid)
+            if g is None:
+                continue
             ver = max(g.version, expected(gid)) if expected is not None else g.version
-            if self.gate.can_dispatch(learner_version, ver) and self._give(gid, g, ver, send):
-                sent += 1
-            else:
-                full.add(gid)
+            if not (self.gate.can_dispatch(learner_version, ver) and self._give(gid, g, ver, send)):
+                continue  # nothing for it now, or it is gone
+            sent += 1
+            if len(g.pending) < g.max_inflight:
+                heapq.heappush(heap, (len(g.pending), g.served, gid))
+        return sent
 
     def _give(self, gid: str, g: _Gen, ver: int, send: Callable[[str, WorkItem], bool]) -> bool:
         """Send ``gid`` its next item (evaluation work first); False: nothing for it now
