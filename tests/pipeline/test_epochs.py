@@ -265,7 +265,7 @@ _VARIANTS = {  # name -> run config overrides on top of the shared ones
     "reward": ["objective.kl_in_reward=true"],
 }
 _FAST = ["grpo", "dppo", "flow_dppo", "divergence_ppo", "divergence_ppo+kl", "ppo",
-         "dppo+critic", "ppo+micro"]  # fmt: skip
+         "dppo+critic", "ppo+micro", "ppo+micro+reward"]  # fmt: skip
 _EXACT = ["grpo", "dppo", "flow_dppo+micro", "divergence_ppo", "divergence_ppo+kl",
           "ppo+micro+reward", "dppo+critic"]  # fmt: skip
 
@@ -283,10 +283,11 @@ def test_backends_agree_on_loss_metrics_and_weights(
     mini-batch, gradients accumulated; +reward: the KL as a reward penalty): both report the
     same metric keys (the reference all but megatron's version / reward / staleness
     bookkeeping), and every metric and every published weight agree within 1e-6 in fast
-    numerics (fp32) and are the same bits in exact numerics: both backends lay the per-token
-    values out in the learner's [B, prompt + response] rows, reduce them through the same
-    functions (learner.objectives, learner.step_metrics) micro-batch by micro-batch, compute
-    the token statistics as the contract defines them and the gradient norm in fp64.
+    numerics (fp32; relative above 1) and are the same bits in exact numerics: both backends
+    lay the per-token values out in the learner's [B, prompt + response] rows, reduce them
+    through the same functions (learner.objectives, learner.step_metrics) micro-batch by
+    micro-batch, compute the token statistics as the contract defines them and the gradient
+    norm in fp64.
     Dropping a term in either backend breaks it. With a critic (ppo; dppo with
     objective.critic) both train a separate critic network with its own learning rate after
     each policy update; two steps, so that the second step's GAE advantages come from the
@@ -322,7 +323,10 @@ def test_backends_agree_on_loss_metrics_and_weights(
         assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= set(ref)
         assert meg["value_mean"] != 0.0  # the critic trained in step 1 acts
     tol = 0.0 if numerics == "exact" else 1e-6
-    bad = {k: (ref[k], meg[k]) for k in ref if not abs(ref[k] - meg[k]) <= tol}
+    # fast: 1e-6 relative to the value where it is above 1 (grad_norm ~10: one fp32 ulp there
+    # is 9.5e-7, and the two stacks' fp32 sums differ by 1-3 ulps, by the number of threads)
+    bad = {k: (ref[k], meg[k]) for k in ref
+           if not abs(ref[k] - meg[k]) <= tol * max(1.0, abs(ref[k]))}  # fmt: skip
     assert not bad, bad
     a, b = weights["reference"], weights["megatron"]
     assert a.keys() == b.keys()
