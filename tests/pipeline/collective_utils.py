@@ -103,10 +103,11 @@ def child(gid: str, control: str, weights: str, die_in_round: bool, device: int 
     """A receiver in a process of its own (spawned; the test kills it by pid).
 
     ``die_in_round``: the process exits at once after joining a round's rendezvous, before
-    the group forms (a generator dying mid-round). ``device`` >= 0: its current CUDA device
-    (an NCCL rank of its own)."""
+    the group forms (a generator dying mid-round). ``device`` >= 0: the one GPU it sees (an
+    NCCL rank of its own; CUDA_VISIBLE_DEVICES as a generator host gives it, so that every
+    thread's current device is that GPU, before anything initialises CUDA here)."""
     if device >= 0:
-        torch.cuda.set_device(device)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     if die_in_round:
         import models.collective as coll
 
