@@ -5,7 +5,9 @@ Loop (on the coordinator's thread)::
     d = Dispatcher(rollout_cfg, run_seed, prompts, ledger, gate)
     d.add_generator(gid, hello.max_inflight, hello.weight_version)     # on Hello
     d.set_version(gid, v)                                               # Heartbeat / weights Ack
-    d.pump(learner_version, send)      # re-dispatch first, then new work, while capacity lasts
+    d.pump(learner_version, send)      # re-dispatch first, then new work, while capacity lasts,
+                                       # an item at a time to the least loaded generator (ties:
+                                       # the one served least recently)
     d.received(gid, work_id, index)    # an accepted sample frees capacity
     d.remove_generator(gid)            # death / Goodbye: ledger.generator_died -> re-dispatch
     d.returned(gid, work_ids)          # WorkReturn -> re-dispatch
