@@ -21,7 +21,8 @@ prefill with `Generator.set_offset`, which CPU generators reject ("CPU Generator
 offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
 Replay does not need the sampler's randomness (only tokens, seeds and depths).
 
-Weights: `load_weights` checks `canonical_digest` before anything is loaded; a mismatch raises
+Weights: `load_weights` checks `canonical_digest` before anything is loaded (for a received
+blob, a `DigestedState`, the digest its receiver computed on the same bytes); a mismatch raises
 `WeightDigestError` and the engine keeps serving the old version. By default a swap waits
 until no request is in flight (a lock around generate); with `inflight_updates=True` it is
 applied between two engine steps of a running `generate`, and each token records the version
@@ -45,7 +46,7 @@ from generator.plugin import ARCHITECTURES
 from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_settings import PluginSettings, settings_to_dict
-from models.digest import canonical_digest
+from models.digest import DigestedState, canonical_digest, state_digest
 from models.exits import ExitPolicy
 from proto.records import Rollout, WorkItem
 
@@ -84,6 +85,8 @@ def _load_on_worker(worker: Any, state: dict[str, torch.Tensor], version: int) -
 
 
 def _read_state(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    if isinstance(source, DigestedState):
+        return source
     if isinstance(source, Mapping):
         return dict(source)
     from models.checkpoint import load_checkpoint
@@ -197,7 +200,7 @@ class LoopedEngine:
         if version <= self.weight_version:
             raise ValueError(f"version {version} is not newer than {self.weight_version}")
         state = _read_state(source)
-        got = canonical_digest(state)
+        got = state_digest(state)  # a received blob's: checked by its receiver on these bytes
         if got != digest:
             raise WeightDigestError(
                 f"weights v{version}: digest {got} does not match the announced {digest}; "

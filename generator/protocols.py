@@ -89,12 +89,16 @@ def make_hello(
 
 def weights_source(ready: Any) -> Any:
     """What engine.load_weights receives for a verified set: {name: tensor} views of the blob
-    (torch imported lazily), or the announce's path when the set holds no bytes."""
+    (torch imported lazily) as a ``DigestedState`` carrying the digest the receiver checked
+    on these very bytes (the engine does not hash them again), or the announce's path when the
+    set holds no bytes (the engine hashes what it reads)."""
     ann: WeightAnnounce = ready.announce
     blob = getattr(ready, "blob", None)
     if not blob:
         return ann.path
     import torch
+
+    from models.digest import DigestedState
 
     state = {}
     for t in ann.tensors:
@@ -108,7 +112,7 @@ def weights_source(ready: Any) -> Any:
             raise ValueError(f"weights v{ann.version}: tensor {t.name} size != shape x dtype")
         flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=t.offset) if numel else None
         state[t.name] = torch.empty(t.shape, dtype=dtype) if flat is None else flat.view(t.shape)
-    return state
+    return DigestedState(state, ann.digest)
 
 
 class Lane:

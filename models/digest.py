@@ -28,6 +28,8 @@ sorted-name order with no gaps, and one metadata dict per tensor with the fields
 tensor's canonical bytes). `digest_from_blob(blob, meta)` recomputes the canonical digest from
 the blob and its metadata without building tensors; `state_from_blob` rebuilds the tensors.
 Note: the canonical digest is NOT sha256(blob) (the blob carries no names, dtypes or shapes).
+A receiver that checked `digest_from_blob` hands the tensors on as a `DigestedState` (views of
+the blob with that digest), so the engine's check (`state_digest`) does not hash them again.
 """
 
 from __future__ import annotations
@@ -107,6 +109,22 @@ def canonical_digest(state: Mapping[str, torch.Tensor]) -> str:
         if raw is not None:
             h.update(raw)
     return h.hexdigest()
+
+
+class DigestedState(dict):  # type: ignore[type-arg]
+    """{name: tensor} views of a blob whose canonical digest a receiver computed from the
+    blob itself (``digest_from_blob``, which equals ``canonical_digest`` of these tensors by
+    construction) and matched against the announcement: ``state_digest`` returns it instead
+    of hashing the same bytes a second time (0.8 s per GiB on one core)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], digest: str) -> None:
+        super().__init__(state)
+        self.digest = digest
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """The canonical digest of ``state``: the receiver's, for a ``DigestedState``."""
+    return state.digest if isinstance(state, DigestedState) else canonical_digest(state)
 
 
 def check_finite(state: Mapping[str, torch.Tensor], where: str = "") -> None:

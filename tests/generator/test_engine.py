@@ -213,14 +213,19 @@ def test_stop_strings_end_a_completion(setup: Setup) -> None:
 
 
 @pytest.mark.vllm
-def test_weights_received_by_broadcast_load_through_the_engine(setup: Setup) -> None:
+def test_weights_received_by_broadcast_load_through_the_engine(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """publish.transport=collective, generator side: a real tiny checkpoint broadcast over gloo
     (the learner's rank 0 on a thread here), checked by CollectiveWeightSink, then loaded by
-    engine.load_weights exactly as the generator loop does (weights_source), and served."""
+    engine.load_weights exactly as the generator loop does (weights_source), and served. The
+    engine takes the digest the sink computed on those bytes (a DigestedState) instead of
+    hashing them again."""
     from generator.protocols import weights_source
     from generator.weights_collective import CollectiveWeightSink
     from models import collective as coll
-    from models.digest import blob_and_meta
+    from models import digest as digest_mod
+    from models.digest import DigestedState, blob_and_meta
     from proto import TensorMeta, WeightAnnounce
 
     new = setup.weights(seed=3)
@@ -261,8 +266,20 @@ def test_weights_received_by_broadcast_load_through_the_engine(setup: Setup) -> 
     t.join(timeout=30)
     assert ready is not None and bytes(ready.blob) == blob and sent == []
     item, before = _greedy(setup)
+    src = weights_source(ready)
+    assert isinstance(src, DigestedState) and src.digest == ann.digest
+    assert canonical_digest(dict(src)) == ann.digest  # the views hash to it, by construction
+
+    def hashed_again(state: Any) -> str:
+        raise AssertionError("the engine hashed a received blob a second time")
+
+    monkeypatch.setattr(digest_mod, "canonical_digest", hashed_again)
+    monkeypatch.setattr("generator.engine.canonical_digest", hashed_again)
+    with pytest.raises(AssertionError, match="a second time"):  # a plain mapping is hashed
+        setup.engine.load_weights(dict(src), setup.version + 1, ann.digest)
     setup.version += 1
-    setup.engine.load_weights(weights_source(ready), setup.version, ann.digest)
+    setup.engine.load_weights(src, setup.version, ann.digest)
+    monkeypatch.undo()
     _, after = _greedy(setup)
     assert after[0].weight_version == setup.version
     assert not np.array_equal(after[0].logprobs, before[0].logprobs)

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from models.digest import (
+    DigestedState,
     blob_and_meta,
     canonical_digest,
     digest_from_blob,
+    state_digest,
     state_from_blob,
     tensor_bytes,
 )
@@ -105,6 +107,25 @@ def test_blob_round_trip_is_bit_exact() -> None:
     assert digest_from_blob(bytearray(blob), metas) == canonical_digest(state)
     ann = WeightAnnounce(1, canonical_digest(state), len(blob), 16, -(-len(blob) // 16), metas)
     ann.validate()
+
+
+def test_generator_weights_source_carries_the_receivers_digest() -> None:
+    """The views generator.protocols.weights_source builds of a verified blob hash to the
+    digest the receiver checked (digest_from_blob), which state_digest then returns as is."""
+    from types import SimpleNamespace
+
+    from generator.protocols import weights_source
+
+    state = _state()
+    blob, meta = blob_and_meta(state)
+    digest = digest_from_blob(blob, meta)
+    ann = SimpleNamespace(version=1, digest=digest, tensors=[TensorMeta(**m) for m in meta])
+    src = weights_source(SimpleNamespace(announce=ann, blob=bytearray(blob)))
+    assert isinstance(src, DigestedState) and state_digest(src) == digest
+    assert canonical_digest(dict(src)) == digest == canonical_digest(state)
+    assert all(torch.equal(src[k], state[k]) for k in state)
+    assert state_digest(dict(src)) == digest  # a plain mapping: hashed
+    assert state_digest(DigestedState(src, "f" * 64)) == "f" * 64  # the receiver's, not hashed
 
 
 def test_bad_blobs_are_rejected() -> None:
