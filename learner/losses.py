@@ -8,6 +8,7 @@ log-prob by 0 before any `exp`, so no inf reaches a product in the backward pass
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "ClippedSurrogate",
     "aggregate",
     "behaviour_weight",
+    "binary_kl",
     "clipped_surrogate",
     "divergence_surrogate",
     "flow_dppo_surrogate",
@@ -187,7 +189,7 @@ def divergence_surrogate(
     and the update pushes further out (A > 0 and pi > mu, or A < 0 and pi < mu):
 
         tv:  |pi(a) - mu(a)|
-        kl:  mu log(mu / pi) + (1 - mu) log((1 - mu) / (1 - pi))
+        kl:  mu log(mu / pi) + (1 - mu) log((1 - mu) / (1 - pi))    (`binary_kl`, log space)
 
     mu is the anchor (behaviour or proximal policy), pi the current one. Returns (loss [B, T],
     dropped [B, T] bool, divergence [B, T])."""
@@ -196,15 +198,38 @@ def divergence_surrogate(
         if divergence == "tv":
             div = (pi - mu).abs()
         elif divergence == "kl":
-            eps = 1e-12
-            pi_c, mu_c = pi.clamp(eps, 1 - eps), mu.clamp(eps, 1 - eps)
-            div = mu_c * (mu_c / pi_c).log() + (1 - mu_c) * ((1 - mu_c) / (1 - pi_c)).log()
+            div = binary_kl(anchor_logp.detach().float(), logp.detach().float())
         else:
             raise ValueError(f"divergence: expected 'tv' or 'kl', got {divergence!r}")
         pushing = ((advantages > 0) & (pi > mu)) | ((advantages < 0) & (pi < mu))
         dropped = pushing & (div > threshold)
     loss = torch.where(dropped, 0.0, -ratio * advantages)
     return loss, dropped, div
+
+
+BINARY_LOGP_RANGE = (math.log(1e-12), -1e-12)
+"""`binary_kl` clamps both log-probs into this range: probabilities in [1e-12, 1 - 1e-12],
+held in log space, where fp32 resolves them (next to 1, fp32 probabilities step by 6e-8)."""
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -ln 2 (Maechler 2012)."""
+    return torch.where(x > -math.log(2.0), (-torch.expm1(x)).log(), torch.log1p(-x.exp()))
+
+
+def binary_kl(anchor_logp: Tensor, logp: Tensor) -> Tensor:
+    """KL(Bernoulli(mu) || Bernoulli(pi)) of the sampled token, mu = exp(anchor_logp),
+    pi = exp(logp), computed from the log-probs:
+
+        mu (log mu - log pi) + (1 - mu) (log(1 - mu) - log(1 - pi)),  1 - mu = -expm1(log mu)
+
+    Both log-probs are first clamped into `BINARY_LOGP_RANGE`, so every value is finite
+    (at most about 27.6), for a confident token (log-prob 0 or within 3e-8 of it: there
+    1 - exp(logp) rounds to 0 in fp32) as for -inf.
+    """
+    lo, hi = BINARY_LOGP_RANGE
+    a, b = anchor_logp.clamp(lo, hi), logp.clamp(lo, hi)
+    return a.exp() * (a - b) - torch.expm1(a) * (_log1mexp(a) - _log1mexp(b))
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:

@@ -437,3 +437,41 @@ def test_unused_non_finite_inputs_do_not_invalidate_tokens() -> None:
     loss, m = policy_loss(ObjectiveConfig(kind="ppo"), batch)
     close(loss, -1.5)
     assert m["invalid_frac"] == 0.0 and m["kl_old_new"] == 0.0
+
+
+# ---------------------------------------------------------------- divergence PPO, binary KL
+
+
+def binary_kl_fp64(anchor_logp: float, logp: float) -> float:
+    """The binary KL in fp64 with exact 1 - p (expm1), log-probs clamped to [ln 1e-12, -1e-12]."""
+    a = min(max(anchor_logp, LN(1e-12)), -1e-12)
+    b = min(max(logp, LN(1e-12)), -1e-12)
+    return math.exp(a) * (a - b) - math.expm1(a) * (LN(-math.expm1(a)) - LN(-math.expm1(b)))
+
+
+def test_binary_kl_of_confident_tokens_is_finite_and_drops() -> None:
+    # Issue 21 bug 1: mu = exp(anchor) within 3e-8 of 1 made 1 - mu round to 0 in fp32, the
+    # divergence (1 - mu) log 0 = NaN, and the token was kept. Each token here moves from a
+    # confident anchor to pi = 0.5 with A < 0 (pushing pi further down): binary KL about
+    # ln 2 = 0.693 > 0.05, so it must be dropped. The -inf anchor (mu = 0) moves to pi = 0.5
+    # with A > 0: KL = -ln(1 - 0.5) = ln 2, pushing up, dropped too. The last token goes from
+    # 1 - 1e-8 to pi = 1 with A > 0: a negligible move (KL 8e-8 after the clamp), kept.
+    from learner.losses import divergence_surrogate
+
+    anchor = [-1e-8, -2.9e-8, 0.0, -INF, -1e-8]
+    logp = [LN(0.5)] * 4 + [0.0]
+    adv = t([[-1, -1, -1, 1, 1]])
+    a, lp = t([anchor]), t([logp])
+    ratio = (lp - a).clamp(-20, 20).exp()
+    loss, dropped, div = divergence_surrogate(ratio, lp, a, adv, "kl", 0.05)
+    assert torch.isfinite(div).all(), div
+    close(div, [[binary_kl_fp64(x, y) for x, y in zip(anchor, logp, strict=True)]], tol=2e-7)
+    assert dropped.tolist() == [[True, True, True, True, False]]
+    assert loss[0, :4].tolist() == [0.0] * 4 and loss[0, 4] == -1.0
+    # through policy_loss (behaviour anchor): finite divergence_mean, 3 of 4 tokens dropped
+    cfg = ObjectiveConfig(kind="divergence_ppo", divergence="kl", divergence_threshold=0.05)
+    batch = {"mask": t([[1] * 4]), "advantages": t([[-1, -1, -1, 1]]),
+             "behav_logp": t([[-1e-8, -2.9e-8, 0.0, -1e-8]]), "logp": t([[LN(0.5)] * 3 + [0.0]])}  # fmt: skip
+    _, m = policy_loss(cfg, batch)
+    assert math.isfinite(m["divergence_mean"]) and m["drop_frac"] == 0.75
+    close(m["divergence_mean"], (3 * LN(2) + binary_kl_fp64(-1e-8, 0.0)) / 4, tol=1e-6)
