@@ -224,7 +224,10 @@ def recover(
     ``check_all`` (the default): verify every frame's checksum, ignoring the indexes, and
     rewrite each segment that holds damage to its intact frames (same bytes, same seqs);
     the original files of those segments are kept in ``backup`` (default: a new directory
-    ``PATH.damaged-<time>`` beside the stream) and ``lost`` names every range dropped.
+    ``PATH.damaged-<time>`` beside the stream) and ``lost`` names every range dropped. A
+    segment file missing between two others becomes an empty segment, so the intact
+    segments around it open again; ``lost`` names it (``LostRange.missing``) with the seqs
+    it held.
     Then, as without it, cut a torn tail and rebuild the indexes. ``check_all=False`` only
     scans what the indexes do not cover (what ``StreamWriter`` does on open) and raises
     StreamCorruptError for damage it meets.

@@ -5,11 +5,16 @@ also works while a writer appends). Where a frame fails its checks it searches f
 the next intact frame (magic, header, checksum and an increasing seq) and records the bytes
 in between as a :class:`LostRange`; it never stops at the first damage. Bytes after the
 last intact frame of the last segment are the torn tail (``Survey.torn``), as for readers.
+A segment file missing between two present ones (a gap in the numbering) is one
+:class:`LostRange` with ``missing`` set: its frames are the seqs strictly between the
+intact frames around it (exact from the segment's orphan index when that survived).
 
 :func:`salvage` (called by :func:`proto.stream.recover` under the writer lock) rewrites
 each damaged segment in place so that it holds exactly its intact frames, byte for byte and
 with their seqs, after hard-linking (or copying) the original segment and index files into a
-backup directory beside the stream. Invariant: every intact frame of the stream is still in
+backup directory beside the stream; a missing segment is replaced by an empty one (header
+only, so the numbering has no gap and readers and writers open the stream again; its orphan
+index moves to the backup). Invariant: every intact frame of the stream is still in
 it afterwards, at the same seq; nothing that failed its checks is.
 """
 
@@ -17,10 +22,11 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 import shutil
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from proto.stream_format import (
@@ -36,10 +42,11 @@ from proto.stream_format import (
     find_frame,
     index_bytes,
     index_name,
-    list_segments,
     new_entries,
     segment_name,
 )
+
+_SEGMENT_FILE = re.compile(r"^segment-(\d{8})\.lrs$")
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class LostRange:
     a later segment. ``after_seq``/``before_seq``: the nearest intact frames around it (None:
     none in the stream), so the frames lost had seqs strictly between them. ``frames``: the
     seqs read from the frame headers that chain exactly over the range (empty when a damaged
-    header breaks the chain, and the count is then unknown)."""
+    header breaks the chain, and the count is then unknown). ``missing``: the numbers of
+    segment files that are gone (the range covers all of them; ``offset``/``bytes`` are 0)."""
 
     segment: int
     offset: int
@@ -57,6 +65,17 @@ class LostRange:
     after_seq: int | None
     before_seq: int | None
     frames: tuple[int, ...]
+    missing: tuple[int, ...] = ()
+
+    @property
+    def frame_count(self) -> int | None:
+        """Frames lost: exact when ``frames`` is known; for a missing segment, the seqs between
+        its neighbours (the writer numbers frames consecutively); None when unknown."""
+        if self.frames:
+            return len(self.frames)
+        if self.missing and self.after_seq is not None and self.before_seq is not None:
+            return self.before_seq - self.after_seq - 1
+        return None
 
     @property
     def seqs(self) -> str:
@@ -68,7 +87,7 @@ class LostRange:
         return f"{lo}..{hi}"
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "segment": segment_name(self.segment),
             "offset": self.offset,
             "bytes": self.bytes,
@@ -78,6 +97,10 @@ class LostRange:
             "frames": len(self.frames) if self.frames else None,
             "seqs": self.seqs,
         }
+        if self.missing:
+            out["missing_segments"] = [segment_name(n) for n in self.missing]
+            out["frames"] = self.frame_count
+        return out
 
 
 @dataclass
@@ -88,6 +111,7 @@ class SegmentSurvey:
     path: Path
     size: int
     header_ok: bool
+    missing: bool = False  # the segment file is gone (a gap in the numbering)
     seqs: array = field(default_factory=new_entries)
     offsets: array = field(default_factory=new_entries)
     lengths: array = field(default_factory=new_entries)
@@ -178,15 +202,63 @@ def _survey_segment(fd: int, path: Path, number: int, prev: int | None) -> Segme
     return seg
 
 
+def present_segments(root: Path) -> list[int]:
+    """Numbers of the segment files in ``root``, ascending, gaps allowed."""
+    return sorted(int(m.group(1)) for n in os.listdir(root) if (m := _SEGMENT_FILE.match(n)))
+
+
+def missing_segments(root: str | os.PathLike[str]) -> list[int]:
+    """Segment numbers missing between the first and the last present one."""
+    nums = present_segments(Path(root))
+    have = set(nums)
+    return [n for n in range(nums[0], nums[-1] + 1) if n not in have] if nums else []
+
+
+def _orphan_index(root: Path, run: list[int], prev: int | None) -> tuple[int, ...]:
+    """Seqs listed by the surviving index files of the missing segments ``run`` (``()``
+    unless every one of them is there and lists increasing seqs after ``prev``)."""
+    seqs: list[int] = []
+    for n in run:
+        try:
+            data = (root / index_name(n)).read_bytes()
+        except FileNotFoundError:
+            return ()
+        if not data or len(data) % 16:
+            return ()
+        seqs.extend(int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 16))
+    chain = [prev, *seqs] if prev is not None else seqs
+    if any(b <= a for a, b in zip(chain, chain[1:])):
+        return ()
+    return tuple(seqs)
+
+
 def survey(path: str | os.PathLike[str]) -> Survey:
     """Check every frame of the stream at ``path`` (read only; see the module docstring)."""
     root = Path(path)
-    nums = list_segments(root)
+    nums = present_segments(root)
     if not nums:
         raise StreamError(f"{root}: not a looprl stream (no segment-NNNNNNNN.lrs files)")
     segs: list[SegmentSurvey] = []
     prev: int | None = None
     for n in nums:
+        if segs and n > segs[-1].number + 1:  # a gap: segment files are gone
+            run = list(range(segs[-1].number + 1, n))
+            frames = _orphan_index(root, run, prev)
+            for k in run:
+                gone = SegmentSurvey(k, root / segment_name(k), 0, header_ok=False, missing=True)
+                segs.append(gone)
+            segs[-len(run)].lost.append(
+                LostRange(
+                    run[0],
+                    0,
+                    0,
+                    f"segment file{'s' if len(run) > 1 else ''} missing",
+                    prev,
+                    None,
+                    frames,
+                    tuple(run),
+                )  # fmt: skip
+            )
         fd = os.open(root / segment_name(n), os.O_RDONLY)
         try:
             seg = _survey_segment(fd, root / segment_name(n), n, prev)
@@ -202,7 +274,7 @@ def survey(path: str | os.PathLike[str]) -> Survey:
         t = last.lost.pop()  # nothing intact follows it: the torn tail readers stop at
         torn = (t.segment, t.offset, t.bytes, t.reason)
     for seg in segs[:-1]:
-        if seg.size < SEGMENT_HEADER_SIZE:
+        if seg.size < SEGMENT_HEADER_SIZE and not seg.missing:
             seg.lost.append(LostRange(seg.number, 0, seg.size, "segment header truncated",
                                       None, None, ()))  # fmt: skip
     _fill_before(segs)
@@ -220,7 +292,10 @@ def _fill_before(segs: list[SegmentSurvey]) -> None:
             j = bisect.bisect_left(keys, (r.segment, r.offset))
             before = flat[j][2] if j < len(flat) else None
             after = flat[j - 1][2] if j > 0 else None
-            s.lost[i] = LostRange(r.segment, r.offset, r.bytes, r.reason, after, before, r.frames)
+            frames = r.frames
+            if r.missing and frames and before is not None and frames[-1] >= before:
+                frames = ()  # an orphan index that disagrees with the data: not evidence
+            s.lost[i] = replace(r, after_seq=after, before_seq=before, frames=frames)
 
 
 def _backup(root: Path, backup: Path | None) -> Path:
@@ -244,6 +319,21 @@ def _keep(src: Path, dst_dir: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def _fill_gap(root: Path, seg: SegmentSurvey, sync: bool) -> None:
+    """Create missing segment ``seg`` as a header with no frames, with an empty index."""
+    for name, data in ((segment_name(seg.number), encode_segment_header(seg.number)),
+                       (index_name(seg.number), b"")):  # fmt: skip
+        tmp = root / (name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, root / name)
 
 
 def _rewrite(root: Path, seg: SegmentSurvey, sync: bool) -> None:
@@ -283,19 +373,31 @@ def salvage(
     root: Path, found: Survey, *, backup: Path | None = None, sync: bool = True
 ) -> Path | None:
     """Rewrite every damaged segment of ``found`` to its intact frames (the caller holds the
-    writer lock); returns the backup directory holding the original files (None: no damage).
-    A torn tail is left to :func:`proto.stream.recover`'s truncation."""
-    damaged = [s for s in found.segments if s.lost]
-    if not damaged:
+    writer lock); returns the backup directory holding the original files (None: no damage,
+    or only missing segments with no index left).
+    A missing segment is created empty. A torn tail is left to :func:`proto.stream.recover`'s
+    truncation."""
+    damaged = [s for s in found.segments if s.lost and not s.missing]
+    gaps = [s for s in found.segments if s.missing]
+    if not damaged and not gaps:
         return None
-    where = _backup(root, backup)
-    for seg in damaged:
-        _keep(seg.path, where)
-        _keep(root / index_name(seg.number), where)
-    if sync:
-        fd = os.open(where, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    keep = [p for s in damaged for p in (s.path, root / index_name(s.number))]
+    keep += [root / index_name(s.number) for s in gaps]  # orphan indexes: what a gap held
+    keep = [p for p in keep if p.exists()]
+    where = _backup(root, backup) if keep else None
+    if where is not None:
+        for p in keep:
+            _keep(p, where)
+        if sync:
+            fd = os.open(where, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
     for seg in damaged:
         _rewrite(root, seg, sync)
+    for seg in gaps:
+        _fill_gap(root, seg, sync)
+    if gaps and sync:
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
     return where

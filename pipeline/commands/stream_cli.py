@@ -6,8 +6,10 @@ count, seq range, segments, bytes on disk, message types, weight versions, gener
 compression; ``--json`` prints the same as one JSON object, ``--frames`` lists frames.
 ``recover`` takes the writer lock, checks every frame, rewrites segments holding damage to
 their intact frames (originals kept in ``PATH.damaged-<time>``), cuts a torn tail and
-rebuilds indexes; it prints what was lost. A damaged stream makes ``inspect`` exit 2 after
-counting its intact frames and naming each damaged range.
+rebuilds indexes; it prints what was lost. A segment file missing from the middle is
+replaced by an empty one and reported as a gap (its seqs and frame count). A damaged stream
+(a missing segment included) makes ``inspect`` exit 2 after counting its intact frames and
+naming each damaged range.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from proto.stream import RecoveryReport, StreamCorruptError, StreamError, StreamReader, recover
 from proto.stream_format import FRAME_HEADER_SIZE, segment_name
-from proto.stream_salvage import survey
+from proto.stream_salvage import LostRange, missing_segments, survey
 
 
 @dataclass
@@ -195,15 +197,31 @@ def _print_text(s: dict[str, Any]) -> None:
         print(f"  seq {f['seq']:>10}  {f['type']:<12} {f['bytes']:>10,} B  v{ver:<8} {gens}")
 
 
+def _where(r: LostRange) -> str:
+    """Where a lost range was: a byte range of a segment, or the missing segment files."""
+    if r.missing:
+        names = ", ".join(segment_name(n) for n in r.missing)
+        return f"{names} missing (rollouts in it unknown: the file is gone)"
+    return f"{segment_name(r.segment)} offset {r.offset}, {r.bytes} bytes ({r.reason})"
+
+
+def _count(r: LostRange) -> str:
+    n = r.frame_count
+    if n is None:
+        why = "a frame header is damaged" if not r.missing else "no intact frame on one side"
+        return f"frame count unknown: {why}"
+    return f"{n} frame{'s' if n != 1 else ''}"
+
+
 def _print_recovery(rep: RecoveryReport) -> None:
     seqs = f"seq {rep.last_seq}" if rep.last_seq is not None else "no frames"
     print(f"recovered {rep.path}: {rep.frames} intact frames (last {seqs}) in "
           f"{rep.segments} segments; every frame checked")  # fmt: skip
     for r in rep.lost:
-        n = f"{len(r.frames)} frame{'s' if len(r.frames) != 1 else ''}" if r.frames else (
-            "frame count unknown: a frame header is damaged")  # fmt: skip
-        print(f"  lost seq {r.seqs} ({n}): {segment_name(r.segment)} offset {r.offset}, "
-              f"{r.bytes} bytes ({r.reason})")  # fmt: skip
+        print(f"  lost seq {r.seqs} ({_count(r)}): {_where(r)}")
+        if r.missing:
+            print(f"  gap kept: {', '.join(segment_name(n) for n in r.missing)} now an empty "
+                  "segment (header only), so the stream opens again")  # fmt: skip
     if rep.truncated_segment is not None:
         print(f"  cut torn tail: {segment_name(rep.truncated_segment)} offset "
               f"{rep.truncated_offset}, {rep.truncated_bytes} bytes ({rep.torn_reason})")  # fmt: skip
@@ -214,7 +232,7 @@ def _print_recovery(rep: RecoveryReport) -> None:
                                   if rep.indexes_repaired else ""))  # fmt: skip
 
 
-def _damaged(path: str, err: StreamCorruptError, as_json: bool) -> int:
+def _damaged(path: str, err: StreamError, as_json: bool) -> int:
     """Report a damaged stream: the error, then how much of it is intact (exit code 2)."""
     try:
         found = survey(path)
@@ -231,9 +249,8 @@ def _damaged(path: str, err: StreamCorruptError, as_json: bool) -> int:
     print(f"looprl stream: {found.frames} frames intact (seq {found.first_seq}.."
           f"{found.last_seq}); {len(lost)} damaged ranges, {sum(r.bytes for r in found.lost)} "
           f"bytes; `looprl stream recover {path}` salvages the intact frames", file=sys.stderr)  # fmt: skip
-    for r in lost:
-        print(f"  damaged: {r['segment']} offset {r['offset']}, {r['bytes']} bytes, seq "
-              f"{r['seqs']} ({r['reason']})", file=sys.stderr)  # fmt: skip
+    for r in found.lost:
+        print(f"  damaged: seq {r.seqs} ({_count(r)}): {_where(r)}", file=sys.stderr)
     return 2
 
 
@@ -251,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     except StreamCorruptError as e:
         return _damaged(args.path, e, getattr(args, "json", False))
     except StreamError as e:
+        if os.path.isdir(args.path) and missing_segments(args.path):  # a gap in the numbering
+            return _damaged(args.path, e, getattr(args, "json", False))
         print(f"looprl stream: error: {e}", file=sys.stderr)
         return 2
     if args.json:
