@@ -60,7 +60,8 @@ class ObjectiveConfig:
     whiten: bool = False
     """Whiten the advantages over the step's response tokens (mean 0, std 1)."""
     dynamic_sampling: bool = False
-    """Drop complete groups whose rewards are all equal (no group signal); new prompts refill."""
+    """Drop complete groups whose rewards are all equal (no group signal); new prompts refill;
+    needs rollout.n >= 2 (the run config refuses n = 1)."""
     overlong_buffer: int = 0
     """Soft overlong penalty over the last this many tokens before rollout.max_tokens (0: off)."""
     overlong_penalty: float = 1.0

@@ -130,6 +130,11 @@ class RunConfig:
                "rollout.top_p", self.rollout.top_p,
                "< 1 needs the whole vocabulary on one rank: the megatron learner supports it "
                "at tp=1 only")  # fmt: skip
+        _check(not self.objective.dynamic_sampling or self.rollout.n >= 2,
+               "objective.dynamic_sampling", self.objective.dynamic_sampling,
+               f"needs rollout.n >= 2 (got rollout.n={self.rollout.n}): it drops groups whose "
+               "rewards are all equal, and a group of one sample always is, so no batch would "
+               "ever form")  # fmt: skip
         _check(self.objective.overlong_buffer <= self.rollout.max_tokens,
                "objective.overlong_buffer", self.objective.overlong_buffer,
                f"must be <= rollout.max_tokens ({self.rollout.max_tokens})")  # fmt: skip
