@@ -15,9 +15,12 @@ from torch import Tensor
 
 __all__ = [
     "broadcast_to_tokens",
+    "discounted_returns",
     "gae",
     "group_advantages",
+    "group_baseline",
     "normalize_advantages",
+    "rloo_advantages",
     "whiten_tokens",
 ]
 
@@ -29,7 +32,12 @@ def _check_unit_interval(name: str, value: float) -> None:
 
 @torch.no_grad()
 def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    last_values: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over response tokens.
 
@@ -47,6 +55,8 @@ def gae(
         mask: [B, T] float, > 0 on response tokens.
         gamma: discount in [0, 1].
         lam: GAE lambda in [0, 1].
+        last_values: [B] V after each row's last step (bootstrapping a row cut at the length
+            limit: objective.bootstrap_truncated, as AReaL); None = 0 for every row.
 
     Returns:
         (advantages, returns), both [B, T] fp32, exactly 0 at masked-out positions.
@@ -62,7 +72,7 @@ def gae(
     v = values.float()
     live = mask > 0
     adv = torch.zeros_like(r)
-    next_value = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0]) if last_values is None else last_values.float()
     next_adv = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
         step = live[:, t]
@@ -77,7 +87,11 @@ def gae(
 
 @torch.no_grad()
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
+    rewards: Tensor,
+    group_ids: Tensor,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    singleton: str = "zero",
 ) -> Tensor:
     """Group-relative (GRPO) per-sample advantages.
 
@@ -87,8 +101,10 @@ def group_advantages(
         A_i = r_i - m_g                     (normalize_std=False, "Dr. GRPO")
         A_i = (r_i - m_g) / (s_g + eps)     (normalize_std=True)
 
-    A group of one sample, or whose rewards are all equal, gets exactly 0 (no signal,
-    never 0/0). Group ids are arbitrary integers; members need not be adjacent.
+    A group whose rewards are all equal gets exactly 0 (no signal, never 0/0), and so does a
+    group of one sample with ``singleton="zero"``; ``"reward"`` gives it verl's mean 0 and
+    std 1 instead: r / (1 + eps), or r without normalize_std. Group ids are arbitrary
+    integers; members need not be adjacent.
     Statistics are computed in fp64.
 
     Args:
@@ -122,7 +138,65 @@ def group_advantages(
     if normalize_std:
         var = zeros.index_add(0, inv, dev * dev) / (count - 1).clamp_min(1)
         dev = dev / (var.sqrt()[inv] + eps)
-    return torch.where(informative, dev, 0.0).float()
+    out = torch.where(informative, dev, 0.0)
+    if singleton == "reward":
+        out = torch.where(count[inv] == 1, r / (1.0 + eps) if normalize_std else r, out)
+    elif singleton != "zero":
+        raise ValueError(f"singleton: expected 'zero' or 'reward', got {singleton!r}")
+    return out.float()
+
+
+def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(r fp64 [N], member count [N], group sum [N]) of each sample's group."""
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape or group_ids.is_floating_point():
+        raise ValueError(
+            "rewards, group_ids: expected equal [N] shapes, integer ids, got "
+            f"{tuple(rewards.shape)}, {tuple(group_ids.shape)} {group_ids.dtype}"
+        )
+    r = rewards.double()
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max().item()) + 1 if inv.numel() else 0
+    zeros = torch.zeros(n_groups, dtype=r.dtype, device=r.device)
+    count = zeros.index_add(0, inv, torch.ones_like(r))
+    return r, count[inv], zeros.index_add(0, inv, r)[inv]
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: Tensor, group_ids: Tensor, singleton: str = "zero") -> Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the group's other samples
+    = n / (n - 1) (r_i - m_g). A group of one: 0 (``singleton="zero"``) or r (``"reward"``,
+    verl). [N] fp32, statistics in fp64."""
+    r, n, total = _group_stats(rewards, group_ids)
+    loo = r - (total - r) / (n - 1).clamp_min(1)
+    if singleton not in ("zero", "reward"):
+        raise ValueError(f"singleton: expected 'zero' or 'reward', got {singleton!r}")
+    lone = r if singleton == "reward" else torch.zeros_like(r)
+    return torch.where(n > 1, loo, lone).float()
+
+
+@torch.no_grad()
+def group_baseline(rewards: Tensor, group_ids: Tensor, singleton: str = "zero") -> Tensor:
+    """REINFORCE++-baseline's first stage: r_i - m_g ([N] fp32). A group of one: 0
+    (``"zero"``) or r (``"reward"``: verl's mean 0)."""
+    r, n, total = _group_stats(rewards, group_ids)
+    lone = r if singleton == "reward" else torch.zeros_like(r)
+    return torch.where(n > 1, r - total / n, lone).float()
+
+
+@torch.no_grad()
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """REINFORCE++'s token returns G_t = r_t + gamma G(next step) over each row's masked-in
+    tokens (masked-out positions skipped, as in `gae`; G after the last step 0). [B, T] fp32,
+    0 at masked-out positions."""
+    _check_unit_interval("gamma", gamma)
+    r, live = rewards.float(), mask > 0
+    out = torch.zeros_like(r)
+    nxt = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        g = r[:, t] + gamma * nxt
+        out[:, t] = torch.where(live[:, t], g, 0.0)
+        nxt = torch.where(live[:, t], g, nxt)
+    return out
 
 
 def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
@@ -158,11 +232,15 @@ def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-6) ->
 
 @torch.no_grad()
 def whiten_tokens(
-    adv: Tensor, mask: Tensor, reduce: Callable[[Tensor], object] | None = None
+    adv: Tensor,
+    mask: Tensor,
+    reduce: Callable[[Tensor], object] | None = None,
+    std: str = "population",
 ) -> Tensor:
-    """(A - mean) / (std + 1e-6) over the masked-in tokens (population std), the sums in
-    fp64; ``reduce`` (in place on [count, sum, sum of squares]) adds other ranks' shares.
-    Both trainer backends whiten through it (objective.whiten)."""
+    """(A - mean) / (std + 1e-6) over the masked-in tokens, the sums in fp64; ``reduce`` (in
+    place on [count, sum, sum of squares]) adds other ranks' shares. ``std``: population
+    (n in the denominator) or bessel (n - 1, as verl's masked_whiten). Both trainer backends
+    whiten through it (objective.whiten)."""
     w = torch.where(mask > 0, mask.double(), 0.0)
     a = adv.double()
     sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
@@ -171,4 +249,8 @@ def whiten_tokens(
     total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
     mean = sums[1] / total
     var = (sums[2] / total - mean * mean).clamp_min(0.0)
+    if std == "bessel":
+        var = var * total / (total - 1.0).clamp_min(torch.finfo(torch.float64).tiny)
+    elif std != "population":
+        raise ValueError(f"std: expected 'population' or 'bessel', got {std!r}")
     return torch.where(mask > 0, (a - mean) / (var.sqrt() + 1e-6), 0.0).float()

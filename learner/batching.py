@@ -28,14 +28,22 @@ work item in sorted order), rewards, weight_versions (rollout.weight_version), s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from learner.advantages import broadcast_to_tokens, gae, group_advantages
+from learner.advantages import (
+    broadcast_to_tokens,
+    discounted_returns,
+    gae,
+    group_advantages,
+    group_baseline,
+    rloo_advantages,
+    whiten_tokens,
+)
 from models.contract import position_depths, seed_from_i64, seed_to_i64
 from proto.records import Rollout
 
@@ -45,6 +53,7 @@ __all__ = [
     "gae_advantages",
     "group_token_advantages",
     "sort_rollouts",
+    "step_advantages",
     "uint64_to_int64",
 ]
 
@@ -219,6 +228,70 @@ def gae_advantages(
     """(advantages, returns) [B, L] by GAE from the token rewards and critic values [B, L]
     (V at position p is the value of the state that samples the token predicted at p)."""
     return gae(batch.token_rewards, values, batch.mask, gamma, lam)
+
+
+def step_advantages(
+    batch: TrainBatch,
+    values: Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    normalize_std: bool = True,
+    estimator: str = "grpo",
+    singleton: str = "zero",
+    whiten: bool = False,
+    whiten_std: str = "population",
+    bootstrap_truncated: bool = False,
+    truncated: Tensor | None = None,
+    local: Tensor | None = None,
+    reduce: Callable[[Tensor], object] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """A step's advantages [B, L] (and GAE returns with a critic, else None): every
+    advantage option of the objective in one place (keywords: `ObjectiveConfig.advantage_options`).
+
+    values given (a critic): GAE; with ``bootstrap_truncated`` the rows flagged in
+    ``truncated`` [B] bool (finish_reason "length") bootstrap V after their last step with
+    that step's own value (AReaL bootstraps with the state after the last token, which these
+    rows do not feed: see docs/OBJECTIVES.md). Without: ``estimator`` grpo
+    (`group_advantages`), rloo, reinforce_pp (discounted token returns, whitened) or
+    reinforce_pp_baseline (r - group mean, whitened), singletons per ``singleton``. Then the
+    rows outside ``local`` [B] bool (other data-parallel ranks') are zeroed, and ``whiten``
+    (always for reinforce_pp*) whitens over the local tokens with ``whiten_std``, ``reduce``
+    adding other ranks' sums. With the defaults it is, bit for bit, what both trainers did.
+    """
+    returns = None
+    if values is not None:
+        last = None
+        if bootstrap_truncated:
+            if truncated is None:
+                raise ValueError("bootstrap_truncated: needs truncated [B] (finish_reason)")
+            live = batch.mask > 0
+            idx = live.float().cumsum(dim=1).argmax(dim=1)  # each row's last response step
+            v_last = values.float()[torch.arange(batch.size), idx]
+            last = torch.where(truncated & live.any(dim=1), v_last, 0.0)
+        adv, returns = gae(batch.token_rewards, values, batch.mask, gamma, lam, last)
+    elif estimator == "grpo":
+        adv = broadcast_to_tokens(
+            group_advantages(batch.rewards, batch.group_ids, normalize_std, singleton=singleton),
+            batch.mask,
+        )
+    elif estimator == "rloo":
+        adv = broadcast_to_tokens(rloo_advantages(batch.rewards, batch.group_ids, singleton),
+                                  batch.mask)  # fmt: skip
+    elif estimator == "reinforce_pp":
+        adv = discounted_returns(batch.token_rewards, batch.mask, gamma)
+    elif estimator == "reinforce_pp_baseline":
+        adv = broadcast_to_tokens(group_baseline(batch.rewards, batch.group_ids, singleton),
+                                  batch.mask)  # fmt: skip
+    else:
+        raise ValueError(f"estimator: unknown {estimator!r}")
+    mask = batch.mask
+    if local is not None:
+        adv = torch.where(local[:, None], adv, 0.0)
+        mask = torch.where(local[:, None], mask, 0.0)
+    if whiten or (values is None and estimator.startswith("reinforce_pp")):
+        adv = whiten_tokens(adv, mask, reduce, std=whiten_std)
+    return adv, returns
 
 
 def update_normalizer(batch: TrainBatch, lo: int, hi: int, aggregation: str) -> float:

@@ -18,6 +18,7 @@ from models.contract import NUMERICS, Sampling
 from models.settings import check, checker
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "KINDS",
     "KL_ESTIMATORS",
@@ -32,7 +33,22 @@ __all__ = [
 ]
 
 KINDS = ("grpo", "ppo", "dppo", "flow_dppo", "divergence_ppo")
-AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum")
+AGGREGATIONS = (
+    "token_mean",
+    "seq_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "dr_grpo",
+)
+LENGTH_NORMED = ("seq_mean_token_sum_norm", "dr_grpo")
+"""Aggregations dividing by a constant length (objective.loss_scale_length) instead of n_b."""
+RATIO_LEVELS = ("token", "sequence")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+SINGLETONS = ("zero", "reward")
+WHITEN_STDS = ("population", "bessel")
+KL_CAP_DEFAULT = 10.0
+"""objective.kl_cap's default, also `learner.losses.kl_penalty`'s (the trainers' kl_in_reward
+path calls it without the config: both stay at this value)."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DIVERGENCES = ("tv", "kl")
 ANCHORS = ("behaviour", "proximal")
@@ -42,6 +58,12 @@ SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_VOCAB_CHUNK = 4096
 """Vocabulary slice width of the token statistics: 256 tokens x 4096 columns x 4 B = 4 MiB."""
+
+
+UNWIRED = {"advantage_estimator": "grpo", "singleton_advantage": "zero",
+           "whiten_std": "population", "bootstrap_truncated": False}  # fmt: skip
+"""Advantage options `learner.batching.step_advantages` implements but neither trainer calls
+yet: refused at any other value until the shared trainer step calls it (then remove them)."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +100,16 @@ class ObjectiveConfig:
     """Use of is_cap: truncate (w = min(w, C)) or mask (tokens with w > C get weight 0)."""
     kl_threshold: float = 0.05
     """flow_dppo trust region: updates with KL(old||new) > this that push further are dropped."""
+    divergence_is_cap: float | None = 20.0
+    """divergence_ppo: cap C on r = pi / mu (gradient -min(r, C) A: verl's / TRL's 20, the
+    paper's section 5.4: a 4.9e8 ratio otherwise reaches the gradient); null uncapped; > 0."""
     divergence: str = "tv"
     """divergence_ppo: per-token binary divergence of the sampled token, tv or kl."""
     divergence_threshold: float = 0.2
     """divergence_ppo: trust region (tokens beyond it that push further out are dropped); > 0."""
+    divergence_threshold_low: float | None = None
+    """divergence_ppo: trust region of A < 0 updates (pi pushed down; verl clip_ratio_low);
+    null = divergence_threshold, which then bounds the A > 0 ones (clip_ratio_high); > 0."""
     anchor: str = "behaviour"
     """divergence_ppo: the policy mu that r = pi / mu is measured against: behaviour or proximal."""
     kl_coef: float = 0.0
@@ -92,12 +120,33 @@ class ObjectiveConfig:
     estimator) before the advantages, instead of a loss term."""
     kl_estimator: str = "k3"
     """Per-token estimator of KL(pi || pi_ref): k1, k2 or k3."""
+    kl_cap: float | None = KL_CAP_DEFAULT
+    """The estimator clamped to [-kl_cap, kl_cap], gradient 0 beyond (verl low_var_kl, AReaL:
+    10; k3 grows as e^d when pi << pi_ref); null uncapped; > 0; kl_in_reward: 10 only."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient >= 0 (subtracted from the loss)."""
     aggregation: str = "token_mean"
-    """Loss reduction over tokens: token_mean, seq_mean or seq_mean_token_sum."""
+    """Loss reduction over tokens: token_mean, seq_mean, seq_mean_token_sum, or dr_grpo /
+    seq_mean_token_sum_norm (both sum / (sequences x loss_scale_length))."""
+    loss_scale_length: int | None = None
+    """The constant L of dr_grpo / seq_mean_token_sum_norm (e.g. rollout.max_tokens; TRL
+    max_completion_length, verl loss_scale_factor); required by them, >= 1."""
+    ratio_level: str = "token"
+    """ppo / grpo / dppo ratio: per token, or sequence (GSPO: exp of the row's mean log-ratio)."""
     normalize_std: bool = True
     """Group advantages: divide by the group's std (GRPO) or not (Dr. GRPO)."""
+    advantage_estimator: str = "grpo"
+    """Without a critic: grpo (group mean / std), rloo, reinforce_pp, reinforce_pp_baseline
+    (not yet applied by the trainers: only grpo is accepted)."""
+    singleton_advantage: str = "zero"
+    """A group of one sample: zero (no signal) or reward (verl: r, as if mean 0 and std 1;
+    not yet applied by the trainers: only zero is accepted)."""
+    whiten_std: str = "population"
+    """objective.whiten's std: population (AReaL) or bessel (verl masked_whiten; not yet
+    applied by the trainers: only population is accepted)."""
+    bootstrap_truncated: bool = False
+    """GAE of a row cut at rollout.max_tokens: bootstrap gamma x V (AReaL) instead of 0 (not yet
+    applied by the trainers: only false is accepted)."""
     gamma: float = 1.0
     """GAE discount in [0, 1] (objectives with a critic)."""
     lam: float = 1.0
@@ -107,6 +156,13 @@ class ObjectiveConfig:
     value_coef: float = 0.5
     """Weight of the critic loss (> 0); with a separate critic network and Adam it only matters
     through Adam's epsilon."""
+
+    def advantage_options(self) -> dict[str, object]:
+        """The keywords of `learner.batching.step_advantages` this objective sets."""
+        return {"gamma": self.gamma, "lam": self.lam, "normalize_std": self.normalize_std,
+                "estimator": self.advantage_estimator, "singleton": self.singleton_advantage,
+                "whiten": self.whiten, "whiten_std": self.whiten_std,
+                "bootstrap_truncated": self.bootstrap_truncated}  # fmt: skip
 
     @property
     def uses_critic(self) -> bool:
@@ -134,6 +190,28 @@ class ObjectiveConfig:
         need(self.divergence in DIVERGENCES, "divergence", f"must be one of {DIVERGENCES}")
         need(self.divergence_threshold > 0.0, "divergence_threshold", "must be > 0")
         need(self.anchor in ANCHORS, "anchor", f"must be one of {ANCHORS}")
+        need(self.divergence_is_cap is None or self.divergence_is_cap > 0.0, "divergence_is_cap",
+             "must be null or > 0")  # fmt: skip
+        need(self.divergence_threshold_low is None or self.divergence_threshold_low > 0.0,
+             "divergence_threshold_low", "must be null or > 0")  # fmt: skip
+        need(self.kl_cap is None or self.kl_cap > 0.0, "kl_cap", "must be null or > 0")
+        need(not self.kl_in_reward or self.kl_cap == KL_CAP_DEFAULT, "kl_cap",
+             f"must be {KL_CAP_DEFAULT} with kl_in_reward (the trainers' reward penalty applies "
+             "the default cap)")  # fmt: skip
+        need(self.ratio_level in RATIO_LEVELS, "ratio_level", f"must be one of {RATIO_LEVELS}")
+        need(self.ratio_level == "token" or self.kind in ("ppo", "grpo", "dppo"), "ratio_level",
+             f"sequence applies to ppo, grpo and dppo, not {self.kind}")  # fmt: skip
+        need(self.loss_scale_length is None or self.loss_scale_length >= 1, "loss_scale_length",
+             "must be null or >= 1")  # fmt: skip
+        need(self.aggregation not in LENGTH_NORMED or self.loss_scale_length is not None,
+             "loss_scale_length", f"required by aggregation {self.aggregation} (e.g. "
+             "rollout.max_tokens)")  # fmt: skip
+        for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
+                              ("singleton_advantage", SINGLETONS), ("whiten_std", WHITEN_STDS)):  # fmt: skip
+            need(getattr(self, name) in allowed, name, f"must be one of {allowed}")
+        for name, default in UNWIRED.items():  # learner.batching.step_advantages has them
+            need(getattr(self, name) == default, name,
+                 f"not applied by the trainers yet (issue 21): only {default!r} is accepted")  # fmt: skip
         need(self.kl_coef >= 0.0, "kl_coef", "must be >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"must be one of {KL_ESTIMATORS}")
         need(self.entropy_coef >= 0.0, "entropy_coef", "must be >= 0")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from learner.config import AGGREGATIONS, KL_ESTIMATORS
+from learner.config import AGGREGATIONS, KL_CAP_DEFAULT, KL_ESTIMATORS, LENGTH_NORMED
 
 __all__ = [
     "AGGREGATIONS",
@@ -54,7 +54,11 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def aggregate(
-    loss_bt: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None
+    loss_bt: Tensor,
+    mask: Tensor,
+    mode: str,
+    normalizer: float | Tensor | None = None,
+    length: int | None = None,
 ) -> Tensor:
     """Reduce per-token losses [B, T] to a scalar.
 
@@ -62,6 +66,7 @@ def aggregate(
         token_mean:         sum_bt m l / sum_bt m
         seq_mean:           (1/S) sum_b [ sum_t m l / n_b ]    S = #sequences with n_b > 0
         seq_mean_token_sum: (1/S) sum_b sum_t m l
+        seq_mean_token_sum_norm, dr_grpo: (1/S) sum_b sum_t m l / L,  L = ``length``
     `normalizer`, when given, replaces the denominator (sum_bt m, or S): pass the count
     over the whole optimizer step so that micro-batches and data-parallel ranks each
     contribute their share of one global mean. An empty mask gives 0 (still connected
@@ -86,7 +91,12 @@ def aggregate(
     if mode == "seq_mean":
         per_seq = per_seq / n_b.clamp_min(1e-12)
     n_seq = (n_b > 0).sum() if normalizer is None else normalizer
-    return per_seq.sum() / torch.as_tensor(n_seq, dtype=loss_bt.dtype).clamp_min(1)
+    out = per_seq.sum() / torch.as_tensor(n_seq, dtype=loss_bt.dtype).clamp_min(1)
+    if mode in LENGTH_NORMED:
+        if length is None or length < 1:
+            raise ValueError(f"aggregation {mode}: needs length >= 1, got {length}")
+        out = out / length
+    return out
 
 
 class ClippedSurrogate(NamedTuple):
@@ -182,6 +192,8 @@ def divergence_surrogate(
     advantages: Tensor,
     divergence: str,
     threshold: float,
+    threshold_low: float | None = None,
+    is_cap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Divergence PPO (Qi et al. 2026, arXiv 2602.04879, the binary approximation): the
     unclipped -r A with r = pi / mu, where a token is dropped when the binary divergence
@@ -191,7 +203,10 @@ def divergence_surrogate(
         tv:  |pi(a) - mu(a)|
         kl:  mu log(mu / pi) + (1 - mu) log((1 - mu) / (1 - pi))    (`binary_kl`, log space)
 
-    mu is the anchor (behaviour or proximal policy), pi the current one. Returns (loss [B, T],
+    mu is the anchor (behaviour or proximal policy), pi the current one. ``threshold_low``
+    (None: ``threshold``) bounds the A < 0 updates, ``threshold`` the A > 0 ones. With
+    ``is_cap`` C a kept token's r above C enters as r * C / sg(r): loss value -C A, gradient
+    -C A grad(log pi) (verl's and TRL's truncated weight min(r, C)). Returns (loss [B, T],
     dropped [B, T] bool, divergence [B, T])."""
     with torch.no_grad():
         pi, mu = logp.detach().float().exp(), anchor_logp.detach().float().exp()
@@ -201,8 +216,13 @@ def divergence_surrogate(
             div = binary_kl(anchor_logp.detach().float(), logp.detach().float())
         else:
             raise ValueError(f"divergence: expected 'tv' or 'kl', got {divergence!r}")
-        pushing = ((advantages > 0) & (pi > mu)) | ((advantages < 0) & (pi < mu))
-        dropped = pushing & (div > threshold)
+        up, down = (advantages > 0) & (pi > mu), (advantages < 0) & (pi < mu)
+        low = threshold if threshold_low is None else threshold_low
+        dropped = (up & (div > threshold)) | (down & (div > low))
+    if is_cap is not None:
+        with torch.no_grad():
+            over = ratio > is_cap
+        ratio = torch.where(over, ratio * (is_cap / ratio.detach()), ratio)
     loss = torch.where(dropped, 0.0, -ratio * advantages)
     return loss, dropped, div
 
@@ -232,22 +252,27 @@ def binary_kl(anchor_logp: Tensor, logp: Tensor) -> Tensor:
     return a.exp() * (a - b) - torch.expm1(a) * (_log1mexp(a) - _log1mexp(b))
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+def kl_penalty(
+    logp: Tensor, ref_logp: Tensor, estimator: str, cap: float | None = KL_CAP_DEFAULT
+) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled token, differentiable in logp.
 
     With d = ref_logp - logp (log of pi_ref / pi at the sampled token):
         k1 = -d
         k2 = d^2 / 2
         k3 = exp(d) - 1 - d      (>= 0, unbiased)
+    then clamped to [-cap, cap] (gradient 0 outside; objective.kl_cap; None: unclamped).
     """
     d = ref_logp - logp
     if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return ratio_from_log(d) - 1.0 - d
-    raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
+        k = -d
+    elif estimator == "k2":
+        k = 0.5 * d * d
+    elif estimator == "k3":
+        k = ratio_from_log(d) - 1.0 - d
+    else:
+        raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
+    return k if cap is None else k.clamp(-cap, cap)
 
 
 def value_loss_terms(

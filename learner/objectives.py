@@ -130,12 +130,15 @@ def policy_loss(
 
     Per valid token (A: advantage, r: ratio, w: behaviour weight, H: entropy):
         ppo / grpo:  l = w * clip_surrogate(r = exp(logp - base), A)
+                     (ratio_level sequence, GSPO: r_bt = exp(mean_t' log r_bt') with the
+                     gradient of r_b * pi_bt / sg(pi_bt); dppo likewise)
                      base = prox_logp if given else behav_logp; w = 1 unless is_cap is set
         dppo:        l = w * clip_surrogate(r = exp(logp - prox_logp), A)
                      w = exp(prox_logp - behav_logp), capped/masked by is_cap/is_mode
         flow_dppo:   l = w * (0 if dropped else -r A),  r = exp(logp - prox_logp)
         divergence_ppo: l = 0 if dropped else -r A,  r = exp(logp - anchor_logp), dropped when
-                     the binary TV / KL of the sampled token beyond the threshold pushes out
+                     the binary TV / KL of the sampled token beyond the threshold pushes out;
+                     r above divergence_is_cap C counts as C (value and gradient)
         all kinds:   l += kl_coef * k(logp, ref_logp) - entropy_coef * H
     loss = aggregate(l, mask, cfg.aggregation, batch.get("normalizer")).
 
@@ -199,7 +202,13 @@ def policy_loss(
     adv = torch.where(valid, _advantages(cfg, batch, shape), 0.0)
 
     log_ratio = logp - base
-    ratio = ratio_from_log(log_ratio)
+    if cfg.ratio_level == "sequence":  # GSPO: s_b = exp(mean_t log r), gradient s_b grad logp_t
+        with torch.no_grad():
+            m = torch.where(valid, mask.float(), 0.0)
+            seq = (m * log_ratio).sum(-1) / m.sum(-1).clamp_min(1e-12)
+        ratio = ratio_from_log(logp - logp.detach() + seq[:, None])
+    else:
+        ratio = ratio_from_log(log_ratio)
     metrics: dict[str, Tensor] = {}
     w: Tensor | None = None
     if weighted:
@@ -218,8 +227,9 @@ def policy_loss(
         metrics["kl_over_threshold_frac"] = masked_mean(over.float(), mask)
     elif cfg.kind == "divergence_ppo":
         pg, dropped, div = divergence_surrogate(
-            ratio, logp, base, adv, cfg.divergence, cfg.divergence_threshold
-        )
+            ratio, logp, base, adv, cfg.divergence, cfg.divergence_threshold,
+            cfg.divergence_threshold_low, cfg.divergence_is_cap,
+        )  # fmt: skip
         metrics["drop_frac"] = masked_mean((dropped & valid).float(), mask)
         metrics["divergence_mean"] = masked_mean(torch.where(valid, div, 0.0), mask)
     else:
@@ -235,12 +245,13 @@ def policy_loss(
         pg = pg * w
     pg = torch.where(valid, pg, 0.0)
     normalizer = batch.get("normalizer")
-    metrics["pg_loss"] = aggregate(pg.detach(), mask, cfg.aggregation, normalizer)
+    length = cfg.loss_scale_length
+    metrics["pg_loss"] = aggregate(pg.detach(), mask, cfg.aggregation, normalizer, length)
 
     total = pg
     if cfg.kl_coef > 0:
         assert ref is not None
-        k = torch.where(valid, kl_penalty(logp, ref, cfg.kl_estimator), 0.0)
+        k = torch.where(valid, kl_penalty(logp, ref, cfg.kl_estimator, cfg.kl_cap), 0.0)
         total = total + cfg.kl_coef * k
         metrics["kl_ref"] = masked_mean(k, mask)
     if entropy is not None:
@@ -250,7 +261,7 @@ def policy_loss(
     if kl_old is not None:
         metrics["kl_old_new"] = masked_mean(kl_old, mask)
 
-    loss = aggregate(total, mask, cfg.aggregation, normalizer)
+    loss = aggregate(total, mask, cfg.aggregation, normalizer, length)
     with torch.no_grad():
         metrics["ratio_mean"] = masked_mean(ratio, mask)
         metrics["approx_kl"] = masked_mean(ratio_from_log(-log_ratio) - 1.0 + log_ratio, mask)
@@ -275,7 +286,7 @@ def value_loss(cfg: ObjectiveConfig, batch: dict[str, Any]) -> tuple[Tensor, dic
     o = torch.where(live, old.float().detach(), 0.0)
     r = torch.where(live, returns.float().detach(), 0.0)
     per_tok, clipped = value_loss_terms(v, o, r, cfg.value_clip)
-    loss = aggregate(per_tok, mask, cfg.aggregation, batch.get("normalizer"))
+    loss = aggregate(per_tok, mask, cfg.aggregation, batch.get("normalizer"), cfg.loss_scale_length)
     metrics = {
         "value_loss": loss.detach(),
         "value_clip_frac": masked_mean(clipped.float(), mask),
