@@ -13,28 +13,34 @@ pipeline.backends.ranks wraps rank 0's trainer (``Leader``) and runs the others 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from learner import checkpoint as learner_checkpoint
+from learner.mcore_model import MegatronOptions
+from learner.parallel import destroy_distributed, init_distributed
+from learner.publish import publish, weights_dir
+from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
+from models.checkpoint import load_checkpoint, load_config
+from models.exits import resolve_kv
 from models.publication import Publication
+from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
+from pipeline.config import RunConfig
 from proto import Rollout
 
 log = logging.getLogger(__name__)
 
 
 class MegatronTrainer:
-    """See the module docstring; ``cfg`` is the RunConfig."""
+    """See the module docstring."""
 
-    def __init__(self, cfg: Any, model_dir: Path) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from learner.parallel import init_distributed
-        from models.checkpoint import load_checkpoint, load_config
-
+    def __init__(self, cfg: RunConfig, model_dir: Path) -> None:
         if not ps.model_parallel_is_initialized():
             init_distributed(cfg.tp, seed=cfg.seed)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -56,13 +62,10 @@ class MegatronTrainer:
         out = dict(self.trainer.step(list(rollouts)))
         # Per-rollout numerics mismatch for the coordinator's fresh-rollout metric.
         self.last_mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]
-        out["logprob_mismatch"] = out.get("logp_mismatch_max", float("nan"))
         return out
 
     def publish(self, out_dir: Path, version: int) -> Publication | None:
         """The Publication on learner rank 0 (None on the other ranks, which only take part)."""
-        from learner.publish import publish, weights_dir
-
         run_dir = out_dir.parent.parent
         if weights_dir(run_dir, version) != out_dir:
             raise ValueError(f"publish: {out_dir} is not <run_dir>/weights/v{version}")
@@ -73,47 +76,26 @@ class MegatronTrainer:
         return pub
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
-        from learner.checkpoint import save
-
-        return save(self.trainer, run_dir, pipeline_state=pipeline_state, keep_last=max(keep, 1))
+        return learner_checkpoint.save(
+            self.trainer, run_dir, pipeline_state=pipeline_state, keep_last=max(keep, 1)
+        )
 
     def latest(self, run_dir: Path) -> Path | None:
-        from learner.checkpoint import latest
-
-        return latest(run_dir)
+        return learner_checkpoint.latest(run_dir)
 
     def load(self, ckpt: Path) -> dict[str, Any]:
-        from learner.checkpoint import load
-
-        return dict(load(self.trainer, ckpt).pipeline_state)
+        return dict(learner_checkpoint.load(self.trainer, ckpt).pipeline_state)
 
     def close(self) -> None:
-        from learner.parallel import destroy_distributed
-
         destroy_distributed()
 
 
-def check_reference(ref_config: Any, config: Any, ref_dir: Path) -> None:
-    """The reference policy must be the same model (family and shapes) as the policy."""
-    if ref_config.to_hf_dict() != config.to_hf_dict():
-        from pipeline.config import ConfigError
-
-        raise ConfigError(f"model.reference_path {ref_dir}: its config.json is not the policy's "
-                          "(the reference policy must be the same model)")  # fmt: skip
-
-
 def build_learner_trainer(
-    cfg: Any, model_config: Any, hf_state: Any, *, ref_state: Any = None
-) -> Any:
+    cfg: RunConfig, model_config: Any, hf_state: Any, *, ref_state: Any = None
+) -> Trainer:
     """learner.trainer.Trainer of the RunConfig `cfg` (distributed already initialised):
     the mapping of the run config onto learner.config and MegatronOptions. hf_state: the
     starting HF state dict (None: the reference init). benchmarks/trainer_gpu.py uses it too."""
-    import torch
-
-    from learner.mcore_model import MegatronOptions
-    from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
-    from models.exits import resolve_kv
-
     o, r, p, lr = cfg.objective, cfg.rollout, cfg.optimizer, cfg.learner
     critic = o.uses_critic
     train = train_config(cfg)
@@ -125,37 +107,12 @@ def build_learner_trainer(
         kv=resolve_kv(r.policy(), model_config),  # replay the run's exit KV semantics
     )
     schedule = cfg.resolved_schedule()
-    critic_optim = p.for_critic()
-    critic_schedule = dataclasses.replace(schedule, min_lr=min(schedule.min_lr, critic_optim.lr))
+    c_optim, c_schedule = critic_optim(cfg)
     return Trainer(
         train, p, schedule,
         looped_policy_spec(model_config, options, hf_state),
         critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
-        critic_optim=critic_optim, critic_schedule=critic_schedule,
+        critic_optim=c_optim, critic_schedule=c_schedule,
         reference=looped_policy_spec(model_config, options, ref_state)
         if o.kl_coef > 0 else None,
     )  # fmt: skip
-
-
-def train_config(cfg: Any, batch: int | None = None) -> Any:
-    """learner.config.TrainConfig of the RunConfig ``cfg``: ``batch`` (default: the step's
-    rollouts / objective.minibatches) sequences per optimizer update, learner.micro_batch_size
-    (0: `micro_batch_size`) per forward/backward. Both backends step by it."""
-    from learner.config import TrainConfig
-
-    o, r, lr = cfg.objective, cfg.rollout, cfg.learner
-    if batch is None:
-        batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
-    return TrainConfig(
-        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or micro_batch_size(batch, r.n),
-        seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
-        fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
-    )  # fmt: skip
-
-
-def micro_batch_size(batch: int, n: int) -> int:
-    """Micro-batch size: the group size if it divides the batch (it does), at most 16."""
-    m = min(n, 16)
-    while batch % m:
-        m -= 1
-    return m

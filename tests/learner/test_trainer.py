@@ -128,7 +128,7 @@ def learner_logp(trainer: Any, rollouts: list[Rollout]) -> torch.Tensor:
     device = next(trainer.policy_model.parameters()).device  # CUDA on a GPU host
     batch = build_batch(rollouts).to(device)
     with torch.no_grad():
-        out = trainer._stats(trainer.policy_spec.forward(trainer.policy_model, batch), batch, None)
+        out = trainer.megatron.policy_stats(batch, None)
     return out["logp"].cpu()
 
 

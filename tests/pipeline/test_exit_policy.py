@@ -97,6 +97,7 @@ def test_door_bounds_exit_depths_by_the_run_policy(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kv", ["full", "last_exited"])
 def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> None:
+    from learner.batching import build_batch
     from models.checkpoint import load_model
     from models.init import init_checkpoint
     from models.reference import SamplingParams, behaviour_logprobs, generate
@@ -130,12 +131,12 @@ def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> No
         over = {"backend": "reference", "rollout": {"exit_policy": {**GATE, "kv": run_kv}}}
         trainer = ReferenceTrainer(load_config(None, over), path)
         with torch.no_grad():
-            logits = trainer._forward(rolls)[0]  # at every input position
+            logits = trainer.policy.forward(trainer.model, build_batch(rolls))[0]  # every position
         out = 0.0
         for b, g in enumerate(gens):
             at = slice(len(g.prompt_tokens) - 1, len(g.prompt_tokens) - 1 + len(g.tokens))
-            lp = behaviour_logprobs(logits[b, at], logits.shape[-1], trainer.temperature,
-                                    trainer.top_p)  # fmt: skip
+            smp = trainer.run_cfg.rollout
+            lp = behaviour_logprobs(logits[b, at], logits.shape[-1], smp.temperature, smp.top_p)
             got = lp.gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
             out = max(out, float((got - g.logprobs).abs().max()))
         return out

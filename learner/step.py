@@ -1,0 +1,345 @@
+"""One learner step, written once, over a small policy interface with two implementations.
+
+Order of calls::
+
+    policy = ...                        # a `Policy`: learner.trainer (megatron-core) or
+                                        # learner.torch_policy (plain PyTorch, models.engine)
+    runner = LearnerStep(train_cfg, policy, initial_version=0)
+    metrics = runner.step(rollouts)     # k x global_batch_size rollouts -> k x epochs updates
+    runner.weight_version, runner.step_count, runner.update_count, runner.last_mismatch
+
+`LearnerStep.step` (docs/LEARNER.md "The step"):
+
+1. rows: `learner.batching.build_batch` (the one row layout: sorted rollouts, [B, prompt +
+   response[:-1]] rows); update u trains the global rows [u g, (u + 1) g), this data-parallel
+   rank its share of them.
+2. pre-update passes, with the step's starting weights (eval mode, no grad), micro-batch by
+   micro-batch: the frozen reference's log-probs (`objective.kl_coef`; with `kl_in_reward` they
+   become the rewards' penalty, `learner.batching.penalise_rewards`), the critic's values and
+   GAE (or the group-relative advantages), whitening (`objective.whiten`, over every DP rank's
+   tokens), the proximal log-probs (`TrainConfig.use_prox`) and flow_dppo's proximal logits
+   (kept in host memory, one micro-batch on the device at a time).
+3. `objective.epochs` passes over the mini-batches (`learner.batching.update_order`); per
+   update: per micro-batch forward, token statistics, `learner.objectives.policy_loss`
+   (normalizer: the update's global token or sequence count), backward of loss x dp_size (the
+   policy averages gradients over DP); `Net.update(loss_finite)` (a non-finite loss or gradient
+   norm on any rank skips the update: weights, optimizer state and LR untouched); then the
+   critic's update on the same mini-batch (`value_coef` x `value_loss`).
+4. metrics (learner.step_metrics, reduced over DP), the per-rollout behaviour/learner log-prob
+   mismatch, `weight_version += 1`.
+
+A `Policy` is what differs between backends: how a micro-batch is forwarded (log-probs and
+entropies of the sampled tokens, critic values, the reference's log-probs), how gradients are
+applied (`Net`), and over which data-parallel group metrics are reduced. Nothing of the
+algorithm lives in an implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from learner.advantages import whiten_tokens
+from learner.batching import (
+    TrainBatch,
+    build_batch,
+    gae_advantages,
+    group_token_advantages,
+    penalise_rewards,
+    sort_rollouts,
+    update_normalizer,
+    update_order,
+)
+from learner.config import TrainConfig
+from learner.losses import kl_penalty
+from learner.objectives import policy_loss, value_loss
+from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
+from proto.records import Rollout
+
+__all__ = ["DataParallel", "LearnerStep", "Net", "Policy"]
+
+Rows = list[tuple[int, int, int, int]]
+"""Per mini-batch: (global start, global stop, this rank's start, stop) in the sorted batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """This rank's place among the data-parallel ranks (size 1: no collectives)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1 and dist.is_initialized()
+
+    def all_reduce_(self, t: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
+        """In place over the group (a no-op with one rank)."""
+        return all_reduce_(t, self.group, op) if self.active else t
+
+
+class Net(Protocol):
+    """One trained network and its optimizer (learner.network.Network, learner.torch_policy.
+    TorchNet). Per update: `zero_grad()`, the micro-batches' backward, `update(loss_finite)`."""
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def skipped_nonfinite(self) -> int: ...
+
+    def zero_grad(self) -> None: ...
+
+    def update(self, loss_finite: bool) -> dict[str, float]:
+        """Apply the accumulated gradients unless the loss (this rank's micro-batches) or the
+        global gradient norm is not finite; {"grad_norm", "lr", "skipped_nonfinite": 0 or 1}."""
+        ...
+
+
+class Policy(Protocol):
+    """What a backend gives the step. Every forward takes a micro-batch already on `device`
+    (`TrainBatch` rows, learner.batching's layout) and returns [B, L] tensors, 0 off the
+    response. `policy_stats` and `values` are differentiable; the step wraps the pre-update
+    passes in no_grad and eval mode itself."""
+
+    @property
+    def dp(self) -> DataParallel: ...
+    @property
+    def policy(self) -> Net: ...
+    @property
+    def critic(self) -> Net | None: ...
+    @property
+    def has_reference(self) -> bool: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
+        """{"logp", "entropy"} of the sampled tokens under the policy at the sampling
+        temperature / top_p; "rows": the response positions' logits [N, V] when the forward
+        has them (flow_dppo needs them); with the proximal logits `old` [N, V]: "kl" and
+        "prox_logp" too."""
+        ...
+
+    def reference_logp(self, mb: TrainBatch) -> Tensor:
+        """Log-probs of the sampled tokens under the frozen reference policy (no grad)."""
+        ...
+
+    def values(self, mb: TrainBatch) -> Tensor:
+        """The critic's values at every input position (differentiable)."""
+        ...
+
+
+@contextlib.contextmanager
+def _evaluating(*nets: Net | None) -> Iterator[None]:
+    """Eval mode and no grad for the pre-update passes; train mode again afterwards."""
+    live = [n for n in nets if n is not None]
+    for n in live:
+        n.module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for n in live:
+            n.module.train()
+
+
+class LearnerStep:
+    """The step (module docstring) and the counters a checkpoint keeps."""
+
+    def __init__(self, cfg: TrainConfig, policy: Policy, *, initial_version: int = 0) -> None:
+        if cfg.objective.uses_critic != (policy.critic is not None):
+            raise ValueError(f"critic: objective {cfg.objective.kind!r} with critic="
+                             f"{cfg.objective.critic} but the policy has critic {policy.critic}")  # fmt: skip
+        if cfg.objective.kl_coef > 0 and not policy.has_reference:
+            raise ValueError("objective.kl_coef > 0 needs a reference policy")
+        self.cfg, self.pol = cfg, policy
+        self.weight_version = initial_version
+        """Version of the current policy weights (+1 per step)."""
+        self.step_count = 0
+        """Completed `step` calls."""
+        self.update_count = 0
+        """Applied policy optimizer updates (the schedule's n; skipped ones do not count)."""
+        self.last_mismatch: list[float] = []
+        """Per rollout of the last `step` (input order): max |learner - behaviour| log-prob over
+        its tokens at the pre-update weights; -1.0 where not measured."""
+
+    # ------------------------------------------------------------------ layout
+    def _local_rows(self, n_rows: int, g: int) -> Rows:
+        dp = self.pol.dp
+        share = g // dp.size
+        return [(u * g, (u + 1) * g, u * g + dp.rank * share, u * g + (dp.rank + 1) * share)
+                for u in range(n_rows // g)]  # fmt: skip
+
+    def _micro(self, batch: TrainBatch, lo: int, hi: int) -> Iterator[tuple[int, TrainBatch]]:
+        """(first row, micro-batch on the policy's device) over rows [lo, hi)."""
+        mbs, pad = self.cfg.micro_batch_size, self.cfg.pad_to_multiple
+        for a in range(lo, hi, mbs):
+            yield a, batch.rows(a, min(a + mbs, hi), pad).to(self.pol.device)
+
+    # ------------------------------------------------------------------ pre-update passes
+    def _pre_update(self, batch: TrainBatch, rows: Rows) -> tuple[dict, float | None]:
+        """Step 2 of the module docstring, into batch.extra; returns flow_dppo's proximal
+        logits per (mini-batch, micro-batch) and the kl_in_reward penalty's mean (kl_ref)."""
+        cfg, pol, obj = self.cfg, self.pol, self.cfg.objective
+        zeros = torch.zeros(batch.size, batch.length)
+
+        def put(dst: Tensor, a: int, x: Tensor) -> None:
+            x = x.float().cpu()[:, : batch.length]
+            dst[a : a + x.shape[0], : x.shape[1]] = x
+
+        kl_ref = None
+        with _evaluating(pol.policy, pol.critic):
+            if pol.has_reference and obj.kl_coef > 0:
+                ref = zeros.clone()
+                pen = torch.zeros(batch.size, dtype=torch.float64)
+                for _, _, lo, hi in rows:
+                    for a, mb in self._micro(batch, lo, hi):
+                        lp = pol.reference_logp(mb)
+                        put(ref, a, lp)
+                        k = kl_penalty(mb.behav_logp.float(), lp.float(), obj.kl_estimator)
+                        pen[a : a + mb.size] = (
+                            torch.where(mb.mask > 0, k, 0.0).sum(1).double().cpu()
+                        )
+                if obj.kl_in_reward:  # every DP rank's rows, then the same rewards everywhere
+                    kl_ref = penalise_rewards(batch, pol.dp.all_reduce_(pen), obj.kl_coef)
+                else:
+                    batch.extra["ref_logp"] = ref
+            if pol.critic is not None:
+                values = zeros.clone()
+                for _, _, lo, hi in rows:
+                    for a, mb in self._micro(batch, lo, hi):
+                        put(values, a, pol.values(mb))
+                adv, ret = gae_advantages(batch, values, obj.gamma, obj.lam)
+                batch.extra.update(old_values=values, returns=ret)
+            else:
+                adv = group_token_advantages(batch, obj.normalize_std)
+            local = torch.zeros(batch.size, dtype=torch.bool)
+            for _, _, lo, hi in rows:
+                local[lo:hi] = True
+            adv = torch.where(local[:, None], adv, 0.0)
+            if obj.whiten:
+                mask = torch.where(local[:, None], batch.mask, 0.0)
+                reduce = pol.dp.all_reduce_ if pol.dp.active else None
+                adv = whiten_tokens(adv, mask, reduce)
+            batch.extra["advantages"] = adv
+            old_logits: dict[tuple[int, int], Tensor] = {}
+            if cfg.use_prox:
+                prox = zeros.clone()
+                for j, (_, _, lo, hi) in enumerate(rows):
+                    for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
+                        stats = pol.policy_stats(mb, None)
+                        if obj.kind == "flow_dppo":
+                            if "rows" not in stats:
+                                raise ValueError("flow_dppo needs a policy forward with logits")
+                            old = stats["rows"].detach()
+                            host = torch.empty(old.shape, dtype=old.dtype, device="cpu",
+                                               pin_memory=old.is_cuda)  # fmt: skip
+                            old_logits[(j, i)] = host.copy_(old)
+                        put(prox, a, stats["logp"])
+                batch.extra["prox_logp"] = prox
+        return old_logits, kl_ref
+
+    # ------------------------------------------------------------------ the step
+    def step(self, rollouts: Sequence[Rollout], cfg: TrainConfig | None = None) -> dict[str, float]:
+        """Train on `rollouts` (a positive multiple of global_batch_size of them); returns the
+        step's metrics (identical on every rank). ``cfg``: this step's TrainConfig, kept for
+        the steps after it (the reference backend sizes its updates by the step's rollouts)."""
+        self.cfg = cfg or self.cfg
+        cfg, pol, g = self.cfg, self.pol, self.cfg.global_batch_size
+        if not rollouts or len(rollouts) % g:
+            raise ValueError(f"rollouts: expected a positive multiple of global_batch_size ({g}), "
+                             f"got {len(rollouts)}")  # fmt: skip
+        batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
+        rows = self._local_rows(batch.size, g)
+        old_logits, kl_ref = self._pre_update(batch, rows)
+        obj = cfg.objective
+        # kl_in_reward: the KL went into the rewards, not into the loss
+        loss_obj = dataclasses.replace(obj, kl_coef=0.0) if obj.kl_in_reward else obj
+        use_prox_logp = cfg.use_prox and obj.kind != "flow_dppo"
+        metrics = StepMetrics()
+        mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)  # per sorted row
+        order = update_order(len(rows), obj.epochs, cfg.seed, self.step_count)
+        n_updates, skipped = len(order), 0.0
+        for u, j in enumerate(order):
+            g_lo, g_hi, lo, hi = rows[j]
+            norm = update_normalizer(batch, g_lo, g_hi, obj.aggregation)
+            pol.policy.zero_grad()
+            finite = True
+            for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
+                old = old_logits.get((j, i))
+                old = None if old is None else old.to(pol.device, non_blocking=True)
+                stats = pol.policy_stats(mb, old)
+                stats.pop("rows", None)
+                lb: dict[str, Any] = dict(stats, mask=mb.mask, behav_logp=mb.behav_logp)
+                lb.update(advantages=mb.extra["advantages"], normalizer=norm)
+                if use_prox_logp:
+                    lb["prox_logp"] = mb.extra["prox_logp"]
+                if "ref_logp" in mb.extra:
+                    lb["ref_logp"] = mb.extra["ref_logp"]
+                loss, m = policy_loss(loss_obj, lb)
+                (loss * pol.dp.size).backward()
+                finite = finite and bool(torch.isfinite(loss.detach()))
+                # behaviour vs learner log-probs: the proximal pass when it ran, else the
+                # training forward of the step's first update (the same weights)
+                learner = mb.extra.get("prox_logp", stats["logp"].detach() if u == 0 else None)
+                record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates)
+                if learner is not None:
+                    row_mismatch(mismatch, a, mb.mask, mb.behav_logp, learner)
+            upd = pol.policy.update(finite)
+            skip = upd.pop("skipped_nonfinite")
+            skipped += skip
+            for k, v in upd.items():
+                metrics.add_mean(k, v, 1.0)
+            self.update_count += 0 if skip else 1
+            if pol.critic is not None:  # after the policy's update, on the same mini-batch
+                self._critic_update(pol.critic, batch, lo, hi, norm, metrics, n_updates)
+        self._batch_metrics(batch, metrics)
+        pol.dp.all_reduce_(mismatch, dist.ReduceOp.MAX)  # each DP rank measured its own rows
+        by_id = {r.rollout_id: float(mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))}
+        self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
+        out = metrics.reduce(pol.dp.group)  # the DP group (None: the world, of one rank here)
+        self.step_count += 1
+        self.weight_version += 1
+        if kl_ref is not None:
+            out["kl_ref"] = kl_ref
+        out.update(weight_version=float(self.weight_version), updates=float(n_updates),
+                   epochs=float(obj.epochs), skipped_nonfinite=skipped,
+                   skipped_nonfinite_total=float(pol.policy.skipped_nonfinite),
+                   logprob_mismatch=out.get("logp_mismatch_max", math.nan))  # fmt: skip
+        return out
+
+    def _critic_update(self, critic: Net, batch: TrainBatch, lo: int, hi: int, norm: float,
+                       metrics: StepMetrics, n_updates: int) -> None:  # fmt: skip
+        obj, dp = self.cfg.objective, self.pol.dp
+        critic.zero_grad()
+        finite = True
+        for _, mb in self._micro(batch, lo, hi):
+            vb = {"values": self.pol.values(mb), "mask": mb.mask, "normalizer": norm,
+                  "old_values": mb.extra["old_values"], "returns": mb.extra["returns"]}  # fmt: skip
+            loss, m = value_loss(obj, vb)
+            (loss * (obj.value_coef * dp.size)).backward()
+            finite = finite and bool(torch.isfinite(loss.detach()))
+            record_value(metrics, m, mb.mask, n_updates)
+        upd = critic.update(finite)
+        metrics.add_max("critic_skipped_nonfinite", upd.pop("skipped_nonfinite"))
+        for k, v in upd.items():
+            metrics.add_mean(f"critic_{k}", v, 1.0)
+
+    def _batch_metrics(self, batch: TrainBatch, metrics: StepMetrics) -> None:
+        """Per-step quantities every rank knows in full (added on DP rank 0 only)."""
+        if self.pol.dp.rank != 0:
+            metrics.add_sum("reward_mean", 0.0)
+            metrics.add_sum("staleness_mean", 0.0)
+            metrics.add_max("staleness_max", -math.inf)
+            return
+        stale = (self.weight_version - batch.weight_versions).float()
+        metrics.add_sum("reward_mean", float(batch.rewards.mean()))
+        metrics.add_sum("staleness_mean", float(stale.mean()))
+        metrics.add_max("staleness_max", float(stale.max()))

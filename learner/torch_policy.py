@@ -1,0 +1,195 @@
+"""learner.step.Policy in plain PyTorch: the models.reference forward (models.engine.run_chunk
+replaying each row's latent seed and exit depths) and torch optimizers.
+
+It is the independent forward that checks the megatron policy (tests/pipeline/test_epochs.py:
+in numerics exact the two give the same bits; in fast within 1e-6) and a small deterministic
+backend for CPU runs (same inputs, same thread count -> the same bits: `looprl replay`).
+
+- `TorchNet`: a module and its optimizer (AdamW, or SGD with momentum), the counterpart of
+  learner.network.Network: gradients accumulate over the micro-batches in fp32, then clip by
+  the global norm (in numerics exact the norm and the clip factor as megatron computes them
+  there: learner.network.exact_l2_norm / exact_clip_coeff), the n-th applied update at
+  ScheduleConfig.lr_at(n); a non-finite loss or norm skips the update (megatron's found-inf).
+- The critic: a copy of the starting checkpoint's trunk with a zero-initialised value head
+  Linear(hidden -> 1) in place of the LM head (learner.mcore_model.build_critic's
+  counterpart), its own optimizer (optimizer.critic_lr) and clip.
+- Token statistics: learner.vocab_ops.contract_token_stats, the contract's own operations, in
+  both numerics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from learner.batching import TrainBatch
+from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.network import exact_clip_coeff, exact_l2_norm
+from learner.step import DataParallel
+from learner.vocab_ops import contract_token_stats
+from models import numerics as nx
+from models.base import LoopedLM
+from models.engine import KVCache, run_chunk
+
+__all__ = ["TorchCritic", "TorchNet", "TorchPolicy", "make_optimizer"]
+
+
+def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimizer:
+    """torch's counterpart of megatron's optimizer for ``p``: AdamW, or SGD with momentum
+    and L2 weight decay."""
+    if p.name == "sgd":
+        return torch.optim.SGD(params, lr=p.lr, momentum=p.sgd_momentum,
+                               weight_decay=p.weight_decay)  # fmt: skip
+    return torch.optim.AdamW(params, lr=p.lr, betas=p.betas, eps=p.eps,
+                             weight_decay=p.weight_decay)  # fmt: skip
+
+
+class TorchNet:
+    """learner.step.Net on a torch optimizer (module docstring)."""
+
+    def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig, *,
+                 exact: bool = False) -> None:  # fmt: skip
+        self.module, self.schedule, self.exact = module, schedule, exact
+        self.grad_clip = optim.grad_clip
+        self.opt = make_optimizer(module.parameters(), optim)
+        self.updates = 0
+        """Applied updates (the schedule's n)."""
+        self.skipped_nonfinite = 0
+        """Updates skipped so far because the loss or the gradients were not finite."""
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def update(self, loss_finite: bool) -> dict[str, float]:
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.exact:
+            n32 = exact_l2_norm(grads)
+            norm = float((n32**2.0).item()) ** 0.5  # the norm megatron reports
+            coeff = exact_clip_coeff(n32, self.grad_clip) if self.grad_clip > 0 else 1.0
+            if coeff < 1.0 and math.isfinite(norm):
+                for g in grads:
+                    g.copy_(g * coeff)
+        else:
+            clip = self.grad_clip if self.grad_clip > 0 else float("inf")
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        ok = loss_finite and math.isfinite(norm)
+        if ok:
+            self.updates += 1
+            for g in self.opt.param_groups:
+                g["lr"] = self.schedule.lr_at(g.setdefault("peak_lr", g["lr"]), self.updates)
+            self.opt.step()
+        else:
+            self.skipped_nonfinite += 1
+        self.zero_grad()
+        lr = float(self.opt.param_groups[0]["lr"])
+        return {"grad_norm": norm, "lr": lr, "skipped_nonfinite": 0.0 if ok else 1.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optim": self.opt.state_dict(),
+                "updates": self.updates, "skipped_nonfinite": self.skipped_nonfinite}  # fmt: skip
+
+    def load_state_dict(self, blob: dict[str, Any]) -> None:
+        self.module.load_state_dict(blob["model"])
+        self.opt.load_state_dict(blob["optim"])
+        self.updates = int(blob["updates"])
+        self.skipped_nonfinite = int(blob.get("skipped_nonfinite", 0))
+
+
+class TorchCritic(nn.Module):
+    """The critic network: a looped trunk and a value head Linear(hidden -> 1), zero-initialised."""
+
+    def __init__(self, trunk: LoopedLM) -> None:
+        super().__init__()
+        self.model = trunk
+        self.head = nn.Linear(trunk.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+
+class TorchPolicy:
+    """learner.step.Policy on models.engine (module docstring). ``kv``: the run's exit KV
+    semantics (models.exits.resolve_kv); ``critic``: a trunk for the critic (the starting
+    checkpoint's, loaded again), ``reference``: the frozen reference policy of
+    objective.kl_coef."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: LoopedLM,
+        optim: OptimConfig,
+        schedule: ScheduleConfig,
+        *,
+        kv: str,
+        critic: LoopedLM | None = None,
+        critic_optim: OptimConfig | None = None,
+        critic_schedule: ScheduleConfig | None = None,
+        reference: LoopedLM | None = None,
+    ) -> None:
+        self.cfg, self.kv = cfg, kv
+        self.dp = DataParallel()
+        self.device = torch.device("cpu")
+        exact = cfg.numerics == "exact"
+        model.train()
+        self.policy = TorchNet(model, optim, schedule, exact=exact)
+        self.critic: TorchNet | None = None
+        if critic is not None:
+            critic.train()
+            self.critic = TorchNet(TorchCritic(critic), critic_optim or optim,
+                                   critic_schedule or schedule, exact=exact)  # fmt: skip
+        self.ref = reference
+        if reference is not None:
+            reference.eval()
+            reference.requires_grad_(False)
+        self.has_reference = reference is not None
+
+    @property
+    def model(self) -> LoopedLM:
+        m = self.policy.module
+        assert isinstance(m, LoopedLM)
+        return m
+
+    def forward(self, model: LoopedLM, mb: TrainBatch) -> tuple[Tensor, Tensor]:
+        """(logits [B, L, V], hidden [B, L, H]) at every input position of the micro-batch's
+        rows, each row at its recorded depths with its latent seed (full depth: the depth of
+        its first position, a prompt position: DESIGN contract 2)."""
+        full = [int(d) for d in mb.exit_depths[:, 0].tolist()]
+        valid = mb.position_ids < mb.seq_lens[:, None]
+        cache = KVCache.empty(model, mb.size, mb.length, max(full))
+        out = run_chunk(
+            model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,
+            max_depth=max(full), depths=mb.exit_depths, mode=self.cfg.numerics, kv=self.kv,
+            row_depths=full if self.kv == "full" else None,
+        )  # fmt: skip
+        return out.logits[..., : model.vocab_size], out.hidden
+
+    def _stats(self, logits: Tensor, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
+        sel = mb.mask > 0
+        rows = logits[sel]
+        smp = self.cfg.sampling
+        st = contract_token_stats(rows, old, mb.targets[sel], smp.temperature, smp.top_p,
+                                  self.cfg.numerics)  # fmt: skip
+        out = {k: torch.zeros(sel.shape, dtype=v.dtype).masked_scatter(sel, v)
+               for k, v in st.items()}  # fmt: skip
+        return out | {"rows": rows}
+
+    def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
+        return self._stats(self.forward(self.model, mb)[0], mb, old)
+
+    @torch.no_grad()
+    def reference_logp(self, mb: TrainBatch) -> Tensor:
+        assert self.ref is not None
+        return self._stats(self.forward(self.ref, mb)[0], mb, None)["logp"]
+
+    def values(self, mb: TrainBatch) -> Tensor:
+        assert self.critic is not None
+        net = self.critic.module
+        assert isinstance(net, TorchCritic)
+        _, hid = self.forward(net.model, mb)
+        mode = "exact" if self.cfg.numerics == "exact" else "fast"  # as megatron's value head
+        out: Tensor = nx.linear(hid, net.head.weight, net.head.bias, mode)[..., 0]
+        return out
