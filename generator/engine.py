@@ -27,6 +27,19 @@ blob, a `DigestedState`, the digest its receiver computed on the same bytes); a 
 until no request is in flight (a lock around generate); with `inflight_updates=True` it is
 applied between two engine steps of a running `generate`, and each token records the version
 that computed it (`Sample.token_versions`).
+
+A verified set goes in through the served model's own loader (`_load_on_worker`):
+- the looped plugin classes (generator.plugin.ARCHITECTURES) keep their parameters in the
+  checkpoint's layout: their `load_weights` copies each tensor in place;
+- vLLM's native classes (LlamaForCausalLM, the depth-1 case) fuse q/k/v and gate/up and, on
+  CPU, replace each linear weight by a packed copy (`dispatch_cpu_unquantized_gemm(
+  remove_weight=True)` leaves an empty parameter): they reload through vLLM's own
+  `reload_weights` (layer by layer: restore the checkpoint-format parameters, run the model's
+  loader, then the layer's `process_weights_after_loading`, which packs again). A layer that
+  only shares a parameter with another (a head tied to the embedding) is not processed there,
+  so its packed copy is rebuilt afterwards (`_reprocess_shared`).
+If that loader fails, the model may hold part of the new set: the engine is broken for good
+(`WeightLoadError`; every later `generate` / `load_weights` raises it), never serving a mix.
 """
 
 from __future__ import annotations
@@ -55,6 +68,10 @@ class WeightDigestError(ValueError):
     """Published weights whose digest does not match their announcement."""
 
 
+class WeightLoadError(RuntimeError):
+    """The model's weight loader failed on a verified set: the engine no longer serves."""
+
+
 @dataclasses.dataclass
 class Sample:
     """One sampled completion (one latent seed of a WorkItem)."""
@@ -76,12 +93,44 @@ class Sample:
     """float32 [T] vLLM's processed log-probs of the same tokens (cross-check)."""
 
 
-def _load_on_worker(worker: Any, state: dict[str, torch.Tensor], version: int) -> int:
-    model = worker.model_runner.get_model()
-    model.load_weights(iter(state.items()))
-    if hasattr(model, "record_book"):
-        model.weight_version = version
+def _load_on_worker(
+    worker: Any, state: dict[str, torch.Tensor], version: int, native: bool = False
+) -> int:
+    """On each worker: ``state`` (HF names) into the served model (see the module doc)."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    if not native:
+        model.load_weights(iter(state.items()))
+        if hasattr(model, "record_book"):
+            model.weight_version = version
+        return version
+    reload = getattr(worker, "reload_weights", None) or runner.reload_weights
+    reload(weights_iterator=iter(state.items()))
+    _reprocess_shared(model)
     return version
+
+
+def _reprocess_shared(model: torch.nn.Module) -> None:
+    """Rebuild the kernel copies of layers whose parameter another layer loaded (a tied head).
+
+    vLLM's layer-by-layer reload processes the layer that loaded a shared parameter only; a
+    layer that keeps its weight (the embedding method: `remove_weight=False`) is processed
+    again from that weight. Layers whose weight was replaced by a packed copy are left alone."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    done: set[int] = set()
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            weight = getattr(module, "weight", None)
+            if id(module) in done or method is None or weight is None or weight.numel() == 0:
+                continue
+            method.process_weights_after_loading(module)
+            done.add(id(module))
 
 
 def _read_state(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -173,6 +222,8 @@ class LoopedEngine:
         self._lock = threading.RLock()  # held by generate; swaps wait for it by default
         self._pending: tuple[dict[str, Any], int] | None = None
         self._pending_lock = threading.Lock()
+        self.broken = ""
+        """Why the engine no longer serves (a failed weight load); empty while it does."""
         self._set_version(weight_version)
 
     # ---- weights -------------------------------------------------------------------------
@@ -185,9 +236,21 @@ class LoopedEngine:
         self.llm.collective_rpc(set_version, args=(version,))
 
     def _apply(self, state: dict[str, Any], version: int) -> None:
-        self.llm.collective_rpc(_load_on_worker, args=(state, version))
+        try:
+            self.llm.collective_rpc(_load_on_worker, args=(state, version, not self.looped))
+        except Exception as e:
+            self.broken = (
+                f"weights v{version}: the model's weight loader failed "
+                f"({type(e).__name__}: {str(e)[:300]}); the engine may hold part of them and "
+                f"no longer serves (it served v{self.weight_version})"
+            )
+            raise WeightLoadError(self.broken) from e
         self.llm.reset_prefix_cache()
         self.weight_version = version
+
+    def _check_usable(self) -> None:
+        if self.broken:
+            raise WeightLoadError(self.broken)
 
     def load_weights(
         self,
@@ -197,6 +260,7 @@ class LoopedEngine:
     ) -> None:
         """Verify `digest` (`canonical_digest`) of `source` (a checkpoint directory or a state
         dict of HF-named tensors), then serve it as `version` (see module doc)."""
+        self._check_usable()
         if version <= self.weight_version:
             raise ValueError(f"version {version} is not newer than {self.weight_version}")
         state = _read_state(source)
@@ -246,6 +310,7 @@ class LoopedEngine:
     def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
         """Sample every item `item.n` times (one request per latent seed); results in order."""
         with self._lock:
+            self._check_usable()
             return self._generate(items)
 
     def _generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
@@ -348,6 +413,7 @@ __all__ = [
     "LoopedEngine",
     "Sample",
     "WeightDigestError",
+    "WeightLoadError",
     "canonical_digest",
     "to_rollouts",
 ]
