@@ -22,7 +22,7 @@ t is predicted at position p = P - 1 + t (P = prompt length):
     token_rewards[b, p] the reward at the last response token, 0 elsewhere
 Per row: latent_seeds (int64 holding the uint64 bit pattern), group_ids (index of the
 work item in sorted order), rewards, weight_versions (rollout.weight_version), seq_lens
-(P + T - 1, or P for an empty response), prompt_lens.
+(P + T - 1, or P for an empty response), prompt_lens, truncated (finish_reason "length").
 """
 
 from __future__ import annotations
@@ -66,7 +66,15 @@ _TOKEN_FIELDS = (
     "exit_depths",
     "token_rewards",
 )
-_ROW_FIELDS = ("latent_seeds", "group_ids", "rewards", "weight_versions", "seq_lens", "prompt_lens")
+_ROW_FIELDS = (
+    "latent_seeds",
+    "group_ids",
+    "rewards",
+    "weight_versions",
+    "seq_lens",
+    "prompt_lens",
+    "truncated",
+)
 
 
 uint64_to_int64 = seed_to_i64  # models.contract owns the wrap (kept name: learner API)
@@ -90,6 +98,8 @@ class TrainBatch:
     weight_versions: Tensor
     seq_lens: Tensor
     prompt_lens: Tensor
+    truncated: Tensor
+    """[B] bool: the completion hit the length limit (finish_reason "length")."""
     extra: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     """[B, L] per-token tensors added by the trainer (advantages, prox_logp, ...)."""
 
@@ -212,6 +222,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         weight_versions=torch.tensor(versions, dtype=torch.int64),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
         prompt_lens=torch.tensor(prompt_lens, dtype=torch.int64),
+        truncated=torch.tensor([r.finish_reason == "length" for r in ordered], dtype=torch.bool),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from models.contract import NUMERICS, Sampling
 from models.settings import check, checker
@@ -58,12 +59,6 @@ SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_VOCAB_CHUNK = 4096
 """Vocabulary slice width of the token statistics: 256 tokens x 4096 columns x 4 B = 4 MiB."""
-
-
-UNWIRED = {"advantage_estimator": "grpo", "singleton_advantage": "zero",
-           "whiten_std": "population", "bootstrap_truncated": False}  # fmt: skip
-"""Advantage options `learner.batching.step_advantages` implements but neither trainer calls
-yet: refused at any other value until the shared trainer step calls it (then remove them)."""
 
 
 @dataclass(frozen=True)
@@ -137,16 +132,13 @@ class ObjectiveConfig:
     """Group advantages: divide by the group's std (GRPO) or not (Dr. GRPO)."""
     advantage_estimator: str = "grpo"
     """Without a critic: grpo (group mean / std), rloo, reinforce_pp, reinforce_pp_baseline
-    (not yet applied by the trainers: only grpo is accepted)."""
+    (learner.batching.step_advantages)."""
     singleton_advantage: str = "zero"
-    """A group of one sample: zero (no signal) or reward (verl: r, as if mean 0 and std 1;
-    not yet applied by the trainers: only zero is accepted)."""
+    """A group of one sample: zero (no signal) or reward (verl: r, as if mean 0 and std 1; rloo: r)."""
     whiten_std: str = "population"
-    """objective.whiten's std: population (AReaL) or bessel (verl masked_whiten; not yet
-    applied by the trainers: only population is accepted)."""
+    """objective.whiten's std: population (AReaL) or bessel (verl masked_whiten)."""
     bootstrap_truncated: bool = False
-    """GAE of a row cut at rollout.max_tokens: bootstrap gamma x V (AReaL) instead of 0 (not yet
-    applied by the trainers: only false is accepted)."""
+    """GAE of a row cut at rollout.max_tokens: bootstrap gamma x V (AReaL) instead of 0."""
     gamma: float = 1.0
     """GAE discount in [0, 1] (objectives with a critic)."""
     lam: float = 1.0
@@ -157,7 +149,7 @@ class ObjectiveConfig:
     """Weight of the critic loss (> 0); with a separate critic network and Adam it only matters
     through Adam's epsilon."""
 
-    def advantage_options(self) -> dict[str, object]:
+    def advantage_options(self) -> dict[str, Any]:
         """The keywords of `learner.batching.step_advantages` this objective sets."""
         return {"gamma": self.gamma, "lam": self.lam, "normalize_std": self.normalize_std,
                 "estimator": self.advantage_estimator, "singleton": self.singleton_advantage,
@@ -209,9 +201,6 @@ class ObjectiveConfig:
         for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS),
                               ("singleton_advantage", SINGLETONS), ("whiten_std", WHITEN_STDS)):  # fmt: skip
             need(getattr(self, name) in allowed, name, f"must be one of {allowed}")
-        for name, default in UNWIRED.items():  # learner.batching.step_advantages has them
-            need(getattr(self, name) == default, name,
-                 f"not applied by the trainers yet (issue 21): only {default!r} is accepted")  # fmt: skip
         need(self.kl_coef >= 0.0, "kl_coef", "must be >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"must be one of {KL_ESTIMATORS}")
         need(self.entropy_coef >= 0.0, "entropy_coef", "must be >= 0")

@@ -46,14 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from learner.advantages import whiten_tokens
 from learner.batching import (
     TrainBatch,
     build_batch,
-    gae_advantages,
-    group_token_advantages,
     penalise_rewards,
     sort_rollouts,
+    step_advantages,
     update_normalizer,
     update_order,
 )
@@ -211,23 +209,23 @@ class LearnerStep:
                     kl_ref = penalise_rewards(batch, pol.dp.all_reduce_(pen), obj.kl_coef)
                 else:
                     batch.extra["ref_logp"] = ref
+            values = None
             if pol.critic is not None:
                 values = zeros.clone()
                 for _, _, lo, hi in rows:
                     for a, mb in self._micro(batch, lo, hi):
                         put(values, a, pol.values(mb))
-                adv, ret = gae_advantages(batch, values, obj.gamma, obj.lam)
-                batch.extra.update(old_values=values, returns=ret)
-            else:
-                adv = group_token_advantages(batch, obj.normalize_std)
             local = torch.zeros(batch.size, dtype=torch.bool)
             for _, _, lo, hi in rows:
                 local[lo:hi] = True
-            adv = torch.where(local[:, None], adv, 0.0)
-            if obj.whiten:
-                mask = torch.where(local[:, None], batch.mask, 0.0)
-                reduce = pol.dp.all_reduce_ if pol.dp.active else None
-                adv = whiten_tokens(adv, mask, reduce)
+            # GAE with a critic, else the group/REINFORCE estimators; whitening over every DP
+            # rank's tokens (learner.batching.step_advantages: every advantage option)
+            adv, ret = step_advantages(
+                batch, values, truncated=batch.truncated, local=local,
+                reduce=pol.dp.all_reduce_ if pol.dp.active else None, **obj.advantage_options(),
+            )  # fmt: skip
+            if values is not None and ret is not None:
+                batch.extra.update(old_values=values, returns=ret)
             batch.extra["advantages"] = adv
             old_logits: dict[tuple[int, int], Tensor] = {}
             if cfg.use_prox:

@@ -6,6 +6,7 @@ policy and the clip acts. Both backends, the same rollouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -264,11 +265,19 @@ _VARIANTS = {  # name -> run config overrides on top of the shared ones
     "kl": ["objective.divergence=kl", "objective.anchor=proximal"],
     "micro": ["learner.micro_batch_size=2"],  # 2 micro-batches per mini-batch
     "reward": ["objective.kl_in_reward=true"],
+    # advantage and ratio options (issue 21), through the one step in both backends
+    "rloo": ["objective.advantage_estimator=rloo"],
+    "rpp": ["objective.advantage_estimator=reinforce_pp"],
+    "gspo": ["objective.ratio_level=sequence"],
+    "bessel": ["objective.whiten=true", "objective.whiten_std=bessel"],
+    "boot": ["objective.bootstrap_truncated=true", "objective.gamma=0.9", "objective.lam=0.8"],
+    "drgrpo": ["objective.aggregation=dr_grpo", "objective.loss_scale_length=8"],
 }
 _FAST = ["grpo", "dppo", "flow_dppo", "divergence_ppo", "divergence_ppo+kl", "ppo",
          "dppo+critic", "ppo+micro", "ppo+micro+reward"]  # fmt: skip
 _EXACT = ["grpo", "dppo", "flow_dppo+micro", "divergence_ppo", "divergence_ppo+kl",
-          "ppo+micro+reward", "dppo+critic"]  # fmt: skip
+          "ppo+micro+reward", "dppo+critic", "grpo+rloo", "grpo+rpp+gspo", "ppo+boot+bessel",
+          "dppo+drgrpo"]  # fmt: skip
 
 
 @pytest.mark.megatron
@@ -296,6 +305,9 @@ def test_backends_agree_on_loss_metrics_and_weights(
 
     rolls = fresh[numerics]
     name, *variants = kind.split("+")
+    if "boot" in variants:  # half the rows cut at the length limit: they bootstrap
+        rolls = [dataclasses.replace(r, finish_reason="length") if i % 2 else r
+                 for i, r in enumerate(rolls)]  # fmt: skip
     critic = name == "ppo" or "critic" in variants
     over = [f"objective.kind={name}", "objective.epochs=2", "objective.minibatches=2",
             "optimizer.lr=1e-5", "objective.is_cap=2.0", "objective.entropy_coef=0.01",
