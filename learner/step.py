@@ -57,7 +57,7 @@ from learner.batching import (
 )
 from learner.config import TrainConfig
 from learner.losses import kl_penalty
-from learner.objectives import policy_loss, value_loss
+from learner.objectives import LossBatch, ValueBatch, policy_loss, value_loss
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from proto.records import Rollout
 
@@ -274,13 +274,12 @@ class LearnerStep:
                 old = old_logits.get((j, i))
                 old = None if old is None else old.to(pol.device, non_blocking=True)
                 stats = pol.policy_stats(mb, old)
-                stats.pop("rows", None)
-                lb: dict[str, Any] = dict(stats, mask=mb.mask, behav_logp=mb.behav_logp)
-                lb.update(advantages=mb.extra["advantages"], normalizer=norm)
-                if use_prox_logp:
-                    lb["prox_logp"] = mb.extra["prox_logp"]
-                if "ref_logp" in mb.extra:
-                    lb["ref_logp"] = mb.extra["ref_logp"]
+                lb = LossBatch(
+                    mask=mb.mask, advantages=mb.extra["advantages"], logp=stats["logp"],
+                    entropy=stats.get("entropy"), behav_logp=mb.behav_logp, kl=stats.get("kl"),
+                    prox_logp=mb.extra["prox_logp"] if use_prox_logp else stats.get("prox_logp"),
+                    ref_logp=mb.extra.get("ref_logp"), normalizer=norm,
+                )  # fmt: skip
                 loss, m = policy_loss(loss_obj, lb)
                 (loss * pol.dp.size).backward()
                 finite = finite and bool(torch.isfinite(loss.detach()))
@@ -319,8 +318,8 @@ class LearnerStep:
         critic.zero_grad()
         finite = True
         for _, mb in self._micro(batch, lo, hi):
-            vb = {"values": self.pol.values(mb), "mask": mb.mask, "normalizer": norm,
-                  "old_values": mb.extra["old_values"], "returns": mb.extra["returns"]}  # fmt: skip
+            vb = ValueBatch(values=self.pol.values(mb), old_values=mb.extra["old_values"],
+                            returns=mb.extra["returns"], mask=mb.mask, normalizer=norm)  # fmt: skip
             loss, m = value_loss(obj, vb)
             (loss * (obj.value_coef * dp.size)).backward()
             finite = finite and bool(torch.isfinite(loss.detach()))

@@ -1,0 +1,299 @@
+"""The learner's RL objectives: one entry point per network (policy, critic).
+
+    policy_loss(cfg, batch: LossBatch) -> (loss, metrics)   kind: KIND_REGISTRY[cfg.kind]
+    value_loss(cfg, batch: ValueBatch) -> (loss, metrics)   clipped critic regression
+
+A kind is a `Kind` (learner/objectives/kind.py): its per-token surrogate and the inputs it
+needs, one file each (clip.py: ppo, grpo, dppo; flow_dppo.py; divergence_ppo.py), one line in
+`KIND_REGISTRY`. A loss term every kind gets (the reference KL, the entropy bonus) is a `Term`
+(terms.py), one line in `TERMS`. `policy_loss` composes them:
+
+    tokens = validated inputs, invalid tokens 0        (batch.py: LossBatch -> Tokens)
+    l      = kind.surrogate(cfg, tokens) x w           (w: behaviour weight, when applied)
+    l     += term(cfg, tokens) for term in TERMS
+    loss   = aggregate(l, mask, cfg.aggregation, batch.normalizer)
+
+Pure PyTorch on [B, T] token tensors; independent of megatron and of the model. The
+advantages come precomputed (`learner.batching.step_advantages`), once over the whole step's
+batch before it is cut into micro-batches. Formulas: docs/OBJECTIVES.md.
+
+A token whose provided current/proximal/behaviour/reference log-prob or KL that the objective
+uses is not finite (e.g. -inf: the token is outside a top-k/top-p support) is invalid: it
+contributes exactly 0 to every loss term and to the gradient, still counts in the token_mean
+denominator, and is reported in `invalid_frac`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from learner.config import KINDS, ObjectiveConfig
+from learner.losses import (
+    aggregate,
+    behaviour_weight,
+    masked_mean,
+    ratio_from_log,
+    value_loss_terms,
+)
+from learner.objectives import clip, divergence_ppo, flow_dppo, terms
+from learner.objectives.batch import LossBatch, Tokens, ValueBatch
+from learner.objectives.kind import Kind, Metrics, Term
+from learner.vocab_ops import DEFAULT_CHUNK, token_stats
+
+__all__ = [
+    "KINDS",
+    "KIND_REGISTRY",
+    "TERMS",
+    "Kind",
+    "LossBatch",
+    "ObjectiveConfig",
+    "Term",
+    "Tokens",
+    "ValueBatch",
+    "policy_loss",
+    "value_loss",
+]
+
+KIND_REGISTRY: dict[str, Kind] = {
+    "ppo": clip.PPO,
+    "grpo": clip.GRPO,
+    "dppo": clip.DPPO,
+    "flow_dppo": flow_dppo.FLOW_DPPO,
+    "divergence_ppo": divergence_ppo.DIVERGENCE_PPO,
+}
+"""objective.kind -> its Kind (learner.config.KINDS names the same keys)."""
+TERMS: tuple[Term, ...] = (terms.KL_REFERENCE, terms.ENTROPY, terms.KL_OLD_METRIC)
+"""The terms added to every kind's loss, in this order."""
+assert set(KIND_REGISTRY) == set(KINDS), "learner.config.KINDS and KIND_REGISTRY differ"
+
+_TOKEN_INPUTS = ("logp", "behav_logp", "prox_logp", "kl", "entropy", "ref_logp")
+
+
+def _token_tensor(x: Any, key: str, shape: torch.Size) -> Tensor | None:
+    if x is None:
+        return None
+    if not isinstance(x, Tensor) or x.shape != shape:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"batch[{key!r}]: expected a tensor of shape {tuple(shape)}, got {got}")
+    return x
+
+
+def _require(x: Tensor | None, key: str, why: str) -> Tensor:
+    if x is None:
+        raise ValueError(f"batch[{key!r}]: required {why}")
+    return x
+
+
+def _from_logits(
+    batch: LossBatch, mask: Tensor, temperature: float, vocab_chunk: int
+) -> dict[str, Tensor]:
+    """logp, entropy (and prox_logp, kl with old_logits) [B, T] from batch logits."""
+    logits = batch.logits
+    assert logits is not None
+    b, t = mask.shape
+    if logits.dim() != 3 or logits.shape[:2] != (b, t):
+        raise ValueError(f"batch['logits']: expected [{b}, {t}, V], got {tuple(logits.shape)}")
+    targets = _require(
+        _token_tensor(batch.targets, "targets", mask.shape), "targets", "with logits"
+    )
+    old = batch.old_logits
+    if batch.logp is not None or (old is not None and (batch.prox_logp is not None
+                                                       or batch.kl is not None)):  # fmt: skip
+        raise ValueError("batch: give either logits or logp/prox_logp/kl, not both")
+    if old is not None and old.shape != logits.shape:
+        raise ValueError(
+            f"batch['old_logits']: expected {tuple(logits.shape)}, got {tuple(old.shape)}"
+        )
+    v = logits.shape[-1]
+    safe_targets = torch.where(mask > 0, targets.long(), 0).reshape(-1)
+    stats = token_stats(
+        logits.reshape(-1, v),
+        None if old is None else old.reshape(-1, v),
+        safe_targets,
+        temperature,
+        vocab_chunk,
+    )
+    out = {"logp": stats.logp.view(b, t), "entropy": stats.entropy.view(b, t)}
+    if stats.kl is not None and stats.logp_old is not None:
+        out["kl"] = stats.kl.view(b, t)
+        out["prox_logp"] = stats.logp_old.view(b, t)
+    return out
+
+
+def _to_floats(metrics: Metrics) -> dict[str, float]:
+    """All metrics to Python floats with one device synchronisation."""
+    values = torch.stack([m.detach().float().reshape(()) for m in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
+
+
+def _advantages(cfg: ObjectiveConfig, adv: Any, shape: torch.Size) -> Tensor:
+    if cfg.kind == "grpo" and isinstance(adv, Tensor) and adv.shape == shape[:1]:
+        adv = adv[:, None].expand(shape)
+    if not isinstance(adv, Tensor) or adv.shape != shape:
+        got = tuple(adv.shape) if isinstance(adv, Tensor) else adv
+        want = f"{tuple(shape)} (or [B] for grpo)" if cfg.kind == "grpo" else f"{tuple(shape)}"
+        raise ValueError(f"batch['advantages']: required, shape {want}, got {got}")
+    return adv.detach().float()
+
+
+def _tokens(
+    cfg: ObjectiveConfig, kind: Kind, batch: LossBatch, temperature: float, vocab_chunk: int
+) -> tuple[Tokens, bool]:
+    """The validated, cleaned inputs (`Tokens`) and whether the behaviour weight applies."""
+    mask = batch.mask
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError("batch['mask']: required, a [B, T] float tensor")
+    shape = mask.shape
+    tok: dict[str, Tensor | None] = {
+        k: _token_tensor(getattr(batch, k), k, shape) for k in _TOKEN_INPUTS
+    }
+    if batch.logits is not None:
+        tok.update(_from_logits(batch, mask, temperature, vocab_chunk))
+    logp_in = _require(tok["logp"], "logp", "(or logits + targets)")
+    weighted = kind.always_weighted or cfg.is_cap is not None
+    for key in kind.needs:
+        _require(tok[key], key, f"for {cfg.kind} (or old_logits with logits)")
+    if weighted:
+        _require(tok["behav_logp"], "behav_logp", "for dppo and whenever is_cap is set")
+        _require(tok["prox_logp"], "prox_logp", "for dppo and whenever is_cap is set")
+    if kind.base is not None:  # the kind's own ratio base (divergence_ppo: the anchor)
+        key = kind.base(cfg)
+        base_in = _require(tok[key], key, f"for {cfg.kind} (anchor {cfg.anchor})")
+    else:
+        prox_in = tok["prox_logp"]
+        base_in = (prox_in if prox_in is not None
+                   else _require(tok["behav_logp"], "behav_logp", "(or prox_logp)"))  # fmt: skip
+    validates: list[str] = list(kind.needs) + (["behav_logp", "prox_logp"] if weighted else [])
+    for term in TERMS:
+        for key, why in term.needs(cfg).items():
+            _require(tok[key], key, why)
+        validates += term.validates(cfg)
+
+    # Valid tokens: in the mask, with every input this objective uses finite. Everything
+    # below works on copies where invalid tokens hold 0.
+    live = mask > 0
+    valid = live.clone()
+    for x in [logp_in, base_in] + [tok[k] for k in validates]:
+        assert x is not None
+        valid &= torch.isfinite(x.detach())
+
+    def clean(x: Tensor | None, grad: bool = False) -> Tensor | None:
+        if x is None:
+            return None
+        keep = valid & torch.isfinite(x.detach())  # == valid for the validated inputs
+        return torch.where(keep, x.float() if grad else x.detach().float(), 0.0)
+
+    logp, base = clean(logp_in, grad=True), clean(base_in)
+    assert logp is not None and base is not None
+    adv = torch.where(valid, _advantages(cfg, batch.advantages, shape), 0.0)
+    log_ratio = logp - base
+    if cfg.ratio_level == "sequence":  # GSPO: s_b = exp(mean_t log r), gradient s_b grad logp_t
+        with torch.no_grad():
+            m = torch.where(valid, mask.float(), 0.0)
+            seq = (m * log_ratio).sum(-1) / m.sum(-1).clamp_min(1e-12)
+        ratio = ratio_from_log(logp - logp.detach() + seq[:, None])
+    else:
+        ratio = ratio_from_log(log_ratio)
+    tokens = Tokens(
+        mask=mask, live=live, valid=valid, logp=logp, base=base, advantages=adv,
+        log_ratio=log_ratio, ratio=ratio, behav=clean(tok["behav_logp"]),
+        prox=clean(tok["prox_logp"]), ref=clean(tok["ref_logp"]), kl=clean(tok["kl"]),
+        entropy=clean(tok["entropy"], grad=True),
+    )  # fmt: skip
+    return tokens, weighted
+
+
+def _behaviour_weight(cfg: ObjectiveConfig, tok: Tokens, metrics: Metrics) -> Tensor:
+    """w = exp(prox - behav), capped / masked at is_cap (learner.losses.behaviour_weight)."""
+    assert tok.behav is not None and tok.prox is not None
+    w, is_masked, is_trunc = behaviour_weight(tok.prox - tok.behav, cfg.is_cap, cfg.is_mode)
+    w = tok.where_valid(w)
+    metrics["is_weight_mean"] = masked_mean(w, tok.mask)
+    metrics["is_masked_frac"] = masked_mean((is_masked & tok.valid).float(), tok.mask)
+    metrics["is_truncated_frac"] = masked_mean((is_trunc & tok.valid).float(), tok.mask)
+    return w
+
+
+def policy_loss(
+    cfg: ObjectiveConfig,
+    batch: LossBatch | Mapping[str, Any],
+    *,
+    temperature: float = 1.0,
+    vocab_chunk: int = DEFAULT_CHUNK,
+) -> tuple[Tensor, dict[str, float]]:
+    """Policy loss of `cfg.kind` over a (micro-)batch (``temperature`` and ``vocab_chunk``: of
+    the token statistics of batch logits); a mapping is read as `LossBatch.of(batch)`.
+
+    Per valid token (A: advantage, r: ratio, w: behaviour weight, H: entropy):
+        ppo / grpo:  l = w * clip_surrogate(r = exp(logp - base), A)
+                     (ratio_level sequence, GSPO: r_bt = exp(mean_t' log r_bt') with the
+                     gradient of r_b * pi_bt / sg(pi_bt); dppo likewise)
+                     base = prox_logp if given else behav_logp; w = 1 unless is_cap is set
+        dppo:        l = w * clip_surrogate(r = exp(logp - prox_logp), A)
+                     w = exp(prox_logp - behav_logp), capped/masked by is_cap/is_mode
+        flow_dppo:   l = w * (0 if dropped else -r A),  r = exp(logp - prox_logp)
+        divergence_ppo: l = 0 if dropped else -r A,  r = exp(logp - anchor_logp), dropped when
+                     the binary TV / KL of the sampled token beyond the threshold pushes out;
+                     r above divergence_is_cap C counts as C (value and gradient)
+        all kinds:   l += kl_coef * k(logp, ref_logp) - entropy_coef * H   (TERMS)
+    loss = aggregate(l, mask, cfg.aggregation, batch.normalizer).
+
+    Returns (scalar loss, metrics): mask-weighted token means of per-token quantities;
+    fractions are of mask tokens.
+    """
+    lb = LossBatch.of(batch)
+    kind = KIND_REGISTRY[cfg.kind]
+    tok, weighted = _tokens(cfg, kind, lb, temperature, vocab_chunk)
+    metrics: Metrics = {}
+    w = _behaviour_weight(cfg, tok, metrics) if weighted else None
+    pg = kind.surrogate(cfg, tok, metrics)
+    if w is not None:
+        pg = pg * w
+    pg = tok.where_valid(pg)
+    mask, norm, length = tok.mask, lb.normalizer, cfg.loss_scale_length
+    metrics["pg_loss"] = aggregate(pg.detach(), mask, cfg.aggregation, norm, length)
+    total = pg
+    for term in TERMS:
+        extra = term.add(cfg, tok, metrics)
+        if extra is not None:
+            total = total + extra
+    loss = aggregate(total, mask, cfg.aggregation, norm, length)
+    with torch.no_grad():
+        metrics["ratio_mean"] = masked_mean(tok.ratio, mask)
+        lr = tok.log_ratio
+        metrics["approx_kl"] = masked_mean(ratio_from_log(-lr) - 1.0 + lr, mask)
+    metrics["invalid_frac"] = masked_mean((tok.live & ~tok.valid).float(), mask)
+    metrics["num_tokens"] = tok.live.sum()
+    metrics["loss"] = loss.detach()
+    return loss, _to_floats(metrics)
+
+
+def value_loss(
+    cfg: ObjectiveConfig, batch: ValueBatch | Mapping[str, Any]
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped critic loss over a `ValueBatch` (or a mapping of its keys); returns (scalar
+    loss, metrics)."""
+    vb = ValueBatch.of(batch)
+    mask = vb.mask
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError("batch['mask']: required, a [B, T] float tensor")
+    values = _require(_token_tensor(vb.values, "values", mask.shape), "values", "")
+    old = _require(_token_tensor(vb.old_values, "old_values", mask.shape), "old_values", "")
+    returns = _require(_token_tensor(vb.returns, "returns", mask.shape), "returns", "")
+    live = mask > 0
+    v = torch.where(live, values.float(), 0.0)
+    o = torch.where(live, old.float().detach(), 0.0)
+    r = torch.where(live, returns.float().detach(), 0.0)
+    per_tok, clipped = value_loss_terms(v, o, r, cfg.value_clip)
+    loss = aggregate(per_tok, mask, cfg.aggregation, vb.normalizer, cfg.loss_scale_length)
+    metrics = {
+        "value_loss": loss.detach(),
+        "value_clip_frac": masked_mean(clipped.float(), mask),
+        "value_mean": masked_mean(v, mask),
+        "return_mean": masked_mean(r, mask),
+    }
+    return loss, _to_floats(metrics)
