@@ -239,10 +239,11 @@ class LoopedEngine:
         try:
             self.llm.collective_rpc(_load_on_worker, args=(state, version, not self.looped))
         except Exception as e:
+            why = " ".join(str(e).split())[:300].rstrip(".")
             self.broken = (
-                f"weights v{version}: the model's weight loader failed "
-                f"({type(e).__name__}: {str(e)[:300]}); the engine may hold part of them and "
-                f"no longer serves (it served v{self.weight_version})"
+                f"weights v{version}: the model's weight loader failed ({type(e).__name__}: "
+                f"{why}); the engine may hold part of them and serves no more (it served "
+                f"v{self.weight_version})"
             )
             raise WeightLoadError(self.broken) from e
         self.llm.reset_prefix_cache()

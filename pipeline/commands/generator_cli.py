@@ -10,8 +10,11 @@ the Welcome names, then serves work until SIGTERM / SIGINT, on which it finishes
 back its work and says Goodbye (generator.loop). Before the engine starts (it may take
 minutes), both endpoints are probed (a ZMQ handshake, CURVE included): while no learner
 answers, one line every few seconds names the endpoint and what failed, and after
-``--connect-timeout`` seconds the process exits 2. Exit codes: 0 after a clean stop, 1 when
-the loop died of an error (work handed back), 2 for bad settings, a bad model directory or
+``--connect-timeout`` seconds the process exits 2. Weights the engine cannot serve (a digest
+that does not match, files it cannot read, a set its model's loader refuses) stop the process
+at once: it hands back its work, says Goodbye and exits 1 with one line naming the version and
+why (``StopOnFailedLoad``). Exit codes: 0 after a clean stop, 1 when the loop died of an error
+or weights could not be loaded (work handed back), 2 for bad settings, a bad model directory or
 no learner within the connect timeout.
 """
 
@@ -299,6 +302,41 @@ def _check_welcome(numerics: str, exit_policy: str = "") -> Callable[[Any], None
     return check
 
 
+class StopOnFailedLoad:
+    """The loop's engine (generator.protocols.Engine) around a LoopedEngine: the first weight
+    set that fails to load calls ``on_failure(line)`` (the loop's ``stop``) and re-raises.
+
+    Why a generator stops rather than serving on: the learner sends only its newest version,
+    work soon needs it (``min_weight_version``), and after a few refusals the learner gives the
+    generator up without telling it; an engine whose loader failed part way serves nothing
+    (generator.engine.WeightLoadError). Stopping hands the work back at once, and a run whose
+    generators all stopped fails fast (pipeline.commands.launcher)."""
+
+    def __init__(self, engine: Any, on_failure: Callable[[str], None] | None = None) -> None:
+        self.engine, self.on_failure = engine, on_failure
+        self.failure = ""
+        """One line: the version that failed and why ('' while none did)."""
+
+    @property
+    def weight_version(self) -> int:
+        return int(self.engine.weight_version)
+
+    def generate(self, items: list[Any]) -> list[list[Any]]:
+        return self.engine.generate(items)  # type: ignore[no-any-return]
+
+    def load_weights(self, source: Any, version: int, digest: str) -> None:
+        try:
+            self.engine.load_weights(source, version, digest)
+        except Exception as e:
+            why = " ".join(str(e).split())[:500] or type(e).__name__
+            if not why.startswith(f"weights v{version}"):
+                why = f"weights v{version}: {type(e).__name__}: {why}"
+            self.failure = f"cannot serve {why}"
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+            raise
+
+
 def serve(cfg: GeneratorConfig) -> int:
     """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
     from generator.engine import LoopedEngine, to_rollouts
@@ -356,13 +394,14 @@ def serve(cfg: GeneratorConfig) -> int:
             seed=cfg.seed,
             inflight_updates=cfg.inflight_updates,
         )
+        served = StopOnFailedLoad(engine)
         hello = make_hello(gid, cfg.max_inflight, engine.weight_version, families)
         conn = ZmqGeneratorConnection(
             transport, hello, control=cfg.learner, weights=weights_ep, security=security
         )
         conn.watch_connect(cfg.connect_timeout_s, cfg.learner, no_keys_hint(security))
         loop = GeneratorLoop(
-            engine,
+            served,
             conn,
             reward,
             to_rollouts=to_rollouts,
@@ -382,6 +421,7 @@ def serve(cfg: GeneratorConfig) -> int:
             resend_after_s=cfg.resend_after_s,
             max_unacked=cfg.max_unacked,
         )
+        served.on_failure = lambda line: loop.stop(f"weights refused: {line}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: loop.stop(signal.Signals(signum).name))
         log.info(
@@ -395,6 +435,9 @@ def serve(cfg: GeneratorConfig) -> int:
         except ConnectTimeout as e:
             log.error("%s", e)
             return 2
+        if served.failure:
+            log.error("generator %s stopped: %s; its work was handed back", gid, served.failure)
+            return 1
         log.info("generator %s stopped cleanly: %s", gid, dict(loop.stats.counts))
         return 0
     finally:

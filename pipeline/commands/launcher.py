@@ -7,7 +7,9 @@ The learner runs in this process (pipeline.commands.learner_main.run_learner); o
 bound, ``generators.count`` processes ``python -m pipeline.cli generator --learner ...`` start
 (logs in RUN_DIR/logs/gen<i>.log, torch threads = ``generators.threads``). At the end, on
 Ctrl-C or SIGTERM, each generator is stopped by its pid (SIGTERM, then SIGKILL after 20 s),
-and a summary prints the mean reward of the first and last 5 steps. The terminal shows
+and a summary prints the mean reward of the first and last 5 steps. When every generator has
+exited (a bad setting, weights they cannot load, a crash), the run stops at the next turn and
+fails (exit 1) with one line: the exit codes and the last error line of a generator's log. The terminal shows
 looprl's warnings and errors and the progress bar; third-party logs and warnings go to
 RUN_DIR/logs/learner.log (``-v`` shows them too; pipeline.commands.console).
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +130,29 @@ def _generator_dtype(cfg: RunConfig) -> str:
     return "bfloat16" if cfg.learner.precision == "bf16" and cfg.numerics == "fast" else "auto"
 
 
+class GeneratorsExited(RuntimeError):
+    """Every generator of the run exited before the run finished."""
+
+
+def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str:
+    """The last line of a generator log that reports an error (else its last line), trimmed."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, log_path.stat().st_size - max_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in lines if ln.strip()]
+    errors = [ln for ln in lines if " ERROR " in ln or "error:" in ln.lower()]
+    line = (errors or lines or [""])[-1]
+    logged = _LOG_LINE.match(line)  # "<date> <time> ERROR <logger>: <message>"
+    line = logged.group(1) if logged else line
+    return line if len(line) <= 600 else line[:597] + "..."
+
+
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: (.*)$")
+
+
 class Generators:
     """The generator processes of one run; stopped by pid only."""
 
@@ -134,6 +160,8 @@ class Generators:
         self.cfg = cfg
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = Path(cfg.run_dir) / "logs"
+        self.exited = False
+        """Every generator exited while the run went on (``all_dead`` said so)."""
 
     def start(self, control: str, weights: str, model: Path) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -154,13 +182,18 @@ class Generators:
     def all_dead(self) -> bool:
         """Every generator exited (a bad setting, a crash): the run cannot progress."""
         dead = bool(self.procs) and all(p.poll() is not None for p in self.procs)
-        if dead:
-            log.error(
-                "every generator exited (codes %s); see %s",
-                [p.returncode for p in self.procs],
-                self.logs,
-            )
+        if dead and not self.exited:
+            self.exited = True
+            log.info("%s: stopping the run", self.exit_line())  # run() prints it as the error
         return dead
+
+    def exit_line(self, steps: int | None = None) -> str:
+        """One line: each generator's exit code and the first one's last error line."""
+        codes = ", ".join(f"gen{i}={p.returncode}" for i, p in enumerate(self.procs))
+        after = f" after {steps} steps" if steps is not None else ""
+        why = next((f"; gen{i}: {line}" for i in range(len(self.procs))
+                    if (line := last_error_line(self.logs / f"gen{i}.log"))), "")  # fmt: skip
+        return f"every generator exited (codes {codes}){after}{why}; logs in {self.logs}"
 
     def stop(self, timeout_s: float = 20.0) -> None:
         for p in self.procs:
@@ -187,6 +220,8 @@ def run_local(cfg: RunConfig) -> dict[str, Any]:
     finally:
         gens.stop()
     summary["wall_s"] = time.time() - t0
+    if gens.exited:  # the learner stopped because no generator is left to serve it
+        raise GeneratorsExited(gens.exit_line(int(summary.get("steps") or 0)))
     return summary
 
 
@@ -208,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2
+    except GeneratorsExited as e:
+        print(f"looprl run: error: {e}", file=sys.stderr)
+        return 1
     print(
         f"\nrun {cfg.run_dir}: {s.get('steps', 0)} steps in {s['wall_s']:.0f} s; mean reward "
         f"first 5 steps {s.get('reward_first', float('nan')):.3f} -> last 5 steps "
