@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, exit 2
-        print(f"looprl: error: {e}", file=sys.stderr)
+        print(f"looprl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -12,7 +12,7 @@ Each component receives only its own section (``cfg.rollout``, ``cfg.staleness``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from models.settings import parse_overrides  # noqa: F401  (part of this API)
 from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
     FSYNC,
     POLICIES,
+    SEED_LIMIT,
     TASKS,
     WEIGHT_TRANSPORTS,
     CheckpointSection,
@@ -39,6 +40,7 @@ from pipeline.config_sections import (  # noqa: F401  (the sections are part of 
     RolloutSection,
     StalenessSection,
     TaskSection,
+    TransportSection,
     WarmStartSection,
     _check,
 )
@@ -85,7 +87,7 @@ class RunConfig:
     """Generator processes."""
     endpoints: EndpointsSection = field(default_factory=EndpointsSection)
     """Learner endpoints."""
-    transport: TransportConfig = field(default_factory=TransportConfig)
+    transport: TransportConfig = field(default_factory=TransportSection)
     """Both channels' settings (pipeline.net.transport_config), the same on the generators."""
     publish: PublishSection = field(default_factory=PublishSection)
     """Weight publication."""
@@ -110,7 +112,11 @@ class RunConfig:
         )
 
     def __post_init__(self) -> None:
+        if type(self.transport) is not TransportConfig:  # TransportSection checked each key:
+            plain = TransportConfig(**vars(self.transport))  # the plain class every end compares
+            object.__setattr__(self, "transport", plain)
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, "must be in [0, 2**32)")
         _check(self.backend in BACKENDS, "backend", self.backend, f"must be one of {BACKENDS}")
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
@@ -120,6 +126,11 @@ class RunConfig:
                "publish.collective_timeout_s", self.publish.collective_timeout_s,
                f"must be < transport.peer_timeout_s ({self.transport.peer_timeout_s}): a "
                "generator's loop waits in the broadcast")  # fmt: skip
+        _check(self.publish.transport == "shared_fs"
+               or self.publish.chunk_bytes <= self.transport.weights_max_frame_bytes,
+               "publish.chunk_bytes", self.publish.chunk_bytes,
+               f"must be <= transport.weights_max_frame_bytes "
+               f"({self.transport.weights_max_frame_bytes}): a generator refuses larger frames")  # fmt: skip
         _check(self.schedule.min_lr <= self.optimizer.lr, "schedule.min_lr", self.schedule.min_lr,
                f"must be <= optimizer.lr ({self.optimizer.lr})")  # fmt: skip
         _check(self.staleness.policy != "keep" or self.objective.is_cap is not None,
@@ -175,11 +186,91 @@ def field_docs(cls: type = RunConfig, prefix: str = "") -> dict[str, str]:
     return settings.field_docs(cls, prefix)
 
 
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in the YAML file at ``path``; ConfigError (one line: file, line, column,
+    what is wrong) when it is missing, not YAML, or not a mapping."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"run config file {p} not found")
+    try:
+        loaded = OmegaConf.load(p)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(e)}") from None
+    if not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"{p}: expected a mapping of run config keys at top level")
+    out: dict[str, Any] = OmegaConf.to_container(loaded)  # type: ignore[assignment]
+    return out
+
+
+def _yaml_problem(e: Exception) -> str:
+    """A YAML parse error as one line: the problem, where, and the construct it was in."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    at = getattr(e, "problem_mark", None)
+    out = problem + (f" (line {at.line + 1}, column {at.column + 1})" if at is not None else "")
+    ctx, mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if ctx:
+        out += f", {ctx}" + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark else "")
+    return " ".join(out.split())
+
+
+def parse_overrides_line(items: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` strings as a nested dict; ConfigError naming the first bad one."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    for item in items:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. rollout.n=4)")
+        try:
+            OmegaConf.from_dotlist([item])
+        except (yaml.YAMLError, ValueError) as e:
+            why = _yaml_problem(e) if isinstance(e, yaml.YAMLError) else " ".join(str(e).split())
+            raise ConfigError(f"override {item!r}: the value of {key} is not valid YAML ({why})"
+                              ) from None  # fmt: skip
+        except Exception as e:  # OmegaConf's own grammar errors
+            raise ConfigError(f"override {item!r}: {' '.join(str(e).split())}") from None
+    return parse_overrides(items)
+
+
+def check_sections(layer: Mapping[str, Any], where: str, cls: type = RunConfig,
+                   prefix: str = "") -> None:  # fmt: skip
+    """ConfigError (naming the key) where ``layer`` gives a section (a nested dataclass of the
+    schema) something other than a mapping, e.g. ``rollout: 5``."""
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in layer:
+            continue
+        default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if not is_dataclass(default):
+            continue
+        key, value = prefix + f.name, layer[f.name]
+        if not isinstance(value, Mapping):
+            first = fields(default)[0]  # type: ignore[arg-type]
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ConfigError(
+                f"{where}: {key}: got {shown} ({type(value).__name__}), but {key} is a section: "
+                f"give it a mapping of its keys, e.g. `{key}: {{{first.name}: "
+                f"{getattr(default, first.name)!r}}}` or {key}.{first.name}=... "
+                "(docs/PIPELINE.md lists them)"
+            )
+        check_sections(value, where, type(default), key + ".")
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] | Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """Defaults < YAML at ``path`` < ``overrides`` (``key=value`` strings or a nested dict)."""
+    """Defaults < YAML at ``path`` < ``overrides`` (``key=value`` strings or a nested dict).
+    Every failure is one line (ConfigError) naming the file or override and the key."""
+    if path is not None:
+        check_sections(read_yaml(path), str(path))
+    if overrides:
+        given = overrides if isinstance(overrides, Mapping) else parse_overrides_line(overrides)
+        check_sections(given, "overrides")
+        overrides = given
     return settings.load(RunConfig, path, overrides, what="run config",
                          keys_hint="see docs/PIPELINE.md for the keys")  # fmt: skip
 

@@ -12,6 +12,7 @@ from models.collective import DEFAULT_PIPE_BYTES
 from models.contract import Sampling
 from models.errors import ConfigError
 from models.settings import check
+from pipeline.net.transport_config import TransportConfig
 
 POLICIES = ("drop", "keep")
 TASKS = ("synthetic", "jsonl", "dataset")
@@ -19,6 +20,9 @@ WEIGHT_TRANSPORTS = ("shared_fs", "zmq", "collective")
 WEIGHT_TRANSPORT_ALIASES = {"disk": "shared_fs", "chunks": "zmq"}  # the names before issue 15
 COLLECTIVE_BACKENDS = ("gloo", "nccl")
 FSYNC = ("always", "batch", "never")
+SEED_LIMIT = (
+    1 << 32
+)  # seeds are in [0, 2**32): every consumer (torch, the latent-seed hash) takes them
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
@@ -44,6 +48,8 @@ class ModelSection:
         _check(self.family in ("huginn", "ouro", "nanbeige", "llama"), "model.family",
                self.family, "must be huginn, ouro, nanbeige or llama")  # fmt: skip
         _check(self.size in ("tiny", "small"), "model.size", self.size, "must be tiny or small")
+        _check(0 <= self.init_seed < SEED_LIMIT, "model.init_seed", self.init_seed,
+               "must be in [0, 2**32)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class TaskSection:
         _check(self.max_prompt_tokens >= 0, "task.max_prompt_tokens", self.max_prompt_tokens,
                "must be >= 0")  # fmt: skip
         _check(self.epochs >= 0, "task.epochs", self.epochs, "must be >= 0")
+        _check(0 <= self.seed < SEED_LIMIT, "task.seed", self.seed, "must be in [0, 2**32)")
         bad = {k: v for k, v in self.reward_args.items()
                if not (v is None or isinstance(v, bool | int | float | str))}  # fmt: skip
         _check(not bad, "task.reward_args", bad, "values must be scalars (str, number, bool, null)")
@@ -218,7 +225,11 @@ class GeneratorsSection(GeneratorConfig):
     """More `looprl generator` flags, passed verbatim by `looprl run`."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ConfigError as e:  # generator.config names the bare field: name the run's key
+            msg = str(e).removeprefix("generator config ")
+            raise ConfigError(f"run config generators.{msg}") from None
         defaults = GeneratorConfig()
         for key, owner in RUN_MANAGED.items():
             _check(getattr(self, key) == getattr(defaults, key), f"generators.{key}",
@@ -257,6 +268,49 @@ class EndpointsSection:
 
 
 @dataclass(frozen=True)
+class TransportSection(TransportConfig):
+    """pipeline.net.transport_config.TransportConfig as the run config's ``transport``
+    section: the same keys, each bad value refused naming its ``transport.`` key (the base
+    class's own checks stay as the backstop)."""
+
+    def __post_init__(self) -> None:
+        t = "transport."
+        for key in ("max_frame_bytes", "weights_max_frame_bytes"):
+            _check(getattr(self, key) >= 1024, t + key, getattr(self, key), "must be >= 1024")
+        _check(self.oversize_grace_bytes >= 0, t + "oversize_grace_bytes",
+               self.oversize_grace_bytes, "must be >= 0")  # fmt: skip
+        _check(self.peer_timeout_s > 0, t + "peer_timeout_s", self.peer_timeout_s, "must be > 0")
+        _check(0 < self.heartbeat_interval_s < self.peer_timeout_s, t + "heartbeat_interval_s",
+               self.heartbeat_interval_s,
+               f"needs 0 < heartbeat_interval_s < peer_timeout_s (transport.peer_timeout_s="
+               f"{self.peer_timeout_s})")  # fmt: skip
+        _check(self.hello_retry_max_s > 0, t + "hello_retry_max_s", self.hello_retry_max_s,
+               "must be > 0")  # fmt: skip
+        _check(0 < self.hello_retry_s <= self.hello_retry_max_s, t + "hello_retry_s",
+               self.hello_retry_s,
+               f"needs 0 < hello_retry_s <= hello_retry_max_s (transport.hello_retry_max_s="
+               f"{self.hello_retry_max_s})")  # fmt: skip
+        _check(self.reconnect_ivl_max_ms > 0, t + "reconnect_ivl_max_ms",
+               self.reconnect_ivl_max_ms, "must be > 0")  # fmt: skip
+        _check(0 < self.reconnect_ivl_ms <= self.reconnect_ivl_max_ms, t + "reconnect_ivl_ms",
+               self.reconnect_ivl_ms,
+               f"needs 0 < reconnect_ivl_ms <= reconnect_ivl_max_ms "
+               f"(transport.reconnect_ivl_max_ms={self.reconnect_ivl_max_ms})")  # fmt: skip
+        _check(self.hwm >= 1, t + "hwm", self.hwm, "must be >= 1")
+        _check(0 <= self.compression_level <= 22, t + "compression_level",
+               self.compression_level, "must be a zstd level in 0..22 (0: uncompressed)")  # fmt: skip
+        _check(self.linger_ms >= 0, t + "linger_ms", self.linger_ms, "must be >= 0")
+        _check(self.log_interval_s >= 0, t + "log_interval_s", self.log_interval_s,
+               "must be >= 0")  # fmt: skip
+        biggest = max(self.max_frame_bytes, self.weights_max_frame_bytes)
+        need = 2 * (biggest + self.oversize_grace_bytes)
+        _check(self.recv_budget_bytes >= need, t + "recv_budget_bytes", self.recv_budget_bytes,
+               f"must hold two of the largest frames: >= {need} (2 x (the larger frame limit "
+               f"{biggest} + transport.oversize_grace_bytes {self.oversize_grace_bytes}))")  # fmt: skip
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
 class PublishSection:
     """Weight publication after training steps."""
 
@@ -290,6 +344,8 @@ class PublishSection:
         if self.transport in WEIGHT_TRANSPORT_ALIASES:
             object.__setattr__(self, "transport", WEIGHT_TRANSPORT_ALIASES[self.transport])
         _check(self.every >= 1, "publish.every", self.every, "must be >= 1")
+        _check(self.chunk_bytes >= 1, "publish.chunk_bytes", self.chunk_bytes, "must be >= 1")
+        _check(self.window >= 1, "publish.window", self.window, "must be >= 1")
         _check(self.transport in WEIGHT_TRANSPORTS, "publish.transport", self.transport,
                f"must be one of {WEIGHT_TRANSPORTS}")  # fmt: skip
         _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
@@ -319,6 +375,7 @@ class CheckpointSection:
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _check(self.keep >= 0, "checkpoint.keep", self.keep, "must be >= 0 (0 keeps all)")
 
 
 @dataclass(frozen=True)

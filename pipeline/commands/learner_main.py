@@ -30,7 +30,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, RunConfig, load_config, to_dict, to_yaml
+from pipeline.config import (
+    ConfigError,
+    RunConfig,
+    check_sections,
+    load_config,
+    parse_overrides_line,
+    read_yaml,
+    to_dict,
+    to_yaml,
+)
 
 log = logging.getLogger(__name__)
 OnBound = Callable[[str, str, Path], None]
@@ -66,9 +75,12 @@ def resolve_config(config: str | None, resume: str | None, overrides: list[str])
         raise ConfigError(f"--resume {resume}: {saved} not found (not a run directory)")
     from omegaconf import OmegaConf
 
-    base = OmegaConf.to_container(OmegaConf.load(saved))
-    extra = OmegaConf.to_container(OmegaConf.load(config)) if config else {}
-    merged = OmegaConf.merge(base, extra, OmegaConf.from_dotlist([*overrides, f"run_dir={resume}"]))
+    base = read_yaml(saved)
+    extra = read_yaml(config) if config else {}
+    check_sections(extra, str(config))
+    given = parse_overrides_line(overrides)
+    check_sections(given, "overrides")
+    merged = OmegaConf.merge(base, extra, given, {"run_dir": resume})
     return load_config(None, OmegaConf.to_container(merged))  # type: ignore[arg-type]
 
 
@@ -180,8 +192,32 @@ def connect_host(host: str) -> tuple[str, str]:
     return name, f"{host} is every interface; {name} may resolve to loopback only elsewhere"
 
 
+class LearnerStalled(RuntimeError):
+    """No training step for max_wait_s: the one line says where generators connect."""
+
+
 def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
     """The ``looprl generator`` command printed for users (reachable address, keys)."""
+    cmd, why = generator_command(cfg, ctrl, wts, model)
+    out = f"learner: generators connect with\n  {cmd}"
+    return out + (f"\n  ({why})" if why else "")
+
+
+def stalled_line(cfg: RunConfig, ctrl: str, wts: str, model: Path, gens: list[str],
+                 detail: str) -> str:  # fmt: skip
+    """The one line a learner that timed out waiting for generators ends with."""
+    cmd, _ = generator_command(cfg, ctrl, wts, model)
+    head = f"no training step for {cfg.max_wait_s:g}s (max_wait_s)"
+    if not gens:
+        return (f"{head}: no generator connected to {ctrl}; start generators on that endpoint: "
+                f"`{cmd}` (or raise max_wait_s)")  # fmt: skip
+    return (f"{head}: generators {', '.join(gens)} are connected to {ctrl} but no complete "
+            f"group was trained ({detail}); see {log_file(cfg)} (or raise max_wait_s)")  # fmt: skip
+
+
+def generator_command(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> tuple[str, str]:
+    """The ``looprl generator`` command line for this learner, and why its address was
+    changed from the bind address ("" if it was not)."""
     host = cfg.endpoints.host
     there, why = connect_host(host)
     if why:
@@ -200,8 +236,7 @@ def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
         cmd += f" --keys {e.keys}"
         cmd += f" --key-name {'|'.join(names) or 'NAME'}" if len(names) != 1 else ""
         cmd += " --curve-on-loopback" if e.curve_on_loopback else ""
-    out = f"learner: generators connect with\n  {cmd}"
-    return out + (f"\n  ({why})" if why else "")
+    return cmd, why
 
 
 def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,
@@ -210,7 +245,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     from pipeline.backends.trainer_api import build_trainer
     from pipeline.core import resume as resume_mod
     from pipeline.core import tasks
-    from pipeline.core.coordinator import Coordinator
+    from pipeline.core.coordinator import Coordinator, CoordinatorError
     from pipeline.core.metrics import MetricsWriter, read_metrics, summary
     from pipeline.core.validation import ModelLimits
 
@@ -298,8 +333,16 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             keep = cfg.checkpoint.keep
             if coord.evals is not None:  # the starting weights' accuracy (reported with step 1)
                 coord.evals.start(coord.step, coord.version)
-            coord.run(tasks.planned_steps(cfg, prompts), checkpoint=lambda: resume_mod.save(coord, keep),
-                      stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
+            try:
+                coord.run(tasks.planned_steps(cfg, prompts), checkpoint=lambda: resume_mod.save(coord, keep),
+                          stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
+            except CoordinatorError as err:
+                if not str(err).startswith("no training step"):
+                    raise
+                detail = str(err).partition("(max_wait_s): ")[2]
+                raise LearnerStalled(stalled_line(cfg, ctrl, wts, model,
+                                                  sorted(coord.dispatcher.generators()), detail)
+                                     ) from None  # fmt: skip
             resume_mod.save(coord, keep)
     finally:
         for s, h in old.items():
@@ -373,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = resolve_config(args.config, args.resume, list(args.overrides))
     except ConfigError as e:
-        print(f"looprl learner: error: {e}", file=sys.stderr)
+        print(f"looprl learner: error: {_one_line(e)}", file=sys.stderr)
         return 2
     verbose = console.verbose_from_env(getattr(args, "verbose", False))
     path = console.setup(log_file(cfg), verbose=verbose)
@@ -382,7 +425,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = run_learner(cfg, resume=args.resume is not None)
     except ConfigError as e:
-        print(f"looprl learner: error: {e}", file=sys.stderr)
+        print(f"looprl learner: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except LearnerStalled as e:
+        print(f"looprl learner: error: {e}", file=sys.stderr)
+        return 1
     print(f"learner done: {json.dumps({k: v for k, v in s.items() if k != 'counts'})}")
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """An error message as one line (a ConfigError from a library may carry newlines)."""
+    return " ".join(str(e).split())
