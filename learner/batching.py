@@ -9,16 +9,11 @@ Order of calls in a training step (learner.trainer.Trainer.step):
 
 Layout. Rollouts are sorted by (work_id, sample_index, rollout_id), so the batch and every
 slice of it are independent of arrival order (replay of a recorded stream is bit-exact).
-Row b holds the model input `prompt + response[:-1]`, right-padded to L; the response token
-t is predicted at position p = P - 1 + t (P = prompt length):
+The rows are models.rows' layout (input_ids, targets, mask, exit_depths = its depths,
+seq_lens, prompt_lens), plus, per token:
 
-    input_ids[b, p]    token at p                   (0 on padding)
-    position_ids[b, p] p                            (continues on padding)
-    targets[b, p]      response[t] at p = P-1+t     (0 elsewhere)
-    mask[b, p]         1.0 at p = P-1+t             (0 elsewhere)
-    behav_logp[b, p]   rollout.logprobs[t]          (0 elsewhere)
-    exit_depths[b, p]  depth run at p: exit_depths[t] at p = P-1+t, the full depth
-                       exit_depths[0] at prompt positions (DESIGN contract 2), 1 on padding
+    position_ids[b, p]  p                            (continues on padding)
+    behav_logp[b, p]    rollout.logprobs[t] at p = P-1+t (0 elsewhere)
     token_rewards[b, p] the reward at the last response token, 0 elsewhere
 Per row: latent_seeds (int64 holding the uint64 bit pattern), group_ids (index of the
 work item in sorted order), rewards, weight_versions (rollout.weight_version), seq_lens
@@ -44,7 +39,8 @@ from learner.advantages import (
     rloo_advantages,
     whiten_tokens,
 )
-from models.contract import position_depths, seed_from_i64, seed_to_i64
+from models.contract import seed_from_i64, seed_to_i64
+from models.rows import PAD_DEPTH, response_slice, token_rows
 from proto.records import Rollout
 
 __all__ = [
@@ -148,7 +144,7 @@ def _fit(x: Tensor, n: int, name: str) -> Tensor:
     if name == "position_ids":
         pad = torch.arange(length, n, dtype=x.dtype).expand(x.shape[0], n - length)
     elif name == "exit_depths":
-        pad = torch.ones(pad_shape, dtype=x.dtype)
+        pad = torch.full(pad_shape, PAD_DEPTH, dtype=x.dtype)
     else:
         pad = torch.zeros(pad_shape, dtype=x.dtype)
     return torch.cat([x, pad.to(x.device)], dim=1)
@@ -173,35 +169,22 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
     if not rollouts:
         raise ValueError("rollouts: expected at least one rollout")
     ordered = sort_rollouts(rollouts)
-    seq_lens, prompt_lens = [], []
     for r in ordered:
         if r.reward is None:
             raise ValueError(f"rollout {r.rollout_id!r}: no reward (filter it before training)")
-        p, t = int(r.prompt_tokens.shape[0]), int(r.tokens.shape[0])
-        if p < 1:
+        if int(r.prompt_tokens.shape[0]) < 1:
             raise ValueError(f"rollout {r.rollout_id!r}: empty prompt")
-        prompt_lens.append(p)
-        seq_lens.append(p + t - 1 if t else p)
-    b = len(ordered)
-    length = max(1, -(-max(seq_lens) // pad_to_multiple) * pad_to_multiple)
-    input_ids = np.zeros((b, length), dtype=np.int64)
-    targets = np.zeros((b, length), dtype=np.int64)
-    mask = np.zeros((b, length), dtype=np.float32)
+    lay = token_rows([r.prompt_tokens for r in ordered], [r.tokens for r in ordered],
+                     [r.exit_depths for r in ordered], pad_to_multiple=pad_to_multiple)  # fmt: skip
+    b, length = len(ordered), lay.length
     behav = np.zeros((b, length), dtype=np.float32)
-    depths = np.ones((b, length), dtype=np.int64)
     token_rewards = np.zeros((b, length), dtype=np.float32)
     groups: dict[str, int] = {}
     group_ids, seeds, rewards, versions = [], [], [], []
     for i, r in enumerate(ordered):
-        p, t = prompt_lens[i], int(r.tokens.shape[0])
-        seq = np.concatenate([r.prompt_tokens.astype(np.int64), r.tokens.astype(np.int64)])
-        input_ids[i, : seq_lens[i]] = seq[: seq_lens[i]]
+        p, t = int(lay.prompt_lens[i]), int(r.tokens.shape[0])
         if t:
-            resp = slice(p - 1, p - 1 + t)
-            targets[i, resp] = r.tokens
-            mask[i, resp] = 1.0
-            behav[i, resp] = r.logprobs
-            depths[i, : p - 1 + t] = position_depths(p, r.exit_depths)
+            behav[i, response_slice(p, t)] = r.logprobs
             token_rewards[i, p - 2 + t] = float(r.reward)  # type: ignore[arg-type]
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
         seeds.append(uint64_to_int64(int(r.latent_seed)))
@@ -209,19 +192,19 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         versions.append(int(r.weight_version))
     return TrainBatch(
         rollout_ids=[r.rollout_id for r in ordered],
-        input_ids=torch.from_numpy(input_ids),
+        input_ids=torch.from_numpy(lay.input_ids),
         position_ids=torch.arange(length, dtype=torch.int64).expand(b, length).contiguous(),
-        targets=torch.from_numpy(targets),
-        mask=torch.from_numpy(mask),
+        targets=torch.from_numpy(lay.targets),
+        mask=torch.from_numpy(lay.mask.astype(np.float32)),
         behav_logp=torch.from_numpy(behav),
-        exit_depths=torch.from_numpy(depths),
+        exit_depths=torch.from_numpy(lay.depths),
         token_rewards=torch.from_numpy(token_rewards),
         latent_seeds=torch.tensor(seeds, dtype=torch.int64),
         group_ids=torch.tensor(group_ids, dtype=torch.int64),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         weight_versions=torch.tensor(versions, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        prompt_lens=torch.tensor(prompt_lens, dtype=torch.int64),
+        seq_lens=torch.from_numpy(lay.seq_lens),
+        prompt_lens=torch.from_numpy(lay.prompt_lens),
         truncated=torch.tensor([r.finish_reason == "length" for r in ordered], dtype=torch.bool),
     )
 

@@ -38,8 +38,9 @@ from torch import Tensor
 from learner.mcore_model import LoopedGPT, _seed_tensor
 from learner.vocab_ops import token_stats
 from models import numerics as nx
-from models.contract import full_depth, position_depths
+from models.contract import full_depth
 from models.reference import ReplayItem, ReplayResult, behaviour_logprobs, entropy
+from models.rows import token_rows
 from proto.records import MAX_DEPTH
 
 __all__ = [
@@ -63,7 +64,7 @@ class ReplayBatch:
     targets: Tensor
     """[B, S] int64 the token each position predicts (completion tokens where loss_mask)."""
     depths: Tensor
-    """[B, S] int64 core iterations per position; 0 on padding."""
+    """[B, S] int64 core iterations per position (models.rows: PAD_DEPTH on padding)."""
     valid: Tensor
     """[B, S] bool real positions (a prefix of each row)."""
     loss_mask: Tensor
@@ -82,28 +83,19 @@ def make_replay_batch(items: Sequence[ReplayItem], pad_to_multiple: int = 1) -> 
     """Pack recorded completions (checks as `models.reference.replay`)."""
     if not items:
         raise ValueError("make_replay_batch needs at least one item")
-    seqs = []
     for it in items:
         n = len(it.completion_tokens)
         if n == 0 or len(it.exit_depths) != n or not it.prompt_tokens:
             raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
         full_depth(it.exit_depths, MAX_DEPTH)  # contract 2; the model's depth: forward checks it
-        seqs.append(list(it.prompt_tokens) + list(it.completion_tokens)[:-1])
-    bsz = len(items)
-    length = max(len(s) for s in seqs)
-    length = -(-length // pad_to_multiple) * pad_to_multiple
-    tokens = torch.zeros(bsz, length, dtype=torch.int64)
-    targets = torch.zeros(bsz, length, dtype=torch.int64)
-    depths = torch.zeros(bsz, length, dtype=torch.int64)
-    valid = torch.zeros(bsz, length, dtype=torch.bool)
-    loss_mask = torch.zeros(bsz, length, dtype=torch.bool)
-    for b, (it, s) in enumerate(zip(items, seqs)):
-        plen, n = len(it.prompt_tokens), len(it.completion_tokens)
-        tokens[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
-        valid[b, : len(s)] = True
-        depths[b, : len(s)] = torch.from_numpy(position_depths(plen, it.exit_depths))
-        targets[b, plen - 1 : plen - 1 + n] = torch.tensor([int(t) for t in it.completion_tokens])
-        loss_mask[b, plen - 1 : plen - 1 + n] = True
+    lay = token_rows([it.prompt_tokens for it in items], [it.completion_tokens for it in items],
+                     [it.exit_depths for it in items], pad_to_multiple=pad_to_multiple)  # fmt: skip
+    bsz, length = len(items), lay.length
+    tokens = torch.from_numpy(lay.input_ids)
+    targets = torch.from_numpy(lay.targets)
+    depths = torch.from_numpy(lay.depths)
+    valid = torch.arange(length)[None, :] < torch.from_numpy(lay.seq_lens)[:, None]
+    loss_mask = torch.from_numpy(lay.mask)
     seeds = _seed_tensor([int(it.latent_seed) for it in items], bsz)
     return ReplayBatch(tokens, targets, depths, valid, loss_mask, seeds)
 

@@ -54,7 +54,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-MASK64 = (1 << 64) - 1
+from models.contract import U64_MAX as MASK64  # the contract owns the seed range and the wrap
+from models.contract import check_latent_seed as _u64
+from models.contract import seed_to_i64 as _i64
+
 GOLDEN = 0x9E3779B97F4A7C15
 NOISE_DOMAIN = 0x4C4F4F50524C4E5A
 TRUNCATION = 3.0
@@ -131,12 +134,6 @@ def _mix(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
-
-
-def _u64(value: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MASK64:
-        raise ValueError(f"{what} must be an integer in [0, 2**64), got {value!r}")
-    return value
 
 
 def derive_latent_seed(run_seed: int, prompt_id: int | str, sample_index: int) -> int:
@@ -265,10 +262,6 @@ def latent_noise(
 # op (one kernel each, never fused or compiled: no FMA contraction), in numpy's order above, so
 # CUDA's correctly rounded +, -, *, / and sqrt give the CPU bits (tests/models/test_noise.py;
 # on CUDA: scripts/gpu_check.sh).
-
-
-def _i64(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def _srl(z: Tensor, k: int) -> Tensor:

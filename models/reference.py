@@ -40,10 +40,11 @@ from torch import Tensor
 from models import numerics as nx
 from models.base import LoopedLM
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
-from models.contract import check_latent_seed, full_depth, position_depths
+from models.contract import check_latent_seed, full_depth
 from models.engine import KVCache, run_chunk
 from models.engine_graph import GraphDecoder
 from models.exits import MAX_DEPTH, ExitPolicy, FixedDepth, check_kv, resolve_kv, resolve_max_depth
+from models.rows import response_slice, token_rows
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
 
@@ -277,33 +278,28 @@ def replay(
     if not items:
         return []
     fulls = [_check_item(it) for it in items]
-    seqs = [list(it.prompt_tokens) + list(it.completion_tokens)[:-1] for it in items]
-    bsz, length = len(items), max(len(s) for s in seqs)
-    toks = torch.zeros(bsz, length, dtype=torch.int64)
-    deps = torch.zeros(bsz, length, dtype=torch.int64)
-    for b, (it, s) in enumerate(zip(items, seqs)):
-        toks[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
-        deps[b, : len(s)] = torch.from_numpy(position_depths(len(it.prompt_tokens), it.exit_depths))
+    lay = token_rows([it.prompt_tokens for it in items], [it.completion_tokens for it in items],
+                     [it.exit_depths for it in items])  # fmt: skip
+    bsz, length = len(items), lay.length
     positions = torch.arange(length).expand(bsz, -1)
-    valid = positions < torch.tensor([len(s) for s in seqs])[:, None]
+    valid = positions < torch.from_numpy(lay.seq_lens)[:, None]
     cache = KVCache.empty(model, bsz, length, max(fulls))
     out = run_chunk(
         model,
         cache,
-        toks,
+        torch.from_numpy(lay.input_ids),
         positions,
         valid,
         [it.latent_seed for it in items],
         max_depth=max(fulls),
-        depths=deps,
+        depths=torch.from_numpy(lay.depths),
         mode=numerics,
         kv=kv,
         row_depths=fulls if kv == "full" else None,
     )
     results = []
     for b, it in enumerate(items):
-        plen, n = len(it.prompt_tokens), len(it.completion_tokens)
-        rows = slice(plen - 1, plen - 1 + n)
+        rows = response_slice(len(it.prompt_tokens), len(it.completion_tokens))
         lp = behaviour_logprobs(out.logits[b, rows], model.vocab_size, temperature, top_p, numerics)
         target = torch.tensor([int(t) for t in it.completion_tokens], dtype=torch.int64)
         results.append(

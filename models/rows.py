@@ -1,0 +1,91 @@
+"""The token-row layout of a replay: one owner for every place that feeds recorded completions
+back through a model (models.reference.replay, learner.replay.make_replay_batch,
+learner.batching.build_batch and through it both learner policies).
+
+Row b holds the model input ``prompt + response[:-1]``, right-padded to L; response token t is
+predicted at position p = P - 1 + t (P = prompt length):
+
+    input_ids[b, p]  token at p                        (0 on padding)
+    targets[b, p]    response[t] at p = P - 1 + t      (0 elsewhere)
+    mask[b, p]       True at p = P - 1 + t             (False elsewhere)
+    depths[b, p]     the depth run at p (models.contract.position_depths: the full depth
+                     exit_depths[0] at prompt positions, exit_depths[t] at P - 1 + t; DESIGN
+                     contract 2); PAD_DEPTH on padding and on every position of an empty response
+    seq_lens[b]      P + T - 1, or P for an empty response
+    prompt_lens[b]   P
+
+Positions are 0..L-1 on every row (padding continues them); a position is valid iff p < seq_len.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.contract import position_depths
+
+__all__ = ["PAD_DEPTH", "TokenRows", "response_slice", "token_rows"]
+
+PAD_DEPTH = 1
+"""The depth of a padding position (a valid depth: padding is never read by a valid position)."""
+
+
+def response_slice(prompt_len: int, num_tokens: int) -> slice:
+    """The positions that sampled the response tokens of a row: [P - 1, P - 1 + T)."""
+    return slice(prompt_len - 1, prompt_len - 1 + num_tokens)
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """[B, L] token arrays and [B] lengths of the layout (module docstring), numpy."""
+
+    input_ids: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray
+    depths: np.ndarray
+    seq_lens: np.ndarray
+    prompt_lens: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def token_rows(
+    prompts: Sequence[Sequence[int] | np.ndarray],
+    responses: Sequence[Sequence[int] | np.ndarray],
+    exit_depths: Sequence[Sequence[int] | np.ndarray],
+    *,
+    pad_to_multiple: int = 1,
+) -> TokenRows:
+    """Lay out rows (module docstring); L is the longest row rounded up to ``pad_to_multiple``
+    (at least 1). A prompt must be non-empty; a response may be empty (then it has no depths)."""
+    if not (len(prompts) == len(responses) == len(exit_depths)) or not prompts:
+        raise ValueError("token_rows: needs as many prompts, responses and exit depths, >= 1")
+    plens = [len(p) for p in prompts]
+    tlens = [len(r) for r in responses]
+    if min(plens) < 1:
+        raise ValueError("token_rows: every row needs a non-empty prompt")
+    for t, d in zip(tlens, exit_depths):
+        if len(d) != t:
+            raise ValueError(f"token_rows: {t} response tokens but {len(d)} exit depths")
+    seq_lens = [p + t - 1 if t else p for p, t in zip(plens, tlens)]
+    length = max(1, -(-max(seq_lens) // pad_to_multiple) * pad_to_multiple)
+    b = len(prompts)
+    input_ids = np.zeros((b, length), dtype=np.int64)
+    targets = np.zeros((b, length), dtype=np.int64)
+    mask = np.zeros((b, length), dtype=bool)
+    depths = np.full((b, length), PAD_DEPTH, dtype=np.int64)
+    for i, (prompt, resp) in enumerate(zip(prompts, responses)):
+        p, t = plens[i], tlens[i]
+        seq = np.concatenate([np.asarray(prompt, np.int64), np.asarray(resp, np.int64)])
+        input_ids[i, : seq_lens[i]] = seq[: seq_lens[i]]
+        if t:
+            at = response_slice(p, t)
+            targets[i, at] = np.asarray(resp, np.int64)
+            mask[i, at] = True
+            depths[i, : p - 1 + t] = position_depths(p, exit_depths[i])
+    return TokenRows(input_ids, targets, mask, depths, np.asarray(seq_lens, np.int64),
+                     np.asarray(plens, np.int64))  # fmt: skip
