@@ -24,8 +24,8 @@ Layouts (see `learner.mcore_layers`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,28 @@ from torch import Tensor
 from models.config import HuginnConfig, OuroConfig
 from models.errors import CheckpointError
 
-if TYPE_CHECKING:  # learner.mcore_model imports this module to load HF states
-    from learner.mcore_model import LoopedGPT
+
+class LoopedGPT(Protocol):
+    """What the conversion reads of a `learner.mcore_model.LoopedGPT` (a protocol here: that
+    module imports this one to load HF states, not the other way round)."""
+
+    @property
+    def config(self) -> Any: ...  # megatron TransformerConfig (TP size, heads)
+    @property
+    def family_config(self) -> Any: ...  # models.config.ModelConfig
+    @property
+    def core(self) -> Any: ...
+    @property
+    def huginn(self) -> bool: ...
+    @property
+    def is_critic(self) -> bool: ...
+    @property
+    def tied(self) -> bool: ...
+    @property
+    def rows(self) -> int: ...
+    def state_dict(self, *, keep_vars: bool = False) -> dict[str, Any]: ...
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
 
 __all__ = ["Rule", "conversion_rules", "gather_hf_state", "load_hf_state", "to_local_state"]
 

@@ -31,11 +31,11 @@ replay bit-identical (`models.numerics`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from models import numerics as nx
 from models.exits import (
@@ -49,8 +49,31 @@ from models.exits import (
 )
 from models.layers import Block
 
-if TYPE_CHECKING:  # models.base imports this module (its forward runs forward_full)
-    from models.base import LoopedLM
+
+class EngineModel(Protocol):
+    """What the engine runs of a family module: models.base.LoopedLM implements it (the hooks'
+    meaning: their docstrings there). A protocol here, so that models.base (whose forward runs
+    `forward_full`) imports the engine and not the other way round."""
+
+    @property
+    def max_depth(self) -> int: ...
+    @property
+    def kv_shape(self) -> tuple[int, int]: ...
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+    def prelude_blocks(self) -> Sequence[Block]: ...
+    def core_blocks(self) -> Sequence[Block]: ...
+    def coda_blocks(self) -> Sequence[Block]: ...
+    def embed(self, tokens: Tensor) -> Tensor: ...
+    def rope(self, positions: Tensor, mode: str) -> Tensor: ...
+    def initial_state(
+        self, e: Tensor, positions: Tensor, seeds: Sequence[int], noise: Tensor | None = None
+    ) -> Tensor: ...
+    def core_in(self, state: Tensor, e: Tensor, mode: str) -> Tensor: ...
+    def core_out(self, x: Tensor, mode: str) -> Tensor: ...
+    def readout_in(self, state: Tensor, mode: str) -> Tensor: ...
+    def readout_out(self, x: Tensor, mode: str) -> Tensor: ...
+    def head(self, hidden: Tensor, mode: str) -> Tensor: ...
+    def gate_logit(self, state: Tensor, mode: str) -> Tensor | None: ...
 
 
 @dataclasses.dataclass
@@ -65,7 +88,7 @@ class KVCache:
     """[B, T] bool: positions whose K/V exist."""
 
     @classmethod
-    def empty(cls, model: LoopedLM, batch: int, length: int, depth: int) -> KVCache:
+    def empty(cls, model: EngineModel, batch: int, length: int, depth: int) -> KVCache:
         g, d = model.kv_shape
         dev = next(model.parameters()).device
 
@@ -128,7 +151,7 @@ def _key_mask(filled: Tensor, positions: Tensor) -> Tensor:
 
 
 def _readout(
-    model: LoopedLM, cache: KVCache, state: Tensor, write: Tensor | None, r: _Rows
+    model: EngineModel, cache: KVCache, state: Tensor, write: Tensor | None, r: _Rows
 ) -> tuple[Tensor, Tensor]:
     x = model.readout_in(state, r.mode)
     x = _stack(model.coda_blocks(), cache.coda, x, write, r)
@@ -137,7 +160,7 @@ def _readout(
 
 
 def run_chunk(
-    model: LoopedLM,
+    model: EngineModel,
     cache: KVCache,
     tokens: Tensor,
     positions: Tensor,
@@ -236,7 +259,7 @@ def run_chunk(
 
 
 def forward_full(
-    model: LoopedLM,
+    model: EngineModel,
     input_ids: Tensor,
     latent_seeds: Sequence[int] | None = None,
     *,
