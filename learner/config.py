@@ -54,6 +54,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 DIVERGENCES = ("tv", "kl")
 ANCHORS = ("behaviour", "proximal")
 IS_MODES = ("truncate", "mask")
+IS_LEVELS = ("token", "sequence", "geometric")
 OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
@@ -93,6 +94,18 @@ class ObjectiveConfig:
     """Cap C > 0 on w = exp(prox_logp - behav_logp); ppo/grpo/flow_dppo apply w only if set."""
     is_mode: str = "truncate"
     """Use of is_cap: truncate (w = min(w, C)) or mask (tokens with w > C get weight 0)."""
+    is_level: str = "token"
+    """Level of w and of its bounds: token, sequence (exp of the row's summed log w, e^+-20 at
+    most) or geometric (exp of the row's mean log w); verl rollout_is / rollout_rs levels."""
+    is_cap_low: float | None = None
+    """Lower bound on w, in (0, is_cap): truncate raises w to it, mask rejects below it (verl
+    rollout_rs_threshold_lower); null: no lower bound."""
+    is_veto: float | None = None
+    """Reject a whole row when one of its tokens has exp(prox_logp - behav_logp) below this
+    (verl rollout_token_veto_threshold, e.g. 1e-4); null: no veto; in (0, 1)."""
+    is_rejected_in_denominator: bool = True
+    """Tokens rejected by is_mode mask or is_veto still count in the loss denominator (weight 0:
+    looprl, AReaL) or are removed from it (false: verl's modified response_mask)."""
     kl_threshold: float = 0.05
     """flow_dppo trust region: updates with KL(old||new) > this that push further are dropped."""
     divergence_is_cap: float | None = 20.0
@@ -178,6 +191,19 @@ class ObjectiveConfig:
         need(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be null or > 1")
         need(self.is_cap is None or self.is_cap > 0.0, "is_cap", "must be null or > 0")
         need(self.is_mode in IS_MODES, "is_mode", f"must be one of {IS_MODES}")
+        need(self.is_level in IS_LEVELS, "is_level", f"must be one of {IS_LEVELS}")
+        weighted = self.is_cap is not None or self.kind == "dppo"
+        for name, default in (("is_level", "token"), ("is_veto", None),
+                              ("is_rejected_in_denominator", True)):  # fmt: skip
+            need(getattr(self, name) == default or weighted, name,
+                 "applies to the behaviour weight: set objective.is_cap (or kind dppo)")  # fmt: skip
+        need(self.is_cap_low is None or (self.is_cap is not None
+                                         and 0.0 < self.is_cap_low < self.is_cap),
+             "is_cap_low", "must be null or in (0, objective.is_cap), with is_cap set")  # fmt: skip
+        need(self.is_veto is None or 0.0 < self.is_veto < 1.0, "is_veto", "must be null or in (0, 1)")  # fmt: skip
+        need(self.is_rejected_in_denominator or self.kind != "flow_dppo",
+             "is_rejected_in_denominator", "false is not available for flow_dppo (its proximal "
+             "log-probs come with the training forward, after the denominator is fixed)")  # fmt: skip
         need(self.kl_threshold > 0.0, "kl_threshold", "must be > 0")
         need(self.divergence in DIVERGENCES, "divergence", f"must be one of {DIVERGENCES}")
         need(self.divergence_threshold > 0.0, "divergence_threshold", "must be > 0")

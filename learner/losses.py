@@ -141,13 +141,14 @@ def clipped_surrogate(
 
 @torch.no_grad()
 def behaviour_weight(
-    log_weight: Tensor, cap: float | None, mode: str
+    log_weight: Tensor, cap: float | None, mode: str, low: float | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Importance weight w = exp(log_weight) of the behaviour -> proximal mismatch.
 
-    log_weight = prox_logp - behav_logp. With a cap C:
-        mode "truncate": w = min(w, C)                (truncated IS, TIS)
-        mode "mask":     w = w if w <= C else 0       (the token is dropped)
+    log_weight = prox_logp - behav_logp (per token, or a row's sum / mean broadcast over it:
+    objective.is_level). With a cap C (and a lower bound c, ``low``):
+        mode "truncate": w = min(w, C), max(w, c)      (truncated IS, TIS)
+        mode "mask":     w = w if c <= w <= C else 0   (the token is rejected)
     cap None: w uncapped. No gradient flows through w.
 
     Returns (w, masked, truncated): [B, T] fp32 weights and the two bool indicators.
@@ -156,6 +157,12 @@ def behaviour_weight(
     over = torch.zeros_like(w, dtype=torch.bool) if cap is None else w > cap
     if cap is None:
         return w, over, over
+    if low is not None:
+        out = over | (w < low)
+        if mode == "truncate":
+            return w.clamp(low, cap), torch.zeros_like(out), out
+        if mode == "mask":
+            return torch.where(out, 0.0, w), out, torch.zeros_like(out)
     if mode == "truncate":
         return w.clamp_max(cap), torch.zeros_like(over), over
     if mode == "mask":

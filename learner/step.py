@@ -57,7 +57,14 @@ from learner.batching import (
 )
 from learner.config import TrainConfig
 from learner.losses import kl_penalty
-from learner.objectives import LossBatch, ValueBatch, policy_loss, value_loss
+from learner.objectives import (
+    LossBatch,
+    ValueBatch,
+    behaviour_weighted,
+    policy_loss,
+    rollout_correction,
+    value_loss,
+)
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from proto.records import Rollout
 
@@ -261,6 +268,7 @@ class LearnerStep:
         # kl_in_reward: the KL went into the rewards, not into the loss
         loss_obj = dataclasses.replace(obj, kl_coef=0.0) if obj.kl_in_reward else obj
         use_prox_logp = cfg.use_prox and obj.kind != "flow_dppo"
+        corrected = behaviour_weighted(obj)  # rollout correction (learner.objectives.correction)
         metrics = StepMetrics()
         mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)  # per sorted row
         order = update_order(len(rows), obj.epochs, cfg.seed, self.step_count)
@@ -268,6 +276,8 @@ class LearnerStep:
         for u, j in enumerate(order):
             g_lo, g_hi, lo, hi = rows[j]
             norm = update_normalizer(batch, g_lo, g_hi, obj.aggregation)
+            if corrected and not obj.is_rejected_in_denominator:
+                norm = self._kept_normalizer(batch, lo, hi)
             pol.policy.zero_grad()
             finite = True
             for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
@@ -286,7 +296,11 @@ class LearnerStep:
                 # behaviour vs learner log-probs: the proximal pass when it ran, else the
                 # training forward of the step's first update (the same weights)
                 learner = mb.extra.get("prox_logp", stats["logp"].detach() if u == 0 else None)
-                record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates)
+                rejected = None
+                if corrected and learner is not None:
+                    prox = mb.extra["prox_logp"]
+                    rejected = rollout_correction(obj, mb.mask, prox, mb.behav_logp).rejected
+                record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates, rejected)
                 if learner is not None:
                     row_mismatch(mismatch, a, mb.mask, mb.behav_logp, learner)
             upd = pol.policy.update(finite)
@@ -311,6 +325,18 @@ class LearnerStep:
                    skipped_nonfinite_total=float(pol.policy.skipped_nonfinite),
                    logprob_mismatch=out.get("logp_mismatch_max", math.nan))  # fmt: skip
         return out
+
+    def _kept_normalizer(self, batch: TrainBatch, lo: int, hi: int) -> float:
+        """objective.is_rejected_in_denominator false: the update's global count of response
+        tokens (token_mean) or rows with one (seq_*) the rollout correction keeps, from the
+        same micro-batches and function as the loss (learner.objectives.correction)."""
+        obj = self.cfg.objective
+        n = torch.zeros(1, dtype=torch.float64)
+        for _, mb in self._micro(batch, lo, hi):
+            rej = rollout_correction(obj, mb.mask, mb.extra["prox_logp"], mb.behav_logp).rejected
+            kept = (mb.mask > 0) & ~rej
+            n += float(kept.sum() if obj.aggregation == "token_mean" else kept.any(1).sum())
+        return float(self.pol.dp.all_reduce_(n)[0])
 
     def _critic_update(self, critic: Net, batch: TrainBatch, lo: int, hi: int, norm: float,
                        metrics: StepMetrics, n_updates: int) -> None:  # fmt: skip

@@ -68,10 +68,12 @@ def record_policy(
     behav_logp: torch.Tensor,
     learner_logp: torch.Tensor | None,
     n_updates: int,
+    rejected: torch.Tensor | None = None,
 ) -> None:
     """Add one micro-batch's policy_loss metrics ``m`` (shares of a global sum: a mean per
     update; the rest token-weighted) and, when ``learner_logp`` is given (the proximal pass,
-    else the step's first update's forward), the behaviour vs learner log-prob statistics.
+    else the step's first update's forward), the behaviour vs learner log-prob statistics
+    (`mismatch_stats`; ``rejected``: the rollout correction's rejected tokens [B, T] bool).
     Both trainer backends record through it, so their step metrics are the same bits."""
     weight = float((mask > 0).sum())
     for k, v in m.items():
@@ -79,14 +81,41 @@ def record_policy(
             metrics.add_sum(k, v / n_updates)
         else:
             metrics.add_mean(k, v, weight)
-    if learner_logp is None:
-        return
+    if learner_logp is not None:
+        mismatch_stats(metrics, mask, behav_logp, learner_logp, rejected)
+
+
+def mismatch_stats(
+    metrics: StepMetrics, mask: torch.Tensor, behav_logp: torch.Tensor,
+    learner_logp: torch.Tensor, rejected: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """The behaviour (mu) vs learner (pi) mismatch family over the live tokens (mask > 0, both
+    log-probs finite), d = log pi - log mu per token, D_b = sum_t d over row b:
+
+        logp_mismatch_mean / _max   mean / max |d|
+        kl                          k3 per token: mean (e^d - 1 - d)   (KL(mu || pi) >= 0)
+        mismatch_kl_token           k1 per token: mean (-d)            (KL(mu || pi), signed)
+        mismatch_kl_seq             mean over rows with live tokens of -D_b
+        mismatch_k3_seq             mean over those rows of e^D - 1 - D (D clamped to +-20)
+        mismatch_masked_frac        tokens the rollout correction rejects (with ``rejected``)
+    """
     live = (mask > 0) & torch.isfinite(behav_logp) & torch.isfinite(learner_logp)
     d = torch.where(live, learner_logp.float() - behav_logp.float(), 0.0)
     n = float(live.sum())
     metrics.add_weighted("logp_mismatch_mean", float(d.abs().sum()), n)
     metrics.add_weighted("kl", float((d.clamp(-20, 20).exp() - 1 - d).sum()), n)
     metrics.add_max("logp_mismatch_max", float(d.abs().max()) if d.numel() else 0.0)
+    metrics.add_weighted("mismatch_kl_token", float(-d.sum()), n)
+    rows = live.any(dim=1)
+    seq = d.double().sum(dim=1)
+    metrics.add_weighted("mismatch_kl_seq", float(torch.where(rows, -seq, 0.0).sum()),
+                         float(rows.sum()))  # fmt: skip
+    clamped = seq.clamp(-20, 20)
+    k3 = torch.where(rows, clamped.exp() - 1 - clamped, 0.0)
+    metrics.add_weighted("mismatch_k3_seq", float(k3.sum()), float(rows.sum()))
+    if rejected is not None:
+        metrics.add_weighted("mismatch_masked_frac", float((rejected & (mask > 0)).sum()),
+                             float((mask > 0).sum()))  # fmt: skip
 
 
 def record_value(

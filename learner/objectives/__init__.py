@@ -34,13 +34,13 @@ from torch import Tensor
 from learner.config import KINDS, ObjectiveConfig
 from learner.losses import (
     aggregate,
-    behaviour_weight,
     masked_mean,
     ratio_from_log,
     value_loss_terms,
 )
 from learner.objectives import clip, divergence_ppo, flow_dppo, terms
 from learner.objectives.batch import LossBatch, Tokens, ValueBatch
+from learner.objectives.correction import Correction, rollout_correction
 from learner.objectives.kind import Kind, Metrics, Term
 from learner.vocab_ops import DEFAULT_CHUNK, token_stats
 
@@ -48,13 +48,16 @@ __all__ = [
     "KINDS",
     "KIND_REGISTRY",
     "TERMS",
+    "Correction",
     "Kind",
     "LossBatch",
     "ObjectiveConfig",
     "Term",
     "Tokens",
     "ValueBatch",
+    "behaviour_weighted",
     "policy_loss",
+    "rollout_correction",
     "value_loss",
 ]
 
@@ -69,6 +72,12 @@ KIND_REGISTRY: dict[str, Kind] = {
 TERMS: tuple[Term, ...] = (terms.KL_REFERENCE, terms.ENTROPY, terms.KL_OLD_METRIC)
 """The terms added to every kind's loss, in this order."""
 assert set(KIND_REGISTRY) == set(KINDS), "learner.config.KINDS and KIND_REGISTRY differ"
+
+
+def behaviour_weighted(cfg: ObjectiveConfig) -> bool:
+    """The objective applies the behaviour weight (dppo always, every kind with is_cap)."""
+    return KIND_REGISTRY[cfg.kind].always_weighted or cfg.is_cap is not None
+
 
 _TOKEN_INPUTS = ("logp", "behav_logp", "prox_logp", "kl", "entropy", "ref_logp")
 
@@ -142,8 +151,8 @@ def _advantages(cfg: ObjectiveConfig, adv: Any, shape: torch.Size) -> Tensor:
 
 def _tokens(
     cfg: ObjectiveConfig, kind: Kind, batch: LossBatch, temperature: float, vocab_chunk: int
-) -> tuple[Tokens, bool]:
-    """The validated, cleaned inputs (`Tokens`) and whether the behaviour weight applies."""
+) -> tuple[Tokens, Correction | None]:
+    """The validated, cleaned inputs (`Tokens`) and the rollout correction when it applies."""
     mask = batch.mask
     if not isinstance(mask, Tensor) or mask.dim() != 2:
         raise ValueError("batch['mask']: required, a [B, T] float tensor")
@@ -154,7 +163,7 @@ def _tokens(
     if batch.logits is not None:
         tok.update(_from_logits(batch, mask, temperature, vocab_chunk))
     logp_in = _require(tok["logp"], "logp", "(or logits + targets)")
-    weighted = kind.always_weighted or cfg.is_cap is not None
+    weighted = behaviour_weighted(cfg)
     for key in kind.needs:
         _require(tok[key], key, f"for {cfg.kind} (or old_logits with logits)")
     if weighted:
@@ -204,17 +213,24 @@ def _tokens(
         prox=clean(tok["prox_logp"]), ref=clean(tok["ref_logp"]), kl=clean(tok["kl"]),
         entropy=clean(tok["entropy"], grad=True),
     )  # fmt: skip
-    return tokens, weighted
+    corr = None
+    if weighted:  # from the raw log-probs: the step computes the same (learner.step)
+        prox_in, behav_in = tok["prox_logp"], tok["behav_logp"]
+        assert prox_in is not None and behav_in is not None
+        corr = rollout_correction(cfg, mask, prox_in, behav_in)
+    return tokens, corr
 
 
-def _behaviour_weight(cfg: ObjectiveConfig, tok: Tokens, metrics: Metrics) -> Tensor:
-    """w = exp(prox - behav), capped / masked at is_cap (learner.losses.behaviour_weight)."""
-    assert tok.behav is not None and tok.prox is not None
-    w, is_masked, is_trunc = behaviour_weight(tok.prox - tok.behav, cfg.is_cap, cfg.is_mode)
-    w = tok.where_valid(w)
+def _behaviour_weight(
+    cfg: ObjectiveConfig, tok: Tokens, corr: Correction, metrics: Metrics
+) -> Tensor:
+    """w on valid tokens (learner.objectives.correction); is_* metrics."""
+    w = tok.where_valid(corr.weight)
     metrics["is_weight_mean"] = masked_mean(w, tok.mask)
-    metrics["is_masked_frac"] = masked_mean((is_masked & tok.valid).float(), tok.mask)
-    metrics["is_truncated_frac"] = masked_mean((is_trunc & tok.valid).float(), tok.mask)
+    metrics["is_masked_frac"] = masked_mean((corr.masked & tok.valid).float(), tok.mask)
+    metrics["is_truncated_frac"] = masked_mean((corr.truncated & tok.valid).float(), tok.mask)
+    if cfg.is_veto is not None:
+        metrics["is_vetoed_frac"] = masked_mean((corr.vetoed & tok.valid).float(), tok.mask)
     return w
 
 
@@ -247,21 +263,24 @@ def policy_loss(
     """
     lb = LossBatch.of(batch)
     kind = KIND_REGISTRY[cfg.kind]
-    tok, weighted = _tokens(cfg, kind, lb, temperature, vocab_chunk)
+    tok, corr = _tokens(cfg, kind, lb, temperature, vocab_chunk)
     metrics: Metrics = {}
-    w = _behaviour_weight(cfg, tok, metrics) if weighted else None
+    w = None if corr is None else _behaviour_weight(cfg, tok, corr, metrics)
     pg = kind.surrogate(cfg, tok, metrics)
     if w is not None:
         pg = pg * w
     pg = tok.where_valid(pg)
     mask, norm, length = tok.mask, lb.normalizer, cfg.loss_scale_length
-    metrics["pg_loss"] = aggregate(pg.detach(), mask, cfg.aggregation, norm, length)
+    agg = mask  # rejected tokens out of the denominator too (the step's normalizer agrees)
+    if corr is not None and not cfg.is_rejected_in_denominator:
+        agg = torch.where(corr.rejected, 0.0, mask)
+    metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
     total = pg
     for term in TERMS:
         extra = term.add(cfg, tok, metrics)
         if extra is not None:
             total = total + extra
-    loss = aggregate(total, mask, cfg.aggregation, norm, length)
+    loss = aggregate(total, agg, cfg.aggregation, norm, length)
     with torch.no_grad():
         metrics["ratio_mean"] = masked_mean(tok.ratio, mask)
         lr = tok.log_ratio

@@ -358,6 +358,15 @@ class Coordinator:
             if vals:
                 m[f"reward_{key}"] = sum(vals) / len(vals)
         m.update({f"train/{k}": float(v) for k, v in tm.items()})
+        # per generator: max |learner - behaviour| log-prob over its rollouts of the step that
+        # the trainer measured (any staleness: numerics and policy lag; docs/OBJECTIVES.md)
+        per = getattr(self.trainer, "last_mismatch", None) or []
+        if len(per) == len(rolls):
+            by_gen: dict[str, float] = {}
+            for x, r in zip(per, rolls, strict=True):
+                if x == x and x >= 0.0:  # -1: not measured; NaN: none
+                    by_gen[r.generator_id] = max(float(x), by_gen.get(r.generator_id, 0.0))
+            m.update({f"mismatch/{g}": v for g, v in sorted(by_gen.items())})
         self._last_step_t = now
         if pub is not None:
             self._announce(pub)

@@ -272,12 +272,29 @@ _VARIANTS = {  # name -> run config overrides on top of the shared ones
     "bessel": ["objective.whiten=true", "objective.whiten_std=bessel"],
     "boot": ["objective.bootstrap_truncated=true", "objective.gamma=0.9", "objective.lam=0.8"],
     "drgrpo": ["objective.aggregation=dr_grpo", "objective.loss_scale_length=8"],
+    # rollout correction (issue 21 item 3) on top of is_cap=2: with +drift the behaviour
+    # log-probs are moved off the learner's (below), so weights are truncated / rejected
+    "drift": [],
+    "seq": ["objective.is_level=sequence"],
+    "geo": ["objective.is_level=geometric", "objective.is_mode=mask", "objective.is_cap_low=0.8"],
+    "veto": ["objective.is_veto=0.3", "objective.is_rejected_in_denominator=false"],
 }
 _FAST = ["grpo", "dppo", "flow_dppo", "divergence_ppo", "divergence_ppo+kl", "ppo",
          "dppo+critic", "ppo+micro", "ppo+micro+reward"]  # fmt: skip
 _EXACT = ["grpo", "dppo", "flow_dppo+micro", "divergence_ppo", "divergence_ppo+kl",
           "ppo+micro+reward", "dppo+critic", "grpo+rloo", "grpo+rpp+gspo", "ppo+boot+bessel",
-          "dppo+drgrpo"]  # fmt: skip
+          "dppo+drgrpo", "dppo+drift+seq", "grpo+drift+geo+veto", "ppo+drift+veto",
+          "divergence_ppo+kl+drift+geo"]  # fmt: skip
+
+
+def _drift(i: int, n: int) -> np.ndarray:
+    """Row i's shift of its behaviour log-probs: +-0.45 / +-0.9 by token, a row offset in
+    [-0.45, 0.45] (geometric means off 1), +1.6 on the last row's first token (w = e^-1.6 <
+    is_veto 0.3: the row is vetoed)."""
+    t = np.arange(n)
+    shift = 0.45 * (((i + t) % 3) - 1) * (1 + i % 2) + 0.3 * (i % 4 - 1.5)
+    shift[0] += 1.6 if i == 7 else 0.0
+    return shift.astype(np.float32)
 
 
 @pytest.mark.megatron
@@ -308,6 +325,10 @@ def test_backends_agree_on_loss_metrics_and_weights(
     if "boot" in variants:  # half the rows cut at the length limit: they bootstrap
         rolls = [dataclasses.replace(r, finish_reason="length") if i % 2 else r
                  for i, r in enumerate(rolls)]  # fmt: skip
+    if "drift" in variants:
+        rolls = [dataclasses.replace(r, logprobs=np.minimum(r.logprobs + _drift(i, r.num_tokens),
+                                                            0.0).astype(np.float32))
+                 for i, r in enumerate(rolls)]  # fmt: skip
     critic = name == "ppo" or "critic" in variants
     over = [f"objective.kind={name}", "objective.epochs=2", "objective.minibatches=2",
             "optimizer.lr=1e-5", "objective.is_cap=2.0", "objective.entropy_coef=0.01",
@@ -333,6 +354,10 @@ def test_backends_agree_on_loss_metrics_and_weights(
     if critic:
         assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= set(ref)
         assert meg["value_mean"] != 0.0  # the critic trained in step 1 acts
+    if "drift" in variants:  # the correction acts (else the case tests nothing new)
+        assert ref["mismatch_kl_token"] != 0.0 and ref["is_weight_mean"] != 1.0, ref
+        assert ref["is_truncated_frac"] > 0 or ref["mismatch_masked_frac"] > 0, ref
+        assert "veto" not in variants or ref["is_vetoed_frac"] > 0, ref
     tol = 0.0 if numerics == "exact" else 1e-6
     # fast: 1e-6 relative to the value where it is above 1 (grad_norm ~10: one fp32 ulp there
     # is 9.5e-7, and the two stacks' fp32 sums differ by 1-3 ulps, by the number of threads)
