@@ -146,11 +146,6 @@ class Trainer(LearnerStep):
         initial_version: int = 0,
         reference: PolicySpec | None = None,
     ) -> None:
-        if cfg.objective.uses_critic != (critic is not None):
-            raise ValueError(f"critic: objective {cfg.objective.kind!r} with critic="
-                             f"{cfg.objective.critic} but critic spec {critic}")  # fmt: skip
-        if cfg.objective.kl_coef > 0 and reference is None:
-            raise ValueError("objective.kl_coef > 0 needs a reference PolicySpec")
         self.megatron = MegatronPolicy(cfg, optim, schedule, policy, critic=critic,
                                        critic_optim=critic_optim, critic_schedule=critic_schedule,
                                        reference=reference)  # fmt: skip
