@@ -14,7 +14,9 @@ run that already did its ``steps`` says so and leaves it (summary.json included)
 The terminal shows looprl's own lines and the progress bar; third-party logging and
 warnings (megatron, torch) go to RUN_DIR/logs/learner.log (``-v`` shows them here too,
 pipeline.commands.console). Exit codes: 0 done, 1 the run failed, 2 bad settings (a busy port, a bad
-model directory, ...).
+model directory, ...). A run that stops because the user must act ends in one line and
+exit 1 (pipeline.commands.learner_stops): no training step for max_wait_s (the endpoint to
+start generators on), or a full disk (the path, what was kept, ``--resume`` continues).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.commands.learner_stops import LearnerStalled, LearnerStopped, disk_full
 from pipeline.config import (
     ConfigError,
     RunConfig,
@@ -192,10 +195,6 @@ def connect_host(host: str) -> tuple[str, str]:
     return name, f"{host} is every interface; {name} may resolve to loopback only elsewhere"
 
 
-class LearnerStalled(RuntimeError):
-    """No training step for max_wait_s: the one line says where generators connect."""
-
-
 def generator_hint(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> str:
     """The ``looprl generator`` command printed for users (reachable address, keys)."""
     cmd, why = generator_command(cfg, ctrl, wts, model)
@@ -317,6 +316,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
 
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     finished: dict[str, Any] | None = None
+    failing = False
     try:
         if resume:
             ckpt = resume_mod.latest_checkpoint(coord)
@@ -344,16 +344,24 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                                                   sorted(coord.dispatcher.generators()), detail)
                                      ) from None  # fmt: skip
             resume_mod.save(coord, keep)
+    except BaseException as err:
+        failing = True
+        full = disk_full(run_dir, err, trainer) if isinstance(err, Exception) else None
+        if full is not None:
+            raise full from None
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         if bar is not None:
             bar.close()
         counts = coord.counts()
-        coord.close()
-        endpoint.close()
-        trainer.close()
-        plot = metrics.close(plot=cfg.metrics.plot and finished is None)
+        # stopping on an error: a failing close (the full disk again) must not replace it
+        _closing(failing, "the coordinator", coord.close)
+        _closing(failing, "the endpoints", endpoint.close)
+        _closing(failing, "the trainer", trainer.close)
+        plot = _closing(failing, "metrics", lambda: metrics.close(
+            plot=cfg.metrics.plot and finished is None and not failing))  # fmt: skip
     if finished is not None:
         return finished
     out: dict[str, Any] = {**summary(read_metrics(metrics.path)), "final_version": coord.version,
@@ -361,6 +369,17 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                            "counts": counts}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1, default=str))
     return out
+
+
+def _closing(failing: bool, what: str, close: Callable[[], Any]) -> Any:
+    """``close()``; while stopping on an error, a failure of it is logged, not raised."""
+    if not failing:
+        return close()
+    try:
+        return close()
+    except Exception as e:  # noqa: BLE001 (the error being raised is the one to report)
+        log.warning("learner: closing %s failed too while stopping: %s", what, e)
+        return None
 
 
 def _already_finished(run_dir: Path, step: int, steps: int) -> dict[str, Any] | None:
@@ -424,12 +443,12 @@ def run(args: argparse.Namespace) -> int:
         log.info("third-party logs and warnings go to %s (-v shows them here)", path)
     try:
         s = run_learner(cfg, resume=args.resume is not None)
+    except LearnerStopped as e:  # no generators, a full disk: the one line says what to do
+        print(f"looprl learner: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         print(f"looprl learner: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except LearnerStalled as e:
-        print(f"looprl learner: error: {e}", file=sys.stderr)
-        return 1
     print(f"learner done: {json.dumps({k: v for k, v in s.items() if k != 'counts'})}")
     return 0
 
