@@ -2,7 +2,8 @@
 
 Order of calls (every rank calls; ranks outside data-parallel rank 0 return None at once):
 
-    pub = publish(trainer.policy_model, run_dir, trainer.weight_version, dtype=torch.bfloat16)
+    out = models.publication.weights_dir(run_dir, v)    # the coordinator names the directory
+    pub = publish(trainer.policy_model, out, v, dtype=torch.bfloat16)
     if pub is not None:                                  # global rank 0 (the coordinator)
         ann = pub.announce(chunk_bytes)                  # proto.WeightAnnounce
         publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), ...)
@@ -15,7 +16,7 @@ What is published, for weight version v:
    their dtype; tied tensors stay one tensor through the cast;
 3. tied weights (`lm_head.*` sharing its embedding) stored once, under the embedding's name,
    as `save_pretrained` does: on disk, in the blob and in the digest alike;
-4. on global rank 0: `<run_dir>/weights/v<v>/` written atomically by
+4. on global rank 0: `out_dir` (the run's `RUN_DIR/weights/v<v>`) written atomically by
    `models.checkpoint.save_checkpoint` (config.json, model.safetensors, manifest.json);
    manifest.json = {"format", "version", "digest", "tied", "tensors": [{name, dtype, shape,
    offset, nbytes, sha256}]}; the digest is `models.digest.canonical_digest` of the stored
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,6 @@ __all__ = [
     "read_manifest",
     "tie_map",
     "verify_publication",
-    "weights_dir",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -79,11 +78,6 @@ def looped_exporter(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
     params = {n for n, _ in model.named_parameters()}
     buffers = {h for r in conversion_rules(model) if r.mine not in params for h in r.hf}  # type: ignore[arg-type]
     return gather_hf_state(model), buffers  # type: ignore[arg-type]
-
-
-def weights_dir(run_dir: str | os.PathLike, version: int) -> Path:
-    """`<run_dir>/weights/v<version>`."""
-    return Path(run_dir) / "weights" / f"v{version}"
 
 
 def tie_map(state: Mapping[str, Tensor], head_prefix: str = "lm_head.") -> dict[str, str]:
@@ -148,30 +142,25 @@ def _config_dict(model: nn.Module, config: Mapping[str, Any] | None) -> dict[str
 
 def publish(
     model: nn.Module,
-    run_dir: str | os.PathLike | None,
+    out_dir: str | os.PathLike | None,
     version: int,
     *,
     config: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     exporter: Exporter | None = None,
-    keep_last: int | None = None,
 ) -> Publication | None:
     """Publish the policy as weight version `version` (module docstring).
 
     Call on every rank. Data-parallel rank 0's TP group gathers; global rank 0 writes
-    `weights_dir(run_dir, version)` (skipped when run_dir is None) and returns the
-    Publication; every other rank returns None. config: the HF config dict (default:
-    `model.family_config.to_hf_dict()`). keep_last: remove older `weights/v*` directories
-    beyond the newest `keep_last` (None keeps all). Raises NonFiniteWeightsError (nothing
-    written) when a published tensor is not finite.
+    `out_dir` (skipped when None) and returns the Publication; every other rank returns None.
+    config: the HF config dict (default: `model.family_config.to_hf_dict()`). Raises
+    NonFiniteWeightsError (nothing written) when a published tensor is not finite.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if version < 0:
         raise ValueError(f"version: expected >= 0, got {version}")
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last: expected None or >= 1, got {keep_last}")
     if ps.get_data_parallel_rank() != 0:
         return None
     stored, tied = publication_state(model, dtype=dtype, exporter=exporter)
@@ -181,7 +170,7 @@ def publish(
     blob, tensors = blob_and_meta(stored)
     digest = digest_from_blob(blob, tensors)
     path = None
-    if run_dir is not None:
+    if out_dir is not None:
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": version,
@@ -189,20 +178,10 @@ def publish(
             "tied": dict(sorted(tied.items())),
             "tensors": tensors,
         }
-        path = weights_dir(run_dir, version)
+        path = Path(out_dir)
         save_checkpoint(stored, config_dict, path, tied=tied, extra_files={MANIFEST_NAME: manifest})
-        if keep_last is not None:
-            _prune(Path(run_dir) / "weights", keep_last)
     config_json = json_bytes(config_dict).decode("utf-8")
     return Publication(version, digest, path, blob, tensors, tied, config_json)
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    versions = sorted(
-        (int(p.name[1:]), p) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()
-    )
-    for _, p in versions[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Order of calls (every rank runs the same calls with the same rollouts):
                       critic=..., critic_optim=..., critic_schedule=...)
     learner.checkpoint.load(trainer, path)      # optional: resume
     metrics = trainer.step(rollouts)            # k x global_batch_size rollouts -> k updates
-    learner.publish.publish(trainer.policy_model, run_dir, trainer.weight_version)
+    learner.publish.publish(trainer.policy_model, weights_dir(run_dir, v), v)
     learner.checkpoint.save(trainer, run_dir, ...)
 
 The step itself (advantages, proximal pass, epochs x mini-batches x micro-batches, the

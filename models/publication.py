@@ -5,11 +5,16 @@ the coordinator announces it as it is. ``Publication.from_dir`` reads a written 
 back (the reference backend's path, and replay's digest check): that and the learner's
 publish are the only two places a publication's canonical digest is computed, both with
 ``models.digest`` (DESIGN contract 6), and both refuse non-finite tensors.
+
+``weights_dir`` and ``prune_weights`` are the one owner of the run's weight directories,
+``RUN_DIR/weights/v<version>``: the coordinator names the directory a trainer writes and prunes
+them after each announcement, including directories a killed run left behind.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,3 +76,29 @@ class Publication:
         )
         ann.validate()
         return ann
+
+
+def weights_dir(run_dir: str | Path, version: int) -> Path:
+    """``RUN_DIR/weights/v<version>``: where weight version ``version`` is written."""
+    return Path(run_dir) / "weights" / f"v{version}"
+
+
+def weight_versions(run_dir: str | Path) -> list[int]:
+    """The versions that have a directory under ``RUN_DIR/weights``, ascending."""
+    root = Path(run_dir) / "weights"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+
+
+def prune_weights(run_dir: str | Path, current: int, keep: int) -> list[int]:
+    """Remove the weight directories older than the newest ``keep`` versions up to ``current``
+    (those a run announced and those a killed run left; a directory above ``current`` may be
+    being written and is left); ``keep`` 0 keeps everything. Returns the removed versions."""
+    if keep <= 0:
+        return []
+    upto = [v for v in weight_versions(run_dir) if v <= current]
+    gone = upto[:-keep]
+    for v in gone:
+        shutil.rmtree(weights_dir(run_dir, v), ignore_errors=True)
+    return gone

@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from learner import checkpoint as learner_checkpoint
 from learner.mcore_model import MegatronOptions
 from learner.parallel import destroy_distributed, init_distributed
-from learner.publish import publish, weights_dir
+from learner.publish import publish
 from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
@@ -66,10 +66,7 @@ class MegatronTrainer:
 
     def publish(self, out_dir: Path, version: int) -> Publication | None:
         """The Publication on learner rank 0 (None on the other ranks, which only take part)."""
-        run_dir = out_dir.parent.parent
-        if weights_dir(run_dir, version) != out_dir:
-            raise ValueError(f"publish: {out_dir} is not <run_dir>/weights/v{version}")
-        pub = publish(self.trainer.policy_model, run_dir, version,
+        pub = publish(self.trainer.policy_model, out_dir, version,
                       config=self.model_config.to_hf_dict())  # fmt: skip
         if pub is None and self.rank == 0:
             raise RuntimeError("publish: learner rank 0 got no Publication")

@@ -45,7 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def replay(stream: Path, out: Path, config: str | None = None,
            overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Replay ``stream`` (see the module docstring); returns {version: [live, replay digest]}."""
-    from models.publication import Publication
+    from models.publication import Publication, weights_dir
     from pipeline.backends.trainer_api import build_trainer
     from pipeline.commands.learner_main import model_dir, resolve_config
     from pipeline.core.intake import training_rewards
@@ -89,9 +89,9 @@ def replay(stream: Path, out: Path, config: str | None = None,
             )  # fmt: skip
             trainer.step(rolls, s.corrections)
             if s.publish is not None:
-                vdir = out / "weights" / f"v{s.publish}"
-                trainer.publish(vdir, s.publish)
-                digest = Publication.from_dir(vdir, s.publish).digest
+                vdir = weights_dir(out, s.publish)
+                pub = trainer.publish(vdir, s.publish)  # the trainer computed its digest once
+                digest = (pub or Publication.from_dir(vdir, s.publish)).digest
                 result[str(s.publish)] = [live.get(s.publish), digest]
     finally:
         trainer.close()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import NonFiniteWeightsError
-from models.publication import Publication
+from models.publication import Publication, prune_weights, weights_dir
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core.dispatch import Dispatcher, PromptSource
@@ -397,7 +397,7 @@ class Coordinator:
 
     def _write_publication(self, v: int) -> Publication:
         """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
-        out = self.run_dir / "weights" / f"v{v}"
+        out = weights_dir(self.run_dir, v)
         try:
             pub = self.trainer.publish(out, v)
             if pub is None:
@@ -429,9 +429,8 @@ class Coordinator:
         self.published.append(v)
         self.endpoint.set_status(v, self.dispatcher.inflight())
         keep = self.cfg.publish.keep
-        if keep and len(self.published) > keep:
-            for old in self.published[:-keep]:
-                shutil.rmtree(self.run_dir / "weights" / f"v{old}", ignore_errors=True)
+        if keep:  # every directory older than the newest `keep`, a killed run's included
+            prune_weights(self.run_dir, v, keep)
             self.published = self.published[-keep:]
 
     # -- the loop ------------------------------------------------------------------------------------

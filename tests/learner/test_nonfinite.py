@@ -100,6 +100,7 @@ def _exporter(state: dict[str, torch.Tensor]) -> Any:
 
 def test_publish_refuses_nonfinite_tensors(tmp_path: Path) -> None:
     from learner.publish import NonFiniteWeightsError, publish
+    from models.publication import weights_dir
 
     good = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     bad = good.clone()
@@ -107,15 +108,22 @@ def test_publish_refuses_nonfinite_tensors(tmp_path: Path) -> None:
     state = {"a.weight": good, "b.weight": bad, "c.weight": torch.full((2,), math.nan)}
     model = torch.nn.Linear(1, 1)
     with pytest.raises(NonFiniteWeightsError, match=r"'b\.weight' has 3 non-finite .* of 12"):
-        publish(model, tmp_path, 1, config={}, exporter=_exporter(state))
+        publish(model, weights_dir(tmp_path, 1), 1, config={}, exporter=_exporter(state))
     assert not (tmp_path / "weights").exists()
     assert issubclass(NonFiniteWeightsError, ValueError)
 
     # Finite in fp32, but the largest fp32 values round to inf in bf16: refused after the cast.
     big = {"a.weight": good, "z.weight": torch.tensor([torch.finfo(torch.float32).max, 1.0])}
-    pub = publish(model, tmp_path, 1, config={}, exporter=_exporter(big))
+    pub = publish(model, weights_dir(tmp_path, 1), 1, config={}, exporter=_exporter(big))
     assert pub is not None and (tmp_path / "weights" / "v1").is_dir()
     with pytest.raises(NonFiniteWeightsError, match=r"'z\.weight' has 1 non-finite .* of 2") as e:
-        publish(model, tmp_path, 2, config={}, dtype=torch.bfloat16, exporter=_exporter(big))
+        publish(
+            model,
+            weights_dir(tmp_path, 2),
+            2,
+            config={},
+            dtype=torch.bfloat16,
+            exporter=_exporter(big),
+        )
     assert (e.value.name, e.value.count, e.value.numel) == ("z.weight", 1, 2)
     assert not (tmp_path / "weights" / "v2").exists()

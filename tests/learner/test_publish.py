@@ -44,6 +44,7 @@ def publish_body(run_dir: str) -> dict[str, Any]:
     from learner.replay import replay as mcore_replay
     from learner.trainer import Trainer, looped_policy_spec
     from models.config import tiny_config
+    from models.publication import weights_dir
 
     info = init_distributed(tp=2, seed=SEED)
     assert info.tp_size == 2
@@ -52,9 +53,10 @@ def publish_body(run_dir: str) -> dict[str, Any]:
     optim = OptimConfig(name="sgd", lr=0.5, distributed=False)
     trainer = Trainer(cfg, optim, ScheduleConfig(), spec)
     trainer.step(rollouts_for(29, n_groups=2, size=2))
+    v = trainer.weight_version
     pubs = [
-        publish(trainer.policy_model, run_dir, trainer.weight_version),
-        publish(trainer.policy_model, run_dir, trainer.weight_version + 1, dtype=torch.bfloat16),
+        publish(trainer.policy_model, weights_dir(run_dir, v), v),
+        publish(trainer.policy_model, weights_dir(run_dir, v + 1), v + 1, dtype=torch.bfloat16),
     ]
     out: dict[str, Any] = {"pubs": None}
     if pubs[0] is not None:
