@@ -76,8 +76,9 @@ def llama_of_another_shape(out: Path) -> Path:
 
 def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
     """The quickstart's job (GRPO, 16 prompts x 8 samples, the count-on task) on the tiny
-    Llama, 30 steps, one generator: the mean reward of the last 5 steps rises above the first
-    5 (measured: 0.005 -> 0.19-0.21 in three runs)."""
+    Llama, 30 steps, one generator: the mean reward of the last 5 steps rises from ~0.005 to
+    above 0.15 (measured, three runs: 0.005 -> 0.206, 0.203, 0.203; 110-146 s of wall time on
+    the 2 cores while other jobs kept the load at 5-11)."""
     model = init_checkpoint("llama", "tiny", tmp_path / "llama")
     run_dir = tmp_path / "run"
     code, err, wall = looprl_run(
@@ -88,7 +89,7 @@ def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
     print(f"\nllama run: {s['steps']} steps in {wall:.0f} s, reward {s['reward_first']:.3f} -> "
           f"{s['reward_last']:.3f}")  # fmt: skip
     assert s["steps"] == 30 and s["final_version"] == 30
-    assert s["reward_first"] < 0.02 and s["reward_last"] > s["reward_first"] + 0.1, s
+    assert s["reward_first"] < 0.02 and s["reward_last"] > 0.15, s
     assert (s["counts"]["publisher"].get("nacked", 0)) == 0, s["counts"]["publisher"]
 
 
