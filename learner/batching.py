@@ -312,6 +312,21 @@ def penalise_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float:
     return mean
 
 
+def penalise_token_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float:
+    """objective.kl_in_reward_level token: each response token's reward -= coef x pen[b, t]
+    (pen [B, L] fp64, the per-token KL estimator, 0 off the response: verl's, AReaL's and TRL's
+    PPO reward shaping) and rewards[b] -= coef x its row's sum (what the group estimators
+    see: the same rewards as the sequence level); returns the mean per-token estimate
+    (train/kl_ref), as `penalise_rewards`."""
+    live = batch.mask > 0
+    pen = torch.where(live, pen, 0.0)
+    row = pen.sum(dim=1)
+    mean = float((row / live.sum(dim=1).clamp_min(1)).mean())
+    batch.rewards = batch.rewards - (coef * row).float()
+    batch.token_rewards = batch.token_rewards - (coef * pen).float()
+    return mean
+
+
 def update_order(minibatches: int, epochs: int, seed: int, step: int) -> list[int]:
     """The mini-batch of every optimizer update of a step: ``epochs`` passes over the
     ``minibatches``, the first in order, later ones shuffled by (seed, step, epoch): the same

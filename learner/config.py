@@ -48,9 +48,10 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 SINGLETONS = ("zero", "reward")
 WHITEN_STDS = ("population", "bessel")
 KL_CAP_DEFAULT = 10.0
-"""objective.kl_cap's default, also `learner.losses.kl_penalty`'s (the trainers' kl_in_reward
-path calls it without the config: both stay at this value)."""
+"""objective.kl_cap's default, also `learner.losses.kl_penalty`'s."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_REWARD_LEVELS = ("sequence", "token")
+KL_REWARD_LOGPS = ("behaviour", "proximal")
 DIVERGENCES = ("tv", "kl")
 ANCHORS = ("behaviour", "proximal")
 IS_MODES = ("truncate", "mask")
@@ -124,13 +125,21 @@ class ObjectiveConfig:
     """KL(policy || reference) coefficient >= 0 (> 0 loads a frozen reference policy:
     model.reference_path)."""
     kl_in_reward: bool = False
-    """Apply the KL as a per-sequence reward penalty (kl_coef x the sum over the response of the
-    estimator) before the advantages, instead of a loss term."""
+    """Apply the KL as a reward penalty (kl_coef x the estimator) before the advantages, instead
+    of a loss term (kl_in_reward_level, kl_in_reward_logp)."""
+    kl_in_reward_level: str = "sequence"
+    """kl_in_reward: the row's summed penalty on its last token (sequence) or each token's on
+    that token (token: verl, AReaL, TRL PPO); only GAE and reinforce_pp see the difference
+    (the group estimators use the row's sum either way)."""
+    kl_in_reward_logp: str = "behaviour"
+    """kl_in_reward: the policy log-probs measured against the reference: behaviour (the
+    generator's) or proximal (the learner's, recomputed with the pre-update weights: verl,
+    AReaL, TRL)."""
     kl_estimator: str = "k3"
     """Per-token estimator of KL(pi || pi_ref): k1, k2 or k3."""
     kl_cap: float | None = KL_CAP_DEFAULT
     """The estimator clamped to [-kl_cap, kl_cap], gradient 0 beyond (verl low_var_kl, AReaL:
-    10; k3 grows as e^d when pi << pi_ref); null uncapped; > 0; kl_in_reward: 10 only."""
+    10; k3 grows as e^d when pi << pi_ref); null uncapped; > 0 (the loss term and kl_in_reward)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient >= 0 (subtracted from the loss)."""
     aggregation: str = "token_mean"
@@ -213,9 +222,14 @@ class ObjectiveConfig:
         need(self.divergence_threshold_low is None or self.divergence_threshold_low > 0.0,
              "divergence_threshold_low", "must be null or > 0")  # fmt: skip
         need(self.kl_cap is None or self.kl_cap > 0.0, "kl_cap", "must be null or > 0")
-        need(not self.kl_in_reward or self.kl_cap == KL_CAP_DEFAULT, "kl_cap",
-             f"must be {KL_CAP_DEFAULT} with kl_in_reward (the trainers' reward penalty applies "
-             "the default cap)")  # fmt: skip
+        need(self.kl_in_reward_level in KL_REWARD_LEVELS, "kl_in_reward_level",
+             f"must be one of {KL_REWARD_LEVELS}")  # fmt: skip
+        need(self.kl_in_reward_logp in KL_REWARD_LOGPS, "kl_in_reward_logp",
+             f"must be one of {KL_REWARD_LOGPS}")  # fmt: skip
+        for name, default in (("kl_in_reward_level", "sequence"),
+                              ("kl_in_reward_logp", "behaviour")):  # fmt: skip
+            need(getattr(self, name) == default or self.kl_in_reward, name,
+                 "applies with objective.kl_in_reward=true only")  # fmt: skip
         need(self.ratio_level in RATIO_LEVELS, "ratio_level", f"must be one of {RATIO_LEVELS}")
         need(self.ratio_level == "token" or self.kind in ("ppo", "grpo", "dppo"), "ratio_level",
              f"sequence applies to ppo, grpo and dppo, not {self.kind}")  # fmt: skip

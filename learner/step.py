@@ -50,6 +50,7 @@ from learner.batching import (
     TrainBatch,
     build_batch,
     penalise_rewards,
+    penalise_token_rewards,
     sort_rollouts,
     step_advantages,
     update_normalizer,
@@ -200,20 +201,46 @@ class LearnerStep:
             dst[a : a + x.shape[0], : x.shape[1]] = x
 
         kl_ref = None
+        kl = pol.has_reference and obj.kl_coef > 0
+        # kl_in_reward_logp proximal: the proximal pass runs first, the penalty uses its log-probs
+        kl_prox = kl and obj.kl_in_reward and obj.kl_in_reward_logp == "proximal"
         with _evaluating(pol.policy, pol.critic):
-            if pol.has_reference and obj.kl_coef > 0:
+            old_logits: dict[tuple[int, int], Tensor] = {}
+            if cfg.use_prox or kl_prox:
+                prox = zeros.clone()
+                for j, (_, _, lo, hi) in enumerate(rows):
+                    for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
+                        stats = pol.policy_stats(mb, None)
+                        if obj.kind == "flow_dppo":
+                            if "rows" not in stats:
+                                raise ValueError("flow_dppo needs a policy forward with logits")
+                            old = stats["rows"].detach()
+                            host = torch.empty(old.shape, dtype=old.dtype, device="cpu",
+                                               pin_memory=old.is_cuda)  # fmt: skip
+                            old_logits[(j, i)] = host.copy_(old)
+                        put(prox, a, stats["logp"])
+                batch.extra["prox_logp" if cfg.use_prox else "kl_prox_logp"] = prox
+            if kl:
                 ref = zeros.clone()
-                pen = torch.zeros(batch.size, dtype=torch.float64)
+                token = obj.kl_in_reward_level == "token"
+                pen = torch.zeros((batch.size, batch.length) if token else batch.size,
+                                  dtype=torch.float64)  # fmt: skip
                 for _, _, lo, hi in rows:
                     for a, mb in self._micro(batch, lo, hi):
                         lp = pol.reference_logp(mb)
                         put(ref, a, lp)
-                        k = kl_penalty(mb.behav_logp.float(), lp.float(), obj.kl_estimator)
-                        pen[a : a + mb.size] = (
-                            torch.where(mb.mask > 0, k, 0.0).sum(1).double().cpu()
-                        )
+                        mine = mb.extra.get("prox_logp", mb.extra.get("kl_prox_logp"))
+                        mine = mine if kl_prox and mine is not None else mb.behav_logp
+                        k = kl_penalty(mine.float(), lp.float(), obj.kl_estimator, obj.kl_cap)
+                        k = torch.where(mb.mask > 0, k, 0.0)
+                        if token:
+                            pen[a : a + mb.size, : k.shape[1]] = k.double().cpu()
+                        else:
+                            pen[a : a + mb.size] = k.sum(1).double().cpu()
+                batch.extra.pop("kl_prox_logp", None)
                 if obj.kl_in_reward:  # every DP rank's rows, then the same rewards everywhere
-                    kl_ref = penalise_rewards(batch, pol.dp.all_reduce_(pen), obj.kl_coef)
+                    shaped = penalise_token_rewards if token else penalise_rewards
+                    kl_ref = shaped(batch, pol.dp.all_reduce_(pen), obj.kl_coef)
                 else:
                     batch.extra["ref_logp"] = ref
             values = None
@@ -234,21 +261,6 @@ class LearnerStep:
             if values is not None and ret is not None:
                 batch.extra.update(old_values=values, returns=ret)
             batch.extra["advantages"] = adv
-            old_logits: dict[tuple[int, int], Tensor] = {}
-            if cfg.use_prox:
-                prox = zeros.clone()
-                for j, (_, _, lo, hi) in enumerate(rows):
-                    for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
-                        stats = pol.policy_stats(mb, None)
-                        if obj.kind == "flow_dppo":
-                            if "rows" not in stats:
-                                raise ValueError("flow_dppo needs a policy forward with logits")
-                            old = stats["rows"].detach()
-                            host = torch.empty(old.shape, dtype=old.dtype, device="cpu",
-                                               pin_memory=old.is_cuda)  # fmt: skip
-                            old_logits[(j, i)] = host.copy_(old)
-                        put(prox, a, stats["logp"])
-                batch.extra["prox_logp"] = prox
         return old_logits, kl_ref
 
     # ------------------------------------------------------------------ the step

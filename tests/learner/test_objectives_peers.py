@@ -377,3 +377,52 @@ def test_step_advantages_defaults_are_the_trainers_bits() -> None:
     idx = (batch.mask > 0).float().cumsum(1).argmax(1)
     boot = torch.where(batch.mask.sum(1) > 0, values[torch.arange(10), idx], 0.0)
     assert torch.equal(adv_b, gae(batch.token_rewards, values, batch.mask, 0.9, 0.8, boot)[0])
+
+
+def peer_kl_in_reward(scores, old_logp, ref_logp, mask, beta):
+    """verl apply_kl_penalty with low_var_kl (AReaL and TRL's PPO likewise, per token):
+    token scores - beta * clamp(e^kl - kl - 1, -10, 10) * mask, kl = clamp(ref - old, +-20)."""
+    kl = (ref_logp - old_logp).clamp(-20, 20)
+    return scores - beta * (kl.exp() - kl - 1).clamp(-10, 10) * mask
+
+
+def test_token_kl_in_reward_matches_verl_apply_kl_penalty() -> None:
+    """objective.kl_in_reward_level token with the proximal log-probs: each token's reward
+    carries its own penalty (GAE then differs from the sequence level's), the row's reward the
+    sum (what the group estimators see: the sequence level's rewards up to rounding)."""
+    from learner.batching import penalise_rewards, penalise_token_rewards
+
+    d = adversarial(12, b=10)
+    mask, prox = d["mask"], d["base"]
+    ref = d["logp"]  # log-ratios to +-25 in row 4: the cap acts
+    batch = batch_of(mask, REWARDS, GROUPS)
+    seq = batch_of(mask, REWARDS, GROUPS)
+    peer = peer_kl_in_reward(batch.token_rewards, prox, ref, mask, 0.1)
+    pen = torch.where(mask > 0, kl_penalty(prox, ref, "k3", 10.0), 0.0).double()
+    mean = penalise_token_rewards(batch, pen, 0.1)
+    live = mask > 0
+    torch.testing.assert_close(batch.token_rewards[live], peer[live].float(), **FP32)
+    assert (batch.token_rewards[~live] == 0).all()
+    k = pen.sum(1)
+    torch.testing.assert_close(batch.rewards, (REWARDS - 0.1 * k).float(), **FP32)
+    assert mean == pytest.approx(float((k / live.sum(1).clamp_min(1)).mean()), rel=1e-6)
+    penalise_rewards(seq, k, 0.1)
+    torch.testing.assert_close(seq.rewards, batch.rewards, **FP32)  # group estimators: same
+    values = torch.randn(10, 7, generator=torch.Generator().manual_seed(13))
+    ours, _ = gae(batch.token_rewards, values, mask, 0.9, 0.8)
+    want, _ = gae(peer.float(), values, mask, 0.9, 0.8)
+    torch.testing.assert_close(ours[live], want[live], **FP32)
+    at_end, _ = gae(seq.token_rewards, values, mask, 0.9, 0.8)
+    assert not torch.allclose(ours[live], at_end[live])  # where the penalty sits matters
+
+
+def test_kl_in_reward_options_need_kl_in_reward() -> None:
+    from models.errors import ConfigError
+
+    for key, value in (("kl_in_reward_level", "token"), ("kl_in_reward_logp", "proximal")):
+        with pytest.raises(ConfigError, match=f"objective.{key}=.*kl_in_reward=true only"):
+            ObjectiveConfig(**{key: value})
+        assert getattr(ObjectiveConfig(kl_in_reward=True, **{key: value}), key) == value
+    with pytest.raises(ConfigError, match="objective.kl_in_reward_level=.*one of"):
+        ObjectiveConfig(kl_in_reward=True, kl_in_reward_level="row")
+    assert ObjectiveConfig(kl_in_reward=True, kl_cap=5.0).kl_cap == 5.0  # the penalty applies it

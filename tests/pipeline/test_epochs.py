@@ -278,13 +278,17 @@ _VARIANTS = {  # name -> run config overrides on top of the shared ones
     "seq": ["objective.is_level=sequence"],
     "geo": ["objective.is_level=geometric", "objective.is_mode=mask", "objective.is_cap_low=0.8"],
     "veto": ["objective.is_veto=0.3", "objective.is_rejected_in_denominator=false"],
+    # kl_in_reward per token from the proximal log-probs (issue 21 item 4; with +reward)
+    "tokkl": ["objective.kl_in_reward_level=token", "objective.kl_in_reward_logp=proximal"],
+    "nocap": ["objective.is_cap=null"],  # no proximal pass for the loss: the penalty's alone
 }
 _FAST = ["grpo", "dppo", "flow_dppo", "divergence_ppo", "divergence_ppo+kl", "ppo",
          "dppo+critic", "ppo+micro", "ppo+micro+reward"]  # fmt: skip
 _EXACT = ["grpo", "dppo", "flow_dppo+micro", "divergence_ppo", "divergence_ppo+kl",
           "ppo+micro+reward", "dppo+critic", "grpo+rloo", "grpo+rpp+gspo", "ppo+boot+bessel",
           "dppo+drgrpo", "dppo+drift+seq", "grpo+drift+geo+veto", "ppo+drift+veto",
-          "divergence_ppo+kl+drift+geo"]  # fmt: skip
+          "divergence_ppo+kl+drift+geo", "ppo+reward+tokkl", "ppo+reward+tokkl+nocap",
+          "grpo+drift+reward+tokkl+micro"]  # fmt: skip
 
 
 def _drift(i: int, n: int) -> np.ndarray:
