@@ -4,13 +4,14 @@ validating its own values (a bad value is a models.errors.ConfigError naming the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from generator.config import GeneratorConfig
 from models.collective import DEFAULT_PIPE_BYTES
 from models.contract import Sampling
 from models.errors import ConfigError
+from models.exits import policy_from_dict
 from models.settings import check
 from pipeline.net.transport_config import TransportConfig
 
@@ -136,7 +137,6 @@ class RolloutSection(Sampling):
 
     def policy(self) -> Any:
         """`exit_policy` as a models.exits policy (None when empty)."""
-        from models.exits import policy_from_dict
 
         return policy_from_dict(self.exit_policy) if self.exit_policy else None
 
@@ -240,7 +240,6 @@ class GeneratorsSection(GeneratorConfig):
     def generator_settings(self) -> dict[str, Any]:
         """The GeneratorConfig keys this section sets (the file `looprl run` hands to each
         generator with --config), the run-managed ones left out."""
-        from dataclasses import fields
 
         return {f.name: getattr(self, f.name) for f in fields(GeneratorConfig)
                 if f.name not in RUN_MANAGED}  # fmt: skip

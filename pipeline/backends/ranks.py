@@ -19,12 +19,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from proto import Codec, Rollout, RolloutBatch
 
 
 def _device() -> Any:
-    import torch
-    import torch.distributed as dist
 
     return (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -33,8 +34,6 @@ def _device() -> Any:
 
 def _bcast(data: bytes | None) -> bytes:
     """Rank 0's bytes on every rank (length first, then the bytes as a uint8 tensor)."""
-    import torch
-    import torch.distributed as dist
 
     dev = _device()
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)

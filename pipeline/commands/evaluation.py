@@ -28,15 +28,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from generator.reward_runner import RewardRunner
+from models.chat import ChatRenderer, eos_token_ids
+from models.checkpoint import load_model
+from models.noise import derive_latent_seed
+from models.reference import SamplingParams, generate
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.eval_rounds import correct_of  # noqa: F401  (also this command's API)
+from pipeline.core.tasks import dataset_prompts, prompt_limit
 
 log = logging.getLogger(__name__)
 
 
 def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> list[Any]:
     """The prompts of ``split`` of the run's dataset task (rendered as for training)."""
-    from pipeline.core.tasks import dataset_prompts, prompt_limit
 
     if cfg.task.kind != "dataset":
         raise ConfigError(
@@ -50,13 +57,6 @@ def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequ
                      n: int = 1, temperature: float = 0.0, batch: int = 64) -> dict[str, Any]:  # fmt: skip
     """Complete every prompt ``n`` times with the checkpoint at ``weights`` and score the
     completions with the task's reward (see the module doc)."""
-    import torch
-
-    from generator.reward_runner import RewardRunner
-    from models.chat import ChatRenderer, eos_token_ids
-    from models.checkpoint import load_model
-    from models.noise import derive_latent_seed
-    from models.reference import SamplingParams, generate
 
     if n < 1 or temperature < 0:
         raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")

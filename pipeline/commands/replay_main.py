@@ -20,7 +20,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from models.publication import Publication, weights_dir
+from pipeline.backends.trainer_api import build_trainer
+from pipeline.commands import console
+from pipeline.commands.learner_main import model_dir, resolve_config
 from pipeline.config import ConfigError
+from pipeline.core.intake import training_rewards
+from pipeline.core.recorder import read_rollouts, read_steps
+from proto.stream_format import check_stream_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +52,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def replay(stream: Path, out: Path, config: str | None = None,
            overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Replay ``stream`` (see the module docstring); returns {version: [live, replay digest]}."""
-    from models.publication import Publication, weights_dir
-    from pipeline.backends.trainer_api import build_trainer
-    from pipeline.commands.learner_main import model_dir, resolve_config
-    from pipeline.core.intake import training_rewards
-    from pipeline.core.recorder import read_rollouts, read_steps
-    from proto.stream_format import check_stream_dir
 
     if not stream.exists():
         raise ConfigError(f"--stream {stream}: no such stream directory (a run's RUN_DIR/stream)")
@@ -99,7 +100,6 @@ def replay(stream: Path, out: Path, config: str | None = None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.commands import console
 
     stream = Path(args.stream)
     out = Path(args.out) if args.out else stream.resolve().parent / "replay"

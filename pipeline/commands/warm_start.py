@@ -30,13 +30,20 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from models.chat import ChatRenderer, _compile, eos_token_ids
+from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
+from models.checkpoint import tied_from_module as tied_of
 from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.core.tasks import TaskError, prompt_limit, read_split
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +58,6 @@ def completion_tokens(renderer: Any, prompt: Any, answer: str, eos: Sequence[int
     tok = renderer.tokenizer
     text = None
     if renderer.template is not None:
-        from models.chat import _compile
-
         msgs = [*renderer.messages(prompt), {"role": "assistant", "content": answer}]
         full = str(_compile(renderer.template).render(messages=msgs, add_generation_prompt=False,
                                                       **renderer.special))  # fmt: skip
@@ -68,8 +73,6 @@ def completion_tokens(renderer: Any, prompt: Any, answer: str, eos: Sequence[int
 def sft_examples(cfg: RunConfig, model: Path) -> list[Example]:
     """(prompt tokens, target tokens) of every row of the task's train split (see the module
     doc); ConfigError for a task that is not a dataset with an answer column."""
-    from models.chat import ChatRenderer, eos_token_ids
-    from pipeline.core.tasks import TaskError, prompt_limit, read_split
 
     t = cfg.task
     if t.kind != "dataset" or not t.answer_column:
@@ -100,7 +103,6 @@ def sft_examples(cfg: RunConfig, model: Path) -> list[Example]:
 
 def _batch(examples: Sequence[Example], pad: int) -> tuple[Any, Any]:
     """(input ids [B, S], loss mask [B, S - 1]: position t predicts a target token t + 1)."""
-    import torch
 
     rows = [p + c for p, c in examples]
     width = max(len(r) for r in rows)
@@ -123,10 +125,6 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
     if steps < 1 or batch < 1 or not lr > 0:
         raise ConfigError(f"warm start needs steps >= 1, batch >= 1, lr > 0; got steps={steps}, "
                           f"batch={batch}, lr={lr}")  # fmt: skip
-    import torch
-
-    from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
-    from models.checkpoint import tied_from_module as tied_of
 
     t0 = time.perf_counter()
     examples = sft_examples(cfg, model)
@@ -168,7 +166,6 @@ def warm_start_chain(cfg: RunConfig, model: Path, out: Path) -> list[dict[str, A
     segment from ``model``, each seeded by the steps before it (the same as chained `looprl
     sft --steps S --seed <steps so far>` calls), the last one renamed to ``out`` at the end
     (so ``out`` exists only when the whole chain is done). Returns each segment's stats."""
-    import shutil
 
     w, work = cfg.warm_start, out.parent / f".{out.name}-warm-start"
     shutil.rmtree(work, ignore_errors=True)

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from generator.rewards import synthetic_task_prompts
+from models.chat import ChatError, ChatRenderer, eos_token_ids
+from models.checkpoint import read_config
 from pipeline.config import ConfigError, RunConfig, TaskSection
 from pipeline.core.dispatch import Prompt, PromptSource
 
@@ -152,7 +155,6 @@ def dataset_prompts(
 ) -> tuple[list[Prompt], TaskStats]:
     """Rows of ``path`` / ``split`` (default ``t.path`` / ``t.split``) as prompts (see the
     module doc), dropping those longer than ``limit`` tokens; TaskError names a bad row."""
-    from models.chat import ChatError, ChatRenderer
 
     path, split = path or t.path, split or t.split
     ds = read_split(path, split)
@@ -216,8 +218,6 @@ def prompt_limit(cfg: RunConfig, model: Path) -> int:
         return cfg.task.max_prompt_tokens
     context = cfg.generators.max_model_len
     if not context:
-        from models.checkpoint import read_config
-
         hf = read_config(model)  # Huginn names it block_size (vLLM maps it the same way)
         context = int(hf.get("max_position_embeddings") or hf.get("block_size") or 0)
         if not context:
@@ -236,8 +236,6 @@ def load_prompts(cfg: RunConfig, model: Path) -> TaskSource:
     """The run's prompt source (see the module doc)."""
     t = cfg.task
     if t.kind == "synthetic":
-        from generator.rewards import synthetic_task_prompts
-
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         pairs = synthetic_task_prompts(t.num_prompts, t.seed, vocab, length=cfg.rollout.max_tokens,
                                        max_step=t.max_step)  # fmt: skip
@@ -264,7 +262,6 @@ def with_task_stops(cfg: RunConfig, model: Path) -> RunConfig:
     with ``stop_on_eos``; others unchanged)."""
     if cfg.task.kind != "dataset" or not cfg.task.stop_on_eos:
         return cfg
-    from models.chat import eos_token_ids
 
     eos = eos_token_ids(model)
     if not eos:

@@ -42,7 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from models.checkpoint import load_config
 from models.contract import full_depth
+from models.exits import resolve_max_depth
 from proto import Rollout
 
 REASONS = (
@@ -71,8 +73,6 @@ class ModelLimits:
         """Limits of the checkpoint at ``model_dir`` under the run's exit policy (a
         models.exits policy, e.g. ``RunConfig.rollout.policy()``; None: full depth, the
         model's own)."""
-        from models.checkpoint import load_config
-        from models.exits import resolve_max_depth
 
         cfg = load_config(model_dir)
         depth = int(cfg.max_depth) if policy is None else resolve_max_depth(policy, cfg.max_depth)
