@@ -17,6 +17,7 @@ RUN_DIR/logs/learner.log (``-v`` shows them too; pipeline.commands.console).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from generator.config import GeneratorConfig
+from models.exits import policy_json
+from pipeline.commands import console
+from pipeline.commands.generator_cli import flag_name
+from pipeline.commands.learner_main import add_verbose, log_file, run_learner
 from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.net.security import generator_keys
+from pipeline.net.transport_config import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +49,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="run config YAML (default: the quickstart)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    from pipeline.commands.learner_main import add_verbose
 
     add_verbose(p)
     p.set_defaults(func=run)
     return p
-
-
-def generator_keys(keys: str) -> list[str]:
-    """Generator keypair names in KEYS/generators (written by `looprl keys KEYS -n N`)."""
-    names = sorted(
-        p.name.removesuffix(".key_secret") for p in (Path(keys) / "generators").glob("*.key_secret")
-    )
-    return names
 
 
 def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model: Path) -> list[str]:
@@ -83,9 +82,6 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
 def transport_flags(cfg: RunConfig) -> list[str]:
     """The run's transport section for a generator: --peer-timeout, and --transport JSON with
     every other setting that differs from its default (both ends must agree)."""
-    import dataclasses
-
-    from pipeline.net.transport_config import TransportConfig
 
     t, default = cfg.transport, TransportConfig()
     extra = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)
@@ -97,8 +93,6 @@ def transport_flags(cfg: RunConfig) -> list[str]:
 def settings_flags(cfg: RunConfig) -> list[str]:
     """The run's generators section as `looprl generator` flags: every GeneratorConfig key
     that differs from its default, except the run-managed ones (set per generator above)."""
-    from generator.config import GeneratorConfig
-    from pipeline.commands.generator_cli import flag_name
 
     out: list[str] = []
     default = GeneratorConfig()
@@ -115,7 +109,6 @@ def settings_flags(cfg: RunConfig) -> list[str]:
 
 def _exit_policy_args(cfg: RunConfig) -> list[str]:
     """rollout.exit_policy as the generator's --exit-policy JSON (none when empty)."""
-    from models.exits import policy_json
 
     policy = cfg.rollout.policy()
     return ["--exit-policy", policy_json(policy)] if policy is not None else []
@@ -211,7 +204,6 @@ class Generators:
 
 def run_local(cfg: RunConfig) -> dict[str, Any]:
     """Learner here + generators as processes; returns the learner's summary."""
-    from pipeline.commands.learner_main import run_learner
 
     gens = Generators(cfg)
     t0 = time.time()
@@ -231,8 +223,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2
-    from pipeline.commands import console
-    from pipeline.commands.learner_main import log_file
 
     verbose = console.verbose_from_env(getattr(args, "verbose", False))
     path = console.setup(log_file(cfg), verbose=verbose, level=logging.WARNING)

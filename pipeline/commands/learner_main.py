@@ -229,7 +229,7 @@ def generator_command(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> tuple
         cmd += f" --exit-policy '{policy_json(cfg.rollout.policy())}'"
     e = cfg.endpoints
     if e.keys:
-        from pipeline.commands.launcher import generator_keys
+        from pipeline.net.security import generator_keys
 
         names = generator_keys(e.keys)
         cmd += f" --keys {e.keys}"

@@ -58,6 +58,12 @@ class InsecureBindError(SecurityError):
     """A non-loopback address would be bound without CURVE keys."""
 
 
+def generator_keys(keys_dir: str | Path) -> list[str]:
+    """Generator keypair names in KEYS/generators (written by `looprl keys KEYS -n N`)."""
+    secrets = (Path(keys_dir) / GENERATORS_DIR).glob("*.key_secret")
+    return sorted(p.name.removesuffix(".key_secret") for p in secrets)
+
+
 def endpoint_host(endpoint: str) -> str | None:
     """The host part of a tcp:// endpoint ("*" for all interfaces); None for ipc/inproc."""
     scheme, sep, rest = endpoint.partition("://")
