@@ -4,9 +4,10 @@ Sockets: two ROUTERs bound by the learner (control, weights) with ROUTER_MANDATO
 to an unknown or full peer fails instead of vanishing) and ROUTER_HANDOVER (a reconnecting
 generator takes its routing id back); two DEALERs per generator with RECONNECT_IVL /
 RECONNECT_IVL_MAX. Every socket sets SNDHWM = hwm, RCVHWM = ``config.rcvhwm(...)`` (the
-per-connection byte budget), MAXMSGSIZE = the channel's frame limit + grace, ZMTP
-heartbeats (dead tcp connections are noticed and re-established) and a monitor that counts
-refused handshakes and disconnects. See pipeline.net.transport for the order of calls.
+per-connection byte budget), MAXMSGSIZE = the channel's frame limit + grace, TCP keepalive
+and TCP_MAXRT instead of ZMTP heartbeats (dead tcp connections are noticed and
+re-established; ZMTP heartbeats abort a process paused past the timeout, see ``_socket``)
+and a monitor that counts refused handshakes and disconnects. See pipeline.net.transport for the order of calls.
 
 Routing id = ``generator_id + NUL + nonce`` (8 random bytes per connection object, the
 same on both sockets). The learner strips the nonce (``peer`` is the generator id) and
@@ -84,8 +85,19 @@ class _ZmqMixin(_Base):
         s.sndhwm = cfg.hwm
         s.rcvhwm = cfg.rcvhwm(self.side, channel)
         s.maxmsgsize = cfg.recv_limit(self.side, channel) + cfg.oversize_grace_bytes
-        s.heartbeat_ivl = int(cfg.heartbeat_interval_s * 1000)
-        s.heartbeat_timeout = int(cfg.peer_timeout_s * 1000)
+        # No ZMTP heartbeats (the session protocol has its own, pipeline.net.transport): in
+        # libzmq 4.3.5 a heartbeat timer that fires on a connection whose peer hung up while
+        # its receive pipe was full (RCVHWM reached: a process paused, or busy, not reading)
+        # writes to it and aborts the process (Assertion failed: !_io_error,
+        # stream_engine_base.cpp:310; tests/pipeline/test_pause.py). Dead connections are
+        # noticed by TCP instead: keepalive probes after peer_timeout_s of silence, and
+        # unacknowledged data for peer_timeout_s (TCP_MAXRT, Linux TCP_USER_TIMEOUT).
+        s.heartbeat_ivl = 0
+        s.tcp_keepalive = 1
+        s.tcp_keepalive_idle = max(1, round(cfg.peer_timeout_s))
+        s.tcp_keepalive_intvl = max(1, round(cfg.heartbeat_interval_s))
+        s.tcp_keepalive_cnt = 3
+        s.tcp_maxrt = max(1000, int(cfg.peer_timeout_s * 1000))
         if curve is not None:
             curve(s)
             if self.side == "learner":

@@ -1,0 +1,138 @@
+"""A process paused (SIGSTOP) past the peer timeout, then resumed (SIGCONT), carries on.
+
+libzmq 4.3.5 with ZMTP heartbeats aborted such a process: on resume its socket reads the
+messages queued meanwhile until the receive pipe is full (RCVHWM), the peer's hang-up then
+marks the connection failed, and the next heartbeat timer writes to it: ``Assertion failed:
+!_io_error (src/stream_engine_base.cpp:310)``. pipeline.net.transport_zmq now leaves ZMTP
+heartbeats off (the session protocol has its own) and lets TCP keepalive / TCP_MAXRT notice
+dead connections. The first test pauses a transport-level generator process (seconds);
+the others pause a real ``looprl generator`` and a real learner process mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pipeline.core.recorder import read_rollouts
+from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+from proto import Hello, Welcome
+from tests.pipeline.e2e_utils import SMALL, check_run, run, small_config, wait_until
+from tests.pipeline.pause_peer import CFG
+
+PEER = Path(__file__).with_name("pause_peer.py")
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_transport_generator_paused_past_the_timeout_survives(attempt: int) -> None:
+    ep = ZmqLearnerEndpoint(CFG, control="tcp://127.0.0.1:*", weights="tcp://127.0.0.1:*")
+    proc = None
+    try:
+        ctrl, wts = ep.endpoints["control"], ep.endpoints["weights"]
+        proc = subprocess.Popen([sys.executable, str(PEER), ctrl, wts, "22", "3"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        hellos: list[float] = []
+        paused_at = resumed_at = None
+        end = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < end:
+            inc = ep.recv(0.05)
+            if inc is not None and isinstance(inc.record, Hello):
+                hellos.append(time.monotonic())
+                ep.send(inc.peer, Welcome("run", inc.peer, 0, CFG.heartbeat_interval_s))
+            now = time.monotonic()
+            if paused_at is None and hellos and now - hellos[0] > 2:
+                os.kill(proc.pid, signal.SIGSTOP)  # 8 s: twice the 4 s peer timeout
+                paused_at = now
+            if paused_at is not None and resumed_at is None and now - paused_at > 8:
+                os.kill(proc.pid, signal.SIGCONT)
+                resumed_at = now
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ep.close()
+    assert resumed_at is not None
+    assert proc.returncode == 0, out  # -6 (SIGABRT) before the fix
+    assert "Assertion failed" not in out
+    assert "paused 1 ready 1" in out, out  # it noticed the pause and is served again
+
+
+def _pause(pid: int, seconds: float) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)).start()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> None:
+    """SIGSTOP gen0 (a real `looprl generator`) for 3x the peer timeout after step 2: it is
+    declared gone (its work re-dispatched), then resumes, re-Hellos and contributes again."""
+    cfg = small_config(tmp_path, "steps=10")
+    pause_s = 3 * cfg.transport.peer_timeout_s
+    state: dict[str, object] = {}
+
+    def hook(steps: int, gens) -> None:  # type: ignore[no-untyped-def]
+        if steps >= 2 and "paused" not in state:
+            state["paused"] = time.time()
+            _pause(gens.procs[0].pid, pause_s)
+        if "paused" in state and gens.procs[0].poll() is not None:
+            state.setdefault("died", gens.procs[0].poll())  # -6: SIGABRT before the fix
+
+    s = run(cfg, hook)
+    assert "paused" in state and "died" not in state, state
+    assert s["steps"] == 10
+    check_run(tmp_path, 4, 10, max_staleness=None)
+    log = (tmp_path / "logs" / "gen0.log").read_text(errors="replace")
+    assert "Assertion failed" not in log
+    after = [r for _, r in read_rollouts(tmp_path / "stream")]
+    assert Counter(r.generator_id for r in after)["gen0"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_learner_paused_past_the_timeout_carries_on(tmp_path: Path) -> None:
+    """SIGSTOP a real learner process for 3x the peer timeout mid-run: it and both
+    generators live on and the run reaches its last step."""
+    import json
+
+    from pipeline.commands.launcher import Generators
+
+    steps = 8
+    overrides = [f"run_dir={tmp_path}", *SMALL, f"steps={steps}"]
+    cfg = small_config(tmp_path, f"steps={steps}")
+    cmd = [sys.executable, "-m", "pipeline.cli", "learner", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    gens = Generators(cfg)
+    with open(tmp_path / "learner.out", "wb") as out:
+        learner = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert wait_until(lambda: (tmp_path / "endpoints.json").is_file(), 180)
+        ep = json.loads((tmp_path / "endpoints.json").read_text())
+        gens.start(ep["control"], ep["weights"], tmp_path / "init")
+        rows = tmp_path / "metrics.jsonl"
+        assert wait_until(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 2, 300)
+        os.kill(learner.pid, signal.SIGSTOP)
+        time.sleep(3 * cfg.transport.peer_timeout_s)
+        alive = [p.poll() is None for p in gens.procs]
+        os.kill(learner.pid, signal.SIGCONT)
+        assert learner.wait(timeout=300) == 0, (tmp_path / "learner.out").read_text()[-3000:]
+        codes = [p.poll() for p in gens.procs]
+    finally:
+        if learner.poll() is None:
+            os.kill(learner.pid, signal.SIGCONT)
+            learner.kill()
+            learner.wait()
+        gens.stop()
+    assert alive == [True, True] and codes == [None, None], (alive, codes)
+    text = (tmp_path / "learner.out").read_text(errors="replace")
+    assert "Assertion failed" not in text
+    check_run(tmp_path, 4, steps, max_staleness=None)
