@@ -96,6 +96,9 @@ class TrainBatch:
     prompt_lens: Tensor
     truncated: Tensor
     """[B] bool: the completion hit the length limit (finish_reason "length")."""
+    token_versions: Tensor | None = None
+    """[B, L] int64: the weight version that sampled each response token (rollout.token_versions
+    when weights changed mid-completion, else weight_version), 0 off the response."""
     extra: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     """[B, L] per-token tensors added by the trainer (advantages, prox_logp, ...)."""
 
@@ -120,7 +123,9 @@ class TrainBatch:
         fields: dict[str, Any] = {k: _fit(getattr(self, k)[sl], n, k) for k in _TOKEN_FIELDS}
         fields.update({k: getattr(self, k)[sl] for k in _ROW_FIELDS})
         extra = {k: _fit(v[sl], n, k) for k, v in self.extra.items()}
-        return TrainBatch(rollout_ids=self.rollout_ids[sl], extra=extra, **fields)
+        tv = None if self.token_versions is None else _fit(self.token_versions[sl], n, "")
+        return TrainBatch(rollout_ids=self.rollout_ids[sl], extra=extra, token_versions=tv,
+                          **fields)  # fmt: skip
 
     def micro_batches(
         self, size: int, start: int, stop: int, pad_to_multiple: int = 1
@@ -132,7 +137,9 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> TrainBatch:
         fields = {k: getattr(self, k).to(device) for k in _TOKEN_FIELDS + _ROW_FIELDS}
         extra = {k: v.to(device) for k, v in self.extra.items()}
-        return TrainBatch(rollout_ids=list(self.rollout_ids), extra=extra, **fields)
+        tv = None if self.token_versions is None else self.token_versions.to(device)
+        return TrainBatch(rollout_ids=list(self.rollout_ids), extra=extra, token_versions=tv,
+                          **fields)  # fmt: skip
 
 
 def _fit(x: Tensor, n: int, name: str) -> Tensor:
@@ -179,6 +186,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
     b, length = len(ordered), lay.length
     behav = np.zeros((b, length), dtype=np.float32)
     token_rewards = np.zeros((b, length), dtype=np.float32)
+    token_versions = np.zeros((b, length), dtype=np.int64)
     groups: dict[str, int] = {}
     group_ids, seeds, rewards, versions = [], [], [], []
     for i, r in enumerate(ordered):
@@ -186,6 +194,8 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         if t:
             behav[i, response_slice(p, t)] = r.logprobs
             token_rewards[i, p - 2 + t] = float(r.reward)  # type: ignore[arg-type]
+            tv = r.token_versions
+            token_versions[i, response_slice(p, t)] = r.weight_version if tv is None else tv
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
         seeds.append(uint64_to_int64(int(r.latent_seed)))
         rewards.append(float(r.reward))  # type: ignore[arg-type]
@@ -206,6 +216,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         seq_lens=torch.from_numpy(lay.seq_lens),
         prompt_lens=torch.from_numpy(lay.prompt_lens),
         truncated=torch.tensor([r.finish_reason == "length" for r in ordered], dtype=torch.bool),
+        token_versions=torch.from_numpy(token_versions),
     )
 
 
@@ -325,6 +336,18 @@ def penalise_token_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float
     batch.rewards = batch.rewards - (coef * row).float()
     batch.token_rewards = batch.token_rewards - (coef * pen).float()
     return mean
+
+
+def mask_stale_tokens(batch: TrainBatch, version: int, max_gap: int) -> float:
+    """objective.max_token_version_gap: response tokens sampled with weights more than
+    ``max_gap`` versions before ``version`` (the learner's) leave the mask (no loss, no
+    gradient, out of every denominator, advantage and metric); returns the fraction of the
+    batch's response tokens masked."""
+    live = batch.mask > 0
+    assert batch.token_versions is not None, "build_batch fills token_versions"
+    stale = live & (version - batch.token_versions > max_gap)
+    batch.mask = torch.where(stale, 0.0, batch.mask)
+    return float(stale.sum()) / max(1, int(live.sum()))
 
 
 def update_order(minibatches: int, epochs: int, seed: int, step: int) -> list[int]:

@@ -107,6 +107,10 @@ class ObjectiveConfig:
     is_rejected_in_denominator: bool = True
     """Tokens rejected by is_mode mask or is_veto still count in the loss denominator (weight 0:
     looprl, AReaL) or are removed from it (false: verl's modified response_mask)."""
+    max_token_version_gap: int | None = None
+    """Mask out of the loss every response token sampled with weights more than this many
+    versions older than the learner's (partial rollouts whose weights changed mid-completion:
+    rollout.token_versions; AReaL / PipelineRL); null: none (staleness.* bounds whole rollouts)."""
     kl_threshold: float = 0.05
     """flow_dppo trust region: updates with KL(old||new) > this that push further are dropped."""
     divergence_is_cap: float | None = 20.0
@@ -213,6 +217,8 @@ class ObjectiveConfig:
         need(self.is_rejected_in_denominator or self.kind != "flow_dppo",
              "is_rejected_in_denominator", "false is not available for flow_dppo (its proximal "
              "log-probs come with the training forward, after the denominator is fixed)")  # fmt: skip
+        need(self.max_token_version_gap is None or self.max_token_version_gap >= 0,
+             "max_token_version_gap", "must be null or >= 0")  # fmt: skip
         need(self.kl_threshold > 0.0, "kl_threshold", "must be > 0")
         need(self.divergence in DIVERGENCES, "divergence", f"must be one of {DIVERGENCES}")
         need(self.divergence_threshold > 0.0, "divergence_threshold", "must be > 0")

@@ -1,8 +1,8 @@
-"""Per-token loss terms and their aggregation; `learner/objectives.py` composes them.
+"""Per-token loss terms and their aggregation; `learner/objectives/` composes them.
 
 Every function here is elementwise over [B, T] tensors except `aggregate`. None of them
 looks at a mask except `aggregate` and `masked_mean`: callers sanitise invalid tokens
-first (`learner/objectives.py` replaces every input of a token with a non-finite
+first (`learner/objectives/` replaces every input of a token with a non-finite
 log-prob by 0 before any `exp`, so no inf reaches a product in the backward pass).
 """
 

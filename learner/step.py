@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from learner.batching import (
     TrainBatch,
     build_batch,
+    mask_stale_tokens,
     penalise_rewards,
     penalise_token_rewards,
     sort_rollouts,
@@ -274,6 +275,11 @@ class LearnerStep:
             raise ValueError(f"rollouts: expected a positive multiple of global_batch_size ({g}), "
                              f"got {len(rollouts)}")  # fmt: skip
         batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
+        gap = cfg.objective.max_token_version_gap
+        live = batch.mask > 0
+        assert batch.token_versions is not None
+        token_stale = (self.weight_version - batch.token_versions)[live]
+        stale_masked = None if gap is None else mask_stale_tokens(batch, self.weight_version, gap)
         rows = self._local_rows(batch.size, g)
         old_logits, kl_ref = self._pre_update(batch, rows)
         obj = cfg.objective
@@ -332,6 +338,10 @@ class LearnerStep:
         self.weight_version += 1
         if kl_ref is not None:
             out["kl_ref"] = kl_ref
+        # the staleness bound per token (rollout.token_versions), before any masking
+        out["token_staleness_max"] = float(token_stale.max()) if token_stale.numel() else 0.0
+        if stale_masked is not None:
+            out["token_stale_masked_frac"] = stale_masked
         out.update(weight_version=float(self.weight_version), updates=float(n_updates),
                    epochs=float(obj.epochs), skipped_nonfinite=skipped,
                    skipped_nonfinite_total=float(pol.policy.skipped_nonfinite),

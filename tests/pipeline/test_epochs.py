@@ -281,6 +281,9 @@ _VARIANTS = {  # name -> run config overrides on top of the shared ones
     # kl_in_reward per token from the proximal log-probs (issue 21 item 4; with +reward)
     "tokkl": ["objective.kl_in_reward_level=token", "objective.kl_in_reward_logp=proximal"],
     "nocap": ["objective.is_cap=null"],  # no proximal pass for the loss: the penalty's alone
+    # per-token weight versions (issue 21 item 5): odd rows' first 2 tokens from version 0, the
+    # rest version 1; the second step (learner version 1) masks the version-0 tokens
+    "gap": ["objective.max_token_version_gap=0"],
 }
 _FAST = ["grpo", "dppo", "flow_dppo", "divergence_ppo", "divergence_ppo+kl", "ppo",
          "dppo+critic", "ppo+micro", "ppo+micro+reward"]  # fmt: skip
@@ -288,7 +291,7 @@ _EXACT = ["grpo", "dppo", "flow_dppo+micro", "divergence_ppo", "divergence_ppo+k
           "ppo+micro+reward", "dppo+critic", "grpo+rloo", "grpo+rpp+gspo", "ppo+boot+bessel",
           "dppo+drgrpo", "dppo+drift+seq", "grpo+drift+geo+veto", "ppo+drift+veto",
           "divergence_ppo+kl+drift+geo", "ppo+reward+tokkl", "ppo+reward+tokkl+nocap",
-          "grpo+drift+reward+tokkl+micro"]  # fmt: skip
+          "grpo+drift+reward+tokkl+micro", "grpo+gap", "ppo+gap+micro"]  # fmt: skip
 
 
 def _drift(i: int, n: int) -> np.ndarray:
@@ -333,6 +336,10 @@ def test_backends_agree_on_loss_metrics_and_weights(
         rolls = [dataclasses.replace(r, logprobs=np.minimum(r.logprobs + _drift(i, r.num_tokens),
                                                             0.0).astype(np.float32))
                  for i, r in enumerate(rolls)]  # fmt: skip
+    if "gap" in variants:
+        rolls = [dataclasses.replace(r, weight_version=0, token_versions=np.array(
+                     [0, 0] + [1] * (r.num_tokens - 2), np.int64)) if i % 2
+                 else dataclasses.replace(r, weight_version=1) for i, r in enumerate(rolls)]  # fmt: skip
     critic = name == "ppo" or "critic" in variants
     over = [f"objective.kind={name}", "objective.epochs=2", "objective.minibatches=2",
             "optimizer.lr=1e-5", "objective.is_cap=2.0", "objective.entropy_coef=0.01",
@@ -343,7 +350,7 @@ def test_backends_agree_on_loss_metrics_and_weights(
         t = _trainer(backend, model, *over)
         try:
             res[backend] = t.step(rolls, [False] * len(rolls))
-            if critic:
+            if critic or "gap" in variants:
                 res[backend] = t.step(rolls, [False] * len(rolls))
             out = tmp_path / backend / "weights" / "v1"
             t.publish(out, 1)
@@ -354,10 +361,12 @@ def test_backends_agree_on_loss_metrics_and_weights(
     assert set(meg) == set(ref), set(ref) ^ set(meg)  # one step (learner.step): one key set
     assert {"loss", "pg_loss", "entropy", "kl_ref", "ratio_mean", "grad_norm", "kl",
             "logp_mismatch_mean", "num_tokens"} <= set(ref)  # fmt: skip
-    assert ref["updates"] == 4.0 and ref["num_tokens"] == 6 * 8 / 2
+    assert ref["updates"] == 4.0 and ref["num_tokens"] == 6 * 8 / 2 - 4 * ("gap" in variants)
     if critic:
         assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= set(ref)
         assert meg["value_mean"] != 0.0  # the critic trained in step 1 acts
+    if "gap" in variants:  # 2 of 6 tokens in 4 of 8 rows are older than the gap at step 2
+        assert ref["token_stale_masked_frac"] == pytest.approx(8 / 48) and ref["num_tokens"] == 20
     if "drift" in variants:  # the correction acts (else the case tests nothing new)
         assert ref["mismatch_kl_token"] != 0.0 and ref["is_weight_mean"] != 1.0, ref
         assert ref["is_truncated_frac"] > 0 or ref["mismatch_masked_frac"] > 0, ref
