@@ -1,8 +1,10 @@
 """The ``looprl`` command line.
 
-Subcommands are added by the packages that own them; each ``add_parser`` registers its
-options and each ``run`` returns a process exit code. Imports are lazy so that
-``looprl --help`` and light subcommands start fast (vLLM and megatron-core take seconds).
+Subcommands are added by the modules that own them (pipeline/commands/); each
+``add_parser`` registers its options and each ``run`` returns a process exit code. The
+parser of every subcommand is built on every call, so their modules are imported here at
+module level; what takes seconds (vLLM, megatron-core) those modules import only where it
+runs (generator.engine's vLLM engine, pipeline.backends.trainer_api's megatron backend).
 """
 
 from __future__ import annotations
@@ -11,9 +13,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from models.init import init_checkpoint
+from pipeline.commands.evaluation import add_parser as add_eval_parser
+from pipeline.commands.generator_cli import add_parser as add_generator_parser
+from pipeline.commands.keys_cli import add_parser as add_keys_parser
+from pipeline.commands.launcher import add_parser as add_run_parser
+from pipeline.commands.learner_main import add_parser as add_learner_parser
+from pipeline.commands.replay_main import add_parser as add_replay_parser
+from pipeline.commands.stream_cli import add_parser as add_stream_parser
+from pipeline.commands.warm_start import add_parser as add_sft_parser
+
 
 def _model_init(args: argparse.Namespace) -> int:
-    from models.init import init_checkpoint
 
     path = init_checkpoint(args.family, args.size, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote {args.family} ({args.size}) checkpoint to {path}")
@@ -30,42 +41,34 @@ def build_parser() -> argparse.ArgumentParser:
     # looprl stream ...
     stream = sub.add_parser("stream", help="recorded rollout streams")
     stream_sub = stream.add_subparsers(dest="stream_command", required=True, metavar="ACTION")
-    from pipeline.commands.stream_cli import add_parser as add_stream_parser
 
     add_stream_parser(stream_sub)
 
     # looprl keys ...
-    from pipeline.commands.keys_cli import add_parser as add_keys_parser
 
     add_keys_parser(sub)
 
     # looprl learner ...
-    from pipeline.commands.learner_main import add_parser as add_learner_parser
 
     add_learner_parser(sub)
 
     # looprl run ...
-    from pipeline.commands.launcher import add_parser as add_run_parser
 
     add_run_parser(sub)
 
     # looprl replay ...
-    from pipeline.commands.replay_main import add_parser as add_replay_parser
 
     add_replay_parser(sub)
 
     # looprl eval ...
-    from pipeline.commands.evaluation import add_parser as add_eval_parser
 
     add_eval_parser(sub)
 
     # looprl sft ...
-    from pipeline.commands.warm_start import add_parser as add_sft_parser
 
     add_sft_parser(sub)
 
     # looprl generator ...
-    from pipeline.commands.generator_cli import add_parser as add_generator_parser
 
     add_generator_parser(sub)
 

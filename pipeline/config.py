@@ -16,6 +16,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+from omegaconf import OmegaConf
+
 from learner.config import KINDS as OBJECTIVES  # noqa: F401  (part of this API)
 from learner.config import LearnerConfig, ObjectiveConfig, OptimConfig, ScheduleConfig
 from models import settings
@@ -189,8 +192,6 @@ def field_docs(cls: type = RunConfig, prefix: str = "") -> dict[str, str]:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping in the YAML file at ``path``; ConfigError (one line: file, line, column,
     what is wrong) when it is missing, not YAML, or not a mapping."""
-    import yaml
-    from omegaconf import OmegaConf
 
     p = Path(path)
     if not p.is_file():
@@ -218,8 +219,6 @@ def _yaml_problem(e: Exception) -> str:
 
 def parse_overrides_line(items: Sequence[str]) -> dict[str, Any]:
     """``key=value`` strings as a nested dict; ConfigError naming the first bad one."""
-    import yaml
-    from omegaconf import OmegaConf
 
     for item in items:
         key, eq, _ = item.partition("=")

@@ -51,6 +51,7 @@ def build_trainer(backend: str, cfg: Any, model_dir: Path) -> Trainer:
     learner.trainer is importable, else the reference trainer with a warning)."""
     if backend in ("auto", "megatron"):
         try:
+            # local: megatron-core may be missing (backend auto falls back to reference)
             from pipeline.backends.megatron_adapter import MegatronTrainer
         except ImportError as e:
             if backend == "megatron":
@@ -58,6 +59,6 @@ def build_trainer(backend: str, cfg: Any, model_dir: Path) -> Trainer:
             log.warning("learner.trainer not available (%s): using the reference trainer", e)
         else:
             return MegatronTrainer(cfg, model_dir)
-    from pipeline.backends.reference_trainer import ReferenceTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer  # local: as megatron's
 
     return ReferenceTrainer(cfg, model_dir)

@@ -21,15 +21,21 @@ no learner within the connect timeout.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
+
+import zmq
+from tokenizers import Tokenizer
+from zmq.utils.monitor import recv_monitor_message
 
 from generator.config import (
     DTYPES,
@@ -41,7 +47,18 @@ from generator.config import (
     field_docs,
     load_config,
 )
+from generator.engine import LoopedEngine, to_rollouts
+from generator.loop import FatalError, GeneratorLoop, make_hello
+from generator.reward_runner import RewardRunner
+from generator.weights_collective import CollectiveWeightSink
+from models.checkpoint import load_config as load_model_config
+from models.checkpoint import read_config
+from models.exits import policy_from_dict, policy_json
+from pipeline.net.security import ClientCurve, generator_id_for
+from pipeline.net.transport import ConnectTimeout
 from pipeline.net.transport_config import TransportConfig
+from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.weight_sync import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +140,6 @@ def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
 def transport_config(cfg: GeneratorConfig) -> TransportConfig:
     """The generator's TransportConfig: ``peer_timeout_s`` and the ``transport`` JSON
     (ConfigError naming the key for a bad one)."""
-    import json
 
     try:
         extra = json.loads(cfg.transport) if cfg.transport else {}
@@ -171,7 +187,6 @@ def _detokenizer(model_dir: str) -> Callable[[list[int]], str] | None:
     if not path.is_file():
         log.warning("no %s: rewards get empty completion text (token ids only)", path)
         return None
-    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path))
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
@@ -207,12 +222,6 @@ def probe_learner(
     last socket event); raises ConnectTimeout after ``timeout_s`` (0: wait forever). The
     probe sockets carry ``gid`` as routing id, as the real connection will.
     """
-    import time
-
-    import zmq
-    from zmq.utils.monitor import recv_monitor_message
-
-    from pipeline.net.transport import ConnectTimeout
 
     if timeout_s > 0:
         every_s = min(every_s, max(1.0, timeout_s / 4))
@@ -339,16 +348,6 @@ class StopOnFailedLoad:
 
 def serve(cfg: GeneratorConfig) -> int:
     """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
-    from generator.engine import LoopedEngine, to_rollouts
-    from generator.loop import FatalError, GeneratorLoop, make_hello
-    from generator.reward_runner import RewardRunner
-    from generator.weights_collective import CollectiveWeightSink
-    from models.checkpoint import load_config, read_config
-    from models.exits import policy_from_dict, policy_json
-    from pipeline.net.security import ClientCurve, generator_id_for
-    from pipeline.net.transport import ConnectTimeout
-    from pipeline.net.transport_zmq import ZmqGeneratorConnection
-    from pipeline.net.weight_sync import WeightReceiver
 
     cfg.require_learner()
     if not cfg.model:
@@ -363,7 +362,7 @@ def serve(cfg: GeneratorConfig) -> int:
         security = ClientCurve.from_dir(cfg.keys, name, curve_on_loopback=cfg.curve_on_loopback)
         gid = generator_id_for(name, cfg.generator_id)  # the learner binds the key to NAME[:...]
     transport = transport_config(cfg)
-    load_config(cfg.model)  # a missing, empty or broken config.json: the file and the field
+    load_model_config(cfg.model)  # a missing, empty or broken config.json: the file and the field
     try:
         policy = policy_from_dict(cfg.exit_policy_dict())
     except (ValueError, TypeError) as e:

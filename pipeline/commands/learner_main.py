@@ -25,14 +25,28 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import zmq
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from models.checkpoint import load_config as load_model_config
+from models.exits import policy_json
+from models.init import init_checkpoint
+from pipeline.backends.ranks import Leader, follow
+from pipeline.backends.trainer_api import build_trainer
+from pipeline.commands import console
+from pipeline.commands.evaluation import eval_prompts
 from pipeline.commands.learner_stops import LearnerStalled, LearnerStopped, disk_full
+from pipeline.commands.warm_start import warm_start_chain
 from pipeline.config import (
     ConfigError,
     RunConfig,
@@ -43,6 +57,15 @@ from pipeline.config import (
     to_dict,
     to_yaml,
 )
+from pipeline.core import resume as resume_mod
+from pipeline.core import tasks
+from pipeline.core.coordinator import Coordinator, CoordinatorError
+from pipeline.core.eval_rounds import EvalRounds
+from pipeline.core.metrics import MetricsWriter, read_metrics, summary
+from pipeline.core.tasks import load_prompts as load
+from pipeline.core.validation import ModelLimits
+from pipeline.net.security import ServerCurve, generator_keys
+from pipeline.net.transport_zmq import ZmqLearnerEndpoint
 
 log = logging.getLogger(__name__)
 OnBound = Callable[[str, str, Path], None]
@@ -76,7 +99,6 @@ def resolve_config(config: str | None, resume: str | None, overrides: list[str])
     saved = Path(resume) / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"--resume {resume}: {saved} not found (not a run directory)")
-    from omegaconf import OmegaConf
 
     base = read_yaml(saved)
     extra = read_yaml(config) if config else {}
@@ -91,7 +113,6 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     """The starting checkpoint: ``model.path``, or RUN_DIR/init (created once); with
     ``warm_start.segments``, RUN_DIR/init is the warm-started one (from model.path or a fresh
     checkpoint), written once before the first step."""
-    from models.checkpoint import load_config as load_model_config
 
     if cfg.model.path and not cfg.warm_start.segments:
         p = Path(cfg.model.path)
@@ -105,27 +126,22 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     p = run_dir / "init"
     if (p / "config.json").is_file():
         return p  # created (and warm-started) by an earlier start of this run
-    from models.init import init_checkpoint
 
     if not cfg.warm_start.segments:
         init_checkpoint(cfg.model.family, cfg.model.size, p, seed=cfg.model.init_seed)
         return p
-    from pipeline.commands.warm_start import warm_start_chain
 
     src = Path(cfg.model.path) if cfg.model.path else run_dir / ".init-fresh"
     if not cfg.model.path:
         init_checkpoint(cfg.model.family, cfg.model.size, src, seed=cfg.model.init_seed)
     warm_start_chain(cfg, src, p)  # writes RUN_DIR/init last, atomically
     if not cfg.model.path:
-        import shutil
-
         shutil.rmtree(src, ignore_errors=True)
     return p
 
 
 def load_prompts(cfg: RunConfig, model: Path) -> Any:
     """The run's PromptSource (pipeline.core.tasks: synthetic, jsonl or dataset)."""
-    from pipeline.core.tasks import load_prompts as load
 
     return load(cfg, model)
 
@@ -147,16 +163,12 @@ def _free_pair(host: str) -> int:
 def bind_endpoint(cfg: RunConfig, port: int = 0) -> Any:
     """Bind control (port) and weights (port + 1); port: endpoints.port, else the given
     one (a resumed run's own, so its generators find it again), else a free pair."""
-    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
 
     e = cfg.endpoints
     security = None
     if e.keys:
-        from pipeline.net.security import ServerCurve
-
         security = ServerCurve.from_dir(e.keys, curve_on_loopback=e.curve_on_loopback)
     tc = cfg.transport
-    import zmq
 
     port = e.port or port or _free_pair(e.host)
     ctrl, wts = f"tcp://{e.host}:{port}", f"tcp://{e.host}:{port + 1}"
@@ -224,13 +236,9 @@ def generator_command(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> tuple
     cmd = (f"looprl generator --learner {ctrl} --weights-endpoint {wts} --model {model} "
            f"--reward {cfg.task.reward} --numerics {cfg.numerics}")  # fmt: skip
     if cfg.rollout.policy() is not None:  # the run's exit policy (Welcome checks it)
-        from models.exits import policy_json
-
         cmd += f" --exit-policy '{policy_json(cfg.rollout.policy())}'"
     e = cfg.endpoints
     if e.keys:
-        from pipeline.net.security import generator_keys
-
         names = generator_keys(e.keys)
         cmd += f" --keys {e.keys}"
         cmd += f" --key-name {'|'.join(names) or 'NAME'}" if len(names) != 1 else ""
@@ -241,12 +249,6 @@ def generator_command(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> tuple
 def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,
                 stop: Callable[[], bool] | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole learner (see the module docstring); returns the summary."""
-    from pipeline.backends.trainer_api import build_trainer
-    from pipeline.core import resume as resume_mod
-    from pipeline.core import tasks
-    from pipeline.core.coordinator import Coordinator, CoordinatorError
-    from pipeline.core.metrics import MetricsWriter, read_metrics, summary
-    from pipeline.core.validation import ModelLimits
 
     run_dir = Path(cfg.run_dir)
     if os.environ.get("RANK", "0") != "0":  # torchrun: ranks > 0 repeat rank 0's trainer calls
@@ -259,8 +261,6 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     tasks.check_data(run_dir, prompts, resume=resume)  # the data a resumed run continues on
     trainer: Any = build_trainer(cfg.backend, cfg, model)
     if getattr(trainer, "world_size", 1) > 1:
-        from pipeline.backends.ranks import Leader
-
         trainer = Leader(trainer)
     old_port = 0
     if resume and (run_dir / "endpoints.json").is_file():  # generators reconnect by themselves
@@ -294,20 +294,18 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                             v=m["version"])  # fmt: skip
 
     limits = ModelLimits.from_checkpoint(model, cfg.rollout.policy())  # depths: the policy's
-    coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
-                        run_dir=run_dir, limits=limits, on_step=on_step, background=True)  # fmt: skip
+    evals = None
     if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
-        from pipeline.commands.evaluation import eval_prompts
-        from pipeline.core.eval_rounds import EvalRounds
-
         e = cfg.eval
-        coord.evals = coord.dispatcher.evals = EvalRounds(
+        evals = EvalRounds(
             eval_prompts(cfg, model, e.split, e.limit), n=e.n, temperature=e.temperature,
             max_tokens=cfg.rollout.max_tokens, stop_token_ids=cfg.rollout.stop_token_ids,
             run_seed=cfg.seed, stop=cfg.rollout.stop, every=e.every,
-            last_step=tasks.planned_steps(cfg, prompts),
-            on_result=on_eval, door=lambda g, r, item: coord.intake.check_eval(g, r, item),
+            last_step=tasks.planned_steps(cfg, prompts), on_result=on_eval,
         )  # fmt: skip
+    coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
+                        run_dir=run_dir, limits=limits, on_step=on_step, background=True,
+                        evals=evals)  # fmt: skip
     stopping = {"flag": False}
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -399,10 +397,6 @@ def _already_finished(run_dir: Path, step: int, steps: int) -> dict[str, Any] | 
 
 def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """A learner rank > 0: build the same trainer, then follow rank 0 (pipeline.backends.ranks)."""
-    import time
-
-    from pipeline.backends.ranks import follow
-    from pipeline.backends.trainer_api import build_trainer
 
     if cfg.backend == "reference":
         raise ConfigError("backend=reference runs one learner process; use megatron with torchrun")
@@ -418,7 +412,6 @@ def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
 def _progress(cfg: RunConfig) -> Any:
     if not cfg.metrics.progress:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=cfg.steps, desc="steps", unit="step", file=sys.stderr)
 
@@ -430,7 +423,6 @@ def log_file(cfg: RunConfig, name: str = "learner") -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.commands import console
 
     try:
         cfg = resolve_config(args.config, args.resume, list(args.overrides))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError
+from proto.stream import StreamError, StreamReader
 
 LOW_SPACE_BYTES = 1 << 20  # below this many free bytes a failed write is taken as "disk full"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -90,8 +91,6 @@ def kept(run_dir: Path, trainer: Any) -> str:
     parts.append(f"checkpoint {ckpt}" if ckpt else "no checkpoint yet (a resume starts over)")
     stream = run_dir / "stream"
     if stream.is_dir():
-        from proto.stream import StreamError, StreamReader
-
         try:
             with StreamReader(stream) as r:
                 parts.append(f"stream {stream} with {len(r)} frames (every acknowledged rollout)")

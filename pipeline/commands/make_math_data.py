@@ -117,7 +117,7 @@ def write_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Write ``rows`` as jsonl (sorted keys, one per line) or parquet, by ``path``'s suffix."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
-        import pyarrow as pa
+        import pyarrow as pa  # local: only for --format parquet
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(list(rows)), path)

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proto.codec import Codec
+from proto.errors import ProtocolError
+from proto.records import Rollout, RolloutBatch
 from proto.stream import RecoveryReport, StreamCorruptError, StreamError, StreamReader, recover
 from proto.stream_format import FRAME_HEADER_SIZE, segment_name
 from proto.stream_salvage import LostRange, missing_segments, survey
@@ -44,9 +47,6 @@ PayloadDecoder = Callable[[bytes], PayloadInfo]
 
 def codec_decoder() -> PayloadDecoder:
     """Decode payloads with the proto codec (frames of any record type)."""
-    from proto.codec import Codec
-    from proto.errors import ProtocolError
-    from proto.records import Rollout, RolloutBatch
 
     codec = Codec()
 

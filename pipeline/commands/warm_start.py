@@ -42,6 +42,7 @@ import torch
 from models.chat import ChatRenderer, _compile, eos_token_ids
 from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
 from models.checkpoint import tied_from_module as tied_of
+from models.init import init_checkpoint
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.tasks import TaskError, prompt_limit, read_split
 
@@ -215,8 +216,6 @@ def run(a: argparse.Namespace) -> int:
         elif cfg.model.path:
             model = Path(cfg.model.path)
         else:
-            from models.init import init_checkpoint
-
             model = init_checkpoint(cfg.model.family, cfg.model.size, out,
                                     seed=cfg.model.init_seed)  # fmt: skip
         stats = warm_start(cfg, model, out, steps=a.steps, lr=a.lr, batch=a.batch, seed=a.seed)

@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import NonFiniteWeightsError
+from models.exits import policy_json
 from models.publication import Publication, prune_weights, weights_dir
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core.dispatch import Dispatcher, PromptSource
-from pipeline.core.eval_rounds import is_eval_work
+from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.intake import Group, Intake, training_rewards
 from pipeline.core.ledger import InFlightLedger
 from pipeline.core.quarantine import Quarantine
@@ -105,6 +106,7 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.02,
         background: bool = False,
+        evals: EvalRounds | None = None,
     ) -> None:
         self.cfg, self.endpoint, self.trainer, self.run_dir = cfg, endpoint, trainer, run_dir
         self.on_step, self.clock, self.poll_s = on_step, clock, poll_s
@@ -120,7 +122,7 @@ class Coordinator:
             stop_token_ids=list(r.stop_token_ids), stop=list(r.stop),
             cap=r.prompts_per_step * (st.max_staleness + 1),
             per_step=r.prompts_per_step,
-            run_seed=cfg.seed, prompts=prompts, ledger=self.ledger, gate=self.gate,
+            run_seed=cfg.seed, prompts=prompts, ledger=self.ledger, gate=self.gate, evals=evals,
         )  # fmt: skip
         self.recorder = Recorder(run_dir, enabled=cfg.record.enabled, fsync=cfg.record.fsync)  # type: ignore[arg-type]
         self.quarantine = Quarantine(run_dir)
@@ -135,7 +137,7 @@ class Coordinator:
             dynamic_sampling=cfg.objective.dynamic_sampling,
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
-        self.evals: Any = None  # pipeline.core.eval_rounds.EvalRounds (eval.every > 0)
+        self.evals = evals  # evaluation rounds on the generators (eval.every > 0)
         self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
         self.published: list[int] = []
         self.last_digest = ""
@@ -171,9 +173,9 @@ class Coordinator:
             rolls = rec.rollouts if isinstance(rec, RolloutBatch) else [rec]
             if self.evals is not None and any(is_eval_work(r.work_id) for r in rolls):
                 ev = [r for r in rolls if is_eval_work(r.work_id)]
-                for ack in self.evals.receive(peer, ev):
+                acks, ban = self.evals.receive(peer, ev, self.intake.check_eval)
+                for ack in acks:
                     ep.send(peer, ack)
-                ban, self.intake.pending_ban = self.intake.pending_ban, None
                 if ban is not None:  # refused eval rollouts count toward a ban too
                     self.ban(peer, ban)
                     return
@@ -199,7 +201,6 @@ class Coordinator:
     def _welcome_settings(self) -> dict[str, Any]:
         """Run-wide generator settings a generator checks on Welcome: numerics and the exit
         policy (canonical JSON, '' = full depth; its kv and max depth bound replay)."""
-        from models.exits import policy_json
 
         return {
             "numerics": self.cfg.numerics,

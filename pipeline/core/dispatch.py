@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from models.noise import derive_latent_seed
+from pipeline.core.eval_rounds import EvalRounds
 from pipeline.core.ledger import InFlightLedger, Redispatch
 from pipeline.core.staleness import StalenessGate
 from proto import WorkItem
@@ -134,6 +135,7 @@ class Dispatcher:
         ledger: InFlightLedger,
         gate: StalenessGate,
         clock: Callable[[], float] = time.time,
+        evals: EvalRounds | None = None,
     ) -> None:
         if cap < 1 or n < 1:
             raise ValueError("need cap >= 1 and n >= 1")
@@ -147,7 +149,7 @@ class Dispatcher:
         self.open: dict[str, WorkSpec] = {}  # dispatched, not yet trained or dropped
         self._redo: deque[Redispatch] = deque()
         self._avoid: dict[tuple[str, int], str] = {}  # refused sample -> generator to avoid
-        self.evals: Any = None  # pipeline.core.eval_rounds.EvalRounds: eval items go out first
+        self.evals = evals  # evaluation rounds (eval.every > 0): their items go out first
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
         self._seq = 0  # items issued (work and evaluation): orders ties between generators
@@ -309,10 +311,11 @@ class Dispatcher:
     def _give(self, gid: str, g: _Gen, ver: int, send: Callable[[str, WorkItem], bool]) -> bool:
         """Send ``gid`` its next item (evaluation work first); False: nothing for it now
         (what is left avoids it) or it is unroutable (removed: death handling requeues)."""
-        ev = self.evals.next_item(gid, ver) if self.evals is not None else None
-        if ev is not None:  # evaluation work: outside the ledger and the gate
+        evals = self.evals
+        ev = evals.next_item(gid, ver) if evals is not None else None
+        if evals is not None and ev is not None:  # evaluation work: outside ledger and gate
             if not send(gid, ev):
-                self.evals.release(gid, [ev.work_id])
+                evals.release(gid, [ev.work_id])
                 self.remove_generator(gid)
                 return False
             g.pending[ev.work_id] = set(range(len(ev.latent_seeds)))

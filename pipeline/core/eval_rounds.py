@@ -33,6 +33,10 @@ import numpy as np
 from models.noise import derive_latent_seed
 from proto import Ack, Nack, Rollout, WorkItem
 
+EvalDoor = Callable[[str, Rollout, WorkItem], tuple[Rollout, Any, str | None]]
+"""(generator, rollout, its eval item) -> (the rollout as the door sees it, refusal or None,
+a ban or None): pipeline.core.intake.Intake.check_eval."""
+
 EVAL_PREFIX = "e"
 
 
@@ -73,12 +77,11 @@ class EvalRounds:
         last_step: int,
         on_result: Callable[[int, dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
-        door: Callable[[str, Rollout, WorkItem], tuple[Rollout, Any]] | None = None,
     ) -> None:
         self.prompts, self.n, self.temperature = list(prompts), n, temperature
         self.max_tokens, self.stop_ids, self.stop = max_tokens, list(stop_token_ids), list(stop)
         self.run_seed, self.every, self.last_step = run_seed, every, last_step
-        self.on_result, self.clock, self.door = on_result, clock, door
+        self.on_result, self.clock = on_result, clock
         self.rounds: dict[int, _Round] = {}
         self.queue: deque[WorkItem] = deque()
         self.held: dict[str, dict[str, WorkItem]] = {}  # generator -> work id -> item
@@ -132,12 +135,15 @@ class EvalRounds:
             self.counts["resent"] += 1
         return len(ids)
 
-    def receive(self, gid: str, rollouts: Sequence[Rollout]) -> list[Ack | Nack]:
+    def receive(self, gid: str, rollouts: Sequence[Rollout], door: EvalDoor | None = None
+                ) -> tuple[list[Ack | Nack], str | None]:  # fmt: skip
         """Eval rollouts from ``gid``: each through the learner's door (``door``: the rollout
-        as the door sees it, a NaN/inf reward made a failed one, and the reason it is refused,
-        or None), then recorded once per (item, sample) and acknowledged.
-        A refused one is answered with a Nack and its item goes out again (to any generator)."""
+        as the door sees it, a NaN/inf reward made a failed one, the reason it is refused or
+        None, and a ban the refusals decided or None), then recorded once per (item, sample)
+        and acknowledged. A refused one is answered with a Nack and its item goes out again
+        (to any generator). Returns the replies and the first ban (the caller carries it out)."""
         acks: list[Ack | Nack] = []
+        ban: str | None = None
         for ro in rollouts:
             rd = self.rounds.get(_round_of(ro.work_id))
             item = rd.items.get(ro.work_id) if rd is not None else None
@@ -145,7 +151,8 @@ class EvalRounds:
                 acks.append(Ack("rollout", ro.rollout_id))
                 self.counts["duplicates"] += 1
                 continue
-            ro, why = self.door(gid, ro, item) if self.door is not None else (ro, None)
+            ro, why, banned = door(gid, ro, item) if door is not None else (ro, None, None)
+            ban = ban or banned
             if why is not None:
                 acks.append(Nack("rollout", ro.rollout_id, f"refused: {why}"))
                 self.counts["refused"] += 1
@@ -166,7 +173,7 @@ class EvalRounds:
             if rd.done() and not rd.reported:
                 rd.reported = True
                 self.on_result(rd.step, self._metrics(rd))
-        return acks
+        return acks, ban
 
     def _metrics(self, rd: _Round) -> dict[str, Any]:
         first, every_sample, rewards = [], [], []

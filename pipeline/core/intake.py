@@ -131,7 +131,6 @@ class Intake:
         )  # fmt: skip
         self.limits, self.rules, self.quarantine, self.version = limits, rules, quarantine, version
         self.refusals = RefusalTracker(max_refused, window_s, clock)
-        self.pending_ban: str | None = None  # a ban check_eval decided (the coordinator acts)
         self.void = void  # records rollouts whose samples are generated again (RUN_DIR/voided)
         self.dynamic_sampling = dynamic_sampling  # drop groups whose rewards are all equal
         self.restored: set[str] = set()  # restored by a resume, not yet trained
@@ -210,11 +209,13 @@ class Intake:
                 res.replies.append(Ack("rollout", orig_id))
         return res
 
-    def check_eval(self, sender: str, r: Rollout, item: WorkItem) -> tuple[Rollout, Refusal | None]:
+    def check_eval(
+        self, sender: str, r: Rollout, item: WorkItem
+    ) -> tuple[Rollout, Refusal | None, str | None]:
         """The door for an eval rollout (pipeline.core.eval_rounds): the same rules against its
-        eval work item; a refusal is quarantined and counted toward a ban like any other
-        (``self.pending_ban`` holds a ban for the coordinator to carry out). Returns the
-        rollout with a NaN/inf reward made a failed reward, as for training, and the refusal."""
+        eval work item; a refusal is quarantined and counted toward a ban like any other.
+        Returns the rollout with a NaN/inf reward made a failed reward, as for training, the
+        refusal, and the ban it decided (the coordinator carries it out), or None."""
         seeds = [int(s) for s in item.latent_seeds]
         seed = int(r.latent_seed) if int(r.latent_seed) in seeds else -1
         expect = Expected(
@@ -225,14 +226,11 @@ class Intake:
         r, _ = sanitize_reward(r)
         why = check_rollout(r, expect=expect, limits=self.limits, rules=self.rules)
         if why is None:
-            return r, None
+            return r, None, None
         self.counts["refused"] += 1
         self.counts[f"refused_{why.reason}"] += 1
         self.quarantine.put(r, generator=sender, reason=why.reason, detail=why.detail)
-        ban = self.refusals.note(sender, why.reason)
-        if ban is not None and self.pending_ban is None:
-            self.pending_ban = ban
-        return r, why
+        return r, why, self.refusals.note(sender, why.reason)
 
     def _refuse(self, sender: str, orig: Rollout, r: Rollout, why: Refusal,
                 res: IntakeResult) -> None:  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,12 @@ class MetricsWriter:
         self._wb: Any = None
         if wandb:  # imported only when enabled; no network here: offline unless WANDB_MODE
             try:
-                import wandb as wandb_mod
+                import wandb as wandb_mod  # local: an optional extra (metrics.wandb)
             except ImportError as e:
                 raise ValueError(
                     "run config metrics.wandb=true needs the wandb package "
                     "(pip install wandb, or looprl[wandb])"
                 ) from e
-            import os
 
             self._wb = wandb_mod.init(
                 project=wandb_project, dir=str(run_dir), name=run_dir.name, config=config or {},
@@ -47,6 +47,7 @@ class MetricsWriter:
         self._tb: Any = None
         if tensorboard:
             try:
+                # local: tensorboard loads only when metrics.tensorboard is on
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(run_dir / "tb"))
@@ -115,7 +116,7 @@ def plot_metrics(path: Path, out: Path) -> Path | None:
     ``logprob_mismatch_all`` (every rollout of the step: includes the policy change of stale
     ones), on a log scale."""
     try:
-        import matplotlib
+        import matplotlib  # local: ~1 s of imports, once at the end of a run
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

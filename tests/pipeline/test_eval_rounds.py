@@ -28,17 +28,17 @@ class Grader(FakeGenerator):
         return dataclasses.replace(r, reward=float(ok), reward_info={"correct": ok})
 
 
-def _rounds(results: list[tuple[int, dict[str, Any]]], last: int, door: Any = None) -> EvalRounds:
+def _rounds(results: list[tuple[int, dict[str, Any]]], last: int) -> EvalRounds:
     prompts = [Prompt(f"q{i}", [1, 30 + i], {}) for i in range(6)]
     return EvalRounds(prompts, n=2, temperature=0.0, max_tokens=8, stop_token_ids=[],
-                      run_seed=0, every=2, last_step=last, door=door,
+                      run_seed=0, every=2, last_step=last,
                       on_result=lambda s, m: results.append((s, m)))  # fmt: skip
 
 
 def test_eval_rounds_on_generators(tmp_path: Path) -> None:
-    c, net, t = make_coordinator(tmp_path, [])
     results: list[tuple[int, dict[str, Any]]] = []
-    c.evals = c.dispatcher.evals = _rounds(results, last=5)
+    c, net, t = make_coordinator(tmp_path, [], evals=_rounds(results, last=5))
+    assert c.evals is not None and c.dispatcher.evals is c.evals
     c.evals.start(0, 0)
     gens = [Grader(net, "g0", seed=1), Grader(net, "g1", seed=2)]
     drive(c, gens, 5)
@@ -63,9 +63,10 @@ def test_eval_rounds_on_generators(tmp_path: Path) -> None:
 
 
 def test_eval_items_of_a_dead_generator_are_sent_again(tmp_path: Path) -> None:
-    c, net, t = make_coordinator(tmp_path, ["transport.peer_timeout_s=2.0"])
     results: list[tuple[int, dict[str, Any]]] = []
-    c.evals = c.dispatcher.evals = _rounds(results, last=100)
+    c, net, t = make_coordinator(tmp_path, ["transport.peer_timeout_s=2.0"],
+                                 evals=_rounds(results, last=100))  # fmt: skip
+    assert c.evals is not None
     c.evals.start(0, 0)
     dead = Grader(net, "dead", seed=1)
     dead.paused = True
@@ -101,10 +102,10 @@ class Liar(Grader):
 def test_eval_rollouts_go_through_the_door(tmp_path: Path, kind: str) -> None:
     """A generator lying in its eval rollouts cannot bend eval/accuracy: they are refused
     (Nack, quarantined, counted toward a ban) and their items answered by another generator."""
-    c, net, _ = make_coordinator(tmp_path, ["intake.max_refused=0"])
     results: list[tuple[int, dict[str, Any]]] = []
-    door = lambda g, r, item: c.intake.check_eval(g, r, item)  # noqa: E731
-    c.evals = c.dispatcher.evals = _rounds(results, last=100, door=door)
+    c, net, _ = make_coordinator(tmp_path, ["intake.max_refused=0"],
+                                 evals=_rounds(results, last=100))  # fmt: skip
+    assert c.evals is not None
     c.evals.start(0, 0)
     liar, honest = Liar(net, "liar", seed=1, kind=kind), Grader(net, "honest", seed=2)
     honest.paused = True
