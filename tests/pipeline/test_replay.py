@@ -1,8 +1,8 @@
 """`looprl replay`: a recorded run trained again from its stream reaches the same weights.
 
 test_replay_fake_free: a live run (real learner, megatron or reference backend, one real
-generator process, 3 steps), then replay from its stream: every published version's
-canonical digest equals the live one. (The 120-step quickstart replays identically too:
+generator process, 3 steps; the default objective, or the parity issue's new values), then
+replay from its stream: every published version's canonical digest equals the live one. (The 120-step quickstart replays identically too:
 docs/PIPELINE.md.)
 test_replay_errors: what replay refuses (a step log naming rollouts the stream lacks).
 """
@@ -17,14 +17,32 @@ from pipeline.commands.replay_main import replay
 from pipeline.config import ConfigError
 from tests.pipeline.e2e_utils import check_run, run, small_config
 
+# Objective values of the verl / AReaL / TRL parity issue, together: RLOO advantages (Bessel
+# whitening), GSPO sequence ratios, the length-normalised sequence aggregation, geometric-mean
+# rollout correction with a lower bound, a veto and rejected tokens out of the denominator, the
+# reference KL as a per-token reward penalty from the proximal log-probs, the token-version gap.
+OBJECTIVE_VALUES = [
+    "objective.advantage_estimator=rloo", "objective.whiten=true", "objective.whiten_std=bessel",
+    "objective.ratio_level=sequence", "objective.aggregation=seq_mean_token_sum_norm",
+    "objective.loss_scale_length=8", "objective.is_cap=2.0", "objective.is_level=geometric",
+    "objective.is_cap_low=0.5", "objective.is_veto=1e-4",
+    "objective.is_rejected_in_denominator=false", "objective.kl_coef=0.01",
+    "objective.kl_in_reward=true", "objective.kl_in_reward_level=token",
+    "objective.kl_in_reward_logp=proximal", "objective.max_token_version_gap=1",
+]  # fmt: skip
+
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.parametrize("objective", ["defaults", "parity_values"])
 @pytest.mark.parametrize("backend", ["megatron", "reference"])
-def test_replay_fake_free(tmp_path: Path, backend: str) -> None:
+def test_replay_fake_free(tmp_path: Path, backend: str, objective: str) -> None:
+    """parity_values: the new objective values run through the real learner and generator in
+    both learner policies, and replay reaches the same weights."""
     live = tmp_path / "live"
+    values = OBJECTIVE_VALUES if objective == "parity_values" else []
     cfg = small_config(live, "steps=3", "generators.count=1", "staleness.max_staleness=1",
-                       f"backend={backend}")  # fmt: skip
+                       f"backend={backend}", *values)  # fmt: skip
     s = run(cfg)
     check_run(live, 4, 3, max_staleness=1)
     res = replay(live / "stream", tmp_path / "replay")
