@@ -34,6 +34,7 @@ from models.exits import policy_json
 from pipeline.commands import console
 from pipeline.commands.generator_cli import flag_name
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
+from pipeline.commands.learner_stops import LearnerStopped
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.net.security import generator_keys
 from pipeline.net.transport_config import TransportConfig
@@ -230,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"logs: {path} (third-party warnings too; -v shows them here)", file=sys.stderr)
     try:
         s = run_local(cfg)
+    except LearnerStopped as e:  # no generators, a full disk: exit 1, as `looprl learner`
+        print(f"looprl run: error: {e}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2

@@ -170,13 +170,15 @@ def test_real_cli_malformed_yaml_and_scalar_section(tmp_path: Path) -> None:
         assert expected in lines[0] and str(bad) in lines[0]
 
 
+@pytest.mark.parametrize("command", ["learner", "run"])
 def test_learner_without_generators_times_out_in_one_line_naming_the_endpoint(
-    tmp_path: Path,
+    tmp_path: Path, command: str
 ) -> None:
-    """A real learner process with no generator: after max_wait_s it says which endpoint
-    to start generators on (exit 1), no traceback."""
+    """A real learner process with no generator (`looprl run` with generators.count=0):
+    after max_wait_s it says which endpoint to start generators on (exit 1), no traceback."""
     run = tmp_path / "run"
-    got = _looprl("learner", f"run_dir={run}", "max_wait_s=2", "steps=2",
+    extra = ["generators.count=0"] if command == "run" else []
+    got = _looprl(command, f"run_dir={run}", "max_wait_s=2", "steps=2", *extra,
                   "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false")  # fmt: skip
     assert got.returncode == 1, got.stderr[-3000:]
     assert "Traceback" not in got.stderr
@@ -186,6 +188,6 @@ def test_learner_without_generators_times_out_in_one_line_naming_the_endpoint(
 
     ctrl = json.loads((run / "endpoints.json").read_text())["control"]
     line = errors[0]
-    assert line.startswith("looprl learner: error: no training step for 2s (max_wait_s): ")
+    assert line.startswith(f"looprl {command}: error: no training step for 2s (max_wait_s): ")
     assert f"no generator connected to {ctrl}; start generators on that endpoint: " in line
     assert f"`looprl generator --learner {ctrl} --weights-endpoint " in line
