@@ -18,12 +18,14 @@ four blocks (~13-15M parameters), for runs that should learn something on a CPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from models.checkpoint import save_checkpoint, state_dict_for_save, tied_from_module
+from models.config import config_from_hf_dict, tiny_config
 from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
 
 FAMILIES = ("huginn", "ouro", "nanbeige", "llama")
@@ -57,8 +59,6 @@ def _family(family: str) -> str:
 
 def model_config(family: str, size: str) -> Any:
     """The typed config of `family` at `size` ("tiny" | "small")."""
-    from models.config import config_from_hf_dict, tiny_config
-
     name = _family(family)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; allowed: {', '.join(SIZES)}")
@@ -78,15 +78,19 @@ def init_checkpoint(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    overrides: Mapping[str, Any] | None = None,
 ) -> Path:
     """Build `family` at `size` with `models.reference.build_model(config, seed=seed)` and
     write it, with its tokenizer, to `out_dir` (see the module doc); return the path.
+    ``overrides``: HF config keys over the preset's (e.g. {"tie_word_embeddings": True}).
 
     Raises ValueError naming the allowed values for an unknown family, size or dtype.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     config = model_config(family, size)
+    if overrides:
+        config = config_from_hf_dict({**config.to_hf_dict(), **overrides})
     from models.reference import build_model
 
     model = build_model(config, seed=seed)

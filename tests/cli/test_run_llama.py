@@ -20,13 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from models.checkpoint import save_checkpoint, state_dict_for_save, tied_from_module
-from models.config import config_from_hf_dict
-from models.init import init_checkpoint, model_config
-from models.reference import build_model
-from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
+from models.init import init_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -60,18 +55,7 @@ def looprl_run(run_dir: Path, *overrides: str, timeout_s: float) -> tuple[int, s
 
 def llama_of_another_shape(out: Path) -> Path:
     """The tiny Llama with intermediate_size 192 instead of 128 (same vocabulary, tokenizer)."""
-    config = config_from_hf_dict({**model_config("llama", "tiny").to_hf_dict(),
-                                  "intermediate_size": 192})  # fmt: skip
-    model = build_model(config, seed=0)
-    ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    extra: dict[str, Any] = {**tokenizer_files(config.vocab_size), "generation_config.json": ids}
-    return save_checkpoint(
-        state_dict_for_save(model, torch.float32),
-        {**config.to_hf_dict(), **ids, "torch_dtype": "float32"},
-        out,
-        tied=tied_from_module(model),
-        extra_files=extra,
-    )
+    return init_checkpoint("llama", "tiny", out, overrides={"intermediate_size": 192})
 
 
 def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:

@@ -18,13 +18,8 @@ from generator.engine import LoopedEngine, Sample
 from models.checkpoint import (
     load_checkpoint,
     save_checkpoint,
-    state_dict_for_save,
-    tied_from_module,
 )
-from models.config import config_from_hf_dict
-from models.init import model_config
-from models.reference import build_model
-from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
+from models.init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
 
@@ -67,18 +62,7 @@ def write_like(src: Path, state: dict[str, torch.Tensor], out: Path) -> Path:
 def tied_llama(out: Path, seed: int) -> Path:
     """The tiny Llama (`looprl model init --family llama --size tiny`) with its head tied to
     the embedding (stored once, as transformers does)."""
-    config = config_from_hf_dict({**model_config("llama", "tiny").to_hf_dict(),
-                                  "tie_word_embeddings": True})  # fmt: skip
-    model = build_model(config, seed=seed)
-    ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    extra: dict[str, Any] = {**tokenizer_files(config.vocab_size), "generation_config.json": ids}
-    return save_checkpoint(
-        state_dict_for_save(model, torch.float32),
-        {**config.to_hf_dict(), **ids, "torch_dtype": "float32"},
-        out,
-        tied=tied_from_module(model),
-        extra_files=extra,
-    )
+    return init_checkpoint("llama", "tiny", out, seed=seed, overrides={"tie_word_embeddings": True})
 
 
 def greedy_items() -> list[WorkItem]:
