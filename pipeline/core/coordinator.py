@@ -139,7 +139,6 @@ class Coordinator:
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         self.evals = evals  # evaluation rounds on the generators (eval.every > 0)
         self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
-        self.published: list[int] = []
         self.last_digest = ""
         self._last_progress = clock()
         self._job: _Job | None = None
@@ -427,12 +426,9 @@ class Coordinator:
             chunked=self.cfg.publish.transport != "shared_fs",  # collective keeps the blob too
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
-        self.published.append(v)
         self.endpoint.set_status(v, self.dispatcher.inflight())
-        keep = self.cfg.publish.keep
-        if keep:  # every directory older than the newest `keep`, a killed run's included
-            prune_weights(self.run_dir, v, keep)
-            self.published = self.published[-keep:]
+        # every directory older than the newest publish.keep (0: all kept), a killed run's too
+        prune_weights(self.run_dir, v, self.cfg.publish.keep)
 
     # -- the loop ------------------------------------------------------------------------------------
     def turn(self, timeout_s: float | None = None) -> bool:

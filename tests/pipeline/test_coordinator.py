@@ -263,3 +263,18 @@ def test_a_generator_that_joins_later_gets_its_share(tmp_path: Path) -> None:
     total = sum(after.values())
     assert total >= 12 * 2 * 4, after
     assert min(after["g0"], after["g1"]) >= total / 3, after  # each at least a third
+
+
+def test_publish_keep_prunes_every_older_weights_dir(tmp_path: Path) -> None:
+    """publish.keep=2: after each announcement only the two newest versions stay on disk,
+    directories a killed run left below them included (weights/v0 here); a directory above the
+    current version is not touched."""
+    from models.publication import weight_versions, weights_dir
+
+    for v in (0, 50):  # a killed run's leftover below, one in writing far above
+        weights_dir(tmp_path, v).mkdir(parents=True)
+    c, net, t = make_coordinator(tmp_path, ["publish.keep=2"])
+    drive(c, [FakeGenerator(net, f"g{i}", seed=i) for i in range(2)], 5)
+    c.close()
+    assert c.version == 5
+    assert weight_versions(tmp_path) == [4, 5, 50]
