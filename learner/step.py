@@ -14,11 +14,14 @@ Order of calls::
    response[:-1]] rows); update u trains the global rows [u g, (u + 1) g), this data-parallel
    rank its share of them.
 2. pre-update passes, with the step's starting weights (eval mode, no grad), micro-batch by
-   micro-batch: the frozen reference's log-probs (`objective.kl_coef`; with `kl_in_reward` they
-   become the rewards' penalty, `learner.batching.penalise_rewards`), the critic's values and
-   GAE (or the group-relative advantages), whitening (`objective.whiten`, over every DP rank's
-   tokens), the proximal log-probs (`TrainConfig.use_prox`) and flow_dppo's proximal logits
-   (kept in host memory, one micro-batch on the device at a time).
+   micro-batch, in this order: the proximal log-probs (`TrainConfig.use_prox`, or for a KL
+   reward penalty from them: `objective.kl_in_reward_logp` proximal) and flow_dppo's proximal
+   logits (kept in host memory, one micro-batch on the device at a time); the frozen
+   reference's log-probs (`objective.kl_coef`; with `kl_in_reward` they become the rewards'
+   penalty, per sequence or per token: `learner.batching.penalise_rewards` /
+   `penalise_token_rewards`); the critic's values; the advantages
+   (`learner.batching.step_advantages`: GAE or the group / REINFORCE estimators, whitening over
+   every DP rank's tokens).
 3. `objective.epochs` passes over the mini-batches (`learner.batching.update_order`); per
    update: per micro-batch forward, token statistics, `learner.objectives.policy_loss`
    (normalizer: the update's global token or sequence count), backward of loss x dp_size (the
