@@ -308,36 +308,6 @@ def update_normalizer(batch: TrainBatch, lo: int, hi: int, aggregation: str) -> 
     return float((counts > 0).sum())
 
 
-def penalise_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float:
-    """objective.kl_in_reward: rewards (and the token rewards at each row's last response
-    position) -= coef x pen, pen [B] fp64 the per-row sum of the KL estimator; returns the
-    mean per-token estimate (train/kl_ref). Both trainer backends apply it."""
-    ntok = (batch.mask > 0).sum(dim=1).clamp_min(1)
-    mean = float((pen / ntok).mean())
-    delta = (coef * pen).float()
-    batch.rewards = batch.rewards - delta
-    last = (batch.mask > 0).float().cumsum(dim=1).argmax(dim=1)
-    tr = batch.token_rewards.clone()
-    tr[torch.arange(batch.size), last] -= delta
-    batch.token_rewards = tr
-    return mean
-
-
-def penalise_token_rewards(batch: TrainBatch, pen: Tensor, coef: float) -> float:
-    """objective.kl_in_reward_level token: each response token's reward -= coef x pen[b, t]
-    (pen [B, L] fp64, the per-token KL estimator, 0 off the response: verl's, AReaL's and TRL's
-    PPO reward shaping) and rewards[b] -= coef x its row's sum (what the group estimators
-    see: the same rewards as the sequence level); returns the mean per-token estimate
-    (train/kl_ref), as `penalise_rewards`."""
-    live = batch.mask > 0
-    pen = torch.where(live, pen, 0.0)
-    row = pen.sum(dim=1)
-    mean = float((row / live.sum(dim=1).clamp_min(1)).mean())
-    batch.rewards = batch.rewards - (coef * row).float()
-    batch.token_rewards = batch.token_rewards - (coef * pen).float()
-    return mean
-
-
 def mask_stale_tokens(batch: TrainBatch, version: int, max_gap: int) -> float:
     """objective.max_token_version_gap: response tokens sampled with weights more than
     ``max_gap`` versions before ``version`` (the learner's) leave the mask (no loss, no

@@ -400,6 +400,9 @@ class TrainConfig:
     global_batch_size must be a multiple of micro_batch_size x data-parallel size."""
     pad_to_multiple: int = 1
     """Pad each micro-batch's sequence length up to a multiple of this, >= 1."""
+    max_tokens: int = 0
+    """rollout.max_tokens: where the overlong penalty ends (learner.shaping); >= the
+    objective's overlong_buffer when that is on."""
     recompute: bool = False
     """Activation recompute (learner.recompute: megatron 'full' / 'uniform', one layer per unit)."""
     seed: int = 1234

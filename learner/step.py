@@ -10,7 +10,9 @@ Order of calls::
 
 `LearnerStep.step` (docs/LEARNER.md "The step"):
 
-1. rows: `learner.batching.build_batch` (the one row layout: sorted rollouts, [B, prompt +
+1. rewards: `learner.shaping.shape_rollouts` (failed rewards filled, the overlong penalty;
+   the KL penalty joins in step 2), then rows: `learner.batching.build_batch` (the one row
+   layout: sorted rollouts, [B, prompt +
    response[:-1]] rows); update u trains the global rows [u g, (u + 1) g), this data-parallel
    rank its share of them.
 2. pre-update passes, with the step's starting weights (eval mode, no grad), micro-batch by
@@ -18,8 +20,7 @@ Order of calls::
    reward penalty from them: `objective.kl_in_reward_logp` proximal) and flow_dppo's proximal
    logits (kept in host memory, one micro-batch on the device at a time); the frozen
    reference's log-probs (`objective.kl_coef`; with `kl_in_reward` they become the rewards'
-   penalty, per sequence or per token: `learner.batching.penalise_rewards` /
-   `penalise_token_rewards`); the critic's values; the advantages
+   penalty, per sequence or per token: `learner.shaping.penalise_kl`); the critic's values; the advantages
    (`learner.batching.step_advantages`: GAE or the group / REINFORCE estimators, whitening over
    every DP rank's tokens).
 3. `objective.epochs` passes over the mini-batches (`learner.batching.update_order`); per
@@ -53,8 +54,6 @@ from learner.batching import (
     TrainBatch,
     build_batch,
     mask_stale_tokens,
-    penalise_rewards,
-    penalise_token_rewards,
     sort_rollouts,
     step_advantages,
     update_normalizer,
@@ -70,6 +69,7 @@ from learner.objectives import (
     rollout_correction,
     value_loss,
 )
+from learner.shaping import penalise_kl, shape_rollouts
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from proto.records import Rollout
 
@@ -243,8 +243,8 @@ class LearnerStep:
                             pen[a : a + mb.size] = k.sum(1).double().cpu()
                 batch.extra.pop("kl_prox_logp", None)
                 if obj.kl_in_reward:  # every DP rank's rows, then the same rewards everywhere
-                    shaped = penalise_token_rewards if token else penalise_rewards
-                    kl_ref = shaped(batch, pol.dp.all_reduce_(pen), obj.kl_coef)
+                    kl_ref = penalise_kl(batch, pol.dp.all_reduce_(pen), obj.kl_coef,
+                                         obj.kl_in_reward_level)  # fmt: skip
                 else:
                     batch.extra["ref_logp"] = ref
             values = None
@@ -277,6 +277,10 @@ class LearnerStep:
         if not rollouts or len(rollouts) % g:
             raise ValueError(f"rollouts: expected a positive multiple of global_batch_size ({g}), "
                              f"got {len(rollouts)}")  # fmt: skip
+        obj = cfg.objective
+        rollouts, _ = shape_rollouts(rollouts, max_tokens=cfg.max_tokens,
+                                     overlong_buffer=obj.overlong_buffer,
+                                     overlong_penalty=obj.overlong_penalty)  # fmt: skip
         batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
         gap = cfg.objective.max_token_version_gap
         live = batch.mask > 0
@@ -285,7 +289,6 @@ class LearnerStep:
         stale_masked = None if gap is None else mask_stale_tokens(batch, self.weight_version, gap)
         rows = self._local_rows(batch.size, g)
         old_logits, kl_ref = self._pre_update(batch, rows)
-        obj = cfg.objective
         # kl_in_reward: the KL went into the rewards, not into the loss
         loss_obj = dataclasses.replace(obj, kl_coef=0.0) if obj.kl_in_reward else obj
         use_prox_logp = cfg.use_prox and obj.kind != "flow_dppo"

@@ -29,6 +29,7 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
     return TrainConfig(
         global_batch_size=batch, micro_batch_size=lr.micro_batch_size or micro_batch_size(batch, r.n),
         seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
+        max_tokens=r.max_tokens,
         fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
     )  # fmt: skip
 

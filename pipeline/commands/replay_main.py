@@ -25,7 +25,6 @@ from pipeline.backends.trainer_api import build_trainer
 from pipeline.commands import console
 from pipeline.commands.learner_main import model_dir, resolve_config
 from pipeline.config import ConfigError
-from pipeline.core.intake import training_rewards
 from pipeline.core.recorder import read_rollouts, read_steps
 from proto.stream_format import check_stream_dir
 
@@ -83,12 +82,7 @@ def replay(stream: Path, out: Path, config: str | None = None,
     result: dict[str, Any] = {}
     try:
         for s in steps:
-            o = cfg.objective
-            rolls, _ = training_rewards(
-                [rollouts[rid] for rid in s.rollout_ids], max_tokens=cfg.rollout.max_tokens,
-                overlong_buffer=o.overlong_buffer, overlong_penalty=o.overlong_penalty,
-            )  # fmt: skip
-            trainer.step(rolls, s.corrections)
+            trainer.step([rollouts[rid] for rid in s.rollout_ids], s.corrections)
             if s.publish is not None:
                 vdir = weights_dir(out, s.publish)
                 pub = trainer.publish(vdir, s.publish)  # the trainer computed its digest once

@@ -43,7 +43,7 @@ from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core.dispatch import Dispatcher, PromptSource
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
-from pipeline.core.intake import Group, Intake, training_rewards
+from pipeline.core.intake import Group, Intake
 from pipeline.core.ledger import InFlightLedger
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
@@ -293,11 +293,8 @@ class Coordinator:
     def _start(self, groups: list[Group]) -> _Job:
         """Everything that touches the trainer (step, then the publication's files when one
         is due) as one job: on the trainer thread in background mode, else run here."""
-        o = self.cfg.objective
-        rolls, failed = training_rewards(
-            [r for g in groups for r in g.rollouts], max_tokens=self.cfg.rollout.max_tokens,
-            overlong_buffer=o.overlong_buffer, overlong_penalty=o.overlong_penalty,
-        )  # fmt: skip
+        rolls = [r for g in groups for r in g.rollouts]  # raw rewards: the step shapes them
+        failed = sum(r.reward is None for r in rolls)
         flags = [f for g in groups for f in g.needs_correction]
         publish = (self.step + 1) % self.cfg.publish.every == 0
         v = self.version + 1
@@ -328,7 +325,8 @@ class Coordinator:
         )  # fmt: skip
         self.intake.settle(groups)
         stal = [v.staleness for g in groups for v in g.verdicts]
-        rewards = [float(r.reward or 0.0) for r in rolls]
+        # the task's reward (failed ones out; the step trains on learner.shaping's)
+        rewards = [float(r.reward) for r in rolls if r.reward is not None] or [0.0]
         now = time.time()
         m: dict[str, Any] = {
             "step": self.step,

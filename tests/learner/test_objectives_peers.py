@@ -390,7 +390,7 @@ def test_token_kl_in_reward_matches_verl_apply_kl_penalty() -> None:
     """objective.kl_in_reward_level token with the proximal log-probs: each token's reward
     carries its own penalty (GAE then differs from the sequence level's), the row's reward the
     sum (what the group estimators see: the sequence level's rewards up to rounding)."""
-    from learner.batching import penalise_rewards, penalise_token_rewards
+    from learner.shaping import penalise_kl
 
     d = adversarial(12, b=10)
     mask, prox = d["mask"], d["base"]
@@ -399,14 +399,14 @@ def test_token_kl_in_reward_matches_verl_apply_kl_penalty() -> None:
     seq = batch_of(mask, REWARDS, GROUPS)
     peer = peer_kl_in_reward(batch.token_rewards, prox, ref, mask, 0.1)
     pen = torch.where(mask > 0, kl_penalty(prox, ref, "k3", 10.0), 0.0).double()
-    mean = penalise_token_rewards(batch, pen, 0.1)
+    mean = penalise_kl(batch, pen, 0.1, "token")
     live = mask > 0
     torch.testing.assert_close(batch.token_rewards[live], peer[live].float(), **FP32)
     assert (batch.token_rewards[~live] == 0).all()
     k = pen.sum(1)
     torch.testing.assert_close(batch.rewards, (REWARDS - 0.1 * k).float(), **FP32)
     assert mean == pytest.approx(float((k / live.sum(1).clamp_min(1)).mean()), rel=1e-6)
-    penalise_rewards(seq, k, 0.1)
+    penalise_kl(seq, k, 0.1)
     torch.testing.assert_close(seq.rewards, batch.rewards, **FP32)  # group estimators: same
     values = torch.randn(10, 7, generator=torch.Generator().manual_seed(13))
     ours, _ = gae(batch.token_rewards, values, mask, 0.9, 0.8)

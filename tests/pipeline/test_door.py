@@ -350,8 +350,10 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(tmp_path: Path) -> No
     assert len(trained) == 5 * 2  # every step still trains prompts_per_step groups
 
 
-def test_overlong_penalty_is_shared_by_live_training_and_replay() -> None:
-    from pipeline.core.intake import training_rewards
+def test_reward_shaping_fills_failed_rewards_then_applies_the_overlong_penalty() -> None:
+    """learner.shaping.shape_rollouts, which LearnerStep.step runs on the raw rewards (the
+    coordinator and replay hand it the same rollouts, so both train on these numbers)."""
+    from learner.shaping import shape_rollouts
 
     g = FakeGenerator.__new__(FakeGenerator)
     g.gid, g.rng = "g0", __import__("random").Random(0)
@@ -361,7 +363,14 @@ def test_overlong_penalty_is_shared_by_live_training_and_replay() -> None:
     rolls = [dataclasses.replace(r, reward=1.0, tokens=np.full(n, 5, np.int32),
                                  logprobs=-np.ones(n, np.float32),
                                  exit_depths=np.full(n, 4, np.uint8)) for r, n in zip(rolls, lens)]  # fmt: skip
-    out, _ = training_rewards(rolls, max_tokens=8, overlong_buffer=4, overlong_penalty=0.5)
-    assert [r.reward for r in out] == [1.0, 0.75, 0.5]  # 0 at 4 tokens, -0.25 at 6, -0.5 at 8
-    same, _ = training_rewards(rolls, max_tokens=8)
+    out, failed = shape_rollouts(rolls, max_tokens=8, overlong_buffer=4, overlong_penalty=0.5)
+    assert [r.reward for r in out] == [1.0, 0.75, 0.5] and failed == 0  # -0.25 at 6, -0.5 at 8
+    same, _ = shape_rollouts(rolls, max_tokens=8)
     assert [r.reward for r in same] == [1.0, 1.0, 1.0]
+    # a failed reward is its group's worst (0.3 here), before the penalty (then 0.3 - 0.5)
+    mixed = [dataclasses.replace(rolls[0], reward=0.3), rolls[1],
+             dataclasses.replace(rolls[2], reward=None)]  # fmt: skip
+    out, failed = shape_rollouts(mixed, max_tokens=8, overlong_buffer=4, overlong_penalty=0.5)
+    assert failed == 1 and [r.reward for r in out] == pytest.approx([0.3, 0.75, -0.2])
+    out, _ = shape_rollouts([dataclasses.replace(r, reward=None) for r in rolls], max_tokens=8)
+    assert [r.reward for r in out] == [0.0, 0.0, 0.0]  # a wholly failed group: 0.0
