@@ -321,6 +321,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             if ckpt is None:
                 raise ConfigError(f"--resume {run_dir}: no checkpoint there")
             resume_mod.restore(coord, ckpt)
+            resume_mod.rewind_metrics(metrics.path, coord.step)  # one row per step
             finished = _already_finished(run_dir, coord.step, tasks.planned_steps(cfg, prompts))
             if bar is not None:
                 bar.update(coord.step)

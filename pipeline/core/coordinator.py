@@ -41,6 +41,7 @@ from models.exits import policy_json
 from models.publication import Publication, prune_weights, weights_dir
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
+from pipeline.core import faults
 from pipeline.core.dispatch import Dispatcher, PromptSource
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.intake import Group, Intake
@@ -48,7 +49,8 @@ from pipeline.core.ledger import InFlightLedger
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
-from pipeline.core.validation import DoorRules, ModelLimits
+from pipeline.core.validation import DoorRules, ModelLimits, check_logp
+from pipeline.net.log_limit import Throttle
 from pipeline.net.weight_collective import make_publisher
 from proto import (
     Ack,
@@ -66,6 +68,7 @@ from proto import (
 
 log = logging.getLogger(__name__)
 VOIDED_NAME = "voided.jsonl"
+HELLO_INTERVAL_S = 1.0  # a generator process's repeated Hellos are answered once per interval
 StepCallback = Callable[[dict[str, Any]], None]
 
 
@@ -137,6 +140,7 @@ class Coordinator:
             dynamic_sampling=cfg.objective.dynamic_sampling,
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
+        self._throttle = Throttle(HELLO_INTERVAL_S, clock)  # Hellos and claim warnings, per id
         self.evals = evals  # evaluation rounds on the generators (eval.every > 0)
         self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
         self.last_digest = ""
@@ -159,15 +163,14 @@ class Coordinator:
                 d.set_version(peer, self.publisher.serving(peer))
             return
         if isinstance(rec, Hello):
-            log.info("generator %s joined (serving v%d)", peer, rec.weight_version)
-            d.add_generator(peer, rec.max_inflight, rec.weight_version, (rec.pid, rec.started_at))
-            self.publisher.add_generator(peer, rec.weight_version)
-            ep.send(peer, Welcome(self.run_id, peer, self.version,
-                                  ep.config.heartbeat_interval_s, self._welcome_settings()))  # fmt: skip
+            self._hello(peer, rec)
         elif isinstance(rec, Heartbeat):
-            d.set_version(peer, rec.weight_version)
+            v = self._claimed(peer, rec.weight_version, "heartbeat")
+            if v < 0:
+                return
+            d.set_version(peer, v)
             if peer in self.publisher.generators():
-                self.publisher.observe(peer, rec.weight_version)
+                self.publisher.observe(peer, v)
         elif isinstance(rec, RolloutBatch | Rollout):
             rolls = rec.rollouts if isinstance(rec, RolloutBatch) else [rec]
             if self.evals is not None and any(is_eval_work(r.work_id) for r in rolls):
@@ -197,6 +200,49 @@ class Coordinator:
         elif isinstance(rec, Ack | Nack):
             pass  # the generator acknowledges nothing we act on yet
 
+    def _claimed(self, peer: str, v: int, what: str) -> int:
+        """A generator's claimed serving version, checked against what was published: a
+        version above the learner's newest was never published (nor delivered), so the claim
+        is refused (counted, logged at most once per ``HELLO_INTERVAL_S`` per generator) and
+        -1 returned: the generator is treated as serving nothing and gets the current weights
+        before any work."""
+        if v <= self.version:
+            return v
+        self.intake.counts["claims_refused"] += 1
+        if self._throttle.allow(f"claim:{peer}"):
+            log.warning("generator %s claims to serve v%d in its %s, but the newest version "
+                        "published is v%d: refused", peer, v, what, self.version)  # fmt: skip
+        return -1
+
+    def _hello(self, peer: str, rec: Hello) -> None:
+        """Hello: a new process under ``peer`` joins (its old work released); the same process
+        again (a reconnect, or the Hellos it queued while the learner was down) is answered
+        once per ``HELLO_INTERVAL_S``, keeps its work and its weight transfer (a repeated
+        Hello used to restart the transfer of a version it was loading: "version 9 is not
+        newer than 9"), and is logged at DEBUG."""
+        d, ep = self.dispatcher, self.endpoint
+        inc = (rec.pid, rec.started_at)
+        same = d.incarnation(peer) == inc
+        if same and not self._throttle.allow(f"hello:{peer}"):
+            self.intake.counts["hellos_throttled"] += 1
+            return
+        if not same:
+            self._throttle.reset(f"hello:{peer}")
+            self._throttle.allow(f"hello:{peer}")
+        v = self._claimed(peer, rec.weight_version, "Hello")
+        if same:
+            log.debug("generator %s said Hello again (serving v%d)", peer, v)
+        else:
+            log.info("generator %s joined (serving v%d)", peer, v)
+        d.add_generator(peer, rec.max_inflight, v, inc)
+        if same and peer in self.publisher.generators():
+            if v >= 0:
+                self.publisher.observe(peer, v)
+        else:
+            self.publisher.add_generator(peer, v)
+        ep.send(peer, Welcome(self.run_id, peer, self.version,
+                              ep.config.heartbeat_interval_s, self._welcome_settings()))  # fmt: skip
+
     def _welcome_settings(self) -> dict[str, Any]:
         """Run-wide generator settings a generator checks on Welcome: numerics and the exit
         policy (canonical JSON, '' = full depth; its kv and max depth bound replay)."""
@@ -220,7 +266,9 @@ class Coordinator:
         self.endpoint.send(gid, ErrorMsg("banned", f"dropped for this run: {why}"))
         n = self.dispatcher.remove_generator(gid)
         self.publisher.remove_generator(gid)
-        log.error("generator %s dropped for the run: %s; %d samples re-dispatched", gid, why, n)
+        void = self.intake.void_generator(gid)  # its accepted, untrained rollouts: not trusted
+        log.error("generator %s dropped for the run: %s; %d samples re-dispatched, %d accepted "
+                  "but untrained voided and dispatched again", gid, why, n, void)  # fmt: skip
 
     def _gone(self, gid: str, why: str) -> None:
         n = self.dispatcher.remove_generator(gid)
@@ -303,6 +351,7 @@ class Coordinator:
             t0 = time.time()
             tm = dict(self.trainer.step(rolls, flags))
             train_s = time.time() - t0
+            faults.kill_at("step", self.step + 1)  # the crash tests' kill -9 mid-step
             return tm, train_s, self._write_publication(v) if publish else None
 
         if self._pool is None:
@@ -365,6 +414,7 @@ class Coordinator:
                 if x == x and x >= 0.0:  # -1: not measured; NaN: none
                     by_gen[r.generator_id] = max(float(x), by_gen.get(r.generator_id, 0.0))
             m.update({f"mismatch/{g}": v for g, v in sorted(by_gen.items())})
+            self._verify(rolls, per)
         self._last_step_t = now
         if pub is not None:
             self._announce(pub)
@@ -372,6 +422,27 @@ class Coordinator:
             self.on_step(m)
         if self.evals is not None and self.evals.due(self.step):
             self.evals.start(self.step, self.version)
+
+    def _verify(self, rolls: list[Rollout], per: list[float]) -> None:
+        """Verified rollouts: each trained rollout's claimed log-probs against the learner's
+        (pipeline.core.validation.check_logp, the bound of the run's numerics and the
+        rollout's staleness). A lie is quarantined and counted toward its generator's budget
+        (intake.max_refused within intake.window_s); over budget, the generator is banned and
+        its accepted, untrained rollouts are voided and their samples dispatched again."""
+        bans: dict[str, str] = {}
+        for x, r in zip(per, rolls, strict=True):
+            why = check_logp(float(x), numerics=self.cfg.numerics,
+                             staleness=self.gate.staleness(self.version, r))  # fmt: skip
+            if why is None:
+                continue
+            log.warning("generator %s: rollout %s trained with %s", r.generator_id,
+                        r.rollout_id, why)  # fmt: skip
+            ban = self.intake.refuse_trained(r.generator_id, r, why)
+            if ban is not None:
+                bans.setdefault(r.generator_id, ban)
+        for gid, reason in bans.items():
+            if gid not in self.banned:
+                self.ban(gid, reason)
 
     def _mismatch(self, rolls: list[Rollout], whole: float) -> float:
         """Max |learner - generator| log-prob over the rollouts sampled with the weights
@@ -418,6 +489,7 @@ class Coordinator:
         # resume never reuses the number of weights that were announced (pipeline.core.resume).
         with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
             f.write(json.dumps({"version": v, "digest": pub.digest}) + "\n")
+        faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
             path=str(Path(pub.path).resolve()), digest=pub.digest,

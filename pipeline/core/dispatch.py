@@ -169,6 +169,11 @@ class Dispatcher:
             self.remove_generator(gid)
         self._gens[gid] = _Gen(max_inflight, version, incarnation=incarnation)
 
+    def incarnation(self, gid: str) -> Any:
+        """The (pid, started_at) of the process known under ``gid``, or None."""
+        g = self._gens.get(gid)
+        return None if g is None else g.incarnation
+
     def set_version(self, gid: str, version: int) -> None:
         g = self._gens.get(gid)
         if g is not None and version > g.version:

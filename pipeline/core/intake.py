@@ -11,7 +11,8 @@ Loop (coordinator thread)::
                                           # then res.replies are sent (accepted and duplicates
                                           # Ack'ed, unknown Nack'ed)
     groups = intake.select(v, k)          # k complete groups within the staleness bound,
-                                          # or None; stale groups are dropped (policy drop)
+                                          # or None; stale groups are generated again
+                                          # (policy drop), never dropped
     ... train ...
     intake.settle(groups)                 # ledger.settle: trained, never again
 
@@ -271,19 +272,59 @@ class Intake:
         idx = list(range(self.n))
         self.ledger.reopen(g.work_id, idx)
         self.dispatcher.queue_redispatch([Redispatch(g.work_id, self.n, tuple(idx))])
-        self.counts["restored_regenerated"] += len(g.rollouts)
+        restored = any(r.rollout_id in self.restored for r in g.rollouts)
+        self.counts["restored_regenerated" if restored else "rollouts_regenerated_stale"] += len(
+            g.rollouts
+        )
         if self.void is not None:
             self.void([{"rollout_id": r.rollout_id, "reason": "stale"} for r in g.rollouts])
         for r in g.rollouts:
             self.restored.discard(r.rollout_id)
+
+    def refuse_trained(self, gid: str, r: Rollout, why: Refusal) -> str | None:
+        """A rollout the trainer found lying (its claimed log-probs are beyond the bound, seen
+        when its step measured them): quarantined (source "train"), counted toward ``gid``'s
+        budget; returns the ban when the budget is spent (the coordinator carries it out)."""
+        self.counts["refused"] += 1
+        self.counts[f"refused_{why.reason}"] += 1
+        self.quarantine.put(r, generator=gid, reason=why.reason, detail=why.detail,
+                            source="train")  # fmt: skip
+        return self.refusals.note(gid, why.reason)
+
+    def void_generator(self, gid: str) -> int:
+        """A banned generator's accepted, untrained rollouts are voided: out of the buffer,
+        their samples re-opened in the ledger and dispatched again (RUN_DIR/voided.jsonl names
+        the voided copies). Returns the samples voided."""
+        voided: list[Rollout] = []
+        for wid in list(self.complete):
+            g = self.complete[wid]
+            if any(r.generator_id == gid for r in g.rollouts):
+                del self.complete[wid]
+                self._partial[wid] = {r.sample_index: r for r in g.rollouts}
+        for wid, part in list(self._partial.items()):
+            mine = sorted(i for i, r in part.items() if r.generator_id == gid)
+            if not mine:
+                continue
+            voided += [part.pop(i) for i in mine]
+            if not part:
+                del self._partial[wid]
+            self.ledger.reopen(wid, mine)
+            self.dispatcher.queue_redispatch([Redispatch(wid, self.n, tuple(mine))])
+        for r in voided:
+            self.restored.discard(r.rollout_id)
+        if voided and self.void is not None:
+            self.void([{"rollout_id": r.rollout_id, "reason": "banned"} for r in voided])
+        self.counts["voided_banned"] += len(voided)
+        return len(voided)
 
     # -- selecting -----------------------------------------------------------------------------
     def select(self, version: int, k: int) -> list[Group] | None:
         """k complete groups trainable at ``version`` (oldest version, then oldest
         completion first), or None.
 
-        Under policy "drop", complete groups holding a rollout staler than the bound are
-        dropped first (settled in the ledger, counted); their prompts are not re-generated.
+        Under policy "drop", a complete group holding a rollout staler than the bound is
+        generated again first (voided, re-opened in the ledger, re-dispatched, counted): an
+        accepted sample is never dropped, its fresh copy is trained instead.
         """
         for wid in list(self.complete):
             g = self.complete[wid]
@@ -291,13 +332,12 @@ class Intake:
                 continue
             verdicts = [self.gate.check(version, r) for r in g.rollouts]
             if not all(v.accept for v in verdicts):
+                # accepted, never lost: the group is generated again (its copy voided) and
+                # that copy trained; the same for a copy that grew stale in its turn
                 del self.complete[wid]
-                if any(r.rollout_id in self.restored for r in g.rollouts):
-                    self._regenerate(g)  # restored by a resume: never lost, generated again
-                    continue
-                self.counts["groups_dropped_stale"] += 1
-                self.counts["rollouts_dropped_stale"] += len(g.rollouts)
-                self._settle(g)
+                if not any(r.rollout_id in self.restored for r in g.rollouts):
+                    self.counts["groups_regenerated_stale"] += 1
+                self._regenerate(g)
         if len(self.complete) < k:
             return None
         out = []

@@ -38,6 +38,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pipeline.core import faults
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import counter_of, work_id_of
 from pipeline.core.ledger import InFlightLedger
@@ -67,6 +68,9 @@ def pipeline_state(c: Coordinator) -> dict[str, Any]:
 
 def save(c: Coordinator, keep: int) -> Path:
     """Checkpoint now (the trainer's layout; it stores the pipeline state with its own)."""
+    name = f"step_{c.step:08d}"  # the crash tests' kill -9 mid-checkpoint (learner.checkpoint)
+    root = c.run_dir / "checkpoints"
+    faults.kill_while_writing("checkpoint", c.step, root / f".tmp-{name}", root / name)
     path = c.trainer.save(c.run_dir, pipeline_state(c), keep)
     log.info("checkpoint %s", path)
     return path
@@ -74,6 +78,29 @@ def save(c: Coordinator, keep: int) -> Path:
 
 def latest_checkpoint(c: Coordinator) -> Path | None:
     return c.trainer.latest(c.run_dir)
+
+
+def rewind_metrics(path: Path, step: int) -> int:
+    """Resume: metrics.jsonl keeps one row per step up to the checkpoint's ``step`` (the last
+    copy of a step's row: an eval result re-logs it); rows of steps the killed learner took
+    after the checkpoint go, since those steps are taken again. Rewritten in place, so a
+    writer that has the file open for appending keeps appending to it. Returns rows dropped."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows: dict[int, str] = {}
+    for line in lines:
+        try:
+            s = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by the kill
+        if s <= step:
+            rows[s] = line
+    kept = [rows[s] for s in sorted(rows)]
+    with open(path, "r+", encoding="utf-8") as f:
+        f.truncate(0)
+        f.write("".join(x + "\n" for x in kept))
+    return len(lines) - len(kept)
 
 
 def _max_published(run_dir: Path) -> int:

@@ -28,6 +28,13 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
 - [weight_version]  weight_version (and every token version) in
   [the WorkItem's min_weight_version, the learner's current version].
 
+After training (the trainer measures each rollout's log-probs in the step that trains it):
+
+- [logp_mismatch]   max over tokens of |learner log-prob - claimed behaviour log-prob| <=
+  ``logp_bound(numerics, staleness)``: in ``exact`` numerics 0 at staleness 0 (generator and
+  learner agree bit for bit, so any difference proves a lie), in ``fast`` ``LOGP_BOUND_FAST``;
+  plus ``LOGP_DRIFT_PER_VERSION`` per version of staleness (the policy moved meanwhile).
+
 A NaN or infinite reward is not a refusal: it is a failed reward (reward None, the error in
 ``reward_info``), which intake handles as every failed reward (the worst of its group).
 """
@@ -57,7 +64,33 @@ REASONS = (
     "logprob",
     "reward_bound",
     "weight_version",
+    "logp_mismatch",
 )
+# The behaviour log-prob check (rule logp_mismatch), nats per token (max over the rollout).
+# fast numerics, staleness 0: measured max 9.5e-7 (tiny Huginn, fp32 on CPU, vLLM vs megatron,
+# tests/pipeline/test_resume_kill.py); the bound leaves three decades for other kernels.
+LOGP_BOUND_FAST = 1e-3
+# per version of staleness: one update of the test runs' learning rate moved a sampled token's
+# log-prob by up to 0.94 nats (same run); a claim of -40 per token is ~35 nats away.
+LOGP_DRIFT_PER_VERSION = 4.0
+
+
+def logp_bound(numerics: str, staleness: int) -> float:
+    """The largest honest |learner - behaviour| log-prob of one token (rule logp_mismatch)."""
+    base = 0.0 if numerics == "exact" else LOGP_BOUND_FAST
+    return base + max(staleness, 0) * LOGP_DRIFT_PER_VERSION
+
+
+def check_logp(mismatch: float, *, numerics: str, staleness: int) -> Refusal | None:
+    """Rule logp_mismatch for one trained rollout (``mismatch``: the trainer's max
+    |learner - behaviour| over its tokens; negative or NaN: not measured, not judged)."""
+    if not mismatch >= 0.0:
+        return None
+    bound = logp_bound(numerics, staleness)
+    if mismatch <= bound:
+        return None
+    return Refusal("logp_mismatch", f"claimed log-probs {mismatch:.3g} nats from the learner's "
+                   f"(bound {bound:.3g}: numerics {numerics}, staleness {staleness})")  # fmt: skip
 
 
 @dataclass(frozen=True)

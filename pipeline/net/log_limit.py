@@ -15,6 +15,31 @@ from collections.abc import Callable
 from typing import Any
 
 
+class Throttle:
+    """At most one ``allow(key)`` True per ``interval_s`` per key (Hellos per generator id,
+    claim warnings); ``reset(key)`` forgets one. At most ``max_keys`` keys are remembered (the
+    oldest forgotten first), which can only let one through early."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float], *,
+                 max_keys: int = 4096) -> None:  # fmt: skip
+        self.interval_s, self.clock, self.max_keys = interval_s, clock, max_keys
+        self._last: dict[str, float] = {}
+
+    def allow(self, key: str) -> bool:
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            return False
+        self._last.pop(key, None)
+        self._last[key] = now
+        while len(self._last) > self.max_keys:
+            del self._last[next(iter(self._last))]
+        return True
+
+    def reset(self, key: str) -> None:
+        self._last.pop(key, None)
+
+
 class RateLimitedLog:
     def __init__(
         self,
