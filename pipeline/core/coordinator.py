@@ -68,7 +68,8 @@ from proto import (
 
 log = logging.getLogger(__name__)
 VOIDED_NAME = "voided.jsonl"
-HELLO_INTERVAL_S = 1.0  # a generator process's repeated Hellos are answered once per interval
+HELLO_INTERVAL_S = 1.0  # a generator id's Hellos are answered once per interval
+MAX_WORK_TIMEOUTS = 3  # a generator whose work is taken back this often is banned
 StepCallback = Callable[[dict[str, Any]], None]
 
 
@@ -215,20 +216,18 @@ class Coordinator:
         return -1
 
     def _hello(self, peer: str, rec: Hello) -> None:
-        """Hello: a new process under ``peer`` joins (its old work released); the same process
-        again (a reconnect, or the Hellos it queued while the learner was down) is answered
-        once per ``HELLO_INTERVAL_S``, keeps its work and its weight transfer (a repeated
+        """Hello, answered once per ``HELLO_INTERVAL_S`` per generator id (the rest counted,
+        not logged): a new process under ``peer`` joins (its old work released); the same
+        process again (a reconnect, or the Hellos it queued while the learner was down) keeps
+        its work and its weight transfer (a repeated
         Hello used to restart the transfer of a version it was loading: "version 9 is not
         newer than 9"), and is logged at DEBUG."""
         d, ep = self.dispatcher, self.endpoint
         inc = (rec.pid, rec.started_at)
         same = d.incarnation(peer) == inc
-        if same and not self._throttle.allow(f"hello:{peer}"):
-            self.intake.counts["hellos_throttled"] += 1
+        if not self._throttle.allow(f"hello:{peer}"):  # a new "process" every Hello included:
+            self.intake.counts["hellos_throttled"] += 1  # its work is released once per interval
             return
-        if not same:
-            self._throttle.reset(f"hello:{peer}")
-            self._throttle.allow(f"hello:{peer}")
         v = self._claimed(peer, rec.weight_version, "Hello")
         if same:
             log.debug("generator %s said Hello again (serving v%d)", peer, v)
@@ -287,6 +286,10 @@ class Coordinator:
             self._gone(gid, "heartbeat expired")
         if self.cfg.intake.work_timeout_s:
             self.dispatcher.overdue(self.cfg.intake.work_timeout_s)
+            for gid, k in list(self.dispatcher.timeouts.items()):
+                if k >= MAX_WORK_TIMEOUTS and gid not in self.banned:  # swallows work
+                    self.ban(gid, f"held work past intake.work_timeout_s="
+                             f"{self.cfg.intake.work_timeout_s:g} s without answering {k} times")  # fmt: skip
         for gid in list(self.publisher.generators()):
             if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
                 self._gone(gid, "refused the current weights too often")

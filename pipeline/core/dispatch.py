@@ -33,7 +33,7 @@ import heapq
 import logging
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +152,7 @@ class Dispatcher:
         self.evals = evals  # evaluation rounds (eval.every > 0): their items go out first
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
+        self.timeouts: Counter[str] = Counter()  # generator -> work_timeout_s releases
         self._seq = 0  # items issued (work and evaluation): orders ties between generators
 
     # -- generators ----------------------------------------------------------------------------
@@ -219,11 +220,13 @@ class Dispatcher:
 
     def overdue(self, timeout_s: float) -> int:
         """Work held longer than ``timeout_s`` without an answer (a generator that accepts
-        work and never delivers): released for re-dispatch elsewhere; returns samples."""
+        work and never delivers): released for re-dispatch elsewhere; returns samples. Each
+        such release counts one timeout against the generator (``timeouts``)."""
         now, n = self.clock(), 0
         for gid, g in list(self._gens.items()):
             late = [w for w in g.pending if now - g.issued_at.get(w, now) > timeout_s]
             if late:
+                self.timeouts[gid] += 1
                 log.warning("generator %s held %s for over %.0f s: dispatched again elsewhere",
                             gid, late, timeout_s)  # fmt: skip
                 for w in late:
