@@ -18,20 +18,53 @@ serves the round's version (``min_weight_version`` = v) or is sent again; each (
 sample) counts once (late duplicates are acknowledged and ignored). Accuracy is pass@1 (the
 first sample of each prompt) and mean@n (all samples), with the task reward's ``correct``
 (`correct_of` below).
+
+A generator's own score is not believed: with ``rescore`` (``reward_rescorer``: the run's
+reward on the completion's tokens and text, decoded with the model's tokenizer, on the
+learner) every eval rollout is scored again and that score counts; a claim that differs is
+counted per generator (``counts["rescored_differ"]``, ``lied``) and logged (rate-limited).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
+from generator.reward_runner import RewardRunner
 from models.noise import derive_latent_seed
+from pipeline.net.log_limit import RateLimitedLog
 from proto import Ack, Nack, Rollout, WorkItem
+
+log = logging.getLogger(__name__)
+Rescore = Callable[[list[int], dict[str, Any]], tuple[float | None, dict[str, Any]]]
+"""(completion tokens, the item's task) -> (reward or None on failure, reward info)."""
+
+
+def reward_rescorer(reward: str, model_dir: Path, timeout_s: float = 30.0) -> Rescore:
+    """The run's reward (``task.reward``) computed on the learner: the text is decoded from the
+    tokens with ``model_dir``/tokenizer.json as a looprl generator decodes it (empty without
+    one), the call runs in a thread with ``timeout_s`` (generator.reward_runner)."""
+    path = model_dir / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path)) if path.is_file() else None
+    runner = RewardRunner(reward, timeout_s=timeout_s, workers=1, mode="thread")
+
+    def score(tokens: list[int], task: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+        text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+        res = runner.score_many([(text, tokens, dict(task))])[0]
+        return res.reward, dict(res.info)
+
+    return score
+
 
 EvalDoor = Callable[[str, Rollout, WorkItem], tuple[Rollout, Any, str | None]]
 """(generator, rollout, its eval item) -> (the rollout as the door sees it, refusal or None,
@@ -77,6 +110,7 @@ class EvalRounds:
         last_step: int,
         on_result: Callable[[int, dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
+        rescore: Rescore | None = None,
     ) -> None:
         self.prompts, self.n, self.temperature = list(prompts), n, temperature
         self.max_tokens, self.stop_ids, self.stop = max_tokens, list(stop_token_ids), list(stop)
@@ -85,7 +119,11 @@ class EvalRounds:
         self.rounds: dict[int, _Round] = {}
         self.queue: deque[WorkItem] = deque()
         self.held: dict[str, dict[str, WorkItem]] = {}  # generator -> work id -> item
-        self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0, "refused": 0}
+        self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0, "refused": 0,
+                       "rescored_differ": 0}  # fmt: skip
+        self.rescore = rescore  # the learner's own score of each eval completion, if set
+        self.lied: Counter[str] = Counter()  # generator -> eval scores that differed from ours
+        self._warn = RateLimitedLog(log, 30.0, clock)
 
     def due(self, step: int) -> bool:
         """After step ``step``: every ``every`` steps and the last one (the run starts a round
@@ -159,6 +197,8 @@ class EvalRounds:
                 self.release(gid, [ro.work_id])
                 continue
             acks.append(Ack("rollout", ro.rollout_id))
+            if self.rescore is not None:
+                ro = self._rescored(gid, ro, item)
             seeds = [int(s) for s in item.latent_seeds]
             idx = seeds.index(int(ro.latent_seed)) if int(ro.latent_seed) in seeds else -1
             got = rd.results.setdefault(ro.work_id, {})
@@ -174,6 +214,29 @@ class EvalRounds:
                 rd.reported = True
                 self.on_result(rd.step, self._metrics(rd))
         return acks, ban
+
+    def _rescored(self, gid: str, ro: Rollout, item: WorkItem) -> Rollout:
+        """``ro`` with the learner's score; a claim that differs is counted against ``gid``."""
+        assert self.rescore is not None
+        reward, info = self.rescore([int(t) for t in ro.tokens], dict(item.task))
+        claimed = ro.reward
+        differ = (
+            claimed is not None
+            and reward is not None
+            and (  # a failure is no claim
+                not math.isclose(claimed, reward, rel_tol=1e-6, abs_tol=1e-9)
+                or correct_of(claimed, dict(ro.reward_info)) != correct_of(reward, info)
+            )
+        )
+        if differ:
+            self.counts["rescored_differ"] += 1
+            self.lied[gid] += 1
+            self._warn.warn(gid, "eval_reward", "generator %s: eval rollout %s claims reward %r "
+                            "(correct %s); the learner scores it %r (correct %s): the learner's "
+                            "score counts", gid, ro.rollout_id, claimed,
+                            correct_of(claimed, dict(ro.reward_info)), reward,
+                            correct_of(reward, info))  # fmt: skip
+        return dataclasses.replace(ro, reward=reward, reward_info=info)
 
     def _metrics(self, rd: _Round) -> dict[str, Any]:
         first, every_sample, rewards = [], [], []

@@ -100,3 +100,43 @@ def test_the_bound_follows_the_numerics_mode(tmp_path: Path, numerics: str) -> N
         assert "off" in c.banned and refused >= 3 and "g0" not in c.banned
     else:
         assert not c.banned and refused == 0
+
+
+class Boaster(FakeGenerator):
+    """Claims a perfect score for every eval completion it sends."""
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        r = super()._rollout(item, i, seed, version)
+        return dataclasses.replace(r, reward=1.0, reward_info={"correct": True})
+
+
+def test_eval_rewards_are_scored_again_on_the_learner(tmp_path: Path) -> None:
+    """eval/accuracy is the learner's score of the completions (the run's reward on their
+    tokens), not the generator's claim: a generator claiming every answer correct gets the
+    accuracy its tokens earn (0: it answers [5, 6] to count-on prompts)."""
+    from generator.rewards import synthetic_task_prompts
+    from pipeline.core.dispatch import Prompt
+    from pipeline.core.eval_rounds import EvalRounds, reward_rescorer
+
+    results: list[tuple[int, dict]] = []
+    prompts = [Prompt(f"q{i}", toks, task)
+               for i, (toks, task) in enumerate(synthetic_task_prompts(4, seed=0))]  # fmt: skip
+    rounds = EvalRounds(prompts, n=2, temperature=0.0, max_tokens=8, stop_token_ids=[],
+                        run_seed=0, every=2, last_step=2,
+                        on_result=lambda s, m: results.append((s, m)),
+                        rescore=reward_rescorer("synthetic", tmp_path))  # fmt: skip
+    c, net, _ = make_coordinator(tmp_path, [], evals=rounds)
+    rounds.start(0, 0)
+    gens = [Boaster(net, "boaster", seed=1)]
+    drive(c, gens, 2)
+    for _ in range(200):
+        if not rounds.pending():
+            break
+        c.turn(0.0)
+        for g in gens:
+            g.step()
+    c.close()
+    assert [s for s, _ in results] == [0, 2]
+    for _, m in results:
+        assert m["eval/accuracy"] == 0.0 and m["eval/mean@n"] == 0.0 and m["eval/reward_mean"] < 1
+    assert rounds.counts["rescored_differ"] == rounds.lied["boaster"] == 2 * 4 * 2
