@@ -20,9 +20,9 @@ the coordinator process's RSS growth, steps done.
 Weights (``--weights``): the time from announcing one version to every generator's ack, for
 each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
-checks the canonical digest as generator.engine.load_weights does: load_checkpoint, then
-canonical_digest) and "collective" (gloo from the learner to all N,
-pipeline.net.weight_collective, pipelined in ``--collective-chunk-mb`` pieces, 0: one
+checks the digest as generator.engine.load_weights does: load_checkpoint, then
+digest_of_state of the announced kind) and "collective" (gloo from the learner to all N,
+models.weights.collective_learner, pipelined in ``--collective-chunk-mb`` pieces, 0: one
 broadcast; each generator
 checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
 simulated generator is a process of its own (``--sim processes``, the default: a real
@@ -61,19 +61,19 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from generator.weights_collective import CollectiveWeightSink  # noqa: E402
 from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from models.collective import DEFAULT_PIPE_BYTES  # noqa: E402
-from models.digest import canonical_digest  # noqa: E402
-from models.publication import Publication  # noqa: E402
+from models.weights.chunked import WeightReceiver  # noqa: E402
+from models.weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402
+from models.weights.collective_generator import CollectiveWeightSink  # noqa: E402
+from models.weights.collective_learner import CollectivePublisher  # noqa: E402
+from models.weights.digest import digest_of_state  # noqa: E402
+from models.weights.publication import Publication  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
 from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402
 from pipeline.core.validation import ModelLimits  # noqa: E402
 from pipeline.net.transport import TransportConfig  # noqa: E402
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
-from pipeline.net.weight_collective import CollectivePublisher  # noqa: E402
-from pipeline.net.weight_sync import WeightReceiver  # noqa: E402
 from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
 
 # --peer-timeout-s reaches the spawned simulated generators through the environment
@@ -183,7 +183,8 @@ def _turn(g: dict[str, Any], gen_s: float, tokens: int, check_digest: bool,
                 ann = ready.announce
                 if check_digest and ann.path and not getattr(ready, "blob", b""):  # on disk
                     # what generator.engine.load_weights does with a directory before serving
-                    if canonical_digest(load_checkpoint(ann.path)[1]) != ann.digest:
+                    kind, chunk = ann.digest_kind, ann.digest_chunk_bytes
+                    if digest_of_state(load_checkpoint(ann.path)[1], kind, chunk) != ann.digest:
                         raise RuntimeError(f"{g['gid']}: digest mismatch v{ann.version}")
                 g["v"] = ready.version
                 g["rx"].loaded(ready.version)

@@ -5,7 +5,7 @@ Order of calls (one thread; `load_weights` may also come from another thread):
     engine = LoopedEngine(model_dir, numerics="exact", exit_policy=KL(0.1))
     samples = engine.generate(work_items)          # [item][sample] -> Sample
     rollouts = to_rollouts(item, samples[i], generator_id)
-    engine.load_weights(state_or_dir, version=v, digest=d)   # verify, then swap in place
+    engine.load_weights(source, version=v, digest=d)   # verify (or trust), then swap in place
 
 One vLLM request per sample (each has its own latent seed, `extra_args["latent_seed"]`).
 Per-token exit depths, behaviour log-probs (DESIGN contract 4, the plugin's own
@@ -21,8 +21,11 @@ prefill with `Generator.set_offset`, which CPU generators reject ("CPU Generator
 offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
 Replay does not need the sampler's randomness (only tokens, seeds and depths).
 
-Weights: `load_weights` checks `canonical_digest` before anything is loaded (for a received
-blob, a `DigestedState`, the digest its receiver computed on the same bytes); a mismatch raises
+Weights: `load_weights` trusts a `models.weights.verified.VerifiedWeights` (its receiver checked
+the digest on those very bytes, piece by piece; only its announced digest is compared) and
+hashes only what it reads itself (`models.weights.verified.read_weights`): an `OnDisk`
+directory (with the announce's digest kind), any other directory or mapping (the flat kind,
+`canonical_digest`). A mismatch raises
 `WeightDigestError` and the engine keeps serving the old version. By default a swap waits
 until no request is in flight (a lock around generate); with `inflight_updates=True` it is
 applied between two engine steps of a running `generate`, and each token records the version
@@ -59,8 +62,9 @@ from generator.plugin import ARCHITECTURES
 from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_settings import PluginSettings, settings_to_dict
-from models.digest import DigestedState, canonical_digest, state_digest
 from models.exits import ExitPolicy
+from models.weights.digest import canonical_digest
+from models.weights.verified import read_weights
 from proto.records import Rollout, WorkItem
 
 
@@ -131,16 +135,6 @@ def _reprocess_shared(model: torch.nn.Module) -> None:
                 continue
             method.process_weights_after_loading(module)
             done.add(id(module))
-
-
-def _read_state(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    if isinstance(source, DigestedState):
-        return source
-    if isinstance(source, Mapping):
-        return dict(source)
-    from models.checkpoint import load_checkpoint
-
-    return load_checkpoint(source)[1]
 
 
 def resolve_dtype(dtype: str, hf_config: dict[str, Any], *, cpu: bool, numerics: str) -> str:
@@ -259,13 +253,12 @@ class LoopedEngine:
         version: int,
         digest: str,
     ) -> None:
-        """Verify `digest` (`canonical_digest`) of `source` (a checkpoint directory or a state
-        dict of HF-named tensors), then serve it as `version` (see module doc)."""
+        """Verify `digest` of `source` (VerifiedWeights: trusted; a checkpoint directory or a
+        state dict of HF-named tensors: hashed), then serve it as `version` (see module doc)."""
         self._check_usable()
         if version <= self.weight_version:
             raise ValueError(f"version {version} is not newer than {self.weight_version}")
-        state = _read_state(source)
-        got = state_digest(state)  # a received blob's: checked by its receiver on these bytes
+        state, got = read_weights(source)
         if got != digest:
             raise WeightDigestError(
                 f"weights v{version}: digest {got} does not match the announced {digest}; "

@@ -39,17 +39,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from generator.protocols import (
-    Connection,
-    Engine,
-    Lane,
-    OnDisk,
-    ToRollouts,
-    WeightSink,
-    make_hello,
-    weights_source,
-)
+from generator.protocols import Connection, Engine, Lane, ToRollouts, make_hello
 from generator.reward_runner import RewardRunner
+from models.weights.verified import OnDisk, WeightSink
 from proto import (
     Ack,
     ErrorMsg,
@@ -321,7 +313,8 @@ class GeneratorLoop:
             self._maybe_start_batch()
 
     def _load_weights(self, ready: Any) -> int:
-        self.engine.load_weights(weights_source(ready), ready.version, ready.announce.digest)
+        # VerifiedWeights: checked by its receiver (trusted); OnDisk: the engine checks its files
+        self.engine.load_weights(ready, ready.version, ready.digest)
         return self.engine.weight_version
 
     def _weights_done(self, version: int, exc: BaseException | None) -> None:

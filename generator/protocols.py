@@ -1,10 +1,10 @@
-"""The generator's collaborators, as structural types: connection, engine, weight sink.
+"""The generator's collaborators, as structural types: connection and engine.
 
 generator/ never imports pipeline/; these Protocols are what generator.loop needs, written so
-that pipeline.net.transport.GeneratorConnection and pipeline.net.weight_sync.WeightReceiver satisfy
-them as they are, and generator.engine.LoopedEngine (or a fake in tests) is the Engine.
-Helpers: the Hello a generator introduces itself with, the weights handed to the engine, and
-the one-thread work lane that keeps engine calls in order.
+that pipeline.net.transport.GeneratorConnection satisfies them as it is, and
+generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight sink and what it
+hands the engine (VerifiedWeights, OnDisk) are models.weights.verified's. Helpers: the Hello a
+generator introduces itself with and the one-thread work lane that keeps engine calls in order.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Literal, Protocol
 
-from proto import Hello, Rollout, WeightAnnounce, WorkItem
+from proto import Hello, Rollout, WorkItem
 
 Channel = Literal["control", "weights"]
 ToRollouts = Callable[[WorkItem, list[Any], str], list[Rollout]]
@@ -52,29 +51,14 @@ class Connection(Protocol):
 
 
 class Engine(Protocol):
-    """The sampling engine (generator.engine.LoopedEngine); called from one thread only."""
+    """The sampling engine (generator.engine.LoopedEngine); called from one thread only.
+    ``load_weights`` gets a models.weights.verified.VerifiedWeights (trusted: checked by its
+    receiver) or OnDisk (the engine checks the files it reads), with its version and digest."""
 
     @property
     def weight_version(self) -> int: ...
     def generate(self, items: list[WorkItem]) -> list[list[Any]]: ...
     def load_weights(self, source: Any, version: int, digest: str) -> None: ...
-
-
-class Verified(Protocol):
-    """A digest-checked weight set (pipeline.net.weight_sync.VerifiedWeights)."""
-
-    @property
-    def announce(self) -> WeightAnnounce: ...
-    @property
-    def version(self) -> int: ...
-
-
-class WeightSink(Protocol):
-    """Assembles weight chunks (pipeline.net.weight_sync.WeightReceiver); replies go out itself."""
-
-    def handle(self, rec: Any) -> Verified | None: ...
-    def loaded(self, version: int) -> None: ...
-    def load_failed(self, version: int, reason: str) -> None: ...
 
 
 def make_hello(
@@ -85,34 +69,6 @@ def make_hello(
         generator_id, socket.gethostname(), os.getpid(), list(families), max_inflight,
         weight_version, time.time(),
     )  # fmt: skip
-
-
-def weights_source(ready: Any) -> Any:
-    """What engine.load_weights receives for a verified set: {name: tensor} views of the blob
-    (torch imported lazily) as a ``DigestedState`` carrying the digest the receiver checked
-    on these very bytes (the engine does not hash them again), or the announce's path when the
-    set holds no bytes (the engine hashes what it reads)."""
-    ann: WeightAnnounce = ready.announce
-    blob = getattr(ready, "blob", None)
-    if not blob:
-        return ann.path
-    import torch
-
-    from models.digest import DigestedState
-
-    state = {}
-    for t in ann.tensors:
-        dtype = getattr(torch, t.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"weights v{ann.version}: tensor {t.name} has unknown dtype {t.dtype}")
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        if numel * dtype.itemsize != t.nbytes:
-            raise ValueError(f"weights v{ann.version}: tensor {t.name} size != shape x dtype")
-        flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=t.offset) if numel else None
-        state[t.name] = torch.empty(t.shape, dtype=dtype) if flat is None else flat.view(t.shape)
-    return DigestedState(state, ann.digest)
 
 
 class Lane:
@@ -147,14 +103,3 @@ class Lane:
     def close(self) -> None:
         if not self.inline:
             self._q.put(None)
-
-
-@dataclass(frozen=True)
-class OnDisk:
-    """Weights announced as a directory (no chunks): loaded from ``announce.path``."""
-
-    announce: WeightAnnounce
-
-    @property
-    def version(self) -> int:
-        return self.announce.version

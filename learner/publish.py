@@ -2,11 +2,14 @@
 
 Order of calls (every rank calls; ranks outside data-parallel rank 0 return None at once):
 
-    out = models.publication.weights_dir(run_dir, v)    # the coordinator names the directory
+    out = models.weights.publication.weights_dir(run_dir, v)   # the coordinator names it
     pub = publish(trainer.policy_model, out, v, dtype=torch.bfloat16)
     if pub is not None:                                  # global rank 0 (the coordinator)
         ann = pub.announce(chunk_bytes)                  # proto.WeightAnnounce
-        publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), ...)
+        publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), digest=pub.digests, ...)
+
+This module is the learner's part only (the TP gather and the cast); the publication itself
+(blob, digest, manifest, the directory's name) is models.weights.publication's.
 
 What is published, for weight version v:
 
@@ -18,11 +21,11 @@ What is published, for weight version v:
    as `save_pretrained` does: on disk, in the blob and in the digest alike;
 4. on global rank 0: `out_dir` (the run's `RUN_DIR/weights/v<v>`) written atomically by
    `models.checkpoint.save_checkpoint` (config.json, model.safetensors, manifest.json);
-   manifest.json = {"format", "version", "digest", "tied", "tensors": [{name, dtype, shape,
-   offset, nbytes, sha256}]}; the digest is `models.digest.canonical_digest` of the stored
-   tensors (= `digest_from_blob(blob, tensors)`);
-5. the same tensors as one contiguous blob + per-tensor metadata (`models.digest`) for the
-   chunked ZMQ broadcast (proto WeightAnnounce / WeightChunk).
+   manifest.json = `Publication.manifest()`: {"format", "version", "digest", "digest_kind",
+   "digest_chunk_bytes", "tied", "tensors": [{name, dtype, shape, offset, nbytes, sha256}]};
+   the digest is the tree digest (models.weights.digest) of the stored tensors' blob;
+5. the same tensors as one contiguous blob + per-tensor metadata (`models.weights.digest`)
+   for the transports (models.weights.chunked, models.weights.collective_learner).
 
 Non-finite weights are never published: `publication_state` checks every stored tensor after
 the cast (a finite fp32 value can overflow bf16) and raises `NonFiniteWeightsError` naming the
@@ -33,7 +36,6 @@ the other DP ranks return None as always.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,11 +44,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.checkpoint import json_bytes, load_checkpoint, save_checkpoint
-from models.digest import blob_and_meta, canonical_digest, check_finite, digest_from_blob
+from models.checkpoint import json_bytes, save_checkpoint
 from models.errors import NonFiniteWeightsError
-from models.publication import Publication
 from models.ties import view_key
+from models.weights.digest import check_finite
+from models.weights.publication import (
+    MANIFEST_NAME,
+    Publication,
+    read_manifest,
+    verify_publication,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -62,9 +69,6 @@ __all__ = [
     "tie_map",
     "verify_publication",
 ]
-
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "looprl-weights/1"
 
 Exporter = Callable[[nn.Module], tuple[dict[str, Tensor], set[str]]]
 """model -> (full HF state dict on every rank of the TP group, names that are buffers).
@@ -167,41 +171,11 @@ def publish(
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     config_dict = _config_dict(model, config)
-    blob, tensors = blob_and_meta(stored)
-    digest = digest_from_blob(blob, tensors)
-    path = None
-    if out_dir is not None:
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "version": version,
-            "digest": digest,
-            "tied": dict(sorted(tied.items())),
-            "tensors": tensors,
-        }
-        path = Path(out_dir)
-        save_checkpoint(stored, config_dict, path, tied=tied, extra_files={MANIFEST_NAME: manifest})
+    path = None if out_dir is None else Path(out_dir)
     config_json = json_bytes(config_dict).decode("utf-8")
-    return Publication(version, digest, path, blob, tensors, tied, config_json)
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest.json of a published weights directory."""
-    manifest: dict[str, Any] = json.loads((Path(path) / MANIFEST_NAME).read_text("utf-8"))
-    return manifest
-
-
-def verify_publication(path: str | os.PathLike) -> str:
-    """Recompute the digest of a published directory from its safetensors; ValueError unless
-    it equals the manifest's digest (and each tensor its sha256). Returns the digest."""
-    manifest = read_manifest(path)
-    _, state = load_checkpoint(path)
-    digest = canonical_digest(state)
-    if digest != manifest["digest"]:
-        raise ValueError(f"{path}: digest {digest} != manifest {manifest['digest']}")
-    blob, tensors = blob_and_meta(state)
-    want = {t["name"]: t["sha256"] for t in manifest["tensors"]}
-    got = {t["name"]: t["sha256"] for t in tensors}
-    if want != got:
-        bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
-        raise ValueError(f"{path}: per-tensor sha256 differ from the manifest: {bad}")
-    return digest
+    pub = Publication.of_state(stored, version, path, tied=tied, config_json=config_json,
+                               checked=True)  # fmt: skip
+    if path is not None:
+        save_checkpoint(stored, config_dict, path, tied=tied,
+                        extra_files={MANIFEST_NAME: pub.manifest()})  # fmt: skip
+    return pub

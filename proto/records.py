@@ -243,6 +243,13 @@ class RolloutBatch:
     rollouts: list[Rollout] = field(default_factory=list)
 
 
+DIGEST_FLAT = "sha256"
+"""Digest kind of the runs before protocol 1.3: one sha256 over every tensor's header and bytes."""
+DIGEST_TREE = "sha256-tree"
+"""sha256 over the ordered sha256 of fixed-size pieces (DESIGN contract 6; models.weights.digest)."""
+DIGEST_KINDS = ("", DIGEST_FLAT, DIGEST_TREE)
+
+
 @dataclass
 class TensorMeta:
     """One tensor of a published weight set (inside WeightAnnounce).
@@ -268,8 +275,8 @@ record("tensor_meta")(TensorMeta)
 class WeightAnnounce:
     """learner -> generators: weight version ``version`` is available.
 
-    digest: sha256 hex over the canonical tensor bytes (DESIGN contract 6; models/ defines
-      the canonical order). total_bytes: size of the concatenated blob.
+    digest: sha256 hex over the canonical tensor bytes (DESIGN contract 6; models.weights.digest
+      defines the layout). total_bytes: size of the concatenated blob.
     chunk_bytes, num_chunks: how the blob is split into WeightChunk messages (0 chunks when
       the weights are only on disk). path: directory of the HF-layout publication, or "".
     tensors: per-tensor layout inside the blob. config_json: the HF config.json text.
@@ -280,6 +287,10 @@ class WeightAnnounce:
       ``timeout_s`` the bound of each wait (s); optional ``chunk_bytes`` (int >= 0, 0 when
       absent): the piece size of a pipelined delivery (models.collective.deliver), 0 one whole
       broadcast. No chunks and no path then.
+    digest_kind (protocol 1.3; "" when absent = "sha256", the one sha256 over every byte of the
+      runs before): "sha256-tree" = sha256 over the ordered sha256 of the ``digest_chunk_bytes``
+      pieces of the blob (models.weights.digest). chunk_digests: those per-piece sha256 hex, in
+      order (tree kind; may be empty), so a receiver checks each piece as it arrives.
     """
 
     version: int
@@ -292,9 +303,25 @@ class WeightAnnounce:
     config_json: str = ""
     created_at: float = 0.0
     collective: dict[str, Scalar] = field(default_factory=dict)
+    digest_kind: str = ""
+    digest_chunk_bytes: int = 0
+    chunk_digests: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         w = f"weights v{self.version}"
+        _need(self.digest_kind in DIGEST_KINDS, f"{w}: digest_kind must be one of {DIGEST_KINDS}")
+        if self.digest_kind == DIGEST_TREE:
+            _need(
+                self.digest_chunk_bytes > 0,
+                f"{w}: a {DIGEST_TREE} digest needs digest_chunk_bytes > 0",
+            )
+            want = -(-self.total_bytes // self.digest_chunk_bytes)
+            _need(not self.chunk_digests or len(self.chunk_digests) == want,
+                  f"{w}: {len(self.chunk_digests)} chunk_digests, {want} expected")  # fmt: skip
+            _need(all(len(h) == 64 for h in self.chunk_digests),
+                  f"{w}: chunk_digests must be 64 hex chars each")  # fmt: skip
+        else:
+            _need(not self.chunk_digests, f"{w}: chunk_digests need digest_kind {DIGEST_TREE}")
         _need(self.version >= 0, f"{w}: version must be >= 0")
         _need(len(self.digest) == 64, f"{w}: digest must be 64 hex chars (sha256)")
         _need(self.total_bytes >= 0 and self.chunk_bytes >= 0, f"{w}: sizes must be >= 0")
@@ -333,7 +360,7 @@ class WeightChunk:
     """learner -> generators: bytes [offset, offset+len(data)) of weight blob ``version``.
 
     index: chunk number (0-based). crc32: zlib.crc32 of data, to fail fast per chunk
-    (the version digest is still checked over the whole set before serving).
+    (the version digest is still checked before serving: per piece for a tree digest).
     """
 
     version: int

@@ -10,7 +10,7 @@ from __future__ import annotations
 from proto.errors import ProtocolError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective
+PROTOCOL_MINOR = 3  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 

@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode digest
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -81,6 +81,10 @@ if has decode; then  # the reference engine's decode step in a CUDA graph vs eag
         -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 10
     timeout "${T_DECODE:-200}" "$PY" benchmarks/decode_graph.py 2>"$LOG/decode.err" |
         tee "$LOG/decode.json"
+fi
+if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB under 0.5 s)
+    timeout "${T_DIGEST:-240}" "$PY" benchmarks/digest.py --sizes-gib 1,6.52,7 \
+        --workers 1,4,8,16 2>"$LOG/digest.err" | tee "$LOG/digest.json"
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |

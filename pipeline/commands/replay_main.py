@@ -73,11 +73,13 @@ def replay(stream: Path, out: Path, config: str | None = None,
         raise ConfigError(f"{stream}: {len(missing)} trained rollouts are not in the stream, "
                           f"e.g. {sorted(missing)[:3]}")  # fmt: skip
     live: dict[int, str] = {}
+    kinds: dict[int, tuple[str, int]] = {}  # the recorded digest kind ("": a run before the tree)
     dpath = run_dir / "weights" / "digests.jsonl"
     if dpath.is_file():
         for line in dpath.read_text().splitlines():
             d = json.loads(line)
             live[int(d["version"])] = str(d["digest"])  # a resumed run's later entry wins
+            kinds[int(d["version"])] = (d.get("digest_kind", ""), d.get("digest_chunk_bytes", 0))
     trainer = build_trainer(cfg.backend, cfg, model_dir(cfg, run_dir))
     result: dict[str, Any] = {}
     try:
@@ -86,7 +88,9 @@ def replay(stream: Path, out: Path, config: str | None = None,
             if s.publish is not None:
                 vdir = weights_dir(out, s.publish)
                 pub = trainer.publish(vdir, s.publish)  # the trainer computed its digest once
-                digest = (pub or Publication.from_dir(vdir, s.publish)).digest
+                pub = pub or Publication.from_dir(vdir, s.publish)
+                kind = kinds.get(s.publish, (pub.digest_kind, pub.digest_chunk_bytes))
+                digest = pub.digest_as(*kind)  # the recorded kind: older runs' flat digests too
                 result[str(s.publish)] = [live.get(s.publish), digest]
     finally:
         trainer.close()

@@ -491,11 +491,11 @@ class Coordinator:
         # Write-ahead: a version is in digests.jsonl before any generator can hear of it, so a
         # resume never reuses the number of weights that were announced (pipeline.core.resume).
         with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
-            f.write(json.dumps({"version": v, "digest": pub.digest}) + "\n")
+            f.write(json.dumps(pub.record()) + "\n")  # with its digest kind
         faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
-            path=str(Path(pub.path).resolve()), digest=pub.digest,
+            path=str(Path(pub.path).resolve()), digest=pub.digests,
             chunked=self.cfg.publish.transport != "shared_fs",  # collective keeps the blob too
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest

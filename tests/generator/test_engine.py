@@ -218,14 +218,14 @@ def test_weights_received_by_broadcast_load_through_the_engine(
 ) -> None:
     """publish.transport=collective, generator side: a real tiny checkpoint broadcast over gloo
     (the learner's rank 0 on a thread here), checked by CollectiveWeightSink, then loaded by
-    engine.load_weights exactly as the generator loop does (weights_source), and served. The
-    engine takes the digest the sink computed on those bytes (a DigestedState) instead of
-    hashing them again."""
-    from generator.protocols import weights_source
-    from generator.weights_collective import CollectiveWeightSink
-    from models import collective as coll
-    from models import digest as digest_mod
-    from models.digest import DigestedState, blob_and_meta
+    engine.load_weights exactly as the generator loop does (the sink's VerifiedWeights), and
+    served. The engine trusts the set the sink checked on those bytes instead of hashing them
+    again."""
+    from models.weights import collective as coll
+    from models.weights import digest as digest_mod
+    from models.weights.collective_generator import CollectiveWeightSink
+    from models.weights.digest import blob_and_meta
+    from models.weights.verified import VerifiedWeights
     from proto import TensorMeta, WeightAnnounce
 
     new = setup.weights(seed=3)
@@ -266,8 +266,8 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     t.join(timeout=30)
     assert ready is not None and bytes(ready.blob) == blob and sent == []
     item, before = _greedy(setup)
-    src = weights_source(ready)
-    assert isinstance(src, DigestedState) and src.digest == ann.digest
+    src = ready
+    assert isinstance(src, VerifiedWeights) and src.digest == ann.digest
     assert canonical_digest(dict(src)) == ann.digest  # the views hash to it, by construction
 
     def hashed_again(state: Any) -> str:

@@ -20,8 +20,8 @@ import pytest
 
 from generator.engine import WeightDigestError
 from models.checkpoint import load_checkpoint
-from models.digest import canonical_digest
 from models.init import init_checkpoint
+from models.weights.digest import canonical_digest
 from tests.generator.update_utils import (
     engine,
     flat,

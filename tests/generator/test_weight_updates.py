@@ -17,8 +17,8 @@ import torch
 
 from generator.engine import WeightLoadError
 from models.checkpoint import load_checkpoint, load_model
-from models.digest import canonical_digest
 from models.init import init_checkpoint
+from models.weights.digest import canonical_digest
 from tests.generator.update_utils import (
     engine,
     flat,

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.publish import read_manifest, verify_publication
 from models.checkpoint import load_checkpoint, load_model
-from models.digest import canonical_digest, digest_from_blob, state_from_blob
 from models.reference import ReplayItem, replay
+from models.weights.digest import TREE, digest_of_state, state_from_blob, weights_digest
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import SEED, rollouts_for
 
@@ -44,7 +44,7 @@ def publish_body(run_dir: str) -> dict[str, Any]:
     from learner.replay import replay as mcore_replay
     from learner.trainer import Trainer, looped_policy_spec
     from models.config import tiny_config
-    from models.publication import weights_dir
+    from models.weights.publication import weights_dir
 
     info = init_distributed(tp=2, seed=SEED)
     assert info.tp_size == 2
@@ -87,7 +87,9 @@ def test_manifest_and_digest_match_models_digest(published: list[dict[str, Any]]
         path = Path(pub["path"])
         manifest = read_manifest(path)
         _, state = load_checkpoint(path)
-        assert manifest["digest"] == pub["digest"] == canonical_digest(state)
+        kind, chunk = manifest["digest_kind"], manifest["digest_chunk_bytes"]
+        assert kind == pub["digest_kind"] == TREE and chunk == pub["digest_chunk_bytes"] > 0
+        assert manifest["digest"] == pub["digest"] == digest_of_state(state, kind, chunk)
         assert verify_publication(path) == pub["digest"]
         assert manifest["version"] == pub["version"]
         assert [t["name"] for t in manifest["tensors"]] == sorted(state)
@@ -101,7 +103,7 @@ def test_blob_round_trip_is_bit_exact(published: list[dict[str, Any]]) -> None:
         assert rebuilt.keys() == state.keys()
         for name, t in state.items():
             assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
-        assert digest_from_blob(pub["blob"], pub["tensors"]) == pub["digest"]
+        assert weights_digest(pub["blob"], pub["tensors"]).hex == pub["digest"]
     ann = published[0]["announce"]
     assert ann["digest"] == published[0]["pubs"][0]["digest"]
     assert ann["num_chunks"] == -(-ann["total_bytes"] // 4096)

@@ -1,4 +1,4 @@
-"""models.collective.deliver: the collective transport's pipelined delivery on real gloo groups
+"""models.weights.collective.deliver: the collective transport's pipelined delivery on real gloo groups
 (ranks on threads of this process, a real TCPStore), bit for bit, and its knob's checks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from models import collective as coll
 from models.errors import ConfigError
+from models.weights import collective as coll
 from pipeline.config import load_config
 from proto import WeightAnnounce
 from proto.errors import ProtocolError

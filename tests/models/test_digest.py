@@ -1,23 +1,24 @@
-"""models.digest: the canonical weight digest and the weight blob layout."""
+"""models.weights.digest: the weight digest (tree and flat kinds) and the weight blob layout."""
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Any
 
 import pytest
 import torch
 
-from models.digest import (
-    DigestedState,
+from models.weights import digest as dg
+from models.weights.digest import (
     blob_and_meta,
     canonical_digest,
     digest_from_blob,
-    state_digest,
     state_from_blob,
     tensor_bytes,
 )
-from proto.records import TensorMeta, WeightAnnounce
+from models.weights.verified import VerifiedWeights
+from proto.records import DIGEST_KINDS, TensorMeta, WeightAnnounce
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -109,23 +110,115 @@ def test_blob_round_trip_is_bit_exact() -> None:
     ann.validate()
 
 
-def test_generator_weights_source_carries_the_receivers_digest() -> None:
-    """The views generator.protocols.weights_source builds of a verified blob hash to the
-    digest the receiver checked (digest_from_blob), which state_digest then returns as is."""
-    from types import SimpleNamespace
-
-    from generator.protocols import weights_source
-
+def test_verified_weights_are_views_that_hash_to_the_receivers_digest() -> None:
+    """The views VerifiedWeights builds of a verified blob (the one decoder, state_from_blob
+    without a copy) hash to the digest the receiver checked, which it carries as is."""
     state = _state()
     blob, meta = blob_and_meta(state)
     digest = digest_from_blob(blob, meta)
-    ann = SimpleNamespace(version=1, digest=digest, tensors=[TensorMeta(**m) for m in meta])
-    src = weights_source(SimpleNamespace(announce=ann, blob=bytearray(blob)))
-    assert isinstance(src, DigestedState) and state_digest(src) == digest
+    ann = WeightAnnounce(1, digest, len(blob), 0, 0, [TensorMeta(**m) for m in meta])
+    buf = bytearray(blob)
+    src = VerifiedWeights(ann, buf)
+    assert isinstance(src, VerifiedWeights) and src.digest == digest and src.version == 1
     assert canonical_digest(dict(src)) == digest == canonical_digest(state)
     assert all(torch.equal(src[k], state[k]) for k in state)
-    assert state_digest(dict(src)) == digest  # a plain mapping: hashed
-    assert state_digest(DigestedState(src, "f" * 64)) == "f" * 64  # the receiver's, not hashed
+    buf[meta[-1]["offset"]] ^= 1  # views of the blob, not copies
+    last = meta[-1]["name"]
+    assert not torch.equal(src[last], state[last]) or state[last].numel() == 0
+
+
+def test_tree_digest_documented_layout() -> None:
+    """DESIGN contract 6: sha256 over tag, chunk size, length, the header leaf and the ordered
+    sha256 of fixed-size pieces of the canonical bytes (sorted-name order)."""
+    st = {"w": torch.tensor([[1.0, -2.0]]), "b": torch.arange(3, dtype=torch.int16)}
+    raw = tensor_bytes(st["b"]) + tensor_bytes(st["w"])  # 6 + 8 bytes, sorted by name
+    head = hashlib.sha256(
+        b"b\0int16\x003\0"
+        + (6).to_bytes(8, "little")
+        + b"w\0float32\x001,2\0"
+        + (8).to_bytes(8, "little")
+    ).digest()
+    leaves = [hashlib.sha256(raw[i : i + 4]).digest() for i in range(0, 14, 4)]  # 4 pieces
+    want = hashlib.sha256(b"looprl-weights-tree/1\0" + (4).to_bytes(8, "little")
+                          + (14).to_bytes(8, "little") + head + b"".join(leaves)).hexdigest()  # fmt: skip
+    got = dg.tree_digest(st, chunk_bytes=4)
+    assert got.hex == want and got.kind == dg.TREE == "sha256-tree" and got.chunk_bytes == 4
+    assert got.chunks == tuple(x.hex() for x in leaves)
+    blob, meta = blob_and_meta(st)
+    assert dg.weights_digest(blob, meta, dg.TREE, 4) == got  # from the blob: the same, leaves too
+    assert dg.digest_of_state(st, dg.TREE, 4) == want
+    assert got.record() == {"digest": want, "digest_kind": "sha256-tree", "digest_chunk_bytes": 4}
+    # the chunk size is part of the digest; the flat kind is another digest of the same set
+    assert dg.tree_digest(st, chunk_bytes=5).hex != want != canonical_digest(st)
+    assert dg.KINDS == DIGEST_KINDS[1:]  # proto spells the kinds the same way
+
+
+def test_tree_digest_in_parallel_equals_serial_and_names_its_pieces() -> None:
+    """The pieces are hashed on the thread pool: same leaves as one thread, in order, for a
+    set whose tensors straddle piece boundaries; a flipped bit changes one leaf only."""
+    state = _state()
+    blob, meta = blob_and_meta(state)
+    d = dg.weights_digest(blob, meta, dg.TREE, 7)
+    serial = [hashlib.sha256(blob[i : i + 7]).hexdigest() for i in range(0, len(blob), 7)]
+    assert list(d.chunks) == serial and len(serial) > 8
+    assert dg.tree_digest(state, 7) == d
+    bad = bytearray(blob)
+    bad[30] ^= 1
+    d2 = dg.weights_digest(bad, meta, dg.TREE, 7)
+    assert [i for i, (x, y) in enumerate(zip(d.chunks, d2.chunks)) if x != y] == [30 // 7]
+    assert d2.hex != d.hex
+    z_first = [dict(m, name="z" + m["name"]) if i == 0 else m for i, m in enumerate(meta)]
+    with pytest.raises(ValueError, match="sorted-name order"):  # the blob is not canonical
+        dg.weights_digest(blob, z_first, dg.TREE, 7)
+    with pytest.raises(ValueError, match="digest_kind 'md5'"):
+        dg.digest_of_state(state, "md5")
+
+
+RECORDED_FLAT = "57c3aabee0148180407196a3493c31a0536c39b35e9b3d94ea3399b10534ca9d"
+"""The digest of `_recorded_state()` as models/digest.py computed it before the tree (commit
+91ed606): a run recorded then has this in weights/digests.jsonl, with no digest_kind."""
+
+
+def _recorded_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(4, 3, generator=g), "b": torch.arange(5, dtype=torch.int64),
+            "c": torch.randn(3, generator=g).to(torch.bfloat16)}  # fmt: skip
+
+
+def test_recorded_old_kind_digest_still_verifies(tmp_path: Any) -> None:
+    """A digest recorded before the tree (kind absent, "" or "sha256") verifies through every
+    reader: the digest of a state, a publication's digest_as (replay), a manifest without
+    digest_kind (verify_publication) and an on-disk announce the engine reads."""
+    from models.checkpoint import save_checkpoint
+    from models.weights.publication import Publication, read_manifest, verify_publication
+
+    state = _recorded_state()
+    for kind in ("", "sha256"):
+        assert dg.digest_of_state(state, kind) == RECORDED_FLAT
+    pub = Publication.of_state(state, 1, None)
+    assert pub.digest_kind == dg.TREE and pub.digest != RECORDED_FLAT
+    assert pub.digest_as("") == RECORDED_FLAT  # replay of a recorded run compares this
+    assert pub.digest_as(dg.TREE, dg.DEFAULT_CHUNK_BYTES) == pub.digest
+    old = {"format": "looprl-weights/1", "version": 1, "digest": RECORDED_FLAT, "tied": {},
+           "tensors": pub.tensors}  # fmt: skip
+    save_checkpoint(
+        state, {"model_type": "llama"}, tmp_path / "v1", extra_files={"manifest.json": old}
+    )
+    assert "digest_kind" not in read_manifest(tmp_path / "v1")
+    assert verify_publication(tmp_path / "v1") == RECORDED_FLAT
+    new = pub.manifest()
+    save_checkpoint(
+        state, {"model_type": "llama"}, tmp_path / "v2", extra_files={"manifest.json": new}
+    )
+    assert verify_publication(tmp_path / "v2") == pub.digest
+    # an on-disk announce with no kind: the engine's reader hashes the files flat
+    from models.weights.verified import OnDisk, read_weights
+
+    ann = WeightAnnounce(1, RECORDED_FLAT, 0, 0, 0, path=str(tmp_path / "v1"))
+    assert read_weights(OnDisk(ann))[1] == RECORDED_FLAT
+    tree = WeightAnnounce(2, pub.digest, 0, 0, 0, path=str(tmp_path / "v2"),
+                          digest_kind=dg.TREE, digest_chunk_bytes=dg.DEFAULT_CHUNK_BYTES)  # fmt: skip
+    assert read_weights(OnDisk(tree))[1] == pub.digest
 
 
 def test_bad_blobs_are_rejected() -> None:

@@ -16,13 +16,13 @@ import torch
 from generator.loop import GeneratorLoop
 from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
-from generator.weights_collective import CollectiveWeightSink
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.digest import canonical_digest, tensor_bytes
-from models.publication import Publication
+from models.checkpoint import save_checkpoint
+from models.weights.chunked import WeightReceiver
+from models.weights.collective_generator import CollectiveWeightSink
+from models.weights.digest import tensor_bytes
+from models.weights.publication import Publication
 from pipeline.net.transport import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from pipeline.net.weight_sync import WeightReceiver
 from tests.pipeline.fakes import FakeTrainer
 
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=30.0)
@@ -61,8 +61,10 @@ class KeepingEngine:
         return [[] for _ in items]
 
     def load_weights(self, source: Any, version: int, digest: str) -> None:
-        state = dict(source) if isinstance(source, Mapping) else load_checkpoint(source)[1]
-        if canonical_digest(state) != digest:
+        from models.weights.verified import read_weights  # the engine's own rule: trust or hash
+
+        state, got = read_weights(source)
+        if got != digest:
             raise ValueError(f"v{version}: digest mismatch")
         self.loaded[version] = {k: v.clone() for k, v in state.items()}
         self.weight_version = version
@@ -109,7 +111,7 @@ def child(gid: str, control: str, weights: str, die_in_round: bool, device: int 
     if device >= 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     if die_in_round:
-        import models.collective as coll
+        import models.weights.collective as coll
 
         def die(*a: Any, **k: Any) -> Any:
             os._exit(3)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from models.weights.collective_learner import CollectivePublisher, make_publisher
 from pipeline.config import load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.net.transport_zmq import ZmqLearnerEndpoint
-from pipeline.net.weight_collective import CollectivePublisher, make_publisher
 from tests.pipeline.collective_utils import (
     TCFG,
     Receiver,

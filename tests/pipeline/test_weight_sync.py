@@ -12,16 +12,12 @@ from typing import Any
 
 import pytest
 
+from models.weights.chunked import WeightPublisher, WeightReceiver, WeightSyncError
+from models.weights.verified import VerifiedWeights
 from pipeline.net.transport import TransportConfig
 from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from pipeline.net.weight_sync import (
-    VerifiedWeights,
-    WeightPublisher,
-    WeightReceiver,
-    WeightSyncError,
-)
-from proto import Ack, Nack, WeightAnnounce, WeightChunk, Welcome
+from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
 
 CFG = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
@@ -248,6 +244,50 @@ def test_corruption_is_nacked_and_retried(fix_crc: bool) -> None:
     ready = run(ep, pub, {"gen-0": rx}, conns)
     assert [bytes(w.blob) for w in ready["gen-0"]] == [data]  # the retry went through
     assert pub.counts["nacked"] == 1 and pub.counts["retries"] == 1 and rx.counts["nacked"] == 1
+
+
+def tensors_blob(n: int) -> tuple[bytes, list[TensorMeta]]:
+    """A blob of three uint8 tensors (sorted names) and their metadata: a real weight set."""
+    data = blob(n, 7)
+    cut = [0, n // 3, 2 * n // 3, n]
+    metas = [TensorMeta(f"t{i}", "uint8", [cut[i + 1] - cut[i]], cut[i], cut[i + 1] - cut[i],
+                        hashlib.sha256(data[cut[i] : cut[i + 1]]).hexdigest()) for i in range(3)]  # fmt: skip
+    return data, metas
+
+
+@pytest.mark.parametrize("times", [1, 10**9])  # once: re-fetched; always: never served
+def test_a_corrupt_piece_is_named_and_refetched_alone(times: int) -> None:
+    """Tree digest (issue 22): a chunk corrupted past its crc32 fails its piece's sha256 as
+    it arrives; only that chunk is sent again (not the set), then the set is served. A piece
+    that stays corrupt is refused after max_refetch re-fetches and never served."""
+    ep, conns, _ = setup()
+    sent: list[int] = []
+
+    def count(rec: Any) -> Any:
+        if isinstance(rec, WeightChunk):
+            sent.append(rec.index)
+        return corrupting(rec)
+
+    corrupting = corrupt_once(4, True, times)
+    pub = WeightPublisher(Tamper(ep, count), chunk_bytes=1000, window=3, max_attempts=1)
+    rx = WeightReceiver(conns["gen-0"], max_refetch=2)
+    pub.add_generator("gen-0")
+    data, metas = tensors_blob(9_500)
+    ann = pub.publish(1, data, tensors=metas)
+    assert ann.digest_kind == "sha256-tree" and ann.digest_chunk_bytes == 1000
+    assert len(ann.chunk_digests) == ann.num_chunks == 10
+    ready = run(ep, pub, {"gen-0": rx}, conns)
+    if times == 1:
+        assert [bytes(w.blob) for w in ready["gen-0"]] == [data]
+        assert sorted(sent) == sorted([*range(10), 4])  # 11 chunk frames: chunk 4 twice
+        assert rx.counts["pieces_refetched"] == 1 and pub.counts["chunks_resent"] == 1
+        assert pub.counts["retries"] == 0 and rx.counts["nacked"] == 0 and pub.serving("gen-0") == 1
+        (w,) = ready["gen-0"]
+        assert isinstance(w, VerifiedWeights) and bytes(w["t1"].numpy()) == data[3166:6333]
+    else:
+        assert ready["gen-0"] == [] and rx.serving == -1
+        assert rx.counts["pieces_refetched"] == 3 and sent.count(4) == 3  # 1 + max_refetch
+        assert pub.counts["nacked"] == 1 and pub.counts["gave_up"] == 1
 
 
 def test_persistent_corruption_is_never_served() -> None:

@@ -1,0 +1,221 @@
+"""A published weight set: the one ``Publication`` type of the learner and the pipeline.
+
+The learner's publish (learner/publish.py: gather, cast, write the HF directory) and the
+reference backend (``Publication.from_dir``, which reads a written directory back, as replay's
+digest check does) both build it with ``Publication.of_state``: the one place a publication's
+digest is computed (models.weights.digest, the tree kind, DESIGN contract 6), after the
+non-finite check. The coordinator announces it as it is (``digests``: the digest, its kind, chunk
+size and per-piece leaves) and writes ``record()`` to RUN_DIR/weights/digests.jsonl.
+
+``manifest()`` is the manifest.json written beside the safetensors; ``verify_publication``
+checks a written directory against it (either digest kind: a manifest without
+``digest_kind`` is the flat kind of the runs before the tree).
+
+``weights_dir`` and ``prune_weights`` are the one owner of the run's weight directories,
+``RUN_DIR/weights/v<version>``: the coordinator names the directory a trainer writes and prunes
+them after each announcement, including directories a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.weights.digest import (
+    DEFAULT_CHUNK_BYTES,
+    FLAT,
+    TREE,
+    Digest,
+    blob_and_meta,
+    check_finite,
+    check_kind,
+    digest_of_state,
+    weights_digest,
+)
+from proto.records import TensorMeta, WeightAnnounce
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "looprl-weights/1"
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One published weight set (rank 0's view)."""
+
+    version: int
+    """Weight version (strictly increasing)."""
+    digest: str
+    """The digest of the stored tensors, of kind ``digest_kind`` (64 hex chars)."""
+    path: Path | None
+    """HF-layout directory, or None when nothing was written."""
+    blob: bytes
+    """Canonical bytes of every stored tensor, sorted by name (`models.weights.digest.blob_and_meta`)."""
+    tensors: list[dict[str, Any]]
+    """Per-tensor {name, dtype, shape, offset, nbytes, sha256} inside the blob."""
+    tied: dict[str, str]
+    """{target: source} of tied weights (targets absent from blob and disk)."""
+    config_json: str
+    """The config.json text."""
+    digest_kind: str = FLAT
+    """models.weights.digest.TREE for every new publication; FLAT only when built by hand."""
+    digest_chunk_bytes: int = 0
+    """Piece size of a tree digest."""
+    chunk_digests: tuple[str, ...] = ()
+    """sha256 hex of each piece of the blob (tree kind): announced, checked per piece."""
+
+    @classmethod
+    def of_state(
+        cls,
+        stored: Mapping[str, torch.Tensor],
+        version: int,
+        path: Path | None,
+        *,
+        tied: Mapping[str, str] | None = None,
+        config_json: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        where: str = "",
+        checked: bool = False,
+    ) -> Publication:
+        """Blob, metadata and tree digest of the stored tensors (hashed on the thread pool).
+        NonFiniteWeightsError naming the first tensor that holds NaN or inf (and ``where``),
+        unless the caller ``checked`` already (learner.publish, on every rank of its TP group)."""
+        if not checked:
+            check_finite(stored, where)
+        blob, meta = blob_and_meta(stored)
+        d = weights_digest(blob, meta, TREE, chunk_bytes)
+        return cls(version, d.hex, path, blob, meta, dict(tied or {}), config_json,
+                   d.kind, d.chunk_bytes, d.chunks)  # fmt: skip
+
+    @classmethod
+    def from_dir(cls, path: str | Path, version: int) -> Publication:
+        """Read a written HF directory back: the state a generator's engine loads from it, so
+        the digests agree by construction. NonFiniteWeightsError if a tensor is not finite."""
+        from models.checkpoint import load_checkpoint
+
+        path = Path(path)
+        config, state = load_checkpoint(path)
+        return cls.of_state(state, version, path, config_json=json.dumps(config, sort_keys=True),
+                            where=f"weights v{version} in {path}")  # fmt: skip
+
+    @property
+    def digests(self) -> Digest:
+        """The digest with its kind, chunk size and per-piece leaves (what the announce carries)."""
+        return Digest(self.digest, self.digest_kind, self.digest_chunk_bytes, self.chunk_digests)
+
+    def record(self) -> dict[str, Any]:
+        """The line of RUN_DIR/weights/digests.jsonl: {version, digest, digest_kind,
+        digest_chunk_bytes}."""
+        return {"version": self.version, **self.digests.record()}
+
+    def digest_as(self, kind: str = "", chunk_bytes: int = 0) -> str:
+        """This set's digest of kind ``kind`` ("": the flat kind of runs recorded before the
+        tree): what replay compares with a recorded digest of that kind."""
+        kind = check_kind(kind, chunk_bytes)
+        if (kind, chunk_bytes if kind == TREE else 0) == (
+            self.digest_kind,
+            self.digest_chunk_bytes,
+        ):
+            return self.digest
+        return weights_digest(self.blob, self.tensors, kind, chunk_bytes or DEFAULT_CHUNK_BYTES).hex
+
+    def manifest(self) -> dict[str, Any]:
+        """manifest.json: {format, version, digest, digest_kind, digest_chunk_bytes, tied, tensors}."""
+        return {"format": MANIFEST_FORMAT, "version": self.version, **self.digests.record(),
+                "tied": dict(sorted(self.tied.items())), "tensors": self.tensors}  # fmt: skip
+
+    def tensor_metas(self) -> list[TensorMeta]:
+        return [TensorMeta(**t) for t in self.tensors]
+
+    def announce(self, chunk_bytes: int, *, created_at: float = 0.0) -> WeightAnnounce:
+        """The WeightAnnounce of a chunked broadcast of `blob` in `chunk_bytes` chunks, or of
+        the directory alone (no chunks) when `chunk_bytes` is 0."""
+        if chunk_bytes < 0 or (chunk_bytes == 0 and self.path is None):
+            raise ValueError(f"chunk_bytes: expected >= 1 (or 0 with a path), got {chunk_bytes}")
+        ann = WeightAnnounce(
+            version=self.version,
+            digest=self.digest,
+            total_bytes=len(self.blob),
+            chunk_bytes=chunk_bytes,
+            num_chunks=-(-len(self.blob) // chunk_bytes) if chunk_bytes else 0,
+            tensors=self.tensor_metas(),
+            path="" if self.path is None else str(self.path.resolve()),
+            config_json=self.config_json,
+            created_at=created_at,
+            digest_kind=self.digest_kind,
+            digest_chunk_bytes=self.digest_chunk_bytes,
+            chunk_digests=list(self.chunk_digests),
+        )
+        ann.validate()
+        return ann
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest.json of a published weights directory."""
+    manifest: dict[str, Any] = json.loads((Path(path) / MANIFEST_NAME).read_text("utf-8"))
+    return manifest
+
+
+def verify_publication(path: str | os.PathLike[str]) -> str:
+    """Recompute the digest of a published directory from its safetensors (of the manifest's
+    kind); ValueError unless it equals the manifest's digest (and each tensor its sha256).
+    Returns the digest."""
+    from models.checkpoint import load_checkpoint
+
+    manifest = read_manifest(path)
+    _, state = load_checkpoint(path)
+    kind, chunk = manifest.get("digest_kind", ""), int(manifest.get("digest_chunk_bytes", 0))
+    digest = digest_of_state(state, kind, chunk)
+    if digest != manifest["digest"]:
+        raise ValueError(f"{path}: digest {digest} != manifest {manifest['digest']}")
+    _, tensors = blob_and_meta(state)
+    want = {t["name"]: t["sha256"] for t in manifest["tensors"]}
+    got = {t["name"]: t["sha256"] for t in tensors}
+    if want != got:
+        bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
+        raise ValueError(f"{path}: per-tensor sha256 differ from the manifest: {bad}")
+    return digest
+
+
+def weights_dir(run_dir: str | Path, version: int) -> Path:
+    """``RUN_DIR/weights/v<version>``: where weight version ``version`` is written."""
+    return Path(run_dir) / "weights" / f"v{version}"
+
+
+def weight_versions(run_dir: str | Path) -> list[int]:
+    """The versions that have a directory under ``RUN_DIR/weights``, ascending."""
+    root = Path(run_dir) / "weights"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+
+
+def prune_weights(run_dir: str | Path, current: int, keep: int) -> list[int]:
+    """Remove the weight directories older than the newest ``keep`` versions up to ``current``
+    (those a run announced and those a killed run left; a directory above ``current`` may be
+    being written and is left); ``keep`` 0 keeps everything. Returns the removed versions."""
+    if keep <= 0:
+        return []
+    upto = [v for v in weight_versions(run_dir) if v <= current]
+    gone = upto[:-keep]
+    for v in gone:
+        shutil.rmtree(weights_dir(run_dir, v), ignore_errors=True)
+    return gone
+
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "Publication",
+    "prune_weights",
+    "read_manifest",
+    "verify_publication",
+    "weight_versions",
+    "weights_dir",
+]
