@@ -24,6 +24,19 @@ if [ "$TARGET" = cpu ]; then
 else
     "$VPY" -m pip install -q -e ".[gpu,dev]"
 fi
+# A real Slurm for tests/deploy/test_slurm.py (Debian's slurm-wlm and munge, ~50 s): installed
+# where this runs as root with apt-get; LOOPRL_NO_SLURM=1 skips it.
+if [ -z "${LOOPRL_NO_SLURM:-}" ] && ! [ -x /usr/sbin/slurmctld ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null \
+            || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends \
+                 slurm-wlm munge >/dev/null; } \
+            || echo "setup: could not install slurm-wlm and munge: tests/deploy/test_slurm.py will skip" >&2
+    else
+        echo "setup: no root or apt-get: tests/deploy/test_slurm.py will skip (needs slurm-wlm, munge)" >&2
+    fi
+fi
 "$VPY" - <<'PY'
 import importlib
 for m in ["torch", "vllm", "megatron.core", "zmq", "msgpack", "zstandard", "omegaconf", "safetensors", "psutil"]:

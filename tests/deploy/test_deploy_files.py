@@ -343,19 +343,20 @@ if "learner" in argv:  # the learner: write what a real one writes once it has b
     (run_dir / "config.yaml").write_text(
         "task:\\n  reward: synthetic\\nnumerics: exact\\nrollout:\\n  n: 4\\n")
     (run_dir / "endpoints.json").write_text("{{}}")
-    end = time.monotonic() + 60
-    while not (log / "generators.done").exists() and time.monotonic() < end:
+    end, nodes = time.monotonic() + 60, len(os.environ["STUB_NODES"].split())
+    while len(list(log.glob("generators-*.done"))) < nodes - 1 and time.monotonic() < end:
         time.sleep(0.05)  # a real learner runs until the generators have done their part
     sys.exit(0)
 path = os.environ["STUB_GEN"] + os.pathsep + os.environ["PATH"]
-for i in range(int(opts["nodes"]) * int(opts["ntasks-per-node"])):
+for i in range(int(opts["ntasks"])):  # one generator step per node
     subprocess.run(argv, env={{**os.environ, "PATH": path, "SLURM_PROCID": str(i)}}, check=True)
-(log / "generators.done").write_text("")
+(log / f"generators-{{opts['nodelist']}}.done").write_text("")
 """
 _GEN = """#!{python}
 import json, os, sys
 from pathlib import Path
-out = Path(os.environ["STUB_LOG"]) / ("gen-" + os.environ["SLURM_PROCID"] + ".json")
+i = int(os.environ["GEN_BASE"]) + int(os.environ["SLURM_PROCID"])
+out = Path(os.environ["STUB_LOG"]) / f"gen-{{i}}.json"
 out.write_text(json.dumps(sys.argv[1:]))
 """
 
@@ -383,14 +384,15 @@ def _run_sbatch(tmp: Path, extra_env: dict[str, str], *args: str) -> tuple[Path,
     r = subprocess.run(["bash", str(SBATCH), *args], env=env, cwd=tmp, capture_output=True,
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    steps = [json.loads((log / f"srun-{i}.json").read_text()) for i in range(2)]
-    assert not (log / "srun-2.json").exists()
+    steps = [json.loads((log / f"srun-{i}.json").read_text()) for i in range(3)]
+    assert not (log / "srun-3.json").exists()  # the learner, then one step per generator node
     return log, steps
 
 
 def _check_sbatch_run(tmp: Path, log: Path, steps: list[dict], n_gen: int) -> argparse.Namespace:
     run_dir, keys = tmp / "run", tmp / "run" / "keys"
-    learner, gens = steps
+    learner, *gens = steps
+    gens.sort(key=lambda g: g["opts"]["nodelist"])  # the generator steps start concurrently
     assert learner["opts"]["nodelist"] == "node0"
     argv = learner["argv"]
     assert (
@@ -402,7 +404,10 @@ def _check_sbatch_run(tmp: Path, log: Path, steps: list[dict], n_gen: int) -> ar
     assert (cfg.run_dir, cfg.endpoints.keys) == (str(run_dir), str(keys))
     assert (cfg.endpoints.host, cfg.endpoints.port) == ("0.0.0.0", 29600)
     assert cfg.steps == 7  # the sbatch arguments reach the learner
-    assert (gens["opts"]["relative"], gens["opts"]["nodes"]) == ("1", "2")
+    per_node = n_gen // len(gens)
+    assert [(g["opts"]["nodelist"], g["opts"]["nodes"], g["opts"]["ntasks"]) for g in gens] == [
+        ("node1", "1", str(per_node)), ("node2", "1", str(per_node))]  # fmt: skip
+    assert all(g["opts"]["gpus-per-task"] == "1" for g in gens)
     assert len(list((keys / "generators").glob("*.key_secret"))) == n_gen
     assert len(list((keys / "allowed").glob("*.key"))) == n_gen
     ids = set()
