@@ -49,7 +49,7 @@ from pipeline.core.ledger import InFlightLedger
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
-from pipeline.core.validation import DoorRules, ModelLimits, check_logp
+from pipeline.core.validation import DoorRules, ModelLimits, check_logp, logp_base
 from pipeline.net.log_limit import Throttle
 from pipeline.net.weight_collective import make_publisher
 from proto import (
@@ -142,6 +142,14 @@ class Coordinator:
         )  # fmt: skip
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         self._throttle = Throttle(HELLO_INTERVAL_S, clock)  # Hellos and claim warnings, per id
+        # the behaviour log-prob check's bound at staleness 0 (validation.logp_base): tight only
+        # when both sides compute in float32 (generators: float32, or auto on a float32
+        # checkpoint; the launcher's auto is bfloat16 under a bf16 learner in fast numerics)
+        gd = cfg.generators.dtype
+        gen32 = gd == "float32" or (gd == "auto" and limits.weights_dtype == "float32"
+                                    and not (cfg.learner.precision == "bf16"))  # fmt: skip
+        self._logp_base = logp_base(cfg.numerics,
+                                    float32=gen32 and cfg.learner.precision == "fp32")  # fmt: skip
         self.evals = evals  # evaluation rounds on the generators (eval.every > 0)
         self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
         self.last_digest = ""
@@ -434,7 +442,7 @@ class Coordinator:
         its accepted, untrained rollouts are voided and their samples dispatched again."""
         bans: dict[str, str] = {}
         for x, r in zip(per, rolls, strict=True):
-            why = check_logp(float(x), numerics=self.cfg.numerics,
+            why = check_logp(float(x), base=self._logp_base,
                              staleness=self.gate.staleness(self.version, r))  # fmt: skip
             if why is None:
                 continue

@@ -31,9 +31,10 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
 After training (the trainer measures each rollout's log-probs in the step that trains it):
 
 - [logp_mismatch]   max over tokens of |learner log-prob - claimed behaviour log-prob| <=
-  ``logp_bound(numerics, staleness)``: in ``exact`` numerics 0 at staleness 0 (generator and
-  learner agree bit for bit, so any difference proves a lie), in ``fast`` ``LOGP_BOUND_FAST``;
-  plus ``LOGP_DRIFT_PER_VERSION`` per version of staleness (the policy moved meanwhile).
+  ``logp_bound(base, staleness)``: ``base`` is 0 in ``exact`` numerics (generator and learner
+  agree bit for bit, so any difference proves a lie), ``LOGP_BOUND_FAST`` in ``fast`` when
+  both sides compute in float32, ``LOGP_BOUND_LOW_PRECISION`` when either may run bf16
+  (``logp_base``); plus ``LOGP_DRIFT_PER_VERSION`` per version of staleness.
 
 A NaN or infinite reward is not a refusal: it is a failed reward (reward None, the error in
 ``reward_info``), which intake handles as every failed reward (the worst of its group).
@@ -42,6 +43,7 @@ A NaN or infinite reward is not a refusal: it is a failed reward (reward None, t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,27 +72,38 @@ REASONS = (
 # fast numerics, staleness 0: measured max 9.5e-7 (tiny Huginn, fp32 on CPU, vLLM vs megatron,
 # tests/pipeline/test_resume_kill.py); the bound leaves three decades for other kernels.
 LOGP_BOUND_FAST = 1e-3
+# fast numerics with bf16 on either side (learner.precision bf16, or generators that may run
+# the checkpoint's bf16 dtype on a GPU): not measured here; loose, so that honest low-precision
+# sampling is never taken for a lie, while a claim of -40 per token still is.
+LOGP_BOUND_LOW_PRECISION = 5.0
 # per version of staleness: one update of the test runs' learning rate moved a sampled token's
 # log-prob by up to 0.94 nats (same run); a claim of -40 per token is ~35 nats away.
 LOGP_DRIFT_PER_VERSION = 4.0
 
 
-def logp_bound(numerics: str, staleness: int) -> float:
+def logp_base(numerics: str, *, float32: bool) -> float:
+    """The bound at staleness 0: 0 in exact numerics; in fast, LOGP_BOUND_FAST when learner
+    and generators both compute in float32 (``float32``), else LOGP_BOUND_LOW_PRECISION."""
+    if numerics == "exact":
+        return 0.0
+    return LOGP_BOUND_FAST if float32 else LOGP_BOUND_LOW_PRECISION
+
+
+def logp_bound(base: float, staleness: int) -> float:
     """The largest honest |learner - behaviour| log-prob of one token (rule logp_mismatch)."""
-    base = 0.0 if numerics == "exact" else LOGP_BOUND_FAST
     return base + max(staleness, 0) * LOGP_DRIFT_PER_VERSION
 
 
-def check_logp(mismatch: float, *, numerics: str, staleness: int) -> Refusal | None:
+def check_logp(mismatch: float, *, base: float, staleness: int) -> Refusal | None:
     """Rule logp_mismatch for one trained rollout (``mismatch``: the trainer's max
     |learner - behaviour| over its tokens; negative or NaN: not measured, not judged)."""
     if not mismatch >= 0.0:
         return None
-    bound = logp_bound(numerics, staleness)
+    bound = logp_bound(base, staleness)
     if mismatch <= bound:
         return None
     return Refusal("logp_mismatch", f"claimed log-probs {mismatch:.3g} nats from the learner's "
-                   f"(bound {bound:.3g}: numerics {numerics}, staleness {staleness})")  # fmt: skip
+                   f"(bound {bound:.3g} at staleness {staleness})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,7 @@ class ModelLimits:
 
     vocab_size: int
     max_depth: int
+    weights_dtype: str = "float32"  # the checkpoint's torch_dtype (what vLLM's auto serves on GPU)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, policy: Any = None) -> ModelLimits:
@@ -109,7 +123,12 @@ class ModelLimits:
 
         cfg = load_config(model_dir)
         depth = int(cfg.max_depth) if policy is None else resolve_max_depth(policy, cfg.max_depth)
-        return cls(vocab_size=int(cfg.vocab_size), max_depth=depth)
+        try:
+            raw = json.loads((Path(model_dir) / "config.json").read_text())
+            dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+        except (OSError, ValueError):
+            dtype = "float32"
+        return cls(vocab_size=int(cfg.vocab_size), max_depth=depth, weights_dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.core.validation import (
+    LOGP_BOUND_FAST,
+    LOGP_BOUND_LOW_PRECISION,
+    LOGP_DRIFT_PER_VERSION,
+    logp_bound,
+)
 from proto import Rollout, WorkItem
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
@@ -140,3 +146,20 @@ def test_eval_rewards_are_scored_again_on_the_learner(tmp_path: Path) -> None:
     for _, m in results:
         assert m["eval/accuracy"] == 0.0 and m["eval/mean@n"] == 0.0 and m["eval/reward_mean"] < 1
     assert rounds.counts["rescored_differ"] == rounds.lied["boaster"] == 2 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "base"),
+    [([], LOGP_BOUND_FAST), (["numerics=exact"], 0.0),
+     (["learner.precision=bf16"], LOGP_BOUND_LOW_PRECISION),
+     (["generators.dtype=bfloat16"], LOGP_BOUND_LOW_PRECISION)],
+)  # fmt: skip
+def test_the_bound_is_loose_where_either_side_may_run_bf16(
+    tmp_path: Path, overrides: list[str], base: float
+) -> None:
+    """An honest bf16 generator (or learner) must not be taken for a liar: the tight fast bound
+    holds only when both compute in float32 (the fake checkpoint is float32)."""
+    c, _, _ = make_coordinator(tmp_path, overrides)
+    assert c._logp_base == base
+    assert logp_bound(base, 2) == base + 2 * LOGP_DRIFT_PER_VERSION
+    c.close()
