@@ -14,6 +14,7 @@ pipeline.backends.ranks wraps rank 0's trainer (``Leader``) and runs the others 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from megatron.core import parallel_state as ps
 from learner import checkpoint as learner_checkpoint
 from learner.mcore_model import MegatronOptions
 from learner.parallel import destroy_distributed, init_distributed
-from learner.publish import publish
+from learner.publish import looped_exporter, publish
 from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
@@ -54,6 +55,9 @@ class MegatronTrainer:
         self.trainer = build_learner_trainer(cfg, self.model_config, hf_state, ref_state=ref_state)
         self.is_cap = cfg.objective.is_cap
         self.last_mismatch: list[float] = []
+        self.last_publish_times: dict[str, float] = {}
+        """Seconds of the last publish's stages the coordinator logs (``time/publish_gather``:
+        the HF state gathered over TP; the rest of ``time/publish`` casts, hashes, writes)."""
 
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
@@ -67,10 +71,16 @@ class MegatronTrainer:
     def publish(self, out_dir: Path, version: int) -> Publication | None:
         """The Publication on learner rank 0 (None on the other ranks, which only take part)."""
         pub = publish(self.trainer.policy_model, out_dir, version,
-                      config=self.model_config.to_hf_dict())  # fmt: skip
+                      config=self.model_config.to_hf_dict(), exporter=self._timed_export)  # fmt: skip
         if pub is None and self.rank == 0:
             raise RuntimeError("publish: learner rank 0 got no Publication")
         return pub
+
+    def _timed_export(self, model: Any) -> Any:
+        t0 = time.perf_counter()
+        out = looped_exporter(model)
+        self.last_publish_times = {"gather": time.perf_counter() - t0}
+        return out
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         return learner_checkpoint.save(

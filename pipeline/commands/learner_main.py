@@ -259,9 +259,6 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     cfg = tasks.with_task_stops(cfg, model)  # dataset: stop at the checkpoint's EOS ids
     prompts = load_prompts(cfg, model)
     tasks.check_data(run_dir, prompts, resume=resume)  # the data a resumed run continues on
-    trainer: Any = build_trainer(cfg.backend, cfg, model)
-    if getattr(trainer, "world_size", 1) > 1:
-        trainer = Leader(trainer)
     old_port = 0
     if resume and (run_dir / "endpoints.json").is_file():  # generators reconnect by themselves
         old = json.loads((run_dir / "endpoints.json").read_text())["control"]
@@ -269,6 +266,20 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     endpoint = bind_endpoint(cfg, old_port)
     ctrl, wts = endpoint.endpoints["control"], endpoint.endpoints["weights"]
     (run_dir / "endpoints.json").write_text(json.dumps({"control": ctrl, "weights": wts}))
+    announced = False
+    if not resume:  # generators start (imports, engine) while the trainer is built: their
+        # Hellos wait in the endpoint's queue; a resume starts them once it is known to go on
+        print(generator_hint(cfg, ctrl, wts, model), flush=True)
+        if on_bound is not None:
+            on_bound(ctrl, wts, model)
+        announced = True
+    try:
+        trainer: Any = build_trainer(cfg.backend, cfg, model)
+    except BaseException:
+        endpoint.close()
+        raise
+    if getattr(trainer, "world_size", 1) > 1:
+        trainer = Leader(trainer)
     metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb,
                             wandb_project=cfg.metrics.wandb_project, config=to_dict(cfg))  # fmt: skip
     bar = _progress(cfg)
@@ -326,10 +337,11 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             finished = _already_finished(run_dir, coord.step, tasks.planned_steps(cfg, prompts))
             if bar is not None:
                 bar.update(coord.step)
-        if finished is None:
+        if finished is None and not announced:
             print(generator_hint(cfg, ctrl, wts, model), flush=True)
             if on_bound is not None:
                 on_bound(ctrl, wts, model)
+        if finished is None:
             keep = cfg.checkpoint.keep
             if coord.evals is not None:  # the starting weights' accuracy (reported with step 1)
                 coord.evals.start(coord.step, coord.version)

@@ -49,6 +49,7 @@ from pipeline.core.ledger import InFlightLedger
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
+from pipeline.core.timeline import StepTimeline
 from pipeline.core.validation import DoorRules, ModelLimits, check_logp, logp_base
 from pipeline.net.log_limit import Throttle
 from pipeline.net.weight_collective import make_publisher
@@ -158,6 +159,8 @@ class Coordinator:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer") if background else None
         self._t0 = time.time()
         self._last_step_t = time.time()
+        self.timeline = StepTimeline()  # the time/* keys of each step's metrics
+        self._publish_times: dict[str, float] = {}  # the last publication's stages (s)
 
     # -- incoming --------------------------------------------------------------------------------
     def handle(self, channel: str, peer: str, rec: Any) -> None:
@@ -170,6 +173,7 @@ class Coordinator:
         if channel == "weights":
             if self.publisher.handle(peer, rec) and peer in self.publisher.generators():
                 d.set_version(peer, self.publisher.serving(peer))
+                self.timeline.served(self.publisher.generators())
             return
         if isinstance(rec, Hello):
             self._hello(peer, rec)
@@ -196,7 +200,9 @@ class Coordinator:
                 if not rolls:
                     return
                 rec = RolloutBatch(rolls)
+            self.timeline.intake_start()
             res = self.intake.receive(peer, rec)
+            self.timeline.intake_end()
             for reply in res.replies:
                 ep.send(peer, reply)
             if res.ban is not None:
@@ -328,6 +334,7 @@ class Coordinator:
         groups = self.intake.select(self.version, k)
         if groups is None:
             return False
+        self.timeline.step_started()
         job = self._start(groups)
         if self._pool is None:
             self._complete(job)
@@ -427,8 +434,15 @@ class Coordinator:
             m.update({f"mismatch/{g}": v for g, v in sorted(by_gen.items())})
             self._verify(rolls, per)
         self._last_step_t = now
+        announce_s = None
         if pub is not None:
+            t_ann = time.perf_counter()
             self._announce(pub)
+            announce_s = time.perf_counter() - t_ann
+            self.timeline.announced(pub.version)
+        stages = self._publish_times if pub is not None else None
+        m.update(self.timeline.row(rolls, train_s=train_s, publish=stages, announce_s=announce_s))
+        self.timeline.step_done()
         if self.on_step is not None:
             self.on_step(m)
         if self.evals is not None and self.evals.due(self.step):
@@ -479,9 +493,12 @@ class Coordinator:
         """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
         out = weights_dir(self.run_dir, v)
         try:
+            t0 = time.perf_counter()
             pub = self.trainer.publish(out, v)
             if pub is None:
                 raise CoordinatorError(f"the trainer returned no publication for v{v}")
+            stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
+            self._publish_times = {**stages, "total": time.perf_counter() - t0}
             return pub
         except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
             shutil.rmtree(out, ignore_errors=True)

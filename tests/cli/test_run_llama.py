@@ -62,7 +62,9 @@ def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
     """The quickstart's job (GRPO, 16 prompts x 8 samples, the count-on task) on the tiny
     Llama, 30 steps, one generator: the mean reward of the last 5 steps rises from ~0.005 to
     above 0.15 (measured, three runs: 0.005 -> 0.206, 0.203, 0.203; 110-146 s of wall time on
-    the 2 cores while other jobs kept the load at 5-11)."""
+    the 2 cores while other jobs kept the load at 5-11). Every metrics row carries the per-step
+    timeline (pipeline.core.timeline: train, publish stages, delivery, generation, reward,
+    intake, the trainer's wait), consistent with the step's wall time."""
     model = init_checkpoint("llama", "tiny", tmp_path / "llama")
     run_dir = tmp_path / "run"
     code, err, wall = looprl_run(
@@ -75,6 +77,21 @@ def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
     assert s["steps"] == 30 and s["final_version"] == 30
     assert s["reward_first"] < 0.02 and s["reward_last"] > 0.15, s
     assert (s["counts"]["publisher"].get("nacked", 0)) == 0, s["counts"]["publisher"]
+    # the per-step timeline (pipeline.core.timeline): every row says where its time went
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        t = {k: v for k, v in r.items() if k.startswith("time/")}
+        assert t["time/train"] == r["train_s"] and t["time/train"] > 0, t
+        assert t["time/publish"] > t["time/publish_gather"] > 0, t
+        assert t["time/publish_announce"] > 0, t
+        assert t["time/generation"] > 0 and t["time/reward"] > 0 and t["time/queue"] >= 0, t
+        assert t["time/dispatch_wait"] >= 0 and t["time/intake"] >= 0, t
+        if r["step"] > 1:  # completion to completion: the wait, the step, its publication
+            busy = t["time/dispatch_wait"] + t["time/train"] + t["time/publish"]
+            assert busy <= r["step_s"] + 0.05, (busy, r["step_s"], t)
+    assert sum(r["time/intake"] for r in rows) > 0
+    delivered = [r["time/weight_delivery"] for r in rows if "time/weight_delivery" in r]
+    assert len(delivered) >= len(rows) // 2 and min(delivered) > 0, delivered
 
 
 def test_generators_that_cannot_load_the_weights_fail_the_run_fast(tmp_path: Path) -> None:
