@@ -308,6 +308,15 @@ def check_kind(kind: str, chunk_bytes: int) -> str:
     return kind
 
 
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    global _pool_obj, _pool_lock
+    _pool_obj, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def hash_pool() -> ThreadPoolExecutor:
     """The process's hashing threads (hashlib releases the GIL on large buffers): one per CPU."""
     global _pool_obj

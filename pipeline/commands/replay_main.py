@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from models.publication import Publication, weights_dir
+from models.weights.publication import Publication, weights_dir
 from pipeline.backends.trainer_api import build_trainer
 from pipeline.commands import console
 from pipeline.commands.learner_main import model_dir, resolve_config
