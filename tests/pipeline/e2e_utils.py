@@ -81,6 +81,7 @@ def check_run(run_dir: Path, n: int, steps: int, max_staleness: int | None) -> l
         json.loads(x) for x in (run_dir / "weights" / "digests.jsonl").read_text().splitlines()
     ]
     assert [d["version"] for d in digests] == list(range(1, len(digests) + 1))
+    assert all(d["digest_kind"] == "sha256-tree" and d["digest_chunk_bytes"] > 0 for d in digests)
     return rows
 
 
