@@ -54,6 +54,7 @@ KL_REWARD_LEVELS = ("sequence", "token")
 KL_REWARD_LOGPS = ("behaviour", "proximal")
 DIVERGENCES = ("tv", "kl")
 ANCHORS = ("behaviour", "proximal")
+LOOP_WEIGHTINGS = ("last", "uniform", "progressive", "exit_pdf", "learned")
 IS_MODES = ("truncate", "mask")
 IS_LEVELS = ("token", "sequence", "geometric")
 OPTIMIZERS = ("adam", "sgd")
@@ -174,6 +175,12 @@ class ObjectiveConfig:
     value_coef: float = 0.5
     """Weight of the critic loss (> 0); with a separate critic network and Adam it only matters
     through Adam's epsilon."""
+    loop_weighting: str = "last"
+    """Per-loop credit (docs/OBJECTIVES.md "Per-loop credit"): last (the exit loop only), or the
+    objective's per-token term at every loop 1..e_t summed with weights uniform, progressive
+    (k^progressive_alpha) or exit_pdf (Ouro's exit distribution over 1..e_t); learned refused."""
+    progressive_alpha: float = 1.0
+    """loop_weighting progressive: w_k proportional to k^alpha (RLTT's option B), >= 0."""
 
     def advantage_options(self) -> dict[str, Any]:
         """The keywords of `learner.batching.step_advantages` this objective sets."""
@@ -255,6 +262,23 @@ class ObjectiveConfig:
         need(0.0 <= self.lam <= 1.0, "lam", "must be in [0, 1]")
         need(self.value_clip is None or self.value_clip > 0.0, "value_clip", "must be null or > 0")
         need(self.value_coef > 0, "value_coef", "must be > 0")
+        need(self.loop_weighting in LOOP_WEIGHTINGS, "loop_weighting",
+             f"must be one of {LOOP_WEIGHTINGS}")  # fmt: skip
+        need(self.loop_weighting != "learned", "loop_weighting",
+             "learned is not implemented yet: use uniform, progressive or exit_pdf")  # fmt: skip
+        need(self.progressive_alpha >= 0.0, "progressive_alpha", "must be >= 0")
+        need(self.progressive_alpha == 1.0 or self.loop_weighting == "progressive",
+             "progressive_alpha", "applies with objective.loop_weighting=progressive only")  # fmt: skip
+        looped = self.loop_weighting != "last"
+        need(not looped or self.kind != "flow_dppo", "loop_weighting",
+             f"{self.loop_weighting} with kind flow_dppo is refused: its full-vocabulary "
+             "KL(old || new) per loop would need every loop's proximal logits")  # fmt: skip
+        need(not looped or self.ratio_level == "token", "loop_weighting",
+             f"{self.loop_weighting} with ratio_level sequence (GSPO) is refused: a row's "
+             "sequence ratio over per-loop log-ratios is not defined yet")  # fmt: skip
+        need(not looped or self.kind != "divergence_ppo" or self.anchor == "proximal",
+             "loop_weighting", f"{self.loop_weighting} with divergence_ppo needs anchor proximal "
+             "(the behaviour log-prob exists at the exit loop only)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -443,7 +467,8 @@ class TrainConfig:
         """The objective cannot run without proximal log-probs (or old logits)."""
         o = self.objective
         return (o.kind in ("dppo", "flow_dppo") or o.is_cap is not None
-                or (o.kind == "divergence_ppo" and o.anchor == "proximal"))  # fmt: skip
+                or (o.kind == "divergence_ppo" and o.anchor == "proximal")
+                or o.loop_weighting != "last")  # fmt: skip
 
     @property
     def use_prox(self) -> bool:

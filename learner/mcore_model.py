@@ -27,7 +27,7 @@ read out at p is the one after iteration depths[p].
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -50,6 +50,9 @@ from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.contract import seed_to_i64
 from models.exits import MAX_DEPTH, check_kv, default_kv
 from models.noise import latent_noise
+
+LoopFn = Callable[[int, Tensor, Callable[[Tensor], Tensor]], None]
+"""loop_fn(k, state after core iteration k [B, S, h], readout) (LoopedGPT.forward)."""
 
 
 class LoopedOutput(NamedTuple):
@@ -261,6 +264,7 @@ class LoopedGPT(MegatronModule):
         numerics: str | None = None,
         head_rows: Tensor | None = None,
         kv: str | None = None,
+        loop_fn: LoopFn | None = None,
     ) -> LoopedOutput:
         """Replay forward of right-padded rows.
 
@@ -269,7 +273,11 @@ class LoopedGPT(MegatronModule):
         each row; latent_seeds: B uint64 seeds (ints, or an int64 tensor read as two's
         complement). numerics: None = options.numerics; kv: None = options.kv, else the
         family's default. head_rows [B, S] bool: the head runs at those N positions only
-        (logits [N, V_pad / tp]).
+        (logits [N, V_pad / tp]). loop_fn (per-loop credit, learner.replay.loop_forward):
+        called after core iteration k (1-based) as loop_fn(k, state [B, S, h], readout), outside
+        any no_grad of truncated backprop; readout(state) is the family's readout of a state
+        tensor (Huginn: norm, coda, norm; Ouro / Nanbeige: the state itself, normed by the
+        core's exit) before the head.
         """
         mode = nx.check_mode(numerics or self.options.numerics)
         kv = check_kv(kv or self.options.kv or default_kv(self.family_config))
@@ -316,6 +324,8 @@ class LoopedGPT(MegatronModule):
                 state = torch.where(active[:, :, None], new, state)
                 if full:
                     out_state = torch.where((depths == i + 1)[:, :, None], state, out_state)
+            if loop_fn is not None:
+                loop_fn(i + 1, state, lambda s_: self._readout(s_, rope, mask, mode))
         hidden = self._readout(out_state if full else state, rope, mask, mode)
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]

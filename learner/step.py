@@ -69,6 +69,7 @@ from learner.objectives import (
     rollout_correction,
     value_loss,
 )
+from learner.objectives.loops import loop_weights, response_depths
 from learner.shaping import penalise_kl, shape_rollouts
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from proto.records import Rollout
@@ -145,6 +146,21 @@ class Policy(Protocol):
         """The critic's values at every input position (differentiable)."""
         ...
 
+    def reference_loop_logp(self, mb: TrainBatch) -> Tensor:
+        """[B, L, K] the reference's per-loop log-probs (objective.loop_weighting not last:
+        `policy_stats` then also gives "loop_logp", "loop_entropy" [B, L, K] and, for
+        exit_pdf, "loop_gate"; learner.loop_forward)."""
+        ...
+
+
+def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tensor]) -> None:
+    """Per-loop credit: the loop weights and per-loop inputs of a micro-batch into ``lb``."""
+    lp = stats["loop_logp"]
+    lb.loop_logp, lb.loop_entropy = lp, stats.get("loop_entropy")
+    lb.loop_prox, lb.loop_ref = mb.extra.get("prox_loops"), mb.extra.get("ref_loops")
+    _, e, n_loops = response_depths(mb)
+    lb.loop_weight = loop_weights(obj, e, mb.exit_depths[:, 0], stats.get("loop_gate"), n_loops)
+
 
 @contextlib.contextmanager
 def _evaluating(*nets: Net | None) -> Iterator[None]:
@@ -202,7 +218,15 @@ class LearnerStep:
 
         def put(dst: Tensor, a: int, x: Tensor) -> None:
             x = x.float().cpu()[:, : batch.length]
-            dst[a : a + x.shape[0], : x.shape[1]] = x
+            dst[a : a + x.shape[0], : x.shape[1], ...] = x
+
+        # per-loop credit: [B, L, K] per-loop log-probs of the proximal / reference passes
+        loops = obj.loop_weighting != "last"
+        k_all = int(batch.exit_depths[batch.mask > 0].max()) if loops else 0
+        per_loop = torch.zeros(batch.size, batch.length, k_all)
+
+        def put_loops(dst: Tensor, a: int, x: Tensor) -> None:
+            put(dst[..., : x.shape[-1]], a, x)
 
         kl_ref = None
         kl = pol.has_reference and obj.kl_coef > 0
@@ -211,7 +235,7 @@ class LearnerStep:
         with _evaluating(pol.policy, pol.critic):
             old_logits: dict[tuple[int, int], Tensor] = {}
             if cfg.use_prox or kl_prox:
-                prox = zeros.clone()
+                prox, prox_loops = zeros.clone(), per_loop.clone()
                 for j, (_, _, lo, hi) in enumerate(rows):
                     for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
                         stats = pol.policy_stats(mb, None)
@@ -223,9 +247,13 @@ class LearnerStep:
                                                pin_memory=old.is_cuda)  # fmt: skip
                             old_logits[(j, i)] = host.copy_(old)
                         put(prox, a, stats["logp"])
+                        if loops:
+                            put_loops(prox_loops, a, stats["loop_logp"])
                 batch.extra["prox_logp" if cfg.use_prox else "kl_prox_logp"] = prox
+                if loops:
+                    batch.extra["prox_loops"] = prox_loops
             if kl:
-                ref = zeros.clone()
+                ref, ref_loops = zeros.clone(), per_loop.clone()
                 token = obj.kl_in_reward_level == "token"
                 pen = torch.zeros((batch.size, batch.length) if token else batch.size,
                                   dtype=torch.float64)  # fmt: skip
@@ -233,6 +261,8 @@ class LearnerStep:
                     for a, mb in self._micro(batch, lo, hi):
                         lp = pol.reference_logp(mb)
                         put(ref, a, lp)
+                        if loops and not obj.kl_in_reward:  # the loss's KL at every loop
+                            put_loops(ref_loops, a, pol.reference_loop_logp(mb))
                         mine = mb.extra.get("prox_logp", mb.extra.get("kl_prox_logp"))
                         mine = mine if kl_prox and mine is not None else mb.behav_logp
                         k = kl_penalty(mine.float(), lp.float(), obj.kl_estimator, obj.kl_cap)
@@ -247,6 +277,8 @@ class LearnerStep:
                                          obj.kl_in_reward_level)  # fmt: skip
                 else:
                     batch.extra["ref_logp"] = ref
+                    if loops:
+                        batch.extra["ref_loops"] = ref_loops
             values = None
             if pol.critic is not None:
                 values = zeros.clone()
@@ -314,6 +346,8 @@ class LearnerStep:
                     prox_logp=mb.extra["prox_logp"] if use_prox_logp else stats.get("prox_logp"),
                     ref_logp=mb.extra.get("ref_logp"), normalizer=norm,
                 )  # fmt: skip
+                if obj.loop_weighting != "last":  # per-loop credit (learner.objectives.loops)
+                    _loop_inputs(lb, obj, mb, stats)
                 loss, m = policy_loss(loss_obj, lb)
                 (loss * pol.dp.size).backward()
                 finite = finite and bool(torch.isfinite(loss.detach()))

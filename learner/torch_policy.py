@@ -19,16 +19,19 @@ backend for CPU runs (same inputs, same thread count -> the same bits: `looprl r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.network import exact_clip_coeff, exact_l2_norm
+from learner.objectives.loops import check_gate, response_depths, spread
 from learner.step import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
@@ -146,6 +149,11 @@ class TorchPolicy:
             reference.eval()
             reference.requires_grad_(False)
         self.has_reference = reference is not None
+        self.loops = cfg.objective.loop_weighting != "last"
+        """Per-loop credit: the forwards add per-loop statistics (`_loop_stats`)."""
+        if self.loops:
+            has_gate = model.gate_logit(torch.zeros(1, model.hidden_size), "fast") is not None
+            check_gate(cfg.objective.loop_weighting, has_gate, type(model).__name__)
 
     @property
     def model(self) -> LoopedLM:
@@ -153,19 +161,65 @@ class TorchPolicy:
         assert isinstance(m, LoopedLM)
         return m
 
-    def forward(self, model: LoopedLM, mb: TrainBatch) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, model: LoopedLM, mb: TrainBatch, depths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(logits [B, L, V], hidden [B, L, H]) at every input position of the micro-batch's
-        rows, each row at its recorded depths with its latent seed (full depth: the depth of
-        its first position, a prompt position: DESIGN contract 2)."""
-        full = [int(d) for d in mb.exit_depths[:, 0].tolist()]
+        rows, each row at its recorded depths (or ``depths``) with its latent seed (full depth:
+        the depth of its first position, a prompt position: DESIGN contract 2)."""
+        depths = mb.exit_depths if depths is None else depths
+        full = [int(d) for d in depths[:, 0].tolist()]
         valid = mb.position_ids < mb.seq_lens[:, None]
         cache = KVCache.empty(model, mb.size, mb.length, max(full))
         out = run_chunk(
             model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,
-            max_depth=max(full), depths=mb.exit_depths, mode=self.cfg.numerics, kv=self.kv,
+            max_depth=max(full), depths=depths, mode=self.cfg.numerics, kv=self.kv,
             row_depths=full if self.kv == "full" else None,
         )  # fmt: skip
         return out.logits[..., : model.vocab_size], out.hidden
+
+    def _loop_stats(self, model: LoopedLM, mb: TrainBatch, gate: bool) -> dict[str, Tensor]:
+        """Per-loop credit: {"logp", "entropy"} [B, L] of the exit readout (no grad) and
+        {"loop_logp", "loop_entropy"(, "loop_gate")} [B, L, K] (0 where k > e_t): one replay
+        (`_replay_loops`, models.engine.run_chunk's replay with a hook after each iteration)
+        whose state after iteration k is read out through the family's readout (a fresh coda
+        cache per loop) and head, under activation checkpointing (one loop's logits at a time):
+        learner.loop_forward's computation, in the same order, so in numerics exact the two
+        policies give the same bits, gradients included."""
+        smp, mode = self.cfg.sampling, self.cfg.numerics
+        sel, e, n_loops = response_depths(mb)
+        cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
+
+        def rows_stats(logits: Tensor, sel_k: Tensor) -> tuple[Tensor, Tensor]:
+            st = contract_token_stats(logits[..., : model.vocab_size][sel_k], None,
+                                      mb.targets[sel_k], smp.temperature, smp.top_p, mode)  # fmt: skip
+            return st["logp"], st["entropy"]
+
+        def at_loop(k: int, state: Tensor, readout: Any) -> None:
+            if k > n_loops:
+                return
+            sel_k = sel & (e >= k)
+
+            def stats(s: Tensor) -> tuple[Tensor, Tensor]:
+                return rows_stats(readout(s)[0], sel_k)
+
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(stats, state, use_reentrant=False)
+            else:
+                lp, ent = stats(state)
+            cols["loop_logp"].append(spread(sel_k, lp))
+            cols["loop_entropy"].append(spread(sel_k, ent))
+            if gate:
+                with torch.no_grad():
+                    g = model.gate_logit(state, mode)
+                    assert g is not None
+                    cols["loop_gate"].append(torch.where(sel_k, g.view(sel.shape), 0.0))
+
+        logits = _replay_loops(model, mb, mode, self.kv, at_loop)
+        with torch.no_grad():
+            lp, ent = rows_stats(logits.detach(), sel)
+        out = {"logp": spread(sel, lp), "entropy": spread(sel, ent)}
+        return out | {k: torch.stack(v, dim=-1) for k, v in cols.items() if v}
 
     def _stats(self, logits: Tensor, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
         sel = mb.mask > 0
@@ -178,12 +232,21 @@ class TorchPolicy:
         return out | {"rows": rows}
 
     def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
+        if self.loops:  # per-loop credit (flow_dppo is refused with it)
+            gate = self.cfg.objective.loop_weighting == "exit_pdf"
+            return self._loop_stats(self.model, mb, gate)
         return self._stats(self.forward(self.model, mb)[0], mb, old)
 
     @torch.no_grad()
     def reference_logp(self, mb: TrainBatch) -> Tensor:
         assert self.ref is not None
         return self._stats(self.forward(self.ref, mb)[0], mb, None)["logp"]
+
+    @torch.no_grad()
+    def reference_loop_logp(self, mb: TrainBatch) -> Tensor:
+        """[B, L, K] the reference's per-loop log-probs (per-loop credit with kl_coef > 0)."""
+        assert self.ref is not None
+        return self._loop_stats(self.ref, mb, False)["loop_logp"]
 
     def values(self, mb: TrainBatch) -> Tensor:
         assert self.critic is not None
@@ -193,3 +256,56 @@ class TorchPolicy:
         mode = "exact" if self.cfg.numerics == "exact" else "fast"  # as megatron's value head
         out: Tensor = nx.linear(hid, net.head.weight, net.head.bias, mode)[..., 0]
         return out
+
+
+def _replay_loops(model: LoopedLM, mb: TrainBatch, mode: str, kv: str, hook: Any) -> Tensor:
+    """models.engine.run_chunk's replay of a micro-batch at its recorded depths (the same
+    operations in the same order), calling hook(k, state [B, L, h], readout) after core
+    iteration k; readout(state) -> (logits, hidden) [B, L, ...] through the coda with a fresh
+    coda cache. Returns the exit readout's logits [B, L, V_pad]."""
+    from models.engine import _key_mask, _readout, _Rows, _stack
+
+    depths = mb.exit_depths
+    full_d = [int(d) for d in depths[:, 0].tolist()]
+    max_depth = max(full_d)
+    full = kv == "full"
+    bsz, seq = mb.input_ids.shape
+    n = bsz * seq
+    cache = KVCache.empty(model, bsz, seq, max_depth)
+    pos = mb.position_ids.reshape(n)
+    val = (mb.position_ids < mb.seq_lens[:, None]).reshape(n)
+    rows = torch.arange(bsz).repeat_interleave(seq)
+    dep = depths.reshape(n)
+    cache.filled[rows[val], pos[val]] = True
+    r = _Rows(bsz, seq, rows, pos, _key_mask(cache.filled, mb.position_ids), model.rope(pos, mode),
+              mode)  # fmt: skip
+    row_seeds = [int(mb.seeds[b]) for b in rows.tolist()]
+    e = _stack(model.prelude_blocks(), cache.prelude, model.embed(mb.input_ids.reshape(n)), val, r)
+    state = model.initial_state(e, pos, row_seeds)
+    done = ~val
+    run_to = torch.as_tensor(full_d, dtype=torch.int64)[rows] if full else None
+    out_state = state
+
+    def readout(s: Tensor) -> tuple[Tensor, Tensor]:
+        fresh = dataclasses.replace(cache, coda=torch.zeros_like(cache.coda))
+        logits, hidden = _readout(model, fresh, s.reshape(n, -1), val, r)
+        return logits.view(bsz, seq, -1), hidden.view(bsz, seq, -1)
+
+    for i in range(max_depth):
+        active = ~done
+        running = val & (run_to > i) if run_to is not None else active
+        if not running.any():
+            break
+        x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), running, r)
+        new = model.core_out(x, mode)
+        state = torch.where(running[:, None], new, state)
+        stop = active & (dep == i + 1)
+        if full:
+            out_state = torch.where(stop[:, None], state, out_state)
+        elif stop.any() and i + 1 < max_depth:
+            sb, sp = rows[stop], pos[stop]
+            cache.core[i + 1 :, :, :, sb, sp] = cache.core[i, :, :, sb, sp].unsqueeze(0)
+        done = done | stop
+        hook(i + 1, state.view(bsz, seq, -1), readout)
+    logits, _ = _readout(model, cache, out_state if full else state, val, r)
+    return logits.view(bsz, seq, -1)

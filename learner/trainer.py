@@ -29,7 +29,10 @@ from torch import Tensor, nn
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.loop_forward import loop_forward
 from learner.network import Network, seed_all
+from learner.objectives.loops import check_gate
+from learner.replay import unwrap
 from learner.specs import (  # noqa: F401  (the looped families' specs: part of this API)
     CriticSpec,
     PolicySpec,
@@ -88,6 +91,12 @@ class MegatronPolicy:
             self.ref_module.requires_grad_(False)
         self.has_reference = self.ref_module is not None
         self.device = next(self.policy.module.parameters()).device
+        self.loops = cfg.objective.loop_weighting != "last"
+        """Per-loop credit: the forwards add per-loop statistics (learner.loop_forward)."""
+        if self.loops:
+            core = unwrap(self.policy.module)
+            check_gate(cfg.objective.loop_weighting, hasattr(core, "exit_gate"),
+                       type(core.family_config).__name__)  # fmt: skip
 
     def _stats(self, out: dict[str, Tensor], mb: TrainBatch, old: Tensor | None) -> dict:
         """logp / entropy (/ kl, prox_logp from old logits) [B, L] from a PolicyForward;
@@ -117,13 +126,34 @@ class MegatronPolicy:
             res["prox_logp"] = spread(stats.logp_old)
         return res
 
+    def _row_stats(self, rows: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """{"logp", "entropy"} [N] of full-vocabulary rows, as `_stats` computes them."""
+        smp = self.cfg.sampling
+        if self.cfg.numerics == "exact":
+            return contract_token_stats(rows, None, targets, smp.temperature, smp.top_p, "exact")
+        if smp.top_p < 1.0:
+            rows = nucleus_rows(rows, smp.temperature, smp.top_p)
+        stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
+        st = stats_fn(rows, None, targets, smp.temperature, self.cfg.vocab_chunk)
+        return {"logp": st.logp, "entropy": st.entropy}
+
     def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
+        if self.loops:  # per-loop credit: learner.loop_forward (flow_dppo is refused with it)
+            gate = self.cfg.objective.loop_weighting == "exit_pdf"
+            return loop_forward(self.policy.module, mb, self._row_stats, gate=gate)
         return self._stats(self.policy_spec.forward(self.policy.module, mb), mb, old)
 
     @torch.no_grad()
     def reference_logp(self, mb: TrainBatch) -> Tensor:
         assert self.ref_module is not None
         return self._stats(self.policy_spec.forward(self.ref_module, mb), mb, None)["logp"]
+
+    @torch.no_grad()
+    def reference_loop_logp(self, mb: TrainBatch) -> Tensor:
+        """[B, L, K] the reference's per-loop log-probs (per-loop credit with kl_coef > 0)."""
+        assert self.ref_module is not None
+        out: Tensor = loop_forward(self.ref_module, mb, self._row_stats, gate=False)["loop_logp"]
+        return out
 
     def values(self, mb: TrainBatch) -> Tensor:
         assert self.critic is not None and self.critic_spec is not None

@@ -150,7 +150,12 @@ def _advantages(cfg: ObjectiveConfig, adv: Any, shape: torch.Size) -> Tensor:
 
 
 def _tokens(
-    cfg: ObjectiveConfig, kind: Kind, batch: LossBatch, temperature: float, vocab_chunk: int
+    cfg: ObjectiveConfig,
+    kind: Kind,
+    batch: LossBatch,
+    temperature: float,
+    vocab_chunk: int,
+    correction: Correction | None = None,
 ) -> tuple[Tokens, Correction | None]:
     """The validated, cleaned inputs (`Tokens`) and the rollout correction when it applies."""
     mask = batch.mask
@@ -213,8 +218,8 @@ def _tokens(
         prox=clean(tok["prox_logp"]), ref=clean(tok["ref_logp"]), kl=clean(tok["kl"]),
         entropy=clean(tok["entropy"], grad=True),
     )  # fmt: skip
-    corr = None
-    if weighted:  # from the raw log-probs: the step computes the same (learner.step)
+    corr = correction
+    if weighted and corr is None:  # from the raw log-probs: the step computes the same
         prox_in, behav_in = tok["prox_logp"], tok["behav_logp"]
         assert prox_in is not None and behav_in is not None
         corr = rollout_correction(cfg, mask, prox_in, behav_in)
@@ -232,6 +237,112 @@ def _behaviour_weight(
     if cfg.is_veto is not None:
         metrics["is_vetoed_frac"] = masked_mean((corr.vetoed & tok.valid).float(), tok.mask)
     return w
+
+
+def _token_loss(
+    cfg: ObjectiveConfig,
+    kind: Kind,
+    tok: Tokens,
+    corr: Correction | None,
+    metrics: Metrics,
+    norm: float | Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(pg, total, agg): the weighted surrogate, + the TERMS, per token [B, T], and the mask
+    the aggregation counts (rejected tokens out when is_rejected_in_denominator is false)."""
+    w = None if corr is None else _behaviour_weight(cfg, tok, corr, metrics)
+    pg = kind.surrogate(cfg, tok, metrics)
+    if w is not None:
+        pg = pg * w
+    pg = tok.where_valid(pg)
+    mask, length = tok.mask, cfg.loss_scale_length
+    agg = mask  # rejected tokens out of the denominator too (the step's normalizer agrees)
+    if corr is not None and not cfg.is_rejected_in_denominator:
+        agg = torch.where(corr.rejected, 0.0, mask)
+    metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
+    total = pg
+    for term in TERMS:
+        extra = term.add(cfg, tok, metrics)
+        if extra is not None:
+            total = total + extra
+    return pg, total, agg
+
+
+def _loop_input(x: Tensor | None, key: str, shape: torch.Size) -> Tensor | None:
+    if x is None:
+        return None
+    if x.dim() != 3 or x.shape[:2] != shape[:2] or x.shape[2] < shape[2]:
+        raise ValueError(f"batch[{key!r}]: expected [B, T, >= K] = {tuple(shape)}, "
+                         f"got {tuple(x.shape)}")  # fmt: skip
+    return x[..., : shape[2]]
+
+
+def _loop_policy_loss(
+    cfg: ObjectiveConfig, kind: Kind, lb: LossBatch
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-loop credit (docs/OBJECTIVES.md "Per-loop credit"):
+
+        l_t = sum_k w_tk l_t(logp_tk, base_tk, ...),   loss = aggregate(l, mask)
+
+    the kind's surrogate and every TERM at loop k with that loop's current / proximal /
+    reference log-probs and entropy; the behaviour weight (and its rejections) once per token
+    from the exit loop's proximal log-prob (`prox_logp`; the behaviour log-prob exists there
+    only). A token is read at loop k when w_tk > 0. Metrics: w-weighted means over
+    (token, loop) pairs; pg_loss aggregated like the loss."""
+    mask = lb.mask
+    w_all = lb.loop_weight
+    assert w_all is not None
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or w_all.shape[:2] != mask.shape:
+        raise ValueError("batch['loop_weight']: expected [B, T, K] over the [B, T] mask")
+    shape = w_all.shape
+    logp = _loop_input(lb.loop_logp, "loop_logp", shape)
+    if logp is None:
+        raise ValueError("batch['loop_logp']: required with loop_weight")
+    ent = _loop_input(lb.loop_entropy, "loop_entropy", shape)
+    prox = _loop_input(lb.loop_prox, "loop_prox", shape)
+    ref = _loop_input(lb.loop_ref, "loop_ref", shape)
+    w_all = w_all.detach().float()
+    corr = None
+    if behaviour_weighted(cfg):
+        prox_e = _require(lb.prox_logp, "prox_logp", "(the exit loop's) with loop_weight")
+        behav = _require(lb.behav_logp, "behav_logp", "for the behaviour weight")
+        corr = rollout_correction(cfg, mask, prox_e, behav)
+    sums: dict[str, Tensor] = {}
+    total = pg = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    live = mask > 0
+    for k in range(shape[2]):
+        wk = w_all[..., k]
+        if not bool((live & (wk > 0)).any()):
+            continue
+        mk = torch.where(wk > 0, mask.float(), 0.0)
+        part = LossBatch(
+            mask=mk * wk, advantages=lb.advantages, logp=logp[..., k],
+            entropy=None if ent is None else ent[..., k], behav_logp=lb.behav_logp,
+            prox_logp=None if prox is None else prox[..., k],
+            ref_logp=None if ref is None else ref[..., k], normalizer=lb.normalizer,
+        )  # fmt: skip
+        tok, _ = _tokens(cfg, kind, part, 1.0, DEFAULT_CHUNK, correction=corr)
+        m: Metrics = {}
+        pg_k, total_k, _ = _token_loss(cfg, kind, tok, corr, m, lb.normalizer)
+        pg, total = pg + wk * pg_k, total + wk * total_k
+        with torch.no_grad():
+            m["ratio_mean"] = masked_mean(tok.ratio, tok.mask)
+            lr = tok.log_ratio
+            m["approx_kl"] = masked_mean(ratio_from_log(-lr) - 1.0 + lr, tok.mask)
+            m["invalid_frac"] = masked_mean((tok.live & ~tok.valid).float(), tok.mask)
+            share = torch.where(live, mk * wk, 0.0).sum()
+            for key, v in m.items():
+                sums[key] = sums.get(key, 0.0) + v.float() * share
+    agg = mask
+    if corr is not None and not cfg.is_rejected_in_denominator:
+        agg = torch.where(corr.rejected, 0.0, mask)
+    norm, length = lb.normalizer, cfg.loss_scale_length
+    loss = aggregate(total, agg, cfg.aggregation, norm, length)
+    n = torch.where(live, mask.float(), 0.0).sum().clamp_min(1e-12)
+    metrics: Metrics = {k: v / n for k, v in sums.items() if k != "pg_loss"}
+    metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
+    metrics["num_tokens"] = live.sum()
+    metrics["loss"] = loss.detach()
+    return loss, _to_floats(metrics)
 
 
 def policy_loss(
@@ -263,23 +374,12 @@ def policy_loss(
     """
     lb = LossBatch.of(batch)
     kind = KIND_REGISTRY[cfg.kind]
+    if lb.loop_weight is not None:
+        return _loop_policy_loss(cfg, kind, lb)
     tok, corr = _tokens(cfg, kind, lb, temperature, vocab_chunk)
     metrics: Metrics = {}
-    w = None if corr is None else _behaviour_weight(cfg, tok, corr, metrics)
-    pg = kind.surrogate(cfg, tok, metrics)
-    if w is not None:
-        pg = pg * w
-    pg = tok.where_valid(pg)
+    pg, total, agg = _token_loss(cfg, kind, tok, corr, metrics, lb.normalizer)
     mask, norm, length = tok.mask, lb.normalizer, cfg.loss_scale_length
-    agg = mask  # rejected tokens out of the denominator too (the step's normalizer agrees)
-    if corr is not None and not cfg.is_rejected_in_denominator:
-        agg = torch.where(corr.rejected, 0.0, mask)
-    metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
-    total = pg
-    for term in TERMS:
-        extra = term.add(cfg, tok, metrics)
-        if extra is not None:
-            total = total + extra
     loss = aggregate(total, agg, cfg.aggregation, norm, length)
     with torch.no_grad():
         metrics["ratio_mean"] = masked_mean(tok.ratio, mask)

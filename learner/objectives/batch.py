@@ -49,6 +49,18 @@ class LossBatch:
     normalizer: float | Tensor | None = None
     """Replaces the aggregation denominator (`learner.losses.aggregate`): the update's global
     token or sequence count, so micro-batches and DP ranks add up to one mean."""
+    loop_weight: Tensor | None = None
+    """[B, T, K] per-loop credit weights (learner.objectives.loops.loop_weights); given, the
+    objective's per-token term is applied at each loop k with the loop_* inputs and summed
+    with these weights (docs/OBJECTIVES.md "Per-loop credit"). None: the exit loop only."""
+    loop_logp: Tensor | None = None
+    """[B, T, K] log-prob of the sampled token read out after loop k (differentiable)."""
+    loop_entropy: Tensor | None = None
+    """[B, T, K] entropy of that distribution (differentiable)."""
+    loop_prox: Tensor | None = None
+    """[B, T, >= K] the proximal pass's per-loop log-probs (the ratio base at each loop)."""
+    loop_ref: Tensor | None = None
+    """[B, T, >= K] the reference policy's per-loop log-probs (kl_coef > 0)."""
 
     @classmethod
     def of(cls, batch: LossBatch | Mapping[str, Any]) -> LossBatch:

@@ -1,0 +1,76 @@
+"""Per-loop token statistics of the megatron policy (objective.loop_weighting; docs/LEARNER.md
+"Per-loop credit"): for every response token t and loop k = 1..e_t, the log-prob and entropy
+of the sampled token under the distribution read out after core iteration k.
+
+    out = loop_forward(model, mb, row_stats, gate=False)
+    out["logp"], out["entropy"]               # [B, L] the exit readout (the usual statistics)
+    out["loop_logp"], out["loop_entropy"]     # [B, L, K] per loop, 0 where k > e_t
+    out["loop_gate"]                          # [B, L, K] exit-gate logits (gate=True: Ouro)
+
+One forward: after core iteration k (`LoopedGPT.forward`'s loop_fn) the family's readout of the
+whole state tensor (every position at min(k, its depth) under last_exited, at k under full), the
+head on the rows of the tokens with e_t >= k, and `row_stats` of those rows. The readout, head and
+statistics of a loop run under activation checkpointing: the backward recomputes them from the
+loop's state, so one loop's [tokens, vocab] logits (and one readout) live at a time, never
+[loops, tokens, vocab]. Gradients reach the core only where the forward keeps them
+(learner.backprop_depth: token t's iterations i < e_t - k carry none); the readout and head get
+the gradient of every loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from learner.batching import TrainBatch
+from learner.objectives.loops import response_depths, spread
+from learner.replay import full_vocab_logits, unwrap
+from models import numerics as nx
+
+__all__ = ["RowStats", "loop_forward"]
+
+RowStats = Callable[[Tensor, Tensor], dict[str, Tensor]]
+"""row_stats(logits [N, V] full vocabulary, targets [N]) -> {"logp", "entropy"} [N]."""
+
+
+def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool) -> dict:
+    """The module docstring's outputs for a micro-batch on the model's device."""
+    core = unwrap(model)
+    mode = nx.check_mode(core.options.numerics)
+    sel, e, n_loops = response_depths(mb)
+    targets = mb.targets
+    cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
+
+    def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> None:
+        if k > n_loops:
+            return
+        sel_k = sel & (e >= k)
+
+        def stats(s: Tensor) -> tuple[Tensor, Tensor]:
+            rows = readout(s)[sel_k]
+            st = row_stats(full_vocab_logits(core, core.head_logits(rows, mode)), targets[sel_k])
+            return st["logp"], st["entropy"]
+
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(stats, state, use_reentrant=False)
+        else:
+            lp, ent = stats(state)
+        cols["loop_logp"].append(spread(sel_k, lp))
+        cols["loop_entropy"].append(spread(sel_k, ent))
+        if gate:
+            with torch.no_grad():
+                cols["loop_gate"].append(torch.where(sel_k, core.gate_logit(state, mode), 0.0))
+
+    valid = mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
+    out = model(mb.input_ids, mb.exit_depths, valid, mb.latent_seeds, head_rows=sel,
+                loop_fn=at_loop)  # fmt: skip
+    with torch.no_grad():  # the exit readout: behaviour mismatch, the correction's base
+        ex = row_stats(full_vocab_logits(core, out.logits.detach()), targets[sel])
+    del out
+    res = {"logp": spread(sel, ex["logp"]), "entropy": spread(sel, ex["entropy"])}
+    res.update({k: torch.stack(v, dim=-1) for k, v in cols.items() if v})
+    return res
