@@ -489,6 +489,13 @@ class Coordinator:
         assert self._job is None, "publish() while a step is running"
         self._announce(self._write_publication(self.version + 1))
 
+    def announce_again(self, pub: Publication) -> None:
+        """Resume at the newest announced version ``pub`` (read back from its directory, its
+        digest the one digests.jsonl recorded): the publisher offers it to every generator
+        that does not serve it, e.g. one started after the learner stopped."""
+        assert self._job is None and pub.version == self.version, "announce_again: not current"
+        self._announce(pub, again=True)
+
     def _write_publication(self, v: int) -> Publication:
         """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
         out = weights_dir(self.run_dir, v)
@@ -508,16 +515,19 @@ class Coordinator:
                 "checkpoint with a lower optimizer.lr or a tighter optimizer.grad_clip"
             ) from e
 
-    def _announce(self, pub: Publication) -> None:
-        """Announce the trainer's Publication as it is (its digest is not computed again)."""
+    def _announce(self, pub: Publication, *, again: bool = False) -> None:
+        """Announce the trainer's Publication as it is (its digest is not computed again).
+        ``again``: a version announced before this learner started (a resume at the newest
+        version: generators that join now need it), not recorded a second time."""
         v = pub.version
         if pub.path is None:
             raise CoordinatorError(f"publication v{v} has no directory")
-        # Write-ahead: a version is in digests.jsonl before any generator can hear of it, so a
-        # resume never reuses the number of weights that were announced (pipeline.core.resume).
-        with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
-            f.write(json.dumps(pub.record()) + "\n")  # with its digest kind
-        faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
+        if not again:
+            # Write-ahead: a version is in digests.jsonl before any generator can hear of it, so
+            # a resume never reuses the number of weights that were announced (core.resume).
+            with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
+                f.write(json.dumps(pub.record()) + "\n")  # with its digest kind
+            faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
             path=str(Path(pub.path).resolve()), digest=pub.digests,

@@ -31,6 +31,7 @@ replay takes the last copy of an id, the only one a surviving step can name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -38,6 +39,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from models.weights.publication import Publication, weights_dir
 from pipeline.core import faults
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import counter_of, work_id_of
@@ -101,6 +103,38 @@ def rewind_metrics(path: Path, step: int) -> int:
         f.truncate(0)
         f.write("".join(x + "\n" for x in kept))
     return len(lines) - len(kept)
+
+
+def _announce_again(c: Coordinator) -> bool:
+    """A resume at the newest announced version v (the checkpoint's): offer v again from
+    RUN_DIR/weights/vN, so that a generator started after the learner stopped (serving
+    nothing) loads it; one that serves v already is not sent it. False when the directory is
+    gone or its digest is not the recorded one."""
+    v = c.version
+    recorded = _recorded_digests(c.run_dir).get(v)
+    try:
+        pub = Publication.from_dir(weights_dir(c.run_dir, v), v)
+    except (OSError, ValueError) as e:
+        log.warning("resume: weights v%d cannot be offered again (%s): publishing v%d", v, e, v + 1)
+        return False
+    if recorded is None or pub.digest_as(recorded.get("digest_kind", ""),
+                                         int(recorded.get("digest_chunk_bytes", 0))) != recorded["digest"]:  # fmt: skip
+        log.warning("resume: weights/v%d is not the announced set: publishing v%d", v, v + 1)
+        return False
+    c.announce_again(pub)
+    return True
+
+
+def _recorded_digests(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """version -> its last record in weights/digests.jsonl."""
+    path = run_dir / "weights" / "digests.jsonl"
+    out: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                d = json.loads(line)
+                out[int(d["version"])] = d
+    return out
 
 
 def _max_published(run_dir: Path) -> int:
@@ -231,5 +265,8 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
     if newest > c.version:  # versions published after the checkpoint are void: supersede them
         c.version = newest
         c.publish()  # the restored weights, as a version newer than anything published before
+    elif c.version > 0 and not _announce_again(c):  # its directory is gone or differs
+        c.gate.lineage.add_resume(c.version, c.version + 1, c.version)
+        c.publish()  # the restored weights as the next version
     log.info("resumed from %s at step %d, version %d: %s", ckpt, c.step, c.version, counts)
     return counts
