@@ -1,11 +1,12 @@
 """deploy/slurm/looprl.sbatch on a real Slurm (slurmctld + three slurmd on this host, made and
 stopped by `scripts/slurm_cluster.sh`): the file as users submit it, CPU-only through its
-GPUS_PER_NODE=0 mode, runs the learner on node 0 and one generator on each of nodes 1 and 2,
-and the reward of the quickstart task rises. Mid-run, node 2's generator step is cancelled
-(`scancel JOB.STEP`): the run carries on with the other one and finishes.
+GPUS_PER_NODE=0 mode, runs the learner on node 0 and one generator on each of nodes 1 and 2;
+the reward of the quickstart task rises across a cancelled generator step and a time-limit
+stop followed by a resubmission (see the test's docstring).
 
-About 3-4 minutes on an idle 2-core host (one learner and two vLLM generators: the real
-processes the file starts). Needs root, slurm-wlm and munge: scripts/setup.sh installs them."""
+About 4-5 minutes on an idle 2-core host (one learner and two vLLM generators per job life:
+the real processes the file starts). Needs root, slurm-wlm and munge: scripts/setup.sh
+installs them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.commands.learner_main import connect_host
+from pipeline.core.recorder import read_rollouts, read_steps
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
@@ -73,9 +75,28 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else []
 
 
-def test_the_sbatch_file_trains_and_survives_a_cancelled_generator_step(
+def _accepted(run_dir: Path) -> set[tuple[str, int]]:
+    return {(r.work_id, r.sample_index) for _, r in read_rollouts(run_dir / "stream")}
+
+
+def _trained(run_dir: Path) -> set[tuple[str, int]]:
+    out = set()
+    for st in read_steps(run_dir / "steps.jsonl"):
+        for rid in st.rollout_ids:
+            w, _, i = rid.rpartition("/")
+            out.add((w, int(i)))
+    return out
+
+
+def test_sbatch_trains_survives_a_cancelled_step_and_resumes_after_the_time_limit(
     slurm: dict[str, str], tmp_path: Path
 ) -> None:
+    """One run, two job lives. Life 1: both generator steps serve; at step 8 node 2's step is
+    cancelled (SIGKILL), node 1's carries on; at step 16 the batch shell gets the SIGTERM
+    the time limit's ``--signal=B:TERM@300`` sends (``scancel --signal=TERM --batch``): the
+    learner checkpoints and stops, the job completes. Life 2: the same command again resumes
+    from the checkpoint with both nodes' generators and finishes; every sample accepted in
+    life 1 was trained (that copy or its regenerated one), one metrics row per step."""
     run_dir, steps = tmp_path / "run", 30
     # CURVE keys and a non-loopback address, as on a cluster (no CURVE on loopback by default)
     addr = socket.gethostbyname(connect_host("0.0.0.0")[0])
@@ -86,31 +107,48 @@ def test_the_sbatch_file_trains_and_survives_a_cancelled_generator_step(
         f"RUN_DIR={run_dir}", f"VENV={sys.prefix}", "MAX_INFLIGHT=2", "KV_CACHE_MB=64",
         "MAX_MODEL_LEN=64",
     ])  # fmt: skip
-    sub = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=3", "--gpus-per-node=0", "--time=20",
-         f"--output={tmp_path}/job.out", f"--export={export}", str(SBATCH), f"steps={steps}",
-         "checkpoint.every=0"],
-        env=slurm, cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    job = sub.stdout.strip().split(";")[0]
-    cancelled, end = "", time.monotonic() + 900
-    while _job_state(slurm, job) in {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
-        assert time.monotonic() < end, f"job {job} still running; {tmp_path}/job.out"
-        rows = _metrics(run_dir)
-        if not cancelled and len(rows) >= 8:  # mid-run: cancel node 2's generator step
-            on_n2 = [s for s, nodes in _steps(slurm, job).items() if nodes == "n2"]
-            assert len(on_n2) == 1, _steps(slurm, job)
-            cancelled = on_n2[0]
-            subprocess.run(["scancel", cancelled], env=slurm, check=True)
-            at_cancel = len(rows)
-        time.sleep(1)
-    log = (tmp_path / "job.out").read_text()
-    assert _job_state(slurm, job) == "COMPLETED", log
-    assert "learner exited with 0" in log, log
+
+    def life(n: int, on_step: dict[int, list[str]]) -> str:
+        out = tmp_path / f"job{n}.out"
+        sub = subprocess.run(
+            ["sbatch", "--parsable", "--nodes=3", "--gpus-per-node=0", "--time=20",
+             f"--output={out}", f"--export={export}", str(SBATCH), f"steps={steps}",
+             "checkpoint.every=4"],
+            env=slurm, cwd=REPO, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        job, done, end = sub.stdout.strip().split(";")[0], set(), time.monotonic() + 900
+        while _job_state(slurm, job) in {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
+            assert time.monotonic() < end, f"job {job} still running; {out}"
+            rows = len(_metrics(run_dir))
+            for at, action in on_step.items():
+                if at not in done and rows >= at:
+                    done.add(at)
+                    if action == ["cancel n2"]:
+                        on_n2 = [s for s, nodes in _steps(slurm, job).items() if nodes == "n2"]
+                        assert len(on_n2) == 1, _steps(slurm, job)
+                        subprocess.run(["scancel", on_n2[0]], env=slurm, check=True)
+                    else:
+                        subprocess.run([*action, job], env=slurm, check=True)
+            time.sleep(1)
+        log = out.read_text()
+        assert _job_state(slurm, job) == "COMPLETED", log
+        assert "learner exited with 0" in log, log
+        assert done == set(on_step), (done, log)
+        return log
+
+    life(1, {8: ["cancel n2"], 16: ["scancel", "--signal=TERM", "--batch"]})
+    first = _metrics(run_dir)
+    assert 16 <= len(first) < steps, len(first)  # stopped early, by the signal
+    assert max(r["generators"] for r in first[:8]) == 2 and first[-1]["generators"] == 1
+    assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    accepted_life1 = _accepted(run_dir)
+
+    life(2, {})  # the same command: it finds the checkpoint and resumes
     rows = _metrics(run_dir)
-    assert cancelled and [r["step"] for r in rows] == list(range(1, steps + 1)), log
-    assert max(r["generators"] for r in rows[:at_cancel]) == 2  # both nodes' generators served
-    assert rows[-1]["generators"] == 1  # node 2's left; node 1's carried the rest of the run
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
-    assert last > max(10 * first, 0.05), (first, last)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # one row per step
+    assert rows[-1]["generators"] == 2  # both nodes again in life 2
+    lost = sorted(accepted_life1 - _trained(run_dir))
+    assert not lost, f"{len(lost)} samples accepted in life 1 never trained: {lost[:8]}"
+    r0 = sum(r["reward_mean"] for r in rows[:5]) / 5
+    r1 = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert r1 > max(10 * r0, 0.05), (r0, r1)
