@@ -287,7 +287,8 @@ def _loop_policy_loss(
     reference log-probs and entropy; the behaviour weight (and its rejections) once per token
     from the exit loop's proximal log-prob (`prox_logp`; the behaviour log-prob exists there
     only). A token is read at loop k when w_tk > 0. Metrics: w-weighted means over
-    (token, loop) pairs; pg_loss aggregated like the loss."""
+    (token, loop) pairs; pg_loss aggregated like the loss; loop_depth_mean: the token mean of
+    sum_k k w_tk (e_t for last)."""
     mask = lb.mask
     w_all = lb.loop_weight
     assert w_all is not None
@@ -340,6 +341,8 @@ def _loop_policy_loss(
     n = torch.where(live, mask.float(), 0.0).sum().clamp_min(1e-12)
     metrics: Metrics = {k: v / n for k, v in sums.items() if k != "pg_loss"}
     metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
+    k = torch.arange(1, shape[2] + 1, dtype=torch.float32, device=w_all.device)
+    metrics["loop_depth_mean"] = masked_mean((w_all * k).sum(-1), mask)  # credited loop, mean
     metrics["num_tokens"] = live.sum()
     metrics["loss"] = loss.detach()
     return loss, _to_floats(metrics)

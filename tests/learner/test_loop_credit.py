@@ -127,8 +127,10 @@ def test_uniform_sums_the_loops() -> None:
     batch, e = _loss_batch("u")
     leaf = batch["loop_logp"].clone().requires_grad_()
     w = _w("uniform", e.tolist())
-    loss, _ = policy_loss(cfg, dict(batch, loop_logp=leaf, loop_weight=w, normalizer=7.0,
+    loss, m = policy_loss(cfg, dict(batch, loop_logp=leaf, loop_weight=w, normalizer=7.0,
                                     loop_entropy=None))  # fmt: skip
+    live_t = batch["mask"] > 0  # credited loop: sum_k k / e_t = (e_t + 1) / 2
+    assert math.isclose(m["loop_depth_mean"], float(((e + 1) / 2)[live_t].mean()), rel_tol=1e-6)
     (g,) = torch.autograd.grad(loss, leaf)
     r = (batch["loop_logp"] - batch["loop_prox"]).exp()
     live = (batch["mask"] > 0)[..., None] & (w > 0)

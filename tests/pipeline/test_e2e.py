@@ -78,6 +78,7 @@ def test_grpo_survives_a_generator_killed_mid_run(tmp_path: Path) -> None:
                 "staleness.policy=keep",
                 "objective.epochs=2",
                 "objective.minibatches=2",
+                "objective.loop_weighting=uniform",  # per-loop credit (issue 23)
             ],  # fmt: skip
             None,
         ),
@@ -105,6 +106,8 @@ def test_objectives(tmp_path: Path, kind: str, overrides: list[str], bound: int 
     if kind == "dppo":  # 2 epochs x 2 mini-batches: 4 updates a step, the clip acts
         assert all(r["train/updates"] == 4.0 for r in rows)
         assert max(r["train/clip_frac"] for r in rows) > 0.0
+        # uniform credit over loops 1..e_t: the credited loop's token mean, (e_t + 1) / 2 >= 1
+        assert all(r["train/loop_depth_mean"] >= 1.0 for r in rows), rows[-1]
     if kind == "flow_dppo":  # every generator verified and loaded the chunked versions
         assert s["counts"]["publisher"]["acked"] >= 2  # each loaded >= 1 version (staleness 1)
         assert s["counts"]["publisher"].get("nacked", 0) == 0
