@@ -4,7 +4,7 @@
     python benchmarks/digest.py --sizes-gib 7 --workers 1,4,16
 
 Per size: a blob of that many bytes (filled, so its pages are resident) hashed as one uint8
-tensor by ``models.digest.weights_digest`` (kind sha256-tree, 16 MiB chunks, the process's
+tensor by ``models.weights.digest.weights_digest`` (kind sha256-tree, 16 MiB chunks, the process's
 hash pool), best of ``--repeats``; and, for the first size, the flat kind (one serial sha256,
 the digest of runs recorded before the tree) over min(size, 1 GiB). ``--workers`` re-runs
 the tree digest with pools of those sizes (default: the host's CPUs only). Loads

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from generator.config import GeneratorConfig
-from models.collective import DEFAULT_PIPE_BYTES
 from models.contract import Sampling
 from models.errors import ConfigError
 from models.exits import policy_from_dict
 from models.settings import check
+from models.weights.collective import DEFAULT_PIPE_BYTES
 from pipeline.net.transport_config import TransportConfig
 
 POLICIES = ("drop", "keep")

@@ -282,10 +282,10 @@ class WeightAnnounce:
     tensors: per-tensor layout inside the blob. config_json: the HF config.json text.
     created_at: publication time (s).
     collective (protocol 1.2; empty otherwise): the blob comes by a torch.distributed broadcast
-      (publish.transport=collective; models.collective): ``store`` "host:port" of the learner's
+      (publish.transport=collective; models.weights.collective): ``store`` "host:port" of the learner's
       TCPStore, ``round`` the key prefix of this delivery round, ``backend`` gloo | nccl,
       ``timeout_s`` the bound of each wait (s); optional ``chunk_bytes`` (int >= 0, 0 when
-      absent): the piece size of a pipelined delivery (models.collective.deliver), 0 one whole
+      absent): the piece size of a pipelined delivery (models.weights.collective.deliver), 0 one whole
       broadcast. No chunks and no path then.
     digest_kind (protocol 1.3; "" when absent = "sha256", the one sha256 over every byte of the
       runs before): "sha256-tree" = sha256 over the ordered sha256 of the ``digest_chunk_bytes``

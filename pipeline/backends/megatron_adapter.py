@@ -30,7 +30,7 @@ from learner.publish import looped_exporter, publish
 from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
-from models.publication import Publication
+from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.config import RunConfig
 from proto import Rollout

@@ -36,9 +36,9 @@ from models.checkpoint import (
     state_dict_for_save,
     tied_from_module,
 )
-from models.digest import check_finite
 from models.exits import resolve_kv
-from models.publication import Publication
+from models.weights.digest import check_finite
+from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.config import ConfigError, RunConfig
 from proto import Rollout

@@ -12,9 +12,9 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
                                                        # (None on learner ranks > 0)
     trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
 
-``models.publication.Publication`` is what goes to the generators: the directory, the blob
+``models.weights.publication.Publication`` is what goes to the generators: the directory, the blob
 (every tensor's canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets)
-and the canonical digest (models.digest) that generator.engine.LoopedEngine.load_weights
+and the canonical digest (models.weights.digest) that generator.engine.LoopedEngine.load_weights
 verifies (DESIGN contract 6). The trainer's publish computes it once (megatron: from the
 state it writes; reference: ``Publication.from_dir`` on what it wrote); non-finite weights are
 refused (models.errors.NonFiniteWeightsError) and never written or announced.
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from models.publication import Publication
+from models.weights.publication import Publication
 from proto import Rollout
 
 log = logging.getLogger(__name__)

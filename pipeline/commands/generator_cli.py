@@ -50,15 +50,15 @@ from generator.config import (
 from generator.engine import LoopedEngine, to_rollouts
 from generator.loop import FatalError, GeneratorLoop, make_hello
 from generator.reward_runner import RewardRunner
-from generator.weights_collective import CollectiveWeightSink
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
 from models.exits import policy_from_dict, policy_json
+from models.weights.chunked import WeightReceiver
+from models.weights.collective_generator import CollectiveWeightSink
 from pipeline.net.security import ClientCurve, generator_id_for
 from pipeline.net.transport import ConnectTimeout
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from pipeline.net.weight_sync import WeightReceiver
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from typing import Any
 
 from models.errors import NonFiniteWeightsError
 from models.exits import policy_json
-from models.publication import Publication, prune_weights, weights_dir
+from models.weights.collective_learner import make_publisher
+from models.weights.publication import Publication, prune_weights, weights_dir
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core import faults
@@ -52,7 +53,6 @@ from pipeline.core.staleness import StalenessGate
 from pipeline.core.timeline import StepTimeline
 from pipeline.core.validation import DoorRules, ModelLimits, check_logp, logp_base
 from pipeline.net.log_limit import Throttle
-from pipeline.net.weight_collective import make_publisher
 from proto import (
     Ack,
     ErrorMsg,

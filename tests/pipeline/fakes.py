@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.publication import Publication
+from models.weights.publication import Publication
 from pipeline.config import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Prompt, PromptSource
