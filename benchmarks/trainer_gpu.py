@@ -192,6 +192,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after timing, profile one more step (benchmarks/step_profile.py): "
                     "DIR/<label>_profile.json and DIR/<label>_kernels.txt")  # fmt: skip
+    ap.add_argument("--loop-weighting", default="last",
+                    help="objective.loop_weighting (per-loop credit, docs/OBJECTIVES.md)")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
     a = ap.parse_args()
     if a.device == "cpu":  # before torch is imported: the learner picks CUDA when it sees it
@@ -218,7 +220,8 @@ def main() -> None:
         f"rollout.n={s['n']}", f"rollout.prompts_per_step={s['batch'] // s['n']}",
         f"tp={a.tp}", f"learner.precision={a.precision}",
         f"learner.backprop_depth={s['backprop_depth']}", f"learner.micro_batch_size={s['micro']}",
-        f"learner.compile={a.compile}", f"learner.recompute={a.recompute}", *a.set,
+        f"learner.compile={a.compile}", f"learner.recompute={a.recompute}",
+        f"objective.loop_weighting={a.loop_weighting}", *a.set,
     ]  # fmt: skip
     cfg = load_config(None, overrides)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -266,6 +269,7 @@ def main() -> None:
     res: dict[str, Any] = {
         "bench": "trainer_step",
         "label": a.label,
+        "loop_weighting": a.loop_weighting,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "world": info.world_size,

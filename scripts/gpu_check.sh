@@ -54,6 +54,9 @@ if has trainer; then
     bench 0125_eager 200 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}"
     bench 0125_compiled 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
         --micro "${HUGINN_MICRO:-1}" --compile
+    # per-loop credit (objective.loop_weighting, issue 23): peak memory and step time vs last
+    bench 0125_eager_uniform 260 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}" \
+        --loop-weighting uniform
 fi
 if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     timeout "${T_DP_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA \
