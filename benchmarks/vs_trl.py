@@ -17,8 +17,10 @@ step, 120 steps.
 
 Prints one JSON line: for each side samples/s over steps 5..N (rollouts trained per second of
 wall time between the end of step 5 and the end of step N), mean reward of the first and last
-5 steps, wall seconds of the whole command, seconds to the first step, and the host's load
-average before and after (other processes on a shared host slow both sides).
+5 steps, wall seconds of the whole command, TRL's seconds to its first step end (looprl:
+the wall seconds outside steps 1..N, start-up and shutdown), the looprl run's mean ``time/*``
+over steps 6..N, and the host's load average before, between and after (other processes on a
+shared host slow either side: compare runs made at the same load).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def run_looprl(model: Path, steps: int, work: Path) -> dict[str, Any]:
           for k in sorted({k for x in rows for k in x if k.startswith("time/")})}  # fmt: skip
     return {"samples_per_s": _rate(ends), "reward_first5": _mean(rw[:5]),
             "reward_last5": _mean(rw[-5:]), "steps": len(rows), "wall_s": wall,
-            "first_step_s": wall - (ends[-1] - ends[0]) if ends else None,
+            "outside_steps_s": wall - (ends[-1] - ends[0]) if ends else None,
             "timeline_mean_s": tl}  # fmt: skip
 
 
