@@ -217,7 +217,6 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 _CASES = [  # (family, loop_weighting, kind, numerics)
     ("huginn", "uniform", "dppo", "exact"),
-    ("huginn", "progressive", "grpo", "exact"),
     ("ouro", "exit_pdf", "grpo", "fast"),
 ]
 
