@@ -7,6 +7,10 @@ keeps publish.keep directories; no generator is offered a version it already ser
 The kill points are pipeline.core.faults (``LOOPRL_KILL_AT``): a real SIGKILL of the learner
 process at an exact place, so the test is deterministic.
 
+It also holds what tests/pipeline/test_e2e.py's kill-and-resume run checked (that run is gone):
+nothing a learner started outlives it (its children are watched while it runs), the
+generators reconnect by themselves, config.yaml is the run's across the resumes.
+
 Runtime: one vLLM start for the generators and four learner lives (~10 s of imports each):
 about 100 s on 2 shared cores (374 s measured at a load average of 20-30). It replaces no other run because the thing tested is four
 process lives of one run directory; the other e2e runs are one life each.
@@ -20,15 +24,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
 from pipeline.commands.launcher import Generators
+from pipeline.config import to_yaml
 from pipeline.core.recorder import read_rollouts, read_steps
-from tests.pipeline.e2e_utils import SMALL, check_run, small_config, wait_until
+from tests.pipeline.e2e_utils import SMALL, check_run, small_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -45,21 +52,36 @@ def _accepted(run_dir: Path) -> dict[tuple[str, int], int]:
     return Counter((r.work_id, r.sample_index) for _, r in read_rollouts(run_dir / "stream"))
 
 
-def _life(cmd: list[str], env: dict[str, str], log: object, kill_at: str | None) -> int:
+def _life(cmd: list[str], env: dict[str, str], log: object, kill_at: str | None,
+          while_running: Callable[[], None] = lambda: None) -> int:  # fmt: skip
+    """Run one learner life to its end (``while_running`` is called every half second);
+    returns its exit code. Nothing it started may outlive it: its children, watched while it
+    runs (megatron's checkpoint writer once left a ~300 MB Manager process behind a kill -9),
+    must be gone within 30 s of its end; a survivor is stopped by pid, then the test fails."""
     e = dict(env)
     if kill_at is not None:
         e["LOOPRL_KILL_AT"] = kill_at
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e)  # type: ignore[arg-type]
+    seen: dict[int, psutil.Process] = {}
+    end = time.monotonic() + 300
     try:
-        return p.wait(timeout=300)
+        while p.poll() is None:
+            assert time.monotonic() < end, f"learner life ({kill_at}) still running after 300 s"
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    seen.setdefault(child.pid, child)
+            while_running()
+            time.sleep(0.5)
+        return p.returncode
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-        # nothing the learner started may outlive it
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(p.pid).children(recursive=True):
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=30)
+        for child in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+        assert not alive, f"children outlived the learner ({kill_at}): {[c.pid for c in alive]}"
 
 
 def test_learner_killed_at_three_points_loses_no_accepted_sample(tmp_path: Path) -> None:
@@ -74,22 +96,15 @@ def test_learner_killed_at_three_points_loses_no_accepted_sample(tmp_path: Path)
         try:
             for i, point in enumerate(KILLS):
                 cmd = first if i == 0 else again
-                if i == 0:  # the generators start once, on the first life's endpoints
-                    proc = subprocess.Popen(  # noqa: S603
-                        [*cmd], stdout=log, stderr=subprocess.STDOUT,
-                        env={**env, "LOOPRL_KILL_AT": point},
-                    )  # fmt: skip
-                    try:
-                        assert wait_until(lambda: (tmp_path / "endpoints.json").is_file(), 120)
-                        ep = json.loads((tmp_path / "endpoints.json").read_text())
+
+                def start_generators() -> None:  # once, on the first life's endpoints
+                    ep_file = tmp_path / "endpoints.json"
+                    if not gens.procs and ep_file.is_file():
+                        ep = json.loads(ep_file.read_text())
                         gens.start(ep["control"], ep["weights"], tmp_path / "init")
-                        rc = proc.wait(timeout=300)
-                    finally:
-                        if proc.poll() is None:
-                            proc.kill()
-                            proc.wait()
-                else:
-                    rc = _life(cmd, env, log, point)
+
+                rc = _life(cmd, env, log, point, start_generators if i == 0 else lambda: None)
+                assert gens.procs, "the first life never bound its endpoints"
                 assert rc == -signal.SIGKILL, f"life {i + 1} ({point}) ended with {rc}"
                 before_kill |= set(_accepted(tmp_path))
                 if point.startswith("checkpoint"):  # killed mid-write: only the temp dir
@@ -105,6 +120,7 @@ def test_learner_killed_at_three_points_loses_no_accepted_sample(tmp_path: Path)
         finally:
             gens.stop()
     check_run(tmp_path, 4, STEPS, max_staleness=1)
+    assert (tmp_path / "config.yaml").read_text() == to_yaml(cfg)  # the resumes kept the run's
     # per work item: every sample accepted before a kill was trained (that copy or its
     # regenerated copy); a sample accepted only in the last life may still be buffered
     trained: dict[str, set[int]] = defaultdict(set)
