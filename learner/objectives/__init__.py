@@ -341,8 +341,8 @@ def _loop_policy_loss(
     n = torch.where(live, mask.float(), 0.0).sum().clamp_min(1e-12)
     metrics: Metrics = {k: v / n for k, v in sums.items() if k != "pg_loss"}
     metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
-    k = torch.arange(1, shape[2] + 1, dtype=torch.float32, device=w_all.device)
-    metrics["loop_depth_mean"] = masked_mean((w_all * k).sum(-1), mask)  # credited loop, mean
+    loop_no = torch.arange(1, shape[2] + 1, dtype=torch.float32, device=w_all.device)
+    metrics["loop_depth_mean"] = masked_mean((w_all * loop_no).sum(-1), mask)  # credited loop
     metrics["num_tokens"] = live.sum()
     metrics["loss"] = loss.detach()
     return loss, _to_floats(metrics)
