@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from learner.batching import TrainBatch
-from learner.objectives.loops import response_depths, spread
+from learner.objectives.loops import add_loop_columns, response_depths, spread
 from learner.replay import full_vocab_logits, unwrap
 from models import numerics as nx
 
@@ -55,15 +54,8 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool)
             st = row_stats(full_vocab_logits(core, core.head_logits(rows, mode)), targets[sel_k])
             return st["logp"], st["entropy"]
 
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(stats, state, use_reentrant=False)
-        else:
-            lp, ent = stats(state)
-        cols["loop_logp"].append(spread(sel_k, lp))
-        cols["loop_entropy"].append(spread(sel_k, ent))
-        if gate:
-            with torch.no_grad():
-                cols["loop_gate"].append(torch.where(sel_k, core.gate_logit(state, mode), 0.0))
+        add_loop_columns(cols, sel_k, state, stats,
+                         (lambda s: core.gate_logit(s, mode)) if gate else None)  # fmt: skip
 
     valid = mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
     out = model(mb.input_ids, mb.exit_depths, valid, mb.latent_seeds, head_rows=sel,

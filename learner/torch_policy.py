@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.network import exact_clip_coeff, exact_l2_norm
-from learner.objectives.loops import check_gate, response_depths, spread
+from learner.objectives.loops import add_loop_columns, check_gate, response_depths, spread
 from learner.step import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
@@ -203,17 +202,12 @@ class TorchPolicy:
             def stats(s: Tensor) -> tuple[Tensor, Tensor]:
                 return rows_stats(readout(s)[0], sel_k)
 
-            if torch.is_grad_enabled():
-                lp, ent = checkpoint(stats, state, use_reentrant=False)
-            else:
-                lp, ent = stats(state)
-            cols["loop_logp"].append(spread(sel_k, lp))
-            cols["loop_entropy"].append(spread(sel_k, ent))
-            if gate:
-                with torch.no_grad():
-                    g = model.gate_logit(state, mode)
-                    assert g is not None
-                    cols["loop_gate"].append(torch.where(sel_k, g.view(sel.shape), 0.0))
+            def gate_logit(s: Tensor) -> Tensor:
+                g = model.gate_logit(s, mode)
+                assert g is not None
+                return g.view(sel.shape)
+
+            add_loop_columns(cols, sel_k, state, stats, gate_logit if gate else None)
 
         logits = _replay_loops(model, mb, mode, self.kv, at_loop)
         with torch.no_grad():

@@ -11,10 +11,12 @@ model's exit distribution, a fixed credit assignment per token, not a quantity t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from learner.config import ObjectiveConfig
 
@@ -74,6 +76,28 @@ def check_gate(weighting: str, has_gate: bool, family: str) -> None:
     if weighting == "exit_pdf" and not has_gate:
         raise ValueError(f"objective.loop_weighting=exit_pdf: the {family} family has no exit "
                          "gate (Ouro's); use uniform or progressive")  # fmt: skip
+
+
+def add_loop_columns(
+    cols: dict[str, list[Tensor]],
+    sel_k: Tensor,
+    state: Tensor,
+    stats: Callable[[Tensor], tuple[Tensor, Tensor]],
+    gate_logit: Callable[[Tensor], Tensor] | None = None,
+) -> None:
+    """One loop k's columns, for both policies' per-loop forwards: ``stats(state)`` (the
+    sampled tokens' log-probs and entropies at the rows ``sel_k``, the tokens that ran loop k)
+    under activation checkpointing when a gradient is built (the backward recomputes one
+    loop's logits at a time), spread to [B, T]; with ``gate_logit``, the exit gate's logit."""
+    if torch.is_grad_enabled():
+        lp, ent = checkpoint(stats, state, use_reentrant=False)
+    else:
+        lp, ent = stats(state)
+    cols["loop_logp"].append(spread(sel_k, lp))
+    cols["loop_entropy"].append(spread(sel_k, ent))
+    if gate_logit is not None:
+        with torch.no_grad():
+            cols["loop_gate"].append(torch.where(sel_k, gate_logit(state), 0.0))
 
 
 def spread(sel: Tensor, x: Tensor) -> Tensor:
