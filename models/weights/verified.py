@@ -41,16 +41,10 @@ from models.weights.digest import (
 from proto import WeightAnnounce
 
 
-class VerifiedWeights(dict):  # type: ignore[type-arg]
-    """{name: tensor} views of ``blob`` whose digest matched ``announce`` (the caller owns
-    ``blob``; an opaque blob, with no tensor metadata, maps no names)."""
+class _Announced:
+    """A weight set's version and digest, read from the announce it carries."""
 
-    def __init__(self, announce: WeightAnnounce, blob: bytearray) -> None:
-        tensors = announce.tensors
-        super().__init__(
-            state_from_blob(blob, tensors, verify=False, copy=False) if tensors else {}
-        )
-        self.announce, self.blob = announce, blob
+    announce: WeightAnnounce
 
     @property
     def version(self) -> int:
@@ -61,7 +55,19 @@ class VerifiedWeights(dict):  # type: ignore[type-arg]
         return self.announce.digest
 
 
-class OnDisk(str):
+class VerifiedWeights(_Announced, dict):  # type: ignore[type-arg]
+    """{name: tensor} views of ``blob`` whose digest matched ``announce`` (the caller owns
+    ``blob``; an opaque blob, with no tensor metadata, maps no names)."""
+
+    def __init__(self, announce: WeightAnnounce, blob: bytearray) -> None:
+        tensors = announce.tensors
+        super().__init__(
+            state_from_blob(blob, tensors, verify=False, copy=False) if tensors else {}
+        )
+        self.announce, self.blob = announce, blob
+
+
+class OnDisk(_Announced, str):
     """Weights announced as a directory (no chunks; publish.transport shared_fs): the path
     itself (a str, what a loader opens) carrying its ``announce``. Not checked by any
     receiver: the engine loads the directory and checks its digest (kind
@@ -73,14 +79,6 @@ class OnDisk(str):
         obj = super().__new__(cls, announce.path)
         obj.announce = announce
         return obj
-
-    @property
-    def version(self) -> int:
-        return self.announce.version
-
-    @property
-    def digest(self) -> str:
-        return self.announce.digest
 
     @property
     def blob(self) -> bytearray:
