@@ -199,3 +199,21 @@ def poison(r: Rollout, kind: str) -> Rollout:
         "future_version": {"weight_version": r.weight_version + 7},
     }[kind]
     return dataclasses.replace(r, **change)
+
+
+def drive_with_a_hole(tmp_path: Path, steps: int) -> tuple[Coordinator, FakeGenerator, Any]:
+    """intake.work_timeout_s=30 on a fake clock one second a turn; generator "hole" takes
+    work, acks weights and heartbeats but never generates, "g0" answers. Drives ``steps``
+    training steps; returns (coordinator, hole, trainer)."""
+    now = [0.0]
+    c, net, t = make_coordinator(tmp_path, ["intake.work_timeout_s=30"])
+    c.dispatcher.clock = lambda: now[0]
+    hole = FakeGenerator(net, "hole", seed=2)
+    hole.paused = True  # receives, acks weights, heartbeats; never generates
+    honest = FakeGenerator(net, "g0", seed=1, delay=1)
+
+    def tick(_turn: int) -> None:
+        now[0] += 1.0
+
+    drive(c, [hole, honest], steps, hook=tick)
+    return c, hole, t

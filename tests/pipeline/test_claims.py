@@ -13,7 +13,7 @@ import pytest
 from pipeline.core.coordinator import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS
 from proto import Heartbeat, Hello, Welcome, WorkItem
 from tests.pipeline import FakeClock
-from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator
+from tests.pipeline.fakes import FakeGenerator, drive, drive_with_a_hole, make_coordinator
 
 
 def _spy(c: object) -> list[tuple[str, object]]:
@@ -87,17 +87,7 @@ def test_a_claimed_version_never_published_is_refused(tmp_path: Path) -> None:
 def test_a_generator_that_swallows_work_is_banned(tmp_path: Path) -> None:
     """Takes work, heartbeats, never answers: after MAX_WORK_TIMEOUTS releases of its work
     (intake.work_timeout_s each) it is banned, instead of being given work again forever."""
-    now = [0.0]
-    c, net, t = make_coordinator(tmp_path, ["intake.work_timeout_s=30"])
-    c.dispatcher.clock = lambda: now[0]
-    hole = FakeGenerator(net, "hole", seed=2)
-    hole.paused = True  # receives, acks weights, heartbeats; never generates
-    honest = FakeGenerator(net, "g0", seed=1, delay=1)
-
-    def tick(_turn: int) -> None:
-        now[0] += 1.0
-
-    drive(c, [hole, honest], 12, hook=tick)
+    c, _, t = drive_with_a_hole(tmp_path, 12)
     assert "hole" in c.banned and "work_timeout_s" in c.banned["hole"], c.banned
     assert c.dispatcher.timeouts["hole"] == MAX_WORK_TIMEOUTS
     assert "hole" not in c.dispatcher.generators()

@@ -35,6 +35,7 @@ from tests.pipeline.fakes import (
     FakeGenerator,
     FakeTrainer,
     drive,
+    drive_with_a_hole,
     make_coordinator,
     poison,
 )
@@ -317,17 +318,7 @@ def test_restored_rollouts_trained_after_a_version_jump(tmp_path: Path) -> None:
 def test_work_held_without_answer_is_dispatched_elsewhere(tmp_path: Path) -> None:
     """A generator that takes work and never answers (but keeps its heartbeat) cannot stall
     the run: after intake.work_timeout_s its samples go to another generator."""
-    now = [0.0]
-    c, net, t = make_coordinator(tmp_path, ["intake.work_timeout_s=30"])
-    c.dispatcher.clock = lambda: now[0]
-    hole = FakeGenerator(net, "hole", seed=2)
-    hole.paused = True  # receives, acks weights, heartbeats; never generates
-    honest = FakeGenerator(net, "g0", seed=1, delay=1)
-
-    def tick(_turn: int) -> None:
-        now[0] += 1.0
-
-    drive(c, [hole, honest], 4, hook=tick)
+    c, hole, t = drive_with_a_hole(tmp_path, 4)
     assert c.ledger.counts["released"] >= 1 and hole.queue  # it held work, which went elsewhere
     trained = {rid for b in t.batches for rid in b}
     assert len(trained) == 4 * 8
