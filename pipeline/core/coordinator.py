@@ -50,6 +50,7 @@ from pipeline.core.ledger import InFlightLedger
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
+from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
 from pipeline.core.validation import DoorRules, ModelLimits, check_logp, logp_base
 from pipeline.net.log_limit import Throttle
@@ -391,47 +392,16 @@ class Coordinator:
                        self.version + 1 if job.publish else None)
         )  # fmt: skip
         self.intake.settle(groups)
-        stal = [v.staleness for g in groups for v in g.verdicts]
-        # the task's reward (failed ones out; the step trains on learner.shaping's)
-        rewards = [float(r.reward) for r in rolls if r.reward is not None] or [0.0]
         now = time.time()
-        m: dict[str, Any] = {
-            "step": self.step,
-            "version": self.version,
-            "reward_mean": sum(rewards) / len(rewards),
-            "reward_max": max(rewards),
-            "staleness_mean": sum(stal) / len(stal),
-            "staleness_max": max(stal),
-            "stale_kept": sum(flags),
-            "dropped_stale_total": self.intake.counts["rollouts_dropped_stale"],
-            "reward_failed": job.failed,
-            "logprob_mismatch": self._mismatch(rolls, tm.get("logprob_mismatch", float("nan"))),
-            "logprob_mismatch_all": float(tm.get("logprob_mismatch", float("nan"))),
-            "train_s": train_s,
-            "step_s": now - self._last_step_t,
-            "elapsed_s": now - self._t0,
-            "generators": len(self.dispatcher.generators()),
-            "duplicates_total": self.intake.counts["duplicate"],
-            "refused_total": self.intake.counts["refused"],
-            "filtered_uniform_total": self.intake.counts["groups_filtered_uniform"],
-            "reward_nonfinite_total": self.intake.counts["reward_nonfinite"],
-            "redispatched_total": self.ledger.counts["released"],
-            "tokens": sum(r.num_tokens for r in rolls),
-        }
-        for key in ("correct", "exact"):
-            vals = [float(r.reward_info[key]) for r in rolls if key in r.reward_info]  # type: ignore[arg-type]
-            if vals:
-                m[f"reward_{key}"] = sum(vals) / len(vals)
-        m.update({f"train/{k}": float(v) for k, v in tm.items()})
-        # per generator: max |learner - behaviour| log-prob over its rollouts of the step that
-        # the trainer measured (any staleness: numerics and policy lag; docs/OBJECTIVES.md)
         per = getattr(self.trainer, "last_mismatch", None) or []
+        m = step_row(
+            self.step, self.version, groups, rolls, flags, tm, per,
+            fresh=[self.gate.oldest(r) == self.version for r in rolls],
+            counts={**self.intake.counts, "released": self.ledger.counts["released"]},
+            failed=job.failed, train_s=train_s, step_s=now - self._last_step_t,
+            elapsed_s=now - self._t0, generators=len(self.dispatcher.generators()),
+        )  # fmt: skip
         if len(per) == len(rolls):
-            by_gen: dict[str, float] = {}
-            for x, r in zip(per, rolls, strict=True):
-                if x == x and x >= 0.0:  # -1: not measured; NaN: none
-                    by_gen[r.generator_id] = max(float(x), by_gen.get(r.generator_id, 0.0))
-            m.update({f"mismatch/{g}": v for g, v in sorted(by_gen.items())})
             self._verify(rolls, per)
         self._last_step_t = now
         announce_s = None
@@ -468,19 +438,6 @@ class Coordinator:
         for gid, reason in bans.items():
             if gid not in self.banned:
                 self.ban(gid, reason)
-
-    def _mismatch(self, rolls: list[Rollout], whole: float) -> float:
-        """Max |learner - generator| log-prob over the rollouts sampled with the weights
-        being trained (staleness 0): numerics, not policy change. Needs the trainer's
-        optional per-rollout ``last_mismatch``, else its batch ``logprob_mismatch`` (``whole``)
-        when every rollout is fresh; NaN otherwise."""
-        per = getattr(self.trainer, "last_mismatch", None)
-        if not per or len(per) != len(rolls):  # batch-level value: valid if all are fresh
-            if all(self.gate.oldest(r) == self.version for r in rolls):
-                return float(whole)
-            return float("nan")
-        fresh = [m for m, r in zip(per, rolls) if self.gate.oldest(r) == self.version and m == m]
-        return max(fresh) if fresh else float("nan")
 
     # -- weights -------------------------------------------------------------------------------------
     def publish(self) -> None:
