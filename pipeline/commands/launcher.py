@@ -17,7 +17,6 @@ RUN_DIR/logs/learner.log (``-v`` shows them too; pipeline.commands.console).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -29,15 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from generator.config import GeneratorConfig
-from models.exits import policy_json
 from pipeline.commands import console
-from pipeline.commands.generator_cli import flag_name
+from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
 from pipeline.commands.learner_stops import LearnerStopped
 from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.net.security import generator_keys
-from pipeline.net.transport_config import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,71 +52,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model: Path) -> list[str]:
-    g, e = cfg.generators, cfg.endpoints
-    curve: list[str] = []
-    if e.keys:
-        names = generator_keys(e.keys)
-        if len(names) < g.count:
-            raise ConfigError(
-                f"endpoints.keys {e.keys}: {len(names)} generator keypairs for generators.count="
-                f"{g.count}; add some with `looprl keys {e.keys} --add -n {g.count - len(names)}`"
-            )
-        curve = ["--keys", e.keys, "--key-name", names[i]]
-        curve += ["--curve-on-loopback"] if e.curve_on_loopback else []
-    return [
-        sys.executable, "-m", "pipeline.cli", "generator",
-        "--learner", control, "--weights-endpoint", weights, "--model", str(model),
-        "--generator-id", f"gen{i}", "--reward", cfg.task.reward, "--numerics", cfg.numerics,
-        "--max-num-seqs", str(max(1, g.max_inflight * cfg.rollout.n)),
-        "--seed", str(cfg.seed + i), *curve, *transport_flags(cfg),
-        "--dtype", _generator_dtype(cfg), *settings_flags(cfg),
-        *_exit_policy_args(cfg),
-        *g.extra_args,
-    ]  # fmt: skip
+    """The command line of generator `i` (gen<i>) of this run: its settings derived from the
+    config class (pipeline.commands.generator_flags), then generators.extra_args verbatim."""
 
-
-def transport_flags(cfg: RunConfig) -> list[str]:
-    """The run's transport section for a generator: --peer-timeout, and --transport JSON with
-    every other setting that differs from its default (both ends must agree)."""
-
-    t, default = cfg.transport, TransportConfig()
-    extra = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)
-             if f.name != "peer_timeout_s" and getattr(t, f.name) != getattr(default, f.name)}  # fmt: skip
-    out = ["--peer-timeout", str(t.peer_timeout_s)]
-    return out + (["--transport", json.dumps(extra, sort_keys=True)] if extra else [])
-
-
-def settings_flags(cfg: RunConfig) -> list[str]:
-    """The run's generators section as `looprl generator` flags: every GeneratorConfig key
-    that differs from its default, except the run-managed ones (set per generator above)."""
-
-    out: list[str] = []
-    default = GeneratorConfig()
-    for key, value in cfg.generators.generator_settings().items():
-        if key == "dtype" or value == getattr(default, key):
-            continue  # dtype: _generator_dtype resolves auto
-        name = flag_name(key)
-        if isinstance(value, bool):
-            out.append(name if value else "--no-" + name.removeprefix("--"))
-        else:
-            out += [name, str(value)]
-    return out
-
-
-def _exit_policy_args(cfg: RunConfig) -> list[str]:
-    """rollout.exit_policy as the generator's --exit-policy JSON (none when empty)."""
-
-    policy = cfg.rollout.policy()
-    return ["--exit-policy", policy_json(policy)] if policy is not None else []
-
-
-def _generator_dtype(cfg: RunConfig) -> str:
-    """generators.dtype; auto follows the published weights (bfloat16 under learner.precision
-    bf16; otherwise the generator's own auto rule)."""
-    g = cfg.generators.dtype
-    if g != "auto":
-        return g
-    return "bfloat16" if cfg.learner.precision == "bf16" and cfg.numerics == "fast" else "auto"
+    gen = generator_config(cfg, control, weights, model, index=i)
+    return [sys.executable, "-m", "pipeline.cli", "generator", *config_argv(gen),
+            *cfg.generators.extra_args]  # fmt: skip
 
 
 class GeneratorsExited(RuntimeError):

@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -39,12 +40,12 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from models.checkpoint import load_config as load_model_config
-from models.exits import policy_json
 from models.init import init_checkpoint
 from pipeline.backends.ranks import Leader, follow
 from pipeline.backends.trainer_api import build_trainer
 from pipeline.commands import console
 from pipeline.commands.evaluation import eval_prompts
+from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_stops import LearnerStalled, LearnerStopped, disk_full
 from pipeline.commands.warm_start import warm_start_chain
 from pipeline.config import (
@@ -64,7 +65,7 @@ from pipeline.core.eval_rounds import EvalRounds, reward_rescorer
 from pipeline.core.metrics import MetricsWriter, read_metrics, summary
 from pipeline.core.tasks import load_prompts as load
 from pipeline.core.validation import ModelLimits
-from pipeline.net.security import ServerCurve, generator_keys
+from pipeline.net.security import ServerCurve
 from pipeline.net.transport_zmq import ZmqLearnerEndpoint
 
 log = logging.getLogger(__name__)
@@ -227,23 +228,15 @@ def stalled_line(cfg: RunConfig, ctrl: str, wts: str, model: Path, gens: list[st
 
 
 def generator_command(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> tuple[str, str]:
-    """The ``looprl generator`` command line for this learner, and why its address was
-    changed from the bind address ("" if it was not)."""
+    """The ``looprl generator`` command line for this learner (the run's generator settings,
+    pipeline.commands.generator_flags), and why its address was changed from the bind address
+    ("" if it was not)."""
     host = cfg.endpoints.host
     there, why = connect_host(host)
     if why:
         ctrl, wts = (ep.replace(f"//{host}:", f"//{there}:", 1) for ep in (ctrl, wts))
-    cmd = (f"looprl generator --learner {ctrl} --weights-endpoint {wts} --model {model} "
-           f"--reward {cfg.task.reward} --numerics {cfg.numerics}")  # fmt: skip
-    if cfg.rollout.policy() is not None:  # the run's exit policy (Welcome checks it)
-        cmd += f" --exit-policy '{policy_json(cfg.rollout.policy())}'"
-    e = cfg.endpoints
-    if e.keys:
-        names = generator_keys(e.keys)
-        cmd += f" --keys {e.keys}"
-        cmd += f" --key-name {'|'.join(names) or 'NAME'}" if len(names) != 1 else ""
-        cmd += " --curve-on-loopback" if e.curve_on_loopback else ""
-    return cmd, why
+    gen = generator_config(cfg, ctrl, wts, model)
+    return shlex.join(["looprl", "generator", *config_argv(gen)]), why
 
 
 def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,

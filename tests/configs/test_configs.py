@@ -3,6 +3,8 @@ every field has a docstring; bad keys and values are errors naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,21 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
     from pipeline.commands.generator_cli import transport_config
 
     assert transport_config(gen) == cfg.transport  # both ends, the same transport settings
+    from pipeline.commands.generator_flags import generator_config
+
+    # the flags are derived from the config class: parsed back, the very config the run meant,
+    # for the processes `looprl run` starts and for the command the learner prints
+    meant = generator_config(cfg, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", tmp_path / "m", 1)
+    assert gen == meant and meant.generator_id == "gen1" and meant.transport
+    from pipeline.commands.learner_main import generator_hint
+
+    hint = generator_hint(cfg, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", tmp_path / "m")
+    import shlex
+
+    printed = shlex.split(hint.splitlines()[1])
+    assert printed[:2] == ["looprl", "generator"]
+    by_hand = config_from_args(parser.parse_args(printed[1:]))
+    assert by_hand == dataclasses.replace(meant, generator_id="", seed=0)
     assert cfg.transport.peer_timeout_s == 7 and cfg.transport.weights_max_frame_bytes == 1 << 27
     with pytest.raises(ConfigError, match="generators.peer_timeout_s=5.0: set by looprl run"):
         load_config(None, ["generators.peer_timeout_s=5"])
