@@ -397,7 +397,7 @@ class LearnerConfig:
     backprop_depth: int = -1
     """Core iterations with gradient per token: -1 the checkpoint's mean_backprop_depth, 0 all."""
     micro_batch_size: int = 0
-    """Sequences per forward/backward per rank; 0: the group size if it divides, at most 16."""
+    """Sequences per forward/backward per rank; 0: automatic, at most 16384 tokens (docs/LEARNER.md)."""
     recompute: bool = False
     """Activation recompute around every block call (less memory, one more forward)."""
     compile: bool = False

@@ -13,10 +13,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from generator.rewards import synthetic_task_prompts
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from pipeline.config import ConfigError, RunConfig
 
-__all__ = ["check_reference", "critic_optim", "micro_batch_size", "train_config"]
+__all__ = [
+    "MICRO_BATCH_TOKENS", "check_reference", "critic_optim", "micro_batch_size", "row_tokens",
+    "train_config",
+]  # fmt: skip
+
+MICRO_BATCH_TOKENS = 16384
+"""The automatic micro-batch's bound: at most this many token positions (rows x the longest
+row a run can produce) per forward/backward, so its activations and logits stay bounded."""
 
 
 def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
@@ -26,20 +36,39 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
     o, r, lr = cfg.objective, cfg.rollout, cfg.learner
     if batch is None:
         batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
+    dp = dist.get_world_size() // cfg.tp if dist.is_available() and dist.is_initialized() else 1
+    mbs = lr.micro_batch_size or micro_batch_size(batch // max(dp, 1), r.n, row_tokens(cfg))
     return TrainConfig(
-        global_batch_size=batch, micro_batch_size=lr.micro_batch_size or micro_batch_size(batch, r.n),
+        global_batch_size=batch, micro_batch_size=mbs,
         seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
         max_tokens=r.max_tokens,
         fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
     )  # fmt: skip
 
 
-def micro_batch_size(batch: int, n: int) -> int:
-    """Micro-batch size: the group size if it divides the batch (it does), at most 16."""
-    m = min(n, 16)
-    while batch % m:
+def micro_batch_size(rows: int, n: int, row_len: int | None) -> int:
+    """The automatic micro-batch of a rank's ``rows`` per update: the most rows that divide
+    ``rows`` and hold at most MICRO_BATCH_TOKENS positions of ``row_len`` each (at least 1).
+    ``row_len`` None (the prompts' length is not known from the config): the old rule, the
+    group size ``n`` if it divides, at most 16."""
+    m = max(1, min(rows, n, 16) if row_len is None else min(rows, MICRO_BATCH_TOKENS // row_len))
+    while rows % m:
         m -= 1
     return m
+
+
+def row_tokens(cfg: RunConfig) -> int | None:
+    """The longest row (prompt + completion) the run can train on, from the config alone:
+    rollout.max_tokens plus task.max_prompt_tokens, or the synthetic task's prompt length;
+    None for a jsonl or dataset task without task.max_prompt_tokens."""
+    t = cfg.task
+    if t.max_prompt_tokens:
+        prompt = t.max_prompt_tokens
+    elif t.kind == "synthetic":  # bos + the shown symbols: the same for every prompt
+        prompt = len(synthetic_task_prompts(1, 0, length=1)[0][0])
+    else:
+        return None
+    return prompt + cfg.rollout.max_tokens
 
 
 def critic_optim(cfg: RunConfig) -> tuple[OptimConfig, ScheduleConfig]:
