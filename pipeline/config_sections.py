@@ -10,7 +10,7 @@ from typing import Any
 from generator.config import GeneratorConfig
 from models.contract import Sampling
 from models.errors import ConfigError
-from models.exits import policy_from_dict
+from models.exits import MAX_DEPTH, policy_from_dict
 from models.settings import check
 from models.weights.collective import DEFAULT_PIPE_BYTES
 from pipeline.net.transport_config import TransportConfig
@@ -420,8 +420,19 @@ class EvalSection:
     """Sampling temperature of the eval; 0: greedy."""
     limit: int = 0
     """Evaluate the first this many prompts of the split; 0: all."""
+    depths: list[int] = field(default_factory=list)
+    """Also evaluate each round at each of these fixed depths (a FixedDepth exit policy for
+    those items, 1..255: deeper than the model's max_depth thinks longer), logged as
+    eval/accuracy@d and eval/mean_depth@d beside the run's own policy (also `looprl eval`'s
+    default --depths); empty: only that."""
 
     def __post_init__(self) -> None:
+        d = self.depths
+        _check(
+            all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_DEPTH for x in d)
+            and len(set(d)) == len(d), "eval.depths", d,
+            f"must be distinct ints in [1, {MAX_DEPTH}] (fixed depths to evaluate at)",
+        )  # fmt: skip
         _check(self.every >= 0, "eval.every", self.every, "must be >= 0")
         _check(self.n >= 1, "eval.n", self.n, "must be >= 1")
         _check(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")

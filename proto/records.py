@@ -101,6 +101,8 @@ class WorkItem:
     min_weight_version: the generator must serve at least this version.
     issued_at: dispatch time (s).
     stop: strings that end a completion (kept in it; protocol 1.1: the engine detokenizes).
+    eval_depth: 0 (the run's exit policy), else every token of this (eval) item runs exactly
+      this many core iterations, 1..MAX_DEPTH (protocol 1.4; eval.depths, docs/TASKS.md).
     """
 
     work_id: str
@@ -116,6 +118,7 @@ class WorkItem:
     issued_at: float = 0.0
     sample_indices: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    eval_depth: int = 0
 
     @property
     def n(self) -> int:
@@ -130,6 +133,8 @@ class WorkItem:
         _need(self.max_tokens >= 1, f"work.max_tokens: must be >= 1, got {self.max_tokens}")
         _need(len(self.stop) <= 16 and all(0 < len(x) <= 256 for x in self.stop),
               "work.stop: at most 16 non-empty strings of at most 256 characters")  # fmt: skip
+        _need(0 <= self.eval_depth <= MAX_DEPTH,
+              f"work.eval_depth: must be in [0, {MAX_DEPTH}], got {self.eval_depth}")  # fmt: skip
         idx = self.sample_indices
         _need(
             not idx or len(idx) == self.n,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from proto.errors import ProtocolError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 3  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind
+PROTOCOL_MINOR = 4  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind;
+# 1.4: WorkItem.eval_depth
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 

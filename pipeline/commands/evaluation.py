@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on the run's eval split, on its own (no learner, no generators).
 
     looprl eval --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
-                [--temperature 0] [--limit 0] [key=value ...]
+                [--temperature 0] [--limit 0] [--depths 1,2,4] [key=value ...]
 
 Order: the run config's task (pipeline.core.tasks: same rendering, limits, reward_args) is read
 with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
@@ -10,8 +10,12 @@ checkpoint loaded by models.checkpoint.load_model, decoded by models.reference.g
 stops at rollout.stop_token_ids plus the EOS ids) -> each completion is decoded once and
 scored by the task's reward through the RewardRunner (mode inline) -> one JSON line:
 ``eval/accuracy`` (pass@1: sample 0 correct), ``eval/mean@n`` (mean over all samples),
-``eval/reward_mean``, ``eval/prompts``, ``eval/n``, ``model``. Correct means the reward's info
-says ``correct`` (the math reward), else reward >= 1.
+``eval/reward_mean``, ``eval/prompts``, ``eval/n``, ``eval/mean_depth`` (token mean of the exit
+depths), ``model``; with ``--depths`` (default: the run config's eval.depths) also
+``eval/accuracy@d``, ``eval/mean@n@d`` and ``eval/mean_depth@d`` at each fixed depth d
+(FixedDepth(d), as the generators run eval.depths). The run's own policy is
+rollout.exit_policy (full depth when unset). Correct means the reward's info says ``correct``
+(the math reward), else reward >= 1.
 
 This uses the reference PyTorch forward (models/reference.py), which is the numerical spec but
 not fast: fine for the tiny and small checkpoints on a CPU, slow for real ones (where the
@@ -33,10 +37,15 @@ import torch
 from generator.reward_runner import RewardRunner
 from models.chat import ChatRenderer, eos_token_ids
 from models.checkpoint import load_model
+from models.exits import ExitPolicy, FixedDepth
 from models.noise import derive_latent_seed
 from models.reference import SamplingParams, generate
 from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.core.eval_rounds import correct_of  # noqa: F401  (also this command's API)
+from pipeline.config_sections import EvalSection
+from pipeline.core.eval_rounds import (
+    check_depths,
+    correct_of,  # noqa: F401  (also this command's API)
+)
 from pipeline.core.tasks import dataset_prompts, prompt_limit
 
 log = logging.getLogger(__name__)
@@ -54,29 +63,45 @@ def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> l
 
 
 def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequence[Any], *,
-                     n: int = 1, temperature: float = 0.0, batch: int = 64) -> dict[str, Any]:  # fmt: skip
+                     n: int = 1, temperature: float = 0.0, batch: int = 64,
+                     depths: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
     """Complete every prompt ``n`` times with the checkpoint at ``weights`` and score the
-    completions with the task's reward (see the module doc)."""
+    completions with the task's reward, under the run's exit policy and at each fixed depth of
+    ``depths`` (see the module doc)."""
 
     if n < 1 or temperature < 0:
         raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")
-    net: Any = load_model(weights)[1]
+    config, net = load_model(weights)
+    EvalSection(every=1, depths=list(depths))  # the eval.depths rules (one line naming it)
+    check_depths(depths, int(config.max_depth), looped=config.family != "llama")
     net.eval()
+    out = _score(cfg, net, tok_dir, prompts, n, temperature, batch, cfg.rollout.policy())
+    for d in depths:
+        at = _score(cfg, net, tok_dir, prompts, n, temperature, batch, FixedDepth(d))
+        out |= {f"eval/accuracy@{d}": at["eval/accuracy"], f"eval/mean@n@{d}": at["eval/mean@n"],
+                f"eval/mean_depth@{d}": at["eval/mean_depth"]}  # fmt: skip
+    return out
+
+
+def _score(cfg: RunConfig, net: Any, tok_dir: Path, prompts: Sequence[Any], n: int,
+           temperature: float, batch: int, policy: ExitPolicy | None) -> dict[str, Any]:  # fmt: skip
+    """score_checkpoint's figures under one exit policy."""
     stops = tuple(sorted({*cfg.rollout.stop_token_ids, *eos_token_ids(tok_dir)}))
     greedy = temperature == 0
     sampling = SamplingParams(temperature=1.0 if greedy else temperature, top_p=cfg.rollout.top_p,
                               max_new_tokens=cfg.rollout.max_tokens, stop_token_ids=stops,
                               greedy=greedy)  # fmt: skip
     renderer = ChatRenderer.from_checkpoint(tok_dir, template="plain")  # decode only
-    calls, items = [], [(p, i) for p in prompts for i in range(n)]
+    calls, items, depths = [], [(p, i) for p in prompts for i in range(n)], []
     with torch.no_grad():
         for k in range(0, len(items), batch):
             part = items[k : k + batch]
             seeds = [derive_latent_seed(cfg.seed, f"eval/{p.prompt_id}", i) for p, i in part]
             for (p, _i), g in zip(
-                part, generate(net, [p.tokens for p, _ in part], seeds, sampling)
+                part, generate(net, [p.tokens for p, _ in part], seeds, sampling, policy)
             ):
                 toks = [int(t) for t in g.tokens]
+                depths += [int(x) for x in g.exit_depths]
                 calls.append((renderer.decode(toks), toks, dict(p.task)))
     with RewardRunner(cfg.task.reward, mode="inline") as runner:
         results = runner.score_many(calls)
@@ -84,19 +109,31 @@ def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequ
     first = [ok[j] for j in range(0, len(ok), n)]
     return {"eval/prompts": len(prompts), "eval/n": n, "eval/accuracy": sum(first) / len(first),
             "eval/mean@n": sum(ok) / len(ok),
-            "eval/reward_mean": sum(float(r.reward or 0.0) for r in results) / len(results)}  # fmt: skip
+            "eval/reward_mean": sum(float(r.reward or 0.0) for r in results) / len(results),
+            "eval/mean_depth": sum(depths) / max(len(depths), 1)}  # fmt: skip
 
 
 def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
-             temperature: float = 0.0, limit: int = 0,
-             tokenizer: Path | None = None) -> dict[str, Any]:  # fmt: skip
+             temperature: float = 0.0, limit: int = 0, tokenizer: Path | None = None,
+             depths: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
     """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
     ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
     RUN_DIR/weights/vN hold none: use RUN_DIR/init)."""
     tok_dir = tokenizer or model
     prompts = eval_prompts(cfg, tok_dir, split, limit)
-    out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature)
+    depths = cfg.eval.depths if depths is None else depths
+    out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature,
+                           depths=depths)  # fmt: skip
     return {"model": str(model), "eval/split": split, **out}
+
+
+def _depth_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--depths {text!r}: expected comma-separated ints, e.g. 1,2,4"
+        ) from None
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +144,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
+    p.add_argument(
+        "--depths",
+        type=_depth_list,
+        default=None,
+        metavar="D,D,...",
+        help="fixed depths to evaluate at too (default: the config's eval.depths)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -124,7 +168,8 @@ def run(a: argparse.Namespace) -> int:
     try:
         cfg = load_config(a.config, list(a.overrides))
         out = evaluate(cfg, Path(a.model), split=a.split, n=a.n, temperature=a.temperature,
-                       limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None)  # fmt: skip
+                       limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None,
+                       depths=a.depths)  # fmt: skip
     except ConfigError as e:
         print(f"looprl eval: error: {e}", file=sys.stderr)
         return 2

@@ -47,12 +47,13 @@ from generator.config import (
     field_docs,
     load_config,
 )
+from generator.depth_engines import DepthEngines, fixed_depth_of
 from generator.engine import LoopedEngine, to_rollouts
 from generator.loop import FatalError, GeneratorLoop, make_hello
 from generator.reward_runner import RewardRunner
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
-from models.exits import policy_from_dict, policy_json
+from models.exits import FixedDepth, policy_from_dict, policy_json
 from models.weights.chunked import WeightReceiver
 from models.weights.collective_generator import CollectiveWeightSink
 from pipeline.net.security import ClientCurve, generator_id_for
@@ -382,17 +383,19 @@ def serve(cfg: GeneratorConfig) -> int:
     )
     engine = None
     try:
-        engine = LoopedEngine(
-            cfg.model,
-            numerics=cfg.numerics,
-            dtype=cfg.dtype,
-            exit_policy=policy,
-            max_num_seqs=cfg.max_num_seqs,
-            kv_cache_bytes=cfg.kv_cache_mb << 20,
-            max_model_len=cfg.max_model_len or None,
+        common: dict[str, Any] = dict(
+            numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+            kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len or None,
             seed=cfg.seed,
-            inflight_updates=cfg.inflight_updates,
-        )
+        )  # fmt: skip
+        main = LoopedEngine(cfg.model, exit_policy=policy,
+                            inflight_updates=cfg.inflight_updates, **common)  # fmt: skip
+        # eval.depths: items with eval_depth d run on a FixedDepth(d) engine, built on first use
+        engine = DepthEngines(
+            main, lambda d: LoopedEngine(cfg.model, exit_policy=FixedDepth(d), **common),
+            looped=main.looped, main_fixed_depth=fixed_depth_of(
+                policy or FixedDepth(int(load_model_config(cfg.model).max_depth))),
+        )  # fmt: skip
         served = StopOnFailedLoad(engine)
         hello = make_hello(gid, cfg.max_inflight, engine.weight_version, families)
         conn = ZmqGeneratorConnection(

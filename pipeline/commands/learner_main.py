@@ -61,7 +61,7 @@ from pipeline.config import (
 from pipeline.core import resume as resume_mod
 from pipeline.core import tasks
 from pipeline.core.coordinator import Coordinator, CoordinatorError
-from pipeline.core.eval_rounds import EvalRounds, reward_rescorer
+from pipeline.core.eval_rounds import EvalRounds, check_depths, reward_rescorer
 from pipeline.core.metrics import MetricsWriter, read_metrics, summary
 from pipeline.core.tasks import load_prompts as load
 from pipeline.core.validation import ModelLimits
@@ -301,12 +301,15 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     evals = None
     if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
         e = cfg.eval
+        mc = load_model_config(model)
+        check_depths(e.depths, int(mc.max_depth), looped=mc.family != "llama")
         evals = EvalRounds(
             eval_prompts(cfg, model, e.split, e.limit), n=e.n, temperature=e.temperature,
             max_tokens=cfg.rollout.max_tokens, stop_token_ids=cfg.rollout.stop_token_ids,
             run_seed=cfg.seed, stop=cfg.rollout.stop, every=e.every,
             last_step=tasks.planned_steps(cfg, prompts), on_result=on_eval,
             rescore=reward_rescorer(cfg.task.reward, model),  # generators' scores not believed
+            depths=e.depths,
         )  # fmt: skip
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
                         run_dir=run_dir, limits=limits, on_step=on_step, background=True,

@@ -10,7 +10,17 @@ The loop, on the coordinator's thread::
     generator gone / WorkReturn -> rounds.release(gid, work_ids)   # sent again elsewhere
     a round complete -> on_result(step, {"eval/accuracy", "eval/mean@n", "eval/n",
                                          "eval/reward_mean", "eval/version", "eval/version_max",
-                                         "eval/prompts", "eval/s"})
+                                         "eval/prompts", "eval/s", "eval/mean_depth",
+                                         and per fixed depth d of ``depths`` (eval.depths):
+                                         "eval/accuracy@d", "eval/mean@n@d",
+                                         "eval/mean_depth@d"})
+
+Fixed depths: each round sends every prompt once under the run's exit policy (work ids
+``e<round>-<i>``) and once per d in ``depths`` with ``WorkItem.eval_depth = d`` (ids
+``e<round>-d<d>-<i>``, the same latent seeds), which a generator runs under FixedDepth(d)
+(generator.depth_engines). A rollout of such an item whose exit depths are not all d (a
+generator that ignored the field: protocol < 1.4) is refused and its item sent again. The mean
+depth is the token mean of the rollouts' exit depths (token 0 included).
 
 Invariants: eval work never enters the ledger, the staleness gate, the training stream or the
 step log, and its rollouts are never trained; every eval item is answered by a generator that
@@ -41,6 +51,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from generator.reward_runner import RewardRunner
+from models.errors import ConfigError
 from models.noise import derive_latent_seed
 from pipeline.net.log_limit import RateLimitedLog
 from proto import Ack, Nack, Rollout, WorkItem
@@ -86,6 +97,8 @@ class _Round:
     results: dict[str, dict[int, tuple[float | None, dict[str, Any]]]] = field(default_factory=dict)
     reported: bool = False
     versions: list[int] = field(default_factory=list)
+    depth_sums: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    """work id -> sample -> (sum of the rollout's exit depths, its tokens)."""
 
     def done(self) -> bool:
         return all(
@@ -111,6 +124,7 @@ class EvalRounds:
         on_result: Callable[[int, dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
         rescore: Rescore | None = None,
+        depths: Sequence[int] = (),
     ) -> None:
         self.prompts, self.n, self.temperature = list(prompts), n, temperature
         self.max_tokens, self.stop_ids, self.stop = max_tokens, list(stop_token_ids), list(stop)
@@ -122,6 +136,7 @@ class EvalRounds:
         self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0, "refused": 0,
                        "rescored_differ": 0}  # fmt: skip
         self.rescore = rescore  # the learner's own score of each eval completion, if set
+        self.depths = list(depths)  # fixed depths evaluated beside the run's policy
         self.lied: Counter[str] = Counter()  # generator -> eval scores that differed from ours
         self._warn = RateLimitedLog(log, 30.0, clock)
 
@@ -133,8 +148,8 @@ class EvalRounds:
     def start(self, step: int, version: int) -> None:
         r = len(self.rounds)
         items = {}
-        for i, p in enumerate(self.prompts):
-            wid = f"{EVAL_PREFIX}{r}-{i}"
+        for depth, (i, p) in ((d, ip) for d in [0, *self.depths] for ip in enumerate(self.prompts)):
+            wid = f"{EVAL_PREFIX}{r}-{i}" if depth == 0 else f"{EVAL_PREFIX}{r}-d{depth}-{i}"
             seeds = [
                 derive_latent_seed(self.run_seed, f"eval/{p.prompt_id}", j) for j in range(self.n)
             ]
@@ -145,6 +160,7 @@ class EvalRounds:
                 top_p=1.0, max_tokens=self.max_tokens, stop_token_ids=list(self.stop_ids),
                 stop=list(self.stop),
                 task=dict(p.task), min_weight_version=version, issued_at=time.time(),
+                eval_depth=depth,
             )  # fmt: skip
         self.rounds[r] = _Round(step, version, self.clock(), items)
         self.queue.extend(items.values())
@@ -191,6 +207,10 @@ class EvalRounds:
                 continue
             ro, why, banned = door(gid, ro, item) if door is not None else (ro, None, None)
             ban = ban or banned
+            d = item.eval_depth
+            if why is None and d and ro.exit_depths.size and bool((ro.exit_depths != d).any()):
+                why = (f"eval_depth: the item asks for depth {d}, the rollout ran depths "
+                       f"{sorted({int(x) for x in ro.exit_depths})} (protocol >= 1.4 needed)")  # fmt: skip
             if why is not None:
                 acks.append(Nack("rollout", ro.rollout_id, f"refused: {why}"))
                 self.counts["refused"] += 1
@@ -206,6 +226,8 @@ class EvalRounds:
                 self.counts["duplicates"] += 1
                 continue
             got[idx] = (ro.reward, dict(ro.reward_info))
+            ed = ro.exit_depths
+            rd.depth_sums.setdefault(ro.work_id, {})[idx] = (float(ed.sum()), int(ed.size))
             rd.versions.append(int(ro.weight_version))
             if len(got) == len(seeds):
                 self.held.get(gid, {}).pop(ro.work_id, None)
@@ -238,9 +260,14 @@ class EvalRounds:
                             correct_of(reward, info))  # fmt: skip
         return dataclasses.replace(ro, reward=reward, reward_info=info)
 
-    def _metrics(self, rd: _Round) -> dict[str, Any]:
-        first, every_sample, rewards = [], [], []
-        for w in rd.items:
+    def _scores(self, rd: _Round, depth: int) -> tuple[float, float, float, float, int]:
+        """(pass@1, mean@n, reward mean, token-mean exit depth, prompts) of the round's items
+        at ``depth`` (0: the run's policy)."""
+        first, every_sample, rewards, dsum, dn, prompts = [], [], [], 0.0, 0, 0
+        for w, it in rd.items.items():
+            if it.eval_depth != depth:
+                continue
+            prompts += 1
             res = rd.results[w]
             for j in sorted(res):
                 reward, info = res[j]
@@ -249,16 +276,41 @@ class EvalRounds:
                 rewards.append(float(reward or 0.0))
                 if j == 0:
                     first.append(ok)
-        return {
-            "eval/accuracy": sum(first) / max(len(first), 1),
-            "eval/mean@n": sum(every_sample) / max(len(every_sample), 1),
+            for s_, c in rd.depth_sums.get(w, {}).values():
+                dsum, dn = dsum + s_, dn + c
+        return (sum(first) / max(len(first), 1), sum(every_sample) / max(len(every_sample), 1),
+                sum(rewards) / max(len(rewards), 1), dsum / dn if dn else float("nan"), prompts)  # fmt: skip
+
+    def _metrics(self, rd: _Round) -> dict[str, Any]:
+        acc, mean_n, reward, depth, prompts = self._scores(rd, 0)
+        out: dict[str, Any] = {
+            "eval/accuracy": acc,
+            "eval/mean@n": mean_n,
             "eval/n": self.n,
-            "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "eval/reward_mean": reward,
+            "eval/mean_depth": depth,
             "eval/version": min(rd.versions, default=rd.version),
             "eval/version_max": max(rd.versions, default=rd.version),
-            "eval/prompts": len(rd.items),
+            "eval/prompts": prompts,
             "eval/s": self.clock() - rd.started,
         }
+        for d in self.depths:
+            acc, mean_n, _, depth, _ = self._scores(rd, d)
+            out[f"eval/accuracy@{d}"] = acc
+            out[f"eval/mean@n@{d}"] = mean_n
+            out[f"eval/mean_depth@{d}"] = depth
+        return out
+
+
+def check_depths(depths: Sequence[int], model_max_depth: int, looped: bool) -> None:
+    """ConfigError naming eval.depths unless the served model can run every depth of
+    ``depths``: a depth-1 model (llama) runs depth 1 only; a looped one any depth up to
+    MAX_DEPTH (deeper than its ``model_max_depth`` = thinking longer than it was trained to)."""
+    if not looped and any(d != 1 for d in depths):
+        raise ConfigError(
+            f"run config eval.depths={list(depths)!r}: the model is a depth-1 family (no "
+            f"loops, max_depth {model_max_depth}): only [1] or [] is possible"
+        )
 
 
 def correct_of(reward: float | None, info: dict[str, Any]) -> bool:

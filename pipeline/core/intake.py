@@ -225,7 +225,10 @@ class Intake:
             max_version=self.version(), sender=sender,
         )  # fmt: skip
         r, _ = sanitize_reward(r)
-        why = check_rollout(r, expect=expect, limits=self.limits, rules=self.rules)
+        limits = self.limits  # an eval.depths item may run deeper than the run's policy
+        if item.eval_depth > limits.max_depth:
+            limits = dataclasses.replace(limits, max_depth=item.eval_depth)
+        why = check_rollout(r, expect=expect, limits=limits, rules=self.rules)
         if why is None:
             return r, None, None
         self.counts["refused"] += 1

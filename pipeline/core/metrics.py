@@ -109,12 +109,32 @@ def summary(rows: list[dict[str, Any]], k: int = 5) -> dict[str, float]:
     }
 
 
+def depth_curves(rows: list[dict[str, Any]], most: int = 6
+                 ) -> dict[int, tuple[list[tuple[int, float]], tuple[float, float] | None]]:  # fmt: skip
+    """eval.depths rows -> {step: ([(depth, eval/accuracy@depth)], (eval/mean_depth,
+    eval/accuracy) of the run's policy or None)}: the last eval step and up to ``most`` - 1
+    earlier ones, evenly spaced."""
+    found = []
+    for r in rows:
+        pts = sorted((int(k.split("@")[1]), float(v)) for k, v in r.items()
+                     if k.startswith("eval/accuracy@") and v is not None)  # fmt: skip
+        if pts:
+            md, acc = r.get("eval/mean_depth"), r.get("eval/accuracy")
+            ok = isinstance(md, int | float) and md == md and isinstance(acc, int | float)
+            found.append((int(r["step"]), pts, (float(md), float(acc)) if ok else None))  # type: ignore[arg-type]
+    if len(found) > most:
+        keep = {round(i * (len(found) - 1) / (most - 1)) for i in range(most)}
+        found = [f for i, f in enumerate(found) if i in keep]
+    return {step: (pts, adaptive) for step, pts, adaptive in found}
+
+
 def plot_metrics(path: Path, out: Path) -> Path | None:
     """Reward, staleness and log-prob mismatch per step -> ``out`` (None without matplotlib).
 
     The mismatch panel shows ``logprob_mismatch`` (fresh rollouts: numerics) and
     ``logprob_mismatch_all`` (every rollout of the step: includes the policy change of stale
-    ones), on a log scale."""
+    ones), on a log scale. With eval.depths a last panel shows eval/accuracy@d against d, one
+    curve per eval step (``depth_curves``), the run's own policy a star at its mean depth."""
     try:
         import matplotlib  # local: ~1 s of imports, once at the end of a run
 
@@ -132,7 +152,11 @@ def plot_metrics(path: Path, out: Path) -> Path | None:
         ("staleness (versions)", ["staleness_mean", "staleness_max"]),
         ("max |learner - generator logprob|", ["logprob_mismatch", "logprob_mismatch_all"]),
     ]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
+    curves = depth_curves(rows)
+    extra = 1 if curves else 0
+    fig, axes = plt.subplots(len(panels) + extra, 1, figsize=(7, 8 + 3 * extra))
+    for ax in axes[1 : len(panels)]:
+        ax.sharex(axes[0])
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             ys = [r.get(key) for r in rows]
@@ -146,7 +170,17 @@ def plot_metrics(path: Path, out: Path) -> Path | None:
         if title.startswith("max |"):  # numerics (~1e-6) next to policy change (~1): log scale
             ax.set_yscale("log")
         ax.legend(loc="best", fontsize=8)
-    axes[-1].set_xlabel("training step")
+    axes[len(panels) - 1].set_xlabel("training step")
+    if curves:  # eval.depths: accuracy at each fixed depth, one curve per eval step
+        ax = axes[-1]
+        for step, (pts, adaptive) in curves.items():
+            line = ax.plot(*zip(*pts), marker="o", label=f"step {step}")[0]
+            if adaptive is not None:  # the run's own policy at its mean depth
+                ax.plot(*adaptive, marker="*", markersize=12, color=line.get_color())
+        ax.set_title("eval accuracy vs test-time depth (*: the run's exit policy)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("depth (core iterations)")
+        ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

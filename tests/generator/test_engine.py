@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 from collections.abc import Iterator
@@ -284,3 +285,66 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     assert after[0].weight_version == setup.version
     assert not np.array_equal(after[0].logprobs, before[0].logprobs)
     assert replay_diff(load_model(setup.root / "w3")[1], item, after, "fast") <= 1e-4
+
+
+@pytest.mark.vllm
+def test_eval_depths_score_what_a_fixed_depth_generator_scores(setup: Setup) -> None:
+    """eval.depths end to end on a real engine: EvalRounds' items (depths 2 and 9: below the
+    run's KL policy's max 6 and above the model's max_depth) through generator.depth_engines
+    (the module's engine serves eval_depth 0; one FixedDepth(d) engine per depth, built on
+    first use, ~3 s each once vLLM is up) -> rollouts -> eval/accuracy@d equals the score of
+    the reference decode at FixedDepth(d) of the same prompts and seeds (the numerical spec:
+    same greedy tokens, every exit depth d); weights loaded through the wrapper reach the
+    depth engines before they generate."""
+    from generator.depth_engines import DepthEngines
+    from models.exits import FixedDepth
+    from models.reference import SamplingParams, generate
+    from pipeline.core.dispatch import Prompt
+    from pipeline.core.eval_rounds import EvalRounds
+
+    built: list[LoopedEngine] = []
+
+    def build(d: int) -> LoopedEngine:
+        built.append(LoopedEngine(setup.path, numerics="fast", exit_policy=FixedDepth(d),
+                                  kv_cache_bytes=16 << 20, max_model_len=256, max_num_seqs=8))  # fmt: skip
+        return built[-1]
+
+    engines = DepthEngines(setup.engine, build)
+    new = setup.weights(seed=3)
+    setup.version += 1
+    engines.load_weights(new, setup.version, canonical_digest(new))
+    model = load_model(setup.root / "w3")[1]
+    ps = [Prompt(f"q{i}", p, {}) for i, p in enumerate(prompts(6, [5, 9], seed=11))]
+    results: list[dict[str, Any]] = []
+    rounds = EvalRounds(ps, n=1, temperature=0.0, max_tokens=6, stop_token_ids=[], run_seed=3,
+                        every=1, last_step=1, depths=[2, 9],
+                        on_result=lambda _s, m: results.append(m))  # fmt: skip
+    rounds.start(0, setup.version)
+    items = [it for it in iter(lambda: rounds.next_item("g", setup.version), None)]
+    samples = engines.generate(items)
+    assert len(built) == 2 and all(e.weight_version == setup.version for e in built)
+
+    def score(tokens: Any) -> bool:  # a deterministic stand-in reward
+        return int(tokens[0]) % 2 == 0
+
+    rollouts = []
+    for it, ss in zip(items, samples):
+        for r in to_rollouts(it, ss, "g"):
+            ok = score(r.tokens)
+            rollouts.append(dataclasses.replace(r, reward=float(ok), reward_info={"correct": ok}))
+    rounds.receive("g", rollouts)
+    (m,) = results
+    sp = SamplingParams(max_new_tokens=6, greedy=True)
+    for d in (2, 9):
+        mine = [(it, ss[0]) for it, ss in zip(items, samples) if it.eval_depth == d]
+        ref = generate(model, [it.prompt_tokens.tolist() for it, _ in mine],
+                       [int(it.latent_seeds[0]) for it, _ in mine], sp, FixedDepth(d))  # fmt: skip
+        for (_, s), g in zip(mine, ref):
+            assert s.tokens.tolist() == g.tokens and set(s.exit_depths.tolist()) == {d}
+        want = sum(score(g.tokens) for g in ref) / len(ref)
+        assert m[f"eval/accuracy@{d}"] == want and m[f"eval/mean_depth@{d}"] == d
+    adaptive = [ss[0] for it, ss in zip(items, samples) if it.eval_depth == 0]
+    assert 1 < m["eval/mean_depth"] < 6 and max(max(s.exit_depths) for s in adaptive) <= 6
+    print(f"\neval depths: {m}")
+    for e in built:
+        e.close()

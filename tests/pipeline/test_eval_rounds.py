@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pipeline.core.dispatch import Prompt
@@ -84,6 +85,83 @@ def test_eval_items_of_a_dead_generator_are_sent_again(tmp_path: Path) -> None:
     assert results and results[0][0] == 0 and c.evals.counts["resent"] >= 1
 
 
+class DepthGrader(Grader):
+    """Runs an eval_depth item at that depth (every exit depth d) and answers it correctly iff
+    d >= 4 (or as Grader at eval_depth 0); ``deaf``: ignores eval_depth (a 1.3 generator)."""
+
+    deaf = False
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        r = super()._rollout(item, i, seed, version)
+        d = item.eval_depth
+        if not d or self.deaf:
+            return r
+        return dataclasses.replace(r, exit_depths=np.full(2, d, np.uint8),
+                                   reward=float(d >= 4), reward_info={"correct": d >= 4})  # fmt: skip
+
+
+def test_fixed_depth_rounds(tmp_path: Path) -> None:
+    """eval.depths: each round also sends every prompt once per depth d (WorkItem.eval_depth,
+    the same latent seeds) and reports eval/accuracy@d and eval/mean_depth@d from those
+    rollouts alone; a depth above the run's max depth (4 here) passes the door; a generator
+    that ignores eval_depth (its rollouts ran the run's depth) is refused, the item sent again."""
+    results: list[tuple[int, dict[str, Any]]] = []
+    prompts = [Prompt(f"q{i}", [1, 30 + i], {}) for i in range(6)]
+    rounds = EvalRounds(prompts, n=2, temperature=0.0, max_tokens=8, stop_token_ids=[],
+                        run_seed=0, every=2, last_step=100, depths=[1, 9],
+                        on_result=lambda s, m: results.append((s, m)))  # fmt: skip
+    c, net, _ = make_coordinator(tmp_path, [], evals=rounds)
+    rounds.start(0, 0)
+    items = rounds.rounds[0].items
+    assert len(items) == 18 and {it.eval_depth for it in items.values()} == {0, 1, 9}
+    by_id = {(w.split("-")[-1], it.eval_depth): it for w, it in items.items()}
+    assert all(
+        list(by_id[(k, d)].latent_seeds) == list(by_id[(k, 0)].latent_seeds)
+        for k, d in by_id if d
+    )  # fmt: skip
+    deaf = DepthGrader(net, "deaf", seed=1)
+    deaf.deaf = True
+    for _ in range(12):
+        c.turn(0.0)
+        deaf.step()
+    assert rounds.counts["refused"] >= 1 and not results
+    deaf.paused = True
+    c.dispatcher.remove_generator("deaf")  # its held items go out again
+    good = DepthGrader(net, "good", seed=2)
+    for _ in range(300):
+        c.turn(0.0)
+        good.step()
+        if results:
+            break
+    c.close()
+    ((step, m),) = results
+    assert step == 0 and m["eval/prompts"] == 6
+    assert m["eval/accuracy"] == 0.5 and m["eval/mean_depth"] == 4.0  # the run's policy
+    assert m["eval/accuracy@1"] == 0.0 and m["eval/mean_depth@1"] == 1.0
+    assert m["eval/accuracy@9"] == 1.0 and m["eval/mean@n@9"] == 1.0
+    assert m["eval/mean_depth@9"] == 9.0
+
+
+def test_depth_checks() -> None:
+    """eval.depths refused in one line naming the key: 0, > 255, not ints, duplicates; a
+    depth-1 family takes [1] only."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.core.eval_rounds import check_depths
+
+    base = ["eval.every=1", "task.kind=dataset", "task.path=x"]
+    for bad in ("[0]", "[256]", "[2,2]"):
+        with pytest.raises(ConfigError, match=r"eval\.depths=.*distinct ints in \[1, 255\]"):
+            load_config(None, [*base, f"eval.depths={bad}"])
+    for bad in ("[a]", "[true]", "[1.5]"):  # the schema's type check, naming the element
+        with pytest.raises(ConfigError, match=r"run config eval\.depths\[0\]: "):
+            load_config(None, [*base, f"eval.depths={bad}"])
+    assert load_config(None, [*base, "eval.depths=[1,2,255]"]).eval.depths == [1, 2, 255]
+    check_depths([1], 1, looped=False)
+    check_depths([1, 2, 64], 4, looped=True)
+    with pytest.raises(ConfigError, match=r"eval\.depths=\[1, 2\]: the model is a depth-1"):
+        check_depths([1, 2], 1, looped=False)
+
+
 class Liar(Grader):
     """Claims every eval answer correct, with rollouts the door must refuse (one poison each)."""
 
@@ -152,3 +230,24 @@ def test_wandb_logging_offline(tmp_path: Path) -> None:
     assert [
         json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ] == [1, 2]
+
+
+def test_accuracy_vs_depth_panel(tmp_path: Path) -> None:
+    """eval.depths rows -> the plot's accuracy-vs-depth curves: x = depth, one curve per eval
+    step (the last always, at most 6), the run's policy at (mean depth, accuracy)."""
+    from pipeline.core.metrics import MetricsWriter, depth_curves, read_metrics
+
+    m = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(1, 11):
+        row: dict[str, Any] = {"step": step, "reward_mean": 0.1 * step, "elapsed_s": step}
+        if step % 2 == 1 or step == 10:
+            row |= {"eval/accuracy": 0.5, "eval/mean_depth": 3.5, "eval/accuracy@1": 0.1,
+                    "eval/accuracy@4": 0.02 * step, "eval/accuracy@16": 0.3}  # fmt: skip
+        m.log(row)
+    m.close(plot=True)
+    curves = depth_curves(read_metrics(tmp_path / "metrics.jsonl"))
+    assert list(curves) == [1, 3, 5, 7, 9, 10]  # 6 eval steps: all kept
+    pts, adaptive = curves[10]
+    assert pts == [(1, 0.1), (4, 0.2), (16, 0.3)] and adaptive == (3.5, 0.5)
+    assert len(depth_curves(read_metrics(tmp_path / "metrics.jsonl"), most=3)) == 3
+    assert (tmp_path / "metrics.png").stat().st_size > 10_000

@@ -66,3 +66,22 @@ def test_correct_of() -> None:
 def test_eval_needs_a_dataset_task() -> None:
     with pytest.raises(ConfigError, match="eval.every=5: needs task.kind=dataset"):
         load_config(None, ["eval.every=5"])
+
+
+def test_fixed_depths(setup: tuple[Path, Path]) -> None:
+    """--depths / eval.depths: the figures at each fixed depth are those of the same decode
+    under FixedDepth(d) as the run's policy (here full depth 6: @6 equals the run's figures);
+    bad depths are refused in one line naming eval.depths."""
+    model, data = setup
+    out = evaluate(cfg(data, "eval.depths=[1,6,9]"), model, limit=2)
+    assert out["eval/mean_depth"] == 6.0
+    assert out["eval/accuracy@6"] == out["eval/accuracy"]
+    assert [out[f"eval/mean_depth@{d}"] for d in (1, 6, 9)] == [1.0, 6.0, 9.0]
+    at2 = evaluate(cfg(data, 'rollout.exit_policy={kind: fixed, depth: 2}'), model, limit=2,
+                   depths=[])  # fmt: skip
+    assert (
+        evaluate(cfg(data), model, limit=2, depths=[2])["eval/accuracy@2"] == at2["eval/accuracy"]
+    )
+    assert at2["eval/mean_depth"] == 2.0 and "eval/accuracy@2" not in at2
+    with pytest.raises(ConfigError, match=r"eval\.depths=\[0\]: must be distinct ints"):
+        evaluate(cfg(data), model, depths=[0])
