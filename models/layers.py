@@ -4,7 +4,8 @@ A block exposes `qkv(x, rope, mode) -> (q, k, v)` (norm, projections, bias, RoPE
 `post(x, attn, mode) -> x` (output projection, residuals, norms, MLP); the engine does the
 attention in between against its per-(iteration, layer) KV cache. Rows are flattened tokens:
 x [N, h], q [N, H, D], k / v [N, G, D], attn [N, H * D]. Parameter names are the official
-checkpoint names. Every matmul goes through `models.numerics.linear`.
+checkpoint names. Every matmul goes through `models.numerics.linear` (`linears` for projections of one input:
+one fp64 promotion, so their input gradients round once, as a fused linear's do).
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: Tensor, mode: str) -> Tensor:
-        inner = nx.silu_mul(_lin(self.gate_proj, x, mode), _lin(self.up_proj, x, mode), mode)
-        return _lin(self.down_proj, inner, mode)
+        gate, up = nx.linears(x, [(m.weight, m.bias) for m in (self.gate_proj, self.up_proj)], mode)
+        return _lin(self.down_proj, nx.silu_mul(gate, up, mode), mode)
 
 
 class LlamaBlock(nn.Module):
@@ -149,9 +150,9 @@ class LlamaBlock(nn.Module):
         h = self.input_layernorm(x, mode)
         a = self.self_attn
         n = x.shape[0]
-        q = _lin(a.q_proj, h, mode).view(n, self.n_heads, self.head_dim)
-        k = _lin(a.k_proj, h, mode).view(n, self.n_kv_heads, self.head_dim)
-        v = _lin(a.v_proj, h, mode).view(n, self.n_kv_heads, self.head_dim)
+        q, k, v = nx.linears(h, [(m.weight, m.bias) for m in (a.q_proj, a.k_proj, a.v_proj)], mode)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k, v = k.view(n, self.n_kv_heads, self.head_dim), v.view(n, self.n_kv_heads, self.head_dim)
         return nx.rope_half(q, rope, mode), nx.rope_half(k, rope, mode), v
 
     def post(self, x: Tensor, attn: Tensor, mode: str) -> Tensor:

@@ -56,6 +56,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "f
     return F.linear(x, weight, bias)
 
 
+def linears(
+    x: Tensor, layers: list[tuple[Tensor, Tensor | None]], mode: str = "fast"
+) -> list[Tensor]:
+    """`linear(x, W_i, b_i)` for several weights reading the same x (q/k/v, gate/up).
+
+    exact: x is promoted to fp64 once, so in backward the input gradients of the projections
+    add in fp64 and are rounded ONCE to fp32, like the gradient of one fused linear (the
+    learner's `linear_qkv` / `linear_fc1`) is; separate promotions would round each part and
+    add in fp32 (other bits). The forward values are those of `linear`.
+    """
+    if mode == "exact":
+        xd = x.double()
+        return [
+            F.linear(xd, w.double(), None if b is None else b.double()).float() for w, b in layers
+        ]
+    return [linear(x, w, b, mode) for w, b in layers]
+
+
 OPAQUE_NORM_UNDER_COMPILE = False
 """When True, `rms_norm(mode="fast")` traced by torch.compile is one opaque op running the
 eager kernels (inductor's fused RMSNorm reduces in another order: other bits). Set by the
@@ -265,6 +283,7 @@ __all__ = [
     "attention",
     "check_mode",
     "linear",
+    "linears",
     "log_softmax",
     "rms_norm",
     "rope_adjacent",

@@ -216,8 +216,10 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 _CASES = [  # (family, loop_weighting, kind, numerics)
-    ("huginn", "uniform", "dppo", "exact"),
-    ("ouro", "exit_pdf", "grpo", "fast"),
+    ("huginn", "uniform", "dppo", "fast"),
+    # Ouro's separate q/k/v and gate/up projections (fused in megatron): exact needs their
+    # input gradients rounded once (models.numerics.linears); mixed exit depths, the gate's pdf
+    ("ouro", "exit_pdf", "grpo", "exact"),
 ]
 
 
