@@ -9,6 +9,9 @@ row's cache. A chunk runs, for every position at once:
                              (a position is active until it exits) ->
     readout: coda stack (KV slot per coda layer) on each position's final state -> head
 
+On a device other than the CPU, Huginn's latent noise (contract 1) is computed there by
+`models.noise.latent_noise_torch` (the spec's bits), not drawn on the CPU and copied.
+
 Exited positions follow one of the two KV semantics of DESIGN contract 3 (`kv`):
 
 - `last_exited` is implemented by copying: when a position exits after iteration e, its K/V of
@@ -21,6 +24,30 @@ Exited positions follow one of the two KV semantics of DESIGN contract 3 (`kv`):
 
 Attention of the query at position p sees the cached positions t <= p of its own row
 (`filled`).
+
+Depth batching (issue 25 item 1; `compact=True`, the default): at core iteration d only the
+positions still running are computed. Their rows of the state are gathered (`index_select`),
+run through core_in / the core stack / core_out as an [M, h] batch (M = running positions;
+their K/V written by integer indices), and written back (`index_copy`); attention takes their
+queries scattered into the chunk's [B, S] layout (the keys are the whole cache, as before), so
+each query's attention row is the one the uncompacted path computes. An exit policy's readout
+(KL / entropy criteria) is computed for the active positions alone, likewise. When every
+position runs, the uncompacted calls run unchanged. Where it saves:
+
+- `last_exited`: a position stops costing core compute after its exit iteration (its K/V of
+  later slots are the copies above). In decode (one token per row) this saves the FLOPs of the
+  exited rows; the weights are still read once per iteration while any row runs, so where a
+  step is bound by weight reads (a GPU at small batch) the iteration count (the deepest row)
+  sets the time, not the mean depth.
+- `full`: cannot save within its row depth: every valid position must write its K/V in every
+  slot up to its row's full depth, because later queries at deeper iterations read them; only
+  positions past their row's `row_depths` (replay of rows with smaller full depths) drop out.
+
+`compact=False` is the uncompacted path (every row runs to the deepest running one, only K/V
+writes are masked): kept as the tests' and the benchmark's comparison. Tokens, depths and
+log-probs are bit-identical between the two in exact numerics (row-wise fp64 accumulation);
+in fast numerics a matmul over M rows may pick another kernel than over N (differences at
+fp32 rounding level, tests/models/test_depth_batching.py).
 
 Generation feeds the prompt as one chunk with every position at full depth, then one token per
 chunk with an exit policy; replay feeds whole sequences as one chunk with the recorded depths.
@@ -48,6 +75,7 @@ from models.exits import (
     should_exit,
 )
 from models.layers import Block
+from models.noise import latent_noise_torch
 
 
 class EngineModel(Protocol):
@@ -90,10 +118,11 @@ class KVCache:
     @classmethod
     def empty(cls, model: EngineModel, batch: int, length: int, depth: int) -> KVCache:
         g, d = model.kv_shape
-        dev = next(model.parameters()).device
+        param = next(model.parameters())
+        dev = param.device
 
-        def zeros(*lead: int) -> Tensor:
-            return torch.zeros(*lead, 2, batch, length, g, d, device=dev)
+        def zeros(*lead: int) -> Tensor:  # K/V in the parameters' dtype (fp32, bf16)
+            return torch.zeros(*lead, 2, batch, length, g, d, device=dev, dtype=param.dtype)
 
         return cls(
             prelude=zeros(len(model.prelude_blocks())),
@@ -126,6 +155,12 @@ class _Rows:
     mode: str
 
 
+def _qkv(blk: Block, x: Tensor, rope: Tensor, mode: str) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of a block in x's dtype (RoPE tables are fp32: bf16 q / k come back fp32)."""
+    q, k, v = blk.qkv(x, rope, mode)
+    return q.to(x.dtype), k.to(x.dtype), v
+
+
 def _stack(
     blocks: Sequence[Block], slots: Tensor, x: Tensor, write: Tensor | None, r: _Rows
 ) -> Tensor:
@@ -133,13 +168,38 @@ def _stack(
     every row, with integer indices only: no boolean-mask indexing, no host sync)."""
     wb, wp = (r.b, r.pos) if write is None else (r.b[write], r.pos[write])
     for layer, blk in enumerate(blocks):
-        q, k, v = blk.qkv(x, r.rope, r.mode)
+        q, k, v = _qkv(blk, x, r.rope, r.mode)
         slots[layer, 0, wb, wp] = k if write is None else k[write]
         slots[layer, 1, wb, wp] = v if write is None else v[write]
         q = q.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
         attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
         x = blk.post(x, attn.reshape(x.shape[0], -1), r.mode)
     return x
+
+
+def _stack_at(blocks: Sequence[Block], slots: Tensor, x: Tensor, idx: Tensor, r: _Rows) -> Tensor:
+    """`_stack` on the compacted positions `idx` [M] (indices into the chunk's N flattened
+    positions) with x [M, h]: their K/V written, their queries scattered into the [B, S] layout
+    for attention (so each attention row is the uncompacted one), the rest of every block on
+    M rows only. Returns [M, h]."""
+    wb, wp = r.b.index_select(0, idx), r.pos.index_select(0, idx)
+    rope = r.rope.index_select(0, idx)
+    n = r.batch * r.seq
+    for layer, blk in enumerate(blocks):
+        q, k, v = _qkv(blk, x, rope, r.mode)
+        slots[layer, 0, wb, wp] = k
+        slots[layer, 1, wb, wp] = v
+        qf = q.new_zeros((n, *q.shape[1:])).index_copy_(0, idx, q)
+        qf = qf.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
+        attn = nx.attention(qf, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
+        x = blk.post(x, attn.reshape(n, -1).index_select(0, idx), r.mode)
+    return x
+
+
+def _seed_tensor(seeds: Sequence[int], dev: torch.device) -> Tensor:
+    """u64 latent seeds as int64 two's complement on `dev` (`models.noise.latent_noise_torch`)."""
+    signed = [int(s) - (1 << 64) if int(s) >= 1 << 63 else int(s) for s in seeds]
+    return torch.tensor(signed, dtype=torch.int64).to(dev)
 
 
 def _key_mask(filled: Tensor, positions: Tensor) -> Tensor:
@@ -159,6 +219,21 @@ def _readout(
     return model.head(hidden, r.mode), hidden
 
 
+def _policy_logits(
+    model: EngineModel, cache: KVCache, state: Tensor, active: Tensor, r: _Rows, compact: bool
+) -> Tensor:
+    """[N, V] readout logits for an exit policy: of every position (uncompacted), or of the
+    active ones alone (compact; zeros elsewhere, which the policy's mask ignores). Writes the
+    coda K/V of the active positions."""
+    idx = active.nonzero()[:, 0]
+    if not compact or idx.numel() == active.shape[0]:
+        return _readout(model, cache, state, active, r)[0]
+    x = model.readout_in(state.index_select(0, idx), r.mode)
+    x = _stack_at(model.coda_blocks(), cache.coda, x, idx, r)
+    logits = model.head(model.readout_out(x, r.mode), r.mode)
+    return logits.new_zeros((active.shape[0], logits.shape[1])).index_copy_(0, idx, logits)
+
+
 def run_chunk(
     model: EngineModel,
     cache: KVCache,
@@ -173,6 +248,7 @@ def run_chunk(
     mode: str = "fast",
     kv: str = "last_exited",
     row_depths: Sequence[int] | None = None,
+    compact: bool = True,
 ) -> ChunkOut:
     """One chunk forward (see module doc).
 
@@ -181,7 +257,8 @@ def run_chunk(
     positions: replay / prefill) and `policy` (decode, S == 1) says when positions exit.
     kv: 'last_exited' | 'full' (contract 3); row_depths (kv='full' only): each row's full
     depth, the iterations every position of the row runs (default: max_depth). `depths` of
-    the returned ChunkOut are the exit depths.
+    the returned ChunkOut are the exit depths. compact: depth batching (module doc); False =
+    the uncompacted path (every row to the deepest running one, K/V writes masked).
     """
     nx.check_mode(mode)
     full = check_kv(kv) == "full"
@@ -207,10 +284,12 @@ def run_chunk(
     r = _Rows(bsz, seq, rows, pos, kmask, model.rope(pos, mode), mode)
     row_seeds = [int(seeds[b]) for b in rows.tolist()]
 
-    e = _stack(
-        model.prelude_blocks(), cache.prelude, model.embed(tokens.reshape(n).to(dev)), val, r
-    )
-    state = model.initial_state(e, pos, row_seeds)
+    x0 = model.embed(tokens.reshape(n).to(dev)).to(cache.core.dtype)  # bf16 runs bf16 on
+    e = _stack(model.prelude_blocks(), cache.prelude, x0, val, r)  # (Huginn embeds in fp32)
+    noise = None
+    if dev.type != "cpu" and getattr(model, "draws_latent_noise", False):  # the spec's bits
+        noise = latent_noise_torch(_seed_tensor(row_seeds, dev), pos, e.shape[-1])
+    state = model.initial_state(e, pos, row_seeds, noise).to(e.dtype)  # (noise fp32, cast)
     done = ~val
     ran = torch.zeros(n, dtype=torch.int64, device=dev)
     carry: ExitCarry | None = None
@@ -227,19 +306,30 @@ def run_chunk(
     for i in range(max_depth):
         active = ~done
         running = val & (run_to > i) if full else active
-        if not running.any():
+        idx = running.nonzero()[:, 0] if compact else None
+        if (idx.numel() == 0) if idx is not None else not running.any():
             break
-        x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), running, r)
-        new = model.core_out(x, mode)
-        prev, state = state, torch.where(running[:, None], new, state)
+        if idx is None or idx.numel() == n:  # every position runs: the uncompacted calls
+            x = _stack(
+                model.core_blocks(), cache.core[i], model.core_in(state, e, mode), running, r
+            )
+            new = model.core_out(x, mode)
+            prev, state = state, torch.where(running[:, None], new, state)
+        else:  # depth batching: only the running positions (module doc)
+            xin = model.core_in(state.index_select(0, idx), e.index_select(0, idx), mode)
+            x = _stack_at(model.core_blocks(), cache.core[i], xin, idx, r)
+            prev, state = state, state.index_copy(0, idx, model.core_out(x, mode))
+            new = state  # (rows not running: their frozen state; the policy masks them)
         ran[active] = i + 1
         if depths is not None:
             stop = active & (dep == i + 1)
+        elif compact and not bool(active.any()):  # kv='full' past every exit: K/V only
+            stop = active
         else:
             assert policy is not None
             info = StepInfo(i + 1, max_depth, new, prev, mode=mode)
             if needs_logits(policy):
-                info.logits = _readout(model, cache, state, active, r)[0]
+                info.logits = _policy_logits(model, cache, state, active, r, compact)
             if needs_gate(policy):
                 info.gate_logit = model.gate_logit(new, mode)
             hit, carry = should_exit(policy, info, carry)

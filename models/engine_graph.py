@@ -23,10 +23,11 @@ replay, then copied into the static buffers:
 - the RoPE rows: `model.rope(positions)` on the device positions, as run_chunk computes them
   (Huginn's bounds check reads the positions on the host, and exact-mode split-half RoPE builds
   its fp64 table on the CPU: neither can live in a graph);
-- Huginn's latent noise z (DESIGN contract 1): `models.noise.latent_noise`, the spec, drawn on
-  the CPU as run_chunk draws it; the graph computes s_0 = (z std) scale from the buffer.
-  (`models.noise.latent_noise_torch` gives the same bits on the device, but its argument
-  checks sync; the learner's Triton kernel is learner-only by the layout rules.)
+- Huginn's latent noise z (DESIGN contract 1): on CUDA `models.noise.latent_noise_torch` on
+  the device positions (the spec's bits; its argument checks sync, so it runs before the
+  replay, not in the graph), on the CPU `models.noise.latent_noise`, the spec, as run_chunk
+  draws them; the graph computes s_0 = (z std) scale from the buffer. (The learner's Triton
+  kernel is learner-only by the layout rules.)
 
 The step's outputs are the graph's static output tensors: read (or clone) them before the next
 step. The graph reads the cache and the parameters by address: keep the cache's tensors (write
@@ -43,8 +44,8 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.engine import ChunkOut, KVCache, _key_mask, _readout, _Rows, _stack
-from models.noise import latent_noise
+from models.engine import ChunkOut, KVCache, _key_mask, _readout, _Rows, _seed_tensor, _stack
+from models.noise import latent_noise, latent_noise_torch
 
 if TYPE_CHECKING:
     from models.base import LoopedLM
@@ -74,8 +75,9 @@ def decode_step(
     rows = torch.arange(bsz, device=dev)
     cache.filled.index_put_((rows, positions), torch.ones((), dtype=torch.bool, device=dev))
     r = _Rows(bsz, 1, rows, positions, _key_mask(cache.filled, positions[:, None]), rope, mode)
-    e = _stack(model.prelude_blocks(), cache.prelude, model.embed(tokens), None, r)
-    state = model.initial_state(e, positions, seeds, noise)
+    x0 = model.embed(tokens).to(cache.core.dtype)  # the cache's (parameters') dtype
+    e = _stack(model.prelude_blocks(), cache.prelude, x0, None, r)
+    state = model.initial_state(e, positions, seeds, noise).to(e.dtype)  # (fp32 noise, cast)
     for i in range(depth):
         x = _stack(model.core_blocks(), cache.core[i], model.core_in(state, e, mode), None, r)
         state = model.core_out(x, mode)
@@ -92,9 +94,12 @@ class GraphDecoder:
     eagerly on the CPU (see module doc).
 
     graph: None = a graph exactly when the cache is on CUDA; False = eager on any device
-    (the benchmark's comparison); True = a graph (CUDA only). warmup: eager runs of the step
-    on a side stream before the capture (they rewrite the first step's K/V with the same
-    values: the step is idempotent for the same inputs).
+    (the benchmark's comparison); True = a graph (CUDA only). device_noise: Huginn's latent
+    noise by `models.noise.latent_noise_torch` on the cache's device (None: when that is not
+    the CPU; the same bits as the CPU spec), else drawn on the CPU and copied. `seeds` (a list,
+    one per row) may be reassigned between steps (a slot taking another request). warmup:
+    eager runs of the step on a side stream before the capture (they rewrite the first step's
+    K/V with the same values: the step is idempotent for the same inputs).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class GraphDecoder:
         mode: str = "fast",
         graph: bool | None = None,
         warmup: int = 2,
+        device_noise: bool | None = None,
     ) -> None:
         nx.check_mode(mode)
         dev = cache.filled.device
@@ -118,6 +124,7 @@ class GraphDecoder:
         if len(seeds) != bsz:
             raise ValueError(f"need one latent seed per row: {len(seeds)} seeds, {bsz} rows")
         self.graphed = dev.type == "cuda" if graph is None else graph
+        self.device_noise = dev.type != "cpu" if device_noise is None else device_noise
         if self.graphed and dev.type != "cuda":
             raise ValueError(f"a CUDA graph needs the cache on a CUDA device, not {dev}")
         self.model, self.cache, self.seeds = model, cache, [int(s) for s in seeds]
@@ -169,7 +176,10 @@ class GraphDecoder:
         self.tokens.copy_(torch.as_tensor(tokens, dtype=torch.int64).reshape(-1))
         self.positions.copy_(pos)
         self.rope.copy_(self.model.rope(self.positions, self.mode))
-        if self.noise is not None:
+        if self.noise is not None and self.device_noise:  # the spec's bits, on the device
+            seeds = _seed_tensor(self.seeds, self.noise.device)
+            self.noise.copy_(latent_noise_torch(seeds, self.positions, self.noise.shape[1]))
+        elif self.noise is not None:
             self.noise.copy_(latent_noise(self.seeds, pos, self.noise.shape[1]))
         if not self.graphed:
             return self._run()
