@@ -52,7 +52,10 @@ PairFn = Callable[[LoopedLM, Case, str], tuple[float, int, list[int]]]
 def pair_reference(model: LoopedLM, case: Case, mode: str) -> tuple[float, int, list[int]]:
     """Sequential generate vs parallel replay of the same completions."""
     gens = generate(model, case.prompts, case.seeds, case.sampling, case.policy, mode)
-    items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+    items = [
+        ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+        for g in gens
+    ]
     s = case.sampling
     results = replay(
         model, items, temperature=s.temperature, top_p=s.top_p, numerics=mode, kv=case.policy.kv

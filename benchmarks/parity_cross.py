@@ -107,7 +107,13 @@ def vllm_generate(model: LoopedLM, case: Any, mode: str, family: str) -> Job:
     s = case.sampling
     samples = vllm_samples(model, case, mode)
     items = [
-        ReplayItem(list(p), x.tokens.tolist(), int(x.latent_seed), [int(d) for d in x.exit_depths])
+        ReplayItem(
+            list(p),
+            x.tokens.tolist(),
+            int(x.latent_seed),
+            [int(d) for d in x.exit_depths],
+            x.full_depth or None,
+        )
         for p, x in zip(case.prompts, samples)
     ]
     return Job(

@@ -56,7 +56,10 @@ def _compare(model: LoopedLM, policy: Any, case: Any, gen_mode: str, mode: str) 
     from learner.replay import replay
 
     gens = generate(model, case.prompts, case.seeds, case.sampling, case.policy, gen_mode)
-    items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+    items = [
+        ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+        for g in gens
+    ]
     s = case.sampling
     res = replay(policy, items, temperature=s.temperature, top_p=s.top_p, numerics=mode)
     diff = max(float((g.logprobs - r.logprobs).abs().max()) for g, r in zip(gens, res))
@@ -85,7 +88,10 @@ def pair_megatron_vs_reference(model: LoopedLM, case: Any, mode: str) -> tuple[f
     options = MegatronOptions(kv=case.policy.kv)  # the case's exit KV semantics (contract 3)
     policy = build_policy(model.config, options, hf_state=model.state_dict())
     gens = generate(model, case.prompts, case.seeds, case.sampling, case.policy, mode)
-    items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+    items = [
+        ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+        for g in gens
+    ]
     from learner.replay import replay
 
     s = case.sampling

@@ -88,7 +88,9 @@ def pair_vllm_vs_reference(model: LoopedLM, case: Case, mode: str) -> tuple[floa
     s = case.sampling
     samples = vllm_samples(model, case, mode)
     replay_items = [
-        ReplayItem(p, x.tokens.tolist(), x.latent_seed, x.exit_depths.tolist())
+        ReplayItem(
+            p, x.tokens.tolist(), x.latent_seed, x.exit_depths.tolist(), x.full_depth or None
+        )
         for p, x in zip(case.prompts, samples)
     ]
     results = replay(

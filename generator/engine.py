@@ -62,7 +62,7 @@ from generator.plugin import ARCHITECTURES
 from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_settings import PluginSettings, settings_to_dict
-from models.exits import ExitPolicy
+from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from models.weights.digest import canonical_digest
 from models.weights.verified import read_weights
 from proto.records import Rollout, WorkItem
@@ -95,6 +95,8 @@ class Sample:
     """'stop' | 'length' | 'abort'."""
     sampler_logprobs: np.ndarray | None = None
     """float32 [T] vLLM's processed log-probs of the same tokens (cross-check)."""
+    full_depth: int = 0
+    """The iterations the prompt's positions before the last ran (contract 2; 0 = unknown)."""
 
 
 def _load_on_worker(
@@ -190,6 +192,13 @@ class LoopedEngine:
         self.model_dir = str(model_dir)
         arch = (read_config(self.model_dir).get("architectures") or [""])[0]
         self.looped = arch in ARCHITECTURES
+        self.full_depth = 1
+        """D, the depth the prompt runs (contract 2; a plain model: 1)."""
+        if self.looped:
+            from models.config import config_from_hf_dict
+
+            model_depth = config_from_hf_dict(read_config(self.model_dir)).max_depth
+            self.full_depth = resolve_max_depth(exit_policy or FixedDepth(model_depth), model_depth)
         self.settings = PluginSettings(numerics, exit_policy, record)
         self.inflight_updates = inflight_updates
         self.weight_version = weight_version
@@ -364,6 +373,7 @@ class LoopedEngine:
             token_versions=versions if self.inflight_updates else None,
             finish_reason=str(out.finish_reason or "length"),
             sampler_logprobs=sampler,
+            full_depth=self.full_depth,
         )
 
     def close(self) -> None:
@@ -398,6 +408,7 @@ def to_rollouts(item: WorkItem, samples: Sequence[Sample], generator_id: str) ->
             token_versions=s.token_versions,
             finish_reason=s.finish_reason,
             created_at=now,
+            full_depth=int(s.full_depth),
         )
         for j, s in enumerate(samples)
     ]

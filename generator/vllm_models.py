@@ -15,8 +15,9 @@ tokens runs, like `models.engine.run_chunk`:
 
     e = prelude(embed(tokens));  s = initial_state(e, positions, latent seeds)
     for d in 1..D: core stack on every token; exits: prompt positions at D, generated
-                   positions by the exit policy (or their recorded depth after a
-                   preemption), checked after each iteration. Exited tokens (contract 3,
+                   positions (and the prompt's last one, which samples token 0, where
+                   `models.exits.token0_follows_policy`: Ouro) by the exit policy (or their
+                   recorded depth after a preemption), checked after each iteration. Exited tokens (contract 3,
                    the policy's kv): 'last_exited': K/V carried from their exit iteration,
                    state frozen; 'full': they run on (K/V of every iteration), their exit
                    state is kept aside for the readout
@@ -57,6 +58,7 @@ from models.exits import (
     resolve_kv,
     resolve_max_depth,
     should_exit,
+    token0_follows_policy,
 )
 from models.huginn import HuginnForCausalLM
 from models.layers import Block
@@ -98,6 +100,8 @@ class _LoopedVllm:
         self.policy = settings.exit_policy or FixedDepth(me.max_depth)
         self.depth = resolve_max_depth(self.policy, me.max_depth)
         self.kv = resolve_kv(self.policy, config)
+        self._token0 = 1 if token0_follows_policy(self.policy, config) else 0
+        """1 where the prompt's last position follows the policy (contract 2), else 0."""
         self.record = settings.record
         self.record_book = RecordBook()
         self._noise = NoiseAhead(config.hidden_size)
@@ -186,8 +190,9 @@ class _LoopedVllm:
         pos = positions.to(torch.int64)
         pos_np = pos.cpu().numpy()
         noise = self._noise.rows(step, pos_np) if me.draws_latent_noise else None
-        # exit schedule: D for prompt positions / padding, recorded depth, else the policy (0)
-        target = np.where(pos_np < step.prompt_len, self.depth, 0)
+        # exit schedule: D for prompt positions (but the last where token 0 follows the policy)
+        # and padding, recorded depth, else the policy (0)
+        target = np.where(pos_np < step.prompt_len - self._token0, self.depth, 0)
         fixed_depth = isinstance(self.policy, FixedDepth)
         if self.record and step.requests and not fixed_depth:  # (FixedDepth records only D)
             rec = self.record_book.recorded_depths(step, pos_np)

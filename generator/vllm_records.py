@@ -3,8 +3,9 @@
 Completion token t of a request with prompt length P is sampled from the logits of position
 P - 1 + t. The book files, under the request's record key (`vllm_context.RECORD_KEY`):
 
-- depth[t]: core iterations run at position P - 1 + t (written by the forward; prompt
-  positions run full depth, so depth[0] is the full depth: contract 2);
+- depth[t]: core iterations run at position P - 1 + t (written by the forward; depth[0] is
+  the last prompt position's, which follows the exit policy where the family's official code
+  does: contract 2);
 - version[t]: the weight version of the forward that computed that position;
 - logprob[t]: the behaviour log-prob of token t (contract 4). `compute_logits` keeps, per
   request, the behaviour log-prob row of its sampling position; the token it sampled arrives

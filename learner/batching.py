@@ -182,7 +182,8 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         if int(r.prompt_tokens.shape[0]) < 1:
             raise ValueError(f"rollout {r.rollout_id!r}: empty prompt")
     lay = token_rows([r.prompt_tokens for r in ordered], [r.tokens for r in ordered],
-                     [r.exit_depths for r in ordered], pad_to_multiple=pad_to_multiple)  # fmt: skip
+                     [r.exit_depths for r in ordered], pad_to_multiple=pad_to_multiple,
+                     full_depths=[r.full_depth for r in ordered])  # fmt: skip
     b, length = len(ordered), lay.length
     behav = np.zeros((b, length), dtype=np.float32)
     token_rewards = np.zeros((b, length), dtype=np.float32)

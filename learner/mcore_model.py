@@ -20,8 +20,8 @@ tokens [B, S] right-padded; one parallel pass over all positions per core iterat
 positions follow the KV semantics `kv` (DESIGN contract 3; `MegatronOptions.kv`, default the
 family's): 'last_exited': position p is active while d <= depths[p]; an inactive position
 keeps its state and attends / is attended with its K/V of its exit iteration. 'full': every
-position of row b runs its row's full depth D_b = depths[b, 0] (the prompt's depth); the state
-read out at p is the one after iteration depths[p].
+position of row b runs its row's full depth D_b = its deepest position (the prompt's depth);
+the state read out at p is the one after iteration depths[p].
 """
 
 from __future__ import annotations
@@ -291,7 +291,10 @@ class LoopedGPT(MegatronModule):
         if ((depths < 1) | (depths > MAX_DEPTH))[valid].any():
             raise ValueError(f"depths must be in [1, {MAX_DEPTH}] at valid positions")
         full = kv == "full"
-        run_to = depths[:, :1].expand(bsz, seq) if full else depths  # full: the row's depth
+        # full: each position runs its row's full depth, the row's deepest position (its prompt
+        # positions' D; with a one-token prompt a smaller one: no read-out depends on deeper ones)
+        deepest = torch.where(valid, depths, 0).amax(dim=1, keepdim=True)
+        run_to = deepest.expand(bsz, seq) if full else depths
         if full and bool((depths > run_to)[valid].any()):
             raise ValueError("kv='full': an exit depth exceeds its row's full depth depths[b, 0]")
         mask = valid[:, None, :] & (positions[:, None, :] <= positions[:, :, None])

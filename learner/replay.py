@@ -12,9 +12,10 @@ shape the parity checks compare.
 Batch layout (the same as `models.reference.replay`): row b holds prompt + completion[:-1]
 (the last completion token is never fed), right-padded. Position p predicts token p + 1; the
 positions plen - 1 .. plen + n - 2 sampled the n completion tokens (`loss_mask`). Prompt
-positions run the full depth D = exit_depths[0], position plen - 1 + t exits after
-exit_depths[t] iterations; `kv` names the KV semantics of exited positions (DESIGN contract
-3; None = the model's `MegatronOptions.kv`, else the family's default).
+positions 0..plen-2 run the full depth D (`ReplayItem.full_depth`; None = exit_depths[0], older
+completions), position plen - 1 + t exits after exit_depths[t] iterations (token 0 included);
+`kv` names the KV semantics of exited positions (DESIGN contract 3; None = the model's
+`MegatronOptions.kv`, else the family's default).
 
 Token statistics. The head gives this rank's vocab shard of the logits; at TP > 1 the rows of
 `loss_mask` are all-gathered to full vocabulary (megatron's gather, whose backward takes the
@@ -87,9 +88,10 @@ def make_replay_batch(items: Sequence[ReplayItem], pad_to_multiple: int = 1) -> 
         n = len(it.completion_tokens)
         if n == 0 or len(it.exit_depths) != n or not it.prompt_tokens:
             raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
-        full_depth(it.exit_depths, MAX_DEPTH)  # contract 2; the model's depth: forward checks it
+        full_depth(it.exit_depths, MAX_DEPTH, it.full_depth)  # contract 2 (forward: the model's)
     lay = token_rows([it.prompt_tokens for it in items], [it.completion_tokens for it in items],
-                     [it.exit_depths for it in items], pad_to_multiple=pad_to_multiple)  # fmt: skip
+                     [it.exit_depths for it in items], pad_to_multiple=pad_to_multiple,
+                     full_depths=[it.full_depth for it in items])  # fmt: skip
     bsz, length = len(items), lay.length
     tokens = torch.from_numpy(lay.input_ids)
     targets = torch.from_numpy(lay.targets)

@@ -165,10 +165,11 @@ class TorchPolicy:
     ) -> tuple[Tensor, Tensor]:
         """(logits [B, L, V], hidden [B, L, H]) at every input position of the micro-batch's
         rows, each row at its recorded depths (or ``depths``) with its latent seed (full depth:
-        the depth of its first position, a prompt position: DESIGN contract 2)."""
+        its deepest position: the prompt's D, DESIGN contract 2; with a one-token prompt a
+        smaller one, which no read-out depends on: learner.mcore_model's rule)."""
         depths = mb.exit_depths if depths is None else depths
-        full = [int(d) for d in depths[:, 0].tolist()]
         valid = mb.position_ids < mb.seq_lens[:, None]
+        full = [int(d) for d in torch.where(valid, depths, 0).amax(dim=1).tolist()]
         cache = KVCache.empty(model, mb.size, mb.length, max(full))
         out = run_chunk(
             model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,

@@ -3,8 +3,10 @@
 A policy is a frozen dataclass; `should_exit(policy, info, carry)` is called by the engine after
 core iteration `info.depth` (1-based) of the tokens being decoded and says which of them stop
 there. The depth a token stopped at is an output of generation (`exit_depths`) and an input of
-replay. Prompt positions never consult a policy: they run the full depth
-(`resolve_max_depth`), so `exit_depths[0]` is that depth.
+replay. Prompt positions run the full depth D (`resolve_max_depth`), except the last one, which
+samples token 0: it consults the policy where the family's official code exits there
+(`token0_follows_policy`), so `exit_depths[0]` is its exit loop (may be below D); D itself is
+recorded with the rollout (`Rollout.full_depth`), never read from `exit_depths[0]`.
 
 Criteria (Huginn's from `generate_with_adaptive_compute` in seal-rg/recurrent-pretraining
 `raven_modeling_minimal.py`; Ouro's from `OuroForCausalLM.forward` in `modeling_ouro.py`):
@@ -200,6 +202,26 @@ def default_kv(config: Any) -> str:
     return "last_exited" if getattr(config, "model_type", "") == "huginn_raven" else "full"
 
 
+def token0_follows_policy(policy: ExitPolicy | None, config: Any) -> bool:
+    """Whether the last prompt position (which samples response token 0) consults `policy`
+    (else it runs the full depth), as each family's official code does (docs/MODELS.md):
+
+    - Ouro: yes. `OuroForCausalLM.forward` applies its exit threshold at every position whose
+      logits it returns, the prompt's last one in the prefill forward included.
+    - Huginn: no. `generate_with_adaptive_compute` (seal-rg/recurrent-pretraining
+      `raven_modeling_minimal.py`) checks no exit criterion in the prefill step ("do not exit
+      in prefill"): token 0 comes from the full recurrence.
+    - Nanbeige (no public modeling file) and Llama (one loop): as Ouro.
+
+    A policy whose criterion reads the readout logits (KL, EntropyDiff) never applies there:
+    the readout of a prompt position sees the coda K/V of the prompt positions before it,
+    which exist at their final state only after the prompt's last iteration (a prefill split
+    into chunks would decide differently), so token 0 runs the full depth under it."""
+    if policy is None or isinstance(policy, FixedDepth) or needs_logits(policy):
+        return False
+    return getattr(config, "model_type", "") != "huginn_raven"
+
+
 def resolve_kv(policy: ExitPolicy | None, config: Any) -> str:
     """`policy.kv`, or the family's default when the policy leaves it None (or is None)."""
     kv = None if policy is None else policy.kv
@@ -339,4 +361,5 @@ __all__ = [
     "resolve_kv",
     "resolve_max_depth",
     "should_exit",
+    "token0_follows_policy",
 ]

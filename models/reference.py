@@ -22,11 +22,17 @@ reports lp of that token. Sampling draws q ~ Exp(1)^V from a torch.Generator see
 independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
 
 Depths (contract 2): the prompt runs the full depth D (the policy's max depth, which may
-exceed the model's trained depth up to 255); the position that samples completion token t
-exited after `exit_depths[t]` iterations; `exit_depths[0] == D`. Replay reads D from
-`exit_depths[0]`. KV semantics of exited tokens (contract 3): the policy's `kv` (None = the
-family's default, `models.exits.default_kv`); replay takes the same `kv`. With kv='full' every
-position runs D iterations and samples from its state after `exit_depths[t]`.
+exceed the model's trained depth up to 255), except its last position, which samples token 0
+and consults the exit policy where the family's official code does
+(`models.exits.token0_follows_policy`: Ouro, not Huginn); the position that samples completion
+token t exited after `exit_depths[t]` iterations. `Generation.full_depth` is D; replay takes it
+from `ReplayItem.full_depth` (None = `exit_depths[0]`: completions generated before token 0
+followed the policy ran D there). Where token 0 follows the policy the prompt is fed as two
+chunks (positions 0..P-2 at D, then position P-1 as a decoded position with the policy), which
+in exact numerics computes what one chunk does. KV semantics of exited tokens (contract 3): the
+policy's `kv` (None = the family's default, `models.exits.default_kv`); replay takes the same
+`kv`. With kv='full' every position runs D iterations and samples from its state after
+`exit_depths[t]`.
 """
 
 from __future__ import annotations
@@ -43,7 +49,15 @@ from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig
 from models.contract import check_latent_seed, full_depth
 from models.engine import KVCache, run_chunk
 from models.engine_graph import GraphDecoder
-from models.exits import MAX_DEPTH, ExitPolicy, FixedDepth, check_kv, resolve_kv, resolve_max_depth
+from models.exits import (
+    MAX_DEPTH,
+    ExitPolicy,
+    FixedDepth,
+    check_kv,
+    resolve_kv,
+    resolve_max_depth,
+    token0_follows_policy,
+)
 from models.rows import response_slice, token_rows
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
@@ -83,10 +97,12 @@ class Generation:
     logprobs: Tensor
     """[n] fp32 behaviour log-probs of `tokens`."""
     exit_depths: list[int]
-    """[n] iterations run at the position that sampled each token; [0] = full depth."""
+    """[n] iterations run at the position that sampled each token (token 0 included)."""
     latent_seed: int
     finish_reason: str
     """'stop' or 'length'."""
+    full_depth: int = 0
+    """D: the iterations the prompt's other positions ran (the policy's max depth)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +113,9 @@ class ReplayItem:
     completion_tokens: Sequence[int]
     latent_seed: int
     exit_depths: Sequence[int]
+    full_depth: int | None = None
+    """D, the depth the prompt ran (`Generation.full_depth`); None = exit_depths[0] (older
+    completions, whose token 0 ran D)."""
 
 
 @dataclasses.dataclass
@@ -188,23 +207,37 @@ def generate(
     toks = torch.zeros(bsz, max(lens), dtype=torch.int64)
     for b, p in enumerate(prompts):
         toks[b, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
-    positions = torch.arange(max(lens)).expand(bsz, -1)
-    valid = positions < torch.tensor(lens)[:, None]
-    out = run_chunk(
-        model,
-        cache,
-        toks,
-        positions,
-        valid,
-        seeds,
-        max_depth=depth,
-        depths=torch.full(toks.shape, depth),
-        mode=numerics,
-        kv=kv,
-    )
     last = torch.tensor(lens) - 1
-    logits = out.logits[torch.arange(bsz), last]
-    step_depths = [depth] * bsz
+    if token0_follows_policy(policy, model.config):
+        # token 0 follows the policy (contract 2): positions 0..P-2 at D, then the last one
+        if max(lens) > 1:
+            head = toks[:, : max(lens) - 1]
+            positions = torch.arange(head.shape[1]).expand(bsz, -1)
+            run_chunk(model, cache, head, positions, positions < last[:, None], seeds,
+                      max_depth=depth, depths=torch.full(head.shape, depth), mode=numerics,
+                      kv=kv)  # fmt: skip
+        feed = toks[torch.arange(bsz), last][:, None]
+        out = run_chunk(model, cache, feed, last[:, None], torch.ones(bsz, 1, dtype=torch.bool),
+                        seeds, max_depth=depth, policy=policy, mode=numerics, kv=kv)  # fmt: skip
+        logits = out.logits[:, 0]
+        step_depths = out.depths[:, 0].tolist()
+    else:
+        positions = torch.arange(max(lens)).expand(bsz, -1)
+        valid = positions < torch.tensor(lens)[:, None]
+        out = run_chunk(
+            model,
+            cache,
+            toks,
+            positions,
+            valid,
+            seeds,
+            max_depth=depth,
+            depths=torch.full(toks.shape, depth),
+            mode=numerics,
+            kv=kv,
+        )
+        logits = out.logits[torch.arange(bsz), last]
+        step_depths = [depth] * bsz
     tokens: list[list[int]] = [[] for _ in range(bsz)]
     lps: list[list[float]] = [[] for _ in range(bsz)]
     deps: list[list[int]] = [[] for _ in range(bsz)]
@@ -247,6 +280,7 @@ def generate(
             exit_depths=deps[b],
             latent_seed=seeds[b],
             finish_reason=finish[b] or "length",
+            full_depth=depth,
         )
         for b in range(bsz)
     ]
@@ -256,7 +290,7 @@ def _check_item(item: ReplayItem) -> int:
     n = len(item.completion_tokens)
     if n == 0 or len(item.exit_depths) != n or not item.prompt_tokens:
         raise ValueError("a replay item needs a prompt, >= 1 completion token, one depth each")
-    full = full_depth(item.exit_depths, MAX_DEPTH)
+    full = full_depth(item.exit_depths, MAX_DEPTH, item.full_depth)
     _check_seed(item.latent_seed)
     return full
 
@@ -279,7 +313,7 @@ def replay(
         return []
     fulls = [_check_item(it) for it in items]
     lay = token_rows([it.prompt_tokens for it in items], [it.completion_tokens for it in items],
-                     [it.exit_depths for it in items])  # fmt: skip
+                     [it.exit_depths for it in items], full_depths=fulls)  # fmt: skip
     bsz, length = len(items), lay.length
     positions = torch.arange(length).expand(bsz, -1)
     valid = positions < torch.from_numpy(lay.seq_lens)[:, None]

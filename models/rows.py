@@ -8,8 +8,8 @@ predicted at position p = P - 1 + t (P = prompt length):
     input_ids[b, p]  token at p                        (0 on padding)
     targets[b, p]    response[t] at p = P - 1 + t      (0 elsewhere)
     mask[b, p]       True at p = P - 1 + t             (False elsewhere)
-    depths[b, p]     the depth run at p (models.contract.position_depths: the full depth
-                     exit_depths[0] at prompt positions, exit_depths[t] at P - 1 + t; DESIGN
+    depths[b, p]     the depth run at p (models.contract.position_depths: the row's full
+                     depth D at prompt positions 0..P-2, exit_depths[t] at P - 1 + t; DESIGN
                      contract 2); PAD_DEPTH on padding and on every position of an empty response
     seq_lens[b]      P + T - 1, or P for an empty response
     prompt_lens[b]   P
@@ -59,9 +59,12 @@ def token_rows(
     exit_depths: Sequence[Sequence[int] | np.ndarray],
     *,
     pad_to_multiple: int = 1,
+    full_depths: Sequence[int | None] | None = None,
 ) -> TokenRows:
     """Lay out rows (module docstring); L is the longest row rounded up to ``pad_to_multiple``
-    (at least 1). A prompt must be non-empty; a response may be empty (then it has no depths)."""
+    (at least 1). A prompt must be non-empty; a response may be empty (then it has no depths).
+    full_depths: each row's recorded full depth (the depth of prompt positions 0..P-2; None or
+    0 = its exit_depths[0], streams recorded before `Rollout.full_depth`)."""
     if not (len(prompts) == len(responses) == len(exit_depths)) or not prompts:
         raise ValueError("token_rows: needs as many prompts, responses and exit depths, >= 1")
     plens = [len(p) for p in prompts]
@@ -86,6 +89,7 @@ def token_rows(
             at = response_slice(p, t)
             targets[i, at] = np.asarray(resp, np.int64)
             mask[i, at] = True
-            depths[i, : p - 1 + t] = position_depths(p, exit_depths[i])
+            full = None if full_depths is None else full_depths[i]
+            depths[i, : p - 1 + t] = position_depths(p, exit_depths[i], full)
     return TokenRows(input_ids, targets, mask, depths, np.asarray(seq_lens, np.int64),
                      np.asarray(plens, np.int64))  # fmt: skip

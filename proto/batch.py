@@ -33,6 +33,9 @@ _SCALARS = [(name, enc, dec) for name, enc, dec in _codecs(Rollout) if name not 
 _LENGTH = {name: "plen" if name == "prompt_tokens" else "tlen" for name in _ARRAYS}
 _FLAG = {name: "has_tv" if name == "token_versions" else f"has_{name}" for name in _OPTIONAL}
 _KEYS = frozenset({"n", "plen", "tlen", *_FLAG.values(), *_ARRAYS, *(s[0] for s in _SCALARS)})
+_ADDED = {"full_depth": 0}
+"""Scalar columns added after the column layout (protocol 1.5): absent in older streams, read
+as their default."""
 
 
 def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
@@ -70,6 +73,9 @@ def _lengths(obj: dict[str, Any], name: str, n: int) -> np.ndarray:
 def decode_batch(obj: Any) -> RolloutBatch:
     if type(obj) is not dict:
         raise ProtocolError("rollouts: expected a map of columns")
+    n0 = obj.get("n")
+    if type(n0) is int and 0 <= n0 <= MAX_LIST and set(_ADDED) - set(obj):  # an older stream
+        obj = {**{k: [v] * n0 for k, v in _ADDED.items()}, **obj}
     if set(obj) != _KEYS:
         missing, extra = _KEYS - set(obj), set(obj) - _KEYS
         raise ProtocolError(

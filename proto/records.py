@@ -162,7 +162,9 @@ class Rollout:
     logprobs: float32 [T] behaviour log-prob of each sampled token under the sampled
       distribution (after temperature / top-p; contract 4), nats.
     exit_depths: uint8 [T] core iterations run at the position that sampled token t,
-      1..max_depth (contract 2; exit_depths[0] = max_depth).
+      1..full_depth (contract 2; token 0 included: it may exit before full_depth).
+    full_depth: the iterations the other prompt positions ran (the exit policy's max depth);
+      0 = a stream recorded before this field (protocol 1.5), whose exit_depths[0] is it.
     weight_version: version that produced token 0. token_versions: optional int64 [T],
       the version per token when weights changed mid-completion (in-flight updates).
     finish_reason: "stop" | "length" | "abort".
@@ -189,6 +191,7 @@ class Rollout:
     reward_info: dict[str, Scalar] = field(default_factory=dict)
     metrics: dict[str, Scalar] = field(default_factory=dict)
     created_at: float = 0.0
+    full_depth: int = 0
 
     def validate(self, *, values: bool = True) -> None:
         """The record's rules; ``values=False`` skips the per-value array rules
@@ -201,6 +204,8 @@ class Rollout:
                   f"entries for {t} tokens")  # fmt: skip
         _need(0 <= self.latent_seed <= U64_MAX, f"{r}: latent_seed must be a uint64")
         _need(self.sample_index >= 0, f"{r}: sample_index must be >= 0")
+        _need(0 <= self.full_depth <= MAX_DEPTH,
+              f"{r}: full_depth must be in [0, {MAX_DEPTH}], got {self.full_depth}")  # fmt: skip
         _need(self.prompt_tokens.size >= 1, f"{r}: prompt_tokens must not be empty")
         _need(
             self.finish_reason in FINISH_REASONS,

@@ -19,10 +19,11 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
   is the one the sample was dispatched to (the transport's peer id is authoritative);
 - [token_out_of_vocab] every response token id in [0, vocab_size);
 - [too_long]        response length <= the WorkItem's max_tokens;
-- [exit_depth]      contract 2 (models.contract.full_depth): exit_depths[0], the full depth
-  run by the prompt's last position, in 1..max_depth (the run's exit policy's max depth,
-  which may exceed the model's trained depth; the model's when the run sets no policy) and
-  every depth in 1..exit_depths[0];
+- [exit_depth]      contract 2 (models.contract.full_depth): the full depth run by the
+  prompt's positions (`full_depth`; 0 = a stream recorded before that field, whose
+  exit_depths[0] is it) in 1..max_depth (the run's exit policy's max depth, which may exceed
+  the model's trained depth; the model's when the run sets no policy) and every depth, token
+  0's included, in 1..full depth;
 - [logprob]         log-probs finite and <= 0;
 - [reward_bound]    a finite reward with |reward| <= rules.reward_bound;
 - [weight_version]  weight_version (and every token version) in
@@ -214,7 +215,7 @@ def check_rollout(
         return Refusal("too_long", f"{r.num_tokens} response tokens > max_tokens {limit}")
     if r.exit_depths.size:
         try:
-            full_depth(r.exit_depths, limits.max_depth)
+            full_depth(r.exit_depths, limits.max_depth, r.full_depth)
         except ValueError as e:
             return Refusal("exit_depth", str(e))
     lp = r.logprobs

@@ -53,7 +53,11 @@ def replay_diff(
     greedy = item.temperature == 0
     items = [
         ReplayItem(
-            item.prompt_tokens.tolist(), s.tokens.tolist(), s.latent_seed, s.exit_depths.tolist()
+            item.prompt_tokens.tolist(),
+            s.tokens.tolist(),
+            s.latent_seed,
+            s.exit_depths.tolist(),
+            s.full_depth or None,
         )
         for s in samples
     ]

@@ -89,7 +89,9 @@ def test_sampled_logprobs_equal_reference_replay_in_the_policys_kv(setup: Setup)
           f"generated depths {sorted(set(depths.tolist()))}")  # fmt: skip
     assert diff == 0.0
     assert wrong > 1e-4  # the other semantics is a different model here
-    assert all(s.exit_depths[0] == setup.full for ss in results for s in ss)
+    assert all(s.full_depth == setup.full for ss in results for s in ss)  # contract 2
+    if setup.case.startswith("huginn"):  # Huginn's token 0 runs the full depth (official)
+        assert all(s.exit_depths[0] == setup.full for ss in results for s in ss)
     assert len(set(depths.tolist())) >= 2, "adaptive exits vary"
     if setup.case.startswith("huginn"):
         assert int(depths.max()) > setup.model.max_depth  # generated tokens think deeper

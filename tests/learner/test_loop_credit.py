@@ -184,7 +184,7 @@ def _fresh(model: Path, numerics: str) -> list[Rollout]:
                 prompt_tokens=np.array(x.prompt_tokens, np.int32),
                 tokens=np.array(x.tokens, np.int32), logprobs=x.logprobs.numpy(),
                 exit_depths=np.array(x.exit_depths, np.uint8), weight_version=0,
-                reward=float((7 * i + 3 * g) % 5),
+                full_depth=x.full_depth, reward=float((7 * i + 3 * g) % 5),
             ))  # fmt: skip
     return out
 

@@ -44,7 +44,10 @@ def make_cases() -> dict[str, dict[str, Any]]:
         prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 9)]
         seeds = [17 + i, 2**64 - 5 - i]
         gens = generate(ref, prompts, seeds, SAMPLING, policy, "exact")
-        items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+        items = [
+            ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+            for g in gens
+        ]
         rep = reference_replay(ref, items, temperature=0.9, numerics="exact", kv=policy.kv)
         assert all(torch.equal(g.logprobs, r.logprobs) for g, r in zip(gens, rep))
         cases[name] = dict(
@@ -132,7 +135,10 @@ def test_run_exit_policy_sets_the_megatron_trainers_kv() -> None:
     gens = generate(model, [[5, 9, 13, 17], [300, 4]], [1, 2], SamplingParams(max_new_tokens=8),
                     OuroGate(0.8, kv="full"), "exact")  # fmt: skip
     assert len({d for g in gens for d in g.exit_depths}) > 1
-    items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+    items = [
+        ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+        for g in gens
+    ]
     logprobs = [g.logprobs for g in gens]
     out = run_distributed(adapter_body, 1, items, logprobs, torchrun_env=False, timeout_s=300)[0]
     print(f"\n{out}")

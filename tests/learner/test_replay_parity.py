@@ -52,7 +52,10 @@ def make_cases() -> dict[str, dict[str, Any]]:
         prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 9, 5)]
         seeds = [int(torch.randint(0, 2**62, (1,), generator=gen)) * 3 for _ in prompts]
         gens = generate(ref, prompts, seeds, SAMPLING, POLICIES[family], "exact")
-        items = [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+        items = [
+            ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+            for g in gens
+        ]
         rep = reference_replay(ref, items, temperature=0.9, top_p=0.95, numerics="exact")
         cases[family] = dict(
             config=cfg,

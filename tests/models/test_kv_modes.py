@@ -34,7 +34,7 @@ def _lps(model: LoopedLM, logits: torch.Tensor, g: Generation) -> torch.Tensor:
 
 def _oracle(model: LoopedLM, g: Generation, last_exited: bool) -> torch.Tensor:
     seq = g.prompt_tokens + g.tokens[:-1]
-    depths = [g.exit_depths[0]] * (len(g.prompt_tokens) - 1) + g.exit_depths
+    depths = [g.full_depth] * (len(g.prompt_tokens) - 1) + g.exit_depths  # contract 2
     return _lps(model, naive_logits(model, seq, depths, g.latent_seed, last_exited), g)
 
 

@@ -42,7 +42,10 @@ def model_of(family: str) -> LoopedLM:
 
 
 def items_of(gens: list[Generation]) -> list[ReplayItem]:
-    return [ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths) for g in gens]
+    return [
+        ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
+        for g in gens
+    ]
 
 
 @pytest.mark.parametrize("family,policy", CASES)
@@ -54,7 +57,9 @@ def test_generate_replay_parity(family: str, policy: ExitPolicy | None, mode: st
     full = {"nanbeige": 3}.get(family, model.max_depth)
     for g in gens:
         assert len(g.tokens) == len(g.logprobs) == len(g.exit_depths) == 14
-        assert g.exit_depths[0] == full
+        assert g.full_depth == full  # contract 2: the prompt's depth, recorded
+        if family != "ouro":  # Ouro's token 0 follows the gate (tests/models/test_token0_exit.py)
+            assert g.exit_depths[0] == full
         assert all(1 <= d <= full for d in g.exit_depths)
         assert torch.isfinite(g.logprobs).all() and (g.logprobs <= 0).all()
     if family in ("huginn", "ouro"):
@@ -211,7 +216,7 @@ def test_last_exited_kv_rule(family: str, policy: ExitPolicy) -> None:
     assert len(set(g.exit_depths)) >= 2
     seq = g.prompt_tokens + g.tokens[:-1]
     plen = len(g.prompt_tokens)
-    depths = [g.exit_depths[0]] * (plen - 1) + g.exit_depths
+    depths = [g.full_depth] * (plen - 1) + g.exit_depths  # contract 2
     target = torch.tensor(g.tokens)
 
     def lps(logits: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,7 @@ def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> No
             tokens=np.array(g.tokens, np.int32),
             logprobs=g.logprobs.numpy(),
             exit_depths=np.array(g.exit_depths, np.uint8),
+            full_depth=g.full_depth,
             weight_version=0,
             reward=1.0,
         )  # fmt: skip
