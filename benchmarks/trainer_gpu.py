@@ -16,6 +16,11 @@ drawn on the device. Rollouts: groups of `n` completions of one random prompt, e
 at the full depth r (fixed recurrence, as the seed's recipe), random tokens, behaviour
 log-probs ~ -log V + U(-0.5, 0.5) (near the random init's), rewards 0/1; new ones each step.
 
+Learning rate: each shape's realistic rate (`--lr`; 1e-6 at Huginn-0125's 3.5B, 1e-5 at ~1B),
+not the run config's small-model default (3e-3 collapses the compiled Huginn-0125 run). The line
+carries the loss and gradient-norm trajectory and a `health` verdict (`health()`: collapse =
+a constant loss or a vanishing gradient norm for 3 steps in a row; spikes; nonfinite; ok).
+
 Timed: `--steps` calls of `trainer.step` after `--warmup` calls (compilation, allocator), each
 synchronised, wall clock (the CPU side of the step is part of it). FLOPs per token (state what
 counts; matmuls only, norms and element-wise ops omitted):
@@ -49,15 +54,15 @@ PEAK_BF16 = 989e12
 
 SHAPES: dict[str, dict[str, Any]] = {
     "huginn_1b": dict(hidden=2048, heads=16, prelude=2, core=4, coda=2, ffn=5632, vocab=65536,
-                      recurrence=4, backprop_depth=8, seq=2048, batch=16, n=4, micro=4),
+                      recurrence=4, backprop_depth=8, seq=2048, batch=16, n=4, micro=4, lr=1e-5),
     "huginn_0125": dict(hidden=5280, heads=55, prelude=2, core=4, coda=2, ffn=17920,
                         vocab=65536, recurrence=32, backprop_depth=8, seq=2048, batch=4, n=2,
-                        micro=2),
+                        micro=2, lr=1e-6),
     "ouro_1b": dict(family="ouro", hidden=2048, heads=16, prelude=0, core=24, coda=0,
                     ffn=5632, vocab=49152, recurrence=4, backprop_depth=0, seq=2048, batch=8,
-                    n=4, micro=1),
+                    n=4, micro=1, lr=1e-5),
     "tiny": dict(hidden=64, heads=2, prelude=1, core=2, coda=1, ffn=128, vocab=512,
-                 recurrence=4, backprop_depth=2, seq=32, batch=4, n=2, micro=2),
+                 recurrence=4, backprop_depth=2, seq=32, batch=4, n=2, micro=2, lr=1e-4),
 }  # fmt: skip
 
 
@@ -167,6 +172,30 @@ def flop_counts(s: dict[str, Any], k: int) -> dict[str, Any]:
     )
 
 
+def health(losses: list[float], grad_norms: list[float], window: int = 3) -> dict[str, Any]:
+    """Whether training looks alive, not only finite: "collapse" when `window` consecutive
+    steps have a vanishing gradient norm (below 1e-6 x the median norm of the run, or exactly
+    0) or the very same loss (relative change below 1e-7) although every step brings new
+    rollouts; "spikes" when a norm exceeds 20 x the median; "nonfinite" when a loss or norm is
+    not finite; else "ok". Returns the verdict and the steps that triggered it."""
+
+    if not all(math.isfinite(x) for x in [*losses, *grad_norms]):
+        bad = [i for i, (x, g) in enumerate(zip(losses, grad_norms, strict=True))
+               if not (math.isfinite(x) and math.isfinite(g))]  # fmt: skip
+        return {"verdict": "nonfinite", "steps": bad}
+    med = statistics.median(grad_norms) if grad_norms else 0.0
+    flat = [i for i in range(1, len(losses))
+            if abs(losses[i] - losses[i - 1]) <= 1e-7 * max(abs(losses[i]), 1e-12)
+            or grad_norms[i] == 0.0 or grad_norms[i] < 1e-6 * med]  # fmt: skip
+    run = 0
+    for j, i in enumerate(flat):
+        run = run + 1 if j and flat[j - 1] == i - 1 else 1
+        if run >= window:
+            return {"verdict": "collapse", "steps": flat}
+    spikes = [i for i, g in enumerate(grad_norms) if med > 0 and g > 20 * med]
+    return {"verdict": "spikes" if spikes else "ok", "steps": spikes}
+
+
 def prompt_len(s: dict[str, Any]) -> int:
     """Prompt tokens of the synthetic rollouts (the head skips all but the last one's row)."""
     return min(64, s["seq"] // 2)
@@ -194,6 +223,9 @@ def main() -> None:
                     "DIR/<label>_profile.json and DIR/<label>_kernels.txt")  # fmt: skip
     ap.add_argument("--loop-weighting", default="last",
                     help="objective.loop_weighting (per-loop credit, docs/OBJECTIVES.md)")  # fmt: skip
+    ap.add_argument("--lr", type=float, default=None,
+                    help="optimizer.lr (default: the shape's realistic rate, 1e-6 at the "
+                    "Huginn-0125 shape, 1e-5 at ~1B)")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
     a = ap.parse_args()
     if a.device == "cpu":  # before torch is imported: the learner picks CUDA when it sees it
@@ -221,7 +253,8 @@ def main() -> None:
         f"tp={a.tp}", f"learner.precision={a.precision}",
         f"learner.backprop_depth={s['backprop_depth']}", f"learner.micro_batch_size={s['micro']}",
         f"learner.compile={a.compile}", f"learner.recompute={a.recompute}",
-        f"objective.loop_weighting={a.loop_weighting}", *a.set,
+        f"objective.loop_weighting={a.loop_weighting}",
+        f"optimizer.lr={a.lr if a.lr is not None else s['lr']}", *a.set,
     ]  # fmt: skip
     cfg = load_config(None, overrides)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -230,7 +263,7 @@ def main() -> None:
     trainer = build_learner_trainer(cfg, c, init_state(c, dev, dtype))
     build_s = time.perf_counter() - t0
     params = sum(p.numel() for p in trainer.policy_model.parameters())
-    times, losses, metrics = [], [], {}
+    times, losses, norms, metrics = [], [], [], {}
     for i in range(a.warmup + a.steps):
         batch = rollouts(s, i, trainer.weight_version, cfg.seed)
         if cuda:
@@ -243,6 +276,7 @@ def main() -> None:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
         if i >= a.warmup:
             times.append(dt)
         if rank0:
@@ -296,8 +330,11 @@ def main() -> None:
             4,
         ),  # fmt: skip
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
+        "lr": cfg.optimizer.lr,
         "losses": [round(x, 6) for x in losses],
+        "grad_norms": [float(f"{g:.4g}") for g in norms],
         "loss_finite_every_step": all(math.isfinite(x) for x in losses),
+        "health": health(losses, norms),
         "skipped_nonfinite_total": metrics.get("skipped_nonfinite_total"),
         "last_grad_norm": metrics.get("grad_norm"),
         "command": " ".join(sys.argv),

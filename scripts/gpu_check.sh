@@ -54,6 +54,9 @@ if has trainer; then
     bench 0125_eager 200 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}"
     bench 0125_compiled 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
         --micro "${HUGINN_MICRO:-1}" --compile
+    # the run config's small-model lr (3e-3, ~1000x a 3.5B rate): the health verdict's check
+    bench 0125_compiled_lr3e3 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
+        --micro "${HUGINN_MICRO:-1}" --compile --lr 3e-3
     # per-loop credit (objective.loop_weighting, issue 23): peak memory and step time vs last
     bench 0125_eager_uniform 260 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}" \
         --loop-weighting uniform
@@ -105,6 +108,7 @@ except FileNotFoundError:
 for r in rows:
     print(f"{r['label']:16s} tok/s {r['tokens_per_s']:>10.0f}  MFU {r['mfu']:.3f}  step "
           f"{r['step_ms_median']:>8.1f} ms  peak {r['peak_mem_gib']:6.1f} GiB  finite "
-          f"{r['loss_finite_every_step']}  skipped {r['skipped_nonfinite_total']}  "
+          f"{r['loss_finite_every_step']}  health {r.get('health', {}).get('verdict')}  "
+          f"lr {r.get('lr')}  skipped {r['skipped_nonfinite_total']}  "
           f"loss {r['losses'][0]:.4f}->{r['losses'][-1]:.4f}")
 EOF

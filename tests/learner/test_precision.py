@@ -117,3 +117,26 @@ def test_trainer_benchmark_cpu_smoke() -> None:
     assert res["tokens_per_s"] > 0 and res["backprop_depth_used"] == 2
     assert res["precision"] == "bf16" and res["skipped_nonfinite_total"] == 0.0
     assert torch.tensor(res["flops_per_token"]) > 0
+    assert res["lr"] == 1e-4 and len(res["grad_norms"]) == 3  # the tiny shape's own rate
+    assert res["health"]["verdict"] == "ok", res
+
+
+def test_trainer_benchmark_flags_a_collapse_not_only_nonfinite() -> None:
+    """The verdict of benchmarks/trainer_gpu.py: the collapse the issue saw (compiled
+    Huginn-0125 at lr 3e-3: loss exactly 0.282842 with gradient norms ~1e-8 between spikes)
+    is a collapse though every value is finite; an ordinary noisy run is ok."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from trainer_gpu import health
+
+    ok = health([0.31, 0.27, 0.35, 0.29, 0.33], [4.1, 3.8, 5.0, 4.4, 3.9])
+    assert ok == {"verdict": "ok", "steps": []}
+    losses = [0.30, 0.282842, 0.282842, 0.282842, 0.282842, 0.31]
+    norms = [5.0, 37.0, 1e-8, 1.2e-8, 0.9e-8, 111.0]
+    got = health(losses, norms)
+    assert got["verdict"] == "collapse" and got["steps"][:3] == [2, 3, 4], got
+    assert health([0.3, 0.282842, 0.3, 0.282842], [4.0, 1e-9, 4.0, 1e-9])["verdict"] != "collapse"
+    assert health([0.3, 0.2, 0.25, 0.3], [4.0, 4.2, 400.0, 3.9]) == {
+        "verdict": "spikes",
+        "steps": [2],
+    }
+    assert health([0.3, math.nan, 0.25], [4.0, 4.2, 3.9])["verdict"] == "nonfinite"
