@@ -86,6 +86,9 @@ class ObjectiveConfig:
     """Soft overlong penalty over the last this many tokens before rollout.max_tokens (0: off)."""
     overlong_penalty: float = 1.0
     """The penalty at rollout.max_tokens (linear from 0 at max_tokens - overlong_buffer)."""
+    depth_cost: float = 0.0
+    """Compute cost in the reward: each reward loses depth_cost x the completion's mean exit
+    depth / the run's full depth (learner.shaping; 0: off)."""
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - eps_low; in [0, 1)."""
     eps_high: float = 0.2
@@ -206,6 +209,8 @@ class ObjectiveConfig:
              "grpo uses group advantages, not a critic")  # fmt: skip
         need(self.overlong_buffer >= 0, "overlong_buffer", "must be >= 0")
         need(self.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+        need(math.isfinite(self.depth_cost) and self.depth_cost >= 0, "depth_cost",
+             "must be a finite number >= 0")  # fmt: skip
         need(0.0 <= self.eps_low < 1.0, "eps_low", "must be in [0, 1)")
         need(self.eps_high >= 0.0, "eps_high", "must be >= 0")
         need(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be null or > 1")

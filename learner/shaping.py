@@ -8,7 +8,11 @@ policies), in this order:
 2. **Soft overlong penalty** (DAPO; ``objective.overlong_buffer`` > 0): a completion whose length
    L passes ``max_tokens - overlong_buffer`` loses ``overlong_penalty`` x (L - (max_tokens -
    overlong_buffer)) / overlong_buffer, the whole penalty at max_tokens: `shape_rollouts`.
-3. **KL penalty** (``objective.kl_in_reward``), once the frozen reference's log-probs exist (the
+3. **Depth cost** (``objective.depth_cost`` > 0; issue 23): every completion's reward loses
+   ``depth_cost`` x mean_t(exit_depths[t]) / D, D = the run's full depth (``Rollout.full_depth``;
+   ``exit_depths[0]`` in older streams): compute spent as a fraction of the most the policy
+   allows, so a cost c makes always thinking to D worth c of reward: `shape_rollouts`.
+4. **KL penalty** (``objective.kl_in_reward``), once the frozen reference's log-probs exist (the
    step's pre-update pass): per sequence, the row's summed KL estimate comes off its reward and
    off the token reward at its last response position; per token, each response token's reward
    loses its own estimate and the row's reward their sum: `penalise_kl`.
@@ -34,8 +38,9 @@ def shape_rollouts(
     max_tokens: int,
     overlong_buffer: int = 0,
     overlong_penalty: float = 1.0,
+    depth_cost: float = 0.0,
 ) -> tuple[list[Rollout], int]:
-    """Steps 1 and 2 of the module docstring on ``rolls`` (new Rollout objects where a reward
+    """Steps 1 to 3 of the module docstring on ``rolls`` (new Rollout objects where a reward
     changes; the order kept). Returns (rollouts, how many rewards had failed)."""
     worst: dict[str, float] = {}
     for r in rolls:
@@ -58,11 +63,23 @@ def shape_rollouts(
             if r.num_tokens > start else r
             for r in out
         ]  # fmt: skip
+    if depth_cost > 0:
+        out = [dataclasses.replace(r, reward=float(r.reward or 0.0) - depth_cost * depth_fraction(r))
+               if r.num_tokens else r for r in out]  # fmt: skip
     return out, failed
 
 
+def depth_fraction(r: Rollout) -> float:
+    """mean_t exit_depths[t] / D (D: ``full_depth``, or ``exit_depths[0]`` in older streams), in
+    fp64; 0 for an empty completion."""
+    if not r.num_tokens:
+        return 0.0
+    full = int(r.full_depth) or int(r.exit_depths[0])
+    return float(r.exit_depths.astype("float64").mean()) / full
+
+
 def penalise_kl(batch: TrainBatch, pen: Tensor, coef: float, level: str = "sequence") -> float:
-    """Step 3 of the module docstring, in place on ``batch``: ``pen`` is the KL estimator in
+    """Step 4 of the module docstring, in place on ``batch``: ``pen`` is the KL estimator in
     fp64, [B] the per-row sum (``level`` sequence) or [B, L] per token, 0 off the response
     (``level`` token: verl's, AReaL's and TRL's PPO reward shaping; the row's rewards lose the
     row's sum, so the group estimators see the sequence level's rewards). Returns the mean

@@ -312,7 +312,8 @@ class LearnerStep:
         obj = cfg.objective
         rollouts, _ = shape_rollouts(rollouts, max_tokens=cfg.max_tokens,
                                      overlong_buffer=obj.overlong_buffer,
-                                     overlong_penalty=obj.overlong_penalty)  # fmt: skip
+                                     overlong_penalty=obj.overlong_penalty,
+                                     depth_cost=obj.depth_cost)  # fmt: skip
         batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
         gap = cfg.objective.max_token_version_gap
         live = batch.mask > 0
