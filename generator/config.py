@@ -18,6 +18,9 @@ from models.contract import NUMERICS
 from models.errors import ConfigError as _ConfigError
 
 REWARD_MODES = ("process", "thread", "inline")
+ENGINES = ("vllm", "torch")
+"""Generation engines: vllm (generator.engine.LoopedEngine) or torch (the reference engine,
+generator.torch_engine.TorchEngine; docs/GENERATOR.md)."""
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -43,6 +46,9 @@ class GeneratorConfig:
     """Most work items per engine.generate call; 0: max_inflight."""
     batch_wait_s: float = 0.05
     """Longest a ready work item waits for a fuller batch before generation starts (s)."""
+    engine: str = "vllm"
+    """Generation engine: vllm, or torch (the reference engine on CPU / GPU, no vLLM needed;
+    docs/GENERATOR.md lists the keys it reads)."""
     numerics: str = "fast"
     """Engine numerics: fast (native kernels) or exact (fp64-accumulated, bit-exact replay)."""
     exit_policy: str = ""
@@ -96,7 +102,13 @@ class GeneratorConfig:
             (self.max_inflight >= 1, "max_inflight", "must be >= 1"),
             (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
             (self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0"),
+            (self.engine in ENGINES, "engine", f"must be one of {ENGINES}"),
             (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
+            (
+                self.engine != "torch" or not self.inflight_updates,
+                "inflight_updates",
+                "the torch engine swaps weights between batches only (use engine vllm)",
+            ),
             (self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}"),
             (
                 self.numerics != "exact" or self.dtype in ("auto", "float32"),

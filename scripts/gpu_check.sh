@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode digest
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -87,6 +87,21 @@ if has decode; then  # the reference engine's decode step in a CUDA graph vs eag
         -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 10
     timeout "${T_DECODE:-200}" "$PY" benchmarks/decode_graph.py 2>"$LOG/decode.err" |
         tee "$LOG/decode.json"
+fi
+if has depth; then  # depth batching and the torch generator engine (issue 25)
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rA tests/models/test_engine_graph.py \
+        -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 10
+    # CPU: the reference engine on this host's cores; GPU: Huginn-0125, bf16, batch 64, D 32
+    timeout "${T_DEPTH_CPU:-200}" "$PY" benchmarks/depth_batching.py --device cpu \
+        --shape cpu_mid --batch 256 --depth 16 --prompt 16 --tokens 4 --reps 2 \
+        2>"$LOG/depth_cpu.err" | tee "$LOG/depth_cpu.jsonl" | tail -n 1
+    timeout "${T_DEPTH_GPU:-150}" "$PY" benchmarks/depth_batching.py --shape huginn_1b \
+        --dtype bfloat16 --batch 512 --depth 32 --prompt 16 --tokens 8 --reps 2 \
+        2>>"$LOG/depth_gpu.err" | tee "$LOG/depth_gpu_b512.jsonl" | tail -n 1
+    timeout "${T_DEPTH_GPU:-300}" "$PY" benchmarks/depth_batching.py --shape huginn_0125 \
+        --dtype bfloat16 --batch 64 --depth 32 --prompt 64 --tokens 16 --reps 2 --graph \
+        --engine 2>"$LOG/depth_gpu.err" | tee "$LOG/depth_gpu.jsonl"
+    tail -n 5 "$LOG/depth_cpu.err" "$LOG/depth_gpu.err"
 fi
 if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB under 0.5 s)
     timeout "${T_DIGEST:-240}" "$PY" benchmarks/digest.py --sizes-gib 1,6.52,7 \

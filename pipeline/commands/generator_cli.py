@@ -388,11 +388,20 @@ def serve(cfg: GeneratorConfig) -> int:
             kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len or None,
             seed=cfg.seed,
         )  # fmt: skip
-        main = LoopedEngine(cfg.model, exit_policy=policy,
-                            inflight_updates=cfg.inflight_updates, **common)  # fmt: skip
+        build: Callable[..., Any] = LoopedEngine
+        if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine.py)
+            from generator.torch_engine import TorchEngine
+
+            common = dict(numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                          max_model_len=cfg.max_model_len or None)  # fmt: skip
+            build = TorchEngine
+        else:
+            common["inflight_updates"] = cfg.inflight_updates
+        main = build(cfg.model, exit_policy=policy, **common)
+        common.pop("inflight_updates", None)
         # eval.depths: items with eval_depth d run on a FixedDepth(d) engine, built on first use
         engine = DepthEngines(
-            main, lambda d: LoopedEngine(cfg.model, exit_policy=FixedDepth(d), **common),
+            main, lambda d: build(cfg.model, exit_policy=FixedDepth(d), **common),
             looped=main.looped, main_fixed_depth=fixed_depth_of(
                 policy or FixedDepth(int(load_model_config(cfg.model).max_depth))),
         )  # fmt: skip

@@ -1,0 +1,252 @@
+"""Depth batching: time per generated token vs mean exit depth, and the torch engine on a GPU.
+
+    python benchmarks/depth_batching.py                           # CPU: small Huginn, fp32
+    python benchmarks/depth_batching.py --shape huginn_0125 --dtype bfloat16 --batch 64 \\
+        --depth 32 --engine                                       # the H200 (issue 25)
+
+What runs (`models.engine.run_chunk`, the reference engine's decode, one token per row per
+chunk, greedy next token on the device): a prompt of `--prompt` tokens prefilled at depth D once
+(untimed), then `--tokens` decode chunks from that cache (restored before each pass), each
+position exiting at a depth from a schedule:
+
+  fixed    every token D iterations (what FixedDepth(D) runs)
+  half     uniform in [1, D] (mean ~D/2)
+  quarter  uniform in [1, D/2] (mean ~D/4)
+
+The depths are drawn per (step, row) from a seeded generator and handed to run_chunk as the
+chunk's exit depths (`depths=`): a stand-in for an exit policy giving that mean depth on a real
+model (an untrained model's criteria give no controlled mean), the policy's own per-iteration
+cost (KL's readout, say) excluded. Each schedule runs on the depth-batched path
+(`compact=True`: only running positions computed) and the masked one (`compact=False`: every
+row to the deepest, K/V writes masked). kv='last_exited' (Huginn's default); kv='full' cannot
+save in decode (models/engine.py doc).
+
+--graph (CUDA): the fixed-depth decode step in a CUDA graph (`models.engine_graph.GraphDecoder`,
+latent noise on the device), tokens/s against the HBM bound: B / (bytes of the weights read per
+step / `--hbm-tbs`), a step reading prelude + coda + head once and the core D times.
+--engine: `generator.torch_engine.TorchEngine.generate` on `--batch` greedy requests of
+`--tokens` new tokens at FixedDepth(D) (prefill, the graph decode and the host-side sampling and
+records included), tokens/s of generated tokens.
+
+Timing: one warm pass, then the median of `--reps` passes, host clock with a device sync at
+both ends. One JSON line per measurement, a summary line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from benchmarks.trainer_gpu import SHAPES as TRAINER_SHAPES  # noqa: E402
+from benchmarks.trainer_gpu import model_config  # noqa: E402
+from models.engine import KVCache, run_chunk  # noqa: E402
+from models.engine_graph import GraphDecoder  # noqa: E402
+
+_KEYS = ("hidden", "heads", "prelude", "core", "coda", "ffn", "vocab", "backprop_depth")
+SHAPES: dict[str, dict[str, Any]] = {
+    "cpu_mid": dict(hidden=1024, heads=8, prelude=1, core=2, coda=1, ffn=4096, vocab=8192,
+                    backprop_depth=4),
+    "cpu_small": dict(hidden=256, heads=4, prelude=1, core=2, coda=1, ffn=1024, vocab=4096,
+                      backprop_depth=4),
+    **{k: {x: TRAINER_SHAPES[k][x] for x in _KEYS} for k in ("huginn_1b", "huginn_0125")},
+}  # fmt: skip
+
+
+def build(shape: str, depth: int, dtype: torch.dtype, dev: torch.device) -> Any:
+    """The reference Huginn module at `shape`, random weights made on the device (std 0.02,
+    norms 1): the timing does not depend on the values."""
+    from models.huginn import HuginnForCausalLM
+
+    s = dict(SHAPES[shape], recurrence=depth, seq=4096)
+    with torch.device(dev):
+        model = HuginnForCausalLM(model_config(s))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+            p.data = p.data.to(dtype)
+    return model.eval()
+
+
+def weight_bytes(model: Any, depth: int) -> int:
+    """Bytes of the weights one decode step reads: the core D times, the rest once."""
+    core = {id(p) for b in model.core_blocks() for p in b.parameters()}
+    per = sum(p.numel() * p.element_size() for b in model.core_blocks() for p in b.parameters())
+    rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in core)
+    return depth * per + rest
+
+
+def timed(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    """Median seconds of `reps` passes after one warm pass."""
+    times = []
+    for _ in range(1 + reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def schedules(depth: int, steps: int, batch: int) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "fixed": torch.full((steps, batch), depth, dtype=torch.int64),
+        "half": torch.randint(1, depth + 1, (steps, batch), generator=gen),
+        "quarter": torch.randint(1, max(1, depth // 2) + 1, (steps, batch), generator=gen),
+    }
+
+
+@torch.no_grad()
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", default="cpu_small", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--mode", default="fast", choices=["fast", "exact"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--schedules", default="fixed,half,quarter")
+    ap.add_argument("--paths", default="compact,masked")
+    ap.add_argument("--graph", action="store_true", help="CUDA-graph fixed-depth decode (CUDA)")
+    ap.add_argument("--engine", action="store_true", help="TorchEngine.generate, fixed depth")
+    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM TB/s for the bound (H200)")
+    a = ap.parse_args()
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto"
+                       else a.device)  # fmt: skip
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    model = build(a.shape, a.depth, dtype, dev)
+    head = dict(shape=a.shape, device=str(dev), dtype=a.dtype, mode=a.mode, batch=a.batch,
+                depth=a.depth, prompt=a.prompt, tokens=a.tokens, reps=a.reps,
+                build_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+    if cuda:
+        head["gpu"] = torch.cuda.get_device_name(dev)
+    print(json.dumps({"setup": head}), flush=True)
+    b, p0, d = a.batch, a.prompt, a.depth
+    seeds = list(range(1, b + 1))
+    prompt = torch.randint(
+        3, int(model.vocab_size), (b, p0), generator=torch.Generator().manual_seed(2)
+    )
+    cache = KVCache.empty(model, b, p0 + a.tokens + 1, d)
+    out = run_chunk(model, cache, prompt, torch.arange(p0).expand(b, p0),
+                    torch.ones(b, p0, dtype=torch.bool), seeds, max_depth=d,
+                    depths=torch.full((b, p0), d), mode=a.mode)  # fmt: skip
+    first = out.logits[:, -1].argmax(dim=-1)
+    base = [t.clone() for t in (cache.prelude, cache.core, cache.coda, cache.filled)]
+
+    def restore() -> None:
+        for dst, src in zip(
+            (cache.prelude, cache.core, cache.coda, cache.filled), base, strict=True
+        ):
+            dst.copy_(src)
+
+    rows: list[dict[str, Any]] = []
+    live = torch.ones(b, 1, dtype=torch.bool)
+    pos = [torch.full((b, 1), p0 + t, dtype=torch.int64) for t in range(a.tokens)]
+    ms: dict[tuple[str, str], float] = {}
+    for name, sched in schedules(d, a.tokens, b).items():
+        if name not in a.schedules.split(","):
+            continue
+        for path in a.paths.split(","):
+
+            def decode(sched: Tensor = sched, compact: bool = path == "compact") -> None:
+                restore()
+                tok = first
+                for t in range(a.tokens):
+                    o = run_chunk(model, cache, tok[:, None], pos[t], live, seeds, max_depth=d,
+                                  depths=sched[t][:, None], mode=a.mode, compact=compact)  # fmt: skip
+                    tok = o.logits[:, 0].argmax(dim=-1)
+
+            sec = timed(decode, a.reps, sync)
+            ms[(name, path)] = sec / (a.tokens * b) * 1e3
+            rows.append(dict(kind="decode", schedule=name, path=path,
+                             mean_depth=round(float(sched.float().mean()), 2),
+                             ms_per_token=round(ms[(name, path)], 4),
+                             tokens_per_s=round(a.tokens * b / sec, 1)))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    for r in rows:
+        if ("fixed", r["path"]) in ms:
+            r["vs_fixed"] = round(r["ms_per_token"] / ms[("fixed", r["path"])], 3)
+    bound = b / (weight_bytes(model, d) / (a.hbm_tbs * 1e12))
+    if a.graph and cuda:
+        restore()
+        dec = GraphDecoder(model, cache, seeds, depth=d, mode=a.mode)
+        host_pos = [torch.full((b,), p0 + t, dtype=torch.int64) for t in range(a.tokens)]
+
+        def graphed() -> None:
+            restore()
+            tok = first
+            for t in range(a.tokens):
+                tok = dec.step(tok, host_pos[t]).logits[:, 0].argmax(dim=-1)
+
+        sec = timed(graphed, a.reps, sync)
+        rows.append(dict(kind="graph_fixed", tokens_per_s=round(a.tokens * b / sec, 1),
+                         ms_per_step=round(sec / a.tokens * 1e3, 3),
+                         hbm_bound_tokens_per_s=round(bound, 1),
+                         weight_gb_per_step=round(weight_bytes(model, d) / 1e9, 2),
+                         frac_of_bound=round(a.tokens * b / sec / bound, 3)))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    if a.engine:
+        rows.append(engine_row(model, a, bound, sync))
+        print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"summary": [{k: r[k] for k in r if k in (
+        "kind", "schedule", "path", "mean_depth", "ms_per_token", "vs_fixed", "tokens_per_s",
+        "frac_of_bound")} for r in rows]}), flush=True)  # fmt: skip
+    return 0
+
+
+def engine_row(
+    model: Any, a: argparse.Namespace, bound: float, sync: Callable[[], None]
+) -> dict[str, Any]:
+    """TorchEngine.generate on `batch` greedy requests (one work item each), fixed depth."""
+    import numpy as np
+
+    from generator.torch_engine import TorchEngine
+    from models.exits import FixedDepth
+    from proto.records import WorkItem
+
+    eng = TorchEngine(None, model=model, numerics=a.mode, exit_policy=FixedDepth(a.depth),
+                      max_num_seqs=a.batch)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    items = [
+        WorkItem(
+            work_id=f"w{i}",
+            prompt_id=str(i),
+            prompt_tokens=torch.randint(3, int(model.vocab_size), (a.prompt,), generator=gen)
+            .numpy()
+            .astype(np.int32),
+            latent_seeds=np.asarray([i + 1], dtype=np.uint64),
+            temperature=0.0,
+            max_tokens=a.tokens,
+        )  # fmt: skip
+        for i in range(a.batch)
+    ]
+    sec = timed(lambda: eng.generate(items), a.reps, sync)
+    n = a.batch * a.tokens
+    return dict(kind="torch_engine_fixed", tokens_per_s=round(n / sec, 1),
+                s_per_generate=round(sec, 3), hbm_bound_tokens_per_s=round(bound, 1),
+                frac_of_bound=round(n / sec / bound, 3), graph=eng.graph)  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,366 @@
+"""TorchEngine: the reference engine (`models.engine`) behind the generator loop, without vLLM.
+
+`generators.engine: torch` (generator config `engine`) serves a checkpoint with the same
+contract as `generator.engine.LoopedEngine` (`weight_version`, `generate(items)` ->
+[item][sample] `Sample`, `load_weights(source, version, digest)`, `close()`), computed by the
+project's own looped engine: `models.reference.build_model` + `models.checkpoint` weights,
+`models.engine.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
+token stops costing core compute, kv='last_exited'), and at a fixed depth on CUDA the CUDA-graph
+decode step (`models.engine_graph.GraphDecoder`). What it is for (docs/GENERATOR.md): a
+generator on hosts where vLLM does not run (the lent GPU host), the exact-numerics generator on
+a GPU, and the whole system on one GPU. It does not replace vLLM (no paged KV cache, no prefix
+cache, no tensor parallelism, Python-level scheduling).
+
+Records equal `models.reference.generate`'s for the same prompt, latent seed, sampling and
+exit policy (tests/generator/test_torch_engine.py: bit for bit in exact numerics): the prompt
+runs the full depth D (its last position, which samples token 0, consults the policy where
+`models.exits.token0_follows_policy` says so), decode follows the exit policy, behaviour log-probs are
+`models.reference.behaviour_logprobs` of the sampling position (greedy, temperature 0: at
+temperature 1 and top_p 1, as the plugin records them), and tokens are drawn as the reference
+draws them (a CPU `torch.Generator` per sample seeded `latent_seed ^ SAMPLING_SALT`).
+
+Continuous batching of requests: one request per latent seed, `max_num_seqs` slots (rows of
+one KV cache of `max_model_len` positions). A slot whose request finished takes the next
+waiting request at once: its prompt is prefilled in a chunk of its own (the other rows
+invalid there, so they cost nothing: depth batching), then it decodes with the rest. Rows
+decode at their own positions. Latent noise: drawn by `models.noise` for the rows' (seed,
+position) (the spec), on the CPU, then copied to the device.
+
+Weights: `load_weights` hashes what it reads (`models.weights.verified.read_weights`; a
+`VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
+and copies the tensors into the parameters in place (`models.checkpoint.load_into`; the CUDA
+graph reads parameters by address), between `generate` calls (a lock). `inflight_updates` is
+not offered: a swap waits for the running batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from generator.config import ENGINES
+from generator.engine import Sample, WeightDigestError, WeightLoadError
+from models import numerics as nx
+from models.base import LoopedLM
+from models.checkpoint import load_checkpoint, load_config, load_into, read_config
+from models.engine import KVCache, run_chunk
+from models.engine_graph import GraphDecoder
+from models.exits import (
+    ExitPolicy,
+    FixedDepth,
+    resolve_kv,
+    resolve_max_depth,
+    token0_follows_policy,
+)
+from models.reference import SAMPLING_SALT, _sample, behaviour_logprobs, build_model
+from models.weights.verified import read_weights
+from proto.records import WorkItem
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_engine(name: str) -> str:
+    """`name` if it is a known generator engine, else ValueError in one line."""
+    if name not in ENGINES:
+        raise ValueError(f"generators.engine must be one of {ENGINES}, got {name!r}")
+    return name
+
+
+@dataclasses.dataclass
+class _Request:
+    item: int
+    sample: int
+    seed: int
+    prompt: list[int]
+    work: WorkItem
+    gen: torch.Generator
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    depths: list[int] = dataclasses.field(default_factory=list)
+    finish: str = ""
+
+
+class TorchEngine:
+    """The reference engine as a generator engine (see module doc).
+
+    dtype: 'auto' (float32; bfloat16 on CUDA when the checkpoint says so), 'float32' or
+    'bfloat16' (fast numerics only). device: 'auto' (CUDA when available) or a torch device.
+    graph: None = the CUDA-graph decode exactly when the policy is a fixed depth on CUDA.
+    model: an already built reference module (benchmarks, tests; `model_dir` may then be None).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str] | None,
+        *,
+        numerics: str = "fast",
+        exit_policy: ExitPolicy | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        weight_version: int = 0,
+        graph: bool | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        nx.check_mode(numerics)
+        self.numerics, self.model_dir = numerics, str(model_dir or "")
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" \
+            else torch.device(device)  # fmt: skip
+        hf = read_config(self.model_dir) if model_dir is not None else {}
+        if model is not None and dtype == "auto":  # a built module keeps its dtype
+            dtype = {v: k for k, v in _DTYPES.items()}.get(next(model.parameters()).dtype, "")
+        torch_dtype = self._dtype(dtype, hf, dev)
+        if model is None:
+            if model_dir is None:
+                raise ValueError("TorchEngine needs a checkpoint directory (or a built model)")
+            model = build_model(load_config(self.model_dir))
+            load_into(model, load_checkpoint(self.model_dir)[1])
+        self.model: LoopedLM = cast(LoopedLM, model.to(device=dev).eval())
+        for p in self.model.parameters():  # parameters only: Huginn's RoPE table stays fp32
+            p.data = p.data.to(torch_dtype)
+        self.device, self.dtype = dev, torch_dtype
+        self.policy = exit_policy if exit_policy is not None else FixedDepth(self.model.max_depth)
+        self.full_depth = resolve_max_depth(self.policy, self.model.max_depth)
+        self.kv = resolve_kv(self.policy, self.model.config)
+        self.fixed = isinstance(self.policy, FixedDepth)
+        self.token0_policy = token0_follows_policy(self.policy, self.model.config)
+        """Token 0's position consults the policy (contract 2; Ouro, not Huginn)."""
+        self.graph = (self.fixed and dev.type == "cuda") if graph is None else graph
+        if self.graph and not self.fixed:
+            raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.weight_version = weight_version
+        self.broken = ""
+        self.looped = True
+        self.inflight_updates = False  # a swap waits for the running batch
+        self._lock = threading.RLock()
+
+    def _dtype(self, dtype: str, hf: Mapping[str, Any], dev: torch.device) -> torch.dtype:
+        if dtype == "auto":
+            want = str(hf.get("torch_dtype", "float32"))
+            dtype = "bfloat16" if dev.type == "cuda" and want == "bfloat16" else "float32"
+            if self.numerics == "exact":
+                dtype = "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+        if self.numerics == "exact" and dtype != "float32":
+            raise ValueError("numerics exact computes in float32 (dtype auto or float32)")
+        return _DTYPES[dtype]
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(
+        self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], version: int,
+        digest: str,
+    ) -> None:  # fmt: skip
+        """Verify, then copy `source` into the parameters in place as `version` (module doc)."""
+        if self.broken:
+            raise WeightLoadError(self.broken)
+        if version <= self.weight_version:
+            raise ValueError(f"version {version} is not newer than {self.weight_version}")
+        state, got = read_weights(source)
+        if got != digest:
+            raise WeightDigestError(
+                f"weights v{version}: digest {got} does not match the announced {digest}; "
+                f"still serving v{self.weight_version}"
+            )
+        with self._lock:
+            try:
+                load_into(self.model, {k: state[k] for k in state})
+            except Exception as e:
+                self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
+                raise WeightLoadError(self.broken) from e
+            self.weight_version = version
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
+        """Sample every item `item.n` times (one request per latent seed); results in order."""
+        with self._lock, torch.no_grad():
+            if self.broken:
+                raise WeightLoadError(self.broken)
+            return self._generate(items)
+
+    def _requests(self, items: Sequence[WorkItem]) -> list[_Request]:
+        reqs = []
+        for i, it in enumerate(items):
+            if it.stop:
+                raise ValueError(
+                    f"work item {it.work_id}: stop strings need detokenization, which the torch "
+                    "engine does not do (use stop_token_ids, or generators.engine: vllm)"
+                )
+            if it.eval_depth and it.eval_depth != self.full_depth and not self.fixed:
+                raise ValueError(f"work item {it.work_id}: eval_depth needs its own engine")
+            for j, s in enumerate(int(x) for x in it.latent_seeds):
+                gen = torch.Generator().manual_seed(s ^ SAMPLING_SALT)
+                reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, gen))
+        return reqs
+
+    def _generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
+        reqs = self._requests(items)
+        if not reqs:
+            return [[] for _ in items]
+        need = max(len(r.prompt) + int(r.work.max_tokens) for r in reqs)
+        length = need if self.max_model_len is None else self.max_model_len
+        if need > length:
+            raise ValueError(f"a prompt + max_tokens of {need} exceeds max_model_len {length}")
+        bsz = min(self.max_num_seqs, len(reqs))
+        cache = KVCache.empty(self.model, bsz, length, self.full_depth)
+        slots: list[_Request | None] = [None] * bsz
+        waiting = deque(reqs)
+        logits: dict[int, torch.Tensor] = {}  # slot -> logits [V] to sample from
+        decoder = None
+        while waiting or any(s is not None for s in slots):
+            free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
+            for b in free:
+                slots[b] = waiting.popleft()
+            if free:
+                logits.update(self._prefill(cache, slots, free))
+            self._sample_rows(slots, logits)
+            logits.clear()
+            live = [b for b in range(bsz) if slots[b] is not None and not slots[b].finish]  # type: ignore[union-attr]
+            for b in range(bsz):  # finished requests free their slot
+                if slots[b] is not None and slots[b].finish:  # type: ignore[union-attr]
+                    slots[b] = None
+            if not live:
+                continue
+            if self.graph:
+                if decoder is None:
+                    seeds = [s.seed if s is not None else 0 for s in slots]
+                    decoder = GraphDecoder(self.model, cache, seeds, depth=self.full_depth,
+                                           mode=self.numerics)  # fmt: skip
+                out = self._graph_step(decoder, slots)
+            else:
+                out = self._decode(cache, slots, live)
+            for b in live:
+                logits[b] = out[b]
+        results: list[list[Sample]] = [[None] * it.n for it in items]  # type: ignore[list-item]
+        for r in reqs:
+            results[r.item][r.sample] = self._record(r)
+        return results
+
+    def _prefill(
+        self, cache: KVCache, slots: list[_Request | None], rows: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """The prompts of `rows` (their slots just taken) at full depth, in one chunk; the
+        logits of each row's last prompt position."""
+        bsz = len(slots)
+        width = max(len(slots[b].prompt) for b in rows)  # type: ignore[union-attr]
+        toks = torch.zeros(bsz, width, dtype=torch.int64)
+        valid = torch.zeros(bsz, width, dtype=torch.bool)
+        for b in rows:
+            p = slots[b].prompt  # type: ignore[union-attr]
+            cache.filled[b] = False  # the slot's earlier request is gone
+            toks[b, : len(p)] = torch.tensor(p)
+            valid[b, : len(p)] = True
+        positions = torch.arange(width).expand(bsz, -1)
+        seeds = [s.seed if s is not None else 0 for s in slots]
+        last = torch.tensor([len(s.prompt) - 1 if s is not None else 0 for s in slots])
+        if self.token0_policy:  # positions 0..P-2 at D, then P-1 decoded with the policy
+            head = valid & (positions < last[:, None])
+            if bool(head.any()):
+                run_chunk(self.model, cache, toks, positions, head, seeds,
+                          max_depth=self.full_depth, depths=torch.full(toks.shape, self.full_depth),
+                          mode=self.numerics, kv=self.kv)  # fmt: skip
+            one = torch.zeros(bsz, 1, dtype=torch.bool)
+            one[rows] = True
+            feed = toks[torch.arange(bsz), last][:, None]
+            out = run_chunk(self.model, cache, feed, last[:, None], one, seeds,
+                            max_depth=self.full_depth, policy=self.policy, mode=self.numerics,
+                            kv=self.kv)  # fmt: skip
+            depths = out.depths[:, 0].tolist()
+            for b in rows:
+                slots[b].depths.append(int(depths[b]))  # type: ignore[union-attr]
+            return {b: out.logits[b, 0] for b in rows}
+        out = run_chunk(self.model, cache, toks, positions, valid, seeds,
+                        max_depth=self.full_depth, depths=torch.full(toks.shape, self.full_depth),
+                        mode=self.numerics, kv=self.kv)  # fmt: skip
+        for b in rows:
+            slots[b].depths.append(self.full_depth)  # type: ignore[union-attr]
+        return {b: out.logits[b, int(last[b])] for b in rows}
+
+    def _feed(self, slots: list[_Request | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        toks = [s.tokens[-1] if s is not None and s.tokens else 0 for s in slots]
+        pos = [len(s.prompt) + len(s.tokens) - 1 if s is not None and s.tokens else 0
+               for s in slots]  # fmt: skip
+        return torch.tensor(toks, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+
+    def _decode(
+        self, cache: KVCache, slots: list[_Request | None], live: list[int]
+    ) -> torch.Tensor:
+        toks, pos = self._feed(slots)
+        valid = torch.zeros(len(slots), 1, dtype=torch.bool)
+        valid[live] = True
+        seeds = [s.seed if s is not None else 0 for s in slots]
+        out = run_chunk(self.model, cache, toks[:, None], pos[:, None], valid, seeds,
+                        max_depth=self.full_depth, policy=self.policy, mode=self.numerics,
+                        kv=self.kv)  # fmt: skip
+        depths = out.depths[:, 0].tolist()
+        for b in live:
+            slots[b].depths.append(int(depths[b]))  # type: ignore[union-attr]
+        return out.logits[:, 0]
+
+    def _graph_step(self, decoder: GraphDecoder, slots: list[_Request | None]) -> torch.Tensor:
+        """The fixed-depth decode step (a CUDA graph on CUDA) for every slot (idle ones fed a
+        dummy token at position 0 of their own row: reset before the slot's next prefill)."""
+        toks, pos = self._feed(slots)
+        decoder.seeds = [s.seed if s is not None else 0 for s in slots]
+        out = decoder.step(toks.to(self.device), pos)
+        for s in slots:
+            if s is not None and not s.finish:
+                s.depths.append(self.full_depth)
+        return out.logits[:, 0]
+
+    def _sample_rows(self, slots: list[_Request | None], logits: dict[int, torch.Tensor]) -> None:
+        """Draw each row's next token from its logits (module doc) and record it."""
+        groups: dict[tuple[float, float], list[int]] = {}
+        for b in logits:
+            w = slots[b].work  # type: ignore[union-attr]
+            key = (1.0, 1.0) if w.temperature == 0 else (float(w.temperature), float(w.top_p))
+            groups.setdefault(key, []).append(b)
+        vocab = self.model.vocab_size
+        for (temp, top_p), rows in groups.items():
+            lp = behaviour_logprobs(torch.stack([logits[b] for b in rows]), vocab, temp, top_p,
+                                    self.numerics).cpu()  # fmt: skip
+            for k, b in enumerate(rows):
+                r = slots[b]
+                assert r is not None
+                tok = _sample(lp[k], r.work.temperature == 0, r.gen)
+                r.tokens.append(tok)
+                r.logprobs.append(float(lp[k, tok]))
+                if tok in r.work.stop_token_ids:
+                    r.finish = "stop"
+                elif len(r.tokens) >= int(r.work.max_tokens):
+                    r.finish = "length"
+                else:
+                    continue
+                r.depths = r.depths[: len(r.tokens)]
+
+    def _record(self, r: _Request) -> Sample:
+        return Sample(
+            tokens=np.asarray(r.tokens, dtype=np.int32),
+            logprobs=np.asarray(r.logprobs, dtype=np.float32),
+            exit_depths=np.asarray(r.depths[: len(r.tokens)], dtype=np.uint8),
+            latent_seed=r.seed,
+            weight_version=self.weight_version,
+            token_versions=None,
+            finish_reason=r.finish or "length",
+            full_depth=self.full_depth,
+        )
+
+    def close(self) -> None:
+        """Release the caches (the model is kept: closing twice is harmless)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+__all__ = ["ENGINES", "TorchEngine", "check_engine"]

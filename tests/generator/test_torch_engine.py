@@ -1,0 +1,105 @@
+"""generator.torch_engine.TorchEngine (generators.engine: torch) on the CPU: its records equal
+the reference generation (models.reference.generate) of each request alone, bit for bit in
+exact numerics, with more requests than slots (continuous batching: a freed slot takes the next
+request) and mixed exit depths; weight swaps verify the digest and serve the new weights; bad
+settings are refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from generator.config import ConfigError, GeneratorConfig
+from generator.engine import WeightDigestError
+from generator.torch_engine import TorchEngine, check_engine
+from models.checkpoint import load_checkpoint, load_into, load_model
+from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate
+from models.init import init_checkpoint
+from models.reference import SamplingParams, generate
+from models.weights.digest import digest_of_state
+from proto.records import WorkItem
+from tests.generator import prompts, work_item
+from tests.generator.update_utils import perturbed
+
+POLICIES: dict[str, ExitPolicy] = {"huginn": LatentDiff(0.45), "ouro": OuroGate(0.8)}
+
+
+def _items() -> list[WorkItem]:
+    """5 requests (2 + 2 + 1 seeds), mixed prompt lengths and sampling, one greedy, one stop."""
+    ps = prompts(3, [7, 3, 11], seed=5)
+    return [
+        work_item(ps[0], [11, 2**64 - 3], temperature=0.8, top_p=0.9, max_tokens=7, name="a"),
+        work_item(ps[1], [5, 6], temperature=0.0, max_tokens=5, name="b"),
+        work_item(ps[2], [12345], temperature=1.0, top_p=1.0, max_tokens=9, name="c"),
+    ]
+
+
+def _reference(model: torch.nn.Module, it: WorkItem, seed: int, policy: ExitPolicy) -> tuple:
+    greedy = it.temperature == 0
+    sp = SamplingParams(temperature=1.0 if greedy else it.temperature,
+                        top_p=1.0 if greedy else it.top_p, max_new_tokens=it.max_tokens,
+                        stop_token_ids=tuple(it.stop_token_ids), greedy=greedy)  # fmt: skip
+    (g,) = generate(model, [it.prompt_tokens.tolist()], [seed], sp, policy, "exact")  # type: ignore[arg-type]
+    return g.tokens, g.exit_depths, g.logprobs.numpy()
+
+
+@pytest.mark.parametrize("family", sorted(POLICIES))
+def test_records_equal_the_reference(family: str, tmp_path: Path) -> None:
+    path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
+    policy = POLICIES[family]
+    eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu")
+    items = _items()
+    items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
+    out = eng.generate(items)
+    _, model = load_model(path)
+    depths = set()
+    for it, samples in zip(items, out, strict=True):
+        assert len(samples) == it.n
+        for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
+            tokens, exit_depths, lps = _reference(model, it, int(seed), policy)
+            assert s.tokens.tolist() == tokens, (it.work_id, seed)
+            assert s.exit_depths.tolist() == exit_depths
+            np.testing.assert_array_equal(s.logprobs, lps)  # bit for bit (exact numerics)
+            assert s.latent_seed == int(seed) and s.weight_version == 0
+            assert s.full_depth == model.max_depth
+            assert s.finish_reason in ("stop", "length")
+            depths |= set(exit_depths[1:])
+    assert len(depths) >= 2, f"mixed exit depths needed, got {depths}"
+
+
+def test_weights_swap_and_refusals(tmp_path: Path) -> None:
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu")
+    items = _items()[:2]
+    before = eng.generate(items)
+    _, state = load_checkpoint(path)
+    new = perturbed(state, seed=7)
+    with pytest.raises(WeightDigestError, match="does not match"):
+        eng.load_weights(new, 1, "sha256:" + "0" * 64)
+    assert eng.weight_version == 0
+    eng.load_weights(new, 1, digest_of_state(new))
+    assert eng.weight_version == 1
+    with pytest.raises(ValueError, match="not newer"):
+        eng.load_weights(new, 1, digest_of_state(new))
+    after = eng.generate(items)
+    _, model = load_model(path)
+    load_into(model, new)
+    for it, b, a in zip(items, before, after, strict=True):
+        for seed, sb, sa in zip(it.latent_seeds.tolist(), b, a, strict=True):
+            tokens, _, lps = _reference(model, it, int(seed), FixedDepth(model.max_depth))
+            assert sa.weight_version == 1 and sa.tokens.tolist() == tokens
+            np.testing.assert_array_equal(sa.logprobs, lps)  # the new weights, served
+            assert abs(float(sa.logprobs[0]) - float(sb.logprobs[0])) > 1e-4  # weights moved
+    with pytest.raises(ValueError, match=r"generators.engine must be one of \('vllm', 'torch'\)"):
+        check_engine("vlm")
+    with pytest.raises(ConfigError, match="engine='vlm': must be one of"):
+        GeneratorConfig(engine="vlm")
+    with pytest.raises(ConfigError, match="inflight_updates"):
+        GeneratorConfig(engine="torch", inflight_updates=True)
+    with pytest.raises(ValueError, match="stop strings"):
+        bad = _items()[0]
+        bad.stop = ["\n"]
+        eng.generate([bad])
