@@ -9,6 +9,12 @@ builds the trainer from the run's starting checkpoint, feeds it exactly those ba
 (failed rewards filled as live training does), publishes at the same steps into
 ``--out`` (default RUN_DIR/replay) and compares each version's canonical digest with the
 live run's. Exit code 0 when every compared digest matches, 1 otherwise, 2 bad input.
+
+Under torchrun (several learner ranks, as ``looprl learner`` runs them: tp / dp from the run
+config and the world size) every rank reads the stream and makes the same trainer calls in the
+same order (each is a collective); rank 0 writes the publications, compares and prints:
+
+    torchrun --nproc-per-node 2 -m pipeline.cli replay --stream RUN_DIR/stream
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +87,8 @@ def replay(stream: Path, out: Path, config: str | None = None,
             d = json.loads(line)
             live[int(d["version"])] = str(d["digest"])  # a resumed run's later entry wins
             kinds[int(d["version"])] = (d.get("digest_kind", ""), d.get("digest_chunk_bytes", 0))
+    if _rank() and cfg.backend == "reference":
+        raise ConfigError("backend=reference replays in one process; use megatron with torchrun")
     trainer = build_trainer(cfg.backend, cfg, model_dir(cfg, run_dir))
     result: dict[str, Any] = {}
     try:
@@ -88,6 +97,8 @@ def replay(stream: Path, out: Path, config: str | None = None,
             if s.publish is not None:
                 vdir = weights_dir(out, s.publish)
                 pub = trainer.publish(vdir, s.publish)  # the trainer computed its digest once
+                if _rank():  # ranks > 0 take part in the publication; rank 0 writes it
+                    continue
                 pub = pub or Publication.from_dir(vdir, s.publish)
                 kind = kinds.get(s.publish, (pub.digest_kind, pub.digest_chunk_bytes))
                 digest = pub.digest_as(*kind)  # the recorded kind: older runs' flat digests too
@@ -97,13 +108,19 @@ def replay(stream: Path, out: Path, config: str | None = None,
     return result
 
 
+def _rank() -> int:
+    """This process's torchrun rank (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def run(args: argparse.Namespace) -> int:
 
     stream = Path(args.stream)
     out = Path(args.out) if args.out else stream.resolve().parent / "replay"
     verbose = console.verbose_from_env(getattr(args, "verbose", False))
     if stream.is_dir():  # third-party warnings to OUT/replay.log (-v: here too)
-        console.setup(out / "replay.log", verbose=verbose, level=logging.WARNING)
+        name = f"replay-rank{_rank()}.log" if _rank() else "replay.log"
+        console.setup(out / name, verbose=verbose, level=logging.WARNING)
     else:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -111,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:  # ConfigError, StreamError, bad model dir
         print(f"looprl replay: error: {e}", file=sys.stderr)
         return 2
+    if _rank():  # rank 0 compares and reports
+        return 0
     compared = {v: d for v, d in res.items() if d[0] is not None}
     bad = [v for v, (a, b) in compared.items() if a != b]
     last = max(res, key=int)

@@ -3,10 +3,13 @@
 1. Transport only (seconds): a ZmqLearnerEndpoint peer binds 10.213.0.1 with CURVE; two
    ZmqGeneratorConnection peers in their own namespaces are welcomed; a client with a key the
    learner never admitted is refused (counted, never answered).
-2. The real thing: `looprl learner` under torchrun in one namespace, bound to its 10.213.0.1
-   with CURVE keys from `looprl keys`, and `looprl generator` x 2 (vLLM) in two others;
-   weights stream as ZMQ chunks; a few quickstart-sized steps are trained with rollouts from
-   both generators, and a client with an unknown key is refused meanwhile.
+2. The real thing: `looprl learner` across two "hosts": `torchrun --nnodes 2` with one rank in
+   each of two namespaces (gloo over the bridge, DP = 2; rank 0 binds its 10.213.0.1 with
+   CURVE keys from `looprl keys`), and `looprl generator` x 2 (vLLM) in two others; weights
+   stream as ZMQ chunks; a few quickstart-sized steps are trained with rollouts from both
+   generators, and a client with an unknown key is refused meanwhile. Then the recorded stream
+   is replayed by DP = 2 on one host (`torchrun --nproc-per-node 2 ... replay`): every
+   published version's digest equals the two-host run's (the weights bit for bit).
 
 Skipped only when not root or `ip netns` is unusable. Addresses exist only inside the
 namespaces tests/pipeline/netns.py creates; processes are stopped by pid and the namespaces
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -42,7 +46,7 @@ def lab() -> Iterator[netns.Lab]:
     if why is not None:
         pytest.skip(f"network namespaces: {why}")
     netns.reap_stale()
-    with netns.Lab(["learner", "gen0", "gen1"]) as lab:
+    with netns.Lab(["learner", "gen0", "gen1", "learner1"]) as lab:
         yield lab
 
 
@@ -105,7 +109,7 @@ def test_curve_hello_welcome_across_namespaces(lab: netns.Lab, tmp_path: Path) -
 
 
 # -- the real learner and generators ------------------------------------------------------------
-STEPS = 3
+STEPS = 6  # enough for a generator whose engine starts ~10 s late (a loaded host) to serve
 LEARNER_OVERRIDES = (
     f"steps={STEPS} rollout.prompts_per_step=4 rollout.n=4 task.num_prompts=8 "
     "publish.transport=zmq checkpoint.every=0 max_wait_s=120 metrics.progress=false "
@@ -134,16 +138,15 @@ def test_train_across_namespaces(lab: netns.Lab, tmp_path: Path) -> None:
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_NO_USAGE_STATS": "1"}
     logs = {n: tmp_path / f"{n}.log" for n in ("gen0", "gen1", "learner")}
 
-    # The learner first (under torchrun, as deploy/ starts it): the generators then connect
-    # the moment their engines are up, about together, not ZMQ reconnect backoffs apart.
-    launcher = LOOPRL
-    if TORCHRUN.exists():
-        launcher = [str(TORCHRUN), "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
-                    "-m", "pipeline.cli"]  # fmt: skip
+    # The learner first (torchrun, as deploy/ starts it, one node per namespace; the rendezvous
+    # on node 0's address, gloo on eth0): the generators then connect the moment their engines
+    # are up, about together, not ZMQ reconnect backoffs apart.
     bind = [f"endpoints.host={host}", f"endpoints.port={PORT}", f"endpoints.keys={keys}"]
-    learner = lab.spawn("learner", [*launcher, "learner", f"run_dir={run_dir}",
-                                    f"model.path={model}", *bind, *LEARNER_OVERRIDES],
-                        logs["learner"], threads)  # fmt: skip
+    args = ["learner", f"run_dir={run_dir}", f"model.path={model}", *bind, *LEARNER_OVERRIDES]
+    dist_env = {**threads, "GLOO_SOCKET_IFNAME": "eth0"}
+    learner = lab.spawn("learner", [*_node(0, host), *args], logs["learner"], dist_env)
+    learner1 = lab.spawn("learner1", [*_node(1, host), *args], tmp_path / "learner1.log",
+                         dist_env)  # fmt: skip
     netns.wait_for(lambda: (run_dir / "endpoints.json").exists(), 120, "the learner to bind",
                    [learner])  # fmt: skip
     t_learner = time.monotonic() - t0
@@ -161,6 +164,8 @@ def test_train_across_namespaces(lab: netns.Lab, tmp_path: Path) -> None:
     rogue = lab.spawn("gen1", rogue_cmd, tmp_path / "rogue.log")
     rc = _finish(lab, learner, 170)
     assert rc == 0, f"learner exit {rc}:\n{netns.tail(logs['learner'])}"
+    rc1 = _finish(lab, learner1, 60)
+    assert rc1 == 0, f"learner rank 1 exit {rc1}:\n{netns.tail(tmp_path / 'learner1.log')}"
     t_train = time.monotonic() - t0 - t_learner
     counts = [_stop_and_count(lab, p, logs[g]) for p, g in zip(gens, ("gen0", "gen1"))]
     assert _finish(lab, rogue, 30) == 0 and _read_json(rogue_out) == {"got_reply": False}
@@ -176,11 +181,26 @@ def test_train_across_namespaces(lab: netns.Lab, tmp_path: Path) -> None:
         assert c["welcomes"] >= 1 and c["rollouts_sent"] > 0, counts
     assert sum(c["groups_acked"] for c in counts) >= 4 * STEPS  # prompts_per_step x steps
     assert all(c.get("weights_loaded", 0) >= 1 for c in counts), counts  # chunks, via the bridge
-    for node in ("learner", "gen0", "gen1"):
+    for node in ("learner", "gen0", "gen1", "learner1"):  # learner1: gloo's all-reduces
         rx, tx = lab.eth0_bytes(node)
         assert rx > 10_000 and tx > 10_000, (node, rx, tx)
+    # DP = 2 on one host, from the recorded stream: the same weights as the two-host run
+    replay = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "pipeline.cli", "replay",
+         "--stream", str(run_dir / "stream")],
+        capture_output=True, text=True, timeout=240, cwd=netns.REPO,
+        env={**os.environ, **threads, "PYTHONPATH": str(netns.REPO)},
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-3000:]
+    assert f"compared {STEPS} with the live run: all identical" in replay.stdout, replay.stdout
     print(f"\nnetns run: learner bound after {t_learner:.0f}s, generators + training "
           f"{t_train:.0f}s, total {time.monotonic() - t0:.0f}s; generators {counts}")  # fmt: skip
+
+
+def _node(rank: int, master: str) -> list[str]:
+    """`torchrun` for learner node `rank` of 2 (one process each), rendezvous on `master`."""
+    return [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+            "--master-addr", master, "--master-port", str(PORT + 10), "-m", "pipeline.cli"]  # fmt: skip
 
 
 def _stop_and_count(lab: netns.Lab, p: subprocess.Popen[bytes], log: Path) -> dict:
