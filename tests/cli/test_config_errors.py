@@ -150,44 +150,64 @@ def test_resume_with_a_bad_file_is_one_line(
     assert err.count("\n") == 1 and "publish: got 7 (int), but publish is a section" in err, err
 
 
-def _looprl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _looprl(*runs: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    """`looprl ARGS` for each of ``runs``, as processes started together (each pays its own
+    imports: side by side they share the cores instead of queueing); results in order."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "pipeline.cli", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in runs]  # fmt: skip
+    out = []
+    try:
+        for args, proc in zip(runs, procs, strict=True):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
 
 
 def test_real_cli_malformed_yaml_and_scalar_section(tmp_path: Path) -> None:
-    for text, expected, command in [
+    cases = [
         ("rollout: [1, 2\n", "not valid YAML", "learner"),
         ("rollout: 5\n", "rollout: got 5 (int), but rollout is a section", "run"),
-    ]:
-        bad = tmp_path / "bad.yaml"
+    ]
+    runs = []
+    for i, (text, _, command) in enumerate(cases):
+        bad = tmp_path / f"bad{i}.yaml"
         bad.write_text(text)
-        got = _looprl(command, "--config", str(bad), f"run_dir={tmp_path / 'run'}")
+        runs.append([command, "--config", str(bad), f"run_dir={tmp_path / f'run{i}'}"])
+    for i, ((_, expected, command), got) in enumerate(zip(cases, _looprl(*runs), strict=True)):
+        bad = tmp_path / f"bad{i}.yaml"
         assert got.returncode == 2, got.stderr
         lines = got.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"looprl {command}: error: "), got.stderr
         assert expected in lines[0] and str(bad) in lines[0]
 
 
-@pytest.mark.parametrize("command", ["learner", "run"])
 def test_learner_without_generators_times_out_in_one_line_naming_the_endpoint(
-    tmp_path: Path, command: str
+    tmp_path: Path,
 ) -> None:
-    """A real learner process with no generator (`looprl run` with generators.count=0):
-    after max_wait_s it says which endpoint to start generators on (exit 1), no traceback."""
-    run = tmp_path / "run"
-    extra = ["generators.count=0"] if command == "run" else []
-    got = _looprl(command, f"run_dir={run}", "max_wait_s=2", "steps=2", *extra,
-                  "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false")  # fmt: skip
-    assert got.returncode == 1, got.stderr[-3000:]
-    assert "Traceback" not in got.stderr
-    errors = [ln for ln in got.stderr.splitlines() if "error" in ln.lower()]
-    assert len(errors) == 1, got.stderr[-3000:]
+    """A real learner process with no generator, `looprl learner` and `looprl run` with
+    generators.count=0 (both started together, each its own run dir): after max_wait_s each
+    says which endpoint to start generators on (exit 1), no traceback."""
     import json
 
-    ctrl = json.loads((run / "endpoints.json").read_text())["control"]
-    line = errors[0]
-    assert line.startswith(f"looprl {command}: error: no training step for 2s (max_wait_s): ")
-    assert f"no generator connected to {ctrl}; start generators on that endpoint: " in line
-    assert f"`looprl generator --learner {ctrl} --weights-endpoint " in line
+    commands = ["learner", "run"]
+    runs = [[command, f"run_dir={tmp_path / command}", "max_wait_s=2", "steps=2",
+             *(["generators.count=0"] if command == "run" else []),
+             "metrics.progress=false", "metrics.tensorboard=false", "metrics.plot=false"]
+            for command in commands]  # fmt: skip
+    for command, got in zip(commands, _looprl(*runs), strict=True):
+        assert got.returncode == 1, (command, got.stderr[-3000:])
+        assert "Traceback" not in got.stderr
+        errors = [ln for ln in got.stderr.splitlines() if "error" in ln.lower()]
+        assert len(errors) == 1, got.stderr[-3000:]
+        ctrl = json.loads((tmp_path / command / "endpoints.json").read_text())["control"]
+        line = errors[0]
+        assert line.startswith(f"looprl {command}: error: no training step for 2s (max_wait_s): ")
+        assert f"no generator connected to {ctrl}; start generators on that endpoint: " in line
+        assert f"`looprl generator --learner {ctrl} --weights-endpoint " in line
