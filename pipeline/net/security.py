@@ -131,13 +131,40 @@ def load_allowed(allowed_dir: Path) -> dict[bytes, str]:
 
 
 class _Authenticator(ThreadAuthenticator):
-    """ZAP handler: admits the public keys of ``allowed`` and answers User-Id = key name."""
+    """ZAP handler: admits the public keys of ``allowed`` and answers User-Id = key name.
 
-    def __init__(self, context: zmq.Context) -> None:
+    With ``allowed_dir``, a key it does not know makes it read the directory again when the
+    directory changed since it last did (keys added with ``looprl keys DIR --add`` while the
+    learner runs: a generator array job that joins late); an unknown key alone costs one
+    stat of the directory."""
+
+    def __init__(self, context: zmq.Context, allowed_dir: Path | None = None) -> None:
         super().__init__(context, log=log.getChild("zap"))
         self.allowed: dict[bytes, str] = {}  # replaced whole on reload: safe across threads
+        self.allowed_dir = allowed_dir
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int]:
+        if self.allowed_dir is None:
+            return (0, 0)
+        try:
+            st = self.allowed_dir.stat()
+        except OSError:
+            return (0, 0)
+        return (st.st_mtime_ns, st.st_ino)
 
     def callback(self, domain: str, key: bytes) -> bool:  # credentials provider, z85 key
+        if key not in self.allowed and self.allowed_dir is not None:
+            stamp = self._stamp()
+            if stamp != self._seen:
+                self._seen = stamp
+                try:
+                    self.allowed = load_allowed(self.allowed_dir)
+                    log.info("CURVE: %d generator keys in %s (re-read: it changed)",
+                             len(self.allowed), self.allowed_dir)  # fmt: skip
+                except (SecurityError, OSError, ValueError) as e:  # keep the keys it had
+                    log.warning("CURVE: %s changed but cannot be read (%s); keeping the %d "
+                                "keys loaded before", self.allowed_dir, e, len(self.allowed))  # fmt: skip
         return key in self.allowed
 
     def curve_user_id(self, client_public_key: bytes) -> str:
@@ -169,7 +196,9 @@ class ServerCurve:
 
     Order of calls: ``ServerCurve.from_dir(DIR)`` -> ``wants(endpoint)`` per socket ->
     ``start(context)`` once before binding -> ``apply(socket)`` on each socket that wants
-    it -> (``reload()`` after adding generator keys) -> ``stop()`` before the context ends.
+    it -> ``stop()`` before the context ends. Generator keys added to the allowed directory
+    while it runs are admitted (the authenticator re-reads a changed directory; ``reload()``
+    does it at once).
     """
 
     def __init__(self, secret_file: Path, allowed_dir: Path, *, curve_on_loopback: bool = False):
@@ -196,7 +225,7 @@ class ServerCurve:
     def start(self, context: zmq.Context) -> None:
         if self._auth is not None:
             return
-        self._auth = _Authenticator(context)
+        self._auth = _Authenticator(context, self.allowed_dir)
         self._auth.start()
         self._auth.allowed = self.allowed
         self._auth.configure_curve_callback(ZAP_DOMAIN, self._auth)

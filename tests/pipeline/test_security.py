@@ -159,6 +159,57 @@ def test_curve_admits_known_keys_and_refuses_others(tmp_path: Path) -> None:
     assert threading.active_count() == threads  # authenticator stopped
 
 
+def _welcomed(ep: ZmqLearnerEndpoint, conns: list[ZmqGeneratorConnection], s: float) -> set[str]:
+    """Serve Hellos for `s` seconds; the peers that got a frame through."""
+    got, end = set(), time.monotonic() + s
+    while time.monotonic() < end:
+        inc = ep.recv(0.05)
+        if inc is not None:
+            got.add(inc.peer)
+            if isinstance(inc.record, Hello):
+                ep.send(inc.peer, Welcome("run", inc.peer, 0, 0.1))
+        for c in conns:
+            c.recv(0)
+    return got
+
+
+def test_keys_added_while_the_learner_runs_are_admitted(tmp_path: Path) -> None:
+    """`looprl keys DIR --add` while the learner serves (a generator array job joining a
+    running job): the new generator is welcomed without a restart, keyed to its own id; a
+    key that was never added is still refused."""
+    d = keys(tmp_path, n=1)
+    server = ServerCurve.from_dir(d, curve_on_loopback=True)
+    ep = ZmqLearnerEndpoint(
+        CFG, control="tcp://127.0.0.1:*", weights="tcp://127.0.0.1:*", security=server
+    )
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    _, stranger_secret = zmq.auth.create_certificates(stranger, "stranger")
+    conns = [
+        _client(
+            ep, "generator-000", ClientCurve.from_dir(d, "generator-000", curve_on_loopback=True)
+        )
+    ]
+    try:
+        assert _welcomed(ep, conns, 0.8) == {"generator-000"}
+        parser = argparse.ArgumentParser()
+        keys_cli.add_parser(parser.add_subparsers())
+        args = parser.parse_args(["keys", str(d), "--add", "--generators", "1"])
+        assert args.func(args) == 0 and (d / "generators" / "generator-001.key_secret").is_file()
+        conns += [
+            _client(ep, "generator-001", ClientCurve.from_dir(d, "generator-001", curve_on_loopback=True)),
+            _client(ep, "stranger", ClientCurve.from_files(d / "learner.key", stranger_secret,
+                                                           curve_on_loopback=True)),
+        ]  # fmt: skip
+        assert _welcomed(ep, conns, 1.5) == {"generator-000", "generator-001"}
+        assert conns[1].ready and not conns[2].ready
+        assert ep.stats.unauthenticated >= 1  # the stranger, refused again after the re-read
+    finally:
+        for c in conns:
+            c.close(None)
+        ep.close()
+
+
 def test_missing_keys_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(SecurityError, match="not found"):
         ServerCurve.from_dir(tmp_path)
