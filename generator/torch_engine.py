@@ -198,8 +198,11 @@ class TorchEngine:
                     f"work item {it.work_id}: stop strings need detokenization, which the torch "
                     "engine does not do (use stop_token_ids, or generators.engine: vllm)"
                 )
-            if it.eval_depth and it.eval_depth != self.full_depth and not self.fixed:
-                raise ValueError(f"work item {it.work_id}: eval_depth needs its own engine")
+            if it.eval_depth and not (self.fixed and it.eval_depth == self.full_depth):
+                raise ValueError(
+                    f"work item {it.work_id}: eval_depth {it.eval_depth} needs a "
+                    f"FixedDepth({it.eval_depth}) engine (generator.depth_engines routes it)"
+                )
             for j, s in enumerate(int(x) for x in it.latent_seeds):
                 gen = torch.Generator().manual_seed(s ^ SAMPLING_SALT)
                 reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, gen))
