@@ -94,6 +94,13 @@ def test_ouro_token0_follows_the_official_threshold_rule() -> None:
              for g in gens]  # fmt: skip
     for g, r in zip(gens, replay(model, items, numerics="exact")):
         assert torch.equal(g.logprobs, r.logprobs)
+    # A one-token prompt has no position that carries D in the learner's rows: both learner
+    # policies run such a kv='full' row to its deepest position, which reads out the same bits.
+    one = gens[3]
+    assert len(one.prompt_tokens) == 1 and max(one.exit_depths) <= one.full_depth
+    shallow = ReplayItem(one.prompt_tokens, one.tokens, one.latent_seed, one.exit_depths,
+                         max(one.exit_depths))  # fmt: skip
+    assert torch.equal(replay(model, [shallow], numerics="exact")[0].logprobs, one.logprobs)
 
 
 def test_token0_rule_per_family_and_policy() -> None:
