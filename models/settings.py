@@ -139,6 +139,20 @@ def _writable(node: Any) -> Any:
     return node
 
 
+_STRUCTURED: dict[type, Any] = {}
+"""schema -> its writable OmegaConf node, built once per process: building one is most of a
+load's time (0.3-0.4 s for the run config); merges deep-copy it and never change it."""
+
+
+def _structured(schema: type) -> Any:
+    from omegaconf import OmegaConf
+
+    node = _STRUCTURED.get(schema)
+    if node is None:
+        node = _STRUCTURED[schema] = _writable(OmegaConf.structured(schema))
+    return node
+
+
 def load(
     schema: type[T],
     path: str | Path | None = None,
@@ -156,7 +170,7 @@ def load(
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    layers: list[Any] = [_writable(OmegaConf.structured(schema))]
+    layers: list[Any] = [_structured(schema)]
     where = "defaults"
     try:
         if path is not None:
