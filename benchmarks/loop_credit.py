@@ -1,0 +1,322 @@
+"""Per-loop credit on a task where depth should matter: held-out accuracy of `last` vs
+`exit_pdf` vs `uniform` (objective.loop_weighting) from one warm start, one JSON line.
+
+    python benchmarks/loop_credit.py                     # CPU: tiny Ouro, 3 arms x 3 seeds
+    python benchmarks/loop_credit.py --arms last,uniform --seeds 5 --steps 30
+
+Task (built here, no downloads): chained addition mod 10, "7+5+9+3=" -> "4" (the last digit of
+the sum of ``--chain`` + 1 digits): one answer token that needs ``--chain`` composed additions,
+the kind of multi-step latent computation more core iterations should help with. Rows are a
+pure function of (--data-seed, split, row); test questions never occur in train. Reward: the
+built-in ``exact_match`` (generator.rewards) on the decoded completion; accuracy = greedy
+exact match on the test split.
+
+Order: a fresh ``--family``/``--size`` checkpoint -> ONE supervised warm start on the train
+answers (``sft`` below: pipeline.commands.warm_start's recipe on the plain-text rendering,
+reference forward at full depth, ``--warm-steps`` AdamW steps of 32 rows; the script renders
+the rows itself: the dataset task's loader took minutes per 2,000 rows on the loaded host)
+-> for every arm and every seed in 0..seeds-1: a
+backend=reference trainer (pipeline.backends.reference_trainer: the learner's TorchPolicy and
+LearnerStep, the same code `looprl run` trains with) from the warm start, ``--steps`` GRPO
+steps of ``--prompts`` prompts x ``--n`` samples drawn by models.reference.generate (the
+numerical spec the generators' vLLM plugin matches) under the run's exit policy
+(``--exit-policy``, default full depth), the arm's loop_weighting the only difference; the
+same prompts and latent seeds in every arm for a given seed -> greedy accuracy on the test
+split at each fixed depth of ``--depths`` (FixedDepth(d), as eval.depths) and under the run's
+policy, and the mean exit depth of its tokens.
+
+Output: {"arms": {arm: {"accuracy": mean, "accuracy_std", "accuracy_seeds": [...],
+"mean_depth", "accuracy@d": mean, "accuracy@d_std", ...}}, "warm_start": {the warm start's
+accuracy at each depth}, settings, "wall_s", "load_1m": [at start, at end]}. Spread = the
+sample standard deviation over seeds.
+
+CPU only (a GPU mode with a larger looped model, issue 23 item 6, is not written yet).
+
+Arms: any of last, uniform, progressive, exit_pdf (Ouro's exit gate only). Hook for the
+sampled-exit / depth-cost arm (objective.depth_cost with exit_policy kind ``sampled``,
+another change): an arm ``name:key=value;key=value`` adds run-config overrides to that arm,
+e.g. ``sampled_cost:objective.depth_cost=0.1;rollout.exit_policy={kind:sampled}`` once
+those keys exist (until then the run config refuses them, naming the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from generator.rewards import exact_match  # noqa: E402
+from models.chat import eos_token_ids  # noqa: E402
+from models.checkpoint import (  # noqa: E402
+    load_model,
+    read_config,
+    save_checkpoint,
+    state_dict_for_save,
+    tied_from_module,
+)
+from models.exits import ExitPolicy, FixedDepth, policy_from_dict  # noqa: E402
+from models.init import init_checkpoint  # noqa: E402
+from models.noise import derive_latent_seed  # noqa: E402
+from models.reference import SamplingParams, generate  # noqa: E402
+from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.core.dispatch import Prompt  # noqa: E402
+from proto import Rollout  # noqa: E402
+
+
+def make_rows(n: int, chain: int, seed: int, split: str, avoid: set[str]) -> list[dict[str, str]]:
+    """``n`` distinct questions "a+b+...=" of ``chain`` + 1 digits, answer (sum mod 10)."""
+    if n + len(avoid) > 10 ** (chain + 1):
+        raise SystemExit(f"--chain {chain} has only {10 ** (chain + 1)} distinct questions")
+    rng = random.Random(f"{seed}/{split}")
+    rows: list[dict[str, str]] = []
+    seen = set(avoid)
+    while len(rows) < n:
+        digits = [rng.randint(0, 9) for _ in range(chain + 1)]
+        q = "+".join(map(str, digits)) + "="
+        if q in seen:
+            continue
+        seen.add(q)
+        rows.append({"prompt": q, "answer": str(sum(digits) % 10)})
+    return rows
+
+
+def write_data(out: Path, train: int, test: int, chain: int, seed: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tr = make_rows(train, chain, seed, "train", set())
+    te = make_rows(test, chain, seed, "test", {r["prompt"] for r in tr})
+    for name, rows in (("train", tr), ("test", te)):
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+class Task:
+    """The splits rendered as plain text (bos + the question's tokens; the target: the answer's
+    tokens + EOS, what ``looprl sft`` trains on with task.template=plain), and the scorer."""
+
+    def __init__(self, data: Path, tok_dir: Path) -> None:
+        self.tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        self.stops = tuple(eos_token_ids(tok_dir))
+        self.train, self.test = (self._rows(data / f"{s}.jsonl", s) for s in ("train", "test"))
+
+    def _rows(self, path: Path, split: str) -> list[Prompt]:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return [Prompt(f"{split}-{i}", list(self.tok.encode(r["prompt"]).ids),
+                       {"answer": r["answer"]}) for i, r in enumerate(rows)]  # fmt: skip
+
+    def target(self, p: Prompt) -> list[int]:
+        ids = list(self.tok.encode(str(p.task["answer"]), add_special_tokens=False).ids)
+        return [*ids, self.stops[0]]
+
+    def score(self, tokens: list[int], task: dict[str, Any]) -> float:
+        text = self.tok.decode(tokens, skip_special_tokens=True)
+        return float(exact_match(text, tokens, task)[0])
+
+
+def sft(model: Any, task: Task, steps: int, lr: float, batch: int, seed: int) -> dict[str, Any]:
+    """The warm start (pipeline.commands.warm_start's recipe: AdamW, next-token cross-entropy
+    on the target tokens only, gradient clip 1.0, full depth, one latent seed per row)."""
+    t0 = time.perf_counter()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng, losses = random.Random(seed), []
+    for _ in range(steps):
+        rows = [(p.tokens, task.target(p)) for p in rng.sample(task.train, batch)]
+        width = max(len(a) + len(b) for a, b in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width - 1)
+        for i, (a, b) in enumerate(rows):
+            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
+            mask[i, len(a) - 1 : len(a) + len(b) - 1] = 1.0
+        logits = model(ids, latent_seeds=[rng.getrandbits(32) for _ in rows])[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return {"steps": steps, "loss_first": losses[0], "loss_last": losses[-1],
+            "s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def evaluate(model: Any, task: Task, policy: ExitPolicy | None, max_tokens: int,
+             numerics: str) -> tuple[float, float]:  # fmt: skip
+    """(greedy test accuracy, token-mean exit depth) under ``policy`` (None: full depth)."""
+    sp = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=task.stops, greedy=True)
+    seeds = [derive_latent_seed(0, f"eval/{p.prompt_id}", 0) for p in task.test]
+    with torch.no_grad():
+        gens = generate(model, [p.tokens for p in task.test], seeds, sp, policy, numerics)
+    acc = [task.score([int(t) for t in g.tokens], dict(p.task)) for p, g in zip(task.test, gens)]
+    depths = [d for g in gens for d in g.exit_depths]
+    return sum(acc) / len(acc), sum(depths) / max(len(depths), 1)
+
+
+def eval_all(model: Any, task: Task, policy: ExitPolicy | None, depths: list[int],
+             max_tokens: int, numerics: str) -> dict[str, float]:  # fmt: skip
+    was = model.training
+    model.eval()
+    acc, mean_depth = evaluate(model, task, policy, max_tokens, numerics)
+    out = {"accuracy": acc, "mean_depth": mean_depth}
+    for d in depths:
+        out[f"accuracy@{d}"] = evaluate(model, task, FixedDepth(d), max_tokens, numerics)[0]
+    model.train(was)
+    return out
+
+
+def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Namespace,
+           policy: ExitPolicy | None) -> dict[str, float]:  # fmt: skip
+    """``args.steps`` GRPO steps from ``warm`` with ``cfg`` (the arm's), then eval_all."""
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+
+    trainer = ReferenceTrainer(cfg, warm)
+    model = trainer.model
+    rng = random.Random(seed)
+    t0 = time.time()
+    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
+                        stop_token_ids=task.stops)  # fmt: skip
+    for step in range(args.steps):
+        batch = rng.sample(task.train, args.prompts)
+        prompts = [p for p in batch for _ in range(args.n)]
+        seeds = [derive_latent_seed(seed, f"{p.prompt_id}@{step}", j)
+                 for p in batch for j in range(args.n)]  # fmt: skip
+        model.eval()
+        with torch.no_grad():
+            gens = generate(model, [p.tokens for p in prompts], seeds, sp, policy, cfg.numerics)
+        model.train()
+        rollouts = []
+        for i, (p, g) in enumerate(zip(prompts, gens)):
+            toks = [int(t) for t in g.tokens]
+            rollouts.append(Rollout(
+                rollout_id=f"s{step}-{p.prompt_id}/{i % args.n}", work_id=f"s{step}-{p.prompt_id}",
+                prompt_id=p.prompt_id, sample_index=i % args.n, generator_id="bench",
+                latent_seed=int(g.latent_seed), prompt_tokens=np.asarray(p.tokens, np.int32),
+                tokens=np.asarray(toks, np.int32),
+                logprobs=np.asarray(g.logprobs.float().numpy(), np.float32),
+                exit_depths=np.asarray(g.exit_depths, np.uint8), weight_version=step,
+                reward=task.score(toks, dict(p.task)),
+            ))  # fmt: skip
+        trainer.step(rollouts, [False] * len(rollouts))
+    t_rl = time.time()
+    out = eval_all(model, task, policy, args.depths, args.max_tokens, cfg.numerics)
+    trainer.close()
+    print(f"#   rl {t_rl - t0:.1f} s ({args.steps} steps), eval {time.time() - t_rl:.1f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
+def parse_arm(spec: str) -> tuple[str, list[str]]:
+    """ "name" (a loop weighting) or "name:key=value;key=value" -> (name, run-config
+    overrides)."""
+    name, _, rest = spec.partition(":")
+    extra = [kv for kv in rest.split(";") if kv] if rest else []
+    if not rest:
+        extra = [f"objective.loop_weighting={name}"]
+    return name, extra
+
+
+def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        out[key] = statistics.fmean(vals)
+        if key.startswith("accuracy"):
+            out[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    out["accuracy_seeds"] = [r["accuracy"] for r in runs]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument(
+        "--arms",
+        default="last,exit_pdf,uniform",
+        help="comma-separated loop weightings, or name:key=value;key=value overrides",
+    )
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--family", default="ouro")
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--chain", type=int, default=2, help="additions per question")
+    p.add_argument("--train", type=int, default=700)
+    p.add_argument("--test", type=int, default=200)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--warm-steps", type=int, default=300)
+    p.add_argument("--warm-lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=20, help="RL steps per arm and seed")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--depths", default="1,2,4,8", help="fixed eval depths")
+    p.add_argument("--exit-policy", default="", help="rollout exit policy JSON; '': full depth")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on a shared host, 2 spinning threads ran 12x slower)",
+    )
+    p.add_argument("--out", default="", help="work directory (default: a temporary one)")
+    args = p.parse_args(argv)
+    args.depths = [int(x) for x in args.depths.split(",") if x]
+    torch.set_num_threads(args.threads)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    policy = policy_from_dict(json.loads(args.exit_policy)) if args.exit_policy else None
+    arms = [parse_arm(a) for a in args.arms.split(",") if a]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.out or tmp)
+        write_data(root / "data", args.train, args.test, args.chain, args.data_seed)
+        base = init_checkpoint(args.family, args.size, root / "init")
+        common = [f"task.path={root / 'data'}", "task.kind=dataset", "task.reward=exact_match",
+
+                  f"rollout.max_tokens={args.max_tokens}", f"rollout.n={args.n}",
+                  f"rollout.prompts_per_step={args.prompts}", "objective.kind=grpo",
+                  f"optimizer.lr={args.lr}", "backend=reference", f"run_dir={root / 'run'}"]  # fmt: skip
+        if args.exit_policy:
+            common.append(f"rollout.exit_policy={args.exit_policy}")
+        cfg0 = load_config(None, common)
+        task = Task(root / "data", Path(base))
+        warm_model = load_model(Path(base))[1]
+        ws = sft(warm_model, task, args.warm_steps, args.warm_lr, 32, args.data_seed)
+        warm = root / "warm"
+        save_checkpoint(state_dict_for_save(warm_model), read_config(Path(base)), warm,
+                        tied=tied_from_module(warm_model),
+                        extra_files={f.name: f for f in Path(base).iterdir()
+                                     if f.is_file() and f.name != "config.json"
+                                     and ".safetensors" not in f.name})  # fmt: skip
+        warm_eval = eval_all(warm_model, task, policy, args.depths, args.max_tokens, cfg0.numerics)
+        warm_eval |= {"loss_first": ws["loss_first"], "loss_last": ws["loss_last"], "s": ws["s"]}
+        print(f"# warm start: {warm_eval}", file=sys.stderr, flush=True)
+        out_arms: dict[str, Any] = {}
+        for name, extra in arms:
+            runs = []
+            for seed in range(args.seeds):
+                cfg = load_config(None, [*common, *extra, f"seed={seed}"])
+                runs.append(rl_arm(cfg, warm, task, seed, args, policy))
+                print(f"# {name} seed {seed}: {runs[-1]}", file=sys.stderr, flush=True)
+            out_arms[name] = summarise(runs)
+    print(json.dumps({
+        "arms": out_arms, "warm_start": warm_eval,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "samples_per_arm_seed": args.steps * args.prompts * args.n,
+        "wall_s": round(time.time() - t0, 1), "load_1m": [load0, os.getloadavg()[0]],
+    }))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
