@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# A throwaway Slurm cluster on this host, for tests: munged + slurmctld + 3 slurmd (virtual
-# nodes n0..n2 on localhost, 2 CPUs each, no GPUs, cgroups off), all state under DIR.
-#   bash scripts/slurm_cluster.sh start DIR    # waits until the 3 nodes are idle; DIR/env
+# A throwaway Slurm cluster on this host, for tests: munged + slurmctld + 4 slurmd (virtual
+# nodes n0..n3 on localhost, 2 CPUs each, no GPUs, cgroups off), all state under DIR.
+#   bash scripts/slurm_cluster.sh start DIR    # waits until the 4 nodes are idle; DIR/env
 #   source DIR/env; sbatch ...; squeue
 #   bash scripts/slurm_cluster.sh stop DIR     # stops them by the pids they recorded
 # Needs root, slurm-wlm and munge (scripts/setup.sh installs them where it may). Ports: a
-# random block in 17000-20999. Used by tests/deploy/test_slurm.py.
+# random block in 16000-20999. Used by tests/deploy/test_slurm.py.
 set -euo pipefail
 cmd=${1:?start|stop}; dir=$(realpath -m "${2:?state directory}")
 case $cmd in
@@ -44,11 +44,12 @@ SchedulerType=sched/backfill
 NodeName=n0 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 18000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN
 NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 19000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN
 NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 20000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN
-PartitionName=cpu Nodes=n[0-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 16000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN
+PartitionName=cpu Nodes=n[0-3] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     export SLURM_CONF=$dir/slurm.conf
     /usr/sbin/slurmctld -f "$dir/slurm.conf" -i
-    for n in n0 n1 n2; do mkdir -p "$dir/spool/$n"; /usr/sbin/slurmd -f "$dir/slurm.conf" -N $n; done
+    for n in n0 n1 n2 n3; do mkdir -p "$dir/spool/$n"; /usr/sbin/slurmd -f "$dir/slurm.conf" -N $n; done
     echo "export SLURM_CONF=$dir/slurm.conf" > "$dir/env"
     for _ in $(seq 60); do  # the nodes register within a few seconds
         if [[ $(sinfo -h -o %t | sort -u) == idle ]]; then exit 0; fi

@@ -1,8 +1,9 @@
-"""deploy/slurm/looprl.sbatch on a real Slurm (slurmctld + three slurmd on this host, made and
+"""deploy/slurm/looprl.sbatch on a real Slurm (slurmctld + four slurmd on this host, made and
 stopped by `scripts/slurm_cluster.sh`): the file as users submit it, CPU-only through its
 GPUS_PER_NODE=0 mode, runs the learner on node 0 and one generator on each of nodes 1 and 2;
 the reward of the quickstart task rises across a cancelled generator step and a time-limit
-stop followed by a resubmission (see the test's docstring).
+stop followed by a resubmission, which a generator array job (deploy/slurm/generators.sbatch,
+on node 3) joins late (see the test's docstring).
 
 About 4-5 minutes on an idle 2-core host (one learner and two vLLM generators per job life:
 the real processes the file starts). Needs root, slurm-wlm and munge: scripts/setup.sh
@@ -28,6 +29,7 @@ from pipeline.core.recorder import read_rollouts, read_steps
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 SBATCH = REPO / "deploy" / "slurm" / "looprl.sbatch"
+ARRAY = REPO / "deploy" / "slurm" / "generators.sbatch"
 HAVE_SLURM = shutil.which("slurmctld", path="/usr/sbin:/usr/bin") and os.geteuid() == 0
 pytestmark = pytest.mark.skipif(
     not HAVE_SLURM, reason="needs root, slurm-wlm and munge (scripts/setup.sh installs them)"
@@ -96,7 +98,10 @@ def test_sbatch_trains_survives_a_cancelled_step_and_resumes_after_the_time_limi
     the time limit's ``--signal=B:TERM@300`` sends (``scancel --signal=TERM --batch``): the
     learner checkpoints and stops, the job completes. Life 2: the same command again resumes
     from the checkpoint with both nodes' generators and finishes; every sample accepted in
-    life 1 was trained (that copy or its regenerated one), one metrics row per step."""
+    life 1 was trained (that copy or its regenerated one), one metrics row per step. Life 2
+    is joined late by a generator array job (deploy/slurm/generators.sbatch, 2 tasks on the
+    fourth node): their keys are made after the learner started and admitted; they serve
+    rollouts that are trained, and stop cleanly on scancel."""
     run_dir, steps = tmp_path / "run", 30
     # CURVE keys and a non-loopback address, as on a cluster (no CURVE on loopback by default)
     addr = socket.gethostbyname(connect_host("0.0.0.0")[0])
@@ -123,7 +128,14 @@ def test_sbatch_trains_survives_a_cancelled_step_and_resumes_after_the_time_limi
             for at, action in on_step.items():
                 if at not in done and rows >= at:
                     done.add(at)
-                    if action == ["cancel n2"]:
+                    if action == ["array"]:  # joins the running job late
+                        array.append(subprocess.run(
+                            ["sbatch", "--parsable", "--array=0-1", "--gpus-per-task=0",
+                             "--nodelist=n3", f"--output={tmp_path}/array-%a.out",
+                             f"--export={export}", str(ARRAY)],
+                            env=slurm, cwd=REPO, capture_output=True, text=True, check=True,
+                        ).stdout.strip().split(";")[0])  # fmt: skip
+                    elif action == ["cancel n2"]:
                         on_n2 = [s for s, nodes in _steps(slurm, job).items() if nodes == "n2"]
                         assert len(on_n2) == 1, _steps(slurm, job)
                         subprocess.run(["scancel", on_n2[0]], env=slurm, check=True)
@@ -143,10 +155,29 @@ def test_sbatch_trains_survives_a_cancelled_step_and_resumes_after_the_time_limi
     assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     accepted_life1 = _accepted(run_dir)
 
-    life(2, {})  # the same command: it finds the checkpoint and resumes
+    array: list[str] = []
+    life(2, {len(first): ["array"]})  # the same command: it finds the checkpoint and resumes
+    subprocess.run(["scancel", array[0]], env=slurm, check=True)  # SIGTERM: hand back, stop
+    end = time.monotonic() + 120
+    while any(_job_state(slurm, f"{array[0]}_{i}") in {"PENDING", "RUNNING", "COMPLETING"}
+              for i in (0, 1)):  # fmt: skip
+        assert time.monotonic() < end, "the array generators did not stop"
+        time.sleep(1)
+    sent = {}
+    for i in (0, 1):
+        log = (tmp_path / f"array-{i}.out").read_text()
+        name = f"array-{array[0]}-{i}"
+        assert f"generator {name}" in log and "stopped cleanly" in log, log[-3000:]
+        sent[name] = json.loads(log.split("stopped cleanly: ", 1)[1].splitlines()[0]
+                                .replace("'", '"')).get("rollouts_sent", 0)  # fmt: skip
+    by_gen = {r.generator_id: r for _, r in read_rollouts(run_dir / "stream")}
+    trained_ids = {rid for st in read_steps(run_dir / "steps.jsonl") for rid in st.rollout_ids}
+    late = [r for _, r in read_rollouts(run_dir / "stream") if r.generator_id.startswith("array-")]
+    assert late and any(r.rollout_id in trained_ids for r in late), (sent, sorted(by_gen))
+    assert sum(sent.values()) >= len(late) > 0, sent
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # one row per step
-    assert rows[-1]["generators"] == 2  # both nodes again in life 2
+    assert rows[-1]["generators"] == 4  # both nodes again in life 2, and the array's two
     lost = sorted(accepted_life1 - _trained(run_dir))
     assert not lost, f"{len(lost)} samples accepted in life 1 never trained: {lost[:8]}"
     r0 = sum(r["reward_mean"] for r in rows[:5]) / 5
