@@ -101,6 +101,9 @@ class TrainBatch:
     when weights changed mid-completion, else weight_version), 0 off the response."""
     extra: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     """[B, L] per-token tensors added by the trainer (advantages, prox_logp, ...)."""
+    full_depths: Tensor | None = None
+    """[B] int64: each row's full depth D (Rollout.full_depth, else exit_depths[0]; DESIGN
+    contract 2): exit_depths[b, 0] is D only when the prompt has 2+ tokens."""
 
     @property
     def size(self) -> int:
@@ -124,8 +127,9 @@ class TrainBatch:
         fields.update({k: getattr(self, k)[sl] for k in _ROW_FIELDS})
         extra = {k: _fit(v[sl], n, k) for k, v in self.extra.items()}
         tv = None if self.token_versions is None else _fit(self.token_versions[sl], n, "")
+        fd = None if self.full_depths is None else self.full_depths[sl]
         return TrainBatch(rollout_ids=self.rollout_ids[sl], extra=extra, token_versions=tv,
-                          **fields)  # fmt: skip
+                          full_depths=fd, **fields)  # fmt: skip
 
     def micro_batches(
         self, size: int, start: int, stop: int, pad_to_multiple: int = 1
@@ -138,8 +142,9 @@ class TrainBatch:
         fields = {k: getattr(self, k).to(device) for k in _TOKEN_FIELDS + _ROW_FIELDS}
         extra = {k: v.to(device) for k, v in self.extra.items()}
         tv = None if self.token_versions is None else self.token_versions.to(device)
+        fd = None if self.full_depths is None else self.full_depths.to(device)
         return TrainBatch(rollout_ids=list(self.rollout_ids), extra=extra, token_versions=tv,
-                          **fields)  # fmt: skip
+                          full_depths=fd, **fields)  # fmt: skip
 
 
 def _fit(x: Tensor, n: int, name: str) -> Tensor:
@@ -218,6 +223,10 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         prompt_lens=torch.from_numpy(lay.prompt_lens),
         truncated=torch.tensor([r.finish_reason == "length" for r in ordered], dtype=torch.bool),
         token_versions=torch.from_numpy(token_versions),
+        full_depths=torch.tensor(
+            [int(r.full_depth) or int(lay.depths[i, 0]) for i, r in enumerate(ordered)],
+            dtype=torch.int64,
+        ),
     )
 
 

@@ -159,7 +159,8 @@ def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tenso
     lb.loop_logp, lb.loop_entropy = lp, stats.get("loop_entropy")
     lb.loop_prox, lb.loop_ref = mb.extra.get("prox_loops"), mb.extra.get("ref_loops")
     _, e, n_loops = response_depths(mb)
-    lb.loop_weight = loop_weights(obj, e, mb.exit_depths[:, 0], stats.get("loop_gate"), n_loops)
+    full = mb.full_depths if mb.full_depths is not None else mb.exit_depths[:, 0]  # contract 2
+    lb.loop_weight = loop_weights(obj, e, full, stats.get("loop_gate"), n_loops)
 
 
 @contextlib.contextmanager

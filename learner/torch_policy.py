@@ -261,7 +261,8 @@ def _replay_loops(model: LoopedLM, mb: TrainBatch, mode: str, kv: str, hook: Any
     from models.engine import _key_mask, _readout, _Rows, _stack
 
     depths = mb.exit_depths
-    full_d = [int(d) for d in depths[:, 0].tolist()]
+    deepest = torch.where(mb.position_ids < mb.seq_lens[:, None], depths, 0).amax(dim=1)
+    full_d = [int(d) for d in deepest.tolist()]  # a row's full depth: as `forward`
     max_depth = max(full_d)
     full = kv == "full"
     bsz, seq = mb.input_ids.shape

@@ -12,6 +12,8 @@ forward (every position at every step, as the official code runs them).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -141,3 +143,11 @@ def test_old_streams_keep_their_depths() -> None:
     del wire["full_depth"]  # a stream of protocol 1.4 or older
     old = decode_batch(wire).rollouts[0]
     assert old.full_depth == 0 and old.exit_depths.tolist() == [2, 4]
+    from learner.batching import build_batch
+
+    one = dataclasses.replace(r, rollout_id="w/1", sample_index=1, reward=1.0,
+                              prompt_tokens=np.array([1], np.int32))  # fmt: skip
+    batch = build_batch([one, dataclasses.replace(old, reward=0.0)])
+    assert batch.rollout_ids == ["w/0", "w/1"]
+    assert batch.rows(0, 2).full_depths.tolist() == [2, 4]  # old: exit_depths[0]; recorded D
+    assert batch.exit_depths[:, 0].tolist() == [2, 2]  # the one-token prompt's row starts at e_0
