@@ -94,6 +94,10 @@ class GeneratorConfig:
     pipeline.net.transport_config.TransportConfig, equal on both ends); empty: the defaults."""
     connect_timeout_s: float = 60.0
     """Give up (exit 2) if the learner has not answered within this long at start (s); 0: never."""
+    health_file: str = ""
+    """A file touched every 5 s while the generator's loop turns, for a liveness probe that checks
+    its age (deploy/k8s/generator.yaml); not touched before the loop starts (engine start-up) nor
+    once it stalls for 30 s; empty: none."""
     log_level: str = "INFO"
     """Logging level: DEBUG, INFO, WARNING or ERROR."""
 

@@ -139,6 +139,7 @@ class GeneratorLoop:
         self.resend_after_s, self.max_unacked, self.poll_s = resend_after_s, max_unacked, poll_s
         self.detokenize, self.check_welcome, self.clock = detokenize, check_welcome, clock
         self.stats = LoopStats()
+        self.last_turn = clock()  # when step() last ran to its end (generator.health)
         self.welcome: Welcome | None = None
         self.version = engine.weight_version  # the version the engine serves
         self._need = 0  # the Welcome's version: nothing is generated below it
@@ -202,6 +203,7 @@ class GeneratorLoop:
         self._harvest()  # inline mode finishes within _advance
         self._resend_due()
         self.conn.set_status(self.version, self.held)
+        self.last_turn = self.clock()
 
     # -- incoming -------------------------------------------------------------------------
     def _dispatch(self, channel: str, rec: Any) -> None:

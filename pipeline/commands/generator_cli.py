@@ -49,6 +49,7 @@ from generator.config import (
 )
 from generator.depth_engines import DepthEngines, fixed_depth_of
 from generator.engine import LoopedEngine, to_rollouts
+from generator.health import HealthFile
 from generator.loop import FatalError, GeneratorLoop, make_hello
 from generator.reward_runner import RewardRunner
 from models.checkpoint import load_config as load_model_config
@@ -382,6 +383,7 @@ def serve(cfg: GeneratorConfig) -> int:
         cfg.reward, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers, mode=cfg.reward_mode
     )
     engine = None
+    health: HealthFile | None = None
     try:
         common: dict[str, Any] = dict(
             numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
@@ -438,6 +440,8 @@ def serve(cfg: GeneratorConfig) -> int:
         log.info(
             "generator %s -> %s (weights %s), reward %s", gid, cfg.learner, weights_ep, cfg.reward
         )
+        if cfg.health_file:  # touched while the loop turns (deploy/k8s: the liveness probe)
+            health = HealthFile(Path(cfg.health_file), lambda: loop.last_turn).start()
         try:
             loop.run()
         except FatalError as e:
@@ -452,6 +456,8 @@ def serve(cfg: GeneratorConfig) -> int:
         log.info("generator %s stopped cleanly: %s", gid, dict(loop.stats.counts))
         return 0
     finally:
+        if health is not None:
+            health.stop()
         reward.close()
         if engine is not None:
             engine.close()
