@@ -263,8 +263,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
     rep = heads // groups
     qh = q.transpose(1, 2)  # [B, H, S, D]
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, G, T, D]
-    if rep > 1:  # (a repeat of 1 would still copy the whole K/V: 20 of 84 ms a decode step)
-        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)  # [B, H, T, D]
+    if rep > 1 or torch.is_grad_enabled():  # [B, H, T, D], a copy. Without grad a repeat of 1
+        # is skipped (it copied the whole K/V cache: 20 of 84 ms a decode step); with grad the
+        # copy stays: autograd saves it, and the cache it came from is written in place later
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
     m = mask[:, None, :, :]
     if mode == "exact":
         scores = torch.matmul(qh.double(), kh.double().transpose(-1, -2)) * (1.0 / math.sqrt(dim))
