@@ -140,3 +140,11 @@ def test_trainer_benchmark_flags_a_collapse_not_only_nonfinite() -> None:
         "steps": [2],
     }
     assert health([0.3, math.nan, 0.25], [4.0, 4.2, 3.9])["verdict"] == "nonfinite"
+    # the H200 run at lr 3e-3 (docs/PERFORMANCE.md): finite, no spike, the loss up 4.8x
+    lr3e3 = [0.136, 0.169, 0.205, 0.362, 0.468, 0.488, 0.537, 0.517, 0.566, 0.534, 0.574,
+             0.584, 0.581, 0.582, 0.651]  # fmt: skip
+    got = health(lr3e3, [1.25, 1.9, 2.35, 1.31, 1.87, 1.93, 2.44, 1.6, 1.69, 1.98, 2.22, 3.37,
+                         3.17, 3.44, 4.73])  # fmt: skip
+    assert got == {"verdict": "diverging", "steps": [10, 11, 12, 13, 14]}, got
+    lr1e6 = [0.136, 0.141, 0.140, 0.133, 0.136, 0.133, 0.137, 0.129, 0.134, 0.134, 0.130, 0.133]
+    assert health(lr1e6, [1.25] * 12)["verdict"] == "ok"
