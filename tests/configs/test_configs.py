@@ -4,7 +4,6 @@ every field has a docstring; bad keys and values are errors naming the key."""
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest
