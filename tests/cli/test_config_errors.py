@@ -46,6 +46,7 @@ ACCEPTED = {
     ("checkpoint.keep", 0): "keep all", ("learner.backprop_depth", 0): "all iterations",
     ("learner.backprop_depth", -1): "the checkpoint's", ("learner.micro_batch_size", 0): "auto",
     ("eval.every", 0): "never", ("eval.temperature", 0): "greedy", ("eval.limit", 0): "all",
+    ("objective.depth_cost", 0): "no compute cost in the reward",
 }  # fmt: skip
 
 
