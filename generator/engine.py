@@ -76,6 +76,25 @@ class WeightLoadError(RuntimeError):
     """The model's weight loader failed on a verified set: the engine no longer serves."""
 
 
+def checked_state(
+    source: str | os.PathLike | Mapping[str, torch.Tensor], version: int, digest: str,
+    serving: int,
+) -> Any:  # fmt: skip
+    """The state of `source` for a swap to `version` from `serving`, its digest checked
+    (`read_weights`: a VerifiedWeights is trusted, anything else hashed): ValueError for a
+    version not newer, WeightDigestError for a digest that does not match (old version kept).
+    Both engines (this one and generator.torch_engine) load through it."""
+    if version <= serving:
+        raise ValueError(f"version {version} is not newer than {serving}")
+    state, got = read_weights(source)
+    if got != digest:
+        raise WeightDigestError(
+            f"weights v{version}: digest {got} does not match the announced {digest}; "
+            f"still serving v{serving}"
+        )
+    return state
+
+
 @dataclasses.dataclass
 class Sample:
     """One sampled completion (one latent seed of a WorkItem)."""
@@ -265,14 +284,7 @@ class LoopedEngine:
         """Verify `digest` of `source` (VerifiedWeights: trusted; a checkpoint directory or a
         state dict of HF-named tensors: hashed), then serve it as `version` (see module doc)."""
         self._check_usable()
-        if version <= self.weight_version:
-            raise ValueError(f"version {version} is not newer than {self.weight_version}")
-        state, got = read_weights(source)
-        if got != digest:
-            raise WeightDigestError(
-                f"weights v{version}: digest {got} does not match the announced {digest}; "
-                f"still serving v{self.weight_version}"
-            )
+        state = checked_state(source, version, digest, self.weight_version)
         if self.inflight_updates and not self._lock.acquire(blocking=False):
             with self._pending_lock:  # a generate is running: it swaps between steps
                 self._pending = (state, version)

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from generator.config import ENGINES
-from generator.engine import Sample, WeightDigestError, WeightLoadError
+from generator.engine import Sample, WeightLoadError, checked_state
 from models import numerics as nx
 from models.base import LoopedLM
 from models.checkpoint import load_checkpoint, load_config, load_into, read_config
@@ -60,7 +60,6 @@ from models.exits import (
     token0_follows_policy,
 )
 from models.reference import SAMPLING_SALT, _sample, behaviour_logprobs, build_model
-from models.weights.verified import read_weights
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -166,14 +165,7 @@ class TorchEngine:
         """Verify, then copy `source` into the parameters in place as `version` (module doc)."""
         if self.broken:
             raise WeightLoadError(self.broken)
-        if version <= self.weight_version:
-            raise ValueError(f"version {version} is not newer than {self.weight_version}")
-        state, got = read_weights(source)
-        if got != digest:
-            raise WeightDigestError(
-                f"weights v{version}: digest {got} does not match the announced {digest}; "
-                f"still serving v{self.weight_version}"
-            )
+        state = checked_state(source, version, digest, self.weight_version)
         with self._lock:
             try:
                 load_into(self.model, {k: state[k] for k in state})
