@@ -71,6 +71,7 @@ from models.exits import ExitPolicy, FixedDepth, policy_from_dict  # noqa: E402
 from models.init import init_checkpoint  # noqa: E402
 from models.noise import derive_latent_seed  # noqa: E402
 from models.reference import SamplingParams, generate  # noqa: E402
+from pipeline.commands.warm_start import sft_steps  # noqa: E402
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.core.dispatch import Prompt  # noqa: E402
 from proto import Rollout  # noqa: E402
@@ -125,31 +126,15 @@ class Task:
 
 
 def sft(model: Any, task: Task, steps: int, lr: float, batch: int, seed: int) -> dict[str, Any]:
-    """The warm start (pipeline.commands.warm_start's recipe: AdamW, next-token cross-entropy
-    on the target tokens only, gradient clip 1.0, full depth, one latent seed per row)."""
+    """The warm start: pipeline.commands.warm_start's own loop (sft_steps) on random batches
+    of the training prompts and their targets."""
     t0 = time.perf_counter()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng, losses = random.Random(seed), []
-    for _ in range(steps):
-        rows = [(p.tokens, task.target(p)) for p in rng.sample(task.train, batch)]
-        width = max(len(a) + len(b) for a, b in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        mask = torch.zeros(len(rows), width - 1)
-        for i, (a, b) in enumerate(rows):
-            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-            mask[i, len(a) - 1 : len(a) + len(b) - 1] = 1.0
-        logits = model(ids, latent_seeds=[rng.getrandbits(32) for _ in rows])[:, :-1]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
+    rng = random.Random(seed)
+
+    def pick(_: int) -> list[tuple[list[int], list[int]]]:
+        return [(p.tokens, task.target(p)) for p in rng.sample(task.train, batch)]
+
+    losses = sft_steps(model, pick, steps, lr, 0, rng)
     return {"steps": steps, "loss_first": losses[0], "loss_last": losses[-1],
             "s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 

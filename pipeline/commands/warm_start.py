@@ -33,7 +33,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,33 @@ def _batch(examples: Sequence[Example], pad: int) -> tuple[Any, Any]:
     return ids, mask
 
 
+def sft_steps(module: Any, pick: Callable[[int], Sequence[Example]], steps: int, lr: float,
+              pad: int, rng: random.Random) -> list[float]:  # fmt: skip
+    """The warm start's training loop: ``steps`` AdamW updates of ``module`` (train mode, eval
+    again at the end), each on the batch ``pick(step)``: next-token cross-entropy on the
+    completion tokens only, gradient clip 1.0, full depth, one latent seed per row drawn from
+    ``rng``. Returns the loss of each step (benchmarks/loop_credit.py trains through it too)."""
+
+    module.train()
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        chosen = pick(step)
+        ids, mask = _batch(chosen, pad)
+        logits = module(ids, latent_seeds=[rng.getrandbits(32) for _ in chosen])[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    module.eval()
+    return losses
+
+
 def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
                lr: float | None = None, batch: int | None = None,
                seed: int = 0) -> dict[str, Any]:  # fmt: skip
@@ -130,26 +157,15 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
     t0 = time.perf_counter()
     examples = sft_examples(cfg, model)
     _, module = load_model(model)
-    module.train()
-    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
-    rng, order, losses = random.Random(seed), list(range(len(examples))), []
-    pad = int(read_config(model).get("pad_token_id") or 0)
-    for step in range(steps):
+    rng, order = random.Random(seed), list(range(len(examples)))
+
+    def pick(step: int) -> list[Example]:  # one shuffled pass over the examples after another
         if step * batch % len(examples) < batch:
             rng.shuffle(order)
-        pick = [order[(step * batch + i) % len(order)] for i in range(batch)]
-        ids, mask = _batch([examples[i] for i in pick], pad)
-        logits = module(ids, latent_seeds=[rng.getrandbits(32) for _ in pick])[:, :-1]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-    module.eval()
+        return [examples[order[(step * batch + i) % len(order)]] for i in range(batch)]
+
+    pad = int(read_config(model).get("pad_token_id") or 0)
+    losses = sft_steps(module, pick, steps, lr, pad, rng)
     files = sorted(f for f in Path(model).iterdir() if f.is_file() and not f.name.startswith("."))
     extra = {f.name: f for f in files  # tokenizer, generation config, ...: not the weights
              if f.name != "config.json" and ".safetensors" not in f.name}  # fmt: skip
