@@ -336,8 +336,15 @@ log, argv, opts = Path(os.environ["STUB_LOG"]), sys.argv[1:], {{}}
 while argv and argv[0].startswith("--"):
     k, _, v = argv.pop(0)[2:].partition("=")
     opts[k] = v
-n = len(list(log.glob("srun-*.json")))
-(log / f"srun-{{n}}.json").write_text(json.dumps({{"opts": opts, "argv": argv}}))
+n = 0  # the generator steps start concurrently: claim the next number atomically
+while True:
+    try:
+        fd = os.open(log / f"srun-{{n}}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        break
+    except FileExistsError:
+        n += 1
+with os.fdopen(fd, "w") as f:
+    f.write(json.dumps({{"opts": opts, "argv": argv}}))
 if "learner" in argv:  # the learner: write what a real one writes once it has bound
     run_dir = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")))
     (run_dir / "config.yaml").write_text(
