@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATES = ("auto", "chat", "plain")
+_TURN = "\x00looprl-turn\x00"  # placeholder of a model turn (models.chat.continuation)
 Message = Mapping[str, Any]
 
 
@@ -229,6 +230,55 @@ class ChatRenderer:
             elif not flag and has:
                 ids = ids[1:] if at == 0 else ids[:-1]
         return ids
+
+    def conversation_text(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        """``messages`` as the chat template writes them (no system prompt or suffix added)."""
+        if self.template is None:
+            raise ChatError("conversation_text needs a chat template")
+        return str(_compile(self.template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=generation_prompt,
+            **self.special,
+        ))  # fmt: skip
+
+    def continuation(
+        self, observation: str | Sequence[Message], sampled: Sequence[int]
+    ) -> list[int]:
+        """Token ids to append after a model turn whose sampled ids are ``sampled``: the end of
+        the assistant turn that the model did not sample itself (its end-of-turn token, when
+        the turn stopped for length), the observation's messages (text: one user message) and
+        the generation prompt; earlier ids are never re-tokenized (issue 26's token-in-token-out).
+
+        Chat template: the text the template adds between an assistant message and the
+        generation prompt after ``observation``, found by rendering a placeholder conversation
+        with and without it (ChatError when the longer one does not extend the shorter: a
+        template that rewrites earlier turns cannot be rendered incrementally). Plain: a blank
+        line, the observation's contents (blank-line separated), a blank line."""
+        msgs = (
+            [{"role": "user", "content": observation}]
+            if isinstance(observation, str)
+            else [dict(m) for m in observation]
+        )
+        for i, m in enumerate(msgs):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ChatError(f"observation message {i} is {m!r}: expected {{'role', 'content'}}")
+        if self.template is None:
+            text = "\n\n" + "\n\n".join(m["content"] for m in msgs) + "\n\n"
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _TURN}]
+        before = self.conversation_text(base, generation_prompt=False)
+        after = self.conversation_text(base + msgs, generation_prompt=True)
+        if not after.startswith(before):
+            raise ChatError(
+                "the chat template rewrites earlier turns when a message is added: it cannot "
+                "be rendered incrementally (token-in-token-out needs a template that appends)"
+            )
+        end = before[before.index(_TURN) + len(_TURN) :]
+        if sampled:  # the model sampled the end-of-turn token itself: not written twice
+            last = str(self.tokenizer.decode([int(sampled[-1])], skip_special_tokens=False))
+            if last and end.startswith(last):
+                end = end[len(last) :]
+        text = end + after[len(before) :]
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of completion ids, special tokens skipped (as the generator hands rewards)."""
