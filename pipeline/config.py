@@ -26,6 +26,7 @@ from models.contract import NUMERICS
 from models.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError)
 from models.settings import parse_overrides  # noqa: F401  (part of this API)
 from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
+    ADAPTIVE_EXITS,
     FSYNC,
     POLICIES,
     SEED_LIMIT,
@@ -181,6 +182,13 @@ class RunConfig:
                "needs task.kind=dataset with task.answer_column (the reference answers)")  # fmt: skip
         _check(not self.eval.every or self.task.kind == "dataset", "eval.every", self.eval.every,
                "needs task.kind=dataset (an eval split)")  # fmt: skip
+        kind = self.rollout.exit_policy.get("kind") if self.rollout.exit_policy else None
+        _check(not self.task.environment or kind not in ADAPTIVE_EXITS, "rollout.exit_policy",
+               dict(self.rollout.exit_policy),
+               f"an adaptive exit ({kind}) cannot be combined with task.environment "
+               f"({self.task.environment}): the next turn's prefill recomputes earlier model "
+               "tokens at full depth, so one replay pass would not reproduce the sampled "
+               "log-probs (docs/PROTOCOL.md); use kind fixed or no exit policy")  # fmt: skip
 
 
 # -- loading (models.settings: the one loader of every component config) -------------------

@@ -4,6 +4,7 @@ validating its own values (a bad value is a models.errors.ConfigError naming the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -15,6 +16,10 @@ from models.settings import check
 from models.weights.collective import DEFAULT_PIPE_BYTES
 from pipeline.net.transport_config import TransportConfig
 
+ENVIRONMENT_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+"""task.environment: package.module:Class."""
+ADAPTIVE_EXITS = ("latent_diff", "kl", "entropy_diff", "ouro_gate")
+"""Exit policy kinds whose depth varies per token (refused with task.environment)."""
 POLICIES = ("drop", "keep")
 TASKS = ("synthetic", "jsonl", "dataset")
 WEIGHT_TRANSPORTS = ("shared_fs", "zmq", "collective")
@@ -93,6 +98,9 @@ class TaskSection:
     """dataset: passes over the data; caps the steps at epochs x rows / prompts_per_step (0: no cap)."""
     stop_on_eos: bool = True
     """dataset: completions also stop at the checkpoint's EOS ids (generation_config.json)."""
+    environment: str = ""
+    """Multi-turn environment (package.module:Class, docs/TASKS.md): the generators alternate model
+    turns and its observations in one rollout (Rollout.token_mask); empty: single-turn."""
 
     def __post_init__(self) -> None:
         _check(self.kind in TASKS, "task.kind", self.kind, f"must be one of {TASKS}")
@@ -108,6 +116,9 @@ class TaskSection:
                "must be >= 0")  # fmt: skip
         _check(self.epochs >= 0, "task.epochs", self.epochs, "must be >= 0")
         _check(0 <= self.seed < SEED_LIMIT, "task.seed", self.seed, "must be in [0, 2**32)")
+        _check(not self.environment or ENVIRONMENT_SPEC.fullmatch(self.environment) is not None,
+               "task.environment", self.environment,
+               "must be package.module:Class (an importable class) or empty")  # fmt: skip
         bad = {k: v for k, v in self.reward_args.items()
                if not (v is None or isinstance(v, bool | int | float | str))}  # fmt: skip
         _check(not bad, "task.reward_args", bad, "values must be scalars (str, number, bool, null)")
@@ -134,6 +145,12 @@ class RolloutSection(Sampling):
     model's depth allowed); kv full | last_exited (null: the family's default, docs/MODELS.md).
     Empty: every token at the model's depth. The generators run it, the door bounds exit depths
     by its max depth, both backends replay in its kv."""
+    max_turns: int = 8
+    """task.environment: most model turns in one conversation (single-turn runs always have 1);
+    the door refuses a rollout with more."""
+    max_env_tokens: int = 512
+    """task.environment: most environment (observation) tokens in one conversation, all turns
+    together; the whole conversation stays within max_model_len."""
 
     def policy(self) -> Any:
         """`exit_policy` as a models.exits policy (None when empty)."""
@@ -154,6 +171,9 @@ class RolloutSection(Sampling):
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")
         _check(self.max_tokens >= 1, "rollout.max_tokens", self.max_tokens, "must be >= 1")
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step,
+               "must be >= 1")  # fmt: skip
+        _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        _check(self.max_env_tokens >= 1, "rollout.max_env_tokens", self.max_env_tokens,
                "must be >= 1")  # fmt: skip
 
 

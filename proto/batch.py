@@ -36,6 +36,9 @@ _KEYS = frozenset({"n", "plen", "tlen", *_FLAG.values(), *_ARRAYS, *(s[0] for s 
 _ADDED = {"full_depth": 0}
 """Scalar columns added after the column layout (protocol 1.5): absent in older streams, read
 as their default."""
+_ADDED_OPTIONAL = ("token_mask",)
+"""Optional array columns added after the column layout (protocol 1.6): absent in older
+streams (their column and flag list), read as None."""
 
 
 def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
@@ -76,6 +79,11 @@ def decode_batch(obj: Any) -> RolloutBatch:
     n0 = obj.get("n")
     if type(n0) is int and 0 <= n0 <= MAX_LIST and set(_ADDED) - set(obj):  # an older stream
         obj = {**{k: [v] * n0 for k, v in _ADDED.items()}, **obj}
+    if type(n0) is int and 0 <= n0 <= MAX_LIST:
+        for name in _ADDED_OPTIONAL:
+            if name not in obj and _FLAG[name] not in obj:  # an older stream: none present
+                obj = {**obj, name: encode_array(np.zeros(0, _ARRAYS[name])),
+                       _FLAG[name]: [False] * n0}  # fmt: skip
     if set(obj) != _KEYS:
         missing, extra = _KEYS - set(obj), set(obj) - _KEYS
         raise ProtocolError(

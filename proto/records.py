@@ -172,6 +172,10 @@ class Rollout:
     reward_info: scalars from the reward function (error text on failure).
     metrics: generator-side measurements (e.g. gen_time_s, queue_time_s).
     created_at: completion time (s).
+    token_mask: optional uint8 [T] of a multi-turn conversation (protocol 1.6): 1 = token t
+      was sampled by the model, 0 = written by the environment (an observation, rendered by
+      the chat template; its logprobs[t] is 0.0 and exit_depths[t] full_depth: a prompt-like
+      position). None = every token sampled (a single-turn completion; streams before 1.6).
     """
 
     rollout_id: str
@@ -192,13 +196,14 @@ class Rollout:
     metrics: dict[str, Scalar] = field(default_factory=dict)
     created_at: float = 0.0
     full_depth: int = 0
+    token_mask: np.ndarray | None = array_field("uint8", optional=True)
 
     def validate(self, *, values: bool = True) -> None:
         """The record's rules; ``values=False`` skips the per-value array rules
         (:meth:`check_values`), which proto.batch applies to whole columns at once."""
         r = f"rollout {self.rollout_id!r}"
         t = self.tokens.shape[0]
-        for name in ("logprobs", "exit_depths", "token_versions"):
+        for name in ("logprobs", "exit_depths", "token_versions", "token_mask"):
             a = getattr(self, name)
             _need(a is None or a.shape[0] == t, f"{r}: {name} has {0 if a is None else a.shape[0]} "
                   f"entries for {t} tokens")  # fmt: skip

@@ -52,6 +52,8 @@ def rollouts(draw: st.DrawFn) -> R.Rollout:
         reward_info=draw(smaps),
         metrics=draw(smaps),
         created_at=draw(finite),
+        full_depth=draw(st.integers(0, 255)),
+        token_mask=draw(st.one_of(st.none(), int_arrays("uint8", st.just(t), 0, 1))),
     )
 
 
@@ -169,6 +171,7 @@ def sample_records(rng: random.Random) -> list[object]:
             exit_depths=arr("uint8", t, 1, 32),
             weight_version=k,
             token_versions=arr("int64", t, 0, 3) if k == 1 else None,
+            token_mask=arr("uint8", t, 0, 1) if k == 2 else None,
             reward=rng.random() if k else None,
             reward_info={"err": "x"} if not k else {},
             metrics={"gen_time_s": 0.5},

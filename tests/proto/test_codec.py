@@ -227,3 +227,48 @@ def test_weight_announce_collective_round_trips_and_is_validated() -> None:
     with_chunks = dataclasses.replace(ann, chunk_bytes=4, num_chunks=3)
     with pytest.raises(ProtocolError, match="collective with chunks or a path"):
         codec.decode(codec.encode(with_chunks))
+
+
+def test_token_mask_round_trips_and_is_checked() -> None:
+    """Protocol 1.6: Rollout.token_mask travels like the other optional arrays (single record
+    and column batch) and must have one entry per token."""
+    codec = Codec(level=0)
+    mask = np.array([1, 1, 0, 0, 0, 1, 1, 1], np.uint8)
+    conv = dataclasses.replace(_rollout(), token_mask=mask)
+    for rec in (conv, RolloutBatch([_rollout(), conv])):
+        got = codec.decode(codec.encode(rec))
+        last = got.rollouts[-1] if isinstance(got, RolloutBatch) else got
+        assert last.token_mask is not None and last.token_mask.dtype == np.uint8
+        assert last.token_mask.tolist() == [1, 1, 0, 0, 0, 1, 1, 1]
+        if isinstance(got, RolloutBatch):
+            assert got.rollouts[0].token_mask is None
+    with pytest.raises(ProtocolError, match=r"token_mask has 3 entries for 8 tokens"):
+        codec.decode(codec.encode(dataclasses.replace(_rollout(), token_mask=mask[:3])))
+
+
+def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
+    """A 1.5 stream (frames of minor 5: no token_mask field, no token_mask / has_token_mask
+    columns) decodes with token_mask None and every other field intact."""
+    from pathlib import Path
+
+    from pipeline.core.recorder import read_rollouts
+    from proto.batch import encode_batch
+    from proto.schema import to_wire
+    from proto.stream import StreamWriter
+
+    assert PROTOCOL_MINOR == 6
+    a, b = _rollout(5), dataclasses.replace(_rollout(3), rollout_id="w/1", sample_index=1)
+    cols = msgpack.unpackb(msgpack.packb(encode_batch(RolloutBatch([a, b]))))
+    single = to_wire(dataclasses.replace(a, rollout_id="w/2", sample_index=2))
+    assert {"token_mask", "has_token_mask"} <= set(cols) and "token_mask" in single
+    del cols["token_mask"], cols["has_token_mask"], single["token_mask"]
+    root = Path(str(tmp_path)) / "stream"
+    with StreamWriter(root) as w:  # the recorder's layout: one RolloutBatch frame per record
+        w.append(HEADER.pack(MAGIC, 1, 5, 0, 0) + msgpack.packb(["rollouts", cols]))
+    got = [r for _, r in read_rollouts(root)]
+    got.append(Codec().decode(HEADER.pack(MAGIC, 1, 5, 0, 0) + msgpack.packb(["rollout", single])))
+    assert [r.rollout_id for r in got] == ["w/0", "w/1", "w/2"]
+    assert all(r.token_mask is None for r in got)
+    assert [r.num_tokens for r in got] == [5, 3, 5]
+    assert_same(got[0], a)
+    assert_same(got[1], b)
