@@ -52,7 +52,7 @@ from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
-from pipeline.core.validation import DoorRules, ModelLimits, check_logp, logp_base
+from pipeline.core.validation import ModelLimits, check_logp, door_rules, logp_base
 from pipeline.net.log_limit import Throttle
 from proto import (
     Ack,
@@ -137,7 +137,7 @@ class Coordinator:
         self.intake = Intake(
             ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
             record=self.recorder.record, n=r.n, limits=limits,
-            rules=DoorRules(reward_bound=door.reward_bound), quarantine=self.quarantine,
+            rules=door_rules(cfg), quarantine=self.quarantine,
             version=lambda: self.version, max_refused=door.max_refused,
             window_s=door.window_s, clock=clock, void=self.void,
             dynamic_sampling=cfg.objective.dynamic_sampling,

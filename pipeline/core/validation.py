@@ -29,6 +29,18 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
 - [weight_version]  weight_version (and every token version) in
   [the WorkItem's min_weight_version, the learner's current version].
 
+Conversations (``Rollout.token_mask``, protocol 1.6; ``rules.environment`` = the run sets
+task.environment):
+
+- [token_mask]      a mask only on a run with an environment; one entry per token; values in
+  {0, 1}; the first token a model token (the model answers the prompt first);
+- [env_token]       an environment token (mask 0) has log-prob exactly 0.0 and runs the full
+  depth (a prompt-like position, contract 2);
+- [env_budget]      environment tokens <= rules.max_env_tokens (rollout.max_env_tokens);
+- [too_many_turns]  model turns (runs of mask-1 tokens) <= rules.max_turns (rollout.max_turns);
+- [too_long] of a conversation counts its model tokens (all turns) against max_tokens; its
+  environment tokens have their own budget above.
+
 After training (the trainer measures each rollout's log-probs in the step that trains it):
 
 - [logp_mismatch]   max over tokens of |learner log-prob - claimed behaviour log-prob| <=
@@ -68,6 +80,10 @@ REASONS = (
     "reward_bound",
     "weight_version",
     "logp_mismatch",
+    "token_mask",
+    "env_token",
+    "env_budget",
+    "too_many_turns",
 )
 # The behaviour log-prob check (rule logp_mismatch), nats per token (max over the rollout).
 # fast numerics, staleness 0: measured max 9.5e-7 (tiny Huginn, fp32 on CPU, vLLM vs megatron,
@@ -139,6 +155,22 @@ class DoorRules:
 
     reward_bound: float = 1e6
     max_tokens: int = 1 << 30
+    environment: bool = False
+    """The run sets task.environment: rollouts may carry a token_mask (a conversation)."""
+    max_turns: int = 1
+    """rollout.max_turns: most model turns in a conversation."""
+    max_env_tokens: int = 0
+    """rollout.max_env_tokens: most environment tokens in a conversation."""
+
+
+def door_rules(cfg: Any) -> DoorRules:
+    """The door's rules of a run config (pipeline.config.RunConfig)."""
+    return DoorRules(
+        reward_bound=cfg.intake.reward_bound,
+        environment=bool(cfg.task.environment),
+        max_turns=cfg.rollout.max_turns,
+        max_env_tokens=cfg.rollout.max_env_tokens,
+    )
 
 
 @dataclass(frozen=True)
@@ -210,14 +242,31 @@ def check_rollout(
         return Refusal(
             "token_out_of_vocab", f"token id {bad} outside the vocabulary [0, {limits.vocab_size})"
         )
+    mask = r.token_mask
+    if mask is not None:
+        bad_mask = check_token_mask(r, rules)
+        if bad_mask is not None:
+            return bad_mask
+    model_tokens = r.num_tokens if mask is None else int(np.count_nonzero(mask))
     limit = min(expect.max_tokens, rules.max_tokens)
-    if r.num_tokens > limit:
-        return Refusal("too_long", f"{r.num_tokens} response tokens > max_tokens {limit}")
+    if model_tokens > limit:
+        what = "response" if mask is None else "model"
+        return Refusal("too_long", f"{model_tokens} {what} tokens > max_tokens {limit}")
     if r.exit_depths.size:
         try:
-            full_depth(r.exit_depths, limits.max_depth, r.full_depth)
+            depth = full_depth(r.exit_depths, limits.max_depth, r.full_depth)
         except ValueError as e:
             return Refusal("exit_depth", str(e))
+        if mask is not None:
+            env = mask == 0
+            if env.any() and not bool((r.logprobs[env] == 0.0).all()):
+                at = int(np.flatnonzero(env & (r.logprobs != 0.0))[0])
+                return Refusal("env_token", f"environment token {at} has log-prob "
+                               f"{float(r.logprobs[at])!r}, expected exactly 0.0")  # fmt: skip
+            if env.any() and not bool((r.exit_depths[env] == depth).all()):
+                at = int(np.flatnonzero(env & (r.exit_depths != depth))[0])
+                return Refusal("env_token", f"environment token {at} ran {int(r.exit_depths[at])} "
+                               f"iterations, expected the full depth {depth}")  # fmt: skip
     lp = r.logprobs
     if lp.size and not (bool(np.isfinite(lp).all()) and float(lp.max()) <= 0.0):
         return Refusal("logprob", "log-probs must be finite and <= 0")
@@ -233,4 +282,39 @@ def check_rollout(
             f"weight versions {lo_v}..{hi_v} outside [{expect.min_version}, "
             f"{expect.max_version}] (min_weight_version of the work item .. the learner's)",
         )
+    return None
+
+
+def model_turns(mask: np.ndarray) -> int:
+    """Model turns of a conversation: the runs of mask-1 tokens."""
+    m = np.asarray(mask) == 1
+    return int(m[0]) + int(np.count_nonzero(m[1:] & ~m[:-1])) if m.size else 0
+
+
+def check_token_mask(r: Rollout, rules: DoorRules) -> Refusal | None:
+    """The conversation rules of the module docstring that need no model (token_mask,
+    env_budget, too_many_turns); None when ``r`` carries no mask or passes them."""
+    mask = r.token_mask
+    if mask is None:
+        return None
+    if not rules.environment:
+        return Refusal("token_mask", "a token_mask (multi-turn conversation) on a run without "
+                       "task.environment; expected none")  # fmt: skip
+    if mask.shape != r.tokens.shape:
+        return Refusal("token_mask", f"token_mask has {mask.size} entries for "
+                       f"{r.num_tokens} tokens; expected one per token")  # fmt: skip
+    if mask.size and int(mask.max()) > 1:
+        return Refusal("token_mask", f"token_mask value {int(mask.max())}; expected 0 "
+                       "(environment) or 1 (model)")  # fmt: skip
+    if mask.size and int(mask[0]) != 1:
+        return Refusal("token_mask", "the first token is an environment token; expected the "
+                       "model's (it answers the prompt first)")  # fmt: skip
+    env = int(mask.size - np.count_nonzero(mask))
+    if env > rules.max_env_tokens:
+        return Refusal("env_budget", f"{env} environment tokens > rollout.max_env_tokens "
+                       f"{rules.max_env_tokens}")  # fmt: skip
+    turns = model_turns(mask)
+    if turns > rules.max_turns:
+        return Refusal("too_many_turns", f"{turns} model turns > rollout.max_turns "
+                       f"{rules.max_turns}")  # fmt: skip
     return None
