@@ -37,7 +37,7 @@ MODES = ("process", "thread", "inline")
 @dataclass(frozen=True)
 class RewardResult:
     """One scored completion: reward None on failure; info the function's scalars, or
-    {"error": text, "kind": "exception" | "timeout" | "invalid" | "crash"}; elapsed_s the
+    {"error": text, "kind": "exception" | "timeout" | "invalid" | "crash" | "remote"}; elapsed_s the
     call's wall time (s) as the runner saw it."""
 
     reward: float | None
@@ -70,8 +70,8 @@ def invoke(fn: RewardFn, text: str, tokens: list[int], task: Task) -> _Outcome:
     """Call ``fn`` and check its result; never raises (except KeyboardInterrupt)."""
     try:
         out = fn(text, tokens, task)
-    except (Exception, SystemExit) as e:
-        return _failure("exception", f"{type(e).__name__}: {e}")
+    except (Exception, SystemExit) as e:  # e.reward_kind: e.g. "remote" (remote_reward)
+        return _failure(getattr(e, "reward_kind", "exception"), f"{type(e).__name__}: {e}")
     info: Any = {}
     if isinstance(out, tuple) and len(out) == 2:
         out, info = out

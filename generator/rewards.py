@@ -43,6 +43,13 @@ def resolve_reward(path: str) -> RewardFn:
             f"reward must be a dotted path like 'package.module:function', got {path!r}"
         )
     path = _ELSEWHERE.get(path.strip(), path.strip())
+    if path.startswith(("http://", "https://")):  # a judge in another process
+        from generator.remote_reward import RemoteReward
+
+        try:
+            return RemoteReward(path)
+        except ValueError as e:
+            raise RewardError(str(e)) from None
     if path in BUILTINS:
         return globals()[path]  # type: ignore[no-any-return]
     if ":" in path:
