@@ -14,7 +14,11 @@ seq_lens, prompt_lens), plus, per token:
 
     position_ids[b, p]  p                            (continues on padding)
     behav_logp[b, p]    rollout.logprobs[t] at p = P-1+t (0 elsewhere)
-    token_rewards[b, p] the reward at the last response token, 0 elsewhere
+    token_rewards[b, p] the reward at the last response token (of a conversation: its last
+                        model token), 0 elsewhere
+`mask` is models.rows' loss_mask: the response positions whose tokens the model sampled
+(a conversation's environment tokens, Rollout.token_mask 0, are out of it: no loss, no
+log-prob check, no token count; they are replayed at full depth like prompt positions).
 Per row: latent_seeds (int64 holding the uint64 bit pattern), group_ids (index of the
 work item in sorted order), rewards, weight_versions (rollout.weight_version), seq_lens
 (P + T - 1, or P for an empty response), prompt_lens, truncated (finish_reason "length").
@@ -188,7 +192,9 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
             raise ValueError(f"rollout {r.rollout_id!r}: empty prompt")
     lay = token_rows([r.prompt_tokens for r in ordered], [r.tokens for r in ordered],
                      [r.exit_depths for r in ordered], pad_to_multiple=pad_to_multiple,
-                     full_depths=[r.full_depth for r in ordered])  # fmt: skip
+                     full_depths=[r.full_depth for r in ordered],
+                     token_masks=[r.token_mask for r in ordered])  # fmt: skip
+    assert lay.loss_mask is not None
     b, length = len(ordered), lay.length
     behav = np.zeros((b, length), dtype=np.float32)
     token_rewards = np.zeros((b, length), dtype=np.float32)
@@ -199,7 +205,10 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         p, t = int(lay.prompt_lens[i]), int(r.tokens.shape[0])
         if t:
             behav[i, response_slice(p, t)] = r.logprobs
-            token_rewards[i, p - 2 + t] = float(r.reward)  # type: ignore[arg-type]
+            # the reward on the last model token (a conversation may end with the environment's)
+            model = np.flatnonzero(r.token_mask == 1) if r.token_mask is not None else None
+            last = int(model[-1]) if model is not None and model.size else t - 1
+            token_rewards[i, p - 1 + last] = float(r.reward)  # type: ignore[arg-type]
             tv = r.token_versions
             token_versions[i, response_slice(p, t)] = r.weight_version if tv is None else tv
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
@@ -211,7 +220,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
         input_ids=torch.from_numpy(lay.input_ids),
         position_ids=torch.arange(length, dtype=torch.int64).expand(b, length).contiguous(),
         targets=torch.from_numpy(lay.targets),
-        mask=torch.from_numpy(lay.mask.astype(np.float32)),
+        mask=torch.from_numpy(lay.loss_mask.astype(np.float32)),  # model tokens only
         behav_logp=torch.from_numpy(behav),
         exit_depths=torch.from_numpy(lay.depths),
         token_rewards=torch.from_numpy(token_rewards),

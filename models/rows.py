@@ -13,6 +13,12 @@ predicted at position p = P - 1 + t (P = prompt length):
                      contract 2); PAD_DEPTH on padding and on every position of an empty response
     seq_lens[b]      P + T - 1, or P for an empty response
     prompt_lens[b]   P
+    loss_mask[b, p]  mask AND the row's token_mask (Rollout.token_mask, a multi-turn
+                     conversation: 1 = model token, 0 = environment token) at P - 1 + t: the
+                     positions whose tokens the model sampled, the only ones trained (= mask
+                     for a row without a token_mask). Environment positions keep their depth
+                     (the conversation's full depth, as recorded) and are replayed like
+                     prompt positions.
 
 Positions are 0..L-1 on every row (padding continues them); a position is valid iff p < seq_len.
 """
@@ -47,6 +53,7 @@ class TokenRows:
     depths: np.ndarray
     seq_lens: np.ndarray
     prompt_lens: np.ndarray
+    loss_mask: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -60,11 +67,13 @@ def token_rows(
     *,
     pad_to_multiple: int = 1,
     full_depths: Sequence[int | None] | None = None,
+    token_masks: Sequence[Sequence[int] | np.ndarray | None] | None = None,
 ) -> TokenRows:
     """Lay out rows (module docstring); L is the longest row rounded up to ``pad_to_multiple``
     (at least 1). A prompt must be non-empty; a response may be empty (then it has no depths).
     full_depths: each row's recorded full depth (the depth of prompt positions 0..P-2; None or
-    0 = its exit_depths[0], streams recorded before `Rollout.full_depth`)."""
+    0 = its exit_depths[0], streams recorded before `Rollout.full_depth`).
+    token_masks: each row's token_mask (None: every response token is the model's)."""
     if not (len(prompts) == len(responses) == len(exit_depths)) or not prompts:
         raise ValueError("token_rows: needs as many prompts, responses and exit depths, >= 1")
     plens = [len(p) for p in prompts]
@@ -80,6 +89,7 @@ def token_rows(
     input_ids = np.zeros((b, length), dtype=np.int64)
     targets = np.zeros((b, length), dtype=np.int64)
     mask = np.zeros((b, length), dtype=bool)
+    loss_mask = np.zeros((b, length), dtype=bool)
     depths = np.full((b, length), PAD_DEPTH, dtype=np.int64)
     for i, (prompt, resp) in enumerate(zip(prompts, responses)):
         p, t = plens[i], tlens[i]
@@ -89,7 +99,13 @@ def token_rows(
             at = response_slice(p, t)
             targets[i, at] = np.asarray(resp, np.int64)
             mask[i, at] = True
+            tm = None if token_masks is None else token_masks[i]
+            if tm is not None and len(tm) != t:
+                raise ValueError(
+                    f"token_rows: {t} response tokens but {len(tm)} token_mask entries"
+                )
+            loss_mask[i, at] = True if tm is None else np.asarray(tm) == 1
             full = None if full_depths is None else full_depths[i]
             depths[i, : p - 1 + t] = position_depths(p, exit_depths[i], full)
     return TokenRows(input_ids, targets, mask, depths, np.asarray(seq_lens, np.int64),
-                     np.asarray(plens, np.int64))  # fmt: skip
+                     np.asarray(plens, np.int64), loss_mask)  # fmt: skip

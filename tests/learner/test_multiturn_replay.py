@@ -1,0 +1,76 @@
+"""The learner trains only a conversation's model tokens (issue 26 item 3): Rollout.token_mask
+reaches the row layout's loss mask; environment tokens are context (replayed at full depth),
+never loss, never reward, never a log-prob claim."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from learner.batching import build_batch
+from proto import Rollout
+
+D = 4  # the tiny Huginn's depth
+MASK = np.array([1, 1, 0, 0, 0, 1, 1, 0, 0], np.uint8)  # 2 model turns, env tokens between/after
+
+
+def conversation(i: int, reward: float) -> Rollout:
+    toks = np.array([5 + i, 6, 20, 21, 22, 7 + i, 8, 23, 24], np.int32)
+    return Rollout(
+        rollout_id=f"w0/{i}", work_id="w0", prompt_id="p0", sample_index=i, generator_id="g0",
+        latent_seed=100 + i, prompt_tokens=np.array([1, 2, 3], np.int32), tokens=toks,
+        logprobs=np.where(MASK == 1, -1.5, 0.0).astype(np.float32),
+        exit_depths=np.full(toks.size, D, np.uint8), full_depth=D, reward=reward, token_mask=MASK,
+    )  # fmt: skip
+
+
+def test_environment_tokens_get_no_loss_weight_and_no_reward() -> None:
+    batch = build_batch([conversation(0, 1.0), conversation(1, 0.0)])
+    p = 3
+    at = np.arange(p - 1, p - 1 + MASK.size)
+    assert batch.mask[0, at].tolist() == MASK.astype(float).tolist()
+    assert float(batch.mask.sum()) == 2 * 4  # 4 model tokens per row
+    # the reward sits on the last MODEL token (t = 6), not on the trailing environment tokens
+    assert batch.token_rewards[0].nonzero().flatten().tolist() == [p - 1 + 6]
+    assert batch.exit_depths[0, at].tolist() == [D] * MASK.size  # env tokens at full depth
+    assert batch.input_ids[0, p : p + 8].tolist() == conversation(0, 1.0).tokens[:8].tolist()
+
+
+def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
+    """One GRPO step of the reference trainer (with the importance-sampling correction, so
+    behaviour log-probs enter the loss): perturbing environment tokens' behaviour
+    log-probs leaves every parameter bit-identical; changing an environment token's id (the
+    context) or training it (mask all ones) does change the update (the test can fail)."""
+    from models.init import init_checkpoint
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+    from pipeline.config import load_config
+
+    init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
+    rolls = [conversation(i, float(i % 2)) for i in range(4)]
+
+    def update(rs: list[Rollout]) -> dict[str, torch.Tensor]:
+        over = ["optimizer.lr=0.01", "backend=reference", "objective.is_cap=2.0"]
+        tr = ReferenceTrainer(load_config(None, over), tmp_path / "m")
+        tr.step(rs, [False] * len(rs))
+        return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    base = update(rolls)
+    perturbed = [dataclasses.replace(r, logprobs=np.where(MASK == 1, r.logprobs, -3.0)
+                                     .astype(np.float32)) for r in rolls]  # fmt: skip
+    assert same(base, update(perturbed))
+    # with objective.is_cap the behaviour log-probs do enter the update: a model token's does
+    model_lp = [dataclasses.replace(r, logprobs=np.where(np.arange(MASK.size) == 1, -3.0,
+                                                         r.logprobs).astype(np.float32))
+                for r in rolls]  # fmt: skip
+    assert not same(base, update(model_lp))
+    ctx = [dataclasses.replace(r, tokens=np.where(np.arange(MASK.size) == 2, 40, r.tokens)
+                               .astype(np.int32)) for r in rolls]  # fmt: skip
+    assert not same(base, update(ctx))
+    trained = [dataclasses.replace(r, token_mask=None) for r in rolls]
+    assert not same(base, update(trained))
