@@ -51,10 +51,13 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     rolls = [conversation(i, float(i % 2)) for i in range(4)]
 
+    claims: list[list[float]] = []  # the log-prob claim check's per-rollout max |diff|
+
     def update(rs: list[Rollout]) -> dict[str, torch.Tensor]:
         over = ["optimizer.lr=0.01", "backend=reference", "objective.is_cap=2.0"]
         tr = ReferenceTrainer(load_config(None, over), tmp_path / "m")
         tr.step(rs, [False] * len(rs))
+        claims.append(list(tr.last_mismatch))
         return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
 
     def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -64,6 +67,7 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     perturbed = [dataclasses.replace(r, logprobs=np.where(MASK == 1, r.logprobs, -3.0)
                                      .astype(np.float32)) for r in rolls]  # fmt: skip
     assert same(base, update(perturbed))
+    assert claims[1] == claims[0] and all(0 < m < 10 for m in claims[0])  # env lp unchecked
     # with objective.is_cap the behaviour log-probs do enter the update: a model token's does
     model_lp = [dataclasses.replace(r, logprobs=np.where(np.arange(MASK.size) == 1, -3.0,
                                                          r.logprobs).astype(np.float32))
@@ -74,3 +78,4 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     assert not same(base, update(ctx))
     trained = [dataclasses.replace(r, token_mask=None) for r in rolls]
     assert not same(base, update(trained))
+    assert claims[-1] != claims[0]  # env tokens in the claim check once trained
