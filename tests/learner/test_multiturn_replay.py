@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from learner.batching import build_batch
@@ -79,3 +80,58 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     trained = [dataclasses.replace(r, token_mask=None) for r in rolls]
     assert not same(base, update(trained))
     assert claims[-1] != claims[0]  # env tokens in the claim check once trained
+
+
+# -- exact replay of a conversation in one pass -------------------------------------------
+ENV = [[40, 41, 42], [43, 44]]  # the environment's observation tokens after turns 1 and 2
+
+
+def _converse(model, prompt: list[int], seed: int, policy, numerics: str, turns: int = 3):
+    """Generate a conversation turn by turn (models.reference.generate, the reference engine):
+    each turn's prompt is the whole conversation so far, the same latent seed throughout."""
+    from models.reference import SamplingParams, generate
+
+    toks: list[int] = []
+    lps: list[float] = []
+    depths: list[int] = []
+    mask: list[int] = []
+    full = 0
+    for k in range(turns):
+        (g,) = generate(model, [prompt + toks], [seed], SamplingParams(max_new_tokens=3), policy,
+                        numerics)  # fmt: skip
+        full = g.full_depth
+        toks += g.tokens
+        lps += g.logprobs.tolist()
+        depths += g.exit_depths
+        mask += [1] * len(g.tokens)
+        if k < len(ENV):
+            toks += ENV[k]
+            lps += [0.0] * len(ENV[k])
+            depths += [full] * len(ENV[k])
+            mask += [0] * len(ENV[k])
+    return toks, torch.tensor(lps, dtype=torch.float32), depths, np.array(mask, bool), full
+
+
+def _replayed(model, prompt, seed, toks, depths, full, numerics: str) -> torch.Tensor:
+    from models.reference import ReplayItem, replay
+
+    (r,) = replay(model, [ReplayItem(prompt, toks, seed, depths, full)], numerics=numerics)
+    return r.logprobs
+
+
+@pytest.mark.parametrize("family", ["huginn", "llama"])
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_one_pass_replays_a_fixed_depth_conversation(family: str, numerics: str) -> None:
+    from models.config import tiny_config
+    from models.reference import build_model
+
+    model = build_model(tiny_config(family), seed=0)
+    prompt, seed = [1, 5, 9, 13], 2**63 + 17
+    toks, lps, depths, mask, full = _converse(model, prompt, seed, None, numerics)
+    assert mask.sum() == 9 and (~mask).sum() == 5 and full == model.max_depth
+    got = _replayed(model, prompt, seed, toks, depths, full, numerics)
+    m = torch.from_numpy(mask)
+    if numerics == "exact":
+        assert torch.equal(got[m], lps[m])  # bit for bit, every turn
+    else:
+        assert float((got[m] - lps[m]).abs().max()) <= 1e-6
