@@ -135,3 +135,29 @@ def test_one_pass_replays_a_fixed_depth_conversation(family: str, numerics: str)
         assert torch.equal(got[m], lps[m])  # bit for bit, every turn
     else:
         assert float((got[m] - lps[m]).abs().max()) <= 1e-6
+
+
+def test_one_pass_and_an_adaptive_exit_depend_on_the_kv_semantics() -> None:
+    """Ouro's gate (q = 0.6) exits turn 1's tokens at 1 and later ones at 2. With kv=
+    last_exited an exited position's KV is frozen at its exit in the turn that sampled it but
+    runs the full depth in the next turn's prefill: one pass at the recorded depths misses
+    (why the contract refuses task.environment + an adaptive exit). With kv=full (official
+    Ouro) every position runs every iteration whatever its exit, so one pass is exact."""
+    from models.config import tiny_config
+    from models.exits import OuroGate
+    from models.reference import ReplayItem, build_model, replay
+
+    model = build_model(tiny_config("ouro"), seed=0)
+    prompt, seed = [1, 5, 9, 13], 7
+    miss: dict[str, float] = {}
+    for kv in ("last_exited", "full"):
+        toks, lps, depths, mask, full = _converse(model, prompt, seed, OuroGate(0.6, kv=kv),
+                                                  "exact")  # fmt: skip
+        assert [d for d, k in zip(depths, mask) if k] == [1, 1, 1, 1, 1, 2, 2, 2, 2]
+        (r,) = replay(model, [ReplayItem(prompt, toks, seed, depths, full)], numerics="exact",
+                      kv=kv)  # fmt: skip
+        m = torch.from_numpy(mask)
+        assert torch.equal(r.logprobs[:3], lps[:3])  # turn 1: one generation, exact
+        miss[kv] = float((r.logprobs[m] - lps[m]).abs().max())
+    assert miss["last_exited"] > 1e-2  # measured 0.059
+    assert miss["full"] == 0.0
