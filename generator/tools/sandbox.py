@@ -15,7 +15,8 @@ its own session / process group) and returns a :class:`SandboxResult`. Which lay
   is up, not even loopback); always also an audit hook refusing socket connect/bind/sendto;
 - writes outside the directory: the unprivileged uid (root-owned files are read-only to it),
   plus the audit hook refusing open-for-write, remove, rename, mkdir, chmod ... outside it
-  (world-writable places such as /tmp are guarded by the hook only), and refusing
+  (and, as root, a mount namespace where /tmp, /var/tmp and /dev/shm are read-only bind
+  mounts and only the directory is writable), and refusing
   subprocess/exec/spawn and ctypes (which could bypass the hook).
 The audit hook is an in-process Python layer, not a kernel boundary; the kernel layers (rlimits,
 namespace, uid) hold whatever the code does.
@@ -36,7 +37,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+READ_ONLY_DIRS = (b"/tmp", b"/var/tmp", b"/dev/shm")
+"""World-writable places made read-only (bind mounts) in the run's mount namespace, as root."""
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IS_ROOT = os.geteuid() == 0
 EXIT_MEMORY, EXIT_PROCESSES, EXIT_BLOCKED, EXIT_FSIZE = 120, 121, 122, 123
@@ -126,7 +130,7 @@ class SandboxResult:
     uid: int
 
 
-def _preexec(limits: SandboxLimits, uid: int, netns: bool) -> None:
+def _preexec(limits: SandboxLimits, uid: int, netns: bool, work: str) -> None:
     """In the child between fork and exec: rlimits, network namespace, unprivileged uid."""
     for res, v in ((resource.RLIMIT_AS, limits.memory_bytes),
                    (resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_FSIZE, limits.file_bytes),
@@ -135,10 +139,30 @@ def _preexec(limits: SandboxLimits, uid: int, netns: bool) -> None:
     if netns and _LIBC.unshare(CLONE_NEWNET) != 0:
         os._exit(125)
     if IS_ROOT:
+        _private_mounts(work)
+    if IS_ROOT:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+
+
+def _mount(src: bytes | None, dst: bytes, flags: int) -> None:
+    if _LIBC.mount(src, dst, None, flags, None) != 0:
+        os._exit(126)
+
+
+def _private_mounts(work: str) -> None:
+    """A mount namespace where READ_ONLY_DIRS are read-only and ``work`` stays writable."""
+    if _LIBC.unshare(CLONE_NEWNS) != 0:
+        os._exit(126)
+    _mount(b"none", b"/", MS_REC | MS_PRIVATE)  # nothing propagates back to the host
+    for d in READ_ONLY_DIRS:
+        if os.path.isdir(d):
+            _mount(d, d, MS_BIND | MS_REC)
+            _mount(None, d, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    w = os.fsencode(work)
+    _mount(w, w, MS_BIND)  # a fresh bind mount: writable again
 
 
 def _reader(pipe, cap: int, out: list[bytes], over: threading.Event) -> None:
@@ -171,7 +195,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         proc = subprocess.Popen(
             [PYTHON, "-I", "-B", "-c", _BOOTSTRAP, work], cwd=work, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=lambda: _preexec(limits, uid, netns),
+            start_new_session=True, preexec_fn=lambda: _preexec(limits, uid, netns, work),
         )  # fmt: skip
         over = threading.Event()
         outs: list[list[bytes]] = [[], []]

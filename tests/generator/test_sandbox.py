@@ -106,3 +106,6 @@ def test_no_writes_outside_the_directory() -> None:
         assert not os.path.exists(outside)
     r = run_python("open('inside.txt', 'w').write('ok'); print(open('inside.txt').read())")
     assert (r.stdout, r.limit) == ("ok\n", None)
+    if IS_ROOT:  # the kernel layer under the hook: /tmp is a read-only mount, the dir is not
+        ro = "import os; print([os.statvfs(d).f_flag & os.ST_RDONLY for d in ('/tmp', '.')])"
+        assert run_python(ro).stdout == "[1, 0]\n"
