@@ -59,8 +59,8 @@ def shape_rollouts(
         start = max_tokens - overlong_buffer
         out = [
             dataclasses.replace(r, reward=float(r.reward or 0.0) - overlong_penalty
-                                * min(r.num_tokens - start, overlong_buffer) / overlong_buffer)
-            if r.num_tokens > start else r
+                                * min(model_tokens(r) - start, overlong_buffer) / overlong_buffer)
+            if model_tokens(r) > start else r
             for r in out
         ]  # fmt: skip
     if depth_cost > 0:
@@ -69,13 +69,20 @@ def shape_rollouts(
     return out, failed
 
 
+def model_tokens(r: Rollout) -> int:
+    """Tokens the model sampled: all of a single-turn completion, a conversation's mask-1 ones
+    (its environment tokens are not the model's length)."""
+    return r.num_tokens if r.token_mask is None else int((r.token_mask == 1).sum())
+
+
 def depth_fraction(r: Rollout) -> float:
-    """mean_t exit_depths[t] / D (D: ``full_depth``, or ``exit_depths[0]`` in older streams), in
-    fp64; 0 for an empty completion."""
+    """mean_t exit_depths[t] / D over the model's tokens (D: ``full_depth``, or
+    ``exit_depths[0]`` in older streams), in fp64; 0 for an empty completion."""
     if not r.num_tokens:
         return 0.0
     full = int(r.full_depth) or int(r.exit_depths[0])
-    return float(r.exit_depths.astype("float64").mean()) / full
+    depths = r.exit_depths if r.token_mask is None else r.exit_depths[r.token_mask == 1]
+    return float(depths.astype("float64").mean()) / full if depths.size else 0.0
 
 
 def penalise_kl(batch: TrainBatch, pen: Tensor, coef: float, level: str = "sequence") -> float:

@@ -161,3 +161,21 @@ def test_one_pass_and_an_adaptive_exit_depend_on_the_kv_semantics() -> None:
         miss[kv] = float((r.logprobs[m] - lps[m]).abs().max())
     assert miss["last_exited"] > 1e-2  # measured 0.059
     assert miss["full"] == 0.0
+
+
+def test_overlong_length_and_depth_cost_count_model_tokens() -> None:
+    """The overlong penalty's length and the depth cost's mean depth are the model's: a
+    conversation of 4 model + 5 environment tokens under max_tokens 6, buffer 2 (penalty from
+    5 tokens) is not penalised; as a single-turn completion of 9 tokens it is (by the full 1.0).
+    """
+    from learner.shaping import depth_fraction, model_tokens, shape_rollouts
+
+    r = conversation(0, 1.0)
+    assert model_tokens(r) == 4
+    (kept,), _ = shape_rollouts([r], max_tokens=6, overlong_buffer=2, overlong_penalty=1.0)
+    assert kept.reward == 1.0
+    (cut,), _ = shape_rollouts([dataclasses.replace(r, token_mask=None)], max_tokens=6,
+                               overlong_buffer=2, overlong_penalty=1.0)  # fmt: skip
+    assert cut.reward == 0.0
+    shallow = dataclasses.replace(r, exit_depths=np.where(MASK == 1, 1, D).astype(np.uint8))
+    assert depth_fraction(shallow) == 1 / D  # environment tokens' full depth not counted
