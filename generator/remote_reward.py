@@ -22,7 +22,7 @@ import json
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlsplit
 
 DEFAULTS: dict[str, float] = {"timeout_s": 5.0, "retries": 2, "backoff_s": 0.25, "concurrency": 8}
@@ -108,7 +108,7 @@ class RemoteReward:
         self._fail(f"{self.url}: {self.retries + 1} attempts failed, last: {last}")
         raise AssertionError  # unreachable
 
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str) -> NoReturn:
         self.stats["failures"] += 1
         raise RemoteRewardError(msg)
 
