@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from models.checkpoint import json_bytes, save_checkpoint
 from models.errors import NonFiniteWeightsError
-from models.ties import view_key
+from models.ties import detached_copy, view_key
 from models.weights.digest import check_finite
 from models.weights.publication import (
     MANIFEST_NAME,
@@ -66,6 +66,7 @@ __all__ = [
     "publication_state",
     "publish",
     "read_manifest",
+    "snapshot_publication",
     "tie_map",
     "verify_publication",
 ]
@@ -144,6 +145,48 @@ def _config_dict(model: nn.Module, config: Mapping[str, Any] | None) -> dict[str
     return dict(family.to_hf_dict())
 
 
+def snapshot_publication(
+    model: nn.Module,
+    out_dir: str | os.PathLike | None,
+    version: int,
+    *,
+    config: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    exporter: Exporter | None = None,
+) -> Callable[[], Publication] | None:
+    """The collective part of :func:`publish`, now; the rest as a function to call later.
+
+    Every rank takes part in the gather; on global rank 0 the stored tensors are made its own
+    (``models.ties.detached_copy``: a tensor that still shares memory with the model is cloned,
+    since the next step trains on) and the returned ``finish()`` builds the blob, the tree digest
+    and writes ``out_dir``, on any thread, while the model trains; every other rank gets None.
+    NonFiniteWeightsError (nothing written) here, before any training goes on."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if version < 0:
+        raise ValueError(f"version: expected >= 0, got {version}")
+    if ps.get_data_parallel_rank() != 0:
+        return None
+    stored, tied = publication_state(model, dtype=dtype, exporter=exporter)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    stored = detached_copy(stored, live=[*model.parameters(), *model.buffers()])
+    config_dict = _config_dict(model, config)
+    path = None if out_dir is None else Path(out_dir)
+
+    def finish() -> Publication:
+        pub = Publication.of_state(stored, version, path, tied=tied,
+                                   config_json=json_bytes(config_dict).decode("utf-8"),
+                                   checked=True)  # fmt: skip
+        if path is not None:
+            save_checkpoint(stored, config_dict, path, tied=tied,
+                            extra_files={MANIFEST_NAME: pub.manifest()})  # fmt: skip
+        return pub
+
+    return finish
+
+
 def publish(
     model: nn.Module,
     out_dir: str | os.PathLike | None,
@@ -159,23 +202,8 @@ def publish(
     `out_dir` (skipped when None) and returns the Publication; every other rank returns None.
     config: the HF config dict (default: `model.family_config.to_hf_dict()`). Raises
     NonFiniteWeightsError (nothing written) when a published tensor is not finite.
+    :func:`snapshot_publication` then its ``finish()``.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if version < 0:
-        raise ValueError(f"version: expected >= 0, got {version}")
-    if ps.get_data_parallel_rank() != 0:
-        return None
-    stored, tied = publication_state(model, dtype=dtype, exporter=exporter)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    config_dict = _config_dict(model, config)
-    path = None if out_dir is None else Path(out_dir)
-    config_json = json_bytes(config_dict).decode("utf-8")
-    pub = Publication.of_state(stored, version, path, tied=tied, config_json=config_json,
-                               checked=True)  # fmt: skip
-    if path is not None:
-        save_checkpoint(stored, config_dict, path, tied=tied,
-                        extra_files={MANIFEST_NAME: pub.manifest()})  # fmt: skip
-    return pub
+    finish = snapshot_publication(model, out_dir, version, config=config, dtype=dtype,
+                                  exporter=exporter)  # fmt: skip
+    return None if finish is None else finish()

@@ -4,7 +4,7 @@ transformers does). Used by models.checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -13,6 +13,7 @@ from models.errors import CheckpointError
 __all__ = [
     "alias_groups",
     "apply_ties",
+    "detached_copy",
     "drop_tied",
     "find_aliases",
     "same_tensor",
@@ -34,6 +35,27 @@ def alias_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
         if isinstance(t, torch.Tensor) and t.numel() > 0:  # empty tensors share nothing
             groups.setdefault(view_key(t), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
+
+
+def detached_copy(
+    state: Mapping[str, torch.Tensor], live: Iterable[torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` that owns its memory: each distinct view cloned once, so names that
+    were one tensor stay one tensor. ``live``: the tensors training goes on writing (a tensor
+    of ``state`` sharing no storage with any of them is already a copy and taken as it is;
+    None: clone all). What a publication finished while the next step trains must hold."""
+    ptrs = None if live is None else {t.untyped_storage().data_ptr() for t in live}
+    done: dict[tuple, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if ptrs is not None and t.untyped_storage().data_ptr() not in ptrs:
+            out[name] = t
+            continue
+        key = view_key(t)
+        if key not in done:
+            done[key] = t.detach().clone()
+        out[name] = done[key]
+    return out
 
 
 def find_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -345,6 +345,12 @@ class PublishSection:
     """zmq (and collective's fallback): uncredited chunks in flight per generator."""
     keep: int = 3
     """Published versions kept on disk (older ones deleted; 0 keeps all)."""
+    max_pending: int = 1
+    """Versions being hashed and written while the next steps train: a step's weights are
+    copied when it ends, the rest of the publication runs beside the next step and the
+    version is announced when its digest is ready (generators get it then; staleness is
+    counted from the trainer's weights, so a bound means the same). A step that would exceed
+    this waits. 0: each version is written and announced before the next step starts."""
     collective_host: str = "127.0.0.1"
     """collective: the learner's address generators reach its TCPStore and gloo ranks at."""
     collective_port: int = 0
@@ -368,6 +374,9 @@ class PublishSection:
         _check(self.transport in WEIGHT_TRANSPORTS, "publish.transport", self.transport,
                f"must be one of {WEIGHT_TRANSPORTS}")  # fmt: skip
         _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
+        _check(not isinstance(self.max_pending, bool) and isinstance(self.max_pending, int)
+               and self.max_pending >= 0, "publish.max_pending", self.max_pending,
+               "must be an integer >= 0 (0: publish before the next step starts)")  # fmt: skip
         _check(self.collective_backend in COLLECTIVE_BACKENDS, "publish.collective_backend",
                self.collective_backend, f"must be one of {COLLECTIVE_BACKENDS}")  # fmt: skip
         _check(self.collective_timeout_s > 0, "publish.collective_timeout_s",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from megatron.core import parallel_state as ps
 from learner import checkpoint as learner_checkpoint
 from learner.mcore_model import MegatronOptions
 from learner.parallel import destroy_distributed, init_distributed
-from learner.publish import looped_exporter, publish
+from learner.publish import looped_exporter, snapshot_publication
 from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
@@ -70,11 +70,17 @@ class MegatronTrainer:
 
     def publish(self, out_dir: Path, version: int) -> Publication | None:
         """The Publication on learner rank 0 (None on the other ranks, which only take part)."""
-        pub = publish(self.trainer.policy_model, out_dir, version,
-                      config=self.model_config.to_hf_dict(), exporter=self._timed_export)  # fmt: skip
-        if pub is None and self.rank == 0:
+        finish = self.snapshot(out_dir, version)
+        return None if finish is None else finish()
+
+    def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication] | None:
+        """The gather now (every rank), the hash and write as rank 0's ``finish()``."""
+        finish = snapshot_publication(self.trainer.policy_model, out_dir, version,
+                                      config=self.model_config.to_hf_dict(),
+                                      exporter=self._timed_export)  # fmt: skip
+        if finish is None and self.rank == 0:
             raise RuntimeError("publish: learner rank 0 got no Publication")
-        return pub
+        return finish
 
     def _timed_export(self, model: Any) -> Any:
         t0 = time.perf_counter()

@@ -73,6 +73,12 @@ class Leader:
         self._send("publish", out_dir=str(out_dir), version=version)
         return self.trainer.publish(out_dir, version)
 
+    def snapshot(self, out_dir: Path, version: int) -> Any:
+        """The other ranks run their whole publish (their part is the gather); rank 0 keeps
+        the hash and write for later (its ``finish()``)."""
+        self._send("publish", out_dir=str(out_dir), version=version)
+        return self.trainer.snapshot(out_dir, version)
+
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         self._send("save", run_dir=str(run_dir), keep=keep)
         return self.trainer.save(run_dir, pipeline_state, keep)  # type: ignore[no-any-return]

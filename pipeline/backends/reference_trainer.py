@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from models.checkpoint import (
     tied_from_module,
 )
 from models.exits import resolve_kv
+from models.ties import detached_copy
 from models.weights.digest import check_finite
 from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
@@ -112,13 +113,21 @@ class ReferenceTrainer:
 
     # -- weights and checkpoints ------------------------------------------------------------
     def publish(self, out_dir: Path, version: int) -> Publication:
+        return self.snapshot(out_dir, version)()
+
+    def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication]:
+        """The weights copied now (ties kept); ``finish()`` writes and reads them back."""
         extra: dict[str, Any] = {
             n: self.model_dir / n for n in _KEEP_FILES if (self.model_dir / n).is_file()
         }
-        state = state_dict_for_save(self.model)
+        state = detached_copy(state_dict_for_save(self.model))  # the next step trains on
         check_finite(state, f"weights v{version}")  # nothing non-finite is even written
-        save_checkpoint(state, self.hf_config, out_dir, tied=self.tied, extra_files=extra)
-        return Publication.from_dir(out_dir, version)
+
+        def finish() -> Publication:
+            save_checkpoint(state, self.hf_config, out_dir, tied=self.tied, extra_files=extra)
+            return Publication.from_dir(out_dir, version)
+
+        return finish
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json}, written to

@@ -10,6 +10,10 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
                                                        # out_dir (= RUN_DIR/weights/v<version>);
                                                        # the Publication the coordinator announces
                                                        # (None on learner ranks > 0)
+    finish = trainer.snapshot(out_dir, version)        # the same in two parts: the weights
+    pub = finish()                                     # taken now (the gather, a copy), the
+                                                       # hash and write later, on any thread,
+                                                       # while the next step trains
     trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
 
 ``models.weights.publication.Publication`` is what goes to the generators: the directory, the blob
@@ -23,7 +27,7 @@ refused (models.errors.NonFiniteWeightsError) and never written or announced.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +44,7 @@ class Trainer(Protocol):
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
     ) -> Mapping[str, float]: ...
     def publish(self, out_dir: Path, version: int) -> Publication | None: ...
+    def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication] | None: ...
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path: ...
     def latest(self, run_dir: Path) -> Path | None: ...
     def load(self, ckpt: Path) -> dict[str, Any]: ...

@@ -14,7 +14,9 @@ One thread runs ``Coordinator.run()``::
         publisher.pump()        weight transfers within credit windows
         groups = intake.select(v, prompts_per_step); if groups and gate.can_train(v):
             trainer.step -> step log -> ledger.settle -> metrics
-            every publish.every steps: v += 1, trainer.publish(RUN_DIR/weights/vN) -> announce
+            every publish.every steps: trainer.snapshot(RUN_DIR/weights/vN) on the trainer
+            thread; hashed and written beside the next step (pipeline.core.publishing); announced
+            when ready: v = N (publish.max_pending 0: written and announced before the next step)
             every checkpoint.every steps: trainer.save(ckpt, pipeline_state)
 
 Invariants: exactly-once (pipeline.core.ledger; nothing acknowledged before it is recorded),
@@ -47,6 +49,7 @@ from pipeline.core.dispatch import Dispatcher, PromptSource
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.intake import Group, Intake
 from pipeline.core.ledger import InFlightLedger
+from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
@@ -93,6 +96,10 @@ class _Job:
     flags: list[bool]
     failed: int
     publish: bool
+    base: int
+    """The version of the weights the step updates (``Coordinator.trained_version``)."""
+    version: int
+    """The version the step publishes (when ``publish``)."""
     future: Future[Any]
 
 
@@ -162,6 +169,9 @@ class Coordinator:
         self._last_step_t = time.time()
         self.timeline = StepTimeline()  # the time/* keys of each step's metrics
         self._publish_times: dict[str, float] = {}  # the last publication's stages (s)
+        mp = cfg.publish.max_pending  # versions hashed and written beside the next steps
+        self.publications = PublicationQueue(mp) if mp and background else None
+        self._announced_stages: dict[str, float] = {}  # since the last metrics row
 
     # -- incoming --------------------------------------------------------------------------------
     def handle(self, channel: str, peer: str, rec: Any) -> None:
@@ -329,10 +339,10 @@ class Coordinator:
             self._complete(self._job)
             self._job = None
             return True
-        k = self.cfg.rollout.prompts_per_step
-        if not self.gate.can_train(self.version):
+        k, tv = self.cfg.rollout.prompts_per_step, self.trained_version
+        if not self.gate.can_train(tv):
             return False
-        groups = self.intake.select(self.version, k)
+        groups = self.intake.select(tv, k)
         if groups is None:
             return False
         self.timeline.step_started()
@@ -344,18 +354,27 @@ class Coordinator:
         return False
 
     @property
+    def trained_version(self) -> int:
+        """The version of the trainer's weights: the newest announced plus those still being
+        hashed and written (publish.max_pending). Staleness is measured from it, so a bound
+        means the same with publication overlapped as without; generators only ever get
+        announced versions."""
+        return self.version + (len(self.publications) if self.publications is not None else 0)
+
+    @property
     def training(self) -> bool:
         """A step is running on the trainer thread."""
         return self._job is not None
 
     def drain(self) -> bool:
-        """Wait for the step in flight (if any) and complete it; True if there was one."""
-        if self._job is None:
-            return False
-        self._job.future.result()  # (errors are raised by _complete)
-        self._complete(self._job)
-        self._job = None
-        return True
+        """Wait for the step in flight (if any) and complete it, then announce every version
+        still being written; True if there was a step."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.future.result()  # (errors are raised by _complete)
+            self._complete(job)
+        self.announce_ready(wait=True)
+        return job is not None
 
     def _start(self, groups: list[Group]) -> _Job:
         """Everything that touches the trainer (step, then the publication's files when one
@@ -364,14 +383,26 @@ class Coordinator:
         failed = sum(r.reward is None for r in rolls)
         flags = [f for g in groups for f in g.needs_correction]
         publish = (self.step + 1) % self.cfg.publish.every == 0
-        v = self.version + 1
+        queue = self.publications
+        base = self.trained_version
+        v = base + 1  # after those still pending
+        snap = getattr(self.trainer, "snapshot", None) if queue is not None else None
 
         def work() -> tuple[dict[str, Any], float, Any]:
             t0 = time.time()
             tm = dict(self.trainer.step(rolls, flags))
             train_s = time.time() - t0
             faults.kill_at("step", self.step + 1)  # the crash tests' kill -9 mid-step
-            return tm, train_s, self._write_publication(v) if publish else None
+            if not publish:
+                return tm, train_s, None
+            if queue is None or snap is None:  # written now, announced when the step completes
+                return tm, train_s, self._write_publication(v)
+            room = queue.make_room()
+            t1 = time.perf_counter()
+            finish = self._guarded(v, lambda out: snap(out, v))
+            stages = {**(getattr(self.trainer, "last_publish_times", None) or {}),
+                      "snapshot": time.perf_counter() - t1, "room_wait": room}  # fmt: skip
+            return tm, train_s, Snapshot(v, finish, stages)
 
         if self._pool is None:
             fut: Future[Any] = Future()
@@ -381,36 +412,45 @@ class Coordinator:
                 fut.set_exception(e)
         else:
             fut = self._pool.submit(work)
-        return _Job(groups, rolls, flags, failed, publish, fut)
+        return _Job(groups, rolls, flags, failed, publish, base, v, fut)
 
     def _complete(self, job: _Job) -> None:
         tm, train_s, pub = job.future.result()
         groups, rolls, flags = job.groups, job.rolls, job.flags
         self.step += 1
         self.recorder.log_step(
-            StepRecord(self.step, self.version, [r.rollout_id for r in rolls], flags,
-                       self.version + 1 if job.publish else None)
+            StepRecord(self.step, job.base, [r.rollout_id for r in rolls], flags,
+                       job.version if job.publish else None)
         )  # fmt: skip
         self.intake.settle(groups)
         now = time.time()
         per = getattr(self.trainer, "last_mismatch", None) or []
         m = step_row(
-            self.step, self.version, groups, rolls, flags, tm, per,
-            fresh=[self.gate.oldest(r) == self.version for r in rolls],
+            self.step, job.base, groups, rolls, flags, tm, per,
+            fresh=[self.gate.oldest(r) == job.base for r in rolls],
             counts={**self.intake.counts, "released": self.ledger.counts["released"]},
             failed=job.failed, train_s=train_s, step_s=now - self._last_step_t,
             elapsed_s=now - self._t0, generators=len(self.dispatcher.generators()),
         )  # fmt: skip
         if len(per) == len(rolls):
-            self._verify(rolls, per)
+            self._verify(rolls, per, job.base)
         self._last_step_t = now
-        announce_s = None
-        if pub is not None:
+        announce_s, stages = None, None
+        if isinstance(pub, Snapshot):  # hashed and written beside the next step
+            assert self.publications is not None
+            self.publications.submit(pub)
+            stages = {k: pub.stages[k] for k in pub.stages if k != "total"}
+        elif pub is not None:
             t_ann = time.perf_counter()
             self._announce(pub)
             announce_s = time.perf_counter() - t_ann
             self.timeline.announced(pub.version)
-        stages = self._publish_times if pub is not None else None
+            stages = self._publish_times
+        self.announce_ready()
+        if self._announced_stages:  # versions of earlier steps announced since the last row
+            stages = {**(stages or {}), **self._announced_stages}
+            announce_s = self._announced_stages.pop("announce")
+            self._announced_stages = {}
         m.update(self.timeline.row(rolls, train_s=train_s, publish=stages, announce_s=announce_s))
         self.timeline.step_done()
         if self.on_step is not None:
@@ -418,7 +458,7 @@ class Coordinator:
         if self.evals is not None and self.evals.due(self.step):
             self.evals.start(self.step, self.version)
 
-    def _verify(self, rolls: list[Rollout], per: list[float]) -> None:
+    def _verify(self, rolls: list[Rollout], per: list[float], base: int) -> None:
         """Verified rollouts: each trained rollout's claimed log-probs against the learner's
         (pipeline.core.validation.check_logp, the bound of the run's numerics and the
         rollout's staleness). A lie is quarantined and counted toward its generator's budget
@@ -427,7 +467,7 @@ class Coordinator:
         bans: dict[str, str] = {}
         for x, r in zip(per, rolls, strict=True):
             why = check_logp(float(x), base=self._logp_base,
-                             staleness=self.gate.staleness(self.version, r))  # fmt: skip
+                             staleness=self.gate.staleness(base, r))  # fmt: skip
             if why is None:
                 continue
             log.warning("generator %s: rollout %s trained with %s", r.generator_id,
@@ -440,30 +480,58 @@ class Coordinator:
                 self.ban(gid, reason)
 
     # -- weights -------------------------------------------------------------------------------------
+    def announce_ready(self, *, wait: bool = False) -> int:
+        """Announce the versions whose hash and write are done, in order (``wait``: every
+        pending one, waited for); the number announced."""
+        q = self.publications
+        if q is None or not len(q):
+            return 0
+        done = q.wait_all() if wait else q.ready()
+        for pub, stages in done:
+            t = time.perf_counter()
+            self._announce(pub)
+            ann = time.perf_counter() - t
+            self.timeline.announced(pub.version)
+            log.debug("v%d published: snapshot %.3f s, hash + write %.3f s beside training, "
+                      "waited %.3f s for room, announced %.3f s after", pub.version,
+                      stages.get("snapshot", 0.0), stages.get("total", 0.0),
+                      stages.get("room_wait", 0.0), stages.get("lag", 0.0))  # fmt: skip
+            acc = self._announced_stages
+            acc["total"] = acc.get("total", 0.0) + stages.get("total", 0.0)
+            acc["lag"] = max(acc.get("lag", 0.0), stages.get("lag", 0.0))
+            acc["announce"] = acc.get("announce", 0.0) + ann
+        return len(done)
+
     def publish(self) -> None:
         """Publish the trainer's current weights as version + 1 (on disk, and sent if set).
         Only while no step runs (resume, tests); steps publish through their job."""
         assert self._job is None, "publish() while a step is running"
+        self.announce_ready(wait=True)
         self._announce(self._write_publication(self.version + 1))
 
     def announce_again(self, pub: Publication) -> None:
         """Resume at the newest announced version ``pub`` (read back from its directory, its
         digest the one digests.jsonl recorded): the publisher offers it to every generator
         that does not serve it, e.g. one started after the learner stopped."""
+        self.announce_ready(wait=True)
         assert self._job is None and pub.version == self.version, "announce_again: not current"
         self._announce(pub, again=True)
 
     def _write_publication(self, v: int) -> Publication:
         """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
+        t0 = time.perf_counter()
+        pub = self._guarded(v, lambda out: self.trainer.publish(out, v))
+        if pub is None:
+            raise CoordinatorError(f"the trainer returned no publication for v{v}")
+        stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
+        self._publish_times = {**stages, "total": time.perf_counter() - t0}
+        return pub
+
+    def _guarded(self, v: int, take: Callable[[Path], Any]) -> Any:
+        """``take(RUN_DIR/weights/v<v>)``; non-finite weights end the run, nothing written."""
         out = weights_dir(self.run_dir, v)
         try:
-            t0 = time.perf_counter()
-            pub = self.trainer.publish(out, v)
-            if pub is None:
-                raise CoordinatorError(f"the trainer returned no publication for v{v}")
-            stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
-            self._publish_times = {**stages, "total": time.perf_counter() - t0}
-            return pub
+            return take(out)
         except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
             shutil.rmtree(out, ignore_errors=True)
             raise NonFinitePublication(
@@ -498,6 +566,7 @@ class Coordinator:
     # -- the loop ------------------------------------------------------------------------------------
     def turn(self, timeout_s: float | None = None) -> bool:
         """One loop turn; True if a training step happened."""
+        self.announce_ready()
         self.poll(self.poll_s if timeout_s is None else timeout_s)
         self.dispatcher.pump(self.version, self._send_work, self._expected_version)
         self.publisher.pump()
@@ -554,6 +623,8 @@ class Coordinator:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.publications is not None:
+            self.publications.close()
         self.publisher.close()
         self.recorder.close()
         self.quarantine.close()

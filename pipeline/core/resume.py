@@ -69,7 +69,9 @@ def pipeline_state(c: Coordinator) -> dict[str, Any]:
 
 
 def save(c: Coordinator, keep: int) -> Path:
-    """Checkpoint now (the trainer's layout; it stores the pipeline state with its own)."""
+    """Checkpoint now (the trainer's layout; it stores the pipeline state with its own), after
+    announcing every version still being written (the state names the announced version)."""
+    c.announce_ready(wait=True)
     name = f"step_{c.step:08d}"  # the crash tests' kill -9 mid-checkpoint (learner.checkpoint)
     root = c.run_dir / "checkpoints"
     faults.kill_while_writing("checkpoint", c.step, root / f".tmp-{name}", root / name)

@@ -42,6 +42,7 @@ ACCEPTED = {
     ("transport.oversize_grace_bytes", 0): "no grace", ("transport.linger_ms", 0): "no linger",
     ("transport.compression_level", 0): "uncompressed", ("transport.log_interval_s", 0): "all",
     ("publish.keep", 0): "keep all", ("publish.collective_port", 0): "a free port",
+    ("publish.max_pending", 0): "publish before the next step",
     ("publish.collective_chunk_bytes", 0): "one broadcast", ("checkpoint.every", 0): "at the end",
     ("checkpoint.keep", 0): "keep all", ("learner.backprop_depth", 0): "all iterations",
     ("learner.backprop_depth", -1): "the checkpoint's", ("learner.micro_batch_size", 0): "auto",

@@ -40,7 +40,7 @@ def _items() -> list[ReplayItem]:
 def publish_body(run_dir: str) -> dict[str, Any]:
     from learner.mcore_model import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
-    from learner.publish import publish
+    from learner.publish import publish, snapshot_publication
     from learner.replay import replay as mcore_replay
     from learner.trainer import Trainer, looped_policy_spec
     from models.config import tiny_config
@@ -65,6 +65,14 @@ def publish_body(run_dir: str) -> dict[str, Any]:
         out["announce"]["tensors"] = pubs[0].tensors
     results = mcore_replay(trainer.policy_model, _items(), numerics="exact")
     out["mcore_logprobs"] = [r.logprobs for r in results]
+    # publication off the critical path: the weights taken now, hashed and written after the
+    # next step has changed the model in place; then that step's weights published at once
+    finish = snapshot_publication(trainer.policy_model, weights_dir(run_dir, v + 2), v + 2)
+    trainer.step(rollouts_for(30, n_groups=2, size=2))
+    late = finish() if finish is not None else None
+    after = publish(trainer.policy_model, weights_dir(run_dir, v + 3), v + 3)
+    if late is not None and after is not None:
+        out["snap"] = {"late": late.digest, "after": after.digest}
     destroy_distributed()
     return out
 
@@ -80,6 +88,19 @@ def test_only_rank0_returns_a_publication(published: list[dict[str, Any]]) -> No
     v1, v2 = published[0]["pubs"]
     assert (v1["version"], v2["version"]) == (1, 2)
     assert Path(v1["path"]).name == "v1" and Path(v1["path"]).parent.name == "weights"
+
+
+def test_snapshot_holds_the_weights_it_was_taken_at(published: list[dict[str, Any]]) -> None:
+    """snapshot_publication copies the gathered weights: its finish(), run after another
+    training step changed the model in place, still writes the weights of v1 (same digest,
+    same tensors), and the next step's own publication differs."""
+    v1 = published[0]["pubs"][0]
+    snap = published[0]["snap"]
+    assert snap["late"] == v1["digest"] and snap["after"] != v1["digest"]
+    assert published[1].get("snap") is None
+    _, a = load_checkpoint(Path(v1["path"]))
+    _, b = load_checkpoint(Path(v1["path"]).parent / "v3")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_manifest_and_digest_match_models_digest(published: list[dict[str, Any]]) -> None:

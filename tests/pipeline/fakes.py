@@ -145,7 +145,8 @@ def prompts(k: int = 10) -> PromptSource:
 
 def make_coordinator(tmp: Path, overrides: list[str], *, net: MemoryNetwork | None = None,
                      trainer: FakeTrainer | None = None, clock: Any = None,
-                     evals: Any = None) -> tuple[Coordinator, MemoryNetwork, FakeTrainer]:  # fmt: skip
+                     evals: Any = None, background: bool = False,
+                     ) -> tuple[Coordinator, MemoryNetwork, FakeTrainer]:  # fmt: skip
     cfg: RunConfig = load_config(None, [f"run_dir={tmp}", "rollout.n=4", "rollout.prompts_per_step=2",
                                         "publish.keep=0", *overrides])  # fmt: skip
     net = net or MemoryNetwork()
@@ -154,7 +155,7 @@ def make_coordinator(tmp: Path, overrides: list[str], *, net: MemoryNetwork | No
     trainer = trainer or FakeTrainer()
     ckw = {"clock": clock} if clock is not None else {}
     c = Coordinator(cfg, endpoint=ep, trainer=trainer, prompts=prompts(), run_dir=tmp,
-                    limits=FAKE_LIMITS, evals=evals, **ckw)  # fmt: skip
+                    limits=FAKE_LIMITS, evals=evals, background=background, **ckw)  # fmt: skip
     return c, net, trainer
 
 
