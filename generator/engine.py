@@ -116,6 +116,13 @@ class Sample:
     """float32 [T] vLLM's processed log-probs of the same tokens (cross-check)."""
     full_depth: int = 0
     """The iterations the prompt's positions before the last ran (contract 2; 0 = unknown)."""
+    token_mask: np.ndarray | None = None
+    """uint8 [T] 1 = sampled, 0 = written by an environment (generator.multiturn); None: all
+    sampled (single-turn)."""
+    reward: float | None = None
+    """A conversation's summed environment reward (None: failed, or not scored here)."""
+    reward_info: dict[str, Any] | None = None
+    """Set by generator.multiturn (turns, env_tokens, ...): the sample is scored already."""
 
 
 def _load_on_worker(
@@ -402,6 +409,11 @@ def to_rollouts(item: WorkItem, samples: Sequence[Sample], generator_id: str) ->
     Sample j is group member ``item.indices()[j]`` (a re-dispatch names the missing ones)."""
     now = time.time()
     indices = item.indices()
+    extra: list[dict[str, Any]] = [
+        {} if s.reward_info is None else
+        {"token_mask": s.token_mask, "reward": s.reward, "reward_info": dict(s.reward_info)}
+        for s in samples
+    ]  # fmt: skip
     if len(indices) != len(samples):
         raise ValueError(f"{len(samples)} samples for {len(indices)} seeds of {item.work_id}")
     return [
@@ -421,6 +433,7 @@ def to_rollouts(item: WorkItem, samples: Sequence[Sample], generator_id: str) ->
             finish_reason=s.finish_reason,
             created_at=now,
             full_depth=int(s.full_depth),
+            **extra[j],
         )
         for j, s in enumerate(samples)
     ]

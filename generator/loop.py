@@ -373,6 +373,8 @@ class GeneratorLoop:
         for rs, h in zip(rolls, held):
             for r in rs:
                 r.metrics.update(gen_time_s=gen_s, queue_time_s=h.started_at - h.received_at)
+                if "turns" in r.reward_info:  # a conversation: its environment scored it
+                    continue
                 toks = [int(t) for t in r.tokens]
                 try:
                     text = self.detokenize(toks) if self.detokenize is not None else ""
