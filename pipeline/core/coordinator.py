@@ -438,8 +438,8 @@ class Coordinator:
         announce_s, stages = None, None
         if isinstance(pub, Snapshot):  # hashed and written beside the next step
             assert self.publications is not None
+            stages = dict(pub.stages)  # before the publishing thread adds its own
             self.publications.submit(pub)
-            stages = {k: pub.stages[k] for k in pub.stages if k != "total"}
         elif pub is not None:
             t_ann = time.perf_counter()
             self._announce(pub)

@@ -64,7 +64,9 @@ def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
     above 0.15 (measured, three runs: 0.005 -> 0.206, 0.203, 0.203; 110-146 s of wall time on
     the 2 cores while other jobs kept the load at 5-11). Every metrics row carries the per-step
     timeline (pipeline.core.timeline: train, publish stages, delivery, generation, reward,
-    intake, the trainer's wait), consistent with the step's wall time."""
+    intake, the trainer's wait), consistent with the step's wall time. Publication runs
+    beside the next step (publish.max_pending 1): each row has its snapshot (gather + copy,
+    on the critical path) and the hash + write of the versions announced since the last row."""
     model = init_checkpoint("llama", "tiny", tmp_path / "llama")
     run_dir = tmp_path / "run"
     code, err, wall = looprl_run(
@@ -79,16 +81,23 @@ def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
     assert (s["counts"]["publisher"].get("nacked", 0)) == 0, s["counts"]["publisher"]
     # the per-step timeline (pipeline.core.timeline): every row says where its time went
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    announced = 0
     for r in rows:
         t = {k: v for k, v in r.items() if k.startswith("time/")}
         assert t["time/train"] == r["train_s"] and t["time/train"] > 0, t
-        assert t["time/publish"] > t["time/publish_gather"] > 0, t
-        assert t["time/publish_announce"] > 0, t
+        assert t["time/publish_snapshot"] > t["time/publish_gather"] > 0, t
+        assert t["time/publish_room_wait"] >= 0, t
+        if "time/publish" in t:  # versions of earlier steps hashed, written, announced
+            announced += 1
+            assert t["time/publish"] > 0 and t["time/publish_announce"] > 0, t
+            assert t["time/publish_lag"] >= t["time/publish"], t
         assert t["time/generation"] > 0 and t["time/reward"] > 0 and t["time/queue"] >= 0, t
         assert t["time/dispatch_wait"] >= 0 and t["time/intake"] >= 0, t
-        if r["step"] > 1:  # completion to completion: the wait, the step, its publication
-            busy = t["time/dispatch_wait"] + t["time/train"] + t["time/publish"]
+        if r["step"] > 1:  # completion to completion: the wait, the step, its snapshot
+            busy = (t["time/dispatch_wait"] + t["time/train"] + t["time/publish_snapshot"]
+                    + t["time/publish_room_wait"])  # fmt: skip
             assert busy <= r["step_s"] + 0.05, (busy, r["step_s"], t)
+    assert announced >= len(rows) - 2, announced  # (the last version: after the last row)
     assert sum(r["time/intake"] for r in rows) > 0
     delivered = [r["time/weight_delivery"] for r in rows if "time/weight_delivery" in r]
     assert len(delivered) >= len(rows) // 2 and min(delivered) > 0, delivered
