@@ -13,9 +13,13 @@ step's metrics (docs/PERFORMANCE.md "Per-step timeline" reads them):
 Keys (seconds; absent when the step had nothing to measure):
 
 - ``time/train``: the trainer's step (forward, backward, optimizer), on the trainer thread;
-- ``time/publish``: the trainer's publication of the version after the step (gather, cast,
-  hash, write: learner.publish), and ``time/publish_<stage>`` for each stage the trainer
-  reports (``last_publish_times``: the megatron backend reports ``gather``);
+- ``time/publish``: the publication's hash and write (learner.publish), and
+  ``time/publish_<stage>`` for each stage the trainer reports (``last_publish_times``: the
+  megatron backend reports ``gather``). With publish.max_pending > 0 (pipeline.core.publishing)
+  the step's row has ``time/publish_snapshot`` (gather + copy, on the critical path) and
+  ``time/publish_room_wait``; the hash and write run beside the next step, so ``time/publish``,
+  ``time/publish_lag`` (handed over -> announced) and ``time/publish_announce`` come in the row
+  of the step during which the version was announced (summed if several were);
 - ``time/publish_announce``: digests.jsonl + the announcement (+ chunking) on the coordinator;
 - ``time/weight_delivery``: announce -> the last connected generator acknowledged serving the
   newest version delivered since the previous row (transfer + verify + engine load);
