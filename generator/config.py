@@ -75,12 +75,20 @@ class GeneratorConfig:
     reward: str = "exact_match"
     """Reward function: built-in name or dotted path package.module:function."""
     reward_timeout_s: float = 10.0
-    """Per-call reward timeout (s); a call past it scores None with kind "timeout"."""
+    """Per-call reward timeout (s); a call past it scores None with kind "timeout"; also each
+    environment call's (reset, step) limit."""
     reward_workers: int = 2
     """Reward calls run at once (processes or threads)."""
     reward_mode: str = "thread"
     """Where rewards run: thread (a call past its timeout is abandoned), process (killed on
     timeout: for reward functions that can hang or crash), or inline (no timeout)."""
+    environment: str = ""
+    """Multi-turn environment package.module:Class (generator.environments; docs/TASKS.md): each
+    sample is a conversation it scores (the reward function is not called); empty: single-turn."""
+    max_turns: int = 8
+    """environment: most model turns in one conversation."""
+    max_env_tokens: int = 512
+    """environment: most environment (observation) tokens in one conversation, all turns."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long the batch in progress may take to finish, else handed back (s)."""
     resend_after_s: float = 0.0
@@ -129,6 +137,13 @@ class GeneratorConfig:
             (self.reward_timeout_s > 0, "reward_timeout_s", "must be > 0"),
             (self.reward_workers >= 1, "reward_workers", "must be >= 1"),
             (self.reward_mode in REWARD_MODES, "reward_mode", f"must be one of {REWARD_MODES}"),
+            (
+                not self.environment or ":" in self.environment,
+                "environment",
+                "must be package.module:Class or empty",
+            ),
+            (self.max_turns >= 1, "max_turns", "must be >= 1"),
+            (self.max_env_tokens >= 1, "max_env_tokens", "must be >= 1"),
             (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
             (self.resend_after_s >= 0, "resend_after_s", "must be >= 0"),
             (self.max_unacked >= 1, "max_unacked", "must be >= 1"),

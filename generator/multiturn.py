@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,8 @@ class _Conversation:
     done: bool = False
     last_turn: list[int] = field(default_factory=list)
     model_tokens: int = 0
+    full_depth: int = 0
+    """The depth of the engine that ran it (an eval_depth item's engine: that depth)."""
 
     def budget(self) -> int:
         """Model tokens this conversation may still sample (the item's max_tokens, all turns)."""
@@ -107,7 +110,7 @@ class MultiTurnEngine:
     def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
         convs = [[_Conversation(it, int(s)) for s in it.latent_seeds] for it in items]
         flat = [c for group in convs for c in group]
-        outs = self.calls.run([lambda c=c: self.env.reset(dict(c.item.task)) for c in flat])
+        outs = self.calls.run([partial(self.env.reset, dict(c.item.task)) for c in flat])
         for c, (episode, err) in zip(flat, outs):
             if err is not None:
                 c.fail(err)
@@ -135,6 +138,7 @@ class MultiTurnEngine:
             ids = [int(t) for t in s.tokens]
             if c.weight_version < 0:
                 c.weight_version = int(s.weight_version)
+                c.full_depth = int(s.full_depth) or self.full_depth
             versions = (
                 s.token_versions if s.token_versions is not None else [s.weight_version] * len(ids)
             )
@@ -148,7 +152,7 @@ class MultiTurnEngine:
             c.model_tokens += len(ids)
         texts = [self.detokenize(c.last_turn) for c in live]
         outs = self.calls.run(
-            [lambda c=c, t=t: c.episode.step(t, list(c.last_turn)) for c, t in zip(live, texts)],
+            [partial(c.episode.step, t, list(c.last_turn)) for c, t in zip(live, texts)],
             expect=Turn,
         )
         for c, (turn, err) in zip(live, outs):
@@ -181,7 +185,7 @@ class MultiTurnEngine:
         c.tokens += ids
         c.mask += [0] * len(ids)
         c.logprobs += [0.0] * len(ids)
-        c.depths += [self.full_depth] * len(ids)
+        c.depths += [c.full_depth or self.full_depth] * len(ids)
         c.versions += [c.versions[-1] if c.versions else self.weight_version] * len(ids)
         c.env_tokens += len(ids)
 
@@ -197,7 +201,7 @@ class MultiTurnEngine:
             weight_version=c.weight_version if c.weight_version >= 0 else self.weight_version,
             token_versions=versions if inflight else None,
             finish_reason=c.finish_reason,
-            full_depth=self.full_depth,
+            full_depth=c.full_depth or self.full_depth,
             token_mask=np.asarray(c.mask, np.uint8),
             reward=c.reward,
             reward_info=info,

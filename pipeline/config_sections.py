@@ -119,6 +119,10 @@ class TaskSection:
         _check(not self.environment or ENVIRONMENT_SPEC.fullmatch(self.environment) is not None,
                "task.environment", self.environment,
                "must be package.module:Class (an importable class) or empty")  # fmt: skip
+        _check(not self.environment or self.reward == TaskSection.reward, "task.reward",
+               self.reward, f"task.environment ({self.environment}) scores the conversations and "
+               "the reward function is never called: set one of task.reward and "
+               "task.environment, not both")  # fmt: skip
         bad = {k: v for k, v in self.reward_args.items()
                if not (v is None or isinstance(v, bool | int | float | str))}  # fmt: skip
         _check(not bad, "task.reward_args", bad, "values must be scalars (str, number, bool, null)")
@@ -228,6 +232,9 @@ RUN_MANAGED = {
     "peer_timeout_s": "transport.peer_timeout_s",
     "exit_policy": "rollout.exit_policy",
     "transport": "the transport section",
+    "environment": "task.environment",
+    "max_turns": "rollout.max_turns",
+    "max_env_tokens": "rollout.max_env_tokens",
 }
 
 

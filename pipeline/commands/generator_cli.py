@@ -49,9 +49,12 @@ from generator.config import (
 )
 from generator.depth_engines import DepthEngines, fixed_depth_of
 from generator.engine import LoopedEngine, to_rollouts
+from generator.environments import EnvCalls, resolve_environment
 from generator.health import HealthFile
 from generator.loop import FatalError, GeneratorLoop, make_hello
+from generator.multiturn import MultiTurnEngine
 from generator.reward_runner import RewardRunner
+from models.chat import ChatRenderer
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
 from models.exits import FixedDepth, policy_from_dict, policy_json
@@ -85,6 +88,7 @@ _METAVARS = {
     "model": "DIR",
     "keys": "DIR",
     "reward": "DOTTED",
+    "environment": "DOTTED",
     "exit_policy": "JSON",
     "max_model_len": "TOKENS",
 }
@@ -348,6 +352,20 @@ class StopOnFailedLoad:
             raise
 
 
+def multi_turn(cfg: GeneratorConfig, engine: Any, env: Any) -> MultiTurnEngine:
+    """``engine`` driven as conversations with ``env`` (generator.multiturn): the checkpoint's
+    chat template renders the observations; the whole conversation stays within the engine's
+    max_model_len (the checkpoint's context length when 0); each environment call
+    runs under ``reward_timeout_s`` in threads (inline with reward_mode inline)."""
+
+    mc = load_model_config(cfg.model)  # Huginn names its context length block_size
+    length = cfg.max_model_len or int(getattr(mc, "max_position_embeddings", 0) or mc.block_size)
+    calls = EnvCalls(cfg.reward_timeout_s, "inline" if cfg.reward_mode == "inline" else "thread")
+    return MultiTurnEngine(engine, env, ChatRenderer.from_checkpoint(cfg.model),
+                           max_turns=cfg.max_turns, max_env_tokens=cfg.max_env_tokens,
+                           max_model_len=length, calls=calls)  # fmt: skip
+
+
 def serve(cfg: GeneratorConfig) -> int:
     """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
 
@@ -382,6 +400,11 @@ def serve(cfg: GeneratorConfig) -> int:
     reward = RewardRunner(
         cfg.reward, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers, mode=cfg.reward_mode
     )
+    env = None
+    if cfg.environment:  # a bad path or config fails here too, before the engine starts
+        env = resolve_environment(
+            cfg.environment, {"max_turns": cfg.max_turns, "max_env_tokens": cfg.max_env_tokens}
+        )
     engine = None
     health: HealthFile | None = None
     try:
@@ -407,7 +430,7 @@ def serve(cfg: GeneratorConfig) -> int:
             looped=main.looped, main_fixed_depth=fixed_depth_of(
                 policy or FixedDepth(int(load_model_config(cfg.model).max_depth))),
         )  # fmt: skip
-        served = StopOnFailedLoad(engine)
+        served = StopOnFailedLoad(engine if env is None else multi_turn(cfg, engine, env))
         hello = make_hello(gid, cfg.max_inflight, engine.weight_version, families)
         conn = ZmqGeneratorConnection(
             transport, hello, control=cfg.learner, weights=weights_ep, security=security
@@ -437,9 +460,8 @@ def serve(cfg: GeneratorConfig) -> int:
         served.on_failure = lambda line: loop.stop(f"weights refused: {line}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: loop.stop(signal.Signals(signum).name))
-        log.info(
-            "generator %s -> %s (weights %s), reward %s", gid, cfg.learner, weights_ep, cfg.reward
-        )
+        log.info("generator %s -> %s (weights %s), %s", gid, cfg.learner, weights_ep,
+                 f"environment {cfg.environment}" if env is not None else f"reward {cfg.reward}")  # fmt: skip
         if cfg.health_file:  # touched while the loop turns (deploy/k8s: the liveness probe)
             health = HealthFile(Path(cfg.health_file), lambda: loop.last_turn).start()
         try:

@@ -63,6 +63,9 @@ def generator_config(cfg: RunConfig, control: str, weights: str, model: Path,
         "peer_timeout_s": cfg.transport.peer_timeout_s,
         "exit_policy": policy_json(policy) if policy is not None else "",
         "transport": _transport_json(cfg.transport),
+        "environment": cfg.task.environment,
+        "max_turns": cfg.rollout.max_turns,
+        "max_env_tokens": cfg.rollout.max_env_tokens,
     }
     if managed.keys() != RUN_MANAGED.keys():  # a new run-managed key needs its source here
         raise RuntimeError(f"generator_config sets {sorted(managed)}, RUN_MANAGED names "
