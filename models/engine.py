@@ -68,14 +68,16 @@ from models import numerics as nx
 from models.exits import (
     ExitCarry,
     ExitPolicy,
+    SampledGate,
     StepInfo,
     check_kv,
+    exit_step_logprob,
     needs_gate,
     needs_logits,
     should_exit,
 )
 from models.layers import Block
-from models.noise import latent_noise_torch
+from models.noise import exit_uniform, latent_noise_torch
 
 
 class EngineModel(Protocol):
@@ -142,6 +144,9 @@ class ChunkOut:
     """[B, S, h] the hidden state the head reads."""
     depths: Tensor
     """[B, S] int64 iterations run (0 for padding)."""
+    exit_logprobs: Tensor | None = None
+    """[B, S] log-probability of each position's exit (a SampledGate policy, or replay with
+    ``exit_lp``; 0 at padding and where the gate was never consulted); else None."""
 
 
 @dataclasses.dataclass
@@ -249,6 +254,7 @@ def run_chunk(
     kv: str = "last_exited",
     row_depths: Sequence[int] | None = None,
     compact: bool = True,
+    exit_lp: tuple[int, Sequence[int]] | None = None,
 ) -> ChunkOut:
     """One chunk forward (see module doc).
 
@@ -259,6 +265,9 @@ def run_chunk(
     depth, the iterations every position of the row runs (default: max_depth). `depths` of
     the returned ChunkOut are the exit depths. compact: depth batching (module doc); False =
     the uncompacted path (every row to the deepest running one, K/V writes masked).
+    exit_lp (replay of sampled exits): (the SampledGate's min_depth, each row's forced exit
+    depth D): the recorded exits' log-probabilities are computed as decode computed them
+    (`models.exits.exit_step_logprob` per iteration); a SampledGate `policy` implies it.
     """
     nx.check_mode(mode)
     full = check_kv(kv) == "full"
@@ -303,6 +312,21 @@ def run_chunk(
     if full and depths is not None and bool((val & (dep > run_to)).any()):
         raise ValueError("kv='full': an exit depth exceeds its row's full depth")
     out_state = state
+    sampled = isinstance(policy, SampledGate)
+    if sampled:
+        assert isinstance(policy, SampledGate)
+        exit_lp = (policy.min_depth, [max_depth] * bsz)
+    elp = forced = seed_t = None
+    if exit_lp is not None:
+        if model.gate_logit(state[:1], mode) is None:
+            raise ValueError(
+                f"sampled exits (SampledGate) need a family with an exit gate (Ouro); "
+                f"{type(model).__name__} has none"
+            )
+        forced = torch.as_tensor(list(exit_lp[1]), dtype=torch.int64, device=dev)[rows]
+        elp = torch.zeros(n, dtype=torch.float64 if mode == "exact" else torch.float32,
+                          device=dev)  # fmt: skip
+        seed_t = _seed_tensor(row_seeds, dev) if sampled else None
     for i in range(max_depth):
         active = ~done
         running = val & (run_to > i) if full else active
@@ -321,6 +345,7 @@ def run_chunk(
             prev, state = state, state.index_copy(0, idx, model.core_out(x, mode))
             new = state  # (rows not running: their frozen state; the policy masks them)
         ran[active] = i + 1
+        gate_now: Tensor | None = None
         if depths is not None:
             stop = active & (dep == i + 1)
         elif compact and not bool(active.any()):  # kv='full' past every exit: K/V only
@@ -331,9 +356,18 @@ def run_chunk(
             if needs_logits(policy):
                 info.logits = _policy_logits(model, cache, state, active, r, compact)
             if needs_gate(policy):
-                info.gate_logit = model.gate_logit(new, mode)
+                info.gate_logit = gate_now = model.gate_logit(new, mode)
+            if seed_t is not None:
+                info.uniform = exit_uniform(seed_t, pos, i + 1)
             hit, carry = should_exit(policy, info, carry)
             stop = active & hit.to(dev)
+        if elp is not None and forced is not None:  # the exit's log-prob, iteration by iteration
+            g = model.gate_logit(new, mode) if gate_now is None else gate_now
+            if g is None:
+                raise ValueError("sampled exits need a model with an exit gate")
+            assert exit_lp is not None
+            term = exit_step_logprob(g, stop, i + 1, exit_lp[0], forced, mode)
+            elp = elp + torch.where(active, term.to(elp.device), torch.zeros_like(elp))
         if full:  # keep the exit state aside; the position runs on for the K/V
             out_state = torch.where(stop[:, None], state, out_state)
         elif stop.any() and i + 1 < max_depth:
@@ -345,6 +379,7 @@ def run_chunk(
         logits=logits.view(bsz, seq, -1),
         hidden=hidden.view(bsz, seq, -1),
         depths=torch.where(val, ran, 0).view(bsz, seq),
+        exit_logprobs=None if elp is None else torch.where(val, elp, 0.0).view(bsz, seq),
     )
 
 

@@ -21,6 +21,12 @@ Criteria (Huginn's from `generate_with_adaptive_compute` in seal-rg/recurrent-pr
 - OuroGate(q): lambda_d = sigmoid(gate(s_d)), s_d = the normed state after step d;
   p_d = lambda_d * R_{d-1}, R_d = R_{d-1} (1 - lambda_d), R_0 = 1; exit at the first d with
   cumulative sum_{i<=d} p_i >= q (the official cumsum-threshold rule).
+- SampledGate(): the exit loop is an action drawn from the same gate's exit distribution:
+  after iteration d (min_depth <= d < max depth) the token exits with probability lambda_d,
+  decided by u_d < lambda_d with u_d = models.noise.exit_uniform(seed, position, d), so exit
+  d has probability lambda_d prod_{min<=i<d} (1 - lambda_i) and the max depth takes the rest.
+  Its log-probability (`exit_step_logprob`, summed over the iterations a token ran) is
+  recorded with the rollout and recomputed by the learner from the recorded depths.
 
 Every policy also exits at its max depth (default: the model's max_depth; up to MAX_DEPTH = 255,
 the wire format's bound, so a model may think longer than it was trained to) and never before
@@ -51,6 +57,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from proto.records import MAX_DEPTH  # the deepest exit policy: exit depths travel as uint8
@@ -149,7 +156,30 @@ class OuroGate:
             raise ValueError("OuroGate.max_depth must be >= min_depth")
 
 
-ExitPolicy = FixedDepth | LatentDiff | KL | EntropyDiff | OuroGate
+@dataclasses.dataclass(frozen=True)
+class SampledGate:
+    """The exit loop sampled from the model's exit gate (module doc): a stochastic action with
+    a log-probability, trained by the learner's exit term (objective.exit_coef)."""
+
+    min_depth: int = 1
+    """No exit before this many iterations (the gate is not consulted before)."""
+    max_depth: int | None = None
+    """Forced exit here; None = the model's max_depth."""
+    kv: str | None = None
+    """KV semantics of exited tokens ('full' | 'last_exited'; None = the family's default)."""
+
+    def __post_init__(self) -> None:
+        _check_kv("SampledGate", self.kv)
+        _check_depth("SampledGate", "max_depth", self.max_depth)
+        if isinstance(self.min_depth, bool) or not isinstance(self.min_depth, int):
+            raise ValueError(f"SampledGate.min_depth must be an int, got {self.min_depth!r}")
+        if self.min_depth < 1:
+            raise ValueError("SampledGate.min_depth must be >= 1")
+        if self.max_depth is not None and self.max_depth < self.min_depth:
+            raise ValueError("SampledGate.max_depth must be >= min_depth")
+
+
+ExitPolicy = FixedDepth | LatentDiff | KL | EntropyDiff | OuroGate | SampledGate
 
 
 @dataclasses.dataclass
@@ -167,7 +197,9 @@ class StepInfo:
     logits: Tensor | None = None
     """[N, V] readout logits of `state` (KL / EntropyDiff)."""
     gate_logit: Tensor | None = None
-    """[N] exit-gate logit of `state` (OuroGate)."""
+    """[N] exit-gate logit of `state` (OuroGate, SampledGate)."""
+    uniform: Tensor | None = None
+    """[N] float64 `models.noise.exit_uniform` of each row at this depth (SampledGate)."""
     mode: str = "fast"
     """Numerics mode."""
 
@@ -240,12 +272,13 @@ _KINDS: dict[str, type] = {
     "kl": KL,
     "entropy_diff": EntropyDiff,
     "ouro_gate": OuroGate,
+    "sampled_gate": SampledGate,
 }
 
 
 def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
     """JSON form of an exit policy: {"kind": "fixed" | "latent_diff" | "kl" | "entropy_diff" |
-    "ouro_gate", **its fields}."""
+    "ouro_gate" | "sampled_gate", **its fields}."""
     if policy is None:
         return None
     for kind, cls in _KINDS.items():
@@ -285,7 +318,31 @@ def needs_logits(policy: ExitPolicy) -> bool:
 
 def needs_gate(policy: ExitPolicy) -> bool:
     """Whether `should_exit` needs the exit-gate logit at every iteration."""
-    return isinstance(policy, OuroGate)
+    return isinstance(policy, OuroGate | SampledGate)
+
+
+def is_sampled(policy: ExitPolicy | None) -> bool:
+    """Whether exits are sampled actions with log-probabilities (`SampledGate`)."""
+    return isinstance(policy, SampledGate)
+
+
+def exit_step_logprob(
+    gate_logit: Tensor, stop: Tensor, depth: int, min_depth: int, forced: Tensor, mode: str
+) -> Tensor:
+    """The log-probability one iteration adds to a sampled exit's (SampledGate): per row,
+    log sigmoid(g) if the row exits after iteration ``depth``, log sigmoid(-g) if it goes on,
+    0 where the gate is not consulted (depth < min_depth, or depth >= the row's forced exit
+    depth ``forced``), -inf for an exit before min_depth (impossible). A token's exit log-prob
+    is the sum over the iterations it ran, so the exits min_depth..D form one distribution.
+    fp64 in exact mode, fp32 in fast (as should_exit evaluates the gate). gate_logit [N],
+    stop [N] bool, forced [N] int."""
+    dt = torch.float64 if mode == "exact" else torch.float32
+    g = gate_logit.to(dt).reshape(-1)
+    stop = stop.to(g.device)
+    term = torch.where(stop, F.logsigmoid(g), F.logsigmoid(-g))
+    if depth < min_depth:
+        return torch.where(stop, torch.full_like(term, -math.inf), torch.zeros_like(term))
+    return torch.where(forced.to(g.device) > depth, term, torch.zeros_like(term))
 
 
 def should_exit(
@@ -334,6 +391,11 @@ def should_exit(
         carry.remaining = remaining * (1.0 - lam)
         carry.cumulative = cumulative + p
         hit = carry.cumulative >= policy.q
+    elif isinstance(policy, SampledGate):
+        assert info.gate_logit is not None, "SampledGate needs the gate logit"
+        assert info.uniform is not None, "SampledGate needs the exit uniforms"
+        lam = torch.sigmoid(info.gate_logit.to(dt).reshape(n))
+        hit = info.uniform.to(lam.device) < lam.to(torch.float64)
     else:  # pragma: no cover
         raise TypeError(f"unknown exit policy {policy!r}")
     hit = hit.cpu() & torch.tensor(info.depth >= policy.min_depth)
@@ -350,9 +412,12 @@ __all__ = [
     "LatentDiff",
     "MAX_DEPTH",
     "OuroGate",
+    "SampledGate",
     "StepInfo",
     "check_kv",
     "default_kv",
+    "exit_step_logprob",
+    "is_sampled",
     "needs_gate",
     "needs_logits",
     "policy_from_dict",

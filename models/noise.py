@@ -60,6 +60,7 @@ from models.contract import seed_to_i64 as _i64
 
 GOLDEN = 0x9E3779B97F4A7C15
 NOISE_DOMAIN = 0x4C4F4F50524C4E5A
+EXIT_DOMAIN = 0x4C4F4F5045584954  # b"LOOPEXIT": the sampled exit's uniforms (exit_uniform)
 TRUNCATION = 3.0
 
 _hex = float.fromhex
@@ -364,4 +365,30 @@ def latent_noise_torch(
     return out
 
 
-__all__ = ["PHI_MINUS_3", "derive_latent_seed", "latent_noise", "latent_noise_torch", "ppnd"]
+def exit_uniform(seeds: Tensor, positions: Tensor, depth: int) -> Tensor:
+    """The uniform a sampled exit (models.exits.SampledGate) compares with the exit gate's
+    probability at core iteration ``depth`` (1-based) of the token at absolute position p of
+    the completion with latent seed s: float64 [N] in (0, 1), on the tensors' device::
+
+        row = mix(mix(s ^ 0x4C4F4F5045584954) ^ p)       # b"LOOPEXIT": not the noise's rows
+        u   = f64((mix(row + depth * GOLDEN) >> 11) | 1) * 2^-53
+
+    Integer ops and one exact conversion, so every device and process gets the same bits: the
+    generator that sampled an exit and a learner that checks it agree on u.
+    seeds: [N] int64 (u64 as two's complement), positions: [N] int64 >= 0, depth >= 1."""
+    if depth < 1:
+        raise ValueError(f"exit_uniform: depth must be >= 1, got {depth}")
+    check_noise_args(seeds, positions, 1)
+    row = _mix_t(_mix_t(seeds ^ _i64(EXIT_DOMAIN)) ^ positions)
+    bits = _mix_t(row + _i64((depth * GOLDEN) & MASK64))
+    return (_srl(bits, 11) | 1).to(torch.float64) * 2.0**-53
+
+
+__all__ = [
+    "PHI_MINUS_3",
+    "derive_latent_seed",
+    "exit_uniform",
+    "latent_noise",
+    "latent_noise_torch",
+    "ppnd",
+]

@@ -53,7 +53,9 @@ from models.exits import (
     MAX_DEPTH,
     ExitPolicy,
     FixedDepth,
+    SampledGate,
     check_kv,
+    is_sampled,
     resolve_kv,
     resolve_max_depth,
     token0_follows_policy,
@@ -103,6 +105,9 @@ class Generation:
     """'stop' or 'length'."""
     full_depth: int = 0
     """D: the iterations the prompt's other positions ran (the policy's max depth)."""
+    exit_logprobs: Tensor | None = None
+    """[n] fp32 log-probability of each token's sampled exit (a SampledGate policy), else
+    None (the exit was not an action)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,9 @@ class ReplayResult:
     """[n] fp32 entropy of each sampled-from distribution."""
     hidden: Tensor
     """[n, h] hidden state the head read at each sampling position (for a value head)."""
+    exit_logprobs: Tensor | None = None
+    """[n] fp32 log-probability of each token's recorded exit under a SampledGate
+    (``replay(exit_policy=...)``), else None."""
 
 
 def top_p_filter(z: Tensor, top_p: float, mode: str = "fast") -> Tensor:
@@ -221,7 +229,9 @@ def generate(
                         seeds, max_depth=depth, policy=policy, mode=numerics, kv=kv)  # fmt: skip
         logits = out.logits[:, 0]
         step_depths = out.depths[:, 0].tolist()
+        step_elp = out.exit_logprobs
     else:
+        step_elp = None
         positions = torch.arange(max(lens)).expand(bsz, -1)
         valid = positions < torch.tensor(lens)[:, None]
         out = run_chunk(
@@ -241,6 +251,8 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(bsz)]
     lps: list[list[float]] = [[] for _ in range(bsz)]
     deps: list[list[int]] = [[] for _ in range(bsz)]
+    elps: list[list[float]] = [[] for _ in range(bsz)]
+    sampled = is_sampled(policy)
     finish = [""] * bsz
     decoder = GraphDecoder(model, cache, seeds, depth=depth, mode=numerics) if graph else None
     for step in range(sampling.max_new_tokens):
@@ -254,6 +266,8 @@ def generate(
             tokens[b].append(tok)
             lps[b].append(float(lp[b, tok]))
             deps[b].append(step_depths[b])
+            if sampled:  # token 0 of a family whose prompt ignores the policy: no action
+                elps[b].append(0.0 if step_elp is None else float(step_elp[b, 0]))
             if tok in sampling.stop_token_ids:
                 finish[b] = "stop"
             elif len(tokens[b]) == sampling.max_new_tokens:
@@ -272,6 +286,7 @@ def generate(
             )  # fmt: skip
         logits = out.logits[:, 0]
         step_depths = out.depths[:, 0].tolist()
+        step_elp = out.exit_logprobs
     return [
         Generation(
             prompt_tokens=list(prompts[b]),
@@ -281,6 +296,7 @@ def generate(
             latent_seed=seeds[b],
             finish_reason=finish[b] or "length",
             full_depth=depth,
+            exit_logprobs=torch.tensor(elps[b], dtype=torch.float32) if sampled else None,
         )
         for b in range(bsz)
     ]
@@ -304,11 +320,16 @@ def replay(
     top_p: float = 1.0,
     numerics: str = "fast",
     kv: str | None = None,
+    exit_policy: ExitPolicy | None = None,
 ) -> list[ReplayResult]:
     """Recompute completions in one parallel forward per iteration (mixed lengths padded).
-    kv: the KV semantics they were generated with (None = the family's default)."""
+    kv: the KV semantics they were generated with (None = the family's default, or the
+    exit policy's). exit_policy: the policy they were generated with; a SampledGate also
+    recomputes each token's exit log-probability (`ReplayResult.exit_logprobs`)."""
     nx.check_mode(numerics)
-    kv = check_kv(kv) if kv is not None else resolve_kv(None, model.config)
+    if kv is None:
+        kv = resolve_kv(exit_policy, model.config)
+    kv = check_kv(kv)
     if not items:
         return []
     fulls = [_check_item(it) for it in items]
@@ -330,7 +351,9 @@ def replay(
         mode=numerics,
         kv=kv,
         row_depths=fulls if kv == "full" else None,
+        exit_lp=(exit_policy.min_depth, fulls) if isinstance(exit_policy, SampledGate) else None,
     )
+    token0 = token0_follows_policy(exit_policy, model.config)
     results = []
     for b, it in enumerate(items):
         rows = response_slice(len(it.prompt_tokens), len(it.completion_tokens))
@@ -341,9 +364,20 @@ def replay(
                 logprobs=lp.gather(-1, target[:, None].to(lp.device))[:, 0],
                 entropies=entropy(lp),
                 hidden=out.hidden[b, rows],
+                exit_logprobs=None
+                if out.exit_logprobs is None
+                else _exit_lps(out.exit_logprobs[b, rows], token0),
             )
         )
     return results
+
+
+def _exit_lps(elp: Tensor, token0: bool) -> Tensor:
+    """fp32 exit log-probs of a completion; token 0's is 0 where the prompt ignored the policy."""
+    out = elp.to(torch.float32).clone()
+    if not token0:
+        out[0] = 0.0
+    return out
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoopedLM:
