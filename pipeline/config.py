@@ -189,6 +189,10 @@ class RunConfig:
                f"({self.task.environment}): the next turn's prefill recomputes earlier model "
                "tokens at full depth, so one replay pass would not reproduce the sampled "
                "log-probs (docs/PROTOCOL.md); use kind fixed or no exit policy")  # fmt: skip
+        _check(kind != "sampled_gate", "rollout.exit_policy", dict(self.rollout.exit_policy),
+               "kind sampled_gate runs in models.reference only so far: the vLLM plugin does "
+               "not sample exits yet and the learner has no exit term (objective.exit_coef); "
+               "use ouro_gate (a threshold on the same gate)")  # fmt: skip
 
 
 # -- loading (models.settings: the one loader of every component config) -------------------
