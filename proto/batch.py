@@ -36,9 +36,9 @@ _KEYS = frozenset({"n", "plen", "tlen", *_FLAG.values(), *_ARRAYS, *(s[0] for s 
 _ADDED = {"full_depth": 0}
 """Scalar columns added after the column layout (protocol 1.5): absent in older streams, read
 as their default."""
-_ADDED_OPTIONAL = ("token_mask",)
-"""Optional array columns added after the column layout (protocol 1.6): absent in older
-streams (their column and flag list), read as None."""
+_ADDED_OPTIONAL = ("token_mask", "exit_logprobs")
+"""Optional array columns added after the column layout (protocol 1.6: token_mask, 1.7:
+exit_logprobs): absent in older streams (their column and flag list), read as None."""
 
 
 def encode_batch(batch: RolloutBatch) -> dict[str, Any]:

@@ -176,6 +176,11 @@ class Rollout:
       was sampled by the model, 0 = written by the environment (an observation, rendered by
       the chat template; its logprobs[t] is 0.0 and exit_depths[t] full_depth: a prompt-like
       position). None = every token sampled (a single-turn completion; streams before 1.6).
+    exit_logprobs: optional float32 [T] (protocol 1.7): the log-probability of each token's
+      exit loop under a sampled exit (models.exits.SampledGate: the exit is an action drawn
+      from the model's gate with the latent seed), <= 0; 0.0 where no exit was sampled (an
+      environment token, token 0 of a family whose prompt ignores the policy). None = the exits
+      were decided, not sampled (every other policy; streams before 1.7).
     """
 
     rollout_id: str
@@ -197,13 +202,14 @@ class Rollout:
     created_at: float = 0.0
     full_depth: int = 0
     token_mask: np.ndarray | None = array_field("uint8", optional=True)
+    exit_logprobs: np.ndarray | None = array_field("float32", optional=True)
 
     def validate(self, *, values: bool = True) -> None:
         """The record's rules; ``values=False`` skips the per-value array rules
         (:meth:`check_values`), which proto.batch applies to whole columns at once."""
         r = f"rollout {self.rollout_id!r}"
         t = self.tokens.shape[0]
-        for name in ("logprobs", "exit_depths", "token_versions", "token_mask"):
+        for name in ("logprobs", "exit_depths", "token_versions", "token_mask", "exit_logprobs"):
             a = getattr(self, name)
             _need(a is None or a.shape[0] == t, f"{r}: {name} has {0 if a is None else a.shape[0]} "
                   f"entries for {t} tokens")  # fmt: skip
@@ -212,6 +218,9 @@ class Rollout:
         _need(0 <= self.full_depth <= MAX_DEPTH,
               f"{r}: full_depth must be in [0, {MAX_DEPTH}], got {self.full_depth}")  # fmt: skip
         _need(self.prompt_tokens.size >= 1, f"{r}: prompt_tokens must not be empty")
+        elp = self.exit_logprobs
+        _need(elp is None or elp.size == 0 or bool((elp <= 0).all()),  # NaN fails this too
+              f"{r}: exit_logprobs must be <= 0 and not NaN")  # fmt: skip
         _need(
             self.finish_reason in FINISH_REASONS,
             f"{r}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}",

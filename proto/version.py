@@ -10,8 +10,9 @@ from __future__ import annotations
 from proto.errors import ProtocolError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 6  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind;
-# 1.4: WorkItem.eval_depth; 1.5: Rollout.full_depth; 1.6: Rollout.token_mask
+PROTOCOL_MINOR = 7  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind;
+# 1.4: WorkItem.eval_depth; 1.5: Rollout.full_depth; 1.6: Rollout.token_mask;
+# 1.7: Rollout.exit_logprobs
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 

@@ -54,6 +54,7 @@ def rollouts(draw: st.DrawFn) -> R.Rollout:
         created_at=draw(finite),
         full_depth=draw(st.integers(0, 255)),
         token_mask=draw(st.one_of(st.none(), int_arrays("uint8", st.just(t), 0, 1))),
+        exit_logprobs=draw(st.one_of(st.none(), st.just(-np.abs(lp)))),
     )
 
 
@@ -172,6 +173,9 @@ def sample_records(rng: random.Random) -> list[object]:
             weight_version=k,
             token_versions=arr("int64", t, 0, 3) if k == 1 else None,
             token_mask=arr("uint8", t, 0, 1) if k == 2 else None,
+            exit_logprobs=-np.abs(np.array([rng.gauss(0, 1) for _ in range(t)], np.float32))
+            if k == 1
+            else None,
             reward=rng.random() if k else None,
             reward_info={"err": "x"} if not k else {},
             metrics={"gen_time_s": 0.5},

@@ -246,6 +246,30 @@ def test_token_mask_round_trips_and_is_checked() -> None:
         codec.decode(codec.encode(dataclasses.replace(_rollout(), token_mask=mask[:3])))
 
 
+def test_exit_logprobs_round_trip_and_are_checked() -> None:
+    """Protocol 1.7: Rollout.exit_logprobs (a sampled exit's log-probability per token)
+    travels like the other optional arrays, one entry per token, each <= 0 and not NaN."""
+    codec = Codec(level=0)
+    elp = np.array([-0.5, -1.25, 0.0, -3.0, -0.1, -0.7, -2.0, -0.3], np.float32)
+    roll = dataclasses.replace(_rollout(), exit_logprobs=elp)
+    for rec in (roll, RolloutBatch([_rollout(), roll])):
+        got = codec.decode(codec.encode(rec))
+        last = got.rollouts[-1] if isinstance(got, RolloutBatch) else got
+        assert last.exit_logprobs is not None and last.exit_logprobs.dtype == np.float32
+        assert np.array_equal(last.exit_logprobs, elp)
+        if isinstance(got, RolloutBatch):
+            assert got.rollouts[0].exit_logprobs is None
+    with pytest.raises(ProtocolError, match=r"exit_logprobs has 3 entries for 8 tokens"):
+        codec.decode(codec.encode(dataclasses.replace(_rollout(), exit_logprobs=elp[:3])))
+    for bad in (0.5, np.nan):
+        e = elp.copy()
+        e[2] = bad
+        for rec in (dataclasses.replace(_rollout(), exit_logprobs=e),
+                    RolloutBatch([dataclasses.replace(_rollout(), exit_logprobs=e)])):  # fmt: skip
+            with pytest.raises(ProtocolError, match="exit_logprobs must be <= 0 and not NaN"):
+                codec.decode(codec.encode(rec))
+
+
 def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     """A 1.5 stream (frames of minor 5: no token_mask field, no token_mask / has_token_mask
     columns) decodes with token_mask None and every other field intact."""
@@ -256,12 +280,13 @@ def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     from proto.schema import to_wire
     from proto.stream import StreamWriter
 
-    assert PROTOCOL_MINOR == 6
+    assert PROTOCOL_MINOR == 7
     a, b = _rollout(5), dataclasses.replace(_rollout(3), rollout_id="w/1", sample_index=1)
     cols = msgpack.unpackb(msgpack.packb(encode_batch(RolloutBatch([a, b]))))
     single = to_wire(dataclasses.replace(a, rollout_id="w/2", sample_index=2))
-    assert {"token_mask", "has_token_mask"} <= set(cols) and "token_mask" in single
-    del cols["token_mask"], cols["has_token_mask"], single["token_mask"]
+    for name in ("token_mask", "exit_logprobs"):  # 1.6 and 1.7 added these
+        assert {name, f"has_{name}"} <= set(cols) and name in single
+        del cols[name], cols[f"has_{name}"], single[name]
     root = Path(str(tmp_path)) / "stream"
     with StreamWriter(root) as w:  # the recorder's layout: one RolloutBatch frame per record
         w.append(HEADER.pack(MAGIC, 1, 5, 0, 0) + msgpack.packb(["rollouts", cols]))
