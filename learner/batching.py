@@ -199,6 +199,8 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
     behav = np.zeros((b, length), dtype=np.float32)
     token_rewards = np.zeros((b, length), dtype=np.float32)
     token_versions = np.zeros((b, length), dtype=np.int64)
+    sampled_exit = any(r.exit_logprobs is not None for r in ordered)
+    exit_behav = np.zeros((b, length), dtype=np.float32) if sampled_exit else None
     groups: dict[str, int] = {}
     group_ids, seeds, rewards, versions = [], [], [], []
     for i, r in enumerate(ordered):
@@ -211,12 +213,16 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
             token_rewards[i, p - 1 + last] = float(r.reward)  # type: ignore[arg-type]
             tv = r.token_versions
             token_versions[i, response_slice(p, t)] = r.weight_version if tv is None else tv
+            if exit_behav is not None and r.exit_logprobs is not None:
+                exit_behav[i, response_slice(p, t)] = r.exit_logprobs
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
         seeds.append(uint64_to_int64(int(r.latent_seed)))
         rewards.append(float(r.reward))  # type: ignore[arg-type]
         versions.append(int(r.weight_version))
+    extra = {} if exit_behav is None else {"exit_behav": torch.from_numpy(exit_behav)}
     return TrainBatch(
         rollout_ids=[r.rollout_id for r in ordered],
+        extra=extra,  # a sampled exit: the generator's exit log-probs (objective.exit_coef)
         input_ids=torch.from_numpy(lay.input_ids),
         position_ids=torch.arange(length, dtype=torch.int64).expand(b, length).contiguous(),
         targets=torch.from_numpy(lay.targets),

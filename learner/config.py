@@ -184,6 +184,13 @@ class ObjectiveConfig:
     (k^progressive_alpha) or exit_pdf (Ouro's exit distribution over 1..e_t); learned refused."""
     progressive_alpha: float = 1.0
     """loop_weighting progressive: w_k proportional to k^alpha (RLTT's option B), >= 0."""
+    exit_coef: float = 0.0
+    """A sampled exit (rollout.exit_policy kind sampled_gate): weight of the exit term, the
+    clipped surrogate of the exit loop's ratio with the token's advantage
+    (learner.objectives.exit_term; docs/OBJECTIVES.md "The exit as an action"); 0: off."""
+    exit_entropy_coef: float = 0.0
+    """A sampled exit: weight of the exit decisions' entropy bonus (against a collapsed gate);
+    0: off."""
 
     def advantage_options(self) -> dict[str, Any]:
         """The keywords of `learner.batching.step_advantages` this objective sets."""
@@ -274,6 +281,14 @@ class ObjectiveConfig:
         need(self.progressive_alpha >= 0.0, "progressive_alpha", "must be >= 0")
         need(self.progressive_alpha == 1.0 or self.loop_weighting == "progressive",
              "progressive_alpha", "applies with objective.loop_weighting=progressive only")  # fmt: skip
+        for name in ("exit_coef", "exit_entropy_coef"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and v >= 0, name, "must be a finite number >= 0")
+            need(v == 0 or (self.kind in ("ppo", "grpo") and self.is_cap is None), name,
+                 f"applies to kinds ppo and grpo without is_cap so far (got kind {self.kind}, "
+                 f"is_cap {self.is_cap}): the behaviour weight of an exit is not defined yet")  # fmt: skip
+            need(v == 0 or self.loop_weighting == "last", name,
+                 "applies with loop_weighting last only so far")  # fmt: skip
         looped = self.loop_weighting != "last"
         need(not looped or self.kind != "flow_dppo", "loop_weighting",
              f"{self.loop_weighting} with kind flow_dppo is refused: its full-vocabulary "
@@ -448,6 +463,10 @@ class TrainConfig:
     fused_token_stats: bool = True
     """CUDA logits go through the fused Triton token-stats kernel (learner.triton_token_stats;
     the PyTorch path elsewhere); False: always the PyTorch path (exact numerics)."""
+    exit_min_depth: int | None = None
+    """A sampled exit (models.exits.SampledGate): its min_depth, so the policy's forwards also
+    give each token's exit log-prob and exit entropy ("exit_logp", "exit_entropy"); None: the
+    exits were decided, not sampled."""
     recompute_prox: bool | None = None
     """Recompute proximal log-probs with the pre-update weights: None = when the objective
     needs them (dppo, flow_dppo, is_cap set); True = always (the ratio base of ppo/grpo
@@ -464,6 +483,12 @@ class TrainConfig:
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.vocab_chunk >= 1, "vocab_chunk", "must be >= 1")
         need(self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}")
+        need(self.exit_min_depth is None or self.exit_min_depth >= 1, "exit_min_depth",
+             "must be None or >= 1")  # fmt: skip
+        need(self.exit_min_depth is not None or not (self.objective.exit_coef > 0
+                                                     or self.objective.exit_entropy_coef > 0),
+             "exit_min_depth", "objective.exit_coef / exit_entropy_coef train a sampled exit: "
+             "set the run's exit policy (rollout.exit_policy kind sampled_gate)")  # fmt: skip
         need(self.recompute_prox is not False or not self.needs_prox_default, "recompute_prox",
              f"must be None or True for objective kind {self.objective.kind!r}")  # fmt: skip
 

@@ -35,7 +35,7 @@ from learner.step import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
 from models.base import LoopedLM
-from models.engine import KVCache, run_chunk
+from models.engine import ChunkOut, KVCache, run_chunk
 
 __all__ = ["TorchCritic", "TorchNet", "TorchPolicy", "make_optimizer"]
 
@@ -167,16 +167,24 @@ class TorchPolicy:
         rows, each row at its recorded depths (or ``depths``) with its latent seed (full depth:
         its deepest position: the prompt's D, DESIGN contract 2; with a one-token prompt a
         smaller one, which no read-out depends on: learner.mcore_model's rule)."""
+        out = self._run(model, mb, depths)
+        return out.logits[..., : model.vocab_size], out.hidden
+
+    def _run(self, model: LoopedLM, mb: TrainBatch, depths: Tensor | None = None,
+             exits: bool = False) -> ChunkOut:  # fmt: skip
+        """`forward`'s run_chunk replay; ``exits``: with the sampled exits' log-probs and
+        entropies (TrainConfig.exit_min_depth; models.engine.run_chunk's exit_lp)."""
         depths = mb.exit_depths if depths is None else depths
         valid = mb.position_ids < mb.seq_lens[:, None]
         full = [int(d) for d in torch.where(valid, depths, 0).amax(dim=1).tolist()]
         cache = KVCache.empty(model, mb.size, mb.length, max(full))
-        out = run_chunk(
+        m = self.cfg.exit_min_depth
+        return run_chunk(
             model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,
             max_depth=max(full), depths=depths, mode=self.cfg.numerics, kv=self.kv,
             row_depths=full if self.kv == "full" else None,
+            exit_lp=(m, full) if exits and m is not None else None,
         )  # fmt: skip
-        return out.logits[..., : model.vocab_size], out.hidden
 
     def _loop_stats(self, model: LoopedLM, mb: TrainBatch, gate: bool) -> dict[str, Tensor]:
         """Per-loop credit: {"logp", "entropy"} [B, L] of the exit readout (no grad) and
@@ -230,7 +238,15 @@ class TorchPolicy:
         if self.loops:  # per-loop credit (flow_dppo is refused with it)
             gate = self.cfg.objective.loop_weighting == "exit_pdf"
             return self._loop_stats(self.model, mb, gate)
-        return self._stats(self.forward(self.model, mb)[0], mb, old)
+        if self.cfg.exit_min_depth is None:
+            return self._stats(self.forward(self.model, mb)[0], mb, old)
+        out = self._run(self.model, mb, exits=True)  # a sampled exit: its log-prob, entropy
+        st = self._stats(out.logits[..., : self.model.vocab_size], mb, old)
+        sel = mb.mask > 0
+        assert out.exit_logprobs is not None and out.exit_entropy is not None
+        st["exit_logp"] = torch.where(sel, out.exit_logprobs.float(), 0.0)
+        st["exit_entropy"] = torch.where(sel, out.exit_entropy.float(), 0.0)
+        return st
 
     @torch.no_grad()
     def reference_logp(self, mb: TrainBatch) -> Tensor:

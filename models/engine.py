@@ -71,6 +71,7 @@ from models.exits import (
     SampledGate,
     StepInfo,
     check_kv,
+    exit_step_entropy,
     exit_step_logprob,
     needs_gate,
     needs_logits,
@@ -147,6 +148,9 @@ class ChunkOut:
     exit_logprobs: Tensor | None = None
     """[B, S] log-probability of each position's exit (a SampledGate policy, or replay with
     ``exit_lp``; 0 at padding and where the gate was never consulted); else None."""
+    exit_entropy: Tensor | None = None
+    """[B, S] the entropy of each position's exit decisions along its path (with
+    exit_logprobs; models.exits.exit_step_entropy)."""
 
 
 @dataclasses.dataclass
@@ -326,6 +330,7 @@ def run_chunk(
         forced = torch.as_tensor(list(exit_lp[1]), dtype=torch.int64, device=dev)[rows]
         elp = torch.zeros(n, dtype=torch.float64 if mode == "exact" else torch.float32,
                           device=dev)  # fmt: skip
+        eh = torch.zeros_like(elp)
         seed_t = _seed_tensor(row_seeds, dev) if sampled else None
     for i in range(max_depth):
         active = ~done
@@ -368,6 +373,8 @@ def run_chunk(
             assert exit_lp is not None
             term = exit_step_logprob(g, stop, i + 1, exit_lp[0], forced, mode)
             elp = elp + torch.where(active, term.to(elp.device), torch.zeros_like(elp))
+            h = exit_step_entropy(g, i + 1, exit_lp[0], forced, mode)
+            eh = eh + torch.where(active, h.to(eh.device), torch.zeros_like(eh))
         if full:  # keep the exit state aside; the position runs on for the K/V
             out_state = torch.where(stop[:, None], state, out_state)
         elif stop.any() and i + 1 < max_depth:
@@ -380,6 +387,7 @@ def run_chunk(
         hidden=hidden.view(bsz, seq, -1),
         depths=torch.where(val, ran, 0).view(bsz, seq),
         exit_logprobs=None if elp is None else torch.where(val, elp, 0.0).view(bsz, seq),
+        exit_entropy=None if elp is None else torch.where(val, eh, 0.0).view(bsz, seq),
     )
 
 

@@ -321,6 +321,21 @@ def needs_gate(policy: ExitPolicy) -> bool:
     return isinstance(policy, OuroGate | SampledGate)
 
 
+def exit_step_entropy(
+    gate_logit: Tensor, depth: int, min_depth: int, forced: Tensor, mode: str
+) -> Tensor:
+    """The entropy of the exit decision after iteration ``depth`` (a sampled exit), per row:
+    H(Bernoulli(sigmoid(g))) where the gate is consulted (min_depth <= depth < forced), else 0.
+    Summed over a token's iterations: the entropy of its exit decisions along the sampled path
+    (in expectation the exit distribution's entropy, by the chain rule)."""
+    dt = torch.float64 if mode == "exact" else torch.float32
+    g = gate_logit.to(dt).reshape(-1)
+    h = -(torch.sigmoid(g) * F.logsigmoid(g) + torch.sigmoid(-g) * F.logsigmoid(-g))
+    if depth < min_depth:
+        return torch.zeros_like(h)
+    return torch.where(forced.to(g.device) > depth, h, torch.zeros_like(h))
+
+
 def is_sampled(policy: ExitPolicy | None) -> bool:
     """Whether exits are sampled actions with log-probabilities (`SampledGate`)."""
     return isinstance(policy, SampledGate)
@@ -416,6 +431,7 @@ __all__ = [
     "StepInfo",
     "check_kv",
     "default_kv",
+    "exit_step_entropy",
     "exit_step_logprob",
     "is_sampled",
     "needs_gate",

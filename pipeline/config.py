@@ -189,6 +189,10 @@ class RunConfig:
                f"({self.task.environment}): the next turn's prefill recomputes earlier model "
                "tokens at full depth, so one replay pass would not reproduce the sampled "
                "log-probs (docs/PROTOCOL.md); use kind fixed or no exit policy")  # fmt: skip
+        for key in ("exit_coef", "exit_entropy_coef"):
+            _check(getattr(self.objective, key) == 0 or kind == "sampled_gate",
+                   f"objective.{key}", getattr(self.objective, key),
+                   "trains a sampled exit: needs rollout.exit_policy kind sampled_gate")  # fmt: skip
         _check(kind != "sampled_gate", "rollout.exit_policy", dict(self.rollout.exit_policy),
                "kind sampled_gate runs in models.reference only so far: the vLLM plugin does "
                "not sample exits yet and the learner has no exit term (objective.exit_coef); "

@@ -41,6 +41,7 @@ from learner.losses import (
 from learner.objectives import clip, divergence_ppo, flow_dppo, terms
 from learner.objectives.batch import LossBatch, Tokens, ValueBatch
 from learner.objectives.correction import Correction, rollout_correction
+from learner.objectives.exit_term import exit_term, uses_exit_term
 from learner.objectives.kind import Kind, Metrics, Term
 from learner.vocab_ops import DEFAULT_CHUNK, token_stats
 
@@ -370,6 +371,8 @@ def policy_loss(
                      the binary TV / KL of the sampled token beyond the threshold pushes out;
                      r above divergence_is_cap C counts as C (value and gradient)
         all kinds:   l += kl_coef * k(logp, ref_logp) - entropy_coef * H   (TERMS)
+        exit term:   l += exit_coef * clip_surrogate(exp(exit_logp - exit_base), A)
+                     - exit_entropy_coef * H_exit   (ppo / grpo; learner.objectives.exit_term)
     loss = aggregate(l, mask, cfg.aggregation, batch.normalizer).
 
     Returns (scalar loss, metrics): mask-weighted token means of per-token quantities;
@@ -382,6 +385,8 @@ def policy_loss(
     tok, corr = _tokens(cfg, kind, lb, temperature, vocab_chunk)
     metrics: Metrics = {}
     pg, total, agg = _token_loss(cfg, kind, tok, corr, metrics, lb.normalizer)
+    if uses_exit_term(cfg) or lb.exit_entropy is not None:  # the exit as an action
+        total = total + exit_term(cfg, lb, tok, metrics)
     mask, norm, length = tok.mask, lb.normalizer, cfg.loss_scale_length
     loss = aggregate(total, agg, cfg.aggregation, norm, length)
     with torch.no_grad():

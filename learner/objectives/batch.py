@@ -61,6 +61,15 @@ class LossBatch:
     """[B, T, >= K] the proximal pass's per-loop log-probs (the ratio base at each loop)."""
     loop_ref: Tensor | None = None
     """[B, T, >= K] the reference policy's per-loop log-probs (kl_coef > 0)."""
+    exit_logp: Tensor | None = None
+    """[B, T] log-prob of each token's sampled exit loop under the current weights
+    (differentiable; objective.exit_coef, learner.objectives.exit_term)."""
+    exit_prox: Tensor | None = None
+    """[B, T] the same under the pre-update weights (the exit ratio's base when given)."""
+    exit_behav: Tensor | None = None
+    """[B, T] the generator's claim (Rollout.exit_logprobs)."""
+    exit_entropy: Tensor | None = None
+    """[B, T] the exit decisions' entropy along each token's path (differentiable)."""
 
     @classmethod
     def of(cls, batch: LossBatch | Mapping[str, Any]) -> LossBatch:

@@ -1,0 +1,138 @@
+"""The exit as an action, learner side (issue 23 item 3): the exit term of the objective
+(learner.objectives.exit_term) by hand, its refusals, and the reference policy's forward
+recomputing each token's sampled-exit log-prob bit for bit as the generator recorded it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from learner.batching import build_batch
+from learner.config import ObjectiveConfig, OptimConfig, ScheduleConfig, TrainConfig
+from learner.objectives import policy_loss
+from learner.torch_policy import TorchPolicy
+from models.config import tiny_config
+from models.exits import SampledGate
+from models.reference import SamplingParams, build_model, generate
+from proto import Rollout
+
+B, T = 2, 3
+ADV = torch.tensor([1.0, -2.0])
+
+
+def _loss(cfg: ObjectiveConfig, elp: torch.Tensor, behav: torch.Tensor, **kw: torch.Tensor):
+    lp = torch.full((B, T), -1.0)
+    return policy_loss(cfg, dict(mask=torch.ones(B, T), advantages=ADV, logp=lp.requires_grad_(),
+                                 behav_logp=lp.detach(), exit_logp=elp, exit_behav=behav, **kw))  # fmt: skip
+
+
+def test_exit_term_gradient_by_hand() -> None:
+    """grpo, exit_coef c: on-policy the exit's gradient is -c A / N per token; a ratio past
+    the clip on the side the advantage pushes gets none; the entropy bonus adds -c_H / N."""
+    c, ch = 0.5, 0.1
+    cfg = ObjectiveConfig(kind="grpo", exit_coef=c, exit_entropy_coef=ch)
+    behav = torch.tensor([[-0.5, -1.0, -0.2], [-0.3, -0.9, -2.0]])
+    elp = behav.clone().requires_grad_()
+    ent = torch.full((B, T), 0.4, requires_grad=True)
+    loss, m = _loss(cfg, elp, behav, exit_entropy=ent)
+    loss.backward()
+    assert elp.grad is not None and ent.grad is not None
+    want = -c * ADV[:, None].expand(B, T) / (B * T)
+    assert torch.allclose(elp.grad, want, atol=1e-7), elp.grad
+    assert torch.allclose(ent.grad, torch.full((B, T), -ch / (B * T)), atol=1e-7)
+    assert m["exit_ratio_mean"] == 1.0 and m["exit_clip_frac"] == 0.0
+    assert math.isclose(m["exit_entropy"], 0.4, rel_tol=1e-6)
+    assert math.isclose(m["exit_logp"], float(behav.mean()), rel_tol=1e-6)
+    # ratio 1.5 > 1 + eps_high on A > 0 tokens (row 0): clipped, no gradient there
+    elp = (behav + torch.tensor([[math.log(1.5)] * T, [0.0] * T])).requires_grad_()
+    loss, m = _loss(ObjectiveConfig(kind="grpo", exit_coef=c), elp, behav)
+    loss.backward()
+    assert elp.grad is not None
+    assert bool((elp.grad[0] == 0).all()) and torch.allclose(elp.grad[1], want[1], atol=1e-7)
+    assert math.isclose(m["exit_clip_frac"], 0.5)
+    # exit_coef 0: the same loss as without exit inputs
+    plain = ObjectiveConfig(kind="grpo")
+    a, _ = _loss(plain, behav.clone().requires_grad_(), behav)
+    lp = torch.full((B, T), -1.0, requires_grad=True)
+    b, _ = policy_loss(plain, dict(mask=torch.ones(B, T), advantages=ADV, logp=lp,
+                                   behav_logp=lp.detach()))  # fmt: skip
+    assert torch.equal(a, b)
+    # a non-finite claim: that token's exit term is 0, the others unchanged
+    bad = behav.clone()
+    bad[1, 2] = -math.inf
+    elp = behav.clone().requires_grad_()
+    loss, _ = _loss(ObjectiveConfig(kind="grpo", exit_coef=c), elp, bad)
+    loss.backward()
+    assert elp.grad is not None and float(elp.grad[1, 2]) == 0.0
+    assert torch.allclose(elp.grad[0], want[0], atol=1e-7)
+
+
+def test_exit_term_refusals() -> None:
+    for kw, why in (
+        ({"exit_coef": -1.0}, "exit_coef=-1.0: must be a finite number >= 0"),
+        ({"exit_coef": math.nan}, "exit_coef=nan: must be a finite number >= 0"),
+        ({"exit_coef": 1.0, "kind": "dppo"}, "applies to kinds ppo and grpo without is_cap"),
+        ({"exit_coef": 1.0, "is_cap": 2.0}, "applies to kinds ppo and grpo without is_cap"),
+        ({"exit_entropy_coef": 1.0, "loop_weighting": "uniform"}, "loop_weighting last only"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            ObjectiveConfig(**kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="train a sampled exit"):
+        TrainConfig(objective=ObjectiveConfig(exit_coef=1.0))
+    with pytest.raises(ValueError, match=r"batch\['exit_logp'\]: required"):
+        _loss(ObjectiveConfig(kind="grpo", exit_coef=1.0), None, torch.zeros(B, T))  # type: ignore[arg-type]
+
+
+def _ouro_rollouts(m: torch.nn.Module, policy: SampledGate, mode: str) -> list[Rollout]:
+    prompts, seeds = [[3, 1, 4], [1, 5], [9, 2, 6, 5], [3, 5]], [21, 22, 23, 24]
+    gens = generate(m, prompts, seeds, SamplingParams(max_new_tokens=7), policy, mode)
+    out = []
+    for i, g in enumerate(gens):
+        assert g.exit_logprobs is not None
+        out.append(Rollout(
+            rollout_id=f"w{i // 2}/{i % 2}", work_id=f"w{i // 2}", prompt_id=f"p{i // 2}",
+            sample_index=i % 2, generator_id="g", latent_seed=g.latent_seed,
+            prompt_tokens=np.asarray(g.prompt_tokens, np.int32),
+            tokens=np.asarray(g.tokens, np.int32), logprobs=g.logprobs.numpy(),
+            exit_depths=np.asarray(g.exit_depths, np.uint8), weight_version=0,
+            reward=float(i % 2), full_depth=g.full_depth,
+            exit_logprobs=g.exit_logprobs.numpy(),
+        ))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("kv", ["full", "last_exited"])
+def test_reference_policy_recomputes_the_claimed_exit_logprobs(kv: str) -> None:
+    """Rollouts from models.reference.generate under SampledGate (tiny Ouro, exact): the
+    reference backend's policy forward gives every response token's exit log-prob equal to
+    the generator's claim bit for bit, and the exit term's gradient reaches the gate."""
+    torch.manual_seed(0)
+    m = build_model(tiny_config("ouro"), seed=3)
+    with torch.no_grad():
+        m.model.early_exit_gate.bias.fill_(-0.5)
+    policy = SampledGate(kv=kv)
+    rolls = _ouro_rollouts(m, policy, "exact")
+    assert len({int(d) for r in rolls for d in r.exit_depths}) >= 3
+    batch = build_batch(rolls)
+    obj = ObjectiveConfig(kind="grpo", exit_coef=1.0, exit_entropy_coef=0.01)
+    cfg = TrainConfig(global_batch_size=4, micro_batch_size=4, numerics="exact",
+                      objective=obj, exit_min_depth=1)  # fmt: skip
+    pol = TorchPolicy(cfg, m, OptimConfig(name="sgd", lr=0.1, distributed=False),
+                      ScheduleConfig(), kv=kv)  # fmt: skip
+    assert "exit_behav" in batch.extra
+    st = pol.policy_stats(batch.rows(0, batch.size), None)
+    sel = batch.mask > 0
+    assert torch.equal(st["exit_logp"][sel], batch.extra["exit_behav"][sel])
+    assert bool((st["exit_logp"][sel] < 0).all()) and bool((st["exit_entropy"][sel] > 0).all())
+    assert torch.equal(st["logp"][sel], batch.behav_logp[sel])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, _ = policy_loss(obj, dict(mask=batch.mask, advantages=adv, logp=st["logp"],
+                                    behav_logp=batch.behav_logp, exit_logp=st["exit_logp"],
+                                    exit_behav=batch.extra["exit_behav"],
+                                    exit_entropy=st["exit_entropy"]))  # fmt: skip
+    loss.backward()
+    g = m.model.early_exit_gate.weight.grad
+    assert g is not None and float(g.abs().sum()) > 0
