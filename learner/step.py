@@ -196,6 +196,9 @@ class LearnerStep:
         self.last_mismatch: list[float] = []
         """Per rollout of the last `step` (input order): max |learner - behaviour| log-prob over
         its tokens at the pre-update weights; -1.0 where not measured."""
+        self.last_refused: list[int] = []
+        """The rollouts (input indices) over their ``logp_bounds`` in the last `step`, which
+        was then refused (nothing applied); empty when it trained."""
 
     # ------------------------------------------------------------------ layout
     def _local_rows(self, n_rows: int, g: int) -> Rows:
@@ -301,11 +304,21 @@ class LearnerStep:
         return old_logits, kl_ref
 
     # ------------------------------------------------------------------ the step
-    def step(self, rollouts: Sequence[Rollout], cfg: TrainConfig | None = None) -> dict[str, float]:
+    def step(self, rollouts: Sequence[Rollout], cfg: TrainConfig | None = None, *,
+             logp_bounds: Sequence[float] | None = None) -> dict[str, float]:  # fmt: skip
         """Train on `rollouts` (a positive multiple of global_batch_size of them); returns the
         step's metrics (identical on every rank). ``cfg``: this step's TrainConfig, kept for
-        the steps after it (the reference backend sizes its updates by the step's rollouts)."""
+        the steps after it (the reference backend sizes its updates by the step's rollouts).
+
+        ``logp_bounds`` (per rollout, input order; the same on every rank): verified rollouts
+        before the update. Every rollout's max |learner - behaviour| log-prob is measured at
+        the step's starting weights before any optimizer update (`_measure_before`); when one
+        exceeds its bound the step is refused: no update is applied (gradients zeroed,
+        weights, optimizer, schedule and counters untouched), ``last_refused`` names the
+        rollouts (input indices), ``last_mismatch`` holds every measurement, and the returned
+        metrics are {"refused_rollouts": k}. The caller takes the liars out and steps again."""
         self.cfg = cfg or self.cfg
+        self.last_refused = []
         cfg, pol, g = self.cfg, self.pol, self.cfg.global_batch_size
         if not rollouts or len(rollouts) % g:
             raise ValueError(f"rollouts: expected a positive multiple of global_batch_size ({g}), "
@@ -331,6 +344,12 @@ class LearnerStep:
         mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)  # per sorted row
         order = update_order(len(rows), obj.epochs, cfg.seed, self.step_count)
         n_updates, skipped = len(order), 0.0
+        bounds = None if logp_bounds is None else self._row_bounds(rollouts, logp_bounds)
+        early = "prox_logp" in batch.extra  # every row measured already: judged before the loop
+        if bounds is not None:
+            self._measure_before(batch, rows, order[0], mismatch)
+            if early and self._refused(rollouts, mismatch, bounds):
+                return {"refused_rollouts": float(len(self.last_refused))}
         for u, j in enumerate(order):
             g_lo, g_hi, lo, hi = rows[j]
             norm = update_normalizer(batch, g_lo, g_hi, obj.aggregation)
@@ -363,6 +382,14 @@ class LearnerStep:
                 record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates, rejected)
                 if learner is not None:
                     row_mismatch(mismatch, a, mb.mask, mb.behav_logp, learner)
+            if (
+                u == 0
+                and bounds is not None
+                and not early
+                and self._refused(rollouts, mismatch, bounds)
+            ):
+                pol.policy.zero_grad()  # nothing of the liars' (nor anyone's) is applied
+                return {"refused_rollouts": float(len(self.last_refused))}
             upd = pol.policy.update(finite)
             skip = upd.pop("skipped_nonfinite")
             skipped += skip
@@ -389,6 +416,48 @@ class LearnerStep:
                    skipped_nonfinite_total=float(pol.policy.skipped_nonfinite),
                    logprob_mismatch=out.get("logp_mismatch_max", math.nan))  # fmt: skip
         return out
+
+    # ------------------------------------------------------------------ verified rollouts
+    def _row_bounds(self, rollouts: Sequence[Rollout], bounds: Sequence[float]) -> Tensor:
+        """The bounds of `step` per sorted batch row (the rows follow sort_rollouts)."""
+        if len(bounds) != len(rollouts):
+            raise ValueError(f"logp_bounds: expected one bound per rollout ({len(rollouts)}), "
+                             f"got {len(bounds)}")  # fmt: skip
+        by_id = {r.rollout_id: float(b) for r, b in zip(rollouts, bounds, strict=True)}
+        return torch.tensor([by_id[r.rollout_id] for r in sort_rollouts(rollouts)],
+                            dtype=torch.float64)  # fmt: skip
+
+    def _measure_before(self, batch: TrainBatch, rows: Rows, first: int, out: Tensor) -> None:
+        """Every local row's mismatch at the starting weights, before any update: from the
+        proximal pass when it ran (no extra forward), else a no-grad forward of the rows that
+        the first update does not train (the first update's training forward measures its
+        own rows before its optimizer step: with one mini-batch, no extra forward at all)."""
+        prox = batch.extra.get("prox_logp")
+        if prox is not None:
+            for _, _, lo, hi in rows:
+                row_mismatch(out, lo, batch.mask[lo:hi], batch.behav_logp[lo:hi], prox[lo:hi])
+            return
+        with _evaluating(self.pol.policy):
+            for j, (_, _, lo, hi) in enumerate(rows):
+                if j == first:
+                    continue
+                for a, mb in self._micro(batch, lo, hi):
+                    lp = self.pol.policy_stats(mb, None)["logp"]
+                    row_mismatch(out, a, mb.mask, mb.behav_logp, lp.detach())
+
+    def _refused(self, rollouts: Sequence[Rollout], mismatch: Tensor, bounds: Tensor) -> bool:
+        """Every rank's measurements (max over DP), against the bounds: the liars, if any, in
+        ``last_refused`` (input indices; the same decision on every rank)."""
+        m = self.pol.dp.all_reduce_(mismatch.clone(), dist.ReduceOp.MAX)
+        bad = (m >= 0) & (m > bounds)
+        if not bool(bad.any()):
+            return False
+        srt = sort_rollouts(rollouts)
+        by_id = {r.rollout_id: float(m[i]) for i, r in enumerate(srt)}
+        liars = {srt[i].rollout_id for i in torch.nonzero(bad).flatten().tolist()}
+        self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
+        self.last_refused = [i for i, r in enumerate(rollouts) if r.rollout_id in liars]
+        return True
 
     def _kept_normalizer(self, batch: TrainBatch, lo: int, hi: int) -> float:
         """objective.is_rejected_in_denominator false: the update's global count of response

@@ -208,12 +208,16 @@ class IntakeSection:
     """Sliding window of ``max_refused`` (s)."""
     work_timeout_s: float = 900.0
     """Work a generator holds this long without answering is dispatched again elsewhere (s; 0: never)."""
+    share_ratio: float = 4.0
+    """Fair share: of recent new work, a generator gets at most this many times (count + 1) of each other that answered (0: off)."""
 
     def __post_init__(self) -> None:
         _check(self.reward_bound > 0, "intake.reward_bound", self.reward_bound, "must be > 0")
         _check(self.max_refused >= 0, "intake.max_refused", self.max_refused, "must be >= 0")
         _check(self.window_s > 0, "intake.window_s", self.window_s, "must be > 0")
         _check(self.work_timeout_s >= 0, "intake.work_timeout_s", self.work_timeout_s, ">= 0")
+        _check(self.share_ratio == 0 or self.share_ratio >= 1, "intake.share_ratio",
+               self.share_ratio, "must be 0 (off) or >= 1")  # fmt: skip
 
 
 # GeneratorConfig fields `looprl run` sets itself for every generator: (what sets them).

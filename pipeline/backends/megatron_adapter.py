@@ -55,17 +55,25 @@ class MegatronTrainer:
         self.trainer = build_learner_trainer(cfg, self.model_config, hf_state, ref_state=ref_state)
         self.is_cap = cfg.objective.is_cap
         self.last_mismatch: list[float] = []
+        self.last_refused: list[int] = []  # the last step's liars (input indices): refused
         self.last_publish_times: dict[str, float] = {}
         """Seconds of the last publish's stages the coordinator logs (``time/publish_gather``:
         the HF state gathered over TP; the rest of ``time/publish`` casts, hashes, writes)."""
 
+    checks_logp_before_update = True
+    """``step(logp_bounds=...)`` refuses a step holding a lying rollout before its update."""
+
     def step(
-        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-    ) -> Mapping[str, float]:
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+        logp_bounds: Sequence[float] | None = None,
+    ) -> Mapping[str, float]:  # fmt: skip
+        """learner.step's step; ``logp_bounds``: its verified rollouts (a rollout over its
+        bound refuses the step before any update: ``last_refused``)."""
         # policy keep requires objective.is_cap (pipeline.config), applied to every rollout
-        out = dict(self.trainer.step(list(rollouts)))
+        out = dict(self.trainer.step(list(rollouts), logp_bounds=logp_bounds))
         # Per-rollout numerics mismatch for the coordinator's fresh-rollout metric.
         self.last_mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]
+        self.last_refused = list(self.trainer.last_refused)
         return out
 
     def publish(self, out_dir: Path, version: int) -> Publication | None:

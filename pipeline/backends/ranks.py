@@ -59,15 +59,25 @@ class Leader:
     def last_mismatch(self) -> list[float]:
         return list(getattr(self.trainer, "last_mismatch", []))
 
+    @property
+    def last_refused(self) -> list[int]:
+        return list(getattr(self.trainer, "last_refused", []))
+
+    @property
+    def checks_logp_before_update(self) -> bool:
+        return bool(getattr(self.trainer, "checks_logp_before_update", False))
+
     def _send(self, op: str, **args: Any) -> None:
         _bcast(json.dumps({"op": op, **args}).encode())
 
     def step(
-        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-    ) -> Mapping[str, float]:
-        self._send("step", flags=list(needs_correction))
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+        logp_bounds: Sequence[float] | None = None,
+    ) -> Mapping[str, float]:  # fmt: skip
+        bounds = None if logp_bounds is None else [float(b) for b in logp_bounds]
+        self._send("step", flags=list(needs_correction), bounds=bounds)  # every rank: one verdict
         _bcast(self.codec.encode(RolloutBatch(list(rollouts))))
-        return self.trainer.step(rollouts, needs_correction)  # type: ignore[no-any-return]
+        return self.trainer.step(rollouts, needs_correction, bounds)  # type: ignore[no-any-return]
 
     def publish(self, out_dir: Path, version: int) -> Any:
         self._send("publish", out_dir=str(out_dir), version=version)
@@ -105,7 +115,7 @@ def follow(trainer: Any) -> int:
             if op == "step":
                 batch = codec.decode(_bcast(None))
                 assert isinstance(batch, RolloutBatch)
-                trainer.step(batch.rollouts, cmd["flags"])
+                trainer.step(batch.rollouts, cmd["flags"], cmd.get("bounds"))
                 steps += 1
             elif op == "publish":
                 trainer.publish(Path(cmd["out_dir"]), int(cmd["version"]))

@@ -91,15 +91,22 @@ class ReferenceTrainer:
         self.runner = LearnerStep(tc, self.policy)
         self.model = self.policy.model
         self.last_mismatch: list[float] = []  # per rollout of the last step: max |prox - behav|
+        self.last_refused: list[int] = []  # the last step's liars (input indices): refused
 
     @property
     def steps(self) -> int:
         return self.runner.step_count
 
+    checks_logp_before_update = True
+    """``step(logp_bounds=...)`` refuses a step holding a lying rollout before its update."""
+
     def step(
-        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-    ) -> Mapping[str, float]:
-        """learner.step's step, with ``objective.minibatches`` updates of whole groups."""
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+        logp_bounds: Sequence[float] | None = None,
+    ) -> Mapping[str, float]:  # fmt: skip
+        """learner.step's step, with ``objective.minibatches`` updates of whole groups.
+        ``logp_bounds``: learner.step's verified rollouts (a rollout over its bound refuses
+        the step before any update: ``last_refused``)."""
         if not rollouts:
             raise ValueError("trainer.step: no rollouts")
         rolls = sort_rollouts(rollouts)
@@ -107,8 +114,10 @@ class ReferenceTrainer:
         if groups % k or len(rolls) % k:
             raise ValueError(f"objective.minibatches={k} must divide the step's {groups} groups "
                              f"({len(rolls)} rollouts)")  # fmt: skip
-        out = self.runner.step(rollouts, train_config(self.run_cfg, len(rolls) // k))
+        out = self.runner.step(rollouts, train_config(self.run_cfg, len(rolls) // k),
+                               logp_bounds=logp_bounds)  # fmt: skip
         self.last_mismatch = [m if m >= 0 else math.nan for m in self.runner.last_mismatch]
+        self.last_refused = list(self.runner.last_refused)
         return out
 
     # -- weights and checkpoints ------------------------------------------------------------

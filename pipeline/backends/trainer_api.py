@@ -6,6 +6,10 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
     ckpt = trainer.latest(run_dir)                     # on --resume
     state = trainer.load(ckpt)                         # -> the pipeline_state saved with it
     metrics = trainer.step(rollouts, flags)            # one training step on complete groups
+    metrics = trainer.step(rollouts, flags, bounds)    # (checks_logp_before_update) refused,
+                                                       # nothing applied, when a rollout's
+                                                       # log-probs are over its bound:
+                                                       # trainer.last_refused names them
     pub = trainer.publish(out_dir, version)            # current weights, HF layout, written to
                                                        # out_dir (= RUN_DIR/weights/v<version>);
                                                        # the Publication the coordinator announces
@@ -41,8 +45,9 @@ class Trainer(Protocol):
     """The learner's training side as the coordinator sees it (see the module docstring)."""
 
     def step(
-        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-    ) -> Mapping[str, float]: ...
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+        logp_bounds: Sequence[float] | None = None,
+    ) -> Mapping[str, float]: ...  # fmt: skip
     def publish(self, out_dir: Path, version: int) -> Publication | None: ...
     def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication] | None: ...
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path: ...

@@ -55,8 +55,16 @@ from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
-from pipeline.core.validation import ModelLimits, check_logp, door_rules, logp_base
+from pipeline.core.validation import (
+    ModelLimits,
+    Refusal,
+    check_logp,
+    door_rules,
+    logp_base,
+    logp_bound,
+)
 from pipeline.net.log_limit import Throttle
+from pipeline.net.weight_sync import DeliveryLog
 from proto import (
     Ack,
     ErrorMsg,
@@ -84,6 +92,15 @@ class CoordinatorError(RuntimeError):
 
 class NonFinitePublication(CoordinatorError):
     """The trainer's weights hold NaN or inf: they were not published."""
+
+
+@dataclass
+class _Refused:
+    """A step the trainer refused before its update (verified rollouts): the liars (indices
+    into the job's rollouts) and every rollout's measured mismatch."""
+
+    liars: list[int]
+    mismatch: list[float]
 
 
 @dataclass
@@ -136,6 +153,7 @@ class Coordinator:
             cap=r.prompts_per_step * (st.max_staleness + 1),
             per_step=r.prompts_per_step,
             run_seed=cfg.seed, prompts=prompts, ledger=self.ledger, gate=self.gate, evals=evals,
+            share_ratio=cfg.intake.share_ratio,
         )  # fmt: skip
         self.recorder = Recorder(run_dir, enabled=cfg.record.enabled, fsync=cfg.record.fsync)  # type: ignore[arg-type]
         self.quarantine = Quarantine(run_dir)
@@ -160,7 +178,9 @@ class Coordinator:
         self._logp_base = logp_base(cfg.numerics,
                                     float32=gen32 and cfg.learner.precision == "fp32")  # fmt: skip
         self.evals = evals  # evaluation rounds on the generators (eval.every > 0)
-        self.publisher = make_publisher(cfg.publish.transport, endpoint, cfg.publish)
+        self.deliveries = DeliveryLog()  # versions announced to each generator: claims' truth
+        self.publisher = make_publisher(cfg.publish.transport, self.deliveries.endpoint(endpoint),
+                                        cfg.publish)  # fmt: skip
         self.last_digest = ""
         self._last_progress = clock()
         self._job: _Job | None = None
@@ -182,6 +202,9 @@ class Coordinator:
                 ep.send(peer, ErrorMsg("banned", f"dropped for this run: {self.banned[peer]}"))
             return
         if channel == "weights":
+            if isinstance(rec, Ack) and rec.kind == "weights":  # "I serve v": a claim too
+                if self._claimed(peer, rec.version, "weights Ack") < 0 <= rec.version:
+                    return  # never delivered to it: the publisher keeps offering the current
             if self.publisher.handle(peer, rec) and peer in self.publisher.generators():
                 d.set_version(peer, self.publisher.serving(peer))
                 self.timeline.served(self.publisher.generators())
@@ -227,17 +250,26 @@ class Coordinator:
             pass  # the generator acknowledges nothing we act on yet
 
     def _claimed(self, peer: str, v: int, what: str) -> int:
-        """A generator's claimed serving version, checked against what was published: a
-        version above the learner's newest was never published (nor delivered), so the claim
-        is refused (counted, logged at most once per ``HELLO_INTERVAL_S`` per generator) and
-        -1 returned: the generator is treated as serving nothing and gets the current weights
-        before any work."""
-        if v <= self.version:
+        """A generator's claimed serving version, checked against what was delivered to it
+        (pipeline.net.weight_sync: the starting checkpoint v0, or a version whose announcement
+        this learner sent to ``peer``; a version above the newest was never even published).
+        A false claim is refused (counted ``claims_refused``, logged at most once per
+        ``HELLO_INTERVAL_S`` per generator) and -1 returned: the generator is treated as
+        serving nothing and gets the current weights before any work. -1 (serves nothing
+        yet) is no claim."""
+        if v >= 0 and peer in self.publisher.generators():
+            t = self.publisher.target(peer)  # being sent (or acknowledged, checked here first)
+            if t >= 0:
+                self.deliveries.record(peer, t)
+        if v < 0 or self.deliveries.delivered(peer, v):
             return v
         self.intake.counts["claims_refused"] += 1
         if self._throttle.allow(f"claim:{peer}"):
-            log.warning("generator %s claims to serve v%d in its %s, but the newest version "
-                        "published is v%d: refused", peer, v, what, self.version)  # fmt: skip
+            why = (f"the newest version published is v{self.version}" if v > self.version
+                   else f"v{v} was never delivered to it (delivered: "
+                   f"{self.deliveries.versions(peer)[-4:]})")  # fmt: skip
+            log.warning("generator %s claims to serve v%d in its %s, but %s: refused", peer, v,
+                        what, why)  # fmt: skip
         return -1
 
     def _hello(self, peer: str, rec: Hello) -> None:
@@ -336,9 +368,8 @@ class Coordinator:
         if self._job is not None:
             if not self._job.future.done():
                 return False
-            self._complete(self._job)
-            self._job = None
-            return True
+            job, self._job = self._job, None
+            return self._complete(job)
         k, tv = self.cfg.rollout.prompts_per_step, self.trained_version
         if not self.gate.can_train(tv):
             return False
@@ -348,8 +379,7 @@ class Coordinator:
         self.timeline.step_started()
         job = self._start(groups)
         if self._pool is None:
-            self._complete(job)
-            return True
+            return self._complete(job)
         self._job = job
         return False
 
@@ -387,11 +417,14 @@ class Coordinator:
         base = self.trained_version
         v = base + 1  # after those still pending
         snap = getattr(self.trainer, "snapshot", None) if queue is not None else None
+        bounds = self._bounds(rolls, base)
 
         def work() -> tuple[dict[str, Any], float, Any]:
             t0 = time.time()
-            tm = dict(self.trainer.step(rolls, flags))
+            tm, refused = self._train(rolls, flags, bounds)
             train_s = time.time() - t0
+            if refused is not None:  # nothing applied: no step, nothing to publish
+                return tm, train_s, refused
             faults.kill_at("step", self.step + 1)  # the crash tests' kill -9 mid-step
             if not publish:
                 return tm, train_s, None
@@ -414,8 +447,14 @@ class Coordinator:
             fut = self._pool.submit(work)
         return _Job(groups, rolls, flags, failed, publish, base, v, fut)
 
-    def _complete(self, job: _Job) -> None:
+    def _complete(self, job: _Job) -> bool:
+        """The step's bookkeeping on the coordinator thread; False if the trainer refused it
+        (verified rollouts: ``_refuse_step``)."""
         tm, train_s, pub = job.future.result()
+        if isinstance(pub, _Refused):
+            self._refuse_step(job, pub)
+            self.timeline.step_done()
+            return False
         groups, rolls, flags = job.groups, job.rolls, job.flags
         self.step += 1
         self.recorder.log_step(
@@ -457,11 +496,65 @@ class Coordinator:
             self.on_step(m)
         if self.evals is not None and self.evals.due(self.step):
             self.evals.start(self.step, self.version)
+        return True
+
+    # -- verified rollouts -------------------------------------------------------------------
+    def _bounds(self, rolls: list[Rollout], base: int) -> list[float] | None:
+        """Each rollout's log-prob bound (validation.logp_bound: the numerics' base and its
+        staleness at ``base``) for a trainer that checks before its update, else None."""
+        if not getattr(self.trainer, "checks_logp_before_update", False):
+            return None
+        return [logp_bound(self._logp_base, self.gate.staleness(base, r)) for r in rolls]
+
+    def _train(
+        self, rolls: list[Rollout], flags: list[bool], bounds: list[float] | None
+    ) -> tuple[dict[str, Any], _Refused | None]:
+        """The trainer's step (on the trainer thread); with ``bounds`` the trainer compares
+        every rollout's claimed log-probs with its own before the update and refuses the step
+        when one is over its bound: (metrics, the liars) then, nothing applied."""
+        if bounds is None:
+            return dict(self.trainer.step(rolls, flags)), None
+        tm = dict(self.trainer.step(rolls, flags, bounds))
+        liars = list(getattr(self.trainer, "last_refused", None) or [])
+        if not liars:
+            return tm, None
+        return tm, _Refused(liars, list(getattr(self.trainer, "last_mismatch", None) or []))
+
+    def _refuse_step(self, job: _Job, ref: _Refused) -> None:
+        """A step refused before its update: its liars are quarantined and counted toward
+        their generators' budgets (as ``_verify``'s), their samples voided and dispatched again
+        (to another generator where there is one); the rest of its groups go back to the
+        buffer, untrained, and a later step takes them. Over budget: banned (which voids the
+        generator's other accepted, untrained rollouts)."""
+        bans: dict[str, str] = {}
+        liars: set[str] = set()
+        for i in ref.liars:
+            r = job.rolls[i]
+            x = ref.mismatch[i] if i < len(ref.mismatch) else float("nan")
+            st = self.gate.staleness(job.base, r)
+            why = check_logp(float(x), base=self._logp_base, staleness=st) or Refusal(
+                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound "
+                f"{logp_bound(self._logp_base, st):.3g} at staleness {st})")  # fmt: skip
+            liars.add(r.rollout_id)
+            ban = self.intake.refuse_trained(r.generator_id, r, why)
+            if ban is not None:
+                bans.setdefault(r.generator_id, ban)
+        who = sorted({job.rolls[i].generator_id for i in ref.liars})
+        n = self.intake.take_back(job.groups, liars)
+        self.intake.counts["steps_refused"] += 1
+        log.warning("step %d refused before its update: %d rollouts of %s claim log-probs the "
+                    "learner does not compute (quarantined; %d samples dispatched again, %d "
+                    "groups back in the buffer)", self.step + 1, len(liars), who, n,
+                    len(job.groups))  # fmt: skip
+        for gid, reason in bans.items():
+            if gid not in self.banned:
+                self.ban(gid, reason)
 
     def _verify(self, rolls: list[Rollout], per: list[float], base: int) -> None:
-        """Verified rollouts: each trained rollout's claimed log-probs against the learner's
-        (pipeline.core.validation.check_logp, the bound of the run's numerics and the
-        rollout's staleness). A lie is quarantined and counted toward its generator's budget
+        """Verified rollouts after the step, for a trainer that cannot refuse a step before its
+        update (the real ones do: ``_train``): each trained rollout's claimed log-probs against
+        the learner's (pipeline.core.validation.check_logp, the bound of the run's numerics and
+        the rollout's staleness). A lie is quarantined and counted toward its generator's budget
         (intake.max_refused within intake.window_s); over budget, the generator is banned and
         its accepted, untrained rollouts are voided and their samples dispatched again."""
         bans: dict[str, str] = {}

@@ -13,12 +13,22 @@ Loop (on the coordinator's thread)::
     d.returned(gid, work_ids)          # WorkReturn -> re-dispatch
     d.refused(gid, work_id, index)     # its rollout was refused at the door -> re-dispatch
                                        # to another generator when there is one
+    d.redo(work_id, indices, avoid)    # accepted samples a refused step took back: the same
     d.overdue(timeout_s)               # work unanswered for too long -> re-dispatch elsewhere
     d.finished(work_id)                # trained or dropped: forget it
 
 Work ids are ``w<counter>`` with a counter that only increases (saved in the checkpoint), and
 the prompt and latent seeds of a work id are a pure function of (run seed, counter), so a
 restarted learner re-creates exactly the work items it had dispatched.
+
+Fair share (``share_ratio`` k > 0, run config intake.share_ratio): among the last ``window``
+new work items (4 x cap, at least 16), a generator gets a new one only while it holds fewer
+than k x (m + 1) of them for every other live generator that has answered correctly (an
+accepted sample), m being that one's count: a generator that answers instantly cannot take
+all the work from a slower honest one, which keeps about 1/(k + 1) of it with two generators
+(at least 1/(k x n) of n); the fast one waits instead (re-dispatches are not counted: they
+go where they can). A generator that never answered (just joined, or swallows work) is not
+owed a share, and a dead one stops being owed one when it is declared gone.
 
 Invariants: a generator holds at most ``max_inflight`` work items from us; work goes only to
 a generator whose served version ``g`` passes ``gate.can_dispatch(v, g)``
@@ -104,6 +114,7 @@ class _Gen:
     issued_at: dict[str, float] = field(default_factory=dict)  # work id -> last sent (clock)
     incarnation: Any = None  # (pid, started_at) of the process behind the id
     served: int = -1  # the dispatch sequence number of its last item (-1: none yet)
+    answered: bool = False  # an accepted sample came from it: owed a fair share
 
 
 def work_id_of(counter: int) -> str:
@@ -136,6 +147,7 @@ class Dispatcher:
         gate: StalenessGate,
         clock: Callable[[], float] = time.time,
         evals: EvalRounds | None = None,
+        share_ratio: float = 0.0,
     ) -> None:
         if cap < 1 or n < 1:
             raise ValueError("need cap >= 1 and n >= 1")
@@ -154,6 +166,10 @@ class Dispatcher:
         self.sent = 0  # WorkItems sent (new + re-dispatch)
         self.timeouts: Counter[str] = Counter()  # generator -> work_timeout_s releases
         self._seq = 0  # items issued (work and evaluation): orders ties between generators
+        self.share_ratio = share_ratio  # fair share (module docstring); 0: off
+        self._recent: deque[str] = deque(maxlen=max(16, 4 * cap))  # owners of the last new items
+        self._recent_n: Counter[str] = Counter()
+        self.share_waits = 0  # new items held back from a generator over its share
 
     # -- generators ----------------------------------------------------------------------------
     def add_generator(
@@ -257,6 +273,7 @@ class Dispatcher:
         g = self._gens.get(gid)
         if g is None:
             return
+        g.answered = True
         held = g.pending.get(work_id)
         if held is not None:
             held.discard(index)
@@ -272,6 +289,14 @@ class Dispatcher:
         if spec is not None:
             for i in range(self.n):
                 self._avoid.pop((work_id, i), None)
+
+    def redo(self, work_id: str, indices: list[int], avoid: dict[int, str]) -> None:
+        """Accepted samples taken back (a step refused their rollouts): dispatched again, each
+        preferably to another generator than ``avoid[index]``."""
+        for i in indices:
+            if i in avoid:
+                self._avoid[(work_id, i)] = avoid[i]
+        self._redo.append(Redispatch(work_id, self.n, tuple(indices)))
 
     def queue_redispatch(self, redo: list[Redispatch]) -> None:
         """Samples to send again (after a restore)."""
@@ -371,12 +396,32 @@ class Dispatcher:
         self._redo.extendleft(reversed(skipped))
         if item is not None:
             return item
-        if len(self.open) >= self.cap or not self._budget(ver):
+        if len(self.open) >= self.cap or not self._budget(ver) or not self._fair(gid):
             return None
+        self._note_new(gid)
         spec = self.make_spec(self.counter)
         self.counter += 1
         self.open[spec.work_id] = spec
         return self._issue(gid, g, spec, list(range(self.n)), ver)
+
+    def _fair(self, gid: str) -> bool:
+        """May ``gid`` take a new item under the fair share (module docstring)?"""
+        k = self.share_ratio
+        if k <= 0:
+            return True
+        mine = self._recent_n[gid]
+        for h, other in self._gens.items():
+            if h != gid and other.answered and mine >= k * (self._recent_n[h] + 1):
+                self.share_waits += 1
+                return False
+        return True
+
+    def _note_new(self, gid: str) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            self._recent_n[old] -= 1
+        self._recent.append(gid)
+        self._recent_n[gid] += 1
 
     def _budget(self, g: int) -> bool:
         """Policy "drop": new work for a generator serving ``g`` is trainable up to learner

@@ -294,6 +294,35 @@ class Intake:
                             source="train")  # fmt: skip
         return self.refusals.note(gid, why.reason)
 
+    def take_back(self, groups: list[Group], refused: set[str]) -> int:
+        """A step the trainer refused before its update (``refused``: the rollout ids over
+        their log-prob bound): its groups come back untrained. The refused rollouts are voided
+        (RUN_DIR/voided.jsonl, reason "logp_mismatch"): their samples re-opened in the ledger
+        and dispatched again, to another generator than the one that lied where there is one;
+        the rest wait in the buffer (complete groups first in line again, partial ones for
+        their new samples). Returns the samples dispatched again."""
+        voided: list[Rollout] = []
+        for g in reversed(groups):
+            bad = [r for r in g.rollouts if r.rollout_id in refused]
+            if not bad:
+                self.complete[g.work_id] = Group(g.work_id, list(g.rollouts))
+                self.complete.move_to_end(g.work_id, last=False)
+                continue
+            keep = {r.sample_index: r for r in g.rollouts if r.rollout_id not in refused}
+            if keep:
+                self._partial[g.work_id] = keep
+            idx = sorted(int(r.sample_index) for r in bad)
+            self.ledger.reopen(g.work_id, idx)
+            self.dispatcher.redo(g.work_id, idx, avoid={int(r.sample_index): r.generator_id
+                                                        for r in bad})  # fmt: skip
+            voided += bad
+        for r in voided:
+            self.restored.discard(r.rollout_id)
+        if voided and self.void is not None:
+            self.void([{"rollout_id": r.rollout_id, "reason": "logp_mismatch"} for r in voided])
+        self.counts["voided_logp_mismatch"] += len(voided)
+        return len(voided)
+
     def void_generator(self, gid: str) -> int:
         """A banned generator's accepted, untrained rollouts are voided: out of the buffer,
         their samples re-opened in the ledger and dispatched again (RUN_DIR/voided.jsonl names

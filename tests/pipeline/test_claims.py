@@ -68,6 +68,7 @@ def test_a_claimed_version_never_published_is_refused(tmp_path: Path) -> None:
     g = FakeGenerator(net, "g")
     drive(c, [g], 1)
     assert c.version == 1
+    c.publisher.pump()  # v1 announced to g
     # Hello claiming v500 (the issue: "joined (serving v500)", work min_weight_version=500)
     c.handle("control", "liar", Hello("liar", "h", 9, ["fake"], 2, 500, 5.0))
     assert c.dispatcher.generators()["liar"] == -1  # serves nothing we know: weights first
@@ -79,7 +80,8 @@ def test_a_claimed_version_never_published_is_refused(tmp_path: Path) -> None:
     c.dispatcher.pump(c.version, c._send_work, c._expected_version)
     items = [r for p, r in sent if p == "liar" and isinstance(r, WorkItem)]
     assert all(it.min_weight_version <= c.version for it in items)
-    # an honest claim (a published version) is believed
+    # an honest claim (a version published and announced to g) is believed
+    assert c.deliveries.delivered("g", 1)
     c.handle("control", "g", Heartbeat("g", 0.0, 1, 0))
     assert c.dispatcher.generators()["g"] == 1
 
@@ -93,3 +95,84 @@ def test_a_generator_that_swallows_work_is_banned(tmp_path: Path) -> None:
     assert "hole" not in c.dispatcher.generators()
     trained = [rid for b in t.batches for rid in b]
     assert len(trained) == len(set(trained)) == 12 * 8
+
+
+def test_a_version_never_delivered_to_that_generator_is_refused(tmp_path: Path) -> None:
+    """Real ZeroMQ sockets on loopback: "g" is sent v1 and v2 and serves them; "late" joins
+    after both and claims v1 (published, below the newest, never announced to it) in its
+    Hello, its Heartbeats and a weights Ack: each claim refused (``claims_refused``), no work
+    issued against v1, the current weights (v2) announced to it; once it acknowledges v2,
+    which was delivered, it is believed. The honest generator's claims are never refused."""
+    import time
+
+    from pipeline.config import load_config
+    from pipeline.core.coordinator import Coordinator
+    from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+    from proto import Ack, WeightAnnounce
+    from tests.pipeline import fast_zmq, hello
+    from tests.pipeline.fakes import FAKE_LIMITS, FakeTrainer, prompts
+
+    tc = fast_zmq()
+    ep = ZmqLearnerEndpoint(tc, control="tcp://127.0.0.1:*", weights="tcp://127.0.0.1:*")
+    cfg = load_config(None, [f"run_dir={tmp_path}", "rollout.n=4", "rollout.prompts_per_step=2",
+                             "staleness.max_staleness=2", "publish.keep=0"])  # fmt: skip
+    c = Coordinator(cfg, endpoint=ep, trainer=FakeTrainer(), prompts=prompts(), run_dir=tmp_path,
+                    limits=FAKE_LIMITS)  # fmt: skip
+    conns: dict[str, ZmqGeneratorConnection] = {}
+    announced: dict[str, list[int]] = {}
+    items: dict[str, list[WorkItem]] = {}
+
+    def connect(gid: str, version: int) -> None:
+        conns[gid] = ZmqGeneratorConnection(tc, hello(gid, version), control=ep.endpoints["control"],
+                                            weights=ep.endpoints["weights"])  # fmt: skip
+        announced[gid], items[gid] = [], []
+
+    def run_until(cond: object, *, ack: dict[str, bool], timeout: float = 20.0) -> None:
+        end = time.monotonic() + timeout
+        while not cond() and time.monotonic() < end:  # type: ignore[operator]
+            c.turn(0.01)
+            for gid, conn in conns.items():
+                inc = conn.recv(0.0)
+                while inc is not None:
+                    if isinstance(inc.record, WeightAnnounce):
+                        announced[gid].append(inc.record.version)
+                        if ack[gid]:  # loads it at once
+                            v = inc.record.version
+                            conn.set_status(v, 0)
+                            conn.send(Ack("weights", str(v), v), channel="weights")
+                    elif isinstance(inc.record, WorkItem):
+                        items[gid].append(inc.record)
+                    inc = conn.recv(0.0)
+        assert cond(), "timed out"  # type: ignore[operator]
+
+    try:
+        connect("g", 0)
+        run_until(lambda: "g" in c.dispatcher.generators(), ack={"g": True})
+        for v in (1, 2):
+            c.publish()
+            run_until(lambda v=v: c.publisher.generators().get("g") == v, ack={"g": True})  # type: ignore[misc]
+        assert announced["g"] == [1, 2] and c.intake.counts["claims_refused"] == 0
+        connect("late", 1)  # v1: published, below the newest, never delivered to "late"
+        conns["late"].set_status(1, 0)
+        ack = {"g": True, "late": False}
+        run_until(lambda: "late" in c.dispatcher.generators() and announced["late"], ack=ack)
+        assert c.dispatcher.generators()["late"] == -1  # serves nothing we know
+        assert announced["late"] == [2]  # it gets the current weights
+        n = c.intake.counts["claims_refused"]
+        assert n >= 1
+        run_until(lambda: c.intake.counts["claims_refused"] >= n + 3, ack=ack)  # Heartbeats
+        conns["late"].send(Ack("weights", "1", 1), channel="weights")  # "I loaded v1"
+        run_until(lambda: c.intake.counts["claims_refused"] >= n + 4, ack=ack)
+        assert c.publisher.generators()["late"] == -1
+        assert c.dispatcher.generators()["late"] == -1
+        assert not [it for it in items["late"] if it.min_weight_version == 1]
+        conns["late"].set_status(2, 0)  # it loads v2, which was delivered to it: believed
+        conns["late"].send(Ack("weights", "2", 2), channel="weights")
+        run_until(lambda: c.dispatcher.generators()["late"] == 2, ack=ack)
+        assert c.publisher.generators()["late"] == 2
+        assert c.dispatcher.generators()["g"] == 2 and c.publisher.generators()["g"] == 2
+    finally:
+        for conn in conns.values():
+            conn.close(None)
+        c.close()
+        ep.close()

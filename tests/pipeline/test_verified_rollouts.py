@@ -13,6 +13,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,3 +164,193 @@ def test_the_bound_is_loose_where_either_side_may_run_bf16(
     assert c._logp_base == base
     assert logp_bound(base, 2) == base + 2 * LOGP_DRIFT_PER_VERSION
     c.close()
+
+
+# -- refused before the step trains (real trainer, real numbers) -------------------------------
+
+
+class SpecGenerator(FakeGenerator):
+    """A generator with real numbers: each WorkItem sampled by models.reference.generate (the
+    numerical spec) from the weights of the version it serves (the run's checkpoint for v0,
+    RUN_DIR/weights/v<N> after), claiming its own log-probs; ``claim`` (a liar) replaces every
+    claimed log-prob with that value."""
+
+    def __init__(self, *args: object, model_dir: Path, run_dir: Path,
+                 claim: float | None = None, **kw: object) -> None:  # fmt: skip
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.model_dir, self.run_dir, self.claim = model_dir, run_dir, claim
+        self._models: dict[int, object] = {}
+
+    def _model(self, version: int) -> object:
+        from models.checkpoint import load_model
+        from models.weights.publication import weights_dir
+
+        if version not in self._models:
+            path = self.model_dir if version == 0 else weights_dir(self.run_dir, version)
+            self._models = {version: load_model(path)[1]}
+        return self._models[version]
+
+    def _generate(self, item: WorkItem, version: int) -> dict[int, object]:
+        """Every sample of ``item`` in one batch: latent seed -> Generation."""
+        import torch
+
+        from models.reference import SamplingParams, generate
+
+        key = (item.work_id, tuple(int(s) for s in item.latent_seeds), version)
+        if getattr(self, "_batch", (None, {}))[0] != key:
+            sp = SamplingParams(temperature=item.temperature, top_p=item.top_p,
+                                max_new_tokens=item.max_tokens,
+                                stop_token_ids=tuple(item.stop_token_ids))  # fmt: skip
+            seeds = [int(s) for s in item.latent_seeds]
+            with torch.no_grad():
+                gens = generate(
+                    self._model(version),  # type: ignore[arg-type]
+                    [[int(t) for t in item.prompt_tokens]] * len(seeds),
+                    seeds,
+                    sp,
+                )
+            self._batch = (key, dict(zip(seeds, gens, strict=True)))
+        return self._batch[1]
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        g: Any = self._generate(item, version)[seed]
+        lp = g.logprobs.float().numpy().astype(np.float32)
+        if self.claim is not None:
+            lp = np.full(len(g.tokens), self.claim, np.float32)
+        return Rollout(
+            rollout_id=f"{item.work_id}/{i}", work_id=item.work_id, prompt_id=item.prompt_id,
+            sample_index=i, generator_id=self.gid, latent_seed=seed,
+            prompt_tokens=item.prompt_tokens, tokens=np.asarray(g.tokens, np.int32),
+            logprobs=lp, exit_depths=np.asarray(g.exit_depths, np.uint8),
+            full_depth=int(g.full_depth), weight_version=version, reward=self.rng.random(),
+        )  # fmt: skip
+
+
+def _spec_run(
+    tmp: Path, model_dir: Path, backend: str, over: list[str]
+) -> tuple[object, object, list]:
+    """A Coordinator over a real trainer of ``backend`` that records, per trainer.step call,
+    (rollouts, refused indices, weights after)."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.core.coordinator import Coordinator
+    from pipeline.core.dispatch import Prompt, PromptSource
+    from pipeline.core.validation import ModelLimits
+    from pipeline.net.transport_memory import MemoryNetwork
+    from tests.pipeline.fakes import TCFG
+
+    cfg = load_config(None, [f"run_dir={tmp}", f"backend={backend}", "rollout.n=4",
+                             "rollout.prompts_per_step=2", "rollout.max_tokens=4",
+                             "staleness.max_staleness=0", "optimizer.lr=0.05",
+                             "learner.backprop_depth=0", "publish.keep=0", *over])  # fmt: skip
+    if backend == "reference":
+        from pipeline.backends.reference_trainer import ReferenceTrainer as Base
+    else:
+        from pipeline.backends.megatron_adapter import MegatronTrainer as Base  # type: ignore[assignment]
+    calls: list[tuple[list[Rollout], list[int], dict[str, torch.Tensor]]] = []
+
+    class Recording(Base):  # type: ignore[valid-type, misc]
+        def step(self, rollouts: Sequence[Rollout], flags: Sequence[bool],
+                 logp_bounds: Sequence[float] | None = None) -> Mapping[str, float]:  # fmt: skip
+            out = super().step(rollouts, flags, logp_bounds)
+            calls.append((list(rollouts), list(self.last_refused), _weights(self)))
+            return out
+
+    trainer = Recording(cfg, model_dir)
+    calls.append(([], [], _weights(trainer)))  # the starting weights
+    prompts = PromptSource([Prompt(f"p{i}", [1, 20 + i, 30 + i], {}) for i in range(8)], seed=0)
+    net = MemoryNetwork()
+    c = Coordinator(cfg, endpoint=net.bind("learner", TCFG), trainer=trainer, prompts=prompts,
+                    run_dir=tmp, limits=ModelLimits.from_checkpoint(model_dir, cfg.rollout.policy()))  # fmt: skip
+    return c, net, calls
+
+
+def _weights(trainer: object) -> dict:
+    if hasattr(trainer, "model"):
+        mod = trainer.model  # type: ignore[attr-defined]
+    else:
+        mod = trainer.trainer.policy_model  # type: ignore[attr-defined]
+    return {k: v.detach().clone() for k, v in mod.state_dict().items() if v is not None
+            and hasattr(v, "clone")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models.init import init_checkpoint
+
+    d = tmp_path_factory.mktemp("m") / "huginn"
+    init_checkpoint("huginn", "tiny", d, seed=0)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("backend", "claim", "over"),
+    [("reference", -40.0, []),  # GRPO: judged in the training forward, before the update
+     ("reference", -0.01, ["objective.is_cap=2.0"]),  # judged on the proximal pass
+     ("reference", -40.0, ["objective.minibatches=2"]),  # the second mini-batch measured first
+     pytest.param("megatron", -0.01, [], marks=pytest.mark.megatron)],
+)  # fmt: skip
+def test_a_lying_generator_is_refused_before_its_step_trains(
+    tmp_path: Path, tiny_model: Path, backend: str, claim: float, over: list[str]
+) -> None:
+    """A real trainer, an honest generator with the spec's log-probs and a liar claiming
+    ``claim`` nats for every token: the first step holds one group of each; the trainer
+    measures every rollout before its update and refuses the step (weights unchanged); the
+    liar's 4 rollouts are quarantined, its samples generated again by the honest generator;
+    the step then trained is bit for bit the step of a fresh trainer on those rollouts (the
+    honest group of the refused step included), and no liar token is ever trained."""
+    import torch
+
+    run = tmp_path / "run"
+    c, net, calls = _spec_run(run, tiny_model, backend, over)
+    kw = {"model_dir": tiny_model, "run_dir": run}
+    honest = SpecGenerator(net, "g0", **kw)  # type: ignore[arg-type]
+    liar = SpecGenerator(net, "liar", seed=1, claim=claim, **kw)  # type: ignore[arg-type]
+    try:
+        drive(c, [honest, liar], 2)
+    finally:
+        c.close()
+    start = calls[0][2]
+    first, refused, after = calls[1]
+    assert {r.generator_id for r in first} == {"g0", "liar"}, "one group of each in step 1"
+    lies = [i for i, r in enumerate(first) if r.generator_id == "liar"]
+    assert refused == lies and len(lies) == 4
+    assert all(torch.equal(after[k], start[k]) for k in start), "a refused step changed weights"
+    trained = [(rolls, w) for rolls, ref, w in calls[1:] if not ref]
+    assert len(trained) == c.step == 2
+    assert not [r for rolls, _ in trained for r in rolls if r.generator_id == "liar"]
+    # the refused step's honest group and the liar's samples (generated again by g0) are the
+    # next step trained
+    step1 = {r.rollout_id: r.generator_id for r in trained[0][0]}
+    assert {first[i].rollout_id for i in range(len(first))} == set(step1)
+    assert set(step1.values()) == {"g0"}
+    honest_first = [r for r in first if r.generator_id == "g0"]
+    by_id = {r.rollout_id: r for r in trained[0][0]}
+    assert all(np.array_equal(by_id[r.rollout_id].tokens, r.tokens) for r in honest_first)
+    # its weights: those of a fresh trainer stepping the same rollouts (nothing of the
+    # refused step remains: weights, optimizer state, schedule, counters)
+    if backend == "reference":
+        from pipeline.backends.reference_trainer import ReferenceTrainer
+        from pipeline.config import load_config
+
+        cfg = c.cfg
+        fresh = ReferenceTrainer(load_config(None, [f"run_dir={run}", "backend=reference",
+                                                    "rollout.n=4", "rollout.prompts_per_step=2",
+                                                    "rollout.max_tokens=4",
+                                                    "staleness.max_staleness=0",
+                                                    "optimizer.lr=0.05", "learner.backprop_depth=0",
+                                                    "publish.keep=0", *over]), tiny_model)  # fmt: skip
+        assert fresh.run_cfg.objective == cfg.objective
+        fresh.step(trained[0][0], [False] * len(trained[0][0]))
+        want = _weights(fresh)
+        assert all(torch.equal(trained[0][1][k], want[k]) for k in want), "not the honest step"
+        assert any(not torch.equal(want[k], start[k]) for k in want)  # the step did train
+    q = [e for e in _quarantined(run) if e["reason"] == "logp_mismatch"]
+    assert {e["generator"] for e in q} == {"liar"} and {e["source"] for e in q} == {"train"}
+    assert len(q) == c.intake.counts["refused_logp_mismatch"] >= 4
+    assert c.intake.counts["steps_refused"] >= 1
+    voided = [json.loads(x) for x in (run / "voided.jsonl").read_text().splitlines()]
+    assert {first[i].rollout_id for i in lies} <= {v["rollout_id"] for v in voided
+                                                    if v["reason"] == "logp_mismatch"}  # fmt: skip
+    assert "g0" not in c.banned
