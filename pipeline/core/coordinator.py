@@ -14,6 +14,9 @@ One thread runs ``Coordinator.run()``::
         publisher.pump()        weight transfers within credit windows
         groups = intake.select(v, prompts_per_step); if groups and gate.can_train(v):
             trainer.step -> step log -> ledger.settle -> metrics
+                (the trainer checks every claimed log-prob before its update: a step holding
+                a lie is refused whole, its liars quarantined and dispatched again elsewhere,
+                its other groups back in the buffer: ``_refuse_step``)
             every publish.every steps: trainer.snapshot(RUN_DIR/weights/vN) on the trainer
             thread; hashed and written beside the next step (pipeline.core.publishing); announced
             when ready: v = N (publish.max_pending 0: written and announced before the next step)
