@@ -116,6 +116,9 @@ class Sample:
     """float32 [T] vLLM's processed log-probs of the same tokens (cross-check)."""
     full_depth: int = 0
     """The iterations the prompt's positions before the last ran (contract 2; 0 = unknown)."""
+    exit_logprobs: np.ndarray | None = None
+    """float32 [T] a sampled exit's log-prob per token (models.exits.SampledGate); None: the
+    exits were decided by the policy."""
     token_mask: np.ndarray | None = None
     """uint8 [T] 1 = sampled, 0 = written by an environment (generator.multiturn); None: all
     sampled (single-turn)."""
@@ -373,16 +376,21 @@ class LoopedEngine:
             sampler = np.asarray(
                 [lp[int(t)].logprob for lp, t in zip(out.logprobs, tokens)], dtype=np.float32
             )
+        exit_lps = None
         if record is None:  # a plain (depth-1) model: vLLM's own log-probs
             depths = np.ones(n, dtype=np.uint8)
             logprobs = sampler if sampler is not None else np.zeros(n, np.float32)
             versions = np.full(n, self.weight_version, dtype=np.int64)
         else:
-            d, lp, v = record
+            d, lp, v, elp = record
             depths, logprobs = np.asarray(d, np.uint8), np.asarray(lp, np.float32)
             versions = np.asarray(v, np.int64)
             if n and (np.isnan(logprobs).any() or (depths == 0).any()):
                 raise RuntimeError("the plugin's side channel lacks entries for a completion")
+            if elp is not None:
+                exit_lps = np.asarray(elp, np.float32)
+                if np.isnan(exit_lps).any():
+                    raise RuntimeError("the plugin's side channel lacks exit log-probs")
         return Sample(
             tokens=tokens,
             logprobs=logprobs,
@@ -393,6 +401,7 @@ class LoopedEngine:
             finish_reason=str(out.finish_reason or "length"),
             sampler_logprobs=sampler,
             full_depth=self.full_depth,
+            exit_logprobs=exit_lps,
         )
 
     def close(self) -> None:
@@ -433,6 +442,7 @@ def to_rollouts(item: WorkItem, samples: Sequence[Sample], generator_id: str) ->
             finish_reason=s.finish_reason,
             created_at=now,
             full_depth=int(s.full_depth),
+            exit_logprobs=s.exit_logprobs,
             **extra[j],
         )
         for j, s in enumerate(samples)

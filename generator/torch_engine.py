@@ -55,6 +55,7 @@ from models.engine_graph import GraphDecoder
 from models.exits import (
     ExitPolicy,
     FixedDepth,
+    is_sampled,
     resolve_kv,
     resolve_max_depth,
     token0_follows_policy,
@@ -127,6 +128,9 @@ class TorchEngine:
             p.data = p.data.to(torch_dtype)
         self.device, self.dtype = dev, torch_dtype
         self.policy = exit_policy if exit_policy is not None else FixedDepth(self.model.max_depth)
+        if is_sampled(self.policy):
+            raise ValueError("the torch engine does not record sampled exits' log-probs yet "
+                             "(SampledGate): use the vLLM engine")  # fmt: skip
         self.full_depth = resolve_max_depth(self.policy, self.model.max_depth)
         self.kv = resolve_kv(self.policy, self.model.config)
         self.fixed = isinstance(self.policy, FixedDepth)

@@ -52,7 +52,9 @@ from models.config import config_from_hf_dict
 from models.exits import (
     ExitCarry,
     FixedDepth,
+    SampledGate,
     StepInfo,
+    exit_step_logprob,
     needs_gate,
     needs_logits,
     resolve_kv,
@@ -63,6 +65,7 @@ from models.exits import (
 from models.huginn import HuginnForCausalLM
 from models.layers import Block
 from models.nanbeige import NanbeigeLoopedForCausalLM as _NanbeigeRef
+from models.noise import exit_uniform
 from models.ouro import OuroForCausalLM as _OuroRef
 from models.reference import behaviour_logprobs
 
@@ -198,6 +201,7 @@ class _LoopedVllm:
             rec = self.record_book.recorded_depths(step, pos_np)
             target = np.where((target == 0) & (rec > 0), rec, target)
         all_d = fixed_depth and bool(np.all((target == 0) | (target == self.depth)))
+        exit_lps: np.ndarray | None = None  # a sampled exit's log-probs (SampledGate)
         if all_d and self._compiled and input_ids is not None and inputs_embeds is None:
             me.rope(pos, mode)  # (its position check, outside the compiled graph)
             hidden = self._compiled[0](input_ids, pos, noise)
@@ -216,10 +220,12 @@ class _LoopedVllm:
             rope = me.rope(pos, mode)
             e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
             state = me.initial_state(e, pos, step.seeds.tolist(), noise)
-            hidden, ran_np = self._loop(state, e, rope, target)
+            seeds_t = torch.from_numpy(step.seeds.view(np.int64).copy()).to(pos.device)
+            hidden, ran_np, exit_lps = self._loop(state, e, rope, target, seeds_t, pos)
         if self.record and step.requests:
             toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
-            self.record_book.on_forward(step, pos_np, toks, ran_np, self.weight_version)
+            self.record_book.on_forward(step, pos_np, toks, ran_np, self.weight_version,
+                                        exit_lps)  # fmt: skip
         self._step, self._step_positions = step, pos_np
         return hidden
 
@@ -244,10 +250,13 @@ class _LoopedVllm:
         return self._readout(state, rope)
 
     def _loop(
-        self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray
-    ) -> tuple[Tensor, np.ndarray]:
+        self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray, seeds: Tensor,
+        pos: Tensor,
+    ) -> tuple[Tensor, np.ndarray, np.ndarray | None]:  # fmt: skip
         """The depth loop with exits (target: per-token exit depth, 0 = the policy's);
-        returns (hidden, iterations run per token)."""
+        returns (hidden, iterations run per token, and under a sampled exit each token's exit
+        log-prob: NaN where the policy did not decide, e.g. a recomputed recorded depth).
+        seeds [N] int64, pos [N]: the rows' latent seeds and positions (the exit uniforms)."""
         me: Any = self
         mode, n = self.mode, state.shape[0]
         dev = state.device
@@ -260,6 +269,14 @@ class _LoopedVllm:
         exit_carry: ExitCarry | None = None
         full = self.kv == "full"  # every token runs every iteration; exit state kept aside
         out_state = state
+        sampled = isinstance(self.policy, SampledGate)
+        elp = None
+        if sampled:
+            assert isinstance(self.policy, SampledGate)
+            min_d = self.policy.min_depth
+            forced = torch.full((pol_idx.numel(),), self.depth, dtype=torch.int64, device=dev)
+            elp = torch.zeros(pol_idx.numel(), dtype=torch.float64 if mode == "exact"
+                              else torch.float32, device=dev)  # fmt: skip
         for d in range(self.depth):
             slots = self._iter_slots[d]
             if not full and not bool(active.any()):
@@ -279,12 +296,23 @@ class _LoopedVllm:
                     info.logits = me.head(self._readout(state, rope), mode)[pol_idx]
                 if needs_gate(self.policy):
                     info.gate_logit = me.gate_logit(new[pol_idx], mode)
+                if sampled:
+                    info.uniform = exit_uniform(seeds[pol_idx], pos[pol_idx], d + 1)
                 hit, exit_carry = should_exit(self.policy, info, exit_carry)
-                stop[pol_idx] |= active[pol_idx] & hit.to(dev)
+                decided = active[pol_idx] & hit.to(dev)
+                if elp is not None and info.gate_logit is not None:  # models.engine's order
+                    term = exit_step_logprob(info.gate_logit, decided, d + 1, min_d, forced, mode)
+                    elp = elp + torch.where(active[pol_idx], term.to(elp.device),
+                                            torch.zeros_like(elp))  # fmt: skip
+                stop[pol_idx] |= decided
             if full:
                 out_state = torch.where(stop[:, None], state, out_state)
             active = active & ~stop
-        return self._readout(out_state if full else state, rope), ran.cpu().numpy()
+        lps = None
+        if elp is not None:
+            lps = np.full(n, np.nan, np.float32)
+            lps[pol_idx.cpu().numpy()] = elp.to(torch.float32).cpu().numpy()
+        return self._readout(out_state if full else state, rope), ran.cpu().numpy(), lps
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         me: Any = self

@@ -34,6 +34,8 @@ class _Entry:
     depths: dict[int, int] = dataclasses.field(default_factory=dict)
     versions: dict[int, int] = dataclasses.field(default_factory=dict)
     logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
+    exit_logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
+    """A sampled exit (SampledGate): the exit's log-prob at each sampling position."""
     pending: tuple[int, np.ndarray] | None = None
     """(sampling position, fp32 behaviour log-prob row [V])."""
 
@@ -46,6 +48,8 @@ class Record:
     logprobs: list[float]
     """NaN where unknown."""
     versions: list[int]
+    exit_logprobs: list[float] | None = None
+    """A sampled exit: each token's exit log-prob (NaN where unknown); None otherwise."""
 
 
 class RecordBook:
@@ -83,9 +87,12 @@ class RecordBook:
         tokens: np.ndarray,
         depths: np.ndarray,
         version: int,
+        exit_logprobs: np.ndarray | None = None,
     ) -> None:
-        """File depth / version of sampling positions and the log-prob of fed tokens."""
+        """File depth / version (and a sampled exit's log-prob: NaN = not decided in this
+        forward, kept) of sampling positions and the log-prob of fed tokens."""
         pos_l, tok_l, dep_l = positions.tolist(), tokens.tolist(), depths.tolist()
+        elp_l = None if exit_logprobs is None else exit_logprobs.tolist()
         for rs in step.requests:
             if rs.end <= rs.start:
                 continue
@@ -99,6 +106,8 @@ class RecordBook:
                 t = pos - (rs.prompt_len - 1)
                 entry.depths[t] = dep_l[row]
                 entry.versions[t] = version
+                if elp_l is not None and elp_l[row] == elp_l[row]:  # (not NaN)
+                    entry.exit_logprobs[t] = elp_l[row]
                 if pos >= rs.prompt_len and entry.pending is not None:
                     ppos, lp = entry.pending
                     if ppos == pos - 1:
@@ -126,6 +135,9 @@ class RecordBook:
             depths=[entry.depths.get(t, 0) for t in range(n)],
             logprobs=[entry.logprobs.get(t, float("nan")) for t in range(n)],
             versions=[entry.versions.get(t, -1) for t in range(n)],
+            exit_logprobs=[entry.exit_logprobs.get(t, float("nan")) for t in range(n)]
+            if entry.exit_logprobs
+            else None,
         )
 
     def clear(self) -> None:
@@ -138,13 +150,15 @@ class RecordBook:
 def pop_records(worker: Any, requests: list[tuple[str, list[int]]]) -> dict[str, Any]:
     """`LLM.collective_rpc` callable: pop the records of (key, final tokens) pairs.
 
-    Returns {key: (depths, logprobs, versions) or None} (plain lists: picklable)."""
+    Returns {key: (depths, logprobs, versions, exit log-probs or None) or None} (plain lists:
+    picklable)."""
     model = worker.model_runner.get_model()
     book: RecordBook = model.record_book
     out: dict[str, Any] = {}
     for key, toks in requests:
         rec = book.pop(key, toks)
-        out[key] = None if rec is None else (rec.depths, rec.logprobs, rec.versions)
+        out[key] = (None if rec is None
+                    else (rec.depths, rec.logprobs, rec.versions, rec.exit_logprobs))  # fmt: skip
     return out
 
 

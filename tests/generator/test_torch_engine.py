@@ -103,3 +103,13 @@ def test_weights_swap_and_refusals(tmp_path: Path) -> None:
         bad = _items()[0]
         bad.stop = ["\n"]
         eng.generate([bad])
+
+
+def test_a_sampled_exit_is_refused_until_recorded(tmp_path: Path) -> None:
+    """The torch engine does not record a sampled exit's log-probs: it refuses SampledGate in
+    one line instead of sending rollouts without the exit's claim."""
+    from models.exits import SampledGate
+
+    path = init_checkpoint("ouro", "tiny", tmp_path / "ouro")
+    with pytest.raises(ValueError, match="does not record sampled exits"):
+        TorchEngine(path, numerics="exact", exit_policy=SampledGate(), device="cpu")

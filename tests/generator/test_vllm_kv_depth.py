@@ -4,7 +4,9 @@ model's trained depth, in exact numerics against the models/ reference.
 test_vllm_plugin.py covers each family's default kv (Ouro: full, Huginn: last_exited); this
 module runs the other two: Ouro with kv='last_exited', and Huginn with kv='full' from a
 checkpoint whose mean_recurrence is 4 under a policy whose max depth is 48 (prompts run 48
-iterations, generated tokens exit adaptively, mostly beyond 4). One engine per case.
+iterations, generated tokens exit adaptively, mostly beyond 4); and Ouro under a sampled exit
+(SampledGate: the exit loop drawn from the gate with the latent seed, its log-prob recorded).
+One engine per case.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import pytest
 from generator.engine import LoopedEngine
 from models.checkpoint import load_model
 from models.config import config_from_hf_dict
-from models.exits import ExitPolicy, LatentDiff, OuroGate
+from models.exits import ExitPolicy, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
-from models.reference import SamplingParams, generate
+from models.reference import ReplayItem, SamplingParams, generate, replay
 from tests.generator import prompts, replay_diff, work_item
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -32,6 +34,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CASES: dict[str, tuple[str, ExitPolicy, int]] = {  # family, policy, trained depth
     "huginn-full-48": ("huginn", LatentDiff(0.1, max_depth=48, kv="full"), 4),
     "ouro-last-exited": ("ouro", OuroGate(0.5, kv="last_exited"), 4),
+    "ouro-sampled": ("ouro", SampledGate(kv="full"), 4),
 }
 
 
@@ -108,3 +111,35 @@ def test_greedy_equals_reference_generation(setup: Setup) -> None:
         assert g.tokens.tolist() == r.tokens
         assert g.exit_depths.tolist() == r.exit_depths
         assert np.array_equal(g.logprobs, r.logprobs.numpy())
+        if isinstance(setup.policy, SampledGate):  # the same exits drawn, the same log-probs
+            assert g.exit_logprobs is not None and r.exit_logprobs is not None
+            assert np.array_equal(g.exit_logprobs, r.exit_logprobs.numpy())
+        else:
+            assert g.exit_logprobs is None
+
+
+def test_sampled_exit_logprobs_replay_bit_for_bit(setup: Setup) -> None:
+    """A sampled exit's log-probs as the plugin recorded them equal models.reference replay's
+    recomputation from the recorded depths (what the learner checks), sampled tokens too."""
+    if not isinstance(setup.policy, SampledGate):
+        assert all(s.exit_logprobs is None for ss in setup.engine.generate(
+            [work_item([5, 6, 7], [1], max_tokens=3)]) for s in ss)  # fmt: skip
+        return
+    items = [work_item(p, [700 + i, 2**63 + 7 + i], name=f"s{i}", max_tokens=8)
+             for i, p in enumerate(prompts(3, [4, 9, 17], seed=11))]  # fmt: skip
+    results = setup.engine.generate(items)
+    n = 0
+    for it, ss in zip(items, results):
+        for s in ss:
+            assert s.exit_logprobs is not None and s.exit_logprobs.shape == s.tokens.shape
+            item = ReplayItem([int(t) for t in it.prompt_tokens], s.tokens.tolist(),
+                              s.latent_seed, s.exit_depths.tolist(), s.full_depth)  # fmt: skip
+            r = replay(setup.model, [item], temperature=it.temperature, top_p=it.top_p,
+                       numerics="exact", exit_policy=setup.policy)[0]  # fmt: skip
+            assert r.exit_logprobs is not None
+            assert np.array_equal(s.exit_logprobs, r.exit_logprobs.numpy())
+            assert np.array_equal(s.logprobs, r.logprobs.numpy())
+            n += s.tokens.shape[0]
+    depths = {int(d) for ss in results for s in ss for d in s.exit_depths}
+    print(f"\nsampled exit: {n} tokens, exit log-probs equal replay's, depths {sorted(depths)}")
+    assert len(depths) >= 3
