@@ -354,3 +354,45 @@ def test_a_lying_generator_is_refused_before_its_step_trains(
     assert {first[i].rollout_id for i in lies} <= {v["rollout_id"] for v in voided
                                                     if v["reason"] == "logp_mismatch"}  # fmt: skip
     assert "g0" not in c.banned
+
+
+def _refuse_on_two_ranks(model_dir: str) -> dict[str, Any]:
+    """One rank of a data-parallel pair (megatron backend, DP 2): a step whose only liar sits
+    in the other rank's rows for rank 0, then the same rollouts stepped honestly."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.config import load_config
+    from tests.pipeline.test_epochs import _rollouts
+
+    cfg = load_config(None, ["backend=megatron", "rollout.n=4", "rollout.prompts_per_step=2",
+                             "optimizer.lr=0.05", "learner.backprop_depth=0"])  # fmt: skip
+    t = MegatronTrainer(cfg, Path(model_dir))
+    rolls = _rollouts()  # w0/0..3 (rank 0's rows), w1/0..3 (rank 1's)
+    bounds = [0.1 if r.rollout_id == "w1/3" else 1e9 for r in rolls]
+    before = _weights(t)
+    out = t.step(rolls, [False] * len(rolls), bounds)
+    refused, same = (
+        list(t.last_refused),
+        all(torch.equal(v, before[k]) for k, v in _weights(t).items()),
+    )
+    t.step(rolls, [False] * len(rolls), [1e9] * len(rolls))
+    moved = any(not torch.equal(v, before[k]) for k, v in _weights(t).items())
+    res = {"rank": dist.get_rank(), "dp": t.trainer.dp_size, "refused": refused, "same": same,
+           "metrics": dict(out), "moved": moved, "steps": t.trainer.step_count}  # fmt: skip
+    t.close()
+    return res
+
+
+@pytest.mark.megatron
+def test_data_parallel_ranks_refuse_the_same_step(tiny_model: Path) -> None:
+    """DP 2: the liar's rows are rank 1's; both ranks measure, take the max over DP and refuse
+    the step (nothing applied on either), then train the honest step that follows."""
+    from tests.learner.dist_utils import run_distributed
+
+    res = run_distributed(_refuse_on_two_ranks, 2, str(tiny_model), timeout_s=300)
+    liar = 7  # w1/3, the last of the 8 rollouts
+    for r in res:
+        assert r["dp"] == 2 and r["refused"] == [liar] and r["same"], r
+        assert r["metrics"] == {"refused_rollouts": 1.0} and r["moved"] and r["steps"] == 1
