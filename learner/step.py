@@ -163,6 +163,19 @@ def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tenso
     lb.loop_weight = loop_weights(obj, e, full, stats.get("loop_gate"), n_loops)
 
 
+def _exit_mismatch(out: Tensor, row0: int, mb: TrainBatch, stats: dict[str, Tensor],
+                   first: bool) -> None:  # fmt: skip
+    """A sampled exit's claim checked like the token's: max |learner - claimed| exit log-prob
+    into the rows' mismatch (the proximal pass's when it ran, else this forward's at the
+    step's starting weights: ``first``, the first update)."""
+    claim = mb.extra.get("exit_behav")
+    mine = mb.extra.get("exit_prox")
+    if mine is None and first and "exit_logp" in stats:
+        mine = stats["exit_logp"].detach()
+    if claim is not None and mine is not None:
+        row_mismatch(out, row0, mb.mask, claim, mine)
+
+
 @contextlib.contextmanager
 def _evaluating(*nets: Net | None) -> Iterator[None]:
     """Eval mode and no grad for the pre-update passes; train mode again afterwards."""
@@ -240,6 +253,7 @@ class LearnerStep:
             old_logits: dict[tuple[int, int], Tensor] = {}
             if cfg.use_prox or kl_prox:
                 prox, prox_loops = zeros.clone(), per_loop.clone()
+                exit_prox = zeros.clone() if cfg.exit_min_depth is not None else None
                 for j, (_, _, lo, hi) in enumerate(rows):
                     for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
                         stats = pol.policy_stats(mb, None)
@@ -251,9 +265,13 @@ class LearnerStep:
                                                pin_memory=old.is_cuda)  # fmt: skip
                             old_logits[(j, i)] = host.copy_(old)
                         put(prox, a, stats["logp"])
+                        if exit_prox is not None:  # a sampled exit's, at the same weights
+                            put(exit_prox, a, stats["exit_logp"])
                         if loops:
                             put_loops(prox_loops, a, stats["loop_logp"])
                 batch.extra["prox_logp" if cfg.use_prox else "kl_prox_logp"] = prox
+                if exit_prox is not None and cfg.use_prox:
+                    batch.extra["exit_prox"] = exit_prox
                 if loops:
                     batch.extra["prox_loops"] = prox_loops
             if kl:
@@ -369,6 +387,12 @@ class LearnerStep:
                 )  # fmt: skip
                 if obj.loop_weighting != "last":  # per-loop credit (learner.objectives.loops)
                     _loop_inputs(lb, obj, mb, stats)
+                if "exit_logp" in stats:  # a sampled exit (learner.objectives.exit_term)
+                    lb.exit_logp, lb.exit_entropy = stats["exit_logp"], stats.get("exit_entropy")
+                    lb.exit_behav, lb.exit_prox = (
+                        mb.extra.get("exit_behav"),
+                        mb.extra.get("exit_prox"),
+                    )
                 loss, m = policy_loss(loss_obj, lb)
                 (loss * pol.dp.size).backward()
                 finite = finite and bool(torch.isfinite(loss.detach()))
@@ -382,6 +406,7 @@ class LearnerStep:
                 record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates, rejected)
                 if learner is not None:
                     row_mismatch(mismatch, a, mb.mask, mb.behav_logp, learner)
+                    _exit_mismatch(mismatch, a, mb, stats, u == 0)
             if (
                 u == 0
                 and bounds is not None
@@ -434,16 +459,20 @@ class LearnerStep:
         own rows before its optimizer step: with one mini-batch, no extra forward at all)."""
         prox = batch.extra.get("prox_logp")
         if prox is not None:
+            eprox, ebehav = batch.extra.get("exit_prox"), batch.extra.get("exit_behav")
             for _, _, lo, hi in rows:
                 row_mismatch(out, lo, batch.mask[lo:hi], batch.behav_logp[lo:hi], prox[lo:hi])
+                if eprox is not None and ebehav is not None:  # a sampled exit's claim too
+                    row_mismatch(out, lo, batch.mask[lo:hi], ebehav[lo:hi], eprox[lo:hi])
             return
         with _evaluating(self.pol.policy):
             for j, (_, _, lo, hi) in enumerate(rows):
                 if j == first:
                     continue
                 for a, mb in self._micro(batch, lo, hi):
-                    lp = self.pol.policy_stats(mb, None)["logp"]
-                    row_mismatch(out, a, mb.mask, mb.behav_logp, lp.detach())
+                    st = self.pol.policy_stats(mb, None)
+                    row_mismatch(out, a, mb.mask, mb.behav_logp, st["logp"].detach())
+                    _exit_mismatch(out, a, mb, st, True)
 
     def _refused(self, rollouts: Sequence[Rollout], mismatch: Tensor, bounds: Tensor) -> bool:
         """Every rank's measurements (max over DP), against the bounds: the liars, if any, in

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from generator.rewards import synthetic_task_prompts
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from models.exits import SampledGate
 from pipeline.config import ConfigError, RunConfig
 
 __all__ = [
@@ -34,6 +35,7 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
     sequences per optimizer update, learner.micro_batch_size (0: `micro_batch_size`) per
     forward/backward. Both backends step by it."""
     o, r, lr = cfg.objective, cfg.rollout, cfg.learner
+    policy = r.policy()
     if batch is None:
         batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
     dp = dist.get_world_size() // cfg.tp if dist.is_available() and dist.is_initialized() else 1
@@ -43,6 +45,7 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
         seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
         max_tokens=r.max_tokens,
         fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
+        exit_min_depth=policy.min_depth if isinstance(policy, SampledGate) else None,
     )  # fmt: skip
 
 

@@ -25,6 +25,10 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
   the model's trained depth; the model's when the run sets no policy) and every depth, token
   0's included, in 1..full depth;
 - [logprob]         log-probs finite and <= 0;
+- [exit_logprob]    a sampled exit's log-probs (``Rollout.exit_logprobs``, protocol 1.7) on
+  every rollout of a run whose exit policy samples exits (``rules.sampled_exit``: kind
+  sampled_gate) and on no other; finite and <= 0 (their claim is checked with the token's
+  under logp_mismatch: the learner recomputes them from the recorded depths);
 - [reward_bound]    a finite reward with |reward| <= rules.reward_bound;
 - [weight_version]  weight_version (and every token version) in
   [the WorkItem's min_weight_version, the learner's current version].
@@ -84,6 +88,7 @@ REASONS = (
     "env_token",
     "env_budget",
     "too_many_turns",
+    "exit_logprob",
 )
 # The behaviour log-prob check (rule logp_mismatch), nats per token (max over the rollout).
 # fast numerics, staleness 0: measured max 9.5e-7 (tiny Huginn, fp32 on CPU, vLLM vs megatron,
@@ -161,6 +166,8 @@ class DoorRules:
     """rollout.max_turns: most model turns in a conversation."""
     max_env_tokens: int = 0
     """rollout.max_env_tokens: most environment tokens in a conversation."""
+    sampled_exit: bool = False
+    """The run's exit policy samples exits (SampledGate): rollouts carry exit_logprobs."""
 
 
 def door_rules(cfg: Any) -> DoorRules:
@@ -170,6 +177,7 @@ def door_rules(cfg: Any) -> DoorRules:
         environment=bool(cfg.task.environment),
         max_turns=cfg.rollout.max_turns,
         max_env_tokens=cfg.rollout.max_env_tokens,
+        sampled_exit=(cfg.rollout.exit_policy or {}).get("kind") == "sampled_gate",
     )
 
 
@@ -270,6 +278,14 @@ def check_rollout(
     lp = r.logprobs
     if lp.size and not (bool(np.isfinite(lp).all()) and float(lp.max()) <= 0.0):
         return Refusal("logprob", "log-probs must be finite and <= 0")
+    elp = r.exit_logprobs
+    if (elp is not None) != rules.sampled_exit:
+        return Refusal("exit_logprob", "no exit log-probs on a run whose exit policy samples "
+                       "exits (sampled_gate)" if rules.sampled_exit else "exit log-probs on a "
+                       "run whose exit policy does not sample exits")  # fmt: skip
+    if elp is not None and elp.size and not (bool(np.isfinite(elp).all())
+                                             and float(elp.max()) <= 0.0):  # fmt: skip
+        return Refusal("exit_logprob", "exit log-probs must be finite and <= 0")
     if r.reward is not None and not abs(r.reward) <= rules.reward_bound:
         return Refusal("reward_bound", f"reward {r.reward!r} outside +-{rules.reward_bound:g}")
     versions = [int(r.weight_version)]

@@ -4,6 +4,7 @@ recomputing each token's sampled-exit log-prob bit for bit as the generator reco
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -136,3 +137,71 @@ def test_reference_policy_recomputes_the_claimed_exit_logprobs(kv: str) -> None:
     loss.backward()
     g = m.model.early_exit_gate.weight.grad
     assert g is not None and float(g.abs().sum()) > 0
+
+
+def test_a_lie_about_the_exit_is_refused_before_the_update(tmp_path: object) -> None:
+    """The reference backend's step with logp_bounds (exact numerics: bound 0): rollouts
+    whose token log-probs are honest but whose exit log-probs are not are refused before any
+    update (weights unchanged, the liars named); the honest batch trains, and its measured
+    mismatch (token and exit) is 0."""
+    from pathlib import Path
+
+    from models.checkpoint import save_checkpoint, state_dict_for_save
+    from models.ties import tied_from_module
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+    from pipeline.config import load_config
+
+    torch.manual_seed(0)
+    m = build_model(tiny_config("ouro"), seed=3)
+    with torch.no_grad():
+        m.model.early_exit_gate.bias.fill_(-0.5)
+    root = Path(str(tmp_path)) / "ouro"
+    save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
+    policy = SampledGate()
+    rolls = _ouro_rollouts(m, policy, "exact")
+    cfg = load_config(None, ["backend=reference", "numerics=exact", "rollout.n=2",
+                             "rollout.prompts_per_step=2", "rollout.temperature=1.0",
+                             "rollout.exit_policy={kind: sampled_gate}", "objective.exit_coef=1.0",
+                             "optimizer.name=sgd", "optimizer.distributed=false",
+                             "optimizer.lr=0.1"])  # fmt: skip
+    tr = ReferenceTrainer(cfg, root)
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    lie = [dataclasses.replace(r) for r in rolls]
+    assert lie[1].exit_logprobs is not None
+    lie[1].exit_logprobs = lie[1].exit_logprobs + np.float32(-0.25)  # claims less likely exits
+    out = tr.step(lie, [False] * 4, logp_bounds=[0.0] * 4)
+    assert out == {"refused_rollouts": 1.0} and tr.last_refused == [1]
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+    assert tr.last_mismatch[1] >= 0.25 - 1e-6 and max(tr.last_mismatch[i] for i in (0, 2, 3)) == 0
+    out = tr.step(rolls, [False] * 4, logp_bounds=[0.0] * 4)
+    assert "refused_rollouts" not in out and tr.last_mismatch == [0.0] * 4
+    assert out["exit_entropy"] > 0 and out["exit_ratio_mean"] == 1.0  # on-policy, exact
+    assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+
+
+def test_the_door_checks_exit_claims_against_the_run_policy() -> None:
+    """Rule exit_logprob: a sampled-exit run admits only rollouts that carry finite exit
+    log-probs <= 0; a run whose exits are decided admits none that carry them."""
+    from pipeline.config import load_config
+    from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout, door_rules
+
+    sampled = door_rules(load_config(None, ["backend=reference",
+                                            "rollout.exit_policy={kind: sampled_gate}"]))  # fmt: skip
+    assert sampled.sampled_exit and not door_rules(load_config()).sampled_exit
+    r = Rollout(rollout_id="w/0", work_id="w", prompt_id="p", sample_index=0, generator_id="g",
+                latent_seed=5, prompt_tokens=np.array([1, 2], np.int32),
+                tokens=np.array([3, 4, 5], np.int32), logprobs=np.full(3, -0.5, np.float32),
+                exit_depths=np.array([1, 3, 4], np.uint8), weight_version=0, reward=0.0,
+                full_depth=4, exit_logprobs=np.array([-0.4, -1.2, -2.0], np.float32))  # fmt: skip
+    exp = Expected(prompt_id="p", prompt_tokens=[1, 2], latent_seed=5, max_tokens=8,
+                   min_version=0, max_version=0, sender="g")  # fmt: skip
+    lim = ModelLimits(vocab_size=64, max_depth=4)
+    assert check_rollout(r, expect=exp, limits=lim, rules=sampled) is None
+    for bad, rules, why in (
+        (dataclasses.replace(r, exit_logprobs=None), sampled, "no exit log-probs on a run"),
+        (r, DoorRules(), "exit log-probs on a run whose exit policy does not sample"),
+        (dataclasses.replace(r, exit_logprobs=np.array([-0.4, -np.inf, -2.0], np.float32)),
+         sampled, "exit log-probs must be finite and <= 0"),
+    ):  # fmt: skip
+        got = check_rollout(bad, expect=exp, limits=lim, rules=rules)
+        assert got is not None and got.reason == "exit_logprob" and why in got.detail, got

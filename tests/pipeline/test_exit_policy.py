@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from models.exits import FixedDepth, LatentDiff, OuroGate, policy_from_dict, policy_json
+from models.exits import (
+    FixedDepth,
+    LatentDiff,
+    OuroGate,
+    SampledGate,
+    policy_from_dict,
+    policy_json,
+)
 from pipeline.config import ConfigError, load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
 from proto import Rollout
@@ -36,8 +43,13 @@ def test_run_config_key_parsed_and_refused_with_a_message(tmp_path: Path) -> Non
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=rf"rollout.exit_policy .*{why}"):
             load_config(None, {"rollout": {"exit_policy": bad}})
-    with pytest.raises(ConfigError, match="sampled_gate runs in models.reference only so far"):
-        load_config(None, {"rollout": {"exit_policy": {"kind": "sampled_gate"}}})  # not served
+    sampled = {"rollout": {"exit_policy": {"kind": "sampled_gate"}}}
+    with pytest.raises(ConfigError, match="sampled_gate is trained by backend=reference only"):
+        load_config(None, sampled)  # megatron: no exit log-probs yet
+    cfg = load_config(None, {**sampled, "backend": "reference"})
+    assert cfg.rollout.policy() == SampledGate()
+    with pytest.raises(ConfigError, match="objective.exit_coef=0.5: trains a sampled exit"):
+        load_config(None, {"objective": {"exit_coef": 0.5}})
 
 
 def test_launcher_and_welcome_carry_the_run_policy() -> None:
