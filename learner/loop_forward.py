@@ -30,7 +30,7 @@ from learner.objectives.loops import add_loop_columns, response_depths, spread
 from learner.replay import full_vocab_logits, unwrap
 from models import numerics as nx
 
-__all__ = ["RowStats", "loop_forward"]
+__all__ = ["RowStats", "exit_forward", "loop_forward"]
 
 RowStats = Callable[[Tensor, Tensor], dict[str, Tensor]]
 """row_stats(logits [N, V] full vocabulary, targets [N]) -> {"logp", "entropy"} [N]."""
@@ -66,3 +66,45 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool)
     res = {"logp": spread(sel, ex["logp"]), "entropy": spread(sel, ex["entropy"])}
     res.update({k: torch.stack(v, dim=-1) for k, v in cols.items() if v})
     return res
+
+
+def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor]:
+    """A sampled exit's forward (TrainConfig.exit_min_depth; learner.objectives.exit_term):
+    the policy forward of `learner.specs.looped_policy_spec` ({"mask_logits": [N, V]}) plus
+    each response token's exit log-prob and exit entropy [B, L] from the gate logit after
+    every core iteration it ran (LoopedGPT.forward's loop_fn), summed per token in iteration
+    order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
+    models.engine.run_chunk, so exact numerics give the generator's claims bit for bit."""
+    from learner.specs import _valid
+    from models.exits import exit_step_entropy, exit_step_logprob
+
+    core = unwrap(model)
+    mode = nx.check_mode(core.options.numerics)
+    sel, e, n_loops = response_depths(mb)
+    dt = torch.float64 if mode == "exact" else torch.float32
+    dev = mb.input_ids.device
+    elp = torch.zeros(sel.shape, dtype=dt, device=dev)
+    ent = torch.zeros(sel.shape, dtype=dt, device=dev)
+    full = mb.full_depths if mb.full_depths is not None else mb.exit_depths[:, 0]  # contract 2
+    forced = full.to(dev)[:, None].expand(sel.shape).reshape(-1)
+    acc: dict[str, Tensor] = {"elp": elp, "ent": ent}
+
+    def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> None:
+        if k > n_loops:
+            return
+        ran = (sel & (e >= k)).reshape(-1)  # the tokens that ran iteration k
+        g = core.gate_logit(state, mode).reshape(-1)
+        stop = (e == k).reshape(-1)
+        term = exit_step_logprob(g, stop, k, min_depth, forced, mode)
+        h = exit_step_entropy(g, k, min_depth, forced, mode)
+        zero = torch.zeros_like(term)
+        acc["elp"] = acc["elp"] + torch.where(ran, term, zero).view(sel.shape)
+        acc["ent"] = acc["ent"] + torch.where(ran, h, zero).view(sel.shape)
+
+    out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds, head_rows=sel,
+                loop_fn=at_loop)  # fmt: skip
+    return {
+        "mask_logits": full_vocab_logits(core, out.logits),
+        "exit_logp": torch.where(sel, acc["elp"], 0.0).float(),
+        "exit_entropy": torch.where(sel, acc["ent"], 0.0).float(),
+    }

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-from learner.loop_forward import loop_forward
+from learner.loop_forward import exit_forward, loop_forward
 from learner.network import Network, seed_all
 from learner.objectives.loops import check_gate
 from learner.replay import unwrap
@@ -141,6 +141,10 @@ class MegatronPolicy:
         if self.loops:  # per-loop credit: learner.loop_forward (flow_dppo is refused with it)
             gate = self.cfg.objective.loop_weighting == "exit_pdf"
             return loop_forward(self.policy.module, mb, self._row_stats, gate=gate)
+        if self.cfg.exit_min_depth is not None:  # a sampled exit: its log-prob and entropy
+            out = exit_forward(self.policy.module, mb, self.cfg.exit_min_depth)
+            st = self._stats({"mask_logits": out["mask_logits"]}, mb, old)
+            return st | {"exit_logp": out["exit_logp"], "exit_entropy": out["exit_entropy"]}
         return self._stats(self.policy_spec.forward(self.policy.module, mb), mb, old)
 
     @torch.no_grad()

@@ -193,11 +193,6 @@ class RunConfig:
             _check(getattr(self.objective, key) == 0 or kind == "sampled_gate",
                    f"objective.{key}", getattr(self.objective, key),
                    "trains a sampled exit: needs rollout.exit_policy kind sampled_gate")  # fmt: skip
-        _check(kind != "sampled_gate" or self.backend == "reference", "rollout.exit_policy",
-               dict(self.rollout.exit_policy),
-               f"kind sampled_gate is trained by backend=reference only so far (backend "
-               f"{self.backend}: the megatron policy does not compute exit log-probs yet); set "
-               "backend: reference, or use ouro_gate (a threshold on the same gate)")  # fmt: skip
         _check(kind != "sampled_gate" or not self.task.environment, "rollout.exit_policy",
                dict(self.rollout.exit_policy),
                f"kind sampled_gate cannot be combined with task.environment "

@@ -44,10 +44,9 @@ def test_run_config_key_parsed_and_refused_with_a_message(tmp_path: Path) -> Non
         with pytest.raises(ConfigError, match=rf"rollout.exit_policy .*{why}"):
             load_config(None, {"rollout": {"exit_policy": bad}})
     sampled = {"rollout": {"exit_policy": {"kind": "sampled_gate"}}}
-    with pytest.raises(ConfigError, match="sampled_gate is trained by backend=reference only"):
-        load_config(None, sampled)  # megatron: no exit log-probs yet
-    cfg = load_config(None, {**sampled, "backend": "reference"})
-    assert cfg.rollout.policy() == SampledGate()
+    assert load_config(None, sampled).rollout.policy() == SampledGate()
+    with pytest.raises(ConfigError, match="sampled_gate cannot be combined with task.environment"):
+        load_config(None, {**sampled, "task": {"environment": "generator.environments:Scripted"}})
     with pytest.raises(ConfigError, match="objective.exit_coef=0.5: trains a sampled exit"):
         load_config(None, {"objective": {"exit_coef": 0.5}})
 
