@@ -32,11 +32,15 @@ sample standard deviation over seeds.
 
 CPU only (a GPU mode with a larger looped model, issue 23 item 6, is not written yet).
 
-Arms: any of last, uniform, progressive, exit_pdf (Ouro's exit gate only). Hook for the
-sampled-exit / depth-cost arm (objective.depth_cost with exit_policy kind ``sampled``,
-another change): an arm ``name:key=value;key=value`` adds run-config overrides to that arm,
-e.g. ``sampled_cost:objective.depth_cost=0.1;rollout.exit_policy={kind:sampled}`` once
-those keys exist (until then the run config refuses them, naming the key).
+Arms: any of last, uniform, progressive, exit_pdf (Ouro's exit gate only), or
+``name:key=value;key=value``: run-config overrides for that arm. An arm's
+rollout.exit_policy replaces --exit-policy for its rollouts and its evaluation, e.g. the
+sampled exit with a compute cost (issue 23 item 3)::
+
+    --arms 'last,sampled_cost:rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.depth_cost=0.2;objective.exit_entropy_coef=0.01'
+
+(its mean_depth: the tokens' mean exit loop under the sampled exit, greedy tokens; the
+depth-cost goal: 30% less depth than full at no more than 1 point of accuracy).
 """
 
 from __future__ import annotations
@@ -165,8 +169,12 @@ def eval_all(model: Any, task: Task, policy: ExitPolicy | None, depths: list[int
 
 def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Namespace,
            policy: ExitPolicy | None) -> dict[str, float]:  # fmt: skip
-    """``args.steps`` GRPO steps from ``warm`` with ``cfg`` (the arm's), then eval_all."""
+    """``args.steps`` GRPO steps from ``warm`` with ``cfg`` (the arm's), then eval_all. An arm
+    that sets rollout.exit_policy generates (and evaluates) under it instead of ``policy``;
+    a sampled exit's rollouts carry their exit log-probs (objective.exit_coef trains them)."""
     from pipeline.backends.reference_trainer import ReferenceTrainer
+
+    policy = cfg.rollout.policy() if cfg.rollout.exit_policy else policy
 
     trainer = ReferenceTrainer(cfg, warm)
     model = trainer.model
@@ -193,7 +201,8 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
                 tokens=np.asarray(toks, np.int32),
                 logprobs=np.asarray(g.logprobs.float().numpy(), np.float32),
                 exit_depths=np.asarray(g.exit_depths, np.uint8), weight_version=step,
-                reward=task.score(toks, dict(p.task)),
+                reward=task.score(toks, dict(p.task)), full_depth=g.full_depth,
+                exit_logprobs=None if g.exit_logprobs is None else g.exit_logprobs.numpy(),
             ))  # fmt: skip
         trainer.step(rollouts, [False] * len(rollouts))
     t_rl = time.time()
