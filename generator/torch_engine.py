@@ -84,6 +84,8 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     depths: list[int] = dataclasses.field(default_factory=list)
+    exit_lps: list[float] = dataclasses.field(default_factory=list)
+    """A sampled exit (SampledGate): the exit log-prob of each sampling position."""
     finish: str = ""
 
 
@@ -128,9 +130,7 @@ class TorchEngine:
             p.data = p.data.to(torch_dtype)
         self.device, self.dtype = dev, torch_dtype
         self.policy = exit_policy if exit_policy is not None else FixedDepth(self.model.max_depth)
-        if is_sampled(self.policy):
-            raise ValueError("the torch engine does not record sampled exits' log-probs yet "
-                             "(SampledGate): use the vLLM engine")  # fmt: skip
+        self.sampled = is_sampled(self.policy)  # exits drawn from the gate, log-probs kept
         self.full_depth = resolve_max_depth(self.policy, self.model.max_depth)
         self.kv = resolve_kv(self.policy, self.model.config)
         self.fixed = isinstance(self.policy, FixedDepth)
@@ -279,13 +279,22 @@ class TorchEngine:
             depths = out.depths[:, 0].tolist()
             for b in rows:
                 slots[b].depths.append(int(depths[b]))  # type: ignore[union-attr]
+            self._exit_lps(slots, rows, out.exit_logprobs)
             return {b: out.logits[b, 0] for b in rows}
         out = run_chunk(self.model, cache, toks, positions, valid, seeds,
                         max_depth=self.full_depth, depths=torch.full(toks.shape, self.full_depth),
                         mode=self.numerics, kv=self.kv)  # fmt: skip
         for b in rows:
             slots[b].depths.append(self.full_depth)  # type: ignore[union-attr]
+        self._exit_lps(slots, rows, None)  # token 0 ran the full depth: no exit drawn
         return {b: out.logits[b, int(last[b])] for b in rows}
+
+    def _exit_lps(self, slots: list[_Request | None], rows: list[int], elp: Any) -> None:
+        """A sampled exit: file each row's exit log-prob of this forward (0.0 without one)."""
+        if not self.sampled:
+            return
+        for b in rows:
+            slots[b].exit_lps.append(0.0 if elp is None else float(elp[b, 0]))  # type: ignore[union-attr]
 
     def _feed(self, slots: list[_Request | None]) -> tuple[torch.Tensor, torch.Tensor]:
         toks = [s.tokens[-1] if s is not None and s.tokens else 0 for s in slots]
@@ -306,6 +315,7 @@ class TorchEngine:
         depths = out.depths[:, 0].tolist()
         for b in live:
             slots[b].depths.append(int(depths[b]))  # type: ignore[union-attr]
+        self._exit_lps(slots, live, out.exit_logprobs)
         return out.logits[:, 0]
 
     def _graph_step(self, decoder: GraphDecoder, slots: list[_Request | None]) -> torch.Tensor:
@@ -354,6 +364,9 @@ class TorchEngine:
             token_versions=None,
             finish_reason=r.finish or "length",
             full_depth=self.full_depth,
+            exit_logprobs=np.asarray(r.exit_lps[: len(r.tokens)], dtype=np.float32)
+            if self.sampled
+            else None,
         )
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from generator.config import ConfigError, GeneratorConfig
 from generator.engine import WeightDigestError
 from generator.torch_engine import TorchEngine, check_engine
 from models.checkpoint import load_checkpoint, load_into, load_model
-from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate
+from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
 from models.reference import SamplingParams, generate
 from models.weights.digest import digest_of_state
@@ -24,7 +24,8 @@ from proto.records import WorkItem
 from tests.generator import prompts, work_item
 from tests.generator.update_utils import perturbed
 
-POLICIES: dict[str, ExitPolicy] = {"huginn": LatentDiff(0.45), "ouro": OuroGate(0.8)}
+POLICIES: dict[str, ExitPolicy] = {"huginn": LatentDiff(0.45), "ouro": OuroGate(0.8),
+                                   "ouro-sampled": SampledGate()}  # fmt: skip
 
 
 def _items() -> list[WorkItem]:
@@ -43,12 +44,12 @@ def _reference(model: torch.nn.Module, it: WorkItem, seed: int, policy: ExitPoli
                         top_p=1.0 if greedy else it.top_p, max_new_tokens=it.max_tokens,
                         stop_token_ids=tuple(it.stop_token_ids), greedy=greedy)  # fmt: skip
     (g,) = generate(model, [it.prompt_tokens.tolist()], [seed], sp, policy, "exact")  # type: ignore[arg-type]
-    return g.tokens, g.exit_depths, g.logprobs.numpy()
+    return g.tokens, g.exit_depths, g.logprobs.numpy(), g.exit_logprobs
 
 
 @pytest.mark.parametrize("family", sorted(POLICIES))
 def test_records_equal_the_reference(family: str, tmp_path: Path) -> None:
-    path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
+    path = init_checkpoint(family.split("-")[0], "tiny", tmp_path / family, seed=1)
     policy = POLICIES[family]
     eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu")
     items = _items()
@@ -59,10 +60,15 @@ def test_records_equal_the_reference(family: str, tmp_path: Path) -> None:
     for it, samples in zip(items, out, strict=True):
         assert len(samples) == it.n
         for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
-            tokens, exit_depths, lps = _reference(model, it, int(seed), policy)
+            tokens, exit_depths, lps, elps = _reference(model, it, int(seed), policy)
             assert s.tokens.tolist() == tokens, (it.work_id, seed)
             assert s.exit_depths.tolist() == exit_depths
             np.testing.assert_array_equal(s.logprobs, lps)  # bit for bit (exact numerics)
+            if elps is None:
+                assert s.exit_logprobs is None
+            else:  # a sampled exit: the same exits drawn, the same log-probs claimed
+                assert s.exit_logprobs is not None
+                np.testing.assert_array_equal(s.exit_logprobs, elps.numpy())
             assert s.latent_seed == int(seed) and s.weight_version == 0
             assert s.full_depth == model.max_depth
             assert s.finish_reason in ("stop", "length")
@@ -89,7 +95,7 @@ def test_weights_swap_and_refusals(tmp_path: Path) -> None:
     load_into(model, new)
     for it, b, a in zip(items, before, after, strict=True):
         for seed, sb, sa in zip(it.latent_seeds.tolist(), b, a, strict=True):
-            tokens, _, lps = _reference(model, it, int(seed), FixedDepth(model.max_depth))
+            tokens, _, lps, _ = _reference(model, it, int(seed), FixedDepth(model.max_depth))
             assert sa.weight_version == 1 and sa.tokens.tolist() == tokens
             np.testing.assert_array_equal(sa.logprobs, lps)  # the new weights, served
             assert abs(float(sa.logprobs[0]) - float(sb.logprobs[0])) > 1e-4  # weights moved
@@ -103,13 +109,3 @@ def test_weights_swap_and_refusals(tmp_path: Path) -> None:
         bad = _items()[0]
         bad.stop = ["\n"]
         eng.generate([bad])
-
-
-def test_a_sampled_exit_is_refused_until_recorded(tmp_path: Path) -> None:
-    """The torch engine does not record a sampled exit's log-probs: it refuses SampledGate in
-    one line instead of sending rollouts without the exit's claim."""
-    from models.exits import SampledGate
-
-    path = init_checkpoint("ouro", "tiny", tmp_path / "ouro")
-    with pytest.raises(ValueError, match="does not record sampled exits"):
-        TorchEngine(path, numerics="exact", exit_policy=SampledGate(), device="cpu")
