@@ -284,9 +284,9 @@ class ObjectiveConfig:
         for name in ("exit_coef", "exit_entropy_coef"):
             v = getattr(self, name)
             need(math.isfinite(v) and v >= 0, name, "must be a finite number >= 0")
-            need(v == 0 or (self.kind in ("ppo", "grpo") and self.is_cap is None), name,
-                 f"applies to kinds ppo and grpo without is_cap so far (got kind {self.kind}, "
-                 f"is_cap {self.is_cap}): the behaviour weight of an exit is not defined yet")  # fmt: skip
+            need(v == 0 or self.kind in ("ppo", "grpo", "dppo"), name,
+                 f"applies to kinds ppo, grpo and dppo (the clipped surrogate) so far, not "
+                 f"{self.kind}: its surrogate is not defined for the exit yet")  # fmt: skip
             need(v == 0 or self.loop_weighting == "last", name,
                  "applies with loop_weighting last only so far")  # fmt: skip
         looped = self.loop_weighting != "last"

@@ -15,8 +15,15 @@ was asked of the Bernoulli entropy of sigmoid(g_k): the sequential decision's en
 the sampled path, whose expectation is the entropy of the exit distribution (the chain rule).
 
 The two ratios are clipped apart (a factorised surrogate, like a policy with two heads), so a
-large token ratio does not hide the gate's. Kinds ppo and grpo without a behaviour weight;
-the others are refused by the config until their weight is defined for the exit.
+large token ratio does not hide the gate's. With a behaviour weight (kind dppo, or is_cap set:
+AReaL's decoupled PPO) the exit has its own, from its own log-probs and under the same rules
+(learner.objectives.correction with exit_prox / exit_behav: is_cap, is_mode, is_level,
+is_veto), and its ratio is measured against exit_prox:
+
+    l_t += exit_coef * w_e,t * max(-r A, -clip(r, ...) A),  w_e = exp(exit_prox - exit_behav)
+
+Kinds ppo, grpo and dppo (the clipped surrogate); flow_dppo and divergence_ppo are refused by
+the config until their surrogate is defined for the exit.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import Tensor
 from learner.config import ObjectiveConfig
 from learner.losses import clipped_surrogate, masked_mean, ratio_from_log
 from learner.objectives.batch import LossBatch, Tokens
+from learner.objectives.correction import rollout_correction
 from learner.objectives.kind import Metrics
 
 __all__ = ["exit_term", "uses_exit_term"]
@@ -55,14 +63,24 @@ def exit_term(cfg: ObjectiveConfig, lb: LossBatch, tok: Tokens, metrics: Metrics
     valid = tok.valid
     if cfg.exit_coef > 0:
         cur = _need(lb.exit_logp, "exit_logp", shape).float()
-        base = lb.exit_prox if lb.exit_prox is not None else lb.exit_behav
-        base = _need(base, "exit_prox" if lb.exit_prox is not None else "exit_behav", shape)
+        weighted = cfg.kind == "dppo" or cfg.is_cap is not None
+        if weighted:  # decoupled: the ratio against the proximal exit, the exit's own weight
+            base = _need(lb.exit_prox, "exit_prox", shape)
+        else:
+            base = lb.exit_prox if lb.exit_prox is not None else lb.exit_behav
+            base = _need(base, "exit_prox" if lb.exit_prox is not None else "exit_behav", shape)
         base = base.detach().float()
         ok = valid & torch.isfinite(cur.detach()) & torch.isfinite(base)
         log_ratio = torch.where(ok, cur - base, 0.0)
         ratio = ratio_from_log(log_ratio)
         surr = clipped_surrogate(ratio, tok.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
         loss = torch.where(ok, surr.loss, 0.0)
+        if weighted:
+            behav = _need(lb.exit_behav, "exit_behav", shape)
+            corr = rollout_correction(cfg, torch.where(ok, tok.mask, 0.0), base, behav)
+            loss = loss * corr.weight
+            metrics["exit_is_weight_mean"] = masked_mean(torch.where(ok, corr.weight, 0.0),
+                                                         tok.mask)  # fmt: skip
         total = total + cfg.exit_coef * loss
         with torch.no_grad():
             metrics["exit_loss"] = masked_mean(loss, tok.mask)

@@ -72,12 +72,38 @@ def test_exit_term_gradient_by_hand() -> None:
     assert torch.allclose(elp.grad[0], want[0], atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["dppo", "grpo"])
+def test_exit_term_behaviour_weight_by_hand(kind: str) -> None:
+    """dppo (and grpo with is_cap): the exit's own decoupled weight w_e = exp(exit_prox -
+    exit_behav), truncated at is_cap, multiplies its surrogate (ratio against exit_prox):
+    on-policy w.r.t. the proximal weights the gradient is -c w_e A / N per token."""
+    c, cap = 0.5, 2.0
+    cfg = ObjectiveConfig(kind=kind, exit_coef=c, is_cap=cap)
+    behav = torch.tensor([[-0.5, -1.0, -0.2], [-0.3, -0.9, -2.0]])
+    prox = behav + torch.tensor([[0.1, -0.3, 1.5], [0.0, 0.2, -0.4]])  # w_e: 1.5 over the cap
+    elp = prox.clone().requires_grad_()
+    lp = torch.full((B, T), -1.0)
+    adv = ADV[:, None].expand(B, T)
+    loss, m = policy_loss(cfg, dict(mask=torch.ones(B, T), advantages=adv,
+                                    logp=lp.clone().requires_grad_(), behav_logp=lp,
+                                    prox_logp=lp, exit_logp=elp, exit_behav=behav,
+                                    exit_prox=prox))  # fmt: skip
+    loss.backward()
+    w = (prox - behav).exp().clamp(max=cap)
+    want = -c * w * ADV[:, None] / (B * T)
+    assert elp.grad is not None and torch.allclose(elp.grad, want, atol=1e-7), (elp.grad, want)
+    assert math.isclose(m["exit_is_weight_mean"], float(w.mean()), rel_tol=1e-6)
+    with pytest.raises(ValueError, match=r"batch\['exit_prox'\]: required"):
+        policy_loss(cfg, dict(mask=torch.ones(B, T), advantages=adv, logp=lp, behav_logp=lp,
+                              prox_logp=lp, exit_logp=elp, exit_behav=behav))  # fmt: skip
+
+
 def test_exit_term_refusals() -> None:
     for kw, why in (
         ({"exit_coef": -1.0}, "exit_coef=-1.0: must be a finite number >= 0"),
         ({"exit_coef": math.nan}, "exit_coef=nan: must be a finite number >= 0"),
-        ({"exit_coef": 1.0, "kind": "dppo"}, "applies to kinds ppo and grpo without is_cap"),
-        ({"exit_coef": 1.0, "is_cap": 2.0}, "applies to kinds ppo and grpo without is_cap"),
+        ({"exit_coef": 1.0, "kind": "flow_dppo"}, "applies to kinds ppo, grpo and dppo"),
+        ({"exit_coef": 1.0, "kind": "divergence_ppo"}, "applies to kinds ppo, grpo and dppo"),
         ({"exit_entropy_coef": 1.0, "loop_weighting": "uniform"}, "loop_weighting last only"),
     ):
         with pytest.raises(ValueError, match=why):
