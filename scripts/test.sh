@@ -13,7 +13,7 @@ echo "== mypy (proto, pipeline, models)"
 mypy proto pipeline models
 echo "== pytest"
 set +e
-python -m pytest "$@"
+python -m pytest --durations=30 "$@"
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a failure for us too.
