@@ -55,7 +55,7 @@ def test_committed_data_is_guess_rows() -> None:
 
 def test_conversations_fit_the_example_budgets(tiny: Path) -> None:
     """A turn ends at the first digit (stop_token_ids are the tokenizer's "0".."9"), so two
-    answers " N" fit rollout.max_tokens with room to spare; the longest observation fits
+    answers " N" fit rollout.max_tokens exactly; the longest observation fits
     rollout.max_env_tokens, and the first prompt plus both fit max_model_len."""
     cfg = load_config(CONFIG)
     r = cfg.rollout
@@ -67,7 +67,7 @@ def test_conversations_fit_the_example_budgets(tiny: Path) -> None:
     env = GuessNumber({"max_turns": r.max_turns})
     for prompt, target in examples:  # " N<|eos|>": the digit stops a turn before the EOS
         assert target[-1] in eos and target[-2] in r.stop_token_ids
-        assert 2 * r.max_turns * (len(target) - 1) <= r.max_tokens
+        assert r.max_turns * (len(target) - 1) == r.max_tokens
         assert len(prompt) + r.max_tokens + r.max_env_tokens <= cfg.generators.max_model_len
     digit = r.stop_token_ids[2]
     longest = max(len(renderer.continuation(t, [digit]))
@@ -136,7 +136,7 @@ def test_the_generator_drives_its_engine_as_conversations(tiny: Path) -> None:
 @pytest.mark.slow
 def test_a_short_guess_run_trains_on_conversations_and_replays(tmp_path: Path) -> None:
     """configs/guess.yaml, 3 steps and one generator, through `looprl run` as a user runs it:
-    every recorded rollout is a conversation within the example's limits (model tokens <= 8,
+    every recorded rollout is a conversation within the example's limits (model tokens <= 4,
     <= 2 turns, <= 32 environment tokens at log-prob 0 and full depth), its reward is
     GuessNumber's, the learner trained 3 versions, and `looprl replay` of the stream
     reaches each version's digest."""
@@ -172,7 +172,7 @@ def test_a_short_guess_run_trains_on_conversations_and_replays(tmp_path: Path) -
         assert r.token_mask is not None and r.token_mask.shape == r.tokens.shape
         env = r.token_mask == 0
         turns, solved = int(r.reward_info["turns"]), int(r.reward_info["solved"])
-        assert int(r.token_mask.sum()) <= 8 and 1 <= turns <= 2
+        assert int(r.token_mask.sum()) <= 4 and 1 <= turns <= 2
         assert int(env.sum()) == r.reward_info["env_tokens"] <= 32
         assert (r.logprobs[env] == 0.0).all() and (r.exit_depths[env] == r.full_depth).all()
         assert r.reward == (pytest.approx((2 - turns + 1) / 2) if solved else 0.0)
