@@ -67,8 +67,8 @@ def exit_term(cfg: ObjectiveConfig, lb: LossBatch, tok: Tokens, metrics: Metrics
         if weighted:  # decoupled: the ratio against the proximal exit, the exit's own weight
             base = _need(lb.exit_prox, "exit_prox", shape)
         else:
-            base = lb.exit_prox if lb.exit_prox is not None else lb.exit_behav
-            base = _need(base, "exit_prox" if lb.exit_prox is not None else "exit_behav", shape)
+            key = "exit_prox" if lb.exit_prox is not None else "exit_behav"
+            base = _need(lb.exit_prox if lb.exit_prox is not None else lb.exit_behav, key, shape)
         base = base.detach().float()
         ok = valid & torch.isfinite(cur.detach()) & torch.isfinite(base)
         log_ratio = torch.where(ok, cur - base, 0.0)
