@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,12 +29,25 @@ SETTINGS = [
 ]  # fmt: skip
 
 
-def fake_generator(control: str, weights: str, stop: threading.Event) -> None:
-    """Answers every WorkItem with valid rollouts (2 tokens, full depth 1 of llama)."""
+def _honest(model: Any, rec: WorkItem, seed: int, tokens: list[int]) -> np.ndarray:
+    """The log-probs a real generator would claim for ``tokens`` (models.reference replay of
+    the weights it serves): the learner checks every claim before its update."""
+    from models.reference import ReplayItem, replay
+
+    item = ReplayItem(rec.prompt_tokens.tolist(), tokens, seed, [1] * len(tokens), 1)
+    (r,) = replay(model, [item], temperature=rec.temperature, top_p=rec.top_p, numerics="fast")
+    return r.logprobs.numpy().astype(np.float32)
+
+
+def fake_generator(control: str, weights: str, stop: threading.Event, init: Path) -> None:
+    """Answers every WorkItem with valid rollouts (2 tokens, full depth 1 of llama) whose
+    log-probs are honest for the version it serves (RUN_DIR/init, then each announced one)."""
+    from models.checkpoint import load_model
+
     tc = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=10.0)
     hello = Hello("fake0", "host", os.getpid(), ["llama"], 2, 0, time.time())
     conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
-    version = 0
+    version, model = 0, None
     try:
         while not stop.is_set():
             inc = conn.recv(0.05)
@@ -41,9 +55,10 @@ def fake_generator(control: str, weights: str, stop: threading.Event) -> None:
                 continue
             rec = inc.record
             if isinstance(rec, WeightAnnounce):
-                version = rec.version
+                version, model = rec.version, load_model(Path(rec.path))[1]
                 conn.send(Ack("weights", str(version), version), channel="weights")
             elif isinstance(rec, WorkItem):
+                model = model if model is not None else load_model(init)[1]
                 idx = rec.sample_indices or list(range(rec.n))
                 rolls = [
                     Rollout(
@@ -55,7 +70,7 @@ def fake_generator(control: str, weights: str, stop: threading.Event) -> None:
                         latent_seed=int(seed),
                         prompt_tokens=rec.prompt_tokens,
                         tokens=np.array([5, 6], np.int32),
-                        logprobs=np.full(2, -1.0, np.float32),
+                        logprobs=_honest(model, rec, int(seed), [5, 6]),
                         exit_depths=np.ones(2, np.uint8),
                         weight_version=version,
                         reward=float(i % 2),
@@ -82,8 +97,9 @@ def learner(run_dir: Path, *args: str, serve: bool = True) -> tuple[int, str, st
         while proc.poll() is None and time.monotonic() < deadline:
             if serve and gen is None and ep_file.is_file():
                 eps = json.loads(ep_file.read_text())
-                gen = threading.Thread(target=fake_generator,
-                                       args=(eps["control"], eps["weights"], stop), daemon=True)  # fmt: skip
+                gen = threading.Thread(target=fake_generator, daemon=True,
+                                       args=(eps["control"], eps["weights"], stop,
+                                             run_dir / "init"))  # fmt: skip
                 gen.start()
             time.sleep(0.2)
         code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
