@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from models.init import init_checkpoint
 
@@ -53,9 +54,25 @@ def looprl_run(run_dir: Path, *overrides: str, timeout_s: float) -> tuple[int, s
     return code, err.read_text(), time.monotonic() - t0
 
 
-def llama_of_another_shape(out: Path) -> Path:
-    """The tiny Llama with intermediate_size 192 instead of 128 (same vocabulary, tokenizer)."""
-    return init_checkpoint("llama", "tiny", out, overrides={"intermediate_size": 192})
+def llama_of_another_shape(out: Path, base: Path) -> Path:
+    """``base`` (a tiny Llama) with intermediate_size 192 instead of 128: its MLPs padded with
+    64 zero units (gate and up rows, down columns), so it computes what ``base`` computes
+    (silu(0) * 0 = 0; the learner's check of the generators' claimed log-probs passes) but
+    cannot load ``base``'s shapes."""
+    from models.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg, state = load_checkpoint(base)
+    pad = 192 - int(cfg["intermediate_size"])
+    for k, v in list(state.items()):
+        if k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            state[k] = torch.cat([v, v.new_zeros(pad, v.shape[1])], 0)
+        elif k.endswith("mlp.down_proj.weight"):
+            state[k] = torch.cat([v, v.new_zeros(v.shape[0], pad)], 1)
+    cfg["intermediate_size"] = 192
+    extra = {f.name: f for f in base.iterdir()
+             if f.is_file() and f.name != "config.json" and ".safetensors" not in f.name}  # fmt: skip
+    save_checkpoint(state, cfg, out, extra_files=extra)
+    return out
 
 
 def test_run_trains_a_llama_through_vllm(tmp_path: Path) -> None:
@@ -108,7 +125,7 @@ def test_generators_that_cannot_load_the_weights_fail_the_run_fast(tmp_path: Pat
     learner's shapes) fails in their model's loader. Each exits 1 with one line, and `looprl
     run` exits 1 within seconds of that, not after max_wait_s (600 s; the old behaviour)."""
     model = init_checkpoint("llama", "tiny", tmp_path / "llama")
-    other = llama_of_another_shape(tmp_path / "other")
+    other = llama_of_another_shape(tmp_path / "other", model)
     run_dir = tmp_path / "run"
     code, err, wall = looprl_run(
         run_dir,
@@ -117,10 +134,6 @@ def test_generators_that_cannot_load_the_weights_fail_the_run_fast(tmp_path: Pat
         "generators.count=2",
         f"generators.extra_args=[--model,{other}]",
         "max_wait_s=600",
-        # their v0 log-probs are another model's: the door's log-prob check would ban them as
-        # liars before v1 (tests/pipeline/test_verified_rollouts.py); here the load failure is
-        # what is tested, so nobody is banned
-        "intake.max_refused=0",
         timeout_s=240,
     )
     print(f"\nrun with unloadable weights: exit {code} after {wall:.0f} s")
