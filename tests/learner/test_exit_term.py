@@ -234,34 +234,29 @@ def test_the_door_checks_exit_claims_against_the_run_policy() -> None:
         assert got is not None and got.reason == "exit_logprob" and why in got.detail, got
 
 
-@pytest.mark.megatron
-def test_both_policies_train_the_exit_to_the_same_bits(tmp_path: object) -> None:
-    """The megatron policy (learner.loop_forward.exit_forward: the gate after each core
-    iteration through LoopedGPT's loop hook) and the reference policy (models.engine.run_chunk)
-    on the same sampled-exit rollouts (tiny Ouro, exact numerics, grpo with the exit term and
-    its entropy bonus): every metric of the update the same bits (the forwards agree exactly:
-    exit log-probs, entropies, token log-probs) and each rollout's exit claim measured at 0.
-    The updated weights agree within 1e-6, not bit for bit: the gradients' rounding differs
-    (measured 6.3e-7 at most after one lr 1e-3 update; the same rollouts without any exit
-    term already differ by 2.4e-7 in one layernorm weight: the base path's, not the exit's)."""
+def _two_backends(root_s: str) -> dict[str, Any]:
+    """test_both_policies_...'s body, in a process of its own (run_distributed): a megatron
+    trainer in exact numerics leaves state in the process that moves a later fast-numerics
+    megatron run's gradients at the 1e-6 level (test_loop_credit's huginn case failed after
+    it in one pytest process; noticed, not yet found)."""
     from pathlib import Path
 
     from models.checkpoint import load_checkpoint, load_model, save_checkpoint, state_dict_for_save
     from models.ties import tied_from_module
     from pipeline.config import load_config
 
+    root = Path(root_s) / "ouro"
     m = build_model(tiny_config("ouro"), seed=3)
     with torch.no_grad():
         m.model.early_exit_gate.bias.fill_(-0.5)
-    root = Path(str(tmp_path)) / "ouro"
     save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
     rolls = _ouro_rollouts(load_model(root)[1], SampledGate(), "exact")
     over = ["numerics=exact", "rollout.n=2", "rollout.prompts_per_step=2",
             "rollout.temperature=1.0", "rollout.exit_policy={kind: sampled_gate}",
             "objective.exit_coef=0.5", "objective.exit_entropy_coef=0.02",
-            "optimizer.lr=1e-3",
-            "learner.backprop_depth=0"]  # fmt: skip
-    res, weights, mism = {}, {}, {}
+            "optimizer.lr=1e-3", "learner.backprop_depth=0"]  # fmt: skip
+    out: dict[str, Any] = {"res": {}, "mism": {}, "worst": 0.0, "moved": False}
+    weights = {}
     for backend in ("reference", "megatron"):
         cfg = load_config(None, [f"backend={backend}", *over])
         if backend == "reference":
@@ -273,20 +268,38 @@ def test_both_policies_train_the_exit_to_the_same_bits(tmp_path: object) -> None
 
             t = MegatronTrainer(cfg, root)
         try:
-            res[backend] = t.step(rolls, [False] * 4)
-            mism[backend] = list(t.last_mismatch)
-            t.publish(Path(str(tmp_path)) / backend, 1)
-            weights[backend] = load_checkpoint(Path(str(tmp_path)) / backend)[1]
+            out["res"][backend] = dict(t.step(rolls, [False] * 4))
+            out["mism"][backend] = list(t.last_mismatch)
+            t.publish(Path(root_s) / backend, 1)
+            weights[backend] = load_checkpoint(Path(root_s) / backend)[1]
         finally:
             t.close() if backend == "megatron" else None
-    ref, meg = res["reference"], res["megatron"]
+    a, b = weights["reference"], weights["megatron"]
+    out["same_names"] = sorted(a) == sorted(b)
+    out["worst"] = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    start = load_checkpoint(root)[1]
+    out["moved"] = any(not torch.equal(a[k], w) for k, w in start.items() if k in a)
+    return out
+
+
+@pytest.mark.megatron
+def test_both_policies_train_the_exit_to_the_same_bits(tmp_path: object) -> None:
+    """The megatron policy (learner.loop_forward.exit_forward: the gate after each core
+    iteration through LoopedGPT's loop hook) and the reference policy (models.engine.run_chunk)
+    on the same sampled-exit rollouts (tiny Ouro, exact numerics, grpo with the exit term and
+    its entropy bonus): every metric of the update the same bits (the forwards agree exactly:
+    exit log-probs, entropies, token log-probs) and each rollout's exit claim measured at 0.
+    The updated weights agree within 1e-6, not bit for bit: the gradients' rounding differs
+    (measured 6.3e-7 at most after one lr 1e-3 update; the same rollouts without any exit
+    term already differ by 2.4e-7 in one layernorm weight: the base path's, not the exit's)."""
+    from tests.learner.dist_utils import run_distributed
+
+    (out,) = run_distributed(_two_backends, 1, str(tmp_path), torchrun_env=False, timeout_s=300)
+    ref, meg = out["res"]["reference"], out["res"]["megatron"]
     assert ref["exit_entropy"] > 0 and ref["updates"] == 1.0
     assert set(ref) == set(meg)
     bad = {k: (ref[k], meg[k]) for k in ref if ref[k] != meg[k] and not (ref[k] != ref[k])}
     assert not bad, bad
-    assert mism["reference"] == mism["megatron"] == [0.0] * 4
-    a, b = weights["reference"], weights["megatron"]
-    assert sorted(a) == sorted(b)
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst <= 1e-6, worst
-    assert any(not torch.equal(a[k], w) for k, w in load_checkpoint(root)[1].items() if k in a)
+    assert out["mism"]["reference"] == out["mism"]["megatron"] == [0.0] * 4
+    assert out["same_names"] and out["worst"] <= 1e-6, out["worst"]
+    assert out["moved"]
