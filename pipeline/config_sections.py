@@ -145,7 +145,8 @@ class RolloutSection(Sampling):
     """Strings that end a completion (kept in it; the generators detokenize to find them)."""
     exit_policy: dict[str, Any] = field(default_factory=dict)
     """Exit policy, e.g. {kind: ouro_gate, q: 0.8, kv: full}: kinds fixed (depth), latent_diff /
-    kl / entropy_diff (threshold), ouro_gate (q); min_depth, max_depth (up to 255, beyond the
+    kl / entropy_diff (threshold), ouro_gate (q), sampled_gate (the exit drawn from the gate,
+    its log-prob claimed and trained: objective.exit_coef); min_depth, max_depth (up to 255, beyond the
     model's depth allowed); kv full | last_exited (null: the family's default, docs/MODELS.md).
     Empty: every token at the model's depth. The generators run it, the door bounds exit depths
     by its max depth, both backends replay in its kv."""
