@@ -33,11 +33,15 @@ QUIET = ["metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=fa
          "checkpoint.every=0"]  # fmt: skip
 
 
-def looprl_run(run_dir: Path, *overrides: str, timeout_s: float) -> tuple[int, str, float]:
-    """`looprl run` as a process; returns (exit code, stderr, wall seconds). Past ``timeout_s``
-    it gets SIGTERM (it stops its generators by pid), then SIGKILL, and the code is None."""
+def looprl_run(run_dir: Path, *overrides: str, timeout_s: float,
+               config: Path | None = None) -> tuple[int, str, float]:  # fmt: skip
+    """`looprl run [--config CONFIG]` as a process; returns (exit code, stderr, wall seconds).
+    Past ``timeout_s`` it gets SIGTERM (it stops its generators by pid), then SIGKILL, and the
+    code is None."""
     err = run_dir.parent / f"{run_dir.name}.err"
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", f"run_dir={run_dir}", *QUIET, *overrides]
+    cfg = [] if config is None else ["--config", str(config)]
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", *cfg, f"run_dir={run_dir}", *QUIET,
+           *overrides]  # fmt: skip
     t0 = time.monotonic()
     with open(err, "w") as e:
         proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=e)

@@ -11,11 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +24,7 @@ from pipeline.commands.generator_cli import add_parser, config_from_args, multi_
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.warm_start import sft_examples
 from pipeline.config import ConfigError, load_config
+from tests.cli.test_run_llama import looprl_run
 from tests.generator import work_item
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,25 +140,9 @@ def test_a_short_guess_run_trains_on_conversations_and_replays(tmp_path: Path) -
     from pipeline.core.recorder import read_rollouts
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--config", str(CONFIG),
-           f"run_dir={run_dir}", "steps=3", "generators.count=1", "metrics.progress=false",
-           "metrics.plot=false", "metrics.tensorboard=false"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=480)
-    finally:  # a hung run: SIGTERM stops its generators by pid, then the run itself
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    wall = time.monotonic() - t0
-    assert proc.returncode == 0, err[-3000:]
+    code, err, wall = looprl_run(run_dir, "steps=3", "generators.count=1", config=CONFIG,
+                                 timeout_s=480)  # fmt: skip
+    assert code == 0, err[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["steps"] == 3 and s["final_version"] == 3
     rolls = [r for _, r in read_rollouts(run_dir / "stream")]
