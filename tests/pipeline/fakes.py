@@ -67,6 +67,20 @@ class FakeTrainer:
         pass
 
 
+def reference_trainer_and_pair(tmp: Path, lr: float = 0.1) -> tuple[Any, list[Rollout]]:
+    """A backend=reference trainer on a fresh tiny Huginn (tmp/m) and one group of two
+    FakeGenerator rollouts of work item w0 (prompt [1, 2], seeds 11 and 12)."""
+    from models.init import init_checkpoint
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+
+    init_checkpoint("huginn", "tiny", tmp / "m", seed=0)
+    tr = ReferenceTrainer(load_config(None, [f"optimizer.lr={lr}"]), tmp / "m")
+    g = FakeGenerator.__new__(FakeGenerator)
+    g.gid, g.rng = "g0", random.Random(0)
+    item = WorkItem("w0", "p0", np.array([1, 2], np.int32), np.array([11, 12], np.uint64))
+    return tr, [g._rollout(item, i, s) for i, s in enumerate([11, 12])]
+
+
 FAKE_LIMITS = ModelLimits(vocab_size=64, max_depth=4)  # what FakeGenerator's rollouts fit
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0)
 

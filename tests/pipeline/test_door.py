@@ -38,6 +38,7 @@ from tests.pipeline.fakes import (
     drive_with_a_hole,
     make_coordinator,
     poison,
+    reference_trainer_and_pair,
 )
 
 LIMITS = ModelLimits(vocab_size=256, max_depth=8)
@@ -209,16 +210,7 @@ def test_non_finite_weights_never_published(tmp_path: Path) -> None:
 
 def test_reference_trainer_skips_a_non_finite_step(tmp_path: Path) -> None:
     """A NaN advantage (an inf reward fed past the door) -> no update, counted."""
-    from models.init import init_checkpoint
-    from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
-
-    init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
-    tr = ReferenceTrainer(load_config(None, ["optimizer.lr=0.1"]), tmp_path / "m")
-    g = FakeGenerator.__new__(FakeGenerator)
-    g.gid, g.rng = "g0", __import__("random").Random(0)
-    item = WorkItem("w0", "p0", np.array([1, 2], np.int32), np.array([11, 12], np.uint64))
-    rolls = [g._rollout(item, i, s) for i, s in enumerate([11, 12])]
+    tr, rolls = reference_trainer_and_pair(tmp_path)
     rolls[0] = dataclasses.replace(rolls[0], reward=math.inf)
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     m = tr.step(rolls, [False, False])

@@ -17,7 +17,12 @@ from models.checkpoint import load_checkpoint, save_checkpoint
 from models.ties import detached_copy
 from models.weights.publication import Publication
 from pipeline.core.publishing import PublicationQueue, Snapshot
-from tests.pipeline.fakes import FakeGenerator, FakeTrainer, make_coordinator
+from tests.pipeline.fakes import (
+    FakeGenerator,
+    FakeTrainer,
+    make_coordinator,
+    reference_trainer_and_pair,
+)
 
 
 def _pub(tmp: Path, v: int) -> Publication:
@@ -91,19 +96,7 @@ def test_reference_trainer_snapshot_is_the_weights_at_the_snapshot(tmp_path: Pat
     writes; publish() afterwards writes the new weights."""
     import dataclasses
 
-    import numpy as np
-
-    from models.init import init_checkpoint
-    from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
-    from proto import WorkItem
-
-    init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
-    tr = ReferenceTrainer(load_config(None, ["optimizer.lr=0.1"]), tmp_path / "m")
-    g = FakeGenerator.__new__(FakeGenerator)
-    g.gid, g.rng = "g0", __import__("random").Random(0)
-    item = WorkItem("w0", "p0", np.array([1, 2], np.int32), np.array([11, 12], np.uint64))
-    rolls = [g._rollout(item, i, s) for i, s in enumerate([11, 12])]
+    tr, rolls = reference_trainer_and_pair(tmp_path)
     rolls = [dataclasses.replace(r, reward=float(i)) for i, r in enumerate(rolls)]
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     finish = tr.snapshot(tmp_path / "v1", 1)
