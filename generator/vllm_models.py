@@ -220,7 +220,9 @@ class _LoopedVllm:
             rope = me.rope(pos, mode)
             e = self._stack(me.prelude_blocks(), self.prelude_attn, e, rope)
             state = me.initial_state(e, pos, step.seeds.tolist(), noise)
-            seeds_t = torch.from_numpy(step.seeds.view(np.int64).copy()).to(pos.device)
+            seeds_t = None  # the exit uniforms' seeds: a sampled exit only
+            if isinstance(self.policy, SampledGate):
+                seeds_t = torch.from_numpy(step.seeds.view(np.int64).copy()).to(pos.device)
             hidden, ran_np, exit_lps = self._loop(state, e, rope, target, seeds_t, pos)
         if self.record and step.requests:
             toks = input_ids.cpu().numpy() if input_ids is not None else np.zeros(n, np.int64)
@@ -250,13 +252,14 @@ class _LoopedVllm:
         return self._readout(state, rope)
 
     def _loop(
-        self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray, seeds: Tensor,
+        self, state: Tensor, e: Tensor, rope: Tensor, target: np.ndarray, seeds: Tensor | None,
         pos: Tensor,
     ) -> tuple[Tensor, np.ndarray, np.ndarray | None]:  # fmt: skip
         """The depth loop with exits (target: per-token exit depth, 0 = the policy's);
         returns (hidden, iterations run per token, and under a sampled exit each token's exit
         log-prob: NaN where the policy did not decide, e.g. a recomputed recorded depth).
-        seeds [N] int64, pos [N]: the rows' latent seeds and positions (the exit uniforms)."""
+        seeds [N] int64 (a sampled exit; else None), pos [N]: the rows' latent seeds and
+        positions (the exit uniforms)."""
         me: Any = self
         mode, n = self.mode, state.shape[0]
         dev = state.device
@@ -297,6 +300,7 @@ class _LoopedVllm:
                 if needs_gate(self.policy):
                     info.gate_logit = me.gate_logit(new[pol_idx], mode)
                 if sampled:
+                    assert seeds is not None
                     info.uniform = exit_uniform(seeds[pol_idx], pos[pol_idx], d + 1)
                 hit, exit_carry = should_exit(self.policy, info, exit_carry)
                 decided = active[pol_idx] & hit.to(dev)
