@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from models.weights.publication import Publication
+from pipeline.config import RunConfig
 from proto import Rollout
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Trainer(Protocol):
     def close(self) -> None: ...
 
 
-def build_trainer(backend: str, cfg: Any, model_dir: Path) -> Trainer:
+def build_trainer(backend: str, cfg: RunConfig, model_dir: Path) -> Trainer:
     """The trainer for ``backend`` ("megatron", "reference", or "auto": megatron if
     learner.trainer is importable, else the reference trainer with a warning)."""
     if backend in ("auto", "megatron"):
