@@ -29,7 +29,11 @@ from models.config import config_from_hf_dict, tiny_config
 from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
 
 FAMILIES = ("huginn", "ouro", "nanbeige", "llama")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "1b", "0125")
+"""tiny (head_dim 32, vLLM CPU), small (hidden 512), and two GPU shapes of Huginn only: 1b (the
+~1B Huginn shape of benchmarks/trainer_gpu.py: hidden 2048, 16 heads, 2 + 4 + 2 layers, mean
+recurrence 4) and 0125 (the Huginn-0125 shape: hidden 5280, 55 heads, 2 + 4 + 2 layers, mean
+recurrence 32), both vocab 65536, for the one-GPU end to end run (scripts/gpu_e2e.sh)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"huginn_raven": "huginn", "nanbeige_looped": "nanbeige"}
 
@@ -38,6 +42,20 @@ _SMALL_HUGINN = {
     "n_heads": 8,
     "intermediate_size": 1536,
     "block_size": 2048,
+}
+_GPU_HUGINN = {  # the shapes of benchmarks/trainer_gpu.py (random init: no download)
+    "1b": {"n_embd": 2048, "n_heads": 16, "intermediate_size": 5632, "mean_recurrence": 4},
+    "0125": {"n_embd": 5280, "n_heads": 55, "intermediate_size": 17920, "mean_recurrence": 32},
+}
+_GPU_HUGINN_COMMON = {
+    "n_layers": 8,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4,
+    "n_layers_in_coda": 2,
+    "mean_backprop_depth": 8,
+    "vocab_size": 65536,
+    "padded_vocab_size": 65536,
+    "block_size": 4096,
 }
 _SMALL_LLAMA_LIKE = {
     "hidden_size": 512,
@@ -58,15 +76,20 @@ def _family(family: str) -> str:
 
 
 def model_config(family: str, size: str) -> Any:
-    """The typed config of `family` at `size` ("tiny" | "small")."""
+    """The typed config of `family` at `size` (one of SIZES; 1b and 0125: Huginn only)."""
     name = _family(family)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; allowed: {', '.join(SIZES)}")
+    if size in _GPU_HUGINN and name != "huginn":
+        raise ValueError(f"size {size!r} is a Huginn shape; for family {name!r} use tiny or small")
     tiny = tiny_config(name)
     if size == "tiny":
         return tiny
     d = {k: v for k, v in tiny.to_hf_dict().items() if k not in type(tiny).derived_keys}
-    d.update(_SMALL_HUGINN if name == "huginn" else _SMALL_LLAMA_LIKE)
+    if size in _GPU_HUGINN:
+        d.update({**_GPU_HUGINN_COMMON, **_GPU_HUGINN[size]})
+    else:
+        d.update(_SMALL_HUGINN if name == "huginn" else _SMALL_LLAMA_LIKE)
     d.pop("layer_types", None)  # per-layer list of the tiny stack; the default fits any depth
     return config_from_hf_dict(d)
 

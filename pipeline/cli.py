@@ -13,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from models.init import init_checkpoint
+from models.init import SIZES, init_checkpoint
 from pipeline.commands.evaluation import add_parser as add_eval_parser
 from pipeline.commands.generator_cli import add_parser as add_generator_parser
 from pipeline.commands.keys_cli import add_parser as add_keys_parser
@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["huginn", "ouro", "nanbeige", "llama"],
         help="model family",
     )
-    init.add_argument("--size", default="tiny", help="preset size (default: tiny, head_dim 32)")
+    init.add_argument(
+        "--size",
+        default="tiny",
+        choices=list(SIZES),
+        help="preset size (default: tiny, head_dim 32; 1b and 0125: Huginn GPU shapes)",
+    )
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.add_argument(
         "--dtype",

@@ -12,6 +12,7 @@ from generator.config import GeneratorConfig
 from models.contract import Sampling
 from models.errors import ConfigError
 from models.exits import MAX_DEPTH, policy_from_dict
+from models.init import SIZES
 from models.settings import check
 from models.weights.collective import DEFAULT_PIPE_BYTES
 from pipeline.net.transport_config import TransportConfig
@@ -42,7 +43,8 @@ class ModelSection:
     family: str = "huginn"
     """Model family for a fresh checkpoint: huginn, ouro, nanbeige or llama."""
     size: str = "tiny"
-    """Preset size for a fresh checkpoint (models.init): tiny or small."""
+    """Preset size for a fresh checkpoint (models.init): tiny, small, or the GPU shapes 1b and 0125
+    (Huginn only: the ~1B and Huginn-0125 shapes, random init)."""
     path: str = ""
     """Existing HF-layout checkpoint directory; empty: create family/size in RUN_DIR/init."""
     init_seed: int = 0
@@ -53,7 +55,10 @@ class ModelSection:
     def __post_init__(self) -> None:
         _check(self.family in ("huginn", "ouro", "nanbeige", "llama"), "model.family",
                self.family, "must be huginn, ouro, nanbeige or llama")  # fmt: skip
-        _check(self.size in ("tiny", "small"), "model.size", self.size, "must be tiny or small")
+        _check(self.size in SIZES, "model.size", self.size,
+               f"must be one of {', '.join(SIZES)} (1b, 0125: family huginn only)")  # fmt: skip
+        _check(self.size not in ("1b", "0125") or self.family == "huginn", "model.size",
+               self.size, f"is a Huginn shape; model.family is {self.family}")  # fmt: skip
         _check(0 <= self.init_seed < SEED_LIMIT, "model.init_seed", self.init_seed,
                "must be in [0, 2**32)")  # fmt: skip
 

@@ -143,3 +143,19 @@ def test_transformers_reads_ours_and_we_read_transformers(
     assert theirs["lm_head.weight"] is theirs["model.embed_tokens.weight"]
     for name, tensor in hf.state_dict().items():
         assert torch.equal(theirs[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("size", "params", "recurrence"),
+    [("1b", 553_748_480, 4), ("0125", 3_564_976_800, 32)],  # counted on the meta device
+)
+def test_gpu_shapes_are_huginn_only_with_the_benchmark_shapes(
+    size: str, params: int, recurrence: int
+) -> None:
+    config = model_config("huginn", size)
+    with torch.device("meta"):
+        model = build_model(config, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert (config.mean_recurrence, config.vocab_size) == (recurrence, 65536)
+    with pytest.raises(ValueError, match="is a Huginn shape"):
+        model_config("ouro", size)
