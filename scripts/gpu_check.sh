@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -106,6 +106,13 @@ fi
 if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB under 0.5 s)
     timeout "${T_DIGEST:-240}" "$PY" benchmarks/digest.py --sizes-gib 1,6.52,7 \
         --workers 1,4,8,16 2>"$LOG/digest.err" | tee "$LOG/digest.json"
+fi
+if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-engine generator (issue 25)
+    timeout "${T_E2E:-570}" "$PY" benchmarks/gpu_e2e.py --size "${E2E_SIZE:-1b}" \
+        --steps "${E2E_STEPS:-40}" --sync-steps "${E2E_SYNC_STEPS:-15}" --out /tmp/gpu_e2e \
+        2>"$LOG/e2e.err" | tee "$LOG/e2e.json"
+    tail -n 8 "$LOG/e2e.err"
+    for f in /tmp/gpu_e2e/run_*.out; do [ -f "$f" ] && tail -n 3 "$f"; done
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |

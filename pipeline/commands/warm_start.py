@@ -124,10 +124,11 @@ def sft_steps(module: Any, pick: Callable[[int], Sequence[Example]], steps: int,
 
     module.train()
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
+    dev = next(module.parameters()).device  # a module on a GPU trains there (benchmarks/gpu_e2e)
     losses = []
     for step in range(steps):
         chosen = pick(step)
-        ids, mask = _batch(chosen, pad)
+        ids, mask = (t.to(dev) for t in _batch(chosen, pad))
         logits = module(ids, latent_seeds=[rng.getrandbits(32) for _ in chosen])[:, :-1]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
