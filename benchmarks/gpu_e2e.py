@@ -148,6 +148,10 @@ def summarise(run_dir: Path, warmup: int, bound: float) -> dict[str, Any]:
         "reward_last5": round(sum(rewards[-5:]) / len(rewards[-5:]), 4),
         "logprob_mismatch_max": max(float(r.get("logprob_mismatch") or 0.0) for r in rows),
         "refused_total": int(rows[-1].get("refused_total", 0)),
+        "timeline_mean_s": {
+            k: round(total(k) / len(win), 4)  # where a step's time went
+            for k in sorted({k for r in win for k in r if k.startswith("time/")})
+        },
     }
 
 

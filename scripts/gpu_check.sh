@@ -113,6 +113,9 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
         2>"$LOG/e2e.err" | tee "$LOG/e2e.json"
     tail -n 8 "$LOG/e2e.err"
     for f in /tmp/gpu_e2e/run_*.out; do [ -f "$f" ] && tail -n 3 "$f"; done
+    for r in async sync; do  # the per-step rows (time/* timeline) come back with the JSON
+        [ -f "/tmp/gpu_e2e/run_$r/metrics.jsonl" ] && cp "/tmp/gpu_e2e/run_$r/metrics.jsonl" "$LOG/e2e_$r.jsonl"
+    done
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |
