@@ -37,6 +37,7 @@ the other DP ranks return None as always.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,10 @@ def snapshot_publication(
                                    config_json=json_bytes(config_dict).decode("utf-8"),
                                    checked=True)  # fmt: skip
         if path is not None:
+            t0 = time.perf_counter()
             save_checkpoint(stored, config_dict, path, tied=tied,
                             extra_files={MANIFEST_NAME: pub.manifest()})  # fmt: skip
+            pub.stage_s["write"] = time.perf_counter() - t0
         return pub
 
     return finish

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,10 @@ class Publication:
     """Piece size of a tree digest."""
     chunk_digests: tuple[str, ...] = ()
     """sha256 hex of each piece of the blob (tree kind): announced, checked per piece."""
+    stage_s: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    """Seconds of the stages that built it: ``blob`` (the canonical bytes), ``digest`` (the
+    tree digest), and ``write`` when learner.publish wrote its directory (the metrics rows'
+    ``time/publish_<stage>``); empty when built otherwise. Not part of its identity."""
 
     @classmethod
     def of_state(
@@ -88,10 +93,13 @@ class Publication:
         unless the caller ``checked`` already (learner.publish, on every rank of its TP group)."""
         if not checked:
             check_finite(stored, where)
+        t0 = time.perf_counter()
         blob, meta = blob_and_meta(stored)
+        t1 = time.perf_counter()
         d = weights_digest(blob, meta, TREE, chunk_bytes)
+        stage_s = {"blob": t1 - t0, "digest": time.perf_counter() - t1}
         return cls(version, d.hex, path, blob, meta, dict(tied or {}), config_json,
-                   d.kind, d.chunk_bytes, d.chunks)  # fmt: skip
+                   d.kind, d.chunk_bytes, d.chunks, stage_s)  # fmt: skip
 
     @classmethod
     def from_dir(cls, path: str | Path, version: int) -> Publication:

@@ -593,7 +593,9 @@ class Coordinator:
                       stages.get("snapshot", 0.0), stages.get("total", 0.0),
                       stages.get("room_wait", 0.0), stages.get("lag", 0.0))  # fmt: skip
             acc = self._announced_stages
-            acc["total"] = acc.get("total", 0.0) + stages.get("total", 0.0)
+            for key in ("total", "blob", "digest", "write"):  # the finish's, summed
+                if key in stages:
+                    acc[key] = acc.get(key, 0.0) + stages[key]
             acc["lag"] = max(acc.get("lag", 0.0), stages.get("lag", 0.0))
             acc["announce"] = acc.get("announce", 0.0) + ann
         return len(done)
@@ -620,7 +622,7 @@ class Coordinator:
         if pub is None:
             raise CoordinatorError(f"the trainer returned no publication for v{v}")
         stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
-        self._publish_times = {**stages, "total": time.perf_counter() - t0}
+        self._publish_times = {**stages, **pub.stage_s, "total": time.perf_counter() - t0}
         return pub
 
     def _guarded(self, v: int, take: Callable[[Path], Any]) -> Any:

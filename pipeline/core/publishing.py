@@ -10,7 +10,8 @@ waits (``make_room``) before taking the next snapshot, so a slow disk slows trai
 instead of piling up copies.
 
 Per version (seconds, ``stages``): ``snapshot`` (the trainer's part, on the critical path),
-``total`` (the finish, off it: the metrics row's ``time/publish``), ``room_wait`` (the
+``total`` (the finish, off it: the metrics row's ``time/publish``) and the finish's own
+``blob``, ``digest`` and ``write`` (``Publication.stage_s``), ``room_wait`` (the
 trainer waiting for a free slot), ``lag`` (handed to the publishing thread -> announced).
 """
 
@@ -68,6 +69,7 @@ class PublicationQueue:
         def run() -> Publication:
             t = self.clock()
             pub = snap.finish()
+            snap.stages.update(pub.stage_s)  # blob, digest, write (learner.publish)
             snap.stages["total"] = self.clock() - t
             return pub
 

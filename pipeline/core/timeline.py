@@ -15,10 +15,12 @@ Keys (seconds; absent when the step had nothing to measure):
 - ``time/train``: the trainer's step (forward, backward, optimizer), on the trainer thread;
 - ``time/publish``: the publication's hash and write (learner.publish), and
   ``time/publish_<stage>`` for each stage the trainer reports (``last_publish_times``: the
-  megatron backend reports ``gather``). With publish.max_pending > 0 (pipeline.core.publishing)
+  megatron backend reports ``gather``; the publication's own ``blob``, ``digest`` and ``write``,
+  models.weights.publication.Publication.stage_s). With publish.max_pending > 0 (pipeline.core.publishing)
   the step's row has ``time/publish_snapshot`` (gather + copy, on the critical path) and
-  ``time/publish_room_wait``; the hash and write run beside the next step, so ``time/publish``,
-  ``time/publish_lag`` (handed over -> announced) and ``time/publish_announce`` come in the row
+  ``time/publish_room_wait``; the hash and write run beside the next step, so ``time/publish``
+  (with its ``_blob``, ``_digest``, ``_write``), ``time/publish_lag`` (handed over -> announced)
+  and ``time/publish_announce`` come in the row
   of the step during which the version was announced (summed if several were);
 - ``time/publish_announce``: digests.jsonl + the announcement (+ chunking) on the coordinator;
 - ``time/weight_delivery``: announce -> the last connected generator acknowledged serving the
@@ -31,12 +33,16 @@ Keys (seconds; absent when the step had nothing to measure):
 - ``time/intake``: coordinator seconds spent taking rollouts in (decode excluded: the
   transport decodes) since the previous row.
 
+- ``mem/peak_gib``: the learner process's peak CUDA memory allocated so far (GiB, the largest
+  over its visible devices; absent when this process has not initialised CUDA).
+
 The generator's engine load of a version alone is not reported back by the wire messages
 (the weights Ack carries only the version): it is inside ``time/weight_delivery``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -104,5 +110,18 @@ class StepTimeline:
         if self._delivered is not None:
             out["time/weight_delivery"] = self._delivered
             self._delivered = None
+        peak = cuda_peak_gib()
+        if peak is not None:
+            out["mem/peak_gib"] = peak
         self._intake = 0.0
         return out
+
+
+def cuda_peak_gib() -> float | None:
+    """torch.cuda.max_memory_allocated in GiB, the largest over the visible devices, when
+    this process has initialised CUDA (torch is not imported here: the CPU path stays free)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    n = torch.cuda.device_count()
+    return max(torch.cuda.max_memory_allocated(d) for d in range(n)) / 2**30 if n else None

@@ -191,6 +191,9 @@ def test_next_step_trains_while_a_version_is_written(tmp_path: Path, max_stalene
         # the finish's time is reported (off the critical path), with its lag
         pub_rows = [r for r in rows if "time/publish" in r]
         assert pub_rows and all(r["time/publish"] >= 0.35 for r in pub_rows)
+        # with the Publication's own stages (Publication.stage_s: from_dir has no write)
+        assert all(0 <= r["time/publish_digest"] < r["time/publish"] for r in pub_rows)
+        assert all(r["time/publish_blob"] >= 0 for r in pub_rows)
     finally:
         c.close()
 

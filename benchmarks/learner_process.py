@@ -1,0 +1,510 @@
+"""The real `looprl learner` process fed over ZeroMQ by simulated generator processes: one JSON line.
+
+    python benchmarks/learner_process.py --device cuda          # Huginn-0125 shape, bf16, lr 1e-6
+    python benchmarks/learner_process.py --device cpu --tiny    # CPU smoke (tests/benchmarks)
+
+What runs is the product's path: `python -m pipeline.cli learner` (megatron backend, the
+coordinator, the door, the recorder, publication of one version per step into RUN_DIR/weights,
+metrics.jsonl), started as a process with run-config overrides. Only the generators are
+simulated: `--generators` processes of this file (`--serve`) connect to the learner's
+endpoints with the real ZMQ transport (pipeline.net.transport_zmq), answer every WorkItem with
+valid rollouts and acknowledge every announced version.
+
+The rollouts: the dispatched prompt and latent seeds; a response of L random token ids, L drawn
+per (prompt id, sample index) evenly over [--min-tokens, --max-tokens] (256-4,096 at the GPU
+shape, 2-6 at --tiny), every position at the model's full depth, a 0/1 reward (both in every
+group); the prompts are `--prompts` jsonl rows of `--prompt-len` random ids (task.kind jsonl). The behaviour log-probs
+are honest: models.reference.replay of the weights the generator computes with (the learner
+checks every claim before its update, pipeline/core/validation.py rule logp_mismatch, and
+refuses liars; no config key turns that check off). `--claims`:
+
+- ``every`` (the --tiny default): the generator loads each announced version (RUN_DIR/weights/vN)
+  and replays with it, as a real generator would; with fp32 on both sides the bound is 1e-3 nats.
+- ``first`` (the GPU default): it replays each (prompt, sample) once, with the starting weights,
+  on the same GPU during the first pass over the prompts (the warm-up steps), keeps the tokens
+  and log-probs, then frees its model: later passes answer from that cache, so the timed steps
+  have the GPU to themselves and never wait for generation. Later versions are acknowledged
+  without being loaded: the claims are the starting weights' log-probs, which the learner
+  measures against its current ones (the JSON's `logprob_mismatch_max`, nats; the bf16 bound is
+  5 at staleness 0, and at lr 1e-6 the drift over the run is far below it). Replaying every
+  version at this shape would take the generator a forward of every response per step on the
+  learner's own GPU (about 2/3 of a training step's FLOPs).
+
+Timed window: the steps after `--warmup` (default: one pass over the prompts) up to
+`--warmup + --steps`, from the metrics rows (pipeline/core/timeline.py `time/*`, `elapsed_s`).
+With `--kill` (the GPU default) the learner is stopped (SIGKILL, by pid) once the last timed row
+is written: its final checkpoint at Huginn-0125 (params + fp32 Adam, ~50 GB) is not measured
+and would not fit the device host's disk beside the published versions.
+
+JSON keys: `effective_tokens_per_s` (real tokens: each trained row's prompt + response - 1
+positions, no padding, over the window's wall time), `mfu` (trainer_gpu.flop_counts per row at
+its own length, head at its response positions; 989e12 bf16 peak), `busy_fraction` (sum of
+`time/train` / window wall), `versions_per_step`, `publish_s` (mean seconds per stage,
+`time/publish*`: snapshot and room_wait on the critical path; blob, digest, write, total, lag
+beside it; announce on the coordinator), `publish_bytes` and `digest_gb_s` (blob bytes /
+digest seconds), `intake_rollouts_per_s` (rollouts trained per wall second) and
+`intake_capacity_rollouts_per_s` (rollouts per second the coordinator spent in intake),
+`peak_mem_gib` (the learner's CUDA peak, metrics `mem/peak_gib`; null on CPU),
+`peak_rss_gib` (the learner process's peak resident memory), `losses`, `grad_norms`, `health`
+(benchmarks.trainer_gpu.health), `logprob_mismatch_max`, `refused_total`, `meets_busy_target`
+(busy_fraction >= 0.95 with one version per step: issue 22's done-when).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.trainer_gpu import PEAK_BF16, SHAPES, flop_counts, health, init_state, model_config
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = dict(shape="huginn_0125", prompts=8, prompts_per_step=2, n=2, prompt_len=128,
+           min_tokens=256, max_tokens=4096, micro=1, generators=1, claims="first", kill=True,
+           steps=12, warmup=None)  # fmt: skip
+TINY = dict(shape="tiny", prompts=2, prompts_per_step=1, n=2, prompt_len=4, min_tokens=2,
+            max_tokens=6, micro=0, generators=1, claims="every", kill=False, steps=2, warmup=1)  # fmt: skip
+
+
+def response_length(prompt_id: str, index: int, lo: int, hi: int, n: int, prompts: int) -> int:
+    """The response length of sample ``index`` of prompt ``p<j>``: the ``prompts`` x ``n``
+    pairs take the midpoints of as many equal slices of [lo, hi], in a fixed shuffled order (a
+    stratified uniform draw: every pass over the prompts has the same spread of lengths)."""
+    import numpy as np
+
+    slots = prompts * n
+    k = int(np.random.default_rng(0).permutation(slots)[int(prompt_id[1:]) * n + index])
+    return lo + int((hi - lo) * (k + 0.5) / slots)
+
+
+# --- the simulated generator (a process of its own: --serve SPEC_JSON) ------------------------
+
+
+def _load(path: Path, dev: Any, dtype: Any) -> Any:
+    """The reference Huginn module of checkpoint ``path`` on ``dev``, parameters in ``dtype``."""
+    import torch
+
+    from models.checkpoint import load_checkpoint, load_config, load_into
+    from models.huginn import HuginnForCausalLM
+
+    with torch.device(dev):  # made on the device (no CPU init of every weight), then filled
+        model = HuginnForCausalLM(load_config(path))
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    load_into(model, load_checkpoint(path)[1])
+    return model.eval()
+
+
+def serve(spec: dict[str, Any]) -> None:
+    """One simulated generator (module docstring): until the learner goes away."""
+    import numpy as np
+    import torch
+
+    from models.checkpoint import load_config
+    from models.reference import ReplayItem, replay
+    from pipeline.net.transport import TransportConfig
+    from pipeline.net.transport_zmq import ZmqGeneratorConnection
+    from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+
+    dev = torch.device(spec["device"])
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    init = Path(spec["init"])
+    mc = load_config(init)
+    depth, vocab = int(mc.max_depth), int(mc.vocab_size)
+    tc = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=spec["peer_timeout_s"])
+    gid = spec["id"]
+    hello = Hello(gid, "host", os.getpid(), [mc.family], 4, 0, time.time())
+    conn = ZmqGeneratorConnection(tc, hello, control=spec["control"], weights=spec["weights"])
+    version, model, model_v = 0, None, -1
+    paths = {0: init}  # announced versions: {version: directory}
+    cache: dict[tuple[str, int, int], tuple[Any, Any, float]] = {}
+    slots = spec["prompts"] * spec["n"]
+    last_seen = time.monotonic()
+    try:
+        while time.monotonic() - last_seen < spec["peer_timeout_s"]:
+            inc = conn.recv(0.05)
+            if inc is None:
+                continue
+            last_seen = time.monotonic()
+            rec = inc.record
+            if isinstance(rec, WeightAnnounce):
+                version = rec.version
+                paths[version] = Path(rec.path)
+                conn.send(Ack("weights", str(version), version), channel="weights")
+            elif isinstance(rec, WorkItem):
+                want = version if spec["claims"] == "every" else 0
+                rolls = []
+                for i, seed in zip(rec.sample_indices or range(rec.n), rec.latent_seeds):
+                    key = (rec.prompt_id, int(i), want)
+                    if key not in cache:
+                        if model is None or model_v != want:
+                            model, model_v = _load(paths[want], dev, dtype), want
+                        t0 = time.perf_counter()
+                        n = response_length(rec.prompt_id, int(i), spec["min_tokens"],
+                                            min(spec["max_tokens"], rec.max_tokens), spec["n"],
+                                            spec["prompts"])  # fmt: skip
+                        rng = np.random.default_rng(zlib.crc32(f"{rec.prompt_id}/{i}".encode()))
+                        toks = rng.integers(3, vocab, size=n).astype(np.int32)
+                        item = ReplayItem(rec.prompt_tokens.tolist(), toks.tolist(), int(seed),
+                                          [depth] * n, depth)  # fmt: skip
+                        with torch.no_grad():
+                            (r,) = replay(model, [item], temperature=rec.temperature,
+                                          top_p=rec.top_p, numerics="fast")  # fmt: skip
+                        lp = r.logprobs.float().cpu().numpy().astype(np.float32)
+                        cache[key] = (toks, lp, time.perf_counter() - t0)
+                        if spec["claims"] == "first" and len(cache) >= slots:
+                            model = None  # every pair cached: the GPU is the learner's alone
+                            if dev.type == "cuda":
+                                torch.cuda.empty_cache()
+                    toks, lp, gen_s = cache[key]
+                    rolls.append(Rollout(
+                        rollout_id=f"{rec.work_id}/{i}", work_id=rec.work_id,
+                        prompt_id=rec.prompt_id, sample_index=int(i), generator_id=gid,
+                        latent_seed=int(seed), prompt_tokens=rec.prompt_tokens, tokens=toks,
+                        logprobs=lp, exit_depths=np.full(len(toks), depth, np.uint8),
+                        weight_version=version, reward=float((i + zlib.crc32(rec.prompt_id.encode())) % 2),
+                        full_depth=depth, metrics={"gen_time_s": gen_s},
+                    ))  # fmt: skip
+                conn.send(RolloutBatch(rolls))
+    finally:
+        conn.close()
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+
+def write_model(s: dict[str, Any], out: Path, dev: Any, precision: str) -> int:
+    """The shape's checkpoint (trainer_gpu.init_state: Huginn's init, drawn on ``dev``) in the
+    HF layout at ``out``; returns its parameter count."""
+    import torch
+
+    from models.checkpoint import save_checkpoint
+    from models.huginn import HuginnForCausalLM
+    from models.ties import tied_from_module
+
+    c = model_config(s)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    state = init_state(c, dev, dtype)
+    with torch.device("meta"):
+        tied = tied_from_module(HuginnForCausalLM(c))
+    cfg = {**c.to_hf_dict(), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+           "torch_dtype": "bfloat16" if precision == "bf16" else "float32"}  # fmt: skip
+    save_checkpoint(state, cfg, out, tied=tied)
+    params = sum(t.numel() for k, t in state.items() if k != "freqs_cis")
+    return params
+
+
+def poll_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM, bytes), 0 when unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a row being written
+        if "step" in r:
+            rows[int(r["step"])] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+def trained_rows(run_dir: Path, steps: range) -> list[list[Any]]:
+    """The rollouts each step in ``steps`` trained (RUN_DIR/steps.jsonl + the recorded stream)."""
+    from pipeline.core.recorder import read_rollouts, read_steps
+
+    by_step = {s.step: s for s in read_steps(run_dir / "steps.jsonl")}
+    wanted = {rid for k in steps for rid in by_step[k].rollout_ids}
+    rolls = {
+        r.rollout_id: r for _, r in read_rollouts(run_dir / "stream") if r.rollout_id in wanted
+    }
+    return [[rolls[rid] for rid in by_step[k].rollout_ids] for k in steps]
+
+
+def row_flops(s: dict[str, Any], k: int, prompt: int, response: int) -> float:
+    """FLOPs of one trained row (trainer_gpu.flop_counts at the row's own length: prompt +
+    response - 1 positions, the head at its ``response`` positions)."""
+    seq = prompt + response - 1
+    fc = flop_counts({**s, "seq": seq}, k)
+    body = fc["flops_per_token_head_every_position"] - 6 * s["vocab"] * s["hidden"]
+    return float(seq * body + 6 * s["vocab"] * s["hidden"] * response)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--serve", metavar="SPEC_JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--shape", choices=("huginn_0125", "huginn_1b", "tiny"), default=None)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps before the timed ones (default: one pass over the prompts)")  # fmt: skip
+    ap.add_argument("--prompts", type=int, default=None, help="distinct prompts (task rows)")
+    ap.add_argument("--prompts-per-step", type=int, default=None)
+    ap.add_argument("--n", type=int, default=None, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--min-tokens", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--micro", type=int, default=None, help="learner.micro_batch_size")
+    ap.add_argument("--generators", type=int, default=None)
+    ap.add_argument("--claims", choices=("every", "first"), default=None)
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                    help="default bf16 on cuda, fp32 on cpu")  # fmt: skip
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--lr", type=float, default=None, help="default: the shape's realistic lr")
+    ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=None,
+                    help="SIGKILL the learner after the last timed row (default: on cuda)")  # fmt: skip
+    ap.add_argument("--run-dir", default=None,
+                    help="kept afterwards (default: a new temporary directory, removed)")  # fmt: skip
+    ap.add_argument("--logs", default=None, metavar="DIR",
+                    help="copy the learner's and generators' logs and metrics.jsonl here")  # fmt: skip
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config keys")
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    if a.serve:
+        serve(json.loads(a.serve))
+        return
+    defaults = TINY if a.tiny else GPU
+    for key, value in defaults.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
+    a.precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
+    if a.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    temp = a.run_dir is None
+    if temp:
+        a.run_dir = tempfile.mkdtemp(prefix="looprl-learnerproc-")
+    try:
+        result = run(a)
+    finally:
+        if a.logs:
+            keep_logs(Path(a.run_dir), Path(a.logs), a.label)
+        if temp:
+            shutil.rmtree(a.run_dir, ignore_errors=True)  # the model and versions: GBs
+    print(json.dumps(result), flush=True)
+    if not result.get("ok"):
+        sys.exit(1)
+
+
+def keep_logs(run_dir: Path, logs: Path, label: str) -> None:
+    """The run's logs and metrics into ``logs`` (names prefixed by ``label``)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    pre = f"{label}_" if label else ""
+    names = ["learner.out", "learner.err", *(p.name for p in run_dir.glob("gen*.err"))]
+    for name in [*names, "run/metrics.jsonl", "run/logs/learner.log"]:
+        src = run_dir / name
+        if src.is_file():
+            shutil.copyfile(src, logs / f"{pre}learnerproc_{name.replace('/', '_')}")
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    s = dict(SHAPES[a.shape])
+    s["seq"] = a.prompt_len + a.max_tokens
+    if a.prompts % a.prompts_per_step:
+        raise SystemExit(f"--prompts {a.prompts}: must be a multiple of --prompts-per-step")
+    warmup = a.warmup if a.warmup is not None else a.prompts // a.prompts_per_step
+    total = warmup + a.steps
+    run_dir = Path(a.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if a.device == "cuda" else "cpu")
+    t0 = time.perf_counter()
+    params = write_model(s, run_dir / "model", dev, a.precision)
+    model_s = time.perf_counter() - t0
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    rng = np.random.default_rng(0)
+    with (run_dir / "prompts.jsonl").open("w") as f:
+        for p in range(a.prompts):
+            ids = rng.integers(3, s["vocab"], size=a.prompt_len).tolist()
+            f.write(json.dumps({"prompt_id": f"p{p}", "prompt_tokens": ids}) + "\n")
+    lr = a.lr if a.lr is not None else s["lr"]
+    learn = run_dir / "run"
+    overrides = [
+        "backend=megatron", f"run_dir={learn}", f"model.path={run_dir / 'model'}",
+        "task.kind=jsonl", f"task.path={run_dir / 'prompts.jsonl'}", f"steps={total}",
+        f"rollout.n={a.n}", f"rollout.prompts_per_step={a.prompts_per_step}",
+        f"rollout.max_tokens={a.max_tokens}", f"learner.precision={a.precision}",
+        f"learner.backprop_depth={s['backprop_depth']}", f"learner.micro_batch_size={a.micro}",
+        f"learner.compile={a.compile}", f"optimizer.lr={lr}", "publish.every=1",
+        "checkpoint.every=0", "metrics.plot=false", "metrics.tensorboard=false",
+        "metrics.progress=false", "max_wait_s=600", "transport.peer_timeout_s=300", *a.set,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    out, err = open(run_dir / "learner.out", "w"), open(run_dir / "learner.err", "w")
+    cmd = [sys.executable, "-m", "pipeline.cli", "learner", *overrides]
+    t_start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
+    gens: list[subprocess.Popen[bytes]] = []
+    rss, rows, killed = 0, [], False
+    deadline = time.monotonic() + a.timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            eps_file = learn / "endpoints.json"
+            if not gens and eps_file.is_file():
+                eps = json.loads(eps_file.read_text())
+                for g in range(a.generators):
+                    spec = dict(id=f"sim{g}", control=eps["control"], weights=eps["weights"],
+                                init=str(run_dir / "model"), device=str(dev),
+                                precision=a.precision, claims=a.claims, prompts=a.prompts,
+                                n=a.n, min_tokens=a.min_tokens, max_tokens=a.max_tokens,
+                                peer_timeout_s=300.0)  # fmt: skip
+                    log = open(run_dir / f"gen{g}.err", "w")
+                    gens.append(subprocess.Popen(
+                        [sys.executable, str(Path(__file__).resolve()), "--serve",
+                         json.dumps(spec)], cwd=REPO, env=env, stdout=log, stderr=log))  # fmt: skip
+            rss = max(rss, poll_rss(proc.pid))
+            rows = read_rows(learn / "metrics.jsonl")
+            if a.kill and len(rows) >= total:
+                proc.send_signal(signal.SIGKILL)  # by pid: the final checkpoint is not measured
+                killed = True
+                break
+            dead = [gp for gp in gens if gp.poll() is not None]
+            if dead:
+                break  # a generator failed: its log is in the result
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None and not killed:
+            proc.send_signal(signal.SIGKILL if time.monotonic() >= deadline else signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        for gp in gens:  # each by its pid
+            if gp.poll() is None:
+                gp.terminate()
+            try:
+                gp.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                gp.kill()
+                gp.wait()
+        out.close()
+        err.close()
+    wall_total = time.perf_counter() - t_start
+    rows = read_rows(learn / "metrics.jsonl")
+    res: dict[str, Any] = {
+        "bench": "learner_process", "label": a.label, "ok": False,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "shape": {**s, "params": params}, "precision": a.precision, "compile": a.compile,
+        "lr": lr, "micro": a.micro, "claims": a.claims, "generators": a.generators,
+        "prompts": a.prompts, "rollouts_per_step": a.prompts_per_step * a.n,
+        "response_tokens": [a.min_tokens, a.max_tokens], "prompt_len": a.prompt_len,
+        "warmup_steps": warmup, "timed_steps": a.steps, "steps_done": len(rows),
+        "learner_exit": code, "learner_killed": killed, "model_write_s": round(model_s, 1),
+        "wall_total_s": round(wall_total, 1), "run_dir": str(run_dir), "command": " ".join(sys.argv),
+    }  # fmt: skip
+    if len(rows) < total:
+        tail = (run_dir / "learner.err").read_text()[-3000:]
+        for g in range(len(gens)):
+            tail += f"\n--- gen{g}\n" + (run_dir / f"gen{g}.err").read_text()[-1500:]
+        res["error"] = f"{len(rows)} of {total} steps done"
+        res["log_tail"] = tail
+        return res
+    res.update(measure(s, learn, rows, warmup, total))
+    res["peak_rss_gib"] = round(rss / 2**30, 2)
+    res["ok"] = True
+    return res
+
+
+def measure(s: dict[str, Any], learn: Path, rows: list[dict[str, Any]], warmup: int,
+            total: int) -> dict[str, Any]:  # fmt: skip
+    """The JSON's figures from the metrics rows of steps warmup+1..total and the stream."""
+    timed = [r for r in rows if warmup < int(r["step"]) <= total]
+    start = next((r for r in rows if int(r["step"]) == warmup), None)
+    t_begin = (
+        float(start["elapsed_s"])
+        if start
+        else float(timed[0]["elapsed_s"]) - float(timed[0]["step_s"])
+    )
+    wall = float(timed[-1]["elapsed_s"]) - t_begin
+    train = sum(float(r["time/train"]) for r in timed)
+    k = min(s["backprop_depth"], s["recurrence"]) or s["recurrence"]
+    batches = trained_rows(learn, range(warmup + 1, total + 1))
+    real = flops = 0.0
+    rollouts = 0
+    for batch in batches:
+        for r in batch:
+            p, n = int(r.prompt_tokens.shape[0]), int(r.tokens.shape[0])
+            real += p + n - 1
+            flops += row_flops(s, k, p, n)
+            rollouts += 1
+    stages: dict[str, list[float]] = {}
+    for r in timed:
+        for key, v in r.items():
+            if key.startswith("time/publish"):
+                stages.setdefault(key.removeprefix("time/publish").lstrip("_") or "total",
+                                  []).append(float(v))  # fmt: skip
+    publish = {k2: round(statistics.fmean(v), 4) for k2, v in sorted(stages.items())}
+    man = json.loads((sorted((learn / "weights").glob("v*/manifest.json"))[-1]).read_text())
+    nbytes = sum(int(t["nbytes"]) for t in man["tensors"])
+    intake = sum(float(r.get("time/intake", 0.0)) for r in timed)
+    losses = [float(r["train/loss"]) for r in rows]
+    norms = [float(r["train/grad_norm"]) for r in rows]
+    versions = int(timed[-1]["version"]) - (int(start["version"]) if start else 0)
+
+    def finite(key: str) -> list[float]:
+        vals = [r.get(key) for r in rows]
+        return [float(v) for v in vals if v is not None and math.isfinite(float(v))]
+
+    mism, fresh = finite("logprob_mismatch_all"), finite("logprob_mismatch")
+    peak = [float(r["mem/peak_gib"]) for r in rows if "mem/peak_gib" in r]
+    busy = train / wall if wall > 0 else 0.0
+    digest = publish.get("digest")
+    return {
+        "window_wall_s": round(wall, 6),
+        "step_s_median": round(statistics.median(float(r["step_s"]) for r in timed), 3),
+        "train_s_median": round(statistics.median(float(r["time/train"]) for r in timed), 3),
+        "real_tokens": int(real),
+        "effective_tokens_per_s": round(real / wall, 1),
+        "flops_formula": "trainer_gpu.flop_counts per row at its own length (prompt + "
+        "response - 1 positions), the head at its response positions",
+        "mfu": round(flops / wall / PEAK_BF16, 4),
+        "busy_fraction": round(busy, 4),
+        "versions_per_step": round(versions / len(timed), 3),
+        "publish_s": publish,
+        "publish_bytes": nbytes,
+        "digest_gb_s": round(nbytes / digest / 1e9, 3) if digest else None,
+        "intake_rollouts_per_s": round(rollouts / wall, 3),
+        "intake_capacity_rollouts_per_s": round(rollouts / intake, 1) if intake > 0 else None,
+        "dispatch_wait_s": round(sum(float(r.get("time/dispatch_wait", 0.0)) for r in timed), 3),
+        "peak_mem_gib": round(max(peak), 2) if peak else None,
+        "losses": [round(x, 6) for x in losses],
+        "grad_norms": [float(f"{g:.4g}") for g in norms],
+        "health": health(losses, norms),
+        "logprob_mismatch_max": round(max(mism), 6) if mism else None,
+        "logprob_mismatch_fresh_max": round(max(fresh), 6) if fresh else None,
+        "refused_total": int(rows[-1].get("refused_total", 0)),
+        "staleness_max": max(int(r["staleness_max"]) for r in timed),
+        "meets_busy_target": busy >= 0.95 and versions == len(timed),
+    }
+
+
+if __name__ == "__main__":
+    main()
