@@ -1,7 +1,7 @@
 """The real `looprl learner` process fed over ZeroMQ by simulated generator processes: one JSON line.
 
     python benchmarks/learner_process.py --device cuda          # Huginn-0125 shape, bf16, lr 1e-6
-    python benchmarks/learner_process.py --device cpu --tiny    # CPU smoke (tests/benchmarks)
+    python benchmarks/learner_process.py --device cpu --tiny    # CPU smoke (tests/cli)
 
 What runs is the product's path: `python -m pipeline.cli learner` (megatron backend, the
 coordinator, the door, the recorder, publication of one version per step into RUN_DIR/weights,
@@ -10,31 +10,33 @@ simulated: `--generators` processes of this file (`--serve`) connect to the lear
 endpoints with the real ZMQ transport (pipeline.net.transport_zmq), answer every WorkItem with
 valid rollouts and acknowledge every announced version.
 
-The rollouts: the dispatched prompt and latent seeds; a response of L random token ids, L drawn
-per (prompt id, sample index) evenly over [--min-tokens, --max-tokens] (256-4,096 at the GPU
-shape, 2-6 at --tiny), every position at the model's full depth, a 0/1 reward (both in every
-group); the prompts are `--prompts` jsonl rows of `--prompt-len` random ids (task.kind jsonl). The behaviour log-probs
-are honest: models.reference.replay of the weights the generator computes with (the learner
-checks every claim before its update, pipeline/core/validation.py rule logp_mismatch, and
-refuses liars; no config key turns that check off). `--claims`:
+The rollouts: the dispatched prompt and latent seeds; a response of L random token ids, L
+drawn per (prompt id, sample index) evenly over [--min-tokens, --max-tokens] (256-4,096 at the
+GPU shape, 2-6 at --tiny), every position at the model's full depth, a 0/1 reward (both in
+every group); the prompts are `--prompts` jsonl rows of `--prompt-len` random ids (task.kind
+jsonl). The behaviour log-probs are honest: models.reference.replay of the weights the claim
+is computed with (the learner checks every claim before its update, rule logp_mismatch of
+pipeline/core/validation.py, and refuses liars; no config key turns that check off).
+`--claims`:
 
 - ``every`` (the --tiny default): the generator loads each announced version (RUN_DIR/weights/vN)
-  and replays with it, as a real generator would; with fp32 on both sides the bound is 1e-3 nats.
-- ``first`` (the GPU default): it replays each (prompt, sample) once, with the starting weights,
-  on the same GPU during the first pass over the prompts (the warm-up steps), keeps the tokens
-  and log-probs, then frees its model: later passes answer from that cache, so the timed steps
-  have the GPU to themselves and never wait for generation. Later versions are acknowledged
-  without being loaded: the claims are the starting weights' log-probs, which the learner
-  measures against its current ones (the JSON's `logprob_mismatch_max`, nats; the bf16 bound is
-  5 at staleness 0, and at lr 1e-6 the drift over the run is far below it). Replaying every
-  version at this shape would take the generator a forward of every response per step on the
-  learner's own GPU (about 2/3 of a training step's FLOPs).
+  and replays with it, as a real generator would (fp32 on both sides: bound 1e-3 nats).
+- ``first`` (the GPU default): before the learner starts, this process replays every (prompt,
+  sample) once with the starting weights, on the device, at the latent seeds the learner will
+  dispatch (contract 1: models.noise.derive_latent_seed of the run seed), into RUN_DIR/claims.npz,
+  and frees the model; the generators answer from that file, so the learner has the GPU to
+  itself and never waits for generation (a miss is replayed on the spot and logged). Later
+  versions are acknowledged without being loaded: the claims are the starting weights'
+  log-probs, which the learner measures against its current ones (`logprob_mismatch_max`,
+  `logprob_mismatch_fresh_max`, nats; the bf16 bound is 5 at staleness 0, +10 per version of
+  staleness; at lr 1e-6 the drift is far below it). Replaying every version at this shape would
+  put a forward of every response (about 2/3 of a step's FLOPs) on the learner's GPU each step.
 
-Timed window: the steps after `--warmup` (default: one pass over the prompts) up to
-`--warmup + --steps`, from the metrics rows (pipeline/core/timeline.py `time/*`, `elapsed_s`).
-With `--kill` (the GPU default) the learner is stopped (SIGKILL, by pid) once the last timed row
-is written: its final checkpoint at Huginn-0125 (params + fp32 Adam, ~50 GB) is not measured
-and would not fit the device host's disk beside the published versions.
+Timed window: the steps after `--warmup` (2 on the GPU: allocator and first steps; 1 at --tiny)
+up to `--warmup + --steps`, from the metrics rows (pipeline/core/timeline.py `time/*`,
+`elapsed_s`). With `--kill` (the GPU default) the learner is stopped (SIGKILL, by pid) once the
+last timed row is written: its final checkpoint at Huginn-0125 (params + fp32 Adam, ~50 GB) is
+not measured and would not fit the device host's disk beside the published versions.
 
 JSON keys: `effective_tokens_per_s` (real tokens: each trained row's prompt + response - 1
 positions, no padding, over the window's wall time), `mfu` (trainer_gpu.flop_counts per row at
@@ -72,9 +74,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.trainer_gpu import PEAK_BF16, SHAPES, flop_counts, health, init_state, model_config
 
 REPO = Path(__file__).resolve().parents[1]
+RUN_SEED = 0  # the run's seed (latent seeds: models.noise.derive_latent_seed)
 GPU = dict(shape="huginn_0125", prompts=8, prompts_per_step=2, n=2, prompt_len=128,
            min_tokens=256, max_tokens=4096, micro=1, generators=1, claims="first", kill=True,
-           steps=12, warmup=None)  # fmt: skip
+           steps=12, warmup=2)  # fmt: skip
 TINY = dict(shape="tiny", prompts=2, prompts_per_step=1, n=2, prompt_len=4, min_tokens=2,
             max_tokens=6, micro=0, generators=1, claims="every", kill=False, steps=2, warmup=1)  # fmt: skip
 
@@ -108,30 +111,125 @@ def _load(path: Path, dev: Any, dtype: Any) -> Any:
     return model.eval()
 
 
+def claim(model: Any, spec: dict[str, Any], prompt_id: str, index: int, seed: int,
+          prompt: list[int], temperature: float, top_p: float) -> tuple[Any, Any, float]:  # fmt: skip
+    """(tokens, honest behaviour log-probs, seconds) of sample ``index`` of ``prompt_id``:
+    random response ids of response_length() tokens, log-probs by models.reference.replay of
+    ``model`` at the full depth (fast numerics)."""
+    import numpy as np
+    import torch
+
+    from models.reference import ReplayItem, replay
+
+    t0 = time.perf_counter()
+    depth, vocab = int(model.config.max_depth), int(model.vocab_size)
+    n = response_length(prompt_id, index, spec["min_tokens"], spec["max_tokens"], spec["n"],
+                        spec["prompts"])  # fmt: skip
+    rng = np.random.default_rng(zlib.crc32(f"{prompt_id}/{index}".encode()))
+    toks = rng.integers(3, vocab, size=n).astype(np.int32)
+    item = ReplayItem(prompt, toks.tolist(), seed, [depth] * n, depth)
+    with torch.no_grad():
+        (r,) = replay(model, [item], temperature=temperature, top_p=top_p, numerics="fast")
+    return toks, r.logprobs.float().cpu().numpy().astype(np.float32), time.perf_counter() - t0
+
+
+def precompute(spec: dict[str, Any], prompts: dict[str, list[int]], run_seed: int,
+               out: Path) -> float:  # fmt: skip
+    """--claims first: every (prompt, sample) claimed once with the starting weights, before
+    the learner starts (the latent seeds are contract 1's, models.noise.derive_latent_seed),
+    into ``out`` (npz); the model is freed after. Returns the seconds it took."""
+    import numpy as np
+    import torch
+
+    from models.noise import derive_latent_seed
+
+    t0 = time.perf_counter()
+    dev = torch.device(spec["device"])
+    model = _load(Path(spec["init"]), dev, _dtype(spec["precision"]))
+    arrays: dict[str, Any] = {}
+    for pid, prompt in prompts.items():
+        for i in range(spec["n"]):
+            seed = derive_latent_seed(run_seed, pid, i)
+            toks, lp, secs = claim(model, spec, pid, i, seed, prompt, 1.0, 1.0)
+            key = f"{pid}|{i}|{seed}"
+            arrays[key + "|tokens"], arrays[key + "|logprobs"] = toks, lp
+            arrays[key + "|secs"] = np.float64(secs)
+    np.savez(out, **arrays)  # arrays only, read back without pickle
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def serve(spec: dict[str, Any]) -> None:
     """One simulated generator (module docstring): until the learner goes away."""
     import numpy as np
     import torch
 
     from models.checkpoint import load_config
-    from models.reference import ReplayItem, replay
     from pipeline.net.transport import TransportConfig
     from pipeline.net.transport_zmq import ZmqGeneratorConnection
     from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
     dev = torch.device(spec["device"])
-    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
     init = Path(spec["init"])
     mc = load_config(init)
-    depth, vocab = int(mc.max_depth), int(mc.vocab_size)
+    depth = int(mc.max_depth)
     tc = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=spec["peer_timeout_s"])
     gid = spec["id"]
     hello = Hello(gid, "host", os.getpid(), [mc.family], 4, 0, time.time())
     conn = ZmqGeneratorConnection(tc, hello, control=spec["control"], weights=spec["weights"])
     version, model, model_v = 0, None, -1
     paths = {0: init}  # announced versions: {version: directory}
-    cache: dict[tuple[str, int, int], tuple[Any, Any, float]] = {}
-    slots = spec["prompts"] * spec["n"]
+    # {(prompt id, sample index, seed, version claimed with): (tokens, log-probs, seconds)}
+    cache: dict[tuple[str, int, int, int], tuple[Any, Any, float]] = {}
+    if spec.get("cache"):
+        with np.load(spec["cache"], allow_pickle=False) as z:
+            for key in z.files:
+                if key.endswith("|tokens"):
+                    pid, i, seed, _ = key.split("|")
+                    base = key.removesuffix("|tokens")
+                    cache[(pid, int(i), int(seed), 0)] = (
+                        z[key],
+                        z[base + "|logprobs"],
+                        float(z[base + "|secs"]),
+                    )
+
+    def answer(item: WorkItem) -> None:
+        nonlocal model, model_v
+        want = version if spec["claims"] == "every" else 0
+        usual = item.temperature == 1.0 and item.top_p == 1.0  # what precompute used
+        rolls = []
+        for i, seed in zip(item.sample_indices or range(item.n), item.latent_seeds):
+            key = (item.prompt_id, int(i), int(seed), want)
+            if key not in cache or not usual:
+                if spec.get("cache"):  # a miss: say so (it costs generation time)
+                    print(f"{gid}: no cached claim for {key}", file=sys.stderr)
+                if model is None or model_v != want:
+                    model = _load(paths[want], dev, _dtype(spec["precision"]))
+                    model_v = want
+                cache[key] = claim(model, spec, item.prompt_id, int(i), int(seed),
+                                   item.prompt_tokens.tolist(), item.temperature,
+                                   item.top_p)  # fmt: skip
+            toks, lp, gen_s = cache[key]
+            bit = (int(i) + zlib.crc32(item.prompt_id.encode())) % 2  # both in a group
+            rolls.append(Rollout(
+                rollout_id=f"{item.work_id}/{i}", work_id=item.work_id,
+                prompt_id=item.prompt_id, sample_index=int(i), generator_id=gid,
+                latent_seed=int(seed), prompt_tokens=item.prompt_tokens, tokens=toks,
+                logprobs=lp, exit_depths=np.full(len(toks), depth, np.uint8),
+                weight_version=version, reward=float(bit), full_depth=depth,
+                metrics={"gen_time_s": gen_s},
+            ))  # fmt: skip
+        conn.send(RolloutBatch(rolls))
+
+    waiting: list[WorkItem] = []
     last_seen = time.monotonic()
     try:
         while time.monotonic() - last_seen < spec["peer_timeout_s"]:
@@ -145,40 +243,12 @@ def serve(spec: dict[str, Any]) -> None:
                 paths[version] = Path(rec.path)
                 conn.send(Ack("weights", str(version), version), channel="weights")
             elif isinstance(rec, WorkItem):
-                want = version if spec["claims"] == "every" else 0
-                rolls = []
-                for i, seed in zip(rec.sample_indices or range(rec.n), rec.latent_seeds):
-                    key = (rec.prompt_id, int(i), want)
-                    if key not in cache:
-                        if model is None or model_v != want:
-                            model, model_v = _load(paths[want], dev, dtype), want
-                        t0 = time.perf_counter()
-                        n = response_length(rec.prompt_id, int(i), spec["min_tokens"],
-                                            min(spec["max_tokens"], rec.max_tokens), spec["n"],
-                                            spec["prompts"])  # fmt: skip
-                        rng = np.random.default_rng(zlib.crc32(f"{rec.prompt_id}/{i}".encode()))
-                        toks = rng.integers(3, vocab, size=n).astype(np.int32)
-                        item = ReplayItem(rec.prompt_tokens.tolist(), toks.tolist(), int(seed),
-                                          [depth] * n, depth)  # fmt: skip
-                        with torch.no_grad():
-                            (r,) = replay(model, [item], temperature=rec.temperature,
-                                          top_p=rec.top_p, numerics="fast")  # fmt: skip
-                        lp = r.logprobs.float().cpu().numpy().astype(np.float32)
-                        cache[key] = (toks, lp, time.perf_counter() - t0)
-                        if spec["claims"] == "first" and len(cache) >= slots:
-                            model = None  # every pair cached: the GPU is the learner's alone
-                            if dev.type == "cuda":
-                                torch.cuda.empty_cache()
-                    toks, lp, gen_s = cache[key]
-                    rolls.append(Rollout(
-                        rollout_id=f"{rec.work_id}/{i}", work_id=rec.work_id,
-                        prompt_id=rec.prompt_id, sample_index=int(i), generator_id=gid,
-                        latent_seed=int(seed), prompt_tokens=rec.prompt_tokens, tokens=toks,
-                        logprobs=lp, exit_depths=np.full(len(toks), depth, np.uint8),
-                        weight_version=version, reward=float((i + zlib.crc32(rec.prompt_id.encode())) % 2),
-                        full_depth=depth, metrics={"gen_time_s": gen_s},
-                    ))  # fmt: skip
-                conn.send(RolloutBatch(rolls))
+                waiting.append(rec)
+            # a work item waits for its min_weight_version (as a real generator loads it first)
+            ready = [w for w in waiting if w.min_weight_version <= version]
+            waiting = [w for w in waiting if w.min_weight_version > version]
+            for w in ready:
+                answer(w)
     finally:
         conn.close()
 
@@ -340,15 +410,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rng = np.random.default_rng(0)
+    prompts = {f"p{p}": rng.integers(3, s["vocab"], size=a.prompt_len).tolist()
+               for p in range(a.prompts)}  # fmt: skip
     with (run_dir / "prompts.jsonl").open("w") as f:
-        for p in range(a.prompts):
-            ids = rng.integers(3, s["vocab"], size=a.prompt_len).tolist()
-            f.write(json.dumps({"prompt_id": f"p{p}", "prompt_tokens": ids}) + "\n")
+        for pid, ids in prompts.items():
+            f.write(json.dumps({"prompt_id": pid, "prompt_tokens": ids}) + "\n")
+    base = dict(init=str(run_dir / "model"), device=str(dev), precision=a.precision,
+                claims=a.claims, prompts=a.prompts, n=a.n, min_tokens=a.min_tokens,
+                max_tokens=a.max_tokens, peer_timeout_s=300.0, cache="")  # fmt: skip
+    claims_s = 0.0
+    if a.claims == "first":  # before the learner: the GPU is its own during the run
+        base["cache"] = str(run_dir / "claims.npz")
+        claims_s = precompute(base, prompts, RUN_SEED, Path(base["cache"]))
     lr = a.lr if a.lr is not None else s["lr"]
     learn = run_dir / "run"
     overrides = [
         "backend=megatron", f"run_dir={learn}", f"model.path={run_dir / 'model'}",
         "task.kind=jsonl", f"task.path={run_dir / 'prompts.jsonl'}", f"steps={total}",
+        f"seed={RUN_SEED}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         f"rollout.n={a.n}", f"rollout.prompts_per_step={a.prompts_per_step}",
         f"rollout.max_tokens={a.max_tokens}", f"learner.precision={a.precision}",
         f"learner.backprop_depth={s['backprop_depth']}", f"learner.micro_batch_size={a.micro}",
@@ -356,7 +435,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "checkpoint.every=0", "metrics.plot=false", "metrics.tensorboard=false",
         "metrics.progress=false", "max_wait_s=600", "transport.peer_timeout_s=300", *a.set,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}  # (the host's wheels)
     out, err = open(run_dir / "learner.out", "w"), open(run_dir / "learner.err", "w")
     cmd = [sys.executable, "-m", "pipeline.cli", "learner", *overrides]
     t_start = time.perf_counter()
@@ -370,11 +450,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if not gens and eps_file.is_file():
                 eps = json.loads(eps_file.read_text())
                 for g in range(a.generators):
-                    spec = dict(id=f"sim{g}", control=eps["control"], weights=eps["weights"],
-                                init=str(run_dir / "model"), device=str(dev),
-                                precision=a.precision, claims=a.claims, prompts=a.prompts,
-                                n=a.n, min_tokens=a.min_tokens, max_tokens=a.max_tokens,
-                                peer_timeout_s=300.0)  # fmt: skip
+                    spec = dict(base, id=f"sim{g}", control=eps["control"],
+                                weights=eps["weights"])  # fmt: skip
                     log = open(run_dir / f"gen{g}.err", "w")
                     gens.append(subprocess.Popen(
                         [sys.executable, str(Path(__file__).resolve()), "--serve",
@@ -418,6 +495,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "response_tokens": [a.min_tokens, a.max_tokens], "prompt_len": a.prompt_len,
         "warmup_steps": warmup, "timed_steps": a.steps, "steps_done": len(rows),
         "learner_exit": code, "learner_killed": killed, "model_write_s": round(model_s, 1),
+        "claims_precompute_s": round(claims_s, 1),
         "wall_total_s": round(wall_total, 1), "run_dir": str(run_dir), "command": " ".join(sys.argv),
     }  # fmt: skip
     if len(rows) < total:
