@@ -365,6 +365,8 @@ def main() -> None:
     a.precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # a `timeout` around this process: stop the learner and generators it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     temp = a.run_dir is None
     if temp:
         a.run_dir = tempfile.mkdtemp(prefix="looprl-learnerproc-")
@@ -381,14 +383,22 @@ def main() -> None:
 
 
 def keep_logs(run_dir: Path, logs: Path, label: str) -> None:
-    """The run's logs and metrics into ``logs`` (names prefixed by ``label``)."""
+    """Into ``logs``: the metrics rows, and one file with the last 256 KiB of each log (the
+    learner's terminal and log file, each generator's): two files, as the GPU host's $OUT
+    brings few back."""
     logs.mkdir(parents=True, exist_ok=True)
     pre = f"{label}_" if label else ""
-    names = ["learner.out", "learner.err", *(p.name for p in run_dir.glob("gen*.err"))]
-    for name in [*names, "run/metrics.jsonl", "run/logs/learner.log"]:
-        src = run_dir / name
-        if src.is_file():
-            shutil.copyfile(src, logs / f"{pre}learnerproc_{name.replace('/', '_')}")
+    if (run_dir / "run" / "metrics.jsonl").is_file():
+        shutil.copyfile(run_dir / "run" / "metrics.jsonl", logs / f"{pre}learnerproc_metrics.jsonl")
+    names = ["learner.out", "learner.err", "run/logs/learner.log",
+             *sorted(p.name for p in run_dir.glob("gen*.err"))]  # fmt: skip
+    with open(logs / f"{pre}learnerproc_logs.txt", "w") as f:
+        for name in names:
+            src = run_dir / name
+            if src.is_file():
+                data = src.read_bytes()[-(256 << 10) :]
+                f.write(f"===== {name} ({src.stat().st_size} bytes, the last {len(data)})\n")
+                f.write(data.decode("utf-8", "replace") + "\n")
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -403,6 +413,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     total = warmup + a.steps
     run_dir = Path(a.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + a.timeout  # the whole run, model and claims included
     dev = torch.device("cuda" if a.device == "cuda" else "cpu")
     t0 = time.perf_counter()
     params = write_model(s, run_dir / "model", dev, a.precision)
@@ -426,7 +437,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     learn = run_dir / "run"
     overrides = [
         "backend=megatron", f"run_dir={learn}", f"model.path={run_dir / 'model'}",
-        "task.kind=jsonl", f"task.path={run_dir / 'prompts.jsonl'}", f"steps={total}",
+        # --kill: steps past the window, so no final checkpoint has begun when it is killed
+        "task.kind=jsonl", f"task.path={run_dir / 'prompts.jsonl'}",
+        f"steps={total + 2 if a.kill else total}",
         f"seed={RUN_SEED}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         f"rollout.n={a.n}", f"rollout.prompts_per_step={a.prompts_per_step}",
         f"rollout.max_tokens={a.max_tokens}", f"learner.precision={a.precision}",
@@ -440,10 +453,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out, err = open(run_dir / "learner.out", "w"), open(run_dir / "learner.err", "w")
     cmd = [sys.executable, "-m", "pipeline.cli", "learner", *overrides]
     t_start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
+    # its own process group: killing it takes the children it forked too (a Manager of
+    # megatron's checkpoint writer outlived a SIGKILL of the learner alone)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
     gens: list[subprocess.Popen[bytes]] = []
     rss, rows, killed = 0, [], False
-    deadline = time.monotonic() + a.timeout
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             eps_file = learn / "endpoints.json"
@@ -459,7 +473,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             rss = max(rss, poll_rss(proc.pid))
             rows = read_rows(learn / "metrics.jsonl")
             if a.kill and len(rows) >= total:
-                proc.send_signal(signal.SIGKILL)  # by pid: the final checkpoint is not measured
+                os.killpg(proc.pid, signal.SIGKILL)  # the group this process made for it
                 killed = True
                 break
             dead = [gp for gp in gens if gp.poll() is not None]
@@ -467,13 +481,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 break  # a generator failed: its log is in the result
             time.sleep(0.2)
     finally:
-        if proc.poll() is None and not killed:
-            proc.send_signal(signal.SIGKILL if time.monotonic() >= deadline else signal.SIGTERM)
+        if proc.poll() is None and not killed:  # (--kill: never its final checkpoint)
+            if a.kill or time.monotonic() >= deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
+        if killed or code != 0:  # what it forked may still run (SIGKILL reaches no child)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for gp in gens:  # each by its pid
             if gp.poll() is None:
                 gp.terminate()

@@ -6,12 +6,13 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
 # needs torch and triton. Env: PARTS, BENCHES (trainer labels to run; default all), TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
-# T_TESTS, T_DP (seconds), LOG (default $OUT or /tmp/gpu_check).
+# T_TESTS, T_DP (seconds), LEARNERPROC_ARGS (extra flags of benchmarks/learner_process.py, e.g.
+# --compile), LOG (default $OUT or /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -116,6 +117,15 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
     for r in async sync; do  # the per-step rows (time/* timeline) come back with the JSON
         [ -f "/tmp/gpu_e2e/run_$r/metrics.jsonl" ] && cp "/tmp/gpu_e2e/run_$r/metrics.jsonl" "$LOG/e2e_$r.jsonl"
     done
+fi
+if has learnerproc; then  # the real `looprl learner` process at Huginn-0125 (issue 22 item 5)
+    # bf16, lr 1e-6, responses 256-4,096, one version per step; ~4-6 min with start-up. The JSON
+    # line -> $LOG/learnerproc.json; metrics rows and the logs' tails -> $LOG/0125_process_*
+    timeout "${T_LEARNERPROC:-550}" "$PY" benchmarks/learner_process.py --device cuda \
+        --label 0125_process --logs "$LOG" --timeout "${LEARNERPROC_TIMEOUT:-500}" \
+        ${LEARNERPROC_ARGS:-} 2>"$LOG/learnerproc.err" | tee "$LOG/learnerproc.json"
+    echo "learnerproc rc=${PIPESTATUS[0]}"
+    grep -E "Error|error" "$LOG/learnerproc.err" | tail -n 5
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |
