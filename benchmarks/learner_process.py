@@ -32,6 +32,11 @@ pipeline/core/validation.py, and refuses liars; no config key turns that check o
   staleness; at lr 1e-6 the drift is far below it). Replaying every version at this shape would
   put a forward of every response (about 2/3 of a step's FLOPs) on the learner's GPU each step.
 
+The claims are replayed in `--claims-dtype` (fp32 by default, TF32 matmuls on CUDA: the exact
+values up to rounding, against which the bf16 learner's own error is measured; bf16 is what a
+GPU generator may run). A refused rollout (RUN_DIR/quarantine.jsonl) ends the run at once, its
+reason in the JSON's `error`.
+
 Timed window: the steps after `--warmup` (2 on the GPU: allocator and first steps; 1 at --tiny)
 up to `--warmup + --steps`, from the metrics rows (pipeline/core/timeline.py `time/*`,
 `elapsed_s`). With `--kill` (the GPU default) the learner is stopped (SIGKILL, by pid) once the
@@ -145,7 +150,9 @@ def precompute(spec: dict[str, Any], prompts: dict[str, list[int]], run_seed: in
 
     t0 = time.perf_counter()
     dev = torch.device(spec["device"])
-    model = _load(Path(spec["init"]), dev, _dtype(spec["precision"]))
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 claims: TF32 matmuls
+    model = _load(Path(spec["init"]), dev, _dtype(spec["claims_dtype"]))
     arrays: dict[str, Any] = {}
     for pid, prompt in prompts.items():
         for i in range(spec["n"]):
@@ -212,7 +219,7 @@ def serve(spec: dict[str, Any]) -> None:
                 if spec.get("cache"):  # a miss: say so (it costs generation time)
                     print(f"{gid}: no cached claim for {key}", file=sys.stderr)
                 if model is None or model_v != want:
-                    model = _load(paths[want], dev, _dtype(spec["precision"]))
+                    model = _load(paths[want], dev, _dtype(spec["claims_dtype"]))
                     model_v = want
                 cache[key] = claim(model, spec, item.prompt_id, int(i), int(seed),
                                    item.prompt_tokens.tolist(), item.temperature,
@@ -341,6 +348,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=None, help="learner.micro_batch_size")
     ap.add_argument("--generators", type=int, default=None)
     ap.add_argument("--claims", choices=("every", "first"), default=None)
+    ap.add_argument("--claims-dtype", choices=("bf16", "fp32"), default="fp32",
+                    help="the claims' replay dtype (fp32: TF32 matmuls on CUDA)")  # fmt: skip
     ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                     help="default bf16 on cuda, fp32 on cpu")  # fmt: skip
     ap.add_argument("--compile", action="store_true")
@@ -426,7 +435,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with (run_dir / "prompts.jsonl").open("w") as f:
         for pid, ids in prompts.items():
             f.write(json.dumps({"prompt_id": pid, "prompt_tokens": ids}) + "\n")
-    base = dict(init=str(run_dir / "model"), device=str(dev), precision=a.precision,
+    base = dict(init=str(run_dir / "model"), device=str(dev), claims_dtype=a.claims_dtype,
                 claims=a.claims, prompts=a.prompts, n=a.n, min_tokens=a.min_tokens,
                 max_tokens=a.max_tokens, peer_timeout_s=300.0, cache="")  # fmt: skip
     claims_s = 0.0
@@ -457,7 +466,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # megatron's checkpoint writer outlived a SIGKILL of the learner alone)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
     gens: list[subprocess.Popen[bytes]] = []
-    rss, rows, killed = 0, [], False
+    rss, rows, killed, refused = 0, [], False, ""
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             eps_file = learn / "endpoints.json"
@@ -479,6 +488,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             dead = [gp for gp in gens if gp.poll() is not None]
             if dead:
                 break  # a generator failed: its log is in the result
+            quarantine = learn / "quarantine.jsonl"
+            if quarantine.is_file() and quarantine.stat().st_size:
+                refused = quarantine.read_text().splitlines()[0]
+                break  # the learner refused a simulated rollout: not a valid run
             time.sleep(0.2)
     finally:
         if proc.poll() is None and not killed:  # (--kill: never its final checkpoint)
@@ -512,7 +525,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "bench": "learner_process", "label": a.label, "ok": False,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "shape": {**s, "params": params}, "precision": a.precision, "compile": a.compile,
-        "lr": lr, "micro": a.micro, "claims": a.claims, "generators": a.generators,
+        "lr": lr, "micro": a.micro, "claims": a.claims, "claims_dtype": a.claims_dtype, "generators": a.generators,
         "prompts": a.prompts, "rollouts_per_step": a.prompts_per_step * a.n,
         "response_tokens": [a.min_tokens, a.max_tokens], "prompt_len": a.prompt_len,
         "warmup_steps": warmup, "timed_steps": a.steps, "steps_done": len(rows),
@@ -520,6 +533,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "claims_precompute_s": round(claims_s, 1),
         "wall_total_s": round(wall_total, 1), "run_dir": str(run_dir), "command": " ".join(sys.argv),
     }  # fmt: skip
+    if refused:
+        res["error"] = f"the learner refused a simulated rollout: {refused}"
+        return res
     if len(rows) < total:
         tail = (run_dir / "learner.err").read_text()[-3000:]
         for g in range(len(gens)):
