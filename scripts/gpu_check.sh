@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc shm
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -126,6 +126,11 @@ if has learnerproc; then  # the real `looprl learner` process at Huginn-0125 (is
         ${LEARNERPROC_ARGS:-} 2>"$LOG/learnerproc.err" | tee "$LOG/learnerproc.json"
     echo "learnerproc rc=${PIPESTATUS[0]}"
     grep -E "Error|error" "$LOG/learnerproc.err" | tail -n 5
+fi
+if has shm; then  # same-host delivery through /dev/shm to a generator process (issue 22 item 3)
+    timeout "${T_SHM:-200}" "$PY" benchmarks/shm_delivery.py --gib 6.61 --device cuda \
+        2>"$LOG/shm.err" | tee "$LOG/shm.json"
+    tail -n 3 "$LOG/shm.err"
 fi
 if has standin; then
     timeout "${TS_TIMEOUT:-150}" "$PY" benchmarks/token_stats_gpu.py 2>"$LOG/token_stats.err" |
