@@ -5,7 +5,7 @@
 
 This process plays the learner: a state of `--gib` GiB of bf16 tensors (64 MiB each, the last
 smaller), its Publication (blob + tree digest: `Publication.stage_s`), written once into
-`--root` (default /dev/shm) with `write_shm`. A second process, started before (spawn, torch
+`--root` (default /dev/shm if it has room, else /tmp) with `write_shm`. A second process, started before (spawn, torch
 imported, CUDA initialised), plays a local generator: told the file is there (the announce, over
 a pipe), it maps it and checks the digest (`open_shm`: `open_verify_s`), then copies the checked
 blob to the device as one uint8 tensor (`to_device_s`, synchronised; 0 on cpu). `delivery_s` =
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,11 +53,25 @@ def generator(conn: Any, device: str) -> None:
     w.close()
 
 
+def pick_root(nbytes: int) -> str:
+    """/dev/shm when it can hold ``nbytes`` with 1 GiB to spare (a container's may be 64 MiB),
+    else /tmp."""
+    for root in ("/dev/shm", "/tmp"):
+        try:
+            if shutil.disk_usage(root).free > nbytes + (1 << 30):
+                return root
+        except OSError:
+            continue
+    raise SystemExit(f"no room for {nbytes} bytes in /dev/shm or /tmp (pass --root)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--gib", type=float, default=7.1 / 1.073741824)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--root", default=None, help="the shared-memory directory (/dev/shm)")
+    ap.add_argument("--root", default=None,
+                    help="the shared-memory directory (default /dev/shm when it has room for "
+                    "the set, else /tmp: a page-cached file, mapped the same way)")  # fmt: skip
     a = ap.parse_args()
     import torch
 
@@ -73,7 +88,8 @@ def main() -> None:
              for i, o in enumerate(range(0, total, per))}  # fmt: skip
     pub = Publication.of_state(state, 1, None)
     del state
-    path = shm_path("bench", 1, a.root)
+    root = a.root or pick_root(len(pub.blob))
+    path = shm_path("bench", 1, root)
     t0 = time.time()
     write_shm(pub, path)
     write_s = time.time() - t0
