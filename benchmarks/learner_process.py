@@ -338,7 +338,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=("huginn_0125", "huginn_1b", "tiny"), default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed steps")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="steps before the timed ones (default: one pass over the prompts)")  # fmt: skip
+                    help="steps before the timed ones (default 2; 1 at --tiny)")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=None, help="distinct prompts (task rows)")
     ap.add_argument("--prompts-per-step", type=int, default=None)
     ap.add_argument("--n", type=int, default=None, help="samples per prompt")
@@ -355,7 +355,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--lr", type=float, default=None, help="default: the shape's realistic lr")
     ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=None,
-                    help="SIGKILL the learner after the last timed row (default: on cuda)")  # fmt: skip
+                    help="SIGKILL the learner's process group after the last timed row (default: on cuda)")  # fmt: skip
     ap.add_argument("--run-dir", default=None,
                     help="kept afterwards (default: a new temporary directory, removed)")  # fmt: skip
     ap.add_argument("--logs", default=None, metavar="DIR",
@@ -416,8 +416,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     s = dict(SHAPES[a.shape])
     s["seq"] = a.prompt_len + a.max_tokens
-    if a.prompts % a.prompts_per_step:
-        raise SystemExit(f"--prompts {a.prompts}: must be a multiple of --prompts-per-step")
+    for flag, ok, want in (
+        ("--prompts", a.prompts >= 1 and a.prompts % a.prompts_per_step == 0,
+         f"a positive multiple of --prompts-per-step ({a.prompts_per_step})"),
+        ("--min-tokens", 1 <= a.min_tokens <= a.max_tokens, f"in 1..--max-tokens ({a.max_tokens})"),
+        ("--steps", a.steps >= 1, ">= 1"), ("--n", a.n >= 2, ">= 2 (a group to compare)"),
+        ("--warmup", a.warmup is None or a.warmup >= 1, ">= 1 (the window starts after a row)"),
+    ):  # fmt: skip
+        if not ok:
+            raise SystemExit(f"{flag} {getattr(a, flag[2:].replace('-', '_'))}: expected {want}")
     warmup = a.warmup if a.warmup is not None else a.prompts // a.prompts_per_step
     total = warmup + a.steps
     run_dir = Path(a.run_dir)
