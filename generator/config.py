@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from models import settings
+from models.chat import TEMPLATES
 from models.contract import NUMERICS
 from models.errors import ConfigError as _ConfigError
 
@@ -89,6 +90,10 @@ class GeneratorConfig:
     """environment: most model turns in one conversation."""
     max_env_tokens: int = 512
     """environment: most environment (observation) tokens in one conversation, all turns."""
+    template: str = "auto"
+    """environment: how observations are rendered: auto (the checkpoint's chat template if it
+    has one, else plain text), chat (its chat template) or plain (models.chat.ChatRenderer);
+    the same rule as the first prompt's (task.template)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long the batch in progress may take to finish, else handed back (s)."""
     resend_after_s: float = 0.0
@@ -144,6 +149,7 @@ class GeneratorConfig:
             ),
             (self.max_turns >= 1, "max_turns", "must be >= 1"),
             (self.max_env_tokens >= 1, "max_env_tokens", "must be >= 1"),
+            (self.template in TEMPLATES, "template", f"must be one of {TEMPLATES}"),
             (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
             (self.resend_after_s >= 0, "resend_after_s", "must be >= 0"),
             (self.max_unacked >= 1, "max_unacked", "must be >= 1"),

@@ -21,7 +21,7 @@ generates; its rollouts carry that version and exit depths all equal to d.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from models.exits import FixedDepth
@@ -64,13 +64,18 @@ class DepthEngines:
             eng.load_weights(*self._last)
         return eng
 
-    def generate(self, items: list[WorkItem]) -> list[list[Any]]:
+    def generate(
+        self, items: list[WorkItem], sampling_offsets: Sequence[int] | None = None
+    ) -> list[list[Any]]:
         out: list[list[Any] | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault(int(it.eval_depth), []).append(i)
         for depth, idx in sorted(groups.items()):
-            for i, res in zip(idx, self._engine(depth).generate([items[i] for i in idx])):
+            eng, sub = self._engine(depth), [items[i] for i in idx]
+            res_ = (eng.generate(sub) if sampling_offsets is None else
+                    eng.generate(sub, sampling_offsets=[sampling_offsets[i] for i in idx]))  # fmt: skip
+            for i, res in zip(idx, res_):
                 out[i] = res
         return [r for r in out if r is not None]
 

@@ -15,8 +15,10 @@ weight versions come from the plugin's side channel (`generator.vllm_records`), 
 (`logprobs_mode="processed_logprobs"`: log-softmax after temperature and top-p) are kept in
 `Sample.sampler_logprobs` as a cross-check.
 
-Token sampling is seeded per request from the latent seed (`SamplingParams.seed`) except on
-CPU: vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked)
+Token sampling is seeded per request from the latent seed (`SamplingParams.seed`,
+`request_seed`: the latent seed itself, or for turn k >= 1 of a conversation
+`models.reference.sampling_seed(latent_seed, k)`, so the turns of one conversation do not reuse
+one another's random numbers) except on CPU: vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked)
 prefill with `Generator.set_offset`, which CPU generators reject ("CPU Generator does not use
 offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
 Replay does not need the sampler's randomness (only tokens, seeds and depths).
@@ -63,6 +65,7 @@ from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
+from models.reference import sampling_seed
 from models.weights.digest import canonical_digest
 from models.weights.verified import read_weights
 from proto.records import Rollout, WorkItem
@@ -184,6 +187,15 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], *, cpu: bool, numerics:
         return "float32"
     tdt = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     return "bfloat16" if tdt in ("bfloat16", "torch.bfloat16") else "float32"
+
+
+def request_seed(latent_seed: int, offset: int = 0) -> int:
+    """vLLM's per-request sampler seed (`SamplingParams.seed`, a non-negative int64) of a
+    completion of ``latent_seed`` with sampling-seed offset ``offset``: the latent seed's low 63
+    bits at offset 0 (every single-turn request, as before), else those of
+    `models.reference.sampling_seed(latent_seed, offset)` (a conversation's turn ``offset``)."""
+    mixed = int(latent_seed) if offset == 0 else sampling_seed(latent_seed, offset)
+    return mixed & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class LoopedEngine:
@@ -313,7 +325,7 @@ class LoopedEngine:
             self._apply(*pending)
 
     # ---- generation ----------------------------------------------------------------------
-    def _params(self, item: WorkItem, seed: int, key: str) -> Any:
+    def _params(self, item: WorkItem, seed: int, key: str, offset: int = 0) -> Any:
         from vllm import SamplingParams
 
         greedy = item.temperature == 0
@@ -324,7 +336,7 @@ class LoopedEngine:
             max_tokens=int(item.max_tokens),
             stop_token_ids=[int(t) for t in item.stop_token_ids],
             ignore_eos=True,
-            seed=None if self._cpu else seed & 0x7FFF_FFFF_FFFF_FFFF,
+            seed=None if self._cpu else request_seed(seed, offset),
             logprobs=0,
             detokenize=bool(item.stop),  # stop strings are matched on the detokenized text
             stop=list(item.stop) or None,
@@ -332,13 +344,21 @@ class LoopedEngine:
             extra_args={SEED_KEY: seed, RECORD_KEY: key},
         )
 
-    def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
-        """Sample every item `item.n` times (one request per latent seed); results in order."""
+    def generate(
+        self, items: Sequence[WorkItem], sampling_offsets: Sequence[int] | None = None
+    ) -> list[list[Sample]]:
+        """Sample every item `item.n` times (one request per latent seed); results in order.
+        ``sampling_offsets``: per item, its requests' sampling-seed offset (None: 0; a
+        conversation's turn, generator.multiturn; `request_seed`)."""
+        if sampling_offsets is not None and len(sampling_offsets) != len(items):
+            raise ValueError(f"{len(sampling_offsets)} sampling offsets for {len(items)} items")
         with self._lock:
             self._check_usable()
-            return self._generate(items)
+            return self._generate(items, sampling_offsets)
 
-    def _generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
+    def _generate(
+        self, items: Sequence[WorkItem], offsets: Sequence[int] | None = None
+    ) -> list[list[Sample]]:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
@@ -348,7 +368,8 @@ class LoopedEngine:
             for j, seed in enumerate(int(s) for s in item.latent_seeds):
                 key = f"looprl-{next(self._ids)}"
                 slots[key] = (i, j, seed)
-                engine.add_request(key, prompt, self._params(item, seed, key))
+                off = int(offsets[i]) if offsets is not None else 0
+                engine.add_request(key, prompt, self._params(item, seed, key, off))
         finished: dict[str, Any] = {}
         while engine.has_unfinished_requests():
             if self.inflight_updates:

@@ -9,6 +9,9 @@ contract), in rounds::
     while some conversation goes on:
         one engine.generate over ALL of them: the prompt is the conversation so far (first
         prompt + every sampled and observation id, never re-tokenized), the SAME latent seed
+        (the latent noise is a function of (seed, absolute position): contract 1), and
+        sampling-seed offset = the turn (0, 1, ...; models.reference.sampling_seed), so a
+        turn never reuses an earlier turn's random numbers
         step every environment at once with the turn's text and sampled ids
         append the observation's ids (models.chat.ChatRenderer.continuation), mask 0,
         log-prob 0.0, exit depth = full depth (prompt-like positions)
@@ -132,7 +135,7 @@ class MultiTurnEngine:
                 latent_seeds=np.asarray([c.seed], np.uint64), sample_indices=[],
                 max_tokens=room,
             ))  # fmt: skip
-        samples = self.engine.generate(subs)
+        samples = self.engine.generate(subs, sampling_offsets=[c.turns for c in live])
         for c, group in zip(live, samples):
             s = group[0]
             ids = [int(t) for t in s.tokens]

@@ -17,7 +17,8 @@ runs the full depth D (its last position, which samples token 0, consults the po
 `models.exits.token0_follows_policy` says so), decode follows the exit policy, behaviour log-probs are
 `models.reference.behaviour_logprobs` of the sampling position (greedy, temperature 0: at
 temperature 1 and top_p 1, as the plugin records them), and tokens are drawn as the reference
-draws them (a CPU `torch.Generator` per sample seeded `latent_seed ^ SAMPLING_SALT`).
+draws them (a CPU `torch.Generator` per sample seeded `models.reference.sampling_seed(latent_seed,
+offset)`: offset 0, or a conversation's turn, given by `generate(..., sampling_offsets)`).
 
 Continuous batching of requests: one request per latent seed, `max_num_seqs` slots (rows of
 one KV cache of `max_model_len` positions). A slot whose request finished takes the next
@@ -60,7 +61,7 @@ from models.exits import (
     resolve_max_depth,
     token0_follows_policy,
 )
-from models.reference import SAMPLING_SALT, _sample, behaviour_logprobs, build_model
+from models.reference import _sample, behaviour_logprobs, build_model, sampling_seed
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -179,14 +180,22 @@ class TorchEngine:
             self.weight_version = version
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
-        """Sample every item `item.n` times (one request per latent seed); results in order."""
+    def generate(
+        self, items: Sequence[WorkItem], sampling_offsets: Sequence[int] | None = None
+    ) -> list[list[Sample]]:
+        """Sample every item `item.n` times (one request per latent seed); results in order.
+        ``sampling_offsets``: per item, its samples' sampling-seed offset (None: 0; a
+        conversation's turn, generator.multiturn; `models.reference.sampling_seed`)."""
         with self._lock, torch.no_grad():
             if self.broken:
                 raise WeightLoadError(self.broken)
-            return self._generate(items)
+            return self._generate(items, sampling_offsets)
 
-    def _requests(self, items: Sequence[WorkItem]) -> list[_Request]:
+    def _requests(
+        self, items: Sequence[WorkItem], offsets: Sequence[int] | None = None
+    ) -> list[_Request]:
+        if offsets is not None and len(offsets) != len(items):
+            raise ValueError(f"{len(offsets)} sampling offsets for {len(items)} work items")
         reqs = []
         for i, it in enumerate(items):
             if it.stop:
@@ -200,12 +209,15 @@ class TorchEngine:
                     f"FixedDepth({it.eval_depth}) engine (generator.depth_engines routes it)"
                 )
             for j, s in enumerate(int(x) for x in it.latent_seeds):
-                gen = torch.Generator().manual_seed(s ^ SAMPLING_SALT)
+                off = int(offsets[i]) if offsets is not None else 0
+                gen = torch.Generator().manual_seed(sampling_seed(s, off))
                 reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, gen))
         return reqs
 
-    def _generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
-        reqs = self._requests(items)
+    def _generate(
+        self, items: Sequence[WorkItem], offsets: Sequence[int] | None = None
+    ) -> list[list[Sample]]:
+        reqs = self._requests(items, offsets)
         if not reqs:
             return [[] for _ in items]
         need = max(len(r.prompt) + int(r.work.max_tokens) for r in reqs)

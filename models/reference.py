@@ -18,8 +18,9 @@ c = cumsum(p); drop entries with c <= 1 - top_p, never the largest; dropped entr
 -inf, so their log-prob is -inf and the rest renormalise over the nucleus (the distribution
 actually sampled from). Greedy decoding takes argmax(lp) (first index on ties) and still
 reports lp of that token. Sampling draws q ~ Exp(1)^V from a torch.Generator seeded with
-`latent_seed ^ SAMPLING_SALT` and takes argmax(exp(lp) / q): reproducible per latent seed,
-independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
+`sampling_seed(latent_seed, offset)` (`latent_seed ^ SAMPLING_SALT` at offset 0; a
+conversation's turn k uses offset k, so its turns do not reuse one another's numbers) and takes
+argmax(exp(lp) / q): reproducible per (latent seed, offset), independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
 
 Depths (contract 2): the prompt runs the full depth D (the policy's max depth, which may
 exceed the model's trained depth up to 255), except its last position, which samples token 0
@@ -63,6 +64,25 @@ from models.exits import (
 from models.rows import response_slice, token_rows
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
+_MASK64 = (1 << 64) - 1
+
+
+def sampling_seed(latent_seed: int, offset: int = 0) -> int:
+    """The seed of the sampler's torch.Generator for a completion of ``latent_seed`` started
+    with sampling-seed offset ``offset`` (a multi-turn conversation's model turn: 0, 1, ...;
+    generator.multiturn): ``latent_seed ^ SAMPLING_SALT`` at offset 0 (every single-turn
+    completion), else that value and the offset mixed by splitmix64's finaliser, so each turn
+    of one conversation draws its own random numbers. The latent noise is not affected: it
+    stays a function of (latent_seed, absolute position) alone (contract 1)."""
+    base = (int(latent_seed) ^ SAMPLING_SALT) & _MASK64
+    if offset == 0:
+        return base
+    if offset < 0:
+        raise ValueError(f"sampling-seed offset {offset}: must be >= 0")
+    z = (base + int(offset) * 0x9E37_79B9_7F4A_7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +206,11 @@ def generate(
     numerics: str = "fast",
     *,
     graph: bool = False,
+    sampling_offsets: Sequence[int] | None = None,
 ) -> list[Generation]:
     """Decode every prompt token by token (batched; see module doc). Default policy: full
-    depth.
+    depth. ``sampling_offsets``: per prompt, the sampling-seed offset (`sampling_seed`; None:
+    all 0, a single-turn completion).
 
     graph=True (fixed depth only: `FixedDepth` or the default policy) decodes through
     `models.engine_graph.GraphDecoder`: one CUDA graph replayed per token on CUDA, the same
@@ -211,7 +233,10 @@ def generate(
     kv = resolve_kv(policy, model.config)
     bsz, lens = len(prompts), [len(p) for p in prompts]
     cache = KVCache.empty(model, bsz, max(lens) + sampling.max_new_tokens, depth)
-    gens = [torch.Generator().manual_seed(s ^ SAMPLING_SALT) for s in seeds]
+    offsets = list(sampling_offsets) if sampling_offsets is not None else [0] * len(seeds)
+    if len(offsets) != len(seeds):
+        raise ValueError(f"{len(offsets)} sampling offsets for {len(seeds)} prompts")
+    gens = [torch.Generator().manual_seed(sampling_seed(s, o)) for s, o in zip(seeds, offsets)]
     toks = torch.zeros(bsz, max(lens), dtype=torch.int64)
     for b, p in enumerate(prompts):
         toks[b, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
@@ -410,6 +435,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: i
 
 __all__ = [
     "SAMPLING_SALT",
+    "sampling_seed",
     "Generation",
     "ReplayItem",
     "ReplayResult",

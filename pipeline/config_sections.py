@@ -245,6 +245,7 @@ RUN_MANAGED = {
     "environment": "task.environment",
     "max_turns": "rollout.max_turns",
     "max_env_tokens": "rollout.max_env_tokens",
+    "template": "task.template",
 }
 
 

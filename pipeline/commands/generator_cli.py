@@ -54,7 +54,7 @@ from generator.health import HealthFile
 from generator.loop import FatalError, GeneratorLoop, make_hello
 from generator.multiturn import MultiTurnEngine
 from generator.reward_runner import RewardRunner
-from models.chat import ChatRenderer
+from models.chat import TEMPLATES, ChatError, ChatRenderer
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
 from models.exits import FixedDepth, policy_from_dict, policy_json
@@ -81,6 +81,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPES,
     "reward_mode": REWARD_MODES,
     "log_level": LOG_LEVELS,
+    "template": TEMPLATES,
 }
 _METAVARS = {
     "learner": "ENDPOINT",
@@ -353,15 +354,19 @@ class StopOnFailedLoad:
 
 
 def multi_turn(cfg: GeneratorConfig, engine: Any, env: Any) -> MultiTurnEngine:
-    """``engine`` driven as conversations with ``env`` (generator.multiturn): the checkpoint's
-    chat template renders the observations; the whole conversation stays within the engine's
+    """``engine`` driven as conversations with ``env`` (generator.multiturn): observations are
+    rendered under ``template`` (task.template: the checkpoint's chat template, or plain text); the whole conversation stays within the engine's
     max_model_len (the checkpoint's context length when 0); each environment call
     runs under ``reward_timeout_s`` in threads (inline with reward_mode inline)."""
 
     mc = load_model_config(cfg.model)  # Huginn names its context length block_size
     length = cfg.max_model_len or int(getattr(mc, "max_position_embeddings", 0) or mc.block_size)
     calls = EnvCalls(cfg.reward_timeout_s, "inline" if cfg.reward_mode == "inline" else "thread")
-    return MultiTurnEngine(engine, env, ChatRenderer.from_checkpoint(cfg.model),
+    try:
+        renderer = ChatRenderer.from_checkpoint(cfg.model, template=cfg.template)
+    except ChatError as e:
+        raise ConfigError(f"generator config template={cfg.template!r}: {e}") from None
+    return MultiTurnEngine(engine, env, renderer,
                            max_turns=cfg.max_turns, max_env_tokens=cfg.max_env_tokens,
                            max_model_len=length, calls=calls)  # fmt: skip
 

@@ -66,6 +66,7 @@ def generator_config(cfg: RunConfig, control: str, weights: str, model: Path,
         "environment": cfg.task.environment,
         "max_turns": cfg.rollout.max_turns,
         "max_env_tokens": cfg.rollout.max_env_tokens,
+        "template": cfg.task.template,
     }
     if managed.keys() != RUN_MANAGED.keys():  # a new run-managed key needs its source here
         raise RuntimeError(f"generator_config sets {sorted(managed)}, RUN_MANAGED names "

@@ -69,3 +69,41 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path) -> No
     )
     with pytest.raises(ChatError, match="cannot be rendered incrementally"):
         r.continuation("higher", [21, EOS_ID])
+
+
+def test_the_generator_renders_observations_under_task_template(tmp_path: Path) -> None:
+    """task.template reaches the generators (run-managed key ``template``) and chooses how the
+    multi-turn driver renders observations: plain text under ``plain``, the chat template
+    under ``auto`` / ``chat``; ``chat`` on a checkpoint without one is refused naming the key."""
+    import json
+
+    from generator.config import GeneratorConfig
+    from models.init import init_checkpoint
+    from pipeline.commands.generator_cli import multi_turn
+    from pipeline.commands.generator_flags import config_argv, generator_config
+    from pipeline.config import ConfigError, load_config
+
+    model = init_checkpoint("llama", "tiny", tmp_path / "m", seed=0)
+
+    class Engine:
+        full_depth = 1
+
+    turn = [*ChatRenderer.from_checkpoint(model).tokenizer.encode(" 3").ids, EOS_ID]
+    cfg = load_config(None, ["task.kind=dataset", "task.path=x", "task.template=plain",
+                             "task.environment=generator.environments:Scripted"])  # fmt: skip
+    gen = generator_config(cfg, "tcp://h:5", "tcp://h:6", model, 0)
+    assert gen.template == "plain" and "--template" in config_argv(gen)
+    plain = multi_turn(gen, Engine(), None).renderer
+    assert plain.template is None
+    assert plain.tokenizer.decode(plain.continuation("higher", turn)) == "\n\nhigher\n\n"
+    chat = multi_turn(GeneratorConfig(model=str(model)), Engine(), None).renderer
+    assert chat.template is not None
+    assert chat.tokenizer.decode(chat.continuation("higher", turn),
+                                 skip_special_tokens=False) == "\nUser: higher\nAssistant:"  # fmt: skip
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    with pytest.raises(ConfigError, match=r"generator config template='chat': .*no chat template"):
+        multi_turn(GeneratorConfig(model=str(model), template="chat"), Engine(), None)
+    with pytest.raises(ConfigError, match=r"generators\.template=.*task\.template"):
+        load_config(None, ["generators.template=plain"])
+    with pytest.raises(ConfigError, match=r"generator config template='html'"):
+        GeneratorConfig(template="html")

@@ -63,10 +63,10 @@ class Counting:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def generate(self, items: list[Any]) -> Any:
+    def generate(self, items: list[Any], sampling_offsets: Any = None) -> Any:
         self.calls.append(sum(it.n for it in items))
         self.asked.append([int(it.max_tokens) for it in items])
-        return self.engine.generate(items)
+        return self.engine.generate(items, sampling_offsets=sampling_offsets)
 
 
 @pytest.fixture(scope="module")
