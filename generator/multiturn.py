@@ -209,3 +209,67 @@ class MultiTurnEngine:
             reward=c.reward,
             reward_info=info,
         )
+
+
+def replay_conversation(
+    env: Environment,
+    renderer: Any,
+    task: dict[str, Any],
+    tokens: Sequence[int],
+    mask: Sequence[int] | None,
+    calls: EnvCalls | None = None,
+) -> tuple[float | None, dict[str, Scalar]]:
+    """Score a recorded conversation again with ``env`` (the learner's check of eval rewards,
+    pipeline.core.eval_rounds.environment_rescorer): reset from ``task``, then each model turn
+    (a run of mask 1; no mask: one turn) stepped with its decoded text and ids, in order, the
+    turns' rewards summed as the driver sums them. Every recorded observation (a run of mask 0)
+    must be exactly ``renderer.continuation`` of what the environment answers to the turn
+    before it, and the environment must not end the conversation before its last turn; else
+    the transcript is not this environment's (a generator's invention, or an environment that
+    is not deterministic): reward 0.0 with info ``env_mismatch`` 1 and ``error``. A failed
+    call: (None, {"error", "kind"}) as on the generator."""
+    calls = calls or EnvCalls(mode="inline")
+    ids = [int(t) for t in tokens]
+    m = [1] * len(ids) if mask is None else [int(x) for x in mask]
+    runs: list[tuple[int, int, int]] = []  # (mask value, start, end)
+    for i, v in enumerate(m):
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1], i + 1)
+        else:
+            runs.append((v, i, i + 1))
+    (episode, err), = calls.run([partial(env.reset, dict(task))])  # fmt: skip
+    if err is not None:
+        return None, err
+    reward = 0.0
+    info: dict[str, Scalar] = {}
+    turns = 0
+
+    def mismatch(why: str) -> tuple[float, dict[str, Scalar]]:
+        return 0.0, {**info, "env_mismatch": 1, "correct": 0, "error": why[:2000]}
+
+    for k, (v, a, b) in enumerate(runs):
+        if v == 0:
+            continue
+        turns += 1
+        turn_ids = ids[a:b]
+        (turn, err), = calls.run([partial(episode.step, renderer.decode(turn_ids), turn_ids)],
+                                 expect=Turn)  # fmt: skip
+        if err is not None:
+            return None, {**info, **err}
+        reward += float(turn.reward)
+        info.update(turn.info)
+        rest = runs[k + 1 :]
+        if not rest:
+            break
+        if turn.done:
+            return mismatch(f"the environment ended the conversation after model turn {turns}, "
+                            f"the transcript goes on for {len(rest)} more run(s)")  # fmt: skip
+        try:
+            want = [int(t) for t in renderer.continuation(turn.observation, turn_ids)]
+        except ValueError as e:
+            return mismatch(f"observation after model turn {turns}: {e}")
+        got = ids[rest[0][1] : rest[0][2]] if rest[0][0] == 0 else []
+        if got != want:
+            return mismatch(f"the observation after model turn {turns} is {len(got)} ids, the "
+                            f"environment's renders as {len(want)} ids that differ")  # fmt: skip
+    return reward, {**info, "turns": turns, "env_tokens": m.count(0)}

@@ -61,7 +61,12 @@ from pipeline.config import (
 from pipeline.core import resume as resume_mod
 from pipeline.core import tasks
 from pipeline.core.coordinator import Coordinator, CoordinatorError
-from pipeline.core.eval_rounds import EvalRounds, check_depths, reward_rescorer
+from pipeline.core.eval_rounds import (
+    EvalRounds,
+    check_depths,
+    environment_rescorer,
+    reward_rescorer,
+)
 from pipeline.core.metrics import MetricsWriter, read_metrics, summary
 from pipeline.core.tasks import load_prompts as load
 from pipeline.core.validation import ModelLimits
@@ -303,12 +308,19 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         e = cfg.eval
         mc = load_model_config(model)
         check_depths(e.depths, int(mc.max_depth), looped=mc.family != "llama")
+        t, r = cfg.task, cfg.rollout
+        rescore = (  # generators' scores not believed
+            environment_rescorer(t.environment, model, template=t.template,
+                                 max_turns=r.max_turns, max_env_tokens=r.max_env_tokens,
+                                 timeout_s=cfg.generators.reward_timeout_s)
+            if t.environment else reward_rescorer(t.reward, model)
+        )  # fmt: skip
         evals = EvalRounds(
             eval_prompts(cfg, model, e.split, e.limit), n=e.n, temperature=e.temperature,
             max_tokens=cfg.rollout.max_tokens, stop_token_ids=cfg.rollout.stop_token_ids,
             run_seed=cfg.seed, stop=cfg.rollout.stop, every=e.every,
             last_step=tasks.planned_steps(cfg, prompts), on_result=on_eval,
-            rescore=reward_rescorer(cfg.task.reward, model),  # generators' scores not believed
+            rescore=rescore,
             depths=e.depths,
         )  # fmt: skip
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,

@@ -31,8 +31,13 @@ first sample of each prompt) and mean@n (all samples), with the task reward's ``
 
 A generator's own score is not believed: with ``rescore`` (``reward_rescorer``: the run's
 reward on the completion's tokens and text, decoded with the model's tokenizer, on the
-learner) every eval rollout is scored again and that score counts; a claim that differs is
-counted per generator (``counts["rescored_differ"]``, ``lied``) and logged (rate-limited).
+learner; ``environment_rescorer`` with task.environment: the environment replays the
+conversation's model turns, and its observations must be the recorded ones) every eval rollout
+is scored again and that score counts; a claim that differs, or a conversation the environment
+does not reproduce (``counts["env_mismatch"]``), is counted per generator
+(``counts["rescored_differ"]``, ``lied``) and logged (rate-limited). What stays trusted with an
+environment: that it is deterministic given the task and the model turns (an environment that
+is not scores as a mismatch, never as the generator's claim).
 """
 
 from __future__ import annotations
@@ -57,8 +62,11 @@ from pipeline.net.log_limit import RateLimitedLog
 from proto import Ack, Nack, Rollout, WorkItem
 
 log = logging.getLogger(__name__)
-Rescore = Callable[[list[int], dict[str, Any]], tuple[float | None, dict[str, Any]]]
-"""(completion tokens, the item's task) -> (reward or None on failure, reward info)."""
+Rescore = Callable[
+    [list[int], dict[str, Any], "np.ndarray | None"], tuple[float | None, dict[str, Any]]
+]
+"""(completion tokens, the item's task, the rollout's token_mask) -> (reward or None on
+failure, reward info)."""
 
 
 def reward_rescorer(reward: str, model_dir: Path, timeout_s: float = 30.0) -> Rescore:
@@ -69,10 +77,42 @@ def reward_rescorer(reward: str, model_dir: Path, timeout_s: float = 30.0) -> Re
     tok = Tokenizer.from_file(str(path)) if path.is_file() else None
     runner = RewardRunner(reward, timeout_s=timeout_s, workers=1, mode="thread")
 
-    def score(tokens: list[int], task: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+    def score(tokens: list[int], task: dict[str, Any],
+              mask: np.ndarray | None = None) -> tuple[float | None, dict[str, Any]]:  # fmt: skip
         text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
         res = runner.score_many([(text, tokens, dict(task))])[0]
         return res.reward, dict(res.info)
+
+    return score
+
+
+def environment_rescorer(
+    environment: str, model_dir: Path, *, template: str = "auto", max_turns: int = 8,
+    max_env_tokens: int = 512, timeout_s: float = 10.0,
+) -> Rescore:  # fmt: skip
+    """The run's environment (``task.environment``) replaying each eval conversation on the
+    learner (generator.multiturn.replay_conversation): the same environment class, built with
+    the generators' config, observations rendered with ``model_dir``'s tokenizer under
+    ``template`` (task.template), every reset / step call in a thread under ``timeout_s``.
+    The learner's score is the environment's on the recorded model turns; a transcript whose
+    observations are not what the environment answers scores 0 (info env_mismatch)."""
+    from generator.environments import EnvCalls, resolve_environment
+    from generator.multiturn import replay_conversation
+    from models.chat import ChatError, ChatRenderer
+
+    try:
+        env = resolve_environment(environment, {"max_turns": max_turns,
+                                                "max_env_tokens": max_env_tokens})  # fmt: skip
+        renderer = ChatRenderer.from_checkpoint(model_dir, template=template)
+    except (ValueError, ChatError) as e:
+        raise ConfigError(f"run config task.environment={environment!r}: {e}") from None
+    calls = EnvCalls(timeout_s, "thread")
+
+    def score(tokens: list[int], task: dict[str, Any],
+              mask: np.ndarray | None = None) -> tuple[float | None, dict[str, Any]]:  # fmt: skip
+        reward, info = replay_conversation(env, renderer, dict(task), tokens,
+                                           None if mask is None else mask.tolist(), calls)  # fmt: skip
+        return reward, dict(info)
 
     return score
 
@@ -134,7 +174,7 @@ class EvalRounds:
         self.queue: deque[WorkItem] = deque()
         self.held: dict[str, dict[str, WorkItem]] = {}  # generator -> work id -> item
         self.counts = {"rounds": 0, "items_sent": 0, "resent": 0, "duplicates": 0, "refused": 0,
-                       "rescored_differ": 0}  # fmt: skip
+                       "rescored_differ": 0, "env_mismatch": 0}  # fmt: skip
         self.rescore = rescore  # the learner's own score of each eval completion, if set
         self.depths = list(depths)  # fixed depths evaluated beside the run's policy
         self.lied: Counter[str] = Counter()  # generator -> eval scores that differed from ours
@@ -240,9 +280,11 @@ class EvalRounds:
     def _rescored(self, gid: str, ro: Rollout, item: WorkItem) -> Rollout:
         """``ro`` with the learner's score; a claim that differs is counted against ``gid``."""
         assert self.rescore is not None
-        reward, info = self.rescore([int(t) for t in ro.tokens], dict(item.task))
+        reward, info = self.rescore([int(t) for t in ro.tokens], dict(item.task), ro.token_mask)
         claimed = ro.reward
-        differ = (
+        mismatch = bool(info.get("env_mismatch"))  # a transcript the environment does not give
+        self.counts["env_mismatch"] += int(mismatch)
+        differ = mismatch or (
             claimed is not None
             and reward is not None
             and (  # a failure is no claim
