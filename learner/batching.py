@@ -22,6 +22,13 @@ log-prob check, no token count; they are replayed at full depth like prompt posi
 Per row: latent_seeds (int64 holding the uint64 bit pattern), group_ids (index of the
 work item in sorted order), rewards, weight_versions (rollout.weight_version), seq_lens
 (P + T - 1, or P for an empty response), prompt_lens, truncated (finish_reason "length").
+
+Packed micro-batches (learner.max_tokens_per_micro): the step cuts rows into micro-batches of at
+most that many positions (models.rows.micro_spans) and marks them ``packed``; the micro-batch
+keeps this padded [B, L] layout for everything the step computes (losses, advantages,
+metrics), and a policy whose forward packs (learner.specs.looped_policy_spec) feeds the model
+`packed_inputs(mb)`: the rows end to end in one row (models.rows.pack_rows), then spreads the
+outputs back (`PackedInputs.unpack`).
 """
 
 from __future__ import annotations
@@ -44,14 +51,16 @@ from learner.advantages import (
     whiten_tokens,
 )
 from models.contract import seed_from_i64, seed_to_i64
-from models.rows import PAD_DEPTH, response_slice, token_rows
+from models.rows import PAD_DEPTH, pack_rows, response_slice, token_rows
 from proto.records import Rollout
 
 __all__ = [
+    "PackedInputs",
     "TrainBatch",
     "build_batch",
     "gae_advantages",
     "group_token_advantages",
+    "packed_inputs",
     "sort_rollouts",
     "step_advantages",
     "uint64_to_int64",
@@ -108,6 +117,11 @@ class TrainBatch:
     full_depths: Tensor | None = None
     """[B] int64: each row's full depth D (Rollout.full_depth, else exit_depths[0]; DESIGN
     contract 2): exit_depths[b, 0] is D only when the prompt has 2+ tokens."""
+    packed: bool = False
+    """A micro-batch the step cut by tokens (learner.max_tokens_per_micro): a forward that
+    packs lays its rows end to end (`packed_inputs`); the layout of its tensors is unchanged."""
+    pack_multiple: int = 1
+    """The packed row's length is rounded up to a multiple of this (TrainConfig.pad_to_multiple)."""
 
     @property
     def size(self) -> int:
@@ -148,7 +162,60 @@ class TrainBatch:
         tv = None if self.token_versions is None else self.token_versions.to(device)
         fd = None if self.full_depths is None else self.full_depths.to(device)
         return TrainBatch(rollout_ids=list(self.rollout_ids), extra=extra, token_versions=tv,
-                          full_depths=fd, **fields)  # fmt: skip
+                          full_depths=fd, packed=self.packed, pack_multiple=self.pack_multiple,
+                          **fields)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedInputs:
+    """A micro-batch's model inputs in the packed layout (models.rows.pack_rows): one row of N
+    positions, [1, N] each, on the micro-batch's device."""
+
+    input_ids: Tensor
+    exit_depths: Tensor
+    positions: Tensor
+    """Position within its own sequence (RoPE, latent noise); 0 on the tail padding."""
+    segments: Tensor
+    """Which row of the micro-batch (its latent seed, its full depth); -1 on the tail padding."""
+    valid: Tensor
+    """Real positions (a prefix: the padding is at the tail)."""
+    head_rows: Tensor
+    """mask > 0 (the response positions trained), in the same row-major order as the rows'."""
+    index: Tensor
+    """[N] b * L + p of each packed position in the [B, L] rows, -1 on padding."""
+    rows: int
+    width: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.valid.sum())
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[1, N, ...] packed values -> [B, L, ...] rows (0 where no packed position maps)."""
+        flat = x.reshape(x.shape[1], *x.shape[2:])
+        keep = self.index >= 0
+        out = flat.new_zeros((self.rows * self.width, *x.shape[2:]))
+        out[self.index[keep]] = flat[keep]
+        return out.view(self.rows, self.width, *x.shape[2:])
+
+
+def packed_inputs(mb: TrainBatch) -> PackedInputs:
+    """`mb`'s rows end to end (module docstring; models.rows.pack_rows)."""
+    dev = mb.input_ids.device
+    lay = pack_rows(mb.seq_lens.cpu().numpy(), mb.length, pad_to_multiple=mb.pack_multiple)
+    index = torch.from_numpy(lay.index).to(dev)
+    keep = index >= 0
+    src = index.clamp(min=0)
+
+    def take(x: Tensor, fill: int | float) -> Tensor:
+        return torch.where(keep, x.reshape(-1)[src], fill)[None]
+
+    return PackedInputs(
+        input_ids=take(mb.input_ids, 0), exit_depths=take(mb.exit_depths, PAD_DEPTH),
+        positions=torch.from_numpy(lay.positions).to(dev)[None],
+        segments=torch.from_numpy(lay.segment).to(dev)[None], valid=keep[None],
+        head_rows=take(mb.mask > 0, False), index=index, rows=mb.size, width=mb.length,
+    )  # fmt: skip
 
 
 def _fit(x: Tensor, n: int, name: str) -> Tensor:

@@ -422,6 +422,8 @@ class LearnerConfig:
     """Activation recompute around every block call (less memory, one more forward)."""
     compile: bool = False
     """torch.compile every transformer block (numerics fast only)."""
+    max_tokens_per_micro: int = 0
+    """Packed rows: rollouts end to end, at most this many tokens per forward/backward; 0: padded rows."""
 
     def __post_init__(self) -> None:
         need = checker(self, "learner")
@@ -430,6 +432,8 @@ class LearnerConfig:
         need(self.backprop_depth >= -1, "backprop_depth",
              "must be -1 (the checkpoint's), 0 (all) or a positive iteration count")  # fmt: skip
         need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: automatic)")
+        need(self.max_tokens_per_micro >= 0, "max_tokens_per_micro",
+             "must be >= 0 (0: padded rows of micro_batch_size)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -444,6 +448,10 @@ class TrainConfig:
     global_batch_size must be a multiple of micro_batch_size x data-parallel size."""
     pad_to_multiple: int = 1
     """Pad each micro-batch's sequence length up to a multiple of this, >= 1."""
+    max_tokens_per_micro: int = 0
+    """Packed micro-batches (learner.max_tokens_per_micro): consecutive rows of a rank's share
+    of an update, at most this many positions (sum of seq_lens) each, marked packed; the
+    data-parallel shares balanced by tokens. 0: micro_batch_size rows each (padded)."""
     max_tokens: int = 0
     """rollout.max_tokens: where the overlong penalty ends (learner.shaping); >= the
     objective's overlong_buffer when that is on."""
@@ -480,6 +488,7 @@ class TrainConfig:
         need(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
              f"must be a multiple of micro_batch_size ({self.micro_batch_size})")  # fmt: skip
         need(self.pad_to_multiple >= 1, "pad_to_multiple", "must be >= 1")
+        need(self.max_tokens_per_micro >= 0, "max_tokens_per_micro", "must be >= 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.vocab_chunk >= 1, "vocab_chunk", "must be >= 1")
         need(self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}")

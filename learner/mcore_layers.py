@@ -28,6 +28,8 @@ Fused layouts (TP-invariant, so dist_checkpointing can reshard between TP sizes)
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Any
 
 import torch
@@ -88,12 +90,95 @@ def replicated_linear(layer: nn.Linear, x: Tensor, mode: str) -> Tensor:
     return nx.linear(x, layer.weight, layer.bias, mode)
 
 
-def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str) -> Tensor:
+@dataclasses.dataclass(frozen=True)
+class DocMask:
+    """The attention mask of packed rows (models.rows.pack_rows): causal within a sequence,
+    nothing across sequences (block-diagonal). ``dense`` [B, S, S] bool (True = visible; a
+    tail-padding query sees the padding keys up to itself): the exact recipe's mask, and the
+    fast one's on the CPU. ``flex``: a FlexAttention BlockMask of the same mask (fast numerics
+    on CUDA), whose kernel skips the blocks across sequences; None elsewhere."""
+
+    dense: Tensor | None
+    segments: Tensor
+    flex: Any = None
+
+
+_FLEX: dict[str, Any] = {}
+"""The compiled flex_attention, once it worked on this process's device ("fn"), or the reason
+it did not ("error"): `doc_mask` falls back to SDPA with the dense mask."""
+
+
+def _flex_fn() -> Any:
+    """torch.compile(flex_attention), checked once on a small doc mask against SDPA."""
+    if "fn" in _FLEX or "error" in _FLEX:
+        return _FLEX.get("fn")
+    if os.environ.get("LOOPRL_PACKED_ATTENTION", "auto") == "sdpa":
+        _FLEX["error"] = "LOOPRL_PACKED_ATTENTION=sdpa"
+        return None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        fn = torch.compile(flex_attention)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        seg = torch.tensor([0] * 100 + [1] * 156, device=dev)[None]
+        bm = create_block_mask(_doc_mod(seg), 1, None, 256, 256, device=dev)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 256, 96, device=dev, generator=gen, dtype=torch.bfloat16)
+                   for _ in range(3))  # fmt: skip
+        got = fn(q, k, v, block_mask=bm)
+        dense = (seg[:, None, :] == seg[:, :, None]) & torch.ones(
+            256, 256, device=dev
+        ).tril().bool()
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None])
+        err = float((got.float() - want.float()).abs().max())
+        if not err < 0.05:
+            raise RuntimeError(f"flex_attention differs from SDPA by {err}")
+        _FLEX["fn"] = fn
+    except Exception as exc:  # noqa: BLE001  (any failure: the dense SDPA path, logged)
+        _FLEX["error"] = f"{type(exc).__name__}: {exc}"
+        logging.getLogger(__name__).warning(
+            "packed rows: FlexAttention unavailable (%s); SDPA with a dense mask", _FLEX["error"]
+        )
+    return _FLEX.get("fn")
+
+
+def _doc_mod(segments: Tensor) -> Any:
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return mask_mod
+
+
+def doc_mask(segments: Tensor, mode: str) -> DocMask:
+    """The `DocMask` of packed rows' ``segments`` [B, S] (-1 on the tail padding): fast numerics
+    on CUDA get a FlexAttention BlockMask (no dense mask) when FlexAttention works there."""
+    b, s = segments.shape
+    if mode != "exact" and segments.is_cuda and _flex_fn() is not None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        bm = create_block_mask(_doc_mod(segments), b, None, s, s, device=segments.device)
+        return DocMask(None, segments, bm)
+    idx = torch.arange(s, device=segments.device)
+    dense = (segments[:, None, :] == segments[:, :, None]) & (idx[None, :] <= idx[:, None])
+    return DocMask(dense, segments)
+
+
+def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | DocMask, mode: str) -> Tensor:
     """Causal attention, q [B, S, H_l, D], k / v [B, S, G_l, D] -> [B, S, H_l * D].
 
-    exact: `models.numerics.attention` with `mask` ([B, S, T] bool, True = visible).
-    fast: SDPA with is_causal=True (right-padded rows: real queries see only real keys).
+    exact: `models.numerics.attention` with `mask` ([B, S, T] bool, True = visible; a
+    `DocMask`'s dense mask).
+    fast: SDPA with is_causal=True (right-padded rows: real queries see only real keys); a
+    `DocMask` (packed rows): FlexAttention with its block mask, else SDPA with its dense mask.
     """
+    if isinstance(mask, DocMask):
+        if mode == "exact" or mask.flex is None:
+            assert mask.dense is not None
+            return nx.attention(q, k, v, mask.dense, mode)
+        fn = _FLEX["fn"]
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask.flex,
+                 enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+        return out.transpose(1, 2).flatten(2)  # type: ignore[no-any-return]
     if mode == "exact":
         return nx.attention(q, k, v, mask, "exact")
     gqa = q.shape[2] != k.shape[2]
@@ -207,9 +292,9 @@ class LoopedBlock(nn.Module):
         y = y.view(b, s, self.groups_local, per + 2, self.head_dim)
         q = y[:, :, :, :per].reshape(b, s, self.heads_local, self.head_dim)
         k, v = y[:, :, :, per], y[:, :, :, per + 1]
-        if hasattr(self, "qk_bias"):
-            q = q + self.qk_bias[0, 0]
-            k = k + self.qk_bias[1, 0]
+        if hasattr(self, "qk_bias"):  # exact: the gradient summed in fp64 (any token layout)
+            q = nx.bias_add(q, self.qk_bias[0, 0], mode)
+            k = nx.bias_add(k, self.qk_bias[1, 0], mode)
         return rope(q, mode), rope(k, mode), v
 
     def mlp(self, x: Tensor, mode: str) -> Tensor:
@@ -233,7 +318,7 @@ class LoopedBlock(nn.Module):
         self,
         x: Tensor,
         rope: Rope,
-        mask: Tensor,
+        mask: Tensor | DocMask,
         mode: str,
         prev_kv: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
@@ -289,12 +374,14 @@ class LoopedBlock(nn.Module):
 
 __all__ = [
     "BLOCK_STYLES",
+    "DocMask",
     "LoopedBlock",
     "RMSNorm",
     "Rope",
     "RowLinear",
     "column_linear",
     "core_attention",
+    "doc_mask",
     "replicated_linear",
     "row_linear",
 ]

@@ -42,7 +42,15 @@ from megatron.core.transformer.utils import (
 from torch import Tensor, nn
 
 from learner.hf_convert import load_hf_state
-from learner.mcore_layers import LoopedBlock, RMSNorm, Rope, column_linear, replicated_linear
+from learner.mcore_layers import (
+    DocMask,
+    LoopedBlock,
+    RMSNorm,
+    Rope,
+    column_linear,
+    doc_mask,
+    replicated_linear,
+)
 from learner.mcore_options import MegatronOptions, padded_rows, transformer_config
 from learner.triton_noise import latent_noise_cuda
 from models import numerics as nx
@@ -189,15 +197,20 @@ class LoopedGPT(MegatronModule):
         return Rope("half", table)
 
     def _initial_state(self, e: Tensor, positions: Tensor, seeds: Tensor) -> Tensor:
+        """seeds: [B] (one per row) or [B, S] (one per position: packed rows)."""
         if not self.huginn:
             return e
         c = self.family_config
         b, s = positions.shape
         h = c.n_embd  # type: ignore[union-attr]
         if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.triton_noise)
-            z = latent_noise_cuda(seeds.to(e.device).repeat_interleave(s), positions.reshape(-1), h)
+            per = seeds.to(e.device)
+            per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
+            z = latent_noise_cuda(per, positions.reshape(-1), h)
         else:
-            z = latent_noise(seeds.cpu().repeat_interleave(s), positions.reshape(-1).cpu(), h)
+            per = seeds.cpu()
+            per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
+            z = latent_noise(per, positions.reshape(-1).cpu(), h)
         std = torch.tensor(c.init_std, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
         scale = torch.tensor(c.embed_scale, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
         return ((z * std) * scale).view(b, s, -1).to(e.device, e.dtype)
@@ -210,7 +223,7 @@ class LoopedGPT(MegatronModule):
     def _core_out(self, x: Tensor, mode: str) -> Tensor:
         return x if self.huginn else self.final_norm(x, mode)
 
-    def _readout(self, state: Tensor, rope: Rope, mask: Tensor, mode: str) -> Tensor:
+    def _readout(self, state: Tensor, rope: Rope, mask: Tensor | DocMask, mode: str) -> Tensor:
         x = self.final_norm(state, mode) if self.huginn else state
         for blk in _blocks(self.coda):
             x = self._block(blk, x, rope, mask, mode)[0]
@@ -230,7 +243,7 @@ class LoopedGPT(MegatronModule):
         blk: LoopedBlock,
         x: Tensor,
         rope: Rope,
-        mask: Tensor,
+        mask: Tensor | DocMask,
         mode: str,
         prev: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
@@ -238,22 +251,26 @@ class LoopedGPT(MegatronModule):
     ) -> tuple[Tensor, Tensor, Tensor]:
         if self.options.recompute == "none" or not torch.is_grad_enabled():
             return blk(x, rope, mask, mode, prev, active, frozen)  # type: ignore[no-any-return]
-        # megatron's checkpoint takes tensors only: the optional ones travel as a flat tuple.
-        # Its output needs an input that requires grad, or the block's weights get none (the
-        # first iteration after no-grad ones, when nothing but the state enters the core).
+        # megatron's checkpoint takes tensors only: the optional ones travel as a flat tuple
+        # (a packed row's DocMask rides in the closure). Its output needs an input that
+        # requires grad, or the block's weights get none (the first iteration after no-grad
+        # ones, when nothing but the state enters the core).
         if not x.requires_grad:
             x = x.detach().requires_grad_(True)
         has = (prev is not None, active is not None, frozen is not None)
         opt = [*(prev or ()), *(t for t in (active, frozen) if t is not None)]
+        doc = mask if isinstance(mask, DocMask) else None
 
-        def run(x_: Tensor, table: Tensor, mask_: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        def run(x_: Tensor, table: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
             it = iter(rest)
+            mask_: Tensor | DocMask = doc if doc is not None else next(it)
             pkv = (next(it), next(it)) if has[0] else None
             act = next(it) if has[1] else None
             fr = next(it) if has[2] else None
             return blk(x_, Rope(rope.kind, table), mask_, mode, pkv, act, fr)  # type: ignore[no-any-return]
 
-        return tensor_parallel.checkpoint(run, False, x, rope.table, mask, *opt)  # type: ignore[no-any-return]
+        lead = [] if doc is not None else [mask]
+        return tensor_parallel.checkpoint(run, False, x, rope.table, *lead, *opt)  # type: ignore[no-any-return]
 
     def forward(
         self,
@@ -265,8 +282,10 @@ class LoopedGPT(MegatronModule):
         head_rows: Tensor | None = None,
         kv: str | None = None,
         loop_fn: LoopFn | None = None,
+        segments: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> LoopedOutput:
-        """Replay forward of right-padded rows.
+        """Replay forward of right-padded rows, or of packed rows (``segments``).
 
         tokens [B, S] int64; depths [B, S] int64 exit depths per position (1..255 where valid;
         the model may run deeper than its trained max_depth); valid [B, S] bool, a prefix of
@@ -283,26 +302,36 @@ class LoopedGPT(MegatronModule):
         kv = check_kv(kv or self.options.kv or default_kv(self.family_config))
         bsz, seq = tokens.shape
         dev = tokens.device
-        seeds = _seed_tensor(latent_seeds, bsz)
-        positions = torch.arange(seq, device=dev).expand(bsz, seq)
+        index = torch.arange(seq, device=dev).expand(bsz, seq)
         lengths = valid.sum(dim=1)
-        if not torch.equal(valid, positions < lengths[:, None]):
+        if not torch.equal(valid, index < lengths[:, None]):
             raise ValueError("valid must be a prefix of every row (right padding)")
         if ((depths < 1) | (depths > MAX_DEPTH))[valid].any():
             raise ValueError(f"depths must be in [1, {MAX_DEPTH}] at valid positions")
         full = kv == "full"
-        # full: each position runs its row's full depth, the row's deepest position (its prompt
-        # positions' D; with a one-token prompt a smaller one: no read-out depends on deeper ones)
-        deepest = torch.where(valid, depths, 0).amax(dim=1, keepdim=True)
-        run_to = deepest.expand(bsz, seq) if full else depths
+        if segments is None:
+            seeds = _seed_tensor(latent_seeds, bsz)
+            positions = index
+            # full: each position runs its row's full depth, the row's deepest position (its
+            # prompt positions' D; with a one-token prompt a smaller one: no read-out depends on
+            # deeper ones)
+            deepest = torch.where(valid, depths, 0).amax(dim=1, keepdim=True).expand(bsz, seq)
+            mask = valid[:, None, :] & (index[:, None, :] <= index[:, :, None])
+            attn_mask: Tensor | DocMask = mask
+        else:
+            # a tail-padding query sees the padding keys up to itself: no empty row
+            seeds, positions, deepest, attn_mask = _packed(
+                latent_seeds, segments, positions, depths, valid, mode
+            )
+        run_to = deepest if full else depths
         if full and bool((depths > run_to)[valid].any()):
             raise ValueError("kv='full': an exit depth exceeds its row's full depth depths[b, 0]")
-        mask = valid[:, None, :] & (positions[:, None, :] <= positions[:, :, None])
-        mask[..., 0] |= ~mask.any(dim=-1)
+        if segments is None:
+            mask[..., 0] |= ~mask.any(dim=-1)
         rope = self._rope(positions, mode)
         e = self._embed(tokens)
         for blk in _blocks(self.prelude):
-            e = self._block(blk, e, rope, mask, mode)[0]
+            e = self._block(blk, e, rope, attn_mask, mode)[0]
         state = self._initial_state(e, positions, seeds)
         prev: list[tuple[Tensor, Tensor] | None] = [None] * len(self.core)
         n_iter = int(run_to[valid].max()) if bool(valid.any()) else 0
@@ -319,7 +348,8 @@ class LoopedGPT(MegatronModule):
             with torch.no_grad() if i < lo else contextlib.nullcontext():
                 x = self._core_in(state, e, mode)
                 for layer, blk in enumerate(_blocks(self.core)):
-                    x, k, v = self._block(blk, x, rope, mask, mode, prev[layer], active, frozen)
+                    x, k, v = self._block(blk, x, rope, attn_mask, mode, prev[layer], active,
+                                          frozen)  # fmt: skip
                     prev[layer] = (k, v)
                 new = self._core_out(x, mode)
                 if frozen is not None:
@@ -328,13 +358,36 @@ class LoopedGPT(MegatronModule):
                 if full:
                     out_state = torch.where((depths == i + 1)[:, :, None], state, out_state)
             if loop_fn is not None:
-                loop_fn(i + 1, state, lambda s_: self._readout(s_, rope, mask, mode))
-        hidden = self._readout(out_state if full else state, rope, mask, mode)
+                loop_fn(i + 1, state, lambda s_: self._readout(s_, rope, attn_mask, mode))
+        hidden = self._readout(out_state if full else state, rope, attn_mask, mode)
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]
             return LoopedOutput(None, hidden, values)
         rows = hidden if head_rows is None else hidden[head_rows.to(hidden.device)]
         return LoopedOutput(self.head_logits(rows, mode), hidden, None)
+
+
+def _packed(
+    latent_seeds: Tensor | Sequence[int],
+    segments: Tensor,
+    positions: Tensor | None,
+    depths: Tensor,
+    valid: Tensor,
+    mode: str,
+) -> tuple[Tensor, Tensor, Tensor, DocMask]:
+    """Packed rows (LoopedGPT.forward): per-position seeds [B, S], positions, each position's
+    sequence's deepest depth [B, S] (kv='full'), the block-diagonal causal mask."""
+    if positions is None or positions.shape != segments.shape or segments.shape != valid.shape:
+        raise ValueError("packed rows: segments and positions [B, S] like tokens")
+    if bool(((segments < 0) == valid).any()):
+        raise ValueError("packed rows: segments must be >= 0 exactly at valid positions")
+    n_seg = int(segments.max()) + 1 if bool(valid.any()) else 1
+    seeds = _seed_tensor(latent_seeds, n_seg).to(segments.device)
+    seg = segments.clamp(min=0)
+    per_seed = seeds[seg]
+    top = torch.zeros(n_seg, dtype=depths.dtype, device=depths.device)
+    top = top.scatter_reduce(0, seg[valid], depths[valid], reduce="amax")
+    return per_seed, positions, top[seg], doc_mask(segments, mode)
 
 
 def _blocks(blocks: nn.ModuleList) -> list[LoopedBlock]:

@@ -1,6 +1,10 @@
 """What the learner's Trainer trains: how to build and run a policy or critic network
 (`PolicySpec`, `CriticSpec`), and the specs of the looped families on megatron-core
-(`looped_policy_spec`, `looped_critic_spec`). A plain megatron GPTModel plugs in alike."""
+(`looped_policy_spec`, `looped_critic_spec`). A plain megatron GPTModel plugs in alike.
+
+A micro-batch marked ``packed`` (learner.max_tokens_per_micro) is fed to the looped model as
+packed rows (learner.batching.packed_inputs): the forward computes on its real tokens only, and
+what it returns keeps the padded rows' layout (mask_logits in the same order; values [B, L])."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from learner.batching import TrainBatch
+from learner.batching import TrainBatch, packed_inputs
 
 __all__ = [
     "CriticForward",
@@ -69,8 +73,13 @@ def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = N
 
     def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
         # the head runs on the response rows only (no [B, L, V] logits, no gather of them)
-        out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds,
-                    head_rows=mb.mask > 0)  # fmt: skip
+        if mb.packed:  # the rows end to end; the response rows keep their row-major order
+            p = packed_inputs(mb)
+            out = model(p.input_ids, p.exit_depths, p.valid, mb.latent_seeds,
+                        head_rows=p.head_rows, segments=p.segments, positions=p.positions)  # fmt: skip
+        else:
+            out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds,
+                        head_rows=mb.mask > 0)  # fmt: skip
         return {"mask_logits": full_vocab_logits(model, out.logits)}  # type: ignore[arg-type]
 
     return PolicySpec(build, forward)
@@ -89,6 +98,11 @@ def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = N
         return build_critic(model_config, opts, hf_state=hf_state)
 
     def forward(model: nn.Module, mb: TrainBatch) -> Tensor:
+        if mb.packed:
+            p = packed_inputs(mb)
+            out = model(p.input_ids, p.exit_depths, p.valid, mb.latent_seeds,
+                        segments=p.segments, positions=p.positions)  # fmt: skip
+            return p.unpack(out.values)
         values: Tensor = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds).values
         return values
 

@@ -72,6 +72,7 @@ from learner.objectives import (
 from learner.objectives.loops import loop_weights, response_depths
 from learner.shaping import penalise_kl, shape_rollouts
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
+from models.rows import micro_spans, token_shares
 from proto.records import Rollout
 
 __all__ = ["DataParallel", "LearnerStep", "Net", "Policy"]
@@ -214,15 +215,33 @@ class LearnerStep:
         was then refused (nothing applied); empty when it trained."""
 
     # ------------------------------------------------------------------ layout
-    def _local_rows(self, n_rows: int, g: int) -> Rows:
+    def _local_rows(self, batch: TrainBatch, g: int) -> Rows:
         dp = self.pol.dp
+        if self.cfg.max_tokens_per_micro and dp.size > 1:  # packed: shares of equal tokens
+            out = []
+            for u in range(batch.size // g):
+                cut = token_shares(batch.seq_lens[u * g : (u + 1) * g].numpy(), dp.size)
+                out.append((u * g, (u + 1) * g, u * g + cut[dp.rank], u * g + cut[dp.rank + 1]))
+            return out
         share = g // dp.size
         return [(u * g, (u + 1) * g, u * g + dp.rank * share, u * g + (dp.rank + 1) * share)
-                for u in range(n_rows // g)]  # fmt: skip
+                for u in range(batch.size // g)]  # fmt: skip
 
     def _micro(self, batch: TrainBatch, lo: int, hi: int) -> Iterator[tuple[int, TrainBatch]]:
-        """(first row, micro-batch on the policy's device) over rows [lo, hi)."""
-        mbs, pad = self.cfg.micro_batch_size, self.cfg.pad_to_multiple
+        """(first row, micro-batch on the policy's device) over rows [lo, hi): micro_batch_size
+        rows each, or with max_tokens_per_micro consecutive rows of at most that many tokens
+        (models.rows.micro_spans), marked packed (learner.batching.packed_inputs)."""
+        mbs, pad, budget = (
+            self.cfg.micro_batch_size,
+            self.cfg.pad_to_multiple,
+            self.cfg.max_tokens_per_micro,
+        )
+        if budget:
+            for a, b in micro_spans(batch.seq_lens[lo:hi].numpy(), budget):
+                mb = batch.rows(lo + a, lo + b, pad)
+                mb.packed, mb.pack_multiple = True, pad
+                yield lo + a, mb.to(self.pol.device)
+            return
         for a in range(lo, hi, mbs):
             yield a, batch.rows(a, min(a + mbs, hi), pad).to(self.pol.device)
 
@@ -352,7 +371,7 @@ class LearnerStep:
         assert batch.token_versions is not None
         token_stale = (self.weight_version - batch.token_versions)[live]
         stale_masked = None if gap is None else mask_stale_tokens(batch, self.weight_version, gap)
-        rows = self._local_rows(batch.size, g)
+        rows = self._local_rows(batch, g)
         old_logits, kl_ref = self._pre_update(batch, rows)
         # kl_in_reward: the KL went into the rewards, not into the loss
         loss_obj = dataclasses.replace(obj, kl_coef=0.0) if obj.kl_in_reward else obj

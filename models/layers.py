@@ -79,8 +79,8 @@ class SandwichBlock(nn.Module):
         h = self.norm_1(x, mode)
         q, k, v = _lin(self.attn.Wqkv, h, mode).view(x.shape[0], 3, self.n_heads, -1).unbind(1)
         if hasattr(self.attn, "qk_bias"):  # one add each: the bias gradients then reduce as
-            q = q + self.attn.qk_bias[0, 0]  # the learner's (megatron) do, bit for bit
-            k = k + self.attn.qk_bias[1, 0]
+            q = nx.bias_add(q, self.attn.qk_bias[0, 0], mode)  # the learner's (megatron) do,
+            k = nx.bias_add(k, self.attn.qk_bias[1, 0], mode)  # bit for bit (fp64 in exact)
         cs = rope[:, None]  # [N, 1, D/2, 2]
         return nx.rope_adjacent(q, cs, mode), nx.rope_adjacent(k, cs, mode), v
 

@@ -56,6 +56,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "f
     return F.linear(x, weight, bias)
 
 
+def bias_add(x: Tensor, bias: Tensor, mode: str = "fast") -> Tensor:
+    """x + bias (broadcast over leading dims).
+
+    exact: the add in fp64, rounded to fp32: the same value as the fp32 add (fp64 holds the
+    correctly rounded sum of two fp32 numbers), but the bias's gradient is summed over the
+    leading dims in fp64, so it does not depend on how tokens are laid out (padded rows,
+    packed rows, a flat token list) beyond that one rounding.
+    """
+    if mode == "exact":
+        return (x.double() + bias.double()).to(x.dtype)
+    return x + bias
+
+
 def linears(
     x: Tensor, layers: list[tuple[Tensor, Tensor | None]], mode: str = "fast"
 ) -> list[Tensor]:
@@ -100,12 +113,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tenso
     in the same order (pow, mean, + eps, rsqrt, two products; tests/models/
     test_numerics_identities.py checks the bits), with less Python in between.
     exact: `xd = x.double(); y = xd * (1 / sqrt(mean(xd^2, -1) + eps))` in fp64, rounded to fp32,
-    then `* weight` in fp32 (a single IEEE product).
+    then `* weight`: the fp32 product's value (a single IEEE product: computed in fp64, where a
+    product of two fp32 numbers is exact, and rounded once), so that the weight's gradient is
+    summed over the tokens in fp64 and does not depend on their layout (padded or packed rows).
     """
     if mode == "exact":
         xd = x.double()
         y = xd * (1.0 / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
-        return y.float().to(x.dtype) * weight
+        yr = y.float().to(x.dtype)
+        return (yr.double() * weight.double()).to(torch.promote_types(yr.dtype, weight.dtype))
     if OPAQUE_NORM_UNDER_COMPILE and torch.compiler.is_compiling():
         return _rms_norm_fast_op(x, weight, eps)  # type: ignore[no-any-return]
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -284,6 +300,7 @@ __all__ = [
     "MODES",
     "NumericsMode",
     "attention",
+    "bias_add",
     "check_mode",
     "linear",
     "linears",

@@ -21,6 +21,22 @@ predicted at position p = P - 1 + t (P = prompt length):
                      prompt positions.
 
 Positions are 0..L-1 on every row (padding continues them); a position is valid iff p < seq_len.
+
+Packed layout (`pack_rows`, the learner's micro-batches under learner.max_tokens_per_micro):
+the valid positions of rows 0..B-1 laid end to end in one row of N = sum(seq_lens) positions
+(rounded up to ``pad_to_multiple``), in row order and position order, so the row-major order of
+any per-position selection (the response positions) is the same in both layouts:
+
+    index[n]      b * L + p: where packed position n comes from in the [B, L] rows (-1: padding)
+    segment[n]    b, the row (sequence) n belongs to; -1 on the tail padding
+    positions[n]  p, the position within its own sequence (restarting at 0 per sequence; 0 on
+                  padding): RoPE and the latent noise of DESIGN contract 1 follow it unchanged
+    starts[b]     the first packed position of row b (starts[B] = sum(seq_lens))
+
+Attention stays within a segment (a block-diagonal causal mask), each segment's full depth is
+its own row's, and its latent seed its own row's: a packed forward computes what the padded
+one computes, without the padding. `micro_spans` cuts consecutive rows into micro-batches of
+at most a token budget; `token_shares` cuts rows into contiguous shares of about equal tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +48,10 @@ import numpy as np
 
 from models.contract import position_depths
 
-__all__ = ["PAD_DEPTH", "TokenRows", "response_slice", "token_rows"]
+__all__ = [
+    "PAD_DEPTH", "PackedRows", "TokenRows", "micro_spans", "pack_rows", "response_slice",
+    "token_rows", "token_shares",
+]  # fmt: skip
 
 PAD_DEPTH = 1
 """The depth of a padding position (a valid depth: padding is never read by a valid position)."""
@@ -109,3 +128,80 @@ def token_rows(
             depths[i, : p - 1 + t] = position_depths(p, exit_depths[i], full)
     return TokenRows(input_ids, targets, mask, depths, np.asarray(seq_lens, np.int64),
                      np.asarray(plens, np.int64), loss_mask)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The packed layout of [B, L] rows (module docstring), numpy [N] arrays."""
+
+    index: np.ndarray
+    segment: np.ndarray
+    positions: np.ndarray
+    starts: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return int(self.index.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """Real (non-padding) positions: sum(seq_lens)."""
+        return int(self.starts[-1])
+
+
+def pack_rows(seq_lens: Sequence[int] | np.ndarray, width: int, *,
+              pad_to_multiple: int = 1) -> PackedRows:  # fmt: skip
+    """The packed layout of rows of ``seq_lens`` valid positions in [B, ``width``] arrays
+    (module docstring); N = sum(seq_lens) rounded up to ``pad_to_multiple`` (at least 1)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if lens.ndim != 1 or lens.size == 0 or (lens < 1).any() or (lens > width).any():
+        raise ValueError(f"pack_rows: seq_lens must be B >= 1 lengths in [1, {width}], "
+                         f"got {lens.tolist()[:8]}")  # fmt: skip
+    if pad_to_multiple < 1:
+        raise ValueError(f"pack_rows: pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    real = int(starts[-1])
+    n = max(1, -(-real // pad_to_multiple) * pad_to_multiple)
+    segment = np.full(n, -1, dtype=np.int64)
+    segment[:real] = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+    positions = np.zeros(n, dtype=np.int64)
+    positions[:real] = np.arange(real, dtype=np.int64) - np.repeat(starts[:-1], lens)
+    index = np.full(n, -1, dtype=np.int64)
+    index[:real] = segment[:real] * width + positions[:real]
+    return PackedRows(index, segment, positions, starts)
+
+
+def micro_spans(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Consecutive rows [a, b) cut greedily so that each span's positions (sum of seq_lens) are
+    at most ``budget``; a row longer than the budget alone forms a span (the caller bounds rows
+    by the config). Rows keep their order (the training order of learner.batching)."""
+    if budget < 1:
+        raise ValueError(f"micro_spans: budget must be >= 1, got {budget}")
+    spans: list[tuple[int, int]] = []
+    a, used = 0, 0
+    for i, n in enumerate(int(x) for x in seq_lens):
+        if i > a and used + n > budget:
+            spans.append((a, i))
+            a, used = i, 0
+        used += n
+    if len(seq_lens):
+        spans.append((a, len(seq_lens)))
+    return spans
+
+
+def token_shares(seq_lens: Sequence[int] | np.ndarray, parts: int) -> list[int]:
+    """Boundaries 0 = c_0 < c_1 < ... < c_parts = B of contiguous shares of about equal tokens:
+    c_k is the row boundary whose running sum of seq_lens is nearest to k / parts of the total,
+    each share keeping at least one row (B >= parts)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    b = int(lens.size)
+    if parts < 1 or b < parts:
+        raise ValueError(f"token_shares: {b} rows cannot make {parts} shares of >= 1 row")
+    cum = np.concatenate([[0], np.cumsum(lens)])  # cum[c]: the tokens of rows [0, c)
+    total = int(cum[-1])
+    cuts = [0]
+    for k in range(1, parts):
+        c = int(np.argmin(np.abs(cum - total * k / parts)))
+        c = min(max(c, cuts[-1] + 1), b - (parts - k))  # one row each, at least
+        cuts.append(c)
+    return cuts + [b]

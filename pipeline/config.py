@@ -163,6 +163,18 @@ class RunConfig:
                "learner.micro_batch_size", lr.micro_batch_size,
                f"must divide the rollouts of an update ({per_update}: rollout.prompts_per_step x "
                "rollout.n / objective.minibatches)")  # fmt: skip
+        if lr.max_tokens_per_micro:  # packed rows: micro-batches sized by tokens
+            _check(not lr.micro_batch_size, "learner.max_tokens_per_micro",
+                   lr.max_tokens_per_micro,
+                   f"packed micro-batches are sized by tokens: leave learner.micro_batch_size "
+                   f"0 (got {lr.micro_batch_size})")  # fmt: skip
+            if self.backend != "reference":
+                kind_ = self.rollout.exit_policy.get("kind") if self.rollout.exit_policy else None
+                _check(self.objective.loop_weighting == "last" and kind_ != "sampled_gate",
+                       "learner.max_tokens_per_micro", lr.max_tokens_per_micro,
+                       "backend megatron packs the plain forward only: the per-loop "
+                       "(objective.loop_weighting) and sampled-exit forwards "
+                       "(learner.loop_forward) do not pack yet; use 0 there")  # fmt: skip
         if self.numerics == "exact":  # exact keeps its own rules: fp32, its own kernels
             _check(lr.precision == "fp32", "learner.precision", lr.precision,
                    "numerics=exact needs fp32")  # fmt: skip

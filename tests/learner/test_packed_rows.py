@@ -1,0 +1,236 @@
+"""Packed rows (issue 22 item 4, learner.max_tokens_per_micro): rollouts of very different
+lengths laid end to end in micro-batches of a token budget (models.rows.pack_rows), attention
+within each sequence, positions, latent noise and full depth per sequence. The layout by hand;
+then the megatron policy packed vs its padded rows on one batch (responses of 1 to 40 tokens,
+prompts of 2 to 8): per-token log-probs, every step metric and the weights after one SGD step
+the same bits in numerics exact, within 1e-6 in fast; over several token-budget micro-batches
+the same, and the reference backend (TorchPolicy: the same micro-batches, each sequence in a
+padded row of its own: the independent forward) within 1e-6."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from learner.batching import build_batch, packed_inputs
+from models.errors import ConfigError
+from models.rows import micro_spans, pack_rows, token_shares
+from proto import Rollout
+
+LENS = [1, 37, 3, 22, 9, 40, 2, 15]
+"""Response tokens of the 8 rollouts: very different lengths."""
+
+
+def _rollouts() -> list[Rollout]:
+    rng = random.Random(0)
+    out = []
+    for g in range(2):
+        for i in range(4):
+            t, plen = LENS[4 * g + i], rng.randrange(2, 9)
+            prompt = [1] + [rng.randrange(20, 200) for _ in range(plen - 1)]
+            out.append(Rollout(
+                rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
+                generator_id="g0", latent_seed=1000 * g + i + (1 << 63),
+                prompt_tokens=np.array(prompt, np.int32),
+                tokens=np.array([rng.randrange(20, 200) for _ in range(t)], np.int32),
+                logprobs=np.full(t, -6.0, np.float32),
+                exit_depths=np.array([rng.randrange(1, 5) for _ in range(t)], np.uint8),
+                full_depth=4, weight_version=0, reward=float(rng.random()),
+            ))  # fmt: skip
+    return out
+
+
+def test_layout_by_hand() -> None:
+    """pack_rows / micro_spans / token_shares on small numbers; packed_inputs of a batch: the
+    rows' valid positions end to end, positions restarting per sequence, the response rows in
+    the padded rows' order, and unpack the inverse."""
+    p = pack_rows([3, 1, 4], 5, pad_to_multiple=3)
+    assert p.length == 9 and p.tokens == 8
+    assert p.segment.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, -1]
+    assert p.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 0]
+    assert p.index.tolist() == [0, 1, 2, 5, 10, 11, 12, 13, -1]
+    assert p.starts.tolist() == [0, 3, 4, 8]
+    assert micro_spans([3, 1, 4, 10, 2], 5) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert micro_spans([3, 1, 4, 10, 2], 100) == [(0, 5)]
+    assert token_shares([3, 1, 4, 10, 2], 2) == [0, 3, 5]  # 8 | 12 tokens (18 | 2 further off)
+    assert token_shares([100, 1, 1, 1], 2) == [0, 1, 4]
+    assert token_shares([1, 1, 1, 1], 4) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="seq_lens"):
+        pack_rows([3, 0], 5)
+    with pytest.raises(ValueError, match="cannot make"):
+        token_shares([3], 2)
+
+    batch = build_batch(_rollouts())
+    mb = batch.rows(0, batch.size)
+    pi = packed_inputs(mb)
+    lens = mb.seq_lens.tolist()
+    assert pi.input_ids.shape == (1, sum(lens)) and pi.tokens == sum(lens)
+    valid = mb.position_ids < mb.seq_lens[:, None]
+    assert torch.equal(pi.input_ids[0], mb.input_ids[valid])
+    assert torch.equal(pi.exit_depths[0], mb.exit_depths[valid])
+    assert torch.equal(pi.positions[0], torch.cat([torch.arange(n) for n in lens]))
+    assert torch.equal(pi.segments[0], torch.repeat_interleave(torch.arange(8), torch.tensor(lens)))
+    assert int(pi.head_rows.sum()) == sum(LENS) and torch.equal(
+        pi.unpack(pi.head_rows[..., None].float())[..., 0], mb.mask
+    )  # the response rows, in the padded rows' row-major order
+    padded = mb.size * mb.length
+    assert 1 - sum(lens) / padded > 0.4  # what packing saves on this batch
+
+
+def _trainer(backend: str, model: Path, numerics: str, *over: str) -> Any:
+    from pipeline.config import load_config
+
+    cfg = load_config(None, [f"backend={backend}", "rollout.n=4", "rollout.prompts_per_step=2",
+                             "rollout.max_tokens=40", "learner.backprop_depth=0",
+                             f"numerics={numerics}", "optimizer.name=sgd",
+                             "optimizer.distributed=false", "optimizer.lr=0.05", *over])  # fmt: skip
+    if backend == "reference":
+        from pipeline.backends.reference_trainer import ReferenceTrainer
+
+        return ReferenceTrainer(cfg, model)
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+
+    return MegatronTrainer(cfg, model)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from models.init import init_checkpoint
+
+    out = {}
+    for fam in ("huginn", "ouro"):
+        d = tmp_path_factory.mktemp("m") / fam
+        init_checkpoint(fam, "tiny", d, seed=0)
+        out[fam] = d
+    return out
+
+
+def _close(t: Any) -> None:
+    if hasattr(t, "trainer"):
+        t.close()
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize(
+    ("fam", "numerics", "kind"),
+    [("huginn", "exact", "grpo"), ("ouro", "exact", "ppo"), ("huginn", "fast", "grpo")],
+)
+def test_packed_equals_padded(models_dir: dict[str, Path], tmp_path: Path, fam: str,
+                              numerics: str, kind: str) -> None:  # fmt: skip
+    """One micro-batch of all 8 rows (40 % of the padded positions are padding), padded
+    (learner.micro_batch_size=8) vs packed (learner.max_tokens_per_micro=4096): per-token
+    log-probs, every step metric and every weight after one SGD step (the gradient itself)
+    are the same bits in exact numerics (Huginn: per-position depths, last_exited; Ouro:
+    kv full, each sequence run to its own full depth; ppo: the critic's values packed too),
+    within 1e-6 in fast."""
+    from models.checkpoint import load_checkpoint
+
+    rolls = _rollouts()
+    res: dict[str, Any] = {}
+    for name, over in (("padded", "learner.micro_batch_size=8"),
+                       ("packed", "learner.max_tokens_per_micro=4096")):  # fmt: skip
+        t = _trainer("megatron", models_dir[fam], numerics, over, f"objective.kind={kind}")
+        try:
+            mb = build_batch(rolls).rows(0, 8)
+            mb.packed = name == "packed"
+            with torch.no_grad():
+                lp = t.trainer.megatron.policy_stats(mb, None)["logp"]
+                values = t.trainer.megatron.values(mb) if kind == "ppo" else torch.zeros(1)
+            m = t.step(rolls, [False] * len(rolls))
+            out = tmp_path / name / "v1"
+            t.publish(out, 1)
+            res[name] = (lp, values, m, load_checkpoint(out)[1])
+        finally:
+            _close(t)
+    (lp_a, v_a, m_a, w_a), (lp_b, v_b, m_b, w_b) = res["padded"], res["packed"]
+    assert m_a["num_tokens"] == sum(LENS) and set(m_a) == set(m_b)
+    mask = build_batch(rolls).mask > 0
+    assert bool((lp_a[mask] < 0).all())  # real log-probs, not zeros
+    if numerics == "exact":
+        assert torch.equal(lp_a, lp_b), float((lp_a - lp_b).abs().max())
+        assert torch.equal(v_a, v_b)
+        assert m_a == m_b, {k: (m_a[k], m_b[k]) for k in m_a if m_a[k] != m_b[k]}
+        assert all(torch.equal(w_a[k], w_b[k]) for k in w_a), [
+            k for k in w_a if not torch.equal(w_a[k], w_b[k])
+        ]
+        return
+    assert float((lp_a - lp_b).abs().max()) <= 1e-6
+    bad = {k: (m_a[k], m_b[k]) for k in m_a
+           if not abs(m_a[k] - m_b[k]) <= 1e-6 * max(1.0, abs(m_a[k]))}  # fmt: skip
+    assert not bad, bad
+    assert max(float((w_a[k] - w_b[k]).abs().max()) for k in w_a) <= 1e-6
+
+
+@pytest.mark.megatron
+def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A 64-token budget cuts each update's 4 rows into several micro-batches (gradients
+    accumulated over them), dppo with 2 mini-batches (the proximal pass packed too): megatron
+    packing each micro-batch == megatron running the same micro-batches as padded rows, every
+    metric and published weight the same bits (exact); the reference backend (TorchPolicy: the
+    same token-budget micro-batches as padded rows, its own forward) within 1e-6. (Reference
+    and megatron are not the same bits on rows of different lengths even unpacked, at main
+    too: ~1e-9 relative in the loss; the equal-length rows of tests/pipeline/test_epochs.py
+    are.)"""
+    from learner.step import LearnerStep
+    from models.checkpoint import load_checkpoint
+
+    rolls = _rollouts()
+    seq = build_batch(rolls).seq_lens.tolist()
+    assert len(micro_spans(seq[:4], 64) + micro_spans(seq[4:], 64)) >= 4
+    micro = LearnerStep._micro
+
+    def unpacked(self: Any, batch: Any, lo: int, hi: int) -> Any:
+        for a, mb in micro(self, batch, lo, hi):
+            mb.packed = False
+            yield a, mb
+
+    res, weights = {}, {}
+    for name in ("packed", "padded", "reference"):
+        if name == "padded":
+            monkeypatch.setattr(LearnerStep, "_micro", unpacked)
+        t = _trainer("reference" if name == "reference" else "megatron", models_dir["huginn"],
+                     "exact", "learner.max_tokens_per_micro=64", "objective.kind=dppo",
+                     "objective.minibatches=2")  # fmt: skip
+        try:
+            res[name] = t.step(rolls, [False] * len(rolls))
+            out = tmp_path / name / "v1"
+            t.publish(out, 1)
+            weights[name] = load_checkpoint(out)[1]
+        finally:
+            _close(t)
+            monkeypatch.undo()
+    pk, pd, ref = res["packed"], res["padded"], res["reference"]
+    assert pk["updates"] == 2.0 and set(pk) == set(pd) == set(ref)
+    assert pk == pd, {k: (pk[k], pd[k]) for k in pk if pk[k] != pd[k]}
+    a, b = weights["packed"], weights["padded"]
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    bad = {k: (pk[k], ref[k]) for k in pk if not abs(pk[k] - ref[k]) <= 1e-6 * max(1, abs(pk[k]))}
+    assert not bad, bad
+    c = weights["reference"]
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        (["learner.max_tokens_per_micro=-1"], "must be >= 0"),
+        (["learner.max_tokens_per_micro=4096", "learner.micro_batch_size=4"],
+         "leave learner.micro_batch_size"),
+        (["learner.max_tokens_per_micro=4096", "objective.loop_weighting=uniform",
+          "objective.kind=dppo"], "do not pack yet"),
+        (["learner.max_tokens_per_micro=100", "rollout.max_tokens=200"], "longest row"),
+    ],
+)  # fmt: skip
+def test_refusals(over: list[str], match: str) -> None:
+    """Bad values, and what the megatron backend does not pack, refused naming the key."""
+    from pipeline.backends.learner_configs import train_config
+    from pipeline.config import load_config
+
+    with pytest.raises((ConfigError, ValueError), match=match):
+        train_config(load_config(None, ["backend=megatron", *over]))
