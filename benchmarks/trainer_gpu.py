@@ -4,6 +4,8 @@
     python benchmarks/trainer_gpu.py --shape huginn_0125       # Huginn-0125: r = 32, k = 8
     python benchmarks/trainer_gpu.py --shape ouro_1b --tp 2    # Ouro-1.4B shape (torchrun, 2 GPUs)
     python benchmarks/trainer_gpu.py --device cpu --tiny       # CPU smoke test (tests/learner)
+    python benchmarks/trainer_gpu.py --shape huginn_0125 --compile --layout packed --batch 16
+                                            # packed rows on responses U(256, 4096) (issue 22)
     torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py ...   # DP = 2 (or --tp 2)
 
 The Trainer is built exactly as `looprl learner` builds it: a RunConfig (`--set key=value`
@@ -35,6 +37,17 @@ counts; matmuls only, norms and element-wise ops omitted):
     L_grad = prelude + coda + k x core, L_nograd = (r - k) x core.
 No-grad iterations count as forward only. MFU = FLOP/s / (989e12 x GPUs) (H100/H200 dense
 bf16 datasheet; the learner.py stand-in used the same); tokens/s counts all ranks' tokens. k = min(backprop depth, r) (0 = all = r).
+
+Layouts (`--layout`, issue 22 item 4): `full` (the default, above: every row `seq` positions);
+`padded`: a realistic length spread, responses uniform in [--resp-min, --resp-max] tokens
+(default 256-4,096) after the shape's prompt, today's rows padded to the longest of each
+micro-batch (`--micro` rows); `packed` (`--packed`): the same spread, learner.
+max_tokens_per_micro = `--budget` (default micro x seq) positions per forward/backward,
+packed rows. For the spread layouts the FLOPs are counted per sequence on its real tokens only
+(attention per sequence: (4 L_nograd + 12 L_grad) x n x h per token of a length-n sequence;
+the head at its response positions), so `mfu` is MFU on real tokens; `padding_fraction` is
+the share of the positions the model computed that were padding (from the same micro-batches
+the step cuts).
 """
 
 from __future__ import annotations
@@ -62,6 +75,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "ouro_1b": dict(family="ouro", hidden=2048, heads=16, prelude=0, core=24, coda=0,
                     ffn=5632, vocab=49152, recurrence=4, backprop_depth=0, seq=2048, batch=8,
                     n=4, micro=1, lr=1e-5),
+    "small": dict(hidden=256, heads=4, prelude=1, core=2, coda=1, ffn=768, vocab=2048,
+                  recurrence=4, backprop_depth=2, seq=512, batch=16, n=4, micro=4, lr=1e-4),
     "tiny": dict(hidden=64, heads=2, prelude=1, core=2, coda=1, ffn=128, vocab=512,
                  recurrence=4, backprop_depth=2, seq=32, batch=4, n=2, micro=2, lr=1e-4),
 }  # fmt: skip
@@ -151,6 +166,62 @@ def rollouts(s: dict[str, Any], step: int, version: int, seed: int) -> list[Any]
     return out
 
 
+def spread_rollouts(s: dict[str, Any], step: int, version: int, seed: int, lo: int,
+                    hi: int) -> list[Any]:  # fmt: skip
+    """`rollouts` with response lengths uniform in [lo, hi] (the realistic spread)."""
+    import numpy as np
+
+    from proto.records import Rollout
+
+    rng = np.random.default_rng(seed * 1000 + step + 7)
+    plen, n = prompt_len(s), s["n"]
+    out = []
+    for g in range(s["batch"] // n):
+        prompt = rng.integers(3, s["vocab"], size=plen).astype(np.int32)
+        for i in range(n):
+            t = int(rng.integers(lo, hi + 1))
+            out.append(Rollout(
+                rollout_id=f"s{step}-{g}/{i}", work_id=f"s{step}-{g}", prompt_id=f"p{g}",
+                sample_index=i, generator_id="bench",
+                latent_seed=int(rng.integers(0, 2**63)) * 2 + 1, prompt_tokens=prompt,
+                tokens=rng.integers(3, s["vocab"], size=t).astype(np.int32),
+                logprobs=(-np.log(s["vocab"]) + rng.uniform(-0.5, 0.5, t)).astype(np.float32),
+                exit_depths=np.full(t, s["recurrence"], dtype=np.uint8),
+                weight_version=version, reward=float((i + g) % 2),
+            ))  # fmt: skip
+    return out
+
+
+def layout_positions(seq_lens: list[int], layout: str, micro: int, budget: int,
+                     multiple: int = 1) -> int:  # fmt: skip
+    """Positions the model computes for rows of ``seq_lens`` (the step's sorted order, one
+    update, one rank): padded micro-batches of ``micro`` rows at their longest, or packed
+    micro-batches (models.rows.micro_spans) of their summed lengths, rounded up."""
+    from models.rows import micro_spans
+
+    def up(n: int) -> int:
+        return -(-n // multiple) * multiple
+
+    if layout == "packed":
+        return sum(up(sum(seq_lens[a:b])) for a, b in micro_spans(seq_lens, budget))
+    return sum(up(max(seq_lens[a : a + micro])) * len(seq_lens[a : a + micro])
+               for a in range(0, len(seq_lens), micro))  # fmt: skip
+
+
+def real_flops(s: dict[str, Any], k: int, seq_lens: list[int], resp: list[int]) -> float:
+    """FLOPs of a step on real tokens only (module doc): per sequence n x (2 P_nograd + 6
+    P_grad) + attention over its own n positions + the head at its response positions."""
+    h, v, r = s["hidden"], s["vocab"], s["recurrence"]
+    fc = flop_counts(dict(s, seq=1), k)  # attention per unit length, head rows dropped below
+    k = fc["backprop_depth_used"]
+    l_grad, l_nograd = s["prelude"] + s["coda"] + k * s["core"], (r - k) * s["core"]
+    per_tok = fc["flops_per_token_head_every_position"] - 6 * v * h
+    per_tok -= (4 * l_nograd + 12 * l_grad) * h  # the seq=1 attention term
+    att = (4 * l_nograd + 12 * l_grad) * h
+    return float(sum(n * per_tok + att * n * n + 6 * v * h * t
+                     for n, t in zip(seq_lens, resp, strict=True)))  # fmt: skip
+
+
 def flop_counts(s: dict[str, Any], k: int) -> dict[str, Any]:
     h, f, v, r, seq = s["hidden"], s["ffn"], s["vocab"], s["recurrence"], s["seq"]
     block = 4 * h * h + 3 * h * f
@@ -237,8 +308,20 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None,
                     help="optimizer.lr (default: the shape's realistic rate, 1e-6 at the "
                     "Huginn-0125 shape, 1e-5 at ~1B)")  # fmt: skip
+    ap.add_argument("--layout", choices=("full", "padded", "packed"), default="full",
+                    help="full-length rows (default), or responses U(--resp-min, --resp-max) "
+                    "in padded or packed rows (module doc)")  # fmt: skip
+    ap.add_argument("--packed", action="store_true", help="= --layout packed")
+    ap.add_argument("--resp-min", type=int, default=256)
+    ap.add_argument("--resp-max", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=None,
+                    help="learner.max_tokens_per_micro of --layout packed (default micro x seq)")  # fmt: skip
+    ap.add_argument("--pack-multiple", type=int, default=1,
+                    help="round each packed row up to a multiple (fewer compiled shapes)")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
     a = ap.parse_args()
+    if a.packed:
+        a.layout = "packed"
     if a.device == "cpu":  # before torch is imported: the learner picks CUDA when it sees it
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
@@ -253,6 +336,13 @@ def main() -> None:
             s[key] = getattr(a, key)
     if a.tiny:
         a.steps, a.warmup = min(a.steps, 2), min(a.warmup, 1)
+    spread = a.layout != "full"
+    if spread:  # rows up to the prompt + the longest response; RoPE / positions must hold it
+        if a.tiny:  # the tiny shape's positions: a spread below its seq
+            a.resp_max = min(a.resp_max, s["seq"] - prompt_len(s) + 1)
+            a.resp_min = min(a.resp_min, max(1, a.resp_max // 8))
+        s["seq"] = max(s["seq"], prompt_len(s) + a.resp_max - 1)
+    budget = a.budget or s["micro"] * s["seq"]
     info = init_distributed(a.tp, seed=0)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     cuda = torch.cuda.is_available()
@@ -262,7 +352,10 @@ def main() -> None:
     overrides = [
         f"rollout.n={s['n']}", f"rollout.prompts_per_step={s['batch'] // s['n']}",
         f"tp={a.tp}", f"learner.precision={a.precision}",
-        f"learner.backprop_depth={s['backprop_depth']}", f"learner.micro_batch_size={s['micro']}",
+        f"learner.backprop_depth={s['backprop_depth']}",
+        f"learner.micro_batch_size={0 if a.layout == 'packed' else s['micro']}",
+        f"learner.max_tokens_per_micro={budget if a.layout == 'packed' else 0}",
+        *([f"rollout.max_tokens={a.resp_max}"] if spread else []),
         f"learner.compile={a.compile}", f"learner.recompute={a.recompute}",
         f"objective.loop_weighting={a.loop_weighting}",
         f"optimizer.lr={a.lr if a.lr is not None else s['lr']}", *a.set,
@@ -272,11 +365,30 @@ def main() -> None:
     dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     t0 = time.perf_counter()
     trainer = build_learner_trainer(cfg, c, init_state(c, dev, dtype))
+    if a.pack_multiple > 1:  # not a run-config key: the step's TrainConfig.pad_to_multiple
+        import dataclasses
+
+        trainer.cfg = dataclasses.replace(trainer.cfg, pad_to_multiple=a.pack_multiple)
     build_s = time.perf_counter() - t0
+    from learner.batching import build_batch
+
+    real, computed, step_flops = [], [], []
+    k_used = trainer.policy_model.backprop_depth
     params = sum(p.numel() for p in trainer.policy_model.parameters())
     times, losses, norms, metrics = [], [], [], {}
     for i in range(a.warmup + a.steps):
-        batch = rollouts(s, i, trainer.weight_version, cfg.seed)
+        if spread:
+            batch = spread_rollouts(s, i, trainer.weight_version, cfg.seed, a.resp_min,
+                                    a.resp_max)  # fmt: skip
+        else:
+            batch = rollouts(s, i, trainer.weight_version, cfg.seed)
+        lens = build_batch(batch).seq_lens.tolist()  # the step's order (sorted)
+        if i >= a.warmup:
+            real.append(sum(lens))
+            computed.append(layout_positions(lens, a.layout, s["micro"], budget,
+                                             a.pack_multiple))  # fmt: skip
+            step_flops.append(real_flops(s, k_used, lens, [r.num_tokens for r in
+                                                           sorted(batch, key=_order)]))  # fmt: skip
         if cuda:
             torch.cuda.synchronize()
             if i == a.warmup:
@@ -340,6 +452,17 @@ def main() -> None:
             / (PEAK_BF16 * info.world_size),
             4,
         ),  # fmt: skip
+        "layout": a.layout,
+        "real_tokens_per_step": round(statistics.fmean(real), 1) if real else None,
+        "positions_per_step": round(statistics.fmean(computed), 1) if computed else None,
+        "padding_fraction": round(1 - sum(real) / sum(computed), 4) if computed else None,
+        "real_tokens_per_s": round(sum(real) / sum(times), 1) if times else None,
+        "mfu_real_tokens": round(sum(step_flops) / sum(times) / (PEAK_BF16 * info.world_size), 4)
+        if times
+        else None,  # fmt: skip
+        "budget": budget if a.layout == "packed" else None,
+        "resp_range": [a.resp_min, a.resp_max] if spread else None,
+        "packed_attention": _packed_attention() if a.layout == "packed" else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
         "lr": cfg.optimizer.lr,
         "losses": [round(x, 6) for x in losses],
@@ -350,11 +473,29 @@ def main() -> None:
         "last_grad_norm": metrics.get("grad_norm"),
         "command": " ".join(sys.argv),
     }
+    if spread:  # the spread layouts count real tokens only (module doc)
+        res.update(tokens_per_step=res["real_tokens_per_step"],
+                   tokens_per_s=res["real_tokens_per_s"], mfu=res["mfu_real_tokens"],
+                   mfu_head_every_position=None)  # fmt: skip
     if rank0:
         print(json.dumps(res), flush=True)
     from learner.parallel import destroy_distributed
 
     destroy_distributed()
+
+
+def _order(r: Any) -> tuple[str, int, str]:
+    return (r.work_id, r.sample_index, r.rollout_id)  # learner.batching.sort_rollouts
+
+
+def _packed_attention() -> str:
+    """Which attention the packed rows ran with (learner.mcore_layers: FlexAttention on CUDA
+    once it checked out, else SDPA with a dense block-diagonal mask; the reason why)."""
+    from learner.mcore_layers import _FLEX
+
+    if "fn" in _FLEX:
+        return "flex"
+    return f"dense_mask ({_FLEX['error']})" if "error" in _FLEX else "dense_mask"
 
 
 if __name__ == "__main__":

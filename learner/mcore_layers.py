@@ -102,6 +102,12 @@ class DocMask:
     segments: Tensor
     flex: Any = None
 
+    @property
+    def attn(self) -> Any:
+        """What the blocks get: the BlockMask itself when there is one (a compiled block takes
+        it as FlexAttention's documented argument), else this DocMask (its dense mask)."""
+        return self if self.flex is None else self.flex
+
 
 _FLEX: dict[str, Any] = {}
 """The compiled flex_attention, once it worked on this process's device ("fn"), or the reason
@@ -163,21 +169,21 @@ def doc_mask(segments: Tensor, mode: str) -> DocMask:
     return DocMask(dense, segments)
 
 
-def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | DocMask, mode: str) -> Tensor:
+def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, mode: str) -> Tensor:
     """Causal attention, q [B, S, H_l, D], k / v [B, S, G_l, D] -> [B, S, H_l * D].
 
     exact: `models.numerics.attention` with `mask` ([B, S, T] bool, True = visible; a
     `DocMask`'s dense mask).
     fast: SDPA with is_causal=True (right-padded rows: real queries see only real keys); a
-    `DocMask` (packed rows): FlexAttention with its block mask, else SDPA with its dense mask.
+    `DocMask` (packed rows): SDPA with its dense mask; its FlexAttention BlockMask, passed
+    instead of it (`DocMask.attn`): FlexAttention.
     """
     if isinstance(mask, DocMask):
-        if mode == "exact" or mask.flex is None:
-            assert mask.dense is not None
-            return nx.attention(q, k, v, mask.dense, mode)
-        fn = _FLEX["fn"]
-        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask.flex,
-                 enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+        assert mask.dense is not None
+        return nx.attention(q, k, v, mask.dense, mode)
+    if not isinstance(mask, Tensor):  # a DocMask's FlexAttention BlockMask (fast, CUDA)
+        out = _FLEX["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          block_mask=mask, enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
         return out.transpose(1, 2).flatten(2)  # type: ignore[no-any-return]
     if mode == "exact":
         return nx.attention(q, k, v, mask, "exact")
@@ -318,7 +324,7 @@ class LoopedBlock(nn.Module):
         self,
         x: Tensor,
         rope: Rope,
-        mask: Tensor | DocMask,
+        mask: Any,
         mode: str,
         prev_kv: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,

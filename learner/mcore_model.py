@@ -223,7 +223,7 @@ class LoopedGPT(MegatronModule):
     def _core_out(self, x: Tensor, mode: str) -> Tensor:
         return x if self.huginn else self.final_norm(x, mode)
 
-    def _readout(self, state: Tensor, rope: Rope, mask: Tensor | DocMask, mode: str) -> Tensor:
+    def _readout(self, state: Tensor, rope: Rope, mask: Any, mode: str) -> Tensor:
         x = self.final_norm(state, mode) if self.huginn else state
         for blk in _blocks(self.coda):
             x = self._block(blk, x, rope, mask, mode)[0]
@@ -243,7 +243,7 @@ class LoopedGPT(MegatronModule):
         blk: LoopedBlock,
         x: Tensor,
         rope: Rope,
-        mask: Tensor | DocMask,
+        mask: Any,
         mode: str,
         prev: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
@@ -252,18 +252,18 @@ class LoopedGPT(MegatronModule):
         if self.options.recompute == "none" or not torch.is_grad_enabled():
             return blk(x, rope, mask, mode, prev, active, frozen)  # type: ignore[no-any-return]
         # megatron's checkpoint takes tensors only: the optional ones travel as a flat tuple
-        # (a packed row's DocMask rides in the closure). Its output needs an input that
+        # (a packed row's mask rides in the closure). Its output needs an input that
         # requires grad, or the block's weights get none (the first iteration after no-grad
         # ones, when nothing but the state enters the core).
         if not x.requires_grad:
             x = x.detach().requires_grad_(True)
         has = (prev is not None, active is not None, frozen is not None)
         opt = [*(prev or ()), *(t for t in (active, frozen) if t is not None)]
-        doc = mask if isinstance(mask, DocMask) else None
+        doc = None if isinstance(mask, Tensor) else mask  # a DocMask or FlexAttention BlockMask
 
         def run(x_: Tensor, table: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
             it = iter(rest)
-            mask_: Tensor | DocMask = doc if doc is not None else next(it)
+            mask_: Any = doc if doc is not None else next(it)
             pkv = (next(it), next(it)) if has[0] else None
             act = next(it) if has[1] else None
             fr = next(it) if has[2] else None
@@ -317,12 +317,13 @@ class LoopedGPT(MegatronModule):
             # deeper ones)
             deepest = torch.where(valid, depths, 0).amax(dim=1, keepdim=True).expand(bsz, seq)
             mask = valid[:, None, :] & (index[:, None, :] <= index[:, :, None])
-            attn_mask: Tensor | DocMask = mask
+            attn_mask: Any = mask
         else:
             # a tail-padding query sees the padding keys up to itself: no empty row
-            seeds, positions, deepest, attn_mask = _packed(
+            seeds, positions, deepest, doc = _packed(
                 latent_seeds, segments, positions, depths, valid, mode
             )
+            attn_mask = doc.attn
         run_to = deepest if full else depths
         if full and bool((depths > run_to)[valid].any()):
             raise ValueError("kv='full': an exit depth exceeds its row's full depth depths[b, 0]")

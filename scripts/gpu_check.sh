@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc shm
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc shm packed
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -82,6 +82,32 @@ if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     dist ouro_tp2_eager 150 --shape ouro_1b --steps 8 --tp 2
     bench ouro_compiled 150 --shape ouro_1b --steps 8 --warmup 3 --compile
     dist ouro_tp2_compiled 180 --shape ouro_1b --steps 8 --warmup 3 --tp 2 --compile
+fi
+if has packed; then  # packed rows (issue 22 item 4): responses U(256, 4096) at Huginn-0125
+    # CUDA correctness first: packed == padded log-probs / metrics / weights (fast: <= 1e-6;
+    # the FlexAttention kernel here), then MFU on real tokens, the same tokens per micro-batch
+    # (PACK_BUDGET, default 8192) in all three layouts: full-length rows of 4096, today's padded
+    # rows of the spread (2 a micro-batch), packed rows of the spread.
+    timeout "${T_PACKED_TESTS:-300}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+        tests/learner/test_packed_rows.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
+        tail -n 20 | tee "$LOG/packed_tests.txt"
+    PB=${PACK_BUDGET:-8192}
+    PS=${PACK_STEPS:-5}
+    bench 0125_full4k "${T_PACKED:-420}" --shape huginn_0125 --compile --steps "$PS" --warmup 2 \
+        --seq 4096 --micro $((PB / 4096)) --batch 8
+    bench 0125_spread_padded "${T_PACKED:-420}" --shape huginn_0125 --compile --steps "$PS" \
+        --warmup 2 --layout padded --micro 2 --batch 16
+    bench 0125_spread_packed "${T_PACKED:-420}" --shape huginn_0125 --compile --steps "$PS" \
+        --warmup 2 --layout packed --budget "$PB" --pack-multiple 512 --batch 16
+    bench 0125_spread_packed_eager "${T_PACKED:-420}" --shape huginn_0125 --steps "$PS" \
+        --warmup 2 --layout packed --budget "$PB" --pack-multiple 512 --batch 16
+    grep -h '"layout"' "$LOG/trainer.jsonl" | "$PY" -c 'import json, sys
+for x in sys.stdin:
+    r = json.loads(x)
+    if r.get("layout") in ("full", "padded", "packed") and "0125_" in r["label"]:
+        print(r["label"], r["layout"], "mfu_real", r["mfu_real_tokens"], "padding",
+              r["padding_fraction"], "real tok/s", r["real_tokens_per_s"], "attention",
+              r["packed_attention"], "peak GiB", r["peak_mem_gib"], r["health"]["verdict"])'
 fi
 if has decode; then  # the reference engine's decode step in a CUDA graph vs eager (issue 14)
     timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rA tests/models/test_engine_graph.py \

@@ -234,3 +234,36 @@ def test_refusals(over: list[str], match: str) -> None:
 
     with pytest.raises((ConfigError, ValueError), match=match):
         train_config(load_config(None, ["backend=megatron", *over]))
+
+
+@pytest.mark.megatron
+def test_trainer_benchmark_layouts() -> None:
+    """benchmarks/trainer_gpu.py --packed (CPU smoke, tiny shape, a length spread): its JSON
+    line carries the layout, real tokens, padding fraction (0 packed without rounding) and MFU
+    on real tokens; its real-token FLOPs of full-length rows equal the full-row formula; the
+    padded layout's position count by hand."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/trainer_gpu.py", "--device", "cpu", "--tiny", "--packed"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["layout"] == "packed" and res["padding_fraction"] == 0.0
+    assert res["real_tokens_per_step"] == res["positions_per_step"] > 0
+    assert res["budget"] == 64 and res["packed_attention"] == "dense_mask"
+    assert res["mfu"] == res["mfu_real_tokens"] and res["health"]["verdict"] == "ok", res
+    sys.path.insert(0, str(repo / "benchmarks"))
+    from trainer_gpu import SHAPES, flop_counts, layout_positions, prompt_len, real_flops
+
+    s = dict(SHAPES["huginn_0125"])
+    n, r = s["seq"], s["seq"] - prompt_len(s) + 1
+    assert real_flops(s, 8, [n] * 4, [r] * 4) == flop_counts(s, 8)["flops_per_token"] * 4 * n
+    assert layout_positions([5, 9, 2, 3, 8], "padded", 2, 0) == 18 + 6 + 8
+    assert layout_positions([5, 9, 2, 3, 8], "packed", 0, 16, 4) == 16 + 12  # 5+9+2 | 3+8 -> 12
