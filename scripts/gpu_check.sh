@@ -99,6 +99,9 @@ if has packed; then  # packed rows (issue 22 item 4): responses U(256, 4096) at 
         --warmup 2 --layout padded --micro 2 --batch 16
     bench 0125_spread_packed "${T_PACKED:-420}" --shape huginn_0125 --compile --steps "$PS" \
         --warmup 2 --layout packed --budget "$PB" --pack-multiple 512 --batch 16
+    # every packed row exactly PB positions: one compiled shape (if dynamic shapes fail above)
+    bench 0125_spread_packed_static "${T_PACKED:-420}" --shape huginn_0125 --compile \
+        --steps "$PS" --warmup 2 --layout packed --budget "$PB" --pack-multiple "$PB" --batch 16
     bench 0125_spread_packed_eager "${T_PACKED:-420}" --shape huginn_0125 --steps "$PS" \
         --warmup 2 --layout packed --budget "$PB" --pack-multiple 512 --batch 16
     grep -h '"layout"' "$LOG/trainer.jsonl" | "$PY" -c 'import json, sys

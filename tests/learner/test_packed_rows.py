@@ -26,12 +26,12 @@ LENS = [1, 37, 3, 22, 9, 40, 2, 15]
 """Response tokens of the 8 rollouts: very different lengths."""
 
 
-def _rollouts() -> list[Rollout]:
+def _rollouts(lens: list[int] = LENS) -> list[Rollout]:
     rng = random.Random(0)
     out = []
     for g in range(2):
         for i in range(4):
-            t, plen = LENS[4 * g + i], rng.randrange(2, 9)
+            t, plen = lens[4 * g + i], rng.randrange(2, 9)
             prompt = [1] + [rng.randrange(20, 200) for _ in range(plen - 1)]
             out.append(Rollout(
                 rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
@@ -267,3 +267,55 @@ def test_trainer_benchmark_layouts() -> None:
     assert real_flops(s, 8, [n] * 4, [r] * 4) == flop_counts(s, 8)["flops_per_token"] * 4 * n
     assert layout_positions([5, 9, 2, 3, 8], "padded", 2, 0) == 18 + 6 + 8
     assert layout_positions([5, 9, 2, 3, 8], "packed", 0, 16, 4) == 16 + 12  # 5+9+2 | 3+8 -> 12
+
+
+DP_LENS = [40, 37, 22, 15, 1, 3, 2, 9]
+"""Long responses first: equal rows per rank would be far from equal tokens."""
+
+
+def _dp_rank(model_dir: str) -> dict[str, Any]:
+    """One rank of a DP=2 job (or the single rank): one packed exact SGD step; its rows' share,
+    metrics and weights."""
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.config import load_config
+
+    cfg = load_config(None, ["backend=megatron", "rollout.n=4", "rollout.prompts_per_step=2",
+                             "rollout.max_tokens=40", "learner.backprop_depth=0", "numerics=exact",
+                             "optimizer.name=sgd", "optimizer.distributed=false",
+                             "optimizer.lr=0.05", "learner.max_tokens_per_micro=64"])  # fmt: skip
+    t = MegatronTrainer(cfg, Path(model_dir))
+    try:
+        rolls = _rollouts(DP_LENS)
+        share = t.trainer._local_rows(build_batch(rolls), 8)
+        m = t.step(rolls, [False] * len(rolls))
+        w = {k: v.detach().float().cpu().numpy() for k, v in
+             t.trainer.policy_model.state_dict().items() if torch.is_tensor(v)}  # fmt: skip
+    finally:
+        t.close()
+    return {"share": share, "metrics": m, "weights": w}
+
+
+@pytest.mark.megatron
+def test_data_parallel_shares_balanced_by_tokens(models_dir: dict[str, Path]) -> None:
+    """DP=2 with packed rows: each rank takes a contiguous share of the update of about equal
+    tokens (models.rows.token_shares: rows 0-1 | 2-7, 91 | 77 tokens, where 4 rows each would
+    give 135 | 33), packs it in its own micro-batches, and the step's metrics and weights equal the single
+    rank's within 1e-6 (the DP all-reduce sums the gradients in another order)."""
+    from tests.learner.dist_utils import run_distributed
+
+    lens = build_batch(_rollouts(DP_LENS)).seq_lens.tolist()
+    cut = token_shares(lens, 2)
+    one = run_distributed(_dp_rank, 1, str(models_dir["huginn"]), torchrun_env=False,
+                          timeout_s=300)[0]  # fmt: skip
+    two = run_distributed(_dp_rank, 2, str(models_dir["huginn"]), timeout_s=300)
+    assert cut == [0, 2, 8]
+    assert [r["share"] for r in two] == [[(0, 8, 0, 2)], [(0, 8, 2, 8)]]
+    a, b = sum(lens[: cut[1]]), sum(lens[cut[1] :])
+    assert abs(a - b) < abs(sum(lens[:4]) - sum(lens[4:]))  # closer than equal rows
+    m1, m2 = one["metrics"], two[0]["metrics"]
+    assert m2 == two[1]["metrics"] and set(m1) == set(m2)
+    bad = {k: (m1[k], m2[k]) for k in m1 if not abs(m1[k] - m2[k]) <= 1e-6 * max(1, abs(m1[k]))}
+    assert not bad, bad
+    for k, w in one["weights"].items():
+        assert np.abs(w - two[0]["weights"][k]).max() <= 1e-6, k
+        assert np.array_equal(two[0]["weights"][k], two[1]["weights"][k]), k
