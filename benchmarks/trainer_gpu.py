@@ -47,7 +47,8 @@ packed rows. For the spread layouts the FLOPs are counted per sequence on its re
 (attention per sequence: (4 L_nograd + 12 L_grad) x n x h per token of a length-n sequence;
 the head at its response positions), so `mfu` is MFU on real tokens; `padding_fraction` is
 the share of the positions the model computed that were padding (from the same micro-batches
-the step cuts).
+the step cuts). `process_cpu_s_median`: the process's CPU seconds a step (all its threads; on a
+shared CPU host a steadier figure than the wall clock).
 """
 
 from __future__ import annotations
@@ -372,7 +373,7 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     from learner.batching import build_batch
 
-    real, computed, step_flops = [], [], []
+    real, computed, step_flops, cpu_times = [], [], [], []
     k_used = trainer.policy_model.backprop_depth
     params = sum(p.numel() for p in trainer.policy_model.parameters())
     times, losses, norms, metrics = [], [], [], {}
@@ -393,11 +394,13 @@ def main() -> None:
             torch.cuda.synchronize()
             if i == a.warmup:
                 torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         metrics = trainer.step(batch)
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if i >= a.warmup:
+            cpu_times.append(time.process_time() - c0)
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         if i >= a.warmup:
@@ -453,6 +456,7 @@ def main() -> None:
             4,
         ),  # fmt: skip
         "layout": a.layout,
+        "process_cpu_s_median": round(statistics.median(cpu_times), 3) if cpu_times else None,
         "real_tokens_per_step": round(statistics.fmean(real), 1) if real else None,
         "positions_per_step": round(statistics.fmean(computed), 1) if computed else None,
         "padding_fraction": round(1 - sum(real) / sum(computed), 4) if computed else None,

@@ -101,6 +101,10 @@ class DocMask:
     dense: Tensor | None
     segments: Tensor
     flex: Any = None
+    spans: tuple[tuple[int, int], ...] = ()
+    """[start, stop) of each sequence in the packed row (B = 1; the tail padding its own span):
+    fast numerics outside torch.compile run SDPA is_causal per span (work sum n_i^2, the padded
+    rows' kernel) instead of the dense N x N mask."""
 
     @property
     def attn(self) -> Any:
@@ -166,7 +170,12 @@ def doc_mask(segments: Tensor, mode: str) -> DocMask:
         return DocMask(None, segments, bm)
     idx = torch.arange(s, device=segments.device)
     dense = (segments[:, None, :] == segments[:, :, None]) & (idx[None, :] <= idx[:, None])
-    return DocMask(dense, segments)
+    spans: tuple[tuple[int, int], ...] = ()
+    if b == 1:
+        seg = segments[0].cpu()
+        cut = [0, *(torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist(), s]
+        spans = tuple(zip(cut[:-1], cut[1:], strict=True))
+    return DocMask(dense, segments, spans=spans)
 
 
 def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, mode: str) -> Tensor:
@@ -175,10 +184,18 @@ def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, mode: str) -> Ten
     exact: `models.numerics.attention` with `mask` ([B, S, T] bool, True = visible; a
     `DocMask`'s dense mask).
     fast: SDPA with is_causal=True (right-padded rows: real queries see only real keys); a
-    `DocMask` (packed rows): SDPA with its dense mask; its FlexAttention BlockMask, passed
-    instead of it (`DocMask.attn`): FlexAttention.
+    `DocMask` (packed rows): SDPA is_causal per sequence (its spans; under torch.compile SDPA
+    with its dense mask); its FlexAttention BlockMask, passed instead of it (`DocMask.attn`):
+    FlexAttention.
     """
     if isinstance(mask, DocMask):
+        if mode != "exact" and mask.spans and not torch.compiler.is_compiling():
+            gqa = q.shape[2] != k.shape[2]
+            outs = [F.scaled_dot_product_attention(
+                        q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2),
+                        v[:, a:b].transpose(1, 2), is_causal=True, enable_gqa=gqa)
+                    for a, b in mask.spans]  # fmt: skip
+            return torch.cat(outs, dim=2).transpose(1, 2).flatten(2)
         assert mask.dense is not None
         return nx.attention(q, k, v, mask.dense, mode)
     if not isinstance(mask, Tensor):  # a DocMask's FlexAttention BlockMask (fast, CUDA)

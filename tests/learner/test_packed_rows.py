@@ -118,16 +118,16 @@ def _close(t: Any) -> None:
 @pytest.mark.megatron
 @pytest.mark.parametrize(
     ("fam", "numerics", "kind"),
-    [("huginn", "exact", "grpo"), ("ouro", "exact", "ppo"), ("huginn", "fast", "grpo")],
+    [("ouro", "exact", "ppo"), ("huginn", "fast", "grpo")],  # Huginn exact: the next test
 )
 def test_packed_equals_padded(models_dir: dict[str, Path], tmp_path: Path, fam: str,
                               numerics: str, kind: str) -> None:  # fmt: skip
     """One micro-batch of all 8 rows (40 % of the padded positions are padding), padded
     (learner.micro_batch_size=8) vs packed (learner.max_tokens_per_micro=4096): per-token
     log-probs, every step metric and every weight after one SGD step (the gradient itself)
-    are the same bits in exact numerics (Huginn: per-position depths, last_exited; Ouro:
-    kv full, each sequence run to its own full depth; ppo: the critic's values packed too),
-    within 1e-6 in fast."""
+    are the same bits in exact numerics (Ouro: kv full, each sequence run to its own full
+    depth; ppo: the critic's values packed too), within 1e-6 in fast (Huginn: per-position
+    depths, last_exited)."""
     from models.checkpoint import load_checkpoint
 
     rolls = _rollouts()
@@ -159,7 +159,9 @@ def test_packed_equals_padded(models_dir: dict[str, Path], tmp_path: Path, fam: 
             k for k in w_a if not torch.equal(w_a[k], w_b[k])
         ]
         return
-    assert float((lp_a - lp_b).abs().max()) <= 1e-6
+    # 1e-6 relative above 1 (as tests/pipeline/test_epochs.py): one fp32 ulp of a log-prob
+    # near -8 is 9.5e-7
+    assert bool(((lp_a - lp_b).abs() <= 1e-6 * lp_a.abs().clamp(min=1)).all())
     bad = {k: (m_a[k], m_b[k]) for k in m_a
            if not abs(m_a[k] - m_b[k]) <= 1e-6 * max(1.0, abs(m_a[k]))}  # fmt: skip
     assert not bad, bad
