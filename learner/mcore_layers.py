@@ -189,7 +189,8 @@ def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, mode: str) -> Ten
     FlexAttention.
     """
     if isinstance(mask, DocMask):
-        if mode != "exact" and mask.spans and not torch.compiler.is_compiling():
+        # (compiling first: a compiled block must not guard on the spans, which change)
+        if mode != "exact" and not torch.compiler.is_compiling() and mask.spans:
             gqa = q.shape[2] != k.shape[2]
             outs = [F.scaled_dot_product_attention(
                         q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2),
