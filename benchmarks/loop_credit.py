@@ -81,27 +81,78 @@ from pipeline.core.dispatch import Prompt  # noqa: E402
 from proto import Rollout  # noqa: E402
 
 
-def make_rows(n: int, chain: int, seed: int, split: str, avoid: set[str]) -> list[dict[str, str]]:
-    """``n`` distinct questions "a+b+...=" of ``chain`` + 1 digits, answer (sum mod 10)."""
-    if n + len(avoid) > 10 ** (chain + 1):
+def _sum_row(rng: random.Random, chain: int) -> tuple[str, str]:
+    digits = [rng.randint(0, 9) for _ in range(chain + 1)]
+    return "+".join(map(str, digits)) + "=", str(sum(digits) % 10)
+
+
+def _vars_row(rng: random.Random, chain: int) -> tuple[str, str]:
+    """Two pointer chains of ``chain`` assignments each ("x=7,y=x,z=y"), from two different
+    digits, over distinct letters, all assignments shuffled; the query names the end of the
+    first chain: "y=x,b=4,x=7,c=b,z=y?z" -> "7"."""
+    letters = rng.sample("abcdefghijklmnopqrstuvwxyz", 2 * chain)
+    roots = rng.sample(range(10), 2)
+    parts, query = [], ""
+    for c in range(2):
+        names = letters[c * chain : (c + 1) * chain]
+        parts.append(f"{names[0]}={roots[c]}")
+        parts += [f"{b}={a}" for a, b in zip(names, names[1:])]
+        query = query or names[-1]
+    rng.shuffle(parts)
+    return ",".join(parts) + "?" + query, str(roots[0])
+
+
+def _add_row(rng: random.Random, chain: int) -> tuple[str, str]:
+    """Two ``chain``-digit numbers, their sum written least significant digit first (the
+    order the carries run): "37+45=" -> "28" (82), "57+65=" -> "221" (122)."""
+    a, b = (rng.randrange(10**chain) for _ in range(2))
+    return f"{a:0{chain}d}+{b:0{chain}d}=", str(a + b)[::-1]
+
+
+def _parity_row(rng: random.Random, chain: int) -> tuple[str, str]:
+    """``chain`` + 1 bits, their parity: "10110=" -> "1"."""
+    bits = [rng.randint(0, 1) for _ in range(chain + 1)]
+    return "".join(map(str, bits)) + "=", str(sum(bits) % 2)
+
+
+def _cmp_row(rng: random.Random, chain: int) -> tuple[str, str]:
+    """Two ``chain``-digit numbers, "1" if the first is smaller else "0": "37<45=" -> "1"
+    (digit by digit from the most significant: the next digit decides only on a tie)."""
+    a, b = (rng.randrange(10**chain) for _ in range(2))
+    return f"{a:0{chain}d}<{b:0{chain}d}=", str(int(a < b))
+
+
+TASKS = {
+    "cmp": _cmp_row,
+    "sum": _sum_row,
+    "vars": _vars_row,
+    "add": _add_row,
+    "parity": _parity_row,
+}
+"""--task: a row builder (rng, chain) -> (question, one-digit answer)."""
+
+
+def make_rows(n: int, task: str, chain: int, seed: int, split: str,
+              avoid: set[str]) -> list[dict[str, str]]:  # fmt: skip
+    """``n`` distinct questions of ``task`` (TASKS) with ``chain`` steps, and their answers."""
+    if task == "sum" and n + len(avoid) > 10 ** (chain + 1):
         raise SystemExit(f"--chain {chain} has only {10 ** (chain + 1)} distinct questions")
     rng = random.Random(f"{seed}/{split}")
     rows: list[dict[str, str]] = []
     seen = set(avoid)
     while len(rows) < n:
-        digits = [rng.randint(0, 9) for _ in range(chain + 1)]
-        q = "+".join(map(str, digits)) + "="
+        q, a = TASKS[task](rng, chain)
         if q in seen:
             continue
         seen.add(q)
-        rows.append({"prompt": q, "answer": str(sum(digits) % 10)})
+        rows.append({"prompt": q, "answer": a})
     return rows
 
 
-def write_data(out: Path, train: int, test: int, chain: int, seed: int) -> None:
+def write_data(out: Path, train: int, test: int, task: str, chain: int, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tr = make_rows(train, chain, seed, "train", set())
-    te = make_rows(test, chain, seed, "test", {r["prompt"] for r in tr})
+    tr = make_rows(train, task, chain, seed, "train", set())
+    te = make_rows(test, task, chain, seed, "test", {r["prompt"] for r in tr})
     for name, rows in (("train", tr), ("test", te)):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -213,6 +264,17 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
     return out
 
 
+def widen(hidden: int) -> dict[str, int] | None:
+    """HF config overrides for --hidden: that width, heads of 32, MLP 2x (None: the preset)."""
+    if not hidden:
+        return None
+    if hidden % 32:
+        raise SystemExit(f"--hidden must be a multiple of 32 (head_dim 32); got {hidden}")
+    heads = hidden // 32
+    return {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": heads,
+            "num_key_value_heads": heads, "head_dim": 32}  # fmt: skip
+
+
 def parse_arm(spec: str) -> tuple[str, list[str]]:
     """ "name" (a loop weighting) or "name:key=value;key=value" -> (name, run-config
     overrides)."""
@@ -244,12 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--family", default="ouro")
     p.add_argument("--size", default="tiny")
-    p.add_argument("--chain", type=int, default=2, help="additions per question")
+    p.add_argument("--task", default="sum", choices=sorted(TASKS))
+    p.add_argument(
+        "--chain", type=int, default=2, help="additions (sum) / hops (vars) per question"
+    )
+    p.add_argument("--hidden", type=int, default=0, help="hidden size over the preset's (0: keep)")
     p.add_argument("--train", type=int, default=700)
     p.add_argument("--test", type=int, default=200)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--warm-steps", type=int, default=300)
     p.add_argument("--warm-lr", type=float, default=3e-3)
+    p.add_argument("--warm-batch", type=int, default=32, help="rows per warm-start step")
     p.add_argument("--steps", type=int, default=20, help="RL steps per arm and seed")
     p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -273,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = [parse_arm(a) for a in args.arms.split(",") if a]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
-        write_data(root / "data", args.train, args.test, args.chain, args.data_seed)
-        base = init_checkpoint(args.family, args.size, root / "init")
+        write_data(root / "data", args.train, args.test, args.task, args.chain, args.data_seed)
+        base = init_checkpoint(args.family, args.size, root / "init", overrides=widen(args.hidden))
         common = [f"task.path={root / 'data'}", "task.kind=dataset", "task.reward=exact_match",
 
                   f"rollout.max_tokens={args.max_tokens}", f"rollout.n={args.n}",
@@ -285,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg0 = load_config(None, common)
         task = Task(root / "data", Path(base))
         warm_model = load_model(Path(base))[1]
-        ws = sft(warm_model, task, args.warm_steps, args.warm_lr, 32, args.data_seed)
+        ws = sft(warm_model, task, args.warm_steps, args.warm_lr, args.warm_batch, args.data_seed)
         warm = root / "warm"
         save_checkpoint(state_dict_for_save(warm_model), read_config(Path(base)), warm,
                         tied=tied_from_module(warm_model),

@@ -14,6 +14,9 @@ Layout of `<run_dir>/checkpoints/step_<step:08d>/` (step = completed `Trainer.st
                       {policy, critic}
     rng/rank_<r:05d>.pt  this rank's RNG states: torch CPU, CUDA (all devices), numpy, python,
                       megatron's RNG tracker (named states: model-parallel, data-parallel, ...)
+    loop_weights.pt   objective.loop_weighting learned only, by rank 0: the per-loop logits
+                      and their Adam state (learner.objectives.loops.LearnedLoopWeights; the
+                      same on every rank)
     meta.json         written last, by rank 0: format, step, update_count, weight_version,
                       world / tp / dp sizes, each network's LR-scheduler state, the caller's
                       data_cursor and pipeline_state (opaque JSON)
@@ -53,6 +56,7 @@ __all__ = ["CHECKPOINT_FORMAT", "Resumed", "latest", "load", "save"]
 
 CHECKPOINT_FORMAT = "looprl-train-ckpt/1"
 _META = "meta.json"
+_LOOP_WEIGHTS = "loop_weights.pt"
 _OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -175,6 +179,9 @@ def save(
         }
         dist_checkpointing.save(state, str(tmp / "dist" / net_name))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    learned = getattr(trainer, "loop_weights", None)  # loop_weighting learned: every rank's same
+    if learned is not None and _rank() == 0:
+        torch.save(learned.state_dict(), tmp / _LOOP_WEIGHTS)
     _barrier()
     if _rank() == 0:
         meta = {
@@ -309,6 +316,10 @@ def load(trainer: Any, path: str | os.PathLike) -> Resumed:
         net.sched.load_state_dict(meta["schedulers"][net_name])
         # Older checkpoints predate the count: 0.
         net.skipped_nonfinite = int(meta.get("skipped_nonfinite", {}).get(net_name, 0))
+    learned = getattr(trainer, "loop_weights", None)
+    if learned is not None and (path / _LOOP_WEIGHTS).is_file():
+        learned.load_state_dict(torch.load(path / _LOOP_WEIGHTS, map_location=learned.logits.device,
+                                           weights_only=True))  # fmt: skip
     rng = torch.load(path / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
     _set_rng_state(rng)
     trainer.step_count = int(meta["step"])

@@ -181,9 +181,13 @@ class ObjectiveConfig:
     loop_weighting: str = "last"
     """Per-loop credit (docs/OBJECTIVES.md "Per-loop credit"): last (the exit loop only), or the
     objective's per-token term at every loop 1..e_t summed with weights uniform, progressive
-    (k^progressive_alpha) or exit_pdf (Ouro's exit distribution over 1..e_t); learned refused."""
+    (k^progressive_alpha), exit_pdf (Ouro's exit distribution over 1..e_t) or learned (a
+    softmax over per-loop logits trained by RLTT's policy-gradient term, docs/OBJECTIVES.md)."""
     progressive_alpha: float = 1.0
     """loop_weighting progressive: w_k proportional to k^alpha (RLTT's option B), >= 0."""
+    loop_weight_lr: float = 0.01
+    """loop_weighting learned: the Adam learning rate of the per-loop weight logits (their own
+    optimizer: constant, no weight decay, no clipping; they start at 0, i.e. uniform), > 0."""
     exit_coef: float = 0.0
     """A sampled exit (rollout.exit_policy kind sampled_gate): weight of the exit term, the
     clipped surrogate of the exit loop's ratio with the token's advantage
@@ -276,8 +280,10 @@ class ObjectiveConfig:
         need(self.value_coef > 0, "value_coef", "must be > 0")
         need(self.loop_weighting in LOOP_WEIGHTINGS, "loop_weighting",
              f"must be one of {LOOP_WEIGHTINGS}")  # fmt: skip
-        need(self.loop_weighting != "learned", "loop_weighting",
-             "learned is not implemented yet: use uniform, progressive or exit_pdf")  # fmt: skip
+        need(math.isfinite(self.loop_weight_lr) and self.loop_weight_lr > 0, "loop_weight_lr",
+             "must be a finite number > 0")  # fmt: skip
+        need(self.loop_weight_lr == 0.01 or self.loop_weighting == "learned", "loop_weight_lr",
+             "applies with objective.loop_weighting=learned only")  # fmt: skip
         need(self.progressive_alpha >= 0.0, "progressive_alpha", "must be >= 0")
         need(self.progressive_alpha == 1.0 or self.loop_weighting == "progressive",
              "progressive_alpha", "applies with objective.loop_weighting=progressive only")  # fmt: skip

@@ -69,7 +69,7 @@ from learner.objectives import (
     rollout_correction,
     value_loss,
 )
-from learner.objectives.loops import loop_weights, response_depths
+from learner.objectives.loops import LearnedLoopWeights, loop_weights, response_depths
 from learner.shaping import penalise_kl, shape_rollouts
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from models.rows import micro_spans, token_shares
@@ -154,13 +154,18 @@ class Policy(Protocol):
         ...
 
 
-def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tensor]) -> None:
-    """Per-loop credit: the loop weights and per-loop inputs of a micro-batch into ``lb``."""
+def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tensor],
+                 learned: LearnedLoopWeights | None) -> None:  # fmt: skip
+    """Per-loop credit: the loop weights and per-loop inputs of a micro-batch into ``lb``
+    (``learned``: loop_weighting learned's logits, whose weights carry their gradient)."""
     lp = stats["loop_logp"]
     lb.loop_logp, lb.loop_entropy = lp, stats.get("loop_entropy")
     lb.loop_prox, lb.loop_ref = mb.extra.get("prox_loops"), mb.extra.get("ref_loops")
     _, e, n_loops = response_depths(mb)
     full = mb.full_depths if mb.full_depths is not None else mb.exit_depths[:, 0]  # contract 2
+    if learned is not None:
+        lb.loop_weight = learned.weights(e, n_loops)
+        return
     lb.loop_weight = loop_weights(obj, e, full, stats.get("loop_gate"), n_loops)
 
 
@@ -213,6 +218,9 @@ class LearnerStep:
         self.last_refused: list[int] = []
         """The rollouts (input indices) over their ``logp_bounds`` in the last `step`, which
         was then refused (nothing applied); empty when it trained."""
+        self.loop_weights = (LearnedLoopWeights(cfg.objective.loop_weight_lr, policy.device)
+                             if cfg.objective.loop_weighting == "learned" else None)  # fmt: skip
+        """objective.loop_weighting learned: its logits (checkpointed, never published)."""
 
     # ------------------------------------------------------------------ layout
     def _local_rows(self, batch: TrainBatch, g: int) -> Rows:
@@ -393,6 +401,8 @@ class LearnerStep:
             if corrected and not obj.is_rejected_in_denominator:
                 norm = self._kept_normalizer(batch, lo, hi)
             pol.policy.zero_grad()
+            if self.loop_weights is not None:
+                self.loop_weights.zero_grad()
             finite = True
             for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
                 old = old_logits.get((j, i))
@@ -405,7 +415,7 @@ class LearnerStep:
                     ref_logp=mb.extra.get("ref_logp"), normalizer=norm,
                 )  # fmt: skip
                 if obj.loop_weighting != "last":  # per-loop credit (learner.objectives.loops)
-                    _loop_inputs(lb, obj, mb, stats)
+                    _loop_inputs(lb, obj, mb, stats, self.loop_weights)
                 if "exit_logp" in stats:  # a sampled exit (learner.objectives.exit_term)
                     lb.exit_logp, lb.exit_entropy = stats["exit_logp"], stats.get("exit_entropy")
                     lb.exit_behav, lb.exit_prox = (
@@ -437,6 +447,8 @@ class LearnerStep:
             upd = pol.policy.update(finite)
             skip = upd.pop("skipped_nonfinite")
             skipped += skip
+            if self.loop_weights is not None:  # loop_weighting learned: after the policy's
+                self.loop_weights.step(pol.dp, apply=not skip)
             for k, v in upd.items():
                 metrics.add_mean(k, v, 1.0)
             self.update_count += 0 if skip else 1

@@ -287,7 +287,11 @@ def _loop_policy_loss(
     the kind's surrogate and every TERM at loop k with that loop's current / proximal /
     reference log-probs and entropy; the behaviour weight (and its rejections) once per token
     from the exit loop's proximal log-prob (`prox_logp`; the behaviour log-prob exists there
-    only). A token is read at loop k when w_tk > 0. Metrics: w-weighted means over
+    only). A token is read at loop k when w_tk > 0. Learned weights (a ``loop_weight`` that
+    requires grad) get RLTT's policy-gradient term as their loss, l_t += sum_k (w_tk -
+    sg(w_tk)) sg(-A_t logp_tk): 0 in value and in every other gradient (every ratio
+    surrogate's own w-gradient vanishes at the proximal point, where each loop's ratio is 1).
+    Metrics: w-weighted means over
     (token, loop) pairs; pg_loss aggregated like the loss; loop_depth_mean: the token mean of
     sum_k k w_tk (e_t for last)."""
     mask = lb.mask
@@ -302,7 +306,9 @@ def _loop_policy_loss(
     ent = _loop_input(lb.loop_entropy, "loop_entropy", shape)
     prox = _loop_input(lb.loop_prox, "loop_prox", shape)
     ref = _loop_input(lb.loop_ref, "loop_ref", shape)
-    w_all = w_all.detach().float()
+    learned = w_all.requires_grad  # loop_weighting learned (learner.objectives.loops)
+    w_grad = w_all.float()
+    w_all = w_grad.detach()
     corr = None
     if behaviour_weighted(cfg):
         prox_e = _require(lb.prox_logp, "prox_logp", "(the exit loop's) with loop_weight")
@@ -326,6 +332,9 @@ def _loop_policy_loss(
         m: Metrics = {}
         pg_k, total_k, _ = _token_loss(cfg, kind, tok, corr, m, lb.normalizer)
         pg, total = pg + wk * pg_k, total + wk * total_k
+        if learned:  # + (w - sg(w)) sg(-A logp_k): value 0, the weights' RLTT gradient
+            rltt = torch.where(mk > 0, -lb.advantages * logp[..., k], 0.0).detach()
+            total = total + (w_grad[..., k] - wk) * rltt
         with torch.no_grad():
             m["ratio_mean"] = masked_mean(tok.ratio, tok.mask)
             lr = tok.log_ratio

@@ -5,14 +5,16 @@ weights w_tk of each response token t over its loops k = 1..e_t.
 
 `learner.objectives.policy_loss` applies the objective's per-token term at every loop with the
 loop's log-probs (`LossBatch.loop_logp`, `loop_prox`, `loop_ref`, `loop_entropy`) and sums the
-terms with these weights. The weights carry no gradient (RLTT's exit_pdf weights are the
-model's exit distribution, a fixed credit assignment per token, not a quantity to optimise).
+terms with these weights. These weights carry no gradient (RLTT's exit_pdf weights are the
+model's exit distribution, a fixed credit assignment per token, not a quantity to optimise);
+``learned`` (`LearnedLoopWeights`) is the one weighting whose weights are trained by the loss.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -23,7 +25,11 @@ from learner.config import ObjectiveConfig
 if TYPE_CHECKING:
     from learner.batching import TrainBatch
 
-__all__ = ["check_gate", "loop_weights", "response_depths", "spread"]
+__all__ = ["MAX_LOOPS", "LearnedLoopWeights", "check_gate", "loop_weights", "response_depths",
+           "spread"]  # fmt: skip
+
+MAX_LOOPS = 255
+"""Logits a `LearnedLoopWeights` holds: one per loop an exit depth (uint8) can name."""
 
 
 @torch.no_grad()
@@ -69,6 +75,74 @@ def loop_weights(
     at_exit = (k == e[..., None]).float()
     w = torch.where(total > 0, raw / total.clamp_min(1e-30), at_exit)
     return torch.where(inside, w, 0.0)
+
+
+class LearnedLoopWeights:
+    """objective.loop_weighting learned: per-loop logits theta_1..theta_255, and
+
+        w_tk = exp(theta_k) / sum_{j <= e_t} exp(theta_j)   (k <= e_t; 0 beyond and off the response)
+
+    RLTT's learned weighting (a softmax over trainable per-loop logits optimised jointly with
+    the policy by the same loss), renormalised over each token's own loops 1..e_t as uniform
+    is. theta starts at 0 (w = uniform's 1/e_t, the same bits) and is trained by its own Adam
+    (lr objective.loop_weight_lr, constant, no weight decay or clipping): the policy's
+    optimizer and its schedule are the backend's (megatron's distributed optimizer), this is
+    shared code, so both policies train theta with the same bits given the same losses. A loop
+    no token has reached keeps theta_k = 0 exactly (zero gradient, zero Adam moments).
+
+    Per update (learner.step): `zero_grad` with the policy's; `weights` in each micro-batch's
+    loss (autograd reaches theta through it); `step` after the policy's update: the gradient
+    summed over DP ranks / dp_size (the policy's rule for its backward of loss x dp_size), an
+    Adam step unless the policy skipped its update. Checkpointed with the learner
+    (`state_dict`); never published: the weights shape the learner's loss only, the
+    generators' models have no use for them."""
+
+    def __init__(self, lr: float, device: torch.device | str = "cpu") -> None:
+        self.logits = torch.zeros(MAX_LOOPS, dtype=torch.float32, device=device,
+                                  requires_grad=True)  # fmt: skip
+        self.opt = torch.optim.Adam([self.logits], lr=lr, weight_decay=0.0, foreach=False)
+
+    def weights(self, exit_depths: Tensor, n_loops: int) -> Tensor:
+        """[B, T, K] fp32 weights (K = ``n_loops``) of the tokens' exit depths [B, T] (<= 0
+        off the response), differentiable in `logits`."""
+        e = exit_depths.long().to(self.logits.device)
+        k = torch.arange(1, n_loops + 1, device=e.device)
+        inside = (k <= e[..., None]) & (e[..., None] > 0)
+        # off the response: the softmax over every loop, then zeroed (keeps it finite)
+        span = k <= torch.where(e > 0, e, n_loops)[..., None]
+        w = torch.softmax(torch.where(span, self.logits[:n_loops], -math.inf), dim=-1)
+        return torch.where(inside, w, 0.0)
+
+    def current(self, n_loops: int) -> list[float]:
+        """The weights of a token that ran ``n_loops`` loops (for metrics and docs)."""
+        with torch.no_grad():
+            return torch.softmax(self.logits[:n_loops].float(), dim=0).tolist()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self, dp: Any, apply: bool) -> None:
+        """The update's end: DP-sum the gradient, / dp.size, and step unless ``apply`` is
+        False (the policy skipped a non-finite update) or the gradient is not finite."""
+        g = self.logits.grad
+        if g is not None and dp.active:
+            dp.all_reduce_(g)
+            g.div_(dp.size)
+        if apply and g is not None and bool(torch.isfinite(g).all()):
+            self.opt.step()
+        self.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"logits": self.logits.detach().cpu().clone(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        logits = state["logits"]
+        if tuple(logits.shape) != (MAX_LOOPS,):
+            raise ValueError(f"loop weights: logits of shape {tuple(logits.shape)}, expected "
+                             f"({MAX_LOOPS},)")  # fmt: skip
+        with torch.no_grad():
+            self.logits.copy_(logits)
+        self.opt.load_state_dict(state["optim"])
 
 
 def check_gate(weighting: str, has_gate: bool, family: str) -> None:

@@ -157,6 +157,7 @@ class ReferenceTrainer:
             "weight_version": run.weight_version,
             "skipped_nonfinite": pol.policy.skipped_nonfinite,
             "rng": torch.get_rng_state(),
+            "loop_weights": None if run.loop_weights is None else run.loop_weights.state_dict(),
         }
         torch.save(blob, tmp / "trainer.pt")
         (tmp / "pipeline_state.json").write_text(json.dumps(pipeline_state))
@@ -194,6 +195,8 @@ class ReferenceTrainer:
                 critic = dict(critic, model={f"model.{k}": v for k, v in critic["model"].items()}
                               | heads)  # fmt: skip
             pol.critic.load_state_dict(critic)
+        if run.loop_weights is not None and blob.get("loop_weights") is not None:
+            run.loop_weights.load_state_dict(blob["loop_weights"])
         torch.set_rng_state(blob["rng"])
         state: dict[str, Any] = json.loads((ckpt / "pipeline_state.json").read_text())
         return state

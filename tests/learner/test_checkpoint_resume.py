@@ -2,7 +2,8 @@
 
 Four spawned runs: straight and resumed at world size 1 (GPTModel stand-in with dropout,
 Adam + DistributedOptimizer, GRPO; the looped Huginn model with a critic, PPO, Adam policy and
-SGD-with-momentum critic), then the same at world size 2 (TP=2 for the dropout GPT, DP=2 for
+SGD-with-momentum critic, per-loop credit with learned loop weights: their logits and Adam
+state ride in the checkpoint beside megatron's), then the same at world size 2 (TP=2 for the dropout GPT, DP=2 for
 the looped PPO). Final parameters, optimizer states, LR schedulers and per-step metrics must be
 bit-identical (torch.equal / ==), also to a run that never saved; a resume whose RNG is then
 disturbed must differ (dropout really depends on the restored RNG).
@@ -42,7 +43,14 @@ def _trainer(case: str, tp: int) -> Any:
         global_batch_size=4,
         micro_batch_size=2,
         seed=SEED,
-        objective=ObjectiveConfig(kind="ppo", gamma=0.99, lam=0.95, whiten=True),
+        objective=ObjectiveConfig(
+            kind="ppo",
+            gamma=0.99,
+            lam=0.95,
+            whiten=True,
+            loop_weighting="learned",
+            loop_weight_lr=0.05,
+        ),  # fmt: skip
     )
     sgd = OptimConfig(name="sgd", lr=1e-2, sgd_momentum=0.9, distributed=False)
     return Trainer(
@@ -76,6 +84,8 @@ def _snapshot(trainer: Any) -> dict[str, Any]:
         out[f"{name}/opt"] = states
         out[f"{name}/sched"] = net.sched.num_steps
         out[f"{name}/lr"] = float(net.opt.param_groups[0]["lr"])
+    if trainer.loop_weights is not None:  # objective.loop_weighting learned
+        out["loop_weights"] = trainer.loop_weights.state_dict()
     return out
 
 
@@ -177,6 +187,8 @@ def test_resume_is_bit_exact(workdir: Path, world: int) -> None:
             for key in a["final"]:
                 assert _same(a["final"][key], b["final"][key]), (world, rank, case, key)
             assert a["metrics"] == b["metrics"], (world, rank, case)
+        logits = straight[rank]["looped_ppo"]["final"]["loop_weights"]["logits"]
+        assert bool(logits.abs().sum() > 0), "the learned loop weights never moved"
     if world == 1:
         assert _same(straight[0]["no_save"], straight[0]["gpt_dropout"])
         disturbed = resumed[0]["disturbed"]["policy/params"]

@@ -17,7 +17,7 @@ import torch
 
 from learner.config import ObjectiveConfig, TrainConfig
 from learner.objectives import policy_loss
-from learner.objectives.loops import loop_weights
+from learner.objectives.loops import LearnedLoopWeights, loop_weights
 from models.errors import ConfigError
 from proto import Rollout
 
@@ -51,6 +51,49 @@ def test_loop_weights_by_hand() -> None:
     w = _w("exit_pdf", [[4]], gate=gate[:, :1], full=8)
     p = torch.tensor([0.5, 0.125, 0.1875, 0.9 * 0.1875])
     torch.testing.assert_close(w[0, 0], p / p.sum())
+
+
+def test_learned_weights_by_hand() -> None:
+    """learned: w_tk = softmax over theta_1..theta_e_t; theta = 0 is uniform, the same bits;
+    the loss's gradient reaches theta and one Adam step moves each used logit by lr (Adam's
+    first step: lr x sign(g)); loops beyond every e_t keep theta = 0."""
+    lw = LearnedLoopWeights(lr=0.1)
+    e = torch.tensor([[3, 0, 1, 2]])
+    assert torch.equal(lw.weights(e, 3), _w("uniform", e.tolist(), k=3))
+    with torch.no_grad():
+        lw.logits[:3] = torch.tensor([0.0, math.log(2.0), math.log(3.0)])
+    w = lw.weights(e, 3)  # e = 3: (1, 2, 3) / 6; e = 2: (1, 2) / 3; e = 1: (1); e = 0: none
+    torch.testing.assert_close(w[0], torch.tensor([[1 / 6, 2 / 6, 3 / 6], [0.0, 0.0, 0.0],
+                                                   [1.0, 0.0, 0.0], [1 / 3, 2 / 3, 0.0]]))  # fmt: skip
+    cfg = ObjectiveConfig(kind="grpo", loop_weighting="learned")
+    batch, depths = _loss_batch("learned")
+    lw = LearnedLoopWeights(lr=0.1)
+    loss, _ = policy_loss(cfg, dict(batch, loop_weight=lw.weights(depths, 4), normalizer=7.0))
+    loss.backward()
+    g = lw.logits.grad
+    assert g is not None and bool((g[:4] != 0).all()) and not bool(g[4:].any())
+    # theta's gradient: RLTT's term sum_t sum_k w_tk(theta) (-A_t logp_tk) / N (token_mean over
+    # the normalizer N = 7), by autograd on that formula alone
+    probe = LearnedLoopWeights(lr=0.1)
+    rltt = -batch["advantages"][..., None] * batch["loop_logp"]
+    term = (probe.weights(depths, 4) * rltt).sum(-1)
+    (term * batch["mask"]).sum().div(7.0).backward()
+    assert probe.logits.grad is not None
+    torch.testing.assert_close(g, probe.logits.grad, rtol=1e-5, atol=1e-7)
+    # the value and the logp gradient are uniform's, bit for bit (theta = 0)
+    leaf = batch["loop_logp"].clone().requires_grad_()
+    args = dict(batch, loop_logp=leaf, normalizer=7.0)
+    lw2 = LearnedLoopWeights(lr=0.1)
+    got = policy_loss(cfg, dict(args, loop_weight=lw2.weights(depths, 4)))[0]
+    (g_learned,) = torch.autograd.grad(got, leaf)
+    want = policy_loss(ObjectiveConfig(kind="grpo", loop_weighting="uniform"),
+                       dict(args, loop_weight=_w("uniform", depths.tolist())))[0]  # fmt: skip
+    (g_uniform,) = torch.autograd.grad(want, leaf)
+    assert torch.equal(got.detach(), want.detach()) and torch.equal(g_learned, g_uniform)
+    before = lw.logits.detach().clone()
+    lw.step(type("DP", (), {"active": False})(), apply=True)
+    torch.testing.assert_close(lw.logits.detach()[:4] - before[:4], -0.1 * torch.sign(g[:4]))
+    assert not bool(lw.logits[4:].any()) and lw.logits.grad is None
 
 
 def _loss_batch(kind: str, seed: int = 0) -> tuple[dict[str, Any], torch.Tensor]:
@@ -144,7 +187,8 @@ def test_uniform_sums_the_loops() -> None:
     [
         (dict(kind="flow_dppo", loop_weighting="uniform"), "flow_dppo is refused"),
         (dict(kind="divergence_ppo", loop_weighting="uniform"), "anchor proximal"),
-        (dict(loop_weighting="learned"), "learned is not implemented"),
+        (dict(loop_weight_lr=0.1), "learned only"),
+        (dict(loop_weighting="learned", loop_weight_lr=0.0), "loop_weight_lr.*> 0"),
         (dict(loop_weighting="uniform", ratio_level="sequence"), "GSPO"),
         (dict(loop_weighting="every"), "must be one of"),
         (dict(progressive_alpha=2.0), "progressive only"),
@@ -220,6 +264,9 @@ _CASES = [  # (family, loop_weighting, kind, numerics)
     # Ouro's separate q/k/v and gate/up projections (fused in megatron): exact needs their
     # input gradients rounded once (models.numerics.linears); mixed exit depths, the gate's pdf
     ("ouro", "exit_pdf", "grpo", "exact"),
+    # the learned weights' logits: trained by the loss in shared code, the same bits after 4
+    # updates (each update's weights depend on the updates before it)
+    ("ouro", "learned", "dppo", "exact"),
 ]
 
 
@@ -246,7 +293,8 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
     over += ["objective.progressive_alpha=2.0"] if weighting == "progressive" else []
     over += ["objective.anchor=proximal"] if kind == "divergence_ppo" else []
     over += ["objective.is_cap=2.0"] if kind == "dppo" else []
-    res, weights = {}, {}
+    over += ["objective.loop_weight_lr=0.05"] if weighting == "learned" else []
+    res, weights, logits = {}, {}, {}
     for backend in ("reference", "megatron"):
         t = _trainer(backend, models_dir[fam], *over)
         try:
@@ -254,6 +302,10 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
             out = tmp_path / backend
             t.publish(out, 1)
             weights[backend] = load_checkpoint(out)[1]
+            learned = (t.runner if backend == "reference" else t.trainer).loop_weights
+            logits[backend] = None if learned is None else learned.logits.detach().clone()
+            if learned is not None:  # never published: the model's tensors only
+                assert set(weights[backend]) == set(load_checkpoint(models_dir[fam])[1])
         finally:
             t.close() if backend == "megatron" else None
     ref, meg = res["reference"], res["megatron"]
@@ -268,6 +320,10 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
     assert worst <= tol, worst
     if numerics == "exact":
         assert all(torch.equal(a[k], b[k]) for k in a)
+    if weighting == "learned":  # 4 Adam steps of lr 0.05 from 0: every loop's logit moved
+        la, lb = logits["reference"], logits["megatron"]
+        assert la is not None and lb is not None and torch.equal(la, lb), (la[:4], lb[:4])
+        assert bool((la[: max(depths)] != 0).all()) and not bool(la[max(depths) :].any())
 
 
 def test_exit_pdf_refused_without_a_gate(models_dir: dict[str, Path]) -> None:
@@ -341,3 +397,31 @@ def _check_memory_grows(build_policy: Any, loop_forward: Any, token_stats: Any,
     # measured: 0.93 MB a loop (the core iteration's own activations) against 2.6 MB of
     # logits; without the checkpoint (logits kept for the backward) 3.57 MB a loop
     assert per_loop < one_loop / 2, (per_loop, one_loop, saved)
+
+
+def test_learned_starts_as_uniform_and_resumes(models_dir: dict[str, Path],
+                                               tmp_path: Path) -> None:  # fmt: skip
+    """learned's first update is uniform's, bit for bit (theta = 0: the same weights); its
+    logits move after it and are checkpointed with the learner: a trainer restored from the
+    checkpoint holds the same logits and Adam state, and its next step is the original's."""
+    rolls = _fresh(models_dir["ouro"], "exact")
+    one = ["numerics=exact", "objective.kind=grpo", "optimizer.lr=1e-4"]
+    res, models = {}, {}
+    for w in ("uniform", "learned"):
+        t = _trainer("reference", models_dir["ouro"], *one, f"objective.loop_weighting={w}")
+        res[w] = t.step(rolls, [False] * len(rolls))
+        models[w] = t
+    assert res["uniform"]["updates"] == 1.0 and res["uniform"] == res["learned"]
+    a, b = models["uniform"].model.state_dict(), models["learned"].model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    t = models["learned"]
+    moved = t.runner.loop_weights.logits.detach().clone()
+    deepest = max(int(d) for r in rolls for d in r.exit_depths)  # loops beyond: no token
+    assert bool(moved[:deepest].abs().gt(0).all()) and not bool(moved[deepest:].any()), moved
+    ckpt = t.save(tmp_path, {"step": 1}, keep=1)
+    back = _trainer("reference", models_dir["ouro"], *one, "objective.loop_weighting=learned")
+    back.load(ckpt)
+    assert torch.equal(back.runner.loop_weights.logits.detach(), moved)
+    nxt = [t.step(rolls, [False] * len(rolls)), back.step(rolls, [False] * len(rolls))]
+    assert nxt[0] == nxt[1]
+    assert torch.equal(t.runner.loop_weights.logits, back.runner.loop_weights.logits)
