@@ -4,16 +4,21 @@
     python benchmarks/loop_credit.py                     # CPU: tiny Ouro, 3 arms x 3 seeds
     python benchmarks/loop_credit.py --arms last,uniform --seeds 5 --steps 30
 
-Task (built here, no downloads): chained addition mod 10, "7+5+9+3=" -> "4" (the last digit of
-the sum of ``--chain`` + 1 digits): one answer token that needs ``--chain`` composed additions,
-the kind of multi-step latent computation more core iterations should help with. Rows are a
-pure function of (--data-seed, split, row); test questions never occur in train. Reward: the
-built-in ``exact_match`` (generator.rewards) on the decoded completion; accuracy = greedy
-exact match on the test split.
+Task (built here, no downloads; ``--task``, default vars): ``vars``, variable tracking: two
+pointer chains of ``--chain`` assignments from two different digits, shuffled, the query
+names the end of the first ("y=x,b=4,x=7,c=b,z=y?z" -> "7"): each hop one more lookup, the
+kind of multi-step latent computation more core iterations should help with. Others, tried
+(docs/PERFORMANCE.md): ``sum`` (the last digit of ``--chain`` + 1 digits' sum), ``add``
+(two ``--chain``-digit numbers, the sum least significant digit first), ``cmp`` ("37<45=" ->
+"1"), ``parity``. Rows are a pure function of (--data-seed, split, row); test questions
+never occur in train. Reward: the built-in ``exact_match`` (generator.rewards) on the decoded
+completion; accuracy = greedy exact match on the test split.
 
 Order: a fresh ``--family``/``--size`` checkpoint -> ONE supervised warm start on the train
 answers (``sft`` below: pipeline.commands.warm_start's recipe on the plain-text rendering,
-reference forward at full depth, ``--warm-steps`` AdamW steps of 32 rows; the script renders
+reference forward at full depth, ``--warm-steps`` AdamW steps of ``--warm-batch`` rows, the
+fresh model's input embedding first scaled to ``--embed-std`` (default 1.0; see
+`rescale_embedding`); the script renders
 the rows itself: the dataset task's loader took minutes per 2,000 rows on the loaded host)
 -> for every arm and every seed in 0..seeds-1: a
 backend=reference trainer (pipeline.backends.reference_trainer: the learner's TorchPolicy and
@@ -264,6 +269,21 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
     return out
 
 
+def rescale_embedding(model: Any, std: float) -> None:
+    """The fresh model's input embedding scaled to standard deviation ``std`` (Llama-like
+    families: ``model.embed_tokens``, untied from the head). The tiny preset's 0.02 leaves the
+    token in the residual at about 1/6 of each sandwich-normed block output (RMS 1), and the
+    tiny Ouro then learned no task here (see docs/PERFORMANCE.md)."""
+    emb = dict(model.named_parameters()).get("model.embed_tokens.weight")
+    if emb is None or "lm_head.weight" in tied_from_module(model):
+        raise SystemExit(
+            "--embed-std: needs an untied model.embed_tokens (ouro, nanbeige, llama); "
+            "pass --embed-std 0 to keep the preset's embedding"
+        )
+    with torch.no_grad():
+        emb.mul_(std / float(emb.float().std()))
+
+
 def widen(hidden: int) -> dict[str, int] | None:
     """HF config overrides for --hidden: that width, heads of 32, MLP 2x (None: the preset)."""
     if not hidden:
@@ -306,17 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--family", default="ouro")
     p.add_argument("--size", default="tiny")
-    p.add_argument("--task", default="sum", choices=sorted(TASKS))
+    p.add_argument("--task", default="vars", choices=sorted(TASKS))
     p.add_argument(
         "--chain", type=int, default=2, help="additions (sum) / hops (vars) per question"
     )
     p.add_argument("--hidden", type=int, default=0, help="hidden size over the preset's (0: keep)")
-    p.add_argument("--train", type=int, default=700)
+    p.add_argument("--train", type=int, default=4000)
     p.add_argument("--test", type=int, default=200)
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--warm-steps", type=int, default=300)
+    p.add_argument("--warm-steps", type=int, default=400)
     p.add_argument("--warm-lr", type=float, default=3e-3)
     p.add_argument("--warm-batch", type=int, default=32, help="rows per warm-start step")
+    p.add_argument("--embed-std", type=float, default=1.0, help="input embedding std (0: keep)")
     p.add_argument("--steps", type=int, default=20, help="RL steps per arm and seed")
     p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -352,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg0 = load_config(None, common)
         task = Task(root / "data", Path(base))
         warm_model = load_model(Path(base))[1]
+        if args.embed_std:
+            rescale_embedding(warm_model, args.embed_std)
         ws = sft(warm_model, task, args.warm_steps, args.warm_lr, args.warm_batch, args.data_seed)
         warm = root / "warm"
         save_checkpoint(state_dict_for_save(warm_model), read_config(Path(base)), warm,
