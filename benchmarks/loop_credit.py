@@ -295,6 +295,17 @@ def widen(hidden: int) -> dict[str, int] | None:
             "num_key_value_heads": heads, "head_dim": 32}  # fmt: skip
 
 
+def _job(job: tuple[list[str], int, str, str]) -> dict[str, float]:
+    """--jobs: one (arm, seed) in a worker process: (run-config overrides, seed, work
+    directory holding data/, init/ and warm/, the arguments as JSON) -> rl_arm's result."""
+    overrides, seed, root, spec = job
+    args = argparse.Namespace(**json.loads(spec))
+    torch.set_num_threads(args.threads)
+    task = Task(Path(root) / "data", Path(root) / "init")
+    policy = policy_from_dict(json.loads(args.exit_policy)) if args.exit_policy else None
+    return rl_arm(load_config(None, overrides), Path(root) / "warm", task, seed, args, policy)
+
+
 def parse_arm(spec: str) -> tuple[str, list[str]]:
     """ "name" (a loop weighting) or "name:key=value;key=value" -> (name, run-config
     overrides)."""
@@ -352,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch threads (1: on a shared host, 2 spinning threads ran 12x slower)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="processes for the (arm, seed) runs after the warm start",
+    )
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
     args = p.parse_args(argv)
     args.depths = [int(x) for x in args.depths.split(",") if x]
@@ -385,14 +402,22 @@ def main(argv: list[str] | None = None) -> int:
         warm_eval = eval_all(warm_model, task, policy, args.depths, args.max_tokens, cfg0.numerics)
         warm_eval |= {"loss_first": ws["loss_first"], "loss_last": ws["loss_last"], "s": ws["s"]}
         print(f"# warm start: {warm_eval}", file=sys.stderr, flush=True)
+        jobs = [(name, seed, [*common, *extra, f"seed={seed}", f"run_dir={root}/run-{i}"])
+                for i, (name, extra) in enumerate(arms) for seed in range(args.seeds)]  # fmt: skip
+        if args.jobs > 1:  # each (arm, seed) in a spawned process: the same bits, in parallel
+            import multiprocessing as mp
+
+            spec = json.dumps(vars(args))
+            with mp.get_context("spawn").Pool(args.jobs) as pool:
+                results = pool.map(_job, [(ov, seed, str(root), spec) for _, seed, ov in jobs])
+        else:
+            results = [rl_arm(load_config(None, ov), warm, task, seed, args, policy)
+                       for _, seed, ov in jobs]  # fmt: skip
         out_arms: dict[str, Any] = {}
-        for name, extra in arms:
-            runs = []
-            for seed in range(args.seeds):
-                cfg = load_config(None, [*common, *extra, f"seed={seed}"])
-                runs.append(rl_arm(cfg, warm, task, seed, args, policy))
-                print(f"# {name} seed {seed}: {runs[-1]}", file=sys.stderr, flush=True)
-            out_arms[name] = summarise(runs)
+        for (name, seed, _), res in zip(jobs, results):
+            print(f"# {name} seed {seed}: {res}", file=sys.stderr, flush=True)
+        for name, _ in arms:
+            out_arms[name] = summarise([r for (n, _, _), r in zip(jobs, results) if n == name])
     print(json.dumps({
         "arms": out_arms, "warm_start": warm_eval,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
