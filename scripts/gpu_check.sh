@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc shm packed
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc shm packed loop_credit
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -140,6 +140,15 @@ if has depth; then  # depth batching and the torch generator engine (issue 25)
         --engine 2>"$LOG/depth_gpu.err" | tee "$LOG/depth_gpu.jsonl"
     tail -n 5 "$LOG/depth_cpu.err" "$LOG/depth_gpu.err"
 fi
+if has loop_credit; then  # issue 23 item 6 on the host's CPU cores (GPU hidden): one warm start,
+    # then the 15 (arm, seed) runs of benchmarks/loop_credit.py in 15 processes of one thread
+    CUDA_VISIBLE_DEVICES= timeout "${T_LOOP:-590}" "$PY" benchmarks/loop_credit.py --jobs 15 \
+        --arms 'last,exit_pdf,uniform,learned,sampled_cost:rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.depth_cost=0.2;objective.exit_entropy_coef=0.01' \
+        2>"$LOG/loop_credit.err" | tee "$LOG/loop_credit.jsonl"
+    echo "loop_credit rc=${PIPESTATUS[0]}"
+    grep -E "^#|Error" "$LOG/loop_credit.err" | tail -n 24
+fi
+
 if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB under 0.5 s)
     timeout "${T_DIGEST:-240}" "$PY" benchmarks/digest.py --sizes-gib 1,6.52,7 \
         --workers 1,4,8,16 2>"$LOG/digest.err" | tee "$LOG/digest.json"
