@@ -41,8 +41,9 @@ class GeneratorConfig:
     """Checkpoint directory (HF layout) the engine starts from, served as weight version 0."""
     generator_id: str = ""
     """Stable id of this process, unique among the learner's generators; empty: HOST-PID."""
-    max_inflight: int = 2
-    """Most work items held at once (queued + generating + scoring); the rest is handed back."""
+    max_inflight: int = 16
+    """Most work items held at once (queued + generating + scoring); the rest is handed back.
+    16: a whole step of the quickstart (rollout.prompts_per_step) in one engine batch."""
     max_batch_items: int = 0
     """Most work items per engine.generate call; 0: max_inflight."""
     batch_wait_s: float = 0.05

@@ -255,8 +255,10 @@ class GeneratorsSection(GeneratorConfig):
     generator.config.GeneratorConfig key with its default there, except those the run sets
     itself: RUN_MANAGED)."""
 
-    count: int = 2
-    """Generator processes `looprl run` starts (the learner accepts any number)."""
+    count: int = 1
+    """Generator processes `looprl run` starts (the learner accepts any number). One by default:
+    on a small host every vLLM process costs its own import and engine start (~20 CPU-s on the
+    2-core host) and its own per-batch overhead."""
     threads: int = 1
     """Torch threads per generator process (OMP_NUM_THREADS) under `looprl run`."""
     extra_args: list[str] = field(default_factory=list)

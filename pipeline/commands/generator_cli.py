@@ -427,6 +427,12 @@ def serve(cfg: GeneratorConfig) -> int:
             build = TorchEngine
         else:
             common["inflight_updates"] = cfg.inflight_updates
+            # This process's engines run eager (LoopedEngine's enforce_eager), but vLLM's
+            # sampler compiles a helper with torch.compile on its first batch and again on
+            # new batch shapes (seconds each on a 2-core host, on the path to the first
+            # step): with dynamo off it runs as plain torch (an integer rank count: the same
+            # result). Set before vLLM imports torch._dynamo; an explicit setting wins.
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         main = build(cfg.model, exit_policy=policy, **common)
         common.pop("inflight_updates", None)
         # eval.depths: items with eval_depth d run on a FixedDepth(d) engine, built on first use

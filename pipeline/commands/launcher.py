@@ -125,10 +125,14 @@ class Generators:
                     if (line := last_error_line(self.logs / f"gen{i}.log"))), "")  # fmt: skip
         return f"every generator exited (codes {codes}){after}{why}; logs in {self.logs}"
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def signal_stop(self) -> None:
+        """SIGTERM to every generator still running (they hand back their work and exit)."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        self.signal_stop()
         end = time.monotonic() + timeout_s
         for p in self.procs:
             try:
@@ -145,7 +149,10 @@ def run_local(cfg: RunConfig) -> dict[str, Any]:
     gens = Generators(cfg)
     t0 = time.time()
     try:
-        summary = run_learner(cfg, on_bound=gens.start, stop=gens.all_dead)
+        # the generators are told to stop when training ends: their shutdown overlaps the
+        # learner's final checkpoint and plot
+        summary = run_learner(cfg, on_bound=gens.start, stop=gens.all_dead,
+                              on_trained=gens.signal_stop)  # fmt: skip
     finally:
         gens.stop()
     summary["wall_s"] = time.time() - t0

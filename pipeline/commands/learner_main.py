@@ -245,8 +245,11 @@ def generator_command(cfg: RunConfig, ctrl: str, wts: str, model: Path) -> tuple
 
 
 def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | None = None,
-                stop: Callable[[], bool] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The whole learner (see the module docstring); returns the summary."""
+                stop: Callable[[], bool] | None = None,
+                on_trained: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The whole learner (see the module docstring); returns the summary. ``on_trained``:
+    called once the coordinator loop has ended, before the final checkpoint and the plot
+    (`looprl run` stops its generators there, so their shutdown overlaps the learner's)."""
 
     run_dir = Path(cfg.run_dir)
     if os.environ.get("RANK", "0") != "0":  # torchrun: ranks > 0 repeat rank 0's trainer calls
@@ -363,6 +366,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                 raise LearnerStalled(stalled_line(cfg, ctrl, wts, model,
                                                   sorted(coord.dispatcher.generators()), detail)
                                      ) from None  # fmt: skip
+            if on_trained is not None:
+                on_trained()
             resume_mod.save(coord, keep)
     except BaseException as err:
         failing = True
