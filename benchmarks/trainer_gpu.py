@@ -60,6 +60,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,27 +145,11 @@ def init_state(c: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]
 
 
 def rollouts(s: dict[str, Any], step: int, version: int, seed: int) -> list[Any]:
+    """Full-length rollouts: every row prompt + response[:-1] = the shape's seq positions."""
     import numpy as np
 
-    from proto.records import Rollout
-
-    rng = np.random.default_rng(seed * 1000 + step)
-    plen, n, seq = prompt_len(s), s["n"], s["seq"]
-    out = []
-    for g in range(s["batch"] // n):
-        prompt = rng.integers(3, s["vocab"], size=plen).astype(np.int32)
-        for i in range(n):
-            t = seq - plen + 1  # the model sees prompt + completion[:-1]: seq positions
-            out.append(Rollout(
-                rollout_id=f"s{step}-{g}/{i}", work_id=f"s{step}-{g}", prompt_id=f"p{g}",
-                sample_index=i, generator_id="bench",
-                latent_seed=int(rng.integers(0, 2**63)) * 2 + 1, prompt_tokens=prompt,
-                tokens=rng.integers(3, s["vocab"], size=t).astype(np.int32),
-                logprobs=(-np.log(s["vocab"]) + rng.uniform(-0.5, 0.5, t)).astype(np.float32),
-                exit_depths=np.full(t, s["recurrence"], dtype=np.uint8),
-                weight_version=version, reward=float((i + g) % 2),
-            ))  # fmt: skip
-    return out
+    t = s["seq"] - prompt_len(s) + 1  # the model sees prompt + completion[:-1]: seq positions
+    return _rollouts(s, step, version, np.random.default_rng(seed * 1000 + step), lambda _: t)
 
 
 def spread_rollouts(s: dict[str, Any], step: int, version: int, seed: int, lo: int,
@@ -172,15 +157,24 @@ def spread_rollouts(s: dict[str, Any], step: int, version: int, seed: int, lo: i
     """`rollouts` with response lengths uniform in [lo, hi] (the realistic spread)."""
     import numpy as np
 
+    rng = np.random.default_rng(seed * 1000 + step + 7)
+    return _rollouts(s, step, version, rng, lambda r: int(r.integers(lo, hi + 1)))
+
+
+def _rollouts(s: dict[str, Any], step: int, version: int, rng: Any,
+              length: Callable[[Any], int]) -> list[Any]:  # fmt: skip
+    """batch / n groups of n rollouts of random tokens, each response ``length(rng)`` long
+    (drawn before the row's other draws), full depth, rewards alternating 0/1."""
+    import numpy as np
+
     from proto.records import Rollout
 
-    rng = np.random.default_rng(seed * 1000 + step + 7)
     plen, n = prompt_len(s), s["n"]
     out = []
     for g in range(s["batch"] // n):
         prompt = rng.integers(3, s["vocab"], size=plen).astype(np.int32)
         for i in range(n):
-            t = int(rng.integers(lo, hi + 1))
+            t = length(rng)
             out.append(Rollout(
                 rollout_id=f"s{step}-{g}/{i}", work_id=f"s{step}-{g}", prompt_id=f"p{g}",
                 sample_index=i, generator_id="bench",
