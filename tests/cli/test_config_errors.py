@@ -50,6 +50,7 @@ ACCEPTED = {
     ("learner.backprop_depth", -1): "the checkpoint's", ("learner.micro_batch_size", 0): "auto",
     ("eval.every", 0): "never", ("eval.temperature", 0): "greedy", ("eval.limit", 0): "all",
     ("objective.depth_cost", 0): "no compute cost in the reward",
+    ("learner.max_tokens_per_micro", 0): "padded rows (no packing)",
 }  # fmt: skip
 
 
