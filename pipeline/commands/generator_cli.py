@@ -344,6 +344,11 @@ class StopOnFailedLoad:
         try:
             self.engine.load_weights(source, version, digest)
         except Exception as e:
+            if superseded(source, version):  # refused, not fatal: the newest version follows
+                log.warning("weights v%d were pruned (a newer version was published meanwhile, "
+                            "e.g. while this process was paused): waiting for the newest",
+                            version)  # fmt: skip
+                raise
             why = " ".join(str(e).split())[:500] or type(e).__name__
             if not why.startswith(f"weights v{version}"):
                 why = f"weights v{version}: {type(e).__name__}: {why}"
@@ -351,6 +356,21 @@ class StopOnFailedLoad:
             if self.on_failure is not None:
                 self.on_failure(self.failure)
             raise
+
+
+def superseded(source: Any, version: int) -> bool:
+    """An on-disk version (publish.transport shared_fs: ``source`` is RUN_DIR/weights/v<N>)
+    that is gone because newer versions were published and the old pruned (publish.keep):
+    its directory is missing and a newer v<M> stands beside where it was. A generator that
+    was paused past its announce meets this on resuming; a generator that cannot see the
+    run's directory at all (no shared filesystem) does not, and stops as before."""
+    if not isinstance(source, (str, os.PathLike)):
+        return False
+    path = Path(source)
+    if path.exists() or not path.parent.is_dir():
+        return False
+    newer = (d.name[1:] for d in path.parent.iterdir() if d.name.startswith("v"))
+    return any(n.isdigit() and int(n) > version for n in newer)
 
 
 def multi_turn(cfg: GeneratorConfig, engine: Any, env: Any) -> MultiTurnEngine:

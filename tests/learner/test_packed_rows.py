@@ -21,6 +21,7 @@ from learner.batching import build_batch, packed_inputs
 from models.errors import ConfigError
 from models.rows import micro_spans, pack_rows, token_shares
 from proto import Rollout
+from tests.bench_import import load_benchmark
 
 LENS = [1, 37, 3, 22, 9, 40, 2, 15]
 """Response tokens of the 8 rollouts: very different lengths."""
@@ -261,8 +262,9 @@ def test_trainer_benchmark_layouts() -> None:
     assert res["real_tokens_per_step"] == res["positions_per_step"] > 0
     assert res["budget"] == 64 and res["packed_attention"] == "dense_mask"
     assert res["mfu"] == res["mfu_real_tokens"] and res["health"]["verdict"] == "ok", res
-    sys.path.insert(0, str(repo / "benchmarks"))
-    from trainer_gpu import SHAPES, flop_counts, layout_positions, prompt_len, real_flops
+    tg = load_benchmark("trainer_gpu")
+    SHAPES, flop_counts, layout_positions = tg.SHAPES, tg.flop_counts, tg.layout_positions
+    prompt_len, real_flops = tg.prompt_len, tg.real_flops
 
     s = dict(SHAPES["huginn_0125"])
     n, r = s["seq"], s["seq"] - prompt_len(s) + 1

@@ -129,3 +129,19 @@ def test_connection_without_welcome_reports_then_times_out(
     while time.monotonic() - t1 < 2.0:
         conn2.recv(0.1)
     assert conn2.ready
+
+
+def test_a_pruned_version_is_superseded_not_a_reason_to_stop(tmp_path: Path) -> None:
+    """A shared_fs announce whose directory was pruned while the generator was paused is
+    refused without stopping it (a newer v<N> stands beside it); a directory the generator
+    cannot see at all (no shared filesystem) still stops it."""
+    from pipeline.commands.generator_cli import superseded
+
+    weights = tmp_path / "weights"
+    (weights / "v5").mkdir(parents=True)
+    assert superseded(str(weights / "v2"), 2)
+    assert not superseded(str(weights / "v7"), 7)  # missing, but nothing newer: a real failure
+    (weights / "v2").mkdir()
+    assert not superseded(str(weights / "v2"), 2)  # present: its load error is real
+    assert not superseded(str(tmp_path / "elsewhere" / "weights" / "v2"), 2)
+    assert not superseded(object(), 2)

@@ -91,7 +91,11 @@ def _pause(pid: int, seconds: float) -> None:
 def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> None:
     """SIGSTOP gen0 (a real `looprl generator`) for 3x the peer timeout after step 2: it is
     declared gone (its work re-dispatched), then resumes, re-Hellos and contributes again."""
-    cfg = small_config(tmp_path, "steps=10")
+    # 40 steps: the run must outlive the 12 s pause for gen0 to contribute again; at 10 steps
+    # gen1 alone finished the run during the pause once generators started faster (a ~0.5 s
+    # step), and gen0, paused before its first batch, never contributed (failed in the suite)
+    steps = 40
+    cfg = small_config(tmp_path, f"steps={steps}")
     pause_s = 3 * cfg.transport.peer_timeout_s
     state: dict[str, object] = {}
 
@@ -104,8 +108,8 @@ def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> No
 
     s = run(cfg, hook)
     assert "paused" in state and "died" not in state, state
-    assert s["steps"] == 10
-    check_run(tmp_path, 4, 10, max_staleness=None)
+    assert s["steps"] == steps
+    check_run(tmp_path, 4, steps, max_staleness=None)
     log = (tmp_path / "logs" / "gen0.log").read_text(errors="replace")
     assert "Assertion failed" not in log
     after = [r for _, r in read_rollouts(tmp_path / "stream")]
