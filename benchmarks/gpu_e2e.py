@@ -44,15 +44,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from generator.rewards import SYNTHETIC_BASE, synthetic_task_prompts  # noqa: E402
-from models.checkpoint import (  # noqa: E402
-    load_model,
-    read_config,
-    save_checkpoint,
-    state_dict_for_save,
-    tied_from_module,
-)
+from models.checkpoint import load_model, read_config  # noqa: E402
 from models.init import init_checkpoint  # noqa: E402
-from pipeline.commands.warm_start import sft_steps  # noqa: E402
+from pipeline.commands.warm_start import save_like, sft_steps  # noqa: E402
 from pipeline.core.metrics import read_metrics  # noqa: E402
 
 LR = {"tiny": 3e-3, "small": 1e-3, "1b": 1e-5, "0125": 1e-6}  # trainer_gpu.py's realistic rates
@@ -79,11 +73,7 @@ def warm_start(init: Path, out: Path, device: str, steps: int, lr: float) -> dic
 
     losses = sft_steps(module, pick, steps, lr, 0, rng)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    files = [f for f in init.iterdir() if f.is_file() and not f.name.startswith(".")]
-    extra = {f.name: f for f in files if f.name != "config.json" and ".safetensors" not in f.name}
-    hf["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float32"
-    save_checkpoint(state_dict_for_save(module, dtype), hf, out, tied=tied_from_module(module),
-                    extra_files=extra)  # fmt: skip
+    save_like(module, init, out, dtype)
     params = sum(p.numel() for p in module.parameters())
     core = sum(p.numel() for b in module.core_blocks() for p in b.parameters())
     del module

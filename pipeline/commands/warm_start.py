@@ -143,6 +143,22 @@ def sft_steps(module: Any, pick: Callable[[int], Sequence[Example]], steps: int,
     return losses
 
 
+def save_like(module: Any, source: Path, out: Path, dtype: torch.dtype | None = None) -> Path:
+    """``module``'s weights written to ``out`` as a full checkpoint of ``source``'s kind: its
+    config (``torch_dtype`` set to ``dtype`` when given; default: the module's own dtype) and
+    its other files (tokenizer, generation config, ...) copied."""
+    files = sorted(f for f in Path(source).iterdir() if f.is_file() and not f.name.startswith("."))
+    extra = {f.name: f for f in files  # tokenizer, generation config, ...: not the weights
+             if f.name != "config.json" and ".safetensors" not in f.name}  # fmt: skip
+    config = read_config(source)
+    if dtype is None:
+        dtype = next(iter(module.parameters())).dtype
+    else:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return save_checkpoint(state_dict_for_save(module, dtype), config, out,
+                           tied=tied_of(module), extra_files=extra)  # fmt: skip
+
+
 def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
                lr: float | None = None, batch: int | None = None,
                seed: int = 0) -> dict[str, Any]:  # fmt: skip
@@ -167,12 +183,7 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
 
     pad = int(read_config(model).get("pad_token_id") or 0)
     losses = sft_steps(module, pick, steps, lr, pad, rng)
-    files = sorted(f for f in Path(model).iterdir() if f.is_file() and not f.name.startswith("."))
-    extra = {f.name: f for f in files  # tokenizer, generation config, ...: not the weights
-             if f.name != "config.json" and ".safetensors" not in f.name}  # fmt: skip
-    dtype = next(iter(module.parameters())).dtype
-    save_checkpoint(state_dict_for_save(module, dtype), read_config(model), out,
-                    tied=tied_of(module), extra_files=extra)  # fmt: skip
+    save_like(module, model, out)
     stats = {"steps": steps, "examples": len(examples), "loss_first": losses[0],
              "loss_last": losses[-1], "s": round(time.perf_counter() - t0, 2)}  # fmt: skip
     log.info("warm start: %s", stats)
