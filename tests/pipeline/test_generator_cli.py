@@ -135,7 +135,7 @@ def test_a_pruned_version_is_superseded_not_a_reason_to_stop(tmp_path: Path) -> 
     """A shared_fs announce whose directory was pruned while the generator was paused is
     refused without stopping it (a newer v<N> stands beside it); a directory the generator
     cannot see at all (no shared filesystem) still stops it."""
-    from pipeline.commands.generator_cli import superseded
+    from pipeline.commands.generator_engine import superseded
 
     weights = tmp_path / "weights"
     (weights / "v5").mkdir(parents=True)
