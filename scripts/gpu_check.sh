@@ -90,9 +90,9 @@ if has packed; then  # packed rows (issue 22 item 4): responses U(256, 4096) at 
     # layouts: full-length rows of 4096, today's padded rows of the spread (2 a micro-batch),
     # packed rows of the spread.
     [ "${PACK_TESTS:-1}" = 1 ] && timeout "${T_PACKED_TESTS:-300}" "$PY" -m pytest -q -p no:cacheprovider -rA \
-        tests/learner/test_packed_rows.py -k "not data_parallel" 2>&1 |
-        grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
-        tail -n 20 | tee "$LOG/packed_tests.txt"
+        tests/learner/test_packed_rows.py -k "not data_parallel" ${PACK_TEST_ARGS:-} 2>&1 |
+        tee "$LOG/packed_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
+        tail -n 20 | tee "$LOG/packed_tests.txt"  # the whole log comes back in packed_tests.log
     PB=${PACK_BUDGET:-8192}
     PS=${PACK_STEPS:-5}
     bench 0125_full4k "${T_PACKED:-420}" --shape huginn_0125 --compile --steps "$PS" --warmup 2 \

@@ -251,7 +251,8 @@ def test_trainer_benchmark_layouts() -> None:
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(repo), CUDA_VISIBLE_DEVICES="")
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")  # keep the caller's path
     proc = subprocess.run(
         [sys.executable, "benchmarks/trainer_gpu.py", "--device", "cpu", "--tiny", "--packed"],
         cwd=repo, env=env, capture_output=True, text=True, timeout=300,
