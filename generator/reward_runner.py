@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -32,6 +33,7 @@ from generator.rewards import RewardError, RewardFn, Scalar, Task, resolve_rewar
 log = logging.getLogger(__name__)
 
 MODES = ("process", "thread", "inline")
+CHUNK = 16  # the most calls handed to one worker at once (balance vs per-message cost)
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,13 @@ def _worker_main(conn: Connection, path: str) -> None:
     conn.send(("ready", ""))
     while True:
         try:
-            call = conn.recv()
+            calls = conn.recv()
         except (EOFError, OSError):
             return
-        if call is None:
+        if calls is None:
             return
-        conn.send(("done", invoke(fn, *call)))
+        for c in calls:  # a chunk of calls: one answer per call, as each finishes
+            conn.send(("done", invoke(fn, *c)))
 
 
 class RewardRunner:
@@ -226,74 +229,96 @@ class RewardRunner:
         return RewardResult(reward, info, elapsed)
 
     def _run_concurrent(self, todo: list[Call]) -> list[RewardResult]:
+        """Calls go to the workers in chunks (one message or one thread per chunk, not per
+        call: a thread start or a pipe round trip per call cost 0.1-0.5 ms, more than a
+        cheap reward); a worker answers each call as it finishes, in order. The timeout is
+        still per call: the clock of a slot's first unanswered call starts when the chunk
+        is handed over or when the call before it is answered. A call past its timeout (or
+        whose worker died) fails alone; the rest of its chunk goes back to the queue."""
         results: list[RewardResult | None] = [None] * len(todo)
-        pending = list(range(len(todo)))[::-1]  # stack of call indices, first call on top
-        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, start time)
-        while pending or busy:
+        pending = deque(range(len(todo)))
+        assigned: dict[int, deque[int]] = {}  # slot -> call indices handed over, unanswered
+        head_t0: dict[int, float] = {}  # slot -> start of its first unanswered call
+        while pending or assigned:
             for slot in range(self.workers):
-                if slot not in busy and pending:
-                    ci = pending.pop()
-                    busy[slot] = (ci, time.monotonic())
-                    self._start(slot, todo[ci])
-            deadline = min(t0 for _, t0 in busy.values()) + self.timeout_s
-            for slot, outcome in self._poll(busy, max(0.0, deadline - time.monotonic())):
-                ci, t0 = busy.pop(slot)
-                results[ci] = self._result(outcome, time.monotonic() - t0)
+                if slot not in assigned and pending:
+                    size = max(1, min(CHUNK, -(-len(pending) // self.workers)))
+                    chunk = deque(pending.popleft() for _ in range(min(size, len(pending))))
+                    assigned[slot], head_t0[slot] = chunk, time.monotonic()
+                    self._start(slot, [todo[ci] for ci in chunk])
+            deadline = min(head_t0[s] for s in assigned) + self.timeout_s
+            for slot, outcome, dead in self._poll(assigned, max(0.0, deadline - time.monotonic())):
+                now = time.monotonic()
+                results[assigned[slot].popleft()] = self._result(outcome, now - head_t0[slot])
+                head_t0[slot] = now
+                if dead:  # the worker is gone (already replaced): its chunk's rest is requeued
+                    pending.extendleft(reversed(assigned[slot]))
+                    assigned[slot].clear()
+                if not assigned[slot]:
+                    del assigned[slot], head_t0[slot]
             now = time.monotonic()
-            for slot, (ci, t0) in list(busy.items()):
-                if now - t0 >= self.timeout_s:
-                    del busy[slot]
-                    self.stats["timeouts"] += 1
-                    msg = f"reward {self.path!r} ran past its {self.timeout_s}s timeout"
-                    results[ci] = self._result(_failure("timeout", msg), now - t0)
-                    self._abandon(slot)
+            for slot in [s for s in assigned if now - head_t0[s] >= self.timeout_s]:
+                chunk = assigned.pop(slot)
+                t0 = head_t0.pop(slot)
+                self.stats["timeouts"] += 1
+                msg = f"reward {self.path!r} ran past its {self.timeout_s}s timeout"
+                results[chunk.popleft()] = self._result(_failure("timeout", msg), now - t0)
+                pending.extendleft(reversed(chunk))
+                self._abandon(slot)
         return [r for r in results if r is not None]
 
-    def _start(self, slot: int, call: Call) -> None:
+    def _start(self, slot: int, calls: list[Call]) -> None:
         if self.mode == "process":
             conn = self._conns[slot]
             assert conn is not None
-            conn.send(call)
+            conn.send(calls)
             return
         gen = self._gen[slot]
 
         def target() -> None:
-            self._q.put((slot, gen, invoke(self.fn, *call)))
+            for call in calls:
+                if gen != self._gen[slot]:
+                    return  # abandoned after a timeout: the rest of the chunk was requeued
+                self._q.put((slot, gen, invoke(self.fn, *call)))
 
         threading.Thread(target=target, daemon=True, name=f"reward-{slot}").start()
 
     def _poll(
-        self, busy: dict[int, tuple[int, float]], timeout: float
-    ) -> list[tuple[int, _Outcome]]:
-        """Finished calls of busy slots, waiting up to ``timeout`` for the first one."""
-        out: list[tuple[int, _Outcome]] = []
+        self, assigned: dict[int, deque[int]], timeout: float
+    ) -> list[tuple[int, _Outcome, bool]]:
+        """Answered calls of busy slots, in order per slot, waiting up to ``timeout`` for the
+        first: (slot, outcome, the worker died)."""
+        out: list[tuple[int, _Outcome, bool]] = []
         if self.mode == "thread":
             try:
                 item: tuple[int, int, _Outcome] | None = self._q.get(timeout=timeout)
                 while item is not None:
                     slot, gen, outcome = item
-                    if gen == self._gen[slot] and slot in busy:
-                        out.append((slot, outcome))
+                    if gen == self._gen[slot] and slot in assigned:
+                        out.append((slot, outcome, False))
                     item = self._q.get_nowait()
             except queue.Empty:
                 pass
             return out
-        by_conn: dict[Any, int] = {self._conns[s]: s for s in busy}
+        by_conn: dict[Any, int] = {self._conns[s]: s for s in assigned}
         for ready in wait(list(by_conn), timeout):
             slot = by_conn[ready]
             conn = self._conns[slot]
             assert conn is not None
-            try:
-                outcome = conn.recv()[1]
+            answered = 0
+            try:  # drain what this worker has answered so far (at most its chunk)
+                while answered < len(assigned[slot]) and (answered == 0 or conn.poll()):
+                    out.append((slot, conn.recv()[1], False))
+                    answered += 1
             except (EOFError, OSError):
                 proc = self._procs[slot]
                 if proc is not None:
                     proc.join(1.0)
                 code = None if proc is None else proc.exitcode
-                out.append((slot, _failure("crash", f"reward worker exited (exit code {code})")))
+                out.append(
+                    (slot, _failure("crash", f"reward worker exited (exit code {code})"), True)
+                )
                 self._recycle(slot)
-                continue
-            out.append((slot, outcome))
         return out
 
     def _abandon(self, slot: int) -> None:

@@ -252,6 +252,26 @@ def test_thread_runner_abandons_a_hung_reward() -> None:
         assert runner.score("dddd", [], {}).reward == 4.0
 
 
+@pytest.mark.parametrize(("mode", "bad"), [("thread", "hang"), ("process", "hang"),
+                                          ("process", "die")])  # fmt: skip
+def test_chunked_calls_behind_a_failure_are_scored(mode: str, bad: str, behave_path: str) -> None:
+    """Calls go to a worker in chunks (up to reward_runner.CHUNK at once): a call that hangs
+    or kills its worker in the middle of a chunk fails alone, the calls queued behind it in
+    the same chunk are handed to a worker again and scored, and the order is kept. One
+    worker: the whole batch is one chunk."""
+    fn = behave if mode == "thread" else behave_path
+    calls = [("a" * (i + 1), [], {}) for i in range(12)]
+    calls[4] = ("x", [], {"do": bad})
+    with RewardRunner(fn, mode=mode, workers=1, timeout_s=0.5) as runner:
+        out = runner.score_many(calls)
+        want = [float(i + 1) for i in range(12)]
+        assert [r.reward for r in out[:4] + out[5:]] == want[:4] + want[5:]
+        assert out[4].reward is None
+        assert out[4].info["kind"] == ("timeout" if bad == "hang" else "crash")
+        assert runner.stats["calls"] == 12 and runner.stats["failed"] == 1
+        assert runner.score("zz", [], {}).reward == 2.0  # the runner keeps serving
+
+
 def test_measure_overhead_reports_every_mode() -> None:
     got = measure_overhead(calls=128, workers=1)
     assert set(got) == {f"{m}_{k}_us" for m in MODES for k in ("single", "batch64")}
