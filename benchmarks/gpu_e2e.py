@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -91,7 +92,10 @@ def looprl_run(run_dir: Path, model: Path, steps: int, staleness: int, lr: float
     args = [f"run_dir={run_dir}", f"model.path={model}", f"steps={steps}",
             "generators.engine=torch", "generators.count=1", f"optimizer.lr={lr}",
             f"staleness.max_staleness={staleness}", f"rollout.prompts_per_step={PROMPTS}",
-            f"rollout.n={N}", f"rollout.max_tokens={TOKENS}", "checkpoint.every=100000",
+            f"rollout.n={N}", f"rollout.max_tokens={TOKENS}",
+            # no checkpoints (a Huginn-0125 one with Adam is ~57 GB: the GPU host's 64 GB disk
+            # holds it beside nothing else) and the fewest published versions staleness 1 needs
+            "checkpoint.every=0", "checkpoint.final=false", "publish.keep=2",
             f"generators.max_inflight={PROMPTS}",  # max_num_seqs = a step's 128 samples
             "metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false"]  # fmt: skip
     if device.startswith("cuda"):
@@ -189,6 +193,7 @@ def main() -> int:
         if rc != 0:
             tail = (out / f"run_{name}.out").read_text(errors="replace").splitlines()[-15:]
             result[name]["tail"] = tail
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)  # the next run's disk room
     if "async" in result and "sync" in result:
         s, y = result["async"].get("samples_per_s"), result["sync"].get("samples_per_s")
         result["async_over_sync"] = round(s / y, 3) if s and y else None

@@ -420,9 +420,16 @@ class CheckpointSection:
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     keep: int = 2
     """Checkpoints kept (0 keeps all)."""
+    final: bool = True
+    """Write a checkpoint when the run ends (its last step, or SIGTERM / SIGINT). False: none at
+    the end (a benchmark, or a host whose disk cannot hold the optimizer state: a Huginn-0125
+    checkpoint with Adam is ~57 GB); ``checkpoint.every`` still applies."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _check(
+            isinstance(self.final, bool), "checkpoint.final", self.final, "must be true or false"
+        )
         _check(self.keep >= 0, "checkpoint.keep", self.keep, "must be >= 0 (0 keeps all)")
 
 

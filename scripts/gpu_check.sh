@@ -155,7 +155,7 @@ if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB unde
 fi
 if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-engine generator (issue 25)
     timeout "${T_E2E:-570}" "$PY" benchmarks/gpu_e2e.py --size "${E2E_SIZE:-1b}" \
-        --steps "${E2E_STEPS:-40}" --sync-steps "${E2E_SYNC_STEPS:-15}" --out /tmp/gpu_e2e \
+        --steps "${E2E_STEPS:-40}" --sync-steps "${E2E_SYNC_STEPS:-15}" --out /tmp/gpu_e2e ${E2E_ARGS:-} \
         2>"$LOG/e2e.err" | tee "$LOG/e2e.json"
     tail -n 8 "$LOG/e2e.err"
     for f in /tmp/gpu_e2e/run_*.out; do [ -f "$f" ] && tail -n 3 "$f"; done

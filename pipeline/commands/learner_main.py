@@ -368,7 +368,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
                                      ) from None  # fmt: skip
             if on_trained is not None:
                 on_trained()
-            resume_mod.save(coord, keep)
+            if cfg.checkpoint.final:
+                resume_mod.save(coord, keep)
     except BaseException as err:
         failing = True
         full = disk_full(run_dir, err, trainer) if isinstance(err, Exception) else None

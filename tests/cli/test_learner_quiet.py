@@ -131,3 +131,17 @@ def test_quiet_terminal_then_resume_of_a_finished_run(tmp_path: Path) -> None:
     assert f"learner: {run_dir} already finished (step 2 of steps=2)" in out
     assert "generators connect with" not in out
     assert (run_dir / "summary.json").read_bytes() == summary
+
+
+def test_no_final_checkpoint_when_told(tmp_path: Path) -> None:
+    """checkpoint.final=false: the run trains and summarises but writes no checkpoint at its
+    end (a benchmark, or a disk that cannot hold the optimizer state); the default writes one."""
+    run_dir = tmp_path / "run"
+    code, _, err = learner(run_dir, *SETTINGS, f"run_dir={run_dir}", "checkpoint.final=false")
+    assert code == 0, err[-4000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    ckpts = run_dir / "checkpoints"
+    assert (sorted(ckpts.iterdir()) if ckpts.is_dir() else []) == []
+    code, _, err = learner(run_dir, *SETTINGS, f"run_dir={run_dir}", "checkpoint.final=maybe",
+                           serve=False)  # fmt: skip
+    assert code != 0 and "checkpoint.final" in err, err[-2000:]
