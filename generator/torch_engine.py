@@ -17,8 +17,9 @@ runs the full depth D (its last position, which samples token 0, consults the po
 `models.exits.token0_follows_policy` says so), decode follows the exit policy, behaviour log-probs are
 `models.reference.behaviour_logprobs` of the sampling position (greedy, temperature 0: at
 temperature 1 and top_p 1, as the plugin records them), and tokens are drawn as the reference
-draws them (a CPU `torch.Generator` per sample seeded `models.reference.sampling_seed(latent_seed,
-offset)`: offset 0, or a conversation's turn, given by `generate(..., sampling_offsets)`).
+draws them (`models.sampling.draw`, one batched draw a step, keyed by
+`models.reference.sampling_seed(latent_seed, offset)` (offset 0, or a conversation's turn, given
+by `generate(..., sampling_offsets)`) and the token's index).
 
 Continuous batching of requests: one request per latent seed, `max_num_seqs` slots (rows of
 one KV cache of `max_model_len` positions). A slot whose request finished takes the next
@@ -61,7 +62,8 @@ from models.exits import (
     resolve_max_depth,
     token0_follows_policy,
 )
-from models.reference import _sample, behaviour_logprobs, build_model, sampling_seed
+from models.reference import behaviour_logprobs, build_model, sampling_seed
+from models.sampling import draw
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -81,7 +83,8 @@ class _Request:
     seed: int
     prompt: list[int]
     work: WorkItem
-    gen: torch.Generator
+    key: int
+    """The sampler's key (models.reference.sampling_seed)."""
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     depths: list[int] = dataclasses.field(default_factory=list)
@@ -210,8 +213,8 @@ class TorchEngine:
                 )
             for j, s in enumerate(int(x) for x in it.latent_seeds):
                 off = int(offsets[i]) if offsets is not None else 0
-                gen = torch.Generator().manual_seed(sampling_seed(s, off))
-                reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, gen))
+                key = sampling_seed(s, off)
+                reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, key))
         return reqs
 
     def _generate(
@@ -352,12 +355,16 @@ class TorchEngine:
         for (temp, top_p), rows in groups.items():
             lp = behaviour_logprobs(torch.stack([logits[b] for b in rows]), vocab, temp, top_p,
                                     self.numerics).cpu()  # fmt: skip
+            reqs = [slots[b] for b in rows]
+            toks = draw(lp, [r.key for r in reqs], [len(r.tokens) for r in reqs],  # type: ignore[union-attr]
+                        [r.work.temperature == 0 for r in reqs])  # type: ignore[union-attr]  # fmt: skip
+            picked = lp[torch.arange(len(rows)), torch.tensor(toks)].tolist()
             for k, b in enumerate(rows):
                 r = slots[b]
                 assert r is not None
-                tok = _sample(lp[k], r.work.temperature == 0, r.gen)
+                tok = toks[k]
                 r.tokens.append(tok)
-                r.logprobs.append(float(lp[k, tok]))
+                r.logprobs.append(picked[k])
                 if tok in r.work.stop_token_ids:
                     r.finish = "stop"
                 elif len(r.tokens) >= int(r.work.max_tokens):

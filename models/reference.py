@@ -17,10 +17,11 @@ top_p_filter follows vLLM's rule: sort z ascending (stable), p = softmax(sorted 
 c = cumsum(p); drop entries with c <= 1 - top_p, never the largest; dropped entries become
 -inf, so their log-prob is -inf and the rest renormalise over the nucleus (the distribution
 actually sampled from). Greedy decoding takes argmax(lp) (first index on ties) and still
-reports lp of that token. Sampling draws q ~ Exp(1)^V from a torch.Generator seeded with
+reports lp of that token. Sampling draws q ~ Exp(1)^V, counter-based from the key
 `sampling_seed(latent_seed, offset)` (`latent_seed ^ SAMPLING_SALT` at offset 0; a
-conversation's turn k uses offset k, so its turns do not reuse one another's numbers) and takes
-argmax(exp(lp) / q): reproducible per (latent seed, offset), independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
+conversation's turn k uses offset k, so its turns do not reuse one another's numbers) and the
+token's index t (models.sampling), and takes argmax(exp(lp) / q): reproducible per (latent
+seed, offset), independent of batch composition. Entropy = -sum_{lp > -inf} exp(lp) lp.
 
 Depths (contract 2): the prompt runs the full depth D (the policy's max depth, which may
 exceed the model's trained depth up to 255), except its last position, which samples token 0
@@ -62,13 +63,14 @@ from models.exits import (
     token0_follows_policy,
 )
 from models.rows import response_slice, token_rows
+from models.sampling import draw
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
 _MASK64 = (1 << 64) - 1
 
 
 def sampling_seed(latent_seed: int, offset: int = 0) -> int:
-    """The seed of the sampler's torch.Generator for a completion of ``latent_seed`` started
+    """The sampler's key (models.sampling) for a completion of ``latent_seed`` started
     with sampling-seed offset ``offset`` (a multi-turn conversation's model turn: 0, 1, ...;
     generator.multiturn): ``latent_seed ^ SAMPLING_SALT`` at offset 0 (every single-turn
     completion), else that value and the offset mixed by splitmix64's finaliser, so each turn
@@ -185,13 +187,6 @@ def entropy(logprobs: Tensor) -> Tensor:
     return -torch.where(torch.isfinite(logprobs), p * logprobs, 0.0).sum(dim=-1)
 
 
-def _sample(lp: Tensor, greedy: bool, gen: torch.Generator) -> int:
-    if greedy:
-        return int(lp.argmax())
-    q = torch.empty(lp.shape, dtype=torch.float32).exponential_(generator=gen)
-    return int((lp.exp().cpu() / q).argmax())
-
-
 def _check_seed(seed: int) -> int:
     return check_latent_seed(seed, "latent seeds")
 
@@ -236,7 +231,7 @@ def generate(
     offsets = list(sampling_offsets) if sampling_offsets is not None else [0] * len(seeds)
     if len(offsets) != len(seeds):
         raise ValueError(f"{len(offsets)} sampling offsets for {len(seeds)} prompts")
-    gens = [torch.Generator().manual_seed(sampling_seed(s, o)) for s, o in zip(seeds, offsets)]
+    keys = [sampling_seed(s, o) for s, o in zip(seeds, offsets)]
     toks = torch.zeros(bsz, max(lens), dtype=torch.int64)
     for b, p in enumerate(prompts):
         toks[b, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
@@ -284,10 +279,11 @@ def generate(
         lp = behaviour_logprobs(
             logits, model.vocab_size, sampling.temperature, sampling.top_p, numerics
         )
+        drawn = draw(lp, keys, [step] * bsz, sampling.greedy)  # models.sampling
         for b in range(bsz):
             if finish[b]:
                 continue
-            tok = _sample(lp[b], sampling.greedy, gens[b])
+            tok = drawn[b]
             tokens[b].append(tok)
             lps[b].append(float(lp[b, tok]))
             deps[b].append(step_depths[b])

@@ -153,13 +153,13 @@ def test_one_pass_and_an_adaptive_exit_depend_on_the_kv_semantics() -> None:
     for kv in ("last_exited", "full"):
         toks, lps, depths, mask, full = _converse(model, prompt, seed, OuroGate(0.6, kv=kv),
                                                   "exact")  # fmt: skip
-        assert [d for d, k in zip(depths, mask) if k] == [1, 1, 1, 1, 1, 2, 2, 2, 2]
+        assert [d for d, k in zip(depths, mask) if k] == [1, 1, 1, 2, 2, 2, 2, 2, 2]
         (r,) = replay(model, [ReplayItem(prompt, toks, seed, depths, full)], numerics="exact",
                       kv=kv)  # fmt: skip
         m = torch.from_numpy(mask)
         assert torch.equal(r.logprobs[:3], lps[:3])  # turn 1: one generation, exact
         miss[kv] = float((r.logprobs[m] - lps[m]).abs().max())
-    assert miss["last_exited"] > 1e-2  # measured 0.059
+    assert miss["last_exited"] > 1e-2  # measured 0.051 (0.059 with the torch.Generator sampler)
     assert miss["full"] == 0.0
 
 
