@@ -1,6 +1,7 @@
 """The same small GRPO job in Hugging Face TRL and in looprl, one after the other (issue 29).
 
     python benchmarks/vs_trl.py [--steps 120] [--cache DIR] [--skip-trl] [--skip-looprl]
+                                [--variant NAME=KEY=VALUE[,KEY=VALUE...] ...]
 
 The job: the tiny Llama `looprl model init --family llama --size tiny` writes, the 64 prompts
 of the synthetic count-on task (pipeline.core.tasks, seed 0) and its reward
@@ -13,7 +14,10 @@ step, 120 steps.
   (`trl==1.16.0`; torch / transformers / datasets are the looprl venv's, through a .pth file,
   so both sides run the same kernels). Where it cannot be installed, the TRL side is skipped
   with the reason in the JSON line.
-- looprl: `looprl run model.path=<the checkpoint>` (the learner + 2 vLLM generator processes).
+- looprl: `looprl run model.path=<the checkpoint>` (the learner + 1 vLLM generator process:
+  the defaults). Each ``--variant`` runs it once more with its config keys added (for example
+  ``--variant torch_s2=generators.engine=torch,staleness.max_staleness=2``), reported under
+  ``variants`` by name, after the default run.
 
 Prints one JSON line: for each side samples/s over steps 5..N (rollouts trained per second of
 wall time between the end of step 5 and the end of step N), mean reward of the first and last
@@ -145,20 +149,21 @@ def run_trl(py: Path, model: Path, steps: int, work: Path) -> dict[str, Any]:
 
 
 # -- looprl ----------------------------------------------------------------------------------------
-def run_looprl(model: Path, steps: int, work: Path) -> dict[str, Any]:
-    run_dir = work / "looprl"
+def run_looprl(model: Path, steps: int, work: Path, name: str = "looprl",
+               extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    run_dir = work / name
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     cmd = [sys.executable, "-m", "pipeline.cli", "run", f"run_dir={run_dir}",
            f"model.path={model}", f"steps={steps}", "metrics.progress=false",
-           "metrics.plot=false", "metrics.tensorboard=false", "checkpoint.every=0"]  # fmt: skip
+           "metrics.plot=false", "metrics.tensorboard=false", "checkpoint.every=0", *extra]  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if r.returncode:
-        (work / "looprl.err").write_text(r.stdout + r.stderr)
+        (work / f"{name}.err").write_text(r.stdout + r.stderr)
         return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}",
-                "log": str(work / "looprl.err")}  # fmt: skip
+                "log": str(work / f"{name}.err")}  # fmt: skip
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ends = [float(x["elapsed_s"]) for x in rows]
     rw = [float(x["reward_mean"]) for x in rows]
@@ -167,7 +172,16 @@ def run_looprl(model: Path, steps: int, work: Path) -> dict[str, Any]:
     return {"samples_per_s": _rate(ends), "reward_first5": _mean(rw[:5]),
             "reward_last5": _mean(rw[-5:]), "steps": len(rows), "wall_s": wall,
             "outside_steps_s": wall - (ends[-1] - ends[0]) if ends else None,
-            "timeline_mean_s": tl}  # fmt: skip
+            "timeline_mean_s": tl, "config": list(extra)}  # fmt: skip
+
+
+def variant(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME=KEY=VALUE[,KEY=VALUE...]`` -> (name, keys)."""
+    name, _, keys = spec.partition("=")
+    sets = tuple(k for k in keys.split(",") if k)
+    if not name.isidentifier() or not sets or any("=" not in k for k in sets):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME=KEY=VALUE[,KEY=VALUE...]")
+    return name, sets
 
 
 def main() -> None:
@@ -179,6 +193,8 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "looprl" / "vs_trl")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-looprl", action="store_true")
+    ap.add_argument("--variant", type=variant, action="append", default=[],
+                    help="NAME=KEY=VALUE[,KEY=VALUE...]: one more looprl run with these keys")  # fmt: skip
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from models.init import init_checkpoint
@@ -198,18 +214,25 @@ def main() -> None:
             res["looprl"] = {"skipped": "--skip-looprl"}
         else:
             res["looprl"] = run_looprl(model, a.steps, work)
+            res["variants"] = {}
+            for name, sets in a.variant:
+                res["variants"][name] = run_looprl(model, a.steps, work, name, sets)
+                res["variants"][name]["load_after"] = os.getloadavg()
         res["load_after"] = os.getloadavg()
         t, lp = res["trl"].get("samples_per_s"), res["looprl"].get("samples_per_s")
         if t and lp:
             res["looprl_over_trl"] = lp / t
+        for v in res.get("variants", {}).values():
+            if t and v.get("samples_per_s"):
+                v["over_trl"] = v["samples_per_s"] / t
         keep = a.cache / "last"
-        for name in ("trl.err", "looprl.err"):  # failures: keep the log past the temp dir
-            if (work / name).is_file():
-                keep.mkdir(parents=True, exist_ok=True)
-                (keep / name).write_text((work / name).read_text())
-                for side in ("trl", "looprl"):
-                    if res[side].get("log") == str(work / name):
-                        res[side]["log"] = str(keep / name)
+        sides = [res["trl"], res["looprl"], *res.get("variants", {}).values()]
+        for err in work.glob("*.err"):  # failures: keep the log past the temp dir
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / err.name).write_text(err.read_text())
+            for side in sides:
+                if side.get("log") == str(err):
+                    side["log"] = str(keep / err.name)
     print(json.dumps(res))
 
 
