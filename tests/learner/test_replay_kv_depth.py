@@ -41,8 +41,10 @@ def make_cases() -> dict[str, dict[str, Any]]:
         if depth is not None:
             cfg = dataclasses.replace(cfg, mean_recurrence=depth)
         ref = build_model(cfg, seed=i)
-        prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 9)]
-        seeds = [17 + i, 2**64 - 5 - i]
+        # three prompts: with two, the sampled tokens of 2026-12-04's sampler (models.sampling)
+        # left every ouro exit at depth 3 (the depths must vary for the case to test anything)
+        prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 9, 6)]
+        seeds = [17 + i, 2**64 - 5 - i, 99 + i]
         gens = generate(ref, prompts, seeds, SAMPLING, policy, "exact")
         items = [
             ReplayItem(g.prompt_tokens, g.tokens, g.latent_seed, g.exit_depths, g.full_depth)
