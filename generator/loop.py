@@ -151,8 +151,12 @@ class GeneratorLoop:
         self._load: tuple[Any, Future[Any]] | None = None
         self._unacked: OrderedDict[str, _Unacked] = OrderedDict()
         self._stopping, self._stop_reason = False, "shutdown"
-        self._engine_lane = Lane("generator-engine", inline=not threaded)
-        self._score_lane = Lane("generator-score", inline=not threaded)
+        # a lane that finishes a call wakes run()'s wait on the connection (when it offers a
+        # waker): the next batch or weight load starts then, not at the next poll_s
+        waker = getattr(connection, "waker", None)
+        wake = waker() if threaded and callable(waker) else None
+        self._engine_lane = Lane("generator-engine", inline=not threaded, on_done=wake)
+        self._score_lane = Lane("generator-score", inline=not threaded, on_done=wake)
 
     # -- public ---------------------------------------------------------------------------
     @property

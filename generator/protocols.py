@@ -76,8 +76,11 @@ def make_hello(
 class Lane:
     """One daemon thread running submitted calls in order (inline=True: run at submit)."""
 
-    def __init__(self, name: str, inline: bool) -> None:
+    def __init__(self, name: str, inline: bool, on_done: Callable[[], None] | None = None) -> None:
+        """``on_done``: called on the lane's thread after each call (a thread lane only): the
+        loop's connection waker, so the loop acts on a result at once."""
         self.inline = inline
+        self._on_done = None if inline else on_done
         self._q: SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = SimpleQueue()
         if not inline:
             threading.Thread(target=self._work, name=name, daemon=True).start()
@@ -101,6 +104,8 @@ class Lane:
     def _work(self) -> None:
         while (job := self._q.get()) is not None:
             self._run(*job)
+            if self._on_done is not None:
+                self._on_done()
 
     def close(self) -> None:
         if not self.inline:

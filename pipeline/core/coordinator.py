@@ -192,8 +192,13 @@ class Coordinator:
         self._last_step_t = time.time()
         self.timeline = StepTimeline()  # the time/* keys of each step's metrics
         self._publish_times: dict[str, float] = {}  # the last publication's stages (s)
+        # the trainer and publishing threads wake the loop's recv when a step or a version is
+        # done (when the endpoint offers a waker): completed, announced and new work sent at
+        # once, not at the next poll_s
+        waker = getattr(endpoint, "waker", None)
+        self._wake: Callable[[], None] | None = waker() if background and callable(waker) else None
         mp = cfg.publish.max_pending  # versions hashed and written beside the next steps
-        self.publications = PublicationQueue(mp) if mp and background else None
+        self.publications = PublicationQueue(mp, on_done=self._wake) if mp and background else None
         self._announced_stages: dict[str, float] = {}  # since the last metrics row
 
     # -- incoming --------------------------------------------------------------------------------
@@ -448,6 +453,9 @@ class Coordinator:
                 fut.set_exception(e)
         else:
             fut = self._pool.submit(work)
+            if self._wake is not None:
+                wake = self._wake
+                fut.add_done_callback(lambda _f: wake())
         return _Job(groups, rolls, flags, failed, publish, base, v, fut)
 
     def _complete(self, job: _Job) -> bool:

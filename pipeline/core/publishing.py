@@ -50,10 +50,17 @@ class PublicationQueue:
     """See the module docstring. ``submit``/``ready``/``wait_all`` on the coordinator's
     thread; ``make_room`` on the trainer thread."""
 
-    def __init__(self, max_pending: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        max_pending: int,
+        clock: Callable[[], float] = time.perf_counter,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_done``: called on the publishing thread when a version's finish ends (the
+        coordinator's waker: the version is announced at once)."""
         if max_pending < 1:
             raise ValueError(f"max_pending: expected >= 1, got {max_pending}")
-        self.max_pending, self.clock = max_pending, clock
+        self.max_pending, self.clock, self.on_done = max_pending, clock, on_done
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()
@@ -73,8 +80,12 @@ class PublicationQueue:
             snap.stages["total"] = self.clock() - t
             return pub
 
+        fut = self._pool.submit(run)
+        if self.on_done is not None:
+            done = self.on_done
+            fut.add_done_callback(lambda _f: done())
         with self._lock:
-            self._pending.append(_Pending(snap.version, self._pool.submit(run), snap.stages, t0))
+            self._pending.append(_Pending(snap.version, fut, snap.stages, t0))
 
     def make_room(self) -> float:
         """Block until fewer than ``max_pending`` versions are unfinished; the seconds waited."""

@@ -110,6 +110,7 @@ class _Base:
         }
         self._log = RateLimitedLog(log, config.log_interval_s, clock)
         self.closed = False
+        self._woken = False  # set by a transport's wake_on fd: recv returns None at once
 
     def _warn(self, peer: str, reason: str, fmt: str, *args: Any) -> None:
         """A warning about what ``peer`` did: at most one line per (peer, reason) per
@@ -150,6 +151,9 @@ class _Base:
         while True:
             due = self._tick()
             raw = self._raw_recv(max(0.0, min(end - time.monotonic(), due)))
+            if raw is None and self._woken:  # another thread finished work: the caller acts
+                self._woken = False
+                return None
             if raw is not None:
                 inc = self._accept(*raw)
                 if inc is not None:

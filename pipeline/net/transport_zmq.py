@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -61,6 +62,40 @@ def split_routing_id(rid: bytes) -> str:
     return rid.decode("utf-8", "surrogateescape")
 
 
+class _Wake:
+    """A non-blocking pipe: calling it writes a byte (never blocks; a full pipe is a pending
+    wake already), ``drain`` empties it, ``close`` closes both ends (under a lock, so a late
+    caller never writes to a descriptor number the process has reused)."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.w >= 0:
+                try:
+                    os.write(self.w, b"\0")
+                except OSError:  # full: a wake is pending anyway
+                    pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.r, 4096):
+                pass
+        except OSError:  # empty
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self.w >= 0:
+                os.close(self.r)
+                os.close(self.w)
+                self.r = self.w = -1
+
+
 class _ZmqMixin(_Base):
     """Polling both sockets: at most one message per channel waits in ``_pending`` (it is
     refilled only when empty), so the transport itself holds at most two frames."""
@@ -75,6 +110,18 @@ class _ZmqMixin(_Base):
         self._pending: deque[tuple[Raw, bytes]] = deque()  # (message, its routing id)
         self._cur_rid = b""  # routing id of the message being handled
         self._rr = 0
+        self._wake: _Wake | None = None  # waker(): a pipe whose write ends a recv's wait
+
+    def waker(self) -> Callable[[], None]:
+        """A function any thread may call to end this transport's ``recv`` wait at once (it
+        returns None): a thread that finished work the receiving loop waits for (a batch, a
+        weight load, a training step, a publication) wakes it instead of the loop noticing
+        at its next poll timeout. One pipe per transport, closed with it; a call after the
+        close does nothing."""
+        if self._wake is None:
+            self._wake = _Wake()
+            self._poller.register(self._wake.r, zmq.POLLIN)
+        return self._wake
 
     def _socket(
         self, channel: Channel, kind: int, curve: Callable[[zmq.Socket], None] | None
@@ -124,6 +171,9 @@ class _ZmqMixin(_Base):
     def _raw_recv(self, timeout_s: float) -> Raw | None:
         if not self._pending:
             ready = dict(self._poller.poll(int(timeout_s * 1000 + 0.999)))
+            if self._wake is not None and self._wake.r in ready:
+                self._wake.drain()
+                self._woken = True
             for mon in self._mons:
                 while mon in ready and mon.poll(0):
                     self._event(mon)
@@ -168,6 +218,9 @@ class _ZmqMixin(_Base):
             s.close(linger_ms)
         self._socks.clear()
         self._mons.clear()
+        if self._wake is not None:
+            self._poller.unregister(self._wake.r)
+            self._wake.close()
 
     def _term(self) -> None:
         if self._own_ctx:

@@ -355,3 +355,31 @@ def test_zmq_no_threads_left() -> None:
     conn.close()
     ep.close()
     assert threading.active_count() == before
+
+
+def test_zmq_waker_ends_a_recv_wait_at_once(zep: ZmqLearnerEndpoint) -> None:
+    """waker(): a thread that finished work ends the loop's recv wait (None, long before its
+    timeout); a wake before the wait is not lost; frames still come first; after close the
+    waker does nothing (a late trainer or lane thread)."""
+    wake = zep.waker()
+    assert zep.waker() is wake  # one pipe per transport
+    threading.Timer(0.2, wake).start()
+    t0 = time.monotonic()
+    assert zep.recv(5.0) is None
+    assert 0.15 <= time.monotonic() - t0 < 2.0
+    wake()
+    wake()  # two wakes before a wait: one early return, then the wait is a wait again
+    t0 = time.monotonic()
+    assert zep.recv(5.0) is None and time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    assert zep.recv(0.3) is None and time.monotonic() - t0 >= 0.25
+    conn = zconnect(zep)
+    try:
+        assert conn.send(RolloutBatch([rollout()]))
+        wake()
+        got = wait_for(zep, is_(RolloutBatch))  # a woken recv loses no frame
+        assert got.peer == "gen-0"
+    finally:
+        conn.close()
+    zep.close()
+    wake()  # closed: nothing written, nothing raised
