@@ -27,6 +27,12 @@ invalid there, so they cost nothing: depth batching), then it decodes with the r
 decode at their own positions. Latent noise: drawn by `models.noise` for the rows' (seed,
 position) (the spec), on the CPU, then copied to the device.
 
+Config keys of the vLLM engine it honours too: `kv_cache_mb` (`kv_cache_bytes`) is the cache
+budget: a call's cache holds min(max_num_seqs, requests, budget // one row's bytes) rows (one
+row: every K/V slot, prelude + core x depth + coda, of the call's length), and a budget that
+holds no row is refused naming the key (at start when `max_model_len` is set); `seed` (engine
+seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
+
 Weights: `load_weights` hashes what it reads (`models.weights.verified.read_weights`; a
 `VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
 and copies the tensors into the parameters in place (`models.checkpoint.load_into`; the CUDA
@@ -65,6 +71,15 @@ from models.reference import _sample, behaviour_logprobs, build_model, sampling_
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_sampling_seed(latent_seed: int, offset: int, seed: int) -> int:
+    """The sampler seed of a completion on a torch engine of config `seed` (generators.seed):
+    `models.reference.sampling_seed(latent_seed, offset)` at seed 0 (the reference's tokens),
+    else that value xor the seed spread by the golden-ratio multiplier (another draw per engine
+    seed; the latent noise does not depend on it, contract 1)."""
+    base = sampling_seed(latent_seed, offset)
+    return base ^ ((int(seed) * 0x9E37_79B9_7F4A_7C15) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
 def check_engine(name: str) -> str:
@@ -112,6 +127,8 @@ class TorchEngine:
         weight_version: int = 0,
         graph: bool | None = None,
         model: torch.nn.Module | None = None,
+        kv_cache_bytes: int | None = None,
+        seed: int = 0,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -144,11 +161,45 @@ class TorchEngine:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_mb must be >= 1, got {kv_cache_bytes} bytes")
+        self.kv_cache_bytes = kv_cache_bytes
+        if not 0 <= int(seed) < 1 << 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        self.seed = int(seed)
+        self.rows_used = 0
+        """Rows of the last `generate` call's KV cache (its concurrent requests)."""
+        if max_model_len is not None:  # a budget too small for one row fails at start
+            self._cache_rows(max_model_len, max_num_seqs)
         self.weight_version = weight_version
         self.broken = ""
         self.looped = True
         self.inflight_updates = False  # a swap waits for the running batch
         self._lock = threading.RLock()
+
+    def row_bytes(self, length: int) -> int:
+        """Bytes of one KV-cache row of `length` positions (every prelude, core x depth and
+        coda slot: K and V, kv heads x head_dim, the parameters' dtype; `filled` included)."""
+        g, d = self.model.kv_shape
+        slots = len(self.model.prelude_blocks()) + len(self.model.coda_blocks())
+        slots += self.full_depth * len(self.model.core_blocks())
+        return length * (slots * 2 * g * d * self.dtype.itemsize + 1)
+
+    def _cache_rows(self, length: int, want: int) -> int:
+        """Rows of a cache of `length` positions: `want`, capped by the kv_cache_mb budget;
+        ValueError naming the key when not even one row fits."""
+        if self.kv_cache_bytes is None:
+            return want
+        per_row = self.row_bytes(length)
+        fit = self.kv_cache_bytes // per_row
+        if fit < 1:
+            raise ValueError(
+                f"generators.kv_cache_mb ({self.kv_cache_bytes / 2**20:g} MiB) holds no request of "
+                f"{length} positions: the torch engine's cache needs {per_row / 2**20:.1f} MiB per "
+                f"request at depth {self.full_depth} ({self.dtype}); raise kv_cache_mb or lower "
+                "max_model_len / rollout.max_tokens"
+            )
+        return min(want, fit)
 
     def _dtype(self, dtype: str, hf: Mapping[str, Any], dev: torch.device) -> torch.dtype:
         if dtype == "auto":
@@ -210,7 +261,7 @@ class TorchEngine:
                 )
             for j, s in enumerate(int(x) for x in it.latent_seeds):
                 off = int(offsets[i]) if offsets is not None else 0
-                gen = torch.Generator().manual_seed(sampling_seed(s, off))
+                gen = torch.Generator().manual_seed(engine_sampling_seed(s, off, self.seed))
                 reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, gen))
         return reqs
 
@@ -224,7 +275,8 @@ class TorchEngine:
         length = need if self.max_model_len is None else self.max_model_len
         if need > length:
             raise ValueError(f"a prompt + max_tokens of {need} exceeds max_model_len {length}")
-        bsz = min(self.max_num_seqs, len(reqs))
+        bsz = self._cache_rows(length, min(self.max_num_seqs, len(reqs)))
+        self.rows_used = bsz
         cache = KVCache.empty(self.model, bsz, length, self.full_depth)
         slots: list[_Request | None] = [None] * bsz
         waiting = deque(reqs)
