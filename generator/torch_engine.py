@@ -6,7 +6,9 @@ contract as `generator.engine.LoopedEngine` (`weight_version`, `generate(items)`
 project's own looped engine: `models.reference.build_model` + `models.checkpoint` weights,
 `models.engine.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
 token stops costing core compute, kv='last_exited'), and at a fixed depth on CUDA the CUDA-graph
-decode step (`models.engine_graph.GraphDecoder`). What it is for (docs/GENERATOR.md): a
+decode step (`models.engine_graph.GraphDecoder`; in fast numerics its blocks' qkv / post
+compiled by torch.compile, `compile`; the cache and the captured graph kept for the next call
+of the same shape). What it is for (docs/GENERATOR.md): a
 generator on hosts where vLLM does not run (the lent GPU host), the exact-numerics generator on
 a GPU, and the whole system on one GPU. It does not replace vLLM (no paged KV cache, no prefix
 cache, no tensor parallelism, Python-level scheduling).
@@ -129,6 +131,7 @@ class TorchEngine:
         model: torch.nn.Module | None = None,
         kv_cache_bytes: int | None = None,
         seed: int = 0,
+        compile: bool | None = None,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -157,6 +160,10 @@ class TorchEngine:
         self.graph = (self.fixed and dev.type == "cuda") if graph is None else graph
         if self.graph and not self.fixed:
             raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
+        self.compile = (self.graph and numerics == "fast") if compile is None else compile
+        if self.compile and not (self.graph and numerics == "fast"):
+            raise ValueError("TorchEngine(compile=True) needs the graph decode in fast numerics")
+        self._kept: tuple[KVCache, GraphDecoder | None] | None = None
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -277,11 +284,10 @@ class TorchEngine:
             raise ValueError(f"a prompt + max_tokens of {need} exceeds max_model_len {length}")
         bsz = self._cache_rows(length, min(self.max_num_seqs, len(reqs)))
         self.rows_used = bsz
-        cache = KVCache.empty(self.model, bsz, length, self.full_depth)
+        cache, decoder = self._cache(bsz, length)
         slots: list[_Request | None] = [None] * bsz
         waiting = deque(reqs)
         logits: dict[int, torch.Tensor] = {}  # slot -> logits [V] to sample from
-        decoder = None
         while waiting or any(s is not None for s in slots):
             free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
             for b in free:
@@ -300,7 +306,8 @@ class TorchEngine:
                 if decoder is None:
                     seeds = [s.seed if s is not None else 0 for s in slots]
                     decoder = GraphDecoder(self.model, cache, seeds, depth=self.full_depth,
-                                           mode=self.numerics)  # fmt: skip
+                                           mode=self.numerics, compile=self.compile)  # fmt: skip
+                    self._kept = (cache, decoder)
                 out = self._graph_step(decoder, slots)
             else:
                 out = self._decode(cache, slots, live)
@@ -310,6 +317,19 @@ class TorchEngine:
         for r in reqs:
             results[r.item][r.sample] = self._record(r)
         return results
+
+    def _cache(self, rows: int, length: int) -> tuple[KVCache, GraphDecoder | None]:
+        """The call's KV cache, and its captured decoder: on the graph path, the previous
+        call's when the shape is the same (its `filled` cleared: the old K/V are invisible and
+        overwritten), so a graph is captured once per shape, not once per call."""
+        kept, self._kept = self._kept, None
+        if kept is not None and tuple(kept[0].filled.shape) == (rows, length):
+            kept[0].filled.zero_()
+            self._kept = kept
+            return kept
+        del kept  # (its memory is free for the new cache)
+        cache = KVCache.empty(self.model, rows, length, self.full_depth)
+        return cache, None
 
     def _prefill(
         self, cache: KVCache, slots: list[_Request | None], rows: list[int]
@@ -435,6 +455,7 @@ class TorchEngine:
 
     def close(self) -> None:
         """Release the caches (the model is kept: closing twice is harmless)."""
+        self._kept = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

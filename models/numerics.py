@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NumericsMode = Literal["fast", "exact"]
 MODES: tuple[str, ...] = ("fast", "exact")
@@ -105,10 +106,25 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
+def _fused_inference(x: Tensor) -> bool:
+    """Whether a fast-mode op may take a fused CUDA kernel (other bits than the eager formula,
+    within the fast mode's tolerance): CUDA, no autograd (generation), not traced by
+    torch.compile (inductor fuses the formula itself). The learner's eager CUDA path and every
+    CPU path keep the formula's kernels; exact mode never comes here."""
+    return (
+        x.device.type == "cuda"
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tensor:
     """RMSNorm as Huginn and Ouro/Llama write it: normalise in fp32, cast back, times weight.
 
-    fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`.
+    fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`;
+    bf16 on CUDA without autograd (generation, `_fused_inference`): `F.rms_norm`, torch's fused
+    kernel (fp32 inside, the weight product before the one rounding to bf16: within one bf16
+    ulp of the formula; one kernel instead of seven).
     On the CPU in fp32 this is `F.rms_norm`: torch's CPU implementation runs the same kernels
     in the same order (pow, mean, + eps, rsqrt, two products; tests/models/
     test_numerics_identities.py checks the bits), with less Python in between.
@@ -124,6 +140,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tenso
         return (yr.double() * weight.double()).to(torch.promote_types(yr.dtype, weight.dtype))
     if OPAQUE_NORM_UNDER_COMPILE and torch.compiler.is_compiling():
         return _rms_norm_fast_op(x, weight, eps)  # type: ignore[no-any-return]
+    if _fused_inference(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # fp32 inside, one rounding to bf16
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         if x.device.type == "cpu":  # torch's CPU rms_norm: these very kernels, in C++
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -202,11 +220,17 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     difference / sum with one rounded add each (`_mm*_mul_ps` and `hsub`, no FMA); whole
     vectors only (the inner run of head_dim / 2 complex numbers fills 2-vector chunks, so the
     scalar remainder loop never runs). tests/models/test_numerics_identities.py checks it.
+    fast on CUDA without autograd (`_fused_inference`): the same complex product on the
+    input promoted to fp32, one kernel (the CUDA kernel may contract to FMA: within the fast
+    mode's tolerance, not the formula's bits), cast back to x's dtype.
     """
-    if mode != "exact" and _complex_rope_exact(x, cos_sin):
+    if mode != "exact" and (_complex_rope_exact(x, cos_sin) or _fused_inference(x)):
         try:
-            xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-            return torch.view_as_real(xc * torch.view_as_complex(cos_sin)).flatten(-2)
+            xf = x if x.dtype == torch.float32 else x.float()
+            xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
+            cs = torch.view_as_complex(cos_sin.float().contiguous())
+            out = torch.view_as_real(xc * cs).flatten(-2)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         except RuntimeError:  # strides view_as_complex refuses: the general path
             pass
     dt = torch.float64 if mode == "exact" else torch.float32
@@ -291,9 +315,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
         e = torch.exp(scores)
         p = e / e.sum(dim=-1, keepdim=True)
         out = torch.matmul(p, vh.double()).float()
+    elif SDPA_BACKENDS is not None and q.device.type == "cuda":
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
     return out.transpose(1, 2).flatten(2).to(q.dtype)
+
+
+SDPA_BACKENDS: list[SDPBackend] | None = None
+"""fast mode on CUDA: the SDPA backends `attention` may use, in order (None: torch's choice).
+Set by benchmarks (benchmarks/depth_batching.py --attn) to compare decode attention kernels."""
 
 
 __all__ = [

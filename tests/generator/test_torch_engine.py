@@ -147,3 +147,27 @@ def test_kv_cache_mb_and_seed_are_honoured(tmp_path: Path) -> None:
             else:
                 moved += sg.tokens.tolist() != sw.tokens.tolist()
     assert moved >= 2  # of the 3 sampled requests (7-9 draws each at temperature 0.8 / 1)
+
+
+def test_graph_decode_keeps_its_cache_between_calls(tmp_path: Path) -> None:
+    """The fixed-depth graph decode (eager on the CPU) keeps its cache and decoder for the next
+    call of the same shape: the records stay the reference's, bit for bit (exact)."""
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    _, model = load_model(path)
+    items = _items()[1:]  # b (greedy, 2 seeds) and c: 3 requests, 11 + 9 positions
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", graph=True,
+                      max_model_len=24)  # fmt: skip
+    assert not eng.compile  # exact numerics: the eager blocks
+    first = eng.generate(items)
+    assert eng._kept is not None
+    kept = eng._kept
+    second = eng.generate(items[::-1])[::-1]
+    assert eng._kept is kept  # the same cache and decoder
+    for it, a, b in zip(items, first, second, strict=True):
+        for seed, sa, sb in zip(it.latent_seeds.tolist(), a, b, strict=True):
+            tokens, _, lps, _ = _reference(model, it, int(seed), FixedDepth(model.max_depth))
+            for s in (sa, sb):
+                assert s.tokens.tolist() == tokens
+                np.testing.assert_array_equal(s.logprobs, lps)
+    with pytest.raises(ValueError, match="compile=True"):
+        TorchEngine(path, numerics="exact", device="cpu", graph=True, compile=True)
