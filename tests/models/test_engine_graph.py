@@ -184,11 +184,19 @@ def _compiled_vs_eager(family: str, device: str) -> tuple[float, float, int]:
 
 
 @torch.no_grad()
-def test_compiled_regions_match_the_eager_step() -> None:
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs CUDA"))],
+)  # fmt: skip
+def test_compiled_regions_match_the_eager_step(device: str) -> None:
     """GraphDecoder(compile=True): the blocks' qkv / post under torch.compile (fast mode) decode
     within fp32 rounding of the eager step (same tokens fed), compiled once for every block of
-    the model (not once per block); exact numerics refuse it."""
-    chosen, row, graphs = _compiled_vs_eager("huginn", "cpu")
+    the model (not once per block); exact numerics refuse it. On CUDA: in the CUDA graph."""
+    try:
+        chosen, row, graphs = _compiled_vs_eager("huginn", device)
+    finally:
+        model_of("huginn").cpu()
     assert chosen <= 1e-5 and row <= 1e-4, (chosen, row)
     assert graphs <= 4, graphs  # qkv + post (+ a recompile for another x layout at most)
     model = model_of("llama")
