@@ -7,7 +7,8 @@ project's own looped engine: `models.reference.build_model` + `models.checkpoint
 `models.engine.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
 token stops costing core compute, kv='last_exited'), and at a fixed depth on CUDA the CUDA-graph
 decode step (`models.engine_graph.GraphDecoder`; in fast numerics its blocks' qkv / post
-compiled by torch.compile, `compile`; the cache and the captured graph kept for the next call
+compiled by torch.compile, `compile`; fused CUDA RMSNorm / RoPE kernels in fast numerics,
+`models.numerics.fused_generation`; the cache and the captured graph kept for the next call
 of the same shape). What it is for (docs/GENERATOR.md): a
 generator on hosts where vLLM does not run (the lent GPU host), the exact-numerics generator on
 a GPU, and the whole system on one GPU. It does not replace vLLM (no paged KV cache, no prefix
@@ -244,7 +245,7 @@ class TorchEngine:
         """Sample every item `item.n` times (one request per latent seed); results in order.
         ``sampling_offsets``: per item, its samples' sampling-seed offset (None: 0; a
         conversation's turn, generator.multiturn; `models.reference.sampling_seed`)."""
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), nx.fused_generation(self.numerics == "fast"):
             if self.broken:
                 raise WeightLoadError(self.broken)
             return self._generate(items, sampling_offsets)

@@ -37,6 +37,7 @@ decoder. One decoder per cache; the capture happens at the first step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,7 @@ def decode_step(
     )
 
 
+_log = logging.getLogger(__name__)
 _REGIONS: list[Regions] = []
 
 
@@ -131,7 +133,8 @@ class GraphDecoder:
     one per row) may be reassigned between steps (a slot taking another request). warmup:
     eager runs of the step on a side stream before the capture (they rewrite the first step's
     K/V with the same values: the step is idempotent for the same inputs). compile: the
-    blocks' qkv / post through `compiled_regions` (fast mode; the first warm-up compiles).
+    blocks' qkv / post through `compiled_regions` (fast mode; the first warm-up compiles; if
+    compiling fails there, a warning and the eager blocks).
     """
 
     def __init__(
@@ -188,8 +191,17 @@ class GraphDecoder:
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self._run()
+            try:
+                for _ in range(self.warmup):
+                    self._run()
+            except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
+                if self.regions is None:
+                    raise
+                _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
+                             exc)  # fmt: skip
+                self.regions = None
+                for _ in range(self.warmup):
+                    self._run()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

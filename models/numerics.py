@@ -22,7 +22,9 @@ D head_dim. All tensors are fp32 unless stated.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -106,13 +108,31 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
+_FUSED_GENERATION = [False]
+
+
+@contextlib.contextmanager
+def fused_generation(on: bool = True) -> Iterator[None]:
+    """Within: fast-mode ops on CUDA without autograd may take fused kernels (`rms_norm` in
+    bf16, `rope_adjacent`): other bits than the formula, within the fast mode's tolerance.
+    Entered by the torch generator engine around its generation (generator/torch_engine.py)
+    only, so that the learner's and the reference's forwards, with or without autograd, keep
+    the formula's kernels (a no-grad old-log-prob pass equals the grad pass)."""
+    before = _FUSED_GENERATION[0]
+    _FUSED_GENERATION[0] = on
+    try:
+        yield
+    finally:
+        _FUSED_GENERATION[0] = before
+
+
 def _fused_inference(x: Tensor) -> bool:
-    """Whether a fast-mode op may take a fused CUDA kernel (other bits than the eager formula,
-    within the fast mode's tolerance): CUDA, no autograd (generation), not traced by
-    torch.compile (inductor fuses the formula itself). The learner's eager CUDA path and every
-    CPU path keep the formula's kernels; exact mode never comes here."""
+    """Whether a fast-mode op may take a fused CUDA kernel: inside `fused_generation`, on CUDA,
+    no autograd, not traced by torch.compile (inductor fuses the formula itself). Every CPU
+    path keeps the formula's kernels; exact mode never comes here."""
     return (
-        x.device.type == "cuda"
+        _FUSED_GENERATION[0]
+        and x.device.type == "cuda"
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )
@@ -122,7 +142,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tenso
     """RMSNorm as Huginn and Ouro/Llama write it: normalise in fp32, cast back, times weight.
 
     fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`;
-    bf16 on CUDA without autograd (generation, `_fused_inference`): `F.rms_norm`, torch's fused
+    bf16 on CUDA inside `fused_generation` (the torch engine): `F.rms_norm`, torch's fused
     kernel (fp32 inside, the weight product before the one rounding to bf16: within one bf16
     ulp of the formula; one kernel instead of seven).
     On the CPU in fp32 this is `F.rms_norm`: torch's CPU implementation runs the same kernels
@@ -220,7 +240,7 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     difference / sum with one rounded add each (`_mm*_mul_ps` and `hsub`, no FMA); whole
     vectors only (the inner run of head_dim / 2 complex numbers fills 2-vector chunks, so the
     scalar remainder loop never runs). tests/models/test_numerics_identities.py checks it.
-    fast on CUDA without autograd (`_fused_inference`): the same complex product on the
+    fast on CUDA inside `fused_generation` (the torch engine): the same complex product on the
     input promoted to fp32, one kernel (the CUDA kernel may contract to FMA: within the fast
     mode's tolerance, not the formula's bits), cast back to x's dtype.
     """
@@ -334,6 +354,7 @@ __all__ = [
     "attention",
     "bias_add",
     "check_mode",
+    "fused_generation",
     "linear",
     "linears",
     "log_softmax",
