@@ -317,8 +317,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
       3. masked scores = -inf; m = max_t scores; e = exp(scores - m); p = e / sum_t e  (fp64);
       4. out[b, s, h, :] = sum_t p[b, h, s, t] v[b, t, h // (H/G), :]   (fp64);
       5. round out to fp32.
-    fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask.
+    fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask; one query position
+    on CUDA inside `fused_generation` (the torch engine's decode): the Triton kernel of
+    `models.engine_attention` (reads each cached key and value once, in the cache's layout).
     """
+    if mode != "exact" and q.shape[1] == 1 and _fused_inference(q):
+        from models import engine_attention as ea  # (Triton: imported on CUDA only)
+
+        if ea.available(q, k, v, mask):
+            return ea.decode_attention(q, k, v, mask)
     heads, groups, dim = q.shape[2], k.shape[2], q.shape[3]
     rep = heads // groups
     qh = q.transpose(1, 2)  # [B, H, S, D]
