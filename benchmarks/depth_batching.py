@@ -29,7 +29,9 @@ step / `--hbm-tbs`), a step reading prelude + coda + head once and the core D ti
 records included), tokens/s of generated tokens, after a first call (timed apart: it captures
 the graph, and compiles it with `--graph-variants ...compiled`); later calls reuse the graph.
 --graph-variants: eager blocks and / or the blocks' qkv / post compiled (`GraphDecoder(compile=
-True)`); --attn: the decode attention's SDPA backend per graph variant; --profile: kernel times.
+True)`); --attn: the decode attention per graph variant (triton: the torch engine's kernel, or an
+SDPA backend); --profile: kernel times. The graph rows run inside
+`models.numerics.fused_generation`, as the torch engine decodes.
 
 Timing: one warm pass, then the median of `--reps` passes, host clock with a device sync at
 both ends. One JSON line per measurement, a summary line last.
@@ -138,9 +140,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--attn",
-        default="default",
-        help="--graph: SDPA backends of the decode attention (comma list of default, "
-        "cudnn, efficient, math, flash)",
+        default="triton",
+        help="--graph: decode attention per graph variant (comma list of triton: the "
+        "engine's kernel, models/engine_attention.py; or SDPA: default, cudnn, efficient, math)",
     )
     ap.add_argument(
         "--profile",
@@ -230,9 +232,10 @@ def graph_rows(
     model: Any, cache: KVCache, restore: Callable[[], None], first: Tensor, seeds: list[int],
     a: argparse.Namespace, bound: float, sync: Callable[[], None],
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The CUDA-graph decode step per (variant: eager blocks | compiled blocks) x (SDPA backend
-    of the decode attention: `--attn`, `default` = torch's choice): ms per step, tokens/s vs
-    the HBM bound, and the greedy tokens / chosen log-probs against the first variant's."""
+    """The CUDA-graph decode step per (variant: eager blocks | compiled blocks) x (decode
+    attention, `--attn`: triton = the engine's kernel, else SDPA with that backend, `default` =
+    torch's choice): ms per step, tokens/s vs the HBM bound, and the greedy tokens / chosen
+    log-probs against the first variant's."""
     from torch.nn.attention import SDPBackend
 
     b, d = a.batch, a.depth
@@ -241,7 +244,8 @@ def graph_rows(
     base: tuple[list[list[int]], Tensor] | None = None
     for variant in a.graph_variants.split(","):
         for attn in a.attn.split(","):
-            nx.SDPA_BACKENDS = None if attn == "default" else [getattr(SDPBackend, _BACKENDS[attn])]
+            nx.DECODE_KERNEL = attn == "triton"  # else SDPA, with this backend
+            nx.SDPA_BACKENDS = [getattr(SDPBackend, _BACKENDS[attn])] if attn in _BACKENDS else None
             t0 = time.perf_counter()
             try:
                 restore()
@@ -290,7 +294,7 @@ def graph_rows(
             out.append(row)
             print(json.dumps(row), flush=True)
             del dec
-    nx.SDPA_BACKENDS = None
+    nx.SDPA_BACKENDS, nx.DECODE_KERNEL = None, True
     return out
 
 
@@ -324,7 +328,7 @@ def engine_row(
     from proto.records import WorkItem
 
     eng = TorchEngine(None, model=model, numerics=a.mode, exit_policy=FixedDepth(a.depth),
-                      max_num_seqs=a.batch, compile=compiled and a.mode == "fast")  # fmt: skip
+                      max_num_seqs=a.batch, compile=None if compiled else False)  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     items = [
         WorkItem(

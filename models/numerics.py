@@ -244,15 +244,16 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     input promoted to fp32, one kernel (the CUDA kernel may contract to FMA: within the fast
     mode's tolerance, not the formula's bits), cast back to x's dtype.
     """
-    if mode != "exact" and (_complex_rope_exact(x, cos_sin) or _fused_inference(x)):
+    if mode != "exact" and _complex_rope_exact(x, cos_sin):
         try:
-            xf = x if x.dtype == torch.float32 else x.float()
-            xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
-            cs = torch.view_as_complex(cos_sin.float().contiguous())
-            out = torch.view_as_real(xc * cs).flatten(-2)
-            return out if out.dtype == x.dtype else out.to(x.dtype)
+            xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+            return torch.view_as_real(xc * torch.view_as_complex(cos_sin)).flatten(-2)
         except RuntimeError:  # strides view_as_complex refuses: the general path
             pass
+    if mode != "exact" and _fused_inference(x):  # the torch engine on CUDA (docstring)
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+        out = torch.view_as_real(xc * torch.view_as_complex(cos_sin.float().contiguous()))
+        return out.flatten(-2).to(x.dtype)
     dt = torch.float64 if mode == "exact" else torch.float32
     if mode == "exact":  # the formula's own ops: their backward is the learner's, bit for bit
         pairs = x.to(dt).unflatten(-1, (-1, 2))
@@ -321,7 +322,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
     on CUDA inside `fused_generation` (the torch engine's decode): the Triton kernel of
     `models.engine_attention` (reads each cached key and value once, in the cache's layout).
     """
-    if mode != "exact" and q.shape[1] == 1 and _fused_inference(q):
+    if mode != "exact" and q.shape[1] == 1 and DECODE_KERNEL and _fused_inference(q):
         from models import engine_attention as ea  # (Triton: imported on CUDA only)
 
         if ea.available(q, k, v, mask):
@@ -349,6 +350,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
     return out.transpose(1, 2).flatten(2).to(q.dtype)
 
+
+DECODE_KERNEL = True
+"""Whether `attention` may take the Triton decode kernel (inside `fused_generation`); False:
+SDPA (benchmarks/depth_batching.py --attn compares them)."""
 
 SDPA_BACKENDS: list[SDPBackend] | None = None
 """fast mode on CUDA: the SDPA backends `attention` may use, in order (None: torch's choice).

@@ -150,7 +150,7 @@ if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 it
     timeout "${T_TG:-420}" "$PY" benchmarks/depth_batching.py --shape huginn_0125 \
         --dtype bfloat16 --batch 64 --depth 32 --prompt 64 --tokens 16 --reps 2 \
         --schedules fixed --paths compact --graph --engine \
-        --graph-variants "${TG_VARIANTS:-eager,compiled}" --attn "${TG_ATTN:-default,efficient,math}" \
+        --graph-variants "${TG_VARIANTS:-eager,compiled}" --attn "${TG_ATTN:-triton,default,efficient}" \
         --profile 2>"$LOG/torchgen.err" | tee "$LOG/torchgen.jsonl"
     echo "torchgen rc=${PIPESTATUS[0]}"
     grep -E "Error|error" "$LOG/torchgen.err" | tail -n 8
