@@ -165,7 +165,7 @@ def test_graph_decode_keeps_its_cache_between_calls(tmp_path: Path) -> None:
     assert eng._kept is kept  # the same cache and decoder
     for it, a, b in zip(items, first, second, strict=True):
         for seed, sa, sb in zip(it.latent_seeds.tolist(), a, b, strict=True):
-            tokens, _, lps, _ = _reference(model, it, int(seed), FixedDepth(model.max_depth))
+            tokens, _, lps, _ = _reference(model, it, int(seed), FixedDepth(eng.full_depth))
             for s in (sa, sb):
                 assert s.tokens.tolist() == tokens
                 np.testing.assert_array_equal(s.logprobs, lps)

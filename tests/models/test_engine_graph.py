@@ -165,7 +165,7 @@ def _compiled_vs_eager(family: str, device: str) -> tuple[float, float, int]:
     model = model_of(family).to(device)
     depth = model.max_depth
     cache, lens = _prefill(model, depth, "fast", 4)
-    outs = {}
+    outs: dict[bool, list[torch.Tensor]] = {}
     before = du.counters["stats"]["unique_graphs"]
     for compiled in (False, True):
         dec = GraphDecoder(model, _clone(cache), SEEDS, depth=depth, compile=compiled)
