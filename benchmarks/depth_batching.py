@@ -26,7 +26,12 @@ latent noise on the device), tokens/s against the HBM bound: B / (bytes of the w
 step / `--hbm-tbs`), a step reading prelude + coda + head once and the core D times.
 --engine: `generator.torch_engine.TorchEngine.generate` on `--batch` greedy requests of
 `--tokens` new tokens at FixedDepth(D) (prefill, the graph decode and the host-side sampling and
-records included), tokens/s of generated tokens.
+records included), tokens/s of generated tokens, after a first call (timed apart: it captures
+the graph, and compiles it with `--graph-variants ...compiled`); later calls reuse the graph.
+--graph-variants: eager blocks and / or the blocks' qkv / post compiled (`GraphDecoder(compile=
+True)`); --attn: the decode attention per graph variant (triton: the torch engine's kernel, or an
+SDPA backend); --profile: kernel times. The graph rows run inside
+`models.numerics.fused_generation`, as the torch engine decodes.
 
 Timing: one warm pass, then the median of `--reps` passes, host clock with a device sync at
 both ends. One JSON line per measurement, a summary line last.
@@ -50,6 +55,7 @@ from torch import Tensor  # noqa: E402
 
 from benchmarks.trainer_gpu import SHAPES as TRAINER_SHAPES  # noqa: E402
 from benchmarks.trainer_gpu import model_config  # noqa: E402
+from models import numerics as nx  # noqa: E402
 from models.engine import KVCache, run_chunk  # noqa: E402
 from models.engine_graph import GraphDecoder  # noqa: E402
 
@@ -127,6 +133,22 @@ def main() -> int:
     ap.add_argument("--paths", default="compact,masked")
     ap.add_argument("--graph", action="store_true", help="CUDA-graph fixed-depth decode (CUDA)")
     ap.add_argument("--engine", action="store_true", help="TorchEngine.generate, fixed depth")
+    ap.add_argument(
+        "--graph-variants",
+        default="eager,compiled",
+        help="--graph / --engine: eager and / or compiled blocks (comma list)",
+    )
+    ap.add_argument(
+        "--attn",
+        default="triton",
+        help="--graph: decode attention per graph variant (comma list of triton: the "
+        "engine's kernel, models/engine_attention.py; or SDPA: default, cudnn, efficient, math)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="--graph: kernel times of the last variant's step (torch.profiler)",
+    )
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM TB/s for the bound (H200)")
     a = ap.parse_args()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto"
@@ -188,36 +210,116 @@ def main() -> int:
         if ("fixed", r["path"]) in ms:
             r["vs_fixed"] = round(r["ms_per_token"] / ms[("fixed", r["path"])], 3)
     bound = b / (weight_bytes(model, d) / (a.hbm_tbs * 1e12))
-    if a.graph and cuda:
-        restore()
-        dec = GraphDecoder(model, cache, seeds, depth=d, mode=a.mode)
-        host_pos = [torch.full((b,), p0 + t, dtype=torch.int64) for t in range(a.tokens)]
-
-        def graphed() -> None:
-            restore()
-            tok = first
-            for t in range(a.tokens):
-                tok = dec.step(tok, host_pos[t]).logits[:, 0].argmax(dim=-1)
-
-        sec = timed(graphed, a.reps, sync)
-        rows.append(dict(kind="graph_fixed", tokens_per_s=round(a.tokens * b / sec, 1),
-                         ms_per_step=round(sec / a.tokens * 1e3, 3),
-                         hbm_bound_tokens_per_s=round(bound, 1),
-                         weight_gb_per_step=round(weight_bytes(model, d) / 1e9, 2),
-                         frac_of_bound=round(a.tokens * b / sec / bound, 3)))  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    if a.graph and cuda:  # under fused_generation, as the torch engine decodes
+        with nx.fused_generation(a.mode == "fast"):
+            grows = graph_rows(model, cache, restore, first, seeds, a, bound, sync)
+        rows.extend(grows)  # (each printed as it was measured)
     if a.engine:
-        rows.append(engine_row(model, a, bound, sync))
-        print(json.dumps(rows[-1]), flush=True)
+        for compiled in [c == "compiled" for c in a.graph_variants.split(",")]:
+            rows.append(engine_row(model, a, bound, sync, compiled))
+            print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"summary": [{k: r[k] for k in r if k in (
         "kind", "schedule", "path", "mean_depth", "ms_per_token", "vs_fixed", "tokens_per_s",
         "frac_of_bound")} for r in rows]}), flush=True)  # fmt: skip
     return 0
 
 
+_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+             "flash": "FLASH_ATTENTION"}  # fmt: skip
+
+
+def graph_rows(
+    model: Any, cache: KVCache, restore: Callable[[], None], first: Tensor, seeds: list[int],
+    a: argparse.Namespace, bound: float, sync: Callable[[], None],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The CUDA-graph decode step per (variant: eager blocks | compiled blocks) x (decode
+    attention, `--attn`: triton = the engine's kernel, else SDPA with that backend, `default` =
+    torch's choice): ms per step, tokens/s vs the HBM bound, and the greedy tokens / chosen
+    log-probs against the first variant's."""
+    from torch.nn.attention import SDPBackend
+
+    b, d = a.batch, a.depth
+    host_pos = [torch.full((b,), a.prompt + t, dtype=torch.int64) for t in range(a.tokens)]
+    out: list[dict[str, Any]] = []
+    base: tuple[list[list[int]], Tensor] | None = None
+    for variant in a.graph_variants.split(","):
+        for attn in a.attn.split(","):
+            nx.DECODE_KERNEL = attn == "triton"  # else SDPA, with this backend
+            nx.SDPA_BACKENDS = [getattr(SDPBackend, _BACKENDS[attn])] if attn in _BACKENDS else None
+            t0 = time.perf_counter()
+            try:
+                restore()
+                dec = GraphDecoder(model, cache, seeds, depth=d, mode=a.mode,
+                                   compile=variant == "compiled")  # fmt: skip
+                dec.step(first, host_pos[0])  # capture (and compile) outside the timing
+                sync()
+            except Exception as exc:  # noqa: BLE001  (a backend refusing the shape: reported)
+                out.append(dict(kind="graph_fixed", variant=variant, attn=attn,
+                                error=f"{type(exc).__name__}: {str(exc)[:300]}"))  # fmt: skip
+                print(json.dumps(out[-1]), flush=True)
+                continue
+            warm_s = time.perf_counter() - t0
+            toks: list[Tensor] = []
+            lps: list[Tensor] = []
+
+            def graphed(dec: GraphDecoder = dec, toks: list[Tensor] = toks,
+                        lps: list[Tensor] = lps) -> None:  # fmt: skip
+                restore()
+                toks.clear()
+                lps.clear()
+                tok = first
+                for t in range(a.tokens):
+                    lp = torch.log_softmax(dec.step(tok, host_pos[t]).logits[:, 0].float(), -1)
+                    tok = lp.argmax(dim=-1)
+                    toks.append(tok)
+                    lps.append(lp.gather(-1, tok[:, None])[:, 0])
+
+            sec = timed(graphed, a.reps, sync)
+            got = ([t.tolist() for t in toks], torch.stack(lps))
+            row = dict(kind="graph_fixed", variant=variant, attn=attn,
+                       tokens_per_s=round(a.tokens * b / sec, 1),
+                       ms_per_step=round(sec / a.tokens * 1e3, 3),
+                       hbm_bound_tokens_per_s=round(bound, 1),
+                       weight_gb_per_step=round(weight_bytes(model, d) / 1e9, 2),
+                       frac_of_bound=round(a.tokens * b / sec / bound, 3),
+                       warm_s_incl_capture=round(warm_s, 1))  # fmt: skip
+            if base is None:
+                base = got
+            else:  # greedy paths diverge after a first different token: compare step 0 too
+                same = sum(x == y for r0, r1 in zip(base[0], got[0]) for x, y in zip(r0, r1))
+                row["same_tokens_frac"] = round(same / (a.tokens * b), 3)
+                row["step0_max_abs_dlogp"] = float((base[1][0] - got[1][0]).abs().max())
+            if a.profile and variant == a.graph_variants.split(",")[-1]:
+                row["profile_top"] = profile_step(dec, first, host_pos[0], sync)
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            del dec
+    nx.SDPA_BACKENDS, nx.DECODE_KERNEL = None, True
+    return out
+
+
+def profile_step(dec: GraphDecoder, tok: Tensor, pos: Tensor, sync: Callable[[], None]) -> Any:
+    """GPU time per kernel name over 2 graph replays (torch.profiler): the 12 largest, ms per
+    step, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            dec.step(tok, pos)
+        sync()
+    per: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:90]] = per.get(ev.name[:90], 0.0) + ev.device_time / 2e3
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+    return {"total_ms": round(sum(per.values()), 2), "top_ms": [[k, round(v, 2)] for k, v in top]}
+
+
 def engine_row(
-    model: Any, a: argparse.Namespace, bound: float, sync: Callable[[], None]
-) -> dict[str, Any]:
+    model: Any, a: argparse.Namespace, bound: float, sync: Callable[[], None],
+    compiled: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """TorchEngine.generate on `batch` greedy requests (one work item each), fixed depth."""
     import numpy as np
 
@@ -226,7 +328,7 @@ def engine_row(
     from proto.records import WorkItem
 
     eng = TorchEngine(None, model=model, numerics=a.mode, exit_policy=FixedDepth(a.depth),
-                      max_num_seqs=a.batch)  # fmt: skip
+                      max_num_seqs=a.batch, compile=None if compiled else False)  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     items = [
         WorkItem(
@@ -241,11 +343,17 @@ def engine_row(
         )  # fmt: skip
         for i in range(a.batch)
     ]
+    t0 = time.perf_counter()
+    eng.generate(items)  # the first call: captures (and compiles); later calls reuse the graph
+    sync()
+    first_s = time.perf_counter() - t0
     sec = timed(lambda: eng.generate(items), a.reps, sync)
     n = a.batch * a.tokens
+    eng.close()
     return dict(kind="torch_engine_fixed", tokens_per_s=round(n / sec, 1),
-                s_per_generate=round(sec, 3), hbm_bound_tokens_per_s=round(bound, 1),
-                frac_of_bound=round(n / sec / bound, 3), graph=eng.graph)  # fmt: skip
+                s_per_generate=round(sec, 3), first_call_s=round(first_s, 1),
+                hbm_bound_tokens_per_s=round(bound, 1), frac_of_bound=round(n / sec / bound, 3),
+                graph=eng.graph, compiled=eng.compile)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def looprl_run(run_dir: Path, model: Path, steps: int, staleness: int, lr: float
             "checkpoint.every=0", "checkpoint.final=false", "publish.keep=2",
             f"generators.max_inflight={PROMPTS}",  # max_num_seqs = a step's 128 samples
             "metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false"]  # fmt: skip
-    if device.startswith("cuda"):
-        args.append("learner.precision=bf16")
+    if device.startswith("cuda"):  # the torch engine's cache budget (kv_cache_mb): 32 GiB
+        args += ["learner.precision=bf16", "generators.kv_cache_mb=32768"]
     t0 = time.perf_counter()
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
         p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", *args], cwd=ROOT,

@@ -63,9 +63,9 @@ class GeneratorConfig:
     max_model_len: int = 0
     """vLLM: longest prompt + completion, in tokens; 0: the checkpoint's max_position_embeddings."""
     kv_cache_mb: int = 64
-    """vLLM: KV cache size (MiB)."""
+    """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests."""
     seed: int = 0
-    """vLLM engine seed (sampling itself is seeded per sample by its latent seed)."""
+    """Engine seed (vLLM's; the torch engine mixes it into each sample's sampler seed)."""
     inflight_updates: bool = False
     """Swap weights between engine steps of a running batch (per-token versions)."""
     keys: str = ""

@@ -6,7 +6,10 @@ contract as `generator.engine.LoopedEngine` (`weight_version`, `generate(items)`
 project's own looped engine: `models.reference.build_model` + `models.checkpoint` weights,
 `models.engine.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
 token stops costing core compute, kv='last_exited'), and at a fixed depth on CUDA the CUDA-graph
-decode step (`models.engine_graph.GraphDecoder`). What it is for (docs/GENERATOR.md): a
+decode step (`models.engine_graph.GraphDecoder`; in fast numerics its blocks' qkv / post
+compiled by torch.compile, `compile`; fused CUDA RMSNorm / RoPE kernels in fast numerics,
+`models.numerics.fused_generation`; the cache and the captured graph kept for the next call
+of the same shape). What it is for (docs/GENERATOR.md): a
 generator on hosts where vLLM does not run (the lent GPU host), the exact-numerics generator on
 a GPU, and the whole system on one GPU. It does not replace vLLM (no paged KV cache, no prefix
 cache, no tensor parallelism, Python-level scheduling).
@@ -27,6 +30,12 @@ waiting request at once: its prompt is prefilled in a chunk of its own (the othe
 invalid there, so they cost nothing: depth batching), then it decodes with the rest. Rows
 decode at their own positions. Latent noise: drawn by `models.noise` for the rows' (seed,
 position) (the spec), on the CPU, then copied to the device.
+
+Config keys of the vLLM engine it honours too: `kv_cache_mb` (`kv_cache_bytes`) is the cache
+budget: a call's cache holds min(max_num_seqs, requests, budget // one row's bytes) rows (one
+row: every K/V slot, prelude + core x depth + coda, of the call's length), and a budget that
+holds no row is refused naming the key (at start when `max_model_len` is set); `seed` (engine
+seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
 
 Weights: `load_weights` hashes what it reads (`models.weights.verified.read_weights`; a
 `VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
@@ -67,6 +76,16 @@ from models.sampling import draw
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_sampling_seed(latent_seed: int, offset: int, seed: int) -> int:
+    """The sampler key (models.sampling) of a completion on a torch engine of config `seed`
+    (generators.seed):
+    `models.reference.sampling_seed(latent_seed, offset)` at seed 0 (the reference's tokens),
+    else that value xor the seed spread by the golden-ratio multiplier (another draw per engine
+    seed; the latent noise does not depend on it, contract 1)."""
+    base = sampling_seed(latent_seed, offset)
+    return base ^ ((int(seed) * 0x9E37_79B9_7F4A_7C15) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
 def check_engine(name: str) -> str:
@@ -115,6 +134,9 @@ class TorchEngine:
         weight_version: int = 0,
         graph: bool | None = None,
         model: torch.nn.Module | None = None,
+        kv_cache_bytes: int | None = None,
+        seed: int = 0,
+        compile: bool | None = None,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -143,15 +165,53 @@ class TorchEngine:
         self.graph = (self.fixed and dev.type == "cuda") if graph is None else graph
         if self.graph and not self.fixed:
             raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
+        self.compile = (self.graph and numerics == "fast") if compile is None else compile
+        if self.compile and not (self.graph and numerics == "fast"):
+            raise ValueError("TorchEngine(compile=True) needs the graph decode in fast numerics")
+        self._kept: tuple[KVCache, GraphDecoder | None] | None = None
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_mb must be >= 1, got {kv_cache_bytes} bytes")
+        self.kv_cache_bytes = kv_cache_bytes
+        if not 0 <= int(seed) < 1 << 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        self.seed = int(seed)
+        self.rows_used = 0
+        """Rows of the last `generate` call's KV cache (its concurrent requests)."""
+        if max_model_len is not None:  # a budget too small for one row fails at start
+            self._cache_rows(max_model_len, max_num_seqs)
         self.weight_version = weight_version
         self.broken = ""
         self.looped = True
         self.inflight_updates = False  # a swap waits for the running batch
         self._lock = threading.RLock()
+
+    def row_bytes(self, length: int) -> int:
+        """Bytes of one KV-cache row of `length` positions (every prelude, core x depth and
+        coda slot: K and V, kv heads x head_dim, the parameters' dtype; `filled` included)."""
+        g, d = self.model.kv_shape
+        slots = len(self.model.prelude_blocks()) + len(self.model.coda_blocks())
+        slots += self.full_depth * len(self.model.core_blocks())
+        return length * (slots * 2 * g * d * self.dtype.itemsize + 1)
+
+    def _cache_rows(self, length: int, want: int) -> int:
+        """Rows of a cache of `length` positions: `want`, capped by the kv_cache_mb budget;
+        ValueError naming the key when not even one row fits."""
+        if self.kv_cache_bytes is None:
+            return want
+        per_row = self.row_bytes(length)
+        fit = self.kv_cache_bytes // per_row
+        if fit < 1:
+            raise ValueError(
+                f"generators.kv_cache_mb ({self.kv_cache_bytes / 2**20:g} MiB) holds no request of "
+                f"{length} positions: the torch engine's cache needs {per_row / 2**20:.1f} MiB per "
+                f"request at depth {self.full_depth} ({self.dtype}); raise kv_cache_mb or lower "
+                "max_model_len / rollout.max_tokens"
+            )
+        return min(want, fit)
 
     def _dtype(self, dtype: str, hf: Mapping[str, Any], dev: torch.device) -> torch.dtype:
         if dtype == "auto":
@@ -189,7 +249,7 @@ class TorchEngine:
         """Sample every item `item.n` times (one request per latent seed); results in order.
         ``sampling_offsets``: per item, its samples' sampling-seed offset (None: 0; a
         conversation's turn, generator.multiturn; `models.reference.sampling_seed`)."""
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), nx.fused_generation(self.numerics == "fast"):
             if self.broken:
                 raise WeightLoadError(self.broken)
             return self._generate(items, sampling_offsets)
@@ -213,7 +273,7 @@ class TorchEngine:
                 )
             for j, s in enumerate(int(x) for x in it.latent_seeds):
                 off = int(offsets[i]) if offsets is not None else 0
-                key = sampling_seed(s, off)
+                key = engine_sampling_seed(s, off, self.seed)
                 reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, key))
         return reqs
 
@@ -227,12 +287,12 @@ class TorchEngine:
         length = need if self.max_model_len is None else self.max_model_len
         if need > length:
             raise ValueError(f"a prompt + max_tokens of {need} exceeds max_model_len {length}")
-        bsz = min(self.max_num_seqs, len(reqs))
-        cache = KVCache.empty(self.model, bsz, length, self.full_depth)
+        bsz = self._cache_rows(length, min(self.max_num_seqs, len(reqs)))
+        self.rows_used = bsz
+        cache, decoder = self._cache(bsz, length)
         slots: list[_Request | None] = [None] * bsz
         waiting = deque(reqs)
         logits: dict[int, torch.Tensor] = {}  # slot -> logits [V] to sample from
-        decoder = None
         while waiting or any(s is not None for s in slots):
             free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
             for b in free:
@@ -251,7 +311,8 @@ class TorchEngine:
                 if decoder is None:
                     seeds = [s.seed if s is not None else 0 for s in slots]
                     decoder = GraphDecoder(self.model, cache, seeds, depth=self.full_depth,
-                                           mode=self.numerics)  # fmt: skip
+                                           mode=self.numerics, compile=self.compile)  # fmt: skip
+                    self._kept = (cache, decoder)
                 out = self._graph_step(decoder, slots)
             else:
                 out = self._decode(cache, slots, live)
@@ -261,6 +322,19 @@ class TorchEngine:
         for r in reqs:
             results[r.item][r.sample] = self._record(r)
         return results
+
+    def _cache(self, rows: int, length: int) -> tuple[KVCache, GraphDecoder | None]:
+        """The call's KV cache, and its captured decoder: on the graph path, the previous
+        call's when the shape is the same (its `filled` cleared: the old K/V are invisible and
+        overwritten), so a graph is captured once per shape, not once per call."""
+        kept, self._kept = self._kept, None
+        if kept is not None and tuple(kept[0].filled.shape) == (rows, length):
+            kept[0].filled.zero_()
+            self._kept = kept
+            return kept
+        del kept  # (its memory is free for the new cache)
+        cache = KVCache.empty(self.model, rows, length, self.full_depth)
+        return cache, None
 
     def _prefill(
         self, cache: KVCache, slots: list[_Request | None], rows: list[int]
@@ -390,6 +464,7 @@ class TorchEngine:
 
     def close(self) -> None:
         """Release the caches (the model is kept: closing twice is harmless)."""
+        self._kept = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

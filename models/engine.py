@@ -58,7 +58,7 @@ replay bit-identical (`models.numerics`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -162,6 +162,9 @@ class _Rows:
     kmask: Tensor  # [B, S, T] keys visible to each query
     rope: Tensor
     mode: str
+    regions: Regions | None = None
+    """Compiled (qkv, post) callables in place of `_qkv` / `Block.post` (the fixed-depth CUDA
+    graph decode, `models.engine_graph.compiled_regions`); None: eager."""
 
 
 def _qkv(blk: Block, x: Tensor, rope: Tensor, mode: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -170,19 +173,31 @@ def _qkv(blk: Block, x: Tensor, rope: Tensor, mode: str) -> tuple[Tensor, Tensor
     return q.to(x.dtype), k.to(x.dtype), v
 
 
+def _post(blk: Block, x: Tensor, attn: Tensor, mode: str) -> Tensor:
+    return blk.post(x, attn, mode)
+
+
+Regions = tuple[
+    Callable[[Block, Tensor, Tensor, str], tuple[Tensor, Tensor, Tensor]],
+    Callable[[Block, Tensor, Tensor, str], Tensor],
+]
+"""(qkv, post) of a block: `_qkv`, `_post` or compiled versions of them."""
+
+
 def _stack(
     blocks: Sequence[Block], slots: Tensor, x: Tensor, write: Tensor | None, r: _Rows
 ) -> Tensor:
     """Run attention blocks on rows x [N, h]; write K/V of rows `write` into `slots` (None:
     every row, with integer indices only: no boolean-mask indexing, no host sync)."""
     wb, wp = (r.b, r.pos) if write is None else (r.b[write], r.pos[write])
+    qkv_fn, post_fn = r.regions if r.regions is not None else (_qkv, _post)
     for layer, blk in enumerate(blocks):
-        q, k, v = _qkv(blk, x, r.rope, r.mode)
+        q, k, v = qkv_fn(blk, x, r.rope, r.mode)
         slots[layer, 0, wb, wp] = k if write is None else k[write]
         slots[layer, 1, wb, wp] = v if write is None else v[write]
         q = q.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
         attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
-        x = blk.post(x, attn.reshape(x.shape[0], -1), r.mode)
+        x = post_fn(blk, x, attn.reshape(x.shape[0], -1), r.mode)
     return x
 
 

@@ -37,6 +37,7 @@ decoder. One decoder per cache; the capture happens at the first step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,18 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.engine import ChunkOut, KVCache, _key_mask, _readout, _Rows, _seed_tensor, _stack
+from models.engine import (
+    ChunkOut,
+    KVCache,
+    Regions,
+    _key_mask,
+    _post,
+    _qkv,
+    _readout,
+    _Rows,
+    _seed_tensor,
+    _stack,
+)
 from models.noise import latent_noise, latent_noise_torch
 
 if TYPE_CHECKING:
@@ -62,6 +74,7 @@ def decode_step(
     depth: int,
     mode: str = "fast",
     noise: Tensor | None = None,
+    regions: Regions | None = None,
 ) -> ChunkOut:
     """One token per row at a fixed `depth`, every row valid, no host sync (see module doc).
 
@@ -69,12 +82,14 @@ def decode_step(
     seeds: the rows' latent seeds; noise: [B, h] the rows' `latent_noise` at `positions` (None:
     `initial_state` draws it, on the CPU: a sync, eager use only). Writes the rows' K/V at
     their positions and marks them filled, as run_chunk does for valid positions. Returns the
-    chunk's logits [B, 1, V], hidden [B, 1, h] and depths [B, 1] (= depth)."""
+    chunk's logits [B, 1, V], hidden [B, 1, h] and depths [B, 1] (= depth). regions: the
+    blocks' (qkv, post) compiled (`compiled_regions`), fast mode only."""
     bsz = tokens.shape[0]
     dev = cache.filled.device
     rows = torch.arange(bsz, device=dev)
     cache.filled.index_put_((rows, positions), torch.ones((), dtype=torch.bool, device=dev))
-    r = _Rows(bsz, 1, rows, positions, _key_mask(cache.filled, positions[:, None]), rope, mode)
+    kmask = _key_mask(cache.filled, positions[:, None])
+    r = _Rows(bsz, 1, rows, positions, kmask, rope, mode, regions)
     x0 = model.embed(tokens).to(cache.core.dtype)  # the cache's (parameters') dtype
     e = _stack(model.prelude_blocks(), cache.prelude, x0, None, r)
     state = model.initial_state(e, positions, seeds, noise).to(e.dtype)  # (fp32 noise, cast)
@@ -89,6 +104,24 @@ def decode_step(
     )
 
 
+_log = logging.getLogger(__name__)
+_REGIONS: list[Regions] = []
+
+
+def compiled_regions() -> Regions:
+    """The blocks' `qkv` and `post` under `torch.compile` (one pair per process, reused by every
+    block and decoder: the modules' parameters are graph inputs, so blocks of one class and
+    shape share the compiled code). What inductor fuses there (the RMSNorms, RoPE, residual
+    adds, silu * up) rounds differently from the eager kernels: fast mode only (GraphDecoder
+    refuses it in exact mode)."""
+    if not _REGIONS:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _REGIONS.append((torch.compile(_qkv, dynamic=False), torch.compile(_post, dynamic=False)))
+    return _REGIONS[0]
+
+
 class GraphDecoder:
     """`decode_step` on static buffers: a CUDA graph replayed per token on CUDA, the same step
     eagerly on the CPU (see module doc).
@@ -99,7 +132,9 @@ class GraphDecoder:
     the CPU; the same bits as the CPU spec), else drawn on the CPU and copied. `seeds` (a list,
     one per row) may be reassigned between steps (a slot taking another request). warmup:
     eager runs of the step on a side stream before the capture (they rewrite the first step's
-    K/V with the same values: the step is idempotent for the same inputs).
+    K/V with the same values: the step is idempotent for the same inputs). compile: the
+    blocks' qkv / post through `compiled_regions` (fast mode; the first warm-up compiles; if
+    compiling fails there, a warning and the eager blocks).
     """
 
     def __init__(
@@ -113,8 +148,12 @@ class GraphDecoder:
         graph: bool | None = None,
         warmup: int = 2,
         device_noise: bool | None = None,
+        compile: bool = False,
     ) -> None:
         nx.check_mode(mode)
+        if compile and mode != "fast":
+            raise ValueError("GraphDecoder(compile=True) is fast numerics only (exact: eager)")
+        self.regions = compiled_regions() if compile else None
         dev = cache.filled.device
         bsz, self.length = cache.filled.shape
         if not 1 <= depth <= cache.core.shape[0]:
@@ -144,7 +183,7 @@ class GraphDecoder:
     def _run(self) -> ChunkOut:
         return decode_step(
             self.model, self.cache, self.tokens, self.positions, self.rope, self.seeds,
-            depth=self.depth, mode=self.mode, noise=self.noise,
+            depth=self.depth, mode=self.mode, noise=self.noise, regions=self.regions,
         )  # fmt: skip
 
     def _capture(self) -> None:
@@ -152,8 +191,17 @@ class GraphDecoder:
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self._run()
+            try:
+                for _ in range(self.warmup):
+                    self._run()
+            except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
+                if self.regions is None:
+                    raise
+                _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
+                             exc)  # fmt: skip
+                self.regions = None
+                for _ in range(self.warmup):
+                    self._run()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -190,4 +238,4 @@ class GraphDecoder:
         return self._out
 
 
-__all__ = ["GraphDecoder", "decode_step"]
+__all__ = ["GraphDecoder", "compiled_regions", "decode_step"]

@@ -22,12 +22,15 @@ D head_dim. All tensors are fp32 unless stated.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NumericsMode = Literal["fast", "exact"]
 MODES: tuple[str, ...] = ("fast", "exact")
@@ -105,10 +108,43 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
+_FUSED_GENERATION = [False]
+
+
+@contextlib.contextmanager
+def fused_generation(on: bool = True) -> Iterator[None]:
+    """Within: fast-mode ops on CUDA without autograd may take fused kernels (`rms_norm` in
+    bf16, `rope_adjacent`): other bits than the formula, within the fast mode's tolerance.
+    Entered by the torch generator engine around its generation (generator/torch_engine.py)
+    only, so that the learner's and the reference's forwards, with or without autograd, keep
+    the formula's kernels (a no-grad old-log-prob pass equals the grad pass)."""
+    before = _FUSED_GENERATION[0]
+    _FUSED_GENERATION[0] = on
+    try:
+        yield
+    finally:
+        _FUSED_GENERATION[0] = before
+
+
+def _fused_inference(x: Tensor) -> bool:
+    """Whether a fast-mode op may take a fused CUDA kernel: inside `fused_generation`, on CUDA,
+    no autograd, not traced by torch.compile (inductor fuses the formula itself). Every CPU
+    path keeps the formula's kernels; exact mode never comes here."""
+    return (
+        _FUSED_GENERATION[0]
+        and x.device.type == "cuda"
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tensor:
     """RMSNorm as Huginn and Ouro/Llama write it: normalise in fp32, cast back, times weight.
 
-    fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`.
+    fast: `xf = x.float(); y = xf * rsqrt(mean(xf^2, -1) + eps); y.to(x.dtype) * weight`;
+    bf16 on CUDA inside `fused_generation` (the torch engine): `F.rms_norm`, torch's fused
+    kernel (fp32 inside, the weight product before the one rounding to bf16: within one bf16
+    ulp of the formula; one kernel instead of seven).
     On the CPU in fp32 this is `F.rms_norm`: torch's CPU implementation runs the same kernels
     in the same order (pow, mean, + eps, rsqrt, two products; tests/models/
     test_numerics_identities.py checks the bits), with less Python in between.
@@ -124,6 +160,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mode: str = "fast") -> Tenso
         return (yr.double() * weight.double()).to(torch.promote_types(yr.dtype, weight.dtype))
     if OPAQUE_NORM_UNDER_COMPILE and torch.compiler.is_compiling():
         return _rms_norm_fast_op(x, weight, eps)  # type: ignore[no-any-return]
+    if _fused_inference(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # fp32 inside, one rounding to bf16
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         if x.device.type == "cpu":  # torch's CPU rms_norm: these very kernels, in C++
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -202,6 +240,9 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     difference / sum with one rounded add each (`_mm*_mul_ps` and `hsub`, no FMA); whole
     vectors only (the inner run of head_dim / 2 complex numbers fills 2-vector chunks, so the
     scalar remainder loop never runs). tests/models/test_numerics_identities.py checks it.
+    fast on CUDA inside `fused_generation` (the torch engine): the same complex product on the
+    input promoted to fp32, one kernel (the CUDA kernel may contract to FMA: within the fast
+    mode's tolerance, not the formula's bits), cast back to x's dtype.
     """
     if mode != "exact" and _complex_rope_exact(x, cos_sin):
         try:
@@ -209,6 +250,10 @@ def rope_adjacent(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
             return torch.view_as_real(xc * torch.view_as_complex(cos_sin)).flatten(-2)
         except RuntimeError:  # strides view_as_complex refuses: the general path
             pass
+    if mode != "exact" and _fused_inference(x):  # the torch engine on CUDA (docstring)
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+        out = torch.view_as_real(xc * torch.view_as_complex(cos_sin.float().contiguous()))
+        return out.flatten(-2).to(x.dtype)
     dt = torch.float64 if mode == "exact" else torch.float32
     if mode == "exact":  # the formula's own ops: their backward is the learner's, bit for bit
         pairs = x.to(dt).unflatten(-1, (-1, 2))
@@ -273,8 +318,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
       3. masked scores = -inf; m = max_t scores; e = exp(scores - m); p = e / sum_t e  (fp64);
       4. out[b, s, h, :] = sum_t p[b, h, s, t] v[b, t, h // (H/G), :]   (fp64);
       5. round out to fp32.
-    fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask.
+    fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask; one query position
+    on CUDA inside `fused_generation` (the torch engine's decode): the Triton kernel of
+    `models.engine_attention` (reads each cached key and value once, in the cache's layout).
     """
+    if mode != "exact" and q.shape[1] == 1 and DECODE_KERNEL and _fused_inference(q):
+        from models import engine_attention as ea  # (Triton: imported on CUDA only)
+
+        if ea.available(q, k, v, mask):
+            return ea.decode_attention(q, k, v, mask)
     heads, groups, dim = q.shape[2], k.shape[2], q.shape[3]
     rep = heads // groups
     qh = q.transpose(1, 2)  # [B, H, S, D]
@@ -291,9 +343,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
         e = torch.exp(scores)
         p = e / e.sum(dim=-1, keepdim=True)
         out = torch.matmul(p, vh.double()).float()
+    elif SDPA_BACKENDS is not None and q.device.type == "cuda":
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
     return out.transpose(1, 2).flatten(2).to(q.dtype)
+
+
+DECODE_KERNEL = True
+"""Whether `attention` may take the Triton decode kernel (inside `fused_generation`); False:
+SDPA (benchmarks/depth_batching.py --attn compares them)."""
+
+SDPA_BACKENDS: list[SDPBackend] | None = None
+"""fast mode on CUDA: the SDPA backends `attention` may use, in order (None: torch's choice).
+Set by benchmarks (benchmarks/depth_batching.py --attn) to compare decode attention kernels."""
 
 
 __all__ = [
@@ -302,6 +366,7 @@ __all__ = [
     "attention",
     "bias_add",
     "check_mode",
+    "fused_generation",
     "linear",
     "linears",
     "log_softmax",

@@ -6,12 +6,12 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth digest e2e learnerproc shm packed loop_credit
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth torchgen digest e2e learnerproc shm packed loop_credit
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
 # needs torch and triton. Env: PARTS, BENCHES (trainer labels to run; default all), TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
-# T_TESTS, T_DP (seconds), LEARNERPROC_ARGS (extra flags of benchmarks/learner_process.py, e.g.
+# T_TESTS, T_DP, T_TG (seconds), TG_VARIANTS, TG_ATTN (PARTS=torchgen), LEARNERPROC_ARGS (extra flags of benchmarks/learner_process.py, e.g.
 # --compile), LOG (default $OUT or /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +139,21 @@ if has depth; then  # depth batching and the torch generator engine (issue 25)
         --dtype bfloat16 --batch 64 --depth 32 --prompt 64 --tokens 16 --reps 2 --graph \
         --engine 2>"$LOG/depth_gpu.err" | tee "$LOG/depth_gpu.jsonl"
     tail -n 5 "$LOG/depth_cpu.err" "$LOG/depth_gpu.err"
+fi
+if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 item 2)
+    # CUDA checks first: graph == eager step (fp32), compiled blocks vs eager (CPU and CUDA);
+    # then Huginn-0125, bf16, batch 64, D 32: the graph step per variant (eager / compiled
+    # blocks) x decode attention backend, a kernel profile, and TorchEngine.generate.
+    timeout "${T_TG_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+        tests/models/test_engine_graph.py -k "cuda or compiled" 2>&1 |
+        grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torchgen_tests.txt"
+    timeout "${T_TG:-420}" "$PY" benchmarks/depth_batching.py --shape huginn_0125 \
+        --dtype bfloat16 --batch 64 --depth 32 --prompt 64 --tokens 16 --reps 2 \
+        --schedules fixed --paths compact --graph --engine \
+        --graph-variants "${TG_VARIANTS:-eager,compiled}" --attn "${TG_ATTN:-triton,default,efficient}" \
+        --profile 2>"$LOG/torchgen.err" | tee "$LOG/torchgen.jsonl"
+    echo "torchgen rc=${PIPESTATUS[0]}"
+    grep -E "Error|error" "$LOG/torchgen.err" | tail -n 8
 fi
 if has loop_credit; then  # issue 23 item 6 on the host's CPU cores (GPU hidden): one warm start,
     # then the 15 (arm, seed) runs of benchmarks/loop_credit.py in 15 processes of one thread

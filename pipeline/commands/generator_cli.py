@@ -369,9 +369,7 @@ def serve(cfg: GeneratorConfig) -> int:
         if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine.py)
             from generator.torch_engine import TorchEngine
 
-            common = dict(numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-                          max_model_len=cfg.max_model_len or None)  # fmt: skip
-            build = TorchEngine
+            build = TorchEngine  # every key of `common`: kv_cache_mb caps its cache rows
         else:
             common["inflight_updates"] = cfg.inflight_updates
             # This process's engines run eager (LoopedEngine's enforce_eager), but vLLM's

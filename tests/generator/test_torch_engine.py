@@ -109,3 +109,65 @@ def test_weights_swap_and_refusals(tmp_path: Path) -> None:
         bad = _items()[0]
         bad.stop = ["\n"]
         eng.generate([bad])
+
+
+def test_kv_cache_mb_and_seed_are_honoured(tmp_path: Path) -> None:
+    """generators.kv_cache_mb caps the torch engine's cache rows (records unchanged: exact
+    numerics do not depend on the batch), or is refused naming the key when no row fits;
+    generators.seed moves the sampled draws (0: the reference's), never the greedy ones."""
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    items = _items()  # 5 requests; the longest needs 11 + 9 = 20 positions
+    free = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu")
+    per_row = free.row_bytes(20)
+    assert per_row > 0
+    want = free.generate(items)
+    assert free.rows_used == 4
+    two = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu",
+                      kv_cache_bytes=2 * per_row + per_row // 2)  # fmt: skip
+    got = two.generate(items)
+    assert two.rows_used == 2  # the budget, not max_num_seqs, set the concurrent rows
+    for w, g in zip(want, got, strict=True):
+        for sw, sg in zip(w, g, strict=True):
+            assert sg.tokens.tolist() == sw.tokens.tolist()
+            np.testing.assert_array_equal(sg.logprobs, sw.logprobs)
+    with pytest.raises(ValueError, match=r"generators.kv_cache_mb .* holds no request of 20"):
+        small = TorchEngine(path, numerics="exact", device="cpu", kv_cache_bytes=per_row - 1)
+        small.generate(items)
+    with pytest.raises(ValueError, match=r"generators.kv_cache_mb .* holds no request of 64"):
+        TorchEngine(path, device="cpu", kv_cache_bytes=per_row, max_model_len=64)  # at start
+    seeded = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu", seed=3)
+    again = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu", seed=3)
+    s3, s3b = seeded.generate(items), again.generate(items)
+    moved = 0
+    for it, w, g, gb in zip(items, want, s3, s3b, strict=True):
+        for sw, sg, sgb in zip(w, g, gb, strict=True):
+            assert sg.tokens.tolist() == sgb.tokens.tolist()  # one seed: one draw
+            if it.temperature == 0:  # greedy: no randomness to move
+                assert sg.tokens.tolist() == sw.tokens.tolist()
+            else:
+                moved += sg.tokens.tolist() != sw.tokens.tolist()
+    assert moved >= 2  # of the 3 sampled requests (7-9 draws each at temperature 0.8 / 1)
+
+
+def test_graph_decode_keeps_its_cache_between_calls(tmp_path: Path) -> None:
+    """The fixed-depth graph decode (eager on the CPU) keeps its cache and decoder for the next
+    call of the same shape: the records stay the reference's, bit for bit (exact)."""
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    _, model = load_model(path)
+    items = _items()[1:]  # b (greedy, 2 seeds) and c: 3 requests, 11 + 9 positions
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", graph=True,
+                      max_model_len=24)  # fmt: skip
+    assert not eng.compile  # exact numerics: the eager blocks
+    first = eng.generate(items)
+    assert eng._kept is not None
+    kept = eng._kept
+    second = eng.generate(items[::-1])[::-1]
+    assert eng._kept is kept  # the same cache and decoder
+    for it, a, b in zip(items, first, second, strict=True):
+        for seed, sa, sb in zip(it.latent_seeds.tolist(), a, b, strict=True):
+            tokens, _, lps, _ = _reference(model, it, int(seed), FixedDepth(eng.full_depth))
+            for s in (sa, sb):
+                assert s.tokens.tolist() == tokens
+                np.testing.assert_array_equal(s.logprobs, lps)
+    with pytest.raises(ValueError, match="compile=True"):
+        TorchEngine(path, numerics="exact", device="cpu", graph=True, compile=True)

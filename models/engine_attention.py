@@ -1,0 +1,108 @@
+"""Decode attention for the torch generator engine: one query per row against the KV cache, in
+one Triton kernel (fast numerics, CUDA, inside `models.numerics.fused_generation`).
+
+`models.numerics.attention` computes softmax attention of q [B, S, H, D] over a cache slot
+k / v [B, T, G, D] with a boolean mask [B, S, T]. For decode (S = 1) on CUDA, SDPA gets the
+cache through a transposed view ([B, G, T, D] with the T stride G * D) and an explicit mask:
+the profiled step spent ~133 us a call in cuDNN there, 132 calls a step at the Huginn-0125
+shape (docs/PERFORMANCE.md). A decode query reads each key and value once: this kernel does
+exactly that, one program per (row, query head) walking the cache positions in blocks with
+an online softmax (running max, rescaled sums) in fp32, keys and values read in the cache's
+layout and dtype, the mask's invisible positions skipped as -inf (every row sees at least one
+key: `models.engine._key_mask`). Query head h reads kv head h // (H / G). Output in q's dtype.
+
+Not bit-equal to SDPA (another summation order; within fp32 rounding before the cast): fast
+mode only, and only where the torch engine asks for it (`fused_generation`), so the learner's
+and the reference's forwards keep SDPA. tests/models/test_engine_attention.py checks it
+against the exact recipe under Triton's CPU interpreter and, on CUDA, on the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover  (no Triton: numerics.attention keeps SDPA)
+    triton = None  # type: ignore[assignment]
+
+
+def available(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
+    """Whether `decode_attention` takes these inputs: Triton, CUDA (or the interpreter), one
+    query position, head_dim <= 256, unit-stride head_dim."""
+    return (
+        triton is not None
+        and q.shape[1] == 1
+        and q.shape[-1] <= 256
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and q.stride(-1) == 1
+        and mask.dtype == torch.bool
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        Q, K, V, M, Out, T, scale,
+        s_qb, s_qh, s_kb, s_kt, s_kg, s_vb, s_vt, s_vg, s_mb, s_mt, s_ob, s_oh,
+        REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = h // REP
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dm, other=0.0).to(tl.float32)
+        m_i = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), 0)
+        l_i = tl.sum(tl.zeros([BLOCK_T], tl.float32), 0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < T
+            vis = tl.load(M + b * s_mb + t * s_mt, mask=tm, other=0) != 0
+            kv_m = tm[:, None] & dm[None, :]
+            k = tl.load(K + b * s_kb + t[:, None] * s_kt + g * s_kg + d[None, :], mask=kv_m,
+                        other=0.0).to(tl.float32)  # fmt: skip
+            s = tl.sum(k * q[None, :], 1) * scale
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing seen
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe)
+            v = tl.load(V + b * s_vb + t[:, None] * s_vt + g * s_vg + d[None, :], mask=kv_m,
+                        other=0.0).to(tl.float32)  # fmt: skip
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+        out = acc / l_i
+        tl.store(Out + b * s_ob + h * s_oh + d, out.to(Out.dtype.element_ty), mask=dm)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int = 32) -> Tensor:
+    """Softmax attention of one query position: q [B, 1, H, D], k / v [B, T, G, D] (H % G ==
+    0), mask [B, 1, T] bool (True = visible; each row sees a key). Returns [B, 1, H * D] in
+    q's dtype (module doc)."""
+    bsz, _, heads, dim = q.shape
+    length, groups = k.shape[1], k.shape[2]
+    if heads % groups:
+        raise ValueError(f"query heads {heads} not a multiple of kv heads {groups}")
+    out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
+    m = mask[:, 0].view(torch.uint8)
+    block_d = max(16, triton.next_power_of_2(dim))
+    _decode_kernel[(bsz, heads)](
+        q, k, v, m, out, length, 1.0 / math.sqrt(dim),
+        q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1),
+        REP=heads // groups, D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
+    )  # fmt: skip
+    return out.view(bsz, 1, heads * dim)
+
+
+__all__ = ["available", "decode_attention"]

@@ -1,0 +1,79 @@
+"""models.engine_attention.decode_attention (the torch engine's decode attention, a Triton
+kernel) against the exact recipe of models.numerics.attention: under Triton's CPU interpreter
+(a subprocess: TRITON_INTERPRET is read when the kernel is decorated) and, on CUDA, on the
+device, through numerics.attention inside fused_generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import numerics as nx
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_TRITON = True
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+
+def _case(dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
+    """3 rows, 4 query heads over 2 kv heads, head_dim 24, 37 positions (blocks of 16: three
+    blocks, the last partial); row 1 sees only positions 20..30 (its first block sees nothing),
+    row 2 a sparse set."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 4, 24, generator=g)
+    k, v = torch.randn(3, 37, 2, 24, generator=g), torch.randn(3, 37, 2, 24, generator=g)
+    mask = torch.zeros(3, 1, 37, dtype=torch.bool)
+    mask[0, 0, :] = True
+    mask[1, 0, 20:31] = True
+    mask[2, 0, ::5] = True
+    return tuple(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                 for t in (q, k, v, mask))  # fmt: skip
+
+
+_CHECK = """
+import json, torch
+from models.engine_attention import decode_attention
+from models import numerics as nx
+from tests.models.test_engine_attention import _case
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    q, k, v, mask = _case(dtype, "cpu")
+    ref = nx.attention(q.float(), k.float(), v.float(), mask, "exact")
+    got = decode_attention(q, k, v, mask, block_t=16)
+    out[str(dtype)] = [float((got.float() - ref).abs().max()), str(got.dtype), list(got.shape)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this host")
+def test_decode_kernel_under_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["torch.float32"][1:] == ["torch.float32", [3, 1, 96]]
+    assert res["torch.float32"][0] <= 2e-6, res
+    assert res["torch.bfloat16"][1] == "torch.bfloat16"
+    assert res["torch.bfloat16"][0] <= 2e-2, res  # one bf16 rounding of values of ~1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_decode_kernel_on_cuda_through_numerics() -> None:
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        q, k, v, mask = _case(dtype, "cuda")
+        ref = nx.attention(q.float(), k.float(), v.float(), mask, "exact")
+        with nx.fused_generation():
+            got = nx.attention(q, k, v, mask, "fast")
+        assert got.dtype == dtype and got.shape == (3, 1, 96)
+        assert float((got.float() - ref).abs().max()) <= tol
