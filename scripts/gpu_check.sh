@@ -145,7 +145,7 @@ if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 it
     # then Huginn-0125, bf16, batch 64, D 32: the graph step per variant (eager / compiled
     # blocks) x decode attention backend, a kernel profile, and TorchEngine.generate.
     timeout "${T_TG_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
-        tests/models/test_engine_graph.py -k "cuda or compiled" 2>&1 |
+        tests/models/test_engine_graph.py tests/models/test_engine_attention.py -k "cuda or compiled" 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torchgen_tests.txt"
     timeout "${T_TG:-420}" "$PY" benchmarks/depth_batching.py --shape huginn_0125 \
         --dtype bfloat16 --batch 64 --depth 32 --prompt 64 --tokens 16 --reps 2 \
