@@ -436,7 +436,7 @@ class Coordinator:
                 return tm, train_s, self._write_publication(v)
             room = queue.make_room()
             t1 = time.perf_counter()
-            finish = self._guarded(v, lambda out: snap(out, v))
+            finish = self._with_shm(self._guarded(v, lambda out: snap(out, v)))
             stages = {**(getattr(self.trainer, "last_publish_times", None) or {}),
                       "snapshot": time.perf_counter() - t1, "room_wait": room}  # fmt: skip
             return tm, train_s, Snapshot(v, finish, stages)
@@ -623,13 +623,24 @@ class Coordinator:
         if pub is None:
             raise CoordinatorError(f"the trainer returned no publication for v{v}")
         stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
-        shm: dict[str, float] = {}
-        if self.cfg.publish.transport == "shm":  # the same bytes, once more, into /dev/shm
-            t1 = time.perf_counter()
-            publish_shm(pub)
-            shm["shm_write"] = time.perf_counter() - t1
-        self._publish_times = {**stages, **pub.stage_s, **shm, "total": time.perf_counter() - t0}
+        self._with_shm(lambda: pub)()
+        self._publish_times = {**stages, **pub.stage_s, "total": time.perf_counter() - t0}
         return pub
+
+    def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:
+        """``finish`` then, with publish.transport shm, the same bytes once more into /dev/shm
+        (models.weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
+        if self.cfg.publish.transport != "shm":
+            return finish
+
+        def run() -> Publication:
+            pub = finish()
+            t0 = time.perf_counter()
+            publish_shm(pub)
+            pub.stage_s["shm_write"] = time.perf_counter() - t0
+            return pub
+
+        return run
 
     def _guarded(self, v: int, take: Callable[[Path], Any]) -> Any:
         """``take(RUN_DIR/weights/v<v>)``; non-finite weights end the run, nothing written."""
