@@ -37,8 +37,8 @@ def generator(conn: Any, device: str) -> None:
     """The generator side: wait for the announce, take delivery as the loop does, copy to ``device``."""
     import torch
 
-    from models.weights.shm import delivered_on_disk
-    from models.weights.verified import VerifiedWeights, read_weights
+    from models.weights.shm import ShmWeights, delivered_on_disk
+    from models.weights.verified import read_weights
 
     if device == "cuda":
         torch.zeros(1, device="cuda")  # the context, before the clock
@@ -46,7 +46,7 @@ def generator(conn: Any, device: str) -> None:
     announce, root, sent = conn.recv()
     t0, c0 = time.time(), time.process_time()
     ready = delivered_on_disk(announce, root)
-    mapped = isinstance(ready, VerifiedWeights)
+    mapped = isinstance(ready, ShmWeights)
     state, digest = read_weights(ready)
     t1 = time.time()
     dev_s = 0.0
@@ -59,7 +59,7 @@ def generator(conn: Any, device: str) -> None:
     conn.send({"open_verify_s": t1 - t0, "to_device_s": dev_s, "delivery_s": done - sent,
                "cpu_s": time.process_time() - c0, "tensors": len(state), "digest": digest,
                "mapped": mapped})  # fmt: skip
-    if mapped:
+    if isinstance(ready, ShmWeights):
         ready.close()
 
 
