@@ -10,7 +10,7 @@ the trainer writes it (`save_checkpoint` into `--dir`, default a temporary direc
 /tmp: `learner_dir_write_s`) and, with shm, the blob written once more into /dev/shm
 (`publish_shm`, where the run writes it: `learner_shm_write_s`). A second process, started
 before (spawn, torch imported, CUDA initialised), plays a local generator: handed the announce
-(over a pipe), it does what generator.loop does with it, `delivered_on_disk` (shm: map the file,
+(over a pipe), it does what the engine does with it (`read_weights` of the OnDisk announce: `mapped_copy`, map the file and
 check the tree digest per piece) then, for shared_fs or a refused copy, `read_weights` (read the
 safetensors directory, hash it): `open_verify_s`; then copies the tensors to the device
 (`to_device_s`, synchronised; 0 on cpu). `delivery_s` = from the announce sent to the weights
@@ -37,17 +37,17 @@ def generator(conn: Any, device: str) -> None:
     """The generator side: wait for the announce, take delivery as the loop does, copy to ``device``."""
     import torch
 
-    from models.weights.shm import ShmWeights, delivered_on_disk
-    from models.weights.verified import read_weights
+    from models.weights.shm import ShmWeights, mapped_copy
+    from models.weights.verified import OnDisk, read_weights
 
     if device == "cuda":
         torch.zeros(1, device="cuda")  # the context, before the clock
     conn.send("ready")
     announce, root, sent = conn.recv()
     t0, c0 = time.time(), time.process_time()
-    ready = delivered_on_disk(announce, root)
+    ready = mapped_copy(announce, root)  # what read_weights(OnDisk) tries first (root: --root)
     mapped = isinstance(ready, ShmWeights)
-    state, digest = read_weights(ready)
+    state, digest = read_weights(ready if ready is not None else OnDisk(announce))
     t1 = time.time()
     dev_s = 0.0
     if device == "cuda":

@@ -41,8 +41,7 @@ from typing import Any
 
 from generator.protocols import Connection, Engine, Lane, ToRollouts, make_hello
 from generator.reward_runner import RewardRunner
-from models.weights.shm import delivered_on_disk
-from models.weights.verified import WeightSink
+from models.weights.verified import OnDisk, WeightSink
 from proto import (
     Ack,
     ErrorMsg,
@@ -266,7 +265,7 @@ class GeneratorLoop:
     def _on_weights(self, rec: WeightAnnounce | WeightChunk) -> None:
         ready: Any = None
         if isinstance(rec, WeightAnnounce) and rec.num_chunks == 0 and rec.path:
-            ready = delivered_on_disk(rec)  # this host's checked /dev/shm copy, else the directory
+            ready = OnDisk(rec)  # published as files: the engine loads the directory
         elif self.weights is not None:
             ready = self.weights.handle(rec)
         elif isinstance(rec, WeightAnnounce):

@@ -21,8 +21,8 @@ Order of calls::
 ``publish.transport=shm`` (issue 29 item 3) wires it into a run: the trainer writes its
 directory RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the learner
 then writes the same canonical blob once into ``shm_file(directory)`` (``publish_shm``, beside
-the next step) and announces the directory as shared_fs does. A generator handed such an
-announce (``delivered_on_disk``) maps the file if its host has it and checks the tree digest
+the next step) and announces the directory as shared_fs does. A generator's engine handed such an
+announce (``models.weights.verified.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
 piece by piece: a match is handed to the engine as trusted ``VerifiedWeights`` (nothing read
 from the directory, no second hash); no file (another host, a shared_fs run) or a refused one
 (its bad pieces named in the log) loads the directory, whose digest the engine checks, so
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from models.weights.publication import Publication
-from models.weights.verified import OnDisk, VerifiedWeights, verify_blob
+from models.weights.verified import VerifiedWeights, verify_blob
 from proto import WeightAnnounce
 
 log = logging.getLogger(__name__)
@@ -151,30 +151,6 @@ def prune_shm(weights_root: str | os.PathLike[str], current: int, keep: int,
     return gone
 
 
-def delivered_on_disk(
-    announce: WeightAnnounce, root: str | os.PathLike[str] | None = None
-) -> VerifiedWeights | OnDisk:
-    """The generator's side of an announced directory: its host's shared-memory copy, mapped
-    and checked (module docstring), else the directory for the engine to read and check."""
-    try:
-        path = shm_file(announce.path, root)
-    except ValueError:
-        return OnDisk(announce)
-    if not path.exists():
-        counts["shm_absent"] += 1
-        return OnDisk(announce)
-    try:
-        weights = open_shm(announce, path)
-    except ValueError as e:
-        counts["shm_refused"] += 1
-        log.error("shared-memory copy refused: %s; loading the directory %s instead "
-                  "(its digest checked as it is read)", e, announce.path)  # fmt: skip
-        return OnDisk(announce)
-    counts["shm_loaded"] += 1
-    log.info("weights v%d mapped from %s, digest checked", announce.version, path)
-    return weights
-
-
 class ShmWeights(VerifiedWeights):
     """VerifiedWeights whose blob is a copy-on-write mapping of a shared file; ``close()``
     unmaps it (the tensor views must be dropped first)."""
@@ -229,10 +205,35 @@ def remove_shm(path: str | os.PathLike[str]) -> None:
     Path(path).unlink(missing_ok=True)
 
 
+def mapped_copy(
+    announce: WeightAnnounce, root: str | os.PathLike[str] | None = None
+) -> ShmWeights | None:
+    """This host's shared-memory copy of an announced directory, mapped and checked (module
+    docstring); None when there is none (the caller reads the directory) or it was refused
+    (logged with the pieces that differ; the caller reads the directory, checked as read)."""
+    try:
+        path = shm_file(announce.path, root)
+    except ValueError:
+        return None
+    if not path.exists():
+        counts["shm_absent"] += 1
+        return None
+    try:
+        weights = open_shm(announce, path)
+    except ValueError as e:
+        counts["shm_refused"] += 1
+        log.error("shared-memory copy refused: %s; loading the directory %s instead "
+                  "(its digest checked as it is read)", e, announce.path)  # fmt: skip
+        return None
+    counts["shm_loaded"] += 1
+    log.info("weights v%d mapped from %s, digest checked", announce.version, path)
+    return weights
+
+
 __all__ = [
     "SHM_DIR",
     "ShmWeights",
-    "delivered_on_disk",
+    "mapped_copy",
     "open_shm",
     "prune_shm",
     "publish_shm",

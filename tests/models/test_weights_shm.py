@@ -93,7 +93,7 @@ def test_the_run_file_holds_the_canonical_blob_and_is_found_from_the_directory(
     tmp_path: Path,
 ) -> None:
     """publish_shm writes the blob byte for byte (parallel pieces: WRITE_PIECE shrunk so the
-    blob spans 5); delivered_on_disk maps and checks it from the announced directory alone."""
+    blob spans 5); mapped_copy maps and checks it from the announced directory alone."""
     import models.weights.shm as shm
 
     root = tmp_path / "shm"
@@ -109,7 +109,7 @@ def test_the_run_file_holds_the_canonical_blob_and_is_found_from_the_directory(
     assert path.read_bytes() == bytes(pub.blob)
     announce = pub.announce(0)
     announce.path = str(vdir.resolve())
-    got = shm.delivered_on_disk(announce, root)
+    got = shm.mapped_copy(announce, root)
     assert isinstance(got, shm.ShmWeights) and got.digest == pub.digest
     assert all(torch.equal(got[k], v) for k, v in _state().items())
     got.close()
@@ -121,7 +121,6 @@ def test_a_corrupt_or_missing_copy_falls_back_to_the_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import models.weights.shm as shm
-    from models.weights.verified import OnDisk
 
     root = tmp_path / "shm"
     root.mkdir()
@@ -129,13 +128,11 @@ def test_a_corrupt_or_missing_copy_falls_back_to_the_directory(
     pub = Publication.of_state(_state(), 2, vdir, chunk_bytes=PIECE)
     announce = pub.announce(0)
     announce.path = str(vdir.resolve())
-    absent = shm.delivered_on_disk(announce, root)  # another host: no file
-    assert type(absent) is OnDisk and str(absent) == announce.path
+    assert shm.mapped_copy(announce, root) is None  # another host: no file
     monkeypatch.setenv(shm.CORRUPT_ENV, "2")  # the test hook flips byte 0 (piece 0)
     shm.publish_shm(pub, root)
     before = shm.counts["shm_refused"]
-    got = shm.delivered_on_disk(announce, root)
-    assert type(got) is OnDisk and got.version == 2
+    assert shm.mapped_copy(announce, root) is None
     assert shm.counts["shm_refused"] == before + 1
     assert re.search(r"weights v2 in .*-v2\.blob: pieces 0 \(\['a.weight'\]\) do not match",
                      caplog.text), caplog.text  # fmt: skip
