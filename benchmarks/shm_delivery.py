@@ -10,9 +10,9 @@ the trainer writes it (`save_checkpoint` into `--dir`, default a temporary direc
 /tmp: `learner_dir_write_s`) and, with shm, the blob written once more into /dev/shm
 (`publish_shm`, where the run writes it: `learner_shm_write_s`). A second process, started
 before (spawn, torch imported, CUDA initialised), plays a local generator: handed the announce
-(over a pipe), it does what the engine does with it (`read_weights` of the OnDisk announce: `mapped_copy`, map the file and
-check the tree digest per piece) then, for shared_fs or a refused copy, `read_weights` (read the
-safetensors directory, hash it): `open_verify_s`; then copies the tensors to the device
+(over a pipe), it does what the engine's `read_weights` does with it: `mapped_copy` (shm: map
+the file, check the tree digest per piece), else, for shared_fs or a refused copy, read the
+safetensors directory and hash it: `open_verify_s`; then copies the tensors to the device
 (`to_device_s`, synchronised; 0 on cpu). `delivery_s` = from the announce sent to the weights
 on the device in the generator process; `*_cpu_s` = CPU seconds of each process's part (all
 its threads). The issue's target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
