@@ -1,16 +1,21 @@
-"""Same-host weight delivery through shared memory (models/weights/shm.py): one JSON line.
+"""Weight delivery to a generator process on the learner's host, publish.transport shm vs
+shared_fs (models/weights/shm.py): one JSON line.
 
-    python benchmarks/shm_delivery.py --gib 7.1 --device cuda   # the Huginn-0125 set's size
-    python benchmarks/shm_delivery.py --gib 0.05 --device cpu   # a CPU smoke run
+    python benchmarks/shm_delivery.py --gib 7.1 --device cuda               # Huginn-0125's size
+    python benchmarks/shm_delivery.py --gib 0.75 --device cpu --transport shared_fs
 
 This process plays the learner: a state of `--gib` GiB of bf16 tensors (64 MiB each, the last
-smaller), its Publication (blob + tree digest: `Publication.stage_s`), written once into
-`--root` (default /dev/shm if it has room, else /tmp) with `write_shm`. A second process, started before (spawn, torch
-imported, CUDA initialised), plays a local generator: told the file is there (the announce, over
-a pipe), it maps it and checks the digest (`open_shm`: `open_verify_s`), then copies the checked
-blob to the device as one uint8 tensor (`to_device_s`, synchronised; 0 on cpu). `delivery_s` =
-from the announce sent to the weights on the device in the generator process. The issue's
-target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
+smaller), its Publication (blob + tree digest: `Publication.stage_s`), its directory written as
+the trainer writes it (`save_checkpoint` into `--dir`, default a temporary directory under
+/tmp: `learner_dir_write_s`) and, with shm, the blob written once more into /dev/shm
+(`publish_shm`, where the run writes it: `learner_shm_write_s`). A second process, started
+before (spawn, torch imported, CUDA initialised), plays a local generator: handed the announce
+(over a pipe), it does what the engine's `read_weights` does with it: `mapped_copy` (shm: map
+the file, check the tree digest per piece), else, for shared_fs or a refused copy, read the
+safetensors directory and hash it: `open_verify_s`; then copies the tensors to the device
+(`to_device_s`, synchronised; 0 on cpu). `delivery_s` = from the announce sent to the weights
+on the device in the generator process; `*_cpu_s` = CPU seconds of each process's part (all
+its threads). The issue's target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import multiprocessing as mp
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,29 +34,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def generator(conn: Any, device: str) -> None:
-    """The generator side: wait for (announce, path), map + check, copy to ``device``."""
+    """The generator side: wait for the announce, take delivery as the loop does, copy to ``device``."""
     import torch
 
-    from models.weights.shm import open_shm
+    from models.weights.shm import ShmWeights, mapped_copy
+    from models.weights.verified import OnDisk, read_weights
 
     if device == "cuda":
         torch.zeros(1, device="cuda")  # the context, before the clock
     conn.send("ready")
-    announce, path, sent = conn.recv()
-    t0 = time.time()
-    w = open_shm(announce, path)
+    announce, root, sent = conn.recv()
+    t0, c0 = time.time(), time.process_time()
+    ready = mapped_copy(announce, root)  # what read_weights(OnDisk) tries first (root: --root)
+    mapped = isinstance(ready, ShmWeights)
+    state, digest = read_weights(ready if ready is not None else OnDisk(announce))
     t1 = time.time()
     dev_s = 0.0
     if device == "cuda":
-        flat = torch.frombuffer(w.blob, dtype=torch.uint8)
-        on_dev = flat.to("cuda")
+        on_dev = [v.to("cuda", non_blocking=False) for v in state.values()]
         torch.cuda.synchronize()
         dev_s = time.time() - t1
-        del flat, on_dev
+        del on_dev
     done = time.time()
     conn.send({"open_verify_s": t1 - t0, "to_device_s": dev_s, "delivery_s": done - sent,
-               "tensors": len(w), "digest": w.digest})  # fmt: skip
-    w.close()
+               "cpu_s": time.process_time() - c0, "tensors": len(state), "digest": digest,
+               "mapped": mapped})  # fmt: skip
+    if isinstance(ready, ShmWeights):
+        ready.close()
 
 
 def pick_root(nbytes: int) -> str:
@@ -69,14 +79,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--gib", type=float, default=7.1 / 1.073741824)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--transport", choices=("shm", "shared_fs"), default="shm")
     ap.add_argument("--root", default=None,
                     help="the shared-memory directory (default /dev/shm when it has room for "
                     "the set, else /tmp: a page-cached file, mapped the same way)")  # fmt: skip
+    ap.add_argument("--dir", default=None, help="where the version's directory goes (default /tmp)")
     a = ap.parse_args()
     import torch
 
+    from models.checkpoint import save_checkpoint
     from models.weights.publication import Publication
-    from models.weights.shm import remove_shm, shm_path, write_shm
+    from models.weights.shm import prune_shm, publish_shm
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -86,32 +99,45 @@ def main() -> None:
     per = 64 << 20
     state = {f"t{i:04d}": torch.ones(min(per, total - o) // 2, dtype=torch.bfloat16)
              for i, o in enumerate(range(0, total, per))}  # fmt: skip
-    pub = Publication.of_state(state, 1, None)
+    work = Path(tempfile.mkdtemp(prefix="shm-bench-", dir=a.dir))
+    vdir = work / "weights" / "v1"
+    c0 = time.process_time()
+    pub = Publication.of_state(state, 1, vdir)
+    t0 = time.time()
+    save_checkpoint(state, {"model_type": "bench"}, vdir)
+    dir_s = time.time() - t0
     del state
     root = a.root or pick_root(len(pub.blob))
-    path = shm_path("bench", 1, root)
-    t0 = time.time()
-    write_shm(pub, path)
-    write_s = time.time() - t0
-    announce = pub.announce(1 << 20)
+    shm_s = 0.0
+    if a.transport == "shm":
+        t0 = time.time()
+        publish_shm(pub, root)
+        shm_s = time.time() - t0
+    learner_cpu = time.process_time() - c0
+    announce = pub.announce(0)
+    announce.path = str(vdir.resolve())
     try:
         assert here.recv() == "ready"
-        here.send((announce, str(path), time.time()))
+        here.send((announce, root, time.time()))
         got = here.recv()
         proc.join(60)
     finally:
-        remove_shm(path)
+        prune_shm(vdir.parent, 1 << 62, 0, root)
+        shutil.rmtree(work, ignore_errors=True)
     nbytes = len(pub.blob)
     res = {
-        "bench": "shm_delivery", "device": a.device, "bytes": nbytes,
-        "gb": round(nbytes / 1e9, 3), "root": str(path.parent),
+        "bench": "shm_delivery", "transport": a.transport, "device": a.device, "bytes": nbytes,
+        "gb": round(nbytes / 1e9, 3), "root": root, "mapped": got["mapped"],
         "learner_blob_s": round(pub.stage_s["blob"], 3),
         "learner_digest_s": round(pub.stage_s["digest"], 3),
-        "learner_write_s": round(write_s, 3),
+        "learner_dir_write_s": round(dir_s, 3),
+        "learner_shm_write_s": round(shm_s, 3),
+        "learner_cpu_s": round(learner_cpu, 3),
         "open_verify_s": round(got["open_verify_s"], 3),
         "verify_gb_s": round(nbytes / got["open_verify_s"] / 1e9, 2),
         "to_device_s": round(got["to_device_s"], 3),
         "delivery_s": round(got["delivery_s"], 3),
+        "generator_cpu_s": round(got["cpu_s"], 3),
         "digest_ok": got["digest"] == pub.digest, "tensors": got["tensors"],
         "meets_1s_target": got["delivery_s"] < 1.0, "command": " ".join(sys.argv),
     }  # fmt: skip

@@ -130,7 +130,7 @@ class RunConfig:
                "publish.collective_timeout_s", self.publish.collective_timeout_s,
                f"must be < transport.peer_timeout_s ({self.transport.peer_timeout_s}): a "
                "generator's loop waits in the broadcast")  # fmt: skip
-        _check(self.publish.transport == "shared_fs"
+        _check(self.publish.transport in ("shared_fs", "shm")
                or self.publish.chunk_bytes <= self.transport.weights_max_frame_bytes,
                "publish.chunk_bytes", self.publish.chunk_bytes,
                f"must be <= transport.weights_max_frame_bytes "

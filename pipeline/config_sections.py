@@ -23,7 +23,7 @@ ADAPTIVE_EXITS = ("latent_diff", "kl", "entropy_diff", "ouro_gate")
 """Exit policy kinds whose depth varies per token (refused with task.environment)."""
 POLICIES = ("drop", "keep")
 TASKS = ("synthetic", "jsonl", "dataset")
-WEIGHT_TRANSPORTS = ("shared_fs", "zmq", "collective")
+WEIGHT_TRANSPORTS = ("shared_fs", "shm", "zmq", "collective")
 WEIGHT_TRANSPORT_ALIASES = {"disk": "shared_fs", "chunks": "zmq"}  # the names before issue 15
 COLLECTIVE_BACKENDS = ("gloo", "nccl")
 FSYNC = ("always", "batch", "never")
@@ -356,7 +356,9 @@ class PublishSection:
     every: int = 1
     """Publish a new weight version every this many steps."""
     transport: str = "shared_fs"
-    """shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); zmq: stream the
+    """shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); shm: shared_fs plus
+    one copy per version in /dev/shm that generators on the learner's host map and check
+    (models.weights.shm; others read the directory); zmq: stream the
     blob over the weights socket; collective: torch.distributed broadcast (old names disk,
     chunks are accepted)."""
     chunk_bytes: int = 4 << 20

@@ -18,16 +18,30 @@ Order of calls::
     ...engine.load_weights(weights)...; weights.close()        # unmaps (the views die with it)
     remove_shm(path)                                           # learner side, when pruned
 
-Not yet wired to ``publish.transport`` (the announce does not name the file): the mechanism, its
-test with real processes (tests/models/test_weights_shm.py) and its timing
-(benchmarks/shm_delivery.py) come first.
+``publish.transport=shm`` (issue 29 item 3) wires it into a run: the trainer writes its
+directory RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the learner
+then writes the same canonical blob once into ``shm_file(directory)`` (``publish_shm``, beside
+the next step) and announces the directory as shared_fs does. A generator's engine handed such an
+announce (``models.weights.verified.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
+piece by piece: a match is handed to the engine as trusted ``VerifiedWeights`` (nothing read
+from the directory, no second hash); no file (another host, a shared_fs run) or a refused one
+(its bad pieces named in the log) loads the directory, whose digest the engine checks, so
+nothing is loaded unchecked. Generators need no setting. ``prune_shm`` keeps the newest
+``publish.keep`` files like the directories: an unlinked file's pages live on while a generator
+still maps them (the kernel frees them at the last unmap), so a generator never loses a version
+it holds. ``LOOPRL_CORRUPT_SHM=<version>`` (a test hook) flips one byte of that version's file
+after it is written.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import mmap
 import os
 import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +49,13 @@ from models.weights.publication import Publication
 from models.weights.verified import VerifiedWeights, verify_blob
 from proto import WeightAnnounce
 
-SHM_DIR = Path("/dev/shm")
+log = logging.getLogger(__name__)
+SHM_DIR = Path(os.environ.get("LOOPRL_SHM_DIR", "/dev/shm"))
+CORRUPT_ENV = "LOOPRL_CORRUPT_SHM"
+WRITE_PIECE = 64 << 20
+"""Bytes per parallel write of ``write_shm`` (a blob of one piece is written by one call)."""
+counts: Counter[str] = Counter()
+"""This process's deliveries: shm_loaded, shm_refused, shm_absent (a generator's log says each)."""
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -47,14 +67,88 @@ def shm_path(run_id: str, version: int, root: str | os.PathLike[str] | None = No
     return base / f"looprl-{_SAFE.sub('_', run_id)}-v{version}.blob"
 
 
-def write_shm(pub: Publication, path: str | os.PathLike[str]) -> Path:
-    """``pub.blob`` into ``path``, atomically (a reader sees the whole blob or no file)."""
+def write_shm(pub: Publication, path: str | os.PathLike[str], threads: int = 4) -> Path:
+    """``pub.blob`` into ``path``, atomically (a reader sees the whole blob or no file): the
+    file sized once, then ``WRITE_PIECE`` pieces written at their offsets by ``threads``
+    threads (pwrite releases the GIL)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(memoryview(pub.blob))
+    view = memoryview(pub.blob).cast("B")
+    n = len(view)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, n)
+        offsets = range(0, n, WRITE_PIECE)
+
+        def put(off: int) -> None:
+            piece = view[off : off + WRITE_PIECE]
+            done = 0
+            while done < len(piece):
+                done += os.pwrite(fd, piece[done:], off + done)
+
+        if len(offsets) <= 1 or threads <= 1:
+            for off in offsets:
+                put(off)
+        else:
+            with ThreadPoolExecutor(min(threads, len(offsets))) as pool:
+                list(pool.map(put, offsets))
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     os.replace(tmp, path)
     return path
+
+
+def _run_key(weights_root: str | os.PathLike[str]) -> str:
+    """A file-name-safe key of a run's weights root (RUN_DIR/weights, resolved)."""
+    return hashlib.sha256(str(Path(weights_root).resolve()).encode()).hexdigest()[:16]
+
+
+def shm_file(directory: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
+    """The shared-memory file of the version published in ``directory`` (RUN_DIR/weights/vN):
+    the learner and every generator of its host derive the same name from the announced path."""
+    d = Path(directory)
+    if not d.name.startswith("v") or not d.name[1:].isdigit():
+        raise ValueError(f"weights directory {d}: expected a name v<version>")
+    return shm_path(_run_key(d.parent), int(d.name[1:]), root)
+
+
+def publish_shm(pub: Publication, root: str | os.PathLike[str] | None = None) -> Path:
+    """The learner's side: ``pub`` (its directory written) into its shared-memory file."""
+    if pub.path is None:
+        raise ValueError(f"publication v{pub.version} has no directory")
+    path = write_shm(pub, shm_file(pub.path, root))
+    if os.environ.get(CORRUPT_ENV, "") == str(pub.version):  # the test hook (module docstring)
+        with open(path, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))
+        log.warning("%s=%d: flipped byte 0 of %s", CORRUPT_ENV, pub.version, path)
+    return path
+
+
+def shm_versions(
+    weights_root: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
+) -> list[int]:
+    """The versions of run ``weights_root`` that have a shared-memory file, ascending."""
+    base = Path(root) if root is not None else SHM_DIR
+    pat = re.compile(rf"looprl-{_run_key(weights_root)}-v(\d+)\.blob")
+    found = (pat.fullmatch(p.name) for p in base.glob(f"looprl-{_run_key(weights_root)}-v*.blob"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def prune_shm(weights_root: str | os.PathLike[str], current: int, keep: int,
+              root: str | os.PathLike[str] | None = None) -> list[int]:  # fmt: skip
+    """Unlink the files older than the newest ``keep`` versions up to ``current`` (``keep`` 0:
+    all of them, the run's end). A generator that maps one keeps its pages until it unmaps."""
+    upto = [v for v in shm_versions(weights_root, root) if v <= current]
+    gone = upto if keep <= 0 else upto[:-keep]
+    key = _run_key(weights_root)
+    for v in gone:
+        remove_shm(shm_path(key, v, root))
+    return gone
 
 
 class ShmWeights(VerifiedWeights):
@@ -83,11 +177,15 @@ def open_shm(announce: WeightAnnounce, path: str | os.PathLike[str]) -> ShmWeigh
             size = os.fstat(f.fileno()).st_size
             if size != announce.total_bytes:
                 raise ValueError(f"{size} bytes, {announce.total_bytes} announced")
-            # private (copy-on-write) and populated: the pages are mapped up front, not faulted
-            # in one by one while the digest reads them
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+            # private (copy-on-write), not populated: MAP_POPULATE on a writable private mapping
+            # faults every page in for writing, i.e. copies the whole file (measured: 0.3 GB/s
+            # instead of the hash's rate); read faults share the file's pages, read ahead
             prot = mmap.PROT_READ | mmap.PROT_WRITE
-            mapping = mmap.mmap(f.fileno(), size, flags=flags, prot=prot) if size else None
+            mapping = (
+                mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot) if size else None
+            )
+            if mapping is not None and hasattr(mmap, "MADV_WILLNEED"):
+                mapping.madvise(mmap.MADV_WILLNEED)
     except OSError as e:
         raise ValueError(f"weights v{announce.version} in {path}: {e.strerror}") from None
     except ValueError as e:
@@ -107,4 +205,41 @@ def remove_shm(path: str | os.PathLike[str]) -> None:
     Path(path).unlink(missing_ok=True)
 
 
-__all__ = ["SHM_DIR", "ShmWeights", "open_shm", "remove_shm", "shm_path", "write_shm"]
+def mapped_copy(
+    announce: WeightAnnounce, root: str | os.PathLike[str] | None = None
+) -> ShmWeights | None:
+    """This host's shared-memory copy of an announced directory, mapped and checked (module
+    docstring); None when there is none (the caller reads the directory) or it was refused
+    (logged with the pieces that differ; the caller reads the directory, checked as read)."""
+    try:
+        path = shm_file(announce.path, root)
+    except ValueError:
+        return None
+    if not path.exists():
+        counts["shm_absent"] += 1
+        return None
+    try:
+        weights = open_shm(announce, path)
+    except ValueError as e:
+        counts["shm_refused"] += 1
+        log.error("shared-memory copy refused: %s; loading the directory %s instead "
+                  "(its digest checked as it is read)", e, announce.path)  # fmt: skip
+        return None
+    counts["shm_loaded"] += 1
+    log.info("weights v%d mapped from %s, digest checked", announce.version, path)
+    return weights
+
+
+__all__ = [
+    "SHM_DIR",
+    "ShmWeights",
+    "mapped_copy",
+    "open_shm",
+    "prune_shm",
+    "publish_shm",
+    "remove_shm",
+    "shm_file",
+    "shm_path",
+    "shm_versions",
+    "write_shm",
+]

@@ -9,7 +9,9 @@ Where a weight set's digest (models.weights.digest, DESIGN contract 6) is checke
 - ``verify_blob``: a whole received blob (the collective receive; a flat-kind chunk stream at
   its end): the pieces hashed in parallel, the bad ones named;
 - ``read_weights``: what the engine reads itself (generator.engine.LoopedEngine.load_weights):
-  an ``OnDisk`` directory (shared_fs) hashed with its announce's kind, a plain mapping or path
+  an ``OnDisk`` directory (shared_fs, shm) from this host's checked /dev/shm copy if it has
+  one (models.weights.shm.mapped_copy, on the engine's lane like the read), else read and
+  hashed with its announce's kind, a plain mapping or path
   with the flat kind; a ``VerifiedWeights`` is trusted as it is (not hashed again).
 
 ``VerifiedWeights`` is the one "verified weights" type of the weight path: {name: tensor}
@@ -195,6 +197,12 @@ def read_weights(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) ->
         return state, digest_of_state(state)
     from models.checkpoint import load_checkpoint
 
+    if isinstance(source, OnDisk):  # this host's /dev/shm copy (publish.transport shm) first
+        from models.weights.shm import mapped_copy
+
+        mapped = mapped_copy(source.announce)
+        if mapped is not None:
+            return mapped, mapped.digest
     state = load_checkpoint(source)[1]
     if isinstance(source, OnDisk):
         ann = source.announce

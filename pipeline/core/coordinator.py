@@ -45,6 +45,7 @@ from models.errors import NonFiniteWeightsError
 from models.exits import policy_json
 from models.weights.collective_learner import make_publisher
 from models.weights.publication import Publication, prune_weights, weights_dir
+from models.weights.shm import prune_shm, publish_shm
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core import faults
@@ -440,7 +441,7 @@ class Coordinator:
                 return tm, train_s, self._write_publication(v)
             room = queue.make_room()
             t1 = time.perf_counter()
-            finish = self._guarded(v, lambda out: snap(out, v))
+            finish = self._with_shm(self._guarded(v, lambda out: snap(out, v)))
             stages = {**(getattr(self.trainer, "last_publish_times", None) or {}),
                       "snapshot": time.perf_counter() - t1, "room_wait": room}  # fmt: skip
             return tm, train_s, Snapshot(v, finish, stages)
@@ -630,8 +631,24 @@ class Coordinator:
         if pub is None:
             raise CoordinatorError(f"the trainer returned no publication for v{v}")
         stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
+        self._with_shm(lambda: pub)()
         self._publish_times = {**stages, **pub.stage_s, "total": time.perf_counter() - t0}
         return pub
+
+    def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:
+        """``finish`` then, with publish.transport shm, the same bytes once more into /dev/shm
+        (models.weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
+        if self.cfg.publish.transport != "shm":
+            return finish
+
+        def run() -> Publication:
+            pub = finish()
+            t0 = time.perf_counter()
+            publish_shm(pub)
+            pub.stage_s["shm_write"] = time.perf_counter() - t0
+            return pub
+
+        return run
 
     def _guarded(self, v: int, take: Callable[[Path], Any]) -> Any:
         """``take(RUN_DIR/weights/v<v>)``; non-finite weights end the run, nothing written."""
@@ -662,12 +679,14 @@ class Coordinator:
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
             path=str(Path(pub.path).resolve()), digest=pub.digests,
-            chunked=self.cfg.publish.transport != "shared_fs",  # collective keeps the blob too
+            chunked=self.cfg.publish.transport not in ("shared_fs", "shm"),  # collective: blob too
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
         self.endpoint.set_status(v, self.dispatcher.inflight())
         # every directory older than the newest publish.keep (0: all kept), a killed run's too
         prune_weights(self.run_dir, v, self.cfg.publish.keep)
+        if self.cfg.publish.transport == "shm":  # bounded like the directories
+            prune_shm(self.run_dir / "weights", v, self.cfg.publish.keep)
 
     # -- the loop ------------------------------------------------------------------------------------
     def turn(self, timeout_s: float | None = None) -> bool:
@@ -732,5 +751,7 @@ class Coordinator:
         if self.publications is not None:
             self.publications.close()
         self.publisher.close()
+        if self.cfg.publish.transport == "shm":  # a generator still mapping one keeps its pages
+            prune_shm(self.run_dir / "weights", 1 << 62, 0)  # every file of this run
         self.recorder.close()
         self.quarantine.close()

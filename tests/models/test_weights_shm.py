@@ -5,6 +5,7 @@ the very tensors; a corrupt piece is named and refused."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,77 @@ def test_a_corrupt_piece_is_named_and_refused(tmp_path: Path) -> None:
         remove_shm(path)
     with pytest.raises(ValueError, match="No such file"):
         open_shm(announce, path)
+
+
+def test_the_run_file_holds_the_canonical_blob_and_is_found_from_the_directory(
+    tmp_path: Path,
+) -> None:
+    """publish_shm writes the blob byte for byte (parallel pieces: WRITE_PIECE shrunk so the
+    blob spans 5); mapped_copy maps and checks it from the announced directory alone."""
+    import models.weights.shm as shm
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    vdir = tmp_path / "run" / "weights" / "v7"
+    pub = Publication.of_state(_state(), 7, vdir, chunk_bytes=PIECE)
+    old, shm.WRITE_PIECE = shm.WRITE_PIECE, -(-len(pub.blob) // 5)
+    try:
+        path = shm.publish_shm(pub, root)
+    finally:
+        shm.WRITE_PIECE = old
+    assert path == shm.shm_file(vdir, root) and path.parent == root
+    assert path.read_bytes() == bytes(pub.blob)
+    announce = pub.announce(0)
+    announce.path = str(vdir.resolve())
+    got = shm.mapped_copy(announce, root)
+    assert isinstance(got, shm.ShmWeights) and got.digest == pub.digest
+    assert all(torch.equal(got[k], v) for k, v in _state().items())
+    got.close()
+    with pytest.raises(ValueError, match="expected a name v<version>"):
+        shm.shm_file(tmp_path / "weights" / "latest", root)
+
+
+def test_a_corrupt_or_missing_copy_falls_back_to_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import models.weights.shm as shm
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    vdir = tmp_path / "run" / "weights" / "v2"
+    pub = Publication.of_state(_state(), 2, vdir, chunk_bytes=PIECE)
+    announce = pub.announce(0)
+    announce.path = str(vdir.resolve())
+    assert shm.mapped_copy(announce, root) is None  # another host: no file
+    monkeypatch.setenv(shm.CORRUPT_ENV, "2")  # the test hook flips byte 0 (piece 0)
+    shm.publish_shm(pub, root)
+    before = shm.counts["shm_refused"]
+    assert shm.mapped_copy(announce, root) is None
+    assert shm.counts["shm_refused"] == before + 1
+    assert re.search(r"weights v2 in .*-v2\.blob: pieces 0 \(\['a.weight'\]\) do not match",
+                     caplog.text), caplog.text  # fmt: skip
+    assert f"loading the directory {announce.path} instead" in caplog.text
+
+
+def test_pruning_keeps_the_newest_files_of_this_run_only(tmp_path: Path) -> None:
+    import models.weights.shm as shm
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    runs = [tmp_path / "a" / "weights", tmp_path / "b" / "weights"]
+    for run in runs:
+        for v in range(1, 6):
+            pub = Publication.of_state(_state(), v, run / f"v{v}", chunk_bytes=PIECE)
+            shm.publish_shm(pub, root)
+    assert shm.shm_versions(runs[0], root) == [1, 2, 3, 4, 5]
+    mapped = shm.open_shm(
+        Publication.of_state(_state(), 2, None, chunk_bytes=PIECE).announce(1 << 20),
+        shm.shm_file(runs[0] / "v2", root),
+    )
+    assert shm.prune_shm(runs[0], 4, 2, root) == [1, 2]  # v5: above current, being written
+    assert shm.shm_versions(runs[0], root) == [3, 4, 5]
+    assert shm.shm_versions(runs[1], root) == [1, 2, 3, 4, 5]  # another run's: untouched
+    assert torch.equal(mapped["a.weight"], _state()["a.weight"])  # unlinked, still mapped
+    mapped.close()
+    assert shm.prune_shm(runs[0], 1 << 62, 0, root) == [3, 4, 5]  # the run's end: all
+    assert len(list(root.iterdir())) == 5 and not list(root.glob(".*"))
