@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,8 +80,10 @@ class Network:
         """torch's fused Adam kernel steps the main weights (CUDA, megatron without TE/Apex)."""
         if self.fused_adam:
             _sync_free_fallbacks()
-        if exact:  # numerics exact: the gradient norm as the reference backend computes it
-            _exact_grad_norm()
+        # numerics exact: the gradient norm as the reference backend computes it; otherwise
+        # megatron's own (a module-level setting: an exact trainer built earlier in the same
+        # process must not leave it to a fast one)
+        _exact_grad_norm() if exact else _megatron_grad_norm()
         warm = schedule.warmup_steps
         self.sched = OptimizerParamScheduler(
             self.opt,
@@ -193,17 +196,32 @@ def exact_clip_coeff(norm: torch.Tensor, max_norm: float) -> float:
     return max_norm / (total + 1.0e-6)
 
 
+_MEGATRON_L2: dict[str, Any] = {}  # module name -> megatron's own l2_norm_impl (before ours)
+
+
+def _exact_l2(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool,
+              *args: object) -> tuple[torch.Tensor, None]:  # fmt: skip
+    return exact_l2_norm(list(tensor_lists[0])), None
+
+
 def _exact_grad_norm() -> None:
     """megatron's gradient norm (for clipping and the grad_norm metric) through exact_l2_norm."""
     from megatron.core.optimizer import clip_grads, optimizer
 
-    def impl(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool,
-             *args: object) -> tuple[torch.Tensor, None]:  # fmt: skip
-        return exact_l2_norm(list(tensor_lists[0])), None
+    for mod in (clip_grads, optimizer):
+        impl = getattr(mod, "l2_norm_impl", None)
+        if impl is not None and impl is not _exact_l2:
+            _MEGATRON_L2.setdefault(mod.__name__, impl)
+            mod.l2_norm_impl = _exact_l2  # type: ignore[attr-defined]
+
+
+def _megatron_grad_norm() -> None:
+    """Undo `_exact_grad_norm` (fast numerics after an exact trainer in this process)."""
+    from megatron.core.optimizer import clip_grads, optimizer
 
     for mod in (clip_grads, optimizer):
-        if hasattr(mod, "l2_norm_impl"):
-            mod.l2_norm_impl = impl  # type: ignore[attr-defined]
+        if getattr(mod, "l2_norm_impl", None) is _exact_l2:
+            mod.l2_norm_impl = _MEGATRON_L2[mod.__name__]  # type: ignore[attr-defined]
 
 
 def _sync_free_fallbacks() -> None:

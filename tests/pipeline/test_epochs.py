@@ -407,3 +407,30 @@ def test_lr_schedule_from_the_run_config(model: Path, backend: str) -> None:
     want = [(sched.lr_at(0.01, 2 * s + 1) + sched.lr_at(0.01, 2 * s + 2)) / 2 for s in range(4)]
     assert np.allclose(got, want, rtol=1e-6, atol=1e-9), (got, want)
     assert want[0] < 0.01 and want[3] < want[2] < want[1]  # warmup, then the cosine decay
+
+
+def test_a_fast_trainer_after_an_exact_one_keeps_megatrons_grad_norm(
+    model: Path, fresh: dict[str, list[Rollout]]
+) -> None:
+    """An exact megatron trainer routes megatron's module-level gradient norm through the exact
+    recipe; a fast one built after it in the same process gets megatron's own back (it kept the
+    exact one, and the fast cross-backend case failed on grad_norm by 1.2e-6 in the full suite)."""
+    from megatron.core.optimizer import clip_grads
+
+    own = clip_grads.l2_norm_impl
+    rolls = fresh["fast"]
+    t = _trainer("megatron", model, "numerics=exact")
+    exact_impl = clip_grads.l2_norm_impl
+    t.close()
+    assert exact_impl is not own
+    t = _trainer("megatron", model, "numerics=fast")
+    try:
+        assert clip_grads.l2_norm_impl is own
+        fast = t.step(rolls, [False] * len(rolls))["grad_norm"]
+    finally:
+        t.close()
+    t = _trainer("megatron", model, "numerics=fast")
+    try:
+        assert t.step(rolls, [False] * len(rolls))["grad_norm"] == fast
+    finally:
+        t.close()
