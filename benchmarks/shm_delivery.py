@@ -37,8 +37,9 @@ def generator(conn: Any, device: str) -> None:
     """The generator side: wait for the announce, take delivery as the loop does, copy to ``device``."""
     import torch
 
+    from models.weights.reading import read_weights
     from models.weights.shm import ShmWeights, mapped_copy
-    from models.weights.verified import OnDisk, read_weights
+    from models.weights.verified import OnDisk
 
     if device == "cuda":
         torch.zeros(1, device="cuda")  # the context, before the clock

@@ -25,7 +25,7 @@ Replay does not need the sampler's randomness (only tokens, seeds and depths).
 
 Weights: `load_weights` trusts a `models.weights.verified.VerifiedWeights` (its receiver checked
 the digest on those very bytes, piece by piece; only its announced digest is compared) and
-hashes only what it reads itself (`models.weights.verified.read_weights`): an `OnDisk`
+hashes only what it reads itself (`models.weights.reading.read_weights`): an `OnDisk`
 directory (with the announce's digest kind), any other directory or mapping (the flat kind,
 `canonical_digest`). A mismatch raises
 `WeightDigestError` and the engine keeps serving the old version. By default a swap waits
@@ -67,7 +67,7 @@ from generator.vllm_settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from models.reference import sampling_seed
 from models.weights.digest import canonical_digest
-from models.weights.verified import read_weights
+from models.weights.reading import read_weights
 from proto.records import Rollout, WorkItem
 
 

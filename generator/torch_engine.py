@@ -37,7 +37,7 @@ row: every K/V slot, prelude + core x depth + coda, of the call's length), and a
 holds no row is refused naming the key (at start when `max_model_len` is set); `seed` (engine
 seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
 
-Weights: `load_weights` hashes what it reads (`models.weights.verified.read_weights`; a
+Weights: `load_weights` hashes what it reads (`models.weights.reading.read_weights`; a
 `VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
 and copies the tensors into the parameters in place (`models.checkpoint.load_into`; the CUDA
 graph reads parameters by address), between `generate` calls (a lock). `inflight_updates` is

@@ -22,7 +22,7 @@ Order of calls::
 directory RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the learner
 then writes the same canonical blob once into ``shm_file(directory)`` (``publish_shm``, beside
 the next step) and announces the directory as shared_fs does. A generator's engine handed such an
-announce (``models.weights.verified.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
+announce (``models.weights.reading.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
 piece by piece: a match is handed to the engine as trusted ``VerifiedWeights`` (nothing read
 from the directory, no second hash); no file (another host, a shared_fs run) or a refused one
 (its bad pieces named in the log) loads the directory, whose digest the engine checks, so

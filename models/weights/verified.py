@@ -8,11 +8,9 @@ Where a weight set's digest (models.weights.digest, DESIGN contract 6) is checke
   bytes, tensors) and re-fetched alone;
 - ``verify_blob``: a whole received blob (the collective receive; a flat-kind chunk stream at
   its end): the pieces hashed in parallel, the bad ones named;
-- ``read_weights``: what the engine reads itself (generator.engine.LoopedEngine.load_weights):
-  an ``OnDisk`` directory (shared_fs, shm) from this host's checked /dev/shm copy if it has
-  one (models.weights.shm.mapped_copy, on the engine's lane like the read), else read and
-  hashed with its announce's kind, a plain mapping or path
-  with the flat kind; a ``VerifiedWeights`` is trusted as it is (not hashed again).
+- ``models.weights.reading.read_weights``: what the engine reads itself (an ``OnDisk``
+  directory, from this host's checked /dev/shm copy first; a plain mapping or path), built
+  on this module and models.weights.shm.
 
 ``VerifiedWeights`` is the one "verified weights" type of the weight path: {name: tensor}
 views of a blob (decoded by ``models.weights.digest.state_from_blob``, no copy) whose digest a
@@ -24,18 +22,13 @@ loop calls ``handle`` for every record of the weights channel, then ``loaded`` o
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Mapping
 from typing import Any, Protocol
-
-import torch
 
 from models.weights.digest import (
     TREE,
     blob_head,
     check_kind,
     chunk_sha256,
-    digest_of_state,
     state_from_blob,
     tree_root,
     weights_digest,
@@ -186,36 +179,11 @@ class PieceCheck:
         return tree_root(self.head, leaves, self.ann.digest_chunk_bytes, self.ann.total_bytes)
 
 
-def read_weights(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> tuple[Any, str]:
-    """(state, its digest) of what the engine is handed: a VerifiedWeights' announced digest
-    (checked by its receiver, not hashed here); for what is read here, the digest of the
-    announced kind (OnDisk) or of the flat kind (a plain directory or mapping)."""
-    if isinstance(source, VerifiedWeights):
-        return source, source.digest
-    if isinstance(source, Mapping):
-        state = dict(source)
-        return state, digest_of_state(state)
-    from models.checkpoint import load_checkpoint
-
-    if isinstance(source, OnDisk):  # this host's /dev/shm copy (publish.transport shm) first
-        from models.weights.shm import mapped_copy
-
-        mapped = mapped_copy(source.announce)
-        if mapped is not None:
-            return mapped, mapped.digest
-    state = load_checkpoint(source)[1]
-    if isinstance(source, OnDisk):
-        ann = source.announce
-        return state, digest_of_state(state, ann.digest_kind, ann.digest_chunk_bytes)
-    return state, digest_of_state(state)
-
-
 __all__ = [
     "OnDisk",
     "PieceCheck",
     "VerifiedWeights",
     "WeightSink",
-    "read_weights",
     "tensors_of",
     "verify_blob",
 ]

@@ -212,7 +212,8 @@ def test_recorded_old_kind_digest_still_verifies(tmp_path: Any) -> None:
     )
     assert verify_publication(tmp_path / "v2") == pub.digest
     # an on-disk announce with no kind: the engine's reader hashes the files flat
-    from models.weights.verified import OnDisk, read_weights
+    from models.weights.reading import read_weights
+    from models.weights.verified import OnDisk
 
     ann = WeightAnnounce(1, RECORDED_FLAT, 0, 0, 0, path=str(tmp_path / "v1"))
     assert read_weights(OnDisk(ann))[1] == RECORDED_FLAT
