@@ -151,8 +151,7 @@ class GeneratorLoop:
         self._load: tuple[Any, Future[Any]] | None = None
         self._unacked: OrderedDict[str, _Unacked] = OrderedDict()
         self._stopping, self._stop_reason = False, "shutdown"
-        # a lane that finishes a call wakes run()'s wait on the connection (when it offers a
-        # waker): the next batch or weight load starts then, not at the next poll_s
+        # a lane's finished call wakes run()'s recv (connection.waker), not the next poll_s
         waker = getattr(connection, "waker", None)
         wake = waker() if threaded and callable(waker) else None
         self._engine_lane = Lane("generator-engine", inline=not threaded, on_done=wake)
