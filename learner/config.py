@@ -293,8 +293,6 @@ class ObjectiveConfig:
             need(v == 0 or self.kind in ("ppo", "grpo", "dppo"), name,
                  f"applies to kinds ppo, grpo and dppo (the clipped surrogate) so far, not "
                  f"{self.kind}: its surrogate is not defined for the exit yet")  # fmt: skip
-            need(v == 0 or self.loop_weighting == "last", name,
-                 "applies with loop_weighting last only so far")  # fmt: skip
         looped = self.loop_weighting != "last"
         need(not looped or self.kind != "flow_dppo", "loop_weighting",
              f"{self.loop_weighting} with kind flow_dppo is refused: its full-vocabulary "

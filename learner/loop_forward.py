@@ -26,7 +26,14 @@ import torch
 from torch import Tensor
 
 from learner.batching import TrainBatch
-from learner.objectives.loops import add_loop_columns, response_depths, spread
+from learner.objectives.loops import (
+    ExitSum,
+    add_loop_columns,
+    response_depths,
+    row_full_depths,
+    spread,
+    tap,
+)
 from learner.replay import full_vocab_logits, unwrap
 from models import numerics as nx
 
@@ -36,17 +43,23 @@ RowStats = Callable[[Tensor, Tensor], dict[str, Tensor]]
 """row_stats(logits [N, V] full vocabulary, targets [N]) -> {"logp", "entropy"} [N]."""
 
 
-def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool) -> dict:
-    """The module docstring's outputs for a micro-batch on the model's device."""
+def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
+                 exit_min_depth: int | None = None) -> dict:  # fmt: skip
+    """The module docstring's outputs for a micro-batch on the model's device; with
+    ``exit_min_depth`` (a sampled exit) also "exit_logp", "exit_entropy" [B, L] as
+    `exit_forward` computes them, in the same pass."""
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
     sel, e, n_loops = response_depths(mb)
     targets = mb.targets
     cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
+    full = row_full_depths(mb)
+    exits = None if exit_min_depth is None else ExitSum(sel, e, full, exit_min_depth, mode)
 
-    def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> None:
+    def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> Tensor | None:
         if k > n_loops:
-            return
+            return None
+        state, side = tap(state)
         sel_k = sel & (e >= k)
 
         def stats(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,8 +67,11 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool)
             st = row_stats(full_vocab_logits(core, core.head_logits(rows, mode)), targets[sel_k])
             return st["logp"], st["entropy"]
 
-        add_loop_columns(cols, sel_k, state, stats,
+        add_loop_columns(cols, sel_k, side, stats,
                          (lambda s: core.gate_logit(s, mode)) if gate else None)  # fmt: skip
+        if exits is not None:
+            exits.add(k, core.gate_logit(side, mode))
+        return state
 
     valid = mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
     out = model(mb.input_ids, mb.exit_depths, valid, mb.latent_seeds, head_rows=sel,
@@ -65,7 +81,7 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool)
     del out
     res = {"logp": spread(sel, ex["logp"]), "entropy": spread(sel, ex["entropy"])}
     res.update({k: torch.stack(v, dim=-1) for k, v in cols.items() if v})
-    return res
+    return res | ({} if exits is None else exits.result())
 
 
 def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor]:
@@ -76,35 +92,19 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
     order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
     models.engine.run_chunk, so exact numerics give the generator's claims bit for bit."""
     from learner.specs import _valid
-    from models.exits import exit_step_entropy, exit_step_logprob
 
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
     sel, e, n_loops = response_depths(mb)
-    dt = torch.float64 if mode == "exact" else torch.float32
-    dev = mb.input_ids.device
-    elp = torch.zeros(sel.shape, dtype=dt, device=dev)
-    ent = torch.zeros(sel.shape, dtype=dt, device=dev)
-    full = mb.full_depths if mb.full_depths is not None else mb.exit_depths[:, 0]  # contract 2
-    forced = full.to(dev)[:, None].expand(sel.shape).reshape(-1)
-    acc: dict[str, Tensor] = {"elp": elp, "ent": ent}
+    exits = ExitSum(sel, e, row_full_depths(mb), min_depth, mode)
 
-    def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> None:
+    def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> Tensor | None:
         if k > n_loops:
-            return
-        ran = (sel & (e >= k)).reshape(-1)  # the tokens that ran iteration k
-        g = core.gate_logit(state, mode).reshape(-1)
-        stop = (e == k).reshape(-1)
-        term = exit_step_logprob(g, stop, k, min_depth, forced, mode)
-        h = exit_step_entropy(g, k, min_depth, forced, mode)
-        zero = torch.zeros_like(term)
-        acc["elp"] = acc["elp"] + torch.where(ran, term, zero).view(sel.shape)
-        acc["ent"] = acc["ent"] + torch.where(ran, h, zero).view(sel.shape)
+            return None
+        state, side = tap(state)
+        exits.add(k, core.gate_logit(side, mode))
+        return state
 
     out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds, head_rows=sel,
                 loop_fn=at_loop)  # fmt: skip
-    return {
-        "mask_logits": full_vocab_logits(core, out.logits),
-        "exit_logp": torch.where(sel, acc["elp"], 0.0).float(),
-        "exit_entropy": torch.where(sel, acc["ent"], 0.0).float(),
-    }
+    return {"mask_logits": full_vocab_logits(core, out.logits)} | exits.result()

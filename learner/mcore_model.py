@@ -59,8 +59,9 @@ from models.contract import seed_to_i64
 from models.exits import MAX_DEPTH, check_kv, default_kv
 from models.noise import latent_noise
 
-LoopFn = Callable[[int, Tensor, Callable[[Tensor], Tensor]], None]
-"""loop_fn(k, state after core iteration k [B, S, h], readout) (LoopedGPT.forward)."""
+LoopFn = Callable[[int, Tensor, Callable[[Tensor], Tensor]], Tensor | None]
+"""loop_fn(k, state after core iteration k [B, S, h], readout) (LoopedGPT.forward); a tensor
+it returns replaces the state from there on (the same values: learner.objectives.loops.tap)."""
 
 
 class LoopedOutput(NamedTuple):
@@ -359,7 +360,8 @@ class LoopedGPT(MegatronModule):
                 if full:
                     out_state = torch.where((depths == i + 1)[:, :, None], state, out_state)
             if loop_fn is not None:
-                loop_fn(i + 1, state, lambda s_: self._readout(s_, rope, attn_mask, mode))
+                after = loop_fn(i + 1, state, lambda s_: self._readout(s_, rope, attn_mask, mode))
+                state = state if after is None else after
         hidden = self._readout(out_state if full else state, rope, attn_mask, mode)
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]

@@ -69,7 +69,12 @@ from learner.objectives import (
     rollout_correction,
     value_loss,
 )
-from learner.objectives.loops import LearnedLoopWeights, loop_weights, response_depths
+from learner.objectives.loops import (
+    LearnedLoopWeights,
+    loop_weights,
+    response_depths,
+    row_full_depths,
+)
 from learner.shaping import penalise_kl, shape_rollouts
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from models.rows import micro_spans, token_shares
@@ -162,7 +167,7 @@ def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tenso
     lb.loop_logp, lb.loop_entropy = lp, stats.get("loop_entropy")
     lb.loop_prox, lb.loop_ref = mb.extra.get("prox_loops"), mb.extra.get("ref_loops")
     _, e, n_loops = response_depths(mb)
-    full = mb.full_depths if mb.full_depths is not None else mb.exit_depths[:, 0]  # contract 2
+    full = row_full_depths(mb)  # contract 2
     if learned is not None:
         lb.loop_weight = learned.weights(e, n_loops)
         return

@@ -30,12 +30,20 @@ from torch import Tensor, nn
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.network import exact_clip_coeff, exact_l2_norm
-from learner.objectives.loops import add_loop_columns, check_gate, response_depths, spread
+from learner.objectives.loops import (
+    ExitSum,
+    add_loop_columns,
+    check_gate,
+    response_depths,
+    row_full_depths,
+    spread,
+    tap,
+)
 from learner.step import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
 from models.base import LoopedLM
-from models.engine import ChunkOut, KVCache, run_chunk
+from models.engine import KVCache, run_chunk
 
 __all__ = ["TorchCritic", "TorchNet", "TorchPolicy", "make_optimizer"]
 
@@ -167,45 +175,43 @@ class TorchPolicy:
         rows, each row at its recorded depths (or ``depths``) with its latent seed (full depth:
         its deepest position: the prompt's D, DESIGN contract 2; with a one-token prompt a
         smaller one, which no read-out depends on: learner.mcore_model's rule)."""
-        out = self._run(model, mb, depths)
-        return out.logits[..., : model.vocab_size], out.hidden
-
-    def _run(self, model: LoopedLM, mb: TrainBatch, depths: Tensor | None = None,
-             exits: bool = False) -> ChunkOut:  # fmt: skip
-        """`forward`'s run_chunk replay; ``exits``: with the sampled exits' log-probs and
-        entropies (TrainConfig.exit_min_depth; models.engine.run_chunk's exit_lp)."""
         depths = mb.exit_depths if depths is None else depths
         valid = mb.position_ids < mb.seq_lens[:, None]
         full = [int(d) for d in torch.where(valid, depths, 0).amax(dim=1).tolist()]
         cache = KVCache.empty(model, mb.size, mb.length, max(full))
-        m = self.cfg.exit_min_depth
-        return run_chunk(
+        out = run_chunk(
             model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,
             max_depth=max(full), depths=depths, mode=self.cfg.numerics, kv=self.kv,
             row_depths=full if self.kv == "full" else None,
-            exit_lp=(m, full) if exits and m is not None else None,
         )  # fmt: skip
+        return out.logits[..., : model.vocab_size], out.hidden
 
-    def _loop_stats(self, model: LoopedLM, mb: TrainBatch, gate: bool) -> dict[str, Tensor]:
+    def _loop_stats(self, model: LoopedLM, mb: TrainBatch, gate: bool,
+                    exit_min_depth: int | None = None) -> dict[str, Tensor]:  # fmt: skip
         """Per-loop credit: {"logp", "entropy"} [B, L] of the exit readout (no grad) and
         {"loop_logp", "loop_entropy"(, "loop_gate")} [B, L, K] (0 where k > e_t): one replay
         (`_replay_loops`, models.engine.run_chunk's replay with a hook after each iteration)
         whose state after iteration k is read out through the family's readout (a fresh coda
         cache per loop) and head, under activation checkpointing (one loop's logits at a time):
         learner.loop_forward's computation, in the same order, so in numerics exact the two
-        policies give the same bits, gradients included."""
+        policies give the same bits, gradients included. ``exit_min_depth`` (a sampled exit):
+        also {"exit_logp", "exit_entropy"} [B, L] from the gate after each iteration (ExitSum,
+        as learner.loop_forward)."""
         smp, mode = self.cfg.sampling, self.cfg.numerics
         sel, e, n_loops = response_depths(mb)
         cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
+        exits = (None if exit_min_depth is None
+                 else ExitSum(sel, e, row_full_depths(mb), exit_min_depth, mode))  # fmt: skip
 
         def rows_stats(logits: Tensor, sel_k: Tensor) -> tuple[Tensor, Tensor]:
             st = contract_token_stats(logits[..., : model.vocab_size][sel_k], None,
                                       mb.targets[sel_k], smp.temperature, smp.top_p, mode)  # fmt: skip
             return st["logp"], st["entropy"]
 
-        def at_loop(k: int, state: Tensor, readout: Any) -> None:
+        def at_loop(k: int, state: Tensor, readout: Any) -> Tensor | None:
             if k > n_loops:
-                return
+                return None
+            state, side = tap(state)
             sel_k = sel & (e >= k)
 
             def stats(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -216,13 +222,17 @@ class TorchPolicy:
                 assert g is not None
                 return g.view(sel.shape)
 
-            add_loop_columns(cols, sel_k, state, stats, gate_logit if gate else None)
+            add_loop_columns(cols, sel_k, side, stats, gate_logit if gate else None)
+            if exits is not None:
+                exits.add(k, gate_logit(side))
+            return state
 
         logits = _replay_loops(model, mb, mode, self.kv, at_loop)
         with torch.no_grad():
             lp, ent = rows_stats(logits.detach(), sel)
         out = {"logp": spread(sel, lp), "entropy": spread(sel, ent)}
-        return out | {k: torch.stack(v, dim=-1) for k, v in cols.items() if v}
+        out |= {k: torch.stack(v, dim=-1) for k, v in cols.items() if v}
+        return out | ({} if exits is None else exits.result())
 
     def _stats(self, logits: Tensor, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
         sel = mb.mask > 0
@@ -237,16 +247,32 @@ class TorchPolicy:
     def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
         if self.loops:  # per-loop credit (flow_dppo is refused with it)
             gate = self.cfg.objective.loop_weighting == "exit_pdf"
-            return self._loop_stats(self.model, mb, gate)
+            return self._loop_stats(self.model, mb, gate, self.cfg.exit_min_depth)
         if self.cfg.exit_min_depth is None:
             return self._stats(self.forward(self.model, mb)[0], mb, old)
-        out = self._run(self.model, mb, exits=True)  # a sampled exit: its log-prob, entropy
-        st = self._stats(out.logits[..., : self.model.vocab_size], mb, old)
-        sel = mb.mask > 0
-        assert out.exit_logprobs is not None and out.exit_entropy is not None
-        st["exit_logp"] = torch.where(sel, out.exit_logprobs.float(), 0.0)
-        st["exit_entropy"] = torch.where(sel, out.exit_entropy.float(), 0.0)
-        return st
+        return self._exit_stats(self.model, mb, old, self.cfg.exit_min_depth)
+
+    def _exit_stats(self, model: LoopedLM, mb: TrainBatch, old: Tensor | None,
+                    min_depth: int) -> dict[str, Tensor]:  # fmt: skip
+        """A sampled exit: `_stats` of the exit readout plus {"exit_logp", "exit_entropy"}
+        [B, L] from the gate after each iteration (ExitSum) in `_replay_loops`' hook, as
+        learner.loop_forward.exit_forward computes them in LoopedGPT's: the same graph, so
+        the same gradient bits in exact numerics (models.engine.run_chunk's exit_lp gives the
+        same values, the generator's claims, but reads the gate before the state's update)."""
+        sel, e, n_loops = response_depths(mb)
+        exits = ExitSum(sel, e, row_full_depths(mb), min_depth, self.cfg.numerics)
+
+        def at_loop(k: int, state: Tensor, readout: Any) -> Tensor | None:
+            if k > n_loops:
+                return None
+            state, side = tap(state)
+            g = model.gate_logit(side, self.cfg.numerics)
+            assert g is not None, "sampled exits need a model with an exit gate"
+            exits.add(k, g)
+            return state
+
+        logits = _replay_loops(model, mb, self.cfg.numerics, self.kv, at_loop)
+        return self._stats(logits[..., : model.vocab_size], mb, old) | exits.result()
 
     @torch.no_grad()
     def reference_logp(self, mb: TrainBatch) -> Tensor:
@@ -318,6 +344,7 @@ def _replay_loops(model: LoopedLM, mb: TrainBatch, mode: str, kv: str, hook: Any
             sb, sp = rows[stop], pos[stop]
             cache.core[i + 1 :, :, :, sb, sp] = cache.core[i, :, :, sb, sp].unsqueeze(0)
         done = done | stop
-        hook(i + 1, state.view(bsz, seq, -1), readout)
+        after = hook(i + 1, state.view(bsz, seq, -1), readout)
+        state = state if after is None else after.reshape(n, -1)
     logits, _ = _readout(model, cache, out_state if full else state, val, r)
     return logits.view(bsz, seq, -1)

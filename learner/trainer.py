@@ -141,9 +141,10 @@ class MegatronPolicy:
         return {"logp": st.logp, "entropy": st.entropy}
 
     def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
-        if self.loops:  # per-loop credit: learner.loop_forward (flow_dppo is refused with it)
+        if self.loops:  # per-loop credit (flow_dppo refused), a sampled exit's terms with it
             gate = self.cfg.objective.loop_weighting == "exit_pdf"
-            return loop_forward(self.policy.module, mb, self._row_stats, gate=gate)
+            return loop_forward(self.policy.module, mb, self._row_stats, gate=gate,
+                                exit_min_depth=self.cfg.exit_min_depth)  # fmt: skip
         if self.cfg.exit_min_depth is not None:  # a sampled exit: its log-prob and entropy
             out = exit_forward(self.policy.module, mb, self.cfg.exit_min_depth)
             st = self._stats({"mask_logits": out["mask_logits"]}, mb, old)

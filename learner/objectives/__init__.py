@@ -277,6 +277,27 @@ def _loop_input(x: Tensor | None, key: str, shape: torch.Size) -> Tensor | None:
     return x[..., : shape[2]]
 
 
+def _exit_tokens(cfg: ObjectiveConfig, lb: LossBatch) -> Tokens:
+    """The token view the exit term reads under per-loop credit (mask, valid, advantages):
+    a token is valid for its exit when it is live and its exit readout's current and ratio-base
+    log-probs are finite (the proximal one when given, else the behaviour one; both with a
+    behaviour weight), as `last` validates the same token."""
+    mask = lb.mask
+    assert isinstance(mask, Tensor)
+    live = mask > 0
+    cur = _require(lb.logp, "logp", "(the exit readout's) with loop_weight")
+    valid = live & torch.isfinite(cur.detach())
+    bases = [lb.prox_logp if lb.prox_logp is not None else lb.behav_logp]
+    bases += [lb.behav_logp, lb.prox_logp] if behaviour_weighted(cfg) else []
+    for x in bases:
+        if isinstance(x, Tensor):
+            valid &= torch.isfinite(x.detach())
+    zero = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    adv = torch.where(valid, _advantages(cfg, lb.advantages, mask.shape), 0.0)
+    return Tokens(mask=mask, live=live, valid=valid, logp=zero, base=zero, advantages=adv,
+                  log_ratio=zero, ratio=zero + 1.0)  # fmt: skip
+
+
 def _loop_policy_loss(
     cfg: ObjectiveConfig, kind: Kind, lb: LossBatch
 ) -> tuple[Tensor, dict[str, float]]:
@@ -291,7 +312,9 @@ def _loop_policy_loss(
     requires grad) get RLTT's policy-gradient term as their loss, l_t += sum_k (w_tk -
     sg(w_tk)) sg(-A_t logp_tk): 0 in value and in every other gradient (every ratio
     surrogate's own w-gradient vanishes at the proximal point, where each loop's ratio is 1).
-    Metrics: w-weighted means over
+    A sampled exit's term (exit_coef, exit_entropy_coef) is added once per token, not per
+    loop: the exit e_t is one decision per token whatever loops its token term credits
+    (`_exit_tokens`). Metrics: w-weighted means over
     (token, loop) pairs; pg_loss aggregated like the loss; loop_depth_mean: the token mean of
     sum_k k w_tk (e_t for last)."""
     mask = lb.mask
@@ -343,13 +366,16 @@ def _loop_policy_loss(
             share = torch.where(live, mk * wk, 0.0).sum()
             for key, v in m.items():
                 sums[key] = sums.get(key, 0.0) + v.float() * share
+    exit_m: Metrics = {}
+    if uses_exit_term(cfg) or lb.exit_entropy is not None:  # once per token, not per loop
+        total = total + exit_term(cfg, lb, _exit_tokens(cfg, lb), exit_m)
     agg = mask
     if corr is not None and not cfg.is_rejected_in_denominator:
         agg = torch.where(corr.rejected, 0.0, mask)
     norm, length = lb.normalizer, cfg.loss_scale_length
     loss = aggregate(total, agg, cfg.aggregation, norm, length)
     n = torch.where(live, mask.float(), 0.0).sum().clamp_min(1e-12)
-    metrics: Metrics = {k: v / n for k, v in sums.items() if k != "pg_loss"}
+    metrics: Metrics = {k: v / n for k, v in sums.items() if k != "pg_loss"} | exit_m
     metrics["pg_loss"] = aggregate(pg.detach(), agg, cfg.aggregation, norm, length)
     loop_no = torch.arange(1, shape[2] + 1, dtype=torch.float32, device=w_all.device)
     metrics["loop_depth_mean"] = masked_mean((w_all * loop_no).sum(-1), mask)  # credited loop

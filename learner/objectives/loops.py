@@ -21,12 +21,13 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from learner.config import ObjectiveConfig
+from models.exits import exit_step_entropy, exit_step_logprob
 
 if TYPE_CHECKING:
     from learner.batching import TrainBatch
 
-__all__ = ["MAX_LOOPS", "LearnedLoopWeights", "check_gate", "loop_weights", "response_depths",
-           "spread"]  # fmt: skip
+__all__ = ["MAX_LOOPS", "ExitSum", "LearnedLoopWeights", "check_gate", "loop_weights",
+           "response_depths", "row_full_depths", "spread", "tap"]  # fmt: skip
 
 MAX_LOOPS = 255
 """Logits a `LearnedLoopWeights` holds: one per loop an exit depth (uint8) can name."""
@@ -174,9 +175,77 @@ def add_loop_columns(
             cols["loop_gate"].append(torch.where(sel_k, gate_logit(state), 0.0))
 
 
+class _Tap(torch.autograd.Function):
+    """(x, x) forward; backward: the two branches' gradients summed here, once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        return x.view_as(x), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g_main: Tensor, g_side: Tensor) -> Tensor:  # noqa: D102
+        return g_main + g_side
+
+
+def tap(state: Tensor) -> tuple[Tensor, Tensor]:
+    """(main, side): the same values, for a per-iteration hook of both policies' forwards
+    (the readouts and exit gate of learner.loop_forward and the torch policy's replay read
+    ``side``; the loop goes on with ``main``, the hook's return value). Autograd sums the
+    gradients of a tensor's consumers in the order its engine reaches them, which differs
+    between the two policies' graphs once a hook adds consumers (1e-7 apart after one update,
+    measured on tests/learner/test_policies_ragged.py); here every hook consumer sums on
+    ``side`` and the two branches in `_Tap.backward`, a sum of two, whatever the order: the
+    same bits in exact numerics."""
+    if not (torch.is_grad_enabled() and state.requires_grad):
+        return state, state
+    main, side = _Tap.apply(state)
+    return main, side
+
+
+class ExitSum:
+    """A sampled exit's per-token log-prob and entropy, summed over the core iterations each
+    response token ran, for both policies' hooked forwards (learner.loop_forward, the torch
+    policy's per-loop replay): after iteration k, ``add(k, gate_logit)`` with the exit gate's
+    logit of the state [B, L] adds models.exits.exit_step_logprob / exit_step_entropy at the
+    tokens that ran iteration k (e_t >= k), in iteration order: the operations of
+    models.engine.run_chunk, so exact numerics give the generator's claims bit for bit.
+    ``forced`` [B]: each row's full depth (the run's D, where the gate is no longer consulted,
+    DESIGN contract 2), not its deepest recorded position."""
+
+    def __init__(self, sel: Tensor, e: Tensor, forced: Tensor, min_depth: int, mode: str) -> None:
+        self.sel, self.e, self.min_depth, self.mode = sel, e, min_depth, mode
+        self.forced = forced.to(sel.device)[:, None].expand(sel.shape).reshape(-1)
+        dt = torch.float64 if mode == "exact" else torch.float32
+        self.elp = torch.zeros(sel.shape, dtype=dt, device=sel.device)
+        self.ent = torch.zeros(sel.shape, dtype=dt, device=sel.device)
+
+    def add(self, k: int, gate_logit: Tensor) -> None:
+        ran = (self.sel & (self.e >= k)).reshape(-1)  # the tokens that ran iteration k
+        g = gate_logit.reshape(-1)
+        stop = (self.e == k).reshape(-1)
+        term = exit_step_logprob(g, stop, k, self.min_depth, self.forced, self.mode)
+        h = exit_step_entropy(g, k, self.min_depth, self.forced, self.mode)
+        zero = torch.zeros_like(term)
+        self.elp = self.elp + torch.where(ran, term, zero).view(self.sel.shape)
+        self.ent = self.ent + torch.where(ran, h, zero).view(self.sel.shape)
+
+    def result(self) -> dict[str, Tensor]:
+        """{"exit_logp", "exit_entropy"} [B, L] fp32, 0 off the response."""
+        return {"exit_logp": torch.where(self.sel, self.elp, 0.0).float(),
+                "exit_entropy": torch.where(self.sel, self.ent, 0.0).float()}  # fmt: skip
+
+
 def spread(sel: Tensor, x: Tensor) -> Tensor:
     """[N] values at the True positions of sel [B, L] -> [B, L], 0 elsewhere."""
     return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
+
+
+def row_full_depths(mb: TrainBatch) -> Tensor:
+    """[B] each row's full depth (DESIGN contract 2: the run's D, recorded per rollout; the
+    first position's depth for streams recorded before it): where a sampled exit is forced and
+    Ouro's last loop takes the remaining exit mass. Not the row's deepest recorded position
+    (a one-token prompt whose tokens all exit early has none at D)."""
+    return mb.full_depths if mb.full_depths is not None else mb.exit_depths[:, 0]
 
 
 def response_depths(mb: TrainBatch) -> tuple[Tensor, Tensor, int]:
