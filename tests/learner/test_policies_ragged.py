@@ -28,7 +28,7 @@ CUTS = (7, 3, 1, 5)
 """Response lengths after the cut (a prefix of a generation is a valid record)."""
 
 
-def _rollouts(m: torch.nn.Module) -> list[Rollout]:
+def _rollouts(m: Any) -> list[Rollout]:
     prompts, seeds = [[3], [1, 5], [9, 2, 6, 5], [3, 5, 7]], [31, 32, 33, 34]
     gens = generate(m, prompts, seeds, SamplingParams(max_new_tokens=7), SampledGate(), "exact")
     out = []
@@ -57,7 +57,7 @@ def _both(root_s: str, weightings: list[str]) -> dict[str, Any]:
     from pipeline.config import load_config
 
     root = Path(root_s) / "ouro"
-    m = build_model(tiny_config("ouro"), seed=5)
+    m: Any = build_model(tiny_config("ouro"), seed=5)
     with torch.no_grad():
         m.model.early_exit_gate.bias.fill_(-0.3)
     save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
