@@ -137,11 +137,12 @@ def test_packed_equals_padded(models_dir: dict[str, Path], tmp_path: Path, fam: 
                        ("packed", "learner.max_tokens_per_micro=4096")):  # fmt: skip
         t = _trainer("megatron", models_dir[fam], numerics, over, f"objective.kind={kind}")
         try:
-            mb = build_batch(rolls).rows(0, 8)
+            meg = t.trainer.megatron
+            mb = build_batch(rolls).rows(0, 8).to(meg.device)  # as the step moves it (CUDA)
             mb.packed = name == "packed"
             with torch.no_grad():
-                lp = t.trainer.megatron.policy_stats(mb, None)["logp"]
-                values = t.trainer.megatron.values(mb) if kind == "ppo" else torch.zeros(1)
+                lp = meg.policy_stats(mb, None)["logp"].cpu()
+                values = meg.values(mb).cpu() if kind == "ppo" else torch.zeros(1)
             m = t.step(rolls, [False] * len(rolls))
             out = tmp_path / name / "v1"
             t.publish(out, 1)

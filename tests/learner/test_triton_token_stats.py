@@ -129,7 +129,8 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this host")
 def test_kernels_under_triton_interpreter_match_reference() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)  # keep the caller's (GPU host)
     proc = subprocess.run(
         [sys.executable, "-c", _INTERPRETER_CHECK],
         cwd=ROOT,
