@@ -36,9 +36,10 @@ the other DP ranks return None as always.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,26 +144,22 @@ def publication_state(
     return stored, tied
 
 
-def _to_host(stored: dict[str, Tensor], ready: Any) -> dict[str, Tensor]:
-    """``stored`` on the CPU (views that were one tensor stay one): device tensors copied on a
-    side stream once ``ready`` (the CUDA event recorded after the snapshot's copies) has
-    passed, so the copy runs beside the next step's kernels instead of in their stream."""
+@contextlib.contextmanager
+def _side_stream(stored: Mapping[str, Tensor], ready: Any) -> Iterator[None]:
+    """With device tensors in ``stored``: a side stream on their device that waits for
+    ``ready`` (the CUDA event recorded after the snapshot's copies), current for the block,
+    so the blob's device -> host copies run beside the next step's kernels instead of in
+    their stream; synchronised at the end. Without: nothing."""
     if ready is None:
-        return stored
+        yield
+        return
     dev = next(t.device for t in stored.values() if t.is_cuda)  # a new thread's device is 0
     with torch.cuda.device(dev):
         side = torch.cuda.Stream()
-    done: dict[tuple, Tensor] = {}
-    out: dict[str, Tensor] = {}
     with torch.cuda.device(dev), torch.cuda.stream(side):
         side.wait_event(ready)
-        for name, t in stored.items():
-            key = view_key(t)
-            if key not in done:
-                done[key] = t.to("cpu") if t.is_cuda else t
-            out[name] = done[key]
+        yield
     side.synchronize()
-    return out
 
 
 def _config_dict(model: nn.Module, config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -212,17 +209,16 @@ def snapshot_publication(
     path = None if out_dir is None else Path(out_dir)
 
     def finish() -> Publication:
-        t0 = time.perf_counter()
-        host = _to_host(stored, ready)
-        d2h = time.perf_counter() - t0
-        pub = Publication.of_state(host, version, path, tied=tied,
-                                   config_json=json_bytes(config_dict).decode("utf-8"),
-                                   checked=True)  # fmt: skip
-        pub.stage_s["d2h"] = d2h
+        config_json = json_bytes(config_dict).decode("utf-8")
+        with _side_stream(stored, ready):  # device tensors: copied into the blob from there
+            pub = Publication.of_state(stored, version, path, tied=tied,
+                                       config_json=config_json, checked=True)  # fmt: skip
+        pub.stage_s["d2h"] = 0.0  # the device -> host copy is the blob stage's now
         if path is not None:
             t0 = time.perf_counter()
-            save_checkpoint(host, config_dict, path, tied=tied,
-                            extra_files={MANIFEST_NAME: pub.manifest()})  # fmt: skip
+            save_checkpoint(stored, config_dict, path, tied=tied,
+                            extra_files={MANIFEST_NAME: pub.manifest()},
+                            blob=(pub.blob, pub.tensors))  # fmt: skip
             pub.stage_s["write"] = time.perf_counter() - t0
         return pub
 

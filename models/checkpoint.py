@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,57 @@ def _shard_tensors(state: Mapping[str, torch.Tensor], names: list[str]) -> dict[
     return out
 
 
+_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+              torch.int32: "I32", torch.int64: "I64", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}  # fmt: skip
+"""safetensors' dtype names."""
+
+_PIECE = 64 << 20
+
+
+def _write_blob_shard(path: Path, names: list[str], state: Mapping[str, torch.Tensor],
+                      data: bytes | memoryview, meta: Sequence[Mapping[str, Any]]) -> None:  # fmt: skip
+    """One safetensors file of the tensors ``names`` (consecutive in the blob) from the blob:
+    the header, then the blob's range at its offset in 64 MiB pieces written in parallel
+    (os.pwrite releases the GIL), fsynced."""
+    from models.weights.digest import hash_pool
+
+    at = {str(m["name"]): m for m in meta}
+    missing = [n for n in names if n not in at]
+    if missing:
+        raise ValueError(f"blob: no bytes for {missing[:3]} in its metadata")
+    start = int(at[names[0]]["offset"])
+    header: dict[str, Any] = {"__metadata__": dict(SAFETENSORS_METADATA)}
+    end = start
+    for n in names:
+        m, t = at[n], state[n]
+        off, nbytes = int(m["offset"]), int(m["nbytes"])
+        if off != end or nbytes != _nbytes(t) or t.dtype not in _ST_DTYPES:
+            raise ValueError(f"blob: tensor {n!r} is not the next {_nbytes(t)} bytes of a "
+                             f"supported dtype at offset {end}")  # fmt: skip
+        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": [int(d) for d in t.shape],
+                     "data_offsets": [off - start, off - start + nbytes]}  # fmt: skip
+        end = off + nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    head = len(raw).to_bytes(8, "little") + raw
+    view = memoryview(data).cast("B")[start:end]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+
+        def put(a: int) -> None:
+            piece = view[a : a + _PIECE]
+            done = 0
+            while done < len(piece):
+                done += os.pwrite(fd, piece[done:], len(head) + a + done)
+
+        list(hash_pool().map(put, range(0, len(view), _PIECE)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_bytes(path: Path, data: bytes) -> None:
     path.write_bytes(data)
     fsync_path(path)
@@ -178,8 +229,15 @@ def save_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tied: Mapping[str, str] | None = None,
     extra_files: Mapping[str, ExtraFile] | None = None,
+    blob: tuple[bytes | memoryview, Sequence[Mapping[str, Any]]] | None = None,
 ) -> Path:
     """Write `config_dict` and `state_dict` to `out_dir` in the Hugging Face layout; return it.
+
+    blob: (bytes, metadata) of `models.weights.digest.blob_and_meta` for the stored tensors
+        (after the ties): each shard's data is written from that canonical blob (a contiguous
+        range of it: shards and blob are both in sorted-name order), in pieces in parallel,
+        and `state_dict` gives only names, dtypes and shapes (it may live on a device). The
+        file is a valid safetensors file with its own header (data in name order).
 
     tied: {target: source}; the target (equal to its source, or absent) is stored as its
         source. Undeclared aliases are stored once per name, losing nothing.
@@ -208,8 +266,11 @@ def save_checkpoint(
         for i, names in enumerate(shards, start=1):
             n = len(shards)
             fname = SAFE_WEIGHTS_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            save_file(_shard_tensors(state, names), str(tmp / fname), SAFETENSORS_METADATA)
-            fsync_path(tmp / fname)
+            if blob is None:
+                save_file(_shard_tensors(state, names), str(tmp / fname), SAFETENSORS_METADATA)
+                fsync_path(tmp / fname)
+            else:
+                _write_blob_shard(tmp / fname, names, state, *blob)
             weight_map.update({n: fname for n in names})
         if len(shards) > 1:
             total = sum(_nbytes(v) for v in state.values())

@@ -106,7 +106,7 @@ class WeightPublisher:
         self.stall_timeout_s = stall_timeout_s
         self.clock = clock
         self.announce: WeightAnnounce | None = None
-        self._blob = b""
+        self._blob: bytes | memoryview = b""
         self._gens: dict[str, _Gen] = {}
         self.external: set[str] = set()
         """Generators whose transfers another transport carries (models.weights.collective_learner):
@@ -120,7 +120,7 @@ class WeightPublisher:
     def publish(
         self,
         version: int,
-        blob: bytes,
+        blob: bytes | memoryview,
         *,
         tensors: Sequence[TensorMeta] = (),
         config_json: str = "",
@@ -165,7 +165,14 @@ class WeightPublisher:
             chunk_digests=list(digest.chunks),
         )
         ann.validate()
-        self.announce, self._blob = ann, bytes(blob) if chunked else b""
+        # a read-only blob (bytes, or models.weights.digest.blob_and_meta's view) is kept as
+        # it is; a writable one is copied (its owner may reuse it)
+        keep = (
+            blob
+            if isinstance(blob, bytes) or (isinstance(blob, memoryview) and blob.readonly)
+            else bytes(blob)
+        )
+        self.announce, self._blob = ann, keep if chunked else b""
         for g in self._gens.values():
             if g.serving < version:
                 self._start(g)
@@ -217,7 +224,7 @@ class WeightPublisher:
     def _chunk(self, i: int) -> WeightChunk:
         assert self.announce is not None
         off = i * self.chunk_bytes
-        data = self._blob[off : off + self.chunk_bytes]
+        data = bytes(self._blob[off : off + self.chunk_bytes])
         return WeightChunk(self.announce.version, i, off, data, zlib.crc32(data))
 
     def pump(self) -> int:

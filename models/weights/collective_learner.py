@@ -97,7 +97,7 @@ class CollectivePublisher(WeightPublisher):
         self.round_log: list[dict[str, Any]] = []  # per finished round: members, joined, s, error
 
     # -- WeightPublisher interface ------------------------------------------------------------
-    def publish(self, version: int, blob: bytes, **kw: Any) -> WeightAnnounce:
+    def publish(self, version: int, blob: bytes | memoryview, **kw: Any) -> WeightAnnounce:
         """As WeightPublisher.publish; the blob is kept (it is broadcast, and the fallback)."""
         if kw.get("chunked", True) is False:
             raise WeightSyncError("the collective transport needs the blob (chunked=True)")
@@ -162,7 +162,7 @@ class CollectivePublisher(WeightPublisher):
         self.counts["collective_rounds"] += 1
 
     def _run(
-        self, name: str, members: list[str], blob: bytes
+        self, name: str, members: list[str], blob: bytes | memoryview
     ) -> tuple[list[str], dict[str, float]]:
         """The worker thread: rendezvous, group, broadcast; returns the ids that were in it and
         the seconds of each phase."""

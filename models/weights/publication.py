@@ -56,8 +56,9 @@ class Publication:
     """The digest of the stored tensors, of kind ``digest_kind`` (64 hex chars)."""
     path: Path | None
     """HF-layout directory, or None when nothing was written."""
-    blob: bytes
-    """Canonical bytes of every stored tensor, sorted by name (`models.weights.digest.blob_and_meta`)."""
+    blob: bytes | memoryview
+    """Canonical bytes of every stored tensor, sorted by name (`models.weights.digest.blob_and_meta`:
+    a read-only view of one host buffer)."""
     tensors: list[dict[str, Any]]
     """Per-tensor {name, dtype, shape, offset, nbytes, sha256} inside the blob."""
     tied: dict[str, str]

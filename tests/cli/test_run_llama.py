@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,9 +146,13 @@ def test_generators_that_cannot_load_the_weights_fail_the_run_fast(tmp_path: Pat
     errors = [line for line in err.splitlines() if line.startswith("looprl run: error:")]
     assert len(errors) == 1, err[-3000:]
     assert "every generator exited (codes gen0=1, gen1=1) after " in errors[0]
-    assert "cannot serve weights v1: the model's weight loader failed" in errors[0]
+    # the first version a generator is handed: v1, or v2 when it joined after the learner
+    # stepped again on the other's v0 rollouts (a slow start on a loaded host)
+    assert re.search(r"cannot serve weights v[12]: the model's weight loader failed", errors[0])
     for i in range(2):
         log = (run_dir / "logs" / f"gen{i}.log").read_text()
         stopped = [line for line in log.splitlines() if f"generator gen{i} stopped:" in line]
-        assert len(stopped) == 1 and "cannot serve weights v1" in stopped[0], log[-3000:]
+        assert len(stopped) == 1 and re.search(r"cannot serve weights v[12]", stopped[0]), log[
+            -3000:
+        ]
     assert wall < 200

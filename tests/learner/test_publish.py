@@ -60,7 +60,8 @@ def publish_body(run_dir: str) -> dict[str, Any]:
     ]
     out: dict[str, Any] = {"pubs": None}
     if pubs[0] is not None:
-        out["pubs"] = [vars(p) | {"path": str(p.path)} for p in pubs if p is not None]
+        out["pubs"] = [vars(p) | {"path": str(p.path), "blob": bytes(p.blob)}
+                       for p in pubs if p is not None]  # fmt: skip
         out["announce"] = vars(pubs[0].announce(chunk_bytes=4096))
         out["announce"]["tensors"] = pubs[0].tensors
     results = mcore_replay(trainer.policy_model, _items(), numerics="exact")

@@ -225,7 +225,7 @@ def test_recorded_old_kind_digest_still_verifies(tmp_path: Any) -> None:
 def test_bad_blobs_are_rejected() -> None:
     blob, meta = blob_and_meta(_state())
     with pytest.raises(ValueError, match="covers"):
-        state_from_blob(blob + b"\0", meta)
+        state_from_blob(bytes(blob) + b"\0", meta)
     with pytest.raises(ValueError, match="past the blob"):
         state_from_blob(blob[:-1], meta)
     corrupt = bytearray(blob)
