@@ -372,7 +372,9 @@ class PublishSection:
     copied when it ends, the rest of the publication runs beside the next step and the
     version is announced when its digest is ready (generators get it then; staleness is
     counted from the trainer's weights, so a bound means the same). A step that would exceed
-    this waits. 0: each version is written and announced before the next step starts."""
+    this waits. Above 1 the pending versions are finished on as many threads, overlapping
+    (one's blob beside the previous one's disk write). 0: each version is written and
+    announced before the next step starts."""
     collective_host: str = "127.0.0.1"
     """collective: the learner's address generators reach its TCPStore and gloo ranks at."""
     collective_port: int = 0

@@ -61,6 +61,41 @@ def test_queue_announces_in_order_and_bounds_the_work_in_flight(tmp_path: Path) 
     q.close()
 
 
+def test_two_pending_versions_overlap_and_are_announced_in_order(tmp_path: Path) -> None:
+    """max_pending 2: v2's finish runs while v1's is still going (each on its own thread);
+    v2 done first is still announced after v1; a third version waits for room."""
+    gates = {v: threading.Event() for v in (1, 2)}
+    running: set[int] = set()
+
+    def finish(v: int) -> Any:
+        def run() -> Publication:
+            running.add(v)
+            gates[v].wait(5)
+            return _pub(tmp_path, v)
+
+        return run
+
+    q = PublicationQueue(2)
+    q.submit(Snapshot(1, finish(1)))
+    q.submit(Snapshot(2, finish(2)))
+    deadline = time.monotonic() + 5
+    while running != {1, 2} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert running == {1, 2}, "v2's finish did not start while v1's ran"
+    gates[2].set()
+    time.sleep(0.2)
+    assert q.ready() == [], "v2 announced before v1"
+    waited: list[float] = []
+    t = threading.Thread(target=lambda: waited.append(q.make_room()))
+    t.start()
+    t.join(5)  # v2 done: one slot free
+    assert waited and not t.is_alive()
+    gates[1].set()
+    done = q.wait_all()
+    assert [p.version for p, _ in done] == [1, 2]
+    q.close()
+
+
 def test_queue_raises_a_failed_version_where_it_is_announced(tmp_path: Path) -> None:
     def bad() -> Publication:
         raise OSError("disk full")
