@@ -20,6 +20,14 @@ reference forward at full depth, ``--warm-steps`` AdamW steps of ``--warm-batch`
 fresh model's input embedding first scaled to ``--embed-std`` (default 1.0; see
 `rescale_embedding`); the script renders
 the rows itself: the dataset task's loader took minutes per 2,000 rows on the loaded host)
+-> with ``--gate-warm-steps N`` (default 0: none), the exit gate trained as Ouro trains it
+(`gate_warm`; Ouro families only), on the per-loop readouts of the train answers
+(`loop_losses`: loop k = the depth-k forward): ``--gate-objective adaptive`` (default) is
+Ouro's stage II, the gate alone taught whether the next loop still lowers the token's loss
+(`gate_loss_adaptive`, ``--gate-slope`` k = 50, ``--gate-margin`` gamma = 0.005, the
+paper's), the model unchanged; ``entropy`` is stage I, every parameter on the exit
+distribution's expected per-loop loss minus ``--gate-beta`` times its entropy
+(`gate_loss_entropy`); AdamW at ``--gate-lr`` on ``--warm-batch`` rows a step
 -> for every arm and every seed in 0..seeds-1: a
 backend=reference trainer (pipeline.backends.reference_trainer: the learner's TorchPolicy and
 LearnerStep, the same code `looprl run` trains with) from the warm start, ``--steps`` GRPO
@@ -32,8 +40,11 @@ policy, and the mean exit depth of its tokens.
 
 Output: {"arms": {arm: {"accuracy": mean, "accuracy_std", "accuracy_seeds": [...],
 "mean_depth", "accuracy@d": mean, "accuracy@d_std", ...}}, "warm_start": {the warm start's
-accuracy at each depth}, settings, "wall_s", "load_1m": [at start, at end]}. Spread = the
-sample standard deviation over seeds.
+accuracy at each depth; with --gate-warm-steps also "gate": {"before", "after": the gate's
+greedy test accuracy and token-mean exit depth under SampledGate() and OuroGate(0.5), its mean
+exit distribution p(t) and the mean cross-entropy after each loop on the test answers;
+"objective", "steps", "loss_first", "loss_last", "s"}}, settings, "wall_s", "load_1m": [at
+start, at end]}. Spread = the sample standard deviation over seeds.
 
 CPU only (a GPU mode with a larger looped model, issue 23 item 6, is not written yet).
 
