@@ -281,6 +281,20 @@ def loop_losses(model: Any, examples: list[tuple[list[int], list[int]]], seeds: 
     return torch.stack(ce), torch.stack(gate)
 
 
+def check_gate_args(args: argparse.Namespace) -> None:
+    """SystemExit naming the flag when a gate warm-start setting is out of range."""
+    for flag, ok, want in (
+        ("--gate-warm-steps", args.gate_warm_steps >= 0, "an int >= 0"),
+        ("--gate-lr", args.gate_lr > 0, "> 0"),
+        ("--gate-beta", args.gate_beta >= 0, ">= 0"),
+        ("--gate-slope", args.gate_slope > 0, "> 0"),
+    ):
+        if not ok:
+            raise SystemExit(
+                f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}"
+            )
+
+
 def gate_warm(model: Any, task: Task, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """--gate-warm-steps AdamW steps (lr --gate-lr, clip 1.0) on random --warm-batch rows of
     the train split after the SFT warm start: ``adaptive`` (Ouro stage II) trains the exit
@@ -520,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
     args = p.parse_args(argv)
     args.depths = [int(x) for x in args.depths.split(",") if x]
+    check_gate_args(args)
     torch.set_num_threads(args.threads)
     t0, load0 = time.time(), os.getloadavg()[0]
     policy = policy_from_dict(json.loads(args.exit_policy)) if args.exit_policy else None

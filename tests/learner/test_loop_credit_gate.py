@@ -2,12 +2,13 @@
 distribution, the stage-I and stage-II gate losses by hand, and the per-loop readouts against
 fixed-depth forwards of a tiny Ouro.
 
-Cost: tensor-only tests (< 1 s) and one tiny-model test (a few forwards, ~1 s)."""
+Cost: tensor-only tests (< 1 s), tiny-model forwards and argument checks (~4 s in all)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from learner.config import ObjectiveConfig
@@ -92,3 +93,16 @@ def test_loop_losses_are_the_fixed_depth_readouts() -> None:
         torch.testing.assert_close(ce[k - 1], want, rtol=0, atol=1e-5)
     # the per-loop losses differ between loops (the test would pass vacuously otherwise)
     assert float((ce[0] - ce[-1]).abs().max()) > 1e-3
+
+
+def test_gate_warm_start_refuses_bad_input() -> None:
+    """A family without an exit gate (Huginn) and out-of-range flags: SystemExit naming them."""
+    huginn = build_model(tiny_config("huginn"), seed=0)
+    with pytest.raises(SystemExit, match="--gate-warm-steps: needs a family with an exit gate"):
+        lc.loop_losses(huginn, [([1, 5], [7, 2])], [0], "fast")
+    for argv, flag in ((["--gate-warm-steps", "-1"], "--gate-warm-steps"),
+                       (["--gate-lr", "0"], "--gate-lr"),
+                       (["--gate-beta", "-0.1"], "--gate-beta"),
+                       (["--gate-slope", "0"], "--gate-slope")):  # fmt: skip
+        with pytest.raises(SystemExit, match=f"{flag} must be"):
+            lc.main(argv)
