@@ -342,6 +342,7 @@ def step_advantages(
     truncated: Tensor | None = None,
     local: Tensor | None = None,
     reduce: Callable[[Tensor], object] | None = None,
+    depth_cost: float = 0.0,
 ) -> tuple[Tensor, Tensor | None]:
     """A step's advantages [B, L] (and GAE returns with a critic, else None): every
     advantage option of the objective in one place (keywords: `ObjectiveConfig.advantage_options`).
@@ -355,6 +356,10 @@ def step_advantages(
     rows outside ``local`` [B] bool (other data-parallel ranks') are zeroed, and ``whiten``
     (always for reinforce_pp*) whitens over the local tokens with ``whiten_std``, ``reduce``
     adding other ranks' sums. With the defaults it is, bit for bit, what both trainers did.
+    ``depth_cost`` > 0 (objective.depth_cost_in advantage; a group estimator): before the
+    zeroing and whitening, each row's advantage loses depth_cost x (f_i - the mean f of its
+    group), f = ``batch.extra["depth_fraction"]`` [B] (learner.shaping.depth_fraction; a
+    group of one: 0), in reward units whatever ``normalize_std`` does to the rewards.
     """
     returns = None
     if values is not None:
@@ -382,6 +387,11 @@ def step_advantages(
                                   batch.mask)  # fmt: skip
     else:
         raise ValueError(f"estimator: unknown {estimator!r}")
+    if depth_cost > 0:
+        if values is not None or estimator == "reinforce_pp":
+            raise ValueError("depth_cost in the advantage: needs a group estimator, no critic")
+        centred = group_baseline(batch.extra["depth_fraction"], batch.group_ids).double()
+        adv = adv - broadcast_to_tokens((depth_cost * centred).float(), batch.mask)
     mask = batch.mask
     if local is not None:
         adv = torch.where(local[:, None], adv, 0.0)

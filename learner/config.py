@@ -45,6 +45,9 @@ LENGTH_NORMED = ("seq_mean_token_sum_norm", "dr_grpo")
 """Aggregations dividing by a constant length (objective.loss_scale_length) instead of n_b."""
 RATIO_LEVELS = ("token", "sequence")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+"""The estimators whose advantage is a row's reward against its group's (depth_cost_in)."""
+DEPTH_COST_IN = ("reward", "advantage")
 SINGLETONS = ("zero", "reward")
 WHITEN_STDS = ("population", "bessel")
 KL_CAP_DEFAULT = 10.0
@@ -87,8 +90,15 @@ class ObjectiveConfig:
     overlong_penalty: float = 1.0
     """The penalty at rollout.max_tokens (linear from 0 at max_tokens - overlong_buffer)."""
     depth_cost: float = 0.0
-    """Compute cost in the reward: each reward loses depth_cost x the completion's mean exit
-    depth / the run's full depth (learner.shaping; 0: off)."""
+    """Compute cost of depth: depth_cost x the completion's mean exit depth / the run's full
+    depth (learner.shaping.depth_fraction), taken off as depth_cost_in says (0: off)."""
+    depth_cost_in: str = "reward"
+    """reward: off each reward before the advantages (learner.shaping), so GRPO's std
+    normalisation rescales it with the task reward (in a group where every sample scores the
+    same, the cost alone is then normalised to order 1 whatever depth_cost is); advantage:
+    kept out of the rewards and added to the group estimators' advantages in reward units,
+    -depth_cost x (f_i - mean of f over i's group), not normalised
+    (learner.batching.step_advantages; grpo, rloo, reinforce_pp_baseline without a critic)."""
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - eps_low; in [0, 1)."""
     eps_high: float = 0.2
@@ -201,7 +211,8 @@ class ObjectiveConfig:
         return {"gamma": self.gamma, "lam": self.lam, "normalize_std": self.normalize_std,
                 "estimator": self.advantage_estimator, "singleton": self.singleton_advantage,
                 "whiten": self.whiten, "whiten_std": self.whiten_std,
-                "bootstrap_truncated": self.bootstrap_truncated}  # fmt: skip
+                "bootstrap_truncated": self.bootstrap_truncated,
+                "depth_cost": self.depth_cost if self.depth_cost_in == "advantage" else 0.0}  # fmt: skip
 
     @property
     def uses_critic(self) -> bool:
@@ -222,6 +233,14 @@ class ObjectiveConfig:
         need(self.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
         need(math.isfinite(self.depth_cost) and self.depth_cost >= 0, "depth_cost",
              "must be a finite number >= 0")  # fmt: skip
+        need(self.depth_cost_in in DEPTH_COST_IN, "depth_cost_in",
+             f"must be one of {DEPTH_COST_IN}")  # fmt: skip
+        need(self.depth_cost_in == "reward" or self.depth_cost > 0, "depth_cost_in",
+             "applies with objective.depth_cost > 0 only")  # fmt: skip
+        need(self.depth_cost_in == "reward" or (
+            not self.uses_critic and self.advantage_estimator in GROUP_ESTIMATORS),
+             "depth_cost_in", f"advantage needs a group estimator {GROUP_ESTIMATORS} without a "
+             "critic (GAE has no group to centre the cost in); use reward")  # fmt: skip
         need(0.0 <= self.eps_low < 1.0, "eps_low", "must be in [0, 1)")
         need(self.eps_high >= 0.0, "eps_high", "must be >= 0")
         need(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be null or > 1")

@@ -75,7 +75,7 @@ from learner.objectives.loops import (
     response_depths,
     row_full_depths,
 )
-from learner.shaping import penalise_kl, shape_rollouts
+from learner.shaping import depth_fraction, penalise_kl, shape_rollouts
 from learner.step_metrics import StepMetrics, all_reduce_, record_policy, record_value, row_mismatch
 from models.rows import micro_spans, token_shares
 from proto.records import Rollout
@@ -374,11 +374,16 @@ class LearnerStep:
             raise ValueError(f"rollouts: expected a positive multiple of global_batch_size ({g}), "
                              f"got {len(rollouts)}")  # fmt: skip
         obj = cfg.objective
+        in_reward = obj.depth_cost if obj.depth_cost_in == "reward" else 0.0
         rollouts, _ = shape_rollouts(rollouts, max_tokens=cfg.max_tokens,
                                      overlong_buffer=obj.overlong_buffer,
                                      overlong_penalty=obj.overlong_penalty,
-                                     depth_cost=obj.depth_cost)  # fmt: skip
+                                     depth_cost=in_reward)  # fmt: skip
         batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
+        if obj.depth_cost > 0 and not in_reward:  # objective.depth_cost_in advantage
+            batch.extra["depth_fraction"] = torch.tensor(
+                [depth_fraction(r) for r in sort_rollouts(rollouts)], dtype=torch.float64
+            )
         gap = cfg.objective.max_token_version_gap
         live = batch.mask > 0
         assert batch.token_versions is not None

@@ -38,3 +38,61 @@ def test_depth_cost_is_checked() -> None:
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="depth_cost"):
             ObjectiveConfig(depth_cost=bad)
+
+
+def _advantages(rewards: list[float], depths: list[list[int]], cost: float, where: str,
+                normalize_std: bool = True) -> list[float]:  # fmt: skip
+    """One group's per-row advantage through the step's own path: shaping, then
+    learner.batching.step_advantages with the objective's options."""
+    import torch
+
+    from learner.batching import build_batch, sort_rollouts, step_advantages
+
+    obj = ObjectiveConfig(depth_cost=cost, depth_cost_in=where, normalize_std=normalize_std)
+    rolls = [_rollout(i, d, 4, r) for i, (r, d) in enumerate(zip(rewards, depths))]
+    shaped, _ = shape_rollouts(rolls, max_tokens=16,
+                               depth_cost=cost if where == "reward" else 0.0)  # fmt: skip
+    batch = build_batch(shaped)
+    batch.extra["depth_fraction"] = torch.tensor([depth_fraction(r) for r in sort_rollouts(shaped)],
+                                                 dtype=torch.float64)  # fmt: skip
+    adv, _ = step_advantages(batch, None, **obj.advantage_options())
+    return [float(adv[i][batch.mask[i] > 0][0]) for i in range(batch.size)]
+
+
+DEPTHS = [[4, 4], [2, 2], [1, 1], [1, 1]]  # f = 1, 0.5, 0.25, 0.25; group mean 0.5
+
+
+def test_in_the_reward_the_std_normalisation_erases_the_cost_scale() -> None:
+    """A group whose samples all score 0: in the reward, the depth cost is all the group's
+    spread, and GRPO's std normalisation makes the advantages the same for any cost (the
+    collapse benchmarks/loop_credit.py measured); in the advantage it stays in reward units."""
+    a = _advantages([0.0] * 4, DEPTHS, 0.2, "reward")
+    b = _advantages([0.0] * 4, DEPTHS, 0.05, "reward")
+    assert a == pytest.approx(b, rel=1e-3) and abs(a[0]) > 1.0  # a 4x cost: equal but for eps
+    for cost in (0.2, 0.05):
+        got = _advantages([0.0] * 4, DEPTHS, cost, "advantage")
+        assert got == pytest.approx([-cost * 0.5, 0.0, cost * 0.25, cost * 0.25], abs=1e-7)
+
+
+def test_in_the_advantage_the_task_part_is_grpos_own() -> None:
+    """Mixed rewards: GRPO's normalised advantage of the task reward alone, minus cost x the
+    centred depth fraction; a group of one gets no cost."""
+    r = [1.0, 0.0, 0.0, 1.0]
+    task = _advantages(r, DEPTHS, 0.0, "reward")
+    got = _advantages(r, DEPTHS, 0.3, "advantage")
+    want = [t - 0.3 * (f - 0.5) for t, f in zip(task, [1.0, 0.5, 0.25, 0.25])]
+    assert got == pytest.approx(want, abs=1e-6)
+    assert task[0] == pytest.approx(0.5 / (1 / 3) ** 0.5, rel=1e-4)  # the group std, n - 1
+    assert _advantages([1.0], [[4, 1]], 0.3, "advantage") == [0.0]
+
+
+def test_depth_cost_in_is_checked() -> None:
+    for kw, why in (
+        ({"depth_cost_in": "tokens", "depth_cost": 0.1}, "must be one of"),
+        ({"depth_cost_in": "advantage"}, "depth_cost > 0 only"),
+        ({"depth_cost_in": "advantage", "depth_cost": 0.1, "kind": "ppo"}, "group estimator"),
+        ({"depth_cost_in": "advantage", "depth_cost": 0.1, "advantage_estimator": "reinforce_pp"},
+         "group estimator"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            ObjectiveConfig(**kw)  # type: ignore[arg-type]
