@@ -358,7 +358,8 @@ def step_advantages(
     adding other ranks' sums. With the defaults it is, bit for bit, what both trainers did.
     ``depth_cost`` > 0 (objective.depth_cost_in advantage; a group estimator): before the
     zeroing and whitening, each row's advantage loses depth_cost x (f_i - the mean f of its
-    group), f = ``batch.extra["depth_fraction"]`` [B] (learner.shaping.depth_fraction; a
+    group), f = ``batch.extra["depth_fraction"]`` [B, L] (each row's value at every position;
+    learner.shaping.depth_fraction; a
     group of one: 0), in reward units whatever ``normalize_std`` does to the rewards.
     """
     returns = None
@@ -390,7 +391,8 @@ def step_advantages(
     if depth_cost > 0:
         if values is not None or estimator == "reinforce_pp":
             raise ValueError("depth_cost in the advantage: needs a group estimator, no critic")
-        centred = group_baseline(batch.extra["depth_fraction"], batch.group_ids).double()
+        frac = batch.extra["depth_fraction"][:, 0]  # [B, L]: one value per row
+        centred = group_baseline(frac, batch.group_ids).double()
         adv = adv - broadcast_to_tokens((depth_cost * centred).float(), batch.mask)
     mask = batch.mask
     if local is not None:

@@ -381,9 +381,10 @@ class LearnerStep:
                                      depth_cost=in_reward)  # fmt: skip
         batch = build_batch(rollouts, pad_to_multiple=cfg.pad_to_multiple)
         if obj.depth_cost > 0 and not in_reward:  # objective.depth_cost_in advantage
-            batch.extra["depth_fraction"] = torch.tensor(
-                [depth_fraction(r) for r in sort_rollouts(rollouts)], dtype=torch.float64
-            )
+            frac = torch.tensor([depth_fraction(r) for r in sort_rollouts(rollouts)],
+                                dtype=torch.float64)  # fmt: skip
+            # per row, laid out [B, L] like every extra (micro-batches slice and pad them)
+            batch.extra["depth_fraction"] = frac[:, None].expand(batch.size, batch.length)
         gap = cfg.objective.max_token_version_gap
         live = batch.mask > 0
         assert batch.token_versions is not None

@@ -26,10 +26,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 COST = 0.3
 
 
-@pytest.mark.parametrize(("backend", "weighting"), [("megatron", "exit_pdf"),
-                                                    ("reference", "learned")])  # fmt: skip
-def test_loop_credit_with_a_sampled_exit_and_a_depth_cost(tmp_path: Path, backend: str,
-                                                          weighting: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(("backend", "weighting", "cost_in"), [
+    ("megatron", "exit_pdf", "reward"), ("reference", "learned", "advantage")])  # fmt: skip
+def test_loop_credit_with_a_sampled_exit_and_a_depth_cost(
+    tmp_path: Path, backend: str, weighting: str, cost_in: str
+) -> None:
     model = init_checkpoint("ouro", "tiny", tmp_path / "ouro")
     live = tmp_path / "live"
     cfg = small_config(live, f"model.path={model}", "steps=3", "generators.count=1",
@@ -37,6 +38,7 @@ def test_loop_credit_with_a_sampled_exit_and_a_depth_cost(tmp_path: Path, backen
                        "rollout.exit_policy={kind: sampled_gate}", "objective.exit_coef=0.5",
                        "objective.exit_entropy_coef=0.01", f"objective.depth_cost={COST}",
                        f"objective.loop_weighting={weighting}", "objective.kl_coef=0.01",
+                       f"objective.depth_cost_in={cost_in}",
                        "learner.backprop_depth=0")  # fmt: skip
     run(cfg)
     rows = check_run(live, 4, 3, max_staleness=1)
@@ -48,9 +50,11 @@ def test_loop_credit_with_a_sampled_exit_and_a_depth_cost(tmp_path: Path, backen
         assert row["train/exit_entropy"] > 0.1 and math.isfinite(row["train/exit_loss"]), row
         # per-loop credit: the credited loop's mean sits below the exit loop (weights over 1..e_t)
         assert 1.0 <= row["train/loop_depth_mean"] < 4.0, row
-        # the depth cost: each reward minus COST x mean exit depth / 4, what the update trained on
+        # the depth cost in the reward: each reward minus COST x mean exit depth / 4, what the
+        # update trained on; in the advantage: the rewards untouched (the cost is in A)
         trained = [by_id[i] for i in step.rollout_ids]
-        want = sum(float(r.reward or 0.0) - COST * depth_fraction(r) for r in trained)
+        c = COST if cost_in == "reward" else 0.0
+        want = sum(float(r.reward or 0.0) - c * depth_fraction(r) for r in trained)
         assert math.isclose(row["train/reward_mean"], want / len(trained), abs_tol=1e-6), row
         assert min(depth_fraction(r) for r in trained) < 1.0
     res = replay(live / "stream", tmp_path / "replay")

@@ -53,8 +53,8 @@ def _advantages(rewards: list[float], depths: list[list[int]], cost: float, wher
     shaped, _ = shape_rollouts(rolls, max_tokens=16,
                                depth_cost=cost if where == "reward" else 0.0)  # fmt: skip
     batch = build_batch(shaped)
-    batch.extra["depth_fraction"] = torch.tensor([depth_fraction(r) for r in sort_rollouts(shaped)],
-                                                 dtype=torch.float64)  # fmt: skip
+    frac = torch.tensor([depth_fraction(r) for r in sort_rollouts(shaped)], dtype=torch.float64)
+    batch.extra["depth_fraction"] = frac[:, None].expand(batch.size, batch.length)
     adv, _ = step_advantages(batch, None, **obj.advantage_options())
     return [float(adv[i][batch.mask[i] > 0][0]) for i in range(batch.size)]
 
