@@ -84,10 +84,12 @@ if triton is not None:
         tl.store(Out + b * s_ob + h * s_oh + d, out.to(Out.dtype.element_ty), mask=dm)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int = 32) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int = 32,
+                     num_warps: int = 2, num_stages: int = 2) -> Tensor:  # fmt: skip
     """Softmax attention of one query position: q [B, 1, H, D], k / v [B, T, G, D] (H % G ==
     0), mask [B, 1, T] bool (True = visible; each row sees a key). Returns [B, 1, H * D] in
-    q's dtype (module doc)."""
+    q's dtype (module doc). ``block_t``, ``num_warps``, ``num_stages``: the launch
+    (benchmarks/decode_attention.py times them)."""
     bsz, _, heads, dim = q.shape
     length, groups = k.shape[1], k.shape[2]
     if heads % groups:
@@ -101,6 +103,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int
         v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1),
         REP=heads // groups, D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out.view(bsz, 1, heads * dim)
 
