@@ -157,8 +157,10 @@ if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 it
 fi
 if has loop_credit; then  # issue 23 item 6 on the host's CPU cores (GPU hidden): one warm start,
     # then the 15 (arm, seed) runs of benchmarks/loop_credit.py in 15 processes of one thread
+    S='rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.exit_entropy_coef=0.01'
     CUDA_VISIBLE_DEVICES= timeout "${T_LOOP:-590}" "$PY" benchmarks/loop_credit.py --jobs 15 \
-        --arms 'last,exit_pdf,uniform,learned,sampled_cost:rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.depth_cost=0.2;objective.exit_entropy_coef=0.01' \
+        --gate-warm-steps "${LOOP_GATE_STEPS:-600}" --seeds "${LOOP_SEEDS:-5}" \
+        --arms "last,exit_pdf,uniform,learned,sampled_cost05_adv:$S;objective.depth_cost=0.05;objective.depth_cost_in=advantage" \
         2>"$LOG/loop_credit.err" | tee "$LOG/loop_credit.jsonl"
     echo "loop_credit rc=${PIPESTATUS[0]}"
     grep -E "^#|Error" "$LOG/loop_credit.err" | tail -n 24
