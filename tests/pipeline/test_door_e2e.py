@@ -119,8 +119,13 @@ def test_poisoned_generator_beside_a_real_one(tmp_path: Path) -> None:
         assert r["train/loss"] is not None and math.isfinite(r["train/loss"]), r
     intake = s["counts"]["intake"]
     refused = s["counts"]["refused_by_generator"]["poison"]
-    assert set(refused) == {"token_out_of_vocab", "exit_depth", "too_long", "prompt_mismatch",
-                            "seed_mismatch", "wrong_generator", "weight_version"}, refused  # fmt: skip
+    door = {"token_out_of_vocab", "exit_depth", "too_long", "prompt_mismatch", "seed_mismatch",
+            "wrong_generator", "weight_version"}  # fmt: skip
+    # every kind the door catches is refused there; the poisoner's rollouts the door admits
+    # (a non-finite reward is filled) still claim log-probs of -1.0: the learner's check
+    # refuses them too (logp_mismatch) when one is trained where its bound is tight, which
+    # depends on the staleness it arrives at (timing), so it may or may not occur
+    assert door <= set(refused) <= door | {"logp_mismatch"}, refused
     assert intake["reward_nonfinite"] >= 1
     assert len(read_quarantine(tmp_path)) == intake["refused"] == sum(refused.values())
     assert p.nacks and all(n.reason.startswith("refused: ") for n in p.nacks)
