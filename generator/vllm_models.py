@@ -88,6 +88,10 @@ class _LoopedVllm:
     """The vLLM side of a looped model (mixed into a `models` family module)."""
 
     family_class: ClassVar[type[LoopedLM]]
+    depth_batching: bool = True
+    """Depth batching (module doc): at each core iteration only the tokens still running are
+    computed (kv 'last_exited'); False = the masked path (every token to the deepest running
+    one, K/V writes masked), kept for comparison (tests, benchmarks/depth_batching.py)."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         config = config_from_hf_dict(_read_hf_config(vllm_config))
@@ -169,6 +173,33 @@ class _LoopedVllm:
                     k, v = torch.where(keep, k, old[0]), torch.where(keep, v, old[1])
                 carry[layer] = (k, v)
             x = blk.post(x, slot(q, k, v), self.mode)
+        return x
+
+    def _stack_running(
+        self,
+        blocks: Sequence[Block],
+        slots: Iterable[Any],
+        x: Tensor,
+        rope: Tensor,
+        idx: Tensor,
+        carry: list[tuple[Tensor, Tensor] | None],
+    ) -> Tensor:
+        """`_stack` on the running rows `idx` [M] of the step's N tokens alone (depth batching,
+        kv 'last_exited'): x [M, h] -> [M, h]. Norms, projections, RoPE and MLP run on M rows;
+        vLLM's attention runs on the batch's full layout (its metadata is per batch): the M
+        queries scattered into N zero rows, the keys / values every token's carry with the M
+        new rows copied in (the exited tokens' K/V of their exit iteration, as `_stack` writes
+        them), and the M output rows gathered back, so each is the uncompacted path's row."""
+        n = rope.shape[0]
+        rope_m = rope.index_select(0, idx)
+        for layer, (blk, slot) in enumerate(zip(blocks, slots)):
+            q, k, v = blk.qkv(x, rope_m, self.mode)
+            old = carry[layer]
+            assert old is not None  # iteration 1 runs every row and fills the carry
+            kf, vf = old[0].index_copy(0, idx, k), old[1].index_copy(0, idx, v)
+            carry[layer] = (kf, vf)
+            qf = q.new_zeros((n, *q.shape[1:])).index_copy_(0, idx, q)
+            x = blk.post(x, slot(qf, kf, vf).index_select(0, idx), self.mode)
         return x
 
     def _readout(self, state: Tensor, rope: Tensor) -> Tensor:
@@ -287,10 +318,17 @@ class _LoopedVllm:
                     assert kv is not None
                     slot.write(*kv)
                 continue
-            x = me.core_in(state, e, mode)
-            x = self._stack(core, slots, x, rope, *((None, None) if full else (carry, active)))
-            new = me.core_out(x, mode)
-            prev, state = state, new if full else torch.where(active[:, None], new, state)
+            idx = None if full or not self.depth_batching else torch.nonzero(active)[:, 0]
+            if idx is not None and idx.numel() < n:  # depth batching: the running rows alone
+                x = me.core_in(state.index_select(0, idx), e.index_select(0, idx), mode)
+                x = self._stack_running(core, slots, x, rope, idx, carry)
+                prev, state = state, state.index_copy(0, idx, me.core_out(x, mode))
+                new = state  # (exited rows: their frozen state; the policy masks them)
+            else:
+                x = me.core_in(state, e, mode)
+                x = self._stack(core, slots, x, rope, *((None, None) if full else (carry, active)))
+                new = me.core_out(x, mode)
+                prev, state = state, new if full else torch.where(active[:, None], new, state)
             ran = torch.where(active, d + 1, ran)
             stop = active & (fixed == d + 1)
             if pol_idx.numel():
