@@ -168,6 +168,7 @@ def main() -> int:
     ap.add_argument("--plugin", action="store_true", help="the vLLM plugin on the CPU (doc)")
     ap.add_argument("--plugin-size", default="small", choices=["tiny", "small"])
     ap.add_argument("--plugin-hf", default="{}", help="--plugin: HF config keys over the size's")
+    ap.add_argument("--plugin-kv-mb", type=int, default=0, help="--plugin: KV cache (0: enough)")
     a = ap.parse_args()
     if a.plugin:
         return plugin_main(a)
@@ -415,15 +416,22 @@ def plugin_main(a: argparse.Namespace) -> int:
                 batch=b, depth=d, prompt=a.prompt, tokens=a.tokens, reps=a.reps,
                 loadavg_start=[round(x, 2) for x in os.getloadavg()],
                 env={k: os.environ.get(k) for k in _THREAD_ENV})  # fmt: skip
-    print(json.dumps({"setup": head}), flush=True)
     ps = prompts(b, [a.prompt], seed=2)
     calls = {n: [work_item(p, [i + 1], temperature=0.0, max_tokens=n, name=f"b{i}")
                  for i, p in enumerate(ps)] for n in (a.tokens, 1)}  # fmt: skip
 
+    hf = json.loads((path / "config.json").read_text())
+    kv_bytes = a.plugin_kv_mb << 20 or int(  # every request's K/V at once, 128-token pages
+        1.25 * b * 128 * -(-(a.prompt + a.tokens) // 128) * d * hf["num_hidden_layers"] * 2
+        * hf["num_key_value_heads"] * hf["head_dim"] * 4)  # fmt: skip
+    head["kv_cache_mb"] = kv_bytes >> 20
+
     def engine(policy: Any) -> LoopedEngine:
         return LoopedEngine(path, numerics=a.mode, exit_policy=policy, max_num_seqs=b,
-                            kv_cache_bytes=256 << 20, max_model_len=a.prompt + a.tokens + 8)  # fmt: skip
+                            kv_cache_bytes=kv_bytes, max_model_len=a.prompt + a.tokens + 8,
+                            max_num_batched_tokens=max(b * a.prompt, 2048))  # fmt: skip
 
+    print(json.dumps({"setup": head}), flush=True)
     fixed_eng = engine(FixedDepth(d))
     gate_eng = engine(SampledGate(max_depth=d, kv="last_exited"))
     wanted = set(a.schedules.split(","))
@@ -449,8 +457,14 @@ def plugin_main(a: argparse.Namespace) -> int:
         return gate_eng
 
     samples: dict[tuple[str, str], list[Any]] = {}
-    for name, path_, bias in configs:  # warm: one call each, its samples kept
-        samples[(name, path_)] = [ss[0] for ss in prepare(bias, path_).generate(calls[a.tokens])]
+    whole: dict[tuple[str, str], bool] = {}
+    for name, path_, bias in configs:  # warm: one call each, its samples and step sizes kept
+        eng = prepare(bias, path_)
+        eng.llm.collective_rpc(_forward_rows, args=(True,))
+        samples[(name, path_)] = [ss[0] for ss in eng.generate(calls[a.tokens])]
+        sizes = eng.llm.collective_rpc(_forward_rows, args=(False,))[0]
+        # one prefill forward, then every decode step on the whole batch (no preemption)
+        whole[(name, path_)] = sizes == [b * a.prompt] + [b] * (a.tokens - 1)
     wall: dict[tuple[str, str, int], list[float]] = {}
     cpu: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(a.reps):  # rounds over every config: drifting load hits them alike
@@ -479,6 +493,7 @@ def plugin_main(a: argparse.Namespace) -> int:
                    cpu_vs_fixed=round(per_cpu / cpu_fixed, 3),
                    e2e_ms_per_token=round(med(wall, a.tokens) / (b * a.tokens) * 1e3, 3),
                    tokens_per_s=round(1.0 / per, 1))  # fmt: skip
+        row["whole_batch_steps"] = whole[(name, path_)]
         if bias is not None:
             row["gate_bias"] = round(bias, 4)
             ref = samples[(name, "masked")] if (name, "masked") in samples else None
@@ -505,6 +520,23 @@ def plugin_main(a: argparse.Namespace) -> int:
 
 def _set_depth_batching(worker: Any, flag: bool) -> None:
     worker.model_runner.get_model().depth_batching = flag
+
+
+def _forward_rows(worker: Any, start: bool) -> list[int]:
+    """start: record the token count of every model forward from now; else stop, return them."""
+    model = worker.model_runner.get_model()
+    if not start:
+        del model.forward
+        return list(model._bench_rows)
+    model._bench_rows = rows = []
+    inner = model.forward
+
+    def forward(input_ids: Any, positions: Tensor, *args: Any, **kw: Any) -> Any:
+        rows.append(int(positions.shape[0]))
+        return inner(input_ids, positions, *args, **kw)
+
+    model.forward = forward
+    return []
 
 
 if __name__ == "__main__":
