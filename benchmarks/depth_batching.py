@@ -47,7 +47,12 @@ sigmoid(b), its draw the latent seed's exit uniform), b solved for a mean exit d
 loop), loaded as new weight versions in place; each on the depth-batched path
 (`depth_batching=True`) and the masked one (False), checked to give the same tokens and depths.
 Time per generated token of the decode: (one `generate` of `--tokens` tokens - one of 1 token)
-/ (batch x (tokens - 1)), medians of `--reps` after a warm call; `e2e_ms_per_token` = the whole
+/ (batch x (tokens - 1)), medians of `--reps` rounds (each round every config once, in a shuffled
+order) after a warm call, wall clock and the main thread's CPU time (`cpu_*`: run it with
+OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=0, one thread doing all the work,
+which a loaded machine disturbs least: two OpenMP threads on two shared cores spin at barriers
+and varied 3x); the KV cache holds every request (`whole_batch_steps`: each decode forward had
+the whole batch); `e2e_ms_per_token` = the whole
 call / generated tokens (prefill included). `vs_fixed` = decode time / the FixedDepth engine's.
 """
 
@@ -56,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -467,8 +473,9 @@ def plugin_main(a: argparse.Namespace) -> int:
         whole[(name, path_)] = sizes == [b * a.prompt] + [b] * (a.tokens - 1)
     wall: dict[tuple[str, str, int], list[float]] = {}
     cpu: dict[tuple[str, str, int], list[float]] = {}
-    for _ in range(a.reps):  # rounds over every config: drifting load hits them alike
-        for name, path_, bias in configs:
+    order = random.Random(0)
+    for _ in range(a.reps):  # rounds over every config, shuffled: drifting load hits them alike
+        for name, path_, bias in order.sample(configs, len(configs)):
             eng = prepare(bias, path_)
             for n in (a.tokens, 1):
                 w0, c0 = time.perf_counter(), time.thread_time()
