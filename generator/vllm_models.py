@@ -14,14 +14,36 @@ the reference's own code (`qkv` / `post` of the blocks, `embed`, `initial_state`
 tokens runs, like `models.engine.run_chunk`:
 
     e = prelude(embed(tokens));  s = initial_state(e, positions, latent seeds)
-    for d in 1..D: core stack on every token; exits: prompt positions at D, generated
-                   positions (and the prompt's last one, which samples token 0, where
+    for d in 1..D: core stack on the tokens still running; exits: prompt positions at D,
+                   generated positions (and the prompt's last one, which samples token 0, where
                    `models.exits.token0_follows_policy`: Ouro) by the exit policy (or their
-                   recorded depth after a preemption), checked after each iteration. Exited tokens (contract 3,
-                   the policy's kv): 'last_exited': K/V carried from their exit iteration,
-                   state frozen; 'full': they run on (K/V of every iteration), their exit
-                   state is kept aside for the readout
+                   recorded depth after a preemption), checked after each iteration. Exited
+                   tokens (contract 3, the policy's kv): 'last_exited': K/V carried from their
+                   exit iteration, state frozen; 'full': they run on (K/V of every iteration),
+                   their exit state is kept aside for the readout
     hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
+
+Depth batching (issue 25 item 1; `depth_batching = True`, the default): under kv 'last_exited'
+an iteration in which some tokens of the step have exited computes only the M running ones:
+their rows of the state and the embedding are gathered (`index_select`), run through core_in,
+each core block's norms / projections / RoPE / MLP and core_out as an [M, h] batch, and written
+back (`index_copy`). vLLM's attention keeps the step's full token layout (its metadata, slot
+mapping and block tables are per step): it gets the M queries scattered into N zero rows and
+every token's K/V carry with the M new rows copied in (the exited tokens' K/V of their exit
+iteration, written again into this iteration's slot exactly as the masked path writes them), and
+the M output rows are gathered back, so each is the row the masked path computes. Prompt
+positions run D, so prefill chunks and decodes of different requests share the step as before.
+Tokens, depths, log-probs and exit log-probs equal the masked path's (`depth_batching = False`:
+every token to the deepest running one, K/V writes masked) bit for bit in exact numerics and
+within 1e-6 in fast (a matmul over M rows may take another MKL kernel than over N;
+tests/generator/test_depth_batching_plugin.py). What it saves: the core FLOPs of exited tokens;
+not the attention (on all N rows), not the weight reads (once per iteration while any token
+runs: where a step is bound by them, the deepest token sets the time), not the exit policy's
+per-iteration work on the policy rows. kv 'full' cannot save: every token feeds its K/V to every
+iteration's slot (later tokens' queries at those depths read them), so it runs the masked loop.
+Measured (docs/PERFORMANCE.md, "Depth batching"; `benchmarks/depth_batching.py --plugin`):
+Ouro small, D = 16, mean exit depth D/2, one CPU thread: 0.56-0.71x the FixedDepth decode
+time per token at batch 128, 0.69x at batch 64 (the masked path 0.94-1.25x).
 
 Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
 exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless
