@@ -14,14 +14,36 @@ the reference's own code (`qkv` / `post` of the blocks, `embed`, `initial_state`
 tokens runs, like `models.engine.run_chunk`:
 
     e = prelude(embed(tokens));  s = initial_state(e, positions, latent seeds)
-    for d in 1..D: core stack on every token; exits: prompt positions at D, generated
-                   positions (and the prompt's last one, which samples token 0, where
+    for d in 1..D: core stack on the tokens still running; exits: prompt positions at D,
+                   generated positions (and the prompt's last one, which samples token 0, where
                    `models.exits.token0_follows_policy`: Ouro) by the exit policy (or their
-                   recorded depth after a preemption), checked after each iteration. Exited tokens (contract 3,
-                   the policy's kv): 'last_exited': K/V carried from their exit iteration,
-                   state frozen; 'full': they run on (K/V of every iteration), their exit
-                   state is kept aside for the readout
+                   recorded depth after a preemption), checked after each iteration. Exited
+                   tokens (contract 3, the policy's kv): 'last_exited': K/V carried from their
+                   exit iteration, state frozen; 'full': they run on (K/V of every iteration),
+                   their exit state is kept aside for the readout
     hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
+
+Depth batching (issue 25 item 1; `depth_batching = True`, the default): under kv 'last_exited'
+an iteration in which some tokens of the step have exited computes only the M running ones:
+their rows of the state and the embedding are gathered (`index_select`), run through core_in,
+each core block's norms / projections / RoPE / MLP and core_out as an [M, h] batch, and written
+back (`index_copy`). vLLM's attention keeps the step's full token layout (its metadata, slot
+mapping and block tables are per step): it gets the M queries scattered into N zero rows and
+every token's K/V carry with the M new rows copied in (the exited tokens' K/V of their exit
+iteration, written again into this iteration's slot exactly as the masked path writes them), and
+the M output rows are gathered back, so each is the row the masked path computes. Prompt
+positions run D, so prefill chunks and decodes of different requests share the step as before.
+Tokens, depths, log-probs and exit log-probs equal the masked path's (`depth_batching = False`:
+every token to the deepest running one, K/V writes masked) bit for bit in exact numerics and
+within 1e-6 in fast (a matmul over M rows may take another MKL kernel than over N;
+tests/generator/test_depth_batching_plugin.py). What it saves: the core FLOPs of exited tokens;
+not the attention (on all N rows), not the weight reads (once per iteration while any token
+runs: where a step is bound by them, the deepest token sets the time), not the exit policy's
+per-iteration work on the policy rows. kv 'full' cannot save: every token feeds its K/V to every
+iteration's slot (later tokens' queries at those depths read them), so it runs the masked loop.
+Measured (docs/PERFORMANCE.md, "Depth batching"; `benchmarks/depth_batching.py --plugin`):
+Ouro small, D = 16, mean exit depth D/2, one CPU thread: 0.56-0.71x the FixedDepth decode
+time per token at batch 128, 0.69x at batch 64 (the masked path 0.94-1.25x).
 
 Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
 exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless
@@ -88,6 +110,10 @@ class _LoopedVllm:
     """The vLLM side of a looped model (mixed into a `models` family module)."""
 
     family_class: ClassVar[type[LoopedLM]]
+    depth_batching: bool = True
+    """Depth batching (module doc): at each core iteration only the tokens still running are
+    computed (kv 'last_exited'); False = the masked path (every token to the deepest running
+    one, K/V writes masked), kept for comparison (tests, benchmarks/depth_batching.py)."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         config = config_from_hf_dict(_read_hf_config(vllm_config))
@@ -169,6 +195,33 @@ class _LoopedVllm:
                     k, v = torch.where(keep, k, old[0]), torch.where(keep, v, old[1])
                 carry[layer] = (k, v)
             x = blk.post(x, slot(q, k, v), self.mode)
+        return x
+
+    def _stack_running(
+        self,
+        blocks: Sequence[Block],
+        slots: Iterable[Any],
+        x: Tensor,
+        rope: Tensor,
+        idx: Tensor,
+        carry: list[tuple[Tensor, Tensor] | None],
+    ) -> Tensor:
+        """`_stack` on the running rows `idx` [M] of the step's N tokens alone (depth batching,
+        kv 'last_exited'): x [M, h] -> [M, h]. Norms, projections, RoPE and MLP run on M rows;
+        vLLM's attention runs on the batch's full layout (its metadata is per batch): the M
+        queries scattered into N zero rows, the keys / values every token's carry with the M
+        new rows copied in (the exited tokens' K/V of their exit iteration, as `_stack` writes
+        them), and the M output rows gathered back, so each is the uncompacted path's row."""
+        n = rope.shape[0]
+        rope_m = rope.index_select(0, idx)
+        for layer, (blk, slot) in enumerate(zip(blocks, slots)):
+            q, k, v = blk.qkv(x, rope_m, self.mode)
+            old = carry[layer]
+            assert old is not None  # iteration 1 runs every row and fills the carry
+            kf, vf = old[0].index_copy(0, idx, k), old[1].index_copy(0, idx, v)
+            carry[layer] = (kf, vf)
+            qf = q.new_zeros((n, *q.shape[1:])).index_copy_(0, idx, q)
+            x = blk.post(x, slot(qf, kf, vf).index_select(0, idx), self.mode)
         return x
 
     def _readout(self, state: Tensor, rope: Tensor) -> Tensor:
@@ -287,10 +340,17 @@ class _LoopedVllm:
                     assert kv is not None
                     slot.write(*kv)
                 continue
-            x = me.core_in(state, e, mode)
-            x = self._stack(core, slots, x, rope, *((None, None) if full else (carry, active)))
-            new = me.core_out(x, mode)
-            prev, state = state, new if full else torch.where(active[:, None], new, state)
+            idx = None if full or not self.depth_batching else torch.nonzero(active)[:, 0]
+            if idx is not None and idx.numel() < n:  # depth batching: the running rows alone
+                x = me.core_in(state.index_select(0, idx), e.index_select(0, idx), mode)
+                x = self._stack_running(core, slots, x, rope, idx, carry)
+                prev, state = state, state.index_copy(0, idx, me.core_out(x, mode))
+                new = state  # (exited rows: their frozen state; the policy masks them)
+            else:
+                x = me.core_in(state, e, mode)
+                x = self._stack(core, slots, x, rope, *((None, None) if full else (carry, active)))
+                new = me.core_out(x, mode)
+                prev, state = state, new if full else torch.where(active[:, None], new, state)
             ran = torch.where(active, d + 1, ran)
             stop = active & (fixed == d + 1)
             if pol_idx.numel():
