@@ -68,6 +68,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -373,13 +374,22 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
            policy: ExitPolicy | None) -> dict[str, float]:  # fmt: skip
     """``args.steps`` GRPO steps from ``warm`` with ``cfg`` (the arm's), then eval_all. An arm
     that sets rollout.exit_policy generates (and evaluates) under it instead of ``policy``;
-    a sampled exit's rollouts carry their exit log-probs (objective.exit_coef trains them)."""
+    a sampled exit's rollouts carry their exit log-probs (objective.exit_coef trains them).
+    An arm with ``backend=megatron`` trains with the megatron learner (the `looprl run` one) and
+    generates with a reference copy of its weights, published and loaded after every step
+    (the reference backend's model is the one it trains)."""
     from pipeline.backends.reference_trainer import ReferenceTrainer
 
     policy = cfg.rollout.policy() if cfg.rollout.exit_policy else policy
 
-    trainer = ReferenceTrainer(cfg, warm)
-    model = trainer.model
+    if cfg.backend == "megatron":
+        from pipeline.backends.megatron_adapter import MegatronTrainer
+
+        trainer: Any = MegatronTrainer(cfg, warm)
+        model = load_model(warm)[1]
+    else:
+        trainer = ReferenceTrainer(cfg, warm)
+        model = trainer.model
     rng = random.Random(seed)
     t0 = time.time()
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
@@ -407,6 +417,11 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
                 exit_logprobs=None if g.exit_logprobs is None else g.exit_logprobs.numpy(),
             ))  # fmt: skip
         trainer.step(rollouts, [False] * len(rollouts))
+        if cfg.backend == "megatron":  # the generator's copy takes the new version
+            out_dir = Path(cfg.run_dir) / f"gen-{seed}" / f"v{step + 1}"
+            trainer.publish(out_dir, step + 1)
+            model = load_model(out_dir)[1]
+            shutil.rmtree(out_dir, ignore_errors=True)
     t_rl = time.time()
     out = eval_all(model, task, policy, args.depths, args.max_tokens, cfg.numerics)
     trainer.close()
