@@ -358,9 +358,9 @@ def step_advantages(
     adding other ranks' sums. With the defaults it is, bit for bit, what both trainers did.
     ``depth_cost`` > 0 (objective.depth_cost_in advantage; a group estimator): before the
     zeroing and whitening, each row's advantage loses depth_cost x (f_i - the mean f of its
-    group), f = ``batch.extra["depth_fraction"]`` [B, L] (each row's value at every position;
-    learner.shaping.depth_fraction; a
-    group of one: 0), in reward units whatever ``normalize_std`` does to the rewards.
+    group; 0 for a group of one), f = ``batch.extra["depth_fraction"]`` [B, L] (each row's
+    learner.shaping.depth_fraction at every position), in reward units whatever
+    ``normalize_std`` does to the rewards.
     """
     returns = None
     if values is not None:

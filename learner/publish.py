@@ -210,10 +210,10 @@ def snapshot_publication(
 
     def finish() -> Publication:
         config_json = json_bytes(config_dict).decode("utf-8")
-        with _side_stream(stored, ready):  # device tensors: copied into the blob from there
+        # device tensors are copied into the blob from there (the "blob" stage includes it)
+        with _side_stream(stored, ready):
             pub = Publication.of_state(stored, version, path, tied=tied,
                                        config_json=config_json, checked=True)  # fmt: skip
-        pub.stage_s["d2h"] = 0.0  # the device -> host copy is the blob stage's now
         if path is not None:
             t0 = time.perf_counter()
             save_checkpoint(stored, config_dict, path, tied=tied,

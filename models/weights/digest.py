@@ -100,14 +100,8 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 def _canonical_view(t: torch.Tensor) -> memoryview | None:
     """The canonical bytes of `t` as a read-only view of a CPU tensor's memory (no copy when
     `t` is already a contiguous CPU tensor); None for an empty tensor."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse or t.is_complex():
-        raise ValueError("canonical bytes are defined for dense real tensors only")
-    flat = t.detach().cpu().resolve_neg().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return None
-    return memoryview(flat.view(torch.uint8).numpy().data).toreadonly()
+    flat = _canonical_flat(t.cpu() if isinstance(t, torch.Tensor) else t)
+    return None if flat is None else memoryview(flat.numpy().data).toreadonly()
 
 
 def _header(name: str, dtype: str, shape: Iterable[int], nbytes: int) -> bytes:
