@@ -396,6 +396,35 @@ class LoopedBlock(nn.Module):
         return out
 
 
+class _ExactLookup(torch.autograd.Function):
+    """The embedding lookup of exact numerics on CUDA (one tensor-parallel rank): F.embedding's
+    CUDA backward sums a token's rows in segments of its sorted index, so the bits of a
+    token's gradient depend on where else it occurs in the layout (padded vs packed rows:
+    tests/learner/test_packed_rows.py on the H200, model.embed_tokens 1 ulp apart); here they
+    are summed in fp64 (index_add_) and rounded once. On the CPU the sum runs in position
+    order, the same in every layout and the reference policy's: F.embedding is kept there."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, tokens: Tensor) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(tokens)
+        ctx.rows = weight.shape[0]
+        return torch.nn.functional.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+        (tokens,) = ctx.saved_tensors
+        h = grad.shape[-1]
+        acc = torch.zeros(ctx.rows, h, dtype=torch.float64, device=grad.device)
+        acc.index_add_(0, tokens.reshape(-1), grad.reshape(-1, h).double())
+        return acc.to(grad.dtype), None
+
+
+def exact_embedding(weight: Tensor, tokens: Tensor) -> Tensor:
+    """F.embedding(tokens, weight) whose weight gradient is summed in fp64 (`_ExactLookup`)."""
+    out: Tensor = _ExactLookup.apply(weight, tokens)
+    return out
+
+
 __all__ = [
     "BLOCK_STYLES",
     "DocMask",
@@ -406,6 +435,7 @@ __all__ = [
     "column_linear",
     "core_attention",
     "doc_mask",
+    "exact_embedding",
     "replicated_linear",
     "row_linear",
 ]

@@ -49,6 +49,7 @@ from learner.mcore_layers import (
     Rope,
     column_linear,
     doc_mask,
+    exact_embedding,
     replicated_linear,
 )
 from learner.mcore_options import MegatronOptions, padded_rows, transformer_config
@@ -62,29 +63,6 @@ from models.noise import latent_noise
 LoopFn = Callable[[int, Tensor, Callable[[Tensor], Tensor]], Tensor | None]
 """loop_fn(k, state after core iteration k [B, S, h], readout) (LoopedGPT.forward); a tensor
 it returns replaces the state from there on (the same values: learner.objectives.loops.tap)."""
-
-
-class _ExactLookup(torch.autograd.Function):
-    """The embedding lookup of exact numerics on CUDA (one tensor-parallel rank): F.embedding's
-    CUDA backward sums a token's rows in segments of its sorted index, so the bits of a
-    token's gradient depend on where else it occurs in the layout (padded vs packed rows:
-    tests/learner/test_packed_rows.py on the H200, model.embed_tokens 1 ulp apart); here they
-    are summed in fp64 (index_add_) and rounded once. On the CPU the sum runs in position
-    order, the same in every layout and the reference policy's: F.embedding is kept there."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: Tensor, tokens: Tensor) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(tokens)
-        ctx.rows = weight.shape[0]
-        return torch.nn.functional.embedding(tokens, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
-        (tokens,) = ctx.saved_tensors
-        h = grad.shape[-1]
-        acc = torch.zeros(ctx.rows, h, dtype=torch.float64, device=grad.device)
-        acc.index_add_(0, tokens.reshape(-1), grad.reshape(-1, h).double())
-        return acc.to(grad.dtype), None
 
 
 class LoopedOutput(NamedTuple):
@@ -207,7 +185,7 @@ class LoopedGPT(MegatronModule):
     def _embed(self, tokens: Tensor) -> Tensor:
         emb = self.embedding
         if tokens.is_cuda and self.options.numerics == "exact" and emb.tp_group.size() == 1:
-            e = _ExactLookup.apply(emb.weight, tokens)  # the gradient summed in fp64
+            e = exact_embedding(emb.weight, tokens)  # the gradient summed in fp64
         else:
             e = emb(tokens)
         if self.huginn:

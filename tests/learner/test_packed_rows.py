@@ -325,3 +325,25 @@ def test_data_parallel_shares_balanced_by_tokens(models_dir: dict[str, Path]) ->
     for k, w in one["weights"].items():
         assert np.abs(w - two[0]["weights"][k]).max() <= 1e-6, k
         assert np.array_equal(two[0]["weights"][k], two[1]["weights"][k]), k
+
+
+def test_exact_embedding_sums_a_tokens_gradient_in_fp64() -> None:
+    """learner.mcore_layers.exact_embedding (exact numerics on CUDA): the lookup's values, and
+    each row's gradient the fp64 sum of its occurrences rounded once, whatever their order (a
+    permutation of the positions gives the same bits; fp32 sums in another order need not)."""
+    from learner.mcore_layers import exact_embedding
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, generator=g)
+    tokens = torch.tensor([[1, 3, 1, 1, 4, 1]])
+    grads = torch.randn(1, 6, 3, generator=g) * torch.tensor([1.0, 1e-7, 1e7])
+    out = []
+    for perm in (torch.arange(6), torch.tensor([5, 2, 0, 4, 1, 3])):
+        wp = w.clone().requires_grad_(True)
+        e = exact_embedding(wp, tokens[:, perm])
+        assert torch.equal(e.detach(), torch.nn.functional.embedding(tokens[:, perm], w))
+        e.backward(grads[:, perm])
+        assert wp.grad is not None
+        out.append(wp.grad)
+    want = torch.zeros(5, 3, dtype=torch.float64).index_add_(0, tokens[0], grads[0].double())
+    assert torch.equal(out[0], want.float()) and torch.equal(out[1], want.float())
