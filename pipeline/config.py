@@ -25,22 +25,24 @@ from models import settings
 from models.contract import NUMERICS
 from models.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError)
 from models.settings import parse_overrides  # noqa: F401  (part of this API)
+from pipeline.config_outputs import (  # noqa: F401  (the sections are part of this API)
+    FSYNC,
+    WEIGHT_TRANSPORTS,
+    CheckpointSection,
+    MetricsSection,
+    PublishSection,
+    RecordSection,
+)
 from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
     ADAPTIVE_EXITS,
-    FSYNC,
     POLICIES,
     SEED_LIMIT,
     TASKS,
-    WEIGHT_TRANSPORTS,
-    CheckpointSection,
     EndpointsSection,
     EvalSection,
     GeneratorsSection,
     IntakeSection,
-    MetricsSection,
     ModelSection,
-    PublishSection,
-    RecordSection,
     RolloutSection,
     StalenessSection,
     TaskSection,

@@ -226,7 +226,7 @@ class CollectivePublisher(WeightPublisher):
 
 
 def make_publisher(transport: str, endpoint: _LearnerSide, section: Any) -> WeightPublisher:
-    """The publisher for ``publish.transport`` (pipeline.config_sections.PublishSection)."""
+    """The publisher for ``publish.transport`` (pipeline.config_outputs.PublishSection)."""
     if transport != "collective":
         return WeightPublisher(endpoint, chunk_bytes=section.chunk_bytes, window=section.window)
     return CollectivePublisher(
