@@ -68,7 +68,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -160,16 +159,20 @@ def loop_losses(model: Any, examples: list[tuple[list[int], list[int]]], seeds: 
     out directly, so the readout's input is the state the gate sees: ChunkOut.hidden), hence
     one run_chunk per depth, every position at depth k, the targets as sft_steps masks them.
     model_grad=False: the forwards without a graph, the gate's logits with one (stage II)."""
-    if model.gate_logit(torch.zeros(1, model.hidden_size), mode) is None or model.coda_blocks():
+    dev = next(model.parameters()).device
+    if model.gate_logit(torch.zeros(1, model.hidden_size, device=dev), mode) is None or (
+        model.coda_blocks()
+    ):
         raise SystemExit(
             f"--gate-warm-steps: needs a family with an exit gate read on its state (ouro); "
             f"{type(model).__name__} has none"
         )
-    ids, mask = _batch(examples, 0)
+    ids, mask = (t.to(dev) for t in _batch(examples, 0))
     sel = mask > 0
     targets = ids[:, 1:][sel]
     bsz, seq = ids.shape
-    pos, ones = torch.arange(seq).expand(bsz, seq), torch.ones(bsz, seq, dtype=torch.bool)
+    pos = torch.arange(seq, device=dev).expand(bsz, seq)
+    ones = torch.ones(bsz, seq, dtype=torch.bool, device=dev)
     ce, gate = [], []
     for k in range(1, model.max_depth + 1):
         with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
@@ -250,22 +253,30 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
     that sets rollout.exit_policy generates (and evaluates) under it instead of ``policy``;
     a sampled exit's rollouts carry their exit log-probs (objective.exit_coef trains them).
     An arm with ``backend=megatron`` trains with the megatron learner (the `looprl run` one) and
-    generates with a reference copy of its weights, published and loaded after every step
-    (the reference backend's model is the one it trains)."""
+    generates with a reference copy of its weights on ``args.device``, given the learner's HF
+    state (the gather a publication writes) after every step (the reference backend's model is
+    the one it trains; CPU only)."""
     from pipeline.backends.reference_trainer import ReferenceTrainer
 
+    if args.device != "cpu" and cfg.backend != "megatron":
+        raise SystemExit(
+            f"--device {args.device}: every arm trains with backend=megatron there (the "
+            f"reference backend runs on the CPU); an arm set backend={cfg.backend}"
+        )
     policy = cfg.rollout.policy() if cfg.rollout.exit_policy else policy
-
+    dev = torch.device(args.device)
     if cfg.backend == "megatron":
+        from learner.publish import looped_exporter
         from pipeline.backends.megatron_adapter import MegatronTrainer
 
         trainer: Any = MegatronTrainer(cfg, warm)
-        model = load_model(warm)[1]
+        model = load_model(warm)[1].to(dev)
     else:
         trainer = ReferenceTrainer(cfg, warm)
         model = trainer.model
     rng = random.Random(seed)
     t0 = time.time()
+    t_gen = t_step = 0.0
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
                         stop_token_ids=task.stops)  # fmt: skip
     for step in range(args.steps):
@@ -274,8 +285,10 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
         seeds = [derive_latent_seed(seed, f"{p.prompt_id}@{step}", j)
                  for p in batch for j in range(args.n)]  # fmt: skip
         model.eval()
+        t1 = time.time()
         with torch.no_grad():
             gens = generate(model, [p.tokens for p in prompts], seeds, sp, policy, cfg.numerics)
+        t_gen += time.time() - t1
         model.train()
         rollouts = []
         for i, (p, g) in enumerate(zip(prompts, gens)):
@@ -290,16 +303,19 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
                 reward=task.score(toks, dict(p.task)), full_depth=g.full_depth,
                 exit_logprobs=None if g.exit_logprobs is None else g.exit_logprobs.numpy(),
             ))  # fmt: skip
+        t1 = time.time()
         trainer.step(rollouts, [False] * len(rollouts))
+        t_step += time.time() - t1
         if cfg.backend == "megatron":  # the generator's copy takes the new version
-            out_dir = Path(cfg.run_dir) / f"gen-{seed}" / f"v{step + 1}"
-            trainer.publish(out_dir, step + 1)
-            model = load_model(out_dir)[1]
-            shutil.rmtree(out_dir, ignore_errors=True)
+            # the HF state a publication writes (learner.publish's exporter: the same gather),
+            # copied in memory instead of through a safetensors file
+            with torch.no_grad():
+                model.load_state_dict(looped_exporter(trainer.trainer.policy_model)[0])
     t_rl = time.time()
     out = eval_all(model, task, policy, args.depths, args.max_tokens, cfg.numerics)
     trainer.close()
-    print(f"#   rl {t_rl - t0:.1f} s ({args.steps} steps), eval {time.time() - t_rl:.1f} s",
+    print(f"#   rl {t_rl - t0:.1f} s ({args.steps} steps: generation {t_gen:.1f} s, learner "
+          f"steps {t_step:.1f} s), eval {time.time() - t_rl:.1f} s",
           file=sys.stderr, flush=True)  # fmt: skip
     return out
 
@@ -351,7 +367,10 @@ def parse_arm(spec: str) -> tuple[str, list[str]]:
     return name, extra
 
 
-def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
+def summarise(runs: list[dict[str, float]], warm_accuracy: float) -> dict[str, Any]:
+    """Mean over seeds of each figure, the spread of the accuracies, and ``collapsed``: the
+    seeds whose held-out accuracy fell below half the warm start's (a run that was finite but
+    not healthy)."""
     out: dict[str, Any] = {}
     for key in runs[0]:
         vals = [r[key] for r in runs]
@@ -359,6 +378,7 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
         if key.startswith("accuracy"):
             out[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
     out["accuracy_seeds"] = [r["accuracy"] for r in runs]
+    out["collapsed"] = sum(r["accuracy"] < 0.5 * warm_accuracy for r in runs)
     return out
 
 
@@ -420,9 +440,19 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="processes for the (arm, seed) runs after the warm start",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: the GPU mode (warm start, generation and evaluation on the GPU; "
+        "arms train with the megatron learner there: backend=megatron)",
+    )
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
     args = p.parse_args(argv)
     args.depths = [int(x) for x in args.depths.split(",") if x]
+    if args.device not in ("cpu", "cuda") or (
+        args.device == "cuda" and not torch.cuda.is_available()
+    ):
+        raise SystemExit(f"--device must be cpu, or cuda on a host with a GPU; got {args.device!r}")
     check_gate_args(args)
     torch.set_num_threads(args.threads)
     t0, load0 = time.time(), os.getloadavg()[0]
@@ -436,26 +466,36 @@ def main(argv: list[str] | None = None) -> int:
 
                   f"rollout.max_tokens={args.max_tokens}", f"rollout.n={args.n}",
                   f"rollout.prompts_per_step={args.prompts}", "objective.kind=grpo",
-                  f"optimizer.lr={args.lr}", "backend=reference", f"run_dir={root / 'run'}"]  # fmt: skip
+                  f"optimizer.lr={args.lr}", f"run_dir={root / 'run'}",
+                  f"backend={'megatron' if args.device == 'cuda' else 'reference'}"]  # fmt: skip
         if args.exit_policy:
             common.append(f"rollout.exit_policy={args.exit_policy}")
-        cfg0 = load_config(None, common)
         task = Task(root / "data", Path(base))
+        if args.device == "cuda":  # the learner's automatic micro-batch holds the whole step
+            # (a dataset task's prompt bound is unknown to it: 8-row micro-batches otherwise,
+            # 32 forward/backward calls a step, ~8 s on the H200; CPU runs keep the old rule)
+            longest = max(len(p.tokens) for p in task.train + task.test)
+            common.append(f"task.max_prompt_tokens={longest}")
+        cfg0 = load_config(None, common)
         warm_model = load_model(Path(base))[1]
         if args.embed_std:
             rescale_embedding(warm_model, args.embed_std)
+        warm_model.to(args.device)
         ws = sft(warm_model, task, args.warm_steps, args.warm_lr, args.warm_batch, args.data_seed)
+        print(f"# sft: {ws}", file=sys.stderr, flush=True)
         gate: dict[str, Any] = {}
         if args.gate_warm_steps:
             gate["before"] = gate_report(warm_model, task, args, cfg0.numerics)
             gate |= gate_warm(warm_model, task, args, cfg0.numerics)
             gate["after"] = gate_report(warm_model, task, args, cfg0.numerics)
         warm = root / "warm"
+        warm_model.cpu()  # (ties kept: the module moves, not copies of its tensors)
         save_checkpoint(state_dict_for_save(warm_model), read_config(Path(base)), warm,
                         tied=tied_from_module(warm_model),
                         extra_files={f.name: f for f in Path(base).iterdir()
                                      if f.is_file() and f.name != "config.json"
                                      and ".safetensors" not in f.name})  # fmt: skip
+        warm_model.to(args.device)
         warm_eval: dict[str, Any] = eval_all(
             warm_model, task, policy, args.depths, args.max_tokens, cfg0.numerics
         )
@@ -470,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
 
             spec = json.dumps(vars(args))
             with mp.get_context("spawn").Pool(args.jobs) as pool:
-                results = pool.map(_job, [(ov, seed, str(root), spec) for _, seed, ov in jobs])
+                results = []  # in order, each reported as it is done (a cut-off run keeps them)
+                for job, res in zip(jobs, pool.imap(_job, [(ov, s, str(root), spec)
+                                                          for _, s, ov in jobs])):  # fmt: skip
+                    print(f"# done {job[0]} seed {job[1]}: {res}", file=sys.stderr, flush=True)
+                    results.append(res)
         else:
             results = [rl_arm(load_config(None, ov), warm, task, seed, args, policy)
                        for _, seed, ov in jobs]  # fmt: skip
@@ -478,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         for (name, seed, _), res in zip(jobs, results):
             print(f"# {name} seed {seed}: {res}", file=sys.stderr, flush=True)
         for name, _ in arms:
-            out_arms[name] = summarise([r for (n, _, _), r in zip(jobs, results) if n == name])
+            out_arms[name] = summarise([r for (n, _, _), r in zip(jobs, results) if n == name],
+                                       warm_eval["accuracy"])  # fmt: skip
     print(json.dumps({
         "arms": out_arms, "warm_start": warm_eval,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth torchgen digest e2e learnerproc shm packed loop_credit
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth torchgen digest e2e learnerproc shm packed loop_credit loop_credit_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -164,6 +164,20 @@ if has loop_credit; then  # issue 23 item 6 on the host's CPU cores (GPU hidden)
         2>"$LOG/loop_credit.err" | tee "$LOG/loop_credit.jsonl"
     echo "loop_credit rc=${PIPESTATUS[0]}"
     grep -E "^#|Error" "$LOG/loop_credit.err" | tail -n 24
+fi
+
+if has loop_credit_gpu; then  # issue 23 item 6, the GPU mode: Ouro small (13M) on this GPU, a
+    # longer warm start (SFT + the exit gate's stage II), then the arms x seeds with the megatron
+    # learner, each (arm, seed) its own process on the one GPU. LOOPG_ARGS: flags appended
+    # (a later flag wins), e.g. a short timing run.
+    S='rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.exit_entropy_coef=0.01'
+    timeout "${T_LOOPG:-580}" "$PY" benchmarks/loop_credit.py --device cuda --size small \
+        --chain 2 --train 20000 --test 500 --warm-steps 1500 --warm-batch 128 --warm-lr 1e-3 \
+        --gate-warm-steps 400 --steps 30 --prompts 32 --n 8 --lr 3e-4 --seeds 3 --jobs 12 \
+        --arms "last,exit_pdf,uniform,sampled_cost05_adv:$S;objective.depth_cost=0.05;objective.depth_cost_in=advantage" \
+        ${LOOPG_ARGS:-} 2>"$LOG/loop_credit_gpu.err" | tee "$LOG/loop_credit_gpu.jsonl"
+    echo "loop_credit_gpu rc=${PIPESTATUS[0]}"
+    grep -E "^#|Error" "$LOG/loop_credit_gpu.err" | tail -n 40
 fi
 
 if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB under 0.5 s)
