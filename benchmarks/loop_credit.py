@@ -46,7 +46,12 @@ exit distribution p(t) and the mean cross-entropy after each loop on the test an
 "objective", "steps", "loss_first", "loss_last", "s"}}, settings, "wall_s", "load_1m": [at
 start, at end]}. Spread = the sample standard deviation over seeds.
 
-CPU only (a GPU mode with a larger looped model, issue 23 item 6, is not written yet).
+The GPU mode, ``--device cuda`` (issue 23 item 6; `PARTS=loop_credit_gpu bash
+scripts/gpu_check.sh` holds its command: Ouro ``--size small``, 13M parameters): the warm
+start, the generation copy and the evaluation on the GPU, every arm trained by the megatron
+learner there (backend=megatron), ``task.max_prompt_tokens`` set to the longest prompt so
+the learner's automatic micro-batch holds a whole step; ``--jobs`` processes share the GPU.
+Each arm's ``collapsed``: its seeds under half the warm start's held-out accuracy.
 
 Arms: any of last, uniform, progressive, exit_pdf (Ouro's exit gate only), or
 ``name:key=value;key=value``: run-config overrides for that arm. An arm's

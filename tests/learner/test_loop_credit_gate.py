@@ -106,3 +106,23 @@ def test_gate_warm_start_refuses_bad_input() -> None:
                        (["--gate-slope", "0"], "--gate-slope")):  # fmt: skip
         with pytest.raises(SystemExit, match=f"{flag} must be"):
             lc.main(argv)
+
+
+def test_summary_counts_collapsed_seeds() -> None:
+    """An arm's ``collapsed``: its seeds under half the warm start's held-out accuracy (a run
+    that stayed finite but lost the task), beside the mean and the spread."""
+    runs = [{"accuracy": a, "mean_depth": 4.0} for a in (0.48, 0.23, 0.24, 0.0)]
+    out = lc.summarise(runs, 0.48)
+    assert out["collapsed"] == 2  # 0.23 and 0.0 are under 0.24; 0.24 is not
+    assert abs(out["accuracy"] - 0.2375) < 1e-12
+    assert out["accuracy_seeds"] == [0.48, 0.23, 0.24, 0.0]
+    assert lc.summarise(runs[:1], 0.48)["accuracy_std"] == 0.0
+
+
+def test_device_flag_is_checked() -> None:
+    """--device takes cpu or cuda, and cuda only where a GPU is present."""
+    with pytest.raises(SystemExit, match="--device must be cpu, or cuda"):
+        lc.main(["--device", "tpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device must be cpu, or cuda"):
+            lc.main(["--device", "cuda"])
