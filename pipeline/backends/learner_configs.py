@@ -10,6 +10,7 @@ own classes, handed over as they are.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ __all__ = [
     "MICRO_BATCH_TOKENS", "check_reference", "critic_optim", "micro_batch_size", "row_tokens",
     "train_config",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
+_warned: set[tuple[str, int]] = set()
 
 MICRO_BATCH_TOKENS = 16384
 """The automatic micro-batch's bound: at most this many token positions (rows x the longest
@@ -48,6 +52,8 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
     mbs = lr.micro_batch_size or (
         1 if lr.max_tokens_per_micro else micro_batch_size(batch // max(dp, 1), r.n, longest)
     )
+    if not (lr.micro_batch_size or lr.max_tokens_per_micro) and longest is None:
+        _warn_row_rule(cfg, mbs, batch // max(dp, 1))
     return TrainConfig(
         global_batch_size=batch, micro_batch_size=mbs,
         max_tokens_per_micro=lr.max_tokens_per_micro,
@@ -55,6 +61,23 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
         max_tokens=r.max_tokens,
         fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,
         exit_min_depth=policy.min_depth if isinstance(policy, SampledGate) else None,
+    )  # fmt: skip
+
+
+def _warn_row_rule(cfg: RunConfig, mbs: int, rows: int) -> None:
+    """Once per (task kind, micro-batch): the automatic micro-batch fell back to the group
+    size because the prompts' length is not in the config (on a GPU, 32 calls of 8 rows a
+    step instead of one of 256 made loop_credit's learner 13x slower: docs/PERFORMANCE.md)."""
+    key = (cfg.task.kind, mbs)
+    if key in _warned:
+        return
+    _warned.add(key)
+    log.warning(
+        "learner.micro_batch_size=0 (automatic) with task.kind=%s and no task.max_prompt_tokens: "
+        "the prompts' length is unknown, so each forward/backward takes %d of a rank's %d rows "
+        "(the group size rule); set task.max_prompt_tokens to the longest prompt (tokens) for "
+        "micro-batches of up to %d token positions, or set learner.micro_batch_size",
+        cfg.task.kind, mbs, rows, MICRO_BATCH_TOKENS,
     )  # fmt: skip
 
 

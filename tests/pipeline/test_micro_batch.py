@@ -5,8 +5,11 @@ fewer rows, and an explicit learner.micro_batch_size always wins. Config only: n
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from pipeline.backends import learner_configs
 from pipeline.backends.learner_configs import (
     MICRO_BATCH_TOKENS,
     micro_batch_size,
@@ -47,12 +50,22 @@ def test_automatic_micro_batch_is_bounded_by_tokens(
     assert tc.global_batch_size % tc.micro_batch_size == 0
 
 
-def test_explicit_micro_batch_wins_and_unknown_prompts_keep_the_group_rule() -> None:
-    assert train_config(load_config(None, ["learner.micro_batch_size=4"])).micro_batch_size == 4
-    # a jsonl task's prompts are not known from the config: group size (8), at most 16
-    cfg = load_config(None, ["task.kind=jsonl", "task.path=/nonexistent.jsonl"])
-    assert row_tokens(cfg) is None
-    assert train_config(cfg).micro_batch_size == 8
+def test_explicit_micro_batch_wins_and_unknown_prompts_keep_the_group_rule(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(learner_configs, "_warned", set())  # other tests may have said it
+    with caplog.at_level(logging.WARNING, "pipeline.backends.learner_configs"):
+        assert train_config(load_config(None, ["learner.micro_batch_size=4"])).micro_batch_size == 4
+        assert not caplog.records  # an explicit value: nothing to say
+        # a jsonl task's prompts are not known from the config: group size (8), at most 16
+        cfg = load_config(None, ["task.kind=jsonl", "task.path=/nonexistent.jsonl"])
+        assert row_tokens(cfg) is None
+        assert train_config(cfg).micro_batch_size == 8
+        train_config(cfg)  # said once, not at every step
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert "task.kind=jsonl" in said[0] and "task.max_prompt_tokens" in said[0]
+    assert "8 of a rank's 128 rows" in said[0]
     assert micro_batch_size(128, 32, None) == 16
     assert micro_batch_size(12, 8, None) == 6  # the largest divisor at most the group size
     assert micro_batch_size(7, 8, 10_000) == 1  # always at least one row
