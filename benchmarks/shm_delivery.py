@@ -10,11 +10,14 @@ the trainer writes it (`save_checkpoint` into `--dir`, default a temporary direc
 /tmp: `learner_dir_write_s`) and, with shm, the blob written once more into /dev/shm
 (`publish_shm`, where the run writes it: `learner_shm_write_s`). A second process, started
 before (spawn, torch imported, CUDA initialised), plays a local generator: handed the announce
-(over a pipe), it does what the engine's `read_weights` does with it: `mapped_copy` (shm: map
-the file, check the tree digest per piece), else, for shared_fs or a refused copy, read the
-safetensors directory and hash it: `open_verify_s`; then copies the tensors to the device
-(`to_device_s`, synchronised; 0 on cpu). `delivery_s` = from the announce sent to the weights
-on the device in the generator process; `*_cpu_s` = CPU seconds of each process's part (all
+(over a pipe) and holding a tensor per announced one on the device (an engine's parameters),
+it takes delivery as an engine does (``--load``): ``overlapped`` (default), the torch engine's
+`load_mapped`: the shm copy mapped and copied into those tensors while its tree digest is
+checked on another thread (`open_verify_s` is then the whole of it, `to_device_s` 0);
+``checked_first``, `read_weights` then the copy: `mapped_copy` (shm: map the file, check the
+tree digest per piece), else, for shared_fs or a refused copy, read the safetensors directory
+and hash it (`open_verify_s`), then the copy into the tensors (`to_device_s`, synchronised).
+`delivery_s` = from the announce sent to the weights in the device tensors; `*_cpu_s` = CPU seconds of each process's part (all
 its threads). The issue's target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
 """
 
@@ -33,35 +36,52 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def generator(conn: Any, device: str) -> None:
-    """The generator side: wait for the announce, take delivery as the loop does, copy to ``device``."""
+def generator(conn: Any, device: str, load: str) -> None:
+    """The generator side: its "parameters" allocated on ``device`` (a tensor per announced
+    one, as an engine holds them, before the clock), then, handed the announce, delivery as the
+    engine takes it, into those tensors: ``load`` overlapped = the torch engine's path
+    (`load_mapped`: the copy while the digest is checked; shared_fs or no copy: as below),
+    checked_first = `read_weights` (map and check, or read and hash the directory), then the
+    copy (the vLLM engine's order, and the torch engine's before)."""
     import torch
 
     from models.weights.reading import read_weights
-    from models.weights.shm import ShmWeights, mapped_copy
+    from models.weights.shm import ShmWeights, load_mapped, mapped_copy
     from models.weights.verified import OnDisk
 
+    metas = conn.recv()
+    dst = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+           for name, dtype, shape in metas}  # fmt: skip
     if device == "cuda":
-        torch.zeros(1, device="cuda")  # the context, before the clock
+        torch.cuda.synchronize()
     conn.send("ready")
     announce, root, sent = conn.recv()
     t0, c0 = time.time(), time.process_time()
-    ready = mapped_copy(announce, root)  # what read_weights(OnDisk) tries first (root: --root)
-    mapped = isinstance(ready, ShmWeights)
-    state, digest = read_weights(ready if ready is not None else OnDisk(announce))
-    t1 = time.time()
-    dev_s = 0.0
-    if device == "cuda":
-        on_dev = [v.to("cuda", non_blocking=False) for v in state.values()]
-        torch.cuda.synchronize()
+
+    def copy(state: Any) -> None:  # what load_into's load_state_dict does per parameter
+        for k, v in state.items():
+            dst[k].copy_(v)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    mapped, digest, dev_s = False, "", 0.0
+    if load == "overlapped" and load_mapped(announce, copy, root):
+        mapped, digest = True, announce.digest  # (load_mapped raised if it did not match)
+        t1 = time.time()
+    else:
+        ready = mapped_copy(announce, root)  # what read_weights(OnDisk) tries first
+        mapped = isinstance(ready, ShmWeights)
+        state, digest = read_weights(ready if ready is not None else OnDisk(announce))
+        t1 = time.time()
+        copy(state)
         dev_s = time.time() - t1
-        del on_dev
+        del state
+        if isinstance(ready, ShmWeights):
+            ready.close()
     done = time.time()
     conn.send({"open_verify_s": t1 - t0, "to_device_s": dev_s, "delivery_s": done - sent,
-               "cpu_s": time.process_time() - c0, "tensors": len(state), "digest": digest,
+               "cpu_s": time.process_time() - c0, "tensors": len(dst), "digest": digest,
                "mapped": mapped})  # fmt: skip
-    if isinstance(ready, ShmWeights):
-        ready.close()
 
 
 def pick_root(nbytes: int) -> str:
@@ -85,6 +105,9 @@ def main() -> None:
                     help="the shared-memory directory (default /dev/shm when it has room for "
                     "the set, else /tmp: a page-cached file, mapped the same way)")  # fmt: skip
     ap.add_argument("--dir", default=None, help="where the version's directory goes (default /tmp)")
+    ap.add_argument("--load", choices=("overlapped", "checked_first"), default="overlapped",
+                    help="overlapped: the torch engine's load_mapped (copy while checking); "
+                    "checked_first: check, then copy (the vLLM engine's order)")  # fmt: skip
     a = ap.parse_args()
     import torch
 
@@ -94,7 +117,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=generator, args=(there, a.device))
+    proc = ctx.Process(target=generator, args=(there, a.device, a.load))
     proc.start()
     total = int(a.gib * 2**30) // 2 * 2
     per = 64 << 20
@@ -118,6 +141,7 @@ def main() -> None:
     announce = pub.announce(0)
     announce.path = str(vdir.resolve())
     try:
+        here.send([(m.name, m.dtype, list(m.shape)) for m in announce.tensors])
         assert here.recv() == "ready"
         here.send((announce, root, time.time()))
         got = here.recv()
@@ -127,7 +151,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     nbytes = len(pub.blob)
     res = {
-        "bench": "shm_delivery", "transport": a.transport, "device": a.device, "bytes": nbytes,
+        "bench": "shm_delivery", "transport": a.transport, "load": a.load, "device": a.device,
+        "bytes": nbytes,
         "gb": round(nbytes / 1e9, 3), "root": root, "mapped": got["mapped"],
         "learner_blob_s": round(pub.stage_s["blob"], 3),
         "learner_digest_s": round(pub.stage_s["digest"], 3),

@@ -40,7 +40,9 @@ seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the referenc
 Weights: `load_weights` hashes what it reads (`models.weights.reading.read_weights`; a
 `VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
 and copies the tensors into the parameters in place (`models.checkpoint.load_into`; the CUDA
-graph reads parameters by address), between `generate` calls (a lock). `inflight_updates` is
+graph reads parameters by address), between `generate` calls (a lock). This host's /dev/shm
+copy of an announced directory (publish.transport shm) is copied while its digest is checked
+(`models.weights.shm.load_mapped`), not after. `inflight_updates` is
 not offered: a swap waits for the running batch.
 """
 
@@ -73,6 +75,8 @@ from models.exits import (
 )
 from models.reference import behaviour_logprobs, build_model, sampling_seed
 from models.sampling import draw
+from models.weights.shm import ShmRefused, load_mapped
+from models.weights.verified import OnDisk
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -185,6 +189,8 @@ class TorchEngine:
             self._cache_rows(max_model_len, max_num_seqs)
         self.weight_version = weight_version
         self.broken = ""
+        self._unchecked = False
+        """The parameters hold a refused /dev/shm copy's bytes (replaced by the next load)."""
         self.looped = True
         self.inflight_updates = False  # a swap waits for the running batch
         self._lock = threading.RLock()
@@ -230,17 +236,53 @@ class TorchEngine:
         self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], version: int,
         digest: str,
     ) -> None:  # fmt: skip
-        """Verify, then copy `source` into the parameters in place as `version` (module doc)."""
+        """Verify, then copy `source` into the parameters in place as `version` (module doc).
+        A directory with this host's /dev/shm copy (publish.transport shm) is copied while its
+        digest is checked (`models.weights.shm.load_mapped`; the lock held, nothing served
+        before both end); a refused copy is replaced from the directory, checked as read, and
+        the engine stops serving (WeightLoadError) if that fails too."""
         if self.broken:
             raise WeightLoadError(self.broken)
-        state = checked_state(source, version, digest, self.weight_version)
         with self._lock:
+            if isinstance(source, OnDisk) and source.local_copy:
+                if self._load_mapped(source, version, digest):
+                    return
+                source = source.directory_only()
+            try:
+                state = checked_state(source, version, digest, self.weight_version)
+            except Exception as e:
+                if self._unchecked:  # the parameters hold a refused copy's bytes
+                    self.broken = (f"weights v{version}: the /dev/shm copy was refused after "
+                                   f"it was loaded and the directory failed too ({e})")  # fmt: skip
+                    raise WeightLoadError(self.broken) from e
+                raise
             try:
                 load_into(self.model, {k: state[k] for k in state})
             except Exception as e:
                 self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
                 raise WeightLoadError(self.broken) from e
+            self._unchecked = False
             self.weight_version = version
+
+    def _load_mapped(self, source: OnDisk, version: int, digest: str) -> bool:
+        """`load_mapped` into the parameters: True when loaded and checked; False when there is
+        no copy here or it was refused (then ``_unchecked`` says whether it had been loaded)."""
+        if version <= self.weight_version:
+            raise ValueError(f"version {version} is not newer than {self.weight_version}")
+        if source.announce.digest != digest:  # the directory path names the mismatch
+            return False
+        try:
+            done = load_mapped(source.announce, lambda st: load_into(self.model, dict(st)))
+        except ShmRefused:
+            self._unchecked = True
+            return False
+        except Exception as e:
+            self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
+            raise WeightLoadError(self.broken) from e
+        if done:
+            self._unchecked = False
+            self.weight_version = version
+        return done
 
     # ---- generation ----------------------------------------------------------------------
     def generate(

@@ -31,7 +31,7 @@ def read_weights(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) ->
     if isinstance(source, Mapping):
         state = dict(source)
         return state, digest_of_state(state)
-    if isinstance(source, OnDisk):  # this host's /dev/shm copy (publish.transport shm) first
+    if isinstance(source, OnDisk) and source.local_copy:  # this host's /dev/shm copy first
         mapped = mapped_copy(source.announce)
         if mapped is not None:
             return mapped, mapped.digest

@@ -69,11 +69,18 @@ class OnDisk(_Announced, str):
     ``announce.digest_kind``) on what it read."""
 
     announce: WeightAnnounce
+    local_copy: bool
+    """Whether a reader may take this host's /dev/shm copy of it (models.weights.shm) instead
+    of the directory; False after that copy was refused (``directory_only``)."""
 
-    def __new__(cls, announce: WeightAnnounce) -> OnDisk:
+    def __new__(cls, announce: WeightAnnounce, local_copy: bool = True) -> OnDisk:
         obj = super().__new__(cls, announce.path)
-        obj.announce = announce
+        obj.announce, obj.local_copy = announce, local_copy
         return obj
+
+    def directory_only(self) -> OnDisk:
+        """The same announce, read from its directory alone."""
+        return OnDisk(self.announce, local_copy=False)
 
     @property
     def blob(self) -> bytearray:
@@ -94,6 +101,13 @@ def verify_blob(announce: WeightAnnounce, blob: bytearray) -> VerifiedWeights:
     """``blob`` as VerifiedWeights once its digest (kind ``announce.digest_kind``) matches the
     announce; ValueError saying why otherwise, naming every piece (and its tensors) whose
     sha256 differs from its announced leaf. A tree digest's pieces are hashed in parallel."""
+    check_blob(announce, blob)
+    return VerifiedWeights(announce, blob)
+
+
+def check_blob(announce: WeightAnnounce, blob: Any) -> None:
+    """``verify_blob``'s check alone (no views made): None when ``blob``'s digest matches the
+    announce, else ValueError naming the pieces that differ."""
     a = announce
     kind = check_kind(a.digest_kind, a.digest_chunk_bytes)
     if len(blob) != a.total_bytes:
@@ -106,7 +120,6 @@ def verify_blob(announce: WeightAnnounce, blob: bytearray) -> VerifiedWeights:
             raise ValueError(f"pieces {', '.join(where)} do not match their digests")
     if got.hex != a.digest:
         raise ValueError(f"digest {got.hex} != announced {a.digest}")
-    return VerifiedWeights(a, blob)
 
 
 def tensors_of(a: WeightAnnounce, piece: int) -> list[str]:
@@ -181,6 +194,7 @@ class PieceCheck:
 
 __all__ = [
     "OnDisk",
+    "check_blob",
     "PieceCheck",
     "VerifiedWeights",
     "WeightSink",

@@ -171,3 +171,67 @@ def test_graph_decode_keeps_its_cache_between_calls(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(s.logprobs, lps)
     with pytest.raises(ValueError, match="compile=True"):
         TorchEngine(path, numerics="exact", device="cpu", graph=True, compile=True)
+
+
+def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish.transport shm with the torch engine: this host's /dev/shm copy is loaded while
+    its digest is checked (models.weights.shm.load_mapped); a corrupt copy, loaded then
+    refused, is replaced from the directory (the version still served, its weights exact); a
+    corrupt copy and a corrupt directory leave the engine refusing to serve."""
+    import models.weights.shm as shm
+    from generator.engine import WeightLoadError
+    from models.weights.publication import Publication
+    from models.weights.verified import OnDisk
+    from tests.generator.update_utils import write_like
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setattr(shm, "SHM_DIR", root)
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu")
+    _, state = load_checkpoint(path)
+
+    def publish(version: int, corrupt: bool) -> tuple[OnDisk, dict[str, torch.Tensor], str]:
+        new = perturbed(state, seed=10 + version)
+        vdir = write_like(path, new, tmp_path / "run" / "weights" / f"v{version}")
+        pub = Publication.from_dir(vdir, version)
+        monkeypatch.setenv(shm.CORRUPT_ENV, str(version) if corrupt else "")
+        shm.publish_shm(pub)
+        return OnDisk(pub.announce(0)), new, pub.digest
+
+    def serves(new: dict[str, torch.Tensor]) -> bool:
+        own = eng.model.state_dict()
+        return all(torch.equal(own[k], v) for k, v in new.items())
+
+    before = dict(shm.counts)
+    src, new, digest = publish(1, corrupt=False)
+    eng.load_weights(src, 1, digest)
+    assert eng.weight_version == 1 and serves(new)
+    assert shm.counts["shm_loaded"] == before.get("shm_loaded", 0) + 1
+
+    src, new, digest = publish(2, corrupt=True)
+    eng.load_weights(src, 2, digest)  # loaded, refused, replaced from the directory
+    assert eng.weight_version == 2 and serves(new) and not eng.broken
+    assert shm.counts["shm_refused"] == before.get("shm_refused", 0) + 1
+    assert shm.counts["shm_loaded"] == before.get("shm_loaded", 0) + 1  # not counted twice
+    items = _items()[:1]
+    (got,) = eng.generate(items)
+    _, model = load_model(path)
+    load_into(model, new)
+    tokens, _, lps, _ = _reference(model, items[0], int(items[0].latent_seeds[0]),
+                                   FixedDepth(model.max_depth))  # fmt: skip
+    assert got[0].tokens.tolist() == tokens and got[0].weight_version == 2
+    np.testing.assert_array_equal(got[0].logprobs, lps)
+
+    src, new, digest = publish(3, corrupt=True)
+    shard = next((tmp_path / "run" / "weights" / "v3").glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF  # a weight byte of the directory too
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(WeightLoadError, match="refused after it was loaded and the directory"):
+        eng.load_weights(src, 3, digest)
+    assert eng.broken and eng.weight_version == 2
+    with pytest.raises(WeightLoadError):
+        eng.generate(items)

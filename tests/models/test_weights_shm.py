@@ -161,3 +161,74 @@ def test_pruning_keeps_the_newest_files_of_this_run_only(tmp_path: Path) -> None
     mapped.close()
     assert shm.prune_shm(runs[0], 1 << 62, 0, root) == [3, 4, 5]  # the run's end: all
     assert len(list(root.iterdir())) == 5 and not list(root.glob(".*"))
+
+
+def test_load_mapped_copies_while_the_digest_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """load_mapped hands the engine's load the mapped views while the check runs on another
+    thread (each side waits for the other to have started: run one after the other, one of
+    them would time out), returns True on a match; a corrupt copy raises ShmRefused after the
+    load ran (pieces named, counted); no copy or a short one: False, nothing loaded; what the
+    load raises comes out after the check has finished."""
+    import threading
+
+    import models.weights.shm as shm
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    vdir = tmp_path / "run" / "weights" / "v5"
+    pub = Publication.of_state(_state(), 5, vdir, chunk_bytes=PIECE)
+    announce = pub.announce(0)
+    announce.path = str(vdir.resolve())
+    calls: list[dict[str, torch.Tensor]] = []
+
+    def load(st: Any) -> None:
+        calls.append({k: v.clone() for k, v in st.items()})
+
+    assert shm.load_mapped(announce, load, root) is False and not calls  # no copy here
+    path = shm.publish_shm(pub, root)
+
+    checking, loading = threading.Event(), threading.Event()
+    real_check = shm.check_blob
+
+    def check(a: Any, blob: Any) -> None:
+        checking.set()
+        assert loading.wait(10), "the load did not start while the digest was being checked"
+        real_check(a, blob)
+
+    def load_overlapped(st: Any) -> None:
+        loading.set()
+        assert checking.wait(10), "the check did not start while the load ran"
+        load(st)
+
+    monkeypatch.setattr(shm, "check_blob", check)
+    before = dict(shm.counts)
+    assert shm.load_mapped(announce, load_overlapped, root) is True
+    assert all(torch.equal(calls[-1][k], v) for k, v in _state().items())
+    assert shm.counts["shm_loaded"] == before.get("shm_loaded", 0) + 1
+    monkeypatch.setattr(shm, "check_blob", real_check)
+
+    with open(path, "r+b") as f:  # one byte of piece 1 flipped
+        f.seek(PIECE + 3)
+        b = f.read(1)
+        f.seek(PIECE + 3)
+        f.write(bytes([b[0] ^ 0xFF]))
+    n = len(calls)
+    with pytest.raises(
+        shm.ShmRefused, match=r"weights v5 in .*: pieces 1 \(\['a.weight', 'b.weight'\]\)"
+    ):
+        shm.load_mapped(announce, load, root)
+    assert len(calls) == n + 1  # it had been loaded: the caller must replace it
+    assert shm.counts["shm_refused"] == before.get("shm_refused", 0) + 1
+    assert "refused after it was loaded" in caplog.text
+
+    def boom(st: Any) -> None:
+        raise RuntimeError("device out of memory")
+
+    with pytest.raises(RuntimeError, match="device out of memory"):
+        shm.load_mapped(announce, boom, root)
+
+    with open(path, "r+b") as f:  # a short file: refused before any load
+        f.truncate(100)
+    assert shm.load_mapped(announce, load, root) is False and len(calls) == n + 1
