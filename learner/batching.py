@@ -149,6 +149,17 @@ class TrainBatch:
         return TrainBatch(rollout_ids=self.rollout_ids[sl], extra=extra, token_versions=tv,
                           full_depths=fd, **fields)  # fmt: skip
 
+    def take(self, order: Tensor) -> TrainBatch:
+        """The rows in ``order`` ([B] int64, a permutation of 0..B-1), every field with them."""
+        fields: dict[str, Any] = {k: getattr(self, k).index_select(0, order)
+                                  for k in _TOKEN_FIELDS + _ROW_FIELDS}  # fmt: skip
+        extra = {k: v.index_select(0, order) for k, v in self.extra.items()}
+        tv = None if self.token_versions is None else self.token_versions.index_select(0, order)
+        fd = None if self.full_depths is None else self.full_depths.index_select(0, order)
+        ids = [self.rollout_ids[i] for i in order.tolist()]
+        return TrainBatch(rollout_ids=ids, extra=extra, token_versions=tv, full_depths=fd,
+                          packed=self.packed, pack_multiple=self.pack_multiple, **fields)  # fmt: skip
+
     def micro_batches(
         self, size: int, start: int, stop: int, pad_to_multiple: int = 1
     ) -> Iterator[TrainBatch]:

@@ -46,6 +46,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -78,7 +79,7 @@ from learner.objectives.loops import (
 from learner.shaping import depth_fraction, penalise_kl, shape_rollouts
 from learner.step_api import DataParallel, Net, Policy
 from learner.step_metrics import StepMetrics, record_policy, record_value, row_mismatch
-from models.rows import micro_spans, token_shares
+from models.rows import micro_spans, pack_order, token_shares
 from proto.records import Rollout
 
 __all__ = ["DataParallel", "LearnerStep", "Net", "Policy"]  # the interface: learner.step_api
@@ -156,17 +157,42 @@ class LearnerStep:
         """objective.loop_weighting learned: its logits (checkpointed, never published)."""
 
     # ------------------------------------------------------------------ layout
-    def _local_rows(self, batch: TrainBatch, g: int) -> Rows:
+    def _cuts(self, batch: TrainBatch, g: int, u: int) -> list[int]:
+        """Update ``u``'s data-parallel shares: boundaries within its g rows, one per rank
+        (packed: shares of about equal tokens, else of equal rows)."""
         dp = self.pol.dp
-        if self.cfg.max_tokens_per_micro and dp.size > 1:  # packed: shares of equal tokens
-            out = []
-            for u in range(batch.size // g):
-                cut = token_shares(batch.seq_lens[u * g : (u + 1) * g].numpy(), dp.size)
-                out.append((u * g, (u + 1) * g, u * g + cut[dp.rank], u * g + cut[dp.rank + 1]))
-            return out
+        if self.cfg.max_tokens_per_micro and dp.size > 1:
+            return token_shares(batch.seq_lens[u * g : (u + 1) * g].numpy(), dp.size)
         share = g // dp.size
-        return [(u * g, (u + 1) * g, u * g + dp.rank * share, u * g + (dp.rank + 1) * share)
-                for u in range(batch.size // g)]  # fmt: skip
+        return [k * share for k in range(dp.size + 1)]
+
+    def _local_rows(self, batch: TrainBatch, g: int) -> Rows:
+        rank = self.pol.dp.rank
+        out = []
+        for u in range(batch.size // g):
+            cut = self._cuts(batch, g, u)
+            out.append((u * g, (u + 1) * g, u * g + cut[rank], u * g + cut[rank + 1]))
+        return out
+
+    def _pack(self, batch: TrainBatch, g: int) -> TrainBatch:
+        """Packed micro-batches (max_tokens_per_micro): each rank's share of each update
+        reordered so that its consecutive token spans (`_micro`) are first-fit-decreasing bins
+        (models.rows.pack_order): fewer, fuller micro-batches than in training order (the
+        same set of rows per update and per rank; every rank reorders every share alike, so
+        per-row results keep one index on all ranks). The batch itself when nothing moves."""
+        budget = self.cfg.max_tokens_per_micro
+        if not budget:
+            return batch
+        order = np.arange(batch.size, dtype=np.int64)
+        lens = batch.seq_lens.numpy()
+        for u in range(batch.size // g):
+            cut = self._cuts(batch, g, u)
+            for a, b in zip(cut[:-1], cut[1:]):
+                lo, hi = u * g + a, u * g + b
+                order[lo:hi] = lo + pack_order(lens[lo:hi], budget)
+        if (order == np.arange(batch.size)).all():
+            return batch
+        return batch.take(torch.from_numpy(order))
 
     def _micro(self, batch: TrainBatch, lo: int, hi: int) -> Iterator[tuple[int, TrainBatch]]:
         """(first row, micro-batch on the policy's device) over rows [lo, hi): micro_batch_size
@@ -319,20 +345,21 @@ class LearnerStep:
         token_stale = (self.weight_version - batch.token_versions)[live]
         stale_masked = None if gap is None else mask_stale_tokens(batch, self.weight_version, gap)
         rows = self._local_rows(batch, g)
+        batch = self._pack(batch, g)  # (rows: the same ranges, reordered within)
         old_logits, kl_ref = self._pre_update(batch, rows)
         # kl_in_reward: the KL went into the rewards, not into the loss
         loss_obj = dataclasses.replace(obj, kl_coef=0.0) if obj.kl_in_reward else obj
         use_prox_logp = cfg.use_prox and obj.kind != "flow_dppo"
         corrected = behaviour_weighted(obj)  # rollout correction (learner.objectives.correction)
         metrics = StepMetrics()
-        mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)  # per sorted row
+        mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)  # per batch row
         order = update_order(len(rows), obj.epochs, cfg.seed, self.step_count)
         n_updates, skipped = len(order), 0.0
-        bounds = None if logp_bounds is None else self._row_bounds(rollouts, logp_bounds)
+        bounds = None if logp_bounds is None else self._row_bounds(batch, rollouts, logp_bounds)
         early = "prox_logp" in batch.extra  # every row measured already: judged before the loop
         if bounds is not None:
             self._measure_before(batch, rows, order[0], mismatch)
-            if early and self._refused(rollouts, mismatch, bounds):
+            if early and self._refused(batch, rollouts, mismatch, bounds):
                 return {"refused_rollouts": float(len(self.last_refused))}
         for u, j in enumerate(order):
             g_lo, g_hi, lo, hi = rows[j]
@@ -379,7 +406,7 @@ class LearnerStep:
                 u == 0
                 and bounds is not None
                 and not early
-                and self._refused(rollouts, mismatch, bounds)
+                and self._refused(batch, rollouts, mismatch, bounds)
             ):
                 pol.policy.zero_grad()  # nothing of the liars' (nor anyone's) is applied
                 return {"refused_rollouts": float(len(self.last_refused))}
@@ -395,7 +422,7 @@ class LearnerStep:
                 self._critic_update(pol.critic, batch, lo, hi, norm, metrics, n_updates)
         self._batch_metrics(batch, metrics)
         pol.dp.all_reduce_(mismatch, dist.ReduceOp.MAX)  # each DP rank measured its own rows
-        by_id = {r.rollout_id: float(mismatch[i]) for i, r in enumerate(sort_rollouts(rollouts))}
+        by_id = {rid: float(mismatch[i]) for i, rid in enumerate(batch.rollout_ids)}
         self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
         out = metrics.reduce(pol.dp.group)  # the DP group (None: the world, of one rank here)
         self.step_count += 1
@@ -413,14 +440,14 @@ class LearnerStep:
         return out
 
     # ------------------------------------------------------------------ verified rollouts
-    def _row_bounds(self, rollouts: Sequence[Rollout], bounds: Sequence[float]) -> Tensor:
-        """The bounds of `step` per sorted batch row (the rows follow sort_rollouts)."""
+    def _row_bounds(self, batch: TrainBatch, rollouts: Sequence[Rollout],
+                    bounds: Sequence[float]) -> Tensor:  # fmt: skip
+        """The bounds of `step` per batch row (the rows follow sort_rollouts, then `_pack`)."""
         if len(bounds) != len(rollouts):
             raise ValueError(f"logp_bounds: expected one bound per rollout ({len(rollouts)}), "
                              f"got {len(bounds)}")  # fmt: skip
         by_id = {r.rollout_id: float(b) for r, b in zip(rollouts, bounds, strict=True)}
-        return torch.tensor([by_id[r.rollout_id] for r in sort_rollouts(rollouts)],
-                            dtype=torch.float64)  # fmt: skip
+        return torch.tensor([by_id[rid] for rid in batch.rollout_ids], dtype=torch.float64)
 
     def _measure_before(self, batch: TrainBatch, rows: Rows, first: int, out: Tensor) -> None:
         """Every local row's mismatch at the starting weights, before any update: from the
@@ -444,16 +471,17 @@ class LearnerStep:
                     row_mismatch(out, a, mb.mask, mb.behav_logp, st["logp"].detach())
                     _exit_mismatch(out, a, mb, st, True)
 
-    def _refused(self, rollouts: Sequence[Rollout], mismatch: Tensor, bounds: Tensor) -> bool:
-        """Every rank's measurements (max over DP), against the bounds: the liars, if any, in
-        ``last_refused`` (input indices; the same decision on every rank)."""
+    def _refused(self, batch: TrainBatch, rollouts: Sequence[Rollout], mismatch: Tensor,
+                 bounds: Tensor) -> bool:  # fmt: skip
+        """Every rank's measurements (max over DP; per batch row), against the bounds: the
+        liars, if any, in ``last_refused`` (input indices; the same decision on every rank)."""
         m = self.pol.dp.all_reduce_(mismatch.clone(), dist.ReduceOp.MAX)
         bad = (m >= 0) & (m > bounds)
         if not bool(bad.any()):
             return False
-        srt = sort_rollouts(rollouts)
-        by_id = {r.rollout_id: float(m[i]) for i, r in enumerate(srt)}
-        liars = {srt[i].rollout_id for i in torch.nonzero(bad).flatten().tolist()}
+        ids = batch.rollout_ids
+        by_id = {rid: float(m[i]) for i, rid in enumerate(ids)}
+        liars = {ids[i] for i in torch.nonzero(bad).flatten().tolist()}
         self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
         self.last_refused = [i for i, r in enumerate(rollouts) if r.rollout_id in liars]
         return True

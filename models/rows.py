@@ -189,6 +189,31 @@ def micro_spans(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[tuple
     return spans
 
 
+def pack_order(seq_lens: Sequence[int] | np.ndarray, budget: int) -> np.ndarray:
+    """A permutation of the rows that packs them into few micro-batches of at most ``budget``
+    positions: first-fit decreasing (rows by length, longest first, ties by index; each into
+    the first bin it fits, else a new bin; a row longer than the budget alone), the bins in
+    the order they were opened, each bin's rows in their own order. `micro_spans` over the
+    permuted rows cuts exactly these bins: a row of a later bin did not fit any earlier bin
+    when it was placed, and bins only fill up after. Deterministic: a function of the
+    lengths alone (every rank computes the same)."""
+    if budget < 1:
+        raise ValueError(f"pack_order: budget must be >= 1, got {budget}")
+    lens = [int(x) for x in seq_lens]
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lens)), key=lambda j: (-lens[j], j)):
+        for k, r in enumerate(room):
+            if lens[i] <= r:
+                room[k] -= lens[i]
+                bins[k].append(i)
+                break
+        else:
+            room.append(budget - lens[i])
+            bins.append([i])
+    return np.asarray([i for b in bins for i in sorted(b)], dtype=np.int64)
+
+
 def token_shares(seq_lens: Sequence[int] | np.ndarray, parts: int) -> list[int]:
     """Boundaries 0 = c_0 < c_1 < ... < c_parts = B of contiguous shares of about equal tokens:
     c_k is the row boundary whose running sum of seq_lens is nearest to k / parts of the total,

@@ -19,7 +19,7 @@ import torch
 
 from learner.batching import build_batch, packed_inputs
 from models.errors import ConfigError
-from models.rows import micro_spans, pack_rows, token_shares
+from models.rows import micro_spans, pack_order, pack_rows, token_shares
 from proto import Rollout
 from tests.bench_import import load_benchmark
 
@@ -44,6 +44,43 @@ def _rollouts(lens: list[int] = LENS) -> list[Rollout]:
                 full_depth=4, weight_version=0, reward=float(rng.random()),
             ))  # fmt: skip
     return out
+
+
+def test_pack_order_is_first_fit_decreasing_and_micro_spans_cut_its_bins() -> None:
+    """pack_order by hand (lengths 5 3 4 2 6 1, budget 8: bins {6 2} {5 3} {4 1}, each in
+    its rows' order), and over random lengths: a permutation, micro_spans over it cut
+    exactly first-fit decreasing's bins (recomputed here), never more spans than training
+    order, every span within the budget unless a single row exceeds it; the same lengths
+    give the same order."""
+    assert pack_order([5, 3, 4, 2, 6, 1], 8).tolist() == [3, 4, 0, 1, 2, 5]
+    assert micro_spans([2, 6, 5, 3, 4, 1], 8) == [(0, 2), (2, 4), (4, 6)]
+    assert pack_order([3, 1, 4, 10, 2], 5).tolist() == [3, 1, 2, 0, 4]  # 10 alone; {4 1} {3 2}
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        pack_order([1], 0)
+    rng = random.Random(3)
+    fewer = 0
+    for _ in range(300):
+        budget = rng.choice([8, 64, 8192])
+        lens = [rng.randint(1, max(1, budget + budget // 4)) for _ in range(rng.randint(1, 40))]
+        order = pack_order(lens, budget)
+        assert sorted(order.tolist()) == list(range(len(lens)))
+        packed = [lens[i] for i in order]
+        spans = micro_spans(packed, budget)
+        room: list[int] = []  # first-fit decreasing, restated: the bins' sizes in order
+        sizes: list[list[int]] = []
+        for i in sorted(range(len(lens)), key=lambda j: (-lens[j], j)):
+            k = next((k for k, r in enumerate(room) if lens[i] <= r), len(room))
+            if k == len(room):
+                room.append(budget)
+                sizes.append([])
+            room[k] -= lens[i]
+            sizes[k].append(i)
+        assert [sorted(b) for b in sizes] == [order[a:b].tolist() for a, b in spans]
+        assert all(sum(packed[a:b]) <= budget or b - a == 1 for a, b in spans)
+        assert len(spans) <= len(micro_spans(lens, budget))
+        fewer += len(spans) < len(micro_spans(lens, budget))
+        assert pack_order(lens, budget).tolist() == order.tolist()
+    assert fewer > 50  # it does pack tighter than training order, often
 
 
 def test_layout_by_hand() -> None:
@@ -347,3 +384,40 @@ def test_exact_embedding_sums_a_tokens_gradient_in_fp64() -> None:
         out.append(wp.grad)
     want = torch.zeros(5, 3, dtype=torch.float64).index_add_(0, tokens[0], grads[0].double())
     assert torch.equal(out[0], want.float()) and torch.equal(out[1], want.float())
+
+
+def test_packed_reorder_keeps_each_rollouts_own_measurement(models_dir: dict[str, Path]) -> None:
+    """With a token budget the step packs each update's rows first-fit decreasing (the
+    batch reordered: LearnerStep._pack); what it reports per rollout still belongs to that
+    rollout: ``last_mismatch`` (input order, rollouts handed over shuffled) equals the
+    unpacked step's within 1e-6, and a rollout over its ``logp_bounds`` is named by its own
+    input index in both."""
+    rolls = _rollouts()
+    random.Random(5).shuffle(rolls)
+    got = {}
+    for name, over in (("padded", "learner.micro_batch_size=4"),
+                       ("packed", "learner.max_tokens_per_micro=64")):  # fmt: skip
+        t = _trainer("reference", models_dir["huginn"], "fast", over)
+        try:
+            if name == "packed":
+                batch = build_batch(rolls)
+                moved = t.runner._pack(batch, 8).rollout_ids
+                assert sorted(moved) == sorted(batch.rollout_ids) and moved != batch.rollout_ids
+            m = t.step(rolls, [False] * len(rolls))
+            assert "refused_rollouts" not in m
+            mism = list(t.last_mismatch)
+            liar = max(range(len(rolls)), key=lambda i: mism[i])
+            bounds = [10.0] * len(rolls)
+            bounds[liar] = mism[liar] / 2
+            t2 = _trainer("reference", models_dir["huginn"], "fast", over)
+            try:
+                out = t2.step(rolls, [False] * len(rolls), logp_bounds=bounds)
+                got[name] = (mism, liar, out, list(t2.last_refused))
+            finally:
+                _close(t2)
+        finally:
+            _close(t)
+    (ma, la, oa, ra), (mb, lb, ob, rb) = got["padded"], got["packed"]
+    assert all(x > 0 for x in ma) and max(abs(x - y) for x, y in zip(ma, mb)) <= 1e-6
+    assert la == lb and ra == rb == [la]
+    assert oa == ob == {"refused_rollouts": 1.0}
