@@ -212,7 +212,9 @@ def test_background_training_keeps_listening(tmp_path: Path) -> None:
     t = SlowTrainer(0.2)
     c = Coordinator(cfg, endpoint=net.bind("learner", TCFG), trainer=t, prompts=prompts(),
                     run_dir=tmp_path, limits=FAKE_LIMITS, background=True)  # fmt: skip
-    gens = [FakeGenerator(net, f"g{i}", seed=i) for i in range(2)]
+    # answers a few turns after the work arrives: a completed step sends new work at once, so
+    # instant answers would all be in before the next step starts
+    gens = [FakeGenerator(net, f"g{i}", seed=i, delay=3) for i in range(2)]
     during = 0
     t0 = time.monotonic()
     while c.step < 4 and time.monotonic() - t0 < 60:
