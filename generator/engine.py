@@ -355,6 +355,7 @@ class LoopedEngine:
             stop=list(item.stop) or None,
             include_stop_str_in_output=True,
             extra_args={SEED_KEY: seed, RECORD_KEY: key},
+            skip_clone=True,  # one object per request: vLLM's deep copy of it is not needed
         )
 
     def generate(
