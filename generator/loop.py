@@ -12,7 +12,9 @@ Order of events (one ``GeneratorLoop.run()``)::
           Ack/Nack rollout     -> forget the acknowledged rollouts
           Welcome again        -> a reconnect: re-send every unacknowledged RolloutBatch
         engine idle: load pending weights, else start a batch (full, or oldest waited batch_wait_s)
-        batch generated -> score (reward runner, on its own thread) -> one RolloutBatch per item
+        batch generated -> score (reward runner, on its own thread) -> its finished items sent
+                           together (as few RolloutBatch messages as size allows; acked and
+                           re-sent per item)
     stop(): hand back queued items, let the batch in progress finish within drain_timeout_s
             (else hand it back too), wait briefly for acks, close the connection (Goodbye)
 
@@ -59,6 +61,12 @@ from proto import (
 __all__ = ["FatalError", "GeneratorLoop", "LoopStats", "make_hello"]
 
 log = logging.getLogger(__name__)
+
+MESSAGE_ROLLOUTS = 1024
+"""The most rollouts of finished work items sent in one RolloutBatch (``_send_together``)."""
+MESSAGE_TOKENS = 1 << 20
+"""The most tokens (prompt + completion, summed) in one such message: a few MiB on the wire,
+well inside the transport's max_frame_bytes (256 MiB)."""
 
 
 @dataclass
@@ -415,25 +423,66 @@ class GeneratorLoop:
             if exc is not None:
                 raise FatalError(f"scoring failed: {exc!r}") from exc
             self._scoring.popleft()
-            for h, rs in zip(b.held, b.scoring.result()):
+            done = list(zip(b.held, b.scoring.result()))
+            for _, rs in done:
                 self.stats.counts["reward_failures"] += sum(r.reward is None for r in rs)
-                self._finish(h, rs)
+            self._finish(done)
 
     # -- outgoing -------------------------------------------------------------------------
-    def _finish(self, h: _Held, rollouts: list[Rollout]) -> None:
-        wid = h.item.work_id
-        self._ids.discard(wid)
-        entry = _Unacked(RolloutBatch(rollouts), {r.rollout_id for r in rollouts})
-        self._unacked[wid] = entry
-        self._unacked.move_to_end(wid)
-        self.stats.counts["groups_done"] += 1
-        self._send_batch(entry, resend=False)
+    def _finish(self, done: list[tuple[_Held, list[Rollout]]]) -> None:
+        """The work items of one engine batch are finished: each becomes an unacknowledged
+        entry (re-sent alone when due), and they go out together (``_send_together``)."""
+        entries = []
+        for h, rollouts in done:
+            wid = h.item.work_id
+            self._ids.discard(wid)
+            entry = _Unacked(RolloutBatch(rollouts), {r.rollout_id for r in rollouts})
+            self._unacked[wid] = entry
+            self._unacked.move_to_end(wid)
+            self.stats.counts["groups_done"] += 1
+            entries.append((wid, entry))
+        self._send_together([e for _, e in entries])
         while len(self._unacked) > self.max_unacked:
             old, _ = self._unacked.popitem(last=False)
             self.stats.counts["unacked_evicted"] += 1
             log.warning("dropping unacknowledged rollouts of %s (max_unacked)", old)
-        if not entry.pending and entry.sent_at >= 0:
-            self._unacked.pop(wid, None)  # nothing to acknowledge
+        for wid, entry in entries:
+            if not entry.pending and entry.sent_at >= 0:
+                self._unacked.pop(wid, None)  # nothing to acknowledge
+
+    def _send_together(self, entries: list[_Unacked]) -> None:
+        """First sends of finished entries: their rollouts in as few RolloutBatch messages as
+        ``MESSAGE_ROLLOUTS`` / ``MESSAGE_TOKENS`` allow (a whole entry per message), not one
+        message per work item: the learner records (stream append + flush) and acknowledges
+        once per message, so one engine batch of 16 groups costs it one flush instead of 16."""
+        if not self.conn.ready:
+            return  # sent after the next Welcome
+        part: list[_Unacked] = []
+        rolls = tokens = 0
+        for entry in entries:
+            n = len(entry.batch.rollouts)
+            t = sum(int(r.tokens.size) + int(r.prompt_tokens.size) for r in entry.batch.rollouts)
+            if part and (rolls + n > MESSAGE_ROLLOUTS or tokens + t > MESSAGE_TOKENS):
+                self._send_part(part)
+                part, rolls, tokens = [], 0, 0
+            part.append(entry)
+            rolls, tokens = rolls + n, tokens + t
+        if part:
+            self._send_part(part)
+
+    def _send_part(self, part: list[_Unacked]) -> None:
+        if len(part) == 1:
+            self._send_batch(part[0], resend=False)
+            return
+        batch = RolloutBatch([r for e in part for r in e.batch.rollouts])
+        c = self.stats.counts
+        if self.conn.send(batch):
+            now = self.clock()
+            for e in part:
+                e.sent_at = now
+            c["rollouts_sent"] += len(batch.rollouts)
+        else:
+            c["send_failed"] += 1
 
     def _send_batch(self, entry: _Unacked, *, resend: bool) -> None:
         if not self.conn.ready:

@@ -10,8 +10,12 @@ One thread runs ``Coordinator.run()``::
             WorkReturn  -> re-dispatch those samples;  Goodbye -> generator gone
             Ack/Nack on weights -> publisher
         expired peers (silent > peer_timeout_s) -> generator gone: ledger re-dispatch
-        dispatcher.pump(v)      new / re-dispatched work within capacity, cap, staleness gate
+        dispatcher.pump(v)      new / re-dispatched work within capacity, cap, staleness gate;
+                                v = trained_version (announced + being written): work issued
+                                against an older announced version while v is written would
+                                expire a step early (generated again as stale)
         publisher.pump()        weight transfers within credit windows
+            (both again right after a step completes or a version is announced; ``turn``)
         groups = intake.select(v, prompts_per_step); if groups and gate.can_train(v):
             trainer.step -> step log -> ledger.settle -> metrics
                 (the trainer checks every claimed log-prob before its update: a step holding
@@ -188,6 +192,7 @@ class Coordinator:
         self.last_digest = ""
         self._last_progress = clock()
         self._job: _Job | None = None
+        self._hurry = False  # a step just completed: the next turn does not wait in poll
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer") if background else None
         self._t0 = time.time()
         self._last_step_t = time.time()
@@ -690,16 +695,38 @@ class Coordinator:
 
     # -- the loop ------------------------------------------------------------------------------------
     def turn(self, timeout_s: float | None = None) -> bool:
-        """One loop turn; True if a training step happened."""
+        """One loop turn; True if a training step happened.
+
+        What another thread finished is acted on in the same turn, not after the next wait in
+        ``poll``: a version whose hash and write ended while the loop waited (the publishing
+        thread woke it) is announced and sent at once; a completed step's settled groups free
+        room for new work, which is sent at once, and the next turn does not wait in ``poll``
+        before it starts the next step (rollouts for it may be buffered already)."""
         self.announce_ready()
-        self.poll(self.poll_s if timeout_s is None else timeout_s)
-        self.dispatcher.pump(self.version, self._send_work, self._expected_version)
-        self.publisher.pump()
-        self.endpoint.set_status(self.version, self.dispatcher.inflight())
+        wait = self.poll_s if timeout_s is None else timeout_s
+        self.poll(0.0 if self._hurry else wait)
+        self._hurry = False
+        self.announce_ready()  # what the publishing thread finished while poll waited
+        self._pump()
         trained = self.try_train()
         if trained:
             self._last_progress = self.clock()
+            self.announce_ready()  # versions whose write ended during the step
+            self._pump()
+            self._hurry = True
         return trained
+
+    def serve(self, timeout_s: float) -> None:
+        """A turn that trains nothing (after the last step: the last eval round is served)."""
+        self.announce_ready()
+        self.poll(timeout_s)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Send the work and the weight transfers that capacity, the gate and credits allow."""
+        self.dispatcher.pump(self.trained_version, self._send_work, self._expected_version)
+        self.publisher.pump()
+        self.endpoint.set_status(self.version, self.dispatcher.inflight())
 
     def run(
         self,
@@ -728,9 +755,7 @@ class Coordinator:
         while self.evals is not None and self.evals.pending() and self.clock() < deadline:
             if stop is not None and stop():
                 break
-            self.poll(self.poll_s)  # the last eval round: served, not trained
-            self.dispatcher.pump(self.version, self._send_work, self._expected_version)
-            self.publisher.pump()
+            self.serve(self.poll_s)  # the last eval round: served, not trained
 
     def counts(self) -> Mapping[str, Any]:
         return {

@@ -314,6 +314,10 @@ class Dispatcher:
     ) -> int:
         """Send what capacity, the staleness gate and ``cap`` allow; returns items sent.
 
+        ``learner_version``: the version the trainer holds (the coordinator's trained_version,
+        versions still being written included): the gate and the budget count the steps left
+        from there.
+
         ``expected(gid)``: the version a generator will serve once the weights being sent to
         it are loaded. Work is issued against max(acknowledged, expected): the generator
         loads pending weights before it starts a batch and never starts an item above the

@@ -204,11 +204,29 @@ class Intake:
                 res.replies.append(Nack("rollout", orig.rollout_id, "unknown work or sample"))
         if accepted:
             self.record([r for _, r in accepted])  # durable BEFORE anything is acknowledged
-            for orig_id, r in accepted:
+            for _, r in accepted:
                 self._buffer(r)
                 self.dispatcher.received(sender, r.work_id, r.sample_index)
-                res.replies.append(Ack("rollout", orig_id))
+            res.replies += self._acks(rolls, [orig_id for orig_id, _ in accepted])
         return res
+
+    def _acks(self, rolls: list[Rollout], accepted: list[str]) -> list[Ack]:
+        """The Acks of the accepted rollouts: one per work id whose whole group (all ``n``
+        samples) came in this batch and was accepted (``Ack(ref=work_id)`` acknowledges a
+        group: a generator that sends its finished groups together gets one Ack per group, not
+        one per rollout), else one per rollout."""
+        ok = set(accepted)
+        ids: dict[str, list[str]] = {}
+        for r in rolls:
+            ids.setdefault(r.work_id, []).append(r.rollout_id)
+        out = []
+        for wid, rids in ids.items():
+            mine = [i for i in rids if i in ok]
+            if len(mine) == len(rids) == self.n and len(set(rids)) == self.n:
+                out.append(Ack("rollout", wid))
+            else:
+                out += [Ack("rollout", i) for i in mine]
+        return out
 
     def check_eval(
         self, sender: str, r: Rollout, item: WorkItem

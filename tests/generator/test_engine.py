@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from generator.engine import LoopedEngine, WeightDigestError, canonical_digest, to_rollouts
+from generator.engine import (
+    CPU_BLOCK_SIZE,
+    LoopedEngine,
+    WeightDigestError,
+    canonical_digest,
+    to_rollouts,
+)
 from generator.vllm_context import RequestSlice, StepBatch
 from generator.vllm_records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
@@ -110,6 +116,35 @@ def test_fast_numerics_parity(setup: Setup) -> None:
     for j, r in enumerate(rollouts):
         r.validate()
         assert r.rollout_id == f"f0/{j}" and r.num_tokens == 12 and r.exit_depths[0] == 6
+
+
+@pytest.mark.vllm
+def test_cpu_cache_pages_run_a_step_of_short_rollouts_at_once(
+    setup: Setup, monkeypatch: Any
+) -> None:
+    """On the CPU the cache is cut into CPU_BLOCK_SIZE-token pages (vLLM's CPU default is 128):
+    a looped model keeps a cache per (iteration, layer), and a request holds whole pages, so
+    with 128-token pages the quickstart's 64 MiB held 73 of them and a step's 128 short
+    rollouts ran in two waves. Here: 4x this engine's 16 MiB (the default 64 MiB) holds a page
+    for each of 128 requests, and 8 requests of 4 + 4 tokens run in one wave (4 engine steps)."""
+    cache = setup.engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.block_size == CPU_BLOCK_SIZE == 32
+    assert 4 * cache.num_gpu_blocks >= 128, cache.num_gpu_blocks
+    engine = setup.engine.llm.llm_engine
+    steps = 0
+    step = engine.step
+
+    def counted() -> Any:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted)
+    items = [work_item(p, [30 + 2 * i, 31 + 2 * i], name=f"wave{i}", max_tokens=4)
+             for i, p in enumerate(prompts(4, [4], seed=8))]  # fmt: skip
+    out = setup.engine.generate(items)
+    assert [len(s.tokens) for ss in out for s in ss] == [4] * 8
+    assert steps == 4, steps
 
 
 @pytest.mark.vllm

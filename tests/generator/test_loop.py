@@ -249,15 +249,33 @@ def test_item_waits_for_its_min_weight_version() -> None:
     assert [e[1:] for e in log if e[0] == "generate"] == [(["now"], 0), (["later"], 1)]
 
 
-def test_one_rollout_batch_per_work_item_with_rewards() -> None:
+def test_an_engine_batch_is_sent_in_one_rollout_batch_with_rewards() -> None:
+    """The items of one engine batch go out together (the learner records and flushes once per
+    message), acknowledged per item; a batch over MESSAGE_ROLLOUTS is split between items."""
     loop, engine, conn, _ = make(max_batch_items=3)
     conn.push(welcome(), item("a", n=3), item("b", n=1))
     spin(loop)
     batches = conn.of(RolloutBatch)
-    assert [[r.rollout_id for r in b.rollouts] for b in batches] == [["a/0", "a/1", "a/2"], ["b/0"]]
+    assert [[r.rollout_id for r in b.rollouts] for b in batches] == [["a/0", "a/1", "a/2", "b/0"]]
     r = batches[0].rollouts[0]
     assert r.reward == 4.0 and r.generator_id == GID
     assert {"gen_time_s", "queue_time_s", "reward_time_s"} <= set(r.metrics)
+    assert loop.unacked == ["a", "b"] and loop.stats.counts["rollouts_sent"] == 4
+    conn.push(Ack("rollout", "a"), Ack("rollout", "b/0"))  # a group's Ack, a rollout's
+    spin(loop)
+    assert loop.unacked == []
+
+
+def test_a_large_engine_batch_is_split_between_items(monkeypatch: Any) -> None:
+    import generator.loop as gl
+
+    monkeypatch.setattr(gl, "MESSAGE_ROLLOUTS", 4)
+    loop, _, conn, _ = make(max_batch_items=4)
+    conn.push(welcome(), item("a", n=3), item("b", n=2), item("c", n=1), item("d", n=5))
+    spin(loop)
+    sent = [[r.rollout_id for r in b.rollouts] for b in conn.of(RolloutBatch)]
+    assert sent == [["a/0", "a/1", "a/2"], ["b/0", "b/1", "c/0"],
+                    ["d/0", "d/1", "d/2", "d/3", "d/4"]]  # fmt: skip
 
 
 # -- bounded in-flight ----------------------------------------------------------------------
@@ -302,12 +320,14 @@ def test_reward_failures_are_recorded_not_fatal() -> None:
     loop, _, conn, _ = make(detokenize=detok)
     conn.push(welcome(), item("bad", task={"fail": True}), item("good"))
     spin(loop)
-    (bad, good) = conn.of(RolloutBatch)
-    assert [r.reward for r in bad.rollouts] == [None, None]
-    assert bad.rollouts[0].reward_info["kind"] == "exception"
-    assert "detokenize" in str(bad.rollouts[0].reward_info["error"])
-    assert "bad task" in str(bad.rollouts[1].reward_info["error"])
-    assert [r.reward for r in good.rollouts] == [None, 4.0]
+    (batch,) = conn.of(RolloutBatch)  # both items of the engine batch, together
+    bad = [r for r in batch.rollouts if r.work_id == "bad"]
+    good = [r for r in batch.rollouts if r.work_id == "good"]
+    assert [r.reward for r in bad] == [None, None]
+    assert bad[0].reward_info["kind"] == "exception"
+    assert "detokenize" in str(bad[0].reward_info["error"])
+    assert "bad task" in str(bad[1].reward_info["error"])
+    assert [r.reward for r in good] == [None, 4.0]
     assert loop.stats.counts["reward_failures"] == 3 and conn.closed is None
 
 
@@ -380,7 +400,7 @@ def test_reconnect_resends_unacked_only() -> None:
     conn.ready = False  # the learner went away; the connection re-Hellos
     conn.push(item("d"))
     spin(loop)
-    assert len(conn.of(RolloutBatch)) == 3  # d is finished but waits for a Welcome
+    assert len(conn.of(RolloutBatch)) == 1  # a, b, c together; d waits for a Welcome
     conn.sent.clear()
     conn.push(welcome())
     spin(loop)

@@ -43,10 +43,10 @@ def test_eval_rounds_on_generators(tmp_path: Path) -> None:
     c.evals.start(0, 0)
     gens = [Grader(net, "g0", seed=1), Grader(net, "g1", seed=2)]
     drive(c, gens, 5)
-    for _ in range(200):  # the last round: served after the last step
+    for _ in range(200):  # the last round: served after the last step, as Coordinator.run does
         if not c.evals.pending():
             break
-        c.turn(0.0)
+        c.serve(0.0)
         for g in gens:
             g.step()
     c.close()

@@ -181,10 +181,13 @@ class SlowPublisher(FakeTrainer):
         return self.snapshot(out_dir, version)()
 
 
-def _run(tmp: Path, over: list[str], steps: int) -> tuple[Any, SlowPublisher, list[dict]]:
+def _run(tmp: Path, over: list[str], steps: int,
+         setup: Any = None) -> tuple[Any, SlowPublisher, list[dict]]:  # fmt: skip
     t = SlowPublisher(finish_s=0.4, step_s=0.1)
     # the learner process runs steps on a trainer thread (background mode)
     c, net, _ = make_coordinator(tmp, over, trainer=t, background=True)
+    if setup is not None:  # e.g. a test's watch on what the coordinator sends
+        setup(c)
     rows: list[dict] = []
     c.on_step = rows.append
     gens = [FakeGenerator(net, "g0"), FakeGenerator(net, "g1", seed=1)]
