@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from models.weights.digest import state_from_blob
 from models.weights.publication import Publication
@@ -61,6 +61,7 @@ WRITE_PIECE = 64 << 20
 counts: Counter[str] = Counter()
 """This process's deliveries: shm_loaded, shm_refused, shm_absent (a generator's log says each)."""
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_T = TypeVar("_T")
 
 
 def shm_path(run_id: str, version: int, root: str | os.PathLike[str] | None = None) -> Path:
@@ -229,20 +230,10 @@ def load_mapped(
     the caller reloads from the directory (checked as read) or stops serving. A copy refused
     before ``load`` (its size) returns False. Whatever ``load`` raises is raised after the
     check has finished."""
-    try:
-        path = shm_file(announce.path, root)
-    except ValueError:
+    found = _open_local(announce, root, _map)
+    if found is None:
         return False
-    if not path.exists():
-        counts["shm_absent"] += 1
-        return False
-    try:
-        mapping = _map(announce, path)
-    except ValueError as e:
-        counts["shm_refused"] += 1
-        log.error("shared-memory copy refused: %s; loading the directory %s instead", e,
-                  announce.path)  # fmt: skip
-        return False
+    path, mapping = found
     bad: ValueError | None = None
     try:
         with ThreadPoolExecutor(1) as one:
@@ -268,6 +259,29 @@ def load_mapped(
     return True
 
 
+def _open_local(
+    announce: WeightAnnounce, root: str | os.PathLike[str] | None,
+    opener: Callable[[WeightAnnounce, Path], _T],
+) -> tuple[Path, _T] | None:  # fmt: skip
+    """(this host's file of ``announce``, ``opener``'s result on it), or None when there is
+    no file (counted shm_absent) or ``opener`` refused it (ValueError: counted shm_refused,
+    logged; the caller reads the directory, its digest checked as it is read)."""
+    try:
+        path = shm_file(announce.path, root)
+    except ValueError:
+        return None
+    if not path.exists():
+        counts["shm_absent"] += 1
+        return None
+    try:
+        return path, opener(announce, path)
+    except ValueError as e:
+        counts["shm_refused"] += 1
+        log.error("shared-memory copy refused: %s; loading the directory %s instead "
+                  "(its digest checked as it is read)", e, announce.path)  # fmt: skip
+        return None
+
+
 def remove_shm(path: str | os.PathLike[str]) -> None:
     """Delete a version's file (mapped copies stay valid until unmapped)."""
     Path(path).unlink(missing_ok=True)
@@ -279,20 +293,10 @@ def mapped_copy(
     """This host's shared-memory copy of an announced directory, mapped and checked (module
     docstring); None when there is none (the caller reads the directory) or it was refused
     (logged with the pieces that differ; the caller reads the directory, checked as read)."""
-    try:
-        path = shm_file(announce.path, root)
-    except ValueError:
+    found = _open_local(announce, root, open_shm)
+    if found is None:
         return None
-    if not path.exists():
-        counts["shm_absent"] += 1
-        return None
-    try:
-        weights = open_shm(announce, path)
-    except ValueError as e:
-        counts["shm_refused"] += 1
-        log.error("shared-memory copy refused: %s; loading the directory %s instead "
-                  "(its digest checked as it is read)", e, announce.path)  # fmt: skip
-        return None
+    path, weights = found
     counts["shm_loaded"] += 1
     log.info("weights v%d mapped from %s, digest checked", announce.version, path)
     return weights

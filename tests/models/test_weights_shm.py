@@ -36,6 +36,18 @@ def _read(args: tuple[Any, str]) -> dict[str, Any]:
     return out
 
 
+def _run_version(tmp_path: Path, version: int) -> tuple[Path, Publication, Any]:
+    """(a fresh shm root, version ``version``'s Publication of a run directory, its announce
+    naming that directory, as the learner announces it)."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    vdir = tmp_path / "run" / "weights" / f"v{version}"
+    pub = Publication.of_state(_state(), version, vdir, chunk_bytes=PIECE)
+    announce = pub.announce(0)
+    announce.path = str(vdir.resolve())
+    return root, pub, announce
+
+
 def _root(tmp_path: Path) -> Path:
     return SHM_DIR if SHM_DIR.is_dir() else tmp_path
 
@@ -122,12 +134,7 @@ def test_a_corrupt_or_missing_copy_falls_back_to_the_directory(
 ) -> None:
     import models.weights.shm as shm
 
-    root = tmp_path / "shm"
-    root.mkdir()
-    vdir = tmp_path / "run" / "weights" / "v2"
-    pub = Publication.of_state(_state(), 2, vdir, chunk_bytes=PIECE)
-    announce = pub.announce(0)
-    announce.path = str(vdir.resolve())
+    root, pub, announce = _run_version(tmp_path, 2)
     assert shm.mapped_copy(announce, root) is None  # another host: no file
     monkeypatch.setenv(shm.CORRUPT_ENV, "2")  # the test hook flips byte 0 (piece 0)
     shm.publish_shm(pub, root)
@@ -175,12 +182,7 @@ def test_load_mapped_copies_while_the_digest_is_checked(
 
     import models.weights.shm as shm
 
-    root = tmp_path / "shm"
-    root.mkdir()
-    vdir = tmp_path / "run" / "weights" / "v5"
-    pub = Publication.of_state(_state(), 5, vdir, chunk_bytes=PIECE)
-    announce = pub.announce(0)
-    announce.path = str(vdir.resolve())
+    root, pub, announce = _run_version(tmp_path, 5)
     calls: list[dict[str, torch.Tensor]] = []
 
     def load(st: Any) -> None:
