@@ -18,6 +18,7 @@ from models.reference import build_model
 from tests.bench_import import load_benchmark
 
 lc = load_benchmark("loop_credit")
+lcg = load_benchmark("loop_credit_gate")
 
 
 def _logit(lam: list[float]) -> torch.Tensor:
@@ -30,13 +31,13 @@ def test_exit_pdf_by_hand_and_as_the_learner_reads_it() -> None:
     # = 0.5 * 0.25 = 0.125; the last gate logit is not used
     for last in (0.1, 0.9):
         g = _logit([0.5, 0.75, last])[:, None]
-        p = lc.exit_log_pdf(g).exp()[:, 0]
+        p = lcg.exit_log_pdf(g).exp()[:, 0]
         torch.testing.assert_close(p, torch.tensor([0.5, 0.375, 0.125], dtype=torch.float64))
     # the learner's exit_pdf loop weights of a token that ran every loop are the same numbers
     g4 = _logit([0.5, 0.25, 0.5, 0.9])
     w = loop_weights(ObjectiveConfig(loop_weighting="exit_pdf"), torch.tensor([[4]]),
                      torch.tensor([4]), g4.float().view(1, 1, 4), 4)  # fmt: skip
-    torch.testing.assert_close(lc.exit_log_pdf(g4[:, None].float()).exp()[:, 0], w[0, 0])
+    torch.testing.assert_close(lcg.exit_log_pdf(g4[:, None].float()).exp()[:, 0], w[0, 0])
 
 
 def test_stage1_entropy_loss_by_hand() -> None:
@@ -46,12 +47,12 @@ def test_stage1_entropy_loss_by_hand() -> None:
     loss = torch.tensor([[2.0], [1.0], [0.5]], dtype=torch.float64)
     h = 0.5 * math.log(2) + 0.375 * math.log(8 / 3) + 0.125 * math.log(8)
     assert abs(h - 0.9743148) < 1e-6
-    got = lc.gate_loss_entropy(loss, g, 0.1)
+    got = lcg.gate_loss_entropy(loss, g, 0.1)
     assert abs(float(got) - (1.4375 - 0.1 * h)) < 1e-12
-    assert abs(float(lc.gate_loss_entropy(loss, g, 0.0)) - 1.4375) < 1e-12
+    assert abs(float(lcg.gate_loss_entropy(loss, g, 0.0)) - 1.4375) < 1e-12
     # two tokens: the mean of the two per-token losses
     g2, loss2 = torch.cat([g, g], 1), torch.cat([loss, loss + 1.0], 1)
-    assert abs(float(lc.gate_loss_entropy(loss2, g2, 0.1)) - (1.4375 - 0.1 * h + 0.5)) < 1e-12
+    assert abs(float(lcg.gate_loss_entropy(loss2, g2, 0.1)) - (1.4375 - 0.1 * h + 0.5)) < 1e-12
 
 
 def test_stage2_adaptive_loss_by_hand() -> None:
@@ -61,7 +62,7 @@ def test_stage2_adaptive_loss_by_hand() -> None:
     # mean 0.7309138
     g = _logit([0.5, 0.75, 0.99])[:, None].requires_grad_(True)
     loss = torch.tensor([[2.0], [1.0], [1.0]], dtype=torch.float64, requires_grad=True)
-    got = lc.gate_loss_adaptive(loss, g, 50.0, 0.005)
+    got = lcg.gate_loss_adaptive(loss, g, 50.0, 0.005)
     w2 = 1 / (1 + math.exp(0.25))
     t2 = -(w2 * math.log(0.25) + (1 - w2) * math.log(0.75))
     assert abs(t2 - 0.7686804) < 1e-6
@@ -70,7 +71,7 @@ def test_stage2_adaptive_loss_by_hand() -> None:
     assert loss.grad is None  # the per-loop losses are labels, not trained through
     assert g.grad is not None and float(g.grad[2, 0]) == 0.0  # the last loop's gate unused
     # a loss that rises (L2 > L1): no gain, w = sigmoid(-0.25) too
-    up = lc.gate_loss_adaptive(torch.tensor([[1.0], [1.5]]), torch.zeros(2, 1), 50.0, 0.005)
+    up = lcg.gate_loss_adaptive(torch.tensor([[1.0], [1.5]]), torch.zeros(2, 1), 50.0, 0.005)
     w = 1 / (1 + math.exp(0.25))
     assert abs(float(up) - (-(w * math.log(0.5) + (1 - w) * math.log(0.5)))) < 1e-6
 
@@ -81,10 +82,10 @@ def test_loop_losses_are_the_fixed_depth_readouts() -> None:
     model = build_model(tiny_config("ouro"), seed=3).eval()
     examples = [([1, 5, 9, 4], [7, 2]), ([1, 6], [8, 3, 2])]
     with torch.no_grad():
-        ce, gate = lc.loop_losses(model, examples, [11, 12], "fast")
+        ce, gate = lcg.loop_losses(model, examples, [11, 12], "fast")
     depth = model.max_depth
     assert ce.shape == gate.shape == (depth, 5)
-    ids, mask = lc._batch(examples, 0)
+    ids, mask = lcg._batch(examples, 0)
     sel = mask > 0
     for k in range(1, depth + 1):
         with torch.no_grad():
@@ -99,7 +100,7 @@ def test_gate_warm_start_refuses_bad_input() -> None:
     """A family without an exit gate (Huginn) and out-of-range flags: SystemExit naming them."""
     huginn = build_model(tiny_config("huginn"), seed=0)
     with pytest.raises(SystemExit, match="--gate-warm-steps: needs a family with an exit gate"):
-        lc.loop_losses(huginn, [([1, 5], [7, 2])], [0], "fast")
+        lcg.loop_losses(huginn, [([1, 5], [7, 2])], [0], "fast")
     for argv, flag in ((["--gate-warm-steps", "-1"], "--gate-warm-steps"),
                        (["--gate-lr", "0"], "--gate-lr"),
                        (["--gate-beta", "-0.1"], "--gate-beta"),
