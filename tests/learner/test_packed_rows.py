@@ -421,3 +421,19 @@ def test_packed_reorder_keeps_each_rollouts_own_measurement(models_dir: dict[str
     assert all(x > 0 for x in ma) and max(abs(x - y) for x, y in zip(ma, mb)) <= 1e-6
     assert la == lb and ra == rb == [la]
     assert oa == ob == {"refused_rollouts": 1.0}
+
+
+def test_pack_fill_benchmark_prints_fuller_bins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/pack_fill.py (the FFD table's command): one JSON line, first-fit decreasing
+    never needing more positions than training order, at the doc's first step."""
+    import json
+
+    bench = load_benchmark("pack_fill")
+    monkeypatch.setattr("sys.argv", ["pack_fill.py", "--batches", "16", "--steps", "1"])
+    bench.main()
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["rollouts_a_step"] == 16 and row["real_tokens"] > 16 * 256
+    assert row["positions_ffd"] <= row["positions_next_fit"]
+    assert row["positions_ffd"] >= row["real_tokens"] and row["fill_ffd"] <= 1.0
