@@ -51,7 +51,7 @@ from learner.advantages import (
     whiten_tokens,
 )
 from models.contract import seed_from_i64, seed_to_i64
-from models.rows import PAD_DEPTH, pack_rows, response_slice, token_rows
+from models.rows import PAD_DEPTH, pack_order, pack_rows, response_slice, token_rows, token_shares
 from proto.records import Rollout
 
 __all__ = [
@@ -60,7 +60,10 @@ __all__ = [
     "build_batch",
     "gae_advantages",
     "group_token_advantages",
+    "local_rows",
+    "pack_updates",
     "packed_inputs",
+    "rank_cuts",
     "sort_rollouts",
     "step_advantages",
     "uint64_to_int64",
@@ -444,3 +447,43 @@ def update_order(minibatches: int, epochs: int, seed: int, step: int) -> list[in
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + e)
         order += torch.randperm(minibatches, generator=gen).tolist()
     return order
+
+
+def rank_cuts(batch: TrainBatch, g: int, u: int, ranks: int, by_tokens: bool) -> list[int]:
+    """Update ``u``'s data-parallel shares: boundaries within its ``g`` rows, one share per
+    rank (``by_tokens``, packed rows: shares of about equal tokens, else of equal rows)."""
+    if by_tokens and ranks > 1:
+        return token_shares(batch.seq_lens[u * g : (u + 1) * g].numpy(), ranks)
+    share = g // ranks
+    return [k * share for k in range(ranks + 1)]
+
+
+def local_rows(batch: TrainBatch, g: int, ranks: int, rank: int,
+               by_tokens: bool) -> list[tuple[int, int, int, int]]:  # fmt: skip
+    """Per update of ``g`` rows: (its start, stop, rank ``rank``'s start, stop)."""
+    out = []
+    for u in range(batch.size // g):
+        cut = rank_cuts(batch, g, u, ranks, by_tokens)
+        out.append((u * g, (u + 1) * g, u * g + cut[rank], u * g + cut[rank + 1]))
+    return out
+
+
+def pack_updates(batch: TrainBatch, g: int, ranks: int, budget: int) -> TrainBatch:
+    """Packed micro-batches (``budget`` = max_tokens_per_micro > 0): every rank's share of
+    every update reordered so that its consecutive token spans (models.rows.micro_spans) are
+    first-fit-decreasing bins (models.rows.pack_order): fewer, fuller micro-batches than in
+    training order (the same set of rows per update and per rank; every rank reorders every
+    share alike, so per-row results keep one index on all ranks). ``batch`` itself when
+    ``budget`` is 0 or nothing moves."""
+    if not budget:
+        return batch
+    order = np.arange(batch.size, dtype=np.int64)
+    lens = batch.seq_lens.numpy()
+    for u in range(batch.size // g):
+        cut = rank_cuts(batch, g, u, ranks, by_tokens=True)
+        for a, b in zip(cut[:-1], cut[1:]):
+            lo, hi = u * g + a, u * g + b
+            order[lo:hi] = lo + pack_order(lens[lo:hi], budget)
+    if (order == np.arange(batch.size)).all():
+        return batch
+    return batch.take(torch.from_numpy(order))

@@ -46,7 +46,6 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -54,7 +53,9 @@ from torch import Tensor
 from learner.batching import (
     TrainBatch,
     build_batch,
+    local_rows,
     mask_stale_tokens,
+    pack_updates,
     sort_rollouts,
     step_advantages,
     update_normalizer,
@@ -78,8 +79,14 @@ from learner.objectives.loops import (
 )
 from learner.shaping import depth_fraction, penalise_kl, shape_rollouts
 from learner.step_api import DataParallel, Net, Policy
-from learner.step_metrics import StepMetrics, record_policy, record_value, row_mismatch
-from models.rows import micro_spans, pack_order, token_shares
+from learner.step_metrics import (
+    StepMetrics,
+    exit_mismatch,
+    record_policy,
+    record_value,
+    row_mismatch,
+)
+from models.rows import micro_spans
 from proto.records import Rollout
 
 __all__ = ["DataParallel", "LearnerStep", "Net", "Policy"]  # the interface: learner.step_api
@@ -101,19 +108,6 @@ def _loop_inputs(lb: LossBatch, obj: Any, mb: TrainBatch, stats: dict[str, Tenso
         lb.loop_weight = learned.weights(e, n_loops)
         return
     lb.loop_weight = loop_weights(obj, e, full, stats.get("loop_gate"), n_loops)
-
-
-def _exit_mismatch(out: Tensor, row0: int, mb: TrainBatch, stats: dict[str, Tensor],
-                   first: bool) -> None:  # fmt: skip
-    """A sampled exit's claim checked like the token's: max |learner - claimed| exit log-prob
-    into the rows' mismatch (the proximal pass's when it ran, else this forward's at the
-    step's starting weights: ``first``, the first update)."""
-    claim = mb.extra.get("exit_behav")
-    mine = mb.extra.get("exit_prox")
-    if mine is None and first and "exit_logp" in stats:
-        mine = stats["exit_logp"].detach()
-    if claim is not None and mine is not None:
-        row_mismatch(out, row0, mb.mask, claim, mine)
 
 
 @contextlib.contextmanager
@@ -157,42 +151,13 @@ class LearnerStep:
         """objective.loop_weighting learned: its logits (checkpointed, never published)."""
 
     # ------------------------------------------------------------------ layout
-    def _cuts(self, batch: TrainBatch, g: int, u: int) -> list[int]:
-        """Update ``u``'s data-parallel shares: boundaries within its g rows, one per rank
-        (packed: shares of about equal tokens, else of equal rows)."""
-        dp = self.pol.dp
-        if self.cfg.max_tokens_per_micro and dp.size > 1:
-            return token_shares(batch.seq_lens[u * g : (u + 1) * g].numpy(), dp.size)
-        share = g // dp.size
-        return [k * share for k in range(dp.size + 1)]
-
     def _local_rows(self, batch: TrainBatch, g: int) -> Rows:
-        rank = self.pol.dp.rank
-        out = []
-        for u in range(batch.size // g):
-            cut = self._cuts(batch, g, u)
-            out.append((u * g, (u + 1) * g, u * g + cut[rank], u * g + cut[rank + 1]))
-        return out
+        dp = self.pol.dp
+        return local_rows(batch, g, dp.size, dp.rank, by_tokens=bool(self.cfg.max_tokens_per_micro))
 
     def _pack(self, batch: TrainBatch, g: int) -> TrainBatch:
-        """Packed micro-batches (max_tokens_per_micro): each rank's share of each update
-        reordered so that its consecutive token spans (`_micro`) are first-fit-decreasing bins
-        (models.rows.pack_order): fewer, fuller micro-batches than in training order (the
-        same set of rows per update and per rank; every rank reorders every share alike, so
-        per-row results keep one index on all ranks). The batch itself when nothing moves."""
-        budget = self.cfg.max_tokens_per_micro
-        if not budget:
-            return batch
-        order = np.arange(batch.size, dtype=np.int64)
-        lens = batch.seq_lens.numpy()
-        for u in range(batch.size // g):
-            cut = self._cuts(batch, g, u)
-            for a, b in zip(cut[:-1], cut[1:]):
-                lo, hi = u * g + a, u * g + b
-                order[lo:hi] = lo + pack_order(lens[lo:hi], budget)
-        if (order == np.arange(batch.size)).all():
-            return batch
-        return batch.take(torch.from_numpy(order))
+        """learner.batching.pack_updates with this step's budget and data-parallel size."""
+        return pack_updates(batch, g, self.pol.dp.size, self.cfg.max_tokens_per_micro)
 
     def _micro(self, batch: TrainBatch, lo: int, hi: int) -> Iterator[tuple[int, TrainBatch]]:
         """(first row, micro-batch on the policy's device) over rows [lo, hi): micro_batch_size
@@ -401,7 +366,7 @@ class LearnerStep:
                 record_policy(metrics, m, mb.mask, mb.behav_logp, learner, n_updates, rejected)
                 if learner is not None:
                     row_mismatch(mismatch, a, mb.mask, mb.behav_logp, learner)
-                    _exit_mismatch(mismatch, a, mb, stats, u == 0)
+                    exit_mismatch(mismatch, a, mb, stats, u == 0)
             if (
                 u == 0
                 and bounds is not None
@@ -469,7 +434,7 @@ class LearnerStep:
                 for a, mb in self._micro(batch, lo, hi):
                     st = self.pol.policy_stats(mb, None)
                     row_mismatch(out, a, mb.mask, mb.behav_logp, st["logp"].detach())
-                    _exit_mismatch(out, a, mb, st, True)
+                    exit_mismatch(out, a, mb, st, True)
 
     def _refused(self, batch: TrainBatch, rollouts: Sequence[Rollout], mismatch: Tensor,
                  bounds: Tensor) -> bool:  # fmt: skip

@@ -142,3 +142,17 @@ def row_mismatch(
     seen = live.any(dim=1).cpu()
     rows = out[row0 : row0 + per.shape[0]]
     rows.copy_(torch.where(seen, torch.maximum(rows, per), rows))
+
+
+def exit_mismatch(out: torch.Tensor, row0: int, mb: Any, stats: dict[str, torch.Tensor],
+                  first: bool) -> None:  # fmt: skip
+    """A sampled exit's claim checked like the token's: max |learner - claimed| exit log-prob
+    into the rows' mismatch (``row_mismatch``) of micro-batch ``mb`` (the proximal pass's
+    when it ran, else this forward's at the step's starting weights: ``first``, the first
+    update)."""
+    claim = mb.extra.get("exit_behav")
+    mine = mb.extra.get("exit_prox")
+    if mine is None and first and "exit_logp" in stats:
+        mine = stats["exit_logp"].detach()
+    if claim is not None and mine is not None:
+        row_mismatch(out, row0, mb.mask, claim, mine)
