@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -91,18 +92,26 @@ def _pause(pid: int, seconds: float) -> None:
 def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> None:
     """SIGSTOP gen0 (a real `looprl generator`) for 3x the peer timeout after step 2: it is
     declared gone (its work re-dispatched), then resumes, re-Hellos and contributes again."""
-    # 40 steps: the run must outlive the 12 s pause for gen0 to contribute again; at 10 steps
-    # gen1 alone finished the run during the pause once generators started faster (a ~0.5 s
-    # step), and gen0, paused before its first batch, never contributed (failed in the suite)
+    # The run must outlive the 12 s pause by enough for gen0 to rejoin and contribute: at 10
+    # steps, then at 40 once steps took ~0.3 s (session 10), gen1 alone finished the run during
+    # the pause and gen0 never contributed (failed in the suite). So the steps after the pause
+    # are paced (STEP_FLOOR_S each, in the learner's step hook, under the peer timeout) until
+    # the pause plus REJOIN_S are over: the run lasts that long whatever the step time.
     steps = 40
     cfg = small_config(tmp_path, f"steps={steps}")
     pause_s = 3 * cfg.transport.peer_timeout_s
+    step_floor_s, rejoin_s = 0.8, 15.0
+    assert step_floor_s < cfg.transport.peer_timeout_s / 2 and (steps - 2) * step_floor_s > (
+        pause_s + rejoin_s
+    )
     state: dict[str, object] = {}
 
     def hook(steps: int, gens) -> None:  # type: ignore[no-untyped-def]
         if steps >= 2 and "paused" not in state:
             state["paused"] = time.time()
             _pause(gens.procs[0].pid, pause_s)
+        elif "paused" in state and time.time() < cast(float, state["paused"]) + pause_s + rejoin_s:
+            time.sleep(step_floor_s)
         if "paused" in state and gens.procs[0].poll() is not None:
             state.setdefault("died", gens.procs[0].poll())  # -6: SIGABRT before the fix
 
