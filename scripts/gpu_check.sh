@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth torchgen digest e2e learnerproc shm packed loop_credit loop_credit_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth depth_big torchgen digest e2e learnerproc shm packed loop_credit loop_credit_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -143,6 +143,16 @@ if has depth; then  # depth batching and the torch generator engine (issue 25)
         --dtype bfloat16 --batch 64 --depth 32 --prompt 64 --tokens 16 --reps 2 --graph \
         --engine 2>"$LOG/depth_gpu.err" | tee "$LOG/depth_gpu.jsonl"
     tail -n 5 "$LOG/depth_cpu.err" "$LOG/depth_gpu.err"
+fi
+if has depth_big; then  # depth batching where the core's matmuls are compute-bound (issue 25):
+    # Huginn-0125 / ~1B, bf16, D 32, large batches (DEPTH_BIG: "shape:batch ..."), eager compact
+    # vs masked; batch 64 at 0125 is bound by weight reads (table in docs/PERFORMANCE.md)
+    for sb in ${DEPTH_BIG:-huginn_0125:256 huginn_0125:512 huginn_1b:2048}; do
+        timeout "${T_DEPTH_BIG:-150}" "$PY" benchmarks/depth_batching.py --shape "${sb%%:*}" \
+            --dtype bfloat16 --batch "${sb##*:}" --depth 32 --prompt 16 --tokens 8 --reps 2 \
+            2>>"$LOG/depth_big.err" | tee -a "$LOG/depth_big.jsonl" | tail -n 1
+    done
+    tail -n 5 "$LOG/depth_big.err"
 fi
 if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 item 2)
     # CUDA checks first: graph == eager step (fp32), compiled blocks vs eager (CPU and CUDA);
