@@ -191,14 +191,17 @@ def layout_positions(seq_lens: list[int], layout: str, micro: int, budget: int,
                      multiple: int = 1) -> int:  # fmt: skip
     """Positions the model computes for rows of ``seq_lens`` (the step's sorted order, one
     update, one rank): padded micro-batches of ``micro`` rows at their longest, or packed
-    micro-batches (models.rows.micro_spans) of their summed lengths, rounded up."""
-    from models.rows import micro_spans
+    micro-batches (models.rows.micro_spans) of their summed lengths, rounded up, in the
+    first-fit-decreasing order the learner's step packs them in (learner.batching.pack_updates,
+    models.rows.pack_order)."""
+    from models.rows import micro_spans, pack_order
 
     def up(n: int) -> int:
         return -(-n // multiple) * multiple
 
     if layout == "packed":
-        return sum(up(sum(seq_lens[a:b])) for a, b in micro_spans(seq_lens, budget))
+        lens = [seq_lens[i] for i in pack_order(seq_lens, budget)]
+        return sum(up(sum(lens[a:b])) for a, b in micro_spans(lens, budget))
     return sum(up(max(seq_lens[a : a + micro])) * len(seq_lens[a : a + micro])
                for a in range(0, len(seq_lens), micro))  # fmt: skip
 

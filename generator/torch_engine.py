@@ -41,8 +41,9 @@ Weights: `load_weights` hashes what it reads (`models.weights.reading.read_weigh
 `VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
 and copies the tensors into the parameters in place (`models.checkpoint.load_into`; the CUDA
 graph reads parameters by address), between `generate` calls (a lock). This host's /dev/shm
-copy of an announced directory (publish.transport shm) is copied while its digest is checked
-(`models.weights.shm.load_mapped`), not after. `inflight_updates` is
+copy of an announced directory (publish.transport shm) is, on the CPU, copied while its digest
+is checked (`models.weights.shm.load_mapped`), not after; on a GPU read into a pinned buffer the
+engine keeps, each piece hashed as it is read (`load_staged`), then copied to the device. `inflight_updates` is
 not offered: a swap waits for the running batch.
 """
 
@@ -75,7 +76,7 @@ from models.exits import (
 )
 from models.reference import behaviour_logprobs, build_model, sampling_seed
 from models.sampling import draw
-from models.weights.shm import ShmRefused, load_mapped
+from models.weights.shm import ShmRefused, load_mapped, load_staged
 from models.weights.verified import OnDisk
 from proto.records import WorkItem
 
@@ -191,6 +192,10 @@ class TorchEngine:
         self.broken = ""
         self._unchecked = False
         """The parameters hold a refused /dev/shm copy's bytes (replaced by the next load)."""
+        self._pinned: torch.Tensor | None = None  # load_staged's buffer (CUDA)
+        self.stage_shm: bool | None = None
+        """/dev/shm copies: read and checked into a (pinned) buffer, then loaded (True), or
+        copied out of the mapping while checked (False); None: the first on a GPU."""
         self.looped = True
         self.inflight_updates = False  # a swap waits for the running batch
         self._lock = threading.RLock()
@@ -271,8 +276,15 @@ class TorchEngine:
             raise ValueError(f"version {version} is not newer than {self.weight_version}")
         if source.announce.digest != digest:  # the directory path names the mismatch
             return False
+
+        def load(st: Mapping[str, torch.Tensor]) -> None:
+            load_into(self.model, dict(st))
+
         try:
-            done = load_mapped(source.announce, lambda st: load_into(self.model, dict(st)))
+            if self.stage_shm if self.stage_shm is not None else self.device.type == "cuda":
+                done = load_staged(source.announce, load, self._staging)
+            else:  # copied out of the mapping while the digest is checked
+                done = load_mapped(source.announce, load)
         except ShmRefused:
             self._unchecked = True
             return False
@@ -283,6 +295,16 @@ class TorchEngine:
             self._unchecked = False
             self.weight_version = version
         return done
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A pinned host buffer of ``nbytes`` kept between versions (a set's size does not
+        change; allocated again when it does): ``load_staged`` reads this host's /dev/shm
+        copy into it, checked, and the copy to the GPU then runs at DMA speed."""
+        if self._pinned is None or self._pinned.numel() != nbytes:
+            self._pinned = None  # (the old one freed first)
+            pin = self.device.type == "cuda"
+            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return cast(np.ndarray, self._pinned.numpy())
 
     # ---- generation ----------------------------------------------------------------------
     def generate(

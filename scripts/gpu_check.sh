@@ -218,9 +218,9 @@ if has learnerproc; then  # the real `looprl learner` process at Huginn-0125 (is
     grep -E "Error|error" "$LOG/learnerproc.err" | tail -n 5
 fi
 if has shm; then  # same-host delivery through /dev/shm to a generator process (issue 22 item 3)
-    # publish.transport shm (the torch engine's overlapped load, then check-first: the vLLM
-    # engine's order) vs shared_fs, Huginn-0125's 7.1 GB bf16
-    for tl in ${SHM_RUNS:-shm:overlapped shm:checked_first shared_fs:checked_first}; do
+    # publish.transport shm (the torch engine's paths: staged on a GPU, overlapped on the CPU;
+    # then check-first: the vLLM engine's order) vs shared_fs, Huginn-0125's 7.1 GB bf16
+    for tl in ${SHM_RUNS:-shm:staged shm:overlapped shm:checked_first shared_fs:checked_first}; do
         t=${tl%%:*} l=${tl##*:}
         timeout "${T_SHM:-200}" "$PY" benchmarks/shm_delivery.py --gib 6.61 --device cuda \
             --transport "$t" --load "$l" 2>"$LOG/shm_${t}_$l.err" | tee -a "$LOG/shm.json"

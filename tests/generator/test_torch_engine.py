@@ -173,13 +173,16 @@ def test_graph_decode_keeps_its_cache_between_calls(tmp_path: Path) -> None:
         TorchEngine(path, numerics="exact", device="cpu", graph=True, compile=True)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["overlapped", "staged"])
 def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
 ) -> None:
     """publish.transport shm with the torch engine: this host's /dev/shm copy is loaded while
-    its digest is checked (models.weights.shm.load_mapped); a corrupt copy, loaded then
-    refused, is replaced from the directory (the version still served, its weights exact); a
-    corrupt copy and a corrupt directory leave the engine refusing to serve."""
+    its digest is checked (models.weights.shm.load_mapped; staged, the GPU's path: read and
+    checked into the engine's kept buffer, then loaded, models.weights.shm.load_staged); a
+    corrupt copy (loaded then refused; staged: refused before) is replaced from the directory
+    (the version still served, its weights exact); a corrupt copy and a corrupt directory
+    leave the engine refusing to serve (staged: refusing the version, the old one served)."""
     import models.weights.shm as shm
     from generator.engine import WeightLoadError
     from models.weights.publication import Publication
@@ -191,6 +194,7 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     monkeypatch.setattr(shm, "SHM_DIR", root)
     path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
     eng = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu")
+    eng.stage_shm = staged
     _, state = load_checkpoint(path)
 
     def publish(version: int, corrupt: bool) -> tuple[OnDisk, dict[str, torch.Tensor], str]:
@@ -230,6 +234,14 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     raw = bytearray(shard.read_bytes())
     raw[-5] ^= 0xFF  # a weight byte of the directory too
     shard.write_bytes(bytes(raw))
+    if staged:  # nothing unchecked reached the parameters: the version is refused, v2 served
+        with pytest.raises(Exception, match="digest") as err:
+            eng.load_weights(src, 3, digest)
+        assert not isinstance(err.value, WeightLoadError)
+        assert not eng.broken and eng.weight_version == 2 and eng._pinned is not None
+        (again,) = eng.generate(items)
+        assert again[0].tokens.tolist() == tokens and again[0].weight_version == 2
+        return
     with pytest.raises(WeightLoadError, match="refused after it was loaded and the directory"):
         eng.load_weights(src, 3, digest)
     assert eng.broken and eng.weight_version == 2

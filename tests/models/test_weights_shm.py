@@ -234,3 +234,71 @@ def test_load_mapped_copies_while_the_digest_is_checked(
     with open(path, "r+b") as f:  # a short file: refused before any load
         f.truncate(100)
     assert shm.load_mapped(announce, load, root) is False and len(calls) == n + 1
+
+
+def test_load_staged_reads_and_checks_into_the_callers_buffer_before_the_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """load_staged (the torch engine's path on a GPU: a pinned buffer it keeps) reads this
+    host's copy into the caller's buffer with every piece hashed as read, and hands the load
+    views OF THAT BUFFER (the bytes that were checked) only after the digest matched; a corrupt
+    piece is named and nothing is loaded (False: the caller reads the directory); a short copy,
+    no copy: False; an older flat digest is checked too; a buffer of the wrong size is
+    refused."""
+    import numpy as np
+
+    import models.weights.shm as shm
+
+    root, pub, announce = _run_version(tmp_path, 6)
+    buf = np.zeros(announce.total_bytes, dtype=np.uint8)
+    sizes: list[int] = []
+
+    def staging(n: int) -> Any:
+        sizes.append(n)
+        return buf
+
+    calls: list[dict[str, torch.Tensor]] = []
+    assert shm.load_staged(announce, calls.append, staging, root) is False  # no copy here
+    assert not calls and not sizes
+    path = shm.publish_shm(pub, root)
+    before = dict(shm.counts)
+    assert shm.load_staged(announce, lambda st: calls.append(dict(st)), staging, root) is True
+    assert sizes == [announce.total_bytes] and bytes(buf) == bytes(pub.blob)
+    got = calls[-1]
+    assert all(torch.equal(got[k], v) for k, v in _state().items())
+    base = buf.__array_interface__["data"][0]  # the views are of the checked buffer itself
+    assert all(base <= t.data_ptr() < base + len(buf) for t in got.values() if t.numel())
+    assert shm.counts["shm_loaded"] == before.get("shm_loaded", 0) + 1
+
+    with open(path, "r+b") as f:  # one byte of piece 2 flipped: named, nothing loaded
+        f.seek(2 * PIECE + 5)
+        b = f.read(1)
+        f.seek(2 * PIECE + 5)
+        f.write(bytes([b[0] ^ 0x01]))
+    n = len(calls)
+    assert shm.load_staged(announce, calls.append, staging, root) is False and len(calls) == n
+    assert re.search(
+        r"refused: weights v6 in .*: pieces 2 \(\['b.weight', 'c.bias'\]\)", caplog.text
+    )
+    assert shm.counts["shm_refused"] == before.get("shm_refused", 0) + 1
+
+    with pytest.raises(ValueError, match=r"a buffer of 10 bytes for \d+"):
+        shm.read_checked(announce, path, bytearray(10))
+    from models.weights.digest import FLAT, weights_digest
+
+    flat = Publication.of_state(_state(), 7, tmp_path / "v7")
+    fa = flat.announce(0)  # as a recorded run's older (flat) digest announces it
+    fa.digest_kind, fa.chunk_digests = FLAT, []
+    fa.digest = weights_digest(flat.blob, fa.tensors, FLAT).hex
+    (tmp_path / "flat.bin").write_bytes(bytes(flat.blob))
+    shm.read_checked(fa, tmp_path / "flat.bin", bytearray(fa.total_bytes))
+    bad = bytearray(flat.blob)
+    bad[11] ^= 0xFF
+    (tmp_path / "flat.bin").write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="digest"):
+        shm.read_checked(fa, tmp_path / "flat.bin", bytearray(fa.total_bytes))
+
+    with open(path, "r+b") as f:  # a short file
+        f.truncate(100)
+    assert shm.load_staged(announce, calls.append, staging, root) is False and len(calls) == n
+    assert re.search(r"v6 in .*: 100 bytes, \d+ announced", caplog.text)
