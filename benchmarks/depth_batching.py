@@ -127,6 +127,21 @@ def timed(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
     return statistics.median(times[1:])
 
 
+def interleaved(fns: dict[Any, Callable[[], Any]], reps: int,
+                sync: Callable[[], None]) -> dict[Any, float]:  # fmt: skip
+    """Median seconds per function: one warm pass of each, then ``reps`` rounds over all."""
+    times: dict[Any, list[float]] = {k: [] for k in fns}
+    for r in range(1 + reps):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r:
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def schedules(depth: int, steps: int, batch: int) -> dict[str, Tensor]:
     gen = torch.Generator().manual_seed(1)
     return {
@@ -213,6 +228,7 @@ def main() -> int:
     live = torch.ones(b, 1, dtype=torch.bool)
     pos = [torch.full((b, 1), p0 + t, dtype=torch.int64) for t in range(a.tokens)]
     ms: dict[tuple[str, str], float] = {}
+    runs: dict[tuple[str, str], tuple[Tensor, Callable[[], None]]] = {}
     for name, sched in schedules(d, a.tokens, b).items():
         if name not in a.schedules.split(","):
             continue
@@ -226,13 +242,18 @@ def main() -> int:
                                   depths=sched[t][:, None], mode=a.mode, compact=compact)  # fmt: skip
                     tok = o.logits[:, 0].argmax(dim=-1)
 
-            sec = timed(decode, a.reps, sync)
-            ms[(name, path)] = sec / (a.tokens * b) * 1e3
-            rows.append(dict(kind="decode", schedule=name, path=path,
-                             mean_depth=round(float(sched.float().mean()), 2),
-                             ms_per_token=round(ms[(name, path)], 4),
-                             tokens_per_s=round(a.tokens * b / sec, 1)))  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
+            runs[(name, path)] = (sched, decode)
+    # interleaved: a warm pass of every variant, then `reps` rounds over all of them (a clock
+    # ramp or a neighbour's load lands on every variant alike, not on the first one measured)
+    secs = interleaved({k: fn for k, (_, fn) in runs.items()}, a.reps, sync)
+    for (name, path), (sched, _) in runs.items():
+        sec = secs[(name, path)]
+        ms[(name, path)] = sec / (a.tokens * b) * 1e3
+        rows.append(dict(kind="decode", schedule=name, path=path,
+                         mean_depth=round(float(sched.float().mean()), 2),
+                         ms_per_token=round(ms[(name, path)], 4),
+                         tokens_per_s=round(a.tokens * b / sec, 1)))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
     for r in rows:
         if ("fixed", r["path"]) in ms:
             r["vs_fixed"] = round(r["ms_per_token"] / ms[("fixed", r["path"])], 3)
