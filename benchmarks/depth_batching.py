@@ -77,6 +77,7 @@ from benchmarks.trainer_gpu import model_config  # noqa: E402
 from models import numerics as nx  # noqa: E402
 from models.engine import KVCache, run_chunk  # noqa: E402
 from models.engine_graph import GraphDecoder  # noqa: E402
+from models.engine_ticks import decode_ticks  # noqa: E402
 
 _KEYS = ("hidden", "heads", "prelude", "core", "coda", "ffn", "vocab", "backprop_depth")
 SHAPES: dict[str, dict[str, Any]] = {
@@ -164,7 +165,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--schedules", default="fixed,half,quarter")
-    ap.add_argument("--paths", default="compact,masked")
+    ap.add_argument(
+        "--paths",
+        default="compact,masked",
+        help="compact (depth batching), masked (the old path), ticks (models.engine_ticks)",
+    )
     ap.add_argument("--graph", action="store_true", help="CUDA-graph fixed-depth decode (CUDA)")
     ap.add_argument("--engine", action="store_true", help="TorchEngine.generate, fixed depth")
     ap.add_argument(
@@ -234,8 +239,14 @@ def main() -> int:
             continue
         for path in a.paths.split(","):
 
-            def decode(sched: Tensor = sched, compact: bool = path == "compact") -> None:
+            def decode(sched: Tensor = sched, compact: bool = path == "compact",
+                       ticks: int = int(path[5:] or 1) if path.startswith("ticks") else 0,
+                       ) -> None:  # fmt: skip
                 restore()
+                if ticks:  # models.engine_ticks: each row at its own iteration of its token
+                    decode_ticks(model, cache, first, torch.full((b,), p0), seeds, max_depth=d,
+                                 depths=sched, mode=a.mode, readout_every=ticks)  # fmt: skip
+                    return
                 tok = first
                 for t in range(a.tokens):
                     o = run_chunk(model, cache, tok[:, None], pos[t], live, seeds, max_depth=d,
@@ -254,9 +265,12 @@ def main() -> int:
                          ms_per_token=round(ms[(name, path)], 4),
                          tokens_per_s=round(a.tokens * b / sec, 1)))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+    best = min((v for (n, _), v in ms.items() if n == "fixed"), default=None)
     for r in rows:
         if ("fixed", r["path"]) in ms:
             r["vs_fixed"] = round(r["ms_per_token"] / ms[("fixed", r["path"])], 3)
+        if best:  # against the fastest path at fixed depth (ticksK waits at fixed depth too)
+            r["vs_best_fixed"] = round(r["ms_per_token"] / best, 3)
     bound = b / (weight_bytes(model, d) / (a.hbm_tbs * 1e12))
     if a.graph and cuda:  # under fused_generation, as the torch engine decodes
         with nx.fused_generation(a.mode == "fast"):
@@ -267,7 +281,8 @@ def main() -> int:
             rows.append(engine_row(model, a, bound, sync, compiled))
             print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"summary": [{k: r[k] for k in r if k in (
-        "kind", "schedule", "path", "mean_depth", "ms_per_token", "vs_fixed", "tokens_per_s",
+        "kind", "schedule", "path", "mean_depth", "ms_per_token", "vs_fixed", "vs_best_fixed",
+        "tokens_per_s",
         "frac_of_bound")} for r in rows]}), flush=True)  # fmt: skip
     return 0
 

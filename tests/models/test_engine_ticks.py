@@ -1,0 +1,87 @@
+"""Decode by ticks (models.engine_ticks, issue 25): every row at its own core iteration of its
+own token. Against the chunk loop it replaces (`models.engine.run_chunk`, one token per row per
+chunk, the same exit depths): logits, chosen tokens, depths and the whole KV cache bit for bit
+in exact numerics, within 1e-6 in fast; the ticks run are the deepest row's summed depths, not
+the tokens x the deepest depth of each chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.engine import KVCache, run_chunk
+from models.engine_ticks import decode_ticks
+from tests.models.test_reference import model_of
+
+B, P, T = 5, 4, 6
+
+
+def _setup(family: str, depth: int) -> tuple[object, KVCache, torch.Tensor, list[int]]:
+    model = model_of(family)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, int(model.vocab_size), (B, P), generator=g)
+    seeds = [11, 2**64 - 3, 12345, 7, 99][:B]
+    cache = KVCache.empty(model, B, P + T + 1, depth)
+    out = run_chunk(model, cache, prompt, torch.arange(P).expand(B, P), torch.ones(B, P, dtype=torch.bool),
+                    seeds, max_depth=depth, depths=torch.full((B, P), depth), mode="exact")  # fmt: skip
+    return model, cache, out.logits[:, -1].argmax(dim=-1), seeds
+
+
+def _clone(c: KVCache) -> KVCache:
+    return KVCache(c.prelude.clone(), c.core.clone(), c.coda.clone(), c.filled.clone())
+
+
+@pytest.mark.parametrize(
+    "family,mode,every",
+    [("huginn", "exact", 1), ("ouro", "exact", 1), ("huginn", "fast", 1), ("huginn", "exact", 3)],
+)
+@torch.no_grad()
+def test_ticks_equal_the_chunk_loop(family: str, mode: str, every: int) -> None:
+    """(every: readout_every, the exited rows read out together every k ticks.)"""
+    model = model_of(family)
+    depth = int(model.max_depth)
+    model, cache, first, seeds = _setup(family, depth)
+    g = torch.Generator().manual_seed(5)
+    sched = torch.randint(1, depth + 1, (T, B), generator=g)
+    sched[0, 0] = depth  # the full depth once, one row always exiting after 1 iteration
+    sched[:, 1] = 1
+    ref_cache, tick_cache = _clone(cache), _clone(cache)
+    tok, ref_logits, ref_tokens = first, [], []
+    for t in range(T):
+        pos = torch.full((B, 1), P + t)
+        o = run_chunk(model, ref_cache, tok[:, None], pos, torch.ones(B, 1, dtype=torch.bool), seeds,
+                      max_depth=depth, depths=sched[t][:, None], mode=mode)  # fmt: skip
+        ref_logits.append(o.logits[:, 0])
+        tok = o.logits[:, 0].argmax(dim=-1)
+        ref_tokens.append(tok)
+    out = decode_ticks(model, tick_cache, first, torch.full((B,), P), seeds, max_depth=depth,
+                       depths=sched, mode=mode, readout_every=every)  # fmt: skip
+    assert torch.equal(out.tokens, torch.stack(ref_tokens, 1))
+    assert torch.equal(out.depths, sched.T)
+    got, want = out.logits, torch.stack(ref_logits, 1)
+    if mode == "exact":
+        assert torch.equal(got, want)
+        for a, b in [(tick_cache.prelude, ref_cache.prelude), (tick_cache.core, ref_cache.core),
+                     (tick_cache.coda, ref_cache.coda), (tick_cache.filled, ref_cache.filled)]:  # fmt: skip
+            assert torch.equal(a, b)
+    else:
+        assert float((got - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
+    # ticks: the longest row's summed depths (each tick one iteration of every unfinished row),
+    # fewer than the chunk loop's iterations (each chunk to its deepest row)
+    if every == 1:
+        assert out.ticks == int(sched.sum(0).max()) < int(sched.max(1).values.sum())
+    else:  # waiting rows compute nothing: the same values, at most k - 1 idle ticks a token
+        assert int(sched.sum(0).max()) <= out.ticks <= int(sched.sum(0).max()) + T * (every - 1)
+
+
+def test_bad_depths_are_refused() -> None:
+    model, cache, first, seeds = _setup("huginn", 4)
+    with pytest.raises(ValueError, match=r"depths must be in \[1, 4\]"):
+        decode_ticks(model, cache, first, torch.full((B,), P), seeds, max_depth=4,
+                     depths=torch.zeros(T, B, dtype=torch.int64))  # fmt: skip
+    with pytest.raises(ValueError, match="agree on the batch"):
+        decode_ticks(model, cache, first[:2], torch.full((B,), P), seeds, max_depth=4,
+                     depths=torch.ones(T, B, dtype=torch.int64))  # fmt: skip
+    with pytest.raises(ValueError, match="readout_every must be >= 1"):
+        decode_ticks(model, cache, first, torch.full((B,), P), seeds, max_depth=4,
+                     depths=torch.ones(T, B, dtype=torch.int64), readout_every=0)  # fmt: skip
