@@ -140,6 +140,7 @@ def interleaved(fns: dict[Any, Callable[[], Any]], reps: int,
             sync()
             if r:
                 times[k].append(time.perf_counter() - t0)
+                print(f"round {r} {k}: {times[k][-1]:.3f} s", file=sys.stderr, flush=True)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
