@@ -37,14 +37,12 @@ row: every K/V slot, prelude + core x depth + coda, of the call's length), and a
 holds no row is refused naming the key (at start when `max_model_len` is set); `seed` (engine
 seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
 
-Weights: `load_weights` hashes what it reads (`models.weights.reading.read_weights`; a
-`VerifiedWeights` is trusted), refuses a digest mismatch (`WeightDigestError`, old version kept)
-and copies the tensors into the parameters in place (`models.checkpoint.load_into`; the CUDA
-graph reads parameters by address), between `generate` calls (a lock). This host's /dev/shm
-copy of an announced directory (publish.transport shm) is, on the CPU, copied while its digest
-is checked (`models.weights.shm.load_mapped`), not after; on a GPU read into a pinned buffer the
-engine keeps, each piece hashed as it is read (`load_staged`), then copied to the device. `inflight_updates` is
-not offered: a swap waits for the running batch.
+Weights: `load_weights` (generator.torch_weights.TorchWeights) hashes what it reads
+(`models.weights.reading.read_weights`; a `VerifiedWeights` is trusted), refuses a digest
+mismatch (`WeightDigestError`, old version kept) and copies the tensors into the parameters in
+place (`models.checkpoint.load_into`; the CUDA graph reads parameters by address), between
+`generate` calls (a lock); this host's /dev/shm copy is taken first (that module's doc).
+`inflight_updates` is not offered: a swap waits for the running batch.
 """
 
 from __future__ import annotations
@@ -60,7 +58,8 @@ import numpy as np
 import torch
 
 from generator.config import ENGINES
-from generator.engine import Sample, WeightLoadError, checked_state
+from generator.engine import Sample, WeightLoadError
+from generator.torch_weights import TorchWeights
 from models import numerics as nx
 from models.base import LoopedLM
 from models.checkpoint import load_checkpoint, load_config, load_into, read_config
@@ -76,8 +75,6 @@ from models.exits import (
 )
 from models.reference import behaviour_logprobs, build_model, sampling_seed
 from models.sampling import draw
-from models.weights.shm import ShmRefused, load_mapped, load_staged
-from models.weights.verified import OnDisk
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -117,7 +114,7 @@ class _Request:
     finish: str = ""
 
 
-class TorchEngine:
+class TorchEngine(TorchWeights):
     """The reference engine as a generator engine (see module doc).
 
     dtype: 'auto' (float32; bfloat16 on CUDA when the checkpoint says so), 'float32' or
@@ -235,76 +232,6 @@ class TorchEngine:
         if self.numerics == "exact" and dtype != "float32":
             raise ValueError("numerics exact computes in float32 (dtype auto or float32)")
         return _DTYPES[dtype]
-
-    # ---- weights -------------------------------------------------------------------------
-    def load_weights(
-        self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], version: int,
-        digest: str,
-    ) -> None:  # fmt: skip
-        """Verify, then copy `source` into the parameters in place as `version` (module doc).
-        A directory with this host's /dev/shm copy (publish.transport shm) is copied while its
-        digest is checked (`models.weights.shm.load_mapped`; the lock held, nothing served
-        before both end); a refused copy is replaced from the directory, checked as read, and
-        the engine stops serving (WeightLoadError) if that fails too."""
-        if self.broken:
-            raise WeightLoadError(self.broken)
-        with self._lock:
-            if isinstance(source, OnDisk) and source.local_copy:
-                if self._load_mapped(source, version, digest):
-                    return
-                source = source.directory_only()
-            try:
-                state = checked_state(source, version, digest, self.weight_version)
-            except Exception as e:
-                if self._unchecked:  # the parameters hold a refused copy's bytes
-                    self.broken = (f"weights v{version}: the /dev/shm copy was refused after "
-                                   f"it was loaded and the directory failed too ({e})")  # fmt: skip
-                    raise WeightLoadError(self.broken) from e
-                raise
-            try:
-                load_into(self.model, {k: state[k] for k in state})
-            except Exception as e:
-                self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
-                raise WeightLoadError(self.broken) from e
-            self._unchecked = False
-            self.weight_version = version
-
-    def _load_mapped(self, source: OnDisk, version: int, digest: str) -> bool:
-        """`load_mapped` into the parameters: True when loaded and checked; False when there is
-        no copy here or it was refused (then ``_unchecked`` says whether it had been loaded)."""
-        if version <= self.weight_version:
-            raise ValueError(f"version {version} is not newer than {self.weight_version}")
-        if source.announce.digest != digest:  # the directory path names the mismatch
-            return False
-
-        def load(st: Mapping[str, torch.Tensor]) -> None:
-            load_into(self.model, dict(st))
-
-        try:
-            if self.stage_shm if self.stage_shm is not None else self.device.type == "cuda":
-                done = load_staged(source.announce, load, self._staging)
-            else:  # copied out of the mapping while the digest is checked
-                done = load_mapped(source.announce, load)
-        except ShmRefused:
-            self._unchecked = True
-            return False
-        except Exception as e:
-            self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
-            raise WeightLoadError(self.broken) from e
-        if done:
-            self._unchecked = False
-            self.weight_version = version
-        return done
-
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """A pinned host buffer of ``nbytes`` kept between versions (a set's size does not
-        change; allocated again when it does): ``load_staged`` reads this host's /dev/shm
-        copy into it, checked, and the copy to the GPU then runs at DMA speed."""
-        if self._pinned is None or self._pinned.numel() != nbytes:
-            self._pinned = None  # (the old one freed first)
-            pin = self.device.type == "cuda"
-            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        return cast(np.ndarray, self._pinned.numpy())
 
     # ---- generation ----------------------------------------------------------------------
     def generate(
