@@ -144,12 +144,25 @@ def interleaved(fns: dict[Any, Callable[[], Any]], reps: int,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def schedules(depth: int, steps: int, batch: int) -> dict[str, Tensor]:
+def schedules(depth: int, steps: int, batch: int, balanced: bool = False) -> dict[str, Tensor]:
+    """Exit depths [steps, batch] per schedule: uniform in [1, D] (half) or [1, D/2] (quarter).
+    ``balanced``: every row the same multiset of depths (the ``steps`` evenly spaced quantiles
+    of that uniform) in its own random order, so every row's depths sum alike: under decode by
+    ticks no row finishes long after the others (the steady state of continuous batching, where
+    a finished row takes a new request), while each chunk's deepest row is still ~D."""
     gen = torch.Generator().manual_seed(1)
+
+    def draw(hi: int) -> Tensor:
+        if not balanced:
+            return torch.randint(1, hi + 1, (steps, batch), generator=gen)
+        q = torch.tensor([1 + (hi * (2 * k + 1)) // (2 * steps) for k in range(steps)])
+        order = torch.stack([torch.randperm(steps, generator=gen) for _ in range(batch)], 1)
+        return q[order]
+
     return {
         "fixed": torch.full((steps, batch), depth, dtype=torch.int64),
-        "half": torch.randint(1, depth + 1, (steps, batch), generator=gen),
-        "quarter": torch.randint(1, max(1, depth // 2) + 1, (steps, batch), generator=gen),
+        "half": draw(depth),
+        "quarter": draw(max(1, depth // 2)),
     }
 
 
@@ -169,7 +182,13 @@ def main() -> int:
     ap.add_argument(
         "--paths",
         default="compact,masked",
-        help="compact (depth batching), masked (the old path), ticks (models.engine_ticks)",
+        help="compact (depth batching), masked (the old path), ticks / ticksK "
+        "(models.engine_ticks; K: readout_every)",
+    )
+    ap.add_argument(
+        "--balanced",
+        action="store_true",
+        help="half / quarter: every row the same depths in its own order (schedules())",
     )
     ap.add_argument("--graph", action="store_true", help="CUDA-graph fixed-depth decode (CUDA)")
     ap.add_argument("--engine", action="store_true", help="TorchEngine.generate, fixed depth")
@@ -235,7 +254,7 @@ def main() -> int:
     pos = [torch.full((b, 1), p0 + t, dtype=torch.int64) for t in range(a.tokens)]
     ms: dict[tuple[str, str], float] = {}
     runs: dict[tuple[str, str], tuple[Tensor, Callable[[], None]]] = {}
-    for name, sched in schedules(d, a.tokens, b).items():
+    for name, sched in schedules(d, a.tokens, b, a.balanced).items():
         if name not in a.schedules.split(","):
             continue
         for path in a.paths.split(","):
