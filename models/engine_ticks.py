@@ -110,10 +110,11 @@ def decode_ticks(
     ticks = 0
     while True:
         live = t_of < n_tok
-        if not bool(live.any()):
-            break
         waiting = live & (it == dep[t_of.clamp(max=n_tok - 1), rows])
-        if bool(waiting.any()) and (ticks % readout_every == 0 or bool((waiting == live).all())):
+        n_live, n_wait = torch.stack([live.sum(), waiting.sum()]).tolist()  # one host sync
+        if not n_live:
+            break
+        if n_wait and (ticks % readout_every == 0 or n_wait == n_live):
             _exit(model, cache, rows[waiting], state, pos, it, t_of, tok, max_depth, mode, pick,
                   outs)  # fmt: skip
             continue
