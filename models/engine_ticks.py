@@ -17,8 +17,11 @@ filled positions of the slot its iteration reads. In exact numerics the logits, 
 tokens and the whole cache are bit-identical to the chunk loop (tests/models/test_engine_ticks.py);
 in fast numerics a matmul over another number of rows may pick another kernel.
 
-Scope: kv `last_exited`, exit depths given per (row, token) (a schedule, as replay or a
-stand-in for an exit policy gives them), the next token chosen greedily (argmax) by default or by
+Scope: kv `last_exited`; exit depths given per (row, token) (a schedule, as replay or a
+stand-in for an exit policy gives them) or an exit policy judged per row at its own iteration
+(`models.exits.should_exit` with per-row depths, each row's carry its own; LatentDiff, KL,
+EntropyDiff, OuroGate: the same exits as `run_chunk`'s; not SampledGate yet, whose exit
+log-probabilities are per iteration); the next token chosen greedily (argmax) by default or by
 ``choose``. What it is for: measuring what cross-token depth scheduling saves
 (`benchmarks/depth_batching.py --paths ticks`); the torch engine's decode does not use it yet.
 """
@@ -33,6 +36,15 @@ from torch import Tensor
 
 from models import numerics as nx
 from models.engine import EngineModel, KVCache, _key_mask, _qkv, _seed_tensor
+from models.exits import (
+    ExitCarry,
+    ExitPolicy,
+    SampledGate,
+    StepInfo,
+    needs_gate,
+    needs_logits,
+    should_exit,
+)
 from models.layers import Block
 from models.noise import latent_noise_torch
 
@@ -73,11 +85,15 @@ def _stack_rows(
 
 def decode_ticks(
     model: EngineModel, cache: KVCache, first: Tensor, start: Tensor, seeds: Sequence[int], *,
-    max_depth: int, depths: Tensor, mode: str = "fast",
-    choose: Callable[[Tensor], Tensor] | None = None, readout_every: int = 1,
+    max_depth: int, depths: Tensor | None = None, policy: ExitPolicy | None = None,
+    tokens: int = 0, mode: str = "fast", choose: Callable[[Tensor], Tensor] | None = None,
+    readout_every: int = 1,
 ) -> TickOut:  # fmt: skip
-    """Feed ``first`` [B] at positions ``start`` [B], then each chosen token, T = depths.shape[0]
-    tokens a row, token t of row b exiting after ``depths[t, b]`` iterations (module doc).
+    """Feed ``first`` [B] at positions ``start`` [B], then each chosen token, T tokens a row,
+    token t of row b exiting after ``depths[t, b]`` iterations (T = depths.shape[0]) or when
+    the exit ``policy`` says (T = ``tokens``; evaluated per row at its own iteration, as
+    `run_chunk` evaluates it per chunk: models.exits.should_exit with per-row depths; not
+    SampledGate, whose exit log-probabilities are not computed here) (module doc).
     ``choose``: logits [M, V] -> tokens [M] (default argmax). ``readout_every`` k: the rows whose
     token exited wait (computing nothing) and are read out together every k ticks, and start
     their next token then: the coda, head and prelude weights are read once per k ticks instead
@@ -86,8 +102,17 @@ def decode_ticks(
         raise ValueError(f"readout_every must be >= 1, got {readout_every}")
     nx.check_mode(mode)
     dev = cache.filled.device
-    n_tok, bsz = depths.shape
-    if bsz != first.shape[0] or bsz != start.shape[0] or len(seeds) != bsz:
+    if (depths is None) == (policy is None):
+        raise ValueError("decode_ticks needs exactly one of depths and policy")
+    if isinstance(policy, SampledGate):
+        raise ValueError("decode_ticks: SampledGate (sampled exits) is not supported yet")
+    bsz = first.shape[0]
+    if depths is None:
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1 with a policy, got {tokens}")
+        depths = torch.full((tokens, bsz), max_depth, dtype=torch.int64)  # the forced exit
+    n_tok = depths.shape[0]
+    if bsz != depths.shape[1] or bsz != start.shape[0] or len(seeds) != bsz:
         raise ValueError("first, start, seeds and depths must agree on the batch")
     if bool(((depths < 1) | (depths > max_depth)).any()):
         raise ValueError(f"depths must be in [1, {max_depth}]")
@@ -106,17 +131,19 @@ def decode_ticks(
     zeros = torch.zeros(bsz, n_tok, dtype=torch.int64, device=dev)
     outs = TickOut(torch.empty(0), zeros, zeros.clone(), 0)  # logits made at the first readout
     noise_here = dev.type != "cpu" and getattr(model, "draws_latent_noise", False)
+    stop = torch.zeros(bsz, dtype=torch.bool, device=dev)  # the policy said exit
+    carry: dict[str, Tensor] = {}  # the policy's per-row carry (ExitCarry fields), [B, ...]
     rows = torch.arange(bsz, device=dev)
     ticks = 0
     while True:
         live = t_of < n_tok
-        waiting = live & (it == dep[t_of.clamp(max=n_tok - 1), rows])
+        waiting = live & (stop | (it == dep[t_of.clamp(max=n_tok - 1), rows]))
         n_live, n_wait = torch.stack([live.sum(), waiting.sum()]).tolist()  # one host sync
         if not n_live:
             break
         if n_wait and (ticks % readout_every == 0 or n_wait == n_live):
-            _exit(model, cache, rows[waiting], state, pos, it, t_of, tok, max_depth, mode, pick,
-                  outs)  # fmt: skip
+            _exit(model, cache, rows[waiting], state, pos, it, t_of, tok, stop, max_depth, mode,
+                  pick, outs)  # fmt: skip
             continue
         run = rows[live & ~waiting]
         new = run[it[run] == 0]  # rows starting a token: its prelude and initial state
@@ -137,17 +164,65 @@ def decode_ticks(
         x = model.core_in(state[run], e[run], mode)
         x = _stack_rows(model.core_blocks(), lambda i: cache.core[:, i], x, run, p, slot,
                         kmask, model.rope(p, mode), mode)  # fmt: skip
-        state[run] = model.core_out(x, mode)
+        new_state = model.core_out(x, mode)
+        prev, state[run] = state[run], new_state
         it[run] += 1
         ticks += 1
+        if policy is not None:
+            stop[run] = _policy_exits(model, cache, policy, run, it[run], new_state, prev, p,
+                                      max_depth, mode, carry)  # fmt: skip
     outs.ticks = ticks
     return outs
 
 
+_CARRY = ("prev_logprobs", "prev_entropy", "remaining", "cumulative")
+
+
+def _policy_exits(
+    model: EngineModel, cache: KVCache, policy: ExitPolicy, run: Tensor, depth: Tensor,
+    state: Tensor, prev: Tensor, pos: Tensor, max_depth: int, mode: str,
+    carry: dict[str, Tensor],
+) -> Tensor:  # fmt: skip
+    """[M] the policy's exit decision for rows ``run`` after their iteration ``depth`` [M];
+    rows at their first iteration are judged with no carry (as run_chunk's first iteration),
+    the others with their own carry, which is kept per row in ``carry``."""
+    info = StepInfo(depth, max_depth, state, prev, mode=mode)
+    if needs_logits(policy):  # the readout of the new state (writes its coda K/V, as run_chunk)
+        kmask = _key_mask(cache.filled.index_select(0, run), pos[:, None])
+        xr = _stack_rows(model.coda_blocks(), lambda i: cache.coda[i], model.readout_in(state, mode),
+                         run, pos, None, kmask, model.rope(pos, mode), mode)  # fmt: skip
+        info.logits = model.head(model.readout_out(xr, mode), mode)
+    if needs_gate(policy):
+        info.gate_logit = model.gate_logit(state, mode)
+    hit = torch.zeros(run.shape[0], dtype=torch.bool, device=state.device)
+    first = depth == 1
+    for part in (first, ~first):  # one call per group: the first without a carry
+        idx = part.nonzero()[:, 0]
+        if not idx.numel():
+            continue
+        sub = StepInfo(depth[idx], max_depth, state[idx], prev[idx], mode=mode,
+                       logits=None if info.logits is None else info.logits[idx],
+                       gate_logit=None if info.gate_logit is None else info.gate_logit[idx])  # fmt: skip
+        rows = run[idx]
+        before = None
+        if part is not first:
+            before = ExitCarry(**{k: v[rows] for k, v in carry.items()})
+        h, after = should_exit(policy, sub, before)
+        hit[idx] = h.to(hit.device)
+        for k in _CARRY:
+            v = getattr(after, k)
+            if v is None:
+                continue
+            if k not in carry:
+                carry[k] = v.new_zeros((cache.filled.shape[0], *v.shape[1:]))
+            carry[k][rows] = v
+    return hit
+
+
 def _exit(
     model: EngineModel, cache: KVCache, done: Tensor, state: Tensor, pos: Tensor, it: Tensor,
-    t_of: Tensor, tok: Tensor, max_depth: int, mode: str, pick: Callable[[Tensor], Tensor],
-    outs: TickOut,
+    t_of: Tensor, tok: Tensor, stop: Tensor, max_depth: int, mode: str,
+    pick: Callable[[Tensor], Tensor], outs: TickOut,
 ) -> None:  # fmt: skip
     """Rows ``done`` exited after ``it`` iterations: last_exited's K/V copies, the readout,
     the next token chosen and recorded; the rows move to it (position + 1, iteration 0)."""
@@ -172,6 +247,7 @@ def _exit(
     outs.tokens[done, td] = nxt
     outs.depths[done, td] = ed
     tok[done] = nxt
+    stop[done] = False
     pos[done] += 1
     t_of[done] += 1
     it[done] = 0

@@ -186,8 +186,9 @@ ExitPolicy = FixedDepth | LatentDiff | KL | EntropyDiff | OuroGate | SampledGate
 class StepInfo:
     """What the engine knows about N decoding rows after core iteration `depth`."""
 
-    depth: int
-    """Iterations completed (1-based)."""
+    depth: int | Tensor
+    """Iterations completed (1-based); or per row, a [N] int64 tensor (decode by ticks,
+    models.engine_ticks: each row at its own iteration)."""
     max_depth: int
     """The resolved max depth (forced exit)."""
     state: Tensor
@@ -371,7 +372,11 @@ def should_exit(
     carry = carry if carry is not None else ExitCarry()
     n = info.state.shape[0]
     dt = torch.float64 if info.mode == "exact" else torch.float32
-    forced = torch.full((n,), info.depth >= info.max_depth, dtype=torch.bool)
+    per_row = isinstance(info.depth, Tensor)
+    if isinstance(info.depth, Tensor):
+        forced = (info.depth >= info.max_depth).reshape(n).cpu()
+    else:
+        forced = torch.full((n,), info.depth >= info.max_depth, dtype=torch.bool)
     if isinstance(policy, FixedDepth):
         return forced, carry
     if isinstance(policy, LatentDiff):
@@ -402,7 +407,11 @@ def should_exit(
         lam = torch.sigmoid(info.gate_logit.to(dt).reshape(n))
         remaining = carry.remaining if carry.remaining is not None else torch.ones_like(lam)
         cumulative = carry.cumulative if carry.cumulative is not None else torch.zeros_like(lam)
-        p = remaining if info.depth >= info.max_depth else lam * remaining
+        if isinstance(info.depth, Tensor):  # per row: the last iteration takes what remains
+            last = (info.depth >= info.max_depth).reshape(n).to(lam.device)
+            p = torch.where(last, remaining, lam * remaining)
+        else:
+            p = remaining if info.depth >= info.max_depth else lam * remaining
         carry.remaining = remaining * (1.0 - lam)
         carry.cumulative = cumulative + p
         hit = carry.cumulative >= policy.q
@@ -413,7 +422,10 @@ def should_exit(
         hit = info.uniform.to(lam.device) < lam.to(torch.float64)
     else:  # pragma: no cover
         raise TypeError(f"unknown exit policy {policy!r}")
-    hit = hit.cpu() & torch.tensor(info.depth >= policy.min_depth)
+    if per_row:
+        hit = hit.cpu() & (torch.as_tensor(info.depth).reshape(n).cpu() >= policy.min_depth)
+    else:
+        hit = hit.cpu() & torch.tensor(info.depth >= policy.min_depth)
     return hit | forced, carry
 
 

@@ -6,11 +6,14 @@ the tokens x the deepest depth of each chunk."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from models.engine import KVCache, run_chunk
 from models.engine_ticks import decode_ticks
+from models.exits import KL, ExitPolicy, LatentDiff, OuroGate, SampledGate
 from tests.models.test_reference import model_of
 
 B, P, T = 5, 4, 6
@@ -85,3 +88,51 @@ def test_bad_depths_are_refused() -> None:
     with pytest.raises(ValueError, match="readout_every must be >= 1"):
         decode_ticks(model, cache, first, torch.full((B,), P), seeds, max_depth=4,
                      depths=torch.ones(T, B, dtype=torch.int64), readout_every=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family,policy,mode",
+    [
+        ("huginn", LatentDiff(0.45), "exact"),
+        ("huginn", KL(0.1), "exact"),  # the policy's readout per iteration, per row
+        ("ouro", OuroGate(0.8), "exact"),
+        ("huginn", LatentDiff(0.45), "fast"),
+    ],
+)
+@torch.no_grad()
+def test_ticks_with_an_exit_policy_equal_the_chunk_loop(
+    family: str, policy: ExitPolicy, mode: str
+) -> None:
+    """The exit policy judged per row at its own iteration (models.exits.should_exit with
+    per-row depths; each row's carry its own) decides what run_chunk's policy decides per chunk:
+    the same exit depths (mixed), tokens, logits and cache."""
+    model = model_of(family)
+    depth = int(model.max_depth)
+    model, cache, first, seeds = _setup(family, depth)
+    pol = dataclasses.replace(policy, kv="last_exited")  # type: ignore[type-var]
+    ref_cache, tick_cache = _clone(cache), _clone(cache)
+    tok, ref_logits, ref_tokens, ref_depths = first, [], [], []
+    for t in range(T):
+        o = run_chunk(model, ref_cache, tok[:, None], torch.full((B, 1), P + t),
+                      torch.ones(B, 1, dtype=torch.bool), seeds, max_depth=depth, policy=pol,
+                      mode=mode)  # fmt: skip
+        ref_logits.append(o.logits[:, 0])
+        ref_depths.append(o.depths[:, 0])
+        tok = o.logits[:, 0].argmax(dim=-1)
+        ref_tokens.append(tok)
+    want_depths = torch.stack(ref_depths, 1)
+    assert len(set(want_depths.flatten().tolist())) >= 2, "mixed exit depths needed"
+    out = decode_ticks(model, tick_cache, first, torch.full((B,), P), seeds, max_depth=depth,
+                       policy=pol, tokens=T, mode=mode)  # fmt: skip
+    assert torch.equal(out.depths, want_depths)
+    assert torch.equal(out.tokens, torch.stack(ref_tokens, 1))
+    got, want = out.logits, torch.stack(ref_logits, 1)
+    if mode == "exact":
+        assert torch.equal(got, want)
+        assert torch.equal(tick_cache.core, ref_cache.core)
+        assert torch.equal(tick_cache.coda, ref_cache.coda)
+    else:
+        assert float((got - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
+    with pytest.raises(ValueError, match="SampledGate"):
+        decode_ticks(model, tick_cache, first, torch.full((B,), P), seeds, max_depth=depth,
+                     policy=SampledGate(max_depth=depth), tokens=T)  # fmt: skip
