@@ -83,6 +83,136 @@ def _stack_rows(
     return x
 
 
+class Ticker:
+    """Decode by ticks, resumable (module doc): ``feed`` rows a token each (at a position, with
+    an exit depth or under the policy), ``advance`` runs ticks until rows exit and returns them
+    read out; the caller chooses their next tokens and feeds them (or new requests' tokens after
+    a prefill of their own) while the other rows keep their place. Rows never fed are idle.
+
+    model, cache: as `models.engine.run_chunk`'s (the cache's rows are the ticker's rows);
+    seeds: the rows' latent seeds (``set_seed`` when a row takes a new request); policy: an exit
+    policy (not SampledGate), or None when every fed token carries its exit depth;
+    readout_every k: exited rows wait and are read out together every k ticks."""
+
+    def __init__(
+        self, model: EngineModel, cache: KVCache, seeds: Sequence[int], *, max_depth: int,
+        policy: ExitPolicy | None = None, mode: str = "fast", readout_every: int = 1,
+    ) -> None:  # fmt: skip
+        nx.check_mode(mode)
+        if isinstance(policy, SampledGate):
+            raise ValueError("decode by ticks: SampledGate (sampled exits) is not supported yet")
+        if readout_every < 1:
+            raise ValueError(f"readout_every must be >= 1, got {readout_every}")
+        if max_depth > cache.core.shape[0]:
+            raise ValueError(
+                f"max_depth {max_depth} exceeds the cache's {cache.core.shape[0]} slots"
+            )
+        dev = cache.filled.device
+        bsz = cache.filled.shape[0]
+        if len(seeds) != bsz:
+            raise ValueError(f"{len(seeds)} seeds for a cache of {bsz} rows")
+        self.model, self.cache, self.policy, self.mode = model, cache, policy, mode
+        self.max_depth, self.every = max_depth, readout_every
+        self.seeds = [int(x) for x in seeds]
+        self.seed_t = _seed_tensor(self.seeds, dev)
+        self.rows = torch.arange(bsz, device=dev)
+        self.tok = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        self.it = torch.zeros(bsz, dtype=torch.int64, device=dev)  # iterations done
+        self.target = torch.full((bsz,), max_depth, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(bsz, dtype=torch.bool, device=dev)  # a fed token in progress
+        self.stop = torch.zeros(bsz, dtype=torch.bool, device=dev)  # the policy said exit
+        h = model.embed(self.tok[:1]).shape[-1]
+        self.state = torch.zeros(bsz, h, dtype=cache.core.dtype, device=dev)
+        self.e = torch.zeros_like(self.state)
+        self.carry: dict[str, Tensor] = {}  # the policy's per-row carry (ExitCarry fields)
+        self.noise_here = dev.type != "cpu" and getattr(model, "draws_latent_noise", False)
+        self.ticks = 0
+
+    def set_seed(self, row: int, seed: int) -> None:
+        """Row ``row``'s latent seed (a new request in that slot)."""
+        self.seeds[row] = int(seed)
+        self.seed_t[row] = _seed_tensor([seed], self.seed_t.device)[0]
+
+    def feed(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+             depths: Sequence[int] | None = None) -> None:  # fmt: skip
+        """Rows ``rows`` start ``tokens`` at ``positions`` (exit depths ``depths``, needed
+        without a policy; with one the forced exit at max_depth)."""
+        dev = self.cache.filled.device
+        r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+        if bool(self.live[r].any()):
+            raise ValueError("a row was fed while its token is still in progress")
+        if depths is None:
+            if self.policy is None:
+                raise ValueError("without a policy every fed token needs its exit depth")
+            d = torch.full((len(rows),), self.max_depth, dtype=torch.int64, device=dev)
+        else:
+            d = torch.as_tensor(list(depths), dtype=torch.int64, device=dev)
+            if bool(((d < 1) | (d > self.max_depth)).any()):
+                raise ValueError(f"depths must be in [1, {self.max_depth}]")
+        self.tok[r] = torch.as_tensor(list(tokens), dtype=torch.int64, device=dev)
+        self.pos[r] = torch.as_tensor(list(positions), dtype=torch.int64, device=dev)
+        self.target[r], self.it[r], self.stop[r], self.live[r] = d, 0, False, True
+
+    def advance(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Run ticks until rows exit; (those rows [M], their readout logits [M, V], their exit
+        depths [M]), the rows idle until fed again. Empty tensors when no row is live."""
+        m, cache, mode = self.model, self.cache, self.mode
+        while True:
+            live = self.live
+            waiting = live & (self.stop | (self.it == self.target))
+            n_live, n_wait = torch.stack([live.sum(), waiting.sum()]).tolist()  # one host sync
+            if not n_live:
+                empty = self.rows[:0]
+                return empty, self.state.new_zeros(0, 0), empty
+            if n_wait and (self.ticks % self.every == 0 or n_wait == n_live):
+                return self._read_out(self.rows[waiting])
+            run = self.rows[live & ~waiting]
+            new = run[self.it[run] == 0]  # rows starting a token: its prelude and initial state
+            if new.numel():
+                p = self.pos[new]
+                cache.filled[new, p] = True
+                kmask = _key_mask(cache.filled.index_select(0, new), p[:, None])
+                x0 = m.embed(self.tok[new]).to(cache.core.dtype)
+                en = _stack_rows(m.prelude_blocks(), lambda i: cache.prelude[i], x0, new, p,
+                                 None, kmask, m.rope(p, mode), mode)  # fmt: skip
+                sd = [self.seeds[i] for i in new.tolist()]
+                noise = (latent_noise_torch(self.seed_t[new], p, en.shape[-1])
+                         if self.noise_here else None)  # fmt: skip
+                self.e[new] = en
+                self.state[new] = m.initial_state(en, p, sd, noise).to(en.dtype)
+            p = self.pos[run]
+            kmask = _key_mask(cache.filled.index_select(0, run), p[:, None])
+            x = m.core_in(self.state[run], self.e[run], mode)
+            x = _stack_rows(m.core_blocks(), lambda i: cache.core[:, i], x, run, p, self.it[run],
+                            kmask, m.rope(p, mode), mode)  # fmt: skip
+            new_state = m.core_out(x, mode)
+            prev = self.state[run]
+            self.state[run] = new_state
+            self.it[run] += 1
+            self.ticks += 1
+            if self.policy is not None:
+                self.stop[run] = _policy_exits(m, cache, self.policy, run, self.it[run], new_state,
+                                               prev, p, self.max_depth, mode, self.carry)  # fmt: skip
+
+    def _read_out(self, done: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rows ``done`` exited: last_exited's K/V copies, the readout; the rows go idle."""
+        m, cache, mode, dev = self.model, self.cache, self.mode, self.cache.filled.device
+        pd, ed = self.pos[done], self.it[done]
+        copy = ed < self.max_depth  # last_exited: the exit iteration's K/V in every later slot
+        if bool(copy.any()):
+            cb, cp, ce = done[copy], pd[copy], ed[copy]
+            later = torch.arange(self.max_depth, device=dev)[None, :] >= ce[:, None]  # [K, D]
+            k_i, j = later.nonzero(as_tuple=True)
+            cache.core[j, :, :, cb[k_i], cp[k_i]] = cache.core[ce[k_i] - 1, :, :, cb[k_i], cp[k_i]]
+        kmask = _key_mask(cache.filled.index_select(0, done), pd[:, None])
+        xr = _stack_rows(m.coda_blocks(), lambda i: cache.coda[i], m.readout_in(self.state[done], mode),
+                         done, pd, None, kmask, m.rope(pd, mode), mode)  # fmt: skip
+        logits = m.head(m.readout_out(xr, mode), mode)
+        self.live[done] = False
+        return done, logits, ed
+
+
 def decode_ticks(
     model: EngineModel, cache: KVCache, first: Tensor, start: Tensor, seeds: Sequence[int], *,
     max_depth: int, depths: Tensor | None = None, policy: ExitPolicy | None = None,
@@ -91,88 +221,53 @@ def decode_ticks(
 ) -> TickOut:  # fmt: skip
     """Feed ``first`` [B] at positions ``start`` [B], then each chosen token, T tokens a row,
     token t of row b exiting after ``depths[t, b]`` iterations (T = depths.shape[0]) or when
-    the exit ``policy`` says (T = ``tokens``; evaluated per row at its own iteration, as
-    `run_chunk` evaluates it per chunk: models.exits.should_exit with per-row depths; not
-    SampledGate, whose exit log-probabilities are not computed here) (module doc).
-    ``choose``: logits [M, V] -> tokens [M] (default argmax). ``readout_every`` k: the rows whose
-    token exited wait (computing nothing) and are read out together every k ticks, and start
-    their next token then: the coda, head and prelude weights are read once per k ticks instead
-    of every tick, for k / 2 ticks of waiting per token on average (the same values)."""
-    if readout_every < 1:
-        raise ValueError(f"readout_every must be >= 1, got {readout_every}")
-    nx.check_mode(mode)
-    dev = cache.filled.device
+    the exit ``policy`` says (T = ``tokens``) (`Ticker`). ``choose``: logits [M, V] -> tokens
+    [M] (default argmax)."""
     if (depths is None) == (policy is None):
         raise ValueError("decode_ticks needs exactly one of depths and policy")
-    if isinstance(policy, SampledGate):
-        raise ValueError("decode_ticks: SampledGate (sampled exits) is not supported yet")
     bsz = first.shape[0]
-    if depths is None:
-        if tokens < 1:
-            raise ValueError(f"tokens must be >= 1 with a policy, got {tokens}")
-        depths = torch.full((tokens, bsz), max_depth, dtype=torch.int64)  # the forced exit
-    n_tok = depths.shape[0]
-    if bsz != depths.shape[1] or bsz != start.shape[0] or len(seeds) != bsz:
+    if depths is not None:
+        n_tok = depths.shape[0]
+        if bsz != depths.shape[1]:
+            raise ValueError("first, start, seeds and depths must agree on the batch")
+    elif tokens < 1:
+        raise ValueError(f"tokens must be >= 1 with a policy, got {tokens}")
+    else:
+        n_tok = tokens
+    if bsz != start.shape[0] or len(seeds) != bsz:
         raise ValueError("first, start, seeds and depths must agree on the batch")
-    if bool(((depths < 1) | (depths > max_depth)).any()):
+    if depths is not None and bool(((depths < 1) | (depths > max_depth)).any()):
         raise ValueError(f"depths must be in [1, {max_depth}]")
-    if max_depth > cache.core.shape[0]:
-        raise ValueError(f"max_depth {max_depth} exceeds the cache's {cache.core.shape[0]} slots")
     pick = choose or (lambda lg: lg.argmax(dim=-1))
-    dep = depths.to(dev)
-    seed_t = _seed_tensor(seeds, dev)
-    tok = first.to(dev).clone()
-    pos = start.to(dev).clone()
-    t_of = torch.zeros(bsz, dtype=torch.int64, device=dev)  # token index of each row
-    it = torch.zeros(bsz, dtype=torch.int64, device=dev)  # iterations done of that token
-    h = model.embed(tok[:1]).shape[-1]
-    state = torch.zeros(bsz, h, dtype=cache.core.dtype, device=dev)
-    e = torch.zeros_like(state)
+    ticker = Ticker(model, cache, seeds, max_depth=max_depth, policy=policy, mode=mode,
+                    readout_every=readout_every)  # fmt: skip
+    dev = cache.filled.device
     zeros = torch.zeros(bsz, n_tok, dtype=torch.int64, device=dev)
-    outs = TickOut(torch.empty(0), zeros, zeros.clone(), 0)  # logits made at the first readout
-    noise_here = dev.type != "cpu" and getattr(model, "draws_latent_noise", False)
-    stop = torch.zeros(bsz, dtype=torch.bool, device=dev)  # the policy said exit
-    carry: dict[str, Tensor] = {}  # the policy's per-row carry (ExitCarry fields), [B, ...]
-    rows = torch.arange(bsz, device=dev)
-    ticks = 0
+    out = TickOut(torch.empty(0), zeros, zeros.clone(), 0)  # logits made at the first readout
+    t_of = [0] * bsz
+    everyone = list(range(bsz))
+    ticker.feed(everyone, first.tolist(), start.tolist(),
+                None if depths is None else depths[0].tolist())  # fmt: skip
     while True:
-        live = t_of < n_tok
-        waiting = live & (stop | (it == dep[t_of.clamp(max=n_tok - 1), rows]))
-        n_live, n_wait = torch.stack([live.sum(), waiting.sum()]).tolist()  # one host sync
-        if not n_live:
+        done, logits, ed = ticker.advance()
+        if not done.numel():
             break
-        if n_wait and (ticks % readout_every == 0 or n_wait == n_live):
-            _exit(model, cache, rows[waiting], state, pos, it, t_of, tok, stop, max_depth, mode,
-                  pick, outs)  # fmt: skip
-            continue
-        run = rows[live & ~waiting]
-        new = run[it[run] == 0]  # rows starting a token: its prelude and initial state
-        if new.numel():
-            p = pos[new]
-            cache.filled[new, p] = True
-            kmask = _key_mask(cache.filled.index_select(0, new), p[:, None])
-            x0 = model.embed(tok[new]).to(cache.core.dtype)
-            en = _stack_rows(model.prelude_blocks(), lambda i: cache.prelude[i], x0, new, p,
-                             None, kmask, model.rope(p, mode), mode)  # fmt: skip
-            sd = [int(seeds[i]) for i in new.tolist()]
-            noise = latent_noise_torch(seed_t[new], p, en.shape[-1]) if noise_here else None
-            e[new] = en
-            state[new] = model.initial_state(en, p, sd, noise).to(en.dtype)
-        p = pos[run]
-        kmask = _key_mask(cache.filled.index_select(0, run), p[:, None])
-        slot = it[run]
-        x = model.core_in(state[run], e[run], mode)
-        x = _stack_rows(model.core_blocks(), lambda i: cache.core[:, i], x, run, p, slot,
-                        kmask, model.rope(p, mode), mode)  # fmt: skip
-        new_state = model.core_out(x, mode)
-        prev, state[run] = state[run], new_state
-        it[run] += 1
-        ticks += 1
-        if policy is not None:
-            stop[run] = _policy_exits(model, cache, policy, run, it[run], new_state, prev, p,
-                                      max_depth, mode, carry)  # fmt: skip
-    outs.ticks = ticks
-    return outs
+        if not out.logits.numel():
+            out.logits = logits.new_zeros(bsz, n_tok, logits.shape[-1])
+        nxt = pick(logits)
+        rows, nxt_l = done.tolist(), nxt.tolist()
+        td = torch.as_tensor([t_of[b] for b in rows], device=dev)
+        out.logits[done, td], out.tokens[done, td], out.depths[done, td] = logits, nxt, ed
+        again = [k for k, b in enumerate(rows) if t_of[b] + 1 < n_tok]
+        for b in rows:
+            t_of[b] += 1
+        if again:
+            fb = [rows[k] for k in again]
+            ticker.feed(fb, [nxt_l[k] for k in again],
+                        [int(start[b]) + t_of[b] for b in fb],
+                        None if depths is None else [int(depths[t_of[b], b]) for b in fb])  # fmt: skip
+    out.ticks = ticker.ticks
+    return out
 
 
 _CARRY = ("prev_logprobs", "prev_entropy", "remaining", "cumulative")
@@ -219,38 +314,4 @@ def _policy_exits(
     return hit
 
 
-def _exit(
-    model: EngineModel, cache: KVCache, done: Tensor, state: Tensor, pos: Tensor, it: Tensor,
-    t_of: Tensor, tok: Tensor, stop: Tensor, max_depth: int, mode: str,
-    pick: Callable[[Tensor], Tensor], outs: TickOut,
-) -> None:  # fmt: skip
-    """Rows ``done`` exited after ``it`` iterations: last_exited's K/V copies, the readout,
-    the next token chosen and recorded; the rows move to it (position + 1, iteration 0)."""
-    dev = state.device
-    pd, ed = pos[done], it[done]
-    copy = ed < max_depth  # last_exited: the exit iteration's K/V in every later slot
-    if bool(copy.any()):
-        cb, cp, ce = done[copy], pd[copy], ed[copy]
-        later = torch.arange(max_depth, device=dev)[None, :] >= ce[:, None]  # [K, D]
-        k_i, j = later.nonzero(as_tuple=True)
-        cache.core[j, :, :, cb[k_i], cp[k_i]] = cache.core[ce[k_i] - 1, :, :, cb[k_i], cp[k_i]]
-    kmask = _key_mask(cache.filled.index_select(0, done), pd[:, None])
-    xr = model.readout_in(state[done], mode)
-    xr = _stack_rows(model.coda_blocks(), lambda i: cache.coda[i], xr, done, pd, None,
-                     kmask, model.rope(pd, mode), mode)  # fmt: skip
-    lg = model.head(model.readout_out(xr, mode), mode)
-    if not outs.logits.numel():
-        outs.logits = lg.new_zeros(*outs.tokens.shape, lg.shape[-1])
-    td = t_of[done]
-    nxt = pick(lg)
-    outs.logits[done, td] = lg
-    outs.tokens[done, td] = nxt
-    outs.depths[done, td] = ed
-    tok[done] = nxt
-    stop[done] = False
-    pos[done] += 1
-    t_of[done] += 1
-    it[done] = 0
-
-
-__all__ = ["TickOut", "decode_ticks"]
+__all__ = ["TickOut", "Ticker", "decode_ticks"]
