@@ -59,6 +59,7 @@ import torch
 
 from generator.config import ENGINES
 from generator.engine import Sample, WeightLoadError
+from generator.torch_ticks import check_ticks, generate_by_ticks
 from generator.torch_weights import TorchWeights
 from models import numerics as nx
 from models.base import LoopedLM
@@ -121,6 +122,8 @@ class TorchEngine(TorchWeights):
     'bfloat16' (fast numerics only). device: 'auto' (CUDA when available) or a torch device.
     graph: None = the CUDA-graph decode exactly when the policy is a fixed depth on CUDA.
     model: an already built reference module (benchmarks, tests; `model_dir` may then be None).
+    ticks: k > 0 decodes adaptive depths by ticks (generator.torch_ticks; exited rows read out
+    every k ticks); 0 = one `run_chunk` per decoded token.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class TorchEngine(TorchWeights):
         kv_cache_bytes: int | None = None,
         seed: int = 0,
         compile: bool | None = None,
+        ticks: int = 0,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -171,6 +175,7 @@ class TorchEngine(TorchWeights):
         if self.compile and not (self.graph and numerics == "fast"):
             raise ValueError("TorchEngine(compile=True) needs the graph decode in fast numerics")
         self._kept: tuple[KVCache, GraphDecoder | None] | None = None
+        self.ticks = check_ticks(int(ticks), self.sampled, self.kv, self.graph)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -284,6 +289,9 @@ class TorchEngine(TorchWeights):
         slots: list[_Request | None] = [None] * bsz
         waiting = deque(reqs)
         logits: dict[int, torch.Tensor] = {}  # slot -> logits [V] to sample from
+        if self.ticks:  # generator.torch_ticks: every row at its own iteration of its token
+            generate_by_ticks(self, reqs, cache)
+            waiting.clear()
         while waiting or any(s is not None for s in slots):
             free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
             for b in free:

@@ -1,0 +1,72 @@
+"""The torch engine's adaptive decode by ticks (`TorchEngine(ticks=k)`, issue 25): requests
+decoded on a `models.engine_ticks.Ticker`, every row at its own core iteration of its own token,
+instead of one `run_chunk` per decoded token whose deepest row sets the iterations of all.
+
+The engine's loop otherwise: a free slot takes the next request, whose prompt is prefilled by
+`run_chunk` at full depth (token 0 under the policy where contract 2 says so) while the other
+rows keep their place mid-token (a prefill writes only its own rows' cache); rows read out by
+the ticker are sampled on the host (`TorchEngine._sample_rows`: the same keys, so the same
+tokens), and fed their next token unless finished. Samples (tokens, log-probs, exit depths)
+equal the chunk decode's, bit for bit in exact numerics (tests/generator/test_torch_ticks.py).
+Not for sampled exits (SampledGate), kv 'full' or the fixed-depth graph decode."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from models.engine import KVCache
+from models.engine_ticks import Ticker
+
+if TYPE_CHECKING:
+    from generator.torch_engine import TorchEngine, _Request
+
+
+def check_ticks(ticks: int, sampled: bool, kv: str, graph: bool) -> int:
+    """``ticks`` if the engine can decode by ticks with these settings, else ValueError."""
+    if ticks < 0:
+        raise ValueError(f"ticks must be >= 0 (0: one chunk per token), got {ticks}")
+    if ticks and (sampled or kv != "last_exited" or graph):
+        raise ValueError("decode by ticks needs kv last_exited, no sampled exits and no graph "
+                         f"decode (kv {kv!r}, sampled {sampled}, graph {graph})")  # fmt: skip
+    return ticks
+
+
+def generate_by_ticks(eng: TorchEngine, reqs: list[_Request], cache: KVCache) -> None:
+    """Decode ``reqs`` into their own records (tokens, log-probs, depths) on ``cache``'s rows."""
+    bsz = cache.filled.shape[0]
+    ticker = Ticker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth, policy=eng.policy,
+                    mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip
+    slots: list[_Request | None] = [None] * bsz
+    waiting = deque(reqs)
+    logits: dict[int, torch.Tensor] = {}
+    while True:
+        free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
+        for b in free:
+            slots[b] = waiting.popleft()
+            ticker.set_seed(b, slots[b].seed)  # type: ignore[union-attr]
+        if free:
+            logits.update(eng._prefill(cache, slots, free))
+        sampled = list(logits)
+        eng._sample_rows(slots, logits)
+        logits.clear()
+        go = [b for b in sampled if not slots[b].finish]  # type: ignore[union-attr]
+        for b in sampled:
+            if slots[b].finish:  # type: ignore[union-attr]
+                slots[b] = None
+        if go:
+            toks, pos = eng._feed(slots)
+            ticker.feed(go, [int(toks[b]) for b in go], [int(pos[b]) for b in go])
+        if not waiting and all(s is None for s in slots):
+            return
+        if waiting and any(s is None for s in slots):
+            continue  # fill the freed slots first
+        done, out, depths = ticker.advance()
+        for k, b in enumerate(done.tolist()):
+            slots[b].depths.append(int(depths[k]))  # type: ignore[union-attr]
+            logits[b] = out[k]
+
+
+__all__ = ["check_ticks", "generate_by_ticks"]

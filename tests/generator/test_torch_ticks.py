@@ -1,0 +1,58 @@
+"""The torch engine decoding adaptive depths by ticks (`TorchEngine(ticks=k)`,
+generator.torch_ticks, issue 25): every row at its own core iteration of its own token, more
+requests than slots (a freed slot prefilled while the other rows are mid-token), mixed exit
+depths, greedy / sampled / stopping requests: each record equals the reference generation of
+its request alone (models.reference.generate), bit for bit in exact numerics, as the chunk
+decode's do (tests/generator/test_torch_engine.py); refused where it cannot decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from generator.torch_engine import TorchEngine
+from models.checkpoint import load_model
+from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
+from models.init import init_checkpoint
+from tests.generator.test_torch_engine import _items, _reference
+
+CASES: list[tuple[str, ExitPolicy, int]] = [
+    ("huginn", LatentDiff(0.45), 1),
+    ("huginn", LatentDiff(0.45), 3),
+    ("ouro", OuroGate(0.8, kv="last_exited"), 2),  # token 0 under the policy (contract 2)
+]
+
+
+@pytest.mark.parametrize("family,policy,ticks", CASES)
+def test_ticks_records_equal_the_reference(
+    family: str, policy: ExitPolicy, ticks: int, tmp_path: Path
+) -> None:
+    path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
+    eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu",
+                      ticks=ticks)  # fmt: skip
+    items = _items()
+    items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
+    out = eng.generate(items)
+    _, model = load_model(path)
+    depths = set()
+    for it, samples in zip(items, out, strict=True):
+        assert len(samples) == it.n
+        for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
+            tokens, exit_depths, lps, _ = _reference(model, it, int(seed), policy)
+            assert s.tokens.tolist() == tokens, (it.work_id, seed)
+            assert s.exit_depths.tolist() == exit_depths
+            np.testing.assert_array_equal(s.logprobs, lps)  # bit for bit (exact numerics)
+            depths |= set(exit_depths[1:])
+    assert len(depths) >= 2, f"mixed exit depths needed, got {depths}"
+
+
+def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
+    path = init_checkpoint("ouro", "tiny", tmp_path / "o", seed=1)
+    with pytest.raises(ValueError, match="decode by ticks needs kv last_exited, no sampled"):
+        TorchEngine(path, numerics="exact", exit_policy=SampledGate(), device="cpu", ticks=1)
+    with pytest.raises(ValueError, match="graph"):
+        TorchEngine(path, exit_policy=FixedDepth(4), device="cpu", graph=True, ticks=1)
+    with pytest.raises(ValueError, match="ticks must be >= 0"):
+        TorchEngine(path, device="cpu", ticks=-1)
