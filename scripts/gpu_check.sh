@@ -146,12 +146,13 @@ if has depth; then  # depth batching and the torch generator engine (issue 25)
 fi
 if has depth_big; then  # depth batching where the core's matmuls are compute-bound (issue 25):
     # Huginn-0125 / ~1B, bf16, D 32, large batches (DEPTH_BIG: "shape:batch ..."), eager compact
-    # vs masked vs ticks (models.engine_ticks, K = readout_every; DEPTH_BIG_PATHS); batch 64 at 0125
+    # vs masked vs ticks (models.engine_ticks, K = readout_every; DEPTH_BIG_PATHS; DEPTH_BIG_ARGS
+    # e.g. --balanced: no tail); batch 64 at 0125
     # is bound by weight reads (table in docs/PERFORMANCE.md)
     for sb in ${DEPTH_BIG:-huginn_0125:256 huginn_0125:512 huginn_1b:2048}; do
         timeout "${T_DEPTH_BIG:-150}" "$PY" benchmarks/depth_batching.py --shape "${sb%%:*}" \
             --dtype bfloat16 --batch "${sb##*:}" --depth 32 --prompt 16 --tokens "${DEPTH_BIG_TOKENS:-8}" \
-            --reps 2 --paths "${DEPTH_BIG_PATHS:-compact,masked,ticks,ticks4,ticks8}" \
+            --reps 2 --paths "${DEPTH_BIG_PATHS:-compact,masked,ticks,ticks4,ticks8}" ${DEPTH_BIG_ARGS:-} \
             2>>"$LOG/depth_big.err" | tee -a "$LOG/depth_big.jsonl" | tail -n 1
     done
     tail -n 5 "$LOG/depth_big.err"
