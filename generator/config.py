@@ -62,6 +62,10 @@ class GeneratorConfig:
     """vLLM: most sequences (samples) decoded at once."""
     max_model_len: int = 0
     """vLLM: longest prompt + completion, in tokens; 0: the checkpoint's max_position_embeddings."""
+    depth_ticks: int = 0
+    """Torch engine: decode adaptive exit depths by ticks, every row at its own core iteration
+    of its own token, exited rows read out every depth_ticks ticks (generator.torch_ticks;
+    kv last_exited, not sampled exits, not a fixed depth on a GPU); 0: one chunk per token."""
     kv_cache_mb: int = 64
     """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests."""
     seed: int = 0
@@ -140,6 +144,12 @@ class GeneratorConfig:
                 "must be 0 (the checkpoint's) or >= 2",
             ),
             (self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1"),
+            (self.depth_ticks >= 0, "depth_ticks", "must be >= 0 (0: off)"),
+            (
+                self.engine == "torch" or self.depth_ticks == 0,
+                "depth_ticks",
+                "only the torch engine decodes by ticks (use engine torch, or 0)",
+            ),
             (self.reward_timeout_s > 0, "reward_timeout_s", "must be > 0"),
             (self.reward_workers >= 1, "reward_workers", "must be >= 1"),
             (self.reward_mode in REWARD_MODES, "reward_mode", f"must be one of {REWARD_MODES}"),

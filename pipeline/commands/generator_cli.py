@@ -318,6 +318,20 @@ def _check_welcome(numerics: str, exit_policy: str = "") -> Callable[[Any], None
     return check
 
 
+def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the keys every engine of this generator is built with, those of its main engine alone:
+    the vLLM engine's inflight_updates, the torch engine's depth_ticks; the FixedDepth engines
+    of eval.depths run neither)."""
+    common: dict[str, Any] = dict(
+        numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+        kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len or None,
+        seed=cfg.seed,
+    )  # fmt: skip
+    if cfg.engine == "torch":
+        return common, {"ticks": cfg.depth_ticks}
+    return common, {"inflight_updates": cfg.inflight_updates}
+
+
 def serve(cfg: GeneratorConfig) -> int:
     """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
 
@@ -360,26 +374,20 @@ def serve(cfg: GeneratorConfig) -> int:
     engine = None
     health: HealthFile | None = None
     try:
-        common: dict[str, Any] = dict(
-            numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-            kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len or None,
-            seed=cfg.seed,
-        )  # fmt: skip
+        common, main_only = engine_kwargs(cfg)
         build: Callable[..., Any] = LoopedEngine
         if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine.py)
             from generator.torch_engine import TorchEngine
 
             build = TorchEngine  # every key of `common`: kv_cache_mb caps its cache rows
         else:
-            common["inflight_updates"] = cfg.inflight_updates
             # This process's engines run eager (LoopedEngine's enforce_eager), but vLLM's
             # sampler compiles a helper with torch.compile on its first batch and again on
             # new batch shapes (seconds each on a 2-core host, on the path to the first
             # step): with dynamo off it runs as plain torch (an integer rank count: the same
             # result). Set before vLLM imports torch._dynamo; an explicit setting wins.
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        main = build(cfg.model, exit_policy=policy, **common)
-        common.pop("inflight_updates", None)
+        main = build(cfg.model, exit_policy=policy, **common, **main_only)
         # eval.depths: items with eval_depth d run on a FixedDepth(d) engine, built on first use
         engine = DepthEngines(
             main, lambda d: build(cfg.model, exit_policy=FixedDepth(d), **common),

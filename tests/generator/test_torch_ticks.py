@@ -56,3 +56,23 @@ def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
         TorchEngine(path, exit_policy=FixedDepth(4), device="cpu", graph=True, ticks=1)
     with pytest.raises(ValueError, match="ticks must be >= 0"):
         TorchEngine(path, device="cpu", ticks=-1)
+
+
+def test_the_generator_key_reaches_the_main_torch_engine_only(tmp_path: Path) -> None:
+    """generators.depth_ticks: refused for the vLLM engine and below 0, naming the key; handed
+    to the generator's main torch engine (not to the FixedDepth engines of eval.depths), which
+    then decodes by ticks."""
+    from generator.config import ConfigError, GeneratorConfig
+    from pipeline.commands.generator_cli import engine_kwargs
+
+    with pytest.raises(ConfigError, match="depth_ticks=2: only the torch engine decodes by ticks"):
+        GeneratorConfig(engine="vllm", depth_ticks=2)
+    with pytest.raises(ConfigError, match="depth_ticks=-1: must be >= 0"):
+        GeneratorConfig(engine="torch", depth_ticks=-1)
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    common, main_only = engine_kwargs(GeneratorConfig(model=str(path), engine="torch",
+                                                      depth_ticks=2))  # fmt: skip
+    assert main_only == {"ticks": 2} and "ticks" not in common
+    eng = TorchEngine(path, exit_policy=LatentDiff(0.45), device="cpu", **common, **main_only)
+    assert eng.ticks == 2
+    assert engine_kwargs(GeneratorConfig(engine="vllm"))[1] == {"inflight_updates": False}
