@@ -65,7 +65,7 @@ class GeneratorConfig:
     depth_ticks: int = 0
     """Torch engine: decode adaptive exit depths by ticks, every row at its own core iteration
     of its own token, exited rows read out every depth_ticks ticks (generator.torch_ticks;
-    kv last_exited, not sampled exits, not a fixed depth on a GPU); 0: one chunk per token."""
+    kv last_exited; not a fixed depth on a GPU, which runs its CUDA graph); 0: one chunk per token."""
     kv_cache_mb: int = 64
     """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests."""
     seed: int = 0

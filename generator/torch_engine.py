@@ -175,7 +175,7 @@ class TorchEngine(TorchWeights):
         if self.compile and not (self.graph and numerics == "fast"):
             raise ValueError("TorchEngine(compile=True) needs the graph decode in fast numerics")
         self._kept: tuple[KVCache, GraphDecoder | None] | None = None
-        self.ticks = check_ticks(int(ticks), self.sampled, self.kv, self.graph)
+        self.ticks = check_ticks(int(ticks), self.kv, self.graph)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -351,7 +351,9 @@ class TorchEngine(TorchWeights):
             valid[b, : len(p)] = True
         positions = torch.arange(width).expand(bsz, -1)
         seeds = [s.seed if s is not None else 0 for s in slots]
-        last = torch.tensor([len(s.prompt) - 1 if s is not None else 0 for s in slots])
+        take = set(rows)  # (other slots may be mid-request with longer prompts: not fed here)
+        last = torch.tensor([len(s.prompt) - 1 if s is not None and b in take else 0
+                             for b, s in enumerate(slots)])  # fmt: skip
         if self.token0_policy:  # positions 0..P-2 at D, then P-1 decoded with the policy
             head = valid & (positions < last[:, None])
             if bool(head.any()):

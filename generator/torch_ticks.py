@@ -8,7 +8,8 @@ rows keep their place mid-token (a prefill writes only its own rows' cache); row
 the ticker are sampled on the host (`TorchEngine._sample_rows`: the same keys, so the same
 tokens), and fed their next token unless finished. Samples (tokens, log-probs, exit depths)
 equal the chunk decode's, bit for bit in exact numerics (tests/generator/test_torch_ticks.py).
-Not for sampled exits (SampledGate), kv 'full' or the fixed-depth graph decode."""
+Sampled exits (SampledGate) file their exit log-probs as the chunk decode does. Not for kv
+'full' or the fixed-depth graph decode."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ if TYPE_CHECKING:
     from generator.torch_engine import TorchEngine, _Request
 
 
-def check_ticks(ticks: int, sampled: bool, kv: str, graph: bool) -> int:
+def check_ticks(ticks: int, kv: str, graph: bool) -> int:
     """``ticks`` if the engine can decode by ticks with these settings, else ValueError."""
     if ticks < 0:
         raise ValueError(f"ticks must be >= 0 (0: one chunk per token), got {ticks}")
-    if ticks and (sampled or kv != "last_exited" or graph):
-        raise ValueError("decode by ticks needs kv last_exited, no sampled exits and no graph "
-                         f"decode (kv {kv!r}, sampled {sampled}, graph {graph})")  # fmt: skip
+    if ticks and (kv != "last_exited" or graph):
+        raise ValueError("decode by ticks needs kv last_exited and no graph decode (a fixed "
+                         f"depth on a GPU): kv {kv!r}, graph {graph}")  # fmt: skip
     return ticks
 
 
@@ -64,8 +65,13 @@ def generate_by_ticks(eng: TorchEngine, reqs: list[_Request], cache: KVCache) ->
         if waiting and any(s is None for s in slots):
             continue  # fill the freed slots first
         done, out, depths = ticker.advance()
+        elp = None if ticker.exit_logprobs is None else ticker.exit_logprobs.tolist()
         for k, b in enumerate(done.tolist()):
-            slots[b].depths.append(int(depths[k]))  # type: ignore[union-attr]
+            r = slots[b]
+            assert r is not None
+            r.depths.append(int(depths[k]))
+            if eng.sampled:  # a sampled exit: its log-prob, as the chunk decode files it
+                r.exit_lps.append(0.0 if elp is None else float(elp[k]))
             logits[b] = out[k]
 
 

@@ -20,8 +20,8 @@ in fast numerics a matmul over another number of rows may pick another kernel.
 Scope: kv `last_exited`; exit depths given per (row, token) (a schedule, as replay or a
 stand-in for an exit policy gives them) or an exit policy judged per row at its own iteration
 (`models.exits.should_exit` with per-row depths, each row's carry its own; LatentDiff, KL,
-EntropyDiff, OuroGate: the same exits as `run_chunk`'s; not SampledGate yet, whose exit
-log-probabilities are per iteration); the next token chosen greedily (argmax) by default or by
+EntropyDiff, OuroGate, and SampledGate with each row's exit uniforms and exit log-probability
+drawn and summed at its own iterations: the same exits as `run_chunk`'s); the next token chosen greedily (argmax) by default or by
 ``choose``. What it is for: measuring what cross-token depth scheduling saves
 (`benchmarks/depth_batching.py --paths ticks`); the torch engine's decode does not use it yet.
 """
@@ -41,12 +41,13 @@ from models.exits import (
     ExitPolicy,
     SampledGate,
     StepInfo,
+    exit_step_logprob,
     needs_gate,
     needs_logits,
     should_exit,
 )
 from models.layers import Block
-from models.noise import latent_noise_torch
+from models.noise import exit_uniform, latent_noise_torch
 
 
 @dataclasses.dataclass
@@ -91,7 +92,7 @@ class Ticker:
 
     model, cache: as `models.engine.run_chunk`'s (the cache's rows are the ticker's rows);
     seeds: the rows' latent seeds (``set_seed`` when a row takes a new request); policy: an exit
-    policy (not SampledGate), or None when every fed token carries its exit depth;
+    policy, or None when every fed token carries its exit depth;
     readout_every k: exited rows wait and are read out together every k ticks."""
 
     def __init__(
@@ -99,8 +100,6 @@ class Ticker:
         policy: ExitPolicy | None = None, mode: str = "fast", readout_every: int = 1,
     ) -> None:  # fmt: skip
         nx.check_mode(mode)
-        if isinstance(policy, SampledGate):
-            raise ValueError("decode by ticks: SampledGate (sampled exits) is not supported yet")
         if readout_every < 1:
             raise ValueError(f"readout_every must be >= 1, got {readout_every}")
         if max_depth > cache.core.shape[0]:
@@ -126,6 +125,11 @@ class Ticker:
         self.state = torch.zeros(bsz, h, dtype=cache.core.dtype, device=dev)
         self.e = torch.zeros_like(self.state)
         self.carry: dict[str, Tensor] = {}  # the policy's per-row carry (ExitCarry fields)
+        self.sampled = isinstance(policy, SampledGate)
+        self.elp = torch.zeros(bsz, dtype=torch.float64 if mode == "exact" else torch.float32,
+                               device=dev)  # a sampled exit's log-prob so far  # fmt: skip
+        self.exit_logprobs: Tensor | None = None
+        """After ``advance``: the read-out rows' exit log-probs (SampledGate), else None."""
         self.noise_here = dev.type != "cpu" and getattr(model, "draws_latent_noise", False)
         self.ticks = 0
 
@@ -153,6 +157,7 @@ class Ticker:
         self.tok[r] = torch.as_tensor(list(tokens), dtype=torch.int64, device=dev)
         self.pos[r] = torch.as_tensor(list(positions), dtype=torch.int64, device=dev)
         self.target[r], self.it[r], self.stop[r], self.live[r] = d, 0, False, True
+        self.elp[r] = 0.0
 
     def advance(self) -> tuple[Tensor, Tensor, Tensor]:
         """Run ticks until rows exit; (those rows [M], their readout logits [M, V], their exit
@@ -193,7 +198,8 @@ class Ticker:
             self.ticks += 1
             if self.policy is not None:
                 self.stop[run] = _policy_exits(m, cache, self.policy, run, self.it[run], new_state,
-                                               prev, p, self.max_depth, mode, self.carry)  # fmt: skip
+                                               prev, p, self.max_depth, mode, self.carry,
+                                               self.seed_t[run], self.elp if self.sampled else None)  # fmt: skip
 
     def _read_out(self, done: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rows ``done`` exited: last_exited's K/V copies, the readout; the rows go idle."""
@@ -209,6 +215,7 @@ class Ticker:
         xr = _stack_rows(m.coda_blocks(), lambda i: cache.coda[i], m.readout_in(self.state[done], mode),
                          done, pd, None, kmask, m.rope(pd, mode), mode)  # fmt: skip
         logits = m.head(m.readout_out(xr, mode), mode)
+        self.exit_logprobs = self.elp[done].clone() if self.sampled else None
         self.live[done] = False
         return done, logits, ed
 
@@ -276,12 +283,20 @@ _CARRY = ("prev_logprobs", "prev_entropy", "remaining", "cumulative")
 def _policy_exits(
     model: EngineModel, cache: KVCache, policy: ExitPolicy, run: Tensor, depth: Tensor,
     state: Tensor, prev: Tensor, pos: Tensor, max_depth: int, mode: str,
-    carry: dict[str, Tensor],
+    carry: dict[str, Tensor], seeds: Tensor, elp: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """[M] the policy's exit decision for rows ``run`` after their iteration ``depth`` [M];
     rows at their first iteration are judged with no carry (as run_chunk's first iteration),
-    the others with their own carry, which is kept per row in ``carry``."""
+    the others with their own carry, which is kept per row in ``carry``. A SampledGate draws
+    each row's `exit_uniform` at its own (seed, position, depth) (``seeds``: the rows' seeds)
+    and adds the iteration's `exit_step_logprob` to the row's ``elp`` (as run_chunk does)."""
     info = StepInfo(depth, max_depth, state, prev, mode=mode)
+    levels = depth.unique().tolist()  # the per-depth calls below: one per distinct depth
+    if isinstance(policy, SampledGate):
+        info.uniform = torch.empty(run.shape[0], dtype=torch.float64, device=state.device)
+        for dv in levels:
+            m = depth == dv
+            info.uniform[m] = exit_uniform(seeds[m], pos[m], int(dv)).to(state.device)
     if needs_logits(policy):  # the readout of the new state (writes its coda K/V, as run_chunk)
         kmask = _key_mask(cache.filled.index_select(0, run), pos[:, None])
         xr = _stack_rows(model.coda_blocks(), lambda i: cache.coda[i], model.readout_in(state, mode),
@@ -297,7 +312,8 @@ def _policy_exits(
             continue
         sub = StepInfo(depth[idx], max_depth, state[idx], prev[idx], mode=mode,
                        logits=None if info.logits is None else info.logits[idx],
-                       gate_logit=None if info.gate_logit is None else info.gate_logit[idx])  # fmt: skip
+                       gate_logit=None if info.gate_logit is None else info.gate_logit[idx],
+                       uniform=None if info.uniform is None else info.uniform[idx])  # fmt: skip
         rows = run[idx]
         before = None
         if part is not first:
@@ -311,6 +327,14 @@ def _policy_exits(
             if k not in carry:
                 carry[k] = v.new_zeros((cache.filled.shape[0], *v.shape[1:]))
             carry[k][rows] = v
+    if elp is not None and isinstance(policy, SampledGate):  # the exit's log-prob, per iteration
+        assert info.gate_logit is not None
+        forced = torch.full_like(depth, max_depth)
+        for dv in levels:
+            m = depth == dv
+            term = exit_step_logprob(info.gate_logit.reshape(-1)[m], hit[m], int(dv),
+                                     policy.min_depth, forced[m], mode)  # fmt: skip
+            elp[run[m]] = elp[run[m]] + term.to(elp.device)
     return hit
 
 

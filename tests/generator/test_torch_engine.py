@@ -247,3 +247,22 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     assert eng.broken and eng.weight_version == 2
     with pytest.raises(WeightLoadError):
         eng.generate(items)
+
+
+def test_a_short_prompt_prefilled_beside_a_longer_running_one(tmp_path: Path) -> None:
+    """Token 0 under the policy (Ouro): a freed slot's short prompt is prefilled while another
+    slot is mid-request with a longer prompt (the prefill fed every slot's last prompt position
+    of the short chunk: an IndexError before); records equal the reference."""
+    path = init_checkpoint("ouro", "tiny", tmp_path / "o", seed=1)
+    policy = OuroGate(0.8)
+    eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu")
+    ps = prompts(2, [11, 3], seed=7)
+    items = [work_item(ps[0], [3], temperature=0.8, top_p=0.9, max_tokens=9, name="long"),
+             work_item(ps[1], [4, 5, 6], temperature=0.8, top_p=0.9, max_tokens=2, name="short")]  # fmt: skip
+    out = eng.generate(items)
+    _, model = load_model(path)
+    for it, samples in zip(items, out, strict=True):
+        for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
+            tokens, exit_depths, lps, _ = _reference(model, it, int(seed), policy)
+            assert s.tokens.tolist() == tokens and s.exit_depths.tolist() == exit_depths
+            np.testing.assert_array_equal(s.logprobs, lps)

@@ -22,6 +22,7 @@ CASES: list[tuple[str, ExitPolicy, int]] = [
     ("huginn", LatentDiff(0.45), 1),
     ("huginn", LatentDiff(0.45), 3),
     ("ouro", OuroGate(0.8, kv="last_exited"), 2),  # token 0 under the policy (contract 2)
+    ("ouro", SampledGate(kv="last_exited"), 1),  # exits drawn, their log-probs filed
 ]
 
 
@@ -40,18 +41,23 @@ def test_ticks_records_equal_the_reference(
     for it, samples in zip(items, out, strict=True):
         assert len(samples) == it.n
         for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
-            tokens, exit_depths, lps, _ = _reference(model, it, int(seed), policy)
+            tokens, exit_depths, lps, elps = _reference(model, it, int(seed), policy)
             assert s.tokens.tolist() == tokens, (it.work_id, seed)
             assert s.exit_depths.tolist() == exit_depths
             np.testing.assert_array_equal(s.logprobs, lps)  # bit for bit (exact numerics)
+            if elps is None:
+                assert s.exit_logprobs is None
+            else:  # a sampled exit: the same exits drawn, the same log-probs claimed
+                assert s.exit_logprobs is not None
+                np.testing.assert_array_equal(s.exit_logprobs, elps.numpy())
             depths |= set(exit_depths[1:])
     assert len(depths) >= 2, f"mixed exit depths needed, got {depths}"
 
 
 def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
     path = init_checkpoint("ouro", "tiny", tmp_path / "o", seed=1)
-    with pytest.raises(ValueError, match="decode by ticks needs kv last_exited, no sampled"):
-        TorchEngine(path, numerics="exact", exit_policy=SampledGate(), device="cpu", ticks=1)
+    with pytest.raises(ValueError, match="decode by ticks needs kv last_exited and no graph"):
+        TorchEngine(path, numerics="exact", exit_policy=OuroGate(0.8), device="cpu", ticks=1)
     with pytest.raises(ValueError, match="graph"):
         TorchEngine(path, exit_policy=FixedDepth(4), device="cpu", graph=True, ticks=1)
     with pytest.raises(ValueError, match="ticks must be >= 0"):
