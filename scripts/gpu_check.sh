@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth depth_big torchgen digest e2e learnerproc shm packed loop_credit loop_credit_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth depth_big torch_depth torchgen digest e2e learnerproc shm packed loop_credit loop_credit_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -156,6 +156,14 @@ if has depth_big; then  # depth batching where the core's matmuls are compute-bo
             2>>"$LOG/depth_big.err" | tee -a "$LOG/depth_big.jsonl" | tail -n 1
     done
     tail -n 5 "$LOG/depth_big.err"
+fi
+if has torch_depth; then  # the torch engine end to end at adaptive depths (issue 25): chunk
+    # decode vs decode by ticks (generators.depth_ticks), Ouro-like random weights, bf16
+    timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda \
+        ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --tokens 16 --ticks 1,4} \
+        2>"$LOG/torch_depth.err" | tee "$LOG/torch_depth.json"
+    echo "torch_depth rc=${PIPESTATUS[0]}"
+    tail -n 4 "$LOG/torch_depth.err"
 fi
 if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 item 2)
     # CUDA checks first: graph == eager step (fp32), compiled blocks vs eager (CPU and CUDA);

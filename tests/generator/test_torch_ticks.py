@@ -82,3 +82,29 @@ def test_the_generator_key_reaches_the_main_torch_engine_only(tmp_path: Path) ->
     eng = TorchEngine(path, exit_policy=LatentDiff(0.45), device="cpu", **common, **main_only)
     assert eng.ticks == 2
     assert engine_kwargs(GeneratorConfig(engine="vllm"))[1] == {"inflight_updates": False}
+
+
+def test_the_benchmark_prints_its_line() -> None:
+    """benchmarks/torch_depth.py --tiny (the CPU smoke run of the GPU benchmark): one JSON
+    line, every configuration timed, the tick rows the same tokens and exits as the chunk rows,
+    the solved gate's mean depths below the full depth."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks/torch_depth.py"), "--device", "cpu", "--tiny",
+         "--batch", "4", "--depth", "6", "--tokens", "4", "--reps", "1", "--ticks", "2"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root, check=True,
+    )  # fmt: skip
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {x["config"]: x for x in r["rows"]}
+    assert set(rows) == {"fixed"} | {f"{s}:{p}" for s in ("gate_fixed", "half", "quarter")
+                                     for p in ("chunk", "ticks2")}  # fmt: skip
+    assert all(x["tokens_per_s"] > 0 for x in rows.values())
+    assert all(x["same_as_chunk"] for k, x in rows.items() if k.endswith("ticks2"))
+    assert rows["gate_fixed:chunk"]["mean_depth"] == 6.0
+    assert rows["quarter:chunk"]["mean_depth"] < rows["half:chunk"]["mean_depth"] < 6.0

@@ -1,0 +1,186 @@
+"""The torch generator engine at adaptive exit depths, end to end (issue 25): what a generated
+token costs at a mean exit depth of ~D/2 and ~D/4 against the fixed depth D, decoding one chunk
+per token (`TorchEngine(ticks=0)`: the deepest row sets every row's iterations, depth batching
+computes only the running rows) or by ticks (`ticks=k`: every row at its own iteration of its
+own token, exited rows read out every k ticks; generator/torch_ticks.py). One JSON line.
+
+    python benchmarks/torch_depth.py --device cuda --batch 256 --depth 16 --ticks 1,4   # a GPU
+    python benchmarks/torch_depth.py --device cpu --tiny                               # a smoke run
+
+What runs: an Ouro module (random weights, std 0.02; `--hidden --layers --heads --ffn --vocab`,
+looped `--depth` times; `--tiny`: hidden 64, 2 layers) in `--dtype` on `--device`,
+`TorchEngine.generate` of `--batch` greedy requests of `--prompt` random tokens and `--tokens`
+new tokens, every request in the cache at once (max_num_seqs = batch): the product's call,
+prefill, decode, host sampling and records included. Exits: SampledGate(max_depth D, kv
+last_exited) with the exit gate set to a constant (weight 0, bias b: every token exits after
+each iteration with probability sigmoid(b), drawn from its latent seed's exit uniform), b solved
+for a mean exit depth of D/2 (`half`) and D/4 (`quarter`), b = -30 (`gate_fixed`: every token
+runs D iterations through the exit loop); `fixed` = an engine under FixedDepth(D) (on a GPU its
+CUDA-graph decode, the torch engine's fixed-depth path; `fixed_eager`: the same without the
+graph). Timing: a warm call of every configuration, then `--reps` rounds over all of them
+(interleaved), the median per configuration, device-synchronised; tokens/s = batch x tokens /
+call; `vs_fixed` = a call / the fastest fixed-depth call; `mean_depth` from the records (every
+row's exits: the same in every path, checked: `same_as_chunk`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.depth_batching_plugin import gate_bias  # noqa: E402
+
+
+def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> Any:
+    """The Ouro module at the flags' shape, random weights on ``dev`` (norms 1)."""
+    from models.config import OuroConfig
+    from models.ouro import OuroForCausalLM
+
+    h, layers, heads, ffn, vocab = ((64, 2, 2, 128, 512) if a.tiny else
+                                    (a.hidden, a.layers, a.heads, a.ffn, a.vocab))  # fmt: skip
+    cfg = OuroConfig.from_hf_dict(dict(
+        model_type="ouro", vocab_size=vocab, hidden_size=h, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=h // heads, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=4096, total_ut_steps=a.depth, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    ))  # fmt: skip
+    with torch.device(dev):
+        model = OuroForCausalLM(cfg)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+    return model.to(dtype).eval()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--tiny", action="store_true", help="a smoke run's shape (CPU tests)")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=65536)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--ticks", default="1,4", help="readout_every values of the tick rows")
+    ap.add_argument("--schedules", default="gate_fixed,half,quarter")
+    a = ap.parse_args()
+    if a.depth < 2 or a.batch < 1 or a.tokens < 2:
+        raise SystemExit("--depth >= 2, --batch >= 1 and --tokens >= 2 are needed")
+    ticks = [int(k) for k in a.ticks.split(",") if k]
+    if any(k < 1 for k in ticks):
+        raise SystemExit(f"--ticks: values >= 1, got {a.ticks!r}")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" \
+        else torch.device(a.device)  # fmt: skip
+    dtype = torch.bfloat16 if (a.dtype == "bfloat16" or (a.dtype == "auto" and dev.type == "cuda")) \
+        else torch.float32  # fmt: skip
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    from generator.torch_engine import TorchEngine
+    from models.exits import FixedDepth, SampledGate
+    from proto.records import WorkItem
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = build(a, dev, dtype)
+    build_s = time.perf_counter() - t0
+    vocab = int(model.vocab_size)
+    gen = torch.Generator().manual_seed(3)
+    items = [WorkItem(work_id=f"w{i}", prompt_id=str(i),
+                      prompt_tokens=torch.randint(3, vocab, (a.prompt,), generator=gen).numpy()
+                      .astype(np.int32), latent_seeds=np.asarray([i + 1], dtype=np.uint64),
+                      temperature=0.0, max_tokens=a.tokens)  # fmt: skip
+             for i in range(a.batch)]  # fmt: skip
+    gate_w, gate_b = model.model.early_exit_gate.weight, model.model.early_exit_gate.bias
+    base = dict(numerics="fast", model=model, max_num_seqs=a.batch, device=str(dev))
+    engines: dict[str, tuple[Any, float | None]] = {
+        "fixed": (TorchEngine(None, exit_policy=FixedDepth(a.depth), **base), None),  # type: ignore[arg-type]
+    }
+    if cuda:  # the graph decode is the fixed path on a GPU; the same without it beside
+        engines["fixed_eager"] = (TorchEngine(None, exit_policy=FixedDepth(a.depth), graph=False,
+                                              **base), None)  # type: ignore[arg-type]  # fmt: skip
+    biases = {"gate_fixed": -30.0, "half": gate_bias(a.depth, a.depth / 2),
+              "quarter": gate_bias(a.depth, a.depth / 4)}  # fmt: skip
+    sampled = SampledGate(max_depth=a.depth, kv="last_exited")
+    for name in a.schedules.split(","):
+        for k in [0, *ticks]:
+            eng = TorchEngine(None, exit_policy=sampled, ticks=k, **base)  # type: ignore[arg-type]
+            engines[f"{name}:{'chunk' if k == 0 else f'ticks{k}'}"] = (eng, biases[name])
+
+    def run(key: str) -> list[Any]:
+        eng, bias = engines[key]
+        if bias is not None:  # the gate constant: every token's exit chance sigmoid(bias)
+            with torch.no_grad():
+                gate_w.zero_()
+                gate_b.fill_(bias)
+        out = eng.generate(items)
+        sync()
+        return out
+
+    records: dict[str, list[Any]] = {}
+    first: dict[str, float] = {}
+    for key in engines:  # warm: graph capture, first shapes
+        t = time.perf_counter()
+        records[key] = run(key)
+        first[key] = time.perf_counter() - t
+        print(f"warm {key}: {first[key]:.3f} s", file=sys.stderr, flush=True)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(a.reps):
+        for key in engines:
+            t = time.perf_counter()
+            run(key)
+            times[key].append(time.perf_counter() - t)
+            print(f"round {r + 1} {key}: {times[key][-1]:.3f} s", file=sys.stderr, flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best_fixed = min(v for k, v in med.items() if k.startswith("fixed"))
+    n = a.batch * a.tokens
+    rows = []
+    for key in engines:
+        depths = np.concatenate([s[0].exit_depths[1:] for s in records[key]]).astype(float)
+        name = key.split(":")[0]
+        chunk = records.get(f"{name}:chunk")
+        same = None
+        if chunk is not None and ":" in key:
+            same = all(x[0].tokens.tolist() == y[0].tokens.tolist()
+                       and x[0].exit_depths.tolist() == y[0].exit_depths.tolist()
+                       for x, y in zip(records[key], chunk, strict=True))  # fmt: skip
+        rows.append(dict(config=key, s_per_call=round(med[key], 4),
+                         tokens_per_s=round(n / med[key], 1), vs_fixed=round(med[key] / best_fixed, 3),
+                         mean_depth=round(float(depths.mean()), 2) if depths.size else None,
+                         first_call_s=round(first[key], 2), same_as_chunk=same))  # fmt: skip
+    print(json.dumps(dict(
+        bench="torch_depth", device=str(torch.cuda.get_device_name() if cuda else "cpu"),
+        dtype=str(dtype).replace("torch.", ""), tiny=a.tiny, depth=a.depth, batch=a.batch,
+        prompt=a.prompt, tokens=a.tokens, reps=a.reps, build_s=round(build_s, 1),
+        params=sum(p.numel() for p in model.parameters()), rows=rows,
+        command=" ".join(sys.argv),
+    )), flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
