@@ -97,6 +97,12 @@ def build(shape: str, depth: int, dtype: torch.dtype, dev: torch.device) -> Any:
     s = dict(SHAPES[shape], recurrence=depth, seq=4096)
     with torch.device(dev):
         model = HuginnForCausalLM(model_config(s))
+    return random_weights(model, dev, dtype)
+
+
+def random_weights(model: Any, dev: torch.device, dtype: torch.dtype) -> Any:
+    """``model`` (on ``dev``) with random weights: matrices N(0, 0.02), vectors (norms) 1, seeded;
+    in ``dtype``, eval mode. Timings do not depend on the values."""
     gen = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.depth_batching import random_weights  # noqa: E402
 from benchmarks.depth_batching_plugin import gate_bias  # noqa: E402
 
 
@@ -57,14 +58,7 @@ def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> Any:
     ))  # fmt: skip
     with torch.device(dev):
         model = OuroForCausalLM(cfg)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.fill_(1.0)
-    return model.to(dtype).eval()
+    return random_weights(model, dev, dtype)
 
 
 def main() -> int:

@@ -54,7 +54,12 @@ def test_records_equal_the_reference(family: str, tmp_path: Path) -> None:
     eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu")
     items = _items()
     items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
-    out = eng.generate(items)
+    equal_to_reference(path, items, eng.generate(items), policy)
+
+
+def equal_to_reference(path: Path, items: list[WorkItem], out: list, policy: ExitPolicy) -> None:
+    """Each record of ``out`` equals the reference generation of its request alone, bit for bit
+    (exact numerics): tokens, exit depths, log-probs, a sampled exit's log-probs; mixed depths."""
     _, model = load_model(path)
     depths = set()
     for it, samples in zip(items, out, strict=True):

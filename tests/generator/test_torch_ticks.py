@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from generator.torch_engine import TorchEngine
-from models.checkpoint import load_model
 from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
-from tests.generator.test_torch_engine import _items, _reference
+from tests.generator.test_torch_engine import _items, equal_to_reference
 
 CASES: list[tuple[str, ExitPolicy, int]] = [
     ("huginn", LatentDiff(0.45), 1),
@@ -35,23 +33,7 @@ def test_ticks_records_equal_the_reference(
                       ticks=ticks)  # fmt: skip
     items = _items()
     items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
-    out = eng.generate(items)
-    _, model = load_model(path)
-    depths = set()
-    for it, samples in zip(items, out, strict=True):
-        assert len(samples) == it.n
-        for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
-            tokens, exit_depths, lps, elps = _reference(model, it, int(seed), policy)
-            assert s.tokens.tolist() == tokens, (it.work_id, seed)
-            assert s.exit_depths.tolist() == exit_depths
-            np.testing.assert_array_equal(s.logprobs, lps)  # bit for bit (exact numerics)
-            if elps is None:
-                assert s.exit_logprobs is None
-            else:  # a sampled exit: the same exits drawn, the same log-probs claimed
-                assert s.exit_logprobs is not None
-                np.testing.assert_array_equal(s.exit_logprobs, elps.numpy())
-            depths |= set(exit_depths[1:])
-    assert len(depths) >= 2, f"mixed exit depths needed, got {depths}"
+    equal_to_reference(path, items, eng.generate(items), policy)
 
 
 def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
