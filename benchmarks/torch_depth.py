@@ -18,9 +18,12 @@ for a mean exit depth of D/2 (`half`) and D/4 (`quarter`), b = -30 (`gate_fixed`
 runs D iterations through the exit loop); `fixed` = an engine under FixedDepth(D) (on a GPU its
 CUDA-graph decode, the torch engine's fixed-depth path; `fixed_eager`: the same without the
 graph). Timing: a warm call of every configuration, then `--reps` rounds over all of them
-(interleaved), the median per configuration, device-synchronised; tokens/s = batch x tokens /
-call; `vs_fixed` = a call / the fastest fixed-depth call; `mean_depth` from the records (every
-row's exits: the same in every path, checked: `same_as_chunk`).
+(interleaved), the median per configuration, device-synchronised. The decode time per generated
+token = (a call of `--tokens` new tokens - a call of 1) / (batch x (tokens - 1)): the prefill
+(the prompt at full depth, whatever the exits) and the call's fixed costs cancel;
+`vs_fixed` = that / the fastest fixed-depth configuration's; `s_per_call` / `tokens_per_s`: the
+whole call of `--tokens`; `mean_depth` from the records (every row's exits: the same in every
+path, checked: `same_as_chunk`).
 """
 
 from __future__ import annotations
@@ -104,11 +107,15 @@ def main() -> int:
     build_s = time.perf_counter() - t0
     vocab = int(model.vocab_size)
     gen = torch.Generator().manual_seed(3)
-    items = [WorkItem(work_id=f"w{i}", prompt_id=str(i),
-                      prompt_tokens=torch.randint(3, vocab, (a.prompt,), generator=gen).numpy()
-                      .astype(np.int32), latent_seeds=np.asarray([i + 1], dtype=np.uint64),
-                      temperature=0.0, max_tokens=a.tokens)  # fmt: skip
-             for i in range(a.batch)]  # fmt: skip
+    prompts = [torch.randint(3, vocab, (a.prompt,), generator=gen).numpy().astype(np.int32)
+               for _ in range(a.batch)]  # fmt: skip
+
+    def items_of(n_new: int) -> list[Any]:
+        return [WorkItem(work_id=f"w{i}", prompt_id=str(i), prompt_tokens=p,
+                         latent_seeds=np.asarray([i + 1], dtype=np.uint64), temperature=0.0,
+                         max_tokens=n_new) for i, p in enumerate(prompts)]  # fmt: skip
+
+    calls = {a.tokens: items_of(a.tokens), 1: items_of(1)}  # decode = the difference
     gate_w, gate_b = model.model.early_exit_gate.weight, model.model.early_exit_gate.bias
     base = dict(numerics="fast", model=model, max_num_seqs=a.batch, device=str(dev))
     engines: dict[str, tuple[Any, float | None]] = {
@@ -125,13 +132,13 @@ def main() -> int:
             eng = TorchEngine(None, exit_policy=sampled, ticks=k, **base)  # type: ignore[arg-type]
             engines[f"{name}:{'chunk' if k == 0 else f'ticks{k}'}"] = (eng, biases[name])
 
-    def run(key: str) -> list[Any]:
+    def run(key: str, n_new: int) -> list[Any]:
         eng, bias = engines[key]
         if bias is not None:  # the gate constant: every token's exit chance sigmoid(bias)
             with torch.no_grad():
                 gate_w.zero_()
                 gate_b.fill_(bias)
-        out = eng.generate(items)
+        out = eng.generate(calls[n_new])
         sync()
         return out
 
@@ -139,18 +146,23 @@ def main() -> int:
     first: dict[str, float] = {}
     for key in engines:  # warm: graph capture, first shapes
         t = time.perf_counter()
-        records[key] = run(key)
+        records[key] = run(key, a.tokens)
         first[key] = time.perf_counter() - t
+        run(key, 1)
         print(f"warm {key}: {first[key]:.3f} s", file=sys.stderr, flush=True)
-    times: dict[str, list[float]] = {k: [] for k in engines}
+    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in engines for n in calls}
     for r in range(a.reps):
         for key in engines:
-            t = time.perf_counter()
-            run(key)
-            times[key].append(time.perf_counter() - t)
-            print(f"round {r + 1} {key}: {times[key][-1]:.3f} s", file=sys.stderr, flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best_fixed = min(v for k, v in med.items() if k.startswith("fixed"))
+            for n_new in calls:
+                t = time.perf_counter()
+                run(key, n_new)
+                times[(key, n_new)].append(time.perf_counter() - t)
+                print(f"round {r + 1} {key} {n_new} tokens: {times[(key, n_new)][-1]:.3f} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    whole = {k: statistics.median(times[(k, a.tokens)]) for k in engines}
+    dec = {k: max(1e-9, (whole[k] - statistics.median(times[(k, 1)])) / (a.batch * (a.tokens - 1)))
+           for k in engines}  # fmt: skip
+    best_fixed = min(v for k, v in dec.items() if k.startswith("fixed"))
     n = a.batch * a.tokens
     rows = []
     for key in engines:
@@ -162,8 +174,9 @@ def main() -> int:
             same = all(x[0].tokens.tolist() == y[0].tokens.tolist()
                        and x[0].exit_depths.tolist() == y[0].exit_depths.tolist()
                        for x, y in zip(records[key], chunk, strict=True))  # fmt: skip
-        rows.append(dict(config=key, s_per_call=round(med[key], 4),
-                         tokens_per_s=round(n / med[key], 1), vs_fixed=round(med[key] / best_fixed, 3),
+        rows.append(dict(config=key, decode_ms_per_token=round(dec[key] * 1e3, 4),
+                         vs_fixed=round(dec[key] / best_fixed, 3), s_per_call=round(whole[key], 4),
+                         tokens_per_s=round(n / whole[key], 1),
                          mean_depth=round(float(depths.mean()), 2) if depths.size else None,
                          first_call_s=round(first[key], 2), same_as_chunk=same))  # fmt: skip
     print(json.dumps(dict(
