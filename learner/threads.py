@@ -52,9 +52,12 @@ def resolve_threads(value: int | str, *, local_generator_threads: int = 0,
 
 
 def apply_threads(value: int | str) -> int:
-    """Set torch's intra-op threads to ``value`` (``auto`` resolved with no local generators:
-    a run recorded before the key, or a direct caller); returns the count set."""
-    n = resolve_threads(value)
+    """Set torch's intra-op threads to ``value``; ``auto`` (not resolved: a run recorded
+    before the key, or a direct caller) leaves torch's own count, as such a run had it.
+    Returns the count in effect."""
+    if value == AUTO:
+        return torch.get_num_threads()
+    n = int(value)
     if torch.get_num_threads() != n:
         log.info("learner: torch intra-op threads %d -> %d", torch.get_num_threads(), n)
         torch.set_num_threads(n)

@@ -76,7 +76,7 @@ def with_learner_threads(cfg: RunConfig, local_generator_threads: int = 0) -> Ru
 def build_trainer(backend: str, cfg: RunConfig, model_dir: Path) -> Trainer:
     """The trainer for ``backend`` ("megatron", "reference", or "auto": megatron if
     learner.trainer is importable, else the reference trainer with a warning), with torch's
-    intra-op threads set to ``learner.threads`` first (auto: as with no local generators)."""
+    intra-op threads set to ``learner.threads`` first (auto, unresolved: torch's own count)."""
     from learner.threads import apply_threads  # local: imports torch
 
     apply_threads(cfg.learner.threads)

@@ -434,6 +434,7 @@ def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         if (model / "config.json").is_file():
             break
         time.sleep(0.1)
+    cfg = with_learner_threads(cfg)  # as rank 0 resolves it (`looprl learner`: no generators)
     trainer = build_trainer("megatron", cfg, model)
     return {"followed_steps": follow(trainer)}
 

@@ -100,6 +100,8 @@ def test_build_trainer_applies_it(keep_torch_threads: None, monkeypatch: pytest.
         build_trainer(backend, load_config(None, [f"learner.threads={n}"]), tmp_path)
     assert built == [("megatron", 1), ("reference", 2), ("megatron", 1)]
     assert apply_threads(2) == 2 and torch.get_num_threads() == 2
+    torch.set_num_threads(1)  # auto not resolved (a run recorded before the key): torch's own
+    assert apply_threads("auto") == 1 and torch.get_num_threads() == 1
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "many", "2.5", "true"])
