@@ -167,6 +167,9 @@ def _load_on_worker(
 
 KEPT = "_looprl_checkpoint_weights"
 """Attribute of a native CPU model: {packed linear layer: its checkpoint-layout weight}."""
+DIRECT_RELOAD_BYTES = 256 << 20
+"""Most bytes of kept checkpoint-layout weights: the direct reload holds a second copy of the
+packed layers' weights for good (vLLM's reload holds one layer's at a time, while it loads)."""
 
 
 def _direct_reload(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
@@ -179,7 +182,9 @@ def _direct_reload(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bo
     gets a checkpoint-layout weight (materialised once from vLLM's own record of the layer,
     then kept), the model's own loader fills them (fusing q/k/v, gate/up), and every layer
     with a weight is processed again (``process_weights_after_loading``: the packed copies
-    made afresh, the checkpoint weight dropped from the layer as at start)."""
+    made afresh, the checkpoint weight dropped from the layer as at start). Only while those
+    weights take at most DIRECT_RELOAD_BYTES: the per-version bookkeeping matters on small
+    models, a second copy of a large one's weights would not be worth it."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.model_executor.model_loader.reload.layerwise import (
@@ -204,16 +209,20 @@ def _direct_reload(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bo
         layers.append(module)
     kept: dict[torch.nn.Module, torch.Tensor] = model.__dict__.setdefault(KEPT, {})
     packed = [m for m in layers if not m.weight.numel()]  # packed: vLLM dropped the weight
-    for layer in packed:
-        if layer not in kept:
-            info = LAYERWISE_INFO.get(layer)
-            meta = info.restore_metadata[0].get("weight") if info is not None else None
-            if meta is None or not hasattr(layer, "cpu_linear"):
-                return False
-            weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
-            if hasattr(weight, "weight_loader"):  # a reload of vLLM's may have left its
-                weight.weight_loader = _get_original_loader(weight)  # counting wrapper there
-            kept[layer] = weight
+    metas = {}
+    for layer in (m for m in packed if m not in kept):  # the first call: vLLM's records
+        info = LAYERWISE_INFO.get(layer)
+        meta = info.restore_metadata[0].get("weight") if info is not None else None
+        if meta is None or not hasattr(layer, "cpu_linear"):
+            return False
+        metas[layer] = meta
+    if metas and sum(t.numel() * t.element_size() for t in metas.values()) > DIRECT_RELOAD_BYTES:
+        return False  # a large model: vLLM's reload, one layer's copy at a time
+    for layer, meta in metas.items():
+        weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
+        if hasattr(weight, "weight_loader"):  # a reload of vLLM's may have left its
+            weight.weight_loader = _get_original_loader(weight)  # counting wrapper there
+        kept[layer] = weight
     for layer in packed:
         layer.weight = kept[layer]  # vLLM's parameter class: its loader and shard layout
     model.load_weights(iter(state.items()))  # type: ignore[operator]  # vLLM's own loader
