@@ -183,6 +183,8 @@ class LearnerConfig:
     """torch.compile every transformer block (numerics fast only)."""
     max_tokens_per_micro: int = 0
     """Packed rows: rollouts end to end, at most this many tokens per forward/backward; 0: padded rows."""
+    threads: int | str = "auto"
+    """Torch intra-op threads of each learner process, >= 1, or auto (CPU: the cores minus the local generators' threads; CUDA: torch's count), resolved once and recorded for replay."""
 
     def __post_init__(self) -> None:
         need = checker(self, "learner")
@@ -193,6 +195,9 @@ class LearnerConfig:
         need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: automatic)")
         need(self.max_tokens_per_micro >= 0, "max_tokens_per_micro",
              "must be >= 0 (0: padded rows of micro_batch_size)")  # fmt: skip
+        t = self.threads
+        need(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 1),
+             "threads", "must be an integer >= 1 or auto")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 Order of calls (learner rank 0; other ranks, if any, follow the same trainer calls)::
 
-    trainer = build_trainer(backend, cfg, model_dir)   # megatron (learner.trainer) or reference
+    cfg = with_learner_threads(cfg, n)                 # learner.threads auto -> a number, once,
+                                                       # before the run's config.yaml is written
+    trainer = build_trainer(backend, cfg, model_dir)   # megatron (learner.trainer) or reference;
+                                                       # torch's threads set to learner.threads
     ckpt = trainer.latest(run_dir)                     # on --resume
     state = trainer.load(ckpt)                         # -> the pipeline_state saved with it
     metrics = trainer.step(rollouts, flags)            # one training step on complete groups
@@ -30,6 +33,7 @@ refused (models.errors.NonFiniteWeightsError) and never written or announced.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -57,9 +61,25 @@ class Trainer(Protocol):
     def close(self) -> None: ...
 
 
+def with_learner_threads(cfg: RunConfig, local_generator_threads: int = 0) -> RunConfig:
+    """``cfg`` with ``learner.threads`` auto resolved to a number (learner.threads: the cores
+    minus ``local_generator_threads`` on a CPU learner); a number is kept. The run records
+    the result in config.yaml, so replay and a resume train with the same count."""
+    from learner.threads import resolve_threads  # local: imports torch
+
+    n = resolve_threads(cfg.learner.threads, local_generator_threads=local_generator_threads)
+    if n == cfg.learner.threads:
+        return cfg
+    return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, threads=n))
+
+
 def build_trainer(backend: str, cfg: RunConfig, model_dir: Path) -> Trainer:
     """The trainer for ``backend`` ("megatron", "reference", or "auto": megatron if
-    learner.trainer is importable, else the reference trainer with a warning)."""
+    learner.trainer is importable, else the reference trainer with a warning), with torch's
+    intra-op threads set to ``learner.threads`` first (auto, unresolved: torch's own count)."""
+    from learner.threads import apply_threads  # local: imports torch
+
+    apply_threads(cfg.learner.threads)
     if backend in ("auto", "megatron"):
         try:
             # local: megatron-core may be missing (backend auto falls back to reference)

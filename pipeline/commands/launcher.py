@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
@@ -144,8 +145,11 @@ class Generators:
 
 
 def run_local(cfg: RunConfig) -> dict[str, Any]:
-    """Learner here + generators as processes; returns the learner's summary."""
+    """Learner here + generators as processes; returns the learner's summary. The learner's
+    ``learner.threads`` auto leaves the generators' threads (count x threads) their cores."""
 
+    local = cfg.generators.count * cfg.generators.threads
+    cfg = with_learner_threads(cfg, local_generator_threads=local)
     gens = Generators(cfg)
     t0 = time.time()
     try:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from models.checkpoint import load_config as load_model_config
 from models.init import init_checkpoint
 from pipeline.backends.ranks import Leader, follow
-from pipeline.backends.trainer_api import build_trainer
+from pipeline.backends.trainer_api import build_trainer, with_learner_threads
 from pipeline.commands import console
 from pipeline.commands.evaluation import eval_prompts
 from pipeline.commands.generator_flags import config_argv, generator_config
@@ -255,6 +255,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     if os.environ.get("RANK", "0") != "0":  # torchrun: ranks > 0 repeat rank 0's trainer calls
         return _follower(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = with_learner_threads(cfg)  # auto -> a number (`looprl run` resolved it already)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     model = model_dir(cfg, run_dir)
     cfg = tasks.with_task_stops(cfg, model)  # dataset: stop at the checkpoint's EOS ids
@@ -433,6 +434,7 @@ def _follower(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         if (model / "config.json").is_file():
             break
         time.sleep(0.1)
+    cfg = with_learner_threads(cfg)  # as rank 0 resolves it (`looprl learner`: no generators)
     trainer = build_trainer("megatron", cfg, model)
     return {"followed_steps": follow(trainer)}
 

@@ -2,7 +2,9 @@
 
 test_replay_fake_free: a live run (real learner, megatron or reference backend, one real
 generator process, 3 steps; the default objective, or the parity issue's new values), then
-replay from its stream: every published version's canonical digest equals the live one. (The 120-step quickstart replays identically too:
+replay from its stream: every published version's canonical digest equals the live one, with
+the learner's torch threads (learner.threads, pinned or auto) recorded by the live run and set
+again by replay. (The 120-step quickstart replays identically too:
 docs/PIPELINE.md.)
 test_replay_errors: what replay refuses (a step log naming rollouts the stream lacks).
 """
@@ -13,7 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from learner.threads import resolve_threads
+from pipeline.commands.learner_main import resolve_config
 from pipeline.commands.replay_main import replay
 from pipeline.config import ConfigError
 from tests.pipeline.e2e_utils import check_run, run, small_config
@@ -42,11 +47,22 @@ def test_replay_fake_free(tmp_path: Path, backend: str, objective: str) -> None:
     both learner policies, and replay reaches the same weights."""
     live = tmp_path / "live"
     values = OBJECTIVE_VALUES if objective == "parity_values" else []
+    # learner.threads: a pinned count (reference, defaults) or auto, resolved and recorded
+    pinned = backend == "reference" and objective == "defaults"
+    threads = ["learner.threads=1"] if pinned else []
     cfg = small_config(live, "steps=3", "generators.count=1", "staleness.max_staleness=1",
-                       f"backend={backend}", *values)  # fmt: skip
+                       f"backend={backend}", *values, *threads)  # fmt: skip
     s = run(cfg)
     check_run(live, 4, 3, max_staleness=1)
-    res = replay(live / "stream", tmp_path / "replay")
+    recorded = resolve_config(None, str(live), []).learner.threads
+    assert recorded == (1 if pinned else resolve_threads("auto"))  # a number, not auto
+    before = torch.get_num_threads()
+    torch.set_num_threads(2 if recorded == 1 else 1)  # replay must set the recorded count
+    try:
+        res = replay(live / "stream", tmp_path / "replay")
+        assert torch.get_num_threads() == recorded
+    finally:
+        torch.set_num_threads(before)
     assert sorted(res, key=int) == ["1", "2", "3"]
     for version, (want, got) in res.items():
         assert want == got, f"v{version}: live {want} != replay {got}"
