@@ -60,5 +60,13 @@ def apply_threads(value: int | str) -> int:
     n = int(value)
     if torch.get_num_threads() != n:
         log.info("learner: torch intra-op threads %d -> %d", torch.get_num_threads(), n)
-        torch.set_num_threads(n)
+        set_threads(n)
     return n
+
+
+def set_threads(n: int) -> None:
+    """torch's own ``set_num_threads``: a process that hosted a vLLM CPU worker (an in-process
+    engine: tests, benchmarks) has ``torch.set_num_threads`` replaced by a no-op that only logs
+    a warning (vllm.v1.worker.cpu_worker, after its thread binding), which would leave a
+    learner built later in that process on another count than its run recorded."""
+    torch._C.set_num_threads(n)

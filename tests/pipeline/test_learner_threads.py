@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import learner.threads as threads_mod
-from learner.threads import apply_threads, resolve_threads
+from learner.threads import apply_threads, resolve_threads, set_threads
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import launcher
 from pipeline.commands.learner_main import resolve_config
@@ -33,7 +33,7 @@ def four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
 def keep_torch_threads() -> Any:
     before = torch.get_num_threads()
     yield
-    torch.set_num_threads(before)
+    set_threads(before)
 
 
 def test_auto_resolves_on_cpu(four_cores: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,11 +96,11 @@ def test_build_trainer_applies_it(keep_torch_threads: None, monkeypatch: pytest.
         ref, "ReferenceTrainer", lambda *a: built.append(("reference", torch.get_num_threads()))
     )
     for backend, n in (("megatron", 1), ("reference", 2), ("auto", 1)):
-        torch.set_num_threads(3 - n)
+        set_threads(3 - n)
         build_trainer(backend, load_config(None, [f"learner.threads={n}"]), tmp_path)
     assert built == [("megatron", 1), ("reference", 2), ("megatron", 1)]
     assert apply_threads(2) == 2 and torch.get_num_threads() == 2
-    torch.set_num_threads(1)  # auto not resolved (a run recorded before the key): torch's own
+    set_threads(1)  # auto not resolved (a run recorded before the key): torch's own
     assert apply_threads("auto") == 1 and torch.get_num_threads() == 1
 
 
@@ -110,3 +110,14 @@ def test_bad_values_are_refused(value: str) -> None:
         load_config(None, [f"learner.threads={value}"])
     if value in ("0", "-1", "many"):
         assert "must be an integer >= 1 or auto" in str(e.value)
+
+
+def test_a_vllm_patched_set_num_threads_does_not_stop_it(
+    keep_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that hosted a vLLM CPU worker has torch.set_num_threads replaced by a no-op
+    (vllm.v1.worker.cpu_worker): the learner's count is still set (the full suite, where an
+    in-process engine ran before, failed on this)."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's worker does
+    set_threads(2)
+    assert apply_threads(1) == 1 and torch.get_num_threads() == 1

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.threads import resolve_threads
+from learner.threads import resolve_threads, set_threads
 from pipeline.commands.learner_main import resolve_config
 from pipeline.commands.replay_main import replay
 from pipeline.config import ConfigError
@@ -57,12 +57,12 @@ def test_replay_fake_free(tmp_path: Path, backend: str, objective: str) -> None:
     recorded = resolve_config(None, str(live), []).learner.threads
     assert recorded == (1 if pinned else resolve_threads("auto"))  # a number, not auto
     before = torch.get_num_threads()
-    torch.set_num_threads(2 if recorded == 1 else 1)  # replay must set the recorded count
+    set_threads(2 if recorded == 1 else 1)  # replay must set the recorded count
     try:
         res = replay(live / "stream", tmp_path / "replay")
         assert torch.get_num_threads() == recorded
     finally:
-        torch.set_num_threads(before)
+        set_threads(before)
     assert sorted(res, key=int) == ["1", "2", "3"]
     for version, (want, got) in res.items():
         assert want == got, f"v{version}: live {want} != replay {got}"
