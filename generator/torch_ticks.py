@@ -14,15 +14,12 @@ Sampled exits (SampledGate) file their exit log-probs as the chunk decode does. 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from models.engine import KVCache
 from models.engine_ticks import Ticker
-
-if TYPE_CHECKING:
-    from generator.torch_engine import TorchEngine, _Request
 
 
 def check_ticks(ticks: int, kv: str, graph: bool) -> int:
@@ -35,27 +32,29 @@ def check_ticks(ticks: int, kv: str, graph: bool) -> int:
     return ticks
 
 
-def generate_by_ticks(eng: TorchEngine, reqs: list[_Request], cache: KVCache) -> None:
-    """Decode ``reqs`` into their own records (tokens, log-probs, depths) on ``cache``'s rows."""
+def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache) -> None:
+    """Decode ``reqs`` (a TorchEngine's requests) into their own records (tokens, log-probs,
+    depths) on ``cache``'s rows; ``eng``: the TorchEngine (its prefill, sampling and feed; typed
+    loosely so that this module does not import generator.torch_engine, which imports it)."""
     bsz = cache.filled.shape[0]
     ticker = Ticker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth, policy=eng.policy,
                     mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip
-    slots: list[_Request | None] = [None] * bsz
+    slots: list[Any] = [None] * bsz
     waiting = deque(reqs)
     logits: dict[int, torch.Tensor] = {}
     while True:
         free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
         for b in free:
             slots[b] = waiting.popleft()
-            ticker.set_seed(b, slots[b].seed)  # type: ignore[union-attr]
+            ticker.set_seed(b, slots[b].seed)
         if free:
             logits.update(eng._prefill(cache, slots, free))
         sampled = list(logits)
         eng._sample_rows(slots, logits)
         logits.clear()
-        go = [b for b in sampled if not slots[b].finish]  # type: ignore[union-attr]
+        go = [b for b in sampled if not slots[b].finish]
         for b in sampled:
-            if slots[b].finish:  # type: ignore[union-attr]
+            if slots[b].finish:
                 slots[b] = None
         if go:
             toks, pos = eng._feed(slots)
