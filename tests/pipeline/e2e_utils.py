@@ -51,6 +51,12 @@ def run(cfg: RunConfig, hook: Callable[[int, Generators], None] | None = None) -
         gens.stop()
 
 
+def welcomed(gens: Generators, i: int) -> bool:
+    """Generator ``i``'s log says the learner admitted it."""
+    log = gens.logs / f"gen{i}.log"
+    return log.exists() and "welcomed by run" in log.read_text(errors="replace")
+
+
 def kill9(gens: Generators, i: int) -> None:
     os.kill(gens.procs[i].pid, signal.SIGKILL)
     gens.procs[i].wait()
