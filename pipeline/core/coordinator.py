@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -45,16 +44,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.errors import NonFiniteWeightsError
-from models.exits import policy_json
 from models.weights.collective_learner import make_publisher
-from models.weights.publication import Publication, prune_weights, weights_dir
-from models.weights.shm import prune_shm, publish_shm
+from models.weights.shm import prune_shm
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core import faults
+from pipeline.core.coordinator_checks import VerifiedSteps, _Refused
+from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
+from pipeline.core.coordinator_peers import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS, PeerHandling
+from pipeline.core.coordinator_weights import WeightPublishing
 from pipeline.core.dispatch import Dispatcher, PromptSource
-from pipeline.core.eval_rounds import EvalRounds, is_eval_work
+from pipeline.core.eval_rounds import EvalRounds
 from pipeline.core.intake import Group, Intake
 from pipeline.core.ledger import InFlightLedger
 from pipeline.core.publishing import PublicationQueue, Snapshot
@@ -63,52 +63,16 @@ from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
-from pipeline.core.validation import (
-    ModelLimits,
-    Refusal,
-    check_logp,
-    door_rules,
-    logp_base,
-    logp_bound,
-)
+from pipeline.core.validation import ModelLimits, door_rules, logp_base
 from pipeline.net.log_limit import Throttle
 from pipeline.net.weight_sync import DeliveryLog
-from proto import (
-    Ack,
-    ErrorMsg,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    Nack,
-    Rollout,
-    RolloutBatch,
-    Welcome,
-    WorkItem,
-    WorkReturn,
-)
+from proto import Rollout, WorkItem
 
+__all__ = ["HELLO_INTERVAL_S", "MAX_WORK_TIMEOUTS", "Coordinator", "CoordinatorError",
+           "NonFinitePublication"]  # fmt: skip
 log = logging.getLogger(__name__)
 VOIDED_NAME = "voided.jsonl"
-HELLO_INTERVAL_S = 1.0  # a generator id's Hellos are answered once per interval
-MAX_WORK_TIMEOUTS = 3  # a generator whose work is taken back this often is banned
 StepCallback = Callable[[dict[str, Any]], None]
-
-
-class CoordinatorError(RuntimeError):
-    """The run cannot go on (no progress for max_wait_s, non-finite weights)."""
-
-
-class NonFinitePublication(CoordinatorError):
-    """The trainer's weights hold NaN or inf: they were not published."""
-
-
-@dataclass
-class _Refused:
-    """A step the trainer refused before its update (verified rollouts): the liars (indices
-    into the job's rollouts) and every rollout's measured mismatch."""
-
-    liars: list[int]
-    mismatch: list[float]
 
 
 @dataclass
@@ -128,7 +92,7 @@ class _Job:
     future: Future[Any]
 
 
-class Coordinator:
+class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
     """See the module docstring. ``endpoint`` is a pipeline.net.transport.LearnerEndpoint."""
 
     def __init__(
@@ -208,167 +172,12 @@ class Coordinator:
         self._announced_stages: dict[str, float] = {}  # since the last metrics row
 
     # -- incoming --------------------------------------------------------------------------------
-    def handle(self, channel: str, peer: str, rec: Any) -> None:
-        ep, d = self.endpoint, self.dispatcher
-        if peer in self.banned:
-            self.intake.counts["from_banned"] += 1
-            if isinstance(rec, Hello):
-                ep.send(peer, ErrorMsg("banned", f"dropped for this run: {self.banned[peer]}"))
-            return
-        if channel == "weights":
-            if isinstance(rec, Ack) and rec.kind == "weights":  # "I serve v": a claim too
-                if self._claimed(peer, rec.version, "weights Ack") < 0 <= rec.version:
-                    return  # never delivered to it: the publisher keeps offering the current
-            if self.publisher.handle(peer, rec) and peer in self.publisher.generators():
-                d.set_version(peer, self.publisher.serving(peer))
-                self.timeline.served(self.publisher.generators())
-            return
-        if isinstance(rec, Hello):
-            self._hello(peer, rec)
-        elif isinstance(rec, Heartbeat):
-            v = self._claimed(peer, rec.weight_version, "heartbeat")
-            if v < 0:
-                return
-            d.set_version(peer, v)
-            if peer in self.publisher.generators():
-                self.publisher.observe(peer, v)
-        elif isinstance(rec, RolloutBatch | Rollout):
-            rolls = rec.rollouts if isinstance(rec, RolloutBatch) else [rec]
-            if self.evals is not None and any(is_eval_work(r.work_id) for r in rolls):
-                ev = [r for r in rolls if is_eval_work(r.work_id)]
-                acks, ban = self.evals.receive(peer, ev, self.intake.check_eval)
-                for ack in acks:
-                    ep.send(peer, ack)
-                if ban is not None:  # refused eval rollouts count toward a ban too
-                    self.ban(peer, ban)
-                    return
-                for w in {r.work_id for r in ev} - set(self.evals.held.get(peer, {})):
-                    d.received_eval(peer, w)
-                rolls = [r for r in rolls if not is_eval_work(r.work_id)]
-                if not rolls:
-                    return
-                rec = RolloutBatch(rolls)
-            self.timeline.intake_start()
-            res = self.intake.receive(peer, rec)
-            self.timeline.intake_end()
-            for reply in res.replies:
-                ep.send(peer, reply)
-            if res.ban is not None:
-                self.ban(peer, res.ban)
-        elif isinstance(rec, WorkReturn):
-            n = d.returned(peer, list(rec.work_ids))
-            log.info("generator %s returned %d samples: %s", peer, n, rec.reason)
-        elif isinstance(rec, Goodbye):
-            self._gone(peer, f"goodbye: {rec.reason}")
-        elif isinstance(rec, Ack | Nack):
-            pass  # the generator acknowledges nothing we act on yet
-
-    def _claimed(self, peer: str, v: int, what: str) -> int:
-        """A generator's claimed serving version, checked against what was delivered to it
-        (pipeline.net.weight_sync: the starting checkpoint v0, or a version whose announcement
-        this learner sent to ``peer``; a version above the newest was never even published).
-        A false claim is refused (counted ``claims_refused``, logged at most once per
-        ``HELLO_INTERVAL_S`` per generator) and -1 returned: the generator is treated as
-        serving nothing and gets the current weights before any work. -1 (serves nothing
-        yet) is no claim."""
-        if v >= 0 and peer in self.publisher.generators():
-            t = self.publisher.target(peer)  # being sent (or acknowledged, checked here first)
-            if t >= 0:
-                self.deliveries.record(peer, t)
-        if v < 0 or self.deliveries.delivered(peer, v):
-            return v
-        self.intake.counts["claims_refused"] += 1
-        if self._throttle.allow(f"claim:{peer}"):
-            why = (f"the newest version published is v{self.version}" if v > self.version
-                   else f"v{v} was never delivered to it (delivered: "
-                   f"{self.deliveries.versions(peer)[-4:]})")  # fmt: skip
-            log.warning("generator %s claims to serve v%d in its %s, but %s: refused", peer, v,
-                        what, why)  # fmt: skip
-        return -1
-
-    def _hello(self, peer: str, rec: Hello) -> None:
-        """Hello, answered once per ``HELLO_INTERVAL_S`` per generator id (the rest counted,
-        not logged): a new process under ``peer`` joins (its old work released); the same
-        process again (a reconnect, or the Hellos it queued while the learner was down) keeps
-        its work and its weight transfer (a repeated
-        Hello used to restart the transfer of a version it was loading: "version 9 is not
-        newer than 9"), and is logged at DEBUG."""
-        d, ep = self.dispatcher, self.endpoint
-        inc = (rec.pid, rec.started_at)
-        same = d.incarnation(peer) == inc
-        if not self._throttle.allow(f"hello:{peer}"):  # a new "process" every Hello included:
-            self.intake.counts["hellos_throttled"] += 1  # its work is released once per interval
-            return
-        v = self._claimed(peer, rec.weight_version, "Hello")
-        if same:
-            log.debug("generator %s said Hello again (serving v%d)", peer, v)
-        else:
-            log.info("generator %s joined (serving v%d)", peer, v)
-        d.add_generator(peer, rec.max_inflight, v, inc)
-        if same and peer in self.publisher.generators():
-            if v >= 0:
-                self.publisher.observe(peer, v)
-        else:
-            self.publisher.add_generator(peer, v)
-        ep.send(peer, Welcome(self.run_id, peer, self.version,
-                              ep.config.heartbeat_interval_s, self._welcome_settings()))  # fmt: skip
-
-    def _welcome_settings(self) -> dict[str, Any]:
-        """Run-wide generator settings a generator checks on Welcome: numerics and the exit
-        policy (canonical JSON, '' = full depth; its kv and max depth bound replay)."""
-
-        return {
-            "numerics": self.cfg.numerics,
-            "exit_policy": policy_json(self.cfg.rollout.policy()),
-        }
-
     def void(self, entries: list[dict[str, Any]]) -> None:
         """Recorded rollouts whose samples are generated again (a resume voided them):
         RUN_DIR/voided.jsonl; replay takes the last recorded copy of a rollout id."""
         with (self.run_dir / VOIDED_NAME).open("a", encoding="utf-8") as f:
             for e in entries:
                 f.write(json.dumps({**e, "step": self.step}) + "\n")
-
-    def ban(self, gid: str, why: str) -> None:
-        """Drop ``gid`` for the rest of the run: its work is re-dispatched, whatever it sends
-        is ignored, and it is told so (ErrorMsg "banned"; a looprl generator exits)."""
-        self.banned[gid] = why
-        self.endpoint.send(gid, ErrorMsg("banned", f"dropped for this run: {why}"))
-        n = self.dispatcher.remove_generator(gid)
-        self.publisher.remove_generator(gid)
-        void = self.intake.void_generator(gid)  # its accepted, untrained rollouts: not trusted
-        log.error("generator %s dropped for the run: %s; %d samples re-dispatched, %d accepted "
-                  "but untrained voided and dispatched again", gid, why, n, void)  # fmt: skip
-
-    def _gone(self, gid: str, why: str) -> None:
-        n = self.dispatcher.remove_generator(gid)
-        self.publisher.remove_generator(gid)
-        log.warning("generator %s gone (%s): %d samples to re-dispatch", gid, why, n)
-
-    def poll(self, timeout_s: float) -> int:
-        """Receive and handle what arrives within ``timeout_s``; returns records handled."""
-        handled = 0
-        inc = self.endpoint.recv(timeout_s)
-        while inc is not None and handled < 512:
-            self.handle(inc.channel, inc.peer, inc.record)
-            handled += 1
-            inc = self.endpoint.recv(0.0)
-        for gid in self.endpoint.expired_peers():
-            self._gone(gid, "heartbeat expired")
-        if self.cfg.intake.work_timeout_s:
-            self.dispatcher.overdue(self.cfg.intake.work_timeout_s)
-            for gid, k in list(self.dispatcher.timeouts.items()):
-                if k >= MAX_WORK_TIMEOUTS and gid not in self.banned:  # swallows work
-                    self.ban(gid, f"held work past intake.work_timeout_s="
-                             f"{self.cfg.intake.work_timeout_s:g} s without answering {k} times")  # fmt: skip
-        for gid in list(self.publisher.generators()):
-            if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
-                self._gone(gid, "refused the current weights too often")
-        return handled
-
-    def _expected_version(self, gid: str) -> int:
-        """The version ``gid`` will serve once the weights being sent to it are loaded."""
-        return self.publisher.target(gid) if gid in self.publisher.generators() else -1
 
     def _send_work(self, gid: str, item: WorkItem) -> bool:
         return bool(self.endpoint.send(gid, item))
@@ -469,7 +278,7 @@ class Coordinator:
         (verified rollouts: ``_refuse_step``)."""
         tm, train_s, pub = job.future.result()
         if isinstance(pub, _Refused):
-            self._refuse_step(job, pub)
+            self._refuse_step(job.rolls, job.groups, job.base, pub)
             self.timeline.step_done()
             return False
         groups, rolls, flags = job.groups, job.rolls, job.flags
@@ -514,184 +323,6 @@ class Coordinator:
         if self.evals is not None and self.evals.due(self.step):
             self.evals.start(self.step, self.version)
         return True
-
-    # -- verified rollouts -------------------------------------------------------------------
-    def _bounds(self, rolls: list[Rollout], base: int) -> list[float] | None:
-        """Each rollout's log-prob bound (validation.logp_bound: the numerics' base and its
-        staleness at ``base``) for a trainer that checks before its update, else None."""
-        if not getattr(self.trainer, "checks_logp_before_update", False):
-            return None
-        return [logp_bound(self._logp_base, self.gate.staleness(base, r)) for r in rolls]
-
-    def _train(
-        self, rolls: list[Rollout], flags: list[bool], bounds: list[float] | None
-    ) -> tuple[dict[str, Any], _Refused | None]:
-        """The trainer's step (on the trainer thread); with ``bounds`` the trainer compares
-        every rollout's claimed log-probs with its own before the update and refuses the step
-        when one is over its bound: (metrics, the liars) then, nothing applied."""
-        if bounds is None:
-            return dict(self.trainer.step(rolls, flags)), None
-        tm = dict(self.trainer.step(rolls, flags, bounds))
-        liars = list(getattr(self.trainer, "last_refused", None) or [])
-        if not liars:
-            return tm, None
-        return tm, _Refused(liars, list(getattr(self.trainer, "last_mismatch", None) or []))
-
-    def _refuse_step(self, job: _Job, ref: _Refused) -> None:
-        """A step refused before its update: its liars are quarantined and counted toward
-        their generators' budgets (as ``_verify``'s), their samples voided and dispatched again
-        (to another generator where there is one); the rest of its groups go back to the
-        buffer, untrained, and a later step takes them. Over budget: banned (which voids the
-        generator's other accepted, untrained rollouts)."""
-        bans: dict[str, str] = {}
-        liars: set[str] = set()
-        for i in ref.liars:
-            r = job.rolls[i]
-            x = ref.mismatch[i] if i < len(ref.mismatch) else float("nan")
-            st = self.gate.staleness(job.base, r)
-            why = check_logp(float(x), base=self._logp_base, staleness=st) or Refusal(
-                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound "
-                f"{logp_bound(self._logp_base, st):.3g} at staleness {st})")  # fmt: skip
-            liars.add(r.rollout_id)
-            ban = self.intake.refuse_trained(r.generator_id, r, why)
-            if ban is not None:
-                bans.setdefault(r.generator_id, ban)
-        who = sorted({job.rolls[i].generator_id for i in ref.liars})
-        n = self.intake.take_back(job.groups, liars)
-        self.intake.counts["steps_refused"] += 1
-        log.warning("step %d refused before its update: %d rollouts of %s claim log-probs the "
-                    "learner does not compute (quarantined; %d samples dispatched again, %d "
-                    "groups back in the buffer)", self.step + 1, len(liars), who, n,
-                    len(job.groups))  # fmt: skip
-        for gid, reason in bans.items():
-            if gid not in self.banned:
-                self.ban(gid, reason)
-
-    def _verify(self, rolls: list[Rollout], per: list[float], base: int) -> None:
-        """Verified rollouts after the step, for a trainer that cannot refuse a step before its
-        update (the real ones do: ``_train``): each trained rollout's claimed log-probs against
-        the learner's (pipeline.core.validation.check_logp, the bound of the run's numerics and
-        the rollout's staleness). A lie is quarantined and counted toward its generator's budget
-        (intake.max_refused within intake.window_s); over budget, the generator is banned and
-        its accepted, untrained rollouts are voided and their samples dispatched again."""
-        bans: dict[str, str] = {}
-        for x, r in zip(per, rolls, strict=True):
-            why = check_logp(float(x), base=self._logp_base,
-                             staleness=self.gate.staleness(base, r))  # fmt: skip
-            if why is None:
-                continue
-            log.warning("generator %s: rollout %s trained with %s", r.generator_id,
-                        r.rollout_id, why)  # fmt: skip
-            ban = self.intake.refuse_trained(r.generator_id, r, why)
-            if ban is not None:
-                bans.setdefault(r.generator_id, ban)
-        for gid, reason in bans.items():
-            if gid not in self.banned:
-                self.ban(gid, reason)
-
-    # -- weights -------------------------------------------------------------------------------------
-    def announce_ready(self, *, wait: bool = False) -> int:
-        """Announce the versions whose hash and write are done, in order (``wait``: every
-        pending one, waited for); the number announced."""
-        q = self.publications
-        if q is None or not len(q):
-            return 0
-        done = q.wait_all() if wait else q.ready()
-        for pub, stages in done:
-            t = time.perf_counter()
-            self._announce(pub)
-            ann = time.perf_counter() - t
-            self.timeline.announced(pub.version)
-            log.debug("v%d published: snapshot %.3f s, hash + write %.3f s beside training, "
-                      "waited %.3f s for room, announced %.3f s after", pub.version,
-                      stages.get("snapshot", 0.0), stages.get("total", 0.0),
-                      stages.get("room_wait", 0.0), stages.get("lag", 0.0))  # fmt: skip
-            acc = self._announced_stages
-            for key in ("total", "blob", "digest", "write"):  # the finish's, summed
-                if key in stages:
-                    acc[key] = acc.get(key, 0.0) + stages[key]
-            acc["lag"] = max(acc.get("lag", 0.0), stages.get("lag", 0.0))
-            acc["announce"] = acc.get("announce", 0.0) + ann
-        return len(done)
-
-    def publish(self) -> None:
-        """Publish the trainer's current weights as version + 1 (on disk, and sent if set).
-        Only while no step runs (resume, tests); steps publish through their job."""
-        assert self._job is None, "publish() while a step is running"
-        self.announce_ready(wait=True)
-        self._announce(self._write_publication(self.version + 1))
-
-    def announce_again(self, pub: Publication) -> None:
-        """Resume at the newest announced version ``pub`` (read back from its directory, its
-        digest the one digests.jsonl recorded): the publisher offers it to every generator
-        that does not serve it, e.g. one started after the learner stopped."""
-        self.announce_ready(wait=True)
-        assert self._job is None and pub.version == self.version, "announce_again: not current"
-        self._announce(pub, again=True)
-
-    def _write_publication(self, v: int) -> Publication:
-        """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
-        t0 = time.perf_counter()
-        pub = self._guarded(v, lambda out: self.trainer.publish(out, v))
-        if pub is None:
-            raise CoordinatorError(f"the trainer returned no publication for v{v}")
-        stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
-        self._with_shm(lambda: pub)()
-        self._publish_times = {**stages, **pub.stage_s, "total": time.perf_counter() - t0}
-        return pub
-
-    def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:
-        """``finish`` then, with publish.transport shm, the same bytes once more into /dev/shm
-        (models.weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
-        if self.cfg.publish.transport != "shm":
-            return finish
-
-        def run() -> Publication:
-            pub = finish()
-            t0 = time.perf_counter()
-            publish_shm(pub)
-            pub.stage_s["shm_write"] = time.perf_counter() - t0
-            return pub
-
-        return run
-
-    def _guarded(self, v: int, take: Callable[[Path], Any]) -> Any:
-        """``take(RUN_DIR/weights/v<v>)``; non-finite weights end the run, nothing written."""
-        out = weights_dir(self.run_dir, v)
-        try:
-            return take(out)
-        except NonFiniteWeightsError as e:  # never announced; nothing non-finite is served
-            shutil.rmtree(out, ignore_errors=True)
-            raise NonFinitePublication(
-                f"step {self.step + 1}: the trainer's weights are not finite ({e}); version "
-                f"v{v} was not published (generators keep v{v - 1}); resume from the last "
-                "checkpoint with a lower optimizer.lr or a tighter optimizer.grad_clip"
-            ) from e
-
-    def _announce(self, pub: Publication, *, again: bool = False) -> None:
-        """Announce the trainer's Publication as it is (its digest is not computed again).
-        ``again``: a version announced before this learner started (a resume at the newest
-        version: generators that join now need it), not recorded a second time."""
-        v = pub.version
-        if pub.path is None:
-            raise CoordinatorError(f"publication v{v} has no directory")
-        if not again:
-            # Write-ahead: a version is in digests.jsonl before any generator can hear of it, so
-            # a resume never reuses the number of weights that were announced (core.resume).
-            with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
-                f.write(json.dumps(pub.record()) + "\n")  # with its digest kind
-            faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
-        self.publisher.publish(
-            v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
-            path=str(Path(pub.path).resolve()), digest=pub.digests,
-            chunked=self.cfg.publish.transport not in ("shared_fs", "shm"),  # collective: blob too
-        )  # fmt: skip
-        self.version, self.last_digest = v, pub.digest
-        self.endpoint.set_status(v, self.dispatcher.inflight())
-        # every directory older than the newest publish.keep (0: all kept), a killed run's too
-        prune_weights(self.run_dir, v, self.cfg.publish.keep)
-        if self.cfg.publish.transport == "shm":  # bounded like the directories
-            prune_shm(self.run_dir / "weights", v, self.cfg.publish.keep)
 
     # -- the loop ------------------------------------------------------------------------------------
     def turn(self, timeout_s: float | None = None) -> bool:

@@ -1,0 +1,207 @@
+"""The coordinator's incoming side (a mixin of pipeline.core.coordinator.Coordinator): each
+generator record handled (Hello, Heartbeat, rollouts, WorkReturn, Goodbye, weights Acks), the
+serving version a generator claims checked against what was delivered to it, bans and
+departures, and one receive-and-handle pass (``poll``). The state it reads is the
+Coordinator's, built in its ``__init__``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from models.exits import policy_json
+from pipeline.config import RunConfig
+from pipeline.core.dispatch import Dispatcher
+from pipeline.core.eval_rounds import EvalRounds, is_eval_work
+from pipeline.core.intake import Intake
+from pipeline.core.timeline import StepTimeline
+from pipeline.net.log_limit import Throttle
+from pipeline.net.weight_sync import DeliveryLog
+from proto import (
+    Ack,
+    ErrorMsg,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Nack,
+    Rollout,
+    RolloutBatch,
+    Welcome,
+    WorkReturn,
+)
+
+log = logging.getLogger("pipeline.core.coordinator")
+HELLO_INTERVAL_S = 1.0  # a generator id's Hellos are answered once per interval
+MAX_WORK_TIMEOUTS = 3  # a generator whose work is taken back this often is banned
+
+
+class PeerHandling:
+    """Generators' records in, claims checked, bans (see the module docstring)."""
+
+    cfg: RunConfig
+    endpoint: Any
+    dispatcher: Dispatcher
+    publisher: Any
+    intake: Intake
+    evals: EvalRounds | None
+    deliveries: DeliveryLog
+    timeline: StepTimeline
+    banned: dict[str, str]
+    run_id: str
+    version: int
+    _throttle: Throttle
+
+    def handle(self, channel: str, peer: str, rec: Any) -> None:
+        ep, d = self.endpoint, self.dispatcher
+        if peer in self.banned:
+            self.intake.counts["from_banned"] += 1
+            if isinstance(rec, Hello):
+                ep.send(peer, ErrorMsg("banned", f"dropped for this run: {self.banned[peer]}"))
+            return
+        if channel == "weights":
+            if isinstance(rec, Ack) and rec.kind == "weights":  # "I serve v": a claim too
+                if self._claimed(peer, rec.version, "weights Ack") < 0 <= rec.version:
+                    return  # never delivered to it: the publisher keeps offering the current
+            if self.publisher.handle(peer, rec) and peer in self.publisher.generators():
+                d.set_version(peer, self.publisher.serving(peer))
+                self.timeline.served(self.publisher.generators())
+            return
+        if isinstance(rec, Hello):
+            self._hello(peer, rec)
+        elif isinstance(rec, Heartbeat):
+            v = self._claimed(peer, rec.weight_version, "heartbeat")
+            if v < 0:
+                return
+            d.set_version(peer, v)
+            if peer in self.publisher.generators():
+                self.publisher.observe(peer, v)
+        elif isinstance(rec, RolloutBatch | Rollout):
+            rolls = rec.rollouts if isinstance(rec, RolloutBatch) else [rec]
+            if self.evals is not None and any(is_eval_work(r.work_id) for r in rolls):
+                ev = [r for r in rolls if is_eval_work(r.work_id)]
+                acks, ban = self.evals.receive(peer, ev, self.intake.check_eval)
+                for ack in acks:
+                    ep.send(peer, ack)
+                if ban is not None:  # refused eval rollouts count toward a ban too
+                    self.ban(peer, ban)
+                    return
+                for w in {r.work_id for r in ev} - set(self.evals.held.get(peer, {})):
+                    d.received_eval(peer, w)
+                rolls = [r for r in rolls if not is_eval_work(r.work_id)]
+                if not rolls:
+                    return
+                rec = RolloutBatch(rolls)
+            self.timeline.intake_start()
+            res = self.intake.receive(peer, rec)
+            self.timeline.intake_end()
+            for reply in res.replies:
+                ep.send(peer, reply)
+            if res.ban is not None:
+                self.ban(peer, res.ban)
+        elif isinstance(rec, WorkReturn):
+            n = d.returned(peer, list(rec.work_ids))
+            log.info("generator %s returned %d samples: %s", peer, n, rec.reason)
+        elif isinstance(rec, Goodbye):
+            self._gone(peer, f"goodbye: {rec.reason}")
+        elif isinstance(rec, Ack | Nack):
+            pass  # the generator acknowledges nothing we act on yet
+
+    def _claimed(self, peer: str, v: int, what: str) -> int:
+        """A generator's claimed serving version, checked against what was delivered to it
+        (pipeline.net.weight_sync: the starting checkpoint v0, or a version whose announcement
+        this learner sent to ``peer``; a version above the newest was never even published).
+        A false claim is refused (counted ``claims_refused``, logged at most once per
+        ``HELLO_INTERVAL_S`` per generator) and -1 returned: the generator is treated as
+        serving nothing and gets the current weights before any work. -1 (serves nothing
+        yet) is no claim."""
+        if v >= 0 and peer in self.publisher.generators():
+            t = self.publisher.target(peer)  # being sent (or acknowledged, checked here first)
+            if t >= 0:
+                self.deliveries.record(peer, t)
+        if v < 0 or self.deliveries.delivered(peer, v):
+            return v
+        self.intake.counts["claims_refused"] += 1
+        if self._throttle.allow(f"claim:{peer}"):
+            why = (f"the newest version published is v{self.version}" if v > self.version
+                   else f"v{v} was never delivered to it (delivered: "
+                   f"{self.deliveries.versions(peer)[-4:]})")  # fmt: skip
+            log.warning("generator %s claims to serve v%d in its %s, but %s: refused", peer, v,
+                        what, why)  # fmt: skip
+        return -1
+
+    def _hello(self, peer: str, rec: Hello) -> None:
+        """Hello, answered once per ``HELLO_INTERVAL_S`` per generator id (the rest counted,
+        not logged): a new process under ``peer`` joins (its old work released); the same
+        process again (a reconnect, or the Hellos it queued while the learner was down) keeps
+        its work and its weight transfer (a repeated
+        Hello used to restart the transfer of a version it was loading: "version 9 is not
+        newer than 9"), and is logged at DEBUG."""
+        d, ep = self.dispatcher, self.endpoint
+        inc = (rec.pid, rec.started_at)
+        same = d.incarnation(peer) == inc
+        if not self._throttle.allow(f"hello:{peer}"):  # a new "process" every Hello included:
+            self.intake.counts["hellos_throttled"] += 1  # its work is released once per interval
+            return
+        v = self._claimed(peer, rec.weight_version, "Hello")
+        if same:
+            log.debug("generator %s said Hello again (serving v%d)", peer, v)
+        else:
+            log.info("generator %s joined (serving v%d)", peer, v)
+        d.add_generator(peer, rec.max_inflight, v, inc)
+        if same and peer in self.publisher.generators():
+            if v >= 0:
+                self.publisher.observe(peer, v)
+        else:
+            self.publisher.add_generator(peer, v)
+        ep.send(peer, Welcome(self.run_id, peer, self.version,
+                              ep.config.heartbeat_interval_s, self._welcome_settings()))  # fmt: skip
+
+    def _welcome_settings(self) -> dict[str, Any]:
+        """Run-wide generator settings a generator checks on Welcome: numerics and the exit
+        policy (canonical JSON, '' = full depth; its kv and max depth bound replay)."""
+
+        return {
+            "numerics": self.cfg.numerics,
+            "exit_policy": policy_json(self.cfg.rollout.policy()),
+        }
+
+    def ban(self, gid: str, why: str) -> None:
+        """Drop ``gid`` for the rest of the run: its work is re-dispatched, whatever it sends
+        is ignored, and it is told so (ErrorMsg "banned"; a looprl generator exits)."""
+        self.banned[gid] = why
+        self.endpoint.send(gid, ErrorMsg("banned", f"dropped for this run: {why}"))
+        n = self.dispatcher.remove_generator(gid)
+        self.publisher.remove_generator(gid)
+        void = self.intake.void_generator(gid)  # its accepted, untrained rollouts: not trusted
+        log.error("generator %s dropped for the run: %s; %d samples re-dispatched, %d accepted "
+                  "but untrained voided and dispatched again", gid, why, n, void)  # fmt: skip
+
+    def _gone(self, gid: str, why: str) -> None:
+        n = self.dispatcher.remove_generator(gid)
+        self.publisher.remove_generator(gid)
+        log.warning("generator %s gone (%s): %d samples to re-dispatch", gid, why, n)
+
+    def poll(self, timeout_s: float) -> int:
+        """Receive and handle what arrives within ``timeout_s``; returns records handled."""
+        handled = 0
+        inc = self.endpoint.recv(timeout_s)
+        while inc is not None and handled < 512:
+            self.handle(inc.channel, inc.peer, inc.record)
+            handled += 1
+            inc = self.endpoint.recv(0.0)
+        for gid in self.endpoint.expired_peers():
+            self._gone(gid, "heartbeat expired")
+        if self.cfg.intake.work_timeout_s:
+            self.dispatcher.overdue(self.cfg.intake.work_timeout_s)
+            for gid, k in list(self.dispatcher.timeouts.items()):
+                if k >= MAX_WORK_TIMEOUTS and gid not in self.banned:  # swallows work
+                    self.ban(gid, f"held work past intake.work_timeout_s="
+                             f"{self.cfg.intake.work_timeout_s:g} s without answering {k} times")  # fmt: skip
+        for gid in list(self.publisher.generators()):
+            if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
+                self._gone(gid, "refused the current weights too often")
+        return handled
+
+    def _expected_version(self, gid: str) -> int:
+        """The version ``gid`` will serve once the weights being sent to it are loaded."""
+        return self.publisher.target(gid) if gid in self.publisher.generators() else -1
