@@ -33,14 +33,15 @@ until no request is in flight (a lock around generate); with `inflight_updates=T
 applied between two engine steps of a running `generate`, and each token records the version
 that computed it (`Sample.token_versions`).
 
-A verified set goes in through the served model's own loader (`_load_on_worker`):
+A verified set goes in through the served model's own loader (`_load_on_worker`,
+generator/vllm_reload.py):
 - the looped plugin classes (generator.plugin.ARCHITECTURES) keep their parameters in the
   checkpoint's layout: their `load_weights` copies each tensor in place;
 - vLLM's native classes (LlamaForCausalLM, the depth-1 case) fuse q/k/v and gate/up and, on
   CPU, replace each linear weight by a packed copy (`dispatch_cpu_unquantized_gemm(
   remove_weight=True)` leaves an empty parameter): on the CPU, unquantized, they reload
-  directly (`_direct_reload`): each packed layer gets back a checkpoint-layout weight
-  (materialised once from vLLM's own record of the layer, then kept), the model's own loader
+  directly (`generator.vllm_reload._direct_reload`): each packed layer gets back a
+  checkpoint-layout weight (materialised once from vLLM's own record of the layer, then kept), the model's own loader
   fills it and every layer's `process_weights_after_loading` packs again (bit for bit what
   vLLM's reload serves, in half its time on the tiny Llama); elsewhere through vLLM's own
   `reload_weights` (layer by layer: restore the checkpoint-format parameters, run the model's
@@ -75,6 +76,7 @@ import torch
 from generator.plugin import ARCHITECTURES
 from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
+from generator.vllm_reload import _load_on_worker
 from generator.vllm_settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from models.reference import sampling_seed
@@ -145,117 +147,6 @@ class Sample:
     """A conversation's summed environment reward (None: failed, or not scored here)."""
     reward_info: dict[str, Any] | None = None
     """Set by generator.multiturn (turns, env_tokens, ...): the sample is scored already."""
-
-
-def _load_on_worker(
-    worker: Any, state: dict[str, torch.Tensor], version: int, native: bool = False
-) -> int:
-    """On each worker: ``state`` (HF names) into the served model (see the module doc)."""
-    runner = worker.model_runner
-    model = runner.get_model()
-    if not native:
-        model.load_weights(iter(state.items()))
-        if hasattr(model, "record_book"):
-            model.weight_version = version
-        return version
-    if not _direct_reload(model, state):
-        reload = getattr(worker, "reload_weights", None) or runner.reload_weights
-        reload(weights_iterator=iter(state.items()))
-        _reprocess_shared(model)
-    return version
-
-
-KEPT = "_looprl_checkpoint_weights"
-"""Attribute of a native CPU model: {packed linear layer: its checkpoint-layout weight}."""
-DIRECT_RELOAD_BYTES = 256 << 20
-"""Most bytes of kept checkpoint-layout weights: the direct reload holds a second copy of the
-packed layers' weights for good (vLLM's reload holds one layer's at a time, while it loads)."""
-
-
-def _direct_reload(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
-    """A native, unquantized model on the CPU: the same steps as vLLM's reload without its
-    per-version bookkeeping; False (nothing done) elsewhere, where vLLM's reload runs.
-
-    vLLM's layer-by-layer reload puts every layer back on the meta device, materialises it,
-    wraps each loader to count the elements it copies and processes a layer when it is
-    complete: ~6 of its ~12 ms a version on the tiny Llama. Here each packed linear layer
-    gets a checkpoint-layout weight (materialised once from vLLM's own record of the layer,
-    then kept), the model's own loader fills them (fusing q/k/v, gate/up), and every layer
-    with a weight is processed again (``process_weights_after_loading``: the packed copies
-    made afresh, the checkpoint weight dropped from the layer as at start). Only while those
-    weights take at most DIRECT_RELOAD_BYTES: the per-version bookkeeping matters on small
-    models, a second copy of a large one's weights would not be worth it."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        LAYERWISE_INFO,
-        _get_original_loader,
-    )
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    layers: list[Any] = []  # the layers with a quant method (each has a weight)
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is None:
-            continue
-        if not isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod):
-            return False
-        if getattr(module, "weight", None) is None:
-            return False
-        layers.append(module)
-    kept: dict[torch.nn.Module, torch.Tensor] = model.__dict__.setdefault(KEPT, {})
-    packed = [m for m in layers if not m.weight.numel()]  # packed: vLLM dropped the weight
-    metas = {}
-    for layer in (m for m in packed if m not in kept):  # the first call: vLLM's records
-        info = LAYERWISE_INFO.get(layer)
-        meta = info.restore_metadata[0].get("weight") if info is not None else None
-        if meta is None or not hasattr(layer, "cpu_linear"):
-            return False
-        metas[layer] = meta
-    if metas and sum(t.numel() * t.element_size() for t in metas.values()) > DIRECT_RELOAD_BYTES:
-        return False  # a large model: vLLM's reload, one layer's copy at a time
-    for layer, meta in metas.items():
-        weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
-        if hasattr(weight, "weight_loader"):  # a reload of vLLM's may have left its
-            weight.weight_loader = _get_original_loader(weight)  # counting wrapper there
-        kept[layer] = weight
-    for layer in packed:
-        layer.weight = kept[layer]  # vLLM's parameter class: its loader and shard layout
-    model.load_weights(iter(state.items()))  # type: ignore[operator]  # vLLM's own loader
-    done: set[int] = set()
-    for layer in layers:
-        if id(layer) in done or not layer.weight.numel():
-            continue
-        layer.quant_method.process_weights_after_loading(layer)
-        done.add(id(layer))
-    return True
-
-
-def _reprocess_shared(model: torch.nn.Module) -> None:
-    """Rebuild the kernel copies of layers whose parameter another layer loaded (a tied head).
-
-    vLLM's layer-by-layer reload processes the layer that loaded a shared parameter only; a
-    layer that keeps its weight (the embedding method: `remove_weight=False`) is processed
-    again from that weight. Layers whose weight was replaced by a packed copy are left alone."""
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(module)
-    done: set[int] = set()
-    for modules in owners.values():
-        if len(modules) < 2:
-            continue
-        for module in modules:
-            method = getattr(module, "quant_method", None)
-            weight = getattr(module, "weight", None)
-            if id(module) in done or method is None or weight is None or weight.numel() == 0:
-                continue
-            method.process_weights_after_loading(module)
-            done.add(id(module))
 
 
 def _like(first: Any, seed: int, key: str, offset: int, cpu: bool) -> Any:

@@ -92,36 +92,36 @@ def test_update_from_a_directory_back_to_the_first_set(llama: Llama) -> None:
 def test_direct_reload_serves_what_vllms_reload_serves(
     llama: Llama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """generator.engine._direct_reload (the packed layers refilled through vLLM's own loaders
+    """generator.vllm_reload._direct_reload (the packed layers refilled through vLLM's own loaders
     and processing, without its per-version bookkeeping) is the path taken on the CPU, and it
     serves bit for bit what vLLM's reload serves on the same weights, before and after a
     reload of vLLM's (which leaves its counting loaders on its record of the layers); over
     DIRECT_RELOAD_BYTES it keeps nothing and vLLM's reload runs."""
-    import generator.engine as engine_mod
+    import generator.vllm_reload as reload_mod
 
     eng, items = llama.engine, llama.items
-    direct = engine_mod._direct_reload
+    direct = reload_mod._direct_reload
     served = []
     for path in ("direct", "vllm", "direct"):
-        monkeypatch.setattr(engine_mod, "_direct_reload",
+        monkeypatch.setattr(reload_mod, "_direct_reload",
                             direct if path == "direct" else lambda model, state: False)  # fmt: skip
         llama.version += 1
         eng.load_weights(llama.state_b, llama.version, canonical_digest(llama.state_b))
         served.append(eng.generate(items))
     kept = eng.llm.collective_rpc(
-        lambda w: len(getattr(w.model_runner.get_model(), engine_mod.KEPT, {}))
+        lambda w: len(getattr(w.model_runner.get_model(), reload_mod.KEPT, {}))
     )[0]
     assert kept == 8  # 2 layers x (qkv, o, gate_up, down): the packed linear layers
     assert max_diff(served[0], llama.want) == 0.0
     assert max_diff(served[1], llama.want) == 0.0
     assert max_diff(served[2], llama.want) == 0.0
     # over DIRECT_RELOAD_BYTES (a large model) nothing is kept: vLLM's reload serves
-    monkeypatch.setattr(engine_mod, "_direct_reload", direct)
-    monkeypatch.setattr(engine_mod, "DIRECT_RELOAD_BYTES", 0)
-    eng.llm.collective_rpc(lambda w: getattr(w.model_runner.get_model(), engine_mod.KEPT).clear())
+    monkeypatch.setattr(reload_mod, "_direct_reload", direct)
+    monkeypatch.setattr(reload_mod, "DIRECT_RELOAD_BYTES", 0)
+    eng.llm.collective_rpc(lambda w: getattr(w.model_runner.get_model(), reload_mod.KEPT).clear())
     llama.version += 1
     eng.load_weights(llama.state_b, llama.version, canonical_digest(llama.state_b))
     assert max_diff(eng.generate(items), llama.want) == 0.0
     assert eng.llm.collective_rpc(
-        lambda w: len(getattr(w.model_runner.get_model(), engine_mod.KEPT))
+        lambda w: len(getattr(w.model_runner.get_model(), reload_mod.KEPT))
     ) == [0]
