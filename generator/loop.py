@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from generator.loop_sending import LoopStats, RolloutSending, _Unacked
 from generator.protocols import Connection, Engine, Lane, ToRollouts, make_hello
 from generator.reward_runner import RewardRunner
 from models.weights.verified import OnDisk, WeightSink
@@ -50,7 +51,6 @@ from proto import (
     Goodbye,
     Nack,
     Rollout,
-    RolloutBatch,
     WeightAnnounce,
     WeightChunk,
     Welcome,
@@ -62,25 +62,12 @@ __all__ = ["FatalError", "GeneratorLoop", "LoopStats", "make_hello"]
 
 log = logging.getLogger(__name__)
 
-MESSAGE_ROLLOUTS = 1024
-"""The most rollouts of finished work items sent in one RolloutBatch (``_send_together``)."""
-MESSAGE_TOKENS = 1 << 20
-"""The most tokens (prompt + completion, summed) in one such message: a few MiB on the wire,
-well inside the transport's max_frame_bytes (256 MiB)."""
-
 
 @dataclass
 class _Held:
     item: WorkItem
     received_at: float
     started_at: float = 0.0
-
-
-@dataclass
-class _Unacked:
-    batch: RolloutBatch
-    pending: set[str]  # rollout ids not yet acknowledged
-    sent_at: float = -1.0  # -1: never sent (we were not connected)
 
 
 @dataclass
@@ -94,15 +81,7 @@ class FatalError(RuntimeError):
     """The loop cannot go on (the engine failed, or the learner's settings are unusable)."""
 
 
-@dataclass
-class LoopStats:
-    """Counters of one loop (all monotone)."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-    max_held: int = 0  # the most work items ever held at once (<= max_inflight)
-
-
-class GeneratorLoop:
+class GeneratorLoop(RolloutSending):
     """Serves work items from the learner; see the module docstring for the loop.
 
     Threads: the caller's thread runs ``run()`` and owns the connection; one engine thread
@@ -426,83 +405,10 @@ class GeneratorLoop:
             done = list(zip(b.held, b.scoring.result()))
             for _, rs in done:
                 self.stats.counts["reward_failures"] += sum(r.reward is None for r in rs)
-            self._finish(done)
+            self._finish([(h.item.work_id, rs) for h, rs in done])
 
     # -- outgoing -------------------------------------------------------------------------
-    def _finish(self, done: list[tuple[_Held, list[Rollout]]]) -> None:
-        """The work items of one engine batch are finished: each becomes an unacknowledged
-        entry (re-sent alone when due), and they go out together (``_send_together``)."""
-        entries = []
-        for h, rollouts in done:
-            wid = h.item.work_id
-            self._ids.discard(wid)
-            entry = _Unacked(RolloutBatch(rollouts), {r.rollout_id for r in rollouts})
-            self._unacked[wid] = entry
-            self._unacked.move_to_end(wid)
-            self.stats.counts["groups_done"] += 1
-            entries.append((wid, entry))
-        self._send_together([e for _, e in entries])
-        while len(self._unacked) > self.max_unacked:
-            old, _ = self._unacked.popitem(last=False)
-            self.stats.counts["unacked_evicted"] += 1
-            log.warning("dropping unacknowledged rollouts of %s (max_unacked)", old)
-        for wid, entry in entries:
-            if not entry.pending and entry.sent_at >= 0:
-                self._unacked.pop(wid, None)  # nothing to acknowledge
-
-    def _send_together(self, entries: list[_Unacked]) -> None:
-        """First sends of finished entries: their rollouts in as few RolloutBatch messages as
-        ``MESSAGE_ROLLOUTS`` / ``MESSAGE_TOKENS`` allow (a whole entry per message), not one
-        message per work item: the learner records (stream append + flush) and acknowledges
-        once per message, so one engine batch of 16 groups costs it one flush instead of 16."""
-        if not self.conn.ready:
-            return  # sent after the next Welcome
-        part: list[_Unacked] = []
-        rolls = tokens = 0
-        for entry in entries:
-            n = len(entry.batch.rollouts)
-            t = sum(int(r.tokens.size) + int(r.prompt_tokens.size) for r in entry.batch.rollouts)
-            if part and (rolls + n > MESSAGE_ROLLOUTS or tokens + t > MESSAGE_TOKENS):
-                self._send_part(part)
-                part, rolls, tokens = [], 0, 0
-            part.append(entry)
-            rolls, tokens = rolls + n, tokens + t
-        if part:
-            self._send_part(part)
-
-    def _send_part(self, part: list[_Unacked]) -> None:
-        if len(part) == 1:
-            self._send_batch(part[0], resend=False)
-            return
-        batch = RolloutBatch([r for e in part for r in e.batch.rollouts])
-        c = self.stats.counts
-        if self.conn.send(batch):
-            now = self.clock()
-            for e in part:
-                e.sent_at = now
-            c["rollouts_sent"] += len(batch.rollouts)
-        else:
-            c["send_failed"] += 1
-
-    def _send_batch(self, entry: _Unacked, *, resend: bool) -> None:
-        if not self.conn.ready:
-            return  # sent after the next Welcome
-        if self.conn.send(entry.batch):
-            entry.sent_at = self.clock()
-            c = self.stats.counts
-            c["rollouts_resent" if resend else "rollouts_sent"] += len(entry.batch.rollouts)
-        else:
-            self.stats.counts["send_failed"] += 1
-
-    def _resend_due(self) -> None:
-        if not self.conn.ready or not self._unacked:
-            return
-        now = self.clock()
-        for entry in list(self._unacked.values()):
-            if entry.sent_at < 0:
-                self._send_batch(entry, resend=False)
-            elif self.resend_after_s and now - entry.sent_at >= self.resend_after_s:
-                self._send_batch(entry, resend=True)
+    # (the first sends, resends and acknowledgement bookkeeping: generator.loop_sending)
 
     def _return(self, work_ids: list[str], reason: str) -> None:
         if work_ids:
