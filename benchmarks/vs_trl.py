@@ -21,7 +21,9 @@ step, 120 steps.
 
 Prints one JSON line: for each side samples/s over steps 5..N (rollouts trained per second of
 wall time between the end of step 5 and the end of step N), mean reward of the first and last
-5 steps, wall seconds of the whole command, TRL's seconds to its first step end (looprl:
+5 steps, wall seconds of the whole command and the CPU seconds of its process tree (user +
+system of the waited-for children: `cpu_s`; `cpu_cores` = cpu_s / wall_s, start-up included),
+TRL's seconds to its first step end (looprl:
 the wall seconds outside steps 1..N, start-up and shutdown), the looprl run's mean ``time/*``
 over steps 6..N, and the host's load average before, between and after (other processes on a
 shared host slow either side: compare runs made at the same load).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -42,6 +45,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"
 PROMPTS, N, MAX_TOKENS, PER_STEP, LR, CLIP = 64, 8, 8, 16, 3e-3, 1.0
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children (and theirs)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _rate(ends: list[float], first: int = 5) -> float:
@@ -133,10 +142,10 @@ def run_trl(py: Path, model: Path, steps: int, work: Path) -> dict[str, Any]:
     out = work / "trl.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _children_cpu_s()
     r = subprocess.run([str(py), __file__, "--trl-job", str(model), str(steps), str(out)],
                        env=env, capture_output=True, text=True)  # fmt: skip
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
     if r.returncode:
         (work / "trl.err").write_text(r.stdout + r.stderr)
         return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}",
@@ -145,6 +154,7 @@ def run_trl(py: Path, model: Path, steps: int, work: Path) -> dict[str, Any]:
     rw, ends = d["rewards"], d["ends"]
     return {"samples_per_s": _rate(ends), "reward_first5": _mean(rw[:5]),
             "reward_last5": _mean(rw[-5:]), "steps": len(ends), "wall_s": wall,
+            "cpu_s": cpu, "cpu_cores": cpu / wall,
             "first_step_s": ends[0] if ends else None, "threads": d["threads"]}  # fmt: skip
 
 
@@ -157,9 +167,9 @@ def run_looprl(model: Path, steps: int, work: Path, name: str = "looprl",
     cmd = [sys.executable, "-m", "pipeline.cli", "run", f"run_dir={run_dir}",
            f"model.path={model}", f"steps={steps}", "metrics.progress=false",
            "metrics.plot=false", "metrics.tensorboard=false", "checkpoint.every=0", *extra]  # fmt: skip
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _children_cpu_s()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
     if r.returncode:
         (work / f"{name}.err").write_text(r.stdout + r.stderr)
         return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}",
@@ -171,6 +181,7 @@ def run_looprl(model: Path, steps: int, work: Path, name: str = "looprl",
           for k in sorted({k for x in rows for k in x if k.startswith("time/")})}  # fmt: skip
     return {"samples_per_s": _rate(ends), "reward_first5": _mean(rw[:5]),
             "reward_last5": _mean(rw[-5:]), "steps": len(rows), "wall_s": wall,
+            "cpu_s": cpu, "cpu_cores": cpu / wall,
             "outside_steps_s": wall - (ends[-1] - ends[0]) if ends else None,
             "timeline_mean_s": tl, "config": list(extra)}  # fmt: skip
 
