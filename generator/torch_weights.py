@@ -40,10 +40,11 @@ class TorchWeights:
         digest: str,
     ) -> None:  # fmt: skip
         """Verify, then copy `source` into the parameters in place as `version` (module doc).
-        A directory with this host's /dev/shm copy (publish.transport shm) is copied while its
-        digest is checked (`models.weights.shm.load_mapped`; the lock held, nothing served
-        before both end); a refused copy is replaced from the directory, checked as read, and
-        the engine stops serving (WeightLoadError) if that fails too."""
+        A directory with this host's /dev/shm copy (publish.transport shm) takes that copy
+        first (``_load_mapped``: staged and checked before the load on a GPU, copied while
+        checked on the CPU; the lock held, nothing served before the check ends); a refused
+        copy is replaced from the directory, checked as read, and the engine stops serving
+        (WeightLoadError) if a copy already loaded cannot be replaced."""
         if self.broken:
             raise WeightLoadError(self.broken)
         with self._lock:

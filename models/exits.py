@@ -372,11 +372,12 @@ def should_exit(
     carry = carry if carry is not None else ExitCarry()
     n = info.state.shape[0]
     dt = torch.float64 if info.mode == "exact" else torch.float32
-    per_row = isinstance(info.depth, Tensor)
-    if isinstance(info.depth, Tensor):
-        forced = (info.depth >= info.max_depth).reshape(n).cpu()
+    last = info.depth >= info.max_depth  # per row when depth is (decode by ticks)
+    per_row = isinstance(last, Tensor)
+    if isinstance(last, Tensor):
+        forced = last.reshape(n).cpu()
     else:
-        forced = torch.full((n,), info.depth >= info.max_depth, dtype=torch.bool)
+        forced = torch.full((n,), last, dtype=torch.bool)
     if isinstance(policy, FixedDepth):
         return forced, carry
     if isinstance(policy, LatentDiff):
@@ -407,9 +408,8 @@ def should_exit(
         lam = torch.sigmoid(info.gate_logit.to(dt).reshape(n))
         remaining = carry.remaining if carry.remaining is not None else torch.ones_like(lam)
         cumulative = carry.cumulative if carry.cumulative is not None else torch.zeros_like(lam)
-        if isinstance(info.depth, Tensor):  # per row: the last iteration takes what remains
-            last = (info.depth >= info.max_depth).reshape(n).to(lam.device)
-            p = torch.where(last, remaining, lam * remaining)
+        if per_row:  # the last iteration (of each row) takes what remains
+            p = torch.where(forced.to(lam.device), remaining, lam * remaining)
         else:
             p = remaining if info.depth >= info.max_depth else lam * remaining
         carry.remaining = remaining * (1.0 - lam)
@@ -422,10 +422,8 @@ def should_exit(
         hit = info.uniform.to(lam.device) < lam.to(torch.float64)
     else:  # pragma: no cover
         raise TypeError(f"unknown exit policy {policy!r}")
-    if per_row:
-        hit = hit.cpu() & (torch.as_tensor(info.depth).reshape(n).cpu() >= policy.min_depth)
-    else:
-        hit = hit.cpu() & torch.tensor(info.depth >= policy.min_depth)
+    deep = info.depth >= policy.min_depth
+    hit = hit.cpu() & (deep.reshape(n).cpu() if isinstance(deep, Tensor) else torch.tensor(deep))
     return hit | forced, carry
 
 
