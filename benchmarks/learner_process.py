@@ -53,7 +53,7 @@ digest seconds), `intake_rollouts_per_s` (rollouts trained per wall second) and
 `intake_capacity_rollouts_per_s` (rollouts per second the coordinator spent in intake),
 `peak_mem_gib` (the learner's CUDA peak, metrics `mem/peak_gib`; null on CPU),
 `peak_rss_gib` (the learner process's peak resident memory), `losses`, `grad_norms`, `health`
-(benchmarks.trainer_gpu.health), `logprob_mismatch_max`, `refused_total`, `meets_busy_target`
+(benchmarks/health.py), `logprob_mismatch_max`, `refused_total`, `meets_busy_target`
 (busy_fraction >= 0.95 with one version per step: issue 22's done-when).
 """
 
@@ -75,8 +75,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.health import health
 from benchmarks.learner_process_gen import precompute
-from benchmarks.trainer_gpu import PEAK_BF16, SHAPES, flop_counts, health, init_state, model_config
+from benchmarks.trainer_gpu import PEAK_BF16, SHAPES, flop_counts, init_state, model_config
 
 REPO = Path(__file__).resolve().parents[1]
 GEN = Path(__file__).resolve().parent / "learner_process_gen.py"  # a simulated generator

@@ -20,7 +20,7 @@ log-probs ~ -log V + U(-0.5, 0.5) (near the random init's), rewards 0/1; new one
 
 Learning rate: each shape's realistic rate (`--lr`; 1e-6 at Huginn-0125's 3.5B, 1e-5 at ~1B),
 not the run config's small-model default (3e-3 collapses the compiled Huginn-0125 run). The line
-carries the loss and gradient-norm trajectory and a `health` verdict (`health()`: collapse =
+carries the loss and gradient-norm trajectory and a `health` verdict (benchmarks/health.py: collapse =
 a constant loss or a vanishing gradient norm for 3 steps in a row; spikes; diverging;
 nonfinite; ok).
 
@@ -65,6 +65,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.health import health  # noqa: E402
 
 PEAK_BF16 = 989e12
 
@@ -240,40 +242,6 @@ def flop_counts(s: dict[str, Any], k: int) -> dict[str, Any]:
         flops_per_token=body + 6 * v * h * rows,
         flops_per_token_head_every_position=body + 6 * v * h,
     )
-
-
-def health(losses: list[float], grad_norms: list[float], window: int = 3) -> dict[str, Any]:
-    """Whether training looks alive, not only finite: "collapse" when `window` consecutive
-    steps have a vanishing gradient norm (below 1e-6 x the median norm of the run, or exactly
-    0) or the very same loss (relative change below 1e-7) although every step brings new
-    rollouts; "spikes" when a norm exceeds 20 x the median; "diverging" when the mean |loss| of
-    the last third of the steps is over twice the first third's (6 steps or more); "nonfinite"
-    when a loss or norm is not finite; else "ok". Returns the verdict and the steps that
-    triggered it."""
-
-    if not all(math.isfinite(x) for x in [*losses, *grad_norms]):
-        bad = [i for i, (x, g) in enumerate(zip(losses, grad_norms, strict=True))
-               if not (math.isfinite(x) and math.isfinite(g))]  # fmt: skip
-        return {"verdict": "nonfinite", "steps": bad}
-    med = statistics.median(grad_norms) if grad_norms else 0.0
-    flat = [i for i in range(1, len(losses))
-            if abs(losses[i] - losses[i - 1]) <= 1e-7 * max(abs(losses[i]), 1e-12)
-            or grad_norms[i] == 0.0 or grad_norms[i] < 1e-6 * med]  # fmt: skip
-    run = 0
-    for j, i in enumerate(flat):
-        run = run + 1 if j and flat[j - 1] == i - 1 else 1
-        if run >= window:
-            return {"verdict": "collapse", "steps": flat}
-    spikes = [i for i, g in enumerate(grad_norms) if med > 0 and g > 20 * med]
-    if spikes:
-        return {"verdict": "spikes", "steps": spikes}
-    third = len(losses) // 3
-    if third >= 2:  # a sustained rise: the last third's mean |loss| over 2x the first third's
-        first = statistics.fmean(abs(x) for x in losses[:third])
-        last = statistics.fmean(abs(x) for x in losses[-third:])
-        if first > 0 and last > 2 * first:
-            return {"verdict": "diverging", "steps": list(range(len(losses) - third, len(losses)))}
-    return {"verdict": "ok", "steps": []}
 
 
 def prompt_len(s: dict[str, Any]) -> int:

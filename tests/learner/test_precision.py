@@ -128,7 +128,7 @@ def test_trainer_benchmark_flags_a_collapse_not_only_nonfinite() -> None:
     """The verdict of benchmarks/trainer_gpu.py: the collapse the issue saw (compiled
     Huginn-0125 at lr 3e-3: loss exactly 0.282842 with gradient norms ~1e-8 between spikes)
     is a collapse though every value is finite; an ordinary noisy run is ok."""
-    health = load_benchmark("trainer_gpu").health
+    health = load_benchmark("health").health
 
     ok = health([0.31, 0.27, 0.35, 0.29, 0.33], [4.1, 3.8, 5.0, 4.4, 3.9])
     assert ok == {"verdict": "ok", "steps": []}
