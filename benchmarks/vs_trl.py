@@ -22,7 +22,9 @@ step, 120 steps.
 Prints one JSON line: for each side samples/s over steps 5..N (rollouts trained per second of
 wall time between the end of step 5 and the end of step N), mean reward of the first and last
 5 steps, wall seconds of the whole command and the CPU seconds of its process tree (user +
-system of the waited-for children: `cpu_s`; `cpu_cores` = cpu_s / wall_s, start-up included),
+system of the waited-for children: `cpu_s`; `cpu_cores` = cpu_s / wall_s, start-up included;
+for looprl also `per_process`: the learner's and the generators' cores and CPU ms a step over
+steps 5..N-1, read from /proc every 0.2 s),
 TRL's seconds to its first step end (looprl:
 the wall seconds outside steps 1..N, start-up and shutdown), the looprl run's mean ``time/*``
 over steps 6..N, and the host's load average before, between and after (other processes on a
@@ -168,12 +170,16 @@ def run_looprl(model: Path, steps: int, work: Path, name: str = "looprl",
            f"model.path={model}", f"steps={steps}", "metrics.progress=false",
            "metrics.plot=false", "metrics.tensorboard=false", "checkpoint.every=0", *extra]  # fmt: skip
     t0, c0 = time.perf_counter(), _children_cpu_s()
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    out = work / f"{name}.out"
+    with out.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                text=True)  # fmt: skip
+        samples = _sample_tree(proc, run_dir / "metrics.jsonl")
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
-    if r.returncode:
-        (work / f"{name}.err").write_text(r.stdout + r.stderr)
-        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}",
-                "log": str(work / f"{name}.err")}  # fmt: skip
+    if proc.returncode:
+        out.rename(work / f"{name}.err")
+        last = (work / f"{name}.err").read_text().strip().splitlines()[-1:]
+        return {"error": f"exit {proc.returncode}: {last}", "log": str(work / f"{name}.err")}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ends = [float(x["elapsed_s"]) for x in rows]
     rw = [float(x["reward_mean"]) for x in rows]
@@ -183,7 +189,53 @@ def run_looprl(model: Path, steps: int, work: Path, name: str = "looprl",
             "reward_last5": _mean(rw[-5:]), "steps": len(rows), "wall_s": wall,
             "cpu_s": cpu, "cpu_cores": cpu / wall,
             "outside_steps_s": wall - (ends[-1] - ends[0]) if ends else None,
-            "timeline_mean_s": tl, "config": list(extra)}  # fmt: skip
+            "timeline_mean_s": tl, "per_process": _per_process(samples, steps),
+            "config": list(extra)}  # fmt: skip
+
+
+def _tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``pid`` and its descendants, by role: "learner"
+    (the `looprl run` process itself) and "generator" (summed over its generator processes);
+    {} where /proc cannot be read (not Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            for t in os.listdir(f"/proc/{p}/task"):
+                todo += [int(k) for k in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except (OSError, IndexError):
+            continue
+        role = "learner" if p == pid else "generator" if b"generator" in cmdline else "other"
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _sample_tree(proc: subprocess.Popen[str], metrics: Path) -> list[tuple[float, int, dict]]:
+    """(time, steps logged, CPU seconds by role) every 0.2 s until ``proc`` exits."""
+    samples = []
+    while proc.poll() is None:
+        steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        samples.append((time.perf_counter(), steps, _tree_cpu(proc.pid)))
+        time.sleep(0.2)
+    return samples
+
+
+def _per_process(samples: list[tuple[float, int, dict]], steps: int) -> dict[str, Any]:
+    """Cores busy and CPU ms per step of each role between the first sample at step 5 and the
+    last one before the final step (the steady state; start-up and shutdown left out)."""
+    win = [s for s in samples if 5 <= s[1] < steps]
+    if len(win) < 2 or win[-1][1] == win[0][1]:
+        return {}
+    (t0, k0, c0), (t1, k1, c1) = win[0], win[-1]
+    res: dict[str, Any] = {"steps": k1 - k0, "seconds": t1 - t0}
+    for role in sorted(c1):
+        d = c1[role] - c0.get(role, 0.0)
+        res[role] = {"cores": d / (t1 - t0), "cpu_ms_per_step": 1e3 * d / (k1 - k0)}
+    return res
 
 
 def variant(spec: str) -> tuple[str, tuple[str, ...]]:
