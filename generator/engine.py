@@ -13,7 +13,9 @@ Per-token exit depths, behaviour log-probs (DESIGN contract 4, the plugin's own
 weight versions come from the plugin's side channel (`generator.vllm_records`), fetched with
 `LLM.collective_rpc` once a request finishes. vLLM's own sampler log-probs
 (`logprobs_mode="processed_logprobs"`: log-softmax after temperature and top-p) are kept in
-`Sample.sampler_logprobs` as a cross-check.
+`Sample.sampler_logprobs` as a cross-check (a plain model's behaviour log-probs); they are read
+from the worker's book of sampled log-probs (`generator.vllm_sampled`, the same floats without
+vLLM's per-token Python objects) unless the engine is built with `sampled_book=False`.
 
 Token sampling is seeded per request from the latent seed (`SamplingParams.seed`,
 `request_seed`: the latent seed itself, or for turn k >= 1 of a conversation
@@ -77,6 +79,7 @@ from generator.plugin import ARCHITECTURES
 from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_reload import _load_on_worker
+from generator.vllm_sampled import disable_book, enable_book, pop_sampled
 from generator.vllm_settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from models.reference import sampling_seed
@@ -208,6 +211,7 @@ class LoopedEngine:
         record: bool = True,
         weight_version: int = 0,
         dtype: str = "auto",
+        sampled_book: bool = True,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -262,6 +266,15 @@ class LoopedEngine:
         self.broken = ""
         """Why the engine no longer serves (a failed weight load); empty while it does."""
         self._set_version(weight_version)
+        self.sampled_book = False
+        self.use_sampled_book(sampled_book)
+
+    def use_sampled_book(self, on: bool) -> None:
+        """Read the sampler's log-probs from the worker's book (`generator.vllm_sampled`) or,
+        off, from vLLM's request outputs; the values are the same."""
+        with self._lock:
+            self.llm.collective_rpc(enable_book if on else disable_book)
+            self.sampled_book = bool(on)
 
     # ---- weights -------------------------------------------------------------------------
     def _set_version(self, version: int) -> None:
@@ -320,6 +333,7 @@ class LoopedEngine:
     # ---- generation ----------------------------------------------------------------------
     def _params(self, item: WorkItem, seed: int, key: str, offset: int = 0) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         greedy = item.temperature == 0
         return SamplingParams(
@@ -336,6 +350,9 @@ class LoopedEngine:
             include_stop_str_in_output=True,
             extra_args={SEED_KEY: seed, RECORD_KEY: key},
             skip_clone=True,  # one object per request: vLLM's deep copy of it is not needed
+            # one output per request, when it finishes (what `LLM.generate` asks for): no
+            # cumulative RequestOutput built for every request at every engine step
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     def generate(
@@ -382,16 +399,24 @@ class LoopedEngine:
         if self.looped:
             asks = [(k, list(outs[k].token_ids)) for k in slots]
             records = self.llm.collective_rpc(pop_records, args=(asks,))[0]
+        sampled: dict[str, Any] = {}
+        if self.sampled_book:
+            counts = [(k, len(outs[k].token_ids)) for k in slots]
+            sampled = self.llm.collective_rpc(pop_sampled, args=(counts,))[0]
         results: list[list[Sample]] = [[None] * it.n for it in items]  # type: ignore[list-item]
         for key, (i, j, seed) in slots.items():
-            results[i][j] = self._sample(outs[key], records.get(key), seed)
+            results[i][j] = self._sample(outs[key], records.get(key), seed, sampled.get(key))
         return results
 
-    def _sample(self, out: Any, record: Any, seed: int) -> Sample:
+    def _sample(self, out: Any, record: Any, seed: int, sampled: Any = None) -> Sample:
         tokens = np.asarray(list(out.token_ids), dtype=np.int32)
         n = tokens.shape[0]
         sampler = None
-        if out.logprobs is not None:
+        if sampled is not None:  # the worker's book (generator.vllm_sampled)
+            sampler = np.asarray(sampled, dtype=np.float32)
+        elif self.sampled_book and n:
+            raise RuntimeError("the worker's book lacks the sampled log-probs of a completion")
+        elif out.logprobs is not None:
             sampler = np.asarray(
                 [lp[int(t)].logprob for lp, t in zip(out.logprobs, tokens)], dtype=np.float32
             )
