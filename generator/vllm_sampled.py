@@ -121,4 +121,11 @@ def pop_sampled(worker: Any, requests: list[tuple[str, int]]) -> dict[str, list[
     return {key: book.pop(key, n) for key, n in requests}
 
 
-__all__ = ["BOOK_ATTR", "SampledBook", "disable_book", "enable_book", "install_sampler_hook", "pop_sampled"]
+__all__ = [
+    "BOOK_ATTR",
+    "SampledBook",
+    "disable_book",
+    "enable_book",
+    "install_sampler_hook",
+    "pop_sampled",
+]

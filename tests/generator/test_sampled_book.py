@@ -42,8 +42,14 @@ def _reseed(worker: object, seed: int) -> None:
 
 def _items(temperature: float) -> list:
     return [
-        work_item(p, [11 + 2 * i, 12 + 2 * i], temperature=temperature, top_p=1.0,
-                  max_tokens=6 + i, name=f"t{i}")  # fmt: skip
+        work_item(
+            p,
+            [11 + 2 * i, 12 + 2 * i],
+            temperature=temperature,
+            top_p=1.0,
+            max_tokens=6 + i,
+            name=f"t{i}",
+        )
         for i, p in enumerate(prompts(4, [3, 21, 40, 7], seed=5))
     ]
 
