@@ -9,7 +9,8 @@ own token, exited rows read out every k ticks; generator/torch_ticks.py). One JS
 
 What runs: an Ouro module (random weights, std 0.02; `--hidden --layers --heads --ffn --vocab`,
 looped `--depth` times; `--tiny`: hidden 64, 2 layers) in `--dtype` on `--device`,
-`TorchEngine.generate` of `--batch` greedy requests of `--prompt` random tokens and `--tokens`
+`TorchEngine.generate` of `--batch` requests (greedy; `--temperature T`: sampled, the draw on
+the device) of `--prompt` random tokens and `--tokens`
 new tokens, every request in the cache at once (max_num_seqs = batch): the product's call,
 prefill, decode, host sampling and records included. Exits: SampledGate(max_depth D, kv
 last_exited) with the exit gate set to a constant (weight 0, bias b: every token exits after
@@ -80,6 +81,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ticks", default="1,4", help="readout_every values of the tick rows")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests")
     ap.add_argument("--schedules", default="gate_fixed,half,quarter")
     a = ap.parse_args()
     if a.depth < 2 or a.batch < 1 or a.tokens < 2:
@@ -112,7 +114,8 @@ def main() -> int:
 
     def items_of(n_new: int) -> list[Any]:
         return [WorkItem(work_id=f"w{i}", prompt_id=str(i), prompt_tokens=p,
-                         latent_seeds=np.asarray([i + 1], dtype=np.uint64), temperature=0.0,
+                         latent_seeds=np.asarray([i + 1], dtype=np.uint64),
+                         temperature=a.temperature,
                          max_tokens=n_new) for i, p in enumerate(prompts)]  # fmt: skip
 
     calls = {a.tokens: items_of(a.tokens), 1: items_of(1)}  # decode = the difference
@@ -182,7 +185,8 @@ def main() -> int:
     print(json.dumps(dict(
         bench="torch_depth", device=str(torch.cuda.get_device_name() if cuda else "cpu"),
         dtype=str(dtype).replace("torch.", ""), tiny=a.tiny, depth=a.depth, batch=a.batch,
-        prompt=a.prompt, tokens=a.tokens, reps=a.reps, build_s=round(build_s, 1),
+        prompt=a.prompt, tokens=a.tokens, temperature=a.temperature, reps=a.reps,
+        build_s=round(build_s, 1),
         params=sum(p.numel() for p in model.parameters()), rows=rows,
         command=" ".join(sys.argv),
     )), flush=True)  # fmt: skip

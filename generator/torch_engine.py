@@ -20,7 +20,7 @@ runs the full depth D (its last position, which samples token 0, consults the po
 `models.exits.token0_follows_policy` says so), decode follows the exit policy, behaviour log-probs are
 `models.reference.behaviour_logprobs` of the sampling position (greedy, temperature 0: at
 temperature 1 and top_p 1, as the plugin records them), and tokens are drawn as the reference
-draws them (`models.sampling.draw`, one batched draw a step, keyed by
+draws them (`models.sampling.draw`, one batched draw a step on the engine's device, keyed by
 `models.reference.sampling_seed(latent_seed, offset)` (offset 0, or a conversation's turn, given
 by `generate(..., sampling_offsets)`) and the token's index).
 
@@ -428,12 +428,15 @@ class TorchEngine(TorchWeights):
             groups.setdefault(key, []).append(b)
         vocab = self.model.vocab_size
         for (temp, top_p), rows in groups.items():
+            # on the logits' device: the draw's integer bits are the same on every device
+            # (models.sampling), and a GPU step moves [N] tokens to the host, not [N, V] rows
             lp = behaviour_logprobs(torch.stack([logits[b] for b in rows]), vocab, temp, top_p,
-                                    self.numerics).cpu()  # fmt: skip
+                                    self.numerics)  # fmt: skip
             reqs = [slots[b] for b in rows]
             toks = draw(lp, [r.key for r in reqs], [len(r.tokens) for r in reqs],  # type: ignore[union-attr]
                         [r.work.temperature == 0 for r in reqs])  # type: ignore[union-attr]  # fmt: skip
-            picked = lp[torch.arange(len(rows)), torch.tensor(toks)].tolist()
+            at = torch.arange(len(rows), device=lp.device)
+            picked = lp[at, torch.tensor(toks, device=lp.device)].tolist()
             for k, b in enumerate(rows):
                 r = slots[b]
                 assert r is not None

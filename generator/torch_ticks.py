@@ -5,8 +5,8 @@ instead of one `run_chunk` per decoded token whose deepest row sets the iteratio
 The engine's loop otherwise: a free slot takes the next request, whose prompt is prefilled by
 `run_chunk` at full depth (token 0 under the policy where contract 2 says so) while the other
 rows keep their place mid-token (a prefill writes only its own rows' cache); rows read out by
-the ticker are sampled on the host (`TorchEngine._sample_rows`: the same keys, so the same
-tokens), and fed their next token unless finished. Samples (tokens, log-probs, exit depths)
+the ticker are sampled as the chunk decode samples them (`TorchEngine._sample_rows`: the same
+keys, so the same tokens), and fed their next token unless finished. Samples (tokens, log-probs, exit depths)
 equal the chunk decode's, bit for bit in exact numerics (tests/generator/test_torch_ticks.py).
 Sampled exits (SampledGate) file their exit log-probs as the chunk decode does. Not for kv
 'full' or the fixed-depth graph decode."""
