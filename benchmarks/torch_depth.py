@@ -24,7 +24,10 @@ token = (a call of `--tokens` new tokens - a call of 1) / (batch x (tokens - 1))
 (the prompt at full depth, whatever the exits) and the call's fixed costs cancel;
 `vs_fixed` = that / the fastest fixed-depth configuration's; `s_per_call` / `tokens_per_s`: the
 whole call of `--tokens`; `mean_depth` from the records (every row's exits: the same in every
-path, checked: `same_as_chunk`).
+path, checked: `same_as_chunk`). `--profile fixed,half:chunk`: after the timing, one call of
+each named configuration with the engine's stages timed (prefill, decode, graph step, sampling; a device
+sync around each) and one under torch.profiler (top ops by host and by device time), under
+`profiles` in the JSON line.
 """
 
 from __future__ import annotations
@@ -65,6 +68,57 @@ def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> Any:
     return random_weights(model, dev, dtype)
 
 
+STAGES = ("_prefill", "_decode", "_graph_step", "_sample_rows", "_feed")
+"""TorchEngine methods a profile times (device-synchronised around each call)."""
+
+
+def profile(call: Any, eng: Any, sync: Any) -> dict[str, Any]:
+    """Where one `generate` call's time goes: (1) the engine's stages (STAGES) timed with a
+    device sync around each call, beside the whole call; (2) the same call under torch.profiler:
+    the top ops by host (self CPU) time and by device time, and the device's busy seconds."""
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+
+        return wrapper
+
+    for name in STAGES:
+        setattr(eng, name, timed(name, getattr(eng, name)))
+    try:
+        t0 = time.perf_counter()
+        call()
+        whole = time.perf_counter() - t0
+    finally:
+        for name in STAGES:
+            delattr(eng, name)  # the class's methods again
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=acts) as prof:
+        call()
+    ev = prof.key_averages()
+    dev_us = [(e.key, float(getattr(e, "self_device_time_total", 0.0) or 0.0)) for e in ev]
+    top_host = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:12]
+    return {
+        "call_s": round(whole, 4),
+        "stages_s": {k: round(v, 4) for k, v in sorted(spent.items())},
+        "device_busy_s": round(sum(us for _, us in dev_us) / 1e6, 4),
+        "top_host_ms": [(e.key, round(e.self_cpu_time_total / 1e3, 2), e.count) for e in top_host],
+        "top_device_ms": [
+            (k, round(us / 1e3, 2)) for k, us in sorted(dev_us, key=lambda x: -x[1])[:10]
+        ],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--device", default="auto")
@@ -82,6 +136,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ticks", default="1,4", help="readout_every values of the tick rows")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="configs (e.g. fixed,half:chunk) to profile "
+        "after the timing: one call each, the engine's stages timed, then torch.profiler",
+    )
     ap.add_argument("--schedules", default="gate_fixed,half,quarter")
     a = ap.parse_args()
     if a.depth < 2 or a.batch < 1 or a.tokens < 2:
@@ -166,6 +226,8 @@ def main() -> int:
     dec = {k: max(1e-9, (whole[k] - statistics.median(times[(k, 1)])) / (a.batch * (a.tokens - 1)))
            for k in engines}  # fmt: skip
     best_fixed = min(v for k, v in dec.items() if k.startswith("fixed"))
+    profiles = {key: profile(lambda key=key: run(key, a.tokens), engines[key][0], sync)
+                for key in a.profile.split(",") if key}  # fmt: skip
     n = a.batch * a.tokens
     rows = []
     for key in engines:
@@ -187,7 +249,7 @@ def main() -> int:
         dtype=str(dtype).replace("torch.", ""), tiny=a.tiny, depth=a.depth, batch=a.batch,
         prompt=a.prompt, tokens=a.tokens, temperature=a.temperature, reps=a.reps,
         build_s=round(build_s, 1),
-        params=sum(p.numel() for p in model.parameters()), rows=rows,
+        params=sum(p.numel() for p in model.parameters()), rows=rows, profiles=profiles,
         command=" ".join(sys.argv),
     )), flush=True)  # fmt: skip
     return 0
