@@ -79,7 +79,8 @@ def test_the_benchmark_prints_its_line() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(
         [sys.executable, str(root / "benchmarks/torch_depth.py"), "--device", "cpu", "--tiny",
-         "--batch", "4", "--depth", "6", "--tokens", "4", "--reps", "1", "--ticks", "2"],
+         "--batch", "4", "--depth", "6", "--tokens", "4", "--reps", "1", "--ticks", "2",
+         "--temperature", "1", "--profile", "half:chunk"],
         capture_output=True, text=True, timeout=300, env=env, cwd=root, check=True,
     )  # fmt: skip
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -90,3 +91,8 @@ def test_the_benchmark_prints_its_line() -> None:
     assert all(x["same_as_chunk"] for k, x in rows.items() if k.endswith("ticks2"))
     assert rows["gate_fixed:chunk"]["mean_depth"] == 6.0
     assert rows["quarter:chunk"]["mean_depth"] < rows["half:chunk"]["mean_depth"] < 6.0
+    prof = r["profiles"]["half:chunk"]  # sampled requests; the stages inside the call's time
+    assert r["temperature"] == 1.0
+    assert set(prof["stages_s"]) >= {"_prefill", "_decode", "_sample_rows"}
+    assert 0 < sum(prof["stages_s"].values()) <= prof["call_s"]
+    assert prof["top_host_ms"] and all(ms >= 0 for _, ms, _ in prof["top_host_ms"])
