@@ -15,8 +15,10 @@ measures the design meant to replace it, before it is built into the engine: dec
   rows' indices (padded to m, a multiple of batch / `--buckets`, with a scratch row whose
   cache and state absorb the padding's writes) gather the state, core_in / the core blocks /
   core_out run on m rows, their K/V are written and attention reads the gathered cache rows,
-  the state is scattered back, and rows whose token exits at i copy their K/V into the later
-  slots (last_exited, by padded index); the prelude + initial state and the readout (coda,
+  the state is scattered back; before that every row's K/V at the step's position is carried
+  from slot i - 1 into slot i (last_exited: an exited token's later slots hold its exit
+  iteration's K/V; the running rows then overwrite theirs; an iteration no row runs is the carry
+  alone); the prelude + initial state and the readout (coda,
   head) are one graph each, on every row.
 
 What it leaves out (why it is a stand-in): the exit depths come from a schedule known on the
@@ -118,6 +120,10 @@ class Buckets:
         from models.engine import _key_mask, _post, _qkv
 
         m, cache = self.model, self.cache
+        if i:  # last_exited: every row's K/V of this position carried from the slot before
+            cache.core[i, :, :, self.rows, self.pos] = cache.core[i - 1, :, :, self.rows, self.pos]
+        if not width:  # no row runs: the carry alone (later tokens' queries read this slot)
+            return
         idx = self.idx[i, :width]
         p = self.pos.index_select(0, idx)
         rope = self.rope.index_select(0, idx)
@@ -132,9 +138,6 @@ class Buckets:
             attn = nx.attention(q.view(width, 1, blk.n_heads, blk.head_dim), kk, vv, kmask, "fast")
             x = _post(blk, x, attn.reshape(width, -1), "fast")
         self.state.index_copy_(0, idx, m.core_out(x, "fast"))
-        if i + 1 < self.depth:  # last_exited: exits at i + 1 copy their K/V to later slots
-            tgt = torch.where(self.exit_at.index_select(0, idx) == i + 1, idx, self.b)
-            cache.core[i + 1 :, :, :, tgt, p] = cache.core[i, :, :, tgt, p].unsqueeze(0)
 
     def _readout(self) -> None:
         from models.engine import _readout
@@ -184,8 +187,7 @@ class Buckets:
         self.rope.copy_(self.model.rope(self.pos, "fast"))
         self.replay("pre")
         for i, w in enumerate(widths):
-            if w:
-                self.replay((i, w))
+            self.replay((i, w))
         self.replay("readout")
 
 
