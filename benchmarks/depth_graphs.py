@@ -72,6 +72,7 @@ class Buckets:
         from models.engine import KVCache
 
         self.model, self.b, self.depth, self.graphed = model, batch, depth, graphed
+        self.rows_kernel = graphed  # CUDA: Triton's decode kernel with a row index
         self.quant = max(1, batch // buckets)
         self.cache = KVCache.empty(model, batch + 1, length, depth)
         dev = self.cache.filled.device
@@ -133,9 +134,16 @@ class Buckets:
             q, k, v = _qkv(blk, x, rope, "fast")
             cache.core[i, layer, 0, idx, p] = k
             cache.core[i, layer, 1, idx, p] = v
-            kk = cache.core[i, layer, 0].index_select(0, idx)
-            vv = cache.core[i, layer, 1].index_select(0, idx)
-            attn = nx.attention(q.view(width, 1, blk.n_heads, blk.head_dim), kk, vv, kmask, "fast")
+            qv = q.view(width, 1, blk.n_heads, blk.head_dim)
+            if self.rows_kernel:  # the decode kernel reads each query's cache row itself
+                from models.engine_attention import decode_attention
+
+                attn = decode_attention(qv, cache.core[i, layer, 0], cache.core[i, layer, 1],
+                                        kmask, rows=idx)  # fmt: skip
+            else:
+                kk = cache.core[i, layer, 0].index_select(0, idx)
+                vv = cache.core[i, layer, 1].index_select(0, idx)
+                attn = nx.attention(qv, kk, vv, kmask, "fast")
             x = _post(blk, x, attn.reshape(width, -1), "fast")
         self.state.index_copy_(0, idx, m.core_out(x, "fast"))
 

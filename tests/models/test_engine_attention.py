@@ -50,6 +50,14 @@ for dtype in (torch.float32, torch.bfloat16):
     ref = nx.attention(q.float(), k.float(), v.float(), mask, "exact")
     got = decode_attention(q, k, v, mask, block_t=16)
     out[str(dtype)] = [float((got.float() - ref).abs().max()), str(got.dtype), list(got.shape)]
+# rows: queries 0..2 read cache rows 2, 0, 2 of a cache with a 4th row (the kernel, not a gather)
+q, k, v, mask = _case(torch.float32, "cpu")
+k4, v4 = torch.cat([k, 9 + k[:1]]), torch.cat([v, 9 + v[:1]])
+pick = torch.tensor([2, 0, 2])
+m2 = mask[pick]
+ref = nx.attention(q, k4[pick], v4[pick], m2, "exact")
+got = decode_attention(q, k4, v4, m2, block_t=16, rows=pick)
+out["rows"] = float((got - ref).abs().max())
 print(json.dumps(out))
 """
 
@@ -65,6 +73,7 @@ def test_decode_kernel_under_the_interpreter() -> None:
     assert res["torch.float32"][0] <= 2e-6, res
     assert res["torch.bfloat16"][1] == "torch.bfloat16"
     assert res["torch.bfloat16"][0] <= 2e-2, res  # one bf16 rounding of values of ~1
+    assert res["rows"] <= 2e-6, res  # each query read its own cache row
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
