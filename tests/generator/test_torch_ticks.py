@@ -96,3 +96,26 @@ def test_the_benchmark_prints_its_line() -> None:
     assert set(prof["stages_s"]) >= {"_prefill", "_decode", "_sample_rows"}
     assert 0 < sum(prof["stages_s"].values()) <= prof["call_s"]
     assert prof["top_host_ms"] and all(ms >= 0 for _, ms, _ in prof["top_host_ms"])
+
+
+def test_the_graph_stand_in_prints_its_line() -> None:
+    """benchmarks/depth_graphs.py --tiny on the CPU (its graphs run eagerly there): one JSON line,
+    labelled a stand-in, every configuration timed, the schedules' mean depths in order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks/depth_graphs.py"), "--device", "cpu", "--tiny",
+         "--batch", "16", "--depth", "6", "--steps", "3", "--reps", "1", "--buckets", "4"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root, check=True,
+    )  # fmt: skip
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {x["config"]: x for x in r["rows"]}
+    assert r["stand_in"] is True and set(rows) == {
+        "graph_fixed", "buckets:fixed", "buckets:half", "buckets:quarter"}  # fmt: skip
+    assert all(x["ms_per_token"] > 0 for x in rows.values())
+    assert rows["buckets:quarter"]["mean_depth"] < rows["buckets:half"]["mean_depth"] < 6.0
