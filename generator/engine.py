@@ -17,11 +17,12 @@ weight versions come from the plugin's side channel (`generator.vllm_records`), 
 from the worker's book of sampled log-probs (`generator.vllm_sampled`, the same floats without
 vLLM's per-token Python objects) unless the engine is built with `sampled_book=False`.
 
-Token sampling is seeded per request from the latent seed (`SamplingParams.seed`,
-`request_seed`: the latent seed itself, or for turn k >= 1 of a conversation
-`models.reference.sampling_seed(latent_seed, k)`, so the turns of one conversation do not reuse
-one another's random numbers) except on CPU: vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked)
-prefill with `Generator.set_offset`, which CPU generators reject ("CPU Generator does not use
+Token sampling is seeded per request from the latent seed (`SamplingParams.seed`, built with
+the rest of each request's parameters by generator/vllm_requests.py: `request_seed`, the latent
+seed itself, or for turn k >= 1 of a conversation `models.reference.sampling_seed(latent_seed,
+k)`, so the turns of one conversation do not reuse one another's random numbers) except on
+CPU: vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked) prefill
+with `Generator.set_offset`, which CPU generators reject ("CPU Generator does not use
 offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
 Replay does not need the sampler's randomness (only tokens, seeds and depths).
 
@@ -63,7 +64,6 @@ gathers them through the block table, generator.vllm_attention).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import os
@@ -76,13 +76,12 @@ import numpy as np
 import torch
 
 from generator.plugin import ARCHITECTURES
-from generator.vllm_context import RECORD_KEY, SEED_KEY
 from generator.vllm_records import pop_records
 from generator.vllm_reload import _load_on_worker
+from generator.vllm_requests import like_params, sampling_params
 from generator.vllm_sampled import disable_book, enable_book, pop_sampled
 from generator.vllm_settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
-from models.reference import sampling_seed
 from models.weights.digest import canonical_digest
 from models.weights.reading import read_weights
 from proto.records import Rollout, WorkItem
@@ -152,19 +151,6 @@ class Sample:
     """Set by generator.multiturn (turns, env_tokens, ...): the sample is scored already."""
 
 
-def _like(first: Any, seed: int, key: str, offset: int, cpu: bool) -> Any:
-    """The SamplingParams of another request of the item whose first request has ``first``:
-    a shallow copy with this request's own seeds and record key (the only per-request
-    fields). Building and validating one per request cost ~18 us each (128 a Llama batch:
-    ~2 ms of its ~100 ms); a copy ~0.5 us. vLLM's own updates of the object (the stop-id set
-    from the generation config) are the same for every request of an item."""
-    params = copy.copy(first)
-    params.extra_args = {SEED_KEY: seed, RECORD_KEY: key}
-    if not cpu:
-        params.seed = request_seed(seed, offset)
-    return params
-
-
 def resolve_dtype(dtype: str, hf_config: dict[str, Any], *, cpu: bool, numerics: str) -> str:
     """The vLLM model dtype: ``auto`` is float32 on CPU and in exact numerics, else the
     checkpoint's torch_dtype (the dtype of the weights the learner publishes; float32 if
@@ -181,15 +167,6 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any], *, cpu: bool, numerics:
         return "float32"
     tdt = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     return "bfloat16" if tdt in ("bfloat16", "torch.bfloat16") else "float32"
-
-
-def request_seed(latent_seed: int, offset: int = 0) -> int:
-    """vLLM's per-request sampler seed (`SamplingParams.seed`, a non-negative int64) of a
-    completion of ``latent_seed`` with sampling-seed offset ``offset``: the latent seed's low 63
-    bits at offset 0 (every single-turn request, as before), else those of
-    `models.reference.sampling_seed(latent_seed, offset)` (a conversation's turn ``offset``)."""
-    mixed = int(latent_seed) if offset == 0 else sampling_seed(latent_seed, offset)
-    return mixed & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class LoopedEngine:
@@ -331,36 +308,12 @@ class LoopedEngine:
             self._apply(*pending)
 
     # ---- generation ----------------------------------------------------------------------
-    def _params(self, item: WorkItem, seed: int, key: str, offset: int = 0) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        greedy = item.temperature == 0
-        return SamplingParams(
-            n=1,
-            temperature=0.0 if greedy else float(item.temperature),
-            top_p=1.0 if greedy else float(item.top_p),
-            max_tokens=int(item.max_tokens),
-            stop_token_ids=[int(t) for t in item.stop_token_ids],
-            ignore_eos=True,
-            seed=None if self._cpu else request_seed(seed, offset),
-            logprobs=0,
-            detokenize=bool(item.stop),  # stop strings are matched on the detokenized text
-            stop=list(item.stop) or None,
-            include_stop_str_in_output=True,
-            extra_args={SEED_KEY: seed, RECORD_KEY: key},
-            skip_clone=True,  # one object per request: vLLM's deep copy of it is not needed
-            # one output per request, when it finishes (what `LLM.generate` asks for): no
-            # cumulative RequestOutput built for every request at every engine step
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
     def generate(
         self, items: Sequence[WorkItem], sampling_offsets: Sequence[int] | None = None
     ) -> list[list[Sample]]:
         """Sample every item `item.n` times (one request per latent seed); results in order.
         ``sampling_offsets``: per item, its requests' sampling-seed offset (None: 0; a
-        conversation's turn, generator.multiturn; `request_seed`)."""
+        conversation's turn, generator.multiturn; `generator.vllm_requests.request_seed`)."""
         if sampling_offsets is not None and len(sampling_offsets) != len(items):
             raise ValueError(f"{len(sampling_offsets)} sampling offsets for {len(items)} items")
         with self._lock:
@@ -381,9 +334,9 @@ class LoopedEngine:
                 slots[key] = (i, j, seed)
                 off = int(offsets[i]) if offsets is not None else 0
                 if j == 0:
-                    first = params = self._params(item, seed, key, off)
+                    first = params = sampling_params(item, seed, key, off, self._cpu)
                 else:  # the item's other requests: a copy with their own seeds
-                    params = _like(first, seed, key, off, self._cpu)
+                    params = like_params(first, seed, key, off, self._cpu)
                 engine.add_request(key, prompt, params)
         finished: dict[str, Any] = {}
         while engine.has_unfinished_requests():

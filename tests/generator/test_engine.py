@@ -199,19 +199,19 @@ def test_inflight_update_records_token_versions(setup: Setup, monkeypatch: Any) 
 @pytest.mark.vllm
 @pytest.mark.parametrize("cpu", [True, False])
 def test_an_items_other_requests_get_copies_equal_to_their_own_params(cpu: bool) -> None:
-    """generator.engine._like: the item's first SamplingParams copied with another request's
-    seeds equals the SamplingParams built for that request (every field), and no two requests
-    share their extra_args (the plugin reads each request's latent seed and record key)."""
-    from generator.engine import RECORD_KEY, SEED_KEY, _like
+    """generator.vllm_requests.like_params: the item's first SamplingParams copied with another
+    request's seeds equals the SamplingParams built for that request (every field), and no two
+    requests share their extra_args (the plugin reads each request's latent seed and record
+    key)."""
+    from generator.vllm_context import RECORD_KEY, SEED_KEY
+    from generator.vllm_requests import like_params, sampling_params
 
-    eng: Any = LoopedEngine.__new__(LoopedEngine)
-    eng._cpu = cpu
     item = WorkItem(work_id="w", prompt_id="p", prompt_tokens=np.array([1, 2], np.int32),
                     latent_seeds=np.array([3, 4], np.uint64), temperature=0.7, top_p=0.9,
                     max_tokens=5, stop_token_ids=[7], stop=["x"])  # fmt: skip
-    first = LoopedEngine._params(eng, item, 3, "k0", 2)
-    copied = _like(first, 4, "k1", 2, cpu)
-    built = LoopedEngine._params(eng, item, 4, "k1", 2)
+    first = sampling_params(item, 3, "k0", 2, cpu)
+    copied = like_params(first, 4, "k1", 2, cpu)
+    built = sampling_params(item, 4, "k1", 2, cpu)
     names = type(built).__struct_fields__
     assert [n for n in names if getattr(copied, n) != getattr(built, n)] == []
     assert copied.extra_args == {SEED_KEY: 4, RECORD_KEY: "k1"}
