@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.torch_depth import build  # noqa: E402
+from benchmarks.torch_depth import add_shape_args, build  # noqa: E402
 
 
 def schedule(kind: str, rows: int, steps: int, depth: int, gen: torch.Generator) -> torch.Tensor:
@@ -203,15 +203,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--ffn", type=int, default=5632)
-    ap.add_argument("--vocab", type=int, default=65536)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--prompt", type=int, default=16)
+    add_shape_args(ap, batch=256)
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per pass")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--buckets", type=int, default=8)

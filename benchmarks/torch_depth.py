@@ -49,6 +49,20 @@ from benchmarks.depth_batching import random_weights  # noqa: E402
 from benchmarks.depth_batching_plugin import gate_bias  # noqa: E402
 
 
+def add_shape_args(ap: argparse.ArgumentParser, batch: int) -> None:
+    """The module's shape flags `build` reads (and the batch / prompt), shared with
+    benchmarks/depth_graphs.py."""
+    ap.add_argument("--tiny", action="store_true", help="a smoke run's shape (CPU tests)")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=65536)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--prompt", type=int, default=16)
+
+
 def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> Any:
     """The Ouro module at the flags' shape, random weights on ``dev`` (norms 1)."""
     from models.config import OuroConfig
@@ -123,15 +137,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    ap.add_argument("--tiny", action="store_true", help="a smoke run's shape (CPU tests)")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--ffn", type=int, default=5632)
-    ap.add_argument("--vocab", type=int, default=65536)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=16)
+    add_shape_args(ap, batch=64)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ticks", default="1,4", help="readout_every values of the tick rows")
