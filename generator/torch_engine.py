@@ -59,13 +59,14 @@ import torch
 
 from generator.config import ENGINES
 from generator.engine import Sample, WeightLoadError
-from generator.torch_ticks import check_ticks, generate_by_ticks
+from generator.torch_ticks import check_ticks, generate_by_ticks, resolve_tick_graph
 from generator.torch_weights import TorchWeights
 from models import numerics as nx
 from models.base import LoopedLM
 from models.checkpoint import load_checkpoint, load_config, load_into, read_config
 from models.engine import KVCache, run_chunk
 from models.engine_graph import GraphDecoder
+from models.engine_tickgraph import GraphTicker
 from models.exits import (
     ExitPolicy,
     FixedDepth,
@@ -123,7 +124,9 @@ class TorchEngine(TorchWeights):
     graph: None = the CUDA-graph decode exactly when the policy is a fixed depth on CUDA.
     model: an already built reference module (benchmarks, tests; `model_dir` may then be None).
     ticks: k > 0 decodes adaptive depths by ticks (generator.torch_ticks; exited rows read out
-    every k ticks); 0 = one `run_chunk` per decoded token.
+    every k ticks); 0 = one `run_chunk` per decoded token. tick_graph: the ticks at one shape,
+    k of them per CUDA graph replay (`models.engine_tickgraph.GraphTicker`); None = on CUDA
+    where the policy decides on the device (not KL / EntropyDiff).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class TorchEngine(TorchWeights):
         seed: int = 0,
         compile: bool | None = None,
         ticks: int = 0,
+        tick_graph: bool | None = None,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -171,11 +175,14 @@ class TorchEngine(TorchWeights):
         self.graph = (self.fixed and dev.type == "cuda") if graph is None else graph
         if self.graph and not self.fixed:
             raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
-        self.compile = (self.graph and numerics == "fast") if compile is None else compile
-        if self.compile and not (self.graph and numerics == "fast"):
-            raise ValueError("TorchEngine(compile=True) needs the graph decode in fast numerics")
-        self._kept: tuple[KVCache, GraphDecoder | None] | None = None
         self.ticks = check_ticks(int(ticks), self.kv, self.graph)
+        self.tick_graph = resolve_tick_graph(tick_graph, self.ticks, self.policy, dev)
+        graphed = self.graph or (self.tick_graph and dev.type == "cuda")
+        self.compile = (graphed and numerics == "fast") if compile is None else compile
+        if self.compile and not (graphed and numerics == "fast"):
+            raise ValueError("TorchEngine(compile=True) needs a graph decode (the fixed depth's "
+                             "or the ticks') in fast numerics")  # fmt: skip
+        self._kept: tuple[KVCache, GraphDecoder | GraphTicker | None] | None = None
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -290,7 +297,10 @@ class TorchEngine(TorchWeights):
         waiting = deque(reqs)
         logits: dict[int, torch.Tensor] = {}  # slot -> logits [V] to sample from
         if self.ticks:  # generator.torch_ticks: every row at its own iteration of its token
-            generate_by_ticks(self, reqs, cache)
+            kept = decoder if isinstance(decoder, GraphTicker) else None
+            ticker = generate_by_ticks(self, reqs, cache, kept)
+            if isinstance(ticker, GraphTicker) and ticker.graphed:
+                self._kept = (cache, ticker)  # its captured graph, for the next call
             waiting.clear()
         while waiting or any(s is not None for s in slots):
             free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
@@ -307,6 +317,7 @@ class TorchEngine(TorchWeights):
             if not live:
                 continue
             if self.graph:
+                assert not isinstance(decoder, GraphTicker)
                 if decoder is None:
                     seeds = [s.seed if s is not None else 0 for s in slots]
                     decoder = GraphDecoder(self.model, cache, seeds, depth=self.full_depth,
@@ -322,7 +333,7 @@ class TorchEngine(TorchWeights):
             results[r.item][r.sample] = self._record(r)
         return results
 
-    def _cache(self, rows: int, length: int) -> tuple[KVCache, GraphDecoder | None]:
+    def _cache(self, rows: int, length: int) -> tuple[KVCache, GraphDecoder | GraphTicker | None]:
         """The call's KV cache, and its captured decoder: on the graph path, the previous
         call's when the shape is the same (its `filled` cleared: the old K/V are invisible and
         overwritten), so a graph is captured once per shape, not once per call."""

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from models.engine import KVCache
+from models.engine_graph import compiled_regions
+from models.engine_tickgraph import GraphTicker, graph_policy
 from models.engine_ticks import Ticker
 
 
@@ -32,13 +34,41 @@ def check_ticks(ticks: int, kv: str, graph: bool) -> int:
     return ticks
 
 
-def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache) -> None:
+def resolve_tick_graph(tick_graph: bool | None, ticks: int, policy: Any, device: Any) -> bool:
+    """Whether decode by ticks runs at one shape (`GraphTicker`, a CUDA graph on CUDA): None =
+    on CUDA when the policy decides on the device (`graph_policy`); True refused for a policy
+    that does not, or without ticks."""
+    if tick_graph is None:
+        return bool(ticks) and device.type == "cuda" and graph_policy(policy)
+    if tick_graph and not ticks:
+        raise ValueError("tick_graph needs decode by ticks (ticks >= 1)")
+    if tick_graph and not graph_policy(policy):
+        raise ValueError(f"tick_graph: {type(policy).__name__} reads a readout every iteration "
+                         "(eager ticks only)")  # fmt: skip
+    return bool(tick_graph)
+
+
+def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
+                      kept: GraphTicker | None = None) -> Ticker:  # fmt: skip
     """Decode ``reqs`` (a TorchEngine's requests) into their own records (tokens, log-probs,
     depths) on ``cache``'s rows; ``eng``: the TorchEngine (its prefill, sampling and feed; typed
-    loosely so that this module does not import generator.torch_engine, which imports it)."""
+    loosely so that this module does not import generator.torch_engine, which imports it).
+    With ``eng.tick_graph`` the ticks run at one shape in a CUDA graph
+    (`models.engine_tickgraph.GraphTicker`; ``kept``: the previous call's on this cache, its
+    graph reused). Returns the ticker."""
     bsz = cache.filled.shape[0]
-    ticker = Ticker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth, policy=eng.policy,
-                    mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip
+    ticker: Ticker
+    if kept is not None:
+        ticker = kept
+        ticker.reset()
+    elif eng.tick_graph:
+        ticker = GraphTicker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth,
+                             policy=eng.policy, mode=eng.numerics, readout_every=eng.ticks,
+                             graph=eng.device.type == "cuda",
+                             regions=compiled_regions() if eng.compile else None)  # fmt: skip
+    else:
+        ticker = Ticker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth, policy=eng.policy,
+                        mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip
     slots: list[Any] = [None] * bsz
     waiting = deque(reqs)
     logits: dict[int, torch.Tensor] = {}
@@ -60,7 +90,7 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache) -> None:
             toks, pos = eng._feed(slots)
             ticker.feed(go, [int(toks[b]) for b in go], [int(pos[b]) for b in go])
         if not waiting and all(s is None for s in slots):
-            return
+            return ticker
         if waiting and any(s is None for s in slots):
             continue  # fill the freed slots first
         done, out, depths = ticker.advance()

@@ -49,14 +49,20 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        Q, K, V, M, Out, R, T, scale,
-        s_qb, s_qh, s_kb, s_kt, s_kg, s_vb, s_vt, s_vg, s_mb, s_mt, s_ob, s_oh,
+        Q, K, V, M, Out, R, SL, T, scale,
+        s_qb, s_qh, s_kb, s_kt, s_kg, s_vb, s_vt, s_vg, s_mb, s_mt, s_ob, s_oh, s_ks, s_vs,
         REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-        ROWS: tl.constexpr,
+        ROWS: tl.constexpr, SLOTS: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
         kb = tl.load(R + b) if ROWS else b  # the cache row this query reads
+        k_off = kb * s_kb
+        v_off = kb * s_vb
+        if SLOTS:  # and the slot (core iteration) of that row
+            sl = tl.load(SL + b)
+            k_off += sl * s_ks
+            v_off += sl * s_vs
         g = h // REP
         d = tl.arange(0, BLOCK_D)
         dm = d < D
@@ -69,7 +75,7 @@ if triton is not None:
             tm = t < T
             vis = tl.load(M + b * s_mb + t * s_mt, mask=tm, other=0) != 0
             kv_m = tm[:, None] & dm[None, :]
-            k = tl.load(K + kb * s_kb + t[:, None] * s_kt + g * s_kg + d[None, :], mask=kv_m,
+            k = tl.load(K + k_off + t[:, None] * s_kt + g * s_kg + d[None, :], mask=kv_m,
                         other=0.0).to(tl.float32)  # fmt: skip
             s = tl.sum(k * q[None, :], 1) * scale
             s = tl.where(vis, s, float("-inf"))
@@ -77,7 +83,7 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing seen
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe)
-            v = tl.load(V + kb * s_vb + t[:, None] * s_vt + g * s_vg + d[None, :], mask=kv_m,
+            v = tl.load(V + v_off + t[:, None] * s_vt + g * s_vg + d[None, :], mask=kv_m,
                         other=0.0).to(tl.float32)  # fmt: skip
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             l_i = l_i * alpha + tl.sum(p, 0)
@@ -88,14 +94,24 @@ if triton is not None:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int = 32,
                      num_warps: int = 2, num_stages: int = 2,
-                     rows: Tensor | None = None) -> Tensor:  # fmt: skip
+                     rows: Tensor | None = None, slots: Tensor | None = None) -> Tensor:  # fmt: skip
     """Softmax attention of one query position: q [B, 1, H, D], k / v [B, T, G, D] (H % G ==
     0), mask [B, 1, T] bool (True = visible; each row sees a key). Returns [B, 1, H * D] in
     q's dtype (module doc). ``block_t``, ``num_warps``, ``num_stages``: the launch
     (benchmarks/decode_attention.py times them). ``rows`` [B] int64: query b reads the cache's
     row rows[b] (k / v then [R, T, G, D], any R), so a subset of a cache's rows attends without
-    gathering their keys and values (mask stays [B, 1, T], one per query)."""
+    gathering their keys and values (mask stays [B, 1, T], one per query). ``slots`` [B] int64
+    (with ``rows``): k / v are [S, R, T, G, D] (S slots, e.g. the core iterations' caches of
+    one layer) and query b reads k[slots[b], rows[b]] (decode by ticks: each row at its own
+    iteration, `models.engine_tickgraph`)."""
     bsz, _, heads, dim = q.shape
+    if slots is not None:
+        if rows is None or slots.shape != (bsz,) or slots.dtype != torch.int64 or k.dim() != 5:
+            raise ValueError(f"slots must be int64 [{bsz}] with rows, k / v [S, R, T, G, D]")
+        s_ks, s_vs = k.stride(0), v.stride(0)
+        k, v = k[0], v[0]  # (the slot's offset is added in the kernel)
+    else:
+        s_ks = s_vs = 0
     length, groups = k.shape[1], k.shape[2]
     if rows is not None and (rows.shape != (bsz,) or rows.dtype != torch.int64):
         raise ValueError(f"rows must be int64 [{bsz}] (one cache row per query)")
@@ -105,11 +121,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int
     m = mask[:, 0].view(torch.uint8)
     block_d = max(16, triton.next_power_of_2(dim))
     _decode_kernel[(bsz, heads)](
-        q, k, v, m, out, rows if rows is not None else m, length, 1.0 / math.sqrt(dim),
+        q, k, v, m, out, rows if rows is not None else m, slots if slots is not None else m,
+        length, 1.0 / math.sqrt(dim),
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), s_ks, s_vs,
         REP=heads // groups, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, ROWS=rows is not None,
+        SLOTS=slots is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out.view(bsz, 1, heads * dim)

@@ -175,17 +175,7 @@ class Ticker:
             run = self.rows[live & ~waiting]
             new = run[self.it[run] == 0]  # rows starting a token: its prelude and initial state
             if new.numel():
-                p = self.pos[new]
-                cache.filled[new, p] = True
-                kmask = _key_mask(cache.filled.index_select(0, new), p[:, None])
-                x0 = m.embed(self.tok[new]).to(cache.core.dtype)
-                en = _stack_rows(m.prelude_blocks(), lambda i: cache.prelude[i], x0, new, p,
-                                 None, kmask, m.rope(p, mode), mode)  # fmt: skip
-                sd = [self.seeds[i] for i in new.tolist()]
-                noise = (latent_noise_torch(self.seed_t[new], p, en.shape[-1])
-                         if self.noise_here else None)  # fmt: skip
-                self.e[new] = en
-                self.state[new] = m.initial_state(en, p, sd, noise).to(en.dtype)
+                self._start(new)
             p = self.pos[run]
             kmask = _key_mask(cache.filled.index_select(0, run), p[:, None])
             x = m.core_in(self.state[run], self.e[run], mode)
@@ -200,6 +190,22 @@ class Ticker:
                 self.stop[run] = _policy_exits(m, cache, self.policy, run, self.it[run], new_state,
                                                prev, p, self.max_depth, mode, self.carry,
                                                self.seed_t[run], self.elp if self.sampled else None)  # fmt: skip
+
+    def _start(self, new: Tensor) -> None:
+        """Rows ``new`` start their fed token: its position filled, the prelude (its K/V
+        written), the embedding ``e`` and the initial state (Huginn's latent noise)."""
+        m, cache, mode = self.model, self.cache, self.mode
+        p = self.pos[new]
+        cache.filled[new, p] = True
+        kmask = _key_mask(cache.filled.index_select(0, new), p[:, None])
+        x0 = m.embed(self.tok[new]).to(cache.core.dtype)
+        en = _stack_rows(m.prelude_blocks(), lambda i: cache.prelude[i], x0, new, p,
+                         None, kmask, m.rope(p, mode), mode)  # fmt: skip
+        sd = [self.seeds[i] for i in new.tolist()]
+        noise = (latent_noise_torch(self.seed_t[new], p, en.shape[-1])
+                 if self.noise_here else None)  # fmt: skip
+        self.e[new] = en
+        self.state[new] = m.initial_state(en, p, sd, noise).to(en.dtype)
 
     def _read_out(self, done: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rows ``done`` exited: last_exited's K/V copies, the readout; the rows go idle."""
@@ -224,12 +230,13 @@ def decode_ticks(
     model: EngineModel, cache: KVCache, first: Tensor, start: Tensor, seeds: Sequence[int], *,
     max_depth: int, depths: Tensor | None = None, policy: ExitPolicy | None = None,
     tokens: int = 0, mode: str = "fast", choose: Callable[[Tensor], Tensor] | None = None,
-    readout_every: int = 1,
+    readout_every: int = 1, ticker_cls: Callable[..., Ticker] | None = None,
 ) -> TickOut:  # fmt: skip
     """Feed ``first`` [B] at positions ``start`` [B], then each chosen token, T tokens a row,
     token t of row b exiting after ``depths[t, b]`` iterations (T = depths.shape[0]) or when
     the exit ``policy`` says (T = ``tokens``) (`Ticker`). ``choose``: logits [M, V] -> tokens
-    [M] (default argmax)."""
+    [M] (default argmax). ``ticker_cls``: `Ticker` (default) or a subclass taking its
+    arguments (`models.engine_tickgraph.GraphTicker`: every row every tick, in a CUDA graph)."""
     if (depths is None) == (policy is None):
         raise ValueError("decode_ticks needs exactly one of depths and policy")
     bsz = first.shape[0]
@@ -246,8 +253,8 @@ def decode_ticks(
     if depths is not None and bool(((depths < 1) | (depths > max_depth)).any()):
         raise ValueError(f"depths must be in [1, {max_depth}]")
     pick = choose or (lambda lg: lg.argmax(dim=-1))
-    ticker = Ticker(model, cache, seeds, max_depth=max_depth, policy=policy, mode=mode,
-                    readout_every=readout_every)  # fmt: skip
+    ticker = (ticker_cls or Ticker)(model, cache, seeds, max_depth=max_depth, policy=policy,
+                                    mode=mode, readout_every=readout_every)  # fmt: skip
     dev = cache.filled.device
     zeros = torch.zeros(bsz, n_tok, dtype=torch.int64, device=dev)
     out = TickOut(torch.empty(0), zeros, zeros.clone(), 0)  # logits made at the first readout

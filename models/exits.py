@@ -343,19 +343,26 @@ def is_sampled(policy: ExitPolicy | None) -> bool:
 
 
 def exit_step_logprob(
-    gate_logit: Tensor, stop: Tensor, depth: int, min_depth: int, forced: Tensor, mode: str
-) -> Tensor:
+    gate_logit: Tensor, stop: Tensor, depth: int | Tensor, min_depth: int, forced: Tensor,
+    mode: str,
+) -> Tensor:  # fmt: skip
     """The log-probability one iteration adds to a sampled exit's (SampledGate): per row,
     log sigmoid(g) if the row exits after iteration ``depth``, log sigmoid(-g) if it goes on,
     0 where the gate is not consulted (depth < min_depth, or depth >= the row's forced exit
     depth ``forced``), -inf for an exit before min_depth (impossible). A token's exit log-prob
     is the sum over the iterations it ran, so the exits min_depth..D form one distribution.
     fp64 in exact mode, fp32 in fast (as should_exit evaluates the gate). gate_logit [N],
-    stop [N] bool, forced [N] int."""
+    stop [N] bool, forced [N] int; ``depth`` an int or each row's own ([N] int64: decode by
+    ticks; the same values as one call per distinct depth, with no host sync)."""
     dt = torch.float64 if mode == "exact" else torch.float32
     g = gate_logit.to(dt).reshape(-1)
     stop = stop.to(g.device)
     term = torch.where(stop, F.logsigmoid(g), F.logsigmoid(-g))
+    if isinstance(depth, Tensor):
+        d = depth.to(g.device).reshape(-1)
+        early = torch.where(stop, torch.full_like(term, -math.inf), torch.zeros_like(term))
+        late = torch.where(forced.to(g.device) > d, term, torch.zeros_like(term))
+        return torch.where(d < min_depth, early, late)
     if depth < min_depth:
         return torch.where(stop, torch.full_like(term, -math.inf), torch.zeros_like(term))
     return torch.where(forced.to(g.device) > depth, term, torch.zeros_like(term))
@@ -364,20 +371,24 @@ def exit_step_logprob(
 def should_exit(
     policy: ExitPolicy, info: StepInfo, carry: ExitCarry | None = None
 ) -> tuple[Tensor, ExitCarry]:
-    """Bool [N]: rows that stop after iteration `info.depth`; and the carry for the next call.
+    """Bool [N] on the state's device: rows that stop after iteration `info.depth`; and the
+    carry for the next call.
 
     Call once per iteration, with depth 1, 2, ... in order, with the same rows each time (the
-    engine masks out rows that already stopped).
+    engine masks out rows that already stopped). With per-row depths (a [N] tensor) and every
+    input on one device it reads nothing back to the host, so it can run inside a CUDA graph
+    (`models.engine_tickgraph`).
     """
     carry = carry if carry is not None else ExitCarry()
     n = info.state.shape[0]
     dt = torch.float64 if info.mode == "exact" else torch.float32
+    dev = info.state.device
     last = info.depth >= info.max_depth  # per row when depth is (decode by ticks)
     per_row = isinstance(last, Tensor)
     if isinstance(last, Tensor):
-        forced = last.reshape(n).cpu()
+        forced = last.reshape(n).to(dev)
     else:
-        forced = torch.full((n,), last, dtype=torch.bool)
+        forced = torch.full((n,), last, dtype=torch.bool, device=dev)
     if isinstance(policy, FixedDepth):
         return forced, carry
     if isinstance(policy, LatentDiff):
@@ -423,7 +434,7 @@ def should_exit(
     else:  # pragma: no cover
         raise TypeError(f"unknown exit policy {policy!r}")
     deep = info.depth >= policy.min_depth
-    hit = hit.cpu() & (deep.reshape(n).cpu() if isinstance(deep, Tensor) else torch.tensor(deep))
+    hit = hit.to(dev) & (deep.reshape(n).to(dev) if isinstance(deep, Tensor) else bool(deep))
     return hit | forced, carry
 
 

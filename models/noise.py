@@ -365,7 +365,8 @@ def latent_noise_torch(
     return out
 
 
-def exit_uniform(seeds: Tensor, positions: Tensor, depth: int) -> Tensor:
+def exit_uniform(seeds: Tensor, positions: Tensor, depth: int | Tensor, *, check: bool = True
+                 ) -> Tensor:  # fmt: skip
     """The uniform a sampled exit (models.exits.SampledGate) compares with the exit gate's
     probability at core iteration ``depth`` (1-based) of the token at absolute position p of
     the completion with latent seed s: float64 [N] in (0, 1), on the tensors' device::
@@ -375,12 +376,21 @@ def exit_uniform(seeds: Tensor, positions: Tensor, depth: int) -> Tensor:
 
     Integer ops and one exact conversion, so every device and process gets the same bits: the
     generator that sampled an exit and a learner that checks it agree on u.
-    seeds: [N] int64 (u64 as two's complement), positions: [N] int64 >= 0, depth >= 1."""
-    if depth < 1:
-        raise ValueError(f"exit_uniform: depth must be >= 1, got {depth}")
-    check_noise_args(seeds, positions, 1)
+    seeds: [N] int64 (u64 as two's complement), positions: [N] int64 >= 0, depth >= 1 (an int,
+    or each row's own as [N] int64: decode by ticks; int64 products wrap mod 2^64, the same bits
+    as the int's masked product). check=False skips the argument checks, which read values
+    back to the host (inside a CUDA graph; the caller guarantees them)."""
+    if check:
+        if not isinstance(depth, Tensor) and depth < 1:
+            raise ValueError(f"exit_uniform: depth must be >= 1, got {depth}")
+        if isinstance(depth, Tensor) and depth.numel() and bool((depth < 1).any()):
+            raise ValueError("exit_uniform: depths must be >= 1")
+        check_noise_args(seeds, positions, 1)
     row = _mix_t(_mix_t(seeds ^ _i64(EXIT_DOMAIN)) ^ positions)
-    bits = _mix_t(row + _i64((depth * GOLDEN) & MASK64))
+    if isinstance(depth, Tensor):
+        bits = _mix_t(row + depth.to(row.device) * _i64(GOLDEN))
+    else:
+        bits = _mix_t(row + _i64((depth * GOLDEN) & MASK64))
     return (_srl(bits, 11) | 1).to(torch.float64) * 2.0**-53
 
 

@@ -159,7 +159,11 @@ if has depth_big; then  # depth batching where the core's matmuls are compute-bo
     tail -n 5 "$LOG/depth_big.err"
 fi
 if has torch_depth; then  # the torch engine end to end at adaptive depths (issue 25): chunk
-    # decode vs decode by ticks (generators.depth_ticks), Ouro-like random weights, bf16
+    # decode vs decode by ticks (generators.depth_ticks), Ouro-like random weights, bf16;
+    # first the CUDA checks of the ticks in a CUDA graph and of the slot-indexed decode kernel
+    timeout "${T_TD_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+        tests/models/test_engine_ticks.py tests/models/test_engine_attention.py -k cuda 2>&1 |
+        grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torch_depth_tests.txt"
     timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda \
         ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --tokens 16 --ticks 1,4} \
         2>"$LOG/torch_depth.err" | tee "$LOG/torch_depth.json"

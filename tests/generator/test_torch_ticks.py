@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from generator.torch_engine import TorchEngine
-from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
+from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
 from tests.generator.test_torch_engine import _items, equal_to_reference
 
@@ -21,16 +21,20 @@ CASES: list[tuple[str, ExitPolicy, int]] = [
     ("huginn", LatentDiff(0.45), 3),
     ("ouro", OuroGate(0.8, kv="last_exited"), 2),  # token 0 under the policy (contract 2)
     ("ouro", SampledGate(kv="last_exited"), 1),  # exits drawn, their log-probs filed
+    ("ouro", SampledGate(kv="last_exited"), 3),  # ... while exited rows wait for the readout
 ]
 
 
+@pytest.mark.parametrize("tick_graph", [False, True], ids=["eager", "fixed_shape"])
 @pytest.mark.parametrize("family,policy,ticks", CASES)
 def test_ticks_records_equal_the_reference(
-    family: str, policy: ExitPolicy, ticks: int, tmp_path: Path
+    family: str, policy: ExitPolicy, ticks: int, tick_graph: bool, tmp_path: Path
 ) -> None:
+    """(tick_graph: the ticks at one shape, models.engine_tickgraph.GraphTicker; a CUDA graph
+    on a GPU, eager on the same buffers here.)"""
     path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
     eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu",
-                      ticks=ticks)  # fmt: skip
+                      ticks=ticks, tick_graph=tick_graph)  # fmt: skip
     items = _items()
     items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
     equal_to_reference(path, items, eng.generate(items), policy)
@@ -44,6 +48,12 @@ def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
         TorchEngine(path, exit_policy=FixedDepth(4), device="cpu", graph=True, ticks=1)
     with pytest.raises(ValueError, match="ticks must be >= 0"):
         TorchEngine(path, device="cpu", ticks=-1)
+    with pytest.raises(ValueError, match="tick_graph needs decode by ticks"):
+        TorchEngine(path, device="cpu", tick_graph=True)
+    hug = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    with pytest.raises(ValueError, match="tick_graph: KL reads a readout every iteration"):
+        TorchEngine(hug, exit_policy=KL(0.1), device="cpu", ticks=1, tick_graph=True)
+    assert not TorchEngine(hug, exit_policy=KL(0.1), device="cpu", ticks=1).tick_graph
 
 
 def test_the_generator_key_reaches_the_main_torch_engine_only(tmp_path: Path) -> None:

@@ -58,6 +58,13 @@ m2 = mask[pick]
 ref = nx.attention(q, k4[pick], v4[pick], m2, "exact")
 got = decode_attention(q, k4, v4, m2, block_t=16, rows=pick)
 out["rows"] = float((got - ref).abs().max())
+# slots: a [3 slots, 4 rows] cache of one layer; queries read (slot, row) = (2, 1), (0, 3), (1, 1)
+ks = torch.stack([k4 * (1 + j) for j in range(3)])
+vs = torch.stack([v4 - j for j in range(3)])
+sl, rw = torch.tensor([2, 0, 1]), torch.tensor([1, 3, 1])
+ref = nx.attention(q, ks[sl, rw], vs[sl, rw], mask, "exact")
+got = decode_attention(q, ks, vs, mask, block_t=16, rows=rw, slots=sl)
+out["slots"] = float((got - ref).abs().max())
 print(json.dumps(out))
 """
 
@@ -74,6 +81,7 @@ def test_decode_kernel_under_the_interpreter() -> None:
     assert res["torch.bfloat16"][1] == "torch.bfloat16"
     assert res["torch.bfloat16"][0] <= 2e-2, res  # one bf16 rounding of values of ~1
     assert res["rows"] <= 2e-6, res  # each query read its own cache row
+    assert res["slots"] <= 2e-6, res  # ... of its own slot
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -86,3 +94,13 @@ def test_decode_kernel_on_cuda_through_numerics() -> None:
             got = nx.attention(q, k, v, mask, "fast")
         assert got.dtype == dtype and got.shape == (3, 1, 96)
         assert float((got.float() - ref).abs().max()) <= tol
+    # each query at its own (slot, row) of a [3 slots, 4 rows] cache, on the device
+    from models.engine_attention import decode_attention
+
+    q, k, v, mask = _case(torch.float32, "cuda")
+    ks = torch.stack([torch.cat([k, 9 + k[:1]]) * (1 + j) for j in range(3)])
+    vs = torch.stack([torch.cat([v, 9 + v[:1]]) - j for j in range(3)])
+    sl, rw = torch.tensor([2, 0, 1], device="cuda"), torch.tensor([1, 3, 1], device="cuda")
+    ref = nx.attention(q, ks[sl, rw], vs[sl, rw], mask, "exact")
+    got = decode_attention(q, ks, vs, mask, rows=rw, slots=sl)
+    assert float((got - ref).abs().max()) <= 2e-6

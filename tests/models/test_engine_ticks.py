@@ -2,7 +2,9 @@
 own token. Against the chunk loop it replaces (`models.engine.run_chunk`, one token per row per
 chunk, the same exit depths): logits, chosen tokens, depths and the whole KV cache bit for bit
 in exact numerics, within 1e-6 in fast; the ticks run are the deepest row's summed depths, not
-the tokens x the deepest depth of each chunk."""
+the tokens x the deepest depth of each chunk. Each test runs the eager, compacted `Ticker` and
+the fixed-shape `GraphTicker` (models.engine_tickgraph: every row every tick, no host sync,
+the ticks a CUDA graph on a GPU; eager here on the same buffers)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import dataclasses
 import pytest
 import torch
 
+from models import numerics as nx
 from models.engine import KVCache, run_chunk
-from models.engine_ticks import decode_ticks
+from models.engine_tickgraph import GraphTicker
+from models.engine_ticks import Ticker, decode_ticks
 from models.exits import KL, ExitPolicy, LatentDiff, OuroGate, SampledGate
 from tests.models.test_reference import model_of
 
@@ -34,12 +38,18 @@ def _clone(c: KVCache) -> KVCache:
     return KVCache(c.prelude.clone(), c.core.clone(), c.coda.clone(), c.filled.clone())
 
 
+TICKERS = pytest.mark.parametrize("ticker", [Ticker, GraphTicker], ids=["eager", "fixed_shape"])
+
+
+@TICKERS
 @pytest.mark.parametrize(
     "family,mode,every",
     [("huginn", "exact", 1), ("ouro", "exact", 1), ("huginn", "fast", 1), ("huginn", "exact", 3)],
 )
 @torch.no_grad()
-def test_ticks_equal_the_chunk_loop(family: str, mode: str, every: int) -> None:
+def test_ticks_equal_the_chunk_loop(
+    family: str, mode: str, every: int, ticker: type[Ticker]
+) -> None:
     """(every: readout_every, the exited rows read out together every k ticks.)"""
     model = model_of(family)
     depth = int(model.max_depth)
@@ -58,7 +68,7 @@ def test_ticks_equal_the_chunk_loop(family: str, mode: str, every: int) -> None:
         tok = o.logits[:, 0].argmax(dim=-1)
         ref_tokens.append(tok)
     out = decode_ticks(model, tick_cache, first, torch.full((B,), P), seeds, max_depth=depth,
-                       depths=sched, mode=mode, readout_every=every)  # fmt: skip
+                       depths=sched, mode=mode, readout_every=every, ticker_cls=ticker)  # fmt: skip
     assert torch.equal(out.tokens, torch.stack(ref_tokens, 1))
     assert torch.equal(out.depths, sched.T)
     got, want = out.logits, torch.stack(ref_logits, 1)
@@ -90,6 +100,7 @@ def test_bad_depths_are_refused() -> None:
                      depths=torch.ones(T, B, dtype=torch.int64), readout_every=0)  # fmt: skip
 
 
+@TICKERS
 @pytest.mark.parametrize(
     "family,policy,mode",
     [
@@ -102,7 +113,7 @@ def test_bad_depths_are_refused() -> None:
 )
 @torch.no_grad()
 def test_ticks_with_an_exit_policy_equal_the_chunk_loop(
-    family: str, policy: ExitPolicy, mode: str
+    family: str, policy: ExitPolicy, mode: str, ticker: type[Ticker]
 ) -> None:
     """The exit policy judged per row at its own iteration (models.exits.should_exit with
     per-row depths; each row's carry its own) decides what run_chunk's policy decides per chunk:
@@ -111,6 +122,10 @@ def test_ticks_with_an_exit_policy_equal_the_chunk_loop(
     depth = int(model.max_depth)
     model, cache, first, seeds = _setup(family, depth)
     pol = dataclasses.replace(policy, kv="last_exited")  # type: ignore[type-var]
+    if ticker is GraphTicker and isinstance(pol, KL):  # a readout per iteration: eager ticks
+        with pytest.raises(ValueError, match="reads a readout every iteration"):
+            GraphTicker(model, _clone(cache), seeds, max_depth=depth, policy=pol, mode=mode)
+        return
     ref_cache, tick_cache = _clone(cache), _clone(cache)
     tok, ref_logits, ref_tokens, ref_depths = first, [], [], []
     for t in range(T):
@@ -124,7 +139,7 @@ def test_ticks_with_an_exit_policy_equal_the_chunk_loop(
     want_depths = torch.stack(ref_depths, 1)
     assert len(set(want_depths.flatten().tolist())) >= 2, "mixed exit depths needed"
     out = decode_ticks(model, tick_cache, first, torch.full((B,), P), seeds, max_depth=depth,
-                       policy=pol, tokens=T, mode=mode)  # fmt: skip
+                       policy=pol, tokens=T, mode=mode, ticker_cls=ticker)  # fmt: skip
     assert torch.equal(out.depths, want_depths)
     assert torch.equal(out.tokens, torch.stack(ref_tokens, 1))
     got, want = out.logits, torch.stack(ref_logits, 1)
@@ -134,3 +149,46 @@ def test_ticks_with_an_exit_policy_equal_the_chunk_loop(
         assert torch.equal(tick_cache.coda, ref_cache.coda)
     else:
         assert float((got - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "family,policy,mode,every",
+    [("huginn", LatentDiff(0.45), "exact", 1), ("ouro", SampledGate(), "exact", 3),
+     ("ouro", OuroGate(0.8), "fast", 2)],
+)  # fmt: skip
+@torch.no_grad()
+def test_graph_ticks_on_cuda(family: str, policy: ExitPolicy, mode: str, every: int) -> None:
+    """On CUDA the fixed-shape ticks are a CUDA graph (``every`` ticks a replay): in exact
+    numerics the eager Ticker's logits, tokens, depths and cache bit for bit (Huginn's latent
+    noise drawn on the device); in fast numerics the same ticks run eagerly on the same
+    buffers (graph=False), bit for bit."""
+    import copy
+    import functools
+
+    model = copy.deepcopy(model_of(family)).cuda()
+    depth = int(model.max_depth)
+    pol = dataclasses.replace(policy, kv="last_exited")  # type: ignore[type-var]
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, int(model.vocab_size), (B, P), generator=g).cuda()
+    seeds = [11, 2**64 - 3, 12345, 7, 99][:B]
+    cache = KVCache.empty(model, B, P + T + 1, depth)
+    pre = run_chunk(model, cache, prompt, torch.arange(P, device="cuda").expand(B, P),
+                    torch.ones(B, P, dtype=torch.bool, device="cuda"), seeds, max_depth=depth,
+                    depths=torch.full((B, P), depth, device="cuda"), mode=mode)  # fmt: skip
+    first = pre.logits[:, -1].argmax(dim=-1)
+    want_cls = Ticker if mode == "exact" else functools.partial(GraphTicker, graph=False)
+    outs, caches = [], []
+    for cls in (want_cls, GraphTicker):
+        c = _clone(cache)
+        with nx.fused_generation(mode == "fast"):  # the torch engine's kernels (slot attention)
+            outs.append(decode_ticks(model, c, first, torch.full((B,), P, device="cuda"), seeds,
+                                     max_depth=depth, policy=pol, tokens=T, mode=mode,
+                                     readout_every=every, ticker_cls=cls))  # fmt: skip
+        caches.append(c)
+    want, got = outs
+    assert len(set(want.depths.flatten().tolist())) >= 2, "mixed exit depths needed"
+    assert torch.equal(got.depths, want.depths)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.logits, want.logits)
+    assert torch.equal(caches[1].core, caches[0].core)

@@ -1,0 +1,232 @@
+"""Decode by ticks in a CUDA graph: every row, every tick, one fixed shape (issue 25).
+
+`models.engine_ticks.Ticker` runs a tick on the rows still iterating (compacted, like the chunk
+decode's depth batching) and asks the host after every tick which rows exited: on a GPU each
+tick is ~150 eager kernel launches plus gathers and a sync, so at a batch of 256 the adaptive
+decode was launch-bound at ~5x the fixed-depth CUDA graph's time per token
+(docs/PERFORMANCE.md, "Session 13 on the H200"). Here a tick has one shape whatever the exits:
+
+- every row of the batch runs the core iteration of its own token at its own iteration index
+  (``it``, the K/V slot it writes and reads) and position; a row that is not iterating (idle,
+  or exited and waiting for its readout) computes too, but its state, iteration count, exit
+  carry and K/V stay as they were (``torch.where`` on the results; its K/V write puts back the
+  value already there);
+- attention reads each row's own (slot, row) of the layer's cache: on CUDA in fast numerics the
+  decode kernel's slot index (`models.engine_attention.decode_attention(rows=, slots=)`, no
+  gather), elsewhere a gather of the row's slot and `numerics.attention`;
+- the exit policy decides on the device for every row at its own depth
+  (`models.exits.should_exit` with per-row depths, `exit_uniform(..., check=False)`,
+  `exit_step_logprob` with per-row depths): FixedDepth / given depths, LatentDiff, OuroGate,
+  SampledGate (its exit log-prob summed per row). KL and EntropyDiff read a readout per
+  iteration: refused here (the eager `Ticker` runs them).
+
+So ``readout_every`` ticks are captured once in a `torch.cuda.CUDAGraph` and replayed with no
+host sync between them; after each replay one read of two counts says whether rows wait for
+their readout. The rest is `Ticker`'s, eager and compacted: `feed` (a token's prelude and
+initial state run at once for the fed rows, with their RoPE rows and key mask written into the
+graph's static buffers), `_read_out` (last_exited's K/V copies, coda, head) on the exited rows.
+
+Same values as `Ticker` (and so as `run_chunk`'s decode): the same calls on the same inputs row
+by row, so in exact numerics the logits, tokens, depths, exit log-probs and the whole cache are
+bit-identical (tests/models/test_engine_ticks.py runs both). What it costs: a tick is a full
+batch of core work whether or not a row iterates, and a row that exits waits up to
+``readout_every`` - 1 ticks for its readout; what it saves against the fixed depth: a token
+costs its own depth in ticks, not the batch's deepest row's.
+
+On the CPU (or ``graph=False``) the same ticks run eagerly on the same buffers (the tests'
+path; slower than `Ticker` there, which computes only the iterating rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from models import numerics as nx
+from models.engine import EngineModel, KVCache, Regions, _key_mask, _post, _qkv
+from models.engine_ticks import Ticker
+from models.exits import (
+    ExitCarry,
+    ExitPolicy,
+    OuroGate,
+    SampledGate,
+    StepInfo,
+    exit_step_logprob,
+    needs_gate,
+    needs_logits,
+    should_exit,
+)
+from models.noise import exit_uniform
+
+_log = logging.getLogger(__name__)
+
+
+def graph_policy(policy: ExitPolicy | None) -> bool:
+    """Whether `GraphTicker` decides ``policy``'s exits on the device (not KL / EntropyDiff,
+    which read a readout of every row at every iteration)."""
+    return policy is None or not needs_logits(policy)
+
+
+class GraphTicker(Ticker):
+    """`Ticker` whose ticks run every row at one shape, ``readout_every`` of them per CUDA graph
+    replay (module doc). graph: None = a graph exactly when the cache is on CUDA; regions: the
+    blocks' compiled (qkv, post) (`models.engine_graph.compiled_regions`, fast mode);
+    warmup: eager runs before the capture (with every row idle: nothing changes)."""
+
+    def __init__(
+        self, model: EngineModel, cache: KVCache, seeds: Sequence[int], *, max_depth: int,
+        policy: ExitPolicy | None = None, mode: str = "fast", readout_every: int = 1,
+        graph: bool | None = None, regions: Regions | None = None, warmup: int = 2,
+    ) -> None:  # fmt: skip
+        if not graph_policy(policy):
+            raise ValueError(f"{type(policy).__name__} reads a readout every iteration: decode "
+                             "it by eager ticks (models.engine_ticks.Ticker)")  # fmt: skip
+        if regions is not None and mode != "fast":
+            raise ValueError("compiled blocks are fast numerics only")
+        super().__init__(model, cache, seeds, max_depth=max_depth, policy=policy, mode=mode,
+                         readout_every=readout_every)  # fmt: skip
+        dev = cache.filled.device
+        self.graphed = dev.type == "cuda" if graph is None else graph
+        if self.graphed and dev.type != "cuda":
+            raise ValueError(f"a CUDA graph needs the cache on a CUDA device, not {dev}")
+        self.regions, self.warmup = regions, warmup
+        bsz, length = cache.filled.shape
+        self.kmask = torch.ones(bsz, 1, length, dtype=torch.bool, device=dev)
+        self.rope_rows = model.rope(self.pos, mode).clone()
+        dt = torch.float64 if mode == "exact" else torch.float32
+        if isinstance(policy, OuroGate):  # each row's carry; a fed row starts from (1, 0)
+            self.carry = {"remaining": torch.ones(bsz, dtype=dt, device=dev),
+                          "cumulative": torch.zeros(bsz, dtype=dt, device=dev)}  # fmt: skip
+        self.forced = torch.full((bsz,), max_depth, dtype=torch.int64, device=dev)
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def reset(self) -> None:
+        """Every row idle (a new call on the same cache and captured graph)."""
+        self.live.zero_()
+        self.stop.zero_()
+        self.it.zero_()
+        self.ticks = 0
+
+    def feed(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+             depths: Sequence[int] | None = None) -> None:  # fmt: skip
+        """`Ticker.feed`, then the fed tokens' prelude and initial state at once, and their
+        RoPE rows, key masks and exit carry in the static buffers."""
+        super().feed(rows, tokens, positions, depths)
+        dev = self.cache.filled.device
+        r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+        self._start(r)
+        p = self.pos[r]
+        self.kmask[r] = _key_mask(self.cache.filled.index_select(0, r), p[:, None])
+        self.rope_rows[r] = self.model.rope(p, self.mode).to(self.rope_rows.dtype)
+        if "remaining" in self.carry:
+            self.carry["remaining"][r] = 1.0
+            self.carry["cumulative"][r] = 0.0
+
+    def advance(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Replay ``readout_every`` ticks until rows exit; then as `Ticker.advance`."""
+        while True:
+            waiting = self.live & (self.stop | (self.it == self.target))
+            n_live, n_wait = torch.stack([self.live.sum(), waiting.sum()]).tolist()
+            if not n_live:
+                empty = self.rows[:0]
+                return empty, self.state.new_zeros(0, 0), empty
+            if n_wait:
+                return self._read_out(self.rows[waiting])
+            self._replay()
+            self.ticks += self.every
+
+    def _replay(self) -> None:
+        if not self.graphed:
+            for _ in range(self.every):
+                self._tick()
+            return
+        if self._graph is None:
+            self._capture()
+        assert self._graph is not None
+        self._graph.replay()
+
+    def _capture(self) -> None:
+        dev = self.cache.filled.device
+        live = self.live.clone()
+        self.live.zero_()  # warm-up (compiles) with every row idle: it changes nothing
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            try:
+                for _ in range(self.warmup):
+                    self._tick()
+            except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
+                if self.regions is None:
+                    raise
+                _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
+                             exc)  # fmt: skip
+                self.regions = None
+                for _ in range(self.warmup):
+                    self._tick()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.live.copy_(live)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.every):
+                self._tick()
+        self._graph = graph
+
+    def _tick(self) -> None:
+        """One core iteration of every row (module doc); static buffers updated in place."""
+        m, cache, mode, rows, pos = self.model, self.cache, self.mode, self.rows, self.pos
+        bsz = rows.shape[0]
+        running = self.live & ~self.stop & (self.it < self.target)
+        slot = self.it.clamp(max=self.max_depth - 1)  # the iteration this tick runs (0-based)
+        qkv_fn, post_fn = self.regions if self.regions is not None else (_qkv, _post)
+        kernel = _slot_kernel(self.state, mode)
+        x = m.core_in(self.state, self.e, mode)
+        keep = running[:, None, None]
+        for layer, blk in enumerate(m.core_blocks()):
+            q, k, v = qkv_fn(blk, x, self.rope_rows, mode)
+            kv = cache.core[:, layer]  # [D, 2, B, T, G, Dh]
+            kv[slot, 0, rows, pos] = torch.where(keep, k, kv[slot, 0, rows, pos])
+            kv[slot, 1, rows, pos] = torch.where(keep, v, kv[slot, 1, rows, pos])
+            q4 = q.view(bsz, 1, blk.n_heads, blk.head_dim)
+            if kernel is not None:
+                attn = kernel(q4, kv[:, 0], kv[:, 1], self.kmask, rows=rows, slots=slot)
+            else:
+                attn = nx.attention(q4, kv[slot, 0, rows], kv[slot, 1, rows], self.kmask, mode)
+            x = post_fn(blk, x, attn.reshape(bsz, -1), mode)
+        new = m.core_out(x, mode)
+        prev = self.state.clone()
+        self.state.copy_(torch.where(running[:, None], new, prev))
+        depth = self.it + running.to(self.it.dtype)
+        self.it.copy_(depth)
+        if self.policy is None:
+            return
+        info = StepInfo(depth, self.max_depth, new, prev, mode=mode)
+        if needs_gate(self.policy):
+            info.gate_logit = m.gate_logit(new, mode)
+        if self.sampled:
+            info.uniform = exit_uniform(self.seed_t, pos, depth, check=False)
+        before = ExitCarry(**self.carry) if self.carry else None
+        hit, after = should_exit(self.policy, info, before)
+        for key, val in self.carry.items():
+            val.copy_(torch.where(running, getattr(after, key), val))
+        self.stop.copy_(self.stop | (running & hit))
+        if self.sampled:
+            assert isinstance(self.policy, SampledGate) and info.gate_logit is not None
+            term = exit_step_logprob(info.gate_logit, hit, depth, self.policy.min_depth,
+                                     self.forced, mode)  # fmt: skip
+            self.elp.copy_(torch.where(running, self.elp + term.to(self.elp.dtype), self.elp))
+
+
+def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
+    """The decode kernel with per-row slots where `numerics.attention` would take the kernel
+    (fast mode, CUDA, inside `fused_generation`), else None (a gather and numerics.attention)."""
+    if mode == "exact" or not nx.DECODE_KERNEL or not nx._fused_inference(x):
+        return None
+    from models import engine_attention as ea  # (Triton: imported on CUDA only)
+
+    return ea.decode_attention if ea.triton is not None else None
+
+
+__all__ = ["GraphTicker", "graph_policy"]
