@@ -2,7 +2,9 @@
 token costs at a mean exit depth of ~D/2 and ~D/4 against the fixed depth D, decoding one chunk
 per token (`TorchEngine(ticks=0)`: the deepest row sets every row's iterations, depth batching
 computes only the running rows) or by ticks (`ticks=k`: every row at its own iteration of its
-own token, exited rows read out every k ticks; generator/torch_ticks.py). One JSON line.
+own token, exited rows read out every k ticks; generator/torch_ticks.py; on CUDA at one shape,
+k ticks per CUDA graph replay: models/engine_tickgraph.py, `tick_graph` in the rows). One JSON
+line.
 
     python benchmarks/torch_depth.py --device cuda --batch 256 --depth 16 --ticks 1,4   # a GPU
     python benchmarks/torch_depth.py --device cpu --tiny                               # a smoke run
@@ -82,8 +84,16 @@ def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> Any:
     return random_weights(model, dev, dtype)
 
 
-STAGES = ("_prefill", "_decode", "_graph_step", "_sample_rows", "_feed")
+STAGES = ("_prefill", "_decode", "_graph_step", "_sample_block", "_feed")
 """TorchEngine methods a profile times (device-synchronised around each call)."""
+
+
+def _tick_stages() -> list[tuple[type, str]]:
+    from models.engine_tickgraph import GraphTicker
+    from models.engine_ticks import Ticker
+
+    return [(GraphTicker, "advance"), (GraphTicker, "feed"), (GraphTicker, "_replay"),
+            (Ticker, "_read_out"), (Ticker, "_start")]  # fmt: skip
 
 
 def profile(call: Any, eng: Any, sync: Any) -> dict[str, Any]:
@@ -106,6 +116,9 @@ def profile(call: Any, eng: Any, sync: Any) -> dict[str, Any]:
 
     for name in STAGES:
         setattr(eng, name, timed(name, getattr(eng, name)))
+    patched = [(cls, name, cls.__dict__[name]) for cls, name in _tick_stages()]
+    for cls, name, fn in patched:  # the ticker's stages (nested: advance holds the others)
+        setattr(cls, name, timed(f"{cls.__name__}.{name}", fn))
     try:
         t0 = time.perf_counter()
         call()
@@ -113,6 +126,8 @@ def profile(call: Any, eng: Any, sync: Any) -> dict[str, Any]:
     finally:
         for name in STAGES:
             delattr(eng, name)  # the class's methods again
+        for cls, name, fn in patched:
+            setattr(cls, name, fn)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -149,6 +164,11 @@ def main() -> int:
         "after the timing: one call each, the engine's stages timed, then torch.profiler",
     )
     ap.add_argument("--schedules", default="gate_fixed,half,quarter")
+    ap.add_argument(
+        "--skip-chunk",
+        action="store_true",
+        help="no chunk-decode rows (slow on a GPU; same_as_chunk then null)",
+    )
     a = ap.parse_args()
     if a.depth < 2 or a.batch < 1 or a.tokens < 2:
         raise SystemExit("--depth >= 2, --batch >= 1 and --tokens >= 2 are needed")
@@ -197,7 +217,7 @@ def main() -> int:
               "quarter": gate_bias(a.depth, a.depth / 4)}  # fmt: skip
     sampled = SampledGate(max_depth=a.depth, kv="last_exited")
     for name in a.schedules.split(","):
-        for k in [0, *ticks]:
+        for k in ([] if a.skip_chunk else [0]) + ticks:
             eng = TorchEngine(None, exit_policy=sampled, ticks=k, **base)  # type: ignore[arg-type]
             engines[f"{name}:{'chunk' if k == 0 else f'ticks{k}'}"] = (eng, biases[name])
 
@@ -249,7 +269,8 @@ def main() -> int:
                          vs_fixed=round(dec[key] / best_fixed, 3), s_per_call=round(whole[key], 4),
                          tokens_per_s=round(n / whole[key], 1),
                          mean_depth=round(float(depths.mean()), 2) if depths.size else None,
-                         first_call_s=round(first[key], 2), same_as_chunk=same))  # fmt: skip
+                         first_call_s=round(first[key], 2), same_as_chunk=same,
+                         tick_graph=bool(getattr(engines[key][0], "tick_graph", False))))  # fmt: skip
     print(json.dumps(dict(
         bench="torch_depth", device=str(torch.cuda.get_device_name() if cuda else "cpu"),
         dtype=str(dtype).replace("torch.", ""), tiny=a.tiny, depth=a.depth, batch=a.batch,

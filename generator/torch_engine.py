@@ -76,7 +76,7 @@ from models.exits import (
     token0_follows_policy,
 )
 from models.reference import behaviour_logprobs, build_model, sampling_seed
-from models.sampling import draw
+from models.sampling import draw_tensor
 from proto.records import WorkItem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -295,7 +295,7 @@ class TorchEngine(TorchWeights):
         cache, decoder = self._cache(bsz, length)
         slots: list[_Request | None] = [None] * bsz
         waiting = deque(reqs)
-        logits: dict[int, torch.Tensor] = {}  # slot -> logits [V] to sample from
+        pending: list[tuple[list[int], torch.Tensor]] = []  # slots and their logits [M, V]
         if self.ticks:  # generator.torch_ticks: every row at its own iteration of its token
             kept = decoder if isinstance(decoder, GraphTicker) else None
             ticker = generate_by_ticks(self, reqs, cache, kept)
@@ -307,9 +307,10 @@ class TorchEngine(TorchWeights):
             for b in free:
                 slots[b] = waiting.popleft()
             if free:
-                logits.update(self._prefill(cache, slots, free))
-            self._sample_rows(slots, logits)
-            logits.clear()
+                self._sample_rows(slots, self._prefill(cache, slots, free))
+            for rows, block in pending:
+                self._sample_block(slots, rows, block)
+            pending.clear()
             live = [b for b in range(bsz) if slots[b] is not None and not slots[b].finish]  # type: ignore[union-attr]
             for b in range(bsz):  # finished requests free their slot
                 if slots[b] is not None and slots[b].finish:  # type: ignore[union-attr]
@@ -326,8 +327,9 @@ class TorchEngine(TorchWeights):
                 out = self._graph_step(decoder, slots)
             else:
                 out = self._decode(cache, slots, live)
-            for b in live:
-                logits[b] = out[b]
+            pending.append(
+                (live, out if len(live) == bsz else out[torch.tensor(live).to(out.device)])
+            )
         results: list[list[Sample]] = [[None] * it.n for it in items]  # type: ignore[list-item]
         for r in reqs:
             results[r.item][r.sample] = self._record(r)
@@ -432,28 +434,36 @@ class TorchEngine(TorchWeights):
 
     def _sample_rows(self, slots: list[_Request | None], logits: dict[int, torch.Tensor]) -> None:
         """Draw each row's next token from its logits (module doc) and record it."""
+        if logits:
+            self._sample_block(slots, list(logits), torch.stack(list(logits.values())))
+
+    def _sample_block(self, slots: list[_Request | None], rows: list[int],
+                      logits: torch.Tensor) -> None:  # fmt: skip
+        """`_sample_rows` of rows ``rows`` whose logits are ``logits`` [len(rows), V]: one
+        draw per (temperature, top_p) group on the logits' device (the draw's integer bits are
+        the same on every device, models.sampling), tokens and their log-probs read back once."""
         groups: dict[tuple[float, float], list[int]] = {}
-        for b in logits:
+        for k, b in enumerate(rows):
             w = slots[b].work  # type: ignore[union-attr]
             key = (1.0, 1.0) if w.temperature == 0 else (float(w.temperature), float(w.top_p))
-            groups.setdefault(key, []).append(b)
+            groups.setdefault(key, []).append(k)
         vocab = self.model.vocab_size
-        for (temp, top_p), rows in groups.items():
-            # on the logits' device: the draw's integer bits are the same on every device
-            # (models.sampling), and a GPU step moves [N] tokens to the host, not [N, V] rows
-            lp = behaviour_logprobs(torch.stack([logits[b] for b in rows]), vocab, temp, top_p,
-                                    self.numerics)  # fmt: skip
-            reqs = [slots[b] for b in rows]
-            toks = draw(lp, [r.key for r in reqs], [len(r.tokens) for r in reqs],  # type: ignore[union-attr]
-                        [r.work.temperature == 0 for r in reqs])  # type: ignore[union-attr]  # fmt: skip
-            at = torch.arange(len(rows), device=lp.device)
-            picked = lp[at, torch.tensor(toks, device=lp.device)].tolist()
-            for k, b in enumerate(rows):
-                r = slots[b]
+        for (temp, top_p), ks in groups.items():
+            part = (
+                logits if len(ks) == len(rows) else logits[torch.tensor(ks, device=logits.device)]
+            )
+            lp = behaviour_logprobs(part, vocab, temp, top_p, self.numerics)
+            reqs = [slots[rows[k]] for k in ks]
+            toks_t = draw_tensor(lp, [r.key for r in reqs], [len(r.tokens) for r in reqs],  # type: ignore[union-attr]
+                                 [r.work.temperature == 0 for r in reqs])  # type: ignore[union-attr]  # fmt: skip
+            picked_t = lp.gather(1, toks_t[:, None])[:, 0]
+            back = torch.stack([toks_t.to(torch.float64), picked_t.to(torch.float64)]).tolist()
+            for j, k in enumerate(ks):
+                r = slots[rows[k]]
                 assert r is not None
-                tok = toks[k]
+                tok = int(back[0][j])
                 r.tokens.append(tok)
-                r.logprobs.append(picked[k])
+                r.logprobs.append(back[1][j])
                 if tok in r.work.stop_token_ids:
                     r.finish = "stop"
                 elif len(r.tokens) >= int(r.work.max_tokens):

@@ -71,37 +71,41 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
                         mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip
     slots: list[Any] = [None] * bsz
     waiting = deque(reqs)
-    logits: dict[int, torch.Tensor] = {}
+    pending: list[tuple[list[int], torch.Tensor]] = []  # rows and their logits [M, V] to sample
     while True:
         free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
         for b in free:
             slots[b] = waiting.popleft()
             ticker.set_seed(b, slots[b].seed)
         if free:
-            logits.update(eng._prefill(cache, slots, free))
-        sampled = list(logits)
-        eng._sample_rows(slots, logits)
-        logits.clear()
+            pre = eng._prefill(cache, slots, free)
+            pending.append((list(pre), torch.stack(list(pre.values()))))
+        sampled = [b for rows, _ in pending for b in rows]
+        for rows, block in pending:
+            eng._sample_block(slots, rows, block)
+        pending.clear()
         go = [b for b in sampled if not slots[b].finish]
         for b in sampled:
             if slots[b].finish:
                 slots[b] = None
         if go:
             toks, pos = eng._feed(slots)
-            ticker.feed(go, [int(toks[b]) for b in go], [int(pos[b]) for b in go])
+            ticker.feed(go, toks[go].tolist(), pos[go].tolist())
         if not waiting and all(s is None for s in slots):
             return ticker
         if waiting and any(s is None for s in slots):
             continue  # fill the freed slots first
         done, out, depths = ticker.advance()
         elp = None if ticker.exit_logprobs is None else ticker.exit_logprobs.tolist()
-        for k, b in enumerate(done.tolist()):
+        rows, exits = done.tolist(), depths.tolist()  # (one read each, not one per row)
+        for k, b in enumerate(rows):
             r = slots[b]
             assert r is not None
-            r.depths.append(int(depths[k]))
+            r.depths.append(int(exits[k]))
             if eng.sampled:  # a sampled exit: its log-prob, as the chunk decode files it
                 r.exit_lps.append(0.0 if elp is None else float(elp[k]))
-            logits[b] = out[k]
+        if rows:
+            pending.append((rows, out))
 
 
 __all__ = ["check_ticks", "generate_by_ticks"]

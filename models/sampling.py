@@ -43,24 +43,34 @@ def exponentials(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
     return -torch.log(u)
 
 
-def draw(
+def draw_tensor(
     lp: Tensor, keys: Sequence[int], steps: Sequence[int], greedy: bool | Sequence[bool]
-) -> list[int]:
+) -> Tensor:
     """Each row's token from its log-probs ``lp`` [N, V] (fp32; -inf = never drawn), the row's
     sampling key (u64) and step (tokens it drew before): module doc. ``greedy`` (one flag, or
-    one per row): argmax lp, no draw."""
+    one per row): argmax lp, no draw. int64 [N] on lp's device, nothing read back (`draw`: the
+    same as a list)."""
     flags = [bool(greedy)] * lp.shape[0] if isinstance(greedy, bool) else [bool(g) for g in greedy]
     if len(flags) != lp.shape[0] or len(keys) != lp.shape[0] or len(steps) != lp.shape[0]:
         raise ValueError(f"draw: {lp.shape[0]} rows need as many keys, steps and greedy flags")
-    best = lp.argmax(dim=-1).tolist() if any(flags) else []
-    if all(flags):
-        return best
     dev = lp.device
+    best = lp.argmax(dim=-1) if any(flags) else None
+    if best is not None and all(flags):
+        return best
     k = torch.tensor([_i64(int(x)) for x in keys], dtype=torch.int64, device=dev)
     s = torch.tensor([int(x) for x in steps], dtype=torch.int64, device=dev)
     q = exponentials(k, s, lp.shape[-1])
-    drawn = (lp.exp().to(torch.float64) / q).argmax(dim=-1).tolist()
-    return [b if g else d for b, d, g in zip(best or drawn, drawn, flags)]
+    drawn = (lp.exp().to(torch.float64) / q).argmax(dim=-1)
+    if best is None:
+        return drawn
+    return torch.where(torch.tensor(flags, device=dev), best, drawn)
 
 
-__all__ = ["SAMPLE_DOMAIN", "draw", "exponentials"]
+def draw(
+    lp: Tensor, keys: Sequence[int], steps: Sequence[int], greedy: bool | Sequence[bool]
+) -> list[int]:
+    """`draw_tensor`'s tokens as a list."""
+    return [int(t) for t in draw_tensor(lp, keys, steps, greedy).tolist()]
+
+
+__all__ = ["SAMPLE_DOMAIN", "draw", "draw_tensor", "exponentials"]

@@ -103,7 +103,7 @@ def test_the_benchmark_prints_its_line() -> None:
     assert rows["quarter:chunk"]["mean_depth"] < rows["half:chunk"]["mean_depth"] < 6.0
     prof = r["profiles"]["half:chunk"]  # sampled requests; the stages inside the call's time
     assert r["temperature"] == 1.0
-    assert set(prof["stages_s"]) >= {"_prefill", "_decode", "_sample_rows"}
+    assert set(prof["stages_s"]) >= {"_prefill", "_decode", "_sample_block"}
     assert 0 < sum(prof["stages_s"].values()) <= prof["call_s"]
     assert prof["top_host_ms"] and all(ms >= 0 for _, ms, _ in prof["top_host_ms"])
 
