@@ -177,6 +177,8 @@ class TorchEngine(TorchWeights):
             raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
         self.ticks = check_ticks(int(ticks), self.kv, self.graph)
         self.tick_graph = resolve_tick_graph(tick_graph, self.ticks, self.policy, dev)
+        self.spare_slot = int(self.tick_graph)
+        """Core slots beyond the depth: the fixed-shape ticks write idle rows' K/V there."""
         graphed = self.graph or (self.tick_graph and dev.type == "cuda")
         self.compile = (graphed and numerics == "fast") if compile is None else compile
         if self.compile and not (graphed and numerics == "fast"):
@@ -214,7 +216,7 @@ class TorchEngine(TorchWeights):
         coda slot: K and V, kv heads x head_dim, the parameters' dtype; `filled` included)."""
         g, d = self.model.kv_shape
         slots = len(self.model.prelude_blocks()) + len(self.model.coda_blocks())
-        slots += self.full_depth * len(self.model.core_blocks())
+        slots += (self.full_depth + self.spare_slot) * len(self.model.core_blocks())
         return length * (slots * 2 * g * d * self.dtype.itemsize + 1)
 
     def _cache_rows(self, length: int, want: int) -> int:
@@ -345,7 +347,7 @@ class TorchEngine(TorchWeights):
             self._kept = kept
             return kept
         del kept  # (its memory is free for the new cache)
-        cache = KVCache.empty(self.model, rows, length, self.full_depth)
+        cache = KVCache.empty(self.model, rows, length, self.full_depth + self.spare_slot)
         return cache, None
 
     def _prefill(

@@ -40,7 +40,7 @@ path; slower than `Ticker` there, which computes only the iterating rows).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -101,6 +101,11 @@ class GraphTicker(Ticker):
             self.carry = {"remaining": torch.ones(bsz, dtype=dt, device=dev),
                           "cumulative": torch.zeros(bsz, dtype=dt, device=dev)}  # fmt: skip
         self.forced = torch.full((bsz,), max_depth, dtype=torch.int64, device=dev)
+        self.scratch = cache.core.shape[0] > max_depth
+        """A spare core slot (index max_depth) takes the K/V writes of rows not iterating."""
+        self._decide: Callable[..., tuple[Tensor, ...]] = (
+            compiled_decide() if regions is not None else decide
+        )
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def reset(self) -> None:
@@ -163,7 +168,7 @@ class GraphTicker(Ticker):
                     raise
                 _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
                              exc)  # fmt: skip
-                self.regions = None
+                self.regions, self._decide = None, decide
                 for _ in range(self.warmup):
                     self._tick()
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -179,16 +184,22 @@ class GraphTicker(Ticker):
         m, cache, mode, rows, pos = self.model, self.cache, self.mode, self.rows, self.pos
         bsz = rows.shape[0]
         running = self.live & ~self.stop & (self.it < self.target)
-        slot = self.it.clamp(max=self.max_depth - 1)  # the iteration this tick runs (0-based)
+        if self.scratch:  # rows not iterating write into the spare slot D
+            slot = torch.where(running, self.it, self.max_depth)
+        else:  # the iteration this tick runs (0-based); rows not iterating put back their K/V
+            slot = self.it.clamp(max=self.max_depth - 1)
         qkv_fn, post_fn = self.regions if self.regions is not None else (_qkv, _post)
         kernel = _slot_kernel(self.state, mode)
         x = m.core_in(self.state, self.e, mode)
         keep = running[:, None, None]
         for layer, blk in enumerate(m.core_blocks()):
             q, k, v = qkv_fn(blk, x, self.rope_rows, mode)
-            kv = cache.core[:, layer]  # [D, 2, B, T, G, Dh]
-            kv[slot, 0, rows, pos] = torch.where(keep, k, kv[slot, 0, rows, pos])
-            kv[slot, 1, rows, pos] = torch.where(keep, v, kv[slot, 1, rows, pos])
+            kv = cache.core[:, layer]  # [D (+ 1), 2, B, T, G, Dh]
+            if self.scratch:
+                kv[slot, 0, rows, pos], kv[slot, 1, rows, pos] = k, v
+            else:
+                kv[slot, 0, rows, pos] = torch.where(keep, k, kv[slot, 0, rows, pos])
+                kv[slot, 1, rows, pos] = torch.where(keep, v, kv[slot, 1, rows, pos])
             q4 = q.view(bsz, 1, blk.n_heads, blk.head_dim)
             if kernel is not None:
                 attn = kernel(q4, kv[:, 0], kv[:, 1], self.kmask, rows=rows, slots=slot)
@@ -196,27 +207,62 @@ class GraphTicker(Ticker):
                 attn = nx.attention(q4, kv[slot, 0, rows], kv[slot, 1, rows], self.kmask, mode)
             x = post_fn(blk, x, attn.reshape(bsz, -1), mode)
         new = m.core_out(x, mode)
-        prev = self.state.clone()
-        self.state.copy_(torch.where(running[:, None], new, prev))
-        depth = self.it + running.to(self.it.dtype)
-        self.it.copy_(depth)
-        if self.policy is None:
-            return
-        info = StepInfo(depth, self.max_depth, new, prev, mode=mode)
-        if needs_gate(self.policy):
-            info.gate_logit = m.gate_logit(new, mode)
-        if self.sampled:
-            info.uniform = exit_uniform(self.seed_t, pos, depth, check=False)
-        before = ExitCarry(**self.carry) if self.carry else None
-        hit, after = should_exit(self.policy, info, before)
-        for key, val in self.carry.items():
-            val.copy_(torch.where(running, getattr(after, key), val))
-        self.stop.copy_(self.stop | (running & hit))
-        if self.sampled:
-            assert isinstance(self.policy, SampledGate) and info.gate_logit is not None
-            term = exit_step_logprob(info.gate_logit, hit, depth, self.policy.min_depth,
-                                     self.forced, mode)  # fmt: skip
-            self.elp.copy_(torch.where(running, self.elp + term.to(self.elp.dtype), self.elp))
+        gate = m.gate_logit(new, mode) if self.policy is not None and needs_gate(self.policy) \
+            else None  # fmt: skip
+        out = self._decide(self.policy, self.max_depth, mode, running, self.it, new, self.state,
+                           gate, self.seed_t, pos, self.stop, self.elp, self.forced,
+                           self.carry.get("remaining"), self.carry.get("cumulative"))  # fmt: skip
+        for buf, val in zip(self._outputs(), out, strict=True):
+            buf.copy_(val)
+
+    def _outputs(self) -> list[Tensor]:
+        """The buffers `_decide` returns new values of, in its order."""
+        bufs = [self.state, self.it, self.stop, self.elp]
+        return bufs + [self.carry[k] for k in ("remaining", "cumulative") if k in self.carry]
+
+
+def decide(
+    policy: ExitPolicy | None, max_depth: int, mode: str, running: Tensor, it: Tensor,
+    new: Tensor, state: Tensor, gate: Tensor | None, seeds: Tensor, pos: Tensor, stop: Tensor,
+    elp: Tensor, forced: Tensor, remaining: Tensor | None, cumulative: Tensor | None,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """After a tick's core iteration (new states ``new`` of every row, ``running`` the rows
+    that iterated): the rows' new (state, iterations, stop, exit log-prob[, OuroGate's
+    remaining, cumulative]). Rows not running keep theirs. Tensors in, tensors out, no host
+    sync: `GraphTicker` runs it eagerly, or compiled (fast mode: its elementwise ops fused)."""
+    state_out = torch.where(running[:, None], new, state)
+    depth = it + running.to(it.dtype)
+    if policy is None:
+        return state_out, depth, stop, elp
+    info = StepInfo(depth, max_depth, new, state, mode=mode, gate_logit=gate)
+    if isinstance(policy, SampledGate):
+        info.uniform = exit_uniform(seeds, pos, depth, check=False)
+    carry = None
+    if remaining is not None and cumulative is not None:  # OuroGate: each row's own
+        carry = ExitCarry(remaining=remaining, cumulative=cumulative)
+    hit, after = should_exit(policy, info, carry)
+    stop_out = stop | (running & hit)
+    elp_out = elp
+    if isinstance(policy, SampledGate):
+        assert gate is not None
+        term = exit_step_logprob(gate, hit, depth, policy.min_depth, forced, mode)
+        elp_out = torch.where(running, elp + term.to(elp.dtype), elp)
+    if carry is None:
+        return state_out, depth, stop_out, elp_out
+    assert remaining is not None and cumulative is not None
+    assert after.remaining is not None and after.cumulative is not None
+    return (state_out, depth, stop_out, elp_out, torch.where(running, after.remaining, remaining),
+            torch.where(running, after.cumulative, cumulative))  # fmt: skip
+
+
+_DECIDE: list[Callable[..., tuple[Tensor, ...]]] = []
+
+
+def compiled_decide() -> Callable[..., tuple[Tensor, ...]]:
+    """`decide` under torch.compile (one per process; fast mode)."""
+    if not _DECIDE:
+        _DECIDE.append(torch.compile(decide, dynamic=False))
+    return _DECIDE[0]
 
 
 def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
@@ -229,4 +275,4 @@ def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
     return ea.decode_attention if ea.triton is not None else None
 
 
-__all__ = ["GraphTicker", "graph_policy"]
+__all__ = ["GraphTicker", "compiled_decide", "decide", "graph_policy"]
