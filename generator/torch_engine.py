@@ -115,6 +115,20 @@ class _Request:
     """A sampled exit (SampledGate): the exit log-prob of each sampling position."""
     finish: str = ""
 
+    def take(self, tok: int, logprob: float) -> bool:
+        """Record a drawn token and its log-prob; True when it finishes the request (a stop
+        token, or max_tokens reached: then the depths beyond the tokens are dropped)."""
+        self.tokens.append(tok)
+        self.logprobs.append(logprob)
+        if tok in self.work.stop_token_ids:
+            self.finish = "stop"
+        elif len(self.tokens) >= int(self.work.max_tokens):
+            self.finish = "length"
+        else:
+            return False
+        self.depths = self.depths[: len(self.tokens)]
+        return True
+
 
 class TorchEngine(TorchWeights):
     """The reference engine as a generator engine (see module doc).
@@ -463,16 +477,7 @@ class TorchEngine(TorchWeights):
             for j, k in enumerate(ks):
                 r = slots[rows[k]]
                 assert r is not None
-                tok = int(back[0][j])
-                r.tokens.append(tok)
-                r.logprobs.append(back[1][j])
-                if tok in r.work.stop_token_ids:
-                    r.finish = "stop"
-                elif len(r.tokens) >= int(r.work.max_tokens):
-                    r.finish = "length"
-                else:
-                    continue
-                r.depths = r.depths[: len(r.tokens)]
+                r.take(int(back[0][j]), back[1][j])
 
     def _record(self, r: _Request) -> Sample:
         return Sample(

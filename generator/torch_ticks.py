@@ -69,6 +69,11 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
     else:
         ticker = Ticker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth, policy=eng.policy,
                         mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip
+    sampling = {(0.0, 1.0) if r.work.temperature == 0 else
+                (float(r.work.temperature), float(r.work.top_p)) for r in reqs}  # fmt: skip
+    if isinstance(ticker, GraphTicker) and len(sampling) == 1:  # the readout in the replay
+        _by_graph_steps(eng, reqs, cache, ticker, *sampling.pop())
+        return ticker
     slots: list[Any] = [None] * bsz
     waiting = deque(reqs)
     pending: list[tuple[list[int], torch.Tensor]] = []  # rows and their logits [M, V] to sample
@@ -106,6 +111,52 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
                 r.exit_lps.append(0.0 if elp is None else float(elp[k]))
         if rows:
             pending.append((rows, out))
+
+
+def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTicker,
+                    temperature: float, top_p: float) -> None:  # fmt: skip
+    """`generate_by_ticks` with every request at one (temperature, top_p): each
+    `GraphTicker.step` (one CUDA graph replay on a GPU) runs ``readout_every`` ticks, then
+    reads out, draws and feeds the rows that exited; the host files what it read back (one
+    read a step) and retires the finished rows; a freed slot takes the next request (its
+    prompt prefilled by the engine, token 0 drawn by `TorchEngine._sample_block`)."""
+    bsz = cache.filled.shape[0]
+    ticker.sample_in_graph(temperature, top_p, eng.model.vocab_size)
+    slots: list[Any] = [None] * bsz
+    waiting = deque(reqs)
+    while True:
+        free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
+        if free:
+            for b in free:
+                slots[b] = waiting.popleft()
+                ticker.set_seed(b, slots[b].seed)
+            pre = eng._prefill(cache, slots, free)
+            eng._sample_block(slots, free, torch.stack([pre[b] for b in free]))
+            go = [b for b in free if not slots[b].finish]
+            for b in free:
+                if slots[b].finish:
+                    slots[b] = None
+            if go:
+                toks, pos = eng._feed(slots)
+                ticker.feed(go, toks[go].tolist(), pos[go].tolist())
+                ticker.set_keys(go, [slots[b].key for b in go], [len(slots[b].tokens) for b in go])
+            if waiting and any(s is None for s in slots):
+                continue  # fill the freed slots first
+        if all(s is None for s in slots):
+            return
+        read, tok, lp, depth, elp = ticker.step()
+        done = []
+        for b in range(bsz):
+            if not read[b] or slots[b] is None:
+                continue
+            r = slots[b]
+            r.depths.append(int(depth[b]))
+            if eng.sampled:  # a sampled exit: its log-prob, as the chunk decode files it
+                r.exit_lps.append(float(elp[b]))
+            if r.take(int(tok[b]), lp[b]):
+                done.append(b)
+                slots[b] = None
+        ticker.retire(done)
 
 
 __all__ = ["check_ticks", "generate_by_ticks"]

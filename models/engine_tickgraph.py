@@ -59,7 +59,8 @@ from models.exits import (
     needs_logits,
     should_exit,
 )
-from models.noise import exit_uniform
+from models.layers import Block
+from models.noise import exit_uniform, latent_noise_torch
 
 _log = logging.getLogger(__name__)
 
@@ -106,7 +107,15 @@ class GraphTicker(Ticker):
         self._decide: Callable[..., tuple[Tensor, ...]] = (
             compiled_decide() if regions is not None else decide
         )
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphs: dict[object, torch.cuda.CUDAGraph] = {}
+        """Captured replays: None -> ``readout_every`` ticks; (temperature, top_p) -> the
+        ticks, then the readout, the draw and the feed of the rows that exited (`step`)."""
+        self.sampling: tuple[float, float] | None = None
+        self.vocab = 0
+        self.keys = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        self.steps = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(5, bsz, dtype=torch.float64, device=dev)
+        self.rope_table: Tensor | None = None
 
     def reset(self) -> None:
         """Every row idle (a new call on the same cache and captured graph)."""
@@ -144,16 +153,116 @@ class GraphTicker(Ticker):
             self.ticks += self.every
 
     def _replay(self) -> None:
-        if not self.graphed:
-            for _ in range(self.every):
-                self._tick()
-            return
-        if self._graph is None:
-            self._capture()
-        assert self._graph is not None
-        self._graph.replay()
+        self._run(None)
 
-    def _capture(self) -> None:
+    def _body(self, key: object) -> None:
+        for _ in range(self.every):
+            self._tick()
+        if key is not None:
+            self._readout_feed()
+
+    def _run(self, key: object) -> None:
+        if not self.graphed:
+            self._body(key)
+            return
+        if key not in self._graphs:
+            self._capture(key)
+        self._graphs[key].replay()
+
+    # ---- the readout inside the replay (the torch engine's decode) -------------------------
+    def sample_in_graph(self, temperature: float, top_p: float, vocab: int) -> None:
+        """Each `step` reads out the rows that exited, draws their next tokens (every row's
+        sampler key and step in ``keys`` / ``steps``, `set_keys`) at this temperature and
+        top_p (0: greedy) over the first ``vocab`` logits, and feeds them, all inside the
+        replay; the caller reads `out` and retires finished rows (`retire`)."""
+        self.sampling, self.vocab = (float(temperature), float(top_p)), int(vocab)
+        if self.rope_table is None:  # every position's RoPE rows, gathered in the graph
+            length = self.cache.filled.shape[1]
+            pos = torch.arange(length, device=self.cache.filled.device)
+            self.rope_table = self.model.rope(pos, self.mode).to(self.rope_rows.dtype)
+
+    def set_keys(self, rows: Sequence[int], keys: Sequence[int], steps: Sequence[int]) -> None:
+        """Rows ``rows``' sampler keys (u64) and steps (tokens drawn so far)."""
+        dev = self.keys.device
+        r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+        signed = [int(k) - (1 << 64) if int(k) >= 1 << 63 else int(k) for k in keys]
+        self.keys[r] = torch.tensor(signed, dtype=torch.int64).to(dev)
+        self.steps[r] = torch.as_tensor(list(steps), dtype=torch.int64).to(dev)
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """Rows ``rows`` idle (their requests finished)."""
+        if rows:
+            self.live[torch.as_tensor(list(rows), dtype=torch.int64, device=self.live.device)] = (
+                False
+            )
+
+    def step(self) -> list[list[float]]:
+        """``readout_every`` ticks, then the rows that exited read out, sampled and fed (one
+        replay); returns `out` read back: per row [read out (0/1), its token, the token's
+        log-prob, the exit depth, the exit log-prob]."""
+        if self.sampling is None:
+            raise ValueError("step() needs sample_in_graph() first")
+        self._run(self.sampling)
+        self.ticks += self.every
+        return self.out.tolist()  # type: ignore[no-any-return]
+
+    def _readout_feed(self) -> None:
+        """Fixed shape, no host sync: rows that exited get last_exited's K/V copies, the
+        readout (coda, head), the draw (`models.sampling.draw_keys`), and their next token fed
+        (position + 1, prelude, initial state, RoPE rows, key mask); `out` says which."""
+        from models.reference import behaviour_logprobs
+        from models.sampling import draw_keys
+
+        m, cache, mode, rows, dmax = self.model, self.cache, self.mode, self.rows, self.max_depth
+        assert self.sampling is not None and self.rope_table is not None
+        temp, top_p = self.sampling
+        w = self.live & (self.stop | (self.it == self.target))
+        exit_at = self.it.clone()
+        pos = self.pos
+        # last_exited: the exit iteration's K/V into every later slot
+        core = cache.core[:dmax]
+        src = cache.core[(exit_at - 1).clamp(min=0), :, :, rows, pos]  # [B, L, 2, G, Dh]
+        later = torch.arange(dmax, device=rows.device)[:, None] >= exit_at[None, :]  # [D, B]
+        cond = (later & w[None, :])[:, None, None, :, None, None]
+        core[:, :, :, rows, pos] = torch.where(cond, src.permute(1, 2, 0, 3, 4)[None],
+                                               core[:, :, :, rows, pos])  # fmt: skip
+        x = _masked_stack(m.coda_blocks(), cache.coda, m.readout_in(self.state, mode), w, rows,
+                          pos, self.kmask, self.rope_rows, mode)  # fmt: skip
+        logits = m.head(m.readout_out(x, mode), mode)
+        greedy = temp == 0.0
+        lp = behaviour_logprobs(logits, self.vocab, 1.0 if greedy else temp,
+                                1.0 if greedy else top_p, mode)  # fmt: skip
+        tok = draw_keys(lp, None if greedy else self.keys, None if greedy else self.steps)
+        picked = lp.gather(1, tok[:, None])[:, 0]
+        self.out.copy_(torch.stack([w.to(torch.float64), tok.to(torch.float64),
+                                    picked.to(torch.float64), exit_at.to(torch.float64),
+                                    self.elp.to(torch.float64)]))  # fmt: skip
+        # the exited rows' next token: position + 1, its prelude and initial state
+        length = cache.filled.shape[1]
+        new_pos = torch.where(w, (pos + 1).clamp(max=length - 1), pos)
+        self.steps.add_(w.to(self.steps.dtype))
+        self.tok.copy_(torch.where(w, tok, self.tok))
+        self.pos.copy_(new_pos)
+        self.it.masked_fill_(w, 0)
+        self.stop.masked_fill_(w, False)
+        self.elp.masked_fill_(w, 0.0)
+        self.target.masked_fill_(w, dmax)
+        for key, val in self.carry.items():
+            val.masked_fill_(w, 1.0 if key == "remaining" else 0.0)
+        cache.filled[rows, new_pos] = cache.filled[rows, new_pos] | w
+        self.kmask.copy_(_key_mask(cache.filled, new_pos[:, None]))
+        self.rope_rows.copy_(torch.where(w.view(-1, *[1] * (self.rope_rows.dim() - 1)),
+                                         self.rope_table[new_pos], self.rope_rows))  # fmt: skip
+        x0 = m.embed(self.tok).to(cache.core.dtype)
+        en = _masked_stack(m.prelude_blocks(), cache.prelude, x0, w, rows, new_pos, self.kmask,
+                           self.rope_rows, mode)  # fmt: skip
+        noise = (latent_noise_torch(self.seed_t, new_pos, en.shape[-1], check=False)
+                 if self.noise_here else None)  # fmt: skip
+        s0 = m.initial_state(en, new_pos, self.seeds, noise).to(en.dtype)
+        self.e.copy_(torch.where(w[:, None], en, self.e))
+        self.state.copy_(torch.where(w[:, None], s0, self.state))
+
+    def _capture(self, key: object) -> None:
         dev = self.cache.filled.device
         live = self.live.clone()
         self.live.zero_()  # warm-up (compiles) with every row idle: it changes nothing
@@ -162,7 +271,7 @@ class GraphTicker(Ticker):
         with torch.cuda.stream(side):
             try:
                 for _ in range(self.warmup):
-                    self._tick()
+                    self._body(key)
             except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
                 if self.regions is None:
                     raise
@@ -170,14 +279,13 @@ class GraphTicker(Ticker):
                              exc)  # fmt: skip
                 self.regions, self._decide = None, decide
                 for _ in range(self.warmup):
-                    self._tick()
+                    self._body(key)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.live.copy_(live)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(self.every):
-                self._tick()
-        self._graph = graph
+            self._body(key)
+        self._graphs[key] = graph
 
     def _tick(self) -> None:
         """One core iteration of every row (module doc); static buffers updated in place."""
@@ -263,6 +371,25 @@ def compiled_decide() -> Callable[..., tuple[Tensor, ...]]:
     if not _DECIDE:
         _DECIDE.append(torch.compile(decide, dynamic=False))
     return _DECIDE[0]
+
+
+def _masked_stack(
+    blocks: Sequence[Block], slots: Tensor, x: Tensor, w: Tensor, rows: Tensor, pos: Tensor,
+    kmask: Tensor, rope: Tensor, mode: str,
+) -> Tensor:  # fmt: skip
+    """Blocks (prelude or coda: one K/V slot per layer, ``slots`` [layers, 2, B, T, G, Dh]) on
+    every row x [B, h], one query each at ``pos``; K/V written only for rows ``w`` (the others
+    put back theirs); attention over each row's own cache."""
+    keep = w[:, None, None]
+    bsz = x.shape[0]
+    for layer, blk in enumerate(blocks):
+        q, k, v = _qkv(blk, x, rope, mode)
+        s = slots[layer]
+        s[0, rows, pos] = torch.where(keep, k, s[0, rows, pos])
+        s[1, rows, pos] = torch.where(keep, v, s[1, rows, pos])
+        attn = nx.attention(q.view(bsz, 1, blk.n_heads, blk.head_dim), s[0], s[1], kmask, mode)
+        x = _post(blk, x, attn.reshape(bsz, -1), mode)
+    return x
 
 
 def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]

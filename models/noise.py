@@ -340,14 +340,17 @@ def check_noise_args(seeds: torch.Tensor, positions: torch.Tensor, hidden_size: 
 
 
 def latent_noise_torch(
-    seeds: Tensor, positions: Tensor, hidden_size: int, *, chunk_elems: int = 1 << 24
-) -> Tensor:
+    seeds: Tensor, positions: Tensor, hidden_size: int, *, chunk_elems: int = 1 << 24,
+    check: bool = True,
+) -> Tensor:  # fmt: skip
     """`latent_noise` computed with torch ops on the tensors' device, bit-identical to it.
 
     seeds: [T] int64 (u64 seeds as two's complement), positions: [T] int64 >= 0, same device.
     Returns fp32 [T, hidden_size] on that device; rows are done `chunk_elems` elements at a time.
+    check=False skips the argument checks (they read positions back: not inside a CUDA graph).
     """
-    check_noise_args(seeds, positions, hidden_size)
+    if check:
+        check_noise_args(seeds, positions, hidden_size)
     dev = seeds.device
     row = _mix_t(_mix_t(seeds ^ NOISE_DOMAIN) ^ positions)  # [T]
     e = torch.arange(1, hidden_size + 1, dtype=torch.int64, device=dev)

@@ -54,16 +54,24 @@ def draw_tensor(
     if len(flags) != lp.shape[0] or len(keys) != lp.shape[0] or len(steps) != lp.shape[0]:
         raise ValueError(f"draw: {lp.shape[0]} rows need as many keys, steps and greedy flags")
     dev = lp.device
-    best = lp.argmax(dim=-1) if any(flags) else None
-    if best is not None and all(flags):
-        return best
+    if all(flags):
+        return draw_keys(lp, None, None)
     k = torch.tensor([_i64(int(x)) for x in keys], dtype=torch.int64, device=dev)
     s = torch.tensor([int(x) for x in steps], dtype=torch.int64, device=dev)
-    q = exponentials(k, s, lp.shape[-1])
-    drawn = (lp.exp().to(torch.float64) / q).argmax(dim=-1)
-    if best is None:
+    drawn = draw_keys(lp, k, s)
+    if not any(flags):
         return drawn
-    return torch.where(torch.tensor(flags, device=dev), best, drawn)
+    return torch.where(torch.tensor(flags, device=dev), lp.argmax(dim=-1), drawn)
+
+
+def draw_keys(lp: Tensor, keys: Tensor | None, steps: Tensor | None) -> Tensor:
+    """The draw of rows whose keys (int64, u64 as two's complement) and steps are tensors on
+    lp's device (no host work: a CUDA graph's readout, models.engine_tickgraph); None, None:
+    greedy (argmax lp). int64 [N]."""
+    if keys is None or steps is None:
+        return lp.argmax(dim=-1)
+    q = exponentials(keys, steps, lp.shape[-1])
+    return (lp.exp().to(torch.float64) / q).argmax(dim=-1)
 
 
 def draw(
@@ -73,4 +81,4 @@ def draw(
     return [int(t) for t in draw_tensor(lp, keys, steps, greedy).tolist()]
 
 
-__all__ = ["SAMPLE_DOMAIN", "draw", "draw_tensor", "exponentials"]
+__all__ = ["SAMPLE_DOMAIN", "draw", "draw_keys", "draw_tensor", "exponentials"]

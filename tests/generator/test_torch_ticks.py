@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from generator.torch_engine import TorchEngine
@@ -38,6 +39,30 @@ def test_ticks_records_equal_the_reference(
     items = _items()
     items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
     equal_to_reference(path, items, eng.generate(items), policy)
+
+
+@pytest.mark.parametrize("family,policy,ticks", CASES)
+def test_graph_steps_records_equal_the_reference(
+    family: str, policy: ExitPolicy, ticks: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request of a call at one (temperature, top_p): the readout, the draw and the feed
+    run inside the fixed-shape step (GraphTicker.step: one CUDA graph replay on a GPU, eager on
+    the same buffers here); records equal the reference's bit for bit in exact numerics: greedy,
+    sampled with top_p, stops, more requests than slots (freed slots refilled)."""
+    import generator.torch_ticks as tt
+
+    calls = []
+    real = tt._by_graph_steps
+    monkeypatch.setattr(tt, "_by_graph_steps", lambda *a: calls.append(1) or real(*a))
+    path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
+    eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu",
+                      ticks=ticks, tick_graph=True)  # fmt: skip
+    items = _items()
+    items[2].latent_seeds = np.asarray([12345, 7, 99], dtype=np.uint64)  # 3 requests, 2 slots
+    items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
+    results = [eng.generate([it])[0] for it in items]  # one sampling setting a call
+    assert len(calls) == len(items)
+    equal_to_reference(path, items, results, policy)
 
 
 def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
