@@ -47,6 +47,7 @@ from torch import Tensor
 
 from models import numerics as nx
 from models.engine import EngineModel, KVCache, Regions, _key_mask, _post, _qkv
+from models.engine_kv import carry_exits, write_rows
 from models.engine_ticks import Ticker
 from models.exits import (
     ExitCarry,
@@ -219,13 +220,7 @@ class GraphTicker(Ticker):
         w = self.live & (self.stop | (self.it == self.target))
         exit_at = self.it.clone()
         pos = self.pos
-        # last_exited: the exit iteration's K/V into every later slot
-        core = cache.core[:dmax]
-        src = cache.core[(exit_at - 1).clamp(min=0), :, :, rows, pos]  # [B, L, 2, G, Dh]
-        later = torch.arange(dmax, device=rows.device)[:, None] >= exit_at[None, :]  # [D, B]
-        cond = (later & w[None, :])[:, None, None, :, None, None]
-        core[:, :, :, rows, pos] = torch.where(cond, src.permute(1, 2, 0, 3, 4)[None],
-                                               core[:, :, :, rows, pos])  # fmt: skip
+        carry_exits(cache.core, w, exit_at, rows, pos, dmax)  # last_exited's copies
         x = _masked_stack(m.coda_blocks(), cache.coda, m.readout_in(self.state, mode), w, rows,
                           pos, self.kmask, self.rope_rows, mode)  # fmt: skip
         logits = m.head(m.readout_out(x, mode), mode)
@@ -304,7 +299,8 @@ class GraphTicker(Ticker):
             q, k, v = qkv_fn(blk, x, self.rope_rows, mode)
             kv = cache.core[:, layer]  # [D (+ 1), 2, B, T, G, Dh]
             if self.scratch:
-                kv[slot, 0, rows, pos], kv[slot, 1, rows, pos] = k, v
+                write_rows(kv[:, 0], slot, rows, pos, k)
+                write_rows(kv[:, 1], slot, rows, pos, v)
             else:
                 kv[slot, 0, rows, pos] = torch.where(keep, k, kv[slot, 0, rows, pos])
                 kv[slot, 1, rows, pos] = torch.where(keep, v, kv[slot, 1, rows, pos])

@@ -163,7 +163,8 @@ if has torch_depth; then  # the torch engine end to end at adaptive depths (issu
     # first the CUDA checks of the ticks in a CUDA graph and of the slot-indexed decode kernel
     timeout "${T_TD_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
         tests/models/test_engine_ticks.py tests/models/test_engine_attention.py \
-        tests/generator/test_torch_ticks.py -k cuda 2>&1 |
+        tests/generator/test_torch_ticks.py tests/models/test_engine_kv.py \
+        tests/models/test_sampling.py -k "cuda or compiled or gpu" 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torch_depth_tests.txt"
     timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda \
         ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --tokens 16 --ticks 1,4} \

@@ -64,7 +64,7 @@ vs = torch.stack([v4 - j for j in range(3)])
 sl, rw = torch.tensor([2, 0, 1]), torch.tensor([1, 3, 1])
 ref = nx.attention(q, ks[sl, rw], vs[sl, rw], mask, "exact")
 got = decode_attention(q, ks, vs, mask, block_t=16, rows=rw, slots=sl)
-out["slots"] = float((got - ref).abs().max())
+out["slots"] = float((got - ref).abs().max()) / max(1.0, float(ref.abs().max()))
 print(json.dumps(out))
 """
 
@@ -103,4 +103,5 @@ def test_decode_kernel_on_cuda_through_numerics() -> None:
     sl, rw = torch.tensor([2, 0, 1], device="cuda"), torch.tensor([1, 3, 1], device="cuda")
     ref = nx.attention(q, ks[sl, rw], vs[sl, rw], mask, "exact")
     got = decode_attention(q, ks, vs, mask, rows=rw, slots=sl)
-    assert float((got - ref).abs().max()) <= 2e-6
+    # (keys scaled up to 3x, values up to |3|: fp32 rounding relative to the outputs' size)
+    assert float((got - ref).abs().max()) <= 2e-6 * max(1.0, float(ref.abs().max()))

@@ -67,3 +67,23 @@ def test_a_draw_on_the_gpu_is_the_cpus() -> None:
     q_cpu = exponentials(torch.tensor(keys), torch.tensor(steps), 4096)
     q_gpu = exponentials(torch.tensor(keys).cuda(), torch.tensor(steps).cuda(), 4096).cpu()
     assert float((q_gpu - q_cpu).abs().max() / q_cpu.abs().max()) < 1e-15  # libm's ulp at most
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_race_draws_the_eager_tokens() -> None:
+    # inside fused_generation (the torch engine, fast mode) draw_keys runs the race compiled
+    # (one fused kernel for the ~20 passes over [N, V]); its integer bits are the eager ones
+    # and its exp / log may round differently: the same tokens at these sizes, two row counts
+    # (dynamic shapes: the host draw's M varies)
+    from models import numerics as nx
+    from models.sampling import _compiled_race, draw_keys
+
+    g = torch.Generator().manual_seed(2)
+    for rows in (256, 37):
+        lp = (2.0 * torch.randn(rows, 65_536, generator=g)).log_softmax(-1).cuda()
+        k = torch.arange(5, 5 + rows, dtype=torch.int64).cuda() * 7919
+        s = (torch.arange(rows, dtype=torch.int64) % 5).cuda()
+        eager = draw_keys(lp, k, s)
+        with nx.fused_generation():
+            fused = draw_keys(lp, k, s)
+        assert _compiled_race.__name__ and torch.equal(fused, eager)
