@@ -20,6 +20,7 @@ are one elementwise op each.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +30,8 @@ from models import numerics as nx
 from models.contract import seed_to_i64 as _i64
 from models.noise import GOLDEN, _mix_t, _srl
 
+_log = logging.getLogger(__name__)
+
 SAMPLE_DOMAIN = 0x4558_5053_414D_504C  # b"EXPSAMPL"
 
 
@@ -37,8 +40,16 @@ def exponentials(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
     two's complement), steps: [N] int64 >= 0, on one device (the result's)."""
     if keys.dtype != torch.int64 or steps.dtype != torch.int64 or keys.shape != steps.shape:
         raise ValueError("keys and steps must be int64 tensors of one shape [N]")
+    return _exp_draws(keys, steps, _offsets(vocab, keys.device))
+
+
+def _offsets(vocab: int, dev: torch.device) -> Tensor:
+    """(v + 1) * GOLDEN (wrapping) for v < vocab, int64."""
+    return torch.arange(1, vocab + 1, dtype=torch.int64, device=dev) * _i64(GOLDEN)
+
+
+def _exp_draws(keys: Tensor, steps: Tensor, offs: Tensor) -> Tensor:
     row = _mix_t(_mix_t(keys ^ _i64(SAMPLE_DOMAIN)) ^ steps)
-    offs = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _i64(GOLDEN)
     bits = _mix_t(row[:, None] + offs[None, :])
     u = (_srl(bits, 11) | 1).to(torch.float64) * 2.0**-53
     return -torch.log(u)
@@ -75,22 +86,32 @@ def draw_keys(lp: Tensor, keys: Tensor | None, steps: Tensor | None) -> Tensor:
     may round differently (fast mode)."""
     if keys is None or steps is None:
         return lp.argmax(dim=-1)
-    race = _compiled_race() if nx._fused_inference(lp) else _race
-    return race(lp, keys, steps)
+    offs = _offsets(lp.shape[-1], lp.device)  # (an input: inductor would fold it into int32
+    # index arithmetic and overflow)
+    if nx._fused_inference(lp) and _RACE != [None]:
+        try:
+            return _compiled_race()(lp, keys, steps, offs)
+        except Exception as exc:  # noqa: BLE001  (a compiler failure: the eager race from now)
+            _log.warning("compiled draw failed (%s: %s); eager draws", type(exc).__name__, exc)
+            _RACE[:] = [None]
+    return _race(lp, keys, steps, offs)
 
 
-def _race(lp: Tensor, keys: Tensor, steps: Tensor) -> Tensor:
-    q = exponentials(keys, steps, lp.shape[-1])
+def _race(lp: Tensor, keys: Tensor, steps: Tensor, offs: Tensor) -> Tensor:
+    q = _exp_draws(keys, steps, offs)
     return (lp.exp().to(torch.float64) / q).argmax(dim=-1)
 
 
-_RACE: list[Callable[[Tensor, Tensor, Tensor], Tensor]] = []
+_RACE: list[Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None] = []
+"""The compiled race (one per process); [None] after a compiler failure."""
 
 
-def _compiled_race() -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def _compiled_race() -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     if not _RACE:
         _RACE.append(torch.compile(_race, dynamic=True))
-    return _RACE[0]
+    race = _RACE[0]
+    assert race is not None
+    return race
 
 
 def draw(
