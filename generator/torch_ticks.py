@@ -124,6 +124,7 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
     ticker.sample_in_graph(temperature, top_p, eng.model.vocab_size)
     slots: list[Any] = [None] * bsz
     waiting = deque(reqs)
+    inflight: tuple[int, list[Any]] | None = None  # a launched step and its slots' requests
     while True:
         free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
         if free:
@@ -142,21 +143,25 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
                 ticker.set_keys(go, [slots[b].key for b in go], [len(slots[b].tokens) for b in go])
             if waiting and any(s is None for s in slots):
                 continue  # fill the freed slots first
-        if all(s is None for s in slots):
+        if inflight is None and all(s is None for s in slots):
             return
-        read, tok, lp, depth, elp = ticker.step()
-        done = []
-        for b in range(bsz):
-            if not read[b] or slots[b] is None:
-                continue
-            r = slots[b]
-            r.depths.append(int(depth[b]))
-            if eng.sampled:  # a sampled exit: its log-prob, as the chunk decode files it
-                r.exit_lps.append(float(elp[b]))
-            if r.take(int(tok[b]), lp[b]):
-                done.append(b)
-                slots[b] = None
-        ticker.retire(done)
+        # the next step is queued before the host files the one in flight (its outputs come
+        # back while the GPU runs): a request finished there runs one more step, ignored
+        nxt = (ticker.launch(), list(slots)) if any(s is not None for s in slots) else None
+        if inflight is not None:
+            read, tok, lp, depth, elp = ticker.collect(inflight[0])
+            done = []
+            for b, r in enumerate(inflight[1]):  # the requests the step ran for
+                if not read[b] or r is None or r.finish:
+                    continue
+                r.depths.append(int(depth[b]))
+                if eng.sampled:  # a sampled exit: its log-prob, as the chunk decode files it
+                    r.exit_lps.append(float(elp[b]))
+                if r.take(int(tok[b]), lp[b]):
+                    done.append(b)
+                    slots[b] = None
+            ticker.retire(done)
+        inflight = nxt
 
 
 __all__ = ["check_ticks", "generate_by_ticks"]

@@ -117,6 +117,9 @@ class GraphTicker(Ticker):
         self.steps = torch.zeros(bsz, dtype=torch.int64, device=dev)
         self.out = torch.zeros(5, bsz, dtype=torch.float64, device=dev)
         self.rope_table: Tensor | None = None
+        self._flip = 0
+        self._host: list[Tensor] = []
+        self._done: list[torch.cuda.Event] = []
 
     def reset(self) -> None:
         """Every row idle (a new call on the same cache and captured graph)."""
@@ -201,11 +204,34 @@ class GraphTicker(Ticker):
         """``readout_every`` ticks, then the rows that exited read out, sampled and fed (one
         replay); returns `out` read back: per row [read out (0/1), its token, the token's
         log-prob, the exit depth, the exit log-prob]."""
+        return self.collect(self.launch())
+
+    def launch(self) -> int:
+        """`step` without waiting: the replay and the copy of `out` to a host buffer are
+        queued; returns the buffer's index for `collect` (two buffers: one step may be in
+        flight while the host files the previous one)."""
         if self.sampling is None:
-            raise ValueError("step() needs sample_in_graph() first")
+            raise ValueError("launch() needs sample_in_graph() first")
         self._run(self.sampling)
         self.ticks += self.every
-        return self.out.tolist()  # type: ignore[no-any-return]
+        i = self._flip
+        self._flip ^= 1
+        cuda = self.out.is_cuda
+        if not self._host:
+            self._host = [torch.empty_like(self.out, device="cpu") for _ in range(2)]
+            if cuda:
+                self._host = [t.pin_memory() for t in self._host]
+                self._done = [torch.cuda.Event() for _ in range(2)]
+        self._host[i].copy_(self.out, non_blocking=cuda)
+        if cuda:
+            self._done[i].record()
+        return i
+
+    def collect(self, i: int) -> list[list[float]]:
+        """The host copy of `out` of the step launched as ``i`` (waits for it)."""
+        if self._done:
+            self._done[i].synchronize()
+        return self._host[i].tolist()  # type: ignore[no-any-return]
 
     def _readout_feed(self) -> None:
         """Fixed shape, no host sync: rows that exited get last_exited's K/V copies, the
