@@ -166,11 +166,13 @@ if has torch_depth; then  # the torch engine end to end at adaptive depths (issu
         tests/generator/test_torch_ticks.py tests/models/test_engine_kv.py \
         tests/models/test_sampling.py -k "cuda or compiled or gpu" 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torch_depth_tests.txt"
-    timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda \
-        ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --tokens 16 --ticks 1,4} \
-        2>"$LOG/torch_depth.err" | tee "$LOG/torch_depth.json"
-    echo "torch_depth rc=${PIPESTATUS[0]}"
-    tail -n 4 "$LOG/torch_depth.err"
+    for tt in ${TORCH_DEPTH_TOKENS:-16}; do  # one run per generation length (the batch's tail)
+        timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda --tokens "$tt" \
+            ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --ticks 1,4} \
+            2>"$LOG/torch_depth_$tt.err" | tee "$LOG/torch_depth_$tt.json"
+        echo "torch_depth tokens $tt rc=${PIPESTATUS[0]}"
+        tail -n 2 "$LOG/torch_depth_$tt.err"
+    done
 fi
 if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 item 2)
     # CUDA checks first: graph == eager step (fp32), compiled blocks vs eager (CPU and CUDA);
