@@ -165,6 +165,11 @@ def main() -> int:
     )
     ap.add_argument("--schedules", default="gate_fixed,half,quarter")
     ap.add_argument(
+        "--skip-eager",
+        action="store_true",
+        help="no fixed_eager row (the fixed depth without its CUDA graph)",
+    )
+    ap.add_argument(
         "--skip-chunk",
         action="store_true",
         help="no chunk-decode rows (slow on a GPU; same_as_chunk then null)",
@@ -210,7 +215,7 @@ def main() -> int:
     engines: dict[str, tuple[Any, float | None]] = {
         "fixed": (TorchEngine(None, exit_policy=FixedDepth(a.depth), **base), None),  # type: ignore[arg-type]
     }
-    if cuda:  # the graph decode is the fixed path on a GPU; the same without it beside
+    if cuda and not a.skip_eager:  # the graph decode is the fixed path on a GPU; eager beside
         engines["fixed_eager"] = (TorchEngine(None, exit_policy=FixedDepth(a.depth), graph=False,
                                               **base), None)  # type: ignore[arg-type]  # fmt: skip
     biases = {"gate_fixed": -30.0, "half": gate_bias(a.depth, a.depth / 2),
