@@ -85,17 +85,8 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
         if free:
             pre = eng._prefill(cache, slots, free)
             pending.append((list(pre), torch.stack(list(pre.values()))))
-        sampled = [b for rows, _ in pending for b in rows]
-        for rows, block in pending:
-            eng._sample_block(slots, rows, block)
+        _sample_and_feed(eng, ticker, slots, pending)
         pending.clear()
-        go = [b for b in sampled if not slots[b].finish]
-        for b in sampled:
-            if slots[b].finish:
-                slots[b] = None
-        if go:
-            toks, pos = eng._feed(slots)
-            ticker.feed(go, toks[go].tolist(), pos[go].tolist())
         if not waiting and all(s is None for s in slots):
             return ticker
         if waiting and any(s is None for s in slots):
@@ -111,6 +102,23 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
                 r.exit_lps.append(0.0 if elp is None else float(elp[k]))
         if rows:
             pending.append((rows, out))
+
+
+def _sample_and_feed(eng: Any, ticker: Ticker, slots: list[Any],
+                     blocks: list[tuple[list[int], torch.Tensor]]) -> list[int]:  # fmt: skip
+    """Draw the next token of each block's rows from its logits (`TorchEngine._sample_block`),
+    free the slots whose request finished, feed the others their token; returns those rows."""
+    sampled = [b for rows, _ in blocks for b in rows]
+    for rows, block in blocks:
+        eng._sample_block(slots, rows, block)
+    go = [b for b in sampled if not slots[b].finish]
+    for b in sampled:
+        if slots[b].finish:
+            slots[b] = None
+    if go:
+        toks, pos = eng._feed(slots)
+        ticker.feed(go, toks[go].tolist(), pos[go].tolist())
+    return go
 
 
 def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTicker,
@@ -132,14 +140,8 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
                 slots[b] = waiting.popleft()
                 ticker.set_seed(b, slots[b].seed)
             pre = eng._prefill(cache, slots, free)
-            eng._sample_block(slots, free, torch.stack([pre[b] for b in free]))
-            go = [b for b in free if not slots[b].finish]
-            for b in free:
-                if slots[b].finish:
-                    slots[b] = None
+            go = _sample_and_feed(eng, ticker, slots, [(free, torch.stack([pre[b] for b in free]))])
             if go:
-                toks, pos = eng._feed(slots)
-                ticker.feed(go, toks[go].tolist(), pos[go].tolist())
                 ticker.set_keys(go, [slots[b].key for b in go], [len(slots[b].tokens) for b in go])
             if waiting and any(s is None for s in slots):
                 continue  # fill the freed slots first
