@@ -47,7 +47,6 @@ place (`models.checkpoint.load_into`; the CUDA graph reads parameters by address
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections import deque
@@ -59,6 +58,7 @@ import torch
 
 from generator.config import ENGINES
 from generator.engine import Sample, WeightLoadError
+from generator.torch_requests import TorchRequest
 from generator.torch_ticks import check_ticks, generate_by_ticks, resolve_tick_graph
 from generator.torch_weights import TorchWeights
 from models import numerics as nx
@@ -97,37 +97,6 @@ def check_engine(name: str) -> str:
     if name not in ENGINES:
         raise ValueError(f"generators.engine must be one of {ENGINES}, got {name!r}")
     return name
-
-
-@dataclasses.dataclass
-class _Request:
-    item: int
-    sample: int
-    seed: int
-    prompt: list[int]
-    work: WorkItem
-    key: int
-    """The sampler's key (models.reference.sampling_seed)."""
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    depths: list[int] = dataclasses.field(default_factory=list)
-    exit_lps: list[float] = dataclasses.field(default_factory=list)
-    """A sampled exit (SampledGate): the exit log-prob of each sampling position."""
-    finish: str = ""
-
-    def take(self, tok: int, logprob: float) -> bool:
-        """Record a drawn token and its log-prob; True when it finishes the request (a stop
-        token, or max_tokens reached: then the depths beyond the tokens are dropped)."""
-        self.tokens.append(tok)
-        self.logprobs.append(logprob)
-        if tok in self.work.stop_token_ids:
-            self.finish = "stop"
-        elif len(self.tokens) >= int(self.work.max_tokens):
-            self.finish = "length"
-        else:
-            return False
-        self.depths = self.depths[: len(self.tokens)]
-        return True
 
 
 class TorchEngine(TorchWeights):
@@ -275,7 +244,7 @@ class TorchEngine(TorchWeights):
 
     def _requests(
         self, items: Sequence[WorkItem], offsets: Sequence[int] | None = None
-    ) -> list[_Request]:
+    ) -> list[TorchRequest]:
         if offsets is not None and len(offsets) != len(items):
             raise ValueError(f"{len(offsets)} sampling offsets for {len(items)} work items")
         reqs = []
@@ -293,7 +262,7 @@ class TorchEngine(TorchWeights):
             for j, s in enumerate(int(x) for x in it.latent_seeds):
                 off = int(offsets[i]) if offsets is not None else 0
                 key = engine_sampling_seed(s, off, self.seed)
-                reqs.append(_Request(i, j, s, [int(t) for t in it.prompt_tokens], it, key))
+                reqs.append(TorchRequest(i, j, s, [int(t) for t in it.prompt_tokens], it, key))
         return reqs
 
     def _generate(
@@ -309,7 +278,7 @@ class TorchEngine(TorchWeights):
         bsz = self._cache_rows(length, min(self.max_num_seqs, len(reqs)))
         self.rows_used = bsz
         cache, decoder = self._cache(bsz, length)
-        slots: list[_Request | None] = [None] * bsz
+        slots: list[TorchRequest | None] = [None] * bsz
         waiting = deque(reqs)
         pending: list[tuple[list[int], torch.Tensor]] = []  # slots and their logits [M, V]
         if self.ticks:  # generator.torch_ticks: every row at its own iteration of its token
@@ -365,7 +334,7 @@ class TorchEngine(TorchWeights):
         return cache, None
 
     def _prefill(
-        self, cache: KVCache, slots: list[_Request | None], rows: list[int]
+        self, cache: KVCache, slots: list[TorchRequest | None], rows: list[int]
     ) -> dict[int, torch.Tensor]:
         """The prompts of `rows` (their slots just taken) at full depth, in one chunk; the
         logits of each row's last prompt position."""
@@ -408,21 +377,21 @@ class TorchEngine(TorchWeights):
         self._exit_lps(slots, rows, None)  # token 0 ran the full depth: no exit drawn
         return {b: out.logits[b, int(last[b])] for b in rows}
 
-    def _exit_lps(self, slots: list[_Request | None], rows: list[int], elp: Any) -> None:
+    def _exit_lps(self, slots: list[TorchRequest | None], rows: list[int], elp: Any) -> None:
         """A sampled exit: file each row's exit log-prob of this forward (0.0 without one)."""
         if not self.sampled:
             return
         for b in rows:
             slots[b].exit_lps.append(0.0 if elp is None else float(elp[b, 0]))  # type: ignore[union-attr]
 
-    def _feed(self, slots: list[_Request | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _feed(self, slots: list[TorchRequest | None]) -> tuple[torch.Tensor, torch.Tensor]:
         toks = [s.tokens[-1] if s is not None and s.tokens else 0 for s in slots]
         pos = [len(s.prompt) + len(s.tokens) - 1 if s is not None and s.tokens else 0
                for s in slots]  # fmt: skip
         return torch.tensor(toks, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
 
     def _decode(
-        self, cache: KVCache, slots: list[_Request | None], live: list[int]
+        self, cache: KVCache, slots: list[TorchRequest | None], live: list[int]
     ) -> torch.Tensor:
         toks, pos = self._feed(slots)
         valid = torch.zeros(len(slots), 1, dtype=torch.bool)
@@ -437,7 +406,7 @@ class TorchEngine(TorchWeights):
         self._exit_lps(slots, live, out.exit_logprobs)
         return out.logits[:, 0]
 
-    def _graph_step(self, decoder: GraphDecoder, slots: list[_Request | None]) -> torch.Tensor:
+    def _graph_step(self, decoder: GraphDecoder, slots: list[TorchRequest | None]) -> torch.Tensor:
         """The fixed-depth decode step (a CUDA graph on CUDA) for every slot (idle ones fed a
         dummy token at position 0 of their own row: reset before the slot's next prefill)."""
         toks, pos = self._feed(slots)
@@ -448,12 +417,14 @@ class TorchEngine(TorchWeights):
                 s.depths.append(self.full_depth)
         return out.logits[:, 0]
 
-    def _sample_rows(self, slots: list[_Request | None], logits: dict[int, torch.Tensor]) -> None:
+    def _sample_rows(
+        self, slots: list[TorchRequest | None], logits: dict[int, torch.Tensor]
+    ) -> None:
         """Draw each row's next token from its logits (module doc) and record it."""
         if logits:
             self._sample_block(slots, list(logits), torch.stack(list(logits.values())))
 
-    def _sample_block(self, slots: list[_Request | None], rows: list[int],
+    def _sample_block(self, slots: list[TorchRequest | None], rows: list[int],
                       logits: torch.Tensor) -> None:  # fmt: skip
         """`_sample_rows` of rows ``rows`` whose logits are ``logits`` [len(rows), V]: one
         draw per (temperature, top_p) group on the logits' device (the draw's integer bits are
@@ -479,7 +450,7 @@ class TorchEngine(TorchWeights):
                 assert r is not None
                 r.take(int(back[0][j]), back[1][j])
 
-    def _record(self, r: _Request) -> Sample:
+    def _record(self, r: TorchRequest) -> Sample:
         return Sample(
             tokens=np.asarray(r.tokens, dtype=np.int32),
             logprobs=np.asarray(r.logprobs, dtype=np.float32),
