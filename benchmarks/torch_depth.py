@@ -11,9 +11,10 @@ line.
 
 What runs: an Ouro module (random weights, std 0.02; `--hidden --layers --heads --ffn --vocab`,
 looped `--depth` times; `--tiny`: hidden 64, 2 layers) in `--dtype` on `--device`,
-`TorchEngine.generate` of `--batch` requests (greedy; `--temperature T`: sampled, the draw on
+`TorchEngine.generate` of `--batch` requests (x `--queue`: more requests than slots, freed
+slots refilled) (greedy; `--temperature T`: sampled, the draw on
 the device) of `--prompt` random tokens and `--tokens`
-new tokens, every request in the cache at once (max_num_seqs = batch): the product's call,
+new tokens, max_num_seqs = batch (every request in the cache at once at --queue 1): the call,
 prefill, decode, host sampling and records included. Exits: SampledGate(max_depth D, kv
 last_exited) with the exit gate set to a constant (weight 0, bias b: every token exits after
 each iteration with probability sigmoid(b), drawn from its latent seed's exit uniform), b solved
@@ -165,6 +166,12 @@ def main() -> int:
     )
     ap.add_argument("--schedules", default="gate_fixed,half,quarter")
     ap.add_argument(
+        "--queue",
+        type=int,
+        default=1,
+        help="requests = queue x batch in batch slots: freed slots take the next request",
+    )
+    ap.add_argument(
         "--skip-eager",
         action="store_true",
         help="no fixed_eager row (the fixed depth without its CUDA graph)",
@@ -175,8 +182,8 @@ def main() -> int:
         help="no chunk-decode rows (slow on a GPU; same_as_chunk then null)",
     )
     a = ap.parse_args()
-    if a.depth < 2 or a.batch < 1 or a.tokens < 2:
-        raise SystemExit("--depth >= 2, --batch >= 1 and --tokens >= 2 are needed")
+    if a.depth < 2 or a.batch < 1 or a.tokens < 2 or a.queue < 1:
+        raise SystemExit("--depth >= 2, --batch >= 1, --tokens >= 2 and --queue >= 1 are needed")
     ticks = [int(k) for k in a.ticks.split(",") if k]
     if any(k < 1 for k in ticks):
         raise SystemExit(f"--ticks: values >= 1, got {a.ticks!r}")
@@ -201,7 +208,7 @@ def main() -> int:
     vocab = int(model.vocab_size)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, vocab, (a.prompt,), generator=gen).numpy().astype(np.int32)
-               for _ in range(a.batch)]  # fmt: skip
+               for _ in range(a.batch * a.queue)]  # fmt: skip
 
     def items_of(n_new: int) -> list[Any]:
         return [WorkItem(work_id=f"w{i}", prompt_id=str(i), prompt_tokens=p,
@@ -254,12 +261,13 @@ def main() -> int:
                 print(f"round {r + 1} {key} {n_new} tokens: {times[(key, n_new)][-1]:.3f} s",
                       file=sys.stderr, flush=True)  # fmt: skip
     whole = {k: statistics.median(times[(k, a.tokens)]) for k in engines}
-    dec = {k: max(1e-9, (whole[k] - statistics.median(times[(k, 1)])) / (a.batch * (a.tokens - 1)))
+    n_req = a.batch * a.queue
+    dec = {k: max(1e-9, (whole[k] - statistics.median(times[(k, 1)])) / (n_req * (a.tokens - 1)))
            for k in engines}  # fmt: skip
     best_fixed = min(v for k, v in dec.items() if k.startswith("fixed"))
     profiles = {key: profile(lambda key=key: run(key, a.tokens), engines[key][0], sync)
                 for key in a.profile.split(",") if key}  # fmt: skip
-    n = a.batch * a.tokens
+    n = n_req * a.tokens
     rows = []
     for key in engines:
         depths = np.concatenate([s[0].exit_depths[1:] for s in records[key]]).astype(float)
@@ -279,6 +287,7 @@ def main() -> int:
     print(json.dumps(dict(
         bench="torch_depth", device=str(torch.cuda.get_device_name() if cuda else "cpu"),
         dtype=str(dtype).replace("torch.", ""), tiny=a.tiny, depth=a.depth, batch=a.batch,
+        queue=a.queue,
         prompt=a.prompt, tokens=a.tokens, temperature=a.temperature, reps=a.reps,
         build_s=round(build_s, 1),
         params=sum(p.numel() for p in model.parameters()), rows=rows, profiles=profiles,

@@ -166,9 +166,11 @@ if has torch_depth; then  # the torch engine end to end at adaptive depths (issu
         tests/generator/test_torch_ticks.py tests/models/test_engine_kv.py \
         tests/models/test_sampling.py -k "cuda or compiled or gpu" 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torch_depth_tests.txt"
-    for tt in ${TORCH_DEPTH_TOKENS:-16}; do  # one run per generation length (the batch's tail)
+    # (defaults: the call of docs/PERFORMANCE.md "Session 14"; the chunk decode: --ticks 0 rows
+    # are dropped by --skip-chunk, TORCH_DEPTH_ARGS without it brings them back)
+    for tt in ${TORCH_DEPTH_TOKENS:-64 128}; do  # one run per generation length (the batch's tail)
         timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda --tokens "$tt" \
-            ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --ticks 1,4} \
+            ${TORCH_DEPTH_ARGS:---batch 256 --depth 16 --ticks 2,4 --schedules gate_fixed,half,quarter --temperature 1 --reps 2 --skip-chunk --skip-eager} \
             2>"$LOG/torch_depth_$tt.err" | tee "$LOG/torch_depth_$tt.json"
         echo "torch_depth tokens $tt rc=${PIPESTATUS[0]}"
         tail -n 2 "$LOG/torch_depth_$tt.err"
