@@ -9,8 +9,9 @@ decode was launch-bound at ~5x the fixed-depth CUDA graph's time per token
 - every row of the batch runs the core iteration of its own token at its own iteration index
   (``it``, the K/V slot it writes and reads) and position; a row that is not iterating (idle,
   or exited and waiting for its readout) computes too, but its state, iteration count, exit
-  carry and K/V stay as they were (``torch.where`` on the results; its K/V write puts back the
-  value already there);
+  carry and K/V stay as they were (``torch.where`` on the results; its K/V go to a spare core
+  slot D when the cache has one, as the torch engine's has, else it puts back the value already
+  there); the K/V row writes are `models.engine_kv` kernels on CUDA;
 - attention reads each row's own (slot, row) of the layer's cache: on CUDA in fast numerics the
   decode kernel's slot index (`models.engine_attention.decode_attention(rows=, slots=)`, no
   gather), elsewhere a gather of the row's slot and `numerics.attention`;
@@ -21,10 +22,21 @@ decode was launch-bound at ~5x the fixed-depth CUDA graph's time per token
   iteration: refused here (the eager `Ticker` runs them).
 
 So ``readout_every`` ticks are captured once in a `torch.cuda.CUDAGraph` and replayed with no
-host sync between them; after each replay one read of two counts says whether rows wait for
-their readout. The rest is `Ticker`'s, eager and compacted: `feed` (a token's prelude and
-initial state run at once for the fed rows, with their RoPE rows and key mask written into the
-graph's static buffers), `_read_out` (last_exited's K/V copies, coda, head) on the exited rows.
+host sync between them. Two ways to read out:
+
+- `advance` (any policy, any sampling): after each replay one read of two counts says whether
+  rows wait; the rest is `Ticker`'s, eager and compacted: `_read_out` (last_exited's K/V
+  copies, coda, head) on the exited rows, then the caller samples and `feed`s (a token's
+  prelude and initial state run at once for the fed rows, with their RoPE rows and key mask
+  written into the graph's static buffers);
+- `step` / `launch` + `collect` (`sample_in_graph`: one temperature and top_p for every row):
+  the replay is the ticks, then `_readout_feed` at the same fixed shape: the exited rows'
+  last_exited copies (`models.engine_kv.carry_exits`), coda and head, the draw
+  (`models.sampling.draw_keys` with each row's sampler key and step on the device) and the feed
+  of the drawn token (position + 1, prelude, initial state with the latent noise on the device,
+  RoPE rows from a table, key mask); `out` [5, B] says which rows were read out, with their
+  token, log-prob, exit depth and exit log-prob, copied to a pinned host buffer per launch (two:
+  the host files one step while the next runs; the caller retires finished rows, `retire`).
 
 Same values as `Ticker` (and so as `run_chunk`'s decode): the same calls on the same inputs row
 by row, so in exact numerics the logits, tokens, depths, exit log-probs and the whole cache are
