@@ -126,25 +126,22 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
     """`generate_by_ticks` with every request at one (temperature, top_p): each
     `GraphTicker.step` (one CUDA graph replay on a GPU) runs ``readout_every`` ticks, then
     reads out, draws and feeds the rows that exited; the host files what it read back (one
-    read a step) and retires the finished rows; a freed slot takes the next request (its
-    prompt prefilled by the engine, token 0 drawn by `TorchEngine._sample_block`)."""
+    read a step) and retires the finished rows; a freed slot takes the next request, whose
+    prompt is fed token by token through the same ticks (`GraphTicker.feed_prompts`: no eager
+    prefill between steps; token 0 drawn at the last prompt position's readout)."""
     bsz = cache.filled.shape[0]
-    ticker.sample_in_graph(temperature, top_p, eng.model.vocab_size)
+    ticker.sample_in_graph(temperature, top_p, eng.model.vocab_size, eng.token0_policy)
     slots: list[Any] = [None] * bsz
     waiting = deque(reqs)
     inflight: tuple[int, list[Any]] | None = None  # a launched step and its slots' requests
     while True:
         free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
-        if free:
+        if free:  # a freed slot's prompt goes through the ticks too (no eager prefill)
             for b in free:
                 slots[b] = waiting.popleft()
                 ticker.set_seed(b, slots[b].seed)
-            pre = eng._prefill(cache, slots, free)
-            go = _sample_and_feed(eng, ticker, slots, [(free, torch.stack([pre[b] for b in free]))])
-            if go:
-                ticker.set_keys(go, [slots[b].key for b in go], [len(slots[b].tokens) for b in go])
-            if waiting and any(s is None for s in slots):
-                continue  # fill the freed slots first
+            ticker.feed_prompts(free, [slots[b].prompt for b in free])
+            ticker.set_keys(free, [slots[b].key for b in free], [0] * len(free))
         if inflight is None and all(s is None for s in slots):
             return
         # the next step is queued before the host files the one in flight (its outputs come

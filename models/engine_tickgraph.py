@@ -129,6 +129,12 @@ class GraphTicker(Ticker):
         self.steps = torch.zeros(bsz, dtype=torch.int64, device=dev)
         self.out = torch.zeros(5, bsz, dtype=torch.float64, device=dev)
         self.rope_table: Tensor | None = None
+        self.prompt = torch.zeros(bsz, length, dtype=torch.int64, device=dev)
+        """Each row's prompt (`feed_prompts`): fed token by token through the ticks."""
+        self.plen = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        self.free = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        """Rows whose token runs the max depth whatever the policy (prompt positions)."""
+        self.token0_policy = False
         self._flip = 0
         self._host: list[Tensor] = []
         self._done: list[torch.cuda.Event] = []
@@ -138,6 +144,8 @@ class GraphTicker(Ticker):
         self.live.zero_()
         self.stop.zero_()
         self.it.zero_()
+        self.free.zero_()
+        self.plen.zero_()
         self.ticks = 0
 
     def feed(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
@@ -186,12 +194,16 @@ class GraphTicker(Ticker):
         self._graphs[key].replay()
 
     # ---- the readout inside the replay (the torch engine's decode) -------------------------
-    def sample_in_graph(self, temperature: float, top_p: float, vocab: int) -> None:
+    def sample_in_graph(self, temperature: float, top_p: float, vocab: int,
+                        token0_policy: bool = False) -> None:  # fmt: skip
         """Each `step` reads out the rows that exited, draws their next tokens (every row's
         sampler key and step in ``keys`` / ``steps``, `set_keys`) at this temperature and
         top_p (0: greedy) over the first ``vocab`` logits, and feeds them, all inside the
-        replay; the caller reads `out` and retires finished rows (`retire`)."""
+        replay; the caller reads `out` and retires finished rows (`retire`). token0_policy:
+        the last prompt position's exit follows the policy (`models.exits.
+        token0_follows_policy`: Ouro), else it runs the max depth (Huginn)."""
         self.sampling, self.vocab = (float(temperature), float(top_p)), int(vocab)
+        self.token0_policy = bool(token0_policy)
         if self.rope_table is None:  # every position's RoPE rows, gathered in the graph
             length = self.cache.filled.shape[1]
             pos = torch.arange(length, device=self.cache.filled.device)
@@ -204,6 +216,31 @@ class GraphTicker(Ticker):
         signed = [int(k) - (1 << 64) if int(k) >= 1 << 63 else int(k) for k in keys]
         self.keys[r] = torch.tensor(signed, dtype=torch.int64).to(dev)
         self.steps[r] = torch.as_tensor(list(steps), dtype=torch.int64).to(dev)
+
+    def feed_prompts(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Rows ``rows`` take new requests: their caches cleared and their prompts fed token by
+        token through the ticks (`step`): each prompt position runs the max depth (K/V in every
+        slot, its coda K/V at its readout, as a chunk prefill writes them), the last one under
+        the policy where ``token0_policy``; its readout draws token 0. The same values as a
+        prefill chunk, position by position (causal attention)."""
+        if not rows:
+            return
+        if any(not p for p in prompts):
+            raise ValueError("feed_prompts: every prompt needs a token")
+        length = self.prompt.shape[1]
+        if max(len(p) for p in prompts) > length:
+            raise ValueError(f"feed_prompts: a prompt longer than the cache ({length})")
+        dev = self.prompt.device
+        r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+        self.cache.filled[r] = False  # the slot's earlier request is gone
+        buf = torch.zeros(len(rows), length, dtype=torch.int64)
+        for k, p in enumerate(prompts):
+            buf[k, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        self.prompt[r] = buf.to(dev)
+        self.plen[r] = torch.tensor([len(p) for p in prompts], dtype=torch.int64).to(dev)
+        self.feed(rows, [int(p[0]) for p in prompts], [0] * len(rows))
+        first_free = [len(p) > 1 or not self.token0_policy for p in prompts]
+        self.free[r] = torch.tensor(first_free, dtype=torch.bool).to(dev)
 
     def retire(self, rows: Sequence[int]) -> None:
         """Rows ``rows`` idle (their requests finished)."""
@@ -267,14 +304,23 @@ class GraphTicker(Ticker):
                                 1.0 if greedy else top_p, mode)  # fmt: skip
         tok = draw_keys(lp, None if greedy else self.keys, None if greedy else self.steps)
         picked = lp.gather(1, tok[:, None])[:, 0]
-        self.out.copy_(torch.stack([w.to(torch.float64), tok.to(torch.float64),
+        # the exited rows' next token: the next prompt token while the prompt lasts (nothing
+        # drawn is kept), else the drawn one (recorded: `out`); position + 1, its prelude and
+        # initial state
+        length = cache.filled.shape[1]
+        nxt = (pos + 1).clamp(max=length - 1)
+        in_prompt = w & (pos + 1 < self.plen)
+        kept = w & ~in_prompt
+        self.out.copy_(torch.stack([kept.to(torch.float64), tok.to(torch.float64),
                                     picked.to(torch.float64), exit_at.to(torch.float64),
                                     self.elp.to(torch.float64)]))  # fmt: skip
-        # the exited rows' next token: position + 1, its prelude and initial state
-        length = cache.filled.shape[1]
-        new_pos = torch.where(w, (pos + 1).clamp(max=length - 1), pos)
-        self.steps.add_(w.to(self.steps.dtype))
-        self.tok.copy_(torch.where(w, tok, self.tok))
+        new_pos = torch.where(w, nxt, pos)
+        self.steps.add_(kept.to(self.steps.dtype))
+        next_tok = torch.where(in_prompt, self.prompt.gather(1, nxt[:, None])[:, 0], tok)
+        self.tok.copy_(torch.where(w, next_tok, self.tok))
+        last = nxt == self.plen - 1  # the prompt's last position samples token 0
+        free_next = in_prompt & ~(last & self.token0_policy)
+        self.free.copy_(torch.where(w, free_next, self.free))
         self.pos.copy_(new_pos)
         self.it.masked_fill_(w, 0)
         self.stop.masked_fill_(w, False)
@@ -353,7 +399,8 @@ class GraphTicker(Ticker):
             else None  # fmt: skip
         out = self._decide(self.policy, self.max_depth, mode, running, self.it, new, self.state,
                            gate, self.seed_t, pos, self.stop, self.elp, self.forced,
-                           self.carry.get("remaining"), self.carry.get("cumulative"))  # fmt: skip
+                           self.carry.get("remaining"), self.carry.get("cumulative"),
+                           self.free)  # fmt: skip
         for buf, val in zip(self._outputs(), out, strict=True):
             buf.copy_(val)
 
@@ -367,11 +414,14 @@ def decide(
     policy: ExitPolicy | None, max_depth: int, mode: str, running: Tensor, it: Tensor,
     new: Tensor, state: Tensor, gate: Tensor | None, seeds: Tensor, pos: Tensor, stop: Tensor,
     elp: Tensor, forced: Tensor, remaining: Tensor | None, cumulative: Tensor | None,
+    free: Tensor | None = None,
 ) -> tuple[Tensor, ...]:  # fmt: skip
     """After a tick's core iteration (new states ``new`` of every row, ``running`` the rows
     that iterated): the rows' new (state, iterations, stop, exit log-prob[, OuroGate's
-    remaining, cumulative]). Rows not running keep theirs. Tensors in, tensors out, no host
-    sync: `GraphTicker` runs it eagerly, or compiled (fast mode: its elementwise ops fused)."""
+    remaining, cumulative]). Rows not running keep theirs; rows ``free`` (prompt positions fed
+    through the ticks, `GraphTicker.feed_prompts`) exit at the max depth only. Tensors in,
+    tensors out, no host sync: `GraphTicker` runs it eagerly, or compiled (fast mode: its
+    elementwise ops fused)."""
     state_out = torch.where(running[:, None], new, state)
     depth = it + running.to(it.dtype)
     if policy is None:
@@ -383,6 +433,8 @@ def decide(
     if remaining is not None and cumulative is not None:  # OuroGate: each row's own
         carry = ExitCarry(remaining=remaining, cumulative=cumulative)
     hit, after = should_exit(policy, info, carry)
+    if free is not None:
+        hit = torch.where(free, depth >= max_depth, hit)
     stop_out = stop | (running & hit)
     elp_out = elp
     if isinstance(policy, SampledGate):

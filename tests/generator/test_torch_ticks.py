@@ -15,6 +15,7 @@ import pytest
 from generator.torch_engine import TorchEngine
 from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
+from tests.generator import prompts, work_item
 from tests.generator.test_torch_engine import _items, equal_to_reference
 
 CASES: list[tuple[str, ExitPolicy, int]] = [
@@ -48,7 +49,8 @@ def test_graph_steps_records_equal_the_reference(
     """Every request of a call at one (temperature, top_p): the readout, the draw and the feed
     run inside the fixed-shape step (GraphTicker.step: one CUDA graph replay on a GPU, eager on
     the same buffers here); records equal the reference's bit for bit in exact numerics: greedy,
-    sampled with top_p, stops, more requests than slots (freed slots refilled)."""
+    sampled with top_p, stops, more requests than slots (freed slots refilled), a one-token
+    prompt; every prompt fed token by token through the ticks (GraphTicker.feed_prompts)."""
     import generator.torch_ticks as tt
 
     calls = []
@@ -60,6 +62,9 @@ def test_graph_steps_records_equal_the_reference(
     items = _items()
     items[2].latent_seeds = np.asarray([12345, 7, 99], dtype=np.uint64)  # 3 requests, 2 slots
     items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
+    # a one-token prompt: its only position samples token 0
+    items.append(work_item(prompts(1, [1], seed=9)[0], [77, 78, 79], temperature=1.0,
+                           top_p=1.0, max_tokens=4, name="d"))  # fmt: skip
     results = [eng.generate([it])[0] for it in items]  # one sampling setting a call
     assert len(calls) == len(items)
     equal_to_reference(path, items, results, policy)
