@@ -126,9 +126,12 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
     """`generate_by_ticks` with every request at one (temperature, top_p): each
     `GraphTicker.step` (one CUDA graph replay on a GPU) runs ``readout_every`` ticks, then
     reads out, draws and feeds the rows that exited; the host files what it read back (one
-    read a step) and retires the finished rows; a freed slot takes the next request, whose
-    prompt is fed token by token through the same ticks (`GraphTicker.feed_prompts`: no eager
-    prefill between steps; token 0 drawn at the last prompt position's readout)."""
+    read a step) and retires the finished rows. Requests start in slots two ways: when nothing
+    runs (the call's first fill) their prompts are one prefill chunk (`TorchEngine._prefill`,
+    token 0 drawn by `_sample_block`); a slot freed while others run takes the next request
+    whose prompt is fed token by token through the same ticks (`GraphTicker.feed_prompts`: no
+    eager prefill between steps, launch-bound on a GPU; token 0 drawn at the last prompt
+    position's readout)."""
     bsz = cache.filled.shape[0]
     ticker.sample_in_graph(temperature, top_p, eng.model.vocab_size, eng.token0_policy)
     slots: list[Any] = [None] * bsz
@@ -136,12 +139,21 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
     inflight: tuple[int, list[Any]] | None = None  # a launched step and its slots' requests
     while True:
         free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
-        if free:  # a freed slot's prompt goes through the ticks too (no eager prefill)
+        if free:
+            idle = inflight is None and all(s is None for s in slots)
             for b in free:
                 slots[b] = waiting.popleft()
                 ticker.set_seed(b, slots[b].seed)
-            ticker.feed_prompts(free, [slots[b].prompt for b in free])
-            ticker.set_keys(free, [slots[b].key for b in free], [0] * len(free))
+            if idle:  # nothing runs: one prefill chunk for them all, token 0 drawn here
+                pre = eng._prefill(cache, slots, free)
+                block = torch.stack([pre[b] for b in free])
+                go = _sample_and_feed(eng, ticker, slots, [(free, block)])
+                ticker.set_keys(go, [slots[b].key for b in go], [1] * len(go))
+                if waiting and any(s is None for s in slots):
+                    continue  # (requests finished at token 0)
+            else:  # rows run: the prompts go through the ticks (no eager prefill between steps)
+                ticker.feed_prompts(free, [slots[b].prompt for b in free])
+                ticker.set_keys(free, [slots[b].key for b in free], [0] * len(free))
         if inflight is None and all(s is None for s in slots):
             return
         # the next step is queued before the host files the one in flight (its outputs come

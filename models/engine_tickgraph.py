@@ -155,6 +155,8 @@ class GraphTicker(Ticker):
         super().feed(rows, tokens, positions, depths)
         dev = self.cache.filled.device
         r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+        self.plen[r] = 0  # a generated token (`feed_prompts` sets its prompt after this)
+        self.free[r] = False
         self._start(r)
         p = self.pos[r]
         self.kmask[r] = _key_mask(self.cache.filled.index_select(0, r), p[:, None])
@@ -237,8 +239,8 @@ class GraphTicker(Ticker):
         for k, p in enumerate(prompts):
             buf[k, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
         self.prompt[r] = buf.to(dev)
-        self.plen[r] = torch.tensor([len(p) for p in prompts], dtype=torch.int64).to(dev)
         self.feed(rows, [int(p[0]) for p in prompts], [0] * len(rows))
+        self.plen[r] = torch.tensor([len(p) for p in prompts], dtype=torch.int64).to(dev)
         first_free = [len(p) > 1 or not self.token0_policy for p in prompts]
         self.free[r] = torch.tensor(first_free, dtype=torch.bool).to(dev)
 
