@@ -27,9 +27,11 @@ token = (a call of `--tokens` new tokens - a call of 1) / (batch x (tokens - 1))
 (the prompt at full depth, whatever the exits) and the call's fixed costs cancel;
 `vs_fixed` = that / the fastest fixed-depth configuration's; `s_per_call` / `tokens_per_s`: the
 whole call of `--tokens`; `mean_depth` from the records (every row's exits: the same in every
-path, checked: `same_as_chunk`). `--profile fixed,half:chunk`: after the timing, one call of
-each named configuration with the engine's stages timed (prefill, decode, graph step, sampling; a device
-sync around each) and one under torch.profiler (top ops by host and by device time), under
+path, checked: `same_as_chunk`); `depth_sum_max_over_mean`: the deepest request's summed decode
+depths over the mean request's (a one-batch call lasts as long as its longest row's ticks).
+`--profile fixed,half:chunk`: after the timing, one call of each named configuration with the
+engine's stages timed (prefill, decode, graph step, sampling, the ticker's; a device sync around
+each) and one under torch.profiler (top ops by host and by device time), under
 `profiles` in the JSON line.
 """
 
@@ -271,6 +273,10 @@ def main() -> int:
     rows = []
     for key in engines:
         depths = np.concatenate([s[0].exit_depths[1:] for s in records[key]]).astype(float)
+        # the batch's tail: the deepest request's summed decode depths over the mean request's
+        # (a call of one batch lasts as long as its longest row's ticks; 1.0 at a fixed depth)
+        sums = np.asarray([float(s[0].exit_depths[1:].sum()) for s in records[key]])
+        tail = round(float(sums.max() / sums.mean()), 3) if sums.size and sums.mean() else None
         name = key.split(":")[0]
         chunk = records.get(f"{name}:chunk")
         same = None
@@ -282,6 +288,7 @@ def main() -> int:
                          vs_fixed=round(dec[key] / best_fixed, 3), s_per_call=round(whole[key], 4),
                          tokens_per_s=round(n / whole[key], 1),
                          mean_depth=round(float(depths.mean()), 2) if depths.size else None,
+                         depth_sum_max_over_mean=tail,
                          first_call_s=round(first[key], 2), same_as_chunk=same,
                          tick_graph=bool(getattr(engines[key][0], "tick_graph", False))))  # fmt: skip
     print(json.dumps(dict(
