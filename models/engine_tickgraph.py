@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.engine import EngineModel, KVCache, Regions, _key_mask, _post, _qkv
+from models.engine import EngineModel, KVCache, Regions, _key_mask, _post, _qkv, _seed_tensor
 from models.engine_kv import carry_exits, write_rows
 from models.engine_ticks import Ticker
 from models.exits import (
@@ -168,7 +168,7 @@ class GraphTicker(Ticker):
     def advance(self) -> tuple[Tensor, Tensor, Tensor]:
         """Replay ``readout_every`` ticks until rows exit; then as `Ticker.advance`."""
         while True:
-            waiting = self.live & (self.stop | (self.it == self.target))
+            waiting = self._waiting()
             n_live, n_wait = torch.stack([self.live.sum(), waiting.sum()]).tolist()
             if not n_live:
                 empty = self.rows[:0]
@@ -215,8 +215,7 @@ class GraphTicker(Ticker):
         """Rows ``rows``' sampler keys (u64) and steps (tokens drawn so far)."""
         dev = self.keys.device
         r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
-        signed = [int(k) - (1 << 64) if int(k) >= 1 << 63 else int(k) for k in keys]
-        self.keys[r] = torch.tensor(signed, dtype=torch.int64).to(dev)
+        self.keys[r] = _seed_tensor(keys, dev)  # (u64 as int64, as the latent seeds)
         self.steps[r] = torch.as_tensor(list(steps), dtype=torch.int64).to(dev)
 
     def feed_prompts(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
@@ -294,7 +293,7 @@ class GraphTicker(Ticker):
         m, cache, mode, rows, dmax = self.model, self.cache, self.mode, self.rows, self.max_depth
         assert self.sampling is not None and self.rope_table is not None
         temp, top_p = self.sampling
-        w = self.live & (self.stop | (self.it == self.target))
+        w = self._waiting()
         exit_at = self.it.clone()
         pos = self.pos
         carry_exits(cache.core, w, exit_at, rows, pos, dmax)  # last_exited's copies

@@ -165,7 +165,7 @@ class Ticker:
         m, cache, mode = self.model, self.cache, self.mode
         while True:
             live = self.live
-            waiting = live & (self.stop | (self.it == self.target))
+            waiting = self._waiting()
             n_live, n_wait = torch.stack([live.sum(), waiting.sum()]).tolist()  # one host sync
             if not n_live:
                 empty = self.rows[:0]
@@ -190,6 +190,11 @@ class Ticker:
                 self.stop[run] = _policy_exits(m, cache, self.policy, run, self.it[run], new_state,
                                                prev, p, self.max_depth, mode, self.carry,
                                                self.seed_t[run], self.elp if self.sampled else None)  # fmt: skip
+
+    def _waiting(self) -> Tensor:
+        """[B] bool: rows whose token exited (the policy said so, or its depth is reached) and
+        waits for its readout."""
+        return self.live & (self.stop | (self.it == self.target))
 
     def _start(self, new: Tensor) -> None:
         """Rows ``new`` start their fed token: its position filled, the prelude (its K/V
