@@ -23,27 +23,32 @@ tokens runs, like `models.engine.run_chunk`:
                    their exit state is kept aside for the readout
     hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
 
-Depth batching (issue 25 item 1; `depth_batching = True`, the default): under kv 'last_exited'
-an iteration in which some tokens of the step have exited computes only the M running ones:
-their rows of the state and the embedding are gathered (`index_select`), run through core_in,
-each core block's norms / projections / RoPE / MLP and core_out as an [M, h] batch, and written
-back (`index_copy`). vLLM's attention keeps the step's full token layout (its metadata, slot
-mapping and block tables are per step): it gets the M queries scattered into N zero rows and
-every token's K/V carry with the M new rows copied in (the exited tokens' K/V of their exit
-iteration, written again into this iteration's slot exactly as the masked path writes them), and
-the M output rows are gathered back, so each is the row the masked path computes. Prompt
-positions run D, so prefill chunks and decodes of different requests share the step as before.
-Tokens, depths, log-probs and exit log-probs equal the masked path's (`depth_batching = False`:
-every token to the deepest running one, K/V writes masked) bit for bit in exact numerics and
-within 1e-6 in fast (a matmul over M rows may take another MKL kernel than over N;
-tests/generator/test_depth_batching_plugin.py). What it saves: the core FLOPs of exited tokens;
-not the attention (on all N rows), not the weight reads (once per iteration while any token
-runs: where a step is bound by them, the deepest token sets the time), not the exit policy's
-per-iteration work on the policy rows. kv 'full' cannot save: every token feeds its K/V to every
-iteration's slot (later tokens' queries at those depths read them), so it runs the masked loop.
-Measured (docs/PERFORMANCE.md, "Depth batching"; `benchmarks/depth_batching.py --plugin`):
-Ouro small, D = 16, mean exit depth D/2, one CPU thread: 0.56-0.71x the FixedDepth decode
-time per token at batch 128, 0.69x at batch 64 (the masked path 0.94-1.25x).
+Depth batching (issue 25 item 1; `depth_batching = True`, the default): under kv 'last_exited' an
+iteration in which some tokens of the step have exited computes only the M running ones: their rows
+of the state and the embedding are gathered (`index_select`), run through core_in, each core
+block's norms / projections / RoPE / MLP and core_out as an [M, h] batch, and written back
+(`index_copy`). Every token's K/V carry, with the M new rows copied in, is written into this
+iteration's slot (the exited tokens' K/V of their exit iteration, exactly as the masked path writes
+them). Attention (`rows_attention = True`, fast numerics, vLLM's CPU_ATTN backend): the M queries
+alone through vLLM's CPU kernel, the step's layout cut to the running rows
+(`SlotAttention.attend_rows`: each run of consecutive running rows of a request a segment ending at
+its last row's position, reading the request's blocks); elsewhere (exact numerics, other backends,
+`rows_attention = False`) the M queries are scattered into the step's full layout (N rows, its
+metadata is per step) and the M output rows gathered back. Either way each row is the row the
+masked path computes. Prompt positions run D, so prefill chunks and decodes of different requests
+share the step as before. Tokens, depths, log-probs and exit log-probs equal the masked path's
+(`depth_batching = False`: every token to the deepest running one, K/V writes masked) bit for bit
+in exact numerics and within 1e-6 in fast (a matmul over M rows may take another MKL kernel than
+over N; tests/generator/test_depth_batching_plugin.py,
+tests/generator/test_vllm_rows_attention.py). What it saves: the core FLOPs and (CPU_ATTN) the
+attention of exited tokens; not their K/V writes (every iteration's slot must hold every token's
+K/V), not the weight reads (once per iteration while any token runs: where a step is bound by them,
+the deepest token sets the time), not the exit policy's per-iteration work on the policy rows. kv
+'full' cannot save: every token feeds its K/V to every iteration's slot (later tokens' queries at
+those depths read them), so it runs the masked loop. Measured (docs/PERFORMANCE.md, "Depth
+batching"; `benchmarks/depth_batching.py --plugin`): Ouro small, D = 16, mean exit depth D/2, one
+CPU thread: 0.56-0.71x the FixedDepth decode time per token at batch 128, 0.69x at batch 64 (the
+masked path 0.94-1.25x).
 
 Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
 exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless
@@ -114,6 +119,10 @@ class _LoopedVllm:
     """Depth batching (module doc): at each core iteration only the tokens still running are
     computed (kv 'last_exited'); False = the masked path (every token to the deepest running
     one, K/V writes masked), kept for comparison (tests, benchmarks/depth_batching.py)."""
+    rows_attention: bool = True
+    """Depth batching, fast numerics, vLLM's CPU attention: the running rows' queries alone
+    through the attention kernel (`SlotAttention.attend_rows`); False = their queries scattered
+    into the step's full layout (every row attends; any backend)."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         config = config_from_hf_dict(_read_hf_config(vllm_config))
@@ -214,14 +223,20 @@ class _LoopedVllm:
         them), and the M output rows gathered back, so each is the uncompacted path's row."""
         n = rope.shape[0]
         rope_m = rope.index_select(0, idx)
+        slots = list(slots)
+        plan = slots[0].rows_plan(idx) if self.rows_attention and slots else None
         for layer, (blk, slot) in enumerate(zip(blocks, slots)):
             q, k, v = blk.qkv(x, rope_m, self.mode)
             old = carry[layer]
             assert old is not None  # iteration 1 runs every row and fills the carry
             kf, vf = old[0].index_copy(0, idx, k), old[1].index_copy(0, idx, v)
             carry[layer] = (kf, vf)
-            qf = q.new_zeros((n, *q.shape[1:])).index_copy_(0, idx, q)
-            x = blk.post(x, slot(qf, kf, vf).index_select(0, idx), self.mode)
+            if plan is not None:  # vLLM's CPU kernel on the running rows' queries alone
+                a = slot.attend_rows(q, kf, vf, plan)
+            else:
+                qf = q.new_zeros((n, *q.shape[1:])).index_copy_(0, idx, q)
+                a = slot(qf, kf, vf).index_select(0, idx)
+            x = blk.post(x, a, self.mode)
         return x
 
     def _readout(self, state: Tensor, rope: Tensor) -> Tensor:

@@ -88,6 +88,32 @@ def _core_rows(worker: Any, start: bool) -> int:
     return int(model._rows)
 
 
+def _attn_rows(worker: Any, start: bool) -> list[int]:
+    """start=True: count the query rows the core slots attend from now, [through the step's
+    full layout (`SlotAttention.forward`), through `attend_rows` (the running rows alone)];
+    False: stop counting, return the counts."""
+    from generator.vllm_attention import SlotAttention
+
+    model = worker.model_runner.get_model()
+    if not start:
+        SlotAttention.forward, SlotAttention.attend_rows = model._attn_inner  # type: ignore[method-assign]
+        return list(model._attn_counts)
+    counts = model._attn_counts = [0, 0]
+    fwd, rows = model._attn_inner = (SlotAttention.forward, SlotAttention.attend_rows)
+
+    def forward(self: Any, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        counts[0] += q.shape[0] if ".core." in f".{self.layer_name}" else 0
+        return fwd(self, q, *args)  # type: ignore[no-any-return]
+
+    def attend_rows(self: Any, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        counts[1] += q.shape[0]
+        return rows(self, q, *args)  # type: ignore[no-any-return]
+
+    setattr(SlotAttention, "forward", forward)  # noqa: B010
+    setattr(SlotAttention, "attend_rows", attend_rows)  # noqa: B010
+    return [0, 0]
+
+
 ITEMS = [
     work_item(p, [41 + i], temperature=0.0 if i % 3 == 0 else 0.9, max_tokens=8, name=f"d{i}")
     for i, p in enumerate(prompts(len(LENGTHS), LENGTHS, seed=5))
@@ -95,11 +121,20 @@ ITEMS = [
 
 
 def _generate(engine: LoopedEngine, **settings: Any) -> tuple[list[Sample], int]:
+    samples, rows, _ = _generate_counted(engine, **settings)
+    return samples, rows
+
+
+def _generate_counted(engine: LoopedEngine, **settings: Any) -> tuple[list[Sample], int, list[int]]:
+    """Samples, core rows (`_core_rows`) and core attention rows (`_attn_rows`) of a call."""
+    settings.setdefault("rows_attention", True)
     engine.llm.collective_rpc(_configure, args=(settings,))
     engine.llm.collective_rpc(_core_rows, args=(True,))
+    engine.llm.collective_rpc(_attn_rows, args=(True,))
     torch.manual_seed(1234)
     samples = [ss[0] for ss in engine.generate(ITEMS)]
-    return samples, engine.llm.collective_rpc(_core_rows, args=(False,))[0]
+    attn = engine.llm.collective_rpc(_attn_rows, args=(False,))[0]
+    return samples, engine.llm.collective_rpc(_core_rows, args=(False,))[0], attn
 
 
 def _compare(new: list[Sample], old: list[Sample], tol: float) -> float:
@@ -143,7 +178,28 @@ def test_compacted_equals_masked_exact(engine: LoopedEngine, kv: str) -> None:
 
 @pytest.mark.parametrize("kv", ["last_exited", "full"])
 def test_compacted_within_1e6_fast(engine: LoopedEngine, kv: str) -> None:
-    new, _ = _generate(engine, mode="fast", kv=kv, depth_batching=True)
-    old, _ = _generate(engine, mode="fast", kv=kv, depth_batching=False)
+    """Fast numerics: within 1e-6 of the masked path; under last_exited the core attention
+    runs on the running rows alone (vLLM's CPU kernel, `attend_rows`): every core row computed
+    attends once per layer, no more; with `rows_attention` off the running rows' queries go
+    through the step's full layout (every row attends) and give the same tokens and depths."""
+    layers = int(engine.llm.collective_rpc(_core_layers)[0])
+    new, rows, attn = _generate_counted(engine, mode="fast", kv=kv, depth_batching=True)
+    old, old_rows, old_attn = _generate_counted(engine, mode="fast", kv=kv, depth_batching=False)
     diff = _compare(new, old, 1e-6)
-    print(f"\nfast, kv={kv}: max |dlogprob| compacted vs masked {diff}")
+    print(f"\nfast, kv={kv}: max |dlogprob| compacted vs masked {diff}; core rows {rows} "
+          f"(masked {old_rows}), attention rows [full layout, running rows] {attn} "
+          f"(masked {old_attn})")  # fmt: skip
+    assert old_attn == [old_rows * layers, 0]  # the masked path: every row, every iteration
+    if kv == "full":
+        assert attn == old_attn
+        return
+    assert attn[1] > 0 and sum(attn) == rows * layers < old_rows * layers
+    scattered, rows2, attn2 = _generate_counted(
+        engine, mode="fast", kv=kv, depth_batching=True, rows_attention=False
+    )
+    _compare(scattered, new, 1e-6)
+    assert rows2 == rows and attn2[1] == 0 and attn2[0] > rows * layers
+
+
+def _core_layers(worker: Any) -> int:
+    return len(list(worker.model_runner.get_model().core_blocks()))
