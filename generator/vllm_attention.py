@@ -161,7 +161,7 @@ def cpu_rows_plan(
     """The CPU_ATTN layout of the running rows `rows` [M] of a step whose attention metadata
     is `metadata` (query_start_loc, seq_lens, block_table): `row_segments`, and the kernel's
     scheduler metadata for it. impl: the layer's CPU_ATTN implementation; isa: its kernel ISA;
-    dtype: the KV cache's; shape: (heads, kv_heads, head_dim)."""
+    dtype: the model's (the queries'); shape: (heads, kv_heads, head_dim)."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
@@ -209,6 +209,8 @@ def cpu_rows_attention(q: Tensor, kv_cache: Tensor, plan: RowsPlan, layer: Any) 
     nb, g, bs, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(nb, g, bs * 2, -1).chunk(2, dim=2)
     qq = (q if plan.keep is None else q[plan.keep]).contiguous()
+    if qq.shape[0] == 0:  # padding rows only
+        return q.new_zeros(plan.n_rows, q.shape[1] * q.shape[2])
     out = torch.empty_like(qq)
     ops.cpu_attention_with_kv_cache(
         query=qq,
@@ -271,10 +273,11 @@ class SlotAttention(nn.Module):
 
         unified_kv_cache_update(k.contiguous(), v.contiguous(), self.layer_name)
 
-    def rows_plan(self, rows: Tensor) -> RowsPlan | None:
-        """The plan of `attend_rows` for the running rows `rows` [M] (sorted) of this step, or
-        None where it does not apply (exact numerics, another backend, no metadata: a dummy
-        run), and the caller attends on the step's full layout."""
+    def rows_plan(self, rows: Tensor, dtype: torch.dtype) -> RowsPlan | None:
+        """The plan of `attend_rows` for the running rows `rows` [M] (sorted) of this step
+        (dtype: the queries', the model's), or None where it does not apply (exact numerics,
+        another backend, no metadata: a dummy run), and the caller attends on the step's full
+        layout."""
         impl = _cpu_attn_impl(self.attn) if self.mode != "exact" else None
         if impl is None:
             return None
@@ -284,7 +287,7 @@ class SlotAttention(nn.Module):
         if md is None or kv_cache.numel() == 0 or md.dynamic_causal is not None or not md.causal:
             return None
         isa = str(self.attn.isa)  # (set on the layer by the CPU_ATTN builder)
-        return cpu_rows_plan(rows, md, impl, isa, kv_cache.dtype,
+        return cpu_rows_plan(rows, md, impl, isa, dtype,
                              (self.heads, self.kv_heads, self.head_dim))  # fmt: skip
 
     def attend_rows(self, q: Tensor, k: Tensor, v: Tensor, plan: RowsPlan) -> Tensor:

@@ -224,7 +224,7 @@ class _LoopedVllm:
         n = rope.shape[0]
         rope_m = rope.index_select(0, idx)
         slots = list(slots)
-        plan = slots[0].rows_plan(idx) if self.rows_attention and slots else None
+        plan = slots[0].rows_plan(idx, x.dtype) if self.rows_attention and slots else None
         for layer, (blk, slot) in enumerate(zip(blocks, slots)):
             q, k, v = blk.qkv(x, rope_m, self.mode)
             old = carry[layer]
