@@ -115,15 +115,16 @@ def row_segments(
     qsl = np.asarray(query_start_loc[: n_req + 1], dtype=np.int64)
     keep = rows < qsl[n_req]
     r = rows[keep]
+    if r.size == 0:
+        none = np.zeros(0, np.int64)
+        return keep, none, np.zeros(1, np.int64), none
     req = np.searchsorted(qsl[1:], r, side="right")
     brk = np.flatnonzero((np.diff(r) != 1) | (np.diff(req) != 0)) + 1
-    ends = np.concatenate([brk, [r.size]]).astype(np.int64) if r.size else np.zeros(0, np.int64)
-    starts = np.concatenate([[0], brk]).astype(np.int64) if r.size else ends
-    seg = req[starts]
+    ends = np.append(brk, r.size)
+    seg = req[np.insert(brk, 0, 0)]
     q_len = qsl[1:] - qsl[:-1]
-    last = r[ends - 1] if r.size else ends
-    seq = np.asarray(seq_lens, dtype=np.int64)[seg] - q_len[seg] + (last - qsl[seg]) + 1
-    return keep, seg, np.concatenate([[0], ends]), seq
+    seq = np.asarray(seq_lens, dtype=np.int64)[seg] - q_len[seg] + (r[ends - 1] - qsl[seg]) + 1
+    return keep, seg, np.insert(ends, 0, 0), seq
 
 
 @dataclasses.dataclass
@@ -296,10 +297,8 @@ class SlotAttention(nn.Module):
         alone -> [M, H * D], each row the value `forward` gives it on the full layout."""
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
-        _, layer, kv_cache, slot_mapping = get_attention_context(self.layer_name)
-        impl: Any = layer.impl
-        if slot_mapping is not None:
-            impl.do_kv_cache_update(layer, k, v, kv_cache, slot_mapping)
+        self.write(k, v)
+        _, layer, kv_cache, _ = get_attention_context(self.layer_name)
         return cpu_rows_attention(q, kv_cache, plan, layer)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

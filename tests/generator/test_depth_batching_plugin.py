@@ -132,8 +132,10 @@ def _generate_counted(engine: LoopedEngine, **settings: Any) -> tuple[list[Sampl
     engine.llm.collective_rpc(_core_rows, args=(True,))
     engine.llm.collective_rpc(_attn_rows, args=(True,))
     torch.manual_seed(1234)
-    samples = [ss[0] for ss in engine.generate(ITEMS)]
-    attn = engine.llm.collective_rpc(_attn_rows, args=(False,))[0]
+    try:
+        samples = [ss[0] for ss in engine.generate(ITEMS)]
+    finally:  # the class methods restored whatever happens
+        attn = engine.llm.collective_rpc(_attn_rows, args=(False,))[0]
     return samples, engine.llm.collective_rpc(_core_rows, args=(False,))[0], attn
 
 
