@@ -54,6 +54,9 @@ which a loaded machine disturbs least: two OpenMP threads on two shared cores sp
 and varied 3x); the KV cache holds every request (`whole_batch_steps`: each decode forward had
 the whole batch); `e2e_ms_per_token` = the whole
 call / generated tokens (prefill included). `vs_fixed` = decode time / the FixedDepth engine's.
+--plugin-profile: after the timed rounds, each config's decode under torch.profiler (a call of
+`--tokens` minus a call of 1): the ten costliest ops' self CPU time in ms per generated token
+and each against the FixedDepth engine's (`plugin_profile` rows; the profiler slows every op).
 """
 
 from __future__ import annotations
@@ -219,6 +222,11 @@ def main() -> int:
     ap.add_argument("--plugin-size", default="small", choices=["tiny", "small"])
     ap.add_argument("--plugin-hf", default="{}", help="--plugin: HF config keys over the size's")
     ap.add_argument("--plugin-kv-mb", type=int, default=0, help="--plugin: KV cache (0: enough)")
+    ap.add_argument(
+        "--plugin-profile",
+        action="store_true",
+        help="--plugin: after the timed rounds, each config's decode ops (torch.profiler)",
+    )
     a = ap.parse_args()
     if a.plugin:
         from benchmarks.depth_batching_plugin import plugin_main

@@ -151,6 +151,16 @@ def plugin_main(a: argparse.Namespace) -> int:
                 )
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if a.plugin_profile:  # after the timed rounds: the profiler's overhead stays out of them
+        base: dict[str, float] = {}
+        for name, path_, bias in configs:
+            ops = _decode_ops(prepare(bias, path_), calls, a.tokens, b)
+            base = base or ops  # the first config: the FixedDepth engine
+            top = sorted(ops, key=lambda k: -ops[k])[:10]
+            print(json.dumps(dict(kind="plugin_profile", schedule=name, path=path_,
+                                  op_ms_per_token={k: round(ops[k], 4) for k in top},
+                                  op_vs_fixed={k: round(ops[k] / base[k], 3) for k in top
+                                               if base.get(k)})), flush=True)  # fmt: skip
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     for eng in (fixed_eng, gate_eng):
@@ -162,6 +172,20 @@ def plugin_main(a: argparse.Namespace) -> int:
                       "loadavg_end": [round(x, 2) for x in os.getloadavg()]}), flush=True)  # fmt: skip
     tmp.cleanup()
     return 0
+
+
+def _decode_ops(eng: Any, calls: dict[int, Any], tokens: int, batch: int) -> dict[str, float]:
+    """Self CPU time per op (torch.profiler) of the decode: a call of `tokens` tokens minus a
+    call of 1, in ms per generated token (--plugin-profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per: dict[int, dict[str, float]] = {}
+    for n in (tokens, 1):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            eng.generate(calls[n])
+        per[n] = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+    scale = batch * (tokens - 1)
+    return {k: (v - per[1].get(k, 0.0)) / scale for k, v in per[tokens].items()}
 
 
 def _set_depth_batching(worker: Any, flag: bool) -> None:
