@@ -56,7 +56,8 @@ the whole batch); `e2e_ms_per_token` = the whole
 call / generated tokens (prefill included). `vs_fixed` = decode time / the FixedDepth engine's.
 --plugin-profile: after the timed rounds, each config's decode under torch.profiler (a call of
 `--tokens` minus a call of 1): the ten costliest ops' self CPU time in ms per generated token
-and each against the FixedDepth engine's (`plugin_profile` rows; the profiler slows every op).
+and each against the FixedDepth engine's, and every op's summed (`ops_total_ms_per_token`; the
+rest of the wall time is Python between ops) (`plugin_profile` rows; the profiler slows every op).
 """
 
 from __future__ import annotations

@@ -158,6 +158,7 @@ def plugin_main(a: argparse.Namespace) -> int:
             base = base or ops  # the first config: the FixedDepth engine
             top = sorted(ops, key=lambda k: -ops[k])[:10]
             print(json.dumps(dict(kind="plugin_profile", schedule=name, path=path_,
+                                  ops_total_ms_per_token=round(sum(ops.values()), 4),
                                   op_ms_per_token={k: round(ops[k], 4) for k in top},
                                   op_vs_fixed={k: round(ops[k] / base[k], 3) for k in top
                                                if base.get(k)})), flush=True)  # fmt: skip
