@@ -32,7 +32,8 @@ depths over the mean request's (a one-batch call lasts as long as its longest ro
 `--profile fixed,half:chunk`: after the timing, one call of each named configuration with the
 engine's stages timed (prefill, decode, graph step, sampling, the ticker's; a device sync around
 each) and one under torch.profiler (top ops by host and by device time), under
-`profiles` in the JSON line.
+`profiles` in the JSON line. `--readout-rows 128`: each tick row again as `name:ticksKr128`,
+the tick graph's readout (head, draw) on at most 128 rows a step (`GraphTicker`'s readout_rows).
 """
 
 from __future__ import annotations
@@ -174,6 +175,12 @@ def main() -> int:
         help="requests = queue x batch in batch slots: freed slots take the next request",
     )
     ap.add_argument(
+        "--readout-rows",
+        default="",
+        help="values n: each tick row again with the tick graph's readout on at most n rows a "
+        "step (config suffix rN)",
+    )
+    ap.add_argument(
         "--skip-eager",
         action="store_true",
         help="no fixed_eager row (the fixed depth without its CUDA graph)",
@@ -189,6 +196,9 @@ def main() -> int:
     ticks = [int(k) for k in a.ticks.split(",") if k]
     if any(k < 1 for k in ticks):
         raise SystemExit(f"--ticks: values >= 1, got {a.ticks!r}")
+    readout = [int(n) for n in a.readout_rows.split(",") if n]
+    if any(not 1 <= n <= a.batch for n in readout):
+        raise SystemExit(f"--readout-rows: values in [1, --batch], got {a.readout_rows!r}")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" \
         else torch.device(a.device)  # fmt: skip
     dtype = torch.bfloat16 if (a.dtype == "bfloat16" or (a.dtype == "auto" and dev.type == "cuda")) \
@@ -234,6 +244,10 @@ def main() -> int:
         for k in ([] if a.skip_chunk else [0]) + ticks:
             eng = TorchEngine(None, exit_policy=sampled, ticks=k, **base)  # type: ignore[arg-type]
             engines[f"{name}:{'chunk' if k == 0 else f'ticks{k}'}"] = (eng, biases[name])
+            for n in readout if k else []:  # the compacted readout (the tick graph's)
+                eng = TorchEngine(None, exit_policy=sampled, ticks=k, tick_graph=True,  # type: ignore[arg-type]
+                                  readout_rows=n, **base)  # fmt: skip
+                engines[f"{name}:ticks{k}r{n}"] = (eng, biases[name])
 
     def run(key: str, n_new: int) -> list[Any]:
         eng, bias = engines[key]
@@ -290,7 +304,8 @@ def main() -> int:
                          mean_depth=round(float(depths.mean()), 2) if depths.size else None,
                          depth_sum_max_over_mean=tail,
                          first_call_s=round(first[key], 2), same_as_chunk=same,
-                         tick_graph=bool(getattr(engines[key][0], "tick_graph", False))))  # fmt: skip
+                         tick_graph=bool(getattr(engines[key][0], "tick_graph", False)),
+                         readout_rows=getattr(engines[key][0], "readout_rows", None)))  # fmt: skip
     print(json.dumps(dict(
         bench="torch_depth", device=str(torch.cuda.get_device_name() if cuda else "cpu"),
         dtype=str(dtype).replace("torch.", ""), tiny=a.tiny, depth=a.depth, batch=a.batch,

@@ -109,7 +109,9 @@ class TorchEngine(TorchWeights):
     ticks: k > 0 decodes adaptive depths by ticks (generator.torch_ticks; exited rows read out
     every k ticks); 0 = one `run_chunk` per decoded token. tick_graph: the ticks at one shape,
     k of them per CUDA graph replay (`models.engine_tickgraph.GraphTicker`); None = on CUDA
-    where the policy decides on the device (not KL / EntropyDiff).
+    where the policy decides on the device (not KL / EntropyDiff). readout_rows: with
+    tick_graph, at most this many exited rows read out a step (the head and the draw on them
+    alone; `GraphTicker`); None = every row of the batch.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class TorchEngine(TorchWeights):
         compile: bool | None = None,
         ticks: int = 0,
         tick_graph: bool | None = None,
+        readout_rows: int | None = None,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -160,6 +163,11 @@ class TorchEngine(TorchWeights):
             raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
         self.ticks = check_ticks(int(ticks), self.kv, self.graph)
         self.tick_graph = resolve_tick_graph(tick_graph, self.ticks, self.policy, dev)
+        if readout_rows is not None and not (self.tick_graph and 1 <= readout_rows):
+            raise ValueError(f"readout_rows={readout_rows}: needs tick_graph and a value >= 1 "
+                             "(None: every row)")  # fmt: skip
+        self.readout_rows = readout_rows
+        """At most this many exited rows read out a tick-graph step (capped at the batch)."""
         self.spare_slot = int(self.tick_graph)
         """Core slots beyond the depth: the fixed-shape ticks write idle rows' K/V there."""
         graphed = self.graph or (self.tick_graph and dev.type == "cuda")

@@ -65,7 +65,9 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
         ticker = GraphTicker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth,
                              policy=eng.policy, mode=eng.numerics, readout_every=eng.ticks,
                              graph=eng.device.type == "cuda",
-                             regions=compiled_regions() if eng.compile else None)  # fmt: skip
+                             regions=compiled_regions() if eng.compile else None,
+                             readout_rows=None if eng.readout_rows is None
+                             else min(eng.readout_rows, bsz))  # fmt: skip
     else:
         ticker = Ticker(eng.model, cache, [0] * bsz, max_depth=eng.full_depth, policy=eng.policy,
                         mode=eng.numerics, readout_every=eng.ticks)  # fmt: skip

@@ -37,6 +37,11 @@ host sync between them. Two ways to read out:
   RoPE rows from a table, key mask); `out` [5, B] says which rows were read out, with their
   token, log-prob, exit depth and exit log-prob, copied to a pinned host buffer per launch (two:
   the host files one step while the next runs; the caller retires finished rows, `retire`).
+  ``readout_rows`` n < B: the readout, coda, head and draw run on n rows, the first n that
+  exited (`first_rows`; any more wait for a later step), not on all B (the head over the
+  vocabulary and the draw cost per row; at mean depth ~D/2 with a readout every 4 ticks about
+  0.4 B rows exit per step); a step runs the n-row graph while the last step collected read
+  out fewer than n rows, else the full one.
 
 Same values as `Ticker` (and so as `run_chunk`'s decode): the same calls on the same inputs row
 by row, so in exact numerics the logits, tokens, depths, exit log-probs and the whole cache are
@@ -94,6 +99,7 @@ class GraphTicker(Ticker):
         self, model: EngineModel, cache: KVCache, seeds: Sequence[int], *, max_depth: int,
         policy: ExitPolicy | None = None, mode: str = "fast", readout_every: int = 1,
         graph: bool | None = None, regions: Regions | None = None, warmup: int = 2,
+        readout_rows: int | None = None,
     ) -> None:  # fmt: skip
         if not graph_policy(policy):
             raise ValueError(f"{type(policy).__name__} reads a readout every iteration: decode "
@@ -108,6 +114,11 @@ class GraphTicker(Ticker):
             raise ValueError(f"a CUDA graph needs the cache on a CUDA device, not {dev}")
         self.regions, self.warmup = regions, warmup
         bsz, length = cache.filled.shape
+        if readout_rows is not None and not 1 <= readout_rows <= bsz:
+            raise ValueError(f"readout_rows must be in [1, {bsz}] (the batch), got {readout_rows}")
+        self.readout_rows = bsz if readout_rows is None else int(readout_rows)
+        """At most this many exited rows read out a step (`step`; module doc)."""
+        self._last_read = 0
         self.kmask = torch.ones(bsz, 1, length, dtype=torch.bool, device=dev)
         self.rope_rows = model.rope(self.pos, mode).clone()
         dt = torch.float64 if mode == "exact" else torch.float32
@@ -121,8 +132,8 @@ class GraphTicker(Ticker):
             compiled_decide() if regions is not None else decide
         )
         self._graphs: dict[object, torch.cuda.CUDAGraph] = {}
-        """Captured replays: None -> ``readout_every`` ticks; (temperature, top_p) -> the
-        ticks, then the readout, the draw and the feed of the rows that exited (`step`)."""
+        """Captured replays: None -> ``readout_every`` ticks; (temperature, top_p, n) -> the
+        ticks, then the readout, the draw and the feed of at most n rows that exited (`step`)."""
         self.sampling: tuple[float, float] | None = None
         self.vocab = 0
         self.keys = torch.zeros(bsz, dtype=torch.int64, device=dev)
@@ -147,6 +158,7 @@ class GraphTicker(Ticker):
         self.free.zero_()
         self.plen.zero_()
         self.ticks = 0
+        self._last_read = 0
 
     def feed(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
              depths: Sequence[int] | None = None) -> None:  # fmt: skip
@@ -185,7 +197,8 @@ class GraphTicker(Ticker):
         for _ in range(self.every):
             self._tick()
         if key is not None:
-            self._readout_feed()
+            assert isinstance(key, tuple)
+            self._readout_feed(key[2])
 
     def _run(self, key: object) -> None:
         if not self.graphed:
@@ -262,7 +275,11 @@ class GraphTicker(Ticker):
         flight while the host files the previous one)."""
         if self.sampling is None:
             raise ValueError("launch() needs sample_in_graph() first")
-        self._run(self.sampling)
+        bsz = self.rows.shape[0]
+        # the compacted readout while the last step collected read out fewer rows than it
+        # could (no exited row was left waiting then); else every row's
+        n = self.readout_rows if self._last_read < self.readout_rows else bsz
+        self._run((*self.sampling, n))
         self.ticks += self.every
         i = self._flip
         self._flip ^= 1
@@ -281,11 +298,15 @@ class GraphTicker(Ticker):
         """The host copy of `out` of the step launched as ``i`` (waits for it)."""
         if self._done:
             self._done[i].synchronize()
-        return self._host[i].tolist()  # type: ignore[no-any-return]
+        out: list[list[float]] = self._host[i].tolist()
+        self._last_read = int(sum(out[0]))
+        return out
 
-    def _readout_feed(self) -> None:
-        """Fixed shape, no host sync: rows that exited get last_exited's K/V copies, the
-        readout (coda, head), the draw (`models.sampling.draw_keys`), and their next token fed
+    def _readout_feed(self, n_rows: int) -> None:
+        """Fixed shape, no host sync: rows that exited (the first ``n_rows`` of them by row
+        index when fewer than the batch: `first_rows`; the others wait for a later step) get
+        last_exited's K/V copies, the readout (coda, head) and the draw
+        (`models.sampling.draw_keys`) on those ``n_rows`` rows, and their next token fed
         (position + 1, prelude, initial state, RoPE rows, key mask); `out` says which."""
         from models.reference import behaviour_logprobs
         from models.sampling import draw_keys
@@ -296,15 +317,28 @@ class GraphTicker(Ticker):
         w = self._waiting()
         exit_at = self.it.clone()
         pos = self.pos
+        compact = n_rows < rows.shape[0]
+        if compact:  # the readout on n_rows rows: idx (distinct), valid (those that exited)
+            w, idx, valid = first_rows(w, n_rows)
+        else:
+            idx, valid = rows, w
         carry_exits(cache.core, w, exit_at, rows, pos, dmax)  # last_exited's copies
-        x = _masked_stack(m.coda_blocks(), cache.coda, m.readout_in(self.state, mode), w, rows,
-                          pos, self.kmask, self.rope_rows, mode)  # fmt: skip
+
+        def sub(t: Tensor) -> Tensor:
+            return t.index_select(0, idx) if compact else t
+
+        x = _masked_stack(m.coda_blocks(), cache.coda, m.readout_in(sub(self.state), mode), valid,
+                          idx, sub(pos), sub(self.kmask), sub(self.rope_rows), mode)  # fmt: skip
         logits = m.head(m.readout_out(x, mode), mode)
         greedy = temp == 0.0
         lp = behaviour_logprobs(logits, self.vocab, 1.0 if greedy else temp,
                                 1.0 if greedy else top_p, mode)  # fmt: skip
-        tok = draw_keys(lp, None if greedy else self.keys, None if greedy else self.steps)
+        tok = draw_keys(lp, None if greedy else sub(self.keys),
+                        None if greedy else sub(self.steps))  # fmt: skip
         picked = lp.gather(1, tok[:, None])[:, 0]
+        if compact:  # back to the batch's rows (rows not read out: zeros, unused)
+            tok = torch.zeros_like(self.tok).index_copy_(0, idx, tok)
+            picked = picked.new_zeros(rows.shape[0]).index_copy_(0, idx, picked)
         # the exited rows' next token: the next prompt token while the prompt lasts (nothing
         # drawn is kept), else the drawn one (recorded: `out`); position + 1, its prelude and
         # initial state
@@ -465,18 +499,38 @@ def _masked_stack(
     kmask: Tensor, rope: Tensor, mode: str,
 ) -> Tensor:  # fmt: skip
     """Blocks (prelude or coda: one K/V slot per layer, ``slots`` [layers, 2, B, T, G, Dh]) on
-    every row x [B, h], one query each at ``pos``; K/V written only for rows ``w`` (the others
-    put back theirs); attention over each row's own cache."""
+    rows ``rows`` [R] (distinct; all B, or a subset), x [R, h], one query each at ``pos`` [R];
+    K/V written only where ``w`` [R] (the others put back theirs); attention over each row's
+    own cache."""
     keep = w[:, None, None]
     bsz = x.shape[0]
+    subset = bsz != slots.shape[2]
     for layer, blk in enumerate(blocks):
         q, k, v = _qkv(blk, x, rope, mode)
         s = slots[layer]
         s[0, rows, pos] = torch.where(keep, k, s[0, rows, pos])
         s[1, rows, pos] = torch.where(keep, v, s[1, rows, pos])
-        attn = nx.attention(q.view(bsz, 1, blk.n_heads, blk.head_dim), s[0], s[1], kmask, mode)
+        ks, vs = s[0], s[1]
+        if subset:  # the rows' own caches
+            ks, vs = ks.index_select(0, rows), vs.index_select(0, rows)
+        attn = nx.attention(q.view(bsz, 1, blk.n_heads, blk.head_dim), ks, vs, kmask, mode)
         x = _post(blk, x, attn.reshape(bsz, -1), mode)
     return x
+
+
+def first_rows(w: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The first ``n`` rows of mask ``w`` [B] by index, at a fixed shape (no host sync):
+    (sel [B]: w's first n True rows, idx [n]: distinct row indices, sel's rows first in order,
+    then rows not selected, valid [n]: sel[idx])."""
+    one = w.to(torch.int64)
+    sel = w & (torch.cumsum(one, 0) <= n)
+    si = sel.to(torch.int64)
+    n_sel = si.sum()
+    rank = torch.where(sel, torch.cumsum(si, 0) - 1, n_sel + torch.cumsum(1 - si, 0) - 1)
+    rows = torch.arange(w.shape[0], device=w.device)
+    perm = torch.empty_like(rank).scatter_(0, rank, rows)
+    idx = perm[:n]
+    return sel, idx, sel.index_select(0, idx)
 
 
 def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
@@ -489,4 +543,4 @@ def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
     return ea.decode_attention if ea.triton is not None else None
 
 
-__all__ = ["GraphTicker", "compiled_decide", "decide", "graph_policy"]
+__all__ = ["GraphTicker", "compiled_decide", "decide", "first_rows", "graph_policy"]

@@ -42,25 +42,37 @@ def test_ticks_records_equal_the_reference(
     equal_to_reference(path, items, eng.generate(items), policy)
 
 
+@pytest.mark.parametrize("slots,readout_rows", [(2, None), (4, 2)], ids=["all_rows", "2_of_4"])
 @pytest.mark.parametrize("family,policy,ticks", CASES)
 def test_graph_steps_records_equal_the_reference(
-    family: str, policy: ExitPolicy, ticks: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    family: str, policy: ExitPolicy, ticks: int, slots: int, readout_rows: int | None,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """Every request of a call at one (temperature, top_p): the readout, the draw and the feed
     run inside the fixed-shape step (GraphTicker.step: one CUDA graph replay on a GPU, eager on
     the same buffers here); records equal the reference's bit for bit in exact numerics: greedy,
     sampled with top_p, stops, more requests than slots (freed slots refilled), a one-token
-    prompt; every prompt fed token by token through the ticks (GraphTicker.feed_prompts)."""
+    prompt; every prompt fed token by token through the ticks (GraphTicker.feed_prompts).
+    readout_rows 2 of 4 slots: a step reads out at most two rows (the others wait; some steps
+    have more exited rows than that) while the last step collected read out fewer, else all
+    four: the records are the same."""
     import generator.torch_ticks as tt
+    from models.engine_tickgraph import GraphTicker
 
     calls = []
     real = tt._by_graph_steps
     monkeypatch.setattr(tt, "_by_graph_steps", lambda *a: calls.append(1) or real(*a))
+    widths: list[int] = []
+    real_feed = GraphTicker._readout_feed
+    monkeypatch.setattr(GraphTicker, "_readout_feed",
+                        lambda self, n: widths.append((n, len(self.rows),
+                                                       int(self._waiting().sum())))
+                        or real_feed(self, n))  # fmt: skip
     path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
-    eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu",
-                      ticks=ticks, tick_graph=True)  # fmt: skip
+    eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=slots,
+                      device="cpu", ticks=ticks, tick_graph=True, readout_rows=readout_rows)  # fmt: skip
     items = _items()
-    items[2].latent_seeds = np.asarray([12345, 7, 99], dtype=np.uint64)  # 3 requests, 2 slots
+    items[2].latent_seeds = np.asarray([12345, 7, 99, 5, 3], dtype=np.uint64)  # more than slots
     items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]  # some completions stop early
     # a one-token prompt: its only position samples token 0
     items.append(work_item(prompts(1, [1], seed=9)[0], [77, 78, 79], temperature=1.0,
@@ -68,6 +80,12 @@ def test_graph_steps_records_equal_the_reference(
     results = [eng.generate([it])[0] for it in items]  # one sampling setting a call
     assert len(calls) == len(items)
     equal_to_reference(path, items, results, policy)
+    if readout_rows is None:
+        assert all(n == b for n, b, _ in widths), sorted(set(widths))
+    else:  # compacted steps; with a readout every 2+ ticks some had more rows exited than
+        # they read out (those waited for a later step)
+        assert any(n < b for n, b, _ in widths), sorted(set(widths))
+        assert ticks == 1 or any(n < b and w > n for n, b, w in widths), sorted(set(widths))
 
 
 def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
@@ -80,6 +98,12 @@ def test_ticks_refused_where_they_cannot_decode(tmp_path: Path) -> None:
         TorchEngine(path, device="cpu", ticks=-1)
     with pytest.raises(ValueError, match="tick_graph needs decode by ticks"):
         TorchEngine(path, device="cpu", tick_graph=True)
+    with pytest.raises(ValueError, match="readout_rows=4: needs tick_graph"):
+        TorchEngine(path, exit_policy=OuroGate(0.8, kv="last_exited"), device="cpu", ticks=1,
+                    readout_rows=4)  # fmt: skip
+    with pytest.raises(ValueError, match="readout_rows=0: needs tick_graph and a value >= 1"):
+        TorchEngine(path, exit_policy=OuroGate(0.8, kv="last_exited"), device="cpu", ticks=1,
+                    tick_graph=True, readout_rows=0)  # fmt: skip
     hug = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
     with pytest.raises(ValueError, match="tick_graph: KL reads a readout every iteration"):
         TorchEngine(hug, exit_policy=KL(0.1), device="cpu", ticks=1, tick_graph=True)
@@ -162,18 +186,23 @@ def test_the_graph_stand_in_prints_its_line() -> None:
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("readout_rows", [None, 1], ids=["all_rows", "1_of_2"])
 @pytest.mark.parametrize("family,policy,ticks", [CASES[1], CASES[4]])
-def test_graph_steps_on_cuda(family: str, policy: ExitPolicy, ticks: int, tmp_path: Path) -> None:
+def test_graph_steps_on_cuda(
+    family: str, policy: ExitPolicy, ticks: int, readout_rows: int | None, tmp_path: Path
+) -> None:
     """On CUDA the step is a captured CUDA graph (ticks, readout, draw, feed): in exact
     numerics its records equal the eager ticks' (host readout and draw) on the same device, bit
-    for bit, greedy and sampled, with slots refilled."""
+    for bit, greedy and sampled, with slots refilled; readout_rows 1: the compacted readout's
+    graph and the full one captured and replayed as the steps need."""
     path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
     items = _items()
     items[2].latent_seeds = np.asarray([12345, 7, 99], dtype=np.uint64)
     out = {}
     for graph in (False, True):
         eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2,
-                          device="cuda", ticks=ticks, tick_graph=graph)  # fmt: skip
+                          device="cuda", ticks=ticks, tick_graph=graph,
+                          readout_rows=readout_rows if graph else None)  # fmt: skip
         assert eng.tick_graph is graph
         out[graph] = [eng.generate([it])[0] for it in items]
         out[graph] += [eng.generate([it])[0] for it in items]  # the kept graph, again

@@ -192,3 +192,22 @@ def test_graph_ticks_on_cuda(family: str, policy: ExitPolicy, mode: str, every: 
     assert torch.equal(got.tokens, want.tokens)
     assert torch.equal(got.logits, want.logits)
     assert torch.equal(caches[1].core, caches[0].core)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 8])
+def test_first_rows_takes_the_first_exited_rows_at_a_fixed_shape(n: int) -> None:
+    """`first_rows(w, n)` (the compacted readout's row choice): the first n True rows of w by
+    index are selected; idx holds n distinct rows, the selected ones first in order; valid =
+    sel[idx]. Masks with none, fewer than n, exactly n and more than n rows set."""
+    from models.engine_tickgraph import first_rows
+
+    g = torch.Generator().manual_seed(5)
+    masks = [torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)]
+    masks += [torch.rand(8, generator=g) < p for p in (0.2, 0.5, 0.8) for _ in range(4)]
+    for w in masks:
+        sel, idx, valid = first_rows(w, n)
+        want = [i for i in range(8) if bool(w[i])][:n]
+        assert [i for i in range(8) if bool(sel[i])] == want
+        assert idx.shape == (n,) and len(set(idx.tolist())) == n
+        assert idx[: len(want)].tolist() == want
+        assert valid.tolist() == [True] * len(want) + [False] * (n - len(want))
