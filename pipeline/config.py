@@ -73,6 +73,10 @@ class RunConfig:
     """fast or exact (bit-exact generator/learner log-probs), shared with the generators."""
     max_wait_s: float = 600.0
     """Give up (error) when no training step happens for this long (s)."""
+    min_generators: int = 1
+    """The learner's first training step waits until this many generators have registered
+    (their rollouts are buffered meanwhile; later steps train on whoever serves); up to
+    max_wait_s, then an error naming who did. `looprl run` refuses more than generators.count."""
     model: ModelSection = field(default_factory=ModelSection)
     """Starting checkpoint."""
     task: TaskSection = field(default_factory=TaskSection)
@@ -127,6 +131,7 @@ class RunConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
+        _check(self.min_generators >= 1, "min_generators", self.min_generators, "must be >= 1")
         _check(self.publish.transport != "collective"
                or self.publish.collective_timeout_s < self.transport.peer_timeout_s,
                "publish.collective_timeout_s", self.publish.collective_timeout_s,

@@ -148,6 +148,10 @@ def run_local(cfg: RunConfig) -> dict[str, Any]:
     """Learner here + generators as processes; returns the learner's summary. The learner's
     ``learner.threads`` auto leaves the generators' threads (count x threads) their cores."""
 
+    if cfg.generators.count and cfg.min_generators > cfg.generators.count:
+        raise ConfigError(f"min_generators={cfg.min_generators}: more than the "
+                          f"generators.count={cfg.generators.count} this run starts (the "
+                          "first step would never come)")  # fmt: skip
     local = cfg.generators.count * cfg.generators.threads
     cfg = with_learner_threads(cfg, local_generator_threads=local)
     gens = Generators(cfg)

@@ -194,7 +194,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
             job, self._job = self._job, None
             return self._complete(job)
         k, tv = self.cfg.rollout.prompts_per_step, self.trained_version
-        if not self.gate.can_train(tv):
+        if not self.gate.can_train(tv) or not self.fleet_ready():
             return False
         groups = self.intake.select(tv, k)
         if groups is None:
@@ -205,6 +205,10 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
             return self._complete(job)
         self._job = job
         return False
+
+    def fleet_ready(self) -> bool:
+        """Past this process's first step, or min_generators have registered (config)."""
+        return self.step > 0 or len(self.dispatcher.generators()) >= self.cfg.min_generators
 
     @property
     def trained_version(self) -> int:
@@ -376,9 +380,12 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
             elif self.training:
                 self._last_progress = self.clock()
             elif self.clock() - self._last_progress > self.cfg.max_wait_s:
+                short = "" if self.fleet_ready() else (
+                    f" (min_generators={self.cfg.min_generators}: the first step waits for "
+                    f"them)")  # fmt: skip
                 raise CoordinatorError(
                     f"no training step for {self.cfg.max_wait_s:.0f}s (max_wait_s): "
-                    f"generators {self.dispatcher.generators()}, open work "
+                    f"generators {self.dispatcher.generators()}{short}, open work "
                     f"{len(self.dispatcher.open)}, complete groups {len(self.intake.complete)}"
                 )
         self.drain()  # a step started before a stop() is completed (logged, published)

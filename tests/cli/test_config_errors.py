@@ -143,6 +143,19 @@ def test_bad_overrides_are_one_line(
     assert err.count("\n") == 1 and expected in err, err
 
 
+def test_run_refuses_more_min_generators_than_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`looprl run` starts generators.count generators: a first step waiting for more would
+    never come; refused in one line before anything starts (external generators: count 0)."""
+    args = ["run", f"run_dir={tmp_path}", "min_generators=3", "generators.count=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") <= 2, err  # (the logs line, then the error)
+    assert "error: min_generators=3: more than the generators.count=2 this run starts" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_resume_with_a_bad_file_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

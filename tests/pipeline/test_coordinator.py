@@ -283,3 +283,40 @@ def test_publish_keep_prunes_every_older_weights_dir(tmp_path: Path) -> None:
     c.close()
     assert c.version == 5
     assert weight_versions(tmp_path) == [4, 5, 50]
+
+
+def test_the_first_step_waits_for_min_generators(tmp_path: Path) -> None:
+    """min_generators=2: with one generator serving, its complete groups are buffered (more
+    than a step's) and nothing trains; once a second registers the steps run, the buffered
+    groups among the first trained. Alone past max_wait_s: an error naming the wait."""
+    from pipeline.core.coordinator_errors import CoordinatorError
+
+    c, net, t = make_coordinator(tmp_path, ["min_generators=2"])
+    g0 = FakeGenerator(net, "g0")
+    for _ in range(300):
+        c.turn(0.0)
+        g0.step()
+    assert c.step == 0 and not t.batches
+    buffered = list(c.intake.complete)
+    assert len(buffered) >= c.cfg.rollout.prompts_per_step, buffered
+    g1 = FakeGenerator(net, "g1", seed=1)
+    drive(c, [g0, g1], 3)
+    assert len(t.batches) == 3 and set(c.dispatcher.generators()) == {"g0", "g1"}
+    first = {rid.rpartition("/")[0] for rid in t.batches[0]}
+    assert first <= set(buffered), (first, buffered)
+    check_exactly_once(t, 4)
+    c.close()
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    c2, net2, t2 = make_coordinator(tmp_path / "alone", ["min_generators=2", "max_wait_s=20"],
+                                    clock=clock)  # fmt: skip
+    FakeGenerator(net2, "g0")
+    with pytest.raises(CoordinatorError, match=r"\(min_generators=2: the first step waits"):
+        c2.run(1)
+    assert not t2.batches
+    c2.close()
