@@ -38,7 +38,7 @@ host sync between them. Two ways to read out:
   token, log-prob, exit depth and exit log-prob, copied to a pinned host buffer per launch (two:
   the host files one step while the next runs; the caller retires finished rows, `retire`).
   ``readout_rows`` n < B: the readout, coda, head and draw run on n rows, the first n that
-  exited (`first_rows`; any more wait for a later step), not on all B (the head over the
+  exited (`models.engine_tickdecide.first_rows`; any more wait for a later step), not on all B (the head over the
   vocabulary and the draw cost per row; at mean depth ~D/2 with a readout every 4 ticks about
   0.4 B rows exit per step); a step runs the n-row graph while the last step collected read
   out fewer than n rows, else the full one.
@@ -65,20 +65,11 @@ from torch import Tensor
 from models import numerics as nx
 from models.engine import EngineModel, KVCache, Regions, _key_mask, _post, _qkv, _seed_tensor
 from models.engine_kv import carry_exits, write_rows
+from models.engine_tickdecide import compiled_decide, decide, first_rows
 from models.engine_ticks import Ticker
-from models.exits import (
-    ExitCarry,
-    ExitPolicy,
-    OuroGate,
-    SampledGate,
-    StepInfo,
-    exit_step_logprob,
-    needs_gate,
-    needs_logits,
-    should_exit,
-)
+from models.exits import ExitPolicy, OuroGate, needs_gate, needs_logits
 from models.layers import Block
-from models.noise import exit_uniform, latent_noise_torch
+from models.noise import latent_noise_torch
 
 _log = logging.getLogger(__name__)
 
@@ -445,55 +436,6 @@ class GraphTicker(Ticker):
         return bufs + [self.carry[k] for k in ("remaining", "cumulative") if k in self.carry]
 
 
-def decide(
-    policy: ExitPolicy | None, max_depth: int, mode: str, running: Tensor, it: Tensor,
-    new: Tensor, state: Tensor, gate: Tensor | None, seeds: Tensor, pos: Tensor, stop: Tensor,
-    elp: Tensor, forced: Tensor, remaining: Tensor | None, cumulative: Tensor | None,
-    free: Tensor | None = None,
-) -> tuple[Tensor, ...]:  # fmt: skip
-    """After a tick's core iteration (new states ``new`` of every row, ``running`` the rows
-    that iterated): the rows' new (state, iterations, stop, exit log-prob[, OuroGate's
-    remaining, cumulative]). Rows not running keep theirs; rows ``free`` (prompt positions fed
-    through the ticks, `GraphTicker.feed_prompts`) exit at the max depth only. Tensors in,
-    tensors out, no host sync: `GraphTicker` runs it eagerly, or compiled (fast mode: its
-    elementwise ops fused)."""
-    state_out = torch.where(running[:, None], new, state)
-    depth = it + running.to(it.dtype)
-    if policy is None:
-        return state_out, depth, stop, elp
-    info = StepInfo(depth, max_depth, new, state, mode=mode, gate_logit=gate)
-    if isinstance(policy, SampledGate):
-        info.uniform = exit_uniform(seeds, pos, depth, check=False)
-    carry = None
-    if remaining is not None and cumulative is not None:  # OuroGate: each row's own
-        carry = ExitCarry(remaining=remaining, cumulative=cumulative)
-    hit, after = should_exit(policy, info, carry)
-    if free is not None:
-        hit = torch.where(free, depth >= max_depth, hit)
-    stop_out = stop | (running & hit)
-    elp_out = elp
-    if isinstance(policy, SampledGate):
-        assert gate is not None
-        term = exit_step_logprob(gate, hit, depth, policy.min_depth, forced, mode)
-        elp_out = torch.where(running, elp + term.to(elp.dtype), elp)
-    if carry is None:
-        return state_out, depth, stop_out, elp_out
-    assert remaining is not None and cumulative is not None
-    assert after.remaining is not None and after.cumulative is not None
-    return (state_out, depth, stop_out, elp_out, torch.where(running, after.remaining, remaining),
-            torch.where(running, after.cumulative, cumulative))  # fmt: skip
-
-
-_DECIDE: list[Callable[..., tuple[Tensor, ...]]] = []
-
-
-def compiled_decide() -> Callable[..., tuple[Tensor, ...]]:
-    """`decide` under torch.compile (one per process; fast mode)."""
-    if not _DECIDE:
-        _DECIDE.append(torch.compile(decide, dynamic=False))
-    return _DECIDE[0]
-
-
 def _masked_stack(
     blocks: Sequence[Block], slots: Tensor, x: Tensor, w: Tensor, rows: Tensor, pos: Tensor,
     kmask: Tensor, rope: Tensor, mode: str,
@@ -518,21 +460,6 @@ def _masked_stack(
     return x
 
 
-def first_rows(w: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The first ``n`` rows of mask ``w`` [B] by index, at a fixed shape (no host sync):
-    (sel [B]: w's first n True rows, idx [n]: distinct row indices, sel's rows first in order,
-    then rows not selected, valid [n]: sel[idx])."""
-    one = w.to(torch.int64)
-    sel = w & (torch.cumsum(one, 0) <= n)
-    si = sel.to(torch.int64)
-    n_sel = si.sum()
-    rank = torch.where(sel, torch.cumsum(si, 0) - 1, n_sel + torch.cumsum(1 - si, 0) - 1)
-    rows = torch.arange(w.shape[0], device=w.device)
-    perm = torch.empty_like(rank).scatter_(0, rank, rows)
-    idx = perm[:n]
-    return sel, idx, sel.index_select(0, idx)
-
-
 def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
     """The decode kernel with per-row slots where `numerics.attention` would take the kernel
     (fast mode, CUDA, inside `fused_generation`), else None (a gather and numerics.attention)."""
@@ -543,4 +470,4 @@ def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
     return ea.decode_attention if ea.triton is not None else None
 
 
-__all__ = ["GraphTicker", "compiled_decide", "decide", "first_rows", "graph_policy"]
+__all__ = ["GraphTicker", "graph_policy"]

@@ -199,7 +199,7 @@ def test_first_rows_takes_the_first_exited_rows_at_a_fixed_shape(n: int) -> None
     """`first_rows(w, n)` (the compacted readout's row choice): the first n True rows of w by
     index are selected; idx holds n distinct rows, the selected ones first in order; valid =
     sel[idx]. Masks with none, fewer than n, exactly n and more than n rows set."""
-    from models.engine_tickgraph import first_rows
+    from models.engine_tickdecide import first_rows
 
     g = torch.Generator().manual_seed(5)
     masks = [torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)]
