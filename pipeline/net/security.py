@@ -6,7 +6,9 @@ in the learner process admits only client public keys found in the allowed direc
 every generator proves its own keypair and pins the learner's public key. Loopback
 (127.0.0.0/8, ::1, localhost), ipc:// and inproc:// endpoints use CURVE only when
 ``curve_on_loopback`` is set (both sides must agree). Binding a non-loopback address
-without keys raises :class:`InsecureBindError` unless ``insecure=True`` is passed.
+without keys raises :class:`InsecureBindError` unless ``insecure=True`` is passed (the
+learner's config keys: ``endpoints.keys=DIR`` for CURVE, ``endpoints.insecure=true`` for the
+opt-out; its message names them).
 
 Key directory (written by ``looprl keys DIR``, see pipeline.commands.keys_cli)::
 
@@ -296,9 +298,12 @@ def check_bind(endpoint: str, server: ServerCurve | None, *, insecure: bool) -> 
     if not is_loopback(endpoint) and not insecure:
         raise InsecureBindError(
             f"refusing to bind {endpoint} (reachable from other hosts) without CURVE keys: "
-            "create them with `looprl keys DIR` and pass them to the learner, bind a loopback "
-            "address, or pass insecure=True to accept unauthenticated, unencrypted traffic"
+            "create them with `looprl keys DIR` and set endpoints.keys=DIR (each generator "
+            "then connects with `looprl generator --keys DIR`), bind a loopback address "
+            "(endpoints.host=127.0.0.1), or set endpoints.insecure=true to accept "
+            "unauthenticated, unencrypted traffic"
         )
     if not is_loopback(endpoint):
-        log.warning("binding %s WITHOUT authentication or encryption (insecure=True)", endpoint)
+        log.warning("binding %s WITHOUT authentication or encryption (endpoints.insecure=true)",
+                    endpoint)  # fmt: skip
     return False

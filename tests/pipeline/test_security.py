@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ import zmq
 import zmq.auth
 
 from pipeline.commands import keys_cli
+from pipeline.config import load_config
 from pipeline.net.security import (
     ClientCurve,
     InsecureBindError,
@@ -26,6 +30,7 @@ from proto import Hello, RolloutBatch, Welcome
 from tests.pipeline import fast_zmq, hello, rollout
 
 CFG = fast_zmq(peer_timeout_s=0.6)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def keys(tmp_path: Path, n: int = 2) -> Path:
@@ -71,6 +76,34 @@ def test_bind_rule(tmp_path: Path) -> None:
     # the endpoint refuses before binding anything
     with pytest.raises(InsecureBindError):
         ZmqLearnerEndpoint(CFG, control="tcp://*:0", weights="tcp://127.0.0.1:*")
+
+
+def test_insecure_bind_names_the_config_keys_to_set(tmp_path: Path) -> None:
+    """A learner told to bind every interface without keys (a real `looprl learner`) stops
+    in one line naming the config keys a user sets: endpoints.keys (and the generators'
+    --keys flag) or endpoints.insecure; both are real keys of the run config."""
+    with pytest.raises(InsecureBindError) as err:
+        check_bind("tcp://0.0.0.0:5555", None, insecure=False)
+    for named in ("endpoints.keys=DIR", "endpoints.insecure=true", "looprl generator --keys DIR"):
+        assert named in str(err.value), str(err.value)
+    assert "insecure=True" not in str(err.value)
+    cfg = load_config(None, ["endpoints.host=0.0.0.0", "endpoints.insecure=true",
+                             f"endpoints.keys={keys(tmp_path)}"])  # fmt: skip
+    assert cfg.endpoints.insecure and cfg.endpoints.keys
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline.cli", "learner", "endpoints.host=0.0.0.0",
+           f"run_dir={run_dir}", "metrics.progress=false", "metrics.tensorboard=false"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    got = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert "Traceback" not in got.stderr
+    errors = [ln for ln in got.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and got.stderr.rstrip().endswith(errors[0]), got.stderr[-3000:]
+    line = errors[0]
+    assert "refusing to bind tcp://0.0.0.0:" in line, line
+    assert "set endpoints.keys=DIR" in line and "`looprl keys DIR`" in line, line
+    assert "set endpoints.insecure=true" in line and "`looprl generator --keys DIR`" in line, line
 
 
 def test_keys_cli_layout_and_modes(tmp_path: Path) -> None:
