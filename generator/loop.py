@@ -49,6 +49,7 @@ from proto import (
     Ack,
     ErrorMsg,
     Goodbye,
+    Heartbeat,
     Nack,
     Rollout,
     WeightAnnounce,
@@ -326,6 +327,11 @@ class GeneratorLoop(RolloutSending):
             self.weights.loaded(self.version)
         else:
             self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+        # The learner accepts rollouts of a version only from a generator that said it serves
+        # it. The weights Ack travels on the other socket; a Heartbeat on the control channel
+        # now, before any batch of this version starts, arrives ahead of its rollouts.
+        self.conn.set_status(self.version, self.held)
+        self.conn.send(Heartbeat(self.generator_id, time.time(), self.version, self.held))
 
     def _maybe_start_batch(self) -> None:
         ready = [h for h in self._queue if h.item.min_weight_version <= self.version]

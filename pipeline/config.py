@@ -114,6 +114,11 @@ class RunConfig:
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     """Supervised warm start before RL (dataset tasks with an answer column)."""
 
+    def work_timeout_s(self) -> float:
+        """intake.work_timeout_s, or half of max_wait_s where it is unset (0: never)."""
+        t = self.intake.work_timeout_s
+        return self.max_wait_s / 2 if t is None else t
+
     def resolved_schedule(self) -> ScheduleConfig:
         """The LR schedule both backends apply: schedule.decay_steps 0 is the run's last
         update (updates are counted over the run: steps x epochs x minibatches)."""
@@ -132,6 +137,9 @@ class RunConfig:
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
         _check(self.min_generators >= 1, "min_generators", self.min_generators, "must be >= 1")
+        _check(self.work_timeout_s() < self.max_wait_s, "intake.work_timeout_s",
+               self.intake.work_timeout_s, f"must be < max_wait_s ({self.max_wait_s:g}): work a "
+               "peer holds is re-issued before the run gives up waiting for a step")  # fmt: skip
         _check(self.publish.transport != "collective"
                or self.publish.collective_timeout_s < self.transport.peer_timeout_s,
                "publish.collective_timeout_s", self.publish.collective_timeout_s,

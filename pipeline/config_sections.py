@@ -207,8 +207,8 @@ class IntakeSection:
     """Refused rollouts within ``window_s`` after which a generator is dropped for the run (0: never)."""
     window_s: float = 60.0
     """Sliding window of ``max_refused`` (s)."""
-    work_timeout_s: float = 900.0
-    """Work a generator holds this long without answering is dispatched again elsewhere (s; 0: never)."""
+    work_timeout_s: float | None = None
+    """Work a generator holds this long without answering is dispatched again elsewhere (s; 0: never; unset: half of max_wait_s); below max_wait_s, so held work is re-issued before the run gives up."""
     share_ratio: float = 4.0
     """Fair share: of recent new work, a generator gets at most this many times (count + 1) of each other that answered (0: off)."""
 
@@ -216,7 +216,8 @@ class IntakeSection:
         _check(self.reward_bound > 0, "intake.reward_bound", self.reward_bound, "must be > 0")
         _check(self.max_refused >= 0, "intake.max_refused", self.max_refused, "must be >= 0")
         _check(self.window_s > 0, "intake.window_s", self.window_s, "must be > 0")
-        _check(self.work_timeout_s >= 0, "intake.work_timeout_s", self.work_timeout_s, ">= 0")
+        _check(self.work_timeout_s is None or self.work_timeout_s >= 0, "intake.work_timeout_s",
+               self.work_timeout_s, ">= 0")  # fmt: skip
         _check(self.share_ratio == 0 or self.share_ratio >= 1, "intake.share_ratio",
                self.share_ratio, "must be 0 (off) or >= 1")  # fmt: skip
 

@@ -89,6 +89,8 @@ class _Job:
     """The version of the weights the step updates (``Coordinator.trained_version``)."""
     version: int
     """The version the step publishes (when ``publish``)."""
+    bounds: list[float]
+    """Each rollout's log-prob bound (``_bounds``: its updates behind the trainer)."""
     future: Future[Any]
 
 
@@ -115,6 +117,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         self.run_id = uuid.uuid4().hex[:12]
         self.step = 0
         self.version = 0
+        self.version_step = 0  # the step whose weights the newest version (trained_version) is
         self.ledger = InFlightLedger()
         st = cfg.staleness
         self.gate = StalenessGate(st.max_staleness, st.policy)  # type: ignore[arg-type]
@@ -244,7 +247,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         base = self.trained_version
         v = base + 1  # after those still pending
         snap = getattr(self.trainer, "snapshot", None) if queue is not None else None
-        bounds = self._bounds(rolls, base)
+        bounds = self._bounds(rolls, base)  # before the step: the steps taken so far
 
         def work() -> tuple[dict[str, Any], float, Any]:
             t0 = time.time()
@@ -275,18 +278,20 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
             if self._wake is not None:
                 wake = self._wake
                 fut.add_done_callback(lambda _f: wake())
-        return _Job(groups, rolls, flags, failed, publish, base, v, fut)
+        return _Job(groups, rolls, flags, failed, publish, base, v, bounds, fut)
 
     def _complete(self, job: _Job) -> bool:
         """The step's bookkeeping on the coordinator thread; False if the trainer refused it
         (verified rollouts: ``_refuse_step``)."""
         tm, train_s, pub = job.future.result()
         if isinstance(pub, _Refused):
-            self._refuse_step(job.rolls, job.groups, job.base, pub)
+            self._refuse_step(job.rolls, job.groups, job.bounds, pub)
             self.timeline.step_done()
             return False
         groups, rolls, flags = job.groups, job.rolls, job.flags
         self.step += 1
+        if job.publish:
+            self.version_step = self.step
         self.recorder.log_step(
             StepRecord(self.step, job.base, [r.rollout_id for r in rolls], flags,
                        job.version if job.publish else None)
@@ -302,7 +307,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
             elapsed_s=now - self._t0, generators=len(self.dispatcher.generators()),
         )  # fmt: skip
         if len(per) == len(rolls):
-            self._verify(rolls, per, job.base)
+            self._verify(rolls, per, job.bounds)
         self._last_step_t = now
         announce_s, stages = None, None
         if isinstance(pub, Snapshot):  # hashed and written beside the next step

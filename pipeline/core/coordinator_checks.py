@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.backends.trainer_api import Trainer
+from pipeline.config import RunConfig
 from pipeline.core.intake import Group, Intake
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.validation import Refusal, check_logp, logp_bound
@@ -31,30 +32,37 @@ class _Refused:
 class VerifiedSteps:
     """Log-prob checks of trained rollouts (see the module docstring)."""
 
+    cfg: RunConfig
     trainer: Trainer
     intake: Intake
     gate: StalenessGate
     banned: dict[str, str]
     step: int
+    version_step: int
     _logp_base: float
 
     def ban(self, gid: str, why: str) -> None:  # (PeerHandling's)
         raise NotImplementedError
 
-    def _bounds(self, rolls: list[Rollout], base: int) -> list[float] | None:
-        """Each rollout's log-prob bound (validation.logp_bound: the numerics' base and its
-        staleness at ``base``) for a trainer that checks before its update, else None."""
-        if not getattr(self.trainer, "checks_logp_before_update", False):
-            return None
-        return [logp_bound(self._logp_base, self.gate.staleness(base, r)) for r in rolls]
+    def _bounds(self, rolls: list[Rollout], base: int) -> list[float]:
+        """Each rollout's log-prob bound (validation.logp_bound: the numerics' base plus the
+        drift of the optimizer steps between the weights that sampled it and the trainer's).
+        Those steps are ``publish.every`` a version of staleness at ``base`` (the trainer's
+        newest version, written or being written), plus the steps taken since that version
+        was taken (``version_step``: with publish.every > 1 the trainer is ahead of it)."""
+        every, since = self.cfg.publish.every, self.step - self.version_step
+        return [logp_bound(self._logp_base, self._updates(base, r, every, since)) for r in rolls]
+
+    def _updates(self, base: int, r: Rollout, every: int, since: int) -> int:
+        return max(self.gate.staleness(base, r), 0) * every + max(since, 0)
 
     def _train(
-        self, rolls: list[Rollout], flags: list[bool], bounds: list[float] | None
+        self, rolls: list[Rollout], flags: list[bool], bounds: list[float]
     ) -> tuple[dict[str, Any], _Refused | None]:
-        """The trainer's step (on the trainer thread); with ``bounds`` the trainer compares
-        every rollout's claimed log-probs with its own before the update and refuses the step
-        when one is over its bound: (metrics, the liars) then, nothing applied."""
-        if bounds is None:
+        """The trainer's step (on the trainer thread); a trainer that checks before its update
+        compares every rollout's claimed log-probs with its own against ``bounds`` and refuses
+        the step when one is over its bound: (metrics, the liars) then, nothing applied."""
+        if not getattr(self.trainer, "checks_logp_before_update", False):
             return dict(self.trainer.step(rolls, flags)), None
         tm = dict(self.trainer.step(rolls, flags, bounds))
         liars = list(getattr(self.trainer, "last_refused", None) or [])
@@ -63,7 +71,7 @@ class VerifiedSteps:
         return tm, _Refused(liars, list(getattr(self.trainer, "last_mismatch", None) or []))
 
     def _refuse_step(
-        self, rolls: list[Rollout], groups: list[Group], base: int, ref: _Refused
+        self, rolls: list[Rollout], groups: list[Group], bounds: list[float], ref: _Refused
     ) -> None:
         """A step refused before its update: its liars are quarantined and counted toward
         their generators' budgets (as ``_verify``'s), their samples voided and dispatched again
@@ -75,10 +83,8 @@ class VerifiedSteps:
         for i in ref.liars:
             r = rolls[i]
             x = ref.mismatch[i] if i < len(ref.mismatch) else float("nan")
-            st = self.gate.staleness(base, r)
-            why = check_logp(float(x), base=self._logp_base, staleness=st) or Refusal(
-                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound "
-                f"{logp_bound(self._logp_base, st):.3g} at staleness {st})")  # fmt: skip
+            why = check_logp(float(x), bounds[i]) or Refusal(
+                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound {bounds[i]:.3g})")
             liars.add(r.rollout_id)
             ban = self.intake.refuse_trained(r.generator_id, r, why)
             if ban is not None:
@@ -94,17 +100,16 @@ class VerifiedSteps:
             if gid not in self.banned:
                 self.ban(gid, reason)
 
-    def _verify(self, rolls: list[Rollout], per: list[float], base: int) -> None:
+    def _verify(self, rolls: list[Rollout], per: list[float], bounds: list[float]) -> None:
         """Verified rollouts after the step, for a trainer that cannot refuse a step before its
         update (the real ones do: ``_train``): each trained rollout's claimed log-probs against
-        the learner's (pipeline.core.validation.check_logp, the bound of the run's numerics and
-        the rollout's staleness). A lie is quarantined and counted toward its generator's budget
-        (intake.max_refused within intake.window_s); over budget, the generator is banned and
-        its accepted, untrained rollouts are voided and their samples dispatched again."""
+        the learner's, within its bound (``_bounds``). A lie is quarantined and counted toward
+        its generator's budget (intake.max_refused within intake.window_s); over budget, the
+        generator is banned and its accepted, untrained rollouts are voided and their samples
+        dispatched again."""
         bans: dict[str, str] = {}
-        for x, r in zip(per, rolls, strict=True):
-            why = check_logp(float(x), base=self._logp_base,
-                             staleness=self.gate.staleness(base, r))  # fmt: skip
+        for x, r, b in zip(per, rolls, bounds, strict=True):
+            why = check_logp(float(x), b)
             if why is None:
                 continue
             log.warning("generator %s: rollout %s trained with %s", r.generator_id,
@@ -115,3 +120,4 @@ class VerifiedSteps:
         for gid, reason in bans.items():
             if gid not in self.banned:
                 self.ban(gid, reason)
+

@@ -70,7 +70,7 @@ class PeerHandling:
             self._hello(peer, rec)
         elif isinstance(rec, Heartbeat):
             v = self._claimed(peer, rec.weight_version, "heartbeat")
-            if v < 0:
+            if v < 0 or peer in self.banned:
                 return
             d.set_version(peer, v)
             if peer in self.publisher.generators():
@@ -112,8 +112,10 @@ class PeerHandling:
         this learner sent to ``peer``; a version above the newest was never even published).
         A false claim is refused (counted ``claims_refused``, logged at most once per
         ``HELLO_INTERVAL_S`` per generator) and -1 returned: the generator is treated as
-        serving nothing and gets the current weights before any work. -1 (serves nothing
-        yet) is no claim."""
+        serving nothing and gets the current weights before any work. A false claim also
+        counts toward the generator's refusal budget (intake.max_refused within
+        intake.window_s, reason ``claim``): one that keeps claiming what it was never sent is
+        banned. -1 (serves nothing yet) is no claim."""
         if v >= 0 and peer in self.publisher.generators():
             t = self.publisher.target(peer)  # being sent (or acknowledged, checked here first)
             if t >= 0:
@@ -127,6 +129,9 @@ class PeerHandling:
                    f"{self.deliveries.versions(peer)[-4:]})")  # fmt: skip
             log.warning("generator %s claims to serve v%d in its %s, but %s: refused", peer, v,
                         what, why)  # fmt: skip
+        ban = self.intake.refusals.note(peer, "claim")
+        if ban is not None and peer not in self.banned:
+            self.ban(peer, f"{ban}: claims to serve weights it was never sent")
         return -1
 
     def _hello(self, peer: str, rec: Hello) -> None:
@@ -143,6 +148,8 @@ class PeerHandling:
             self.intake.counts["hellos_throttled"] += 1  # its work is released once per interval
             return
         v = self._claimed(peer, rec.weight_version, "Hello")
+        if peer in self.banned:
+            return
         if same:
             log.debug("generator %s said Hello again (serving v%d)", peer, v)
         else:
@@ -191,12 +198,13 @@ class PeerHandling:
             inc = self.endpoint.recv(0.0)
         for gid in self.endpoint.expired_peers():
             self._gone(gid, "heartbeat expired")
-        if self.cfg.intake.work_timeout_s:
-            self.dispatcher.overdue(self.cfg.intake.work_timeout_s)
+        timeout = self.cfg.work_timeout_s()
+        if timeout:
+            self.dispatcher.overdue(timeout)
             for gid, k in list(self.dispatcher.timeouts.items()):
                 if k >= MAX_WORK_TIMEOUTS and gid not in self.banned:  # swallows work
-                    self.ban(gid, f"held work past intake.work_timeout_s="
-                             f"{self.cfg.intake.work_timeout_s:g} s without answering {k} times")  # fmt: skip
+                    self.ban(gid, f"held work past intake.work_timeout_s={timeout:g} s without "
+                             f"answering, {k} times in a row")  # fmt: skip
         for gid in list(self.publisher.generators()):
             if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
                 self._gone(gid, "refused the current weights too often")

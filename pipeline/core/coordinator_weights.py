@@ -42,6 +42,7 @@ class WeightPublishing:
     version: int
     last_digest: str
     step: int
+    version_step: int
     _job: Any
     _publish_times: dict[str, float]
     _announced_stages: dict[str, float]
@@ -76,6 +77,7 @@ class WeightPublishing:
         assert self._job is None, "publish() while a step is running"
         self.announce_ready(wait=True)
         self._announce(self._write_publication(self.version + 1))
+        self.version_step = self.step
 
     def announce_again(self, pub: Publication) -> None:
         """Resume at the newest announced version ``pub`` (read back from its directory, its

@@ -98,6 +98,10 @@ class WorkSpec:
     created_at: float
     min_version: int = -1  # oldest weight version it was dispatched to (-1: not yet)
     issued: dict[int, int] = field(default_factory=dict)  # sample index -> its min_weight_version
+    issued_to: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(sample index, generator) -> the lowest min_weight_version it was issued to that
+    generator with: a generator may answer an earlier issue (it was paused, declared gone,
+    and its work issued to it again at a newer version); that answer is honest."""
 
     def index_of(self, seed: int) -> int | None:
         try:
@@ -115,6 +119,7 @@ class _Gen:
     incarnation: Any = None  # (pid, started_at) of the process behind the id
     served: int = -1  # the dispatch sequence number of its last item (-1: none yet)
     answered: bool = False  # an accepted sample came from it: owed a fair share
+    late: bool = False  # work timed out in its hands and it has not answered since
 
 
 def work_id_of(counter: int) -> str:
@@ -164,7 +169,7 @@ class Dispatcher:
         self.evals = evals  # evaluation rounds (eval.every > 0): their items go out first
         self._gens: dict[str, _Gen] = {}
         self.sent = 0  # WorkItems sent (new + re-dispatch)
-        self.timeouts: Counter[str] = Counter()  # generator -> work_timeout_s releases
+        self.timeouts: Counter[str] = Counter()  # generator -> timeouts since its last answer
         self._seq = 0  # items issued (work and evaluation): orders ties between generators
         self.share_ratio = share_ratio  # fair share (module docstring); 0: off
         self._recent: deque[str] = deque(maxlen=max(16, 4 * cap))  # owners of the last new items
@@ -199,6 +204,11 @@ class Dispatcher:
     def generators(self) -> dict[str, int]:
         return {k: g.version for k, g in self._gens.items()}
 
+    def serving(self, gid: str) -> int:
+        """The newest version ``gid`` acknowledged serving (-1: none, or not registered)."""
+        g = self._gens.get(gid)
+        return -1 if g is None else g.version
+
     def received_eval(self, gid: str, work_id: str) -> None:
         """An eval item is fully answered: ``gid`` no longer holds it."""
         g = self._gens.get(gid)
@@ -207,11 +217,25 @@ class Dispatcher:
             g.issued_at.pop(work_id, None)
 
     def remove_generator(self, gid: str) -> int:
-        """Dead or gone: every sample it held goes back to the re-dispatch queue."""
+        """Dead or gone: every sample it held goes back to the re-dispatch queue, preferably
+        to another generator (one that reconnects as a new process in a loop, taking work
+        each time, does not get the same work back while another can take it)."""
         if self.evals is not None:
             self.evals.release(gid)
         self._gens.pop(gid, None)
-        return self._requeue(self.ledger.generator_died(gid))
+        redo = self.ledger.generator_died(gid)
+        for r in redo:
+            for i in r.indices:
+                self._avoid[(r.work_id, i)] = gid
+        return self._requeue(redo)
+
+    def heard(self, gid: str) -> None:
+        """``gid`` answered work (an accepted rollout, or a late copy of work taken back from
+        it): it is owed new work again after a timeout (``overdue``)."""
+        self.timeouts.pop(gid, None)
+        g = self._gens.get(gid)
+        if g is not None:
+            g.late = False
 
     def returned(self, gid: str, work_ids: list[str]) -> int:
         g = self._gens.get(gid)
@@ -237,12 +261,17 @@ class Dispatcher:
     def overdue(self, timeout_s: float) -> int:
         """Work held longer than ``timeout_s`` without an answer (a generator that accepts
         work and never delivers): released for re-dispatch elsewhere; returns samples. Each
-        such release counts one timeout against the generator (``timeouts``)."""
+        such release counts one timeout against the generator (``timeouts``: since its last
+        answer, so a slow generator that does answer is never banned for it), and the
+        generator gets no new work while another generator can take it, until it answers
+        (``heard``): a peer that holds work delays training by one work timeout, not one
+        per item it is given."""
         now, n = self.clock(), 0
         for gid, g in list(self._gens.items()):
             late = [w for w in g.pending if now - g.issued_at.get(w, now) > timeout_s]
             if late:
                 self.timeouts[gid] += 1
+                g.late = True
                 log.warning("generator %s held %s for over %.0f s: dispatched again elsewhere",
                             gid, late, timeout_s)  # fmt: skip
                 for w in late:
@@ -273,7 +302,8 @@ class Dispatcher:
         g = self._gens.get(gid)
         if g is None:
             return
-        g.answered = True
+        g.answered, g.late = True, False
+        self.timeouts.pop(gid, None)
         held = g.pending.get(work_id)
         if held is not None:
             held.discard(index)
@@ -329,8 +359,9 @@ class Dispatcher:
         # one item at a time to the least loaded; among equals, the one served least recently
         # (when work, not generators, is short, a generator that joined later is not starved
         # by the first one taking every item that frees up); a heap: O(items x log N)
+        punctual = any(not g.late for g in self._gens.values())  # late ones wait for them
         heap = [(len(g.pending), g.served, k) for k, g in self._gens.items()
-                if len(g.pending) < g.max_inflight]  # fmt: skip
+                if len(g.pending) < g.max_inflight and not (g.late and punctual)]  # fmt: skip
         heapq.heapify(heap)
         while heap:
             gid = heapq.heappop(heap)[2]
@@ -443,6 +474,7 @@ class Dispatcher:
         spec.min_version = ver if spec.min_version < 0 else min(spec.min_version, ver)
         for i in indices:
             spec.issued[i] = ver
+            spec.issued_to[(i, gid)] = min(spec.issued_to.get((i, gid), ver), ver)
             self._avoid.pop((spec.work_id, i), None)
         self.ledger.dispatch(spec.work_id, gid, self.n, indices=indices)
         self.gate.dispatched(spec.work_id, ver)

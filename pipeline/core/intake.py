@@ -156,13 +156,21 @@ class Intake:
         return r, spec, True
 
     def expected(self, spec: WorkSpec, index: int, sender: str | None) -> Expected:
-        """What sample ``index`` of ``spec`` was dispatched as (the door's reference)."""
+        """What sample ``index`` of ``spec`` was dispatched as (the door's reference). From a
+        live ``sender``, its versions lie between the lowest min_weight_version the sample was
+        issued to it with (it may answer an earlier issue) and the newest version it
+        acknowledged serving (Hello, heartbeat or weights Ack: a generator serves only what it
+        acknowledged, and the log-prob bound follows the version it served)."""
         seed = spec.seeds[index] if 0 <= index < len(spec.seeds) else -1
+        lo = spec.issued.get(index, max(spec.min_version, 0))
+        hi = self.version()
+        if sender is not None:
+            lo = spec.issued_to.get((index, sender), lo)
+            hi = min(hi, self.dispatcher.serving(sender))
         return Expected(
             prompt_id=spec.prompt.prompt_id, prompt_tokens=list(spec.prompt.tokens),
             latent_seed=seed, max_tokens=self.dispatcher.max_tokens,
-            min_version=spec.issued.get(index, max(spec.min_version, 0)),
-            max_version=self.version(), sender=sender,
+            min_version=lo, max_version=hi, sender=sender,
         )  # fmt: skip
 
     def receive(self, sender: str, batch: RolloutBatch | Rollout) -> IntakeResult:
@@ -198,6 +206,7 @@ class Intake:
                 res.accepted += 1
             elif outcome == "duplicate":
                 res.duplicate += 1
+                self.dispatcher.heard(sender)  # late, but it answers
                 res.replies.append(Ack("rollout", orig.rollout_id))
             else:
                 res.unknown += 1

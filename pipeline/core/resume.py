@@ -65,6 +65,7 @@ def pipeline_state(c: Coordinator) -> dict[str, Any]:
         "buffered": c.intake.buffered_ids(),
         "recorder": c.recorder.cursor(),
         "lineage": c.gate.lineage.to_list(),
+        "version_step": c.version_step,
     }
 
 
@@ -191,6 +192,8 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
     newest = max(_max_published(c.run_dir), c.version)
     if newest > c.version:
         c.gate.lineage.add_resume(c.version, newest + 1, newest)
+    c.deliveries.earlier_lives(newest)  # generators may still serve any of them: honest claims
+    c.version_step = int(state.get("version_step", c.step))  # trainer updates at c.version
     target = newest + 1 if newest > c.version else c.version  # the version it trains at
     buffered = set(state["buffered"])
     cursor = int(state["recorder"]["next_seq"])

@@ -30,8 +30,9 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
   sampled_gate) and on no other; finite and <= 0 (their claim is checked with the token's
   under logp_mismatch: the learner recomputes them from the recorded depths);
 - [reward_bound]    a finite reward with |reward| <= rules.reward_bound;
-- [weight_version]  weight_version (and every token version) in
-  [the WorkItem's min_weight_version, the learner's current version].
+- [weight_version]  weight_version (and every token version) in [the lowest
+  min_weight_version the sample was issued to its sender with, the newest version the sender
+  acknowledged serving (never above the learner's current version)].
 
 Conversations (``Rollout.token_mask``, protocol 1.6; ``rules.environment`` = the run sets
 task.environment):
@@ -51,7 +52,9 @@ After training (the trainer measures each rollout's log-probs in the step that t
   ``logp_bound(base, staleness)``: ``base`` is 0 in ``exact`` numerics (generator and learner
   agree bit for bit, so any difference proves a lie), ``LOGP_BOUND_FAST`` in ``fast`` when
   both sides compute in float32, ``LOGP_BOUND_LOW_PRECISION`` when either may run bf16
-  (``logp_base``); plus ``LOGP_DRIFT_PER_VERSION`` per version of staleness.
+  (``logp_base``); plus ``LOGP_DRIFT_PER_UPDATE`` per optimizer step between the weights
+  that sampled the rollout and the learner's (``publish.every`` steps a version, plus the
+  steps taken since the newest version: the coordinator counts them).
 
 A NaN or infinite reward is not a refusal: it is a failed reward (reward None, the error in
 ``reward_info``), which intake handles as every failed reward (the worst of its group).
@@ -98,10 +101,10 @@ LOGP_BOUND_FAST = 1e-3
 # the checkpoint's bf16 dtype on a GPU): not measured here; loose, so that honest low-precision
 # sampling is never taken for a lie, while a claim of -40 per token still is.
 LOGP_BOUND_LOW_PRECISION = 5.0
-# per version of staleness: one update moved a sampled token's log-prob by up to 0.94 nats in
+# per update (optimizer step) between sampling and the check: one update moved a sampled token's log-prob by up to 0.94 nats in
 # the crash test and up to 2.05 in the 30-step quickstart (docs/OBJECTIVES.md); 10 leaves 5x.
 # A claim of -40 per token is ~35 nats away; a claim of -0.01 is caught on fresh rollouts.
-LOGP_DRIFT_PER_VERSION = 10.0
+LOGP_DRIFT_PER_UPDATE = 10.0
 
 
 def logp_base(numerics: str, *, float32: bool) -> float:
@@ -112,21 +115,20 @@ def logp_base(numerics: str, *, float32: bool) -> float:
     return LOGP_BOUND_FAST if float32 else LOGP_BOUND_LOW_PRECISION
 
 
-def logp_bound(base: float, staleness: int) -> float:
-    """The largest honest |learner - behaviour| log-prob of one token (rule logp_mismatch)."""
-    return base + max(staleness, 0) * LOGP_DRIFT_PER_VERSION
+def logp_bound(base: float, updates: int) -> float:
+    """The largest honest |learner - behaviour| log-prob of one token (rule logp_mismatch),
+    ``updates`` optimizer steps after the weights that sampled it."""
+    return base + max(updates, 0) * LOGP_DRIFT_PER_UPDATE
 
 
-def check_logp(mismatch: float, *, base: float, staleness: int) -> Refusal | None:
-    """Rule logp_mismatch for one trained rollout (``mismatch``: the trainer's max
-    |learner - behaviour| over its tokens; negative or NaN: not measured, not judged)."""
-    if not mismatch >= 0.0:
-        return None
-    bound = logp_bound(base, staleness)
-    if mismatch <= bound:
+def check_logp(mismatch: float, bound: float) -> Refusal | None:
+    """Rule logp_mismatch for one trained rollout: ``mismatch`` (the trainer's max |learner -
+    behaviour| over its tokens; negative or NaN: not measured, not judged) over ``bound``
+    (``logp_bound``)."""
+    if not mismatch >= 0.0 or mismatch <= bound:
         return None
     return Refusal("logp_mismatch", f"claimed log-probs {mismatch:.3g} nats from the learner's "
-                   f"(bound {bound:.3g} at staleness {staleness})")  # fmt: skip
+                   f"(bound {bound:.3g})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,8 @@ def check_rollout(
         return Refusal(
             "weight_version",
             f"weight versions {lo_v}..{hi_v} outside [{expect.min_version}, "
-            f"{expect.max_version}] (min_weight_version of the work item .. the learner's)",
+            f"{expect.max_version}] (the work item's min_weight_version .. the newest version "
+            f"the sender acknowledged serving, at most the learner's)",
         )
     return None
 

@@ -18,10 +18,12 @@ wrapper). Loop, on the coordinator's thread::
                                         and gets the current weights before any work)
 
 Invariant: ``delivered(gid, v)`` holds only for v = 0 (the run's starting checkpoint, which
-every generator loads itself) and for versions whose announcement this learner sent to
-``gid``. A resumed learner knows only its own announcements: a generator still serving a
-version of the previous life is offered the current one again (its receiver re-acknowledges
-a version it already serves without loading anything).
+every generator loads itself), for versions whose announcement this learner sent to ``gid``
+and, after a resume, for the versions an earlier life of the learner published
+(``earlier_lives``: up to the newest in RUN_DIR/weights/digests.jsonl). Those were announced
+to whoever was connected then, and this learner cannot know to whom: a generator still serving
+one is honest, serves it (its staleness is measured on the restored line of weights) and is
+offered the current version.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class DeliveryLog:
 
     def __init__(self) -> None:
         self._sent: dict[str, set[int]] = {}
+        self._earlier = INITIAL_VERSION  # versions <= this one: published by an earlier life
+
+    def earlier_lives(self, newest: int) -> None:
+        """A resume: versions up to ``newest`` were published before this learner started."""
+        self._earlier = max(self._earlier, int(newest))
 
     def endpoint(self, endpoint: Any) -> Any:
         """``endpoint`` with its announces recorded here (give it to the publisher)."""
@@ -63,8 +70,11 @@ class DeliveryLog:
         self._sent.setdefault(gid, set()).add(int(version))
 
     def delivered(self, gid: str, version: int) -> bool:
-        """True if ``gid`` may serve ``version``: the starting checkpoint, or announced to it."""
-        return version == INITIAL_VERSION or version in self._sent.get(gid, ())
+        """True if ``gid`` may serve ``version``: the starting checkpoint, a version of an
+        earlier life of the learner, or one announced to it."""
+        if INITIAL_VERSION <= version <= self._earlier:
+            return True
+        return version in self._sent.get(gid, ())
 
     def versions(self, gid: str) -> list[int]:
         """The versions announced to ``gid``, oldest first."""

@@ -86,15 +86,33 @@ def test_a_claimed_version_never_published_is_refused(tmp_path: Path) -> None:
     assert c.dispatcher.generators()["g"] == 1
 
 
-def test_a_generator_that_swallows_work_is_banned(tmp_path: Path) -> None:
-    """Takes work, heartbeats, never answers: after MAX_WORK_TIMEOUTS releases of its work
-    (intake.work_timeout_s each) it is banned, instead of being given work again forever."""
-    c, _, t = drive_with_a_hole(tmp_path, 12)
-    assert "hole" in c.banned and "work_timeout_s" in c.banned["hole"], c.banned
-    assert c.dispatcher.timeouts["hole"] == MAX_WORK_TIMEOUTS
-    assert "hole" not in c.dispatcher.generators()
+def test_a_generator_that_swallows_work_gets_no_more(tmp_path: Path) -> None:
+    """Takes work, heartbeats, never answers: after one intake.work_timeout_s its work goes to
+    the other generator and it gets no new work while that one can take it (so it delays
+    training once, by one work timeout, instead of once per item it is given)."""
+    c, hole, t = drive_with_a_hole(tmp_path, 12)
+    assert c.dispatcher.timeouts["hole"] == 1
+    # it received only the work it held before its timeout (max_inflight 2), none after
+    assert "hole" in c.dispatcher.generators() and 1 <= len(hole.queue) <= 2, hole.queue
     trained = [rid for b in t.batches for rid in b]
     assert len(trained) == len(set(trained)) == 12 * 8
+    assert not any(rid.startswith("hole") for rid in trained)
+
+
+def test_a_lone_generator_that_swallows_work_is_banned(tmp_path: Path) -> None:
+    """Alone, it is given its work back; after MAX_WORK_TIMEOUTS timeouts without a single
+    answer in between it is banned (a slow generator that answers is never banned)."""
+    now = [0.0]
+    c, net, _ = make_coordinator(tmp_path, ["intake.work_timeout_s=30"])
+    c.dispatcher.clock = lambda: now[0]
+    hole = FakeGenerator(net, "hole", seed=2)
+    hole.paused = True
+    for _ in range(200):
+        c.turn(0.0)
+        hole.step()
+        now[0] += 1.0
+    assert "hole" in c.banned and "work_timeout_s" in c.banned["hole"], c.banned
+    assert c.dispatcher.timeouts["hole"] == MAX_WORK_TIMEOUTS and c.step == 0
 
 
 def test_a_version_never_delivered_to_that_generator_is_refused(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 from pipeline.core.validation import (
     LOGP_BOUND_FAST,
     LOGP_BOUND_LOW_PRECISION,
-    LOGP_DRIFT_PER_VERSION,
+    LOGP_DRIFT_PER_UPDATE,
     logp_bound,
 )
 from proto import Rollout, WorkItem
@@ -162,7 +162,7 @@ def test_the_bound_is_loose_where_either_side_may_run_bf16(
     holds only when both compute in float32 (the fake checkpoint is float32)."""
     c, _, _ = make_coordinator(tmp_path, overrides)
     assert c._logp_base == base
-    assert logp_bound(base, 2) == base + 2 * LOGP_DRIFT_PER_VERSION
+    assert logp_bound(base, 2) == base + 2 * LOGP_DRIFT_PER_UPDATE
     c.close()
 
 
