@@ -109,9 +109,26 @@ FAST_EXIT = frozenset({"run", "learner", "generator"})
 command line (see `exit_now`)."""
 
 
+def config_path_problem(path: str | None) -> str | None:
+    """Why ``--config PATH`` cannot be a config file before any command reads it (None: let
+    the command's loader judge it): a directory is named as one, with the YAML files in it."""
+    if path is None or not os.path.isdir(path):
+        return None
+    names = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))
+    hint = ""
+    if names:
+        shown = ", ".join(os.path.join(path, n) for n in names[:3])
+        hint = f"; it holds {shown}{', ...' if len(names) > 3 else ''}: name one of them"
+    return f"--config {path} is a directory; expected a YAML file (e.g. --config my.yaml){hint}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = config_path_problem(getattr(args, "config", None))
+    if problem is not None:  # every command with --config (run, learner, replay, eval, sft, ...)
+        print(f"looprl {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         rc = int(args.func(args))
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, exit 2

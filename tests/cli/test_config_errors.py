@@ -230,3 +230,36 @@ def test_learner_without_generators_times_out_in_one_line_naming_the_endpoint(
         assert line.startswith(f"looprl {command}: error: no training step for 2s (max_wait_s): ")
         assert f"no generator connected to {ctrl}; start generators on that endpoint: " in line
         assert f"`looprl generator --learner {ctrl} --weights-endpoint " in line
+
+
+def test_config_that_is_a_directory_is_named_as_one(tmp_path: Path) -> None:
+    """`--config DIR` (a directory, e.g. configs/) says it is a directory and that a YAML file
+    is expected (naming the YAML files in it), in one line, exit 2, for every command that
+    reads --config; before, each said "not found"."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    for name in ("grpo.yaml", "ppo.yml", "notes.txt"):
+        (configs / name).write_text("steps: 3\n")
+    runs = [
+        ["run", "--config", str(configs), f"run_dir={tmp_path / 'r0'}"],
+        ["learner", "--config", str(empty), f"run_dir={tmp_path / 'r1'}"],
+        ["learner", "--resume", str(tmp_path / "r1"), "--config", str(empty)],
+        ["replay", "--stream", str(tmp_path / "s"), "--config", str(empty)],
+        ["eval", "--model", str(tmp_path / "m"), "--config", str(empty)],
+        ["sft", "--out", str(tmp_path / "o"), "--config", str(empty)],
+        ["generator", "--config", str(empty)],
+    ]
+    for args, got in zip(runs, _looprl(*runs), strict=True):
+        where = args[args.index("--config") + 1]
+        lines = got.stderr.strip().splitlines()
+        assert got.returncode == 2 and len(lines) == 1, (args, got.stderr[-2000:])
+        line = lines[0]
+        assert line.startswith(f"looprl {args[0]}: error: --config {where} is a directory; "
+                               "expected a YAML file"), line  # fmt: skip
+        assert "not found" not in line and "Traceback" not in got.stderr
+        if where == str(configs):  # the files it could have meant
+            held = f"it holds {configs / 'grpo.yaml'}, {configs / 'ppo.yml'}: name one of them"
+            assert line.endswith(held), line
+    assert not (tmp_path / "r0").exists() and not (tmp_path / "r1").exists()
