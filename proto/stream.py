@@ -54,13 +54,14 @@ from proto.stream_format import (
     segment_name,
 )
 from proto.stream_reader import Frame, StreamReader
-from proto.stream_salvage import LostRange, salvage, survey
+from proto.stream_salvage import LostRange, Repair, salvage, survey
 
 __all__ = [
     "Frame",
     "FsyncMode",
     "LostRange",
     "RecoveryReport",
+    "Repair",
     "StreamCorruptError",
     "StreamError",
     "StreamLockedError",
@@ -89,17 +90,27 @@ class RecoveryReport:
     torn_reason: str | None  # what was wrong with the tail
     indexes_repaired: tuple[int, ...]  # segments whose index was rebuilt or completed
     frames: int = 0  # intact frames in the stream after recovery
-    lost: tuple[LostRange, ...] = ()  # damaged byte ranges dropped by recover (not the tail)
+    lost: tuple[LostRange, ...] = ()  # damaged ranges that held frames, dropped (not the tail)
     backup: Path | None = None  # where recover kept the original files of damaged segments
     checked_all: bool = False  # every frame's checksum was verified (recover), not only the tail
+    repaired: tuple[Repair, ...] = ()  # damage that held no frame: headers rewritten, ...
+
+    @property
+    def lost_frames(self) -> int | None:
+        """Frames lost in ``lost`` (0: nothing lost; None: a range's count is unknown)."""
+        counts = [r.frame_count for r in self.lost]
+        return None if None in counts else sum(c for c in counts if c is not None)
 
     def as_dict(self) -> dict[str, object]:
-        """JSON-ready fields (paths as strings, lost ranges as dicts)."""
+        """JSON-ready fields (paths as strings, lost ranges and repairs as dicts); ``lost``
+        is empty exactly when nothing was lost (the text report's "nothing lost")."""
         out: dict[str, object] = {}
         for k, v in vars(self).items():
             out[k] = str(v) if isinstance(v, Path) else v
         out["lost"] = [r.as_dict() for r in self.lost]
         out["lost_bytes"] = sum(r.bytes for r in self.lost)
+        out["lost_frames"] = self.lost_frames
+        out["repaired"] = [r.as_dict() for r in self.repaired]
         return out
 
 
@@ -241,8 +252,9 @@ def recover(
         found = survey(root)
         kept = salvage(root, found, backup=Path(backup) if backup else None, sync=fsync)
         report = _recover_locked(root, sync=fsync)[0]
-        report = replace(report, lost=tuple(found.lost), backup=kept, checked_all=True)
-        rewritten = {r.segment for r in found.lost}
+        report = replace(report, lost=tuple(found.lost), repaired=tuple(found.repairs),
+                         backup=kept, checked_all=True)  # fmt: skip
+        rewritten = {r.segment for r in found.lost} | {r.segment for r in found.repairs}
         if found.torn is not None and found.torn[0] in rewritten:  # dropped by the rewrite
             seg, off, n, why = found.torn
             report = replace(report, truncated_segment=seg, truncated_offset=off,

@@ -70,6 +70,23 @@ class StreamCorruptError(StreamError):
         )
         self.path = path
         self.offset = offset
+        self.what = what
+
+
+class SegmentHeaderError(StreamCorruptError):
+    """A segment header fails its checksum: damage, not another format. ``what`` names each
+    header field and byte that differs from the header the segment's name implies."""
+
+    def __init__(self, path: Path, offset: int, what: str) -> None:
+        StreamError.__init__(self, f"{path}: damaged segment header (checksum mismatch): {what}")
+        self.path = path
+        self.offset = offset
+        self.what = what
+
+
+class StreamFormatError(StreamError):
+    """A segment written whole (its header checksum holds) in a format this build does not
+    read: another format version, or flags it does not know."""
 
 
 class StreamLockedError(StreamError):
@@ -120,28 +137,71 @@ def encode_segment_header(number: int) -> bytes:
     return head + CRC.pack(zlib.crc32(head))
 
 
+HEADER_FIELDS = (
+    ("magic", 0, 8),
+    ("format version", 8, 10),
+    ("flags", 10, 12),
+    ("segment number", 12, 16),
+    ("reserved", 16, 20),
+    ("checksum", 20, 24),
+)
+"""(name, first byte, end) of each segment header field."""
+
+
+def _field_value(name: str, raw: bytes) -> str:
+    if name == "magic":
+        return repr(raw)
+    value = int.from_bytes(raw, "little")
+    return f"{value:#010x}" if name == "checksum" else str(value)
+
+
+def header_damage(buf: bytes, number: int) -> tuple[int, str]:
+    """Where the 24 header bytes ``buf`` of segment ``number`` differ from the header it
+    should have (every field is known: the magic, version 1, flags 0, the number from the file
+    name, reserved 0, their checksum): (first differing byte, one line naming each field and
+    byte that differs, found vs expected)."""
+    want = encode_segment_header(number)
+    diffs = [i for i in range(SEGMENT_HEADER_SIZE) if buf[i] != want[i]]
+    parts = []
+    for name, a, b in HEADER_FIELDS:
+        d = [i for i in diffs if a <= i < b]
+        if not d:
+            continue
+        if len(d) == 1:
+            where = f"byte {d[0]} is {buf[d[0]]:#04x}, expected {want[d[0]]:#04x}"
+        else:
+            where = f"{len(d)} of bytes {a}..{b - 1} differ"
+        found, expected = _field_value(name, buf[a:b]), _field_value(name, want[a:b])
+        parts.append(f"{where} ({name}, bytes {a}..{b - 1}: {found}, expected {expected})")
+    return (diffs[0] if diffs else 0), "; ".join(parts)
+
+
 def check_segment_header(buf: bytes, path: Path, number: int) -> None:
-    """Raise StreamError unless ``buf`` is a valid header of segment ``number``."""
+    """Raise StreamError unless ``buf`` is a valid header of segment ``number``: a
+    SegmentHeaderError (a StreamCorruptError) when its checksum fails (damage, naming the bytes
+    that differ), StreamFormatError for another version or flags, StreamError for a file that
+    is not a stream segment or whose header names another segment."""
     if len(buf) < SEGMENT_HEADER_SIZE:
         raise StreamError(
             f"{path}: {len(buf)} bytes is too short for a stream segment header "
             f"({SEGMENT_HEADER_SIZE} bytes expected)"
         )
     magic, version, flags, seg_no, _ = SEGMENT_HEAD.unpack_from(buf)
-    if magic != SEGMENT_MAGIC:
+    (crc,) = CRC.unpack_from(buf, SEGMENT_HEAD.size)
+    if crc != zlib.crc32(buf[: SEGMENT_HEAD.size]):
+        offset, what = header_damage(bytes(buf[:SEGMENT_HEADER_SIZE]), number)
+        raise SegmentHeaderError(path, offset, what)
+    if magic != SEGMENT_MAGIC:  # written whole, but not by a looprl stream writer
         raise StreamError(
             f"{path}: not a looprl stream segment (magic {magic!r}, expected {SEGMENT_MAGIC!r})"
         )
     if version != FORMAT_VERSION:
-        raise StreamError(
+        raise StreamFormatError(
             f"{path}: stream format version {version} is not supported "
             f"(this build reads version {FORMAT_VERSION})"
         )
-    (crc,) = CRC.unpack_from(buf, SEGMENT_HEAD.size)
-    if crc != zlib.crc32(buf[: SEGMENT_HEAD.size]):
-        raise StreamCorruptError(path, 0, "segment header checksum mismatch")
     if flags != 0:
-        raise StreamError(f"{path}: unsupported segment flags {flags:#x} (expected 0)")
+        raise StreamFormatError(f"{path}: unsupported segment flags {flags:#x} (expected 0)")
     if seg_no != number:
         raise StreamError(
             f"{path}: header says segment {seg_no} but the file name says segment {number}"

@@ -3,18 +3,20 @@
 :func:`survey` reads every frame of every segment, ignoring the indexes (read only, so it
 also works while a writer appends). Where a frame fails its checks it searches forward for
 the next intact frame (magic, header, checksum and an increasing seq) and records the bytes
-in between as a :class:`LostRange`; it never stops at the first damage. Bytes after the
-last intact frame of the last segment are the torn tail (``Survey.torn``), as for readers.
+in between as a :class:`LostRange`; it never stops at the first damage. Damage that held no
+frame is a :class:`Repair`, not a loss: a damaged segment header (the frames after it are
+checked as usual) or bytes between two frames with consecutive seqs. Bytes after the last
+intact frame of the last segment are the torn tail (``Survey.torn``), as for readers.
 A segment file missing between two present ones (a gap in the numbering) is one
 :class:`LostRange` with ``missing`` set: its frames are the seqs strictly between the
 intact frames around it (exact from the segment's orphan index when that survived).
 
 :func:`salvage` (called by :func:`proto.stream.recover` under the writer lock) rewrites
-each damaged segment in place so that it holds exactly its intact frames, byte for byte and
-with their seqs, after hard-linking (or copying) the original segment and index files into a
-backup directory beside the stream; a missing segment is replaced by an empty one (header
-only, so the numbering has no gap and readers and writers open the stream again; its orphan
-index moves to the backup). Invariant: every intact frame of the stream is still in
+each damaged segment in place so that it holds a new header and exactly its intact frames,
+byte for byte and with their seqs, after hard-linking (or copying) the original segment and
+index files into a backup directory beside the stream; a missing segment is replaced by an
+empty one (header only, so the numbering has no gap and readers and writers open the stream
+again; its orphan index moves to the backup). Invariant: every intact frame of the stream is still in
 it afterwards, at the same seq; nothing that failed its checks is.
 """
 
@@ -34,7 +36,9 @@ from proto.stream_format import (
     FRAME_HEADER_SIZE,
     FRAME_MAGIC,
     SEGMENT_HEADER_SIZE,
+    SegmentHeaderError,
     StreamError,
+    StreamFormatError,
     Window,
     check_frame,
     check_segment_header,
@@ -68,23 +72,39 @@ class LostRange:
     missing: tuple[int, ...] = ()
 
     @property
+    def first_seq(self) -> int:
+        """The lowest seq that may have been lost (0 when no intact frame precedes it)."""
+        if self.frames:
+            return self.frames[0]
+        return 0 if self.after_seq is None else self.after_seq + 1
+
+    @property
+    def last_seq(self) -> int | None:
+        """The highest seq that may have been lost (None: unknown, no intact frame follows)."""
+        if self.frames:
+            return self.frames[-1]
+        return None if self.before_seq is None else self.before_seq - 1
+
+    @property
     def frame_count(self) -> int | None:
-        """Frames lost: exact when ``frames`` is known; for a missing segment, the seqs between
-        its neighbours (the writer numbers frames consecutively); None when unknown."""
+        """Frames lost: exact when ``frames`` is known; 0 when no seq fits between the
+        neighbours (consecutive seqs: the bytes held no frame); for a missing segment, the
+        seqs between its neighbours (the writer numbers frames consecutively); None when
+        unknown."""
         if self.frames:
             return len(self.frames)
-        if self.missing and self.after_seq is not None and self.before_seq is not None:
-            return self.before_seq - self.after_seq - 1
+        last = self.last_seq
+        if last is not None and last < self.first_seq:
+            return 0
+        if self.missing and self.after_seq is not None and last is not None:
+            return last - self.first_seq + 1
         return None
 
     @property
     def seqs(self) -> str:
-        """The seqs that may have been lost, as ``"a..b"`` (``"?"``: an end is unknown)."""
-        if self.frames:
-            return f"{self.frames[0]}..{self.frames[-1]}"
-        lo = "?" if self.after_seq is None else str(self.after_seq + 1)
-        hi = "?" if self.before_seq is None else str(self.before_seq - 1)
-        return f"{lo}..{hi}"
+        """The seqs that may have been lost, as ``"a..b"`` (``"?"``: the upper end is unknown)."""
+        last = self.last_seq
+        return f"{self.first_seq}..{'?' if last is None else last}"
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -103,6 +123,33 @@ class LostRange:
         return out
 
 
+@dataclass(frozen=True)
+class Repair:
+    """Damaged bytes of one segment that held no frame, so nothing is lost by them: its header
+    (``header``: rewritten by :func:`salvage`), bytes between two frames whose seqs are
+    consecutive (dropped), or a missing segment whose neighbours' seqs are consecutive
+    (created empty). ``reason``: what was wrong (for a header, each field and byte that
+    differs, found vs expected)."""
+
+    segment: int
+    offset: int
+    bytes: int
+    reason: str
+    header: bool = False
+    missing: bool = False
+
+    @property
+    def action(self) -> str:
+        if self.header:
+            return "header rewritten"
+        return "created empty" if self.missing else "bytes dropped"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"segment": segment_name(self.segment), "offset": self.offset,
+                "bytes": self.bytes, "reason": self.reason, "action": self.action,
+                "frames": 0}  # fmt: skip
+
+
 @dataclass
 class SegmentSurvey:
     """The intact frames of one segment: seq, offset and length of each."""
@@ -116,6 +163,7 @@ class SegmentSurvey:
     offsets: array = field(default_factory=new_entries)
     lengths: array = field(default_factory=new_entries)
     lost: list[LostRange] = field(default_factory=list)
+    repairs: list[Repair] = field(default_factory=list)
 
 
 @dataclass
@@ -132,7 +180,13 @@ class Survey:
 
     @property
     def lost(self) -> list[LostRange]:
+        """Ranges that held frames (or may have: their count unknown)."""
         return [r for s in self.segments for r in s.lost]
+
+    @property
+    def repairs(self) -> list[Repair]:
+        """Damage that held no frame (a segment header, bytes between consecutive seqs)."""
+        return [r for s in self.segments for r in s.repairs]
 
     @property
     def first_seq(self) -> int | None:
@@ -176,11 +230,15 @@ def _survey_segment(fd: int, path: Path, number: int, prev: int | None) -> Segme
         return seg
     try:
         check_segment_header(os.pread(fd, SEGMENT_HEADER_SIZE, 0), path, number)
-    except StreamError as e:
-        if "version" in str(e) or _next_intact(fd, SEGMENT_HEADER_SIZE, size, prev, path) is None:
-            raise  # a newer format, or not a stream segment at all: nothing to salvage
+    except StreamFormatError:
+        raise  # a format this build does not read: not damage
+    except StreamError as e:  # damaged, or written whole for another name / by something else
+        bare = size == SEGMENT_HEADER_SIZE and isinstance(e, SegmentHeaderError)
+        if not bare and _next_intact(fd, SEGMENT_HEADER_SIZE, size, prev, path) is None:
+            raise  # nothing intact in it: not a stream segment at all, nothing to salvage
         seg.header_ok = False
-        seg.lost.append(LostRange(number, 0, SEGMENT_HEADER_SIZE, str(e), prev, None, ()))
+        why = str(e).removeprefix(f"{path}: ")
+        seg.repairs.append(Repair(number, 0, SEGMENT_HEADER_SIZE, why, header=True))
     pos, win = SEGMENT_HEADER_SIZE, Window(fd)
     while pos < size:
         got = check_frame(win, pos, size, path)
@@ -278,6 +336,16 @@ def survey(path: str | os.PathLike[str]) -> Survey:
             seg.lost.append(LostRange(seg.number, 0, seg.size, "segment header truncated",
                                       None, None, ()))  # fmt: skip
     _fill_before(segs)
+    for seg in segs:  # ranges between consecutive seqs held no frame: repaired, not lost
+        for r in [r for r in seg.lost if r.frame_count == 0]:
+            seg.lost.remove(r)
+            held = (
+                f"seqs {r.after_seq} and {r.before_seq} are consecutive"
+                if r.after_seq is not None
+                else f"the first intact seq is {r.before_seq}"
+            )
+            seg.repairs.append(Repair(r.segment, r.offset, r.bytes, f"{r.reason} ({held})",
+                                      missing=bool(r.missing)))  # fmt: skip
     return Survey(root, segs, torn)
 
 
@@ -293,8 +361,9 @@ def _fill_before(segs: list[SegmentSurvey]) -> None:
             before = flat[j][2] if j < len(flat) else None
             after = flat[j - 1][2] if j > 0 else None
             frames = r.frames
-            if r.missing and frames and before is not None and frames[-1] >= before:
-                frames = ()  # an orphan index that disagrees with the data: not evidence
+            if frames and not ((after is None or frames[0] > after)
+                               and (before is None or frames[-1] < before)):  # fmt: skip
+                frames = ()  # headers (or an orphan index) that disagree with the data
             s.lost[i] = replace(r, after_seq=after, before_seq=before, frames=frames)
 
 
@@ -377,7 +446,7 @@ def salvage(
     or only missing segments with no index left).
     A missing segment is created empty. A torn tail is left to :func:`proto.stream.recover`'s
     truncation."""
-    damaged = [s for s in found.segments if s.lost and not s.missing]
+    damaged = [s for s in found.segments if (s.lost or s.repairs) and not s.missing]
     gaps = [s for s in found.segments if s.missing]
     if not damaged and not gaps:
         return None

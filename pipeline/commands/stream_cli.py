@@ -7,9 +7,12 @@ compression; ``--json`` prints the same as one JSON object, ``--frames`` lists f
 ``recover`` takes the writer lock, checks every frame, rewrites segments holding damage to
 their intact frames (originals kept in ``PATH.damaged-<time>``), cuts a torn tail and
 rebuilds indexes; it prints what was lost. A segment file missing from the middle is
-replaced by an empty one and reported as a gap (its seqs and frame count). A damaged stream
-(a missing segment included) makes ``inspect`` exit 2 after counting its intact frames and
-naming each damaged range.
+replaced by an empty one and reported as a gap (its seqs and frame count). Damage that held
+no frame (a damaged segment header, named field by field and byte by byte) is reported as
+repaired, never as a lost range: ``lost`` in ``--json`` is empty exactly when the text says
+"nothing lost". A damaged stream (a missing segment included) makes ``inspect`` exit 2 after
+counting its intact frames, naming each damaged range and what held no frame, and pointing
+to ``looprl stream recover``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from proto.errors import ProtocolError
 from proto.records import Rollout, RolloutBatch
 from proto.stream import RecoveryReport, StreamCorruptError, StreamError, StreamReader, recover
 from proto.stream_format import FRAME_HEADER_SIZE, segment_name
-from proto.stream_salvage import LostRange, missing_segments, survey
+from proto.stream_salvage import LostRange, Repair, missing_segments, survey
 
 
 @dataclass
@@ -213,6 +216,12 @@ def _count(r: LostRange) -> str:
     return f"{n} frame{'s' if n != 1 else ''}"
 
 
+def _repair(r: Repair) -> str:
+    """A repair that lost no frame, in one line."""
+    at = "" if r.missing else f" offset {r.offset}, {r.bytes} bytes"
+    return f"{segment_name(r.segment)}{at}: {r.reason}"
+
+
 def _print_recovery(rep: RecoveryReport) -> None:
     seqs = f"seq {rep.last_seq}" if rep.last_seq is not None else "no frames"
     print(f"recovered {rep.path}: {rep.frames} intact frames (last {seqs}) in "
@@ -222,6 +231,8 @@ def _print_recovery(rep: RecoveryReport) -> None:
         if r.missing:
             print(f"  gap kept: {', '.join(segment_name(n) for n in r.missing)} now an empty "
                   "segment (header only), so the stream opens again")  # fmt: skip
+    for f in rep.repaired:
+        print(f"  {f.action} (no frame lost): {_repair(f)}")
     if rep.truncated_segment is not None:
         print(f"  cut torn tail: {segment_name(rep.truncated_segment)} offset "
               f"{rep.truncated_offset}, {rep.truncated_bytes} bytes ({rep.torn_reason})")  # fmt: skip
@@ -241,16 +252,30 @@ def _damaged(path: str, err: StreamError, as_json: bool) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     lost = [r.as_dict() for r in found.lost]
+    fixes = found.repairs
     if as_json:
         print(json.dumps({"path": str(path), "error": str(err), "intact_frames": found.frames,
                           "first_seq": found.first_seq, "last_seq": found.last_seq,
-                          "damaged": lost, "torn_tail": found.torn}))  # fmt: skip
+                          "damaged": lost, "repairable": [f.as_dict() for f in fixes],
+                          "torn_tail": found.torn}))  # fmt: skip
     print(f"looprl stream: error: {err}", file=sys.stderr)
-    print(f"looprl stream: {found.frames} frames intact (seq {found.first_seq}.."
-          f"{found.last_seq}); {len(lost)} damaged ranges, {sum(r.bytes for r in found.lost)} "
-          f"bytes; `looprl stream recover {path}` salvages the intact frames", file=sys.stderr)  # fmt: skip
+    span = f"{found.frames} frames intact (seq {found.first_seq}..{found.last_seq})"
+    nofr = ", ".join(f"{segment_name(f.segment)} {'header' if f.header else f.action}"
+                     for f in fixes)  # fmt: skip
+    if lost:
+        head = f"{span}; {len(lost)} damaged ranges, {sum(r.bytes for r in found.lost)} bytes" + (
+            f"; damaged without a lost frame: {nofr}" if fixes else ""
+        )
+        todo = "salvages the intact frames"
+    else:
+        head = f"{span}, none lost" + (f"; damaged without a lost frame: {nofr}" if fixes else "")
+        todo = ("rewrites what is damaged and keeps every frame" if fixes
+                else "salvages the intact frames")  # fmt: skip
+    print(f"looprl stream: {head}; `looprl stream recover {path}` {todo}", file=sys.stderr)
     for r in found.lost:
         print(f"  damaged: seq {r.seqs} ({_count(r)}): {_where(r)}", file=sys.stderr)
+    for f in fixes:
+        print(f"  damaged, no frame lost: {_repair(f)}", file=sys.stderr)
     return 2
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -334,12 +335,24 @@ def test_bad_input(tmp_path: Path) -> None:
     write(s, 3)
     seg = s / segment_name(0)
     good = seg.read_bytes()
-    seg.write_bytes(b"NOTASTRM" + good[8:])
+    seg.write_bytes(b"NOTASTRM" + good[8:])  # its checksum fails: damage, named byte by byte
+    for opener in (StreamReader, StreamWriter):
+        with pytest.raises(StreamCorruptError, match=rf"{seg.name}: damaged segment header "
+                           r"\(checksum mismatch\): 7 of bytes 0..7 differ \(magic, bytes 0..7: "
+                           r"b'NOTASTRM', expected b'LRSTREAM'\)$"):  # fmt: skip
+            opener(s)
+    head = b"NOTASTRM" + encode_segment_header(0)[8:20]  # written whole by something else
+    seg.write_bytes(head + zlib.crc32(head).to_bytes(4, "little") + good[SEGMENT_HEADER_SIZE:])
     for opener in (StreamReader, StreamWriter):
         with pytest.raises(StreamError, match=rf"{seg.name}: not a looprl stream segment"):
             opener(s)
     v2 = bytearray(encode_segment_header(0))
-    v2[8] = 2
+    v2[8] = 2  # the checksum of version 1 kept: a damaged version byte
+    seg.write_bytes(bytes(v2) + good[SEGMENT_HEADER_SIZE:])
+    with pytest.raises(StreamCorruptError, match=r"byte 8 is 0x02, expected 0x01 \(format "
+                       r"version, bytes 8..9: 2, expected 1\)"):  # fmt: skip
+        StreamReader(s)
+    v2[20:] = zlib.crc32(bytes(v2[:20])).to_bytes(4, "little")  # a newer writer's header
     seg.write_bytes(bytes(v2) + good[SEGMENT_HEADER_SIZE:])
     with pytest.raises(StreamError, match=rf"{seg.name}: stream format version 2 is not supported"):
         StreamReader(s)

@@ -160,3 +160,96 @@ def test_cli_recover_and_inspect_of_a_damaged_stream(pristine: Path, tmp_path: P
     ok = sh("inspect", str(s), "--json")
     assert ok.returncode == 1  # test payloads are not proto frames; the stream reads through
     assert json.loads(ok.stdout)["frames"] == N - 1
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "pipeline.cli", "stream", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("segment", "byte", "field"),
+    [(0, 3, "byte 3 is 0x44, expected 0x54 (magic, bytes 0..7: b'LRSDREAM', expected "
+             "b'LRSTREAM')"),
+     (2, 12, "byte 12 is 0x12, expected 0x02 (segment number, bytes 12..15: 18, expected 2)")],
+)  # fmt: skip
+def test_flipped_segment_header_byte_is_named_and_loses_nothing(
+    tmp_path: Path, segment: int, byte: int, field: str
+) -> None:
+    """One flipped byte in a segment header of a 105-frame stream: `inspect` names the
+    segment, the field and the byte (found vs expected) and points to `recover`; `recover`
+    (text and --json alike) rewrites the header, keeps 105 of 105 frames and lists no lost
+    range."""
+    s = tmp_path / "s"
+    with StreamWriter(s, segment_bytes=16384) as w:
+        for q in range(105):
+            w.append(payload(q))
+    seg = s / segment_name(segment)
+    _flip(seg, byte)
+    copy = tmp_path / "copy"
+    shutil.copytree(s, copy)
+
+    look = _cli("inspect", str(s))
+    assert look.returncode == 2 and "Traceback" not in look.stderr, look.stderr
+    err, summary, detail = look.stderr.splitlines()
+    assert (
+        err == f"looprl stream: error: {seg}: damaged segment header (checksum mismatch): {field}"
+    )
+    assert summary == (f"looprl stream: 105 frames intact (seq 0..104), none lost; damaged "
+                       f"without a lost frame: {seg.name} header; `looprl stream recover {s}` "
+                       "rewrites what is damaged and keeps every frame")  # fmt: skip
+    assert detail.startswith(f"  damaged, no frame lost: {seg.name} offset 0, 24 bytes: ")
+    j = json.loads(_cli("inspect", str(s), "--json").stdout)
+    assert (j["intact_frames"], j["first_seq"], j["last_seq"], j["damaged"]) == (105, 0, 104, [])
+    assert [(r["segment"], r["offset"], r["bytes"], r["action"], r["frames"])
+            for r in j["repairable"]] == [(seg.name, 0, 24, "header rewritten", 0)]  # fmt: skip
+
+    text = _cli("recover", str(s))
+    assert text.returncode == 0, text.stderr
+    assert "105 intact frames (last seq 104)" in text.stdout and "lost seq" not in text.stdout
+    assert f"  header rewritten (no frame lost): {seg.name} offset 0, 24 bytes: " in text.stdout
+    assert text.stdout.rstrip().endswith("nothing lost"), text.stdout
+    got = _cli("recover", str(copy), "--json")
+    assert got.returncode == 0, got.stderr
+    rep = json.loads(got.stdout)
+    assert (rep["frames"], rep["last_seq"], rep["lost"], rep["lost_frames"], rep["lost_bytes"]) == (
+        105, 104, [], 0, 0)  # fmt: skip
+    assert [(r["segment"], r["action"]) for r in rep["repaired"]] == [
+        (seg.name, "header rewritten")
+    ]
+    assert "?" not in json.dumps(rep["lost"]) and rep["backup"]
+    for fixed in (s, copy):  # every frame reads back, byte for byte, and the stream is clean
+        with StreamReader(fixed) as r:
+            assert {f.seq: f.payload for f in r.iter()} == {q: payload(q) for q in range(105)}
+            assert r.verify() == 105
+        again = recover(fixed)
+        assert again.repaired == () and again.lost == () and again.backup is None
+
+
+def test_lost_ranges_carry_real_seq_numbers(pristine: Path, tmp_path: Path) -> None:
+    """The first frame's header damaged (no intact frame before it) is lost seq 0..0, not
+    "?..": the JSON report and the text agree; stray bytes between two frames with consecutive
+    seqs held no frame: repaired, not lost."""
+    s = _copy(pristine, tmp_path)
+    seg0, off0, _ = _frame(s, 0)
+    _flip(seg0, off0 + 2)  # frame 0's magic
+    seg, off, _ = _frame(s, 40)
+    raw = seg.read_bytes()
+    seg.write_bytes(raw[:off] + b"\xab" * 50 + raw[off:])  # garbage between frames 39 and 40
+    copy = tmp_path / "copy"
+    shutil.copytree(s, copy)
+
+    rep = json.loads(_cli("recover", str(s), "--json").stdout)
+    assert [(r["segment"], r["offset"], r["seqs"], r["after_seq"], r["before_seq"])
+            for r in rep["lost"]] == [(seg0.name, off0, "0..0", None, 1)]  # fmt: skip
+    assert rep["frames"] == N - 1 and rep["lost_frames"] is None  # frame 0's count is unknown
+    assert [(r["segment"], r["offset"], r["bytes"], r["action"]) for r in rep["repaired"]] == [
+        (seg.name, off, 50, "bytes dropped")]  # fmt: skip
+    assert "seqs 39 and 40 are consecutive" in rep["repaired"][0]["reason"]
+    text = _cli("recover", str(copy)).stdout
+    assert f"  lost seq 0..0 (frame count unknown: a frame header is damaged): {seg0.name}" in text
+    assert f"  bytes dropped (no frame lost): {seg.name} offset {off}, 50 bytes: " in text
+    assert text.count("lost seq") == 1 and "?" not in text, text
+    with StreamReader(s) as r:
+        assert sorted(f.seq for f in r.iter()) == list(range(1, N))
