@@ -33,7 +33,7 @@ ACCEPTED = {
     ("optimizer.grad_clip", 0): "clipping off", ("optimizer.sgd_momentum", 0): "none",
     ("schedule.warmup_steps", 0): "no warmup", ("schedule.decay_steps", 0): "the run's last",
     ("schedule.min_lr", 0): "decay to 0", ("staleness.max_staleness", 0): "on-policy",
-    ("intake.max_refused", 0): "never ban", ("intake.work_timeout_s", 0): "never re-dispatch",
+    ("intake.max_refused", 0): "never ban",
     ("intake.share_ratio", 0): "no fair share",
     ("generators.max_batch_items", 0): "max_inflight", ("generators.batch_wait_s", 0): "no wait",
     ("generators.depth_ticks", 0): "one chunk per token (no ticks)",
@@ -53,6 +53,22 @@ ACCEPTED = {
     ("objective.depth_cost", 0): "no compute cost in the reward",
     ("learner.max_tokens_per_micro", 0): "padded rows (no packing)",
 }  # fmt: skip
+
+
+def test_the_work_timeout_is_ordered_below_max_wait() -> None:
+    """intake.work_timeout_s (unset: half of max_wait_s; 0: never) must fire before the run
+    gives up waiting for a step, so that work a peer holds is re-issued in time."""
+    assert load_config(None, []).work_timeout_s() == 300.0
+    assert load_config(None, ["max_wait_s=40"]).work_timeout_s() == 20.0
+    assert load_config(None, ["intake.work_timeout_s=0"]).work_timeout_s() == 0.0
+    assert load_config(None, ["intake.work_timeout_s=30", "max_wait_s=40"]).work_timeout_s() == 30
+    for bad in (["intake.work_timeout_s=-1"], ["intake.work_timeout_s=nan"],
+                ["intake.work_timeout_s=900"], ["intake.work_timeout_s=40", "max_wait_s=40"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, bad)
+        assert "intake.work_timeout_s" in str(e.value) and "\n" not in str(e.value), e.value
+    with pytest.raises(ConfigError, match="max_wait_s"):
+        load_config(None, ["intake.work_timeout_s=900"])
 
 
 def _numeric_keys() -> dict[str, int | float]:
