@@ -12,12 +12,23 @@ Decoding is defensive: the frame size, the declared decompressed size, every msg
 length and every field are bounded and checked before use; ext types are refused;
 nothing is ever unpickled. Any failure raises :class:`ProtocolError` and nothing else.
 
+Decompression bombs: a zstd body is decompressed only if it is one standard zstd frame
+(its magic number; skippable frames are refused) declaring a content size of at most
+``max_message_bytes``. python-zstandard's ``decompress`` allocates the DECLARED content size
+in one piece (``max_output_size`` only matters for frames without one, which are refused),
+and zstd stops at that size, so decoding one frame allocates at most ``max_message_bytes``
+for its body however the bytes claim otherwise. A receiver sets ``max_message_bytes`` to its
+frame limit (pipeline.net.transport), so a body costs at most its frame limit in memory,
+compressed or not, and the lists and maps msgpack builds from it at most twice that
+(:class:`_ObjectBudget`); ``encode`` refuses a body its own limit would refuse.
+
 A :class:`Codec` holds zstd contexts and is not thread-safe: use one per thread.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +38,57 @@ import zstandard
 from proto.batch import decode_batch, encode_batch
 from proto.errors import ProtocolError
 from proto.records import RolloutBatch
-from proto.schema import REGISTRY, from_wire, to_wire
+from proto.schema import MAX_LIST, REGISTRY, from_wire, to_wire
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR, check_compatible, is_newer_minor
 
 MAGIC = b"LQRL"
 HEADER = struct.Struct("<4sBBBB")
 FLAG_ZSTD = 1
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a standard zstd frame (RFC 8878), not a skippable one
 DEFAULT_MAX_FRAME = 256 << 20  # bytes on the wire
 DEFAULT_MAX_MESSAGE = 1 << 30  # bytes after decompression
+BODY_START = 0x92  # msgpack fixarray of 2: [wire_type, fields]
+ENTRY_BYTES = 88
+"""What one entry of a decoded list or map may cost beyond its payload: its slot (8 bytes)
+and the largest head of a scalar msgpack builds (a non-ASCII str: 80 bytes)."""
 
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack ext type {code} is not allowed")
+
+
+class _ObjectBudget:
+    """The bytes msgpack may spend on the lists and maps it builds from one body.
+
+    msgpack turns one byte into an object: 0x90 (an empty list) costs 64 bytes of Python
+    objects, so 4 MiB of body (a few KiB compressed) would build 256 MiB of lists. Every
+    list and map is charged, as msgpack finishes it, its own size plus ``ENTRY_BYTES`` per
+    entry (an upper bound of what its scalars' heads take; a map's keys and values both);
+    decoding stops with a ProtocolError once the charges pass ``budget`` (twice
+    max_message_bytes: the estimate is pessimistic; a weight announce of 45,000 tensors, an
+    8.3 MB body that decodes into 33 MB, is charged 75 MB). A single container is also capped at
+    ``MAX_LIST`` entries (msgpack allocates its slots before filling them). What is not
+    charged is the payload of strings and bytes, at most 4 bytes per body byte (UCS-4)."""
+
+    __slots__ = ("budget", "left")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = self.left = budget
+
+    def _charge(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ProtocolError(
+                f"decoded lists and maps exceed {self.budget} bytes (2 x max_message_bytes)"
+            )
+
+    def on_list(self, v: list[Any]) -> list[Any]:
+        self._charge(sys.getsizeof(v) + ENTRY_BYTES * len(v))
+        return v
+
+    def on_map(self, d: dict[Any, Any]) -> dict[Any, Any]:
+        self._charge(sys.getsizeof(d) + 2 * ENTRY_BYTES * len(d))
+        return d
 
 
 @dataclass
@@ -58,7 +108,8 @@ class Codec:
     level: zstd level (1 fast .. 19 small; 0 disables compression).
     min_compress_bytes: bodies smaller than this are sent uncompressed.
     max_frame_bytes: largest frame accepted on decode (and produced on encode).
-    max_message_bytes: largest decompressed body accepted.
+    max_message_bytes: largest msgpack body, decompressed, accepted on decode (checked on the
+        declared size, before anything is allocated) and produced on encode.
     """
 
     def __init__(
@@ -96,6 +147,11 @@ class Codec:
     def encode(self, rec: Any) -> bytes:
         """Record -> frame bytes."""
         body = self.encode_body(rec)
+        if len(body) > self.max_message_bytes:
+            raise ProtocolError(
+                f"{type(rec).__name__} body of {len(body)} bytes exceeds max_message_bytes "
+                f"{self.max_message_bytes}; split it (e.g. smaller weight chunks or batches)"
+            )
         if self._cctx is not None and len(body) >= self.min_compress_bytes:
             frame = self._header_z + self._cctx.compress(body)
         else:
@@ -140,6 +196,8 @@ class Codec:
             raise ProtocolError(f"unknown frame flags {flags:#x}/{reserved:#x}")
         body = memoryview(buf)[HEADER.size :]
         if flags & FLAG_ZSTD:
+            if bytes(body[:4]) != ZSTD_MAGIC:
+                raise ProtocolError("zstd body is not one standard zstd frame (bad zstd magic)")
             size = zstandard.frame_content_size(body)
             if size < 0:
                 raise ProtocolError("zstd body without a declared content size is not accepted")
@@ -147,12 +205,25 @@ class Codec:
                 raise ProtocolError(
                     f"decompressed size {size} exceeds max_message_bytes {self.max_message_bytes}"
                 )
-            raw = self._dctx.decompress(body, max_output_size=size)
+            raw: bytes | memoryview = self._dctx.decompress(body, max_output_size=size)
             if len(raw) != size:
                 raise ProtocolError("zstd body shorter than its declared content size")
         else:
-            raw = bytes(body)
-        obj = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True, ext_hook=_no_ext)
+            raw = body
+        if not len(raw) or raw[0] != BODY_START:
+            raise ProtocolError("body must be a msgpack array [wire_type, fields]")
+        budget = _ObjectBudget(2 * self.max_message_bytes)
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            list_hook=budget.on_list,
+            object_hook=budget.on_map,
+            max_array_len=MAX_LIST,
+            max_map_len=MAX_LIST,
+        )
         if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not str:
             raise ProtocolError("body must be a msgpack array [wire_type, fields]")
         wire_type, fields = obj

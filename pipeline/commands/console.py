@@ -10,6 +10,13 @@ a log file.
   ERROR and above, and warnings raised from looprl's own code. With ``verbose`` (the
   ``-v/--verbose`` flag, or ``LOOPRL_VERBOSE=1``) it shows everything the file gets.
 
+Both handlers escape the arguments of every record (pipeline.net.untrusted.EscapeArgs): a
+generator id or a reason a peer sent, with a newline, an ANSI escape sequence or bytes that
+are not UTF-8, stays on its one line, visibly escaped (``\\n``, ``\\x1b``, ``\\udcff``); so
+untrusted text goes in arguments (``log.warning("... %s", text)``), never in the message.
+The file is written with ``errors="backslashreplace"``: a message that still holds a lone
+surrogate (a traceback's text) is written escaped instead of failing.
+
 The progress bar (tqdm) writes to stderr itself and is not affected.
 """
 
@@ -18,6 +25,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+
+from pipeline.net.untrusted import EscapeArgs
 
 OWN_PACKAGES = ("pipeline", "generator", "learner", "models", "proto", "benchmarks", "__main__")
 _REPO = str(Path(__file__).resolve().parents[2])
@@ -58,7 +67,7 @@ def setup(log_file: str | Path, *, verbose: bool = False, level: int = logging.I
             root.removeHandler(h)
             h.close()
     fmt = logging.Formatter(_FORMAT)
-    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file = logging.FileHandler(path, encoding="utf-8", errors="backslashreplace")
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.INFO)
     to_term = logging.StreamHandler()
@@ -66,6 +75,7 @@ def setup(log_file: str | Path, *, verbose: bool = False, level: int = logging.I
     if not verbose:
         to_term.addFilter(_Terminal(level))
     for h in (to_file, to_term):
+        h.addFilter(EscapeArgs())
         setattr(h, "_looprl", True)  # noqa: B010 (marks our handlers for a second setup)
         root.addHandler(h)
     root.setLevel(min(level, logging.INFO))

@@ -5,7 +5,9 @@ logs at most one line per ``interval_s``, and that line says how many like it we
 suppressed since the previous one. Invariant: lines per pair <= 1 + elapsed / interval_s,
 and every suppressed warning is counted (``suppressed``, and in the pair's next line).
 At most ``max_keys`` pairs are remembered (a peer can invent ids): beyond that the oldest
-are forgotten, which can only let a line through early, never hide one for good.
+are forgotten, which can only let a line through early, never hide one for good. The
+arguments are the peer's text: they are escaped (pipeline.net.untrusted.escape_args), so a
+warning is one line whatever the peer sent.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from pipeline.net.untrusted import escape_args
 
 
 class Throttle:
@@ -59,7 +63,8 @@ class RateLimitedLog:
         self._keys: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last line, suppressed)
 
     def warn(self, peer: str, reason: str, fmt: str, *args: Any) -> bool:
-        """Log ``fmt % args`` unless (peer, reason) logged within interval_s; True if logged."""
+        """Log ``fmt % args`` (escaped) unless (peer, reason) logged within interval_s; True
+        if logged."""
         now, key = self.clock(), (peer, reason)
         last, held = self._keys.get(key, (None, 0))
         if last is not None and now - last < self.interval_s:
@@ -73,5 +78,5 @@ class RateLimitedLog:
         self._keys[key] = (now, 0)
         while len(self._keys) > self.max_keys:
             del self._keys[next(iter(self._keys))]
-        self.logger.warning(fmt, *args)
+        self.logger.warning(fmt, *escape_args(args))
         return True

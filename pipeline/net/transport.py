@@ -27,10 +27,15 @@ heartbeat interval. A generator that hears nothing for ``peer_timeout_s``, or ge
 Hello with exponential backoff until a Welcome; libzmq reconnects underneath. A malformed,
 oversized, multipart or out-of-place frame is counted (``stats.rejected``), answered with
 ``ErrorMsg("protocol")`` and skipped; beyond limit + ``oversize_grace_bytes`` libzmq
-(ZMQ_MAXMSGSIZE) drops the connection instead. Warnings about what a peer sends are
-rate-limited (``log_interval_s``, pipeline.net.log_limit). What is queued from one connection
-is bounded in bytes (``recv_budget_bytes``, pipeline.net.transport_config). Not thread-safe:
-one thread per object.
+(ZMQ_MAXMSGSIZE) drops the connection instead. A frame's body decompresses to at most the
+channel's frame limit (each receiving codec's ``max_message_bytes``; a frame declaring more
+is refused before anything is allocated, proto.codec), and the learner decodes at most
+``STRIKE_LIMIT`` refused frames of one connection per ``STRIKE_WINDOW_S``, dropping the
+rest undecoded (``stats.muted``, pipeline.net.strikes). Warnings about what a peer sends are
+rate-limited (``log_interval_s``, pipeline.net.log_limit) and their arguments escaped
+(pipeline.net.untrusted). What is queued from one connection is bounded in bytes
+(``recv_budget_bytes``, pipeline.net.transport_config). Not thread-safe: one thread per
+object.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.net.log_limit import RateLimitedLog
+from pipeline.net.log_limit import RateLimitedLog, Throttle
+from pipeline.net.strikes import STRIKE_LIMIT, STRIKE_WINDOW_S, Strikes
 from pipeline.net.transport_config import (  # noqa: F401  (re-exported: the transport's API)
     ACK_MAX_FRAME,
     CHANNELS,
@@ -51,6 +57,7 @@ from pipeline.net.transport_config import (  # noqa: F401  (re-exported: the tra
     TransportError,
     TransportStats,
 )
+from pipeline.net.untrusted import EscapeArgs
 from proto import (
     Ack,
     Codec,
@@ -70,6 +77,7 @@ from proto import (
 )
 
 log = logging.getLogger(__name__)
+log.addFilter(EscapeArgs())  # peer ids and texts in its lines are escaped wherever they go
 
 Clock = Callable[[], float]
 Raw = tuple[Channel, str, list[bytes]]
@@ -103,14 +111,30 @@ class _Base:
         self.stats = TransportStats()
         lim = config.recv_limit
         peer = "generator" if self.side == "learner" else "learner"
-        self._dec = {ch: Codec(max_frame_bytes=lim(self.side, ch)) for ch in CHANNELS}
+        # A body decompresses to at most the frame limit: a bomb costs what a frame may.
+        self._dec = {
+            ch: Codec(max_frame_bytes=lim(self.side, ch), max_message_bytes=lim(self.side, ch))
+            for ch in CHANNELS
+        }
         self._enc = {
-            "control": Codec(level=config.compression_level, max_frame_bytes=lim(peer, "control")),
-            "weights": Codec(level=0, max_frame_bytes=lim(peer, "weights")),
+            ch: Codec(
+                level=config.compression_level if ch == "control" else 0,
+                max_frame_bytes=lim(peer, ch),
+                max_message_bytes=lim(peer, ch),
+            )
+            for ch in CHANNELS
         }
         self._log = RateLimitedLog(log, config.log_interval_s, clock)
+        self._strikes = Strikes(clock, limit=STRIKE_LIMIT, window_s=STRIKE_WINDOW_S)
+        self._mute_log = Throttle(config.log_interval_s, clock)
         self.closed = False
         self._woken = False  # set by a transport's wake_on fd: recv returns None at once
+
+    def _strike_key(self, peer: str) -> bytes | None:
+        """The connection a refused frame from ``peer`` counts against (pipeline.net.strikes),
+        or None: never muted (the in-memory transport's peers live in this process; a
+        generator does not mute its learner)."""
+        return None
 
     def _warn(self, peer: str, reason: str, fmt: str, *args: Any) -> None:
         """A warning about what ``peer`` did: at most one line per (peer, reason) per
@@ -164,6 +188,12 @@ class _Base:
                 return None
 
     def _accept(self, channel: Channel, peer: str, parts: list[bytes]) -> Incoming | None:
+        key = self._strike_key(peer)
+        if key is not None and self._strikes.muted(key):  # dropped undecoded, unanswered
+            self.stats.rejected += 1
+            self.stats.muted += 1
+            self.stats.warnings_suppressed += 1  # a warning not printed (the mute notice was)
+            return None
         rec, why, kind = None, "", ""
         if len(parts) != 1:
             why, kind = f"expected 1 frame per message, got {len(parts)}", "multipart"
@@ -183,6 +213,12 @@ class _Base:
             self.stats.last_error = why
             self._warn(peer, kind, "rejected a frame from %s on %s: %s", peer, channel, why)
             self._send(channel, peer, ErrorMsg("protocol", why[:4000]))
+            if key is not None and self._strikes.strike(key) and self._mute_log.allow(peer):
+                log.warning(
+                    "ignoring frames from %s for %.0f s: %d refused frames within %.0f s "
+                    "(counted in stats.muted)",
+                    peer, self._strikes.remaining_s(key), STRIKE_LIMIT, STRIKE_WINDOW_S,
+                )  # fmt: skip
             return None
         self.stats.received += 1
         return Incoming(channel, peer, rec)

@@ -100,7 +100,10 @@ class TransportConfig:
 class TransportStats:
     sent: int = 0  # frames handed to the network
     received: int = 0  # frames decoded and delivered to the caller
-    rejected: int = 0  # frames refused: malformed, oversized, multipart, wrong channel
+    rejected: int = 0  # frames refused: malformed, oversized, multipart, wrong channel, muted
+    # frames dropped undecoded and unanswered: their connection sent STRIKE_LIMIT refused
+    # frames within STRIKE_WINDOW_S (pipeline.net.strikes); counted in ``rejected`` too
+    muted: int = 0
     wrong_identity: int = 0  # frames refused: the CURVE key does not own the claimed id
     unroutable: int = 0  # sends refused: unknown / gone peer, or its queue is full
     unauthenticated: int = 0  # CURVE handshakes refused (no key, unknown key, wrong server)

@@ -17,6 +17,11 @@ a live one; on CURVE sockets every frame must also come from a key that owns the
 claims (ZAP User-Id, pipeline.net.security.owns), or it is refused, counted
 (``stats.wrong_identity``) and dropped. So a generator holding one allowed key can neither
 impersonate another nor take its connection; its own reconnects still hand over.
+
+The learner counts refused frames per routing id (pipeline.net.strikes): a connection with
+too many has its frames dropped undecoded for a while. A routing id is any bytes (non-UTF-8
+ones decoded with surrogateescape): the transport's log lines escape it
+(pipeline.net.untrusted).
 """
 
 from __future__ import annotations
@@ -275,6 +280,9 @@ class ZmqLearnerEndpoint(_ZmqMixin, LearnerEndpoint):
             self._warn(peer, f"identity {user}", "refused frames on %s: %s", channel, why)
             return None
         return (channel, peer, parts[1:]), rid
+
+    def _strike_key(self, peer: str) -> bytes | None:
+        return self._cur_rid  # the connection (its nonce): an impostor cannot mute the real one
 
     def _accept(self, channel: Channel, peer: str, parts: list[bytes]) -> Incoming | None:
         self._replying = peer  # replies to this frame go back to the connection it came on

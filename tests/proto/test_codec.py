@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import tracemalloc
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 
 from proto import Codec, ProtocolError, Rollout, RolloutBatch, records
-from proto.codec import HEADER, MAGIC
+from proto.codec import FLAG_ZSTD, HEADER, MAGIC, ZSTD_MAGIC
 from proto.schema import REGISTRY
-from proto.version import PROTOCOL_MINOR
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from tests.proto.strategies import ALL, rollouts
 
 
@@ -129,6 +132,91 @@ def test_zip_bomb_is_refused_before_allocation() -> None:
         Codec(max_message_bytes=1 << 20).decode(frame)
 
 
+def zstd_zeros(size: int) -> bytes:
+    """One valid zstd frame that decompresses to ``size`` zero bytes and says so in its
+    header, built as an attacker builds it (nothing is compressed): RLE blocks of 128 KiB,
+    4 bytes each, so 1 GiB takes 32 KiB."""
+    out = [ZSTD_MAGIC, b"\xe0", struct.pack("<Q", size)]  # single segment, 8-byte size
+    left = size
+    while True:
+        n = min(left, 128 << 10)
+        left -= n
+        out.append(struct.pack("<I", (left == 0) | (1 << 1) | (n << 3))[:3] + b"\0")  # RLE
+        if left == 0:
+            return b"".join(out)
+
+
+def bomb_frame(declared: int) -> bytes:
+    """A looprl frame whose zstd body decompresses to ``declared`` zero bytes."""
+    head = HEADER.pack(MAGIC, PROTOCOL_MAJOR, PROTOCOL_MINOR, FLAG_ZSTD, 0)
+    return head + zstd_zeros(declared)
+
+
+def traced_peak(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated through Python's allocators while ``fn`` runs (zstandard's
+    output buffer included: it is a bytes object)."""
+    tracemalloc.start()
+    try:
+        fn()
+    except ProtocolError:
+        pass
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return peak
+
+
+def test_declared_oversize_is_refused_before_any_allocation() -> None:
+    limit = 64 << 10  # the learner's weights channel
+    codec = Codec(max_frame_bytes=limit, max_message_bytes=limit)
+    frame = bomb_frame(1 << 30)  # the attack: 1 GiB declared in a 32 KiB frame
+    assert len(frame) < 33 << 10
+    with pytest.raises(ProtocolError, match="decompressed size 1073741824 exceeds max_message"):
+        codec.decode(frame)
+    assert traced_peak(lambda: codec.decode(frame)) < 64 << 10  # nothing near 1 GiB
+    # What the limit allows is what decoding costs: tracemalloc sees that allocation.
+    at_limit = Codec(max_message_bytes=8 << 20)
+    assert 8 << 20 <= traced_peak(lambda: at_limit.decode(bomb_frame(8 << 20))) < 9 << 20
+    assert traced_peak(lambda: at_limit.decode(bomb_frame((8 << 20) + 1))) < 64 << 10
+
+
+def test_msgpack_object_amplification_is_bounded() -> None:
+    """0x90 is an empty list: 64 bytes of Python objects per body byte. Unbounded, this
+    4 MiB body (a few KiB compressed) builds 256 MiB of lists in 1.8 s."""
+    inner = b"\xdd" + struct.pack(">I", 65536) + b"\x90" * 65536  # 64 Ki empty lists
+    body = b"\x92\xa1x\xdc" + struct.pack(">H", 64) + inner * 64  # ["x", [64 of those]]
+    frame = HEADER.pack(MAGIC, PROTOCOL_MAJOR, PROTOCOL_MINOR, FLAG_ZSTD, 0)
+    frame += zstandard.ZstdCompressor(level=19).compress(body)
+    assert len(frame) < 64 << 10 and len(body) > 4 << 20
+    codec = Codec(max_message_bytes=len(body))
+    with pytest.raises(ProtocolError, match="decoded lists and maps exceed"):
+        codec.decode(frame)
+    assert traced_peak(lambda: codec.decode(frame)) < 3 * len(body)  # body + <= its budget
+    flat = b"\x92\xa1x\xdd" + struct.pack(">I", 1 << 24) + b"\xc0" * (1 << 24)  # 16 Mi None
+    with pytest.raises(ProtocolError, match="exceeds max_array_len"):
+        Codec().decode(HEADER.pack(MAGIC, PROTOCOL_MAJOR, PROTOCOL_MINOR, 0, 0) + flat)
+
+
+def test_skippable_zstd_frame_is_refused() -> None:
+    """A skippable frame reads as content size 0, yet python-zstandard allocates its
+    declared skip size (up to 4 GiB) before finding no data: refused on its magic."""
+    skip = struct.pack("<II", 0x184D2A50, 0xFFFFFFF0) + bytes(64)
+    frame = HEADER.pack(MAGIC, PROTOCOL_MAJOR, PROTOCOL_MINOR, FLAG_ZSTD, 0) + skip
+    with pytest.raises(ProtocolError, match="zstd magic"):
+        Codec().decode(frame)
+    assert traced_peak(lambda: Codec().decode(frame)) < 64 << 10
+
+
+def test_encode_refuses_a_body_its_receiver_would_not_decompress() -> None:
+    r = _rollout(4000)  # compresses well below 4 KiB, but its body is larger
+    codec = Codec(level=1, max_frame_bytes=1 << 20, max_message_bytes=4096)
+    with pytest.raises(ProtocolError, match="exceeds max_message_bytes 4096; split it"):
+        codec.encode(r)
+    big = Codec(level=1, max_message_bytes=1 << 20)
+    with pytest.raises(ProtocolError, match="exceeds max_message_bytes 4096"):
+        codec.decode(big.encode(r))
+
+
 def test_zstd_without_content_size_is_refused() -> None:
     import zstandard
 
@@ -210,7 +298,9 @@ def test_narrowing_and_shuffling_are_lossless_and_compress() -> None:
 
 def test_weight_announce_collective_round_trips_and_is_validated() -> None:
     """Protocol 1.2: WeightAnnounce.collective (publish.transport=collective)."""
-    info = {"store": "10.0.0.5:29610", "round": "v3/r7", "backend": "gloo", "timeout_s": 5.0}
+    info: dict[str, bool | int | float | str | None] = {
+        "store": "10.0.0.5:29610", "round": "v3/r7", "backend": "gloo", "timeout_s": 5.0
+    }  # fmt: skip
     ann = records.WeightAnnounce(3, "a" * 64, 12, 0, 0, collective=info)
     codec = Codec()
     back = codec.decode(codec.encode(ann))
