@@ -26,6 +26,15 @@ fsyncs and renames the directory into place, then removes complete checkpoints b
 newest `keep_last` and stale temporary directories. A directory without meta.json is never
 returned by `latest`.
 
+A write that fails (a full disk above all) raises :class:`CheckpointWriteError`, an OSError
+whose errno is the cause's (ENOSPC when the file system was full: megatron's writer reports
+one as a torch zip-writer error with no errno, or as a `CheckpointException`, which is a
+BaseException) and whose filename is the checkpoint directory; rank 0 removes the partial
+`.tmp-step_<step>` first (it never had meta.json). The checkpoints before it are untouched.
+megatron logs the failed write at ERROR before raising; while saving, those records of its
+writer are demoted to WARNING (kept in the log file, off the terminal: the error raised here
+is the one to report).
+
 megatron-core 0.16.1 workarounds (docs/LEARNER_CPU.md, "megatron issues"): a fresh
 optimizer's per-parameter states are created first (Adam zeros + step 0, SGD momentum zeros:
 the values its first step starts from) before any sharded state dict is requested, and
@@ -37,10 +46,14 @@ the checkpoint's step (megatron leaves one shared tensor holding the fresh optim
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +65,28 @@ import torch.distributed as dist
 from learner.network import adam_step_tensor
 from proto.fileio import fsync_path
 
-__all__ = ["CHECKPOINT_FORMAT", "Resumed", "latest", "load", "save"]
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointWriteError", "Resumed", "latest", "load", "save"]
 
 CHECKPOINT_FORMAT = "looprl-train-ckpt/1"
 _META = "meta.json"
 _LOOP_WEIGHTS = "loop_weights.pt"
 _OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
+LOW_SPACE_BYTES = 1 << 20  # a failed write with less free than this: the file system is full
+_WRITER_LOGGERS = ("megatron.core.dist_checkpointing", "torch.distributed.checkpoint")
+
+
+class CheckpointWriteError(OSError):
+    """Writing checkpoint ``filename`` failed; ``errno`` ENOSPC when the file system was full
+    (None: another cause, in ``strerror``). ``free`` / ``total``: bytes of the file system
+    when it failed (None: unknown). The partial directory is gone; earlier checkpoints stay."""
+
+    free: int | None = None
+    total: int | None = None
+
+    def __str__(self) -> str:
+        room = f"; {self.free:,} of {self.total:,} bytes free" if self.free is not None else ""
+        return (f"writing checkpoint {self.filename} failed: {self.strerror}{room}; the partial "
+                "checkpoint was removed (a resume never takes it)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,9 +180,8 @@ def save(
     keep_last: int = 3,
 ) -> Path:
     """Save `trainer` (a learner.trainer.Trainer) as `<run_dir>/checkpoints/step_<step>`; a
-    collective (every rank). data_cursor / pipeline_state: the caller's JSON-able state."""
-    from megatron.core import dist_checkpointing
-
+    collective (every rank). data_cursor / pipeline_state: the caller's JSON-able state.
+    CheckpointWriteError when writing fails (the partial directory removed)."""
     if keep_last < 1:
         raise ValueError(f"keep_last: expected >= 1, got {keep_last}")
     pipeline_state = dict(pipeline_state or {})
@@ -162,14 +190,34 @@ def save(
     root = Path(run_dir) / "checkpoints"
     name = f"step_{trainer.step_count:08d}"
     final, tmp = root / name, root / f".tmp-{name}"
+    try:
+        if _rank() == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+            for net_name in trainer.networks():
+                (tmp / "dist" / net_name).mkdir(parents=True)
+        _barrier()
+        _in_process_results_queue()
+        with _writer_errors_demoted():
+            _write_state(trainer, tmp)
+        _barrier()
+        if _rank() == 0:
+            _finish(trainer, root, tmp, final, data_cursor, pipeline_state)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # megatron's CheckpointException is a BaseException
+        raise _write_failed(err, root, tmp, final) from err
     if _rank() == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
-        for net_name in trainer.networks():
-            (tmp / "dist" / net_name).mkdir(parents=True)
+        _prune(root, keep_last)
     _barrier()
-    _in_process_results_queue()
+    return final
+
+
+def _write_state(trainer: Any, tmp: Path) -> None:
+    """Every network's model and optimizer, this rank's RNG state, the learned loop weights."""
+    from megatron.core import dist_checkpointing
+
     for net_name, net in trainer.networks().items():
         _init_optimizer_state(net.opt)
         model_sd = net.module.sharded_state_dict()
@@ -182,33 +230,96 @@ def save(
     learned = getattr(trainer, "loop_weights", None)  # loop_weighting learned: every rank's same
     if learned is not None and _rank() == 0:
         torch.save(learned.state_dict(), tmp / _LOOP_WEIGHTS)
-    _barrier()
+
+
+def _finish(trainer: Any, root: Path, tmp: Path, final: Path, data_cursor: Any,
+            pipeline_state: dict[str, Any]) -> None:  # fmt: skip
+    """Rank 0: meta.json last, fsync, then the rename that makes the checkpoint complete."""
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "step": trainer.step_count,
+        "update_count": trainer.update_count,
+        "weight_version": trainer.weight_version,
+        "world_size": _world(),
+        "tp_size": _tp_size(),
+        "dp_size": trainer.dp_size,
+        "schedulers": {k: n.sched.state_dict() for k, n in trainer.networks().items()},
+        "skipped_nonfinite": {k: n.skipped_nonfinite for k, n in trainer.networks().items()},
+        "data_cursor": data_cursor,
+        "pipeline_state": pipeline_state,
+    }
+    with open(tmp / _META, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(tmp)
+    if final.exists():  # the same step saved again (e.g. after a crash): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_path(root)
+
+
+def _errno(err: BaseException) -> int | None:
+    """The first errno in ``err``'s chain (causes, contexts, and the per-rank failures a
+    torch CheckpointException carries)."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [err]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return int(e.errno)
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(v[0] for v in failures.values()
+                         if isinstance(v, tuple) and v and isinstance(v[0], BaseException))  # fmt: skip
+    return None
+
+
+def _write_failed(err: BaseException, root: Path, tmp: Path, final: Path) -> CheckpointWriteError:
+    """The CheckpointWriteError for ``err`` (its errno, else ENOSPC when under LOW_SPACE_BYTES
+    are free, measured before the partial directory is removed), the partial removed."""
+    code = _errno(err)
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        usage = None
+    if code is None and usage is not None and usage.free < LOW_SPACE_BYTES:
+        code = errno.ENOSPC
     if _rank() == 0:
-        meta = {
-            "format": CHECKPOINT_FORMAT,
-            "step": trainer.step_count,
-            "update_count": trainer.update_count,
-            "weight_version": trainer.weight_version,
-            "world_size": _world(),
-            "tp_size": _tp_size(),
-            "dp_size": trainer.dp_size,
-            "schedulers": {k: n.sched.state_dict() for k, n in trainer.networks().items()},
-            "skipped_nonfinite": {k: n.skipped_nonfinite for k, n in trainer.networks().items()},
-            "data_cursor": data_cursor,
-            "pipeline_state": pipeline_state,
-        }
-        with open(tmp / _META, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(tmp)
-        if final.exists():  # the same step saved again (e.g. after a crash): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_path(root)
-        _prune(root, keep_last)
-    _barrier()
-    return final
+        shutil.rmtree(tmp, ignore_errors=True)
+    first = " ".join(str(err).split("Traceback")[0].split()) or type(err).__name__
+    why = os.strerror(code) if code is not None else f"{type(err).__name__}: {first[:200]}"
+    out = CheckpointWriteError(code, why, str(final))
+    if usage is not None:
+        out.free, out.total = usage.free, usage.total
+    return out
+
+
+class _Demote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+@contextmanager
+def _writer_errors_demoted() -> Iterator[None]:
+    """megatron's checkpoint writer logs a failed write at ERROR and then raises it: while
+    saving, its records are WARNINGs (the log file keeps them; the raised error is reported)."""
+    demote = _Demote()  # a logger's filters see only its own records: every writer module's
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith(_WRITER_LOGGERS)]
+    loggers = [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addFilter(demote)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(demote)
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:

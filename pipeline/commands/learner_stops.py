@@ -9,7 +9,10 @@ kept, and that ``looprl learner --resume RUN_DIR`` continues once space is freed
 Nothing acknowledged is lost on a full disk: the recorder appends and flushes a rollout's
 frame before the learner acknowledges it (pipeline.core.recorder), so a frame that could
 not be written was never acknowledged and its generator sends it again; a checkpoint is
-written to a temporary directory and renamed only when complete (learner.checkpoint).
+written to a temporary directory and renamed only when complete (learner.checkpoint: a
+failed write raises CheckpointWriteError, an OSError naming the checkpoint directory with
+ENOSPC when the disk was full, after removing the partial directory; its line names the
+checkpoint, the cause and the space free when it failed).
 """
 
 from __future__ import annotations
@@ -71,13 +74,24 @@ def disk_full(run_dir: Path, err: BaseException, trainer: Any) -> DiskFull | Non
     if nospace is None and (space is None or space[0] >= LOW_SPACE_BYTES):
         return None
     path = Path(nospace.filename) if nospace is not None and nospace.filename else run_dir
+    todo = (f"kept: {kept(run_dir, trainer)}; free space, then `looprl learner --resume "
+            f"{run_dir}` continues from the checkpoint")  # fmt: skip
+    from learner.checkpoint import CheckpointWriteError  # torch is loaded by now (not at startup)
+
+    if isinstance(nospace, CheckpointWriteError):  # the space when it failed, before its partial
+        # directory was removed; the checkpoints before it are what a resume takes
+        free, total = nospace.free, nospace.total
+        room = f"{free:,} of {total:,} bytes free when it failed; " if free is not None else ""
+        return DiskFull(
+            f"no space left on device writing checkpoint {path} ([Errno {nospace.errno}] "
+            f"{nospace.strerror}; {room}the partial checkpoint was removed, a resume never "
+            f"takes it); {todo}"
+        )
     why = " ".join(str(err).split())
     why = why if len(why) <= 100 else why[:97] + "..."
     room = f"{space[0]:,} of {space[1]:,} bytes free" if space else "free space unknown"
     return DiskFull(
-        f"no space left on device writing {path} ({room}; {type(err).__name__}: {why}); "
-        f"kept: {kept(run_dir, trainer)}; free space, then `looprl learner --resume {run_dir}` "
-        "continues from the checkpoint"
+        f"no space left on device writing {path} ({room}; {type(err).__name__}: {why}); {todo}"
     )
 
 
