@@ -64,6 +64,7 @@ from pipeline.net.security import ClientCurve, generator_id_for
 from pipeline.net.transport import ConnectTimeout
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.untrusted import EscapeArgs
 
 log = logging.getLogger(__name__)
 
@@ -462,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for h in logging.getLogger().handlers:  # a learner's text in a log line: escaped
+        h.addFilter(EscapeArgs())
     try:
         return serve(cfg)
     except ValueError as e:  # ConfigError, a bad config.json (models.errors), bad keys ...

@@ -33,6 +33,7 @@ from pipeline.commands import console
 from pipeline.commands.learner_main import model_dir, resolve_config
 from pipeline.config import ConfigError
 from pipeline.core.recorder import read_rollouts, read_steps
+from pipeline.net.untrusted import EscapeArgs
 from proto.stream_format import check_stream_dir
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         console.setup(out / name, verbose=verbose, level=logging.WARNING)
     else:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        for h in logging.getLogger().handlers:  # a learner's text in a log line: escaped
+            h.addFilter(EscapeArgs())
     try:
         res = replay(stream, out, args.config, list(args.overrides))
     except (ValueError, FileNotFoundError) as e:  # ConfigError, StreamError, bad model dir
