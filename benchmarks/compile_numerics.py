@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/compile_numerics.py
 
-Issue 14 item 4 (CPU part). Two checks, printed as JSON lines:
+The CPU part of the compiled decode's numerics. Two checks, printed as JSON lines:
 
 1. per primitive of a tiny Huginn `SandwichBlock` (32 rows, fast numerics): how many output
    elements `torch.compile(backend="inductor")` changes against eager (rms_norm, RoPE,

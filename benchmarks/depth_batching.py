@@ -2,7 +2,7 @@
 
     python benchmarks/depth_batching.py                           # CPU: small Huginn, fp32
     python benchmarks/depth_batching.py --shape huginn_0125 --dtype bfloat16 --batch 64 \\
-        --depth 32 --engine                                       # the H200 (issue 25)
+        --depth 32 --engine                                       # the H200
 
 What runs (`models.engine.run_chunk`, the reference engine's decode, one token per row per
 chunk, greedy next token on the device): a prompt of `--prompt` tokens prefilled at depth D once

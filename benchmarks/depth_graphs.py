@@ -1,5 +1,6 @@
 """A STAND-IN, not the product's path: what depth batching could cost per token with every core
-iteration in a CUDA graph (issue 25's GPU goal, session 13). One JSON line.
+iteration in a CUDA graph (the goal: 0.6x the fixed depth's time per token at mean depth
+D/2). One JSON line.
 
     python benchmarks/depth_graphs.py --device cuda --batch 256 --depth 16     # one H200
     python benchmarks/depth_graphs.py --device cpu --tiny                       # a smoke run

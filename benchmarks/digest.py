@@ -1,4 +1,4 @@
-"""The weight digest (DESIGN contract 6, models/weights/digest.py) alone: GB/s of the tree digest.
+"""The weight digest (docs/CONTRACTS.md 6, models/weights/digest.py) alone: GB/s of the tree digest.
 
     python benchmarks/digest.py --sizes-gib 1,7             # this host, every CPU
     python benchmarks/digest.py --sizes-gib 7 --workers 1,4,16

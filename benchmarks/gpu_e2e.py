@@ -1,4 +1,4 @@
-"""The whole system on one GPU (issue 25 item 3): `looprl run` with the learner and a torch-engine
+"""The whole system on one GPU: `looprl run` with the learner and a torch-engine
 generator as two processes sharing the device, at a Huginn GPU shape, on a verifiable task.
 
     python benchmarks/gpu_e2e.py --size 1b                  # one H200: ~6 min (scripts/gpu_check.sh PARTS=e2e)

@@ -54,7 +54,7 @@ digest seconds), `intake_rollouts_per_s` (rollouts trained per wall second) and
 `peak_mem_gib` (the learner's CUDA peak, metrics `mem/peak_gib`; null on CPU),
 `peak_rss_gib` (the learner process's peak resident memory), `losses`, `grad_norms`, `health`
 (benchmarks/health.py), `logprob_mismatch_max`, `refused_total`, `meets_busy_target`
-(busy_fraction >= 0.95 with one version per step: issue 22's done-when).
+(busy_fraction >= 0.95 with one version per step: the learner's target).
 """
 
 from __future__ import annotations

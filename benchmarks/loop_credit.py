@@ -46,7 +46,7 @@ exit distribution p(t) and the mean cross-entropy after each loop on the test an
 "objective", "steps", "loss_first", "loss_last", "s"}}, settings, "wall_s", "load_1m": [at
 start, at end]}. Spread = the sample standard deviation over seeds.
 
-The GPU mode, ``--device cuda`` (issue 23 item 6; `PARTS=loop_credit_gpu bash
+The GPU mode, ``--device cuda`` (`PARTS=loop_credit_gpu bash
 scripts/gpu_check.sh` holds its command: Ouro ``--size small``, 13M parameters): the warm
 start, the generation copy and the evaluation on the GPU, every arm trained by the megatron
 learner there (backend=megatron), ``task.max_prompt_tokens`` set to the longest prompt so
@@ -56,7 +56,7 @@ Each arm's ``collapsed``: its seeds under half the warm start's held-out accurac
 Arms: any of last, uniform, progressive, exit_pdf (Ouro's exit gate only), or
 ``name:key=value;key=value``: run-config overrides for that arm. An arm's
 rollout.exit_policy replaces --exit-policy for its rollouts and its evaluation, e.g. the
-sampled exit with a compute cost (issue 23 item 3)::
+sampled exit with a compute cost::
 
     --arms 'last,sampled_cost:rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.depth_cost=0.2;objective.exit_entropy_coef=0.01'
 

@@ -1,5 +1,5 @@
 """How full the packed rows of benchmarks/trainer_gpu.py's spread are, in training order (next
-fit, before session 10) and in first-fit-decreasing bins (`learner.batching.pack_updates`):
+fit, the earlier rule) and in first-fit-decreasing bins (`learner.batching.pack_updates`):
 a function of the rollouts' lengths alone, so no model and no GPU. One JSON line.
 
     python benchmarks/pack_fill.py                       # Huginn-0125 shape, 16 and 64 rollouts

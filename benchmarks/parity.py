@@ -6,7 +6,7 @@
 Each line: {"family", "pair", "mode", "max_abs_logprob_diff", "tokens", "depth_min",
 "depth_max", "kv", "seconds"}. Families are the four tiny models with their default policy
 and KV semantics, plus variants (`VARIANTS`): Ouro's gate (q = 0.8) in each exit KV semantics
-(`ouro_kv_full`, `ouro_kv_last_exited`, DESIGN contract 3) and Huginn thinking 48 iterations,
+(`ouro_kv_full`, `ouro_kv_last_exited`, docs/CONTRACTS.md 3) and Huginn thinking 48 iterations,
 8x its tiny mean_recurrence of 6 (`huginn_depth48`). Pairs:
 
 - reference: `models.reference.generate` (token by token, KV cache per (iteration, layer),

@@ -76,7 +76,7 @@ class Job:
     top_p: float
     gen_seconds: float
     kv: str | None = None
-    """The exit policy's KV semantics (DESIGN contract 3; None = the family's default)."""
+    """The exit policy's KV semantics (docs/CONTRACTS.md 3; None = the family's default)."""
 
 
 def splits(config: ModelConfig, tp: int) -> bool:

@@ -22,7 +22,7 @@ tensors (DMA; `open_verify_s` is the whole of it);
 tree digest per piece), else, for shared_fs or a refused copy, read the safetensors directory
 and hash it (`open_verify_s`), then the copy into the tensors (`to_device_s`, synchronised).
 `delivery_s` = from the announce sent to the weights in the device tensors; `*_cpu_s` = CPU seconds of each process's part (all
-its threads). The issue's target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
+its threads). The target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The torch generator engine at adaptive exit depths, end to end (issue 25): what a generated
+"""The torch generator engine at adaptive exit depths, end to end: what a generated
 token costs at a mean exit depth of ~D/2 and ~D/4 against the fixed depth D, decoding one chunk
 per token (`TorchEngine(ticks=0)`: the deepest row sets every row's iterations, depth batching
 computes only the running rows) or by ticks (`ticks=k`: every row at its own iteration of its

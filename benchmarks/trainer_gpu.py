@@ -5,7 +5,7 @@
     python benchmarks/trainer_gpu.py --shape ouro_1b --tp 2    # Ouro-1.4B shape (torchrun, 2 GPUs)
     python benchmarks/trainer_gpu.py --device cpu --tiny       # CPU smoke test (tests/learner)
     python benchmarks/trainer_gpu.py --shape huginn_0125 --compile --layout packed --batch 16
-                                            # packed rows on responses U(256, 4096) (issue 22)
+                                            # packed rows on responses U(256, 4096)
     torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py ...   # DP = 2 (or --tp 2)
 
 The Trainer is built exactly as `looprl learner` builds it: a RunConfig (`--set key=value`
@@ -38,7 +38,7 @@ counts; matmuls only, norms and element-wise ops omitted):
 No-grad iterations count as forward only. MFU = FLOP/s / (989e12 x GPUs) (H100/H200 dense
 bf16 datasheet; the learner.py stand-in used the same); tokens/s counts all ranks' tokens. k = min(backprop depth, r) (0 = all = r).
 
-Layouts (`--layout`, issue 22 item 4): `full` (the default, above: every row `seq` positions);
+Layouts (`--layout`): `full` (the default, above: every row `seq` positions);
 `padded`: a realistic length spread, responses uniform in [--resp-min, --resp-max] tokens
 (default 256-4,096) after the shape's prompt, today's rows padded to the longest of each
 micro-batch (`--micro` rows); `packed` (`--packed`): the same spread, learner.

@@ -1,4 +1,4 @@
-"""The same small GRPO job in Hugging Face TRL and in looprl, one after the other (issue 29).
+"""The same small GRPO job in Hugging Face TRL and in looprl, one after the other.
 
     python benchmarks/vs_trl.py [--steps 120] [--cache DIR] [--skip-trl] [--skip-looprl]
                                 [--variant NAME=KEY=VALUE[,KEY=VALUE...] ...]

@@ -8,7 +8,7 @@ Order of calls (one thread; `load_weights` may also come from another thread):
     engine.load_weights(source, version=v, digest=d)   # verify (or trust), then swap in place
 
 One vLLM request per sample (each has its own latent seed, `extra_args["latent_seed"]`).
-Per-token exit depths, behaviour log-probs (DESIGN contract 4, the plugin's own
+Per-token exit depths, behaviour log-probs (docs/CONTRACTS.md 4, the plugin's own
 `models.reference.behaviour_logprobs` of the sampling position, same numerics mode) and
 weight versions come from the plugin's side channel (`generator.vllm_records`), fetched with
 `LLM.collective_rpc` once a request finishes. vLLM's own sampler log-probs

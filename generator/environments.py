@@ -1,4 +1,4 @@
-"""Environments: multi-turn conversations scored turn by turn (issue 26; docs/TASKS.md).
+"""Environments: multi-turn conversations scored turn by turn (docs/TASKS.md).
 
 The protocol (resolved from ``task.environment = "package.module:Class"``, like a reward)::
 

@@ -2,8 +2,8 @@
 
 ``MultiTurnEngine(engine, env, renderer, ...)`` is an Engine (generator.protocols) around the
 LoopedEngine or TorchEngine: ``generate(items)`` returns, per item and latent seed, one
-Sample holding the whole conversation after the first prompt (issue 26, the multi-turn wire
-contract), in rounds::
+Sample holding the whole conversation after the first prompt (the multi-turn wire
+contract: `Rollout.token_mask`), in rounds::
 
     reset every conversation (generator.environments.EnvCalls: per-call limits)
     while some conversation goes on:

@@ -1,4 +1,4 @@
-"""The torch engine's adaptive decode by ticks (`TorchEngine(ticks=k)`, issue 25): requests
+"""The torch engine's adaptive decode by ticks (`TorchEngine(ticks=k)`): requests
 decoded on a `models.engine_ticks.Ticker`, every row at its own core iteration of its own token,
 instead of one `run_chunk` per decoded token whose deepest row sets the iterations of all.
 

@@ -10,7 +10,7 @@ layer, each owning a vLLM `Attention` (hence its own paged KV cache). Per call:
   through the block table and attention runs as `models.numerics.attention(mode="exact")`
   (fp64, the order-defined recipe), so it equals the reference bit for bit.
 - `write(k, v)`: only stores k, v (iterations no token of the step still runs; the cache
-  must still hold every token's last-exited K/V for later queries, DESIGN contract 3,
+  must still hold every token's last-exited K/V for later queries, docs/CONTRACTS.md 3,
   kv: last_exited; under kv: full every token runs every iteration and writes its own).
 - `attend_rows(q, k, v, plan)` (fast, CPU_ATTN; depth batching): stores the K/V of all the
   step's tokens, then runs vLLM's CPU attention kernel on the queries of the running rows

@@ -32,7 +32,7 @@ _RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("looprl_runner", d
 _HOOK_ATTR = "_looprl_hooked"
 
 SEED_KEY = "latent_seed"
-"""`SamplingParams.extra_args` key of the 64-bit latent seed (DESIGN contract 1)."""
+"""`SamplingParams.extra_args` key of the 64-bit latent seed (docs/CONTRACTS.md 1)."""
 RECORD_KEY = "looprl_id"
 """`SamplingParams.extra_args` key of the id the side-channel records are filed under
 (default: vLLM's internal request id)."""

@@ -23,7 +23,7 @@ tokens runs, like `models.engine.run_chunk`:
                    their exit state is kept aside for the readout
     hidden = readout_out(coda(readout_in(s_exit)))  -> compute_logits: head(hidden)
 
-Depth batching (issue 25 item 1; `depth_batching = True`, the default): under kv 'last_exited' an
+Depth batching (`depth_batching = True`, the default): under kv 'last_exited' an
 iteration in which some tokens of the step have exited computes only the M running ones: their rows
 of the state and the embedding are gathered (`index_select`), run through core_in, each core
 block's norms / projections / RoPE / MLP and core_out as an [M, h] batch, and written back
@@ -46,9 +46,9 @@ K/V), not the weight reads (once per iteration while any token runs: where a ste
 the deepest token sets the time), not the exit policy's per-iteration work on the policy rows. kv
 'full' cannot save: every token feeds its K/V to every iteration's slot (later tokens' queries at
 those depths read them), so it runs the masked loop. Measured (docs/PERFORMANCE.md, "Depth
-batching", "Session 15"; `benchmarks/depth_batching.py --plugin`): Ouro small, D = 16, mean exit
-depth D/2, one CPU thread: 0.49-0.59x the FixedDepth decode time per token at batch 256, 0.63x
-at 128, 0.69x at 64 (the masked path 0.94-1.02x).
+batching in the vLLM plugin (CPU)"; `benchmarks/depth_batching.py --plugin`): Ouro small,
+D = 16, mean exit depth D/2, one CPU thread: 0.49-0.59x the FixedDepth decode time per token
+at batch 256, 0.63x at 128, 0.69x at 64 (the masked path 0.94-1.02x).
 
 Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
 exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless

@@ -1,7 +1,7 @@
 """Latent noise of the plugin's steps, drawn ahead per request (Huginn's initial state).
 
 `models.noise.latent_noise(seed, p, h)` is a function of (seed, position) alone, element by
-element (DESIGN contract 1, docs/NOISE.md): rows drawn in one call or in another, alone or
+element (docs/CONTRACTS.md 1, docs/NOISE.md): rows drawn in one call or in another, alone or
 in a batch, are the same bits. A decode step needs one row per request (its next position),
 and drawing that row costs about 50 numpy calls whatever the number of rows, so each request
 whose rows are not drawn yet gets its positions of this step plus the next `ahead` ones, all

@@ -6,7 +6,7 @@ behaviour log-probs, for the looped models the cross-check `Sample.sampler_logpr
 carries them from the sampler to the caller as Python objects: a list per step
 (`LogprobsTensors.tolists`), a slice per request in the scheduler, a `Logprob` object in a
 dict per token in the output processor: ~7 ms of a ~90 ms engine batch of the small job (128
-requests x 8 tokens; docs/PERFORMANCE.md, issue 29). An engine that turns the book on
+requests x 8 tokens; docs/PERFORMANCE.md, "Side by side with TRL"). An engine that turns the book on
 (`enable_book`, through `LLM.collective_rpc`) has the runner's `_sample` wrapped
 (`install_sampler_hook`, idempotent, at plugin load): after vLLM's sampler ran, column 0 of its
 `logprobs_tensors` (the sampled token's log-prob: `Sampler.gather_logprobs` puts it first) is

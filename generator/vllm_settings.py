@@ -8,7 +8,7 @@
                      "min_depth": 1, "max_depth": null}
                   | {"kind": "ouro_gate", "q": 0.8, "min_depth": 1, "max_depth": null},
                   every kind also takes "kv": "full" | "last_exited" | null (family default;
-                  DESIGN contract 3) and a depth / max_depth up to 255 (beyond the model's own)
+                  docs/CONTRACTS.md 3) and a depth / max_depth up to 255 (beyond the model's own)
      "record": true}                                      per-token depths / log-probs side channel
 
 The policy's JSON form and its parser live in `models.exits` (the learner reads the same run

@@ -118,8 +118,8 @@ class TrainBatch:
     extra: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     """[B, L] per-token tensors added by the trainer (advantages, prox_logp, ...)."""
     full_depths: Tensor | None = None
-    """[B] int64: each row's full depth D (Rollout.full_depth, else exit_depths[0]; DESIGN
-    contract 2): exit_depths[b, 0] is D only when the prompt has 2+ tokens."""
+    """[B] int64: each row's full depth D (Rollout.full_depth, else exit_depths[0];
+    docs/CONTRACTS.md 2): exit_depths[b, 0] is D only when the prompt has 2+ tokens."""
     packed: bool = False
     """A micro-batch the step cut by tokens (learner.max_tokens_per_micro): a forward that
     packs lays its rows end to end (`packed_inputs`); the layout of its tensors is unchanged."""

@@ -6,7 +6,7 @@ tensor-parallel rank. Every linear is a megatron `ColumnParallelLinear` / `RowPa
 (`VocabParallelEmbedding` for the embedding), so Megatron DDP, the DistributedOptimizer and
 `dist_checkpointing` see ordinary megatron parameters.
 
-Numerics (DESIGN contract 5, `models.numerics`):
+Numerics (docs/CONTRACTS.md 5, `models.numerics`):
 
 - `fast`: megatron's own forward (native fp32 / bf16 matmuls) and attention through
   `F.scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels on GPU). A

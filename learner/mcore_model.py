@@ -17,7 +17,7 @@ so every TP size starts from the same full weights.
 
 Forward = the reference replay (`models.engine.run_chunk` with recorded depths), batch-first:
 tokens [B, S] right-padded; one parallel pass over all positions per core iteration d. Exited
-positions follow the KV semantics `kv` (DESIGN contract 3; `MegatronOptions.kv`, default the
+positions follow the KV semantics `kv` (docs/CONTRACTS.md 3; `MegatronOptions.kv`, default the
 family's): 'last_exited': position p is active while d <= depths[p]; an inactive position
 keeps its state and attends / is attended with its K/V of its exit iteration. 'full': every
 position of row b runs its row's full depth D_b = its deepest position (the prompt's depth);

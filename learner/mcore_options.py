@@ -25,7 +25,7 @@ class MegatronOptions:
     """How the learner builds a looped model on megatron-core."""
 
     numerics: str = "fast"
-    """Default numerics mode of forward ('fast' | 'exact'; DESIGN contract 5)."""
+    """Default numerics mode of forward ('fast' | 'exact'; docs/CONTRACTS.md 5)."""
     params_dtype: torch.dtype = torch.float32
     """Parameter (and activation) dtype; exact mode needs float32."""
     recompute: str = "none"
@@ -43,7 +43,7 @@ class MegatronOptions:
     compile: bool = False
     """torch.compile every block (fast numerics only)."""
     kv: str | None = None
-    """KV semantics of exited tokens replayed by forward (DESIGN contract 3): 'full' |
+    """KV semantics of exited tokens replayed by forward (docs/CONTRACTS.md 3): 'full' |
     'last_exited'; None = the family's default (`models.exits.default_kv`). The run's exit
     policy names it; it must be the one the rollouts were generated with."""
 

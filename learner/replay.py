@@ -14,12 +14,12 @@ Batch layout (the same as `models.reference.replay`): row b holds prompt + compl
 positions plen - 1 .. plen + n - 2 sampled the n completion tokens (`loss_mask`). Prompt
 positions 0..plen-2 run the full depth D (`ReplayItem.full_depth`; None = exit_depths[0], older
 completions), position plen - 1 + t exits after exit_depths[t] iterations (token 0 included);
-`kv` names the KV semantics of exited positions (DESIGN contract 3; None = the model's
+`kv` names the KV semantics of exited positions (docs/CONTRACTS.md 3; None = the model's
 `MegatronOptions.kv`, else the family's default).
 
 Token statistics. The head gives this rank's vocab shard of the logits; at TP > 1 the rows of
 `loss_mask` are all-gathered to full vocabulary (megatron's gather, whose backward takes the
-local slice), and padded vocabulary rows are dropped. Then, per DESIGN contract 4:
+local slice), and padded vocabulary rows are dropped. Then, per docs/CONTRACTS.md 4:
 - exact mode, or top_p < 1: `models.reference.behaviour_logprobs` (the reference recipe,
   top-p nucleus included; exact = fp64 log-softmax rounded to fp32) and its entropy;
 - fast mode with top_p == 1: `learner.vocab_ops.token_stats` (chunked, memory-lean backward).

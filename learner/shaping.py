@@ -8,8 +8,8 @@ policies), in this order:
 2. **Soft overlong penalty** (DAPO; ``objective.overlong_buffer`` > 0): a completion whose length
    L passes ``max_tokens - overlong_buffer`` loses ``overlong_penalty`` x (L - (max_tokens -
    overlong_buffer)) / overlong_buffer, the whole penalty at max_tokens: `shape_rollouts`.
-3. **Depth cost** (``objective.depth_cost`` > 0; issue 23): every completion's reward loses
-   ``depth_cost`` x mean_t(exit_depths[t]) / D, D = the run's full depth (``Rollout.full_depth``;
+3. **Depth cost** (``objective.depth_cost`` > 0; docs/OBJECTIVES.md): every completion's
+   reward loses ``depth_cost`` x mean_t(exit_depths[t]) / D, D = the run's full depth (``Rollout.full_depth``;
    ``exit_depths[0]`` in older streams): compute spent as a fraction of the most the policy
    allows, so a cost c makes always thinking to D worth c of reward: `shape_rollouts`.
 4. **KL penalty** (``objective.kl_in_reward``), once the frozen reference's log-probs exist (the

@@ -173,7 +173,7 @@ class TorchPolicy:
     ) -> tuple[Tensor, Tensor]:
         """(logits [B, L, V], hidden [B, L, H]) at every input position of the micro-batch's
         rows, each row at its recorded depths (or ``depths``) with its latent seed (full depth:
-        its deepest position: the prompt's D, DESIGN contract 2; with a one-token prompt a
+        its deepest position: the prompt's D, docs/CONTRACTS.md 2; with a one-token prompt a
         smaller one, which no read-out depends on: learner.mcore_model's rule)."""
         depths = mb.exit_depths if depths is None else depths
         valid = mb.position_ids < mb.seq_lens[:, None]

@@ -192,7 +192,7 @@ def token_stats(
             sampling support) are allowed and contribute exactly 0.
         targets: [N] integer token ids in [0, V), the sampled tokens.
         temperature: > 0; both logit tensors are divided by it (the distribution actually
-            sampled from, DESIGN.md contract 4).
+            sampled from, docs/CONTRACTS.md 4).
         chunk: >= 1, vocabulary columns processed at once; need not divide V.
 
     Returns:
@@ -246,7 +246,7 @@ def contract_token_stats(
     rows: Tensor, old: Tensor | None, targets: Tensor, temperature: float, top_p: float,
     mode: str,
 ) -> dict[str, Tensor]:  # fmt: skip
-    """Token statistics of logit rows [N, V] exactly as DESIGN contract 4 defines the sampled-from
+    """Token statistics of logit rows [N, V] exactly as docs/CONTRACTS.md 4 defines the sampled-from
     distribution (models.reference.behaviour_logprobs in ``mode``, the nucleus included):
     {"logp", "entropy"} [N] and, with the proximal rows ``old``, {"kl": KL(old || new),
     "prox_logp"}. The megatron learner in numerics exact and the reference backend (always)

@@ -246,7 +246,7 @@ class ChatRenderer:
         """Token ids to append after a model turn whose sampled ids are ``sampled``: the end of
         the assistant turn that the model did not sample itself (its end-of-turn token, when
         the turn stopped for length), the observation's messages (text: one user message) and
-        the generation prompt; earlier ids are never re-tokenized (issue 26's token-in-token-out).
+        the generation prompt; earlier ids are never re-tokenized (token in, token out).
 
         Chat template: the text the template adds between an assistant message and the
         generation prompt after ``observation``, found by rendering a placeholder conversation

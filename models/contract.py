@@ -1,4 +1,5 @@
-"""The replay contracts (DESIGN.md 1, 2 and 5) as code: one owner that every consumer imports.
+"""The replay contracts (docs/CONTRACTS.md 1, 2 and 5) as code: one owner that every consumer
+imports.
 
 - Latent seeds (contract 1): 64-bit unsigned integers. ``check_latent_seed`` validates one;
   ``seed_to_i64`` / ``seed_from_i64`` wrap it into the signed int64 that torch tensors hold

@@ -12,7 +12,7 @@ row's cache. A chunk runs, for every position at once:
 On a device other than the CPU, Huginn's latent noise (contract 1) is computed there by
 `models.noise.latent_noise_torch` (the spec's bits), not drawn on the CPU and copied.
 
-Exited positions follow one of the two KV semantics of DESIGN contract 3 (`kv`):
+Exited positions follow one of the two KV semantics of docs/CONTRACTS.md 3 (`kv`):
 
 - `last_exited` is implemented by copying: when a position exits after iteration e, its K/V of
   slots (e, l) are copied into slots (d, l) for every d > e, so any later query at iteration d
@@ -25,7 +25,7 @@ Exited positions follow one of the two KV semantics of DESIGN contract 3 (`kv`):
 Attention of the query at position p sees the cached positions t <= p of its own row
 (`filled`).
 
-Depth batching (issue 25 item 1; `compact=True`, the default): at core iteration d only the
+Depth batching (`compact=True`, the default): at core iteration d only the
 positions still running are computed. Their rows of the state are gathered (`index_select`),
 run through core_in / the core stack / core_out as an [M, h] batch (M = running positions;
 their K/V written by integer indices), and written back (`index_copy`); attention takes their

@@ -1,4 +1,4 @@
-"""The fixed-depth decode step without host syncs, and its CUDA graph (issue 14 item 4).
+"""The fixed-depth decode step without host syncs, and its CUDA graph.
 
 `models.engine.run_chunk` decodes one token per row per chunk; at a fixed depth (every token
 runs `depth` core iterations: `models.exits.FixedDepth`) its arithmetic has no data-dependent
@@ -23,7 +23,7 @@ replay, then copied into the static buffers:
 - the RoPE rows: `model.rope(positions)` on the device positions, as run_chunk computes them
   (Huginn's bounds check reads the positions on the host, and exact-mode split-half RoPE builds
   its fp64 table on the CPU: neither can live in a graph);
-- Huginn's latent noise z (DESIGN contract 1): on CUDA `models.noise.latent_noise_torch` on
+- Huginn's latent noise z (docs/CONTRACTS.md 1): on CUDA `models.noise.latent_noise_torch` on
   the device positions (the spec's bits; its argument checks sync, so it runs before the
   replay, not in the graph), on the CPU `models.noise.latent_noise`, the spec, as run_chunk
   draws them; the graph computes s_0 = (z std) scale from the buffer. (The learner's Triton

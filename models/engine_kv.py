@@ -2,7 +2,7 @@
 on CUDA: one program per row (and kv head), no advanced-index kernels.
 
 The ticks write one position per row per layer into a slot that differs per row, and a readout
-copies an exited row's K/V of its exit iteration into every later slot (DESIGN contract 3,
+copies an exited row's K/V of its exit iteration into every later slot (docs/CONTRACTS.md 3,
 last_exited). As torch indexing (`dst[slot, rows, pos] = x`; a gather, `where` and scatter over
 [D, layers, 2, B, G, head_dim]) these took ~30 us a write and ~1 ms a readout in torch's generic
 index kernels on the H200 (the profile in docs/PERFORMANCE.md, "Depth batching"); a row's K/V

@@ -1,10 +1,10 @@
-"""Decode by ticks in a CUDA graph: every row, every tick, one fixed shape (issue 25).
+"""Decode by ticks in a CUDA graph: every row, every tick, one fixed shape.
 
 `models.engine_ticks.Ticker` runs a tick on the rows still iterating (compacted, like the chunk
 decode's depth batching) and asks the host after every tick which rows exited: on a GPU each
 tick is ~150 eager kernel launches plus gathers and a sync, so at a batch of 256 the adaptive
 decode was launch-bound at ~5x the fixed-depth CUDA graph's time per token
-(docs/PERFORMANCE.md, "Session 13 on the H200"). Here a tick has one shape whatever the exits:
+(docs/PERFORMANCE.md, "The torch engine on the GPU"). Here a tick has one shape whatever the exits:
 
 - every row of the batch runs the core iteration of its own token at its own iteration index
   (``it``, the K/V slot it writes and reads) and position; a row that is not iterating (idle,

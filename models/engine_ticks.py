@@ -1,4 +1,4 @@
-"""Decode by ticks: every row at its own core iteration of its own token (issue 25).
+"""Decode by ticks: every row at its own core iteration of its own token.
 
 `models.engine.run_chunk` decodes one token per row per chunk: a chunk runs the core until its
 deepest row exits, so at a mean exit depth of D/2 a batch still runs ~D iterations, and where an

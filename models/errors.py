@@ -12,7 +12,8 @@ class CheckpointError(ValueError):
 
 
 class NonFiniteWeightsError(ValueError):
-    """A weight set holds NaN or inf values: it must never be published (DESIGN invariant).
+    """A weight set holds NaN or inf values: it must never be published (docs/CONTRACTS.md,
+    invariants).
     ``name`` is the first such tensor (sorted by name), ``count`` its number of non-finite
     elements, ``numel`` its size; ``where`` says which weight set (may be empty)."""
 

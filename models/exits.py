@@ -1,4 +1,4 @@
-"""Exit policies: how many core iterations a generated token runs (DESIGN contract 2).
+"""Exit policies: how many core iterations a generated token runs (docs/CONTRACTS.md 2).
 
 A policy is a frozen dataclass; `should_exit(policy, info, carry)` is called by the engine after
 core iteration `info.depth` (1-based) of the tokens being decoded and says which of them stop
@@ -32,7 +32,7 @@ Every policy also exits at its max depth (default: the model's max_depth; up to 
 the wire format's bound, so a model may think longer than it was trained to) and never before
 min_depth.
 
-KV semantics of exited tokens (DESIGN contract 3), the policy's `kv` field:
+KV semantics of exited tokens (docs/CONTRACTS.md 3), the policy's `kv` field:
 
 - `last_exited`: an exited token's state is frozen; deeper iterations' queries see its K/V of
   its exit iteration (Huginn's official cache behaviour with adaptive compute: a later step

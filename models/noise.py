@@ -1,4 +1,4 @@
-"""The latent-noise contract (DESIGN contract 1): seeds and the initial latent state's noise.
+"""The latent-noise contract (docs/CONTRACTS.md 1): seeds and the initial latent state's noise.
 
 Every completion has a 64-bit `latent_seed = derive_latent_seed(run_seed, prompt_id,
 sample_index)`. The noise of the token at absolute position p (0 = first prompt token) is

@@ -2,7 +2,7 @@
 
 `fast` (default): native fp32 kernels (MKL / cuBLAS / SDPA). Results depend on the kernel's
 summation order, hence on batch composition and row counts; mismatch against another engine
-is small and measured (DESIGN contract 5).
+is small and measured (docs/CONTRACTS.md 5).
 
 `exact`: every primitive is computed in float64 from its fp32 inputs and rounded ONCE to fp32
 at the end of the primitive. A second implementation (the vLLM plugin, the megatron learner)

@@ -6,7 +6,7 @@ recorded `exit_depths`. In `exact` numerics replay reproduces generation's behav
 log-probs bit for bit; in `fast` numerics the difference is small and measured
 (benchmarks/parity.py).
 
-Behaviour log-probs (DESIGN contract 4) of a position with fp32 logits l (the first
+Behaviour log-probs (docs/CONTRACTS.md 4) of a position with fp32 logits l (the first
 `vocab_size` entries; padded rows are dropped):
 
     z  = l / temperature                                  (fp32 division)

@@ -9,8 +9,9 @@ predicted at position p = P - 1 + t (P = prompt length):
     targets[b, p]    response[t] at p = P - 1 + t      (0 elsewhere)
     mask[b, p]       True at p = P - 1 + t             (False elsewhere)
     depths[b, p]     the depth run at p (models.contract.position_depths: the row's full
-                     depth D at prompt positions 0..P-2, exit_depths[t] at P - 1 + t; DESIGN
-                     contract 2); PAD_DEPTH on padding and on every position of an empty response
+                     depth D at prompt positions 0..P-2, exit_depths[t] at P - 1 + t;
+                     docs/CONTRACTS.md 2); PAD_DEPTH on padding and on every position of an
+                     empty response
     seq_lens[b]      P + T - 1, or P for an empty response
     prompt_lens[b]   P
     loss_mask[b, p]  mask AND the row's token_mask (Rollout.token_mask, a multi-turn
@@ -30,7 +31,7 @@ any per-position selection (the response positions) is the same in both layouts:
     index[n]      b * L + p: where packed position n comes from in the [B, L] rows (-1: padding)
     segment[n]    b, the row (sequence) n belongs to; -1 on the tail padding
     positions[n]  p, the position within its own sequence (restarting at 0 per sequence; 0 on
-                  padding): RoPE and the latent noise of DESIGN contract 1 follow it unchanged
+                  padding): RoPE and the latent noise of docs/CONTRACTS.md 1 follow it unchanged
     starts[b]     the first packed position of row b (starts[B] = sum(seq_lens))
 
 Attention stays within a segment (a block-diagonal causal mask), each segment's full depth is

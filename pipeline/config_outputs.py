@@ -15,7 +15,7 @@ __all__ = ["COLLECTIVE_BACKENDS", "FSYNC", "WEIGHT_TRANSPORTS", "CheckpointSecti
            "MetricsSection", "PublishSection", "RecordSection"]  # fmt: skip
 
 WEIGHT_TRANSPORTS = ("shared_fs", "shm", "zmq", "collective")
-WEIGHT_TRANSPORT_ALIASES = {"disk": "shared_fs", "chunks": "zmq"}  # the names before issue 15
+WEIGHT_TRANSPORT_ALIASES = {"disk": "shared_fs", "chunks": "zmq"}  # the transports' former names
 COLLECTIVE_BACKENDS = ("gloo", "nccl")
 FSYNC = ("always", "batch", "never")
 

@@ -93,7 +93,7 @@ class WorkItem:
 
     work_id: unique id of this dispatch (re-dispatch after a failure reuses it).
     prompt_id: id of the prompt in the task's dataset. prompt_tokens: int32 [P] token ids.
-    latent_seeds: uint64 [k] latent seeds of the samples to draw (DESIGN contract 1).
+    latent_seeds: uint64 [k] latent seeds of the samples to draw (docs/CONTRACTS.md 1).
     sample_indices: group index of each seed; [] means 0..k-1. A re-dispatch after a failure
       sends only the missing indices; Rollout.sample_index echoes them.
     temperature (> 0; 0 means greedy), top_p in (0, 1], max_tokens >= 1, stop_token_ids.
@@ -270,7 +270,8 @@ class RolloutBatch:
 DIGEST_FLAT = "sha256"
 """Digest kind of the runs before protocol 1.3: one sha256 over every tensor's header and bytes."""
 DIGEST_TREE = "sha256-tree"
-"""sha256 over the ordered sha256 of fixed-size pieces (DESIGN contract 6; models.weights.digest)."""
+"""sha256 over the ordered sha256 of fixed-size pieces (docs/CONTRACTS.md 6;
+models.weights.digest)."""
 DIGEST_KINDS = ("", DIGEST_FLAT, DIGEST_TREE)
 
 
@@ -299,7 +300,7 @@ record("tensor_meta")(TensorMeta)
 class WeightAnnounce:
     """learner -> generators: weight version ``version`` is available.
 
-    digest: sha256 hex over the canonical tensor bytes (DESIGN contract 6; models.weights.digest
+    digest: sha256 hex over the canonical tensor bytes (docs/CONTRACTS.md 6; models.weights.digest
       defines the layout). total_bytes: size of the concatenated blob.
     chunk_bytes, num_chunks: how the blob is split into WeightChunk messages (0 chunks when
       the weights are only on disk). path: directory of the HF-layout publication, or "".

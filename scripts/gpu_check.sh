@@ -59,7 +59,7 @@ if has trainer; then
     # the run config's small-model lr (3e-3, ~1000x a 3.5B rate): the health verdict's check
     bench 0125_compiled_lr3e3 260 --shape huginn_0125 --steps "$STEPS" --warmup 3 \
         --micro "${HUGINN_MICRO:-1}" --compile --lr 3e-3
-    # per-loop credit (objective.loop_weighting, issue 23): peak memory and step time vs last
+    # per-loop credit (objective.loop_weighting): peak memory and step time vs last
     bench 0125_eager_uniform 260 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}" \
         --loop-weighting uniform
 fi
@@ -84,7 +84,7 @@ if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     bench ouro_compiled 150 --shape ouro_1b --steps 8 --warmup 3 --compile
     dist ouro_tp2_compiled 180 --shape ouro_1b --steps 8 --warmup 3 --tp 2 --compile
 fi
-if has packed; then  # packed rows (issue 22 item 4): responses U(256, 4096) at Huginn-0125
+if has packed; then  # packed rows: responses U(256, 4096) at Huginn-0125
     # CUDA correctness first: packed == padded log-probs / metrics / weights (fast: <= 1e-6;
     # the FlexAttention kernel here; the DP=2 test needs 2 GPUs: not here), then MFU on real
     # tokens, the same tokens per micro-batch (PACK_BUDGET, default 8192) in all three
@@ -124,13 +124,13 @@ for x in sys.stdin:
               r["padding_fraction"], "real tok/s", r["real_tokens_per_s"], "attention",
               r["packed_attention"], "peak GiB", r["peak_mem_gib"], r["health"]["verdict"])'
 fi
-if has decode; then  # the reference engine's decode step in a CUDA graph vs eager (issue 14)
+if has decode; then  # the reference engine's decode step in a CUDA graph vs eager
     timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rA tests/models/test_engine_graph.py \
         -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 10
     timeout "${T_DECODE:-200}" "$PY" benchmarks/decode_graph.py 2>"$LOG/decode.err" |
         tee "$LOG/decode.json"
 fi
-if has depth; then  # depth batching and the torch generator engine (issue 25)
+if has depth; then  # depth batching and the torch generator engine
     timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rA tests/models/test_engine_graph.py \
         -k cuda 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 10
     # CPU: the reference engine on this host's cores; GPU: Huginn-0125, bf16, batch 64, D 32
@@ -145,7 +145,7 @@ if has depth; then  # depth batching and the torch generator engine (issue 25)
         --engine 2>"$LOG/depth_gpu.err" | tee "$LOG/depth_gpu.jsonl"
     tail -n 5 "$LOG/depth_cpu.err" "$LOG/depth_gpu.err"
 fi
-if has depth_big; then  # depth batching where the core's matmuls are compute-bound (issue 25):
+if has depth_big; then  # depth batching where the core's matmuls are compute-bound:
     # Huginn-0125 / ~1B, bf16, D 32, large batches (DEPTH_BIG: "shape:batch ..."), eager compact
     # vs masked vs ticks (models.engine_ticks, K = readout_every; DEPTH_BIG_PATHS; DEPTH_BIG_ARGS
     # e.g. --balanced: no tail); batch 64 at 0125
@@ -158,7 +158,7 @@ if has depth_big; then  # depth batching where the core's matmuls are compute-bo
     done
     tail -n 5 "$LOG/depth_big.err"
 fi
-if has torch_depth; then  # the torch engine end to end at adaptive depths (issue 25): chunk
+if has torch_depth; then  # the torch engine end to end at adaptive depths: chunk
     # decode vs decode by ticks (generators.depth_ticks), Ouro-like random weights, bf16;
     # first the CUDA checks of the ticks in a CUDA graph and of the slot-indexed decode kernel
     timeout "${T_TD_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
@@ -166,7 +166,7 @@ if has torch_depth; then  # the torch engine end to end at adaptive depths (issu
         tests/generator/test_torch_ticks.py tests/models/test_engine_kv.py \
         tests/models/test_sampling.py -k "cuda or compiled or gpu" 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -n 12 | tee "$LOG/torch_depth_tests.txt"
-    # (defaults: the call of docs/PERFORMANCE.md "Session 14"; the chunk decode: --ticks 0 rows
+    # (defaults: the T = 64 / 128 call of docs/PERFORMANCE.md "The torch engine on the GPU"; the chunk decode: --ticks 0 rows
     # are dropped by --skip-chunk, TORCH_DEPTH_ARGS without it brings them back)
     for tt in ${TORCH_DEPTH_TOKENS:-64 128}; do  # one run per generation length (the batch's tail)
         timeout "${T_TORCH_DEPTH:-300}" "$PY" benchmarks/torch_depth.py --device cuda --tokens "$tt" \
@@ -176,7 +176,7 @@ if has torch_depth; then  # the torch engine end to end at adaptive depths (issu
         tail -n 2 "$LOG/torch_depth_$tt.err"
     done
 fi
-if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 item 2)
+if has torchgen; then  # the torch engine's decode vs the HBM bound
     # CUDA checks first: graph == eager step (fp32), compiled blocks vs eager (CPU and CUDA);
     # then Huginn-0125, bf16, batch 64, D 32: the graph step per variant (eager / compiled
     # blocks) x decode attention backend, a kernel profile, and TorchEngine.generate.
@@ -191,7 +191,7 @@ if has torchgen; then  # the torch engine's decode vs the HBM bound (issue 25 it
     echo "torchgen rc=${PIPESTATUS[0]}"
     grep -E "Error|error" "$LOG/torchgen.err" | tail -n 8
 fi
-if has loop_credit; then  # issue 23 item 6 on the host's CPU cores (GPU hidden): one warm start,
+if has loop_credit; then  # loop credit on the host's CPU cores (GPU hidden): one warm start,
     # then the 15 (arm, seed) runs of benchmarks/loop_credit.py in 15 processes of one thread
     S='rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.exit_entropy_coef=0.01'
     CUDA_VISIBLE_DEVICES= timeout "${T_LOOP:-590}" "$PY" benchmarks/loop_credit.py --jobs 15 \
@@ -202,7 +202,7 @@ if has loop_credit; then  # issue 23 item 6 on the host's CPU cores (GPU hidden)
     grep -E "^#|Error" "$LOG/loop_credit.err" | tail -n 24
 fi
 
-if has loop_credit_gpu; then  # issue 23 item 6, the GPU mode: Ouro small (13M) on this GPU, a
+if has loop_credit_gpu; then  # loop credit, the GPU mode: Ouro small (13M) on this GPU, a
     # longer warm start (SFT + the exit gate's stage II), then the arms x seeds with the megatron
     # learner, each (arm, seed) its own process on the one GPU. LOOPG_ARGS: flags appended
     # (a later flag wins), e.g. a short timing run.
@@ -216,11 +216,11 @@ if has loop_credit_gpu; then  # issue 23 item 6, the GPU mode: Ouro small (13M) 
     grep -E "^#|Error" "$LOG/loop_credit_gpu.err" | tail -n 40
 fi
 
-if has digest; then  # the weight digest on the host's CPUs (issue 22: 7 GB under 0.5 s)
+if has digest; then  # the weight digest on the host's CPUs (target: 7 GB under 0.5 s)
     timeout "${T_DIGEST:-240}" "$PY" benchmarks/digest.py --sizes-gib 1,6.52,7 \
         --workers 1,4,8,16 2>"$LOG/digest.err" | tee "$LOG/digest.json"
 fi
-if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-engine generator (issue 25)
+if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-engine generator
     timeout "${T_E2E:-570}" "$PY" benchmarks/gpu_e2e.py --size "${E2E_SIZE:-1b}" \
         --steps "${E2E_STEPS:-40}" --sync-steps "${E2E_SYNC_STEPS:-15}" --out /tmp/gpu_e2e ${E2E_ARGS:-} \
         2>"$LOG/e2e.err" | tee "$LOG/e2e.json"
@@ -230,7 +230,7 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
         [ -f "/tmp/gpu_e2e/run_$r/metrics.jsonl" ] && cp "/tmp/gpu_e2e/run_$r/metrics.jsonl" "$LOG/e2e_$r.jsonl"
     done
 fi
-if has learnerproc; then  # the real `looprl learner` process at Huginn-0125 (issue 22 item 5)
+if has learnerproc; then  # the real `looprl learner` process at Huginn-0125
     # bf16, lr 1e-6, responses 256-4,096, one version per step; ~4-6 min with start-up. The JSON
     # line -> $LOG/learnerproc.json; metrics rows and the logs' tails -> $LOG/0125_process_*
     timeout "${T_LEARNERPROC:-550}" "$PY" benchmarks/learner_process.py --device cuda \
@@ -239,7 +239,7 @@ if has learnerproc; then  # the real `looprl learner` process at Huginn-0125 (is
     echo "learnerproc rc=${PIPESTATUS[0]}"
     grep -E "Error|error" "$LOG/learnerproc.err" | tail -n 5
 fi
-if has shm; then  # same-host delivery through /dev/shm to a generator process (issue 22 item 3)
+if has shm; then  # same-host delivery through /dev/shm to a generator process
     # publish.transport shm (the torch engine's paths: staged on a GPU, overlapped on the CPU;
     # then check-first: the vLLM engine's order) vs shared_fs, Huginn-0125's 7.1 GB bf16
     for tl in ${SHM_RUNS:-shm:staged shm:overlapped shm:checked_first shared_fs:checked_first}; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Weight delivery to many generators on a many-core host (issue 15; the lent 2-GPU machine):
+# Weight delivery to many generators on a many-core host (a 2-GPU machine):
 #   1. benchmarks/collective_bcast.py --backend nccl, N = 1 (GPU 0 -> GPU 1), 100 MB .. 7 GB, and
 #      the product's publish round over NCCL (tests/pipeline/test_weight_collective.py -k nccl)
 #   2. benchmarks/collective_bcast.py --backend gloo, N = 1, 4, 16, 100 MB and 1 GB, the tree

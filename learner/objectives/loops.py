@@ -210,7 +210,7 @@ class ExitSum:
     tokens that ran iteration k (e_t >= k), in iteration order: the operations of
     models.engine.run_chunk, so exact numerics give the generator's claims bit for bit.
     ``forced`` [B]: each row's full depth (the run's D, where the gate is no longer consulted,
-    DESIGN contract 2), not its deepest recorded position."""
+    docs/CONTRACTS.md 2), not its deepest recorded position."""
 
     def __init__(self, sel: Tensor, e: Tensor, forced: Tensor, min_depth: int, mode: str) -> None:
         self.sel, self.e, self.min_depth, self.mode = sel, e, min_depth, mode
@@ -241,7 +241,7 @@ def spread(sel: Tensor, x: Tensor) -> Tensor:
 
 
 def row_full_depths(mb: TrainBatch) -> Tensor:
-    """[B] each row's full depth (DESIGN contract 2: the run's D, recorded per rollout; the
+    """[B] each row's full depth (docs/CONTRACTS.md 2: the run's D, recorded per rollout; the
     first position's depth for streams recorded before it): where a sampled exit is forced and
     Ouro's last loop takes the remaining exit mass. Not the row's deepest recorded position
     (a one-token prompt whose tokens all exit early has none at D)."""

@@ -1,9 +1,9 @@
-"""The weight path, learner -> generators, in one package (issue 20; docs/ARCHITECTURE.md,
+"""The weight path, learner -> generators, in one package (docs/ARCHITECTURE.md,
 "The walk of a weight set"). models/ is the one package both sides may import (generator/ and
 learner/ never import each other), so the publication, the digest, every transport and every
 receiver live here:
 
-- digest.py: the digest (DESIGN contract 6: the tree kind, and the flat kind of older runs), the
+- digest.py: the digest (docs/CONTRACTS.md 6: the tree kind, and the flat kind of older runs), the
   blob layout and its one decoder (``state_from_blob``);
 - publication.py: ``Publication`` (the one place a publication's digest is computed),
   manifest.json, RUN_DIR/weights/v<N> and its pruning;

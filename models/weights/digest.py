@@ -1,4 +1,4 @@
-"""The weight digest (DESIGN contract 6), the weight blob layout and its one decoder.
+"""The weight digest (docs/CONTRACTS.md 6), the weight blob layout and its one decoder.
 
 Everyone who names a weight set by its digest uses this module: the learner's publication
 (models.weights.publication), every receiver of this package (chunked, collective_generator)
@@ -280,7 +280,7 @@ def state_from_blob(
     return state
 
 
-# -- the tree digest (DESIGN contract 6) ----------------------------------------------------------
+# -- the tree digest (docs/CONTRACTS.md 6) --------------------------------------------------------
 
 # The kind names are proto.records.DIGEST_FLAT / DIGEST_TREE (the wire's spelling; this module
 # imports torch only, so benchmarks/digest.py loads it by path; tests/models/test_digest.py

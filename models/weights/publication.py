@@ -3,7 +3,7 @@
 The learner's publish (learner/publish.py: gather, cast, write the HF directory) and the
 reference backend (``Publication.from_dir``, which reads a written directory back, as replay's
 digest check does) both build it with ``Publication.of_state``: the one place a publication's
-digest is computed (models.weights.digest, the tree kind, DESIGN contract 6), after the
+digest is computed (models.weights.digest, the tree kind, docs/CONTRACTS.md 6), after the
 non-finite check. The coordinator announces it as it is (``digests``: the digest, its kind, chunk
 size and per-piece leaves) and writes ``record()`` to RUN_DIR/weights/digests.jsonl.
 

@@ -1,4 +1,4 @@
-"""Same-host weight delivery through shared memory (issue 22 item 3): one copy of a version's
+"""Same-host weight delivery through shared memory: one copy of a version's
 blob per host, mapped by every local generator, its digest still checked.
 
 The learner (or one process per host) writes a Publication's canonical blob once into a file of
@@ -18,7 +18,7 @@ Order of calls::
     ...engine.load_weights(weights)...; weights.close()        # unmaps (the views die with it)
     remove_shm(path)                                           # learner side, when pruned
 
-``publish.transport=shm`` (issue 29 item 3) wires it into a run: the trainer writes its
+``publish.transport=shm`` wires it into a run: the trainer writes its
 directory RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the learner
 then writes the same canonical blob once into ``shm_file(directory)`` (``publish_shm``, beside
 the next step) and announces the directory as shared_fs does. A generator's engine handed such an
@@ -270,7 +270,7 @@ def load_staged(
     """This host's shared-memory copy of an announced directory read into ``buffer(nbytes)``
     (a staging buffer the caller keeps between versions: on a GPU host a pinned one, from
     which the engine's copy to the device runs at DMA speed, where a copy out of the mapped
-    file runs through the driver's pageable path: issue 22, 0.82-0.89 s for Huginn-0125's
+    file runs through the driver's pageable path: measured 0.82-0.89 s for Huginn-0125's
     7.1 GB on the H200) with every piece hashed as it is read (``read_checked``), then, once
     the digest matched, handed to ``load`` as {name: tensor} views of the buffer. False when
     this host has no copy or it was refused (logged with its pieces; nothing loaded: read the
@@ -308,7 +308,7 @@ def load_mapped(
 ) -> bool:  # fmt: skip
     """This host's shared-memory copy of an announced directory handed to ``load`` (the
     engine's copy into its parameters, e.g. to the GPU) WHILE its digest is checked on other
-    threads, instead of checked first and copied after (issue 22: 7.1 GB checked in 0.41 s,
+    threads, instead of checked first and copied after (measured: 7.1 GB checked in 0.41 s,
     then copied to the H200 in 0.79 s). ``load`` gets {name: tensor} views of the mapped
     pages (unchecked); the caller must serve nothing it loaded before this returns (the
     engines hold their lock). Returns False when this host has no copy (nothing loaded: read

@@ -1,6 +1,6 @@
 """The weight digest check, in one file: what a receiver hands the engine, and how it checked it.
 
-Where a weight set's digest (models.weights.digest, DESIGN contract 6) is checked:
+Where a weight set's digest (models.weights.digest, docs/CONTRACTS.md 6) is checked:
 
 - ``PieceCheck``: a ZeroMQ chunk stream (models.weights.chunked.WeightReceiver), tree kind:
   the announced per-piece leaves must hash to the announced digest; then each piece is hashed

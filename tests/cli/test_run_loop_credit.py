@@ -1,4 +1,4 @@
-"""Loop-aware RL through the whole system (issue 23): a run with a tiny Ouro and one real vLLM
+"""Loop-aware RL through the whole system: a run with a tiny Ouro and one real vLLM
 generator drawing every token's exit from the gate (rollout.exit_policy sampled_gate), per-loop
 credit (objective.loop_weighting), the exit term and a depth cost, in each learner policy; then
 `looprl replay` of its stream reaches the same weights, version by version.

@@ -1,4 +1,4 @@
-"""A sampled exit through the whole system (issue 23 item 3): `looprl run` with a tiny Ouro,
+"""A sampled exit through the whole system: `looprl run` with a tiny Ouro,
 rollout.exit_policy kind sampled_gate and the exit term, backend reference, one real vLLM
 generator. The generator draws every token's exit from the gate and claims its log-prob; the
 door admits only rollouts that carry the claims; the learner recomputes them (no honest

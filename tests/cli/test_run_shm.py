@@ -1,4 +1,4 @@
-"""`looprl run publish.transport=shm` (models/weights/shm.py; issues 22 item 3, 29 item 3): the
+"""`looprl run publish.transport=shm` (models/weights/shm.py): the
 learner writes each version once into /dev/shm beside its directory, the generator on its host
 maps it and checks the tree digest; a corrupt copy (the test hook LOOPRL_CORRUPT_SHM) is
 refused by name, that version loads from its directory (its digest checked as it is read), and

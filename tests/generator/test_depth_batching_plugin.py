@@ -1,4 +1,4 @@
-"""Depth batching in the vLLM plugin (issue 25 item 1): at each core iteration only the tokens
+"""Depth batching in the vLLM plugin: at each core iteration only the tokens
 still running are computed (`generator.vllm_models`, `depth_batching=True`, the default), and the
 results equal the masked path (`depth_batching=False`: every token to the deepest running one,
 K/V writes masked): tokens, behaviour log-probs, exit depths and exit log-probs bit for bit in

@@ -1,4 +1,4 @@
-"""Token-in-token-out (issue 26 item 2): observations rendered incrementally with the chat
+"""Token in, token out: observations rendered incrementally with the chat
 template, compared with a full re-render of the whole conversation."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Each turn of a conversation samples with its own random numbers (issue 26: the per-turn
+"""Each turn of a conversation samples with its own random numbers (the per-turn
 sampling seed): the multi-turn driver gives turn k the sampling-seed offset k
 (models.reference.sampling_seed); the torch engine draws as models.reference.generate does
 with that offset, bit for bit; the latent noise is untouched (one latent seed, noise per

@@ -1,4 +1,4 @@
-"""The multi-turn driver on a real vLLM engine (issue 26 item 3): a tiny fixed-depth Huginn,
+"""The multi-turn driver on a real vLLM engine: a tiny fixed-depth Huginn,
 one engine for the module, a deterministic environment (generator.environments.Scripted)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The torch engine decoding adaptive depths by ticks (`TorchEngine(ticks=k)`,
-generator.torch_ticks, issue 25): every row at its own core iteration of its own token, more
+generator.torch_ticks): every row at its own core iteration of its own token, more
 requests than slots (a freed slot prefilled while the other rows are mid-token), mixed exit
 depths, greedy / sampled / stopping requests: each record equals the reference generation of
 its request alone (models.reference.generate), bit for bit in exact numerics, as the chunk

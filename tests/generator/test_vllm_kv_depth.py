@@ -1,4 +1,4 @@
-"""The looped vLLM plugin in both exit KV semantics (DESIGN contract 3) and deeper than the
+"""The looped vLLM plugin in both exit KV semantics (docs/CONTRACTS.md 3) and deeper than the
 model's trained depth, in exact numerics against the models/ reference.
 
 test_vllm_plugin.py covers each family's default kv (Ouro: full, Huginn: last_exited); this

@@ -1,4 +1,4 @@
-"""Truncated backprop through depth (`MegatronOptions.backprop_depth`, issue 12).
+"""Truncated backprop through depth (`MegatronOptions.backprop_depth`).
 
 With k > 0, token t's core iterations i < depths[t] - k are constants for the gradient (per
 token: adaptive exits give each token its own last k). The learner implements it with

@@ -1,4 +1,4 @@
-"""The exit as an action, learner side (issue 23 item 3): the exit term of the objective
+"""The exit as an action, learner side: the exit term of the objective
 (learner.objectives.exit_term) by hand, its refusals, and the reference policy's forward
 recomputing each token's sampled-exit log-prob bit for bit as the generator recorded it."""
 

@@ -1,4 +1,4 @@
-"""Per-loop credit (objective.loop_weighting, issue 23 items 1-2): the loop weights by hand, the
+"""Per-loop credit (objective.loop_weighting): the loop weights by hand, the
 per-loop loss against the exit-loop loss, the two policies' bits, memory bounded by one loop.
 
 Cost: the weight / loss tests are tensor-only (< 1 s); the cross-policy tests train one step

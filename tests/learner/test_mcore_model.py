@@ -146,7 +146,7 @@ def _checks_tp1() -> dict[str, Any]:
     bad_valid[0, 0] = False
     for name, args in {
         "valid_not_prefix": (batch.tokens, batch.depths, bad_valid, batch.latent_seeds),
-        # deeper than the model's max_depth is allowed (issue 14), beyond the wire's 255 not
+        # deeper than the model's max_depth is allowed, beyond the wire's 255 not
         "depth_too_big": (batch.tokens, batch.depths * 0 + 256, batch.valid, batch.latent_seeds),
         "seed_count": (batch.tokens, batch.depths, batch.valid, [1]),
     }.items():

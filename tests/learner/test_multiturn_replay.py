@@ -1,4 +1,4 @@
-"""The learner trains only a conversation's model tokens (issue 26 item 3): Rollout.token_mask
+"""The learner trains only a conversation's model tokens: Rollout.token_mask
 reaches the row layout's loss mask; environment tokens are context (replayed at full depth),
 never loss, never reward, never a log-prob claim."""
 

@@ -1,4 +1,4 @@
-"""Non-finite weights are never published (DESIGN invariant; issue 9 point 3, trainer side).
+"""Non-finite weights are never published (docs/CONTRACTS.md, invariants; trainer side).
 
 1. learner.trainer: a rollout batch whose loss and gradients are not finite (a reward of inf:
    its group's advantages become NaN) is skipped on every rank. One spawned run of 2 ranks

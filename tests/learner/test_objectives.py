@@ -450,7 +450,7 @@ def binary_kl_fp64(anchor_logp: float, logp: float) -> float:
 
 
 def test_binary_kl_of_confident_tokens_is_finite_and_drops() -> None:
-    # Issue 21 bug 1: mu = exp(anchor) within 3e-8 of 1 made 1 - mu round to 0 in fp32, the
+    # Once a bug: mu = exp(anchor) within 3e-8 of 1 made 1 - mu round to 0 in fp32, the
     # divergence (1 - mu) log 0 = NaN, and the token was kept. Each token here moves from a
     # confident anchor to pi = 0.5 with A < 0 (pushing pi further down): binary KL about
     # ln 2 = 0.693 > 0.05, so it must be dropped. The -inf anchor (mu = 0) moves to pi = 0.5

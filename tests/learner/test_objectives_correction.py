@@ -1,4 +1,4 @@
-"""Rollout correction (issue 21 item 3) against this file's own re-statement of verl's
+"""Rollout correction against this file's own re-statement of verl's
 rollout-correction helpers (trainer/ppo/rollout_corr_helper.py, read, not imported): IS
 weights at token / sequence level truncated at the upper threshold, rejection at token /
 sequence / geometric level outside [lower, upper], the per-token veto of whole rows, the

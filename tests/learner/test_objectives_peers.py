@@ -1,4 +1,5 @@
-"""Issue 21's options against the peers' formulas on adversarial inputs.
+"""The objective's advantage, ratio, correction and divergence options against the peers'
+formulas on adversarial inputs.
 
 Each `peer_*` function is this file's own re-statement of the formula a public
 implementation computes, written from reading its code (verl trainer/ppo/core_algos.py and
@@ -123,7 +124,7 @@ def peer_dppo(logp, old, adv, div, thr_low, thr_high, c):
 def test_divergence_is_cap_and_split_thresholds_match_verl_dppo(div: str) -> None:
     d = adversarial(3)
     base = d["base"].clone()
-    base[5, :2] = torch.tensor([0.0, -1e-8])  # confident anchors (issue 21 bug 1)
+    base[5, :2] = torch.tensor([0.0, -1e-8])  # confident anchors (1 - mu rounds to 0 in fp32)
     lo, hi = (0.05, 0.15) if div == "tv" else (0.02, 0.08)
     cfg = ObjectiveConfig(kind="divergence_ppo", divergence=div, divergence_threshold=hi,
                           divergence_threshold_low=lo, divergence_is_cap=20.0)  # fmt: skip

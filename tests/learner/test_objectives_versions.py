@@ -1,4 +1,4 @@
-"""Per-token weight versions (issue 21 item 5): a rollout whose weights changed mid-completion
+"""Per-token weight versions: a rollout whose weights changed mid-completion
 carries rollout.token_versions; build_batch lays them on the response positions and
 objective.max_token_version_gap masks the tokens older than the gap out of the loss."""
 

@@ -1,4 +1,4 @@
-"""Packed rows (issue 22 item 4, learner.max_tokens_per_micro): rollouts of very different
+"""Packed rows (learner.max_tokens_per_micro): rollouts of very different
 lengths laid end to end in micro-batches of a token budget (models.rows.pack_rows), attention
 within each sequence, positions, latent noise and full depth per sequence. The layout by hand;
 then the megatron policy packed vs its padded rows on one batch (responses of 1 to 40 tokens,

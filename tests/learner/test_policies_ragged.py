@@ -1,12 +1,12 @@
-"""Both learner policies on ragged rows (issue 23: "exact numerics: same bits across the two
-policies for every new term"): the reference policy (learner.torch_policy, models.engine's
+"""Both learner policies on ragged rows (exact numerics: the same bits across the two
+policies for every loop-aware term): the reference policy (learner.torch_policy, models.engine's
 replay) and the megatron policy (learner.loop_forward, LoopedGPT's loop hook) take one step on
 the same sampled-exit rollouts of a tiny Ouro: prompts of 1-4 tokens, responses cut to 7, 3, 1
 and 5 tokens, exit depths 1..4 drawn from the gate (SampledGate, exact numerics). Each loop
 weighting with the exit term (objective.exit_coef, exit_entropy_coef) and the KL to a
 reference: every metric, every rollout's measured claim (token and exit log-probs: 0) and
 every published weight the same bits. A one-token prompt has no position at the full depth,
-so a row's full depth must come from its record (DESIGN contract 2), not from its deepest
+so a row's full depth must come from its record (docs/CONTRACTS.md 2), not from its deepest
 position: the sampled exit is forced there, the exit_pdf weights put the remaining mass there.
 """
 

@@ -1,4 +1,4 @@
-"""The learner's run-config knobs (issue 12): `learner.precision`, `learner.backprop_depth`,
+"""The learner's run-config knobs: `learner.precision`, `learner.backprop_depth`,
 micro-batching, recompute, compile, mapped by `pipeline.backends.megatron_adapter.build_learner_trainer`
 (the path `looprl learner` takes), refused where a backend or numerics mode cannot honour them;
 and the CPU smoke mode of benchmarks/trainer_gpu.py (the real Trainer, tiny shape).
@@ -125,7 +125,7 @@ def test_trainer_benchmark_cpu_smoke() -> None:
 
 
 def test_trainer_benchmark_flags_a_collapse_not_only_nonfinite() -> None:
-    """The verdict of benchmarks/trainer_gpu.py: the collapse the issue saw (compiled
+    """The verdict of benchmarks/trainer_gpu.py: the collapse once seen (compiled
     Huginn-0125 at lr 3e-3: loss exactly 0.282842 with gradient norms ~1e-8 between spikes)
     is a collapse though every value is finite; an ordinary noisy run is ok."""
     health = load_benchmark("health").health

@@ -1,4 +1,4 @@
-"""Megatron replay in both exit KV semantics (DESIGN contract 3) and deeper than the model's
+"""Megatron replay in both exit KV semantics (docs/CONTRACTS.md 3) and deeper than the model's
 trained depth, against `models.reference` (TP=1, gloo).
 
 test_replay_parity.py covers each family's default kv; here: Huginn with kv='full', Ouro with

@@ -1,4 +1,4 @@
-"""objective.depth_cost (issue 23 item 3): reward minus cost x mean exit depth / full depth."""
+"""objective.depth_cost: reward minus cost x mean exit depth / full depth."""
 
 from __future__ import annotations
 

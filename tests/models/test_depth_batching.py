@@ -1,4 +1,4 @@
-"""Depth batching in the reference engine (models.engine, issue 25 item 1): at each core
+"""Depth batching in the reference engine (models.engine): at each core
 iteration only the positions still running are computed (compacted), and the results equal the
 uncompacted path (`run_chunk(compact=False)`: every row to the deepest one, K/V writes masked):
 bit for bit in exact numerics, within 1e-6 in fast, on mixed exit depths, for both KV semantics,

@@ -128,7 +128,7 @@ def test_verified_weights_are_views_that_hash_to_the_receivers_digest() -> None:
 
 
 def test_tree_digest_documented_layout() -> None:
-    """DESIGN contract 6: sha256 over tag, chunk size, length, the header leaf and the ordered
+    """docs/CONTRACTS.md 6: sha256 over tag, chunk size, length, the header leaf and the ordered
     sha256 of fixed-size pieces of the canonical bytes (sorted-name order)."""
     st = {"w": torch.tensor([[1.0, -2.0]]), "b": torch.arange(3, dtype=torch.int16)}
     raw = tensor_bytes(st["b"]) + tensor_bytes(st["w"])  # 6 + 8 bytes, sorted by name

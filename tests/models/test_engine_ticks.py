@@ -1,4 +1,4 @@
-"""Decode by ticks (models.engine_ticks, issue 25): every row at its own core iteration of its
+"""Decode by ticks (models.engine_ticks): every row at its own core iteration of its
 own token. Against the chunk loop it replaces (`models.engine.run_chunk`, one token per row per
 chunk, the same exit depths): logits, chosen tokens, depths and the whole KV cache bit for bit
 in exact numerics, within 1e-6 in fast; the ticks run are the deepest row's summed depths, not

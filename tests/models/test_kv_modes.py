@@ -1,4 +1,4 @@
-"""Exit KV semantics (DESIGN contract 3: kv='full' | 'last_exited') and depths beyond the
+"""Exit KV semantics (docs/CONTRACTS.md 3: kv='full' | 'last_exited') and depths beyond the
 model's trained depth, in the reference engine, against independent position-by-position
 oracles (`tests.models.test_reference.naive_logits`) and the full-depth forward."""
 

@@ -1,4 +1,4 @@
-"""The latent-noise contract (DESIGN contract 1, docs/NOISE.md) holds for models.noise.
+"""The latent-noise contract (docs/CONTRACTS.md 1, docs/NOISE.md) holds for models.noise.
 
 Noise of (latent_seed, position) must not depend on batch composition, prefill chunking,
 process, CPU kernel path or compute dtype; docs/NOISE.md must describe the algorithm bit for

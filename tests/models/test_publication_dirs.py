@@ -1,5 +1,5 @@
-"""models.weights.publication owns RUN_DIR/weights/v<N>: naming and pruning (issue 20: one owner;
-issue 24: a killed run's directories are pruned too, not only the ones this process announced)."""
+"""models.weights.publication owns RUN_DIR/weights/v<N>: naming and pruning (one owner;
+a killed run's directories are pruned too, not only the ones this process announced)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sampled exit (issue 23 item 3, models side): SampledGate draws each token's exit loop
+"""The sampled exit (models side): SampledGate draws each token's exit loop
 from the model's own exit gate with the completion's latent seed (models.noise.exit_uniform),
 records the exit's log-probability, and replay recomputes it from the recorded depths."""
 

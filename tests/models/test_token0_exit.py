@@ -1,4 +1,4 @@
-"""Token 0 follows the exit policy as the family's official code does (DESIGN contract 2).
+"""Token 0 follows the exit policy as the family's official code does (docs/CONTRACTS.md 2).
 
 Official Ouro (`OuroForCausalLM.forward` in `modeling_ouro.py`) runs every UT step over the
 whole input, collects the normed state h_i and the gate lambda_i = sigmoid(gate(h_i)) after

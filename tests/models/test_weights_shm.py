@@ -1,4 +1,4 @@
-"""Same-host delivery through shared memory (models/weights/shm.py, issue 22 item 3): a
+"""Same-host delivery through shared memory (models/weights/shm.py): a
 version written once is mapped and digest-checked by two generator-like processes, which get
 the very tensors; a corrupt piece is named and refused."""
 

@@ -189,7 +189,8 @@ def drive(c: Coordinator, gens: list[FakeGenerator], steps: int, max_turns: int 
 
 POISONS = ("reward_inf", "reward_nan", "token_oov", "depth_200", "too_long", "prompt", "seed",
            "claims_other", "future_version")  # fmt: skip
-"""The ways a generator can send a rollout that decodes but is wrong (issue 9's table)."""
+"""The ways a generator can send a rollout that decodes but is wrong (the door's rules,
+pipeline/core/validation.py)."""
 
 
 def poison(r: Rollout, kind: str) -> Rollout:

@@ -1,4 +1,4 @@
-"""Claims are checked (issue 24 item 5): a generator's claimed serving version against what
+"""Claims are checked: a generator's claimed serving version against what
 was published; repeated Hellos of one process answered once per interval, logged once, and
 neither releasing its work nor restarting its weight transfer (fake generator, in-memory
 transport; the coordinator's handle() fed directly, as the endpoint would)."""
@@ -41,7 +41,7 @@ def test_a_hello_flood_is_answered_once_per_interval(tmp_path: Path,
     hello = Hello("g", "host", 1, ["fake"], 2, g.version, 0.0)  # the same process (pid, start)
     caplog.set_level(logging.DEBUG, logger="pipeline.core.coordinator")
     caplog.clear()
-    for i in range(5000):  # 5,000 Hellos over 5 s (the issue's flood: 5,302 INFO lines)
+    for i in range(5000):  # 5,000 Hellos over 5 s (a flood once seen: 5,302 INFO lines)
         c.handle("control", "g", hello)
         if i % 1000 == 999:
             clock.advance(1.0)
@@ -55,7 +55,7 @@ def test_a_hello_flood_is_answered_once_per_interval(tmp_path: Path,
     assert c.dispatcher.inflight() == held and c.ledger.counts["released"] == released
     assert not [r for _, r in sent if isinstance(r, WorkItem)]
     # a "new process" in every Hello (invented pids): its work is released at most once per
-    # interval, not once per Hello (the issue: 3,624 dispatched for 1,312 accepted)
+    # interval, not once per Hello (once seen: 3,624 dispatched for 1,312 accepted)
     n = len(sent)
     for i in range(1000):
         c.handle("control", "g", Hello("g", "host", 100 + i, ["fake"], 2, g.version, float(i)))
@@ -69,7 +69,7 @@ def test_a_claimed_version_never_published_is_refused(tmp_path: Path) -> None:
     drive(c, [g], 1)
     assert c.version == 1
     c.publisher.pump()  # v1 announced to g
-    # Hello claiming v500 (the issue: "joined (serving v500)", work min_weight_version=500)
+    # Hello claiming v500 (once seen: "joined (serving v500)", work min_weight_version=500)
     c.handle("control", "liar", Hello("liar", "h", 9, ["fake"], 2, 500, 5.0))
     assert c.dispatcher.generators()["liar"] == -1  # serves nothing we know: weights first
     assert c.publisher.generators()["liar"] == -1

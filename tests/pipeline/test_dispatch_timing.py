@@ -1,4 +1,4 @@
-"""When the coordinator sends work and starts steps (issue 29 item 3): new work is issued against
+"""When the coordinator sends work and starts steps: new work is issued against
 the trainer's version (announced + being written), so none is generated only to be too stale on
 arrival; and what a completed step frees is acted on at once, not after the next poll wait."""
 

@@ -1,6 +1,7 @@
 """The learner's door end to end: a real learner (megatron backend, in this process) and a
 real `looprl generator` (vLLM on CPU), and beside them a fake generator over real ZMQ
-sockets whose every work item comes back poisoned in one way (the rows of issue 9's table).
+sockets whose every work item comes back poisoned in one way (each of tests/pipeline/fakes.py's
+POISONS).
 The run finishes its steps with a finite loss, the refused rollouts are quarantined and
 never trained, the NaN/inf rewards are trained as failed rewards, and every published
 weight set is finite."""

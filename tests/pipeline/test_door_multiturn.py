@@ -1,4 +1,4 @@
-"""Multi-turn conversations at the door (issue 26 item 4) and their run-config keys
+"""Multi-turn conversations at the door and their run-config keys
 (task.environment, rollout.max_turns, rollout.max_env_tokens; docs/PROTOCOL.md 1.6)."""
 
 from __future__ import annotations

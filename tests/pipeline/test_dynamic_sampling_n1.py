@@ -1,4 +1,4 @@
-"""Issue 21 bug 2: objective.dynamic_sampling with rollout.n=1 dropped every group (one sample
+"""objective.dynamic_sampling with rollout.n=1 once dropped every group (one sample
 always has one distinct reward), so no batch ever formed and the run waited out max_wait_s.
 The run config now refuses the combination at load, in one line naming both keys."""
 

@@ -95,7 +95,7 @@ def test_grpo_survives_a_generator_killed_mid_run(tmp_path: Path) -> None:
                 "staleness.policy=keep",
                 "objective.epochs=2",
                 "objective.minibatches=2",
-                "objective.loop_weighting=uniform",  # per-loop credit (issue 23)
+                "objective.loop_weighting=uniform",  # per-loop credit
             ],  # fmt: skip
             None,
         ),
@@ -187,7 +187,7 @@ def test_curve_on_loopback(tmp_path: Path) -> None:
             ctx.term()
             intruded.append(time.monotonic())
         # Run until both generators (one key each) were admitted and served 3 steps since, at
-        # least MIN_STEPS: a fixed 6 steps ended (CI, session 11) before the slower one's engine
+        # least MIN_STEPS: a fixed 6 steps ended (in CI) before the slower one's engine
         # was up (~0.3 s steps), so its key was never tried.
         if "both" not in joined and all(welcomed(gens, i) for i in range(2)):
             joined["both"] = steps

@@ -265,23 +265,23 @@ _VARIANTS = {  # name -> run config overrides on top of the shared ones
     "kl": ["objective.divergence=kl", "objective.anchor=proximal"],
     "micro": ["learner.micro_batch_size=2"],  # 2 micro-batches per mini-batch
     "reward": ["objective.kl_in_reward=true"],
-    # advantage and ratio options (issue 21), through the one step in both backends
+    # advantage and ratio options, through the one step in both backends
     "rloo": ["objective.advantage_estimator=rloo"],
     "rpp": ["objective.advantage_estimator=reinforce_pp"],
     "gspo": ["objective.ratio_level=sequence"],
     "bessel": ["objective.whiten=true", "objective.whiten_std=bessel"],
     "boot": ["objective.bootstrap_truncated=true", "objective.gamma=0.9", "objective.lam=0.8"],
     "drgrpo": ["objective.aggregation=dr_grpo", "objective.loss_scale_length=8"],
-    # rollout correction (issue 21 item 3) on top of is_cap=2: with +drift the behaviour
+    # rollout correction on top of is_cap=2: with +drift the behaviour
     # log-probs are moved off the learner's (below), so weights are truncated / rejected
     "drift": [],
     "seq": ["objective.is_level=sequence"],
     "geo": ["objective.is_level=geometric", "objective.is_mode=mask", "objective.is_cap_low=0.8"],
     "veto": ["objective.is_veto=0.3", "objective.is_rejected_in_denominator=false"],
-    # kl_in_reward per token from the proximal log-probs (issue 21 item 4; with +reward)
+    # kl_in_reward per token from the proximal log-probs (with +reward)
     "tokkl": ["objective.kl_in_reward_level=token", "objective.kl_in_reward_logp=proximal"],
     "nocap": ["objective.is_cap=null"],  # no proximal pass for the loss: the penalty's alone
-    # per-token weight versions (issue 21 item 5): odd rows' first 2 tokens from version 0, the
+    # per-token weight versions: odd rows' first 2 tokens from version 0, the
     # rest version 1; the second step (learner version 1) masks the version-0 tokens
     "gap": ["objective.max_token_version_gap=0"],
 }

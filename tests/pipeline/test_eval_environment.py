@@ -1,4 +1,4 @@
-"""Eval rounds with an environment (issue 26): the learner scores each eval conversation again
+"""Eval rounds with an environment: the learner scores each eval conversation again
 by replaying its model turns through the run's environment (eval_rounds.environment_rescorer,
 generator.multiturn.replay_conversation), so eval/accuracy is the environment's verdict on
 the recorded tokens, not the generator's claim; a transcript whose observations are not what

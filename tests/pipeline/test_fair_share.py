@@ -1,4 +1,4 @@
-"""Dispatch keeps a share for every generator that answers correctly (issue 24 item 5): a
+"""Dispatch keeps a share for every generator that answers correctly: a
 generator that answers at once must not take the work of a slower honest one.
 
 Fake generators on the in-memory transport, a fake trainer that counts trained rollouts per
@@ -59,7 +59,7 @@ def test_a_fast_generator_does_not_starve_a_slow_honest_one(tmp_path: Path, rati
 
 
 def test_without_the_rule_the_slow_generator_falls_below_the_bound(tmp_path: Path) -> None:
-    """intake.share_ratio=0 (the dispatcher before the rule): the issue's starvation."""
+    """intake.share_ratio=0 (the dispatcher before the rule): the slow generator starves."""
     by, _ = _shares(tmp_path, 0.0)
     assert by["slow"] / sum(by.values()) < 1 / (4.0 * 2), dict(by)
 

@@ -1,6 +1,6 @@
 """A CURVE key is an identity: real keys (`looprl keys`), real ZMQ sockets on 127.0.0.1.
 
-The attack of issue 9: a generator holding one admitted key (generator-001) connects under
+The attack: a generator holding one admitted key (generator-001) connects under
 another generator's id (generator-000). It must get nothing through and take nothing over.
 """
 

@@ -1,6 +1,6 @@
 """The automatic micro-batch (learner.micro_batch_size=0) bounds the tokens of one
 forward/backward (pipeline.backends.learner_configs.MICRO_BATCH_TOKENS), not the group size:
-the quickstart's update is one micro-batch (it was 16 of 8 rows, issue 29), long rows get
+the quickstart's update is one micro-batch (it was 16 of 8 rows), long rows get
 fewer rows, and an explicit learner.micro_batch_size always wins. Config only: no model."""
 
 from __future__ import annotations

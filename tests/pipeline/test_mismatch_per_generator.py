@@ -1,5 +1,5 @@
 """The coordinator logs the behaviour-vs-learner log-prob mismatch per generator
-(`mismatch/<generator_id>`, issue 21 item 3): the max of the trainer's per-rollout
+(`mismatch/<generator_id>`): the max of the trainer's per-rollout
 `last_mismatch` over that generator's rollouts of the step (fake trainer and generators, the
 in-memory transport)."""
 

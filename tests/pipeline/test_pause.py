@@ -93,7 +93,7 @@ def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> No
     """SIGSTOP gen0 (a real `looprl generator`) for 3x the peer timeout after step 2: it is
     declared gone (its work re-dispatched), then resumes, re-Hellos and contributes again."""
     # The run must outlive the 12 s pause by enough for gen0 to rejoin and contribute: at 10
-    # steps, then at 40 once steps took ~0.3 s (session 10), gen1 alone finished the run during
+    # steps, then at 40 once steps took ~0.3 s, gen1 alone finished the run during
     # the pause and gen0 never contributed (failed in the suite). So the steps after the pause
     # are paced (STEP_FLOOR_S each, in the learner's step hook, under the peer timeout) until
     # the pause plus REJOIN_S are over: the run lasts that long whatever the step time.

@@ -1,4 +1,4 @@
-"""Publication off the critical path (issue 22 item 1): pipeline.core.publishing's queue, the
+"""Publication off the critical path: pipeline.core.publishing's queue, the
 copies a snapshot holds, and the coordinator training the next step while a version is being
 hashed and written, announcing versions in order with the staleness bound unchanged."""
 

@@ -1,7 +1,7 @@
 """`looprl replay`: a recorded run trained again from its stream reaches the same weights.
 
 test_replay_fake_free: a live run (real learner, megatron or reference backend, one real
-generator process, 3 steps; the default objective, or the parity issue's new values), then
+generator process, 3 steps; the default objective, or OBJECTIVE_VALUES below), then
 replay from its stream: every published version's canonical digest equals the live one, with
 the learner's torch threads (learner.threads, pinned or auto) recorded by the live run and set
 again by replay. (The 120-step quickstart replays identically too:

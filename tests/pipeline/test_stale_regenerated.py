@@ -1,5 +1,5 @@
 """An accepted group that grows too stale in the buffer (policy drop) is generated again, never
-dropped (issue 24 item 2: a resume's regenerated copy was dropped as stale the second time,
+dropped (a resume's regenerated copy was once dropped as stale the second time,
 `intake.rollouts_dropped_stale=64`): its samples are re-opened in the ledger, queued for
 re-dispatch under the same work id and named in voided.jsonl (fake generator and trainer)."""
 

@@ -1,4 +1,4 @@
-"""Verified rollouts (issue 24 item 4): each trained rollout's claimed behaviour log-probs are
+"""Verified rollouts: each trained rollout's claimed behaviour log-probs are
 compared with the learner's (the trainer's per-rollout ``last_mismatch``) under the bound of
 the run's numerics and the rollout's staleness (pipeline.core.validation.check_logp); a lie is
 quarantined and counted, a generator over its budget is banned, and the ban voids its accepted

@@ -257,8 +257,8 @@ def tensors_blob(n: int) -> tuple[bytes, list[TensorMeta]]:
 
 @pytest.mark.parametrize("times", [1, 10**9])  # once: re-fetched; always: never served
 def test_a_corrupt_piece_is_named_and_refetched_alone(times: int) -> None:
-    """Tree digest (issue 22): a chunk corrupted past its crc32 fails its piece's sha256 as
-    it arrives; only that chunk is sent again (not the set), then the set is served. A piece
+    """Tree digest (docs/CONTRACTS.md 6): a chunk corrupted past its crc32 fails its piece's
+    sha256 as it arrives; only that chunk is sent again (not the set), then the set is served. A piece
     that stays corrupt is refused after max_refetch re-fetches and never served."""
     ep, conns, _ = setup()
     sent: list[int] = []
