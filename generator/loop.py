@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from generator.loop_sending import LoopStats, RolloutSending, _Unacked
+from generator.outbox import LoopStats, RolloutSending, _Unacked
 from generator.protocols import Connection, Engine, Lane, ToRollouts, make_hello
 from generator.reward_runner import RewardRunner
 from models.weights.verified import OnDisk, WeightSink
@@ -414,7 +414,7 @@ class GeneratorLoop(RolloutSending):
             self._finish([(h.item.work_id, rs) for h, rs in done])
 
     # -- outgoing -------------------------------------------------------------------------
-    # (the first sends, resends and acknowledgement bookkeeping: generator.loop_sending)
+    # (the first sends, resends and acknowledgement bookkeeping: generator.outbox)
 
     def _return(self, work_ids: list[str], reason: str) -> None:
         if work_ids:

@@ -92,7 +92,7 @@ def test_an_engine_batch_is_sent_in_one_rollout_batch_with_rewards() -> None:
 
 
 def test_a_large_engine_batch_is_split_between_items(monkeypatch: Any) -> None:
-    import generator.loop_sending as gl
+    import generator.outbox as gl
 
     monkeypatch.setattr(gl, "MESSAGE_ROLLOUTS", 4)
     loop, _, conn, _ = make(max_batch_items=4)
