@@ -9,12 +9,12 @@ Order of events (one ``GeneratorLoop.run()``)::
         recv (control + weights; at least every poll_s, so the connection's heartbeats flow)
           WorkItem        -> queue it, or hand it back (WorkReturn) when max_inflight are held
           WeightAnnounce/Chunk -> weight sink; a verified set waits for the engine to be idle
-          Ack/Nack rollout     -> forget the acknowledged rollouts
-          Welcome again        -> a reconnect: re-send every unacknowledged RolloutBatch
+          Ack/Nack rollout     -> the outbox forgets the acknowledged rollouts
+          Welcome again        -> a reconnect: the outbox re-sends every unacknowledged group
         engine idle: load pending weights, else start a batch (full, or oldest waited batch_wait_s)
-        batch generated -> score (reward runner, on its own thread) -> its finished items sent
-                           together (as few RolloutBatch messages as size allows; acked and
-                           re-sent per item)
+        batch generated -> score (reward runner, on its own thread) -> its finished items into
+                           the outbox (generator.outbox), sent together (as few RolloutBatch
+                           messages as size allows; acked and re-sent per item)
     stop(): hand back queued items, let the batch in progress finish within drain_timeout_s
             (else hand it back too), wait briefly for acks, close the connection (Goodbye)
 
@@ -23,9 +23,9 @@ scoring), reported through ``connection.set_status`` (-> Heartbeat.inflight); no
 starts before the Welcome's weight version is served, nor with an item whose
 min_weight_version is above the served one; weights change only between engine calls (one
 engine thread runs generate and load_weights in order); a finished group stays in the
-unacked buffer (bounded by max_unacked) until the learner acks it, and is re-sent after a
-reconnect (the learner dedups by rollout_id); a failing reward never stops the loop (it
-scores None); the Goodbye is always sent, also when the loop dies of an error.
+outbox (generator.outbox.Outbox, bounded by max_unacked) until the learner acks it, and is
+re-sent after a reconnect (the learner dedups by rollout_id); a failing reward never stops
+the loop (it scores None); the Goodbye is always sent, also when the loop dies of an error.
 
 Acks: ``Ack(kind="rollout" | "work", ref=work_id)`` acknowledges a whole group,
 ``ref=rollout_id`` one rollout; a Nack of the same kinds drops them (refused, not retried).
@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from generator.outbox import LoopStats, RolloutSending, _Unacked
-from generator.protocols import Connection, Engine, Lane, ToRollouts, make_hello
+from generator.outbox import Outbox
+from generator.protocols import Connection, Engine, Lane, ToRollouts
 from generator.reward_runner import RewardRunner
 from models.weights.verified import OnDisk, WeightSink
 from proto import (
@@ -59,9 +59,17 @@ from proto import (
     WorkReturn,
 )
 
-__all__ = ["FatalError", "GeneratorLoop", "LoopStats", "make_hello"]
+__all__ = ["FatalError", "GeneratorLoop", "LoopStats"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopStats:
+    """Counters of one loop (all monotone)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    max_held: int = 0  # the most work items ever held at once (<= max_inflight)
 
 
 @dataclass
@@ -82,13 +90,14 @@ class FatalError(RuntimeError):
     """The loop cannot go on (the engine failed, or the learner's settings are unusable)."""
 
 
-class GeneratorLoop(RolloutSending):
+class GeneratorLoop:
     """Serves work items from the learner; see the module docstring for the loop.
 
     Threads: the caller's thread runs ``run()`` and owns the connection; one engine thread
     runs engine.generate, ``to_rollouts`` and engine.load_weights in order; one scoring
     thread runs the reward runner. ``threaded=False`` runs both inline in ``step()``.
-    ``stop()`` only sets a flag, so a signal handler may call it.
+    ``stop()`` only sets a flag, so a signal handler may call it. Finished rollouts go to
+    ``outbox`` (generator.outbox.Outbox), which sends them and keeps them until acknowledged.
     """
 
     def __init__(
@@ -124,9 +133,13 @@ class GeneratorLoop(RolloutSending):
         self.batch_wait_s, self.drain_timeout_s, self.ack_wait_s = (
             batch_wait_s, drain_timeout_s, ack_wait_s,
         )  # fmt: skip
-        self.resend_after_s, self.max_unacked, self.poll_s = resend_after_s, max_unacked, poll_s
+        self.poll_s = poll_s
         self.detokenize, self.check_welcome, self.clock = detokenize, check_welcome, clock
         self.stats = LoopStats()
+        self.outbox = Outbox(
+            connection, max_unacked=max_unacked, resend_after_s=resend_after_s,
+            counts=self.stats.counts, clock=clock,
+        )  # fmt: skip
         self.last_turn = clock()  # when step() last ran to its end (generator.health)
         self.welcome: Welcome | None = None
         self.version = engine.weight_version  # the version the engine serves
@@ -137,7 +150,6 @@ class GeneratorLoop(RolloutSending):
         self._scoring: deque[_Batch] = deque()  # on the scoring thread, in order
         self._pending: Any = None  # verified weights waiting for the engine to be idle
         self._load: tuple[Any, Future[Any]] | None = None
-        self._unacked: OrderedDict[str, _Unacked] = OrderedDict()
         self._stopping, self._stop_reason = False, "shutdown"
         # a lane's finished call wakes run()'s recv (connection.waker), not the next poll_s
         waker = getattr(connection, "waker", None)
@@ -150,11 +162,6 @@ class GeneratorLoop(RolloutSending):
     def held(self) -> int:
         """Work items held: queued + generating + scoring."""
         return len(self._ids)
-
-    @property
-    def unacked(self) -> list[str]:
-        """Work ids whose rollouts the learner has not acknowledged yet, oldest first."""
-        return list(self._unacked)
 
     @property
     def serving(self) -> bool:
@@ -192,7 +199,7 @@ class GeneratorLoop(RolloutSending):
         self._harvest()
         self._advance()
         self._harvest()  # inline mode finishes within _advance
-        self._resend_due()
+        self.outbox.resend_due()
         self.conn.set_status(self.version, self.held)
         self.last_turn = self.clock()
 
@@ -206,7 +213,7 @@ class GeneratorLoop(RolloutSending):
         elif isinstance(rec, WeightAnnounce | WeightChunk):
             self._on_weights(rec)
         elif isinstance(rec, Ack | Nack) and rec.kind in ("rollout", "work"):
-            self._on_ack(rec)
+            self.outbox.acknowledge(rec)
         elif isinstance(rec, ErrorMsg):
             c["learner_errors"] += 1
             if rec.code == "banned":  # the learner dropped us for the run: serving is pointless
@@ -229,8 +236,7 @@ class GeneratorLoop(RolloutSending):
             "welcomed by run %s (weights v%d required, serving v%d)%s",
             w.run_id, w.weight_version, self.version, "; re-sending unacked" if again else "",
         )  # fmt: skip
-        for entry in self._unacked.values():
-            self._send_batch(entry, resend=again or entry.sent_at >= 0)
+        self.outbox.on_welcome(reconnect=again)
 
     def _admit(self, item: WorkItem) -> None:
         wid, c = item.work_id, self.stats.counts
@@ -238,9 +244,8 @@ class GeneratorLoop(RolloutSending):
         if wid in self._ids:
             c["work_duplicate"] += 1  # a re-dispatch of what we hold: its result will come
             return
-        if wid in self._unacked:
-            c["work_duplicate"] += 1  # finished already: our rollouts were lost, send again
-            self._send_batch(self._unacked[wid], resend=True)
+        if self.outbox.resend(wid):
+            c["work_duplicate"] += 1  # finished already: our rollouts were lost, sent again
             return
         if self._stopping:
             self._return([wid], self._stop_reason)
@@ -268,24 +273,6 @@ class GeneratorLoop(RolloutSending):
             self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
         else:
             self._pending = ready  # a newer verified set replaces one not yet loaded
-
-    def _on_ack(self, rec: Ack | Nack) -> None:
-        entry = self._unacked.get(rec.ref)
-        wid = rec.ref
-        if entry is None:
-            wid = rec.ref.rpartition("/")[0]
-            entry = self._unacked.get(wid)
-            if entry is None or rec.ref not in entry.pending:
-                return
-            entry.pending.discard(rec.ref)
-        else:
-            entry.pending.clear()
-        if isinstance(rec, Nack):
-            self.stats.counts["rollouts_refused"] += 1
-            log.warning("learner refused %s: %s", rec.ref, rec.reason)
-        if not entry.pending:
-            del self._unacked[wid]
-            self.stats.counts["groups_acked"] += 1
 
     # -- engine ---------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -408,14 +395,14 @@ class GeneratorLoop(RolloutSending):
             if exc is not None:
                 raise FatalError(f"scoring failed: {exc!r}") from exc
             self._scoring.popleft()
-            done = list(zip(b.held, b.scoring.result()))
-            for _, rs in done:
+            done = [(h.item.work_id, rs) for h, rs in zip(b.held, b.scoring.result())]
+            for wid, rs in done:
+                self._ids.discard(wid)
                 self.stats.counts["reward_failures"] += sum(r.reward is None for r in rs)
-            self._finish([(h.item.work_id, rs) for h, rs in done])
+                self.stats.counts["groups_done"] += 1
+            self.outbox.add(done)
 
-    # -- outgoing -------------------------------------------------------------------------
-    # (the first sends, resends and acknowledgement bookkeeping: generator.outbox)
-
+    # -- work handed back (finished rollouts go out through self.outbox) ------------------
     def _return(self, work_ids: list[str], reason: str) -> None:
         if work_ids:
             self.conn.send(WorkReturn(self.generator_id, work_ids, reason))
@@ -441,7 +428,7 @@ class GeneratorLoop(RolloutSending):
             self._batch = None
             self._scoring.clear()
         deadline = self.clock() + self.ack_wait_s
-        while self._unacked and self.conn.ready and self.clock() < deadline:
+        while len(self.outbox) and self.conn.ready and self.clock() < deadline:
             self.step()
         self.conn.set_status(self.version, self.held)
         self.conn.close(reason)

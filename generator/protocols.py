@@ -1,10 +1,11 @@
 """The generator's collaborators, as structural types: connection and engine.
 
-generator/ never imports pipeline/; these Protocols are what generator.loop needs, written so
-that pipeline.net.transport.GeneratorConnection satisfies them as it is, and
-generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight sink and what it
-hands the engine (VerifiedWeights, OnDisk) are models.weights.verified's. Helpers: the Hello a
-generator introduces itself with and the one-thread work lane that keeps engine calls in order.
+generator/ never imports pipeline/; these Protocols are what generator.loop (and its
+generator.outbox) needs, written so that pipeline.net.transport.GeneratorConnection satisfies
+them as it is, and generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight
+sink and what it hands the engine (VerifiedWeights, OnDisk) are models.weights.verified's.
+Helpers: the Hello a generator introduces itself with and the one-thread work lane that keeps
+engine calls in order.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ from generator.depth_engines import DepthEngines, fixed_depth_of
 from generator.engine import LoopedEngine, to_rollouts
 from generator.environments import resolve_environment
 from generator.health import HealthFile
-from generator.loop import FatalError, GeneratorLoop, make_hello
+from generator.loop import FatalError, GeneratorLoop
+from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.chat import TEMPLATES
 from models.checkpoint import load_config as load_model_config

@@ -1,5 +1,6 @@
-"""Fakes of the GeneratorLoop tests (tests/generator/test_loop.py): a scripted engine,
-clock and connection, and helpers that drive a loop."""
+"""Fakes of the GeneratorLoop and Outbox tests (tests/generator/test_loop.py,
+tests/generator/test_outbox.py): a scripted engine, clock and connection, and helpers that
+drive a loop."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from generator.loop import GeneratorLoop
+from generator.protocols import Channel
 from generator.reward_runner import RewardRunner
 from proto import (
     Goodbye,
@@ -96,28 +98,32 @@ class FakeClock:
 
 @dataclass
 class Inc:
-    channel: str
+    channel: Channel
     record: Any
 
 
 @dataclass
 class FakeConnection:
     """Scripted link: the test puts records in ``inbox``; sends, statuses and the Goodbye are
-    logged. Like pipeline's connection it is ``ready`` after a Welcome came through ``recv``."""
+    logged. Like pipeline's connection it is ``ready`` after a Welcome came through ``recv``.
+    ``refuse``: ``send`` returns False and keeps nothing (the transport could not queue it)."""
 
     log: list[tuple[Any, ...]]
     inbox: queue.Queue[Inc] = field(default_factory=queue.Queue)
     ready: bool = False
+    refuse: bool = False
     closed: str | None = None
     statuses: list[tuple[int, int]] = field(default_factory=list)
     sent: list[Any] = field(default_factory=list)
 
-    def push(self, *records: Any, channel: str = "control") -> None:
+    def push(self, *records: Any, channel: Channel = "control") -> None:
         for r in records:
             self.inbox.put(Inc(channel, r))
 
     def send(self, record: Any, *, channel: str = "control") -> bool:
         assert self.closed is None, "send after close"
+        if self.refuse:
+            return False
         self.sent.append(record)
         self.log.append(("send", type(record).__name__, record))
         return True
@@ -153,6 +159,12 @@ def item(wid: str, n: int = 2, min_version: int = 0, task: dict | None = None) -
         task=task or {},
         min_weight_version=min_version,
     )
+
+
+def rollouts(wid: str, n: int = 2, tokens: int = 4) -> list[Rollout]:
+    """The ``n`` rollouts of a finished work item ``wid``, ``tokens`` completion tokens each."""
+    samples = [FakeSample([3] * tokens, 11 + j, 0) for j in range(n)]
+    return to_rollouts(item(wid, n), samples, GID)
 
 
 def length_reward(text: str, tokens: list[int], task: dict) -> float:

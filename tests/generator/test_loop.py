@@ -85,16 +85,16 @@ def test_an_engine_batch_is_sent_in_one_rollout_batch_with_rewards() -> None:
     r = batches[0].rollouts[0]
     assert r.reward == 4.0 and r.generator_id == GID
     assert {"gen_time_s", "queue_time_s", "reward_time_s"} <= set(r.metrics)
-    assert loop.unacked == ["a", "b"] and loop.stats.counts["rollouts_sent"] == 4
+    assert loop.outbox.unacked == ["a", "b"] and loop.stats.counts["rollouts_sent"] == 4
     conn.push(Ack("rollout", "a"), Ack("rollout", "b/0"))  # a group's Ack, a rollout's
     spin(loop)
-    assert loop.unacked == []
+    assert loop.outbox.unacked == []
 
 
 def test_a_large_engine_batch_is_split_between_items(monkeypatch: Any) -> None:
-    import generator.outbox as gl
+    import generator.outbox
 
-    monkeypatch.setattr(gl, "MESSAGE_ROLLOUTS", 4)
+    monkeypatch.setattr(generator.outbox, "MESSAGE_ROLLOUTS", 4)
     loop, _, conn, _ = make(max_batch_items=4)
     conn.push(welcome(), item("a", n=3), item("b", n=2), item("c", n=1), item("d", n=5))
     spin(loop)
@@ -217,11 +217,11 @@ def test_reconnect_resends_unacked_only() -> None:
     loop, _, conn, _ = make()
     conn.push(welcome(), item("a"), item("b"), item("c"))
     spin(loop)
-    assert loop.unacked == ["a", "b", "c"]
+    assert loop.outbox.unacked == ["a", "b", "c"]
     conn.push(Ack("rollout", "a"), Ack("rollout", "b/0"), Ack("rollout", "b/1"))
     conn.push(Ack("rollout", "c/0"))
     spin(loop)
-    assert loop.unacked == ["c"]
+    assert loop.outbox.unacked == ["c"]
     conn.ready = False  # the learner went away; the connection re-Hellos
     conn.push(item("d"))
     spin(loop)
@@ -276,7 +276,7 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
         learner_turn(ep1, got1, lambda w: w in ("w0", "w1"))
     assert set(got1) == {f"w{i}/{j}" for i in range(4) for j in range(2)}
     spin(loop, 2)
-    assert loop.unacked == ["w2", "w3"]
+    assert loop.outbox.unacked == ["w2", "w3"]
     ep1.send(GID, item("w4"))
     ep1.close()  # the learner dies with w4 in flight and w2, w3 unacknowledged
     spin(loop, 2)  # w4 finishes while nobody listens: queued by the transport
@@ -291,7 +291,7 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
     assert not acked_by_1 & set(got2), "acknowledged rollouts were sent again"
     assert set(got2) == {f"w{i}/{j}" for i in (2, 3, 4) for j in range(2)}  # nothing lost
     assert set(got1) | set(got2) == {f"w{i}/{j}" for i in range(5) for j in range(2)}
-    assert loop.unacked == []
+    assert loop.outbox.unacked == []
     loop.stop()
     loop.run()
     assert conn.closed
