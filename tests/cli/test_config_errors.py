@@ -62,8 +62,12 @@ def test_the_work_timeout_is_ordered_below_max_wait() -> None:
     assert load_config(None, ["max_wait_s=40"]).work_timeout_s() == 20.0
     assert load_config(None, ["intake.work_timeout_s=0"]).work_timeout_s() == 0.0
     assert load_config(None, ["intake.work_timeout_s=30", "max_wait_s=40"]).work_timeout_s() == 30
-    for bad in (["intake.work_timeout_s=-1"], ["intake.work_timeout_s=nan"],
-                ["intake.work_timeout_s=900"], ["intake.work_timeout_s=40", "max_wait_s=40"]):
+    for bad in (
+        ["intake.work_timeout_s=-1"],
+        ["intake.work_timeout_s=nan"],
+        ["intake.work_timeout_s=900"],
+        ["intake.work_timeout_s=40", "max_wait_s=40"],
+    ):
         with pytest.raises(ConfigError) as e:
             load_config(None, bad)
         assert "intake.work_timeout_s" in str(e.value) and "\n" not in str(e.value), e.value
