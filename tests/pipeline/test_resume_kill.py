@@ -149,3 +149,7 @@ def test_learner_killed_at_three_points_loses_no_accepted_sample(tmp_path: Path)
         assert "is not newer than" not in text, f"{g.name}: {text[-2000:]}"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["counts"]["intake"].get("rollouts_dropped_stale", 0) == 0
+    # the generators still serving an earlier life's version are honest: the last life
+    # accepts their claims (before: "v16 was never delivered to it (delivered: [])")
+    assert summary["counts"]["intake"].get("claims_refused", 0) == 0, summary["counts"]
+    assert summary["counts"]["banned"] == {}, summary["counts"]["banned"]
