@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import Tensor
 
 from proto.records import MAX_DEPTH  # the deepest exit policy: exit depths travel as uint8
@@ -277,15 +278,23 @@ _KINDS: dict[str, type] = {
 }
 
 
-def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
-    """JSON form of an exit policy: {"kind": "fixed" | "latent_diff" | "kl" | "entropy_diff" |
-    "ouro_gate" | "sampled_gate", **its fields}."""
-    if policy is None:
-        return None
+def policy_kind(policy: ExitPolicy) -> str:
+    """The ``kind`` of `policy`: "fixed" | "latent_diff" | "kl" | "entropy_diff" | "ouro_gate" |
+    "sampled_gate" (its name in `policy_to_dict`, the run config and the flag)."""
     for kind, cls in _KINDS.items():
         if type(policy) is cls:
-            return {"kind": kind, **dataclasses.asdict(policy)}
+            return kind
     raise ValueError(f"unknown exit policy {policy!r}")
+
+
+def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
+    """The mapping form of an exit policy (None for None): {"kind": `policy_kind`, **its
+    fields}, as rollout.exit_policy writes it; what crosses a process boundary (the
+    --exit-policy flag as its JSON, vLLM's additional_config, the learner's Welcome), read back
+    by `parse_policy`."""
+    if policy is None:
+        return None
+    return {"kind": policy_kind(policy), **dataclasses.asdict(policy)}
 
 
 def policy_json(policy: ExitPolicy | None) -> str:
@@ -310,6 +319,29 @@ def policy_from_dict(d: Mapping[str, Any] | None) -> ExitPolicy | None:
             f"{sorted(fields)})"
         )
     return cls(**args)  # type: ignore[no-any-return]
+
+
+def parse_policy(value: ExitPolicy | Mapping[str, Any] | str | None) -> ExitPolicy | None:
+    """The exit policy `value` states, whatever form it came in: a policy (returned as is),
+    `policy_to_dict`'s mapping, that mapping as JSON or YAML text (a command line; the Welcome
+    of learners that sent it as canonical JSON), or None / '' / {} (full depth: None).
+    ValueError (or TypeError for a field of the wrong type) naming what is wrong."""
+    if value is None or isinstance(value, ExitPolicy):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)  # JSON first: YAML 1.1 would read 1e-3 as a string
+        except json.JSONDecodeError:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                why = " ".join(str(e).split())
+                raise ValueError(f"exit_policy {value!r}: neither JSON nor YAML ({why})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"exit_policy must be a mapping with a 'kind', got {value!r}")
+    return policy_from_dict(value) if value else None
 
 
 def needs_logits(policy: ExitPolicy) -> bool:
@@ -457,8 +489,10 @@ __all__ = [
     "is_sampled",
     "needs_gate",
     "needs_logits",
+    "parse_policy",
     "policy_from_dict",
     "policy_json",
+    "policy_kind",
     "policy_to_dict",
     "resolve_kv",
     "resolve_max_depth",
