@@ -24,6 +24,7 @@ from learner.config import LearnerConfig, ObjectiveConfig, OptimConfig, Schedule
 from models import settings
 from models.contract import NUMERICS
 from models.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError)
+from models.exits import is_sampled, policy_kind
 from models.settings import parse_overrides  # noqa: F401  (part of this API)
 from pipeline.config_outputs import (  # noqa: F401  (the sections are part of this API)
     FSYNC,
@@ -184,8 +185,8 @@ class RunConfig:
                    f"packed micro-batches are sized by tokens: leave learner.micro_batch_size "
                    f"0 (got {lr.micro_batch_size})")  # fmt: skip
             if self.backend != "reference":
-                kind_ = self.rollout.exit_policy.get("kind") if self.rollout.exit_policy else None
-                _check(self.objective.loop_weighting == "last" and kind_ != "sampled_gate",
+                _check(self.objective.loop_weighting == "last"
+                       and not is_sampled(self.rollout.parsed_policy),
                        "learner.max_tokens_per_micro", lr.max_tokens_per_micro,
                        "backend megatron packs the plain forward only: the per-loop "
                        "(objective.loop_weighting) and sampled-exit forwards "
@@ -209,18 +210,19 @@ class RunConfig:
                "needs task.kind=dataset with task.answer_column (the reference answers)")  # fmt: skip
         _check(not self.eval.every or self.task.kind == "dataset", "eval.every", self.eval.every,
                "needs task.kind=dataset (an eval split)")  # fmt: skip
-        kind = self.rollout.exit_policy.get("kind") if self.rollout.exit_policy else None
-        _check(not self.task.environment or kind not in ADAPTIVE_EXITS, "rollout.exit_policy",
-               dict(self.rollout.exit_policy),
+        policy = self.rollout.parsed_policy
+        kind = policy_kind(policy) if policy is not None else None
+        _check(not self.task.environment or not isinstance(policy, ADAPTIVE_EXITS),
+               "rollout.exit_policy", dict(self.rollout.exit_policy),
                f"an adaptive exit ({kind}) cannot be combined with task.environment "
                f"({self.task.environment}): the next turn's prefill recomputes earlier model "
                "tokens at full depth, so one replay pass would not reproduce the sampled "
                "log-probs (docs/PROTOCOL.md); use kind fixed or no exit policy")  # fmt: skip
         for key in ("exit_coef", "exit_entropy_coef"):
-            _check(getattr(self.objective, key) == 0 or kind == "sampled_gate",
+            _check(getattr(self.objective, key) == 0 or is_sampled(policy),
                    f"objective.{key}", getattr(self.objective, key),
                    "trains a sampled exit: needs rollout.exit_policy kind sampled_gate")  # fmt: skip
-        _check(kind != "sampled_gate" or not self.task.environment, "rollout.exit_policy",
+        _check(not is_sampled(policy) or not self.task.environment, "rollout.exit_policy",
                dict(self.rollout.exit_policy),
                f"kind sampled_gate cannot be combined with task.environment "
                f"({self.task.environment}): a conversation's exits are not recorded per turn")  # fmt: skip

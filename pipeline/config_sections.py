@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from generator.config import GeneratorConfig
 from models.contract import Sampling
 from models.errors import ConfigError
-from models.exits import MAX_DEPTH, policy_from_dict
+from models.exits import KL, MAX_DEPTH, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
 from models.init import SIZES
 from models.settings import check
 from pipeline.net.transport_config import TransportConfig
 
 ENVIRONMENT_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 """task.environment: package.module:Class."""
-ADAPTIVE_EXITS = ("latent_diff", "kl", "entropy_diff", "ouro_gate")
-"""Exit policy kinds whose depth varies per token (refused with task.environment)."""
+ADAPTIVE_EXITS = (LatentDiff, KL, EntropyDiff, OuroGate)
+"""Exit policies whose depth varies per token (refused with task.environment)."""
 POLICIES = ("drop", "keep")
 TASKS = ("synthetic", "jsonl", "dataset")
 SEED_LIMIT = (
@@ -157,10 +158,14 @@ class RolloutSection(Sampling):
     """task.environment: most environment (observation) tokens in one conversation, all turns
     together; the whole conversation stays within max_model_len."""
 
-    def policy(self) -> Any:
-        """`exit_policy` as a models.exits policy (None when empty)."""
+    @cached_property
+    def parsed_policy(self) -> ExitPolicy | None:
+        """`exit_policy` as a models.exits policy (None when empty), parsed once at load."""
+        return parse_policy(dict(self.exit_policy))
 
-        return policy_from_dict(self.exit_policy) if self.exit_policy else None
+    def policy(self) -> ExitPolicy | None:
+        """`parsed_policy` (for the callers that still call it; nothing is parsed again)."""
+        return self.parsed_policy
 
     @property
     def sampling(self) -> Sampling:
@@ -170,7 +175,7 @@ class RolloutSection(Sampling):
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            self.policy()
+            self.parsed_policy  # noqa: B018  (parsed here, once: a bad mapping fails the load)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"rollout.exit_policy {dict(self.exit_policy)!r}: {e}") from None
         _check(self.n >= 1, "rollout.n", self.n, "must be >= 1")

@@ -75,7 +75,7 @@ def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequ
     EvalSection(every=1, depths=list(depths))  # the eval.depths rules (one line naming it)
     check_depths(depths, int(config.max_depth), looped=config.family != "llama")
     net.eval()
-    out = _score(cfg, net, tok_dir, prompts, n, temperature, batch, cfg.rollout.policy())
+    out = _score(cfg, net, tok_dir, prompts, n, temperature, batch, cfg.rollout.parsed_policy)
     for d in depths:
         at = _score(cfg, net, tok_dir, prompts, n, temperature, batch, FixedDepth(d))
         out |= {f"eval/accuracy@{d}": at["eval/accuracy"], f"eval/mean@n@{d}": at["eval/mean@n"],
