@@ -11,12 +11,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import settings
 from models.chat import TEMPLATES
 from models.contract import NUMERICS
 from models.errors import ConfigError as _ConfigError
+from models.exits import ExitPolicy, parse_policy, policy_to_dict
 
 REWARD_MODES = ("process", "thread", "inline")
 ENGINES = ("vllm", "torch")
@@ -27,6 +28,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 ConfigError = _ConfigError  # the project's one ConfigError (models.errors)
+
+if TYPE_CHECKING:
+    _PolicySetting = ExitPolicy | None
+else:  # what OmegaConf sees: it holds no union of dataclasses (omegaconf 2.3 refuses the
+    _PolicySetting = Any  # annotation), so it carries the mapping or the flag's text as given,
+    # and __post_init__ parses it into the policy, once
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,10 @@ class GeneratorConfig:
     docs/GENERATOR.md lists the keys it reads)."""
     numerics: str = "fast"
     """Engine numerics: fast (native kernels) or exact (fp64-accumulated, bit-exact replay)."""
-    exit_policy: str = ""
-    """Exit policy as JSON, e.g. {"kind": "kl", "threshold": 0.1}; empty: full depth."""
+    exit_policy: _PolicySetting = None
+    """Exit policy (models.exits), parsed at load: a mapping, e.g. {kind: kl, threshold: 0.1},
+    or its JSON or YAML text (--exit-policy '{"kind": "kl", "threshold": 0.1}'); null or
+    empty: full depth."""
     dtype: str = "auto"
     """vLLM model dtype: auto (float32 on CPU; on a GPU the checkpoint's torch_dtype, i.e. that
     of the weights the learner publishes), float32 or bfloat16; numerics exact needs float32."""
@@ -120,6 +129,10 @@ class GeneratorConfig:
     """Logging level: DEBUG, INFO, WARNING or ERROR."""
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "exit_policy", parse_policy(self.exit_policy))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"generator config exit_policy: {e}") from None
         checks = [
             (self.max_inflight >= 1, "max_inflight", "must be >= 1"),
             (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
@@ -172,18 +185,6 @@ class GeneratorConfig:
             if not ok:
                 raise ConfigError(f"generator config {key}={getattr(self, key)!r}: {why}")
 
-    def exit_policy_dict(self) -> dict[str, Any] | None:
-        """``exit_policy`` parsed (None when empty); ConfigError if it is not a JSON object."""
-        if not self.exit_policy:
-            return None
-        try:
-            d = json.loads(self.exit_policy)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"generator config exit_policy: not JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ConfigError("generator config exit_policy: expected a JSON object")
-        return d
-
     def require_learner(self) -> None:
         """Raise ConfigError unless ``learner`` is set (checked at run time, not load time)."""
         if not self.learner:
@@ -191,6 +192,12 @@ class GeneratorConfig:
                 "generator config learner: the learner endpoint is required "
                 "(--learner tcp://HOST:PORT or `learner:` in the config file)"
             )
+
+
+def exit_policy_arg(policy: ExitPolicy | None) -> str:
+    """The --exit-policy text of `policy` (its `policy_to_dict` mapping as JSON; '' for None:
+    full depth), which GeneratorConfig parses back into an equal policy."""
+    return "" if policy is None else json.dumps(policy_to_dict(policy), sort_keys=True)
 
 
 def field_docs() -> dict[str, str]:

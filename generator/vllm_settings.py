@@ -11,9 +11,11 @@
                   docs/CONTRACTS.md 3) and a depth / max_depth up to 255 (beyond the model's own)
      "record": true}                                      per-token depths / log-probs side channel
 
-The policy's JSON form and its parser live in `models.exits` (the learner reads the same run
-setting); they are re-exported here. Kept out of config.json on purpose: `models.config`
-parses config.json strictly, and these are serving choices, not model facts. The settings are engine-wide (one policy per engine).
+The policy's mapping form and its parser live in `models.exits` (`policy_to_dict`,
+`policy_from_dict`): `LoopedEngine` hands the typed policy in `PluginSettings`, it crosses into
+vLLM's config as that mapping and each model parses it once. Kept out of config.json on
+purpose: `models.config` parses config.json strictly, and these are serving choices, not model
+facts. The settings are engine-wide (one policy per engine).
 """
 
 from __future__ import annotations
@@ -70,8 +72,6 @@ def settings_from_additional_config(additional: Any) -> PluginSettings:
 __all__ = [
     "KEY",
     "PluginSettings",
-    "policy_from_dict",
-    "policy_to_dict",
     "settings_from_additional_config",
     "settings_to_dict",
 ]

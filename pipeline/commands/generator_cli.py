@@ -44,6 +44,7 @@ from generator.config import (
     REWARD_MODES,
     ConfigError,
     GeneratorConfig,
+    exit_policy_arg,
     field_docs,
     load_config,
 )
@@ -57,7 +58,7 @@ from generator.reward_runner import RewardRunner
 from models.chat import TEMPLATES
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
-from models.exits import FixedDepth, policy_from_dict, policy_json
+from models.exits import ExitPolicy, FixedDepth, parse_policy
 from models.weights.chunked import WeightReceiver
 from models.weights.collective_generator import CollectiveWeightSink
 from pipeline.commands.generator_engine import StopOnFailedLoad, multi_turn
@@ -298,9 +299,12 @@ def probe_learner(
         ctx.term()
 
 
-def _check_welcome(numerics: str, exit_policy: str = "") -> Callable[[Any], None]:
-    """A Welcome check: the learner's numerics and exit policy (canonical JSON,
-    `models.exits.policy_json`) must be this generator's."""
+def _check_welcome(numerics: str, policy: ExitPolicy | None = None) -> Callable[[Any], None]:
+    """A Welcome check: the learner's numerics and exit policy must be this generator's
+    (``policy``, its parsed --exit-policy). The Welcome states the policy in
+    ``settings["exit_policy"]`` as `models.exits.policy_to_dict`'s mapping or, from older
+    learners, its canonical JSON; None or '' is full depth; a Welcome without it is not checked.
+    The parsed policies are compared, not their text."""
 
     def check(welcome: Any) -> None:
         want = welcome.settings.get("numerics")
@@ -309,12 +313,19 @@ def _check_welcome(numerics: str, exit_policy: str = "") -> Callable[[Any], None
                 f"the learner runs numerics {want!r}, this generator {numerics!r} "
                 f"(restart it with --numerics {want})"
             )
-        want = welcome.settings.get("exit_policy")
-        if want is not None and want != exit_policy:
+        if "exit_policy" not in welcome.settings:
+            return
+        stated = welcome.settings["exit_policy"]
+        try:
+            theirs = parse_policy(stated)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the learner states an exit policy this generator cannot read: "
+                             f"{stated!r} ({e})") from None  # fmt: skip
+        if theirs != policy:
             raise ValueError(
-                f"the learner's run uses exit policy {want or 'none (full depth)'}, this "
-                f"generator {exit_policy or 'none (full depth)'} (restart it with "
-                f"--exit-policy '{want}', the run config's rollout.exit_policy)"
+                f"the learner's run uses exit policy {theirs or 'none (full depth)'}, this "
+                f"generator {policy or 'none (full depth)'} (restart it with --exit-policy "
+                f"'{exit_policy_arg(theirs)}', the run config's rollout.exit_policy)"
             )
 
     return check
@@ -334,6 +345,32 @@ def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]
     return common, {"inflight_updates": cfg.inflight_updates}
 
 
+def build_engines(cfg: GeneratorConfig) -> DepthEngines:
+    """This generator's engines (``cfg.engine``): the main one under the run's exit policy
+    (``cfg.exit_policy``, the policy parsed when the config was loaded) and, built on first
+    use, a FixedDepth(d) one for the work items of each eval depth d (generator.depth_engines)."""
+    common, main_only = engine_kwargs(cfg)
+    build: Callable[..., Any] = LoopedEngine
+    if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine.py)
+        from generator.torch_engine import TorchEngine
+
+        build = TorchEngine  # every key of `common`: kv_cache_mb caps its cache rows
+    else:
+        # This process's engines run eager (LoopedEngine's enforce_eager), but vLLM's
+        # sampler compiles a helper with torch.compile on its first batch and again on
+        # new batch shapes (seconds each on a 2-core host, on the path to the first
+        # step): with dynamo off it runs as plain torch (an integer rank count: the same
+        # result). Set before vLLM imports torch._dynamo; an explicit setting wins.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    policy = cfg.exit_policy
+    main = build(cfg.model, exit_policy=policy, **common, **main_only)
+    return DepthEngines(
+        main, lambda d: build(cfg.model, exit_policy=FixedDepth(d), **common),
+        looped=main.looped, main_fixed_depth=fixed_depth_of(
+            policy or FixedDepth(int(load_model_config(cfg.model).max_depth))),
+    )  # fmt: skip
+
+
 def serve(cfg: GeneratorConfig) -> int:
     """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
 
@@ -351,10 +388,6 @@ def serve(cfg: GeneratorConfig) -> int:
         gid = generator_id_for(name, cfg.generator_id)  # the learner binds the key to NAME[:...]
     transport = transport_config(cfg)
     load_model_config(cfg.model)  # a missing, empty or broken config.json: the file and the field
-    try:
-        policy = policy_from_dict(cfg.exit_policy_dict())
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"generator config exit_policy: {e}") from None
     archs = read_config(cfg.model).get("architectures") or []
     families = [_FAMILIES.get(a, a) for a in archs]
     endpoints = {"control": cfg.learner, "weights": weights_ep}
@@ -376,26 +409,7 @@ def serve(cfg: GeneratorConfig) -> int:
     engine = None
     health: HealthFile | None = None
     try:
-        common, main_only = engine_kwargs(cfg)
-        build: Callable[..., Any] = LoopedEngine
-        if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine.py)
-            from generator.torch_engine import TorchEngine
-
-            build = TorchEngine  # every key of `common`: kv_cache_mb caps its cache rows
-        else:
-            # This process's engines run eager (LoopedEngine's enforce_eager), but vLLM's
-            # sampler compiles a helper with torch.compile on its first batch and again on
-            # new batch shapes (seconds each on a 2-core host, on the path to the first
-            # step): with dynamo off it runs as plain torch (an integer rank count: the same
-            # result). Set before vLLM imports torch._dynamo; an explicit setting wins.
-            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        main = build(cfg.model, exit_policy=policy, **common, **main_only)
-        # eval.depths: items with eval_depth d run on a FixedDepth(d) engine, built on first use
-        engine = DepthEngines(
-            main, lambda d: build(cfg.model, exit_policy=FixedDepth(d), **common),
-            looped=main.looped, main_fixed_depth=fixed_depth_of(
-                policy or FixedDepth(int(load_model_config(cfg.model).max_depth))),
-        )  # fmt: skip
+        engine = build_engines(cfg)
         served = StopOnFailedLoad(engine if env is None else multi_turn(cfg, engine, env))
         hello = make_hello(gid, cfg.max_inflight, engine.weight_version, families)
         conn = ZmqGeneratorConnection(
@@ -418,7 +432,7 @@ def serve(cfg: GeneratorConfig) -> int:
                 serving_version=engine.weight_version,
             ),
             detokenize=_detokenizer(cfg.model),
-            check_welcome=_check_welcome(cfg.numerics, policy_json(policy)),
+            check_welcome=_check_welcome(cfg.numerics, cfg.exit_policy),
             drain_timeout_s=cfg.drain_timeout_s,
             resend_after_s=cfg.resend_after_s,
             max_unacked=cfg.max_unacked,

@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from generator.config import GeneratorConfig
-from models.exits import policy_json
+from generator.config import GeneratorConfig, exit_policy_arg
 from pipeline.commands.generator_cli import flag_name
 from pipeline.config import ConfigError, RunConfig
 from pipeline.config_sections import RUN_MANAGED
@@ -47,7 +46,6 @@ def generator_config(cfg: RunConfig, control: str, weights: str, model: Path,
             key_name = names[index]
         elif len(names) != 1:  # one keypair: the generator finds it itself
             key_name = "|".join(names) or "NAME"
-    policy = cfg.rollout.policy()
     managed: dict[str, Any] = {
         "learner": control,
         "weights_endpoint": weights,
@@ -61,7 +59,7 @@ def generator_config(cfg: RunConfig, control: str, weights: str, model: Path,
         "curve_on_loopback": bool(e.keys) and e.curve_on_loopback,
         "max_num_seqs": max(1, g.max_inflight * cfg.rollout.n),
         "peer_timeout_s": cfg.transport.peer_timeout_s,
-        "exit_policy": policy_json(policy) if policy is not None else "",
+        "exit_policy": cfg.rollout.parsed_policy,
         "transport": _transport_json(cfg.transport),
         "environment": cfg.task.environment,
         "max_turns": cfg.rollout.max_turns,
@@ -88,6 +86,8 @@ def config_argv(gen: GeneratorConfig, always: tuple[str, ...] = ALWAYS) -> list[
         name = flag_name(f.name)
         if isinstance(value, bool):
             out.append(name if value else "--no-" + name.removeprefix("--"))
+        elif f.name == "exit_policy":  # the policy as the flag's text, parsed back at load
+            out += [name, exit_policy_arg(value)]
         else:
             out += [name, str(value)]
     return out

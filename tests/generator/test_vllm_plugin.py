@@ -15,9 +15,16 @@ import numpy as np
 import pytest
 
 from generator.engine import LoopedEngine, Sample
-from generator.vllm_settings import policy_from_dict, policy_to_dict
 from models.checkpoint import load_model
-from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate
+from models.exits import (
+    KL,
+    ExitPolicy,
+    FixedDepth,
+    LatentDiff,
+    OuroGate,
+    policy_from_dict,
+    policy_to_dict,
+)
 from models.init import init_checkpoint
 from models.reference import SamplingParams, generate
 from tests.generator import prompts, replay_diff, work_item

@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from models.exits import (
+    KL,
     FixedDepth,
     LatentDiff,
     OuroGate,
     SampledGate,
     policy_from_dict,
     policy_json,
+    policy_to_dict,
 )
 from pipeline.config import ConfigError, load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
@@ -51,29 +53,120 @@ def test_run_config_key_parsed_and_refused_with_a_message(tmp_path: Path) -> Non
         load_config(None, {"objective": {"exit_coef": 0.5}})
 
 
-def test_launcher_and_welcome_carry_the_run_policy() -> None:
-    from pipeline.commands.generator_cli import _check_welcome
+def test_the_policy_is_one_typed_object_from_yaml_to_the_engine(tmp_path: Path) -> None:
+    """rollout.exit_policy is parsed once, at load; at every hop after it (the run config, the
+    GeneratorConfig `looprl run` builds, the flags it starts the generator with, the
+    GeneratorConfig `looprl generator` loads from them, its engines) the policy is the same
+    type and equal; the flag is the only text on the way (the process boundary)."""
+    import argparse
+
+    from generator.vllm_settings import (
+        PluginSettings,
+        settings_from_additional_config,
+        settings_to_dict,
+    )
+    from models.init import init_checkpoint
+    from pipeline.commands.generator_cli import add_parser, build_engines, config_from_args
+    from pipeline.commands.generator_flags import generator_config
     from pipeline.commands.launcher import generator_command
-    from pipeline.core.coordinator import Coordinator
 
-    cfg = load_config(None, {"rollout": {"exit_policy": GATE}})
-    cmd = generator_command(cfg, 0, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", Path("m"))
-    sent = json.loads(cmd[cmd.index("--exit-policy") + 1])
-    assert policy_from_dict(sent) == OuroGate(0.8, kv="full")
-    plain = generator_command(load_config(), 0, "tcp://a:1", "tcp://a:2", Path("m"))
-    assert "--exit-policy" not in plain
-    from pipeline.commands.learner_main import generator_hint
+    model = init_checkpoint("ouro", "tiny", tmp_path / "m")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("rollout:\n  exit_policy: {kind: ouro_gate, q: 0.8, kv: full}\n"
+                        "generators:\n  engine: torch\n")  # fmt: skip
+    cfg = load_config(run_yaml)
+    want = OuroGate(0.8, kv="full")
+    hops = {"run config": cfg.rollout.parsed_policy}
+    assert cfg.rollout.policy() is hops["run config"]  # parsed once: the same object
+    ctrl, wts = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+    meant = generator_config(cfg, ctrl, wts, model, index=0)
+    hops["launcher's GeneratorConfig"] = meant.exit_policy
+    cmd = generator_command(cfg, 0, ctrl, wts, model)
+    flag = cmd[cmd.index("--exit-policy") + 1]
+    assert policy_from_dict(json.loads(flag)) == want  # the process boundary: the mapping's JSON
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    loaded = config_from_args(parser.parse_args(cmd[cmd.index("generator") :]))
+    assert loaded == meant
+    hops["generator's GeneratorConfig"] = loaded.exit_policy
+    engines = build_engines(loaded)
+    try:
+        hops["torch engine"] = engines.main.policy
+        built = engines._engine(3)  # an eval depth: FixedDepth(3), the main policy untouched
+        assert built.policy == FixedDepth(3) and engines.main.policy == want
+    finally:
+        engines.close()
+    plugin = settings_from_additional_config(
+        settings_to_dict(PluginSettings("fast", loaded.exit_policy))
+    )  # what LoopedEngine hands vLLM (its config: a mapping) and each looped model reads back
+    hops["vLLM plugin settings"] = plugin.exit_policy
+    for hop, policy in hops.items():
+        assert type(policy) is OuroGate and policy == want, hop
+    assert hash(hops["vLLM plugin settings"]) == hash(want)  # frozen: hashable, by value
+    plain = generator_command(load_config(), 0, ctrl, wts, model)
+    assert "--exit-policy" not in plain  # full depth: no flag, None in every config
+    assert load_config().rollout.parsed_policy is None
+    assert (
+        config_from_args(parser.parse_args(plain[plain.index("generator") :])).exit_policy is None
+    )
 
-    hint = generator_hint(cfg, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", Path("m"))
-    assert f"--exit-policy '{policy_json(OuroGate(0.8, kv='full'))}'" in hint
-    assert "--exit-policy" not in generator_hint(load_config(), "tcp://a:1", "tcp://a:2", Path("m"))
-    settings = Coordinator._welcome_settings(SimpleNamespace(cfg=cfg))  # type: ignore[arg-type]
-    assert settings == {"numerics": "fast", "exit_policy": policy_json(OuroGate(0.8, kv="full"))}
-    welcome = SimpleNamespace(settings=settings)
-    _check_welcome("fast", policy_json(OuroGate(0.8, kv="full")))(welcome)
-    for mine in ("", policy_json(OuroGate(0.8, kv="last_exited"))):
-        with pytest.raises(ValueError, match="rollout.exit_policy"):
-            _check_welcome("fast", mine)(welcome)
+
+def test_the_generator_reads_its_policy_once_from_a_flag_or_a_file(tmp_path: Path) -> None:
+    """`looprl generator` takes the policy as JSON or YAML text (--exit-policy) or as a mapping
+    in its --config file; a bad one is one line naming exit_policy; `looprl run` refuses it in
+    the generators section (rollout.exit_policy sets it)."""
+    import argparse
+
+    from generator.config import ConfigError as GeneratorConfigError
+    from generator.config import load_config as load_generator_config
+    from pipeline.commands.generator_cli import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    for text in ('{"kind": "kl", "threshold": 1e-3, "kv": "full"}',
+                 "{kind: kl, threshold: 0.001, kv: full}"):  # fmt: skip
+        got = config_from_args(parser.parse_args(["generator", "--exit-policy", text]))
+        assert got.exit_policy == KL(0.001, kv="full")
+    assert (
+        config_from_args(parser.parse_args(["generator", "--exit-policy", ""])).exit_policy is None
+    )
+    gen_yaml = tmp_path / "gen.yaml"
+    gen_yaml.write_text("exit_policy: {kind: fixed, depth: 5}\n")
+    assert load_generator_config(gen_yaml).exit_policy == FixedDepth(5)
+    gen_yaml.write_text('exit_policy: \'{"kind": "fixed", "depth": 5}\'\n')  # as before
+    assert load_generator_config(gen_yaml).exit_policy == FixedDepth(5)
+    for bad, why in (('{"kind": "nope"}', "needs 'kind' in"), ("[1, 2]", "must be a mapping"),
+                     ('{"kind": "fixed", "depth": 4, "q": 1}', "unknown fields")):  # fmt: skip
+        with pytest.raises(GeneratorConfigError, match=f"generator config exit_policy: .*{why}"):
+            config_from_args(parser.parse_args(["generator", "--exit-policy", bad]))
+    with pytest.raises(ConfigError, match="generators.exit_policy=.*rollout.exit_policy"):
+        load_config(None, {"generators": {"exit_policy": GATE}})
+
+
+def test_welcome_check_compares_policies_not_text() -> None:
+    """The Welcome states the run's policy as a mapping (models.exits.policy_to_dict) or, from
+    older learners, as its canonical JSON; either passes the check of a generator that runs
+    that policy. Another policy, or full depth against a policy, is refused naming
+    --exit-policy and rollout.exit_policy; a Welcome that states none is not checked."""
+    from pipeline.commands.generator_cli import _check_welcome
+
+    mine = OuroGate(0.8, kv="full")
+    reordered = '{"q": 0.8, "kind": "ouro_gate", "kv": "full"}'  # other text, the same policy
+    for stated in (policy_to_dict(mine), policy_json(mine), reordered):
+        _check_welcome("fast", mine)(SimpleNamespace(settings={"numerics": "fast",
+                                                               "exit_policy": stated}))  # fmt: skip
+    for stated in (None, ""):  # full depth
+        _check_welcome("fast", None)(SimpleNamespace(settings={"exit_policy": stated}))
+    _check_welcome("fast", mine)(SimpleNamespace(settings={"numerics": "fast"}))
+    other = OuroGate(0.8, kv="last_exited")
+    for theirs, generator in ((other, mine), (mine, None), (None, mine)):
+        for stated in (policy_to_dict(theirs), policy_json(theirs)):
+            welcome = SimpleNamespace(settings={"exit_policy": stated})
+            with pytest.raises(ValueError, match=r"--exit-policy '.*', the run config's "
+                               r"rollout.exit_policy"):  # fmt: skip
+                _check_welcome("fast", generator)(welcome)
+    with pytest.raises(ValueError, match="cannot read"):
+        _check_welcome("fast", mine)(SimpleNamespace(settings={"exit_policy": {"kind": "x"}}))
 
 
 def _rollout(depths: list[int]) -> tuple[Rollout, Expected]:

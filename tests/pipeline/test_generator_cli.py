@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from generator.config import ConfigError, GeneratorConfig
+from models.exits import KL
 from pipeline.commands.generator_cli import (
     add_parser,
     config_from_args,
@@ -77,7 +78,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     got = config_from_args(args)
     assert (got.learner, got.max_inflight, got.reward) == ("tcp://a:1", 3, "numeric")
     assert got.reward_timeout_s == 2.5 and got.curve_on_loopback is False
-    assert got.exit_policy_dict() == {"kind": "kl", "threshold": 0.1}
+    assert got.exit_policy == KL(0.1)
     assert config_from_args(parser().parse_args(["generator"])) == GeneratorConfig()
 
 
