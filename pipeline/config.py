@@ -27,12 +27,17 @@ from models.errors import ConfigError  # noqa: F401  (re-exported: the one Confi
 from models.exits import is_sampled, policy_kind
 from models.settings import parse_overrides  # noqa: F401  (part of this API)
 from pipeline.config_outputs import (  # noqa: F401  (the sections are part of this API)
+    COLLECTIVE,
     FSYNC,
+    SHARED_FS,
+    SHM,
     WEIGHT_TRANSPORTS,
+    ZMQ,
     CheckpointSection,
     MetricsSection,
     PublishSection,
     RecordSection,
+    WeightTransport,
 )
 from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
     ADAPTIVE_EXITS,
@@ -141,12 +146,12 @@ class RunConfig:
         _check(self.work_timeout_s() < self.max_wait_s, "intake.work_timeout_s",
                self.intake.work_timeout_s, f"must be < max_wait_s ({self.max_wait_s:g}): work a "
                "peer holds is re-issued before the run gives up waiting for a step")  # fmt: skip
-        _check(self.publish.transport != "collective"
+        _check(self.publish.transport != COLLECTIVE
                or self.publish.collective_timeout_s < self.transport.peer_timeout_s,
                "publish.collective_timeout_s", self.publish.collective_timeout_s,
                f"must be < transport.peer_timeout_s ({self.transport.peer_timeout_s}): a "
                "generator's loop waits in the broadcast")  # fmt: skip
-        _check(self.publish.transport in ("shared_fs", "shm")
+        _check(not self.publish.chunked
                or self.publish.chunk_bytes <= self.transport.weights_max_frame_bytes,
                "publish.chunk_bytes", self.publish.chunk_bytes,
                f"must be <= transport.weights_max_frame_bytes "

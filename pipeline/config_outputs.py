@@ -7,15 +7,32 @@ key). Split from pipeline/config_sections.py by concern."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
 from models.weights.collective import DEFAULT_PIPE_BYTES
 from pipeline.config_sections import _check
 
-__all__ = ["COLLECTIVE_BACKENDS", "FSYNC", "WEIGHT_TRANSPORTS", "CheckpointSection",
-           "MetricsSection", "PublishSection", "RecordSection"]  # fmt: skip
+__all__ = ["COLLECTIVE", "COLLECTIVE_BACKENDS", "FSYNC", "SHARED_FS", "SHM", "WEIGHT_TRANSPORTS",
+           "ZMQ", "CheckpointSection", "MetricsSection", "PublishSection", "RecordSection",
+           "WeightTransport"]  # fmt: skip
 
-WEIGHT_TRANSPORTS = ("shared_fs", "shm", "zmq", "collective")
-WEIGHT_TRANSPORT_ALIASES = {"disk": "shared_fs", "chunks": "zmq"}  # the transports' former names
+WeightTransport = Literal["shared_fs", "shm", "zmq", "collective"]
+"""How a weight version reaches the generators (publish.transport; PublishSection.transport)."""
+SHARED_FS: Final = "shared_fs"
+"""Announce RUN_DIR/weights/vN, a directory on storage every host mounts."""
+SHM: Final = "shm"
+"""shared_fs, plus one copy per version in /dev/shm for the generators on the learner's host."""
+ZMQ: Final = "zmq"
+"""Stream the blob as WeightChunks over the weights socket."""
+COLLECTIVE: Final = "collective"
+"""torch.distributed broadcast (ZMQ chunks for a generator that falls out of it)."""
+WEIGHT_TRANSPORTS: tuple[WeightTransport, ...] = get_args(WeightTransport)
+WEIGHT_TRANSPORT_ALIASES = {"disk": SHARED_FS, "chunks": ZMQ}  # the transports' former names
+if TYPE_CHECKING:
+    _TransportSetting = WeightTransport
+else:  # OmegaConf sees a str: 2.3 refuses a Literal annotation, 2.4 would refuse the former
+    _TransportSetting = str  # names before __post_init__ maps them; its check validates, once
+
 COLLECTIVE_BACKENDS = ("gloo", "nccl")
 FSYNC = ("always", "batch", "never")
 
@@ -26,7 +43,7 @@ class PublishSection:
 
     every: int = 1
     """Publish a new weight version every this many steps."""
-    transport: str = "shared_fs"
+    transport: _TransportSetting = SHARED_FS
     """shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); shm: shared_fs plus
     one copy per version in /dev/shm that generators on the learner's host map and check
     (models.weights.shm; others read the directory); zmq: stream the
@@ -85,6 +102,12 @@ class PublishSection:
                "must be 0 (one whole broadcast) or an integer >= 65536 (64 KiB)")  # fmt: skip
         _check(bool(self.collective_host), "publish.collective_host", self.collective_host,
                "must be an address the generators can reach")  # fmt: skip
+
+    @property
+    def chunked(self) -> bool:
+        """Whether versions travel as WeightChunks too (zmq; collective's fallback), not as the
+        announced directory alone (shared_fs, shm)."""
+        return self.transport in (ZMQ, COLLECTIVE)
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,32 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
         load_config(None, ["generators.seed=7"])
     with pytest.raises(ConfigError, match="generators.reward=.*task.reward"):
         load_config(None, ["generators.reward=math"])
+
+
+def test_publish_transport_is_one_of_the_named_transports() -> None:
+    """publish.transport: a Literal of the transports in the schema, its values named once
+    (pipeline.config_outputs) and compared by name; the former names map to theirs; a bad one
+    is refused naming the key; the YAML value stays a string."""
+    import typing
+
+    from pipeline.config import (
+        COLLECTIVE,
+        SHARED_FS,
+        SHM,
+        WEIGHT_TRANSPORTS,
+        ZMQ,
+        WeightTransport,
+        to_yaml,
+    )
+
+    assert (
+        WEIGHT_TRANSPORTS == typing.get_args(WeightTransport) == (SHARED_FS, SHM, ZMQ, COLLECTIVE)
+    )
+    for given, named, chunked in (("shared_fs", SHARED_FS, False), ("disk", SHARED_FS, False),
+                                  ("shm", SHM, False), ("zmq", ZMQ, True), ("chunks", ZMQ, True),
+                                  ("collective", COLLECTIVE, True)):  # fmt: skip
+        cfg = load_config(None, [f"publish.transport={given}"])
+        assert cfg.publish.transport == named and cfg.publish.chunked is chunked
+        assert f"\n  transport: {named}\n" in to_yaml(cfg)
+    with pytest.raises(ConfigError, match=r"publish.transport='nfs': must be one of \('shared_fs'"):
+        load_config(None, ["publish.transport=nfs"])
