@@ -68,6 +68,7 @@ from models.weights.collective_generator import CollectiveWeightSink  # noqa: E4
 from models.weights.collective_learner import CollectivePublisher  # noqa: E402
 from models.weights.digest import digest_of_state  # noqa: E402
 from models.weights.publication import Publication  # noqa: E402
+from pipeline.backends.trainer_api import StepResult  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
 from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402
@@ -91,17 +92,20 @@ class StandInTrainer:
         self.w = torch.zeros(n, dtype=torch.float32)
         self.intervals: list[tuple[float, float]] = []
 
-    def step(self, rollouts: Any, needs_correction: Any) -> dict[str, float]:
+    def step(self, rollouts: Any, needs_correction: Any, logp_bounds: Any = None) -> StepResult:
         t0 = time.time()
         time.sleep(self.step_s)
         self.steps += 1
         self.w[0] = float(self.steps)
         self.intervals.append((t0, time.time()))
-        return {"loss": 0.0}
+        return StepResult({"loss": 0.0})
 
     def publish(self, out_dir: Path, version: int) -> Publication:
         save_checkpoint({"w": self.w}, {"architectures": ["StandIn"]}, out_dir)
         return Publication.from_dir(out_dir, version)
+
+    def snapshot(self, out_dir: Path, version: int) -> None:
+        return None  # no two-part publication: each version written with publish
 
     def save(self, run_dir: Path, state: dict[str, Any], keep: int) -> Path:
         return run_dir

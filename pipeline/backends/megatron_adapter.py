@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
 from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
+from pipeline.backends.trainer_api import SnapshotResult, StepResult
 from pipeline.config import RunConfig
 from proto import Rollout
 
@@ -54,47 +55,49 @@ class MegatronTrainer:
             ref_state = load_checkpoint(ref_dir)[1]
         self.trainer = build_learner_trainer(cfg, self.model_config, hf_state, ref_state=ref_state)
         self.is_cap = cfg.objective.is_cap
-        self.last_mismatch: list[float] = []
-        self.last_refused: list[int] = []  # the last step's liars (input indices): refused
-        self.last_publish_times: dict[str, float] = {}
-        """Seconds of the last publish's stages the coordinator logs (``time/publish_gather``:
-        the HF state gathered over TP; the rest of ``time/publish`` casts, hashes, writes)."""
-
-    checks_logp_before_update = True
-    """``step(logp_bounds=...)`` refuses a step holding a lying rollout before its update."""
 
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
         logp_bounds: Sequence[float] | None = None,
-    ) -> Mapping[str, float]:  # fmt: skip
+    ) -> StepResult:  # fmt: skip
         """learner.step's step; ``logp_bounds``: its verified rollouts (a rollout over its
-        bound refuses the step before any update: ``last_refused``)."""
+        bound refuses the step before any update: ``StepResult.refused``)."""
         # policy keep requires objective.is_cap (pipeline.config), applied to every rollout
         out = dict(self.trainer.step(list(rollouts), logp_bounds=logp_bounds))
-        # Per-rollout numerics mismatch for the coordinator's fresh-rollout metric.
-        self.last_mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]
-        self.last_refused = list(self.trainer.last_refused)
-        return out
+        # per rollout: the numerics mismatch (the coordinator's fresh-rollout metric, its checks)
+        mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]
+        return StepResult(out, list(self.trainer.last_refused), mismatch)
 
     def publish(self, out_dir: Path, version: int) -> Publication | None:
-        """The Publication on learner rank 0 (None on the other ranks, which only take part)."""
-        finish = self.snapshot(out_dir, version)
-        return None if finish is None else finish()
+        """The Publication on learner rank 0 (None on the other ranks, which only take part);
+        the gather's seconds join its ``stage_s`` (``time/publish_gather``)."""
+        taken = self.snapshot(out_dir, version)
+        if taken is None:
+            return None
+        pub = taken.finish()
+        pub.stage_s.update(taken.stage_s)
+        return pub
 
-    def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication] | None:
-        """The gather now (every rank), the hash and write as rank 0's ``finish()``."""
+    def snapshot(self, out_dir: Path, version: int) -> SnapshotResult | None:
+        """The gather now (every rank), the hash and write as rank 0's ``finish()``; the
+        gather's seconds in ``stage_s["gather"]`` (the HF state gathered over TP; the rest of
+        ``time/publish`` casts, hashes, writes)."""
+        stages: dict[str, float] = {}
+
+        def timed_export(model: Any) -> Any:
+            t0 = time.perf_counter()
+            out = looped_exporter(model)
+            stages["gather"] = time.perf_counter() - t0
+            return out
+
         finish = snapshot_publication(self.trainer.policy_model, out_dir, version,
                                       config=self.model_config.to_hf_dict(),
-                                      exporter=self._timed_export)  # fmt: skip
-        if finish is None and self.rank == 0:
-            raise RuntimeError("publish: learner rank 0 got no Publication")
-        return finish
-
-    def _timed_export(self, model: Any) -> Any:
-        t0 = time.perf_counter()
-        out = looped_exporter(model)
-        self.last_publish_times = {"gather": time.perf_counter() - t0}
-        return out
+                                      exporter=timed_export)  # fmt: skip
+        if finish is None:
+            if self.rank == 0:
+                raise RuntimeError("publish: learner rank 0 got no Publication")
+            return None
+        return SnapshotResult(finish, stages)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         return learner_checkpoint.save(

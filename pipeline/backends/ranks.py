@@ -15,13 +15,14 @@ same rollouts in the same order (the trainer sorts them itself).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeline.backends.trainer_api import SnapshotResult, StepResult
 from proto import Codec, Rollout, RolloutBatch
 
 
@@ -55,25 +56,13 @@ class Leader:
         self.trainer = trainer
         self.codec = Codec(level=1)
 
-    @property
-    def last_mismatch(self) -> list[float]:
-        return list(getattr(self.trainer, "last_mismatch", []))
-
-    @property
-    def last_refused(self) -> list[int]:
-        return list(getattr(self.trainer, "last_refused", []))
-
-    @property
-    def checks_logp_before_update(self) -> bool:
-        return bool(getattr(self.trainer, "checks_logp_before_update", False))
-
     def _send(self, op: str, **args: Any) -> None:
         _bcast(json.dumps({"op": op, **args}).encode())
 
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
         logp_bounds: Sequence[float] | None = None,
-    ) -> Mapping[str, float]:  # fmt: skip
+    ) -> StepResult:  # fmt: skip
         bounds = None if logp_bounds is None else [float(b) for b in logp_bounds]
         self._send("step", flags=list(needs_correction), bounds=bounds)  # every rank: one verdict
         _bcast(self.codec.encode(RolloutBatch(list(rollouts))))
@@ -83,11 +72,11 @@ class Leader:
         self._send("publish", out_dir=str(out_dir), version=version)
         return self.trainer.publish(out_dir, version)
 
-    def snapshot(self, out_dir: Path, version: int) -> Any:
+    def snapshot(self, out_dir: Path, version: int) -> SnapshotResult | None:
         """The other ranks run their whole publish (their part is the gather); rank 0 keeps
         the hash and write for later (its ``finish()``)."""
         self._send("publish", out_dir=str(out_dir), version=version)
-        return self.trainer.snapshot(out_dir, version)
+        return self.trainer.snapshot(out_dir, version)  # type: ignore[no-any-return]
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         self._send("save", run_dir=str(run_dir), keep=keep)

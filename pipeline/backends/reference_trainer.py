@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from models.ties import detached_copy
 from models.weights.digest import check_finite
 from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
+from pipeline.backends.trainer_api import SnapshotResult, StepResult
 from pipeline.config import ConfigError, RunConfig
 from proto import Rollout
 
@@ -90,23 +91,18 @@ class ReferenceTrainer:
         )  # fmt: skip
         self.runner = LearnerStep(tc, self.policy)
         self.model = self.policy.model
-        self.last_mismatch: list[float] = []  # per rollout of the last step: max |prox - behav|
-        self.last_refused: list[int] = []  # the last step's liars (input indices): refused
 
     @property
     def steps(self) -> int:
         return self.runner.step_count
 
-    checks_logp_before_update = True
-    """``step(logp_bounds=...)`` refuses a step holding a lying rollout before its update."""
-
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
         logp_bounds: Sequence[float] | None = None,
-    ) -> Mapping[str, float]:  # fmt: skip
+    ) -> StepResult:  # fmt: skip
         """learner.step's step, with ``objective.minibatches`` updates of whole groups.
         ``logp_bounds``: learner.step's verified rollouts (a rollout over its bound refuses
-        the step before any update: ``last_refused``)."""
+        the step before any update: ``StepResult.refused``)."""
         if not rollouts:
             raise ValueError("trainer.step: no rollouts")
         rolls = sort_rollouts(rollouts)
@@ -116,15 +112,14 @@ class ReferenceTrainer:
                              f"({len(rolls)} rollouts)")  # fmt: skip
         out = self.runner.step(rollouts, train_config(self.run_cfg, len(rolls) // k),
                                logp_bounds=logp_bounds)  # fmt: skip
-        self.last_mismatch = [m if m >= 0 else math.nan for m in self.runner.last_mismatch]
-        self.last_refused = list(self.runner.last_refused)
-        return out
+        mismatch = [m if m >= 0 else math.nan for m in self.runner.last_mismatch]
+        return StepResult(out, list(self.runner.last_refused), mismatch)
 
     # -- weights and checkpoints ------------------------------------------------------------
     def publish(self, out_dir: Path, version: int) -> Publication:
-        return self.snapshot(out_dir, version)()
+        return self.snapshot(out_dir, version).finish()
 
-    def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication]:
+    def snapshot(self, out_dir: Path, version: int) -> SnapshotResult:
         """The weights copied now (ties kept); ``finish()`` writes and reads them back."""
         extra: dict[str, Any] = {
             n: self.model_dir / n for n in _KEEP_FILES if (self.model_dir / n).is_file()
@@ -136,7 +131,7 @@ class ReferenceTrainer:
             save_checkpoint(state, self.hf_config, out_dir, tied=self.tied, extra_files=extra)
             return Publication.from_dir(out_dir, version)
 
-        return finish
+        return SnapshotResult(finish)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json}, written to

@@ -8,34 +8,39 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
                                                        # torch's threads set to learner.threads
     ckpt = trainer.latest(run_dir)                     # on --resume
     state = trainer.load(ckpt)                         # -> the pipeline_state saved with it
-    metrics = trainer.step(rollouts, flags)            # one training step on complete groups
-    metrics = trainer.step(rollouts, flags, bounds)    # (checks_logp_before_update) refused,
-                                                       # nothing applied, when a rollout's
-                                                       # log-probs are over its bound:
-                                                       # trainer.last_refused names them
+    res = trainer.step(rollouts, flags, bounds)        # one training step on complete groups:
+                                                       # a StepResult (its metrics, and each
+                                                       # rollout's measured log-prob mismatch);
+                                                       # res.refused non-empty: a rollout's
+                                                       # log-probs were over its bound, the step
+                                                       # was refused and nothing applied
+                                                       # (bounds None: replay, nothing refused)
     pub = trainer.publish(out_dir, version)            # current weights, HF layout, written to
                                                        # out_dir (= RUN_DIR/weights/v<version>);
                                                        # the Publication the coordinator announces
-                                                       # (None on learner ranks > 0)
-    finish = trainer.snapshot(out_dir, version)        # the same in two parts: the weights
-    pub = finish()                                     # taken now (the gather, a copy), the
-                                                       # hash and write later, on any thread,
-                                                       # while the next step trains
+                                                       # (None on learner ranks > 0); its stage
+                                                       # seconds in pub.stage_s
+    taken = trainer.snapshot(out_dir, version)         # the same in two parts: the weights taken
+    pub = taken.finish()                               # now (the gather, a copy; its seconds in
+                                                       # taken.stage_s), the hash and write later,
+                                                       # on any thread, while the next step trains;
+                                                       # None: no two-part publication (publish)
     trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
 
 ``models.weights.publication.Publication`` is what goes to the generators: the directory, the blob
 (every tensor's canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets)
 and the canonical digest (models.weights.digest) that generator.engine.LoopedEngine.load_weights
-verifies (DESIGN contract 6). The trainer's publish computes it once (megatron: from the
-state it writes; reference: ``Publication.from_dir`` on what it wrote); non-finite weights are
-refused (models.errors.NonFiniteWeightsError) and never written or announced.
+verifies (docs/CONTRACTS.md, contract 6). The trainer's publish computes it once (megatron: from
+the state it writes; reference: ``Publication.from_dir`` on what it wrote); non-finite weights
+are refused (models.errors.NonFiniteWeightsError) and never written or announced.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,15 +51,46 @@ from proto import Rollout
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``Trainer.step`` did: trainer -> coordinator (and replay, which reads nothing of
+    it). Every trainer measures its rollouts' log-probs; one that checks them before its update
+    (both backends: learner.step ``logp_bounds``) refuses a step holding a rollout over its
+    bound, and one that does not (the tests' fakes) leaves ``refused`` empty: the coordinator
+    then checks ``mismatch`` after the step (pipeline.core.verification)."""
+
+    metrics: dict[str, float]
+    """The step's metrics (metrics.jsonl ``train/<key>``); {"refused_rollouts": k} when refused."""
+    refused: list[int] = field(default_factory=list)
+    """The rollouts over their log-prob bound (indices into the step's input, in input order):
+    the step was refused before its update, nothing applied. Empty when it trained."""
+    mismatch: list[float] = field(default_factory=list)
+    """Per rollout (input order): max |learner - behaviour| log-prob over its tokens (nats) at
+    the step's starting weights; NaN (or -1) for a rollout not measured; empty when the trainer
+    measures none."""
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    """What ``Trainer.snapshot`` took: the trainer's part of a two-part publication, done on
+    the trainer thread; ``finish()`` hashes and writes the rest on any thread."""
+
+    finish: Callable[[], Publication]
+    """Builds the blob and digest and writes the directory (its seconds in ``stage_s`` of the
+    Publication it returns)."""
+    stage_s: dict[str, float] = field(default_factory=dict)
+    """Seconds of the taking's stages (megatron: ``gather``, the HF state gathered over TP)."""
+
+
 class Trainer(Protocol):
     """The learner's training side as the coordinator sees it (see the module docstring)."""
 
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
         logp_bounds: Sequence[float] | None = None,
-    ) -> Mapping[str, float]: ...  # fmt: skip
+    ) -> StepResult: ...  # fmt: skip
     def publish(self, out_dir: Path, version: int) -> Publication | None: ...
-    def snapshot(self, out_dir: Path, version: int) -> Callable[[], Publication] | None: ...
+    def snapshot(self, out_dir: Path, version: int) -> SnapshotResult | None: ...
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path: ...
     def latest(self, run_dir: Path) -> Path | None: ...
     def load(self, ckpt: Path) -> dict[str, Any]: ...

@@ -20,7 +20,7 @@ One thread runs ``Coordinator.run()``::
             trainer.step -> step log -> ledger.settle -> metrics
                 (the trainer checks every claimed log-prob before its update: a step holding
                 a lie is refused whole, its liars quarantined and dispatched again elsewhere,
-                its other groups back in the buffer: ``_refuse_step``)
+                its other groups back in the buffer: ``_refuse_step``; StepResult.refused)
             every publish.every steps: trainer.snapshot(RUN_DIR/weights/vN) on the trainer
             thread; hashed and written beside the next step (pipeline.core.publishing); announced
             when ready: v = N (publish.max_pending 0: written and announced before the next step)
@@ -46,10 +46,10 @@ from typing import Any
 
 from models.weights.collective_learner import make_publisher
 from models.weights.shm import prune_shm
-from pipeline.backends.trainer_api import Trainer
+from pipeline.backends.trainer_api import StepResult, Trainer
 from pipeline.config import RunConfig
 from pipeline.core import faults
-from pipeline.core.coordinator_checks import VerifiedSteps, _Refused
+from pipeline.core.coordinator_checks import VerifiedSteps
 from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
 from pipeline.core.coordinator_peers import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS, PeerHandling
 from pipeline.core.coordinator_weights import WeightPublishing
@@ -78,7 +78,7 @@ StepCallback = Callable[[dict[str, Any]], None]
 @dataclass
 class _Job:
     """One training step in flight: its batch and the trainer thread's future
-    (metrics, train seconds, the Publication written after it or None)."""
+    (the StepResult, train seconds, the Publication written after it or None)."""
 
     groups: list[Group]
     rolls: list[Rollout]
@@ -246,26 +246,27 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         queue = self.publications
         base = self.trained_version
         v = base + 1  # after those still pending
-        snap = getattr(self.trainer, "snapshot", None) if queue is not None else None
         bounds = self._bounds(rolls, base)  # before the step: the steps taken so far
 
-        def work() -> tuple[dict[str, Any], float, Any]:
+        def work() -> tuple[StepResult, float, Any]:
             t0 = time.time()
-            tm, refused = self._train(rolls, flags, bounds)
+            res = self.trainer.step(rolls, flags, bounds)
             train_s = time.time() - t0
-            if refused is not None:  # nothing applied: no step, nothing to publish
-                return tm, train_s, refused
+            if res.refused:  # nothing applied: no step, nothing to publish
+                return res, train_s, None
             faults.kill_at("step", self.step + 1)  # the crash tests' kill -9 mid-step
             if not publish:
-                return tm, train_s, None
-            if queue is None or snap is None:  # written now, announced when the step completes
-                return tm, train_s, self._write_publication(v)
+                return res, train_s, None
+            if queue is None:  # written now, announced when the step completes
+                return res, train_s, self._write_publication(v)
             room = queue.make_room()
             t1 = time.perf_counter()
-            finish = self._with_shm(self._guarded(v, lambda out: snap(out, v)))
-            stages = {**(getattr(self.trainer, "last_publish_times", None) or {}),
-                      "snapshot": time.perf_counter() - t1, "room_wait": room}  # fmt: skip
-            return tm, train_s, Snapshot(v, finish, stages)
+            taken = self._guarded(v, lambda out: self.trainer.snapshot(out, v))
+            if taken is None:  # no two-part publication: written now
+                return res, train_s, self._write_publication(v)
+            finish = self._with_shm(taken.finish)
+            stages = {**taken.stage_s, "snapshot": time.perf_counter() - t1, "room_wait": room}
+            return res, train_s, Snapshot(v, finish, stages)
 
         if self._pool is None:
             fut: Future[Any] = Future()
@@ -283,9 +284,9 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
     def _complete(self, job: _Job) -> bool:
         """The step's bookkeeping on the coordinator thread; False if the trainer refused it
         (verified rollouts: ``_refuse_step``)."""
-        tm, train_s, pub = job.future.result()
-        if isinstance(pub, _Refused):
-            self._refuse_step(job.rolls, job.groups, job.bounds, pub)
+        res, train_s, pub = job.future.result()
+        if res.refused:
+            self._refuse_step(job.rolls, job.groups, job.bounds, res)
             self.timeline.step_done()
             return False
         groups, rolls, flags = job.groups, job.rolls, job.flags
@@ -298,9 +299,9 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         )  # fmt: skip
         self.intake.settle(groups)
         now = time.time()
-        per = getattr(self.trainer, "last_mismatch", None) or []
+        per = res.mismatch
         m = step_row(
-            self.step, job.base, groups, rolls, flags, tm, per,
+            self.step, job.base, groups, rolls, flags, res.metrics, per,
             fresh=[self.gate.oldest(r) == job.base for r in rolls],
             counts={**self.intake.counts, "released": self.ledger.counts["released"]},
             failed=job.failed, train_s=train_s, step_s=now - self._last_step_t,

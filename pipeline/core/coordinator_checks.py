@@ -7,10 +7,8 @@ banned. The state it reads is the Coordinator's, built in its ``__init__``."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
 
-from pipeline.backends.trainer_api import Trainer
+from pipeline.backends.trainer_api import StepResult, Trainer
 from pipeline.config import RunConfig
 from pipeline.core.intake import Group, Intake
 from pipeline.core.staleness import StalenessGate
@@ -18,15 +16,6 @@ from pipeline.core.validation import Refusal, check_logp, logp_bound
 from proto import Rollout
 
 log = logging.getLogger("pipeline.core.coordinator")
-
-
-@dataclass
-class _Refused:
-    """A step the trainer refused before its update (verified rollouts): the liars (indices
-    into the job's rollouts) and every rollout's measured mismatch."""
-
-    liars: list[int]
-    mismatch: list[float]
 
 
 class VerifiedSteps:
@@ -56,22 +45,8 @@ class VerifiedSteps:
     def _updates(self, base: int, r: Rollout, every: int, since: int) -> int:
         return max(self.gate.staleness(base, r), 0) * every + max(since, 0)
 
-    def _train(
-        self, rolls: list[Rollout], flags: list[bool], bounds: list[float]
-    ) -> tuple[dict[str, Any], _Refused | None]:
-        """The trainer's step (on the trainer thread); a trainer that checks before its update
-        compares every rollout's claimed log-probs with its own against ``bounds`` and refuses
-        the step when one is over its bound: (metrics, the liars) then, nothing applied."""
-        if not getattr(self.trainer, "checks_logp_before_update", False):
-            return dict(self.trainer.step(rolls, flags)), None
-        tm = dict(self.trainer.step(rolls, flags, bounds))
-        liars = list(getattr(self.trainer, "last_refused", None) or [])
-        if not liars:
-            return tm, None
-        return tm, _Refused(liars, list(getattr(self.trainer, "last_mismatch", None) or []))
-
     def _refuse_step(
-        self, rolls: list[Rollout], groups: list[Group], bounds: list[float], ref: _Refused
+        self, rolls: list[Rollout], groups: list[Group], bounds: list[float], ref: StepResult
     ) -> None:
         """A step refused before its update: its liars are quarantined and counted toward
         their generators' budgets (as ``_verify``'s), their samples voided and dispatched again
@@ -80,16 +55,17 @@ class VerifiedSteps:
         generator's other accepted, untrained rollouts)."""
         bans: dict[str, str] = {}
         liars: set[str] = set()
-        for i in ref.liars:
+        for i in ref.refused:
             r = rolls[i]
             x = ref.mismatch[i] if i < len(ref.mismatch) else float("nan")
             why = check_logp(float(x), bounds[i]) or Refusal(
-                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound {bounds[i]:.3g})")
+                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound {bounds[i]:.3g})"
+            )
             liars.add(r.rollout_id)
             ban = self.intake.refuse_trained(r.generator_id, r, why)
             if ban is not None:
                 bans.setdefault(r.generator_id, ban)
-        who = sorted({rolls[i].generator_id for i in ref.liars})
+        who = sorted({rolls[i].generator_id for i in ref.refused})
         n = self.intake.take_back(groups, liars)
         self.intake.counts["steps_refused"] += 1
         log.warning("step %d refused before its update: %d rollouts of %s claim log-probs the "
@@ -102,7 +78,7 @@ class VerifiedSteps:
 
     def _verify(self, rolls: list[Rollout], per: list[float], bounds: list[float]) -> None:
         """Verified rollouts after the step, for a trainer that cannot refuse a step before its
-        update (the real ones do: ``_train``): each trained rollout's claimed log-probs against
+        update (the real ones do: ``StepResult.refused``): each trained rollout's claimed log-probs against
         the learner's, within its bound (``_bounds``). A lie is quarantined and counted toward
         its generator's budget (intake.max_refused within intake.window_s); over budget, the
         generator is banned and its accepted, untrained rollouts are voided and their samples
@@ -120,4 +96,3 @@ class VerifiedSteps:
         for gid, reason in bans.items():
             if gid not in self.banned:
                 self.ban(gid, reason)
-

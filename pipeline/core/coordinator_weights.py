@@ -93,9 +93,8 @@ class WeightPublishing:
         pub = self._guarded(v, lambda out: self.trainer.publish(out, v))
         if pub is None:
             raise CoordinatorError(f"the trainer returned no publication for v{v}")
-        stages = getattr(self.trainer, "last_publish_times", None) or {}  # optional
         self._with_shm(lambda: pub)()
-        self._publish_times = {**stages, **pub.stage_s, "total": time.perf_counter() - t0}
+        self._publish_times = {**pub.stage_s, "total": time.perf_counter() - t0}
         return pub
 
     def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:

@@ -29,8 +29,8 @@ def step_row(
     generators: int,
 ) -> dict[str, Any]:
     """``tm``: the trainer's metrics (``train/``-prefixed here); ``per``: its per-rollout
-    |learner - behaviour| log-prob (``last_mismatch``; -1 not measured, empty when it keeps
-    none); ``fresh``: per rollout, sampled with the weights being trained; ``counts``: the
+    |learner - behaviour| log-prob (``StepResult.mismatch``; -1 or NaN not measured, empty
+    when it keeps none); ``fresh``: per rollout, sampled with the weights being trained; ``counts``: the
     intake's counters plus ``released`` (the ledger's re-dispatches)."""
     stal = [v.staleness for g in groups for v in g.verdicts]
     # the task's reward (failed ones out; the step trains on learner.shaping's)

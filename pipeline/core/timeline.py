@@ -14,9 +14,9 @@ Keys (seconds; absent when the step had nothing to measure):
 
 - ``time/train``: the trainer's step (forward, backward, optimizer), on the trainer thread;
 - ``time/publish``: the publication's hash and write (learner.publish), and
-  ``time/publish_<stage>`` for each stage the trainer reports (``last_publish_times``: the
-  megatron backend reports ``gather``; the publication's own ``blob``, ``digest`` and ``write``,
-  models.weights.publication.Publication.stage_s). With publish.max_pending > 0 (pipeline.core.publishing)
+  ``time/publish_<stage>`` for each stage the trainer reports (the megatron backend's
+  ``gather``, in ``SnapshotResult.stage_s`` or the Publication's; the publication's own
+  ``blob``, ``digest`` and ``write``, models.weights.publication.Publication.stage_s). With publish.max_pending > 0 (pipeline.core.publishing)
   the step's row has ``time/publish_snapshot`` (gather + copy, on the critical path) and
   ``time/publish_room_wait``; the hash and write run beside the next step, so ``time/publish``
   (with its ``_blob``, ``_digest``, ``_write``), ``time/publish_lag`` (handed over -> announced)

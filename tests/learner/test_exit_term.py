@@ -195,12 +195,13 @@ def test_a_lie_about_the_exit_is_refused_before_the_update(tmp_path: object) -> 
     lie = [dataclasses.replace(r) for r in rolls]
     assert lie[1].exit_logprobs is not None
     lie[1].exit_logprobs = lie[1].exit_logprobs + np.float32(-0.25)  # claims less likely exits
-    out = tr.step(lie, [False] * 4, logp_bounds=[0.0] * 4)
-    assert out == {"refused_rollouts": 1.0} and tr.last_refused == [1]
+    res = tr.step(lie, [False] * 4, logp_bounds=[0.0] * 4)
+    assert res.metrics == {"refused_rollouts": 1.0} and res.refused == [1]
     assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
-    assert tr.last_mismatch[1] >= 0.25 - 1e-6 and max(tr.last_mismatch[i] for i in (0, 2, 3)) == 0
-    out = tr.step(rolls, [False] * 4, logp_bounds=[0.0] * 4)
-    assert "refused_rollouts" not in out and tr.last_mismatch == [0.0] * 4
+    assert res.mismatch[1] >= 0.25 - 1e-6 and max(res.mismatch[i] for i in (0, 2, 3)) == 0
+    res = tr.step(rolls, [False] * 4, logp_bounds=[0.0] * 4)
+    out = res.metrics
+    assert "refused_rollouts" not in out and res.mismatch == [0.0] * 4
     assert out["exit_entropy"] > 0 and out["exit_ratio_mean"] == 1.0  # on-policy, exact
     assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
 
@@ -267,8 +268,9 @@ def _two_backends(root_s: str) -> dict[str, Any]:
 
             t = MegatronTrainer(cfg, root)
         try:
-            out["res"][backend] = dict(t.step(rolls, [False] * 4))
-            out["mism"][backend] = list(t.last_mismatch)
+            res = t.step(rolls, [False] * 4)
+            out["res"][backend] = dict(res.metrics)
+            out["mism"][backend] = list(res.mismatch)
             t.publish(Path(root_s) / backend, 1)
             weights[backend] = load_checkpoint(Path(root_s) / backend)[1]
         finally:

@@ -298,7 +298,7 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
     for backend in ("reference", "megatron"):
         t = _trainer(backend, models_dir[fam], *over)
         try:
-            res[backend] = t.step(rolls, [False] * len(rolls))
+            res[backend] = t.step(rolls, [False] * len(rolls)).metrics
             out = tmp_path / backend
             t.publish(out, 1)
             weights[backend] = load_checkpoint(out)[1]
@@ -409,7 +409,7 @@ def test_learned_starts_as_uniform_and_resumes(models_dir: dict[str, Path],
     res, models = {}, {}
     for w in ("uniform", "learned"):
         t = _trainer("reference", models_dir["ouro"], *one, f"objective.loop_weighting={w}")
-        res[w] = t.step(rolls, [False] * len(rolls))
+        res[w] = t.step(rolls, [False] * len(rolls)).metrics
         models[w] = t
     assert res["uniform"]["updates"] == 1.0 and res["uniform"] == res["learned"]
     a, b = models["uniform"].model.state_dict(), models["learned"].model.state_dict()
@@ -422,6 +422,9 @@ def test_learned_starts_as_uniform_and_resumes(models_dir: dict[str, Path],
     back = _trainer("reference", models_dir["ouro"], *one, "objective.loop_weighting=learned")
     back.load(ckpt)
     assert torch.equal(back.runner.loop_weights.logits.detach(), moved)
-    nxt = [t.step(rolls, [False] * len(rolls)), back.step(rolls, [False] * len(rolls))]
+    nxt = [
+        t.step(rolls, [False] * len(rolls)).metrics,
+        back.step(rolls, [False] * len(rolls)).metrics,
+    ]
     assert nxt[0] == nxt[1]
     assert torch.equal(t.runner.loop_weights.logits, back.runner.loop_weights.logits)

@@ -57,8 +57,7 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     def update(rs: list[Rollout]) -> dict[str, torch.Tensor]:
         over = ["optimizer.lr=0.01", "backend=reference", "objective.is_cap=2.0"]
         tr = ReferenceTrainer(load_config(None, over), tmp_path / "m")
-        tr.step(rs, [False] * len(rs))
-        claims.append(list(tr.last_mismatch))
+        claims.append(list(tr.step(rs, [False] * len(rs)).mismatch))
         return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
 
     def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

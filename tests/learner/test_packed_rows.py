@@ -180,7 +180,7 @@ def test_packed_equals_padded(models_dir: dict[str, Path], tmp_path: Path, fam: 
             with torch.no_grad():
                 lp = meg.policy_stats(mb, None)["logp"].cpu()
                 values = meg.values(mb).cpu() if kind == "ppo" else torch.zeros(1)
-            m = t.step(rolls, [False] * len(rolls))
+            m = t.step(rolls, [False] * len(rolls)).metrics
             out = tmp_path / name / "v1"
             t.publish(out, 1)
             res[name] = (lp, values, m, load_checkpoint(out)[1])
@@ -239,7 +239,7 @@ def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path
                      "exact", "learner.max_tokens_per_micro=64", "objective.kind=dppo",
                      "objective.minibatches=2")  # fmt: skip
         try:
-            res[name] = t.step(rolls, [False] * len(rolls))
+            res[name] = t.step(rolls, [False] * len(rolls)).metrics
             out = tmp_path / name / "v1"
             t.publish(out, 1)
             weights[name] = load_checkpoint(out)[1]
@@ -330,7 +330,7 @@ def _dp_rank(model_dir: str) -> dict[str, Any]:
     try:
         rolls = _rollouts(DP_LENS)
         share = t.trainer._local_rows(build_batch(rolls), 8)
-        m = t.step(rolls, [False] * len(rolls))
+        m = t.step(rolls, [False] * len(rolls)).metrics
         w = {k: v.detach().float().cpu().numpy() for k, v in
              t.trainer.policy_model.state_dict().items() if torch.is_tensor(v)}  # fmt: skip
     finally:
@@ -389,7 +389,7 @@ def test_exact_embedding_sums_a_tokens_gradient_in_fp64() -> None:
 def test_packed_reorder_keeps_each_rollouts_own_measurement(models_dir: dict[str, Path]) -> None:
     """With a token budget the step packs each update's rows first-fit decreasing (the
     batch reordered: LearnerStep._pack); what it reports per rollout still belongs to that
-    rollout: ``last_mismatch`` (input order, rollouts handed over shuffled) equals the
+    rollout: ``StepResult.mismatch`` (input order, rollouts handed over shuffled) equals the
     unpacked step's within 1e-6, and a rollout over its ``logp_bounds`` is named by its own
     input index in both."""
     rolls = _rollouts()
@@ -403,16 +403,16 @@ def test_packed_reorder_keeps_each_rollouts_own_measurement(models_dir: dict[str
                 batch = build_batch(rolls)
                 moved = t.runner._pack(batch, 8).rollout_ids
                 assert sorted(moved) == sorted(batch.rollout_ids) and moved != batch.rollout_ids
-            m = t.step(rolls, [False] * len(rolls))
-            assert "refused_rollouts" not in m
-            mism = list(t.last_mismatch)
+            res = t.step(rolls, [False] * len(rolls))
+            assert "refused_rollouts" not in res.metrics
+            mism = list(res.mismatch)
             liar = max(range(len(rolls)), key=lambda i: mism[i])
             bounds = [10.0] * len(rolls)
             bounds[liar] = mism[liar] / 2
             t2 = _trainer("reference", models_dir["huginn"], "fast", over)
             try:
                 out = t2.step(rolls, [False] * len(rolls), logp_bounds=bounds)
-                got[name] = (mism, liar, out, list(t2.last_refused))
+                got[name] = (mism, liar, out.metrics, list(out.refused))
             finally:
                 _close(t2)
         finally:

@@ -79,8 +79,9 @@ def _both(root_s: str, weightings: list[str]) -> dict[str, Any]:
             t: Any = (ReferenceTrainer(cfg, root) if backend == "reference"
                       else MegatronTrainer(cfg, root))  # fmt: skip
             try:
-                case["res"][backend] = dict(t.step(rolls, [False] * len(rolls)))
-                case["mism"][backend] = list(t.last_mismatch)
+                res = t.step(rolls, [False] * len(rolls))
+                case["res"][backend] = dict(res.metrics)
+                case["mism"][backend] = list(res.mismatch)
                 t.publish(Path(root_s) / f"{w}-{backend}", 1)
                 case["weights"][backend] = load_checkpoint(Path(root_s) / f"{w}-{backend}")[1]
             finally:

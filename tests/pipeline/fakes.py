@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from models.weights.publication import Publication
+from pipeline.backends.trainer_api import StepResult
 from pipeline.config import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Prompt, PromptSource
@@ -31,13 +32,15 @@ class FakeTrainer:
         self.steps = 0
 
     def step(
-        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-    ) -> Mapping[str, float]:
+        self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+        logp_bounds: Sequence[float] | None = None,
+    ) -> StepResult:  # fmt: skip
+        """Trains everything: checks no bound and measures no rollout."""
         self.batches.append([r.rollout_id for r in rollouts])
         self.flags.append(list(needs_correction))
         self.versions_trained.append([r.weight_version for r in rollouts])
         self.steps += 1
-        return {"logprob_mismatch": 0.0}
+        return StepResult({"logprob_mismatch": 0.0})
 
     def publish(self, out_dir: Path, version: int) -> Publication:
         from models.checkpoint import save_checkpoint
@@ -45,6 +48,10 @@ class FakeTrainer:
         state = {"w": torch.tensor([float(self.steps)])}
         save_checkpoint(state, {"architectures": ["Fake"]}, out_dir)
         return Publication.from_dir(out_dir, version)
+
+    def snapshot(self, out_dir: Path, version: int) -> None:
+        """No two-part publication: the coordinator writes each version with ``publish``."""
+        return None
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         path = run_dir / "checkpoints" / f"step_{self.steps:08d}"

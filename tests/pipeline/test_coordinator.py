@@ -191,13 +191,13 @@ class SlowTrainer(FakeTrainer):
         self.seconds = seconds
         self.threads: set[str] = set()
 
-    def step(self, rollouts, needs_correction):  # type: ignore[no-untyped-def]
+    def step(self, rollouts, needs_correction, logp_bounds=None):  # type: ignore[no-untyped-def]
         import threading
         import time
 
         self.threads.add(threading.current_thread().name)
         time.sleep(self.seconds)
-        return super().step(rollouts, needs_correction)
+        return super().step(rollouts, needs_correction, logp_bounds)
 
 
 def test_background_training_keeps_listening(tmp_path: Path) -> None:

@@ -213,11 +213,11 @@ def test_reference_trainer_skips_a_non_finite_step(tmp_path: Path) -> None:
     tr, rolls = reference_trainer_and_pair(tmp_path)
     rolls[0] = dataclasses.replace(rolls[0], reward=math.inf)
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    m = tr.step(rolls, [False, False])
+    m = tr.step(rolls, [False, False]).metrics
     assert m["skipped_nonfinite"] == 1.0 and m["skipped_nonfinite_total"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
     rolls[0] = dataclasses.replace(rolls[0], reward=0.0)
-    m = tr.step(rolls, [False, False])  # a finite step updates again
+    m = tr.step(rolls, [False, False]).metrics  # a finite step updates again
     assert m["skipped_nonfinite"] == 0.0 and m["skipped_nonfinite_total"] == 1.0
     assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
     tr.publish(tmp_path / "pub", 1)

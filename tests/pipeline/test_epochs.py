@@ -65,7 +65,7 @@ def test_one_update_never_clips_several_do(model: Path, backend: str, kind: str)
     rolls = _rollouts()
     t = _trainer(backend, model, f"objective.kind={kind}", "objective.is_cap=2.0")
     try:
-        one = t.step(rolls, [False] * len(rolls))
+        one = t.step(rolls, [False] * len(rolls)).metrics
     finally:
         t.close() if backend == "megatron" else None
     assert one["updates"] == 1.0
@@ -73,8 +73,8 @@ def test_one_update_never_clips_several_do(model: Path, backend: str, kind: str)
     t = _trainer(backend, model, f"objective.kind={kind}", "objective.is_cap=2.0",
                  "objective.epochs=2", "objective.minibatches=2")  # fmt: skip
     try:
-        four = t.step(rolls, [False] * len(rolls))
-        again = t.step(rolls, [False] * len(rolls))
+        four = t.step(rolls, [False] * len(rolls)).metrics
+        again = t.step(rolls, [False] * len(rolls)).metrics
     finally:
         t.close() if backend == "megatron" else None
     assert four["updates"] == 4.0
@@ -120,7 +120,7 @@ def test_actor_critic_for_dppo_with_its_own_lr_and_whitening(model: Path, backen
     t = _trainer(backend, model, "objective.critic=true", "optimizer.critic_lr=0.001",
                  "objective.whiten=true", "objective.is_cap=2.0")  # fmt: skip
     try:
-        m = t.step(rolls, [False] * len(rolls))
+        m = t.step(rolls, [False] * len(rolls)).metrics
         if backend == "reference":
             assert [g["lr"] for g in t.policy.policy.opt.param_groups] == [0.05]
             assert t.policy.critic is not None
@@ -166,8 +166,7 @@ def test_fresh_logprob_mismatch_at_top_p(model: Path, backend: str) -> None:
                 ))  # fmt: skip
         t = _trainer(backend, model, f"rollout.top_p={top_p}", "objective.kind=grpo")
         try:
-            t.step(rolls, [False] * len(rolls))
-            worst[top_p] = max(t.last_mismatch)
+            worst[top_p] = max(t.step(rolls, [False] * len(rolls)).mismatch)
         finally:
             t.close() if backend == "megatron" else None
     assert worst[1.0] <= 1e-5 and worst[0.7] <= 1e-5, worst
@@ -184,8 +183,8 @@ def test_reference_policy_kl(model: Path, backend: str, in_reward: bool) -> None
     rolls = _rollouts()
     t = _trainer(backend, model, "objective.kl_coef=0.05", f"objective.kl_in_reward={in_reward}")
     try:
-        first = t.step(rolls, [False] * len(rolls))
-        second = t.step(rolls, [False] * len(rolls))
+        first = t.step(rolls, [False] * len(rolls)).metrics
+        second = t.step(rolls, [False] * len(rolls)).metrics
     finally:
         t.close() if backend == "megatron" else None
     if in_reward:  # behaviour (-6 here) vs the frozen reference: fixed, > 0, every step
@@ -225,7 +224,7 @@ def test_trust_region_masks_act(model: Path, backend: str, kind_over: list[str])
         t = _trainer(backend, model, *kind_over, *region, "objective.epochs=2",
                      "objective.minibatches=2")  # fmt: skip
         try:
-            out[name] = t.step(rolls, [False] * len(rolls))
+            out[name] = t.step(rolls, [False] * len(rolls)).metrics
         finally:
             t.close() if backend == "megatron" else None
     assert out["tight"]["drop_frac"] > 0.0, out["tight"]
@@ -349,9 +348,9 @@ def test_backends_agree_on_loss_metrics_and_weights(
     for backend in ("reference", "megatron"):
         t = _trainer(backend, model, *over)
         try:
-            res[backend] = t.step(rolls, [False] * len(rolls))
+            res[backend] = t.step(rolls, [False] * len(rolls)).metrics
             if critic or "gap" in variants:
-                res[backend] = t.step(rolls, [False] * len(rolls))
+                res[backend] = t.step(rolls, [False] * len(rolls)).metrics
             out = tmp_path / backend / "weights" / "v1"
             t.publish(out, 1)
             weights[backend] = load_checkpoint(out)[1]
@@ -401,7 +400,7 @@ def test_lr_schedule_from_the_run_config(model: Path, backend: str) -> None:
     rolls = _rollouts()
     t = _trainer(backend, model, *over)
     try:
-        got = [t.step(rolls, [False] * len(rolls))["lr"] for _ in range(4)]
+        got = [t.step(rolls, [False] * len(rolls)).metrics["lr"] for _ in range(4)]
     finally:
         t.close() if backend == "megatron" else None
     want = [(sched.lr_at(0.01, 2 * s + 1) + sched.lr_at(0.01, 2 * s + 2)) / 2 for s in range(4)]
@@ -426,11 +425,11 @@ def test_a_fast_trainer_after_an_exact_one_keeps_megatrons_grad_norm(
     t = _trainer("megatron", model, "numerics=fast")
     try:
         assert clip_grads.l2_norm_impl is own
-        fast = t.step(rolls, [False] * len(rolls))["grad_norm"]
+        fast = t.step(rolls, [False] * len(rolls)).metrics["grad_norm"]
     finally:
         t.close()
     t = _trainer("megatron", model, "numerics=fast")
     try:
-        assert t.step(rolls, [False] * len(rolls))["grad_norm"] == fast
+        assert t.step(rolls, [False] * len(rolls)).metrics["grad_norm"] == fast
     finally:
         t.close()

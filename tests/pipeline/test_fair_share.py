@@ -13,11 +13,12 @@ the bound asserted is 1/(k x n_generators)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from pipeline.backends.trainer_api import StepResult
 from proto import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
@@ -29,10 +30,10 @@ class CountingTrainer(FakeTrainer):
         super().__init__()
         self.by_generator: Counter[str] = Counter()
 
-    def step(self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-             ) -> Mapping[str, float]:  # fmt: skip
+    def step(self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+             logp_bounds: Sequence[float] | None = None) -> StepResult:  # fmt: skip
         self.by_generator.update(r.generator_id for r in rollouts)
-        return super().step(rollouts, needs_correction)
+        return super().step(rollouts, needs_correction, logp_bounds)
 
 
 def _shares(tmp: Path, ratio: float) -> tuple[Counter[str], object]:

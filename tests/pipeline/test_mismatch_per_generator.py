@@ -1,40 +1,41 @@
 """The coordinator logs the behaviour-vs-learner log-prob mismatch per generator
 (`mismatch/<generator_id>`): the max of the trainer's per-rollout
-`last_mismatch` over that generator's rollouts of the step (fake trainer and generators, the
+`StepResult.mismatch` over that generator's rollouts of the step (fake trainer and generators, the
 in-memory transport)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.backends.trainer_api import StepResult
 from proto import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 
 class MeasuringTrainer(FakeTrainer):
-    """last_mismatch per rollout: generator g1 drifts (0.5 + sample index / 10), g0 is exact
+    """mismatch per rollout: generator g1 drifts (0.5 + sample index / 10), g0 is exact
     to 1e-6 except one unmeasured rollout (-1.0, as LearnerStep reports one)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last_mismatch: list[float] = []
         self.by_gen: list[dict[str, float]] = []
 
-    def step(self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-             ) -> Mapping[str, float]:  # fmt: skip
-        out = super().step(rollouts, needs_correction)
-        self.last_mismatch = [
+    def step(self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+             logp_bounds: Sequence[float] | None = None) -> StepResult:  # fmt: skip
+        out = super().step(rollouts, needs_correction, logp_bounds)
+        mismatch = [
             (0.5 + r.sample_index / 10 if r.generator_id == "g1" else
              -1.0 if i == 0 else 1e-6)
             for i, r in enumerate(rollouts)
         ]  # fmt: skip
         want: dict[str, float] = {}
-        for x, r in zip(self.last_mismatch, rollouts, strict=True):
+        for x, r in zip(mismatch, rollouts, strict=True):
             if x >= 0:
                 want[r.generator_id] = max(x, want.get(r.generator_id, 0.0))
         self.by_gen.append(want)
-        return out
+        return dataclasses.replace(out, mismatch=mismatch)
 
 
 def test_mismatch_is_logged_per_generator(tmp_path: Path) -> None:

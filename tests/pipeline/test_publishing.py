@@ -16,6 +16,7 @@ import torch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.ties import detached_copy
 from models.weights.publication import Publication
+from pipeline.backends.trainer_api import SnapshotResult
 from pipeline.core.publishing import PublicationQueue, Snapshot
 from tests.pipeline.fakes import (
     FakeGenerator,
@@ -134,7 +135,7 @@ def test_reference_trainer_snapshot_is_the_weights_at_the_snapshot(tmp_path: Pat
     tr, rolls = reference_trainer_and_pair(tmp_path)
     rolls = [dataclasses.replace(r, reward=float(i)) for i, r in enumerate(rolls)]
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    finish = tr.snapshot(tmp_path / "v1", 1)
+    finish = tr.snapshot(tmp_path / "v1", 1).finish
     tr.step(rolls, [False, False])
     assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
     pub = finish()
@@ -158,10 +159,10 @@ class SlowPublisher(FakeTrainer):
         with self.lock:
             self.events.append((kind, n, time.perf_counter()))
 
-    def step(self, rollouts: Any, needs_correction: Any) -> Any:
+    def step(self, rollouts: Any, needs_correction: Any, logp_bounds: Any = None) -> Any:
         self._event("step_start", self.steps + 1)
         time.sleep(self.step_s)
-        out = super().step(rollouts, needs_correction)
+        out = super().step(rollouts, needs_correction, logp_bounds)
         self._event("step_end", self.steps)
         return out
 
@@ -175,10 +176,10 @@ class SlowPublisher(FakeTrainer):
             self._event("finish_end", version)
             return Publication.from_dir(out_dir, version)
 
-        return finish
+        return SnapshotResult(finish)
 
     def publish(self, out_dir: Path, version: int) -> Publication:
-        return self.snapshot(out_dir, version)()
+        return self.snapshot(out_dir, version).finish()
 
 
 def _run(tmp: Path, over: list[str], steps: int,

@@ -1,5 +1,5 @@
 """Verified rollouts: each trained rollout's claimed behaviour log-probs are
-compared with the learner's (the trainer's per-rollout ``last_mismatch``) under the bound of
+compared with the learner's (the trainer's per-rollout ``StepResult.mismatch``) under the bound of
 the run's numerics and the rollout's staleness (pipeline.core.validation.check_logp); a lie is
 quarantined and counted, a generator over its budget is banned, and the ban voids its accepted
 but untrained rollouts, whose samples are generated again by the others and trained.
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from pipeline.backends.trainer_api import StepResult
 from pipeline.core.validation import (
     LOGP_BOUND_FAST,
     LOGP_BOUND_LOW_PRECISION,
@@ -29,20 +30,18 @@ from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordin
 
 
 class ScoringTrainer(FakeTrainer):
-    """last_mismatch = max |claimed log-prob - (-1.0)| per rollout; records who was trained."""
+    """mismatch = max |claimed log-prob - (-1.0)| per rollout; records who was trained."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last_mismatch: list[float] = []
         self.trained: list[list[tuple[str, str]]] = []  # per step: (rollout id, generator)
 
-    def step(self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool]
-             ) -> Mapping[str, float]:  # fmt: skip
-        out = super().step(rollouts, needs_correction)
-        self.last_mismatch = [float(np.abs(r.logprobs.astype(np.float64) + 1.0).max())
-                              for r in rollouts]  # fmt: skip
+    def step(self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],
+             logp_bounds: Sequence[float] | None = None) -> StepResult:  # fmt: skip
+        out = super().step(rollouts, needs_correction, logp_bounds)
+        mismatch = [float(np.abs(r.logprobs.astype(np.float64) + 1.0).max()) for r in rollouts]
         self.trained.append([(r.rollout_id, r.generator_id) for r in rollouts])
-        return out
+        return dataclasses.replace(out, mismatch=mismatch)
 
 
 class Claiming(FakeGenerator):
@@ -252,9 +251,9 @@ def _spec_run(
 
     class Recording(Base):  # type: ignore[valid-type, misc]
         def step(self, rollouts: Sequence[Rollout], flags: Sequence[bool],
-                 logp_bounds: Sequence[float] | None = None) -> Mapping[str, float]:  # fmt: skip
+                 logp_bounds: Sequence[float] | None = None) -> StepResult:  # fmt: skip
             out = super().step(rollouts, flags, logp_bounds)
-            calls.append((list(rollouts), list(self.last_refused), _weights(self)))
+            calls.append((list(rollouts), list(out.refused), _weights(self)))
             return out
 
     trainer = Recording(cfg, model_dir)
@@ -374,13 +373,13 @@ def _refuse_on_two_ranks(model_dir: str) -> dict[str, Any]:
     before = _weights(t)
     out = t.step(rolls, [False] * len(rolls), bounds)
     refused, same = (
-        list(t.last_refused),
+        list(out.refused),
         all(torch.equal(v, before[k]) for k, v in _weights(t).items()),
     )
     t.step(rolls, [False] * len(rolls), [1e9] * len(rolls))
     moved = any(not torch.equal(v, before[k]) for k, v in _weights(t).items())
     res = {"rank": dist.get_rank(), "dp": t.trainer.dp_size, "refused": refused, "same": same,
-           "metrics": dict(out), "moved": moved, "steps": t.trainer.step_count}  # fmt: skip
+           "metrics": dict(out.metrics), "moved": moved, "steps": t.trainer.step_count}  # fmt: skip
     t.close()
     return res
 
