@@ -15,12 +15,12 @@ import torch
 
 from models.exits import (
     KL,
+    ExitPolicy,
     FixedDepth,
     LatentDiff,
     OuroGate,
     SampledGate,
     policy_from_dict,
-    policy_json,
     policy_to_dict,
 )
 from pipeline.config import ConfigError, load_config
@@ -31,12 +31,12 @@ GATE = {"kind": "ouro_gate", "q": 0.8, "kv": "full"}
 
 
 def test_run_config_key_parsed_and_refused_with_a_message(tmp_path: Path) -> None:
-    assert load_config().rollout.policy() is None  # default: full depth
+    assert load_config().rollout.parsed_policy is None  # default: full depth
     cfg = load_config(None, {"rollout": {"exit_policy": GATE}})
-    assert cfg.rollout.policy() == OuroGate(0.8, kv="full")
+    assert cfg.rollout.parsed_policy == OuroGate(0.8, kv="full")
     path = tmp_path / "run.yaml"
     path.write_text("rollout:\n  exit_policy: {kind: fixed, depth: 48, kv: last_exited}\n")
-    assert load_config(path).rollout.policy() == FixedDepth(48, kv="last_exited")
+    assert load_config(path).rollout.parsed_policy == FixedDepth(48, kv="last_exited")
     for bad, why in (
         ({"kind": "nope"}, "needs 'kind' in"),
         ({"kind": "ouro_gate", "q": 0.8, "kv": "fulll"}, "kv must be one of"),
@@ -46,7 +46,7 @@ def test_run_config_key_parsed_and_refused_with_a_message(tmp_path: Path) -> Non
         with pytest.raises(ConfigError, match=rf"rollout.exit_policy .*{why}"):
             load_config(None, {"rollout": {"exit_policy": bad}})
     sampled = {"rollout": {"exit_policy": {"kind": "sampled_gate"}}}
-    assert load_config(None, sampled).rollout.policy() == SampledGate()
+    assert load_config(None, sampled).rollout.parsed_policy == SampledGate()
     with pytest.raises(ConfigError, match="sampled_gate cannot be combined with task.environment"):
         load_config(None, {**sampled, "task": {"environment": "generator.environments:Scripted"}})
     with pytest.raises(ConfigError, match="objective.exit_coef=0.5: trains a sampled exit"):
@@ -150,9 +150,12 @@ def test_welcome_check_compares_policies_not_text() -> None:
     --exit-policy and rollout.exit_policy; a Welcome that states none is not checked."""
     from pipeline.commands.generator_cli import _check_welcome
 
+    def legacy(policy: ExitPolicy | None) -> str:  # what learners sent before: canonical JSON
+        return "" if policy is None else json.dumps(policy_to_dict(policy), sort_keys=True)
+
     mine = OuroGate(0.8, kv="full")
     reordered = '{"q": 0.8, "kind": "ouro_gate", "kv": "full"}'  # other text, the same policy
-    for stated in (policy_to_dict(mine), policy_json(mine), reordered):
+    for stated in (policy_to_dict(mine), legacy(mine), reordered):
         _check_welcome("fast", mine)(SimpleNamespace(settings={"numerics": "fast",
                                                                "exit_policy": stated}))  # fmt: skip
     for stated in (None, ""):  # full depth
@@ -160,7 +163,7 @@ def test_welcome_check_compares_policies_not_text() -> None:
     _check_welcome("fast", mine)(SimpleNamespace(settings={"numerics": "fast"}))
     other = OuroGate(0.8, kv="last_exited")
     for theirs, generator in ((other, mine), (mine, None), (None, mine)):
-        for stated in (policy_to_dict(theirs), policy_json(theirs)):
+        for stated in (policy_to_dict(theirs), legacy(theirs)):
             welcome = SimpleNamespace(settings={"exit_policy": stated})
             with pytest.raises(ValueError, match=r"--exit-policy '.*', the run config's "
                                r"rollout.exit_policy"):  # fmt: skip
