@@ -260,13 +260,13 @@ def run_load(n: int, args: argparse.Namespace) -> dict[str, Any]:
                                              f"staleness.max_staleness={args.max_staleness}"],
                     background=not args.sync)  # fmt: skip
     gone: list[str] = []
-    orig = c._gone
+    orig = c.peers.gone
 
     def spy(gid: str, why: str) -> None:
         gone.append(why)
         orig(gid, why)
 
-    c._gone = spy  # type: ignore[method-assign]
+    c.peers.gone = spy  # type: ignore[method-assign]
     proc = psutil.Process()
     stop, ps, out = start_sims(n, args.procs, c.endpoint, args.gen_s, args.tokens)
     t_join = time.time()

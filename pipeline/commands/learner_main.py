@@ -60,7 +60,8 @@ from pipeline.config import (
 )
 from pipeline.core import resume as resume_mod
 from pipeline.core import tasks
-from pipeline.core.coordinator import Coordinator, CoordinatorError
+from pipeline.core.coordinator import Coordinator
+from pipeline.core.coordinator_errors import CoordinatorError
 from pipeline.core.eval_rounds import (
     EvalRounds,
     check_depths,

@@ -1,15 +1,19 @@
 """The coordinator (learner rank 0): dispatch, intake, staleness, training, publication.
 
-One thread runs ``Coordinator.run()``::
+One thread runs ``Coordinator.run()``, calling the components it owns (built in ``__init__``;
+each states its own loop and invariant) in this order (docs/PIPELINE.md, "The coordinator
+loop")::
 
     loop until `steps` training steps are done:
-        recv (<= poll_s; the endpoint's heartbeats ride on it), for each record:
+        peers.poll: recv (<= poll_s; the endpoint's heartbeats ride on it), for each record:
             Hello       -> Welcome(run_id, version); dispatcher/publisher learn the generator
-            Heartbeat   -> its served version (dispatcher, publisher)
+            Heartbeat   -> its served version (dispatcher, publisher), a claim checked
             RolloutBatch-> intake: ledger.receive; accepted -> stream (flushed) -> Ack
             WorkReturn  -> re-dispatch those samples;  Goodbye -> generator gone
             Ack/Nack on weights -> publisher
-        expired peers (silent > peer_timeout_s) -> generator gone: ledger re-dispatch
+          expired peers (silent > peer_timeout_s) -> generator gone: ledger re-dispatch;
+          work held past work_timeout_s -> issued again elsewhere; bans
+        announcer.announce_ready()  versions written beside training, announced in order
         dispatcher.pump(v)      new / re-dispatched work within capacity, cap, staleness gate;
                                 v = trained_version (announced + being written): work issued
                                 against an older announced version while v is written would
@@ -17,13 +21,16 @@ One thread runs ``Coordinator.run()``::
         publisher.pump()        weight transfers within credit windows
             (both again right after a step completes or a version is announced; ``turn``)
         groups = intake.select(v, prompts_per_step); if groups and gate.can_train(v):
-            trainer.step -> step log -> ledger.settle -> metrics
-                (the trainer checks every claimed log-prob before its update: a step holding
-                a lie is refused whole, its liars quarantined and dispatched again elsewhere,
-                its other groups back in the buffer: ``_refuse_step``; StepResult.refused)
-            every publish.every steps: trainer.snapshot(RUN_DIR/weights/vN) on the trainer
-            thread; hashed and written beside the next step (pipeline.core.publishing); announced
-            when ready: v = N (publish.max_pending 0: written and announced before the next step)
+            bounds = verifier.bounds(rollouts): each rollout's log-prob bound
+            trainer.step(rollouts, flags, bounds) -> StepResult (on the trainer thread)
+                refused (a claimed log-prob over its bound, checked before the update): the
+                step is refused whole, its liars quarantined and dispatched again elsewhere,
+                its other groups back in the buffer (``verifier.refuse_step``)
+            step log -> ledger.settle -> metrics; verifier.verify(the step's measurements)
+            every publish.every steps: announcer.prepare(N) on the trainer thread (the
+            weights taken, hashed and written beside the next step: pipeline.core.publishing;
+            publish.max_pending 0: written before the next step), announcer.hand_over when the
+            step completes; announced when ready: v = N
             every checkpoint.every steps: trainer.save(ckpt, pipeline_state)
 
 Invariants: exactly-once (pipeline.core.ledger; nothing acknowledged before it is recorded),
@@ -44,32 +51,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.exits import policy_json
 from models.weights.collective_learner import make_publisher
-from models.weights.shm import prune_shm
 from pipeline.backends.trainer_api import StepResult, Trainer
 from pipeline.config import RunConfig
 from pipeline.core import faults
-from pipeline.core.coordinator_checks import VerifiedSteps
-from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
-from pipeline.core.coordinator_peers import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS, PeerHandling
-from pipeline.core.coordinator_weights import WeightPublishing
+from pipeline.core.announcing import WeightAnnouncer, Written
+from pipeline.core.coordinator_errors import CoordinatorError
 from pipeline.core.dispatch import Dispatcher, PromptSource
 from pipeline.core.eval_rounds import EvalRounds
 from pipeline.core.intake import Group, Intake
 from pipeline.core.ledger import InFlightLedger
+from pipeline.core.peers import Peers
 from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
-from pipeline.core.validation import ModelLimits, door_rules, logp_base
-from pipeline.net.log_limit import Throttle
+from pipeline.core.validation import ModelLimits, door_rules
+from pipeline.core.verification import LogpVerifier, behaviour_logp_base
 from pipeline.net.weight_sync import DeliveryLog
 from proto import Rollout, WorkItem
 
-__all__ = ["HELLO_INTERVAL_S", "MAX_WORK_TIMEOUTS", "Coordinator", "CoordinatorError",
-           "NonFinitePublication"]  # fmt: skip
 log = logging.getLogger(__name__)
 VOIDED_NAME = "voided.jsonl"
 StepCallback = Callable[[dict[str, Any]], None]
@@ -78,7 +82,7 @@ StepCallback = Callable[[dict[str, Any]], None]
 @dataclass
 class _Job:
     """One training step in flight: its batch and the trainer thread's future
-    (the StepResult, train seconds, the Publication written after it or None)."""
+    (the StepResult, train seconds, the version it made or None)."""
 
     groups: list[Group]
     rolls: list[Rollout]
@@ -90,12 +94,42 @@ class _Job:
     version: int
     """The version the step publishes (when ``publish``)."""
     bounds: list[float]
-    """Each rollout's log-prob bound (``_bounds``: its updates behind the trainer)."""
-    future: Future[Any]
+    """Each rollout's log-prob bound (``LogpVerifier.bounds``: its updates behind the trainer)."""
+    future: Future[tuple[StepResult, float, Snapshot | Written | None]]
 
 
-class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
-    """See the module docstring. ``endpoint`` is a pipeline.net.transport.LearnerEndpoint."""
+class Coordinator:
+    """See the module docstring. ``endpoint`` is a pipeline.net.transport.LearnerEndpoint.
+
+    Its components, built in ``__init__`` (the run's state lives in them; the coordinator
+    keeps the loop's counters, ``step`` and ``version_step``, and the step in flight)."""
+
+    ledger: InFlightLedger
+    """Exactly-once accounting of every sample dispatched (pipeline.core.ledger)."""
+    gate: StalenessGate
+    """The staleness bound: what may be dispatched and trained at a version."""
+    dispatcher: Dispatcher
+    """Work items to generators within capacity, cap, fair share and the staleness budget."""
+    recorder: Recorder
+    """RUN_DIR/stream (every accepted rollout, before its Ack) and steps.jsonl."""
+    quarantine: Quarantine
+    """Refused rollouts (RUN_DIR/quarantine)."""
+    intake: Intake
+    """The door, the ledger's receipts, record-before-ack, group assembly and selection."""
+    timeline: StepTimeline
+    """The time/* keys of each step's metrics row."""
+    deliveries: DeliveryLog
+    """Versions announced to each generator: the truth its claims are checked against."""
+    publisher: Any
+    """The weight transfers to the generators (models.weights, publish.transport)."""
+    announcer: WeightAnnouncer
+    """Versions written and announced in order (digests.jsonl first)."""
+    peers: Peers
+    """Generators' records in, claims, bans, departures (``poll``)."""
+    verifier: LogpVerifier
+    """Each rollout's log-prob bound; refused and verified steps."""
+    evals: EvalRounds | None
+    """Evaluation rounds on the generators (eval.every > 0)."""
 
     def __init__(
         self,
@@ -116,8 +150,9 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         self.on_step, self.clock, self.poll_s = on_step, clock, poll_s
         self.run_id = uuid.uuid4().hex[:12]
         self.step = 0
-        self.version = 0
         self.version_step = 0  # the step whose weights the newest version (trained_version) is
+        self.limits = limits
+        self.evals = evals
         self.ledger = InFlightLedger()
         st = cfg.staleness
         self.gate = StalenessGate(st.max_staleness, st.policy)  # type: ignore[arg-type]
@@ -132,7 +167,6 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         )  # fmt: skip
         self.recorder = Recorder(run_dir, enabled=cfg.record.enabled, fsync=cfg.record.fsync)  # type: ignore[arg-type]
         self.quarantine = Quarantine(run_dir)
-        self.limits = limits
         door = cfg.intake
         self.intake = Intake(
             ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
@@ -142,39 +176,65 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
             window_s=door.window_s, clock=clock, void=self.void,
             dynamic_sampling=cfg.objective.dynamic_sampling,
         )  # fmt: skip
-        self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
-        self._throttle = Throttle(HELLO_INTERVAL_S, clock)  # Hellos and claim warnings, per id
-        # the behaviour log-prob check's bound at staleness 0 (validation.logp_base): tight only
-        # when both sides compute in float32 (generators: float32, or auto on a float32
-        # checkpoint; the launcher's auto is bfloat16 under a bf16 learner in fast numerics)
-        gd = cfg.generators.dtype
-        gen32 = gd == "float32" or (gd == "auto" and limits.weights_dtype == "float32"
-                                    and not (cfg.learner.precision == "bf16"))  # fmt: skip
-        self._logp_base = logp_base(cfg.numerics,
-                                    float32=gen32 and cfg.learner.precision == "fp32")  # fmt: skip
-        self.evals = evals  # evaluation rounds on the generators (eval.every > 0)
-        self.deliveries = DeliveryLog()  # versions announced to each generator: claims' truth
+        self.timeline = StepTimeline()
+        self.deliveries = DeliveryLog()
         self.publisher = make_publisher(cfg.publish.transport, self.deliveries.endpoint(endpoint),
                                         cfg.publish)  # fmt: skip
-        self.last_digest = ""
         self._last_progress = clock()
         self._job: _Job | None = None
         self._hurry = False  # a step just completed: the next turn does not wait in poll
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer") if background else None
         self._t0 = time.time()
         self._last_step_t = time.time()
-        self.timeline = StepTimeline()  # the time/* keys of each step's metrics
-        self._publish_times: dict[str, float] = {}  # the last publication's stages (s)
         # the trainer and publishing threads wake the loop's recv when a step or a version is
         # done (when the endpoint offers a waker): completed, announced and new work sent at
         # once, not at the next poll_s
         waker = getattr(endpoint, "waker", None)
         self._wake: Callable[[], None] | None = waker() if background and callable(waker) else None
         mp = cfg.publish.max_pending  # versions hashed and written beside the next steps
-        self.publications = PublicationQueue(mp, on_done=self._wake) if mp and background else None
-        self._announced_stages: dict[str, float] = {}  # since the last metrics row
+        self.announcer = WeightAnnouncer(
+            cfg.publish, run_dir, trainer=trainer, publisher=self.publisher,
+            pending=PublicationQueue(mp, on_done=self._wake) if mp and background else None,
+            timeline=self.timeline,
+            set_status=lambda v: self.endpoint.set_status(v, self.dispatcher.inflight()),
+        )  # fmt: skip
+        self.peers = Peers(
+            endpoint, dispatcher=self.dispatcher, publisher=self.publisher, intake=self.intake,
+            deliveries=self.deliveries, timeline=self.timeline, evals=evals,
+            run_id=lambda: self.run_id, version=lambda: self.version,
+            welcome_settings={"numerics": cfg.numerics,  # canonical JSON, '' = full depth
+                              "exit_policy": policy_json(cfg.rollout.policy())},
+            work_timeout_s=cfg.work_timeout_s(), clock=clock,
+        )  # fmt: skip
+        self.verifier = LogpVerifier(
+            base=behaviour_logp_base(cfg, limits), every=cfg.publish.every, gate=self.gate,
+            intake=self.intake, ban=self.peers.ban,
+        )  # fmt: skip
 
-    # -- incoming --------------------------------------------------------------------------------
+    # -- what the components hold --------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest version announced to the generators (``announcer``)."""
+        return self.announcer.version
+
+    @property
+    def last_digest(self) -> str:
+        return self.announcer.last_digest
+
+    @property
+    def banned(self) -> Mapping[str, str]:
+        """Generator id -> why it was dropped for the run (``peers``)."""
+        return self.peers.banned
+
+    # -- incoming ----------------------------------------------------------------------------------
+    def handle(self, channel: str, peer: str, rec: Any) -> None:
+        """One record from a generator, as the endpoint delivers it (``Peers.handle``)."""
+        self.peers.handle(channel, peer, rec)
+
+    def poll(self, timeout_s: float) -> int:
+        """Receive and handle what arrives within ``timeout_s`` (``Peers.poll``)."""
+        return self.peers.poll(timeout_s)
+
     def void(self, entries: list[dict[str, Any]]) -> None:
         """Recorded rollouts whose samples are generated again (a resume voided them):
         RUN_DIR/voided.jsonl; replay takes the last recorded copy of a rollout id."""
@@ -184,6 +244,18 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
 
     def _send_work(self, gid: str, item: WorkItem) -> bool:
         return bool(self.endpoint.send(gid, item))
+
+    def _expected_version(self, gid: str) -> int:
+        """The version ``gid`` will serve once the weights being sent to it are loaded."""
+        return self.publisher.target(gid) if gid in self.publisher.generators() else -1
+
+    # -- weights -----------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Publish the trainer's current weights as version + 1 (on disk, and sent if set).
+        Only while no step runs (resume, tests); steps publish through their job."""
+        assert self._job is None, "publish() while a step is running"
+        self.announcer.publish(self.step + 1)
+        self.version_step = self.step
 
     # -- training ----------------------------------------------------------------------------------
     def try_train(self) -> bool:
@@ -219,7 +291,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         hashed and written (publish.max_pending). Staleness is measured from it, so a bound
         means the same with publication overlapped as without; generators only ever get
         announced versions."""
-        return self.version + (len(self.publications) if self.publications is not None else 0)
+        return self.version + self.announcer.writing
 
     @property
     def training(self) -> bool:
@@ -233,7 +305,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         if job is not None:
             job.future.result()  # (errors are raised by _complete)
             self._complete(job)
-        self.announce_ready(wait=True)
+        self.announcer.announce_ready(wait=True)
         return job is not None
 
     def _start(self, groups: list[Group]) -> _Job:
@@ -242,34 +314,25 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         rolls = [r for g in groups for r in g.rollouts]  # raw rewards: the step shapes them
         failed = sum(r.reward is None for r in rolls)
         flags = [f for g in groups for f in g.needs_correction]
-        publish = (self.step + 1) % self.cfg.publish.every == 0
-        queue = self.publications
+        n = self.step + 1
+        publish = n % self.cfg.publish.every == 0
         base = self.trained_version
         v = base + 1  # after those still pending
-        bounds = self._bounds(rolls, base)  # before the step: the steps taken so far
+        # before the step: the steps taken so far since the newest version was taken
+        bounds = self.verifier.bounds(rolls, base, self.step - self.version_step)
+        trainer, announcer = self.trainer, self.announcer
 
-        def work() -> tuple[StepResult, float, Any]:
+        def work() -> tuple[StepResult, float, Snapshot | Written | None]:
             t0 = time.time()
-            res = self.trainer.step(rolls, flags, bounds)
+            res = trainer.step(rolls, flags, bounds)
             train_s = time.time() - t0
             if res.refused:  # nothing applied: no step, nothing to publish
                 return res, train_s, None
-            faults.kill_at("step", self.step + 1)  # the crash tests' kill -9 mid-step
-            if not publish:
-                return res, train_s, None
-            if queue is None:  # written now, announced when the step completes
-                return res, train_s, self._write_publication(v)
-            room = queue.make_room()
-            t1 = time.perf_counter()
-            taken = self._guarded(v, lambda out: self.trainer.snapshot(out, v))
-            if taken is None:  # no two-part publication: written now
-                return res, train_s, self._write_publication(v)
-            finish = self._with_shm(taken.finish)
-            stages = {**taken.stage_s, "snapshot": time.perf_counter() - t1, "room_wait": room}
-            return res, train_s, Snapshot(v, finish, stages)
+            faults.kill_at("step", n)  # the crash tests' kill -9 mid-step
+            return res, train_s, announcer.prepare(v, n) if publish else None
 
         if self._pool is None:
-            fut: Future[Any] = Future()
+            fut: Future[tuple[StepResult, float, Snapshot | Written | None]] = Future()
             try:
                 fut.set_result(work())
             except BaseException as e:  # raised again by _complete, on this thread
@@ -283,10 +346,11 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
 
     def _complete(self, job: _Job) -> bool:
         """The step's bookkeeping on the coordinator thread; False if the trainer refused it
-        (verified rollouts: ``_refuse_step``)."""
-        res, train_s, pub = job.future.result()
+        (verified rollouts: ``LogpVerifier.refuse_step``)."""
+        res, train_s, made = job.future.result()
         if res.refused:
-            self._refuse_step(job.rolls, job.groups, job.bounds, res)
+            self.verifier.refuse_step(self.step + 1, job.rolls, job.groups, job.bounds,
+                                      res.refused, res.mismatch)  # fmt: skip
             self.timeline.step_done()
             return False
         groups, rolls, flags = job.groups, job.rolls, job.flags
@@ -299,33 +363,16 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         )  # fmt: skip
         self.intake.settle(groups)
         now = time.time()
-        per = res.mismatch
         m = step_row(
-            self.step, job.base, groups, rolls, flags, res.metrics, per,
+            self.step, job.base, groups, rolls, flags, res.metrics, res.mismatch,
             fresh=[self.gate.oldest(r) == job.base for r in rolls],
             counts={**self.intake.counts, "released": self.ledger.counts["released"]},
             failed=job.failed, train_s=train_s, step_s=now - self._last_step_t,
             elapsed_s=now - self._t0, generators=len(self.dispatcher.generators()),
         )  # fmt: skip
-        if len(per) == len(rolls):
-            self._verify(rolls, per, job.bounds)
+        self.verifier.verify(rolls, res.mismatch, job.bounds)
         self._last_step_t = now
-        announce_s, stages = None, None
-        if isinstance(pub, Snapshot):  # hashed and written beside the next step
-            assert self.publications is not None
-            stages = dict(pub.stages)  # before the publishing thread adds its own
-            self.publications.submit(pub)
-        elif pub is not None:
-            t_ann = time.perf_counter()
-            self._announce(pub)
-            announce_s = time.perf_counter() - t_ann
-            self.timeline.announced(pub.version)
-            stages = self._publish_times
-        self.announce_ready()
-        if self._announced_stages:  # versions of earlier steps announced since the last row
-            stages = {**(stages or {}), **self._announced_stages}
-            announce_s = self._announced_stages.pop("announce")
-            self._announced_stages = {}
+        stages, announce_s = self.announcer.hand_over(made)
         m.update(self.timeline.row(rolls, train_s=train_s, publish=stages, announce_s=announce_s))
         self.timeline.step_done()
         if self.on_step is not None:
@@ -343,24 +390,24 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
         thread woke it) is announced and sent at once; a completed step's settled groups free
         room for new work, which is sent at once, and the next turn does not wait in ``poll``
         before it starts the next step (rollouts for it may be buffered already)."""
-        self.announce_ready()
+        self.announcer.announce_ready()
         wait = self.poll_s if timeout_s is None else timeout_s
-        self.poll(0.0 if self._hurry else wait)
+        self.peers.poll(0.0 if self._hurry else wait)
         self._hurry = False
-        self.announce_ready()  # what the publishing thread finished while poll waited
+        self.announcer.announce_ready()  # what the publishing thread finished while poll waited
         self._pump()
         trained = self.try_train()
         if trained:
             self._last_progress = self.clock()
-            self.announce_ready()  # versions whose write ended during the step
+            self.announcer.announce_ready()  # versions whose write ended during the step
             self._pump()
             self._hurry = True
         return trained
 
     def serve(self, timeout_s: float) -> None:
         """A turn that trains nothing (after the last step: the last eval round is served)."""
-        self.announce_ready()
-        self.poll(timeout_s)
+        self.announcer.announce_ready()
+        self.peers.poll(timeout_s)
         self._pump()
 
     def _pump(self) -> None:
@@ -417,10 +464,7 @@ class Coordinator(PeerHandling, VerifiedSteps, WeightPublishing):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self.publications is not None:
-            self.publications.close()
+        self.announcer.close()
         self.publisher.close()
-        if self.cfg.publish.transport == "shm":  # a generator still mapping one keeps its pages
-            prune_shm(self.run_dir / "weights", 1 << 62, 0)  # every file of this run
         self.recorder.close()
         self.quarantine.close()

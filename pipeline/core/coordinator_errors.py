@@ -1,4 +1,4 @@
-"""The coordinator's errors (pipeline.core.coordinator re-exports them)."""
+"""The coordinator's errors: raised by it and its components (pipeline.core.announcing)."""
 
 from __future__ import annotations
 

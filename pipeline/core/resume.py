@@ -72,7 +72,7 @@ def pipeline_state(c: Coordinator) -> dict[str, Any]:
 def save(c: Coordinator, keep: int) -> Path:
     """Checkpoint now (the trainer's layout; it stores the pipeline state with its own), after
     announcing every version still being written (the state names the announced version)."""
-    c.announce_ready(wait=True)
+    c.announcer.announce_ready(wait=True)
     name = f"step_{c.step:08d}"  # the crash tests' kill -9 mid-checkpoint (learner.checkpoint)
     root = c.run_dir / "checkpoints"
     faults.kill_while_writing("checkpoint", c.step, root / f".tmp-{name}", root / name)
@@ -124,7 +124,7 @@ def _announce_again(c: Coordinator) -> bool:
                                          int(recorded.get("digest_chunk_bytes", 0))) != recorded["digest"]:  # fmt: skip
         log.warning("resume: weights/v%d is not the announced set: publishing v%d", v, v + 1)
         return False
-    c.announce_again(pub)
+    c.announcer.announce_again(pub)
     return True
 
 
@@ -187,7 +187,7 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
     c.recorder.rewind_steps(int(state["recorder"]["steps_bytes"]))
     # Versions: published after the checkpoint means void; the restored weights will be
     # published as newest + 1, and staleness is measured on the restored line of weights.
-    c.version = int(state["version"])
+    c.announcer.version = int(state["version"])
     c.gate.lineage = VersionLineage(state.get("lineage"))
     newest = max(_max_published(c.run_dir), c.version)
     if newest > c.version:
@@ -268,7 +268,7 @@ def restore(c: Coordinator, ckpt: Path) -> dict[str, int]:
     d.queue_redispatch(redo)
     counts["redispatch"] = sum(len(r.indices) for r in redo)
     if newest > c.version:  # versions published after the checkpoint are void: supersede them
-        c.version = newest
+        c.announcer.version = newest
         c.publish()  # the restored weights, as a version newer than anything published before
     elif c.version > 0 and not _announce_again(c):  # its directory is gone or differs
         c.gate.lineage.add_resume(c.version, c.version + 1, c.version)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.coordinator import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS
+from pipeline.core.peers import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS
 from proto import Heartbeat, Hello, Welcome, WorkItem
 from tests.pipeline import FakeClock
 from tests.pipeline.fakes import FakeGenerator, drive, drive_with_a_hole, make_coordinator

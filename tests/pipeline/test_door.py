@@ -19,7 +19,7 @@ import torch
 
 from models.checkpoint import load_checkpoint
 from pipeline.core import resume
-from pipeline.core.coordinator import CoordinatorError
+from pipeline.core.coordinator_errors import CoordinatorError
 from pipeline.core.quarantine import read_quarantine
 from pipeline.core.recorder import read_rollouts, read_steps
 from pipeline.core.validation import (

@@ -160,7 +160,7 @@ def test_the_bound_is_loose_where_either_side_may_run_bf16(
     """An honest bf16 generator (or learner) must not be taken for a liar: the tight fast bound
     holds only when both compute in float32 (the fake checkpoint is float32)."""
     c, _, _ = make_coordinator(tmp_path, overrides)
-    assert c._logp_base == base
+    assert c.verifier.base == base
     assert logp_bound(base, 2) == base + 2 * LOGP_DRIFT_PER_UPDATE
     c.close()
 

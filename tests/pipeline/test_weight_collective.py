@@ -146,11 +146,16 @@ class CorruptingPublisher(CollectivePublisher):
 
 
 def test_a_corrupted_broadcast_is_refused_and_the_true_weights_come_by_zmq(
-    coord: Coordinator,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    c, turns = coord, Turns(coord)
-    c.publisher.close()
-    c.publisher = CorruptingPublisher(c.endpoint, timeout_s=TIMEOUT_S, chunk_bytes=262144)
+    from pipeline.core import coordinator
+
+    # the coordinator's weight transfers, handed to its components, are the corrupting ones
+    monkeypatch.setattr(coordinator, "make_publisher", lambda _kind, ep, _cfg: CorruptingPublisher(
+        ep, timeout_s=TIMEOUT_S, chunk_bytes=262144))  # fmt: skip
+    c = make_coord(tmp_path)
+    assert isinstance(c.publisher, CorruptingPublisher)
+    turns = Turns(c)
     gens = receivers(c, "g1", "g2")
     try:
         turns.until(joined(c, 2), 30)
@@ -166,6 +171,8 @@ def test_a_corrupted_broadcast_is_refused_and_the_true_weights_come_by_zmq(
     finally:
         for r in gens:
             r.stop()
+        c.close()
+        c.endpoint.close()
 
 
 def test_a_killed_or_hung_generator_costs_at_most_one_timeout_and_the_others_get_the_broadcast(

@@ -1,16 +1,15 @@
-"""The coordinator's incoming side (a mixin of pipeline.core.coordinator.Coordinator): each
-generator record handled (Hello, Heartbeat, rollouts, WorkReturn, Goodbye, weights Acks), the
-serving version a generator claims checked against what was delivered to it, bans and
-departures, and one receive-and-handle pass (``poll``). The state it reads is the
-Coordinator's, built in its ``__init__``."""
+"""The generators as the learner sees them: each record a generator sends handled (Hello,
+Heartbeat, rollouts, WorkReturn, Goodbye, weights Acks), the serving version it claims checked
+against what was delivered to it, bans and departures, and one receive-and-handle pass
+(``poll``). docs/PIPELINE.md, "The coordinator loop" and "What the learner promises about its
+generators"."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from models.exits import policy_json
-from pipeline.config import RunConfig
 from pipeline.core.dispatch import Dispatcher
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.intake import Intake
@@ -30,26 +29,54 @@ from proto import (
     WorkReturn,
 )
 
-log = logging.getLogger("pipeline.core.coordinator")
+log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
 HELLO_INTERVAL_S = 1.0  # a generator id's Hellos are answered once per interval
 MAX_WORK_TIMEOUTS = 3  # a generator whose work is taken back this often is banned
 
 
-class PeerHandling:
-    """Generators' records in, claims checked, bans (see the module docstring)."""
+class Peers:
+    """Generators' records in, their claims checked, bans and departures.
 
-    cfg: RunConfig
-    endpoint: Any
-    dispatcher: Dispatcher
-    publisher: Any
-    intake: Intake
-    evals: EvalRounds | None
-    deliveries: DeliveryLog
-    timeline: StepTimeline
-    banned: dict[str, str]
-    run_id: str
-    version: int
-    _throttle: Throttle
+    Loop (the coordinator's thread, once per turn): ``poll(timeout_s)`` receives what arrived
+    and ``handle``\\ s each record (at most 512 a turn), then declares gone the generators the
+    endpoint heard nothing from for ``transport.peer_timeout_s``, takes back work held past
+    ``work_timeout_s`` (banning a generator after ``MAX_WORK_TIMEOUTS`` timeouts without an
+    answer in between) and drops the generators that refused the current weights too often.
+
+    Invariant: a banned generator stays banned for the run under its first reason; nothing it
+    sends afterwards reaches the intake, the dispatcher or the publisher (each record is only
+    counted, ``from_banned``, and a Hello answered with ErrorMsg "banned"). A serving version a
+    generator claims is believed only if it was delivered to it (``deliveries``); a false claim
+    counts toward its refusal budget (reason ``claim``)."""
+
+    def __init__(
+        self,
+        endpoint: Any,
+        *,
+        dispatcher: Dispatcher,
+        publisher: Any,
+        intake: Intake,
+        deliveries: DeliveryLog,
+        timeline: StepTimeline,
+        evals: EvalRounds | None,
+        run_id: Callable[[], str],
+        version: Callable[[], int],
+        welcome_settings: Mapping[str, Any],
+        work_timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        """``endpoint``: a pipeline.net.transport.LearnerEndpoint; ``publisher``: the weight
+        transfers (models.weights); ``run_id`` and ``version``: the run's id and the newest
+        announced version when a Welcome is sent; ``welcome_settings``: what a generator
+        checks on Welcome (numerics, exit policy); ``work_timeout_s``: intake.work_timeout_s
+        resolved (0: work is never taken back)."""
+        self.endpoint, self.dispatcher, self.publisher = endpoint, dispatcher, publisher
+        self.intake, self.deliveries, self.timeline = intake, deliveries, timeline
+        self.evals, self.run_id, self.version = evals, run_id, version
+        self.welcome_settings = dict(welcome_settings)
+        self.work_timeout_s = work_timeout_s
+        self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
+        self._throttle = Throttle(HELLO_INTERVAL_S, clock)  # Hellos and claim warnings, per id
 
     def handle(self, channel: str, peer: str, rec: Any) -> None:
         ep, d = self.endpoint, self.dispatcher
@@ -102,7 +129,7 @@ class PeerHandling:
             n = d.returned(peer, list(rec.work_ids))
             log.info("generator %s returned %d samples: %s", peer, n, rec.reason)
         elif isinstance(rec, Goodbye):
-            self._gone(peer, f"goodbye: {rec.reason}")
+            self.gone(peer, f"goodbye: {rec.reason}")
         elif isinstance(rec, Ack | Nack):
             pass  # the generator acknowledges nothing we act on yet
 
@@ -124,13 +151,14 @@ class PeerHandling:
             return v
         self.intake.counts["claims_refused"] += 1
         if self._throttle.allow(f"claim:{peer}"):
-            why = (f"the newest version published is v{self.version}" if v > self.version
+            newest = self.version()
+            why = (f"the newest version published is v{newest}" if v > newest
                    else f"v{v} was never delivered to it (delivered: "
                    f"{self.deliveries.versions(peer)[-4:]})")  # fmt: skip
             log.warning("generator %s claims to serve v%d in its %s, but %s: refused", peer, v,
                         what, why)  # fmt: skip
         ban = self.intake.refusals.note(peer, "claim")
-        if ban is not None and peer not in self.banned:
+        if ban is not None:
             self.ban(peer, f"{ban}: claims to serve weights it was never sent")
         return -1
 
@@ -160,21 +188,15 @@ class PeerHandling:
                 self.publisher.observe(peer, v)
         else:
             self.publisher.add_generator(peer, v)
-        ep.send(peer, Welcome(self.run_id, peer, self.version,
-                              ep.config.heartbeat_interval_s, self._welcome_settings()))  # fmt: skip
-
-    def _welcome_settings(self) -> dict[str, Any]:
-        """Run-wide generator settings a generator checks on Welcome: numerics and the exit
-        policy (canonical JSON, '' = full depth; its kv and max depth bound replay)."""
-
-        return {
-            "numerics": self.cfg.numerics,
-            "exit_policy": policy_json(self.cfg.rollout.policy()),
-        }
+        ep.send(peer, Welcome(self.run_id(), peer, self.version(),
+                              ep.config.heartbeat_interval_s, dict(self.welcome_settings)))  # fmt: skip
 
     def ban(self, gid: str, why: str) -> None:
         """Drop ``gid`` for the rest of the run: its work is re-dispatched, whatever it sends
-        is ignored, and it is told so (ErrorMsg "banned"; a looprl generator exits)."""
+        is ignored, and it is told so (ErrorMsg "banned"; a looprl generator exits). A
+        generator banned already stays banned for its first reason (nothing is done again)."""
+        if gid in self.banned:
+            return
         self.banned[gid] = why
         self.endpoint.send(gid, ErrorMsg("banned", f"dropped for this run: {why}"))
         n = self.dispatcher.remove_generator(gid)
@@ -183,7 +205,9 @@ class PeerHandling:
         log.error("generator %s dropped for the run: %s; %d samples re-dispatched, %d accepted "
                   "but untrained voided and dispatched again", gid, why, n, void)  # fmt: skip
 
-    def _gone(self, gid: str, why: str) -> None:
+    def gone(self, gid: str, why: str) -> None:
+        """``gid`` left (Goodbye, silence, weights refused): the samples it held go back to
+        the re-dispatch queue; it may come back with a Hello."""
         n = self.dispatcher.remove_generator(gid)
         self.publisher.remove_generator(gid)
         log.warning("generator %s gone (%s): %d samples to re-dispatch", gid, why, n)
@@ -197,19 +221,15 @@ class PeerHandling:
             handled += 1
             inc = self.endpoint.recv(0.0)
         for gid in self.endpoint.expired_peers():
-            self._gone(gid, "heartbeat expired")
-        timeout = self.cfg.work_timeout_s()
+            self.gone(gid, "heartbeat expired")
+        timeout = self.work_timeout_s
         if timeout:
             self.dispatcher.overdue(timeout)
             for gid, k in list(self.dispatcher.timeouts.items()):
-                if k >= MAX_WORK_TIMEOUTS and gid not in self.banned:  # swallows work
+                if k >= MAX_WORK_TIMEOUTS:  # swallows work
                     self.ban(gid, f"held work past intake.work_timeout_s={timeout:g} s without "
                              f"answering, {k} times in a row")  # fmt: skip
         for gid in list(self.publisher.generators()):
             if self.publisher.gave_up(gid):  # its work may wait for weights it will never load
-                self._gone(gid, "refused the current weights too often")
+                self.gone(gid, "refused the current weights too often")
         return handled
-
-    def _expected_version(self, gid: str) -> int:
-        """The version ``gid`` will serve once the weights being sent to it are loaded."""
-        return self.publisher.target(gid) if gid in self.publisher.generators() else -1
