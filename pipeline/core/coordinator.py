@@ -203,7 +203,7 @@ class Coordinator:
             deliveries=self.deliveries, timeline=self.timeline, evals=evals,
             run_id=lambda: self.run_id, version=lambda: self.version,
             welcome_settings={"numerics": cfg.numerics,  # canonical JSON, '' = full depth
-                              "exit_policy": policy_json(cfg.rollout.policy())},
+                              "exit_policy": policy_json(cfg.rollout.parsed_policy)},
             work_timeout_s=cfg.work_timeout_s(), clock=clock,
         )  # fmt: skip
         self.verifier = LogpVerifier(
