@@ -68,7 +68,7 @@ from models.weights.collective_generator import CollectiveWeightSink  # noqa: E4
 from models.weights.collective_learner import CollectivePublisher  # noqa: E402
 from models.weights.digest import digest_of_state  # noqa: E402
 from models.weights.publication import Publication  # noqa: E402
-from pipeline.backends.trainer_api import StepResult  # noqa: E402
+from pipeline.backends.results import StepResult  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
 from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402

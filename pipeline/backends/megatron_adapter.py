@@ -32,7 +32,7 @@ from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
 from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
-from pipeline.backends.trainer_api import SnapshotResult, StepResult
+from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config import RunConfig
 from proto import Rollout
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.backends.trainer_api import SnapshotResult, StepResult
+from pipeline.backends.results import SnapshotResult, StepResult
 from proto import Codec, Rollout, RolloutBatch
 
 

@@ -41,7 +41,7 @@ from models.ties import detached_copy
 from models.weights.digest import check_finite
 from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
-from pipeline.backends.trainer_api import SnapshotResult, StepResult
+from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config import ConfigError, RunConfig
 from proto import Rollout
 

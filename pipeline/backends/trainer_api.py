@@ -27,6 +27,8 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
                                                        # None: no two-part publication (publish)
     trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
 
+What ``step`` and ``snapshot`` return, ``StepResult`` and ``SnapshotResult``, is in
+pipeline/backends/results.py (the backends import it; this module imports the backends).
 ``models.weights.publication.Publication`` is what goes to the generators: the directory, the blob
 (every tensor's canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets)
 and the canonical digest (models.weights.digest) that generator.engine.LoopedEngine.load_weights
@@ -39,47 +41,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from models.weights.publication import Publication
+from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config import RunConfig
 from proto import Rollout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one ``Trainer.step`` did: trainer -> coordinator (and replay, which reads nothing of
-    it). Every trainer measures its rollouts' log-probs; one that checks them before its update
-    (both backends: learner.step ``logp_bounds``) refuses a step holding a rollout over its
-    bound, and one that does not (the tests' fakes) leaves ``refused`` empty: the coordinator
-    then checks ``mismatch`` after the step (pipeline.core.verification)."""
-
-    metrics: dict[str, float]
-    """The step's metrics (metrics.jsonl ``train/<key>``); {"refused_rollouts": k} when refused."""
-    refused: list[int] = field(default_factory=list)
-    """The rollouts over their log-prob bound (indices into the step's input, in input order):
-    the step was refused before its update, nothing applied. Empty when it trained."""
-    mismatch: list[float] = field(default_factory=list)
-    """Per rollout (input order): max |learner - behaviour| log-prob over its tokens (nats) at
-    the step's starting weights; NaN (or -1) for a rollout not measured; empty when the trainer
-    measures none."""
-
-
-@dataclass(frozen=True)
-class SnapshotResult:
-    """What ``Trainer.snapshot`` took: the trainer's part of a two-part publication, done on
-    the trainer thread; ``finish()`` hashes and writes the rest on any thread."""
-
-    finish: Callable[[], Publication]
-    """Builds the blob and digest and writes the directory (its seconds in ``stage_s`` of the
-    Publication it returns)."""
-    stage_s: dict[str, float] = field(default_factory=dict)
-    """Seconds of the taking's stages (megatron: ``gather``, the HF state gathered over TP)."""
 
 
 class Trainer(Protocol):

@@ -53,7 +53,8 @@ from typing import Any
 
 from models.exits import policy_json
 from models.weights.collective_learner import make_publisher
-from pipeline.backends.trainer_api import StepResult, Trainer
+from pipeline.backends.results import StepResult
+from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
 from pipeline.core import faults
 from pipeline.core.announcing import WeightAnnouncer, Written

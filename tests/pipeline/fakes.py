@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from models.weights.publication import Publication
-from pipeline.backends.trainer_api import StepResult
+from pipeline.backends.results import StepResult
 from pipeline.config import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Prompt, PromptSource

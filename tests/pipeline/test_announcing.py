@@ -16,7 +16,7 @@ import torch
 from models.checkpoint import save_checkpoint
 from models.errors import NonFiniteWeightsError
 from models.weights.publication import Publication
-from pipeline.backends.trainer_api import SnapshotResult
+from pipeline.backends.results import SnapshotResult
 from pipeline.config import load_config
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import NonFinitePublication

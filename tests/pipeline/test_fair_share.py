@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.backends.trainer_api import StepResult
+from pipeline.backends.results import StepResult
 from proto import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.backends.trainer_api import StepResult
+from pipeline.backends.results import StepResult
 from proto import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 

@@ -16,7 +16,7 @@ import torch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.ties import detached_copy
 from models.weights.publication import Publication
-from pipeline.backends.trainer_api import SnapshotResult
+from pipeline.backends.results import SnapshotResult
 from pipeline.core.publishing import PublicationQueue, Snapshot
 from tests.pipeline.fakes import (
     FakeGenerator,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.backends.trainer_api import StepResult
+from pipeline.backends.results import StepResult
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.validation import LOGP_DRIFT_PER_UPDATE, Refusal, logp_bound
 from pipeline.core.verification import LogpVerifier

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.backends.trainer_api import StepResult
+from pipeline.backends.results import StepResult
 from pipeline.core.validation import (
     LOGP_BOUND_FAST,
     LOGP_BOUND_LOW_PRECISION,
