@@ -73,7 +73,7 @@ import numpy as np
 
 from models.checkpoint import load_config
 from models.contract import full_depth
-from models.exits import resolve_max_depth
+from models.exits import is_sampled, resolve_max_depth
 from proto import Rollout
 
 REASONS = (
@@ -179,7 +179,7 @@ def door_rules(cfg: Any) -> DoorRules:
         environment=bool(cfg.task.environment),
         max_turns=cfg.rollout.max_turns,
         max_env_tokens=cfg.rollout.max_env_tokens,
-        sampled_exit=(cfg.rollout.exit_policy or {}).get("kind") == "sampled_gate",
+        sampled_exit=is_sampled(cfg.rollout.parsed_policy),
     )
 
 
