@@ -216,7 +216,7 @@ class WeightAnnouncer:
         self.publisher.publish(
             v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
             path=str(Path(pub.path).resolve()), digest=pub.digests,
-            chunked=self.cfg.transport not in ("shared_fs", "shm"),  # collective: blob too
+            chunked=self.cfg.chunked,  # zmq, and collective's fallback: the blob too
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
         self.set_status(v)
