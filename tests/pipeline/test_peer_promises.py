@@ -37,6 +37,7 @@ from pipeline.core.validation import ModelLimits
 from tests.pipeline.e2e_utils import check_run, small_config
 
 PEER = Path(__file__).with_name("hostile_peer.py")
+STEP_FLOOR_S, PEERS_S = 1.5, 90.0  # steps paced while the liars are not banned yet (at most)
 
 
 @pytest.fixture
@@ -130,11 +131,23 @@ def test_liars_train_nothing_and_a_work_holder_delays_training_by_one_timeout(
         where.update(ctrl=ctrl, wts=wts, model=str(model))
         gens.start(ctrl, wts, model)
 
+    seen: dict[str, float] = {"rows": 0}
+
+    def banned_both() -> bool:
+        outs = [tmp_path / f"{m}.out" for m in ("noack", "overclaim")]
+        return all(o.exists() and "banned" in o.read_text() for o in outs)
+
     def stop() -> bool:  # the peers join once training runs (versions > 0 to lie about)
-        if not peers and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            limits = ModelLimits.from_checkpoint(where["model"], cfg.rollout.policy())
+        rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if not peers and rows >= 2:
+            limits = ModelLimits.from_checkpoint(where["model"], cfg.rollout.parsed_policy)
             for mode in ("noack", "overclaim", "holder"):
                 _start_peer(mode, where["ctrl"], where["wts"], limits, tmp_path, peers)
+            seen["t_peers"] = time.monotonic()
+        if peers and rows > seen["rows"]:  # the run lasts until the liars had their chance:
+            seen["rows"] = rows  # steps are paced (a floor per step, well under the work
+            if not banned_both() and time.monotonic() < seen["t_peers"] + PEERS_S:  # timeout)
+                time.sleep(STEP_FLOOR_S)
         return gens.all_dead()
 
     try:
