@@ -133,7 +133,7 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
             f"--device {args.device}: every arm trains with backend=megatron there (the "
             f"reference backend runs on the CPU); an arm set backend={cfg.backend}"
         )
-    policy = cfg.rollout.policy() if cfg.rollout.exit_policy else policy
+    policy = cfg.rollout.parsed_policy if cfg.rollout.exit_policy else policy
     dev = torch.device(args.device)
     if cfg.backend == "megatron":
         from learner.publish import looped_exporter

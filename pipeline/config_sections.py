@@ -163,10 +163,6 @@ class RolloutSection(Sampling):
         """`exit_policy` as a models.exits policy (None when empty), parsed once at load."""
         return parse_policy(dict(self.exit_policy))
 
-    def policy(self) -> ExitPolicy | None:
-        """`parsed_policy` (for the callers that still call it; nothing is parsed again)."""
-        return self.parsed_policy
-
     @property
     def sampling(self) -> Sampling:
         """The temperature and top_p alone (what the learner's log-probs use)."""

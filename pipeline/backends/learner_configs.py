@@ -39,7 +39,7 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
     sequences per optimizer update, learner.micro_batch_size (0: `micro_batch_size`) per
     forward/backward. Both backends step by it."""
     o, r, lr = cfg.objective, cfg.rollout, cfg.learner
-    policy = r.policy()
+    policy = r.parsed_policy
     if batch is None:
         batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
     dp = dist.get_world_size() // cfg.tp if dist.is_available() and dist.is_initialized() else 1

@@ -85,7 +85,7 @@ class ReferenceTrainer:
         c_optim, c_schedule = critic_optim(cfg)
         self.policy = TorchPolicy(
             tc, model, cfg.optimizer, cfg.resolved_schedule(),
-            kv=resolve_kv(cfg.rollout.policy(), self.config),  # replay the run's exit KV
+            kv=resolve_kv(cfg.rollout.parsed_policy, self.config),  # replay the run's exit KV
             critic=_looped(self.model_dir)[1] if o.uses_critic else None,
             critic_optim=c_optim, critic_schedule=c_schedule, reference=reference,
         )  # fmt: skip

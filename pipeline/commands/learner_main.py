@@ -307,7 +307,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", stale=m["staleness_max"],
                             v=m["version"])  # fmt: skip
 
-    limits = ModelLimits.from_checkpoint(model, cfg.rollout.policy())  # depths: the policy's
+    limits = ModelLimits.from_checkpoint(model, cfg.rollout.parsed_policy)  # depths: the policy's
     evals = None
     if cfg.eval.every:  # evaluation rounds on the generators, outside the training stream
         e = cfg.eval

@@ -19,7 +19,7 @@ from models.errors import NonFiniteWeightsError
 from models.weights.publication import Publication, prune_weights, weights_dir
 from models.weights.shm import prune_shm, publish_shm
 from pipeline.backends.trainer_api import Trainer
-from pipeline.config_outputs import PublishSection
+from pipeline.config_outputs import SHM, PublishSection
 from pipeline.core import faults
 from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
 from pipeline.core.publishing import PublicationQueue, Snapshot
@@ -109,7 +109,7 @@ class WeightAnnouncer:
     def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:
         """``finish`` then, with publish.transport shm, the same bytes once more into /dev/shm
         (models.weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
-        if self.cfg.transport != "shm":
+        if self.cfg.transport != SHM:
             return finish
 
         def run() -> Publication:
@@ -222,12 +222,12 @@ class WeightAnnouncer:
         self.set_status(v)
         # every directory older than the newest publish.keep (0: all kept), a killed run's too
         prune_weights(self.run_dir, v, self.cfg.keep)
-        if self.cfg.transport == "shm":  # bounded like the directories
+        if self.cfg.transport == SHM:  # bounded like the directories
             prune_shm(self.run_dir / "weights", v, self.cfg.keep)
 
     def close(self) -> None:
         """Wait for the versions being written; remove this run's /dev/shm files (shm)."""
         if self.pending is not None:
             self.pending.close()
-        if self.cfg.transport == "shm":  # a generator still mapping one keeps its pages
+        if self.cfg.transport == SHM:  # a generator still mapping one keeps its pages
             prune_shm(self.run_dir / "weights", 1 << 62, 0)  # every file of this run

@@ -143,7 +143,7 @@ class ModelLimits:
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, policy: Any = None) -> ModelLimits:
         """Limits of the checkpoint at ``model_dir`` under the run's exit policy (a
-        models.exits policy, e.g. ``RunConfig.rollout.policy()``; None: full depth, the
+        models.exits policy, e.g. ``RunConfig.rollout.parsed_policy``; None: full depth, the
         model's own)."""
 
         cfg = load_config(model_dir)

@@ -261,7 +261,7 @@ def _spec_run(
     prompts = PromptSource([Prompt(f"p{i}", [1, 20 + i, 30 + i], {}) for i in range(8)], seed=0)
     net = MemoryNetwork()
     c = Coordinator(cfg, endpoint=net.bind("learner", TCFG), trainer=trainer, prompts=prompts,
-                    run_dir=tmp, limits=ModelLimits.from_checkpoint(model_dir, cfg.rollout.policy()))  # fmt: skip
+                    run_dir=tmp, limits=ModelLimits.from_checkpoint(model_dir, cfg.rollout.parsed_policy))  # fmt: skip
     return c, net, calls
 
 
