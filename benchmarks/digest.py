@@ -1,21 +1,20 @@
-"""The weight digest (docs/CONTRACTS.md 6, models/weights/digest.py) alone: GB/s of the tree digest.
+"""The weight digest (docs/CONTRACTS.md 6, weights/digest.py) alone: GB/s of the tree digest.
 
     python benchmarks/digest.py --sizes-gib 1,7             # this host, every CPU
     python benchmarks/digest.py --sizes-gib 7 --workers 1,4,16
 
 Per size: a blob of that many bytes (filled, so its pages are resident) hashed as one uint8
-tensor by ``models.weights.digest.weights_digest`` (kind sha256-tree, 16 MiB chunks, the process's
+tensor by ``weights.digest.weights_digest`` (kind sha256-tree, 16 MiB chunks, the process's
 hash pool), best of ``--repeats``; and, for the first size, the flat kind (one serial sha256,
 the digest of runs recorded before the tree) over min(size, 1 GiB). ``--workers`` re-runs
-the tree digest with pools of those sizes (default: the host's CPUs only). Loads
-models/weights/digest.py by path (torch only). One JSON line of results.
+the tree digest with pools of those sizes (default: the host's CPUs only). One JSON line
+of results.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import socket
@@ -27,18 +26,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _digest_module() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "looprl_digest", ROOT / "models" / "weights" / "digest.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+import weights.digest as dg  # noqa: E402
+from models.pool import hash_pool  # noqa: E402
 
 
 def _best(fn: Any, repeats: int) -> float:
@@ -82,12 +73,11 @@ def main() -> None:
     p.add_argument("--workers", default="", help="comma-separated pool sizes to compare")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    dg = _digest_module()
     chunk = a.chunk_mib << 20
     cpus = len(os.sched_getaffinity(0))
     out: dict[str, Any] = {"bench": "digest", "host": socket.gethostname(), "cpus": cpus,
                            "load1_before": round(os.getloadavg()[0], 2), "kind": dg.TREE,
-                           "chunk_mib": a.chunk_mib, "pool": dg.hash_pool()._max_workers}  # fmt: skip
+                           "chunk_mib": a.chunk_mib, "pool": hash_pool()._max_workers}  # fmt: skip
     for i, gib in enumerate(float(x) for x in a.sizes_gib.split(",")):
         workers = [int(x) for x in a.workers.split(",") if x]
         out.update(_measure(dg, gib, chunk, a.repeats, workers, flat=i == 0))

@@ -22,7 +22,7 @@ each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit wind
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
 checks the digest as generator.engine.load_weights does: load_checkpoint, then
 digest_of_state of the announced kind) and "collective" (gloo from the learner to all N,
-models.weights.collective_learner, pipelined in ``--collective-chunk-mb`` pieces, 0: one
+weights.collective_learner, pipelined in ``--collective-chunk-mb`` pieces, 0: one
 broadcast; each generator
 checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
 simulated generator is a process of its own (``--sim processes``, the default: a real
@@ -62,12 +62,6 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from models.weights.chunked import WeightReceiver  # noqa: E402
-from models.weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402
-from models.weights.collective_generator import CollectiveWeightSink  # noqa: E402
-from models.weights.collective_learner import CollectivePublisher  # noqa: E402
-from models.weights.digest import digest_of_state  # noqa: E402
-from models.weights.publication import Publication  # noqa: E402
 from pipeline.backends.results import StepResult  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
@@ -76,6 +70,12 @@ from pipeline.core.validation import ModelLimits  # noqa: E402
 from pipeline.net.transport import TransportConfig  # noqa: E402
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
 from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
+from weights.chunked import WeightReceiver  # noqa: E402
+from weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402
+from weights.collective_generator import CollectiveWeightSink  # noqa: E402
+from weights.collective_learner import CollectivePublisher  # noqa: E402
+from weights.digest import digest_of_state  # noqa: E402
+from weights.publication import Publication  # noqa: E402
 
 # --peer-timeout-s reaches the spawned simulated generators through the environment
 TCFG = dict(heartbeat_interval_s=1.0,

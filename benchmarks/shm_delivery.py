@@ -1,5 +1,5 @@
 """Weight delivery to a generator process on the learner's host, publish.transport shm vs
-shared_fs (models/weights/shm.py): one JSON line.
+shared_fs (weights/shm.py): one JSON line.
 
     python benchmarks/shm_delivery.py --gib 7.1 --device cuda               # Huginn-0125's size
     python benchmarks/shm_delivery.py --gib 0.75 --device cpu --transport shared_fs
@@ -49,9 +49,9 @@ def generator(conn: Any, device: str, load: str) -> None:
     copy (the vLLM engine's order, and the torch engine's before)."""
     import torch
 
-    from models.weights.reading import read_weights
-    from models.weights.shm import ShmWeights, load_mapped, load_staged, mapped_copy
-    from models.weights.verified import OnDisk
+    from weights.reading import read_weights
+    from weights.shm import ShmWeights, load_mapped, load_staged, mapped_copy
+    from weights.verified import OnDisk
 
     metas, total = conn.recv()
     dst = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
@@ -128,8 +128,8 @@ def main() -> None:
     import torch
 
     from models.checkpoint import save_checkpoint
-    from models.weights.publication import Publication
-    from models.weights.shm import prune_shm, publish_shm
+    from weights.publication import Publication
+    from weights.shm import prune_shm, publish_shm
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

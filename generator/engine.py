@@ -26,9 +26,9 @@ with `Generator.set_offset`, which CPU generators reject ("CPU Generator does no
 offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
 Replay does not need the sampler's randomness (only tokens, seeds and depths).
 
-Weights: `load_weights` trusts a `models.weights.verified.VerifiedWeights` (its receiver checked
+Weights: `load_weights` trusts a `weights.verified.VerifiedWeights` (its receiver checked
 the digest on those very bytes, piece by piece; only its announced digest is compared) and
-hashes only what it reads itself (`models.weights.reading.read_weights`): an `OnDisk`
+hashes only what it reads itself (`weights.reading.read_weights`): an `OnDisk`
 directory (with the announce's digest kind), any other directory or mapping (the flat kind,
 `canonical_digest`). A mismatch raises
 `WeightDigestError` and the engine keeps serving the old version. By default a swap waits
@@ -82,9 +82,9 @@ from generator.vllm_requests import like_params, sampling_params
 from generator.vllm_sampled import disable_book, enable_book, pop_sampled
 from generator.vllm_settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
-from models.weights.digest import canonical_digest
-from models.weights.reading import read_weights
 from proto.records import Rollout, WorkItem
+from weights.digest import canonical_digest
+from weights.reading import read_weights
 
 CPU_BLOCK_SIZE = 32
 """Tokens per KV cache page on the CPU (a multiple of 32, which vLLM's CPU attention prefers;

@@ -44,7 +44,6 @@ from typing import Any
 from generator.outbox import Outbox
 from generator.protocols import Connection, Engine, Lane, ToRollouts
 from generator.reward_runner import RewardRunner
-from models.weights.verified import OnDisk, WeightSink
 from proto import (
     Ack,
     ErrorMsg,
@@ -58,6 +57,7 @@ from proto import (
     WorkItem,
     WorkReturn,
 )
+from weights.verified import OnDisk, WeightSink
 
 __all__ = ["FatalError", "GeneratorLoop", "LoopStats"]
 

@@ -3,7 +3,7 @@
 generator/ never imports pipeline/; these Protocols are what generator.loop (and its
 generator.outbox) needs, written so that pipeline.net.transport.GeneratorConnection satisfies
 them as it is, and generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight
-sink and what it hands the engine (VerifiedWeights, OnDisk) are models.weights.verified's.
+sink and what it hands the engine (VerifiedWeights, OnDisk) are weights.verified's.
 Helpers: the Hello a generator introduces itself with and the one-thread work lane that keeps
 engine calls in order.
 """
@@ -53,7 +53,7 @@ class Connection(Protocol):
 
 class Engine(Protocol):
     """The sampling engine (generator.engine.LoopedEngine); called from one thread only.
-    ``load_weights`` gets a models.weights.verified.VerifiedWeights (trusted: checked by its
+    ``load_weights`` gets a weights.verified.VerifiedWeights (trusted: checked by its
     receiver) or OnDisk (the engine checks the files it reads), with its version and digest."""
 
     @property

@@ -38,7 +38,7 @@ holds no row is refused naming the key (at start when `max_model_len` is set); `
 seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
 
 Weights: `load_weights` (generator.torch_weights.TorchWeights) hashes what it reads
-(`models.weights.reading.read_weights`; a `VerifiedWeights` is trusted), refuses a digest
+(`weights.reading.read_weights`; a `VerifiedWeights` is trusted), refuses a digest
 mismatch (`WeightDigestError`, old version kept) and copies the tensors into the parameters in
 place (`models.checkpoint.load_into`; the CUDA graph reads parameters by address), between
 `generate` calls (a lock); this host's /dev/shm copy is taken first (that module's doc).

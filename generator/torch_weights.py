@@ -2,7 +2,7 @@
 version verified, then copied into the parameters in place, between `generate` calls (the
 engine's lock); this host's /dev/shm copy of an announced directory (publish.transport shm)
 taken first: on a GPU read into a pinned buffer kept between versions with every piece hashed
-as read, then copied to the device (`models.weights.shm.load_staged`: nothing unchecked reaches
+as read, then copied to the device (`weights.shm.load_staged`: nothing unchecked reaches
 the parameters); on the CPU copied out of the mapping while its digest is checked
 (`load_mapped`: a copy refused after it was loaded is replaced from the directory, and the
 engine stops serving if that fails too)."""
@@ -19,8 +19,8 @@ import torch
 
 from generator.engine import WeightLoadError, checked_state
 from models.checkpoint import load_into
-from models.weights.shm import ShmRefused, load_mapped, load_staged
-from models.weights.verified import OnDisk
+from weights.shm import ShmRefused, load_mapped, load_staged
+from weights.verified import OnDisk
 
 
 class TorchWeights:

@@ -2,14 +2,14 @@
 
 Order of calls (every rank calls; ranks outside data-parallel rank 0 return None at once):
 
-    out = models.weights.publication.weights_dir(run_dir, v)   # the coordinator names it
+    out = weights.publication.weights_dir(run_dir, v)   # the coordinator names it
     pub = publish(trainer.policy_model, out, v, dtype=torch.bfloat16)
     if pub is not None:                                  # global rank 0 (the coordinator)
         ann = pub.announce(chunk_bytes)                  # proto.WeightAnnounce
         publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), digest=pub.digests, ...)
 
 This module is the learner's part only (the TP gather and the cast); the publication itself
-(blob, digest, manifest, the directory's name) is models.weights.publication's.
+(blob, digest, manifest, the directory's name) is weights.publication's.
 
 What is published, for weight version v:
 
@@ -23,9 +23,9 @@ What is published, for weight version v:
    `models.checkpoint.save_checkpoint` (config.json, model.safetensors, manifest.json);
    manifest.json = `Publication.manifest()`: {"format", "version", "digest", "digest_kind",
    "digest_chunk_bytes", "tied", "tensors": [{name, dtype, shape, offset, nbytes, sha256}]};
-   the digest is the tree digest (models.weights.digest) of the stored tensors' blob;
-5. the same tensors as one contiguous blob + per-tensor metadata (`models.weights.digest`)
-   for the transports (models.weights.chunked, models.weights.collective_learner).
+   the digest is the tree digest (weights.digest) of the stored tensors' blob;
+5. the same tensors as one contiguous blob + per-tensor metadata (`weights.digest`)
+   for the transports (weights.chunked, weights.collective_learner).
 
 Non-finite weights are never published: `publication_state` checks every stored tensor after
 the cast (a finite fp32 value can overflow bf16) and raises `NonFiniteWeightsError` naming the
@@ -49,8 +49,8 @@ from torch import Tensor, nn
 from models.checkpoint import json_bytes, save_checkpoint
 from models.errors import NonFiniteWeightsError
 from models.ties import detached_copy, view_key
-from models.weights.digest import check_finite
-from models.weights.publication import (
+from weights.digest import check_finite
+from weights.publication import (
     MANIFEST_NAME,
     Publication,
     read_manifest,

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.errors import CheckpointError, ConfigError
+from models.pool import hash_pool
 from models.ties import (  # noqa: F401  (part of this module's API)
     alias_groups,
     apply_ties,
@@ -120,8 +121,6 @@ def _write_blob_shard(path: Path, names: list[str], state: Mapping[str, torch.Te
     """One safetensors file of the tensors ``names`` (consecutive in the blob) from the blob:
     the header, then the blob's range at its offset in 64 MiB pieces written in parallel
     (os.pwrite releases the GIL), fsynced."""
-    from models.weights.digest import hash_pool
-
     at = {str(m["name"]): m for m in meta}
     missing = [n for n in names if n not in at]
     if missing:
@@ -233,10 +232,12 @@ def save_checkpoint(
 ) -> Path:
     """Write `config_dict` and `state_dict` to `out_dir` in the Hugging Face layout; return it.
 
-    blob: (bytes, metadata) of `models.weights.digest.blob_and_meta` for the stored tensors
-        (after the ties): each shard's data is written from that canonical blob (a contiguous
-        range of it: shards and blob are both in sorted-name order), in pieces in parallel,
-        and `state_dict` gives only names, dtypes and shapes (it may live on a device). The
+    blob: (bytes, metadata) of the stored tensors (after the ties): their canonical bytes
+        concatenated in sorted-name order with no gaps, and one mapping per tensor with its
+        name, offset and nbytes (the weight path's blob, weights.digest, is this layout).
+        Each shard's data is written from that blob (a contiguous range of it: shards and
+        blob are both in sorted-name order), in pieces in parallel, and `state_dict` gives
+        only names, dtypes and shapes (it may live on a device). The
         file is a valid safetensors file with its own header (data in name order).
 
     tied: {target: source}; the target (equal to its source, or absent) is stored as its

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, get_args
 
-from models.weights.collective import DEFAULT_PIPE_BYTES
 from pipeline.config_sections import _check
+from weights.collective import DEFAULT_PIPE_BYTES
 
 __all__ = ["COLLECTIVE", "COLLECTIVE_BACKENDS", "FSYNC", "SHARED_FS", "SHM", "WEIGHT_TRANSPORTS",
            "ZMQ", "CheckpointSection", "MetricsSection", "PublishSection", "RecordSection",
@@ -46,7 +46,7 @@ class PublishSection:
     transport: _TransportSetting = SHARED_FS
     """shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); shm: shared_fs plus
     one copy per version in /dev/shm that generators on the learner's host map and check
-    (models.weights.shm; others read the directory); zmq: stream the
+    (weights.shm; others read the directory); zmq: stream the
     blob over the weights socket; collective: torch.distributed broadcast (old names disk,
     chunks are accepted)."""
     chunk_bytes: int = 4 << 20

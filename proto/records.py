@@ -271,7 +271,7 @@ DIGEST_FLAT = "sha256"
 """Digest kind of the runs before protocol 1.3: one sha256 over every tensor's header and bytes."""
 DIGEST_TREE = "sha256-tree"
 """sha256 over the ordered sha256 of fixed-size pieces (docs/CONTRACTS.md 6;
-models.weights.digest)."""
+weights.digest)."""
 DIGEST_KINDS = ("", DIGEST_FLAT, DIGEST_TREE)
 
 
@@ -300,21 +300,21 @@ record("tensor_meta")(TensorMeta)
 class WeightAnnounce:
     """learner -> generators: weight version ``version`` is available.
 
-    digest: sha256 hex over the canonical tensor bytes (docs/CONTRACTS.md 6; models.weights.digest
+    digest: sha256 hex over the canonical tensor bytes (docs/CONTRACTS.md 6; weights.digest
       defines the layout). total_bytes: size of the concatenated blob.
     chunk_bytes, num_chunks: how the blob is split into WeightChunk messages (0 chunks when
       the weights are only on disk). path: directory of the HF-layout publication, or "".
     tensors: per-tensor layout inside the blob. config_json: the HF config.json text.
     created_at: publication time (s).
     collective (protocol 1.2; empty otherwise): the blob comes by a torch.distributed broadcast
-      (publish.transport=collective; models.weights.collective): ``store`` "host:port" of the learner's
+      (publish.transport=collective; weights.collective): ``store`` "host:port" of the learner's
       TCPStore, ``round`` the key prefix of this delivery round, ``backend`` gloo | nccl,
       ``timeout_s`` the bound of each wait (s); optional ``chunk_bytes`` (int >= 0, 0 when
-      absent): the piece size of a pipelined delivery (models.weights.collective.deliver), 0 one whole
+      absent): the piece size of a pipelined delivery (weights.collective.deliver), 0 one whole
       broadcast. No chunks and no path then.
     digest_kind (protocol 1.3; "" when absent = "sha256", the one sha256 over every byte of the
       runs before): "sha256-tree" = sha256 over the ordered sha256 of the ``digest_chunk_bytes``
-      pieces of the blob (models.weights.digest). chunk_digests: those per-piece sha256 hex, in
+      pieces of the blob (weights.digest). chunk_digests: those per-piece sha256 hex, in
       order (tree kind; may be empty), so a receiver checks each piece as it arrives.
     """
 

@@ -9,8 +9,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 
 echo "== ruff"
 ruff check .
 ruff format --check .
-echo "== mypy (proto, pipeline, models)"
-mypy proto pipeline models
+echo "== mypy (proto, pipeline, models, weights)"
+mypy proto pipeline models weights
 echo "== pytest"
 set +e
 python -m pytest --durations=30 "$@"

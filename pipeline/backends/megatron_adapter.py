@@ -30,11 +30,11 @@ from learner.publish import looped_exporter, snapshot_publication
 from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
-from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config import RunConfig
 from proto import Rollout
+from weights.publication import Publication
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,12 @@ from models.checkpoint import (
 )
 from models.exits import resolve_kv
 from models.ties import detached_copy
-from models.weights.digest import check_finite
-from models.weights.publication import Publication
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config import ConfigError, RunConfig
 from proto import Rollout
+from weights.digest import check_finite
+from weights.publication import Publication
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from models.weights.publication import Publication
+from weights.publication import Publication
 
 
 @dataclass(frozen=True)

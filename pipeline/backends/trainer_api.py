@@ -29,9 +29,9 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
 
 What ``step`` and ``snapshot`` return, ``StepResult`` and ``SnapshotResult``, is in
 pipeline/backends/results.py (the backends import it; this module imports the backends).
-``models.weights.publication.Publication`` is what goes to the generators: the directory, the blob
+``weights.publication.Publication`` is what goes to the generators: the directory, the blob
 (every tensor's canonical bytes in sorted-name order, the order of the ``TensorMeta`` offsets)
-and the canonical digest (models.weights.digest) that generator.engine.LoopedEngine.load_weights
+and the canonical digest (weights.digest) that generator.engine.LoopedEngine.load_weights
 verifies (docs/CONTRACTS.md, contract 6). The trainer's publish computes it once (megatron: from
 the state it writes; reference: ``Publication.from_dir`` on what it wrote); non-finite weights
 are refused (models.errors.NonFiniteWeightsError) and never written or announced.
@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from models.weights.publication import Publication
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config import RunConfig
 from proto import Rollout
+from weights.publication import Publication
 
 log = logging.getLogger(__name__)
 

@@ -59,14 +59,14 @@ from models.chat import TEMPLATES
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
 from models.exits import ExitPolicy, FixedDepth, parse_policy
-from models.weights.chunked import WeightReceiver
-from models.weights.collective_generator import CollectiveWeightSink
 from pipeline.commands.generator_engine import StopOnFailedLoad, multi_turn
 from pipeline.net.security import ClientCurve, generator_id_for
 from pipeline.net.transport import ConnectTimeout
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
 from pipeline.net.untrusted import EscapeArgs
+from weights.chunked import WeightReceiver
+from weights.collective_generator import CollectiveWeightSink
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from models.weights.publication import Publication, weights_dir
 from pipeline.backends.trainer_api import build_trainer
 from pipeline.commands import console
 from pipeline.commands.learner_main import model_dir, resolve_config
@@ -35,6 +34,7 @@ from pipeline.config import ConfigError
 from pipeline.core.recorder import read_rollouts, read_steps
 from pipeline.net.untrusted import EscapeArgs
 from proto.stream_format import check_stream_dir
+from weights.publication import Publication, weights_dir
 
 log = logging.getLogger(__name__)
 

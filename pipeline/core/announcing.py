@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import NonFiniteWeightsError
-from models.weights.publication import Publication, prune_weights, weights_dir
-from models.weights.shm import prune_shm, publish_shm
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config_outputs import SHM, PublishSection
 from pipeline.core import faults
 from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
 from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.timeline import StepTimeline
+from weights.publication import Publication, prune_weights, weights_dir
+from weights.shm import prune_shm, publish_shm
 
 log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
 
@@ -64,7 +64,7 @@ class WeightAnnouncer:
         timeline: StepTimeline,
         set_status: Callable[[int], None],
     ) -> None:
-        """``publisher``: the weight transfers (models.weights: announce, chunks, collective
+        """``publisher``: the weight transfers (weights: announce, chunks, collective
         rounds); ``pending``: the versions being hashed and written beside the next steps
         (None: each written before the next step starts); ``set_status``: tells the endpoint
         the newest announced version (its heartbeats carry it)."""
@@ -108,7 +108,7 @@ class WeightAnnouncer:
 
     def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:
         """``finish`` then, with publish.transport shm, the same bytes once more into /dev/shm
-        (models.weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
+        (weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
         if self.cfg.transport != SHM:
             return finish
 

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 from models.exits import policy_json
-from models.weights.collective_learner import make_publisher
 from pipeline.backends.results import StepResult
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config import RunConfig
@@ -74,6 +73,7 @@ from pipeline.core.validation import ModelLimits, door_rules
 from pipeline.core.verification import LogpVerifier, behaviour_logp_base
 from pipeline.net.weight_sync import DeliveryLog
 from proto import Rollout, WorkItem
+from weights.collective_learner import make_publisher
 
 log = logging.getLogger(__name__)
 VOIDED_NAME = "voided.jsonl"
@@ -122,7 +122,7 @@ class Coordinator:
     deliveries: DeliveryLog
     """Versions announced to each generator: the truth its claims are checked against."""
     publisher: Any
-    """The weight transfers to the generators (models.weights, publish.transport)."""
+    """The weight transfers to the generators (weights, publish.transport)."""
     announcer: WeightAnnouncer
     """Versions written and announced in order (digests.jsonl first)."""
     peers: Peers

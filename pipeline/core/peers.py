@@ -66,7 +66,7 @@ class Peers:
         clock: Callable[[], float],
     ) -> None:
         """``endpoint``: a pipeline.net.transport.LearnerEndpoint; ``publisher``: the weight
-        transfers (models.weights); ``run_id`` and ``version``: the run's id and the newest
+        transfers (weights); ``run_id`` and ``version``: the run's id and the newest
         announced version when a Welcome is sent; ``welcome_settings``: what a generator
         checks on Welcome (numerics, exit policy); ``work_timeout_s``: intake.work_timeout_s
         resolved (0: work is never taken back)."""

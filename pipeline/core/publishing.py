@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from models.weights.publication import Publication
+from weights.publication import Publication
 
 Finish = Callable[[], Publication]
 

@@ -39,7 +39,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from models.weights.publication import Publication, weights_dir
 from pipeline.core import faults
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import counter_of, work_id_of
@@ -48,6 +47,7 @@ from pipeline.core.recorder import read_rollouts
 from pipeline.core.staleness import VersionLineage
 from pipeline.core.validation import Refusal, check_rollout, sanitize_reward
 from proto import Rollout
+from weights.publication import Publication, weights_dir
 
 log = logging.getLogger(__name__)
 _RESTORE_GID = "\x01restore"

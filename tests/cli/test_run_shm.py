@@ -1,4 +1,4 @@
-"""`looprl run publish.transport=shm` (models/weights/shm.py): the
+"""`looprl run publish.transport=shm` (weights/shm.py): the
 learner writes each version once into /dev/shm beside its directory, the generator on its host
 maps it and checks the tree digest; a corrupt copy (the test hook LOOPRL_CORRUPT_SHM) is
 refused by name, that version loads from its directory (its digest checked as it is read), and
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from models.init import init_checkpoint
-from models.weights.shm import SHM_DIR, shm_versions
 from tests.cli.test_run_llama import ENV, looprl_run
+from weights.shm import SHM_DIR, shm_versions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

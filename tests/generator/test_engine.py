@@ -280,12 +280,12 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     engine.load_weights exactly as the generator loop does (the sink's VerifiedWeights), and
     served. The engine trusts the set the sink checked on those bytes instead of hashing them
     again."""
-    from models.weights import collective as coll
-    from models.weights import digest as digest_mod
-    from models.weights.collective_generator import CollectiveWeightSink
-    from models.weights.digest import blob_and_meta
-    from models.weights.verified import VerifiedWeights
     from proto import TensorMeta, WeightAnnounce
+    from weights import collective as coll
+    from weights import digest as digest_mod
+    from weights.collective_generator import CollectiveWeightSink
+    from weights.digest import blob_and_meta
+    from weights.verified import VerifiedWeights
 
     new = setup.weights(seed=3)
     blob, meta = blob_and_meta(new)

@@ -21,7 +21,6 @@ import pytest
 from generator.engine import WeightDigestError
 from models.checkpoint import load_checkpoint
 from models.init import init_checkpoint
-from models.weights.digest import canonical_digest
 from tests.generator.update_utils import (
     engine,
     flat,
@@ -32,6 +31,7 @@ from tests.generator.update_utils import (
     shutdown,
     write_like,
 )
+from weights.digest import canonical_digest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

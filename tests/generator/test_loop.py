@@ -298,9 +298,9 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
 
 
 def test_chunked_weights_through_pipeline_weight_sync() -> None:
-    """models.weights.chunked's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
+    """weights.chunked's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
     transport_memory = pytest.importorskip("pipeline.net.transport_memory")
-    weight_sync = pytest.importorskip("models.weights.chunked")
+    weight_sync = pytest.importorskip("weights.chunked")
     torch = pytest.importorskip("torch")
 
     net = transport_memory.MemoryNetwork()

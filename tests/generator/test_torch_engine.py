@@ -19,10 +19,10 @@ from models.checkpoint import load_checkpoint, load_into, load_model
 from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
 from models.reference import SamplingParams, generate
-from models.weights.digest import digest_of_state
 from proto.records import WorkItem
 from tests.generator import prompts, work_item
 from tests.generator.update_utils import perturbed
+from weights.digest import digest_of_state
 
 POLICIES: dict[str, ExitPolicy] = {"huginn": LatentDiff(0.45), "ouro": OuroGate(0.8),
                                    "ouro-sampled": SampledGate()}  # fmt: skip
@@ -183,16 +183,16 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
 ) -> None:
     """publish.transport shm with the torch engine: this host's /dev/shm copy is loaded while
-    its digest is checked (models.weights.shm.load_mapped; staged, the GPU's path: read and
-    checked into the engine's kept buffer, then loaded, models.weights.shm.load_staged); a
+    its digest is checked (weights.shm.load_mapped; staged, the GPU's path: read and
+    checked into the engine's kept buffer, then loaded, weights.shm.load_staged); a
     corrupt copy (loaded then refused; staged: refused before) is replaced from the directory
     (the version still served, its weights exact); a corrupt copy and a corrupt directory
     leave the engine refusing to serve (staged: refusing the version, the old one served)."""
-    import models.weights.shm as shm
+    import weights.shm as shm
     from generator.engine import WeightLoadError
-    from models.weights.publication import Publication
-    from models.weights.verified import OnDisk
     from tests.generator.update_utils import write_like
+    from weights.publication import Publication
+    from weights.verified import OnDisk
 
     root = tmp_path / "shm"
     root.mkdir()

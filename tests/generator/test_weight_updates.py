@@ -18,7 +18,6 @@ import torch
 from generator.engine import WeightLoadError
 from models.checkpoint import load_checkpoint, load_model
 from models.init import init_checkpoint
-from models.weights.digest import canonical_digest
 from tests.generator.update_utils import (
     engine,
     flat,
@@ -30,6 +29,7 @@ from tests.generator.update_utils import (
     tied_llama,
     write_like,
 )
+from weights.digest import canonical_digest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("proto", "models", "generator", "learner", "pipeline")
+OURS = ("proto", "models", "weights", "generator", "learner", "pipeline")
 ALLOWED = {  # package -> our packages it may import (itself always)
     "proto": set(),
     "models": {"proto"},
-    "generator": {"proto", "models"},
-    "learner": {"proto", "models"},
-    "pipeline": {"proto", "models", "generator", "learner"},
+    "weights": {"proto", "models"},
+    "generator": {"proto", "models", "weights"},
+    "learner": {"proto", "models", "weights"},
+    "pipeline": {"proto", "models", "weights", "generator", "learner"},
 }
 PIPELINE_ALLOWED = {  # pipeline sub-package -> pipeline sub-packages it may import
     "net": {"top"},

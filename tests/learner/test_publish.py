@@ -20,9 +20,9 @@ from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.publish import read_manifest, verify_publication
 from models.checkpoint import load_checkpoint, load_model
 from models.reference import ReplayItem, replay
-from models.weights.digest import TREE, digest_of_state, state_from_blob, weights_digest
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import SEED, rollouts_for
+from weights.digest import TREE, digest_of_state, state_from_blob, weights_digest
 
 pytestmark = pytest.mark.megatron
 
@@ -44,7 +44,7 @@ def publish_body(run_dir: str) -> dict[str, Any]:
     from learner.replay import replay as mcore_replay
     from learner.trainer import Trainer, looped_policy_spec
     from models.config import tiny_config
-    from models.weights.publication import weights_dir
+    from weights.publication import weights_dir
 
     info = init_distributed(tp=2, seed=SEED)
     assert info.tp_size == 2

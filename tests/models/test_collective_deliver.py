@@ -1,4 +1,4 @@
-"""models.weights.collective.deliver: the collective transport's pipelined delivery on real gloo groups
+"""weights.collective.deliver: the collective transport's pipelined delivery on real gloo groups
 (ranks on threads of this process, a real TCPStore), bit for bit, and its knob's checks."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from models.weights import collective as coll
 from pipeline.config import load_config
 from proto import WeightAnnounce
 from proto.errors import ProtocolError
+from weights import collective as coll
 
 
 def _run_group(world: int, nbytes: int, chunk: int, name: str) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""models.weights.digest: the weight digest (tree and flat kinds) and the weight blob layout."""
+"""weights.digest: the weight digest (tree and flat kinds) and the weight blob layout."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 import torch
 
-from models.weights import digest as dg
-from models.weights.digest import (
+from proto.records import DIGEST_KINDS, TensorMeta, WeightAnnounce
+from weights import digest as dg
+from weights.digest import (
     blob_and_meta,
     canonical_digest,
     digest_from_blob,
     state_from_blob,
     tensor_bytes,
 )
-from models.weights.verified import VerifiedWeights
-from proto.records import DIGEST_KINDS, TensorMeta, WeightAnnounce
+from weights.verified import VerifiedWeights
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -190,7 +190,7 @@ def test_recorded_old_kind_digest_still_verifies(tmp_path: Any) -> None:
     reader: the digest of a state, a publication's digest_as (replay), a manifest without
     digest_kind (verify_publication) and an on-disk announce the engine reads."""
     from models.checkpoint import save_checkpoint
-    from models.weights.publication import Publication, read_manifest, verify_publication
+    from weights.publication import Publication, read_manifest, verify_publication
 
     state = _recorded_state()
     for kind in ("", "sha256"):
@@ -212,8 +212,8 @@ def test_recorded_old_kind_digest_still_verifies(tmp_path: Any) -> None:
     )
     assert verify_publication(tmp_path / "v2") == pub.digest
     # an on-disk announce with no kind: the engine's reader hashes the files flat
-    from models.weights.reading import read_weights
-    from models.weights.verified import OnDisk
+    from weights.reading import read_weights
+    from weights.verified import OnDisk
 
     ann = WeightAnnounce(1, RECORDED_FLAT, 0, 0, 0, path=str(tmp_path / "v1"))
     assert read_weights(OnDisk(ann))[1] == RECORDED_FLAT

@@ -1,11 +1,11 @@
-"""models.weights.publication owns RUN_DIR/weights/v<N>: naming and pruning (one owner;
+"""weights.publication owns RUN_DIR/weights/v<N>: naming and pruning (one owner;
 a killed run's directories are pruned too, not only the ones this process announced)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from models.weights.publication import prune_weights, weight_versions, weights_dir
+from weights.publication import prune_weights, weight_versions, weights_dir
 
 
 def test_prune_keeps_the_newest_up_to_current_and_what_may_be_in_writing(tmp_path: Path) -> None:

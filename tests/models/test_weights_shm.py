@@ -1,4 +1,4 @@
-"""Same-host delivery through shared memory (models/weights/shm.py): a
+"""Same-host delivery through shared memory (weights/shm.py): a
 version written once is mapped and digest-checked by two generator-like processes, which get
 the very tensors; a corrupt piece is named and refused."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from models.weights.publication import Publication
-from models.weights.shm import SHM_DIR, open_shm, remove_shm, shm_path, write_shm
+from weights.publication import Publication
+from weights.shm import SHM_DIR, open_shm, remove_shm, shm_path, write_shm
 
 PIECE = 1 << 16  # small digest pieces: the test's blob spans several
 
@@ -106,7 +106,7 @@ def test_the_run_file_holds_the_canonical_blob_and_is_found_from_the_directory(
 ) -> None:
     """publish_shm writes the blob byte for byte (parallel pieces: WRITE_PIECE shrunk so the
     blob spans 5); mapped_copy maps and checks it from the announced directory alone."""
-    import models.weights.shm as shm
+    import weights.shm as shm
 
     root = tmp_path / "shm"
     root.mkdir()
@@ -132,7 +132,7 @@ def test_the_run_file_holds_the_canonical_blob_and_is_found_from_the_directory(
 def test_a_corrupt_or_missing_copy_falls_back_to_the_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import models.weights.shm as shm
+    import weights.shm as shm
 
     root, pub, announce = _run_version(tmp_path, 2)
     assert shm.mapped_copy(announce, root) is None  # another host: no file
@@ -147,7 +147,7 @@ def test_a_corrupt_or_missing_copy_falls_back_to_the_directory(
 
 
 def test_pruning_keeps_the_newest_files_of_this_run_only(tmp_path: Path) -> None:
-    import models.weights.shm as shm
+    import weights.shm as shm
 
     root = tmp_path / "shm"
     root.mkdir()
@@ -180,7 +180,7 @@ def test_load_mapped_copies_while_the_digest_is_checked(
     load raises comes out after the check has finished."""
     import threading
 
-    import models.weights.shm as shm
+    import weights.shm as shm
 
     root, pub, announce = _run_version(tmp_path, 5)
     calls: list[dict[str, torch.Tensor]] = []
@@ -247,7 +247,7 @@ def test_load_staged_reads_and_checks_into_the_callers_buffer_before_the_load(
     refused."""
     import numpy as np
 
-    import models.weights.shm as shm
+    import weights.shm as shm
 
     root, pub, announce = _run_version(tmp_path, 6)
     buf = np.zeros(announce.total_bytes, dtype=np.uint8)
@@ -284,7 +284,7 @@ def test_load_staged_reads_and_checks_into_the_callers_buffer_before_the_load(
 
     with pytest.raises(ValueError, match=r"a buffer of 10 bytes for \d+"):
         shm.read_checked(announce, path, bytearray(10))
-    from models.weights.digest import FLAT, weights_digest
+    from weights.digest import FLAT, weights_digest
 
     flat = Publication.of_state(_state(), 7, tmp_path / "v7")
     fa = flat.announce(0)  # as a recorded run's older (flat) digest announces it

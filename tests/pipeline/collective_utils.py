@@ -17,13 +17,13 @@ from generator.loop import GeneratorLoop
 from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.checkpoint import save_checkpoint
-from models.weights.chunked import WeightReceiver
-from models.weights.collective_generator import CollectiveWeightSink
-from models.weights.digest import tensor_bytes
-from models.weights.publication import Publication
 from pipeline.net.transport import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
 from tests.pipeline.fakes import FakeTrainer
+from weights.chunked import WeightReceiver
+from weights.collective_generator import CollectiveWeightSink
+from weights.digest import tensor_bytes
+from weights.publication import Publication
 
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=30.0)
 
@@ -61,7 +61,7 @@ class KeepingEngine:
         return [[] for _ in items]
 
     def load_weights(self, source: Any, version: int, digest: str) -> None:
-        from models.weights.reading import read_weights  # the engine's own rule: trust or hash
+        from weights.reading import read_weights  # the engine's own rule: trust or hash
 
         state, got = read_weights(source)
         if got != digest:
@@ -111,7 +111,7 @@ def child(gid: str, control: str, weights: str, die_in_round: bool, device: int 
     if device >= 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     if die_in_round:
-        import models.weights.collective as coll
+        import weights.collective as coll
 
         def die(*a: Any, **k: Any) -> Any:
             os._exit(3)

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.weights.publication import Publication
 from pipeline.backends.results import StepResult
 from pipeline.config import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
@@ -20,6 +19,7 @@ from pipeline.core.validation import ModelLimits
 from pipeline.net.transport import TransportConfig
 from pipeline.net.transport_memory import MemoryNetwork
 from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
+from weights.publication import Publication
 
 
 class FakeTrainer:

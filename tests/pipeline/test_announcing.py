@@ -15,13 +15,13 @@ import torch
 
 from models.checkpoint import save_checkpoint
 from models.errors import NonFiniteWeightsError
-from models.weights.publication import Publication
 from pipeline.backends.results import SnapshotResult
 from pipeline.config import load_config
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import NonFinitePublication
 from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.timeline import StepTimeline
+from weights.publication import Publication
 
 
 class GatedTrainer:

@@ -274,7 +274,7 @@ def test_publish_keep_prunes_every_older_weights_dir(tmp_path: Path) -> None:
     """publish.keep=2: after each announcement only the two newest versions stay on disk,
     directories a killed run left below them included (weights/v0 here); a directory above the
     current version is not touched."""
-    from models.weights.publication import weight_versions, weights_dir
+    from weights.publication import weight_versions, weights_dir
 
     for v in (0, 50):  # a killed run's leftover below, one in writing far above
         weights_dir(tmp_path, v).mkdir(parents=True)

@@ -194,7 +194,7 @@ def test_repeat_offender_dropped_for_the_run(tmp_path: Path) -> None:
 class NanTrainer(FakeTrainer):
     def publish(self, out_dir: Path, version: int) -> Any:
         from models.checkpoint import save_checkpoint
-        from models.weights.publication import Publication
+        from weights.publication import Publication
 
         save_checkpoint({"w": torch.tensor([1.0, float("nan")])}, {"architectures": ["F"]}, out_dir)
         return Publication.from_dir(out_dir, version)

@@ -15,7 +15,6 @@ import torch
 
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.ties import detached_copy
-from models.weights.publication import Publication
 from pipeline.backends.results import SnapshotResult
 from pipeline.core.publishing import PublicationQueue, Snapshot
 from tests.pipeline.fakes import (
@@ -24,6 +23,7 @@ from tests.pipeline.fakes import (
     make_coordinator,
     reference_trainer_and_pair,
 )
+from weights.publication import Publication
 
 
 def _pub(tmp: Path, v: int) -> Publication:

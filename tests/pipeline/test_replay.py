@@ -71,7 +71,7 @@ def test_replay_fake_free(tmp_path: Path, backend: str, objective: str) -> None:
         # a run recorded before the tree digest: digests.jsonl with no digest_kind, each
         # digest one flat sha256; replay compares in that kind and still verifies
         from models.checkpoint import load_checkpoint
-        from models.weights.digest import canonical_digest
+        from weights.digest import canonical_digest
 
         old = {
             v: canonical_digest(load_checkpoint(live / "weights" / f"v{v}")[1]) for v in (1, 2, 3)

@@ -182,7 +182,7 @@ class SpecGenerator(FakeGenerator):
 
     def _model(self, version: int) -> object:
         from models.checkpoint import load_model
-        from models.weights.publication import weights_dir
+        from weights.publication import weights_dir
 
         if version not in self._models:
             path = self.model_dir if version == 0 else weights_dir(self.run_dir, version)

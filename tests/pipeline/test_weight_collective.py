@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from models.weights.collective_learner import CollectivePublisher, make_publisher
 from pipeline.config import load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.net.transport_zmq import ZmqLearnerEndpoint
@@ -28,6 +27,7 @@ from tests.pipeline.collective_utils import (
     state_for,
 )
 from tests.pipeline.fakes import FAKE_LIMITS, prompts
+from weights.collective_learner import CollectivePublisher, make_publisher
 
 TIMEOUT_S = 3.0  # publish.collective_timeout_s in these tests
 # A round run inside the coordinator's loop would make one turn last >= TIMEOUT_S when a

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from models.weights.chunked import WeightPublisher, WeightReceiver, WeightSyncError
-from models.weights.verified import VerifiedWeights
 from pipeline.net.transport import TransportConfig
 from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
+from weights.chunked import WeightPublisher, WeightReceiver, WeightSyncError
+from weights.verified import VerifiedWeights
 
 CFG = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
 

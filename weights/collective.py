@@ -1,7 +1,7 @@
 """The weight-broadcast group of ``publish.transport=collective``: helpers both sides share.
 
-The learner's publisher (models.weights.collective_learner, rank 0) and every generator's weight
-sink (models.weights.collective_generator, ranks 1..n) meet through a TCPStore the learner hosts; its
+The learner's publisher (weights.collective_learner, rank 0) and every generator's weight
+sink (weights.collective_generator, ranks 1..n) meet through a TCPStore the learner hosts; its
 address travels in ``WeightAnnounce.collective`` on the weights channel. One delivery round
 (one version to the generators that lack it) uses the store keys under the round's prefix::
 
@@ -10,7 +10,7 @@ address travels in ``WeightAnnounce.collective`` on the weights channel. One del
                                   a generator's rank is its index + 1 (0 is the learner)
     <round>/pg/...                the process group's own rendezvous (PrefixStore)
 
-then one broadcast of the blob (canonical tensor bytes, models.weights.digest) as a uint8 tensor from
+then one broadcast of the blob (canonical tensor bytes, weights.digest) as a uint8 tensor from
 rank 0. The group is built without torch.distributed's default (world) group, so the learner's
 own ranks (megatron, gloo or NCCL) are untouched: ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
 on the store directly. Every wait is bounded (``timeout_s``); a dead peer makes the round fail

@@ -1,7 +1,9 @@
 """The weight path, learner -> generators, in one package (docs/ARCHITECTURE.md,
-"The walk of a weight set"). models/ is the one package both sides may import (generator/ and
-learner/ never import each other), so the publication, the digest, every transport and every
-receiver live here:
+"The walk of a weight set"). It is its own layer, above models/ and below generator/ and
+learner/: both sides need it (the learner publishes, every generator receives, and they share
+the digest, the blob layout and the record types), generator/ and learner/ never import each
+other, and weight delivery is not model code. It imports proto and models only; models/ never
+imports it. The publication, the digest, every transport and every receiver live here:
 
 - digest.py: the digest (docs/CONTRACTS.md 6: the tree kind, and the flat kind of older runs), the
   blob layout and its one decoder (``state_from_blob``);

@@ -2,9 +2,9 @@
 
 ``read_weights``: a ``VerifiedWeights`` is trusted as it is (its receiver checked it: not
 hashed again); an ``OnDisk`` directory (shared_fs, shm) comes from this host's checked /dev/shm
-copy if it has one (models.weights.shm.mapped_copy, on the engine's lane like the read), else
+copy if it has one (weights.shm.mapped_copy, on the engine's lane like the read), else
 it is read and hashed with its announce's digest kind; a plain mapping or path with the flat
-kind. Its own module so that models.weights.verified (the checks) and models.weights.shm (the
+kind. Its own module so that weights.verified (the checks) and weights.shm (the
 mapped copy, built on those checks) do not import each other.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from models.checkpoint import load_checkpoint
-from models.weights.digest import digest_of_state
-from models.weights.shm import mapped_copy
-from models.weights.verified import OnDisk, VerifiedWeights
+from weights.digest import digest_of_state
+from weights.shm import mapped_copy
+from weights.verified import OnDisk, VerifiedWeights
 
 
 def read_weights(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> tuple[Any, str]:

@@ -1,18 +1,18 @@
 """Weights by torch.distributed broadcast (publish.transport=collective), generator side.
 
-``CollectiveWeightSink`` is the loop's weight sink (models.weights.verified.WeightSink): a
+``CollectiveWeightSink`` is the loop's weight sink (weights.verified.WeightSink): a
 WeightAnnounce whose ``collective`` field is set is received here; every other weight record
 (ZMQ chunks, the fallback the learner switches a generator to when a round fails) goes to the
-``fallback`` sink (models.weights.chunked.WeightReceiver), so a generator serves whichever
+``fallback`` sink (weights.chunked.WeightReceiver), so a generator serves whichever
 transport the learner picks, without a setting of its own. One announce, on the loop's
-thread (models.weights.collective has the keys)::
+thread (weights.collective has the keys)::
 
     store := the learner's TCPStore at collective.store (one client per address, kept)
     set <round>/join/<id>; wait <= timeout_s for <round>/roster
     not in the roster (joined too late): Nack -> the learner sends this version by ZMQ
     group on the store (rank = index in roster + 1), receive the blob (<= timeout_s), forwarding
-        it piece by piece to the next rank when collective.chunk_bytes > 0 (models.weights.collective.deliver)
-    digest == announced (models.weights.verified.verify_blob: the tree's pieces hashed in
+        it piece by piece to the next rank when collective.chunk_bytes > 0 (weights.collective.deliver)
+    digest == announced (weights.verified.verify_blob: the tree's pieces hashed in
         parallel, a bad piece named)? -> VerifiedWeights to the loop, which loads it through
         engine.load_weights (trusted there: not hashed again), then Ack
     else / any failure: Nack(reason); nothing is served (the learner sends that version by ZMQ
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from models.weights import collective as coll
-from models.weights.chunked import _GeneratorSide
-from models.weights.verified import OnDisk, VerifiedWeights, WeightSink, verify_blob
 from proto import Ack, Nack, WeightAnnounce
+from weights import collective as coll
+from weights.chunked import _GeneratorSide
+from weights.verified import OnDisk, VerifiedWeights, WeightSink, verify_blob
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ window x chunk_bytes queued per generator, however slow that generator is (ZMQ S
 a backstop). A transfer whose credits stop coming for ``stall_timeout_s`` (frames lost on a
 reconnect) restarts from the announce; chunks the receiver already holds are ignored.
 
-Digest check (the one place a received chunk stream is checked; models.weights.digest):
+Digest check (the one place a received chunk stream is checked; weights.digest):
 a tree-digest announce (digest_kind "sha256-tree") carries the sha256 of every
 ``digest_chunk_bytes`` piece; the receiver first checks that those leaves hash to the
 announced digest, then hashes each piece once, as soon as its bytes are in, against its leaf.
@@ -56,9 +56,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from models.weights.digest import FLAT, TREE, Digest, check_kind, weights_digest
-from models.weights.verified import OnDisk, PieceCheck, VerifiedWeights, tensors_of, verify_blob
 from proto import Ack, ErrorMsg, Nack, TensorMeta, WeightAnnounce, WeightChunk
+from weights.digest import FLAT, TREE, Digest, check_kind, weights_digest
+from weights.verified import OnDisk, PieceCheck, VerifiedWeights, tensors_of, verify_blob
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class WeightPublisher:
         self._blob: bytes | memoryview = b""
         self._gens: dict[str, _Gen] = {}
         self.external: set[str] = set()
-        """Generators whose transfers another transport carries (models.weights.collective_learner):
+        """Generators whose transfers another transport carries (weights.collective_learner):
         their state is kept here (versions, Acks, Nacks), but ``pump`` sends them nothing."""
         self.counts: Counter[str] = Counter()
 
@@ -130,7 +130,7 @@ class WeightPublisher:
     ) -> WeightAnnounce:
         """Make ``blob`` (canonical tensor bytes) version ``version`` and start sending it.
 
-        ``digest``: what the caller computed (models.weights.publication's ``Publication.digests``;
+        ``digest``: what the caller computed (weights.publication's ``Publication.digests``;
         trusted, not computed again; a bare string is a flat-kind digest); None: computed here
         from the blob (the tree kind for tensors, the flat sha256 of an opaque test payload).
         ``chunked=False`` (publish transport "shared_fs"): only the announce travels, with
@@ -165,7 +165,7 @@ class WeightPublisher:
             chunk_digests=list(digest.chunks),
         )
         ann.validate()
-        # a read-only blob (bytes, or models.weights.digest.blob_and_meta's view) is kept as
+        # a read-only blob (bytes, or weights.digest.blob_and_meta's view) is kept as
         # it is; a writable one is copied (its owner may reuse it)
         keep = (
             blob

@@ -1,9 +1,9 @@
 """Weight push over a torch.distributed broadcast (publish.transport=collective), learner side.
 
-``CollectivePublisher`` is a ``WeightPublisher`` (models.weights.chunked) whose generators get
+``CollectivePublisher`` is a ``WeightPublisher`` (weights.chunked) whose generators get
 each version by one broadcast from the learner (rank 0) instead of one chunk stream each; the
 coordinator drives it exactly like the ZMQ publisher (publish / add_generator / handle / observe
-/ remove_generator / pump / close). models.weights.collective has the rendezvous keys. Loop, on the
+/ remove_generator / pump / close). weights.collective has the rendezvous keys. Loop, on the
 coordinator's thread, every ``pump()``::
 
     a round finished?  ok: its members are "delivered" (they Ack over ZMQ once verified, loaded)
@@ -14,7 +14,7 @@ coordinator's thread, every ``pump()``::
             wait <= timeout_s for every member's join key; roster := those that joined
             group (rank 0 + roster) on the store, deliver the blob, drop the group
 
-Delivery (models.weights.collective.deliver): with ``pipe_bytes`` > 0 (publish.collective_chunk_bytes,
+Delivery (weights.collective.deliver): with ``pipe_bytes`` > 0 (publish.collective_chunk_bytes,
 4 MiB by default; the announce carries it as collective.chunk_bytes so every rank cuts the same
 pieces) gloo forwards the blob piece by piece along the chain learner -> 1 -> 2 -> ... (hops
 overlap: about one copy's time + a piece per extra generator, against gloo's tree broadcast,
@@ -36,7 +36,7 @@ generator costs at most one bounded round, never a hang. A dead generator is the
 always, by its heartbeat expiring.
 
 Invariants (as the ZMQ publisher): a generator serves a version only after its own digest
-check (models.weights.collective_generator); versions are announced in increasing order; only the
+check (weights.collective_generator); versions are announced in increasing order; only the
 newest version is ever sent.
 """
 
@@ -50,10 +50,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from models.weights import collective as coll
-from models.weights.chunked import WeightPublisher, WeightSyncError, _LearnerSide
 from proto import Nack, WeightAnnounce
 from proto.schema import Scalar
+from weights import collective as coll
+from weights.chunked import WeightPublisher, WeightSyncError, _LearnerSide
 
 log = logging.getLogger(__name__)
 

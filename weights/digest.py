@@ -1,7 +1,7 @@
 """The weight digest (docs/CONTRACTS.md 6), the weight blob layout and its one decoder.
 
 Everyone who names a weight set by its digest uses this module: the learner's publication
-(models.weights.publication), every receiver of this package (chunked, collective_generator)
+(weights.publication), every receiver of this package (chunked, collective_generator)
 and the generator's engine for the sets it reads itself. Nothing here looks at a model; a
 weight set is a mapping {name: tensor} of HF-named tensors.
 
@@ -24,7 +24,7 @@ manifest.json, weights/digests.jsonl):
   are cut into ``chunk_bytes`` pieces (`DEFAULT_CHUNK_BYTES`, the last one shorter); leaf i =
   sha256(piece i); head = sha256(every header in order); digest = sha256 hex of
   b"looprl-weights-tree/1\\0" + chunk_bytes (8 bytes LE) + total bytes (8 bytes LE) + head +
-  leaf 0 + leaf 1 + ... The leaves are hashed on a thread pool (`hash_pool`: hashlib releases
+  leaf 0 + leaf 1 + ... The leaves are hashed on a thread pool (`models.pool.hash_pool`: hashlib releases
   the GIL) and a receiver checks each piece against its announced leaf as it arrives.
 - "sha256" (`FLAT`; absent or "" in a record means this kind: the runs recorded before the
   tree; `canonical_digest`, `digest_from_blob`): one sha256 over, per tensor in sorted order,
@@ -34,22 +34,21 @@ Weight blob (`blob_and_meta`): the canonical bytes of every tensor, concatenated
 order with no gaps, and one metadata dict per tensor with the fields of
 `proto.records.TensorMeta` (name, dtype, shape, offset, nbytes, sha256 = sha256 hex of that
 tensor's canonical bytes). `state_from_blob` is the one decoder of a blob (copies, or views for
-a verified set: models.weights.verified). The flat digest is NOT sha256(blob) (the blob carries
+a verified set: weights.verified). The flat digest is NOT sha256(blob) (the blob carries
 no names, dtypes or shapes).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
-import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from models.pool import hash_pool
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -66,7 +65,6 @@ __all__ = [
     "digest_from_blob",
     "digest_of_state",
     "dtype_name",
-    "hash_pool",
     "meta_leaf",
     "state_from_blob",
     "tensor_bytes",
@@ -76,7 +74,7 @@ __all__ = [
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-    raise ImportError("models.weights.digest assumes a little-endian host")
+    raise ImportError("weights.digest assumes a little-endian host")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -294,8 +292,6 @@ KINDS = (FLAT, TREE)
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Chunk size of the tree digest (the default WeightChunk size too, so a chunk is one leaf)."""
 _TREE_TAG = b"looprl-weights-tree/1\0"
-_pool_lock = threading.Lock()
-_pool_obj: ThreadPoolExecutor | None = None
 
 
 @dataclass(frozen=True)
@@ -327,25 +323,6 @@ def check_kind(kind: str, chunk_bytes: int) -> str:
     if kind == TREE and chunk_bytes < 1:
         raise ValueError(f"digest_chunk_bytes {chunk_bytes}: a {TREE} digest needs >= 1")
     return kind
-
-
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _pool_obj, _pool_lock
-    _pool_obj, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def hash_pool() -> ThreadPoolExecutor:
-    """The process's hashing threads (hashlib releases the GIL on large buffers): one per CPU."""
-    global _pool_obj
-    with _pool_lock:
-        if _pool_obj is None:
-            n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            _pool_obj = ThreadPoolExecutor(max(1, n or 1), thread_name_prefix="digest")
-        return _pool_obj
 
 
 def num_chunks(total: int, chunk_bytes: int) -> int:
@@ -386,7 +363,7 @@ def chunk_sha256(data: bytes | bytearray | memoryview) -> bytes:
 
 def chunk_leaves(views: Sequence[bytes | bytearray | memoryview], chunk_bytes: int) -> list[bytes]:
     """sha256 of every ``chunk_bytes`` chunk of the concatenated ``views``, hashed on the
-    thread pool (`hash_pool`), in chunk order."""
+    thread pool (`models.pool.hash_pool`), in chunk order."""
     mv = [memoryview(v).cast("B") for v in views]
     return list(hash_pool().map(_sha, _chunk_segments(mv, chunk_bytes)))
 

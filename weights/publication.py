@@ -3,7 +3,7 @@
 The learner's publish (learner/publish.py: gather, cast, write the HF directory) and the
 reference backend (``Publication.from_dir``, which reads a written directory back, as replay's
 digest check does) both build it with ``Publication.of_state``: the one place a publication's
-digest is computed (models.weights.digest, the tree kind, docs/CONTRACTS.md 6), after the
+digest is computed (weights.digest, the tree kind, docs/CONTRACTS.md 6), after the
 non-finite check. The coordinator announces it as it is (``digests``: the digest, its kind, chunk
 size and per-piece leaves) and writes ``record()`` to RUN_DIR/weights/digests.jsonl.
 
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from models.weights.digest import (
+from proto.records import TensorMeta, WeightAnnounce
+from weights.digest import (
     DEFAULT_CHUNK_BYTES,
     FLAT,
     TREE,
@@ -40,7 +41,6 @@ from models.weights.digest import (
     digest_of_state,
     weights_digest,
 )
-from proto.records import TensorMeta, WeightAnnounce
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "looprl-weights/1"
@@ -57,7 +57,7 @@ class Publication:
     path: Path | None
     """HF-layout directory, or None when nothing was written."""
     blob: bytes | memoryview
-    """Canonical bytes of every stored tensor, sorted by name (`models.weights.digest.blob_and_meta`:
+    """Canonical bytes of every stored tensor, sorted by name (`weights.digest.blob_and_meta`:
     a read-only view of one host buffer)."""
     tensors: list[dict[str, Any]]
     """Per-tensor {name, dtype, shape, offset, nbytes, sha256} inside the blob."""
@@ -66,7 +66,7 @@ class Publication:
     config_json: str
     """The config.json text."""
     digest_kind: str = FLAT
-    """models.weights.digest.TREE for every new publication; FLAT only when built by hand."""
+    """weights.digest.TREE for every new publication; FLAT only when built by hand."""
     digest_chunk_bytes: int = 0
     """Piece size of a tree digest."""
     chunk_digests: tuple[str, ...] = ()

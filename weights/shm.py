@@ -5,7 +5,7 @@ The learner (or one process per host) writes a Publication's canonical blob once
 a memory file system (``/dev/shm``: POSIX shared memory), atomically (``write_shm``: a temporary
 name, then rename); each generator process on that host maps it (``open_shm``) copy-on-write
 (``MAP_PRIVATE``, populated: writable tensor views that never write back into the shared copy), and
-checks the tree digest against the version's announce (``models.weights.verified.verify_blob``:
+checks the tree digest against the version's announce (``weights.verified.verify_blob``:
 pieces hashed on the thread pool, a bad piece named with its tensors) before handing the engine
 ``VerifiedWeights`` views of the mapped pages: no socket, no chunk copies, no second copy in the
 generator's memory until the engine copies the tensors to its device.
@@ -22,7 +22,7 @@ Order of calls::
 directory RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the learner
 then writes the same canonical blob once into ``shm_file(directory)`` (``publish_shm``, beside
 the next step) and announces the directory as shared_fs does. A generator's engine handed such an
-announce (``models.weights.reading.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
+announce (``weights.reading.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
 piece by piece: a match is handed to the engine as trusted ``VerifiedWeights`` (nothing read
 from the directory, no second hash); no file (another host, a shared_fs run) or a refused one
 (its bad pieces named in the log) loads the directory, whose digest the engine checks, so
@@ -48,10 +48,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from models.weights.digest import TREE, blob_head, check_kind, hash_pool, state_from_blob, tree_root
-from models.weights.publication import Publication
-from models.weights.verified import VerifiedWeights, check_blob, tensors_of, verify_blob
+from models.pool import hash_pool
 from proto import WeightAnnounce
+from weights.digest import TREE, blob_head, check_kind, state_from_blob, tree_root
+from weights.publication import Publication
+from weights.verified import VerifiedWeights, check_blob, tensors_of, verify_blob
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("LOOPRL_SHM_DIR", "/dev/shm"))

@@ -1,19 +1,19 @@
 """The weight digest check, in one file: what a receiver hands the engine, and how it checked it.
 
-Where a weight set's digest (models.weights.digest, docs/CONTRACTS.md 6) is checked:
+Where a weight set's digest (weights.digest, docs/CONTRACTS.md 6) is checked:
 
-- ``PieceCheck``: a ZeroMQ chunk stream (models.weights.chunked.WeightReceiver), tree kind:
+- ``PieceCheck``: a ZeroMQ chunk stream (weights.chunked.WeightReceiver), tree kind:
   the announced per-piece leaves must hash to the announced digest; then each piece is hashed
   once, as soon as its bytes are in, against its leaf; a piece that differs is named (index,
   bytes, tensors) and re-fetched alone;
 - ``verify_blob``: a whole received blob (the collective receive; a flat-kind chunk stream at
   its end): the pieces hashed in parallel, the bad ones named;
-- ``models.weights.reading.read_weights``: what the engine reads itself (an ``OnDisk``
+- ``weights.reading.read_weights``: what the engine reads itself (an ``OnDisk``
   directory, from this host's checked /dev/shm copy first; a plain mapping or path), built
-  on this module and models.weights.shm.
+  on this module and weights.shm.
 
 ``VerifiedWeights`` is the one "verified weights" type of the weight path: {name: tensor}
-views of a blob (decoded by ``models.weights.digest.state_from_blob``, no copy) whose digest a
+views of a blob (decoded by ``weights.digest.state_from_blob``, no copy) whose digest a
 receiver checked against ``announce``; only ``PieceCheck``'s receiver and ``verify_blob``
 build one. ``WeightSink`` is what the generator loop needs from a receiver (generator.loop); the
 loop calls ``handle`` for every record of the weights channel, then ``loaded`` or ``load_failed``.
@@ -24,7 +24,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Protocol
 
-from models.weights.digest import (
+from proto import WeightAnnounce
+from weights.digest import (
     TREE,
     blob_head,
     check_kind,
@@ -33,7 +34,6 @@ from models.weights.digest import (
     tree_root,
     weights_digest,
 )
-from proto import WeightAnnounce
 
 
 class _Announced:
@@ -70,7 +70,7 @@ class OnDisk(_Announced, str):
 
     announce: WeightAnnounce
     local_copy: bool
-    """Whether a reader may take this host's /dev/shm copy of it (models.weights.shm) instead
+    """Whether a reader may take this host's /dev/shm copy of it (weights.shm) instead
     of the directory; False after that copy was refused (``directory_only``)."""
 
     def __new__(cls, announce: WeightAnnounce, local_copy: bool = True) -> OnDisk:
