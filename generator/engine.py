@@ -10,15 +10,15 @@ Order of calls (one thread; `load_weights` may also come from another thread):
 One vLLM request per sample (each has its own latent seed, `extra_args["latent_seed"]`).
 Per-token exit depths, behaviour log-probs (docs/CONTRACTS.md 4, the plugin's own
 `models.reference.behaviour_logprobs` of the sampling position, same numerics mode) and
-weight versions come from the plugin's side channel (`generator.vllm_records`), fetched with
+weight versions come from the plugin's side channel (`generator.vllm_plugin.records`), fetched with
 `LLM.collective_rpc` once a request finishes. vLLM's own sampler log-probs
 (`logprobs_mode="processed_logprobs"`: log-softmax after temperature and top-p) are kept in
 `Sample.sampler_logprobs` as a cross-check (a plain model's behaviour log-probs); they are read
-from the worker's book of sampled log-probs (`generator.vllm_sampled`, the same floats without
+from the worker's book of sampled log-probs (`generator.vllm_plugin.sampled`, the same floats without
 vLLM's per-token Python objects) unless the engine is built with `sampled_book=False`.
 
 Token sampling is seeded per request from the latent seed (`SamplingParams.seed`, built with
-the rest of each request's parameters by generator/vllm_requests.py: `request_seed`, the latent
+the rest of each request's parameters by generator/vllm_plugin/requests.py: `request_seed`, the latent
 seed itself, or for turn k >= 1 of a conversation `models.reference.sampling_seed(latent_seed,
 k)`, so the turns of one conversation do not reuse one another's random numbers) except on
 CPU: vLLM 0.32's runner rewinds a seeded request's generator after a partial (chunked) prefill
@@ -37,13 +37,13 @@ applied between two engine steps of a running `generate`, and each token records
 that computed it (`Sample.token_versions`).
 
 A verified set goes in through the served model's own loader (`_load_on_worker`,
-generator/vllm_reload.py):
+generator/vllm_plugin/reload.py):
 - the looped plugin classes (generator.plugin.ARCHITECTURES) keep their parameters in the
   checkpoint's layout: their `load_weights` copies each tensor in place;
 - vLLM's native classes (LlamaForCausalLM, the depth-1 case) fuse q/k/v and gate/up and, on
   CPU, replace each linear weight by a packed copy (`dispatch_cpu_unquantized_gemm(
   remove_weight=True)` leaves an empty parameter): on the CPU, unquantized, they reload
-  directly (`generator.vllm_reload._direct_reload`): each packed layer gets back a
+  directly (`generator.vllm_plugin.reload._direct_reload`): each packed layer gets back a
   checkpoint-layout weight (materialised once from vLLM's own record of the layer, then kept), the model's own loader
   fills it and every layer's `process_weights_after_loading` packs again (bit for bit what
   vLLM's reload serves, in half its time on the tiny Llama); elsewhere through vLLM's own
@@ -59,7 +59,7 @@ is 128). A request holds whole pages, and a looped model keeps one cache per (it
 so with 128-token pages the default 64 MiB cache of the tiny Huginn held 73 pages: a step's 128
 short rollouts ran in two waves (16 engine steps for 8 new tokens instead of 8). With 32-token
 pages they run at once. Attention reads the same keys and values either way (exact numerics
-gathers them through the block table, generator.vllm_attention).
+gathers them through the block table, generator.vllm_plugin.attention).
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ import numpy as np
 import torch
 
 from generator.plugin import ARCHITECTURES
-from generator.vllm_records import pop_records
-from generator.vllm_reload import _load_on_worker
-from generator.vllm_requests import like_params, sampling_params
-from generator.vllm_sampled import disable_book, enable_book, pop_sampled
-from generator.vllm_settings import PluginSettings, settings_to_dict
+from generator.vllm_plugin.records import pop_records
+from generator.vllm_plugin.reload import _load_on_worker
+from generator.vllm_plugin.requests import like_params, sampling_params
+from generator.vllm_plugin.sampled import disable_book, enable_book, pop_sampled
+from generator.vllm_plugin.settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from proto.records import Rollout, WorkItem
 from weights.digest import canonical_digest
@@ -247,7 +247,7 @@ class LoopedEngine:
         self.use_sampled_book(sampled_book)
 
     def use_sampled_book(self, on: bool) -> None:
-        """Read the sampler's log-probs from the worker's book (`generator.vllm_sampled`) or,
+        """Read the sampler's log-probs from the worker's book (`generator.vllm_plugin.sampled`) or,
         off, from vLLM's request outputs; the values are the same."""
         with self._lock:
             self.llm.collective_rpc(enable_book if on else disable_book)
@@ -313,7 +313,7 @@ class LoopedEngine:
     ) -> list[list[Sample]]:
         """Sample every item `item.n` times (one request per latent seed); results in order.
         ``sampling_offsets``: per item, its requests' sampling-seed offset (None: 0; a
-        conversation's turn, generator.multiturn; `generator.vllm_requests.request_seed`)."""
+        conversation's turn, generator.multiturn; `generator.vllm_plugin.requests.request_seed`)."""
         if sampling_offsets is not None and len(sampling_offsets) != len(items):
             raise ValueError(f"{len(sampling_offsets)} sampling offsets for {len(items)} items")
         with self._lock:
@@ -365,7 +365,7 @@ class LoopedEngine:
         tokens = np.asarray(list(out.token_ids), dtype=np.int32)
         n = tokens.shape[0]
         sampler = None
-        if sampled is not None:  # the worker's book (generator.vllm_sampled)
+        if sampled is not None:  # the worker's book (generator.vllm_plugin.sampled)
             sampler = np.asarray(sampled, dtype=np.float32)
         elif self.sampled_book and n:
             raise RuntimeError("the worker's book lacks the sampled log-probs of a completion")

@@ -6,11 +6,11 @@ vLLM calls `register()` in every process that builds an engine or a worker (entr
 
 Architectures (config.json `architectures`, see models/config.py):
 
-| architecture                | family   | vLLM class                                  |
-|-----------------------------|----------|---------------------------------------------|
-| RavenForCausalLM            | huginn   | generator.vllm_models:RavenForCausalLM      |
-| OuroForCausalLM             | ouro     | generator.vllm_models:OuroForCausalLM       |
-| NanbeigeLoopedForCausalLM   | nanbeige | generator.vllm_models:NanbeigeLoopedForCausalLM |
+| architecture                | family   | vLLM class                                              |
+|-----------------------------|----------|---------------------------------------------------------|
+| RavenForCausalLM            | huginn   | generator.vllm_plugin.models:RavenForCausalLM           |
+| OuroForCausalLM             | ouro     | generator.vllm_plugin.models:OuroForCausalLM            |
+| NanbeigeLoopedForCausalLM   | nanbeige | generator.vllm_plugin.models:NanbeigeLoopedForCausalLM  |
 
 LlamaForCausalLM is left to vLLM's own class (the depth-1 case needs no plugin).
 """
@@ -18,9 +18,9 @@ LlamaForCausalLM is left to vLLM's own class (the depth-1 case needs no plugin).
 from __future__ import annotations
 
 ARCHITECTURES: dict[str, str] = {
-    "RavenForCausalLM": "generator.vllm_models:RavenForCausalLM",
-    "OuroForCausalLM": "generator.vllm_models:OuroForCausalLM",
-    "NanbeigeLoopedForCausalLM": "generator.vllm_models:NanbeigeLoopedForCausalLM",
+    "RavenForCausalLM": "generator.vllm_plugin.models:RavenForCausalLM",
+    "OuroForCausalLM": "generator.vllm_plugin.models:OuroForCausalLM",
+    "NanbeigeLoopedForCausalLM": "generator.vllm_plugin.models:NanbeigeLoopedForCausalLM",
 }
 """Architecture name -> lazily imported vLLM model class."""
 
@@ -31,8 +31,8 @@ def register() -> None:
     """Register the looped architectures with vLLM and install the model-runner hook."""
     from vllm import ModelRegistry
 
-    from generator.vllm_context import install_runner_hook
-    from generator.vllm_hf_config import register_hf_configs
+    from generator.vllm_plugin.context import install_runner_hook
+    from generator.vllm_plugin.hf_config import register_hf_configs
 
     global _registered
     if not _registered:

@@ -93,7 +93,7 @@ def linears(
 OPAQUE_NORM_UNDER_COMPILE = False
 """When True, `rms_norm(mode="fast")` traced by torch.compile is one opaque op running the
 eager kernels (inductor's fused RMSNorm reduces in another order: other bits). Set by the
-vLLM plugin when vLLM compiles its decode core (generator/vllm_models.py, generator processes
+vLLM plugin when vLLM compiles its decode core (generator/vllm_plugin/models.py, generator processes
 only); forward only: the op has no autograd formula, so a process that also trains compiled
 blocks must leave it False."""
 

@@ -1,5 +1,5 @@
 """Depth batching in the vLLM plugin: at each core iteration only the tokens
-still running are computed (`generator.vllm_models`, `depth_batching=True`, the default), and the
+still running are computed (`generator.vllm_plugin.models`, `depth_batching=True`, the default), and the
 results equal the masked path (`depth_batching=False`: every token to the deepest running one,
 K/V writes masked): tokens, behaviour log-probs, exit depths and exit log-probs bit for bit in
 exact numerics, within 1e-6 in fast, for both KV semantics.
@@ -59,7 +59,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopedEngine]:
 def _configure(worker: Any, settings: dict[str, Any]) -> None:
     """Set the live model's numerics mode ('mode': the model's and every attention slot's),
     KV semantics ('kv') and path ('depth_batching')."""
-    from generator.vllm_attention import SlotAttention
+    from generator.vllm_plugin.attention import SlotAttention
 
     model = worker.model_runner.get_model()
     for key, value in settings.items():
@@ -92,7 +92,7 @@ def _attn_rows(worker: Any, start: bool) -> list[int]:
     """start=True: count the query rows the core slots attend from now, [through the step's
     full layout (`SlotAttention.forward`), through `attend_rows` (the running rows alone)];
     False: stop counting, return the counts."""
-    from generator.vllm_attention import SlotAttention
+    from generator.vllm_plugin.attention import SlotAttention
 
     model = worker.model_runner.get_model()
     if not start:

@@ -20,8 +20,8 @@ from generator.engine import (
     canonical_digest,
     to_rollouts,
 )
-from generator.vllm_context import RequestSlice, StepBatch
-from generator.vllm_records import RecordBook
+from generator.vllm_plugin.context import RequestSlice, StepBatch
+from generator.vllm_plugin.records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
 from models.exits import KL
 from models.init import init_checkpoint
@@ -199,12 +199,12 @@ def test_inflight_update_records_token_versions(setup: Setup, monkeypatch: Any) 
 @pytest.mark.vllm
 @pytest.mark.parametrize("cpu", [True, False])
 def test_an_items_other_requests_get_copies_equal_to_their_own_params(cpu: bool) -> None:
-    """generator.vllm_requests.like_params: the item's first SamplingParams copied with another
+    """generator.vllm_plugin.requests.like_params: the item's first SamplingParams copied with another
     request's seeds equals the SamplingParams built for that request (every field), and no two
     requests share their extra_args (the plugin reads each request's latent seed and record
     key)."""
-    from generator.vllm_context import RECORD_KEY, SEED_KEY
-    from generator.vllm_requests import like_params, sampling_params
+    from generator.vllm_plugin.context import RECORD_KEY, SEED_KEY
+    from generator.vllm_plugin.requests import like_params, sampling_params
 
     item = WorkItem(work_id="w", prompt_id="p", prompt_tokens=np.array([1, 2], np.int32),
                     latent_seeds=np.array([3, 4], np.uint64), temperature=0.7, top_p=0.9,

@@ -92,12 +92,12 @@ def test_update_from_a_directory_back_to_the_first_set(llama: Llama) -> None:
 def test_direct_reload_serves_what_vllms_reload_serves(
     llama: Llama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """generator.vllm_reload._direct_reload (the packed layers refilled through vLLM's own loaders
+    """generator.vllm_plugin.reload._direct_reload (the packed layers refilled through vLLM's own loaders
     and processing, without its per-version bookkeeping) is the path taken on the CPU, and it
     serves bit for bit what vLLM's reload serves on the same weights, before and after a
     reload of vLLM's (which leaves its counting loaders on its record of the layers); over
     DIRECT_RELOAD_BYTES it keeps nothing and vLLM's reload runs."""
-    import generator.vllm_reload as reload_mod
+    import generator.vllm_plugin.reload as reload_mod
 
     eng, items = llama.engine, llama.items
     direct = reload_mod._direct_reload

@@ -4,7 +4,7 @@ sampling seed): the multi-turn driver gives turn k the sampling-seed offset k
 with that offset, bit for bit; the latent noise is untouched (one latent seed, noise per
 absolute position), so one replay pass over the conversation still gives the model tokens'
 log-probs bit for bit (exact numerics). The vLLM engine's per-request seed on GPU
-(generator.vllm_requests.request_seed) follows the same offsets."""
+(generator.vllm_plugin.requests.request_seed) follows the same offsets."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from generator.environments import Scripted
 from generator.multiturn import MultiTurnEngine
 from generator.torch_engine import TorchEngine
-from generator.vllm_requests import request_seed
+from generator.vllm_plugin.requests import request_seed
 from models.chat import ChatRenderer
 from models.checkpoint import load_model
 from models.exits import FixedDepth

@@ -1,4 +1,4 @@
-"""The worker's book of sampled log-probs (generator.vllm_sampled) against vLLM's own path.
+"""The worker's book of sampled log-probs (generator.vllm_plugin.sampled) against vLLM's own path.
 
 One real vLLM engine on the tiny Llama (`looprl model init --family llama --size tiny`: the
 depth-1 case, whose behaviour log-probs are these), with a 16-token step budget so that the
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from generator.engine import LoopedEngine, Sample
-from generator.vllm_sampled import SampledBook
+from generator.vllm_plugin.sampled import SampledBook
 from models.init import init_checkpoint
 from tests.generator import prompts, work_item
 from tests.generator.update_utils import flat, shutdown

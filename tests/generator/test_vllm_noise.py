@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from generator.vllm_context import RequestSlice, StepBatch
-from generator.vllm_noise import NoiseAhead
+from generator.vllm_plugin.context import RequestSlice, StepBatch
+from generator.vllm_plugin.noise import NoiseAhead
 from models.noise import latent_noise
 
 

@@ -1,5 +1,5 @@
 """Attention on the running rows alone (depth batching, fast numerics, vLLM's CPU_ATTN backend;
-`generator.vllm_attention.row_segments` / `cpu_rows_plan` / `cpu_rows_attention`): for any
+`generator.vllm_plugin.attention.row_segments` / `cpu_rows_plan` / `cpu_rows_attention`): for any
 subset of a step's query rows (a prefill chunk cut in the middle, decodes dropped, single rows,
 padding rows) each row's output equals the row vLLM's own backend computes on the step's full
 layout (`CPUAttentionBackendImpl.forward`), through the real kernel on a real paged cache.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator.vllm_attention import cpu_rows_attention, cpu_rows_plan, row_segments
+from generator.vllm_plugin.attention import cpu_rows_attention, cpu_rows_plan, row_segments
 
 pytestmark = [pytest.mark.vllm]
 

@@ -60,7 +60,7 @@ def test_the_policy_is_one_typed_object_from_yaml_to_the_engine(tmp_path: Path) 
     type and equal; the flag is the only text on the way (the process boundary)."""
     import argparse
 
-    from generator.vllm_settings import (
+    from generator.vllm_plugin.settings import (
         PluginSettings,
         settings_from_additional_config,
         settings_to_dict,

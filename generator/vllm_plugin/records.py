@@ -1,7 +1,7 @@
 """Side channel of the looped models: per-request exit depths, behaviour log-probs, versions.
 
 Completion token t of a request with prompt length P is sampled from the logits of position
-P - 1 + t. The book files, under the request's record key (`vllm_context.RECORD_KEY`):
+P - 1 + t. The book files, under the request's record key (`context.RECORD_KEY`):
 
 - depth[t]: core iterations run at position P - 1 + t (written by the forward; depth[0] is
   the last prompt position's, which follows the exit policy where the family's official code
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from generator.vllm_context import StepBatch
+from generator.vllm_plugin.context import StepBatch
 
 
 @dataclasses.dataclass

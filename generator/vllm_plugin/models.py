@@ -51,12 +51,12 @@ D = 16, mean exit depth D/2, one CPU thread: 0.49-0.59x the FixedDepth decode ti
 at batch 256, 0.63x at 128, 0.69x at 64 (the masked path 0.94-1.02x).
 
 Under FixedDepth every token runs D iterations: `_fixed_core` runs them without masks or
-exit checks, compiled by vLLM (`generator.vllm_compiled.FixedDepthCore`) unless
-`enforce_eager`; Huginn's latent noise comes from `generator.vllm_noise.NoiseAhead`.
+exit checks, compiled by vLLM (`generator.vllm_plugin.compiled.FixedDepthCore`) unless
+`enforce_eager`; Huginn's latent noise comes from `generator.vllm_plugin.noise.NoiseAhead`.
 
 Settings (numerics, exit policy, recording) come from `additional_config["looprl"]`
-(`generator.vllm_settings`). Per-token latent seeds and the request layout come from the
-runner hook (`generator.vllm_context`); depths / log-probs / versions go to `record_book`.
+(`generator.vllm_plugin.settings`). Per-token latent seeds and the request layout come from the
+runner hook (`generator.vllm_plugin.context`); depths / log-probs / versions go to `record_book`.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from generator.vllm_attention import SlotAttention
-from generator.vllm_context import StepBatch, current_runner, step_batch
-from generator.vllm_noise import NoiseAhead
-from generator.vllm_records import RecordBook
-from generator.vllm_settings import settings_from_additional_config
+from generator.vllm_plugin.attention import SlotAttention
+from generator.vllm_plugin.context import StepBatch, current_runner, step_batch
+from generator.vllm_plugin.noise import NoiseAhead
+from generator.vllm_plugin.records import RecordBook
+from generator.vllm_plugin.settings import settings_from_additional_config
 from models import numerics as nx
 from models.base import LoopedLM
 from models.config import config_from_hf_dict
@@ -169,7 +169,7 @@ class _LoopedVllm:
         self.coda_attn = slots(me.coda_blocks(), "coda", p + self.depth * len(core))
         self._compiled: list[Any] = []
         if isinstance(self.policy, FixedDepth) and self.mode == "fast":
-            from generator.vllm_compiled import FixedDepthCore
+            from generator.vllm_plugin.compiled import FixedDepthCore
 
             core_mod = FixedDepthCore(vllm_config=vllm_config, prefix=prefix, owner=self)
             if not getattr(core_mod, "do_not_compile", True):

@@ -10,7 +10,7 @@ requests x 8 tokens; docs/PERFORMANCE.md, "Side by side with TRL"). An engine th
 (`enable_book`, through `LLM.collective_rpc`) has the runner's `_sample` wrapped
 (`install_sampler_hook`, idempotent, at plugin load): after vLLM's sampler ran, column 0 of its
 `logprobs_tensors` (the sampled token's log-prob: `Sampler.gather_logprobs` puts it first) is
-appended to the request's list, filed under its record key (`vllm_context.RECORD_KEY`), and the
+appended to the request's list, filed under its record key (`context.RECORD_KEY`), and the
 tensors are dropped from the step's output, so nothing downstream builds objects for them.
 `pop_sampled` hands the lists back once a request finished. The values are the very floats vLLM
 would have returned (tests/generator/test_sampled_book.py compares both paths on one engine).
@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from generator.vllm_context import RECORD_KEY
+from generator.vllm_plugin.context import RECORD_KEY
 
 BOOK_ATTR = "_looprl_sampled_book"
 """Attribute of a model runner whose engine turned the book on."""

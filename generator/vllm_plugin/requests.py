@@ -2,9 +2,9 @@
 `SamplingParams` per latent seed, and the per-request sampler seed.
 
 Every request asks for the sampled token's log-prob (`logprobs=0`, read from the worker's book:
-generator.vllm_sampled), ignores EOS (the item's `stop_token_ids` stop it), detokenizes only
+generator.vllm_plugin.sampled), ignores EOS (the item's `stop_token_ids` stop it), detokenizes only
 when the item has stop strings, carries its latent seed and record key in `extra_args`
-(generator.vllm_context), and returns one output when it finishes (`FINAL_ONLY`). On the CPU
+(generator.vllm_plugin.context), and returns one output when it finishes (`FINAL_ONLY`). On the CPU
 the sampler is not seeded per request (generator.engine's module doc says why).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from generator.vllm_context import RECORD_KEY, SEED_KEY
+from generator.vllm_plugin.context import RECORD_KEY, SEED_KEY
 from models.reference import sampling_seed
 from proto.records import WorkItem
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from generator.vllm_context import StepBatch
+from generator.vllm_plugin.context import StepBatch
 from models.noise import latent_noise
 
 
