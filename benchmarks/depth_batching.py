@@ -24,7 +24,7 @@ save in decode (models/engine.py doc).
 --graph (CUDA): the fixed-depth decode step in a CUDA graph (`models.engine_graph.GraphDecoder`,
 latent noise on the device), tokens/s against the HBM bound: B / (bytes of the weights read per
 step / `--hbm-tbs`), a step reading prelude + coda + head once and the core D times.
---engine: `generator.torch_engine.TorchEngine.generate` on `--batch` greedy requests of
+--engine: `generator.torch_engine.engine.TorchEngine.generate` on `--batch` greedy requests of
 `--tokens` new tokens at FixedDepth(D) (prefill, the graph decode and the host-side sampling and
 records included), tokens/s of generated tokens, after a first call (timed apart: it captures
 the graph, and compiles it with `--graph-variants ...compiled`); later calls reuse the graph.
@@ -421,7 +421,7 @@ def engine_row(
     """TorchEngine.generate on `batch` greedy requests (one work item each), fixed depth."""
     import numpy as np
 
-    from generator.torch_engine import TorchEngine
+    from generator.torch_engine.engine import TorchEngine
     from models.exits import FixedDepth
     from proto.records import WorkItem
 

@@ -2,7 +2,7 @@
 token costs at a mean exit depth of ~D/2 and ~D/4 against the fixed depth D, decoding one chunk
 per token (`TorchEngine(ticks=0)`: the deepest row sets every row's iterations, depth batching
 computes only the running rows) or by ticks (`ticks=k`: every row at its own iteration of its
-own token, exited rows read out every k ticks; generator/torch_ticks.py; on CUDA at one shape,
+own token, exited rows read out every k ticks; generator/torch_engine/ticks.py; on CUDA at one shape,
 k ticks per CUDA graph replay: models/engine_tickgraph.py, `tick_graph` in the rows). One JSON
 line.
 
@@ -209,7 +209,7 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    from generator.torch_engine import TorchEngine
+    from generator.torch_engine.engine import TorchEngine
     from models.exits import FixedDepth, SampledGate
     from proto.records import WorkItem
 

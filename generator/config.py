@@ -22,7 +22,7 @@ from models.exits import ExitPolicy, parse_policy, policy_to_dict
 REWARD_MODES = ("process", "thread", "inline")
 ENGINES = ("vllm", "torch")
 """Generation engines: vllm (generator.engine.LoopedEngine) or torch (the reference engine,
-generator.torch_engine.TorchEngine; docs/GENERATOR.md)."""
+generator.torch_engine.engine.TorchEngine; docs/GENERATOR.md)."""
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -73,7 +73,7 @@ class GeneratorConfig:
     """vLLM: longest prompt + completion, in tokens; 0: the checkpoint's max_position_embeddings."""
     depth_ticks: int = 0
     """Torch engine: decode adaptive exit depths by ticks, every row at its own core iteration
-    of its own token, exited rows read out every depth_ticks ticks (generator.torch_ticks;
+    of its own token, exited rows read out every depth_ticks ticks (generator.torch_engine.ticks;
     kv last_exited; not a fixed depth on a GPU, which runs its CUDA graph); 0: one chunk per token."""
     kv_cache_mb: int = 64
     """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests."""

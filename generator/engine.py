@@ -106,7 +106,7 @@ def checked_state(
     """The state of `source` for a swap to `version` from `serving`, its digest checked
     (`read_weights`: a VerifiedWeights is trusted, anything else hashed): ValueError for a
     version not newer, WeightDigestError for a digest that does not match (old version kept).
-    Both engines (this one and generator.torch_engine) load through it."""
+    Both engines (this one and generator.torch_engine.engine) load through it."""
     if version <= serving:
         raise ValueError(f"version {version} is not newer than {serving}")
     state, got = read_weights(source)

@@ -115,7 +115,7 @@ _FUSED_GENERATION = [False]
 def fused_generation(on: bool = True) -> Iterator[None]:
     """Within: fast-mode ops on CUDA without autograd may take fused kernels (`rms_norm` in
     bf16, `rope_adjacent`): other bits than the formula, within the fast mode's tolerance.
-    Entered by the torch generator engine around its generation (generator/torch_engine.py)
+    Entered by the torch generator engine around its generation (generator/torch_engine/engine.py)
     only, so that the learner's and the reference's forwards, with or without autograd, keep
     the formula's kernels (a no-grad old-log-prob pass equals the grad pass)."""
     before = _FUSED_GENERATION[0]

@@ -26,7 +26,7 @@ announce (``weights.reading.read_weights`` -> ``mapped_copy``, on its lane) maps
 piece by piece: a match is handed to the engine as trusted ``VerifiedWeights`` (nothing read
 from the directory, no second hash); no file (another host, a shared_fs run) or a refused one
 (its bad pieces named in the log) loads the directory, whose digest the engine checks, so
-nothing is loaded unchecked. The torch engine (generator.torch_engine) takes ``load_mapped``
+nothing is loaded unchecked. The torch engine (generator.torch_engine.engine) takes ``load_mapped``
 instead: the copy into its parameters runs while the digest is checked, nothing is served
 until both are done, and a refused copy is replaced from the directory. Generators need no setting. ``prune_shm`` keeps the newest
 ``publish.keep`` files like the directories: an unlinked file's pages live on while a generator

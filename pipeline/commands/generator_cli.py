@@ -351,8 +351,8 @@ def build_engines(cfg: GeneratorConfig) -> DepthEngines:
     use, a FixedDepth(d) one for the work items of each eval depth d (generator.depth_engines)."""
     common, main_only = engine_kwargs(cfg)
     build: Callable[..., Any] = LoopedEngine
-    if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine.py)
-        from generator.torch_engine import TorchEngine
+    if cfg.engine == "torch":  # the reference engine, no vLLM (generator/torch_engine/engine.py)
+        from generator.torch_engine.engine import TorchEngine
 
         build = TorchEngine  # every key of `common`: kv_cache_mb caps its cache rows
     else:

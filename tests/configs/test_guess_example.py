@@ -106,7 +106,7 @@ def test_the_generator_drives_its_engine_as_conversations(tiny: Path) -> None:
     around the torch engine: GuessNumber conversations within the flags' limits, the
     checkpoint's context length (Huginn's block_size) when max_model_len is 0."""
     from generator.environments import resolve_environment
-    from generator.torch_engine import TorchEngine
+    from generator.torch_engine.engine import TorchEngine
 
     cfg = GeneratorConfig(model=str(tiny), engine="torch", environment="generator."
                           "environments:GuessNumber", max_turns=3, max_env_tokens=60)  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 
 from generator.environments import Scripted
 from generator.multiturn import MultiTurnEngine
-from generator.torch_engine import TorchEngine
+from generator.torch_engine.engine import TorchEngine
 from generator.vllm_plugin.requests import request_seed
 from models.chat import ChatRenderer
 from models.checkpoint import load_model

@@ -1,4 +1,4 @@
-"""generator.torch_engine.TorchEngine (generators.engine: torch) on the CPU: its records equal
+"""generator.torch_engine.engine.TorchEngine (generators.engine: torch) on the CPU: its records equal
 the reference generation (models.reference.generate) of each request alone, bit for bit in
 exact numerics, with more requests than slots (continuous batching: a freed slot takes the next
 request) and mixed exit depths; weight swaps verify the digest and serve the new weights; bad
@@ -14,7 +14,7 @@ import torch
 
 from generator.config import ConfigError, GeneratorConfig
 from generator.engine import WeightDigestError
-from generator.torch_engine import TorchEngine, check_engine
+from generator.torch_engine.engine import TorchEngine, check_engine
 from models.checkpoint import load_checkpoint, load_into, load_model
 from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint

@@ -1,5 +1,5 @@
 """The torch engine decoding adaptive depths by ticks (`TorchEngine(ticks=k)`,
-generator.torch_ticks): every row at its own core iteration of its own token, more
+generator.torch_engine.ticks): every row at its own core iteration of its own token, more
 requests than slots (a freed slot prefilled while the other rows are mid-token), mixed exit
 depths, greedy / sampled / stopping requests: each record equals the reference generation of
 its request alone (models.reference.generate), bit for bit in exact numerics, as the chunk
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from generator.torch_engine import TorchEngine
+from generator.torch_engine.engine import TorchEngine
 from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
 from models.init import init_checkpoint
 from tests.generator import prompts, work_item
@@ -56,7 +56,7 @@ def test_graph_steps_records_equal_the_reference(
     readout_rows 2 of 4 slots: a step reads out at most two rows (the others wait; some steps
     have more exited rows than that) while the last step collected read out fewer, else all
     four: the records are the same."""
-    import generator.torch_ticks as tt
+    import generator.torch_engine.ticks as tt
     from models.engine_tickgraph import GraphTicker
 
     calls = []

@@ -37,7 +37,7 @@ row: every K/V slot, prelude + core x depth + coda, of the call's length), and a
 holds no row is refused naming the key (at start when `max_model_len` is set); `seed` (engine
 seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
 
-Weights: `load_weights` (generator.torch_weights.TorchWeights) hashes what it reads
+Weights: `load_weights` (generator.torch_engine.weights.TorchWeights) hashes what it reads
 (`weights.reading.read_weights`; a `VerifiedWeights` is trusted), refuses a digest
 mismatch (`WeightDigestError`, old version kept) and copies the tensors into the parameters in
 place (`models.checkpoint.load_into`; the CUDA graph reads parameters by address), between
@@ -58,9 +58,9 @@ import torch
 
 from generator.config import ENGINES
 from generator.engine import Sample, WeightLoadError
-from generator.torch_requests import TorchRequest
-from generator.torch_ticks import check_ticks, generate_by_ticks, resolve_tick_graph
-from generator.torch_weights import TorchWeights
+from generator.torch_engine.requests import TorchRequest
+from generator.torch_engine.ticks import check_ticks, generate_by_ticks, resolve_tick_graph
+from generator.torch_engine.weights import TorchWeights
 from models import numerics as nx
 from models.base import LoopedLM
 from models.checkpoint import load_checkpoint, load_config, load_into, read_config
@@ -106,7 +106,7 @@ class TorchEngine(TorchWeights):
     'bfloat16' (fast numerics only). device: 'auto' (CUDA when available) or a torch device.
     graph: None = the CUDA-graph decode exactly when the policy is a fixed depth on CUDA.
     model: an already built reference module (benchmarks, tests; `model_dir` may then be None).
-    ticks: k > 0 decodes adaptive depths by ticks (generator.torch_ticks; exited rows read out
+    ticks: k > 0 decodes adaptive depths by ticks (generator.torch_engine.ticks; exited rows read out
     every k ticks); 0 = one `run_chunk` per decoded token. tick_graph: the ticks at one shape,
     k of them per CUDA graph replay (`models.engine_tickgraph.GraphTicker`); None = on CUDA
     where the policy decides on the device (not KL / EntropyDiff). readout_rows: with
@@ -289,7 +289,7 @@ class TorchEngine(TorchWeights):
         slots: list[TorchRequest | None] = [None] * bsz
         waiting = deque(reqs)
         pending: list[tuple[list[int], torch.Tensor]] = []  # slots and their logits [M, V]
-        if self.ticks:  # generator.torch_ticks: every row at its own iteration of its token
+        if self.ticks:  # generator.torch_engine.ticks: every row at its own iteration of its token
             kept = decoder if isinstance(decoder, GraphTicker) else None
             ticker = generate_by_ticks(self, reqs, cache, kept)
             if isinstance(ticker, GraphTicker) and ticker.graphed:

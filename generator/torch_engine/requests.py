@@ -1,5 +1,5 @@
-"""A torch-engine request (generator/torch_engine.py) and what it has generated so far, shared
-with the tick decode (generator/torch_ticks.py), which files tokens into it too."""
+"""A torch-engine request (generator/torch_engine/engine.py) and what it has generated so far,
+shared with the tick decode (generator/torch_engine/ticks.py), which files tokens into it too."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
                       kept: GraphTicker | None = None) -> Ticker:  # fmt: skip
     """Decode ``reqs`` (a TorchEngine's requests) into their own records (tokens, log-probs,
     depths) on ``cache``'s rows; ``eng``: the TorchEngine (its prefill, sampling and feed; typed
-    loosely so that this module does not import generator.torch_engine, which imports it).
+    loosely so that this module does not import generator.torch_engine.engine, which imports it).
     With ``eng.tick_graph`` the ticks run at one shape in a CUDA graph
     (`models.engine_tickgraph.GraphTicker`; ``kept``: the previous call's on this cache, its
     graph reused). Returns the ticker."""

@@ -1,4 +1,4 @@
-"""The torch generator engine's weight loading (generator.torch_engine.TorchEngine's base): a
+"""The torch generator engine's weight loading (generator.torch_engine.engine.TorchEngine's base): a
 version verified, then copied into the parameters in place, between `generate` calls (the
 engine's lock); this host's /dev/shm copy of an announced directory (publish.transport shm)
 taken first: on a GPU read into a pinned buffer kept between versions with every piece hashed
