@@ -1,4 +1,4 @@
-"""The torch engine's decode-attention kernel (models.engine_attention) at one shape, per launch
+"""The torch engine's decode-attention kernel (models.engine.attention) at one shape, per launch
 configuration: microseconds a call and the fraction of the HBM bound (each call reads the
 slot's keys and values once: B x T x G x D x 2 tensors x the dtype's bytes). One JSON line.
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.engine_attention import decode_attention  # noqa: E402
+from models.engine.attention import decode_attention  # noqa: E402
 
 
 def main() -> None:

@@ -3,11 +3,11 @@
     python benchmarks/decode_graph.py                  # H200: Huginn ~1B shape, fp32, fast mode
     python benchmarks/decode_graph.py --device cpu --tiny   # CPU smoke test (no graph)
 
-What runs: the product path. `models.engine.run_chunk` is the engine generate decodes with:
+What runs: the product path. `models.engine.chunk.run_chunk` is the engine generate decodes with:
 one token per row per chunk, with host syncs (boolean-mask K/V writes, `.any()`, `.tolist()`,
-the CPU latent noise). `models.engine_graph.decode_step` is its fixed-depth decode (every
+the CPU latent noise). `models.engine.graph.decode_step` is its fixed-depth decode (every
 token runs `depth` core iterations: `FixedDepth`) without the syncs, the same module calls in
-the same order; `models.engine_graph.GraphDecoder` owns its static inputs and captures it once
+the same order; `models.engine.graph.GraphDecoder` owns its static inputs and captures it once
 in a CUDA graph. Per step, outside the graph, it copies in the token and position, the RoPE
 rows (`model.rope`) and Huginn's latent noise (`models.noise.latent_noise`, drawn on the CPU);
 those costs are in every timing below, as in generate.
@@ -45,8 +45,8 @@ from torch import Tensor  # noqa: E402
 
 from benchmarks.trainer_gpu import SHAPES as TRAINER_SHAPES  # noqa: E402
 from benchmarks.trainer_gpu import model_config  # noqa: E402
-from models.engine import KVCache, run_chunk  # noqa: E402
-from models.engine_graph import GraphDecoder  # noqa: E402
+from models.engine.chunk import KVCache, run_chunk  # noqa: E402
+from models.engine.graph import GraphDecoder  # noqa: E402
 from models.exits import FixedDepth  # noqa: E402
 
 _MODEL_KEYS = ("hidden", "heads", "prelude", "core", "coda", "ffn", "vocab", "backprop_depth")

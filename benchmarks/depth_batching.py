@@ -4,7 +4,7 @@
     python benchmarks/depth_batching.py --shape huginn_0125 --dtype bfloat16 --batch 64 \\
         --depth 32 --engine                                       # the H200
 
-What runs (`models.engine.run_chunk`, the reference engine's decode, one token per row per
+What runs (`models.engine.chunk.run_chunk`, the reference engine's decode, one token per row per
 chunk, greedy next token on the device): a prompt of `--prompt` tokens prefilled at depth D once
 (untimed), then `--tokens` decode chunks from that cache (restored before each pass), each
 position exiting at a depth from a schedule:
@@ -19,9 +19,9 @@ model (an untrained model's criteria give no controlled mean), the policy's own 
 cost (KL's readout, say) excluded. Each schedule runs on the depth-batched path
 (`compact=True`: only running positions computed) and the masked one (`compact=False`: every
 row to the deepest, K/V writes masked). kv='last_exited' (Huginn's default); kv='full' cannot
-save in decode (models/engine.py doc).
+save in decode (models/engine/chunk.py doc).
 
---graph (CUDA): the fixed-depth decode step in a CUDA graph (`models.engine_graph.GraphDecoder`,
+--graph (CUDA): the fixed-depth decode step in a CUDA graph (`models.engine.graph.GraphDecoder`,
 latent noise on the device), tokens/s against the HBM bound: B / (bytes of the weights read per
 step / `--hbm-tbs`), a step reading prelude + coda + head once and the core D times.
 --engine: `generator.torch_engine.engine.TorchEngine.generate` on `--batch` greedy requests of
@@ -79,9 +79,9 @@ from torch import Tensor  # noqa: E402
 from benchmarks.trainer_gpu import SHAPES as TRAINER_SHAPES  # noqa: E402
 from benchmarks.trainer_gpu import model_config  # noqa: E402
 from models import numerics as nx  # noqa: E402
-from models.engine import KVCache, run_chunk  # noqa: E402
-from models.engine_graph import GraphDecoder  # noqa: E402
-from models.engine_ticks import decode_ticks  # noqa: E402
+from models.engine.chunk import KVCache, run_chunk  # noqa: E402
+from models.engine.graph import GraphDecoder  # noqa: E402
+from models.engine.ticks import decode_ticks  # noqa: E402
 
 _KEYS = ("hidden", "heads", "prelude", "core", "coda", "ffn", "vocab", "backprop_depth")
 SHAPES: dict[str, dict[str, Any]] = {
@@ -193,7 +193,7 @@ def main() -> int:
         "--paths",
         default="compact,masked",
         help="compact (depth batching), masked (the old path), ticks / ticksK "
-        "(models.engine_ticks; K: readout_every)",
+        "(models.engine.ticks; K: readout_every)",
     )
     ap.add_argument(
         "--balanced",
@@ -211,7 +211,7 @@ def main() -> int:
         "--attn",
         default="triton",
         help="--graph: decode attention per graph variant (comma list of triton: the "
-        "engine's kernel, models/engine_attention.py; or SDPA: default, cudnn, efficient, math)",
+        "engine's kernel, models/engine/attention.py; or SDPA: default, cudnn, efficient, math)",
     )
     ap.add_argument(
         "--profile",
@@ -278,7 +278,7 @@ def main() -> int:
                        ticks: int = int(path[5:] or 1) if path.startswith("ticks") else 0,
                        ) -> None:  # fmt: skip
                 restore()
-                if ticks:  # models.engine_ticks: each row at its own iteration of its token
+                if ticks:  # models.engine.ticks: each row at its own iteration of its token
                     decode_ticks(model, cache, first, torch.full((b,), p0), seeds, max_depth=d,
                                  depths=sched, mode=a.mode, readout_every=ticks)  # fmt: skip
                     return

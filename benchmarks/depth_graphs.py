@@ -10,7 +10,7 @@ kernel launches for 16 tokens of 256 requests, 5x the CUDA-graph fixed-depth dec
 measures the design meant to replace it, before it is built into the engine: decode steps of
 `--batch` rows (the torch_depth.py module: Ouro-like, random weights) where
 
-- `graph_fixed` is the product's fixed-depth decode (`models.engine_graph.GraphDecoder`, D
+- `graph_fixed` is the product's fixed-depth decode (`models.engine.graph.GraphDecoder`, D
   iterations of every row in one graph);
 - `buckets:<schedule>` runs one captured graph per (core iteration i, bucket m): the running
   rows' indices (padded to m, a multiple of batch / `--buckets`, with a scratch row whose
@@ -70,7 +70,7 @@ class Buckets:
 
     def __init__(self, model: Any, batch: int, length: int, depth: int, prompt: int,
                  buckets: int, graphed: bool) -> None:  # fmt: skip
-        from models.engine import KVCache
+        from models.engine.chunk import KVCache
 
         self.model, self.b, self.depth, self.graphed = model, batch, depth, graphed
         self.rows_kernel = graphed  # CUDA: Triton's decode kernel with a row index
@@ -100,13 +100,13 @@ class Buckets:
 
     # ---- the captured pieces ---------------------------------------------------------------
     def _rows(self) -> Any:
-        from models.engine import _key_mask, _Rows
+        from models.engine.chunk import _key_mask, _Rows
 
         kmask = _key_mask(self.cache.filled, self.pos[:, None])
         return _Rows(self.b + 1, 1, self.rows, self.pos, kmask, self.rope, "fast")
 
     def _pre(self) -> None:
-        from models.engine import _stack
+        from models.engine.chunk import _stack
 
         m = self.model
         self.cache.filled.index_put_((self.rows, self.pos), torch.ones((), dtype=torch.bool,
@@ -119,7 +119,7 @@ class Buckets:
 
     def _iteration(self, i: int, width: int) -> None:
         from models import numerics as nx
-        from models.engine import _key_mask, _post, _qkv
+        from models.engine.chunk import _key_mask, _post, _qkv
 
         m, cache = self.model, self.cache
         if i:  # last_exited: every row's K/V of this position carried from the slot before
@@ -137,7 +137,7 @@ class Buckets:
             cache.core[i, layer, 1, idx, p] = v
             qv = q.view(width, 1, blk.n_heads, blk.head_dim)
             if self.rows_kernel:  # the decode kernel reads each query's cache row itself
-                from models.engine_attention import decode_attention
+                from models.engine.attention import decode_attention
 
                 attn = decode_attention(qv, cache.core[i, layer, 0], cache.core[i, layer, 1],
                                         kmask, rows=idx)  # fmt: skip
@@ -149,7 +149,7 @@ class Buckets:
         self.state.index_copy_(0, idx, m.core_out(x, "fast"))
 
     def _readout(self) -> None:
-        from models.engine import _readout
+        from models.engine.chunk import _readout
 
         self.logits = _readout(self.model, self.cache, self.state, None, self._rows())[0]
 
@@ -216,8 +216,8 @@ def main() -> int:
     torch.manual_seed(0)
     model = build(a, dev, dtype)
     from models import numerics as nx
-    from models.engine import KVCache
-    from models.engine_graph import GraphDecoder
+    from models.engine.chunk import KVCache
+    from models.engine.graph import GraphDecoder
 
     length = a.prompt + a.steps + 1
     gen = torch.Generator().manual_seed(7)

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from benchmarks.loop_credit_tasks import Task, evaluate  # noqa: E402
-from models.engine import KVCache, run_chunk  # noqa: E402
+from models.engine.chunk import KVCache, run_chunk  # noqa: E402
 from models.exits import OuroGate, SampledGate  # noqa: E402
 from pipeline.commands.warm_start import _batch  # noqa: E402
 

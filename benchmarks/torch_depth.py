@@ -3,7 +3,7 @@ token costs at a mean exit depth of ~D/2 and ~D/4 against the fixed depth D, dec
 per token (`TorchEngine(ticks=0)`: the deepest row sets every row's iterations, depth batching
 computes only the running rows) or by ticks (`ticks=k`: every row at its own iteration of its
 own token, exited rows read out every k ticks; generator/torch_engine/ticks.py; on CUDA at one shape,
-k ticks per CUDA graph replay: models/engine_tickgraph.py, `tick_graph` in the rows). One JSON
+k ticks per CUDA graph replay: models/engine/tickgraph.py, `tick_graph` in the rows). One JSON
 line.
 
     python benchmarks/torch_depth.py --device cuda --batch 256 --depth 16 --ticks 1,4   # a GPU
@@ -93,8 +93,8 @@ STAGES = ("_prefill", "_decode", "_graph_step", "_sample_block", "_feed")
 
 
 def _tick_stages() -> list[tuple[type, str]]:
-    from models.engine_tickgraph import GraphTicker
-    from models.engine_ticks import Ticker
+    from models.engine.tickgraph import GraphTicker
+    from models.engine.ticks import Ticker
 
     return [(GraphTicker, "advance"), (GraphTicker, "feed"), (GraphTicker, "_replay"),
             (Ticker, "_read_out"), (Ticker, "_start")]  # fmt: skip

@@ -90,7 +90,7 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
     each response token's exit log-prob and exit entropy [B, L] from the gate logit after
     every core iteration it ran (LoopedGPT.forward's loop_fn), summed per token in iteration
     order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
-    models.engine.run_chunk, so exact numerics give the generator's claims bit for bit."""
+    models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit."""
     from learner.specs import _valid
 
     core = unwrap(model)

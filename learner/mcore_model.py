@@ -15,7 +15,7 @@ Weights come from a Hugging Face state dict (`learner.hf_convert`): `hf_state`, 
 the reference's deterministic init (`models.reference.build_model(config, seed=init_seed)`),
 so every TP size starts from the same full weights.
 
-Forward = the reference replay (`models.engine.run_chunk` with recorded depths), batch-first:
+Forward = the reference replay (`models.engine.chunk.run_chunk` with recorded depths), batch-first:
 tokens [B, S] right-padded; one parallel pass over all positions per core iteration d. Exited
 positions follow the KV semantics `kv` (docs/CONTRACTS.md 3; `MegatronOptions.kv`, default the
 family's): 'last_exited': position p is active while d <= depths[p]; an inactive position

@@ -3,7 +3,7 @@
 Order of calls::
 
     policy = ...                        # a `Policy`: learner.trainer (megatron-core) or
-                                        # learner.torch_policy (plain PyTorch, models.engine)
+                                        # learner.torch_policy (plain PyTorch, models.engine.chunk)
     runner = LearnerStep(train_cfg, policy, initial_version=0)
     metrics = runner.step(rollouts)     # k x global_batch_size rollouts -> k x epochs updates
     runner.weight_version, runner.step_count, runner.update_count, runner.last_mismatch

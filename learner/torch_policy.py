@@ -1,4 +1,4 @@
-"""learner.step.Policy in plain PyTorch: the models.reference forward (models.engine.run_chunk
+"""learner.step.Policy in plain PyTorch: the models.reference forward (models.engine.chunk.run_chunk
 replaying each row's latent seed and exit depths) and torch optimizers.
 
 It is the independent forward that checks the megatron policy (tests/pipeline/test_epochs.py:
@@ -43,7 +43,7 @@ from learner.step import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
 from models.base import LoopedLM
-from models.engine import KVCache, run_chunk
+from models.engine.chunk import KVCache, run_chunk
 
 __all__ = ["TorchCritic", "TorchNet", "TorchPolicy", "make_optimizer"]
 
@@ -122,7 +122,7 @@ class TorchCritic(nn.Module):
 
 
 class TorchPolicy:
-    """learner.step.Policy on models.engine (module docstring). ``kv``: the run's exit KV
+    """learner.step.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
     semantics (models.exits.resolve_kv); ``critic``: a trunk for the critic (the starting
     checkpoint's, loaded again), ``reference``: the frozen reference policy of
     objective.kl_coef."""
@@ -190,7 +190,7 @@ class TorchPolicy:
                     exit_min_depth: int | None = None) -> dict[str, Tensor]:  # fmt: skip
         """Per-loop credit: {"logp", "entropy"} [B, L] of the exit readout (no grad) and
         {"loop_logp", "loop_entropy"(, "loop_gate")} [B, L, K] (0 where k > e_t): one replay
-        (`_replay_loops`, models.engine.run_chunk's replay with a hook after each iteration)
+        (`_replay_loops`, models.engine.chunk.run_chunk's replay with a hook after each iteration)
         whose state after iteration k is read out through the family's readout (a fresh coda
         cache per loop) and head, under activation checkpointing (one loop's logits at a time):
         learner.loop_forward's computation, in the same order, so in numerics exact the two
@@ -257,7 +257,7 @@ class TorchPolicy:
         """A sampled exit: `_stats` of the exit readout plus {"exit_logp", "exit_entropy"}
         [B, L] from the gate after each iteration (ExitSum) in `_replay_loops`' hook, as
         learner.loop_forward.exit_forward computes them in LoopedGPT's: the same graph, so
-        the same gradient bits in exact numerics (models.engine.run_chunk's exit_lp gives the
+        the same gradient bits in exact numerics (models.engine.chunk.run_chunk's exit_lp gives the
         same values, the generator's claims, but reads the gate before the state's update)."""
         sel, e, n_loops = response_depths(mb)
         exits = ExitSum(sel, e, row_full_depths(mb), min_depth, self.cfg.numerics)
@@ -296,11 +296,11 @@ class TorchPolicy:
 
 
 def _replay_loops(model: LoopedLM, mb: TrainBatch, mode: str, kv: str, hook: Any) -> Tensor:
-    """models.engine.run_chunk's replay of a micro-batch at its recorded depths (the same
+    """models.engine.chunk.run_chunk's replay of a micro-batch at its recorded depths (the same
     operations in the same order), calling hook(k, state [B, L, h], readout) after core
     iteration k; readout(state) -> (logits, hidden) [B, L, ...] through the coda with a fresh
     coda cache. Returns the exit readout's logits [B, L, V_pad]."""
-    from models.engine import _key_mask, _readout, _Rows, _stack
+    from models.engine.chunk import _key_mask, _readout, _Rows, _stack
 
     depths = mb.exit_depths
     deepest = torch.where(mb.position_ids < mb.seq_lens[:, None], depths, 0).amax(dim=1)

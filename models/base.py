@@ -1,4 +1,4 @@
-"""The small per-family interface the looped engine (`models.engine`) runs.
+"""The small per-family interface the looped engine (`models.engine.chunk`) runs.
 
 A token's forward pass, for every family:
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.engine import forward_full
+from models.engine.chunk import forward_full
 from models.layers import Block, RMSNorm
 
 

@@ -189,7 +189,7 @@ class StepInfo:
 
     depth: int | Tensor
     """Iterations completed (1-based); or per row, a [N] int64 tensor (decode by ticks,
-    models.engine_ticks: each row at its own iteration)."""
+    models.engine.ticks: each row at its own iteration)."""
     max_depth: int
     """The resolved max depth (forced exit)."""
     state: Tensor
@@ -409,7 +409,7 @@ def should_exit(
     Call once per iteration, with depth 1, 2, ... in order, with the same rows each time (the
     engine masks out rows that already stopped). With per-row depths (a [N] tensor) and every
     input on one device it reads nothing back to the host, so it can run inside a CUDA graph
-    (`models.engine_tickgraph`).
+    (`models.engine.tickgraph`).
     """
     carry = carry if carry is not None else ExitCarry()
     n = info.state.shape[0]

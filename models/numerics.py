@@ -320,10 +320,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
       5. round out to fp32.
     fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask; one query position
     on CUDA inside `fused_generation` (the torch engine's decode): the Triton kernel of
-    `models.engine_attention` (reads each cached key and value once, in the cache's layout).
+    `models.engine.attention` (reads each cached key and value once, in the cache's layout).
     """
     if mode != "exact" and q.shape[1] == 1 and DECODE_KERNEL and _fused_inference(q):
-        from models import engine_attention as ea  # (Triton: imported on CUDA only)
+        from models.engine import attention as ea  # (Triton: imported on CUDA only)
 
         if ea.available(q, k, v, mask):
             return ea.decode_attention(q, k, v, mask)

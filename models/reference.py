@@ -49,8 +49,8 @@ from models import numerics as nx
 from models.base import LoopedLM
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
 from models.contract import check_latent_seed, full_depth
-from models.engine import KVCache, run_chunk
-from models.engine_graph import GraphDecoder
+from models.engine.chunk import KVCache, run_chunk
+from models.engine.graph import GraphDecoder
 from models.exits import (
     MAX_DEPTH,
     ExitPolicy,
@@ -208,7 +208,7 @@ def generate(
     all 0, a single-turn completion).
 
     graph=True (fixed depth only: `FixedDepth` or the default policy) decodes through
-    `models.engine_graph.GraphDecoder`: one CUDA graph replayed per token on CUDA, the same
+    `models.engine.graph.GraphDecoder`: one CUDA graph replayed per token on CUDA, the same
     sync-free step eagerly on the CPU. Finished rows keep being fed (their outputs ignored).
     Prefill and sampling are the same; tokens, log-probs and depths equal graph=False's."""
     nx.check_mode(numerics)

@@ -78,7 +78,7 @@ def draw_tensor(
 
 def draw_keys(lp: Tensor, keys: Tensor | None, steps: Tensor | None) -> Tensor:
     """The draw of rows whose keys (int64, u64 as two's complement) and steps are tensors on
-    lp's device (no host work: a CUDA graph's readout, models.engine_tickgraph); None, None:
+    lp's device (no host work: a CUDA graph's readout, models.engine.tickgraph); None, None:
     greedy (argmax lp). int64 [N]. On CUDA in the torch engine's fast generation
     (`models.numerics.fused_generation`) the race runs compiled: inductor fuses the ~20
     integer and float ops over [N, V] (each a pass over N x V int64 in eager: ~1.5 ms at 256 x

@@ -147,7 +147,7 @@ if has depth; then  # depth batching and the torch generator engine
 fi
 if has depth_big; then  # depth batching where the core's matmuls are compute-bound:
     # Huginn-0125 / ~1B, bf16, D 32, large batches (DEPTH_BIG: "shape:batch ..."), eager compact
-    # vs masked vs ticks (models.engine_ticks, K = readout_every; DEPTH_BIG_PATHS; DEPTH_BIG_ARGS
+    # vs masked vs ticks (models.engine.ticks, K = readout_every; DEPTH_BIG_PATHS; DEPTH_BIG_ARGS
     # e.g. --balanced: no tail); batch 64 at 0125
     # is bound by weight reads (table in docs/PERFORMANCE.md)
     for sb in ${DEPTH_BIG:-huginn_0125:256 huginn_0125:512 huginn_1b:2048}; do

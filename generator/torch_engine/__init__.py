@@ -1,2 +1,2 @@
-"""The torch generator engine: the reference forward (`models.engine`) behind the generator loop,
+"""The torch generator engine: the reference forward (`models.engine.chunk`) behind the generator loop,
 without vLLM (`engine.py`: TorchEngine), with its requests, tick decode and weight loading."""

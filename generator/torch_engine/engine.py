@@ -1,12 +1,12 @@
-"""TorchEngine: the reference engine (`models.engine`) behind the generator loop, without vLLM.
+"""TorchEngine: the reference engine (`models.engine.chunk`) behind the generator loop, without vLLM.
 
 `generators.engine: torch` (generator config `engine`) serves a checkpoint with the same
 contract as `generator.engine.LoopedEngine` (`weight_version`, `generate(items)` ->
 [item][sample] `Sample`, `load_weights(source, version, digest)`, `close()`), computed by the
 project's own looped engine: `models.reference.build_model` + `models.checkpoint` weights,
-`models.engine.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
+`models.engine.chunk.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
 token stops costing core compute, kv='last_exited'), and at a fixed depth on CUDA the CUDA-graph
-decode step (`models.engine_graph.GraphDecoder`; in fast numerics its blocks' qkv / post
+decode step (`models.engine.graph.GraphDecoder`; in fast numerics its blocks' qkv / post
 compiled by torch.compile, `compile`; fused CUDA RMSNorm / RoPE kernels in fast numerics,
 `models.numerics.fused_generation`; the cache and the captured graph kept for the next call
 of the same shape). What it is for (docs/GENERATOR.md): a
@@ -64,9 +64,9 @@ from generator.torch_engine.weights import TorchWeights
 from models import numerics as nx
 from models.base import LoopedLM
 from models.checkpoint import load_checkpoint, load_config, load_into, read_config
-from models.engine import KVCache, run_chunk
-from models.engine_graph import GraphDecoder
-from models.engine_tickgraph import GraphTicker
+from models.engine.chunk import KVCache, run_chunk
+from models.engine.graph import GraphDecoder
+from models.engine.tickgraph import GraphTicker
 from models.exits import (
     ExitPolicy,
     FixedDepth,
@@ -108,7 +108,7 @@ class TorchEngine(TorchWeights):
     model: an already built reference module (benchmarks, tests; `model_dir` may then be None).
     ticks: k > 0 decodes adaptive depths by ticks (generator.torch_engine.ticks; exited rows read out
     every k ticks); 0 = one `run_chunk` per decoded token. tick_graph: the ticks at one shape,
-    k of them per CUDA graph replay (`models.engine_tickgraph.GraphTicker`); None = on CUDA
+    k of them per CUDA graph replay (`models.engine.tickgraph.GraphTicker`); None = on CUDA
     where the policy decides on the device (not KL / EntropyDiff). readout_rows: with
     tick_graph, at most this many exited rows read out a step (the head and the draw on them
     alone; `GraphTicker`); None = every row of the batch.

@@ -1,5 +1,5 @@
 """The torch engine's adaptive decode by ticks (`TorchEngine(ticks=k)`): requests
-decoded on a `models.engine_ticks.Ticker`, every row at its own core iteration of its own token,
+decoded on a `models.engine.ticks.Ticker`, every row at its own core iteration of its own token,
 instead of one `run_chunk` per decoded token whose deepest row sets the iterations of all.
 
 The engine's loop otherwise: a free slot takes the next request, whose prompt is prefilled by
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from models.engine import KVCache
-from models.engine_graph import compiled_regions
-from models.engine_tickgraph import GraphTicker, graph_policy
-from models.engine_ticks import Ticker
+from models.engine.chunk import KVCache
+from models.engine.graph import compiled_regions
+from models.engine.tickgraph import GraphTicker, graph_policy
+from models.engine.ticks import Ticker
 
 
 def check_ticks(ticks: int, kv: str, graph: bool) -> int:
@@ -54,7 +54,7 @@ def generate_by_ticks(eng: Any, reqs: list[Any], cache: KVCache,
     depths) on ``cache``'s rows; ``eng``: the TorchEngine (its prefill, sampling and feed; typed
     loosely so that this module does not import generator.torch_engine.engine, which imports it).
     With ``eng.tick_graph`` the ticks run at one shape in a CUDA graph
-    (`models.engine_tickgraph.GraphTicker`; ``kept``: the previous call's on this cache, its
+    (`models.engine.tickgraph.GraphTicker`; ``kept``: the previous call's on this cache, its
     graph reused). Returns the ticker."""
     bsz = cache.filled.shape[0]
     ticker: Ticker

@@ -11,7 +11,7 @@ the reference's own code (`qkv` / `post` of the blocks, `embed`, `initial_state`
     coda layer j         prefix "coda.{P + D * L + j}.attn"
 
 (every name holds one integer, unique across the model). A forward over the step's flattened
-tokens runs, like `models.engine.run_chunk`:
+tokens runs, like `models.engine.chunk.run_chunk`:
 
     e = prelude(embed(tokens));  s = initial_state(e, positions, latent seeds)
     for d in 1..D: core stack on the tokens still running; exits: prompt positions at D,
@@ -379,7 +379,7 @@ class _LoopedVllm:
                     info.uniform = exit_uniform(seeds[pol_idx], pos[pol_idx], d + 1)
                 hit, exit_carry = should_exit(self.policy, info, exit_carry)
                 decided = active[pol_idx] & hit.to(dev)
-                if elp is not None and info.gate_logit is not None:  # models.engine's order
+                if elp is not None and info.gate_logit is not None:  # models.engine.chunk's order
                     term = exit_step_logprob(info.gate_logit, decided, d + 1, min_d, forced, mode)
                     elp = elp + torch.where(active[pol_idx], term.to(elp.device),
                                             torch.zeros_like(elp))  # fmt: skip

@@ -208,7 +208,7 @@ class ExitSum:
     policy's per-loop replay): after iteration k, ``add(k, gate_logit)`` with the exit gate's
     logit of the state [B, L] adds models.exits.exit_step_logprob / exit_step_entropy at the
     tokens that ran iteration k (e_t >= k), in iteration order: the operations of
-    models.engine.run_chunk, so exact numerics give the generator's claims bit for bit.
+    models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit.
     ``forced`` [B]: each row's full depth (the run's D, where the gate is no longer consulted,
     docs/CONTRACTS.md 2), not its deepest recorded position."""
 

@@ -1,6 +1,6 @@
 """Backend "reference": learner.step.LearnerStep over learner.torch_policy.TorchPolicy.
 
-The plain-PyTorch policy (models.engine replaying each row's latent seed and exit depths,
+The plain-PyTorch policy (models.engine.chunk replaying each row's latent seed and exit depths,
 torch optimizers) runs the learner's one step (learner.step) like the megatron backend; it is
 the independent forward that checks megatron (tests/pipeline/test_epochs.py: the same bits in
 numerics exact) and a small deterministic backend for CPU runs (same inputs, same thread count

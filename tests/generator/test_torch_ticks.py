@@ -32,7 +32,7 @@ CASES: list[tuple[str, ExitPolicy, int]] = [
 def test_ticks_records_equal_the_reference(
     family: str, policy: ExitPolicy, ticks: int, tick_graph: bool, tmp_path: Path
 ) -> None:
-    """(tick_graph: the ticks at one shape, models.engine_tickgraph.GraphTicker; a CUDA graph
+    """(tick_graph: the ticks at one shape, models.engine.tickgraph.GraphTicker; a CUDA graph
     on a GPU, eager on the same buffers here.)"""
     path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
     eng = TorchEngine(path, numerics="exact", exit_policy=policy, max_num_seqs=2, device="cpu",
@@ -57,7 +57,7 @@ def test_graph_steps_records_equal_the_reference(
     have more exited rows than that) while the last step collected read out fewer, else all
     four: the records are the same."""
     import generator.torch_engine.ticks as tt
-    from models.engine_tickgraph import GraphTicker
+    from models.engine.tickgraph import GraphTicker
 
     calls = []
     real = tt._by_graph_steps

@@ -286,7 +286,7 @@ def _two_backends(root_s: str) -> dict[str, Any]:
 @pytest.mark.megatron
 def test_both_policies_train_the_exit_to_the_same_bits(tmp_path: object) -> None:
     """The megatron policy (learner.loop_forward.exit_forward: the gate after each core
-    iteration through LoopedGPT's loop hook) and the reference policy (models.engine.run_chunk)
+    iteration through LoopedGPT's loop hook) and the reference policy (models.engine.chunk.run_chunk)
     on the same sampled-exit rollouts (tiny Ouro, exact numerics, grpo with the exit term and
     its entropy bonus): every metric of the update the same bits (the forwards agree exactly:
     exit log-probs, entropies, token log-probs) and each rollout's exit claim measured at 0;

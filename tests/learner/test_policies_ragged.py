@@ -1,5 +1,5 @@
 """Both learner policies on ragged rows (exact numerics: the same bits across the two
-policies for every loop-aware term): the reference policy (learner.torch_policy, models.engine's
+policies for every loop-aware term): the reference policy (learner.torch_policy, models.engine.chunk's
 replay) and the megatron policy (learner.loop_forward, LoopedGPT's loop hook) take one step on
 the same sampled-exit rollouts of a tiny Ouro: prompts of 1-4 tokens, responses cut to 7, 3, 1
 and 5 tokens, exit depths 1..4 drawn from the gate (SampledGate, exact numerics). Each loop

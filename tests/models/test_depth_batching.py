@@ -1,4 +1,4 @@
-"""Depth batching in the reference engine (models.engine): at each core
+"""Depth batching in the reference engine (models.engine.chunk): at each core
 iteration only the positions still running are computed (compacted), and the results equal the
 uncompacted path (`run_chunk(compact=False)`: every row to the deepest one, K/V writes masked):
 bit for bit in exact numerics, within 1e-6 in fast, on mixed exit depths, for both KV semantics,
@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-import models.engine as engine
+import models.engine.chunk as engine
 import models.reference as reference
 from models.exits import KL, ExitPolicy, LatentDiff, OuroGate
 from models.reference import Generation, SamplingParams, generate, replay

@@ -1,4 +1,4 @@
-"""models.engine_attention.decode_attention (the torch engine's decode attention, a Triton
+"""models.engine.attention.decode_attention (the torch engine's decode attention, a Triton
 kernel) against the exact recipe of models.numerics.attention: under Triton's CPU interpreter
 (a subprocess: TRITON_INTERPRET is read when the kernel is decorated) and, on CUDA, on the
 device, through numerics.attention inside fused_generation."""
@@ -41,7 +41,7 @@ def _case(dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
 
 _CHECK = """
 import json, torch
-from models.engine_attention import decode_attention
+from models.engine.attention import decode_attention
 from models import numerics as nx
 from tests.models.test_engine_attention import _case
 out = {}
@@ -95,7 +95,7 @@ def test_decode_kernel_on_cuda_through_numerics() -> None:
         assert got.dtype == dtype and got.shape == (3, 1, 96)
         assert float((got.float() - ref).abs().max()) <= tol
     # each query at its own (slot, row) of a [3 slots, 4 rows] cache, on the device
-    from models.engine_attention import decode_attention
+    from models.engine.attention import decode_attention
 
     q, k, v, mask = _case(torch.float32, "cuda")
     ks = torch.stack([torch.cat([k, 9 + k[:1]]) * (1 + j) for j in range(3)])

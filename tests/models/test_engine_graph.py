@@ -1,4 +1,4 @@
-"""The sync-free fixed-depth decode step (models.engine_graph) against run_chunk's decode, and
+"""The sync-free fixed-depth decode step (models.engine.graph) against run_chunk's decode, and
 generate(graph=True) against generate(): the same bits on the CPU, where GraphDecoder runs the
 graph's step eagerly."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from models.base import LoopedLM
-from models.engine import KVCache, run_chunk
-from models.engine_graph import GraphDecoder, decode_step
+from models.engine.chunk import KVCache, run_chunk
+from models.engine.graph import GraphDecoder, decode_step
 from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate
 from models.noise import latent_noise
 from models.reference import SamplingParams, generate

@@ -1,4 +1,4 @@
-"""models.engine_kv (the fixed-shape tick decode's K/V writes as Triton kernels): each kernel
+"""models.engine.kv (the fixed-shape tick decode's K/V writes as Triton kernels): each kernel
 against the torch ops it replaces, bit for bit (pure copies), under Triton's CPU interpreter
 (a subprocess: TRITON_INTERPRET is read when the kernels are decorated) and on CUDA."""
 

@@ -1,9 +1,9 @@
-"""Decode by ticks (models.engine_ticks): every row at its own core iteration of its
-own token. Against the chunk loop it replaces (`models.engine.run_chunk`, one token per row per
+"""Decode by ticks (models.engine.ticks): every row at its own core iteration of its
+own token. Against the chunk loop it replaces (`models.engine.chunk.run_chunk`, one token per row per
 chunk, the same exit depths): logits, chosen tokens, depths and the whole KV cache bit for bit
 in exact numerics, within 1e-6 in fast; the ticks run are the deepest row's summed depths, not
 the tokens x the deepest depth of each chunk. Each test runs the eager, compacted `Ticker` and
-the fixed-shape `GraphTicker` (models.engine_tickgraph: every row every tick, no host sync,
+the fixed-shape `GraphTicker` (models.engine.tickgraph: every row every tick, no host sync,
 the ticks a CUDA graph on a GPU; eager here on the same buffers)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from models import numerics as nx
-from models.engine import KVCache, run_chunk
-from models.engine_tickgraph import GraphTicker
-from models.engine_ticks import Ticker, decode_ticks
+from models.engine.chunk import KVCache, run_chunk
+from models.engine.tickgraph import GraphTicker
+from models.engine.ticks import Ticker, decode_ticks
 from models.exits import KL, ExitPolicy, LatentDiff, OuroGate, SampledGate
 from tests.models.test_reference import model_of
 
@@ -199,7 +199,7 @@ def test_first_rows_takes_the_first_exited_rows_at_a_fixed_shape(n: int) -> None
     """`first_rows(w, n)` (the compacted readout's row choice): the first n True rows of w by
     index are selected; idx holds n distinct rows, the selected ones first in order; valid =
     sel[idx]. Masks with none, fewer than n, exactly n and more than n rows set."""
-    from models.engine_tickdecide import first_rows
+    from models.engine.tickdecide import first_rows
 
     g = torch.Generator().manual_seed(5)
     masks = [torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)]

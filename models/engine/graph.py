@@ -1,6 +1,6 @@
 """The fixed-depth decode step without host syncs, and its CUDA graph.
 
-`models.engine.run_chunk` decodes one token per row per chunk; at a fixed depth (every token
+`models.engine.chunk.run_chunk` decodes one token per row per chunk; at a fixed depth (every token
 runs `depth` core iterations: `models.exits.FixedDepth`) its arithmetic has no data-dependent
 control flow, yet it syncs with the host every chunk (boolean-mask K/V writes, `.any()`
 checks, `.tolist()` of rows, the CPU latent noise), so it cannot be captured in a CUDA graph.
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.engine import (
+from models.engine.chunk import (
     ChunkOut,
     KVCache,
     Regions,

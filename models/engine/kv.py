@@ -1,4 +1,4 @@
-"""K/V cache writes of the fixed-shape tick decode (`models.engine_tickgraph`), as Triton kernels
+"""K/V cache writes of the fixed-shape tick decode (`models.engine.tickgraph`), as Triton kernels
 on CUDA: one program per row (and kv head), no advanced-index kernels.
 
 The ticks write one position per row per layer into a slot that differs per row, and a readout

@@ -1,6 +1,6 @@
 """Decode by ticks: every row at its own core iteration of its own token.
 
-`models.engine.run_chunk` decodes one token per row per chunk: a chunk runs the core until its
+`models.engine.chunk.run_chunk` decodes one token per row per chunk: a chunk runs the core until its
 deepest row exits, so at a mean exit depth of D/2 a batch still runs ~D iterations, and where an
 iteration's cost does not shrink with the rows still running (weight reads, launches, attention
 over the whole layout: docs/PERFORMANCE.md "Depth batching") depth saves little. Here a *tick*
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.engine import EngineModel, KVCache, _key_mask, _qkv, _seed_tensor
+from models.engine.chunk import EngineModel, KVCache, _key_mask, _qkv, _seed_tensor
 from models.exits import (
     ExitCarry,
     ExitPolicy,
@@ -90,7 +90,7 @@ class Ticker:
     read out; the caller chooses their next tokens and feeds them (or new requests' tokens after
     a prefill of their own) while the other rows keep their place. Rows never fed are idle.
 
-    model, cache: as `models.engine.run_chunk`'s (the cache's rows are the ticker's rows);
+    model, cache: as `models.engine.chunk.run_chunk`'s (the cache's rows are the ticker's rows);
     seeds: the rows' latent seeds (``set_seed`` when a row takes a new request); policy: an exit
     policy, or None when every fed token carries its exit depth;
     readout_every k: exited rows wait and are read out together every k ticks."""
@@ -241,7 +241,7 @@ def decode_ticks(
     token t of row b exiting after ``depths[t, b]`` iterations (T = depths.shape[0]) or when
     the exit ``policy`` says (T = ``tokens``) (`Ticker`). ``choose``: logits [M, V] -> tokens
     [M] (default argmax). ``ticker_cls``: `Ticker` (default) or a subclass taking its
-    arguments (`models.engine_tickgraph.GraphTicker`: every row every tick, in a CUDA graph)."""
+    arguments (`models.engine.tickgraph.GraphTicker`: every row every tick, in a CUDA graph)."""
     if (depths is None) == (policy is None):
         raise ValueError("decode_ticks needs exactly one of depths and policy")
     bsz = first.shape[0]

@@ -1,6 +1,6 @@
 """Decode by ticks in a CUDA graph: every row, every tick, one fixed shape.
 
-`models.engine_ticks.Ticker` runs a tick on the rows still iterating (compacted, like the chunk
+`models.engine.ticks.Ticker` runs a tick on the rows still iterating (compacted, like the chunk
 decode's depth batching) and asks the host after every tick which rows exited: on a GPU each
 tick is ~150 eager kernel launches plus gathers and a sync, so at a batch of 256 the adaptive
 decode was launch-bound at ~5x the fixed-depth CUDA graph's time per token
@@ -11,9 +11,9 @@ decode was launch-bound at ~5x the fixed-depth CUDA graph's time per token
   or exited and waiting for its readout) computes too, but its state, iteration count, exit
   carry and K/V stay as they were (``torch.where`` on the results; its K/V go to a spare core
   slot D when the cache has one, as the torch engine's has, else it puts back the value already
-  there); the K/V row writes are `models.engine_kv` kernels on CUDA;
+  there); the K/V row writes are `models.engine.kv` kernels on CUDA;
 - attention reads each row's own (slot, row) of the layer's cache: on CUDA in fast numerics the
-  decode kernel's slot index (`models.engine_attention.decode_attention(rows=, slots=)`, no
+  decode kernel's slot index (`models.engine.attention.decode_attention(rows=, slots=)`, no
   gather), elsewhere a gather of the row's slot and `numerics.attention`;
 - the exit policy decides on the device for every row at its own depth
   (`models.exits.should_exit` with per-row depths, `exit_uniform(..., check=False)`,
@@ -31,14 +31,14 @@ host sync between them. Two ways to read out:
   written into the graph's static buffers);
 - `step` / `launch` + `collect` (`sample_in_graph`: one temperature and top_p for every row):
   the replay is the ticks, then `_readout_feed` at the same fixed shape: the exited rows'
-  last_exited copies (`models.engine_kv.carry_exits`), coda and head, the draw
+  last_exited copies (`models.engine.kv.carry_exits`), coda and head, the draw
   (`models.sampling.draw_keys` with each row's sampler key and step on the device) and the feed
   of the drawn token (position + 1, prelude, initial state with the latent noise on the device,
   RoPE rows from a table, key mask); `out` [5, B] says which rows were read out, with their
   token, log-prob, exit depth and exit log-prob, copied to a pinned host buffer per launch (two:
   the host files one step while the next runs; the caller retires finished rows, `retire`).
   ``readout_rows`` n < B: the readout, coda, head and draw run on n rows, the first n that
-  exited (`models.engine_tickdecide.first_rows`; any more wait for a later step), not on all B (the head over the
+  exited (`models.engine.tickdecide.first_rows`; any more wait for a later step), not on all B (the head over the
   vocabulary and the draw cost per row; at mean depth ~D/2 with a readout every 4 ticks about
   0.4 B rows exit per step); a step runs the n-row graph while the last step collected read
   out fewer than n rows, else the full one.
@@ -63,10 +63,10 @@ import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.engine import EngineModel, KVCache, Regions, _key_mask, _post, _qkv, _seed_tensor
-from models.engine_kv import carry_exits, write_rows
-from models.engine_tickdecide import compiled_decide, decide, first_rows
-from models.engine_ticks import Ticker
+from models.engine.chunk import EngineModel, KVCache, Regions, _key_mask, _post, _qkv, _seed_tensor
+from models.engine.kv import carry_exits, write_rows
+from models.engine.tickdecide import compiled_decide, decide, first_rows
+from models.engine.ticks import Ticker
 from models.exits import ExitPolicy, OuroGate, needs_gate, needs_logits
 from models.layers import Block
 from models.noise import latent_noise_torch
@@ -83,7 +83,7 @@ def graph_policy(policy: ExitPolicy | None) -> bool:
 class GraphTicker(Ticker):
     """`Ticker` whose ticks run every row at one shape, ``readout_every`` of them per CUDA graph
     replay (module doc). graph: None = a graph exactly when the cache is on CUDA; regions: the
-    blocks' compiled (qkv, post) (`models.engine_graph.compiled_regions`, fast mode);
+    blocks' compiled (qkv, post) (`models.engine.graph.compiled_regions`, fast mode);
     warmup: eager runs before the capture (with every row idle: nothing changes)."""
 
     def __init__(
@@ -94,7 +94,7 @@ class GraphTicker(Ticker):
     ) -> None:  # fmt: skip
         if not graph_policy(policy):
             raise ValueError(f"{type(policy).__name__} reads a readout every iteration: decode "
-                             "it by eager ticks (models.engine_ticks.Ticker)")  # fmt: skip
+                             "it by eager ticks (models.engine.ticks.Ticker)")  # fmt: skip
         if regions is not None and mode != "fast":
             raise ValueError("compiled blocks are fast numerics only")
         super().__init__(model, cache, seeds, max_depth=max_depth, policy=policy, mode=mode,
@@ -465,7 +465,7 @@ def _slot_kernel(x: Tensor, mode: str):  # type: ignore[no-untyped-def]
     (fast mode, CUDA, inside `fused_generation`), else None (a gather and numerics.attention)."""
     if mode == "exact" or not nx.DECODE_KERNEL or not nx._fused_inference(x):
         return None
-    from models import engine_attention as ea  # (Triton: imported on CUDA only)
+    from models.engine import attention as ea  # (Triton: imported on CUDA only)
 
     return ea.decode_attention if ea.triton is not None else None
 

@@ -164,7 +164,7 @@ class _Rows:
     mode: str
     regions: Regions | None = None
     """Compiled (qkv, post) callables in place of `_qkv` / `Block.post` (the fixed-depth CUDA
-    graph decode, `models.engine_graph.compiled_regions`); None: eager."""
+    graph decode, `models.engine.graph.compiled_regions`); None: eager."""
 
 
 def _qkv(blk: Block, x: Tensor, rope: Tensor, mode: str) -> tuple[Tensor, Tensor, Tensor]:

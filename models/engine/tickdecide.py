@@ -1,5 +1,5 @@
 """What a tick graph decides on the device, row by row, at one shape and with no host sync
-(`models.engine_tickgraph.GraphTicker`): after a tick, each row's exit (`decide`, the
+(`models.engine.tickgraph.GraphTicker`): after a tick, each row's exit (`decide`, the
 exit policy at the row's own depth); at a readout, which exited rows read out (`first_rows`)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ shape (docs/PERFORMANCE.md). A decode query reads each key and value once: this 
 exactly that, one program per (row, query head) walking the cache positions in blocks with
 an online softmax (running max, rescaled sums) in fp32, keys and values read in the cache's
 layout and dtype, the mask's invisible positions skipped as -inf (every row sees at least one
-key: `models.engine._key_mask`). Query head h reads kv head h // (H / G). Output in q's dtype.
+key: `models.engine.chunk._key_mask`). Query head h reads kv head h // (H / G). Output in q's dtype.
 
 Not bit-equal to SDPA (another summation order; within fp32 rounding before the cast): fast
 mode only, and only where the torch engine asks for it (`fused_generation`), so the learner's
@@ -103,7 +103,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int
     gathering their keys and values (mask stays [B, 1, T], one per query). ``slots`` [B] int64
     (with ``rows``): k / v are [S, R, T, G, D] (S slots, e.g. the core iterations' caches of
     one layer) and query b reads k[slots[b], rows[b]] (decode by ticks: each row at its own
-    iteration, `models.engine_tickgraph`)."""
+    iteration, `models.engine.tickgraph`)."""
     bsz, _, heads, dim = q.shape
     if slots is not None:
         if rows is None or slots.shape != (bsz,) or slots.dtype != torch.int64 or k.dim() != 5:
