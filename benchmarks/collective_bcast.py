@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _coll() -> Any:
     spec = importlib.util.spec_from_file_location(
-        "looprl_collective", ROOT / "models" / "weights" / "collective.py"
+        "looprl_collective", ROOT / "weights" / "collective.py"
     )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
