@@ -42,8 +42,9 @@ from proto.records import WorkItem  # noqa: E402
 
 def llama_like(family: str, out: Path) -> tuple[Path, int]:
     """A random Llama with the looped model's unrolled layer count; (path, layers)."""
-    from models.checkpoint import save_checkpoint, state_dict_for_save, tied_from_module
+    from models.checkpoint import save_checkpoint, state_dict_for_save
     from models.reference import build_model
+    from models.ties import tied_from_module
     from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
 
     cfg: Any = tiny_config(family)

@@ -113,7 +113,7 @@ def serve(spec: dict[str, Any]) -> None:
     import torch
 
     from models.checkpoint import load_config
-    from pipeline.net.transport import TransportConfig
+    from pipeline.net.transport_config import TransportConfig
     from pipeline.net.transport_zmq import ZmqGeneratorConnection
     from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 

@@ -33,7 +33,8 @@ from proto.records import WorkItem  # noqa: E402
 
 
 def _save(model: LoopedLM, out: Path) -> Path:
-    from models.checkpoint import save_checkpoint, state_dict_for_save, tied_from_module
+    from models.checkpoint import save_checkpoint, state_dict_for_save
+    from models.ties import tied_from_module
     from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
 
     config = model.config

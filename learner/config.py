@@ -14,40 +14,17 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from learner.objective_config import (  # noqa: F401  (part of this module's API)
-    ADVANTAGE_ESTIMATORS,
-    AGGREGATIONS,
-    ANCHORS,
-    DEPTH_COST_IN,
-    DIVERGENCES,
-    GROUP_ESTIMATORS,
-    IS_LEVELS,
-    IS_MODES,
-    KINDS,
-    KL_CAP_DEFAULT,
-    KL_ESTIMATORS,
-    KL_REWARD_LEVELS,
-    KL_REWARD_LOGPS,
-    LENGTH_NORMED,
-    LOOP_WEIGHTINGS,
-    RATIO_LEVELS,
-    SINGLETONS,
-    WHITEN_STDS,
+from learner.objective_config import (
     ObjectiveConfig,
 )
 from models.contract import NUMERICS, Sampling
 from models.settings import check, checker
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "AGGREGATIONS",
-    "KINDS",
-    "KL_ESTIMATORS",
     "OPTIMIZERS",
     "PRECISIONS",
     "SCHEDULES",
     "LearnerConfig",
-    "ObjectiveConfig",
     "OptimConfig",
     "ScheduleConfig",
     "TrainConfig",

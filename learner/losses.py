@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from learner.config import AGGREGATIONS, KL_CAP_DEFAULT, KL_ESTIMATORS, LENGTH_NORMED
+from learner.objective_config import AGGREGATIONS, KL_CAP_DEFAULT, KL_ESTIMATORS, LENGTH_NORMED
 
 __all__ = [
     "AGGREGATIONS",

@@ -78,7 +78,7 @@ from learner.objectives.loops import (
     row_full_depths,
 )
 from learner.shaping import depth_fraction, penalise_kl, shape_rollouts
-from learner.step_api import DataParallel, Net, Policy
+from learner.step_api import Net, Policy
 from learner.step_metrics import (
     StepMetrics,
     exit_mismatch,
@@ -89,7 +89,7 @@ from learner.step_metrics import (
 from models.rows import micro_spans
 from proto.records import Rollout
 
-__all__ = ["DataParallel", "LearnerStep", "Net", "Policy"]  # the interface: learner.step_api
+__all__ = ["LearnerStep"]  # the interface it drives: learner.step_api
 
 Rows = list[tuple[int, int, int, int]]
 """Per mini-batch: (global start, global stop, this rank's start, stop) in the sorted batch."""

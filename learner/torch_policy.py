@@ -1,5 +1,6 @@
-"""learner.step.Policy in plain PyTorch: the models.reference forward (models.engine.chunk.run_chunk
-replaying each row's latent seed and exit depths) and torch optimizers.
+"""learner.step_api.Policy in plain PyTorch: the models.reference forward
+(models.engine.chunk.run_chunk replaying each row's latent seed and exit depths) and torch
+optimizers.
 
 It is the independent forward that checks the megatron policy (tests/pipeline/test_epochs.py:
 in numerics exact the two give the same bits; in fast within 1e-6) and a small deterministic
@@ -39,7 +40,7 @@ from learner.objectives.loops import (
     spread,
     tap,
 )
-from learner.step import DataParallel
+from learner.step_api import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
 from models.base import LoopedLM
@@ -59,7 +60,7 @@ def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimiz
 
 
 class TorchNet:
-    """learner.step.Net on a torch optimizer (module docstring)."""
+    """learner.step_api.Net on a torch optimizer (module docstring)."""
 
     def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig, *,
                  exact: bool = False) -> None:  # fmt: skip
@@ -122,7 +123,7 @@ class TorchCritic(nn.Module):
 
 
 class TorchPolicy:
-    """learner.step.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
+    """learner.step_api.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
     semantics (models.exits.resolve_kv); ``critic``: a trunk for the critic (the starting
     checkpoint's, loaded again), ``reference``: the frozen reference policy of
     objective.kl_coef."""

@@ -33,29 +33,23 @@ from learner.loop_forward import exit_forward, loop_forward
 from learner.network import Network, seed_all
 from learner.objectives.loops import check_gate
 from learner.replay import unwrap
-from learner.specs import (  # noqa: F401  (the looped families' specs: part of this API)
+from learner.specs import (
     CriticSpec,
     PolicySpec,
-    looped_critic_spec,
-    looped_policy_spec,
 )
-from learner.step import DataParallel, LearnerStep
+from learner.step import LearnerStep
+from learner.step_api import DataParallel
 from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import contract_token_stats, nucleus_rows, token_stats
 
 __all__ = [
-    "CriticSpec",
     "MegatronPolicy",
-    "Network",
-    "PolicySpec",
     "Trainer",
-    "looped_critic_spec",
-    "looped_policy_spec",
 ]
 
 
 class MegatronPolicy:
-    """learner.step.Policy on megatron-core: the policy (and critic) as `Network`s (Megatron
+    """learner.step_api.Policy on megatron-core: the policy (and critic) as `Network`s (Megatron
     DDP + optimizer + LR schedule), forwarded through their `PolicySpec` / `CriticSpec`."""
 
     def __init__(

@@ -40,13 +40,11 @@ from safetensors.torch import load_file, save_file
 
 from models.errors import CheckpointError, ConfigError
 from models.pool import hash_pool
-from models.ties import (  # noqa: F401  (part of this module's API)
+from models.ties import (
     alias_groups,
     apply_ties,
     drop_tied,
-    find_aliases,
     same_tensor,
-    tied_from_module,
     view_key,
 )
 from proto.fileio import fsync_path

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import save_checkpoint, state_dict_for_save, tied_from_module
+from models.checkpoint import save_checkpoint, state_dict_for_save
 from models.config import config_from_hf_dict, tiny_config
+from models.ties import tied_from_module
 from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
 
 FAMILIES = ("huginn", "ouro", "nanbeige", "llama")

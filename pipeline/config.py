@@ -19,31 +19,23 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from learner.config import KINDS as OBJECTIVES  # noqa: F401  (part of this API)
-from learner.config import LearnerConfig, ObjectiveConfig, OptimConfig, ScheduleConfig
+from learner.config import LearnerConfig, OptimConfig, ScheduleConfig
+from learner.objective_config import ObjectiveConfig
 from models import settings
 from models.contract import NUMERICS
-from models.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError)
+from models.errors import ConfigError
 from models.exits import is_sampled, policy_kind
-from models.settings import parse_overrides  # noqa: F401  (part of this API)
-from pipeline.config_outputs import (  # noqa: F401  (the sections are part of this API)
+from models.settings import parse_overrides
+from pipeline.config_outputs import (
     COLLECTIVE,
-    FSYNC,
-    SHARED_FS,
-    SHM,
-    WEIGHT_TRANSPORTS,
-    ZMQ,
     CheckpointSection,
     MetricsSection,
     PublishSection,
     RecordSection,
-    WeightTransport,
 )
-from pipeline.config_sections import (  # noqa: F401  (the sections are part of this API)
+from pipeline.config_sections import (
     ADAPTIVE_EXITS,
-    POLICIES,
     SEED_LIMIT,
-    TASKS,
     EndpointsSection,
     EvalSection,
     GeneratorsSection,

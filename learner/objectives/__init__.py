@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from learner.config import KINDS, ObjectiveConfig
 from learner.losses import (
     aggregate,
     masked_mean,
     ratio_from_log,
     value_loss_terms,
 )
+from learner.objective_config import KINDS, ObjectiveConfig
 from learner.objectives import clip, divergence_ppo, flow_dppo, terms
 from learner.objectives.batch import LossBatch, Tokens, ValueBatch
 from learner.objectives.correction import Correction, rollout_correction
@@ -69,10 +69,10 @@ KIND_REGISTRY: dict[str, Kind] = {
     "flow_dppo": flow_dppo.FLOW_DPPO,
     "divergence_ppo": divergence_ppo.DIVERGENCE_PPO,
 }
-"""objective.kind -> its Kind (learner.config.KINDS names the same keys)."""
+"""objective.kind -> its Kind (learner.objective_config.KINDS names the same keys)."""
 TERMS: tuple[Term, ...] = (terms.KL_REFERENCE, terms.ENTROPY, terms.KL_OLD_METRIC)
 """The terms added to every kind's loss, in this order."""
-assert set(KIND_REGISTRY) == set(KINDS), "learner.config.KINDS and KIND_REGISTRY differ"
+assert set(KIND_REGISTRY) == set(KINDS), "learner.objective_config.KINDS and KIND_REGISTRY differ"
 
 
 def behaviour_weighted(cfg: ObjectiveConfig) -> bool:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from learner.config import ObjectiveConfig
 from learner.losses import clipped_surrogate, masked_mean
+from learner.objective_config import ObjectiveConfig
 from learner.objectives.batch import Tokens
 from learner.objectives.kind import Kind, Metrics
 

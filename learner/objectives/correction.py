@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from learner.config import ObjectiveConfig
 from learner.losses import behaviour_weight
+from learner.objective_config import ObjectiveConfig
 
 __all__ = ["Correction", "rollout_correction"]
 

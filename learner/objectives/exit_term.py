@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.config import ObjectiveConfig
 from learner.losses import clipped_surrogate, masked_mean, ratio_from_log
+from learner.objective_config import ObjectiveConfig
 from learner.objectives.batch import LossBatch, Tokens
 from learner.objectives.correction import rollout_correction
 from learner.objectives.kind import Metrics

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from learner.config import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from learner.objectives.batch import Tokens
 
 __all__ = ["Kind", "Metrics", "Term"]

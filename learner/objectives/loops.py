@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from learner.config import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from models.exits import exit_step_entropy, exit_step_logprob
 
 if TYPE_CHECKING:

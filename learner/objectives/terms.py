@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from learner.config import ObjectiveConfig
 from learner.losses import kl_penalty, masked_mean
+from learner.objective_config import ObjectiveConfig
 from learner.objectives.batch import Tokens
 from learner.objectives.kind import Metrics, Term
 

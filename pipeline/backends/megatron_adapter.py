@@ -27,7 +27,8 @@ from learner import checkpoint as learner_checkpoint
 from learner.mcore_model import MegatronOptions
 from learner.parallel import destroy_distributed, init_distributed
 from learner.publish import looped_exporter, snapshot_publication
-from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
+from learner.specs import looped_critic_spec, looped_policy_spec
+from learner.trainer import Trainer
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config

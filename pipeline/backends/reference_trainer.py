@@ -29,18 +29,13 @@ from learner.batching import sort_rollouts
 from learner.step import LearnerStep
 from learner.torch_policy import TorchPolicy
 from models.base import LoopedLM
-from models.checkpoint import (
-    load_model,
-    read_config,
-    save_checkpoint,
-    state_dict_for_save,
-    tied_from_module,
-)
+from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
+from models.errors import ConfigError
 from models.exits import resolve_kv
-from models.ties import detached_copy
+from models.ties import detached_copy, tied_from_module
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
-from pipeline.config import ConfigError, RunConfig
+from pipeline.config import RunConfig
 from proto import Rollout
 from weights.digest import check_finite
 from weights.publication import Publication

@@ -37,15 +37,13 @@ import torch
 from generator.reward_runner import RewardRunner
 from models.chat import ChatRenderer, eos_token_ids
 from models.checkpoint import load_model
+from models.errors import ConfigError
 from models.exits import ExitPolicy, FixedDepth
 from models.noise import derive_latent_seed
 from models.reference import SamplingParams, generate
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import RunConfig, load_config
 from pipeline.config_sections import EvalSection
-from pipeline.core.eval_rounds import (
-    check_depths,
-    correct_of,  # noqa: F401  (also this command's API)
-)
+from pipeline.core.eval_rounds import check_depths, correct_of
 from pipeline.core.tasks import dataset_prompts, prompt_limit
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from generator.config import GeneratorConfig, exit_policy_arg
+from models.errors import ConfigError
 from pipeline.commands.generator_cli import flag_name
-from pipeline.config import ConfigError, RunConfig
+from pipeline.config import RunConfig
 from pipeline.config_sections import RUN_MANAGED
 from pipeline.net.security import generator_keys
 from pipeline.net.transport_config import TransportConfig

@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
 from pipeline.commands.learner_stops import LearnerStopped
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import RunConfig, load_config
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from models.checkpoint import load_config as load_model_config
+from models.errors import ConfigError
 from models.init import init_checkpoint
 from pipeline.backends.ranks import Leader, follow
 from pipeline.backends.trainer_api import build_trainer, with_learner_threads
@@ -49,7 +50,6 @@ from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_stops import LearnerStalled, LearnerStopped, disk_full
 from pipeline.commands.warm_start import warm_start_chain
 from pipeline.config import (
-    ConfigError,
     RunConfig,
     check_sections,
     load_config,

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError
+from models.errors import ConfigError
 from proto.stream import StreamError, StreamReader
 
 LOW_SPACE_BYTES = 1 << 20  # below this many free bytes a failed write is taken as "disk full"

@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from models.errors import ConfigError
 from pipeline.backends.trainer_api import build_trainer
 from pipeline.commands import console
 from pipeline.commands.learner_main import model_dir, resolve_config
-from pipeline.config import ConfigError
 from pipeline.core.recorder import read_rollouts, read_steps
 from pipeline.net.untrusted import EscapeArgs
 from proto.stream_format import check_stream_dir

@@ -39,7 +39,9 @@ from typing import Any
 from generator.rewards import synthetic_task_prompts
 from models.chat import ChatError, ChatRenderer, eos_token_ids
 from models.checkpoint import read_config
-from pipeline.config import ConfigError, RunConfig, TaskSection
+from models.errors import ConfigError
+from pipeline.config import RunConfig
+from pipeline.config_sections import TaskSection
 from pipeline.core.dispatch import Prompt, PromptSource
 
 log = logging.getLogger(__name__)

@@ -48,8 +48,7 @@ from typing import Any
 
 from pipeline.net.log_limit import RateLimitedLog, Throttle
 from pipeline.net.strikes import STRIKE_LIMIT, STRIKE_WINDOW_S, Strikes
-from pipeline.net.transport_config import (  # noqa: F401  (re-exported: the transport's API)
-    ACK_MAX_FRAME,
+from pipeline.net.transport_config import (
     CHANNELS,
     Channel,
     ConnectTimeout,

@@ -37,18 +37,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.net.security import ClientCurve, ServerCurve, check_bind, owns
-from pipeline.net.transport import (
-    CHANNELS,
-    Channel,
-    Clock,
-    GeneratorConnection,
-    Incoming,
-    LearnerEndpoint,
-    Raw,
-    TransportConfig,
-    TransportError,
-    _Base,
-)
+from pipeline.net.transport import Clock, GeneratorConnection, Incoming, LearnerEndpoint, Raw, _Base
+from pipeline.net.transport_config import CHANNELS, Channel, TransportConfig, TransportError
 from proto import Goodbye, Hello
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from models import settings
+from models.errors import ConfigError
 from pipeline.cli import main
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
 from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, RunConfig, field_docs, load_config
+from models.errors import ConfigError
+from pipeline.config import RunConfig, field_docs, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -84,7 +85,8 @@ def test_reference_tables_in_the_docs_are_generated_from_the_schemas() -> None:
 def test_each_default_is_stated_once_by_its_component() -> None:
     """The run config composes the components' own classes: its defaults are theirs."""
     from generator.config import GeneratorConfig
-    from learner.config import LearnerConfig, ObjectiveConfig, OptimConfig, ScheduleConfig
+    from learner.config import LearnerConfig, OptimConfig, ScheduleConfig
+    from learner.objective_config import ObjectiveConfig
     from models.contract import Sampling
 
     cfg = RunConfig()
@@ -153,14 +155,14 @@ def test_publish_transport_is_one_of_the_named_transports() -> None:
     is refused naming the key; the YAML value stays a string."""
     import typing
 
-    from pipeline.config import (
+    from pipeline.config import to_yaml
+    from pipeline.config_outputs import (
         COLLECTIVE,
         SHARED_FS,
         SHM,
         WEIGHT_TRANSPORTS,
         ZMQ,
         WeightTransport,
-        to_yaml,
     )
 
     assert (

@@ -101,8 +101,8 @@ def test_run_config_warm_start_is_the_chained_sft_calls(tiny: Path, tmp_path: Pa
     """warm_start.segments [2, 1] writes exactly what `looprl sft --steps 2 --seed 0` then
     `--steps 1 --seed 2` from its output write; bad settings name the key."""
     from models.checkpoint import load_checkpoint
+    from models.errors import ConfigError
     from pipeline.commands.warm_start import warm_start_chain
-    from pipeline.config import ConfigError
 
     data = tmp_path / "data"
     assert make_data([str(data), "--level", "copy", "--train", "6", "--test", "2"]) == 0

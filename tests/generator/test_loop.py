@@ -240,9 +240,9 @@ def test_reconnect_resends_unacked_only() -> None:
 
 
 def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> None:
-    transport = pytest.importorskip("pipeline.net.transport")
+    transport_config = pytest.importorskip("pipeline.net.transport_config")
     transport_memory = pytest.importorskip("pipeline.net.transport_memory")
-    cfg = transport.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
+    cfg = transport_config.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
     net, clock = transport_memory.MemoryNetwork(), FakeClock()
     ep1 = net.bind("learner", cfg, clock=clock)
     log: list[tuple[Any, ...]] = []

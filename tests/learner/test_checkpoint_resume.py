@@ -31,7 +31,8 @@ SCHEDULE = ScheduleConfig(style="cosine", warmup_steps=1, decay_steps=6, min_lr=
 
 
 def _trainer(case: str, tp: int) -> Any:
-    from learner.trainer import Trainer, looped_critic_spec, looped_policy_spec
+    from learner.specs import looped_critic_spec, looped_policy_spec
+    from learner.trainer import Trainer
     from models.config import tiny_config
 
     adam = OptimConfig(name="adam", lr=1e-3, weight_decay=0.01)

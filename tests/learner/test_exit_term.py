@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from learner.batching import build_batch
-from learner.config import ObjectiveConfig, OptimConfig, ScheduleConfig, TrainConfig
+from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.objective_config import ObjectiveConfig
 from learner.objectives import policy_loss
 from learner.torch_policy import TorchPolicy
 from models.config import tiny_config

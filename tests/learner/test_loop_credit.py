@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.config import ObjectiveConfig, TrainConfig
+from learner.config import TrainConfig
+from learner.objective_config import ObjectiveConfig
 from learner.objectives import policy_loss
 from learner.objectives.loops import LearnedLoopWeights, loop_weights
 from models.errors import ConfigError

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from learner.config import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from learner.objectives.loops import loop_weights
 from models.config import tiny_config
 from models.reference import build_model

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from learner.config import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from learner.objectives import policy_loss, rollout_correction
 from learner.step_metrics import StepMetrics, mismatch_stats
 from models.errors import ConfigError

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from learner.batching import build_batch, mask_stale_tokens
-from learner.config import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from models.errors import ConfigError
 from proto import Rollout
 

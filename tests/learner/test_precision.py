@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.config import ConfigError, load_config
+from models.errors import ConfigError
+from pipeline.config import load_config
 from tests.bench_import import load_benchmark
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import rollouts_for

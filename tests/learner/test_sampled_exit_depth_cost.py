@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner.config import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from learner.shaping import depth_fraction, shape_rollouts
 from proto.records import Rollout
 

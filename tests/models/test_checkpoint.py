@@ -12,7 +12,6 @@ from safetensors import safe_open
 from models.checkpoint import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
-    find_aliases,
     load_checkpoint,
     load_into,
     plan_shards,
@@ -22,6 +21,7 @@ from models.checkpoint import (
     validate_state_dict,
 )
 from models.errors import CheckpointError, ConfigError
+from models.ties import find_aliases
 
 
 def checkpoint_files(path: Path) -> list[str]:
@@ -362,9 +362,10 @@ FAMILIES = ["huginn", "ouro", "nanbeige", "llama"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_round_trip_same_logits(tmp_path: Path, family: str) -> None:
     pytest.importorskip("models.reference")
-    from models.checkpoint import load_model, tied_from_module
+    from models.checkpoint import load_model
     from models.config import tiny_config
     from models.reference import build_model
+    from models.ties import tied_from_module
 
     config = tiny_config(family)
     model = build_model(config, seed=0)

@@ -207,7 +207,7 @@ def tail(path: Path, n: int = 40) -> str:
 
 # -- peers run inside the namespaces (python -m tests.pipeline.netns ROLE ...) ---------------
 def _fast() -> Any:
-    from pipeline.net.transport import TransportConfig
+    from pipeline.net.transport_config import TransportConfig
 
     return TransportConfig(
         heartbeat_interval_s=0.2,

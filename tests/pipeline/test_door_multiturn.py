@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from models.errors import ConfigError
+from pipeline.config import load_config
 from pipeline.core.validation import (
     REASONS,
     DoorRules,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from models.errors import ConfigError
 from pipeline.cli import main
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
 
 BAD = ["rollout.n=1", "objective.dynamic_sampling=true"]
 

@@ -84,7 +84,7 @@ def test_one_update_never_clips_several_do(model: Path, backend: str, kind: str)
 
 
 def test_minibatches_must_divide_the_groups() -> None:
-    from pipeline.config import ConfigError
+    from models.errors import ConfigError
 
     with pytest.raises(ConfigError, match="objective.minibatches"):
         load_config(None, ["rollout.prompts_per_step=3", "objective.minibatches=2"])
@@ -97,7 +97,7 @@ def test_minibatches_must_divide_the_groups() -> None:
 
 def test_objective_keys_either_backend_cannot_honour_are_refused() -> None:
     """Rule: every key is honoured by every backend or refused with a message."""
-    from pipeline.config import ConfigError
+    from models.errors import ConfigError
 
     with pytest.raises(ConfigError, match="objective.kl_estimator"):
         load_config(None, ["objective.kl_coef=0.05", "objective.kl_estimator=k9"])
@@ -130,7 +130,7 @@ def test_actor_critic_for_dppo_with_its_own_lr_and_whitening(model: Path, backen
     finally:
         t.close() if backend == "megatron" else None
     assert "value_loss" in m and np.isfinite(m["value_loss"]) and np.isfinite(m["loss"])
-    from pipeline.config import ConfigError
+    from models.errors import ConfigError
 
     with pytest.raises(ConfigError, match="grpo uses group advantages"):
         load_config(None, ["objective.critic=true"])
@@ -195,8 +195,8 @@ def test_reference_policy_kl(model: Path, backend: str, in_reward: bool) -> None
 
 
 def test_reference_path_must_be_the_same_model(model: Path, tmp_path: Path) -> None:
+    from models.errors import ConfigError
     from models.init import init_checkpoint
-    from pipeline.config import ConfigError
 
     init_checkpoint("ouro", "tiny", tmp_path / "ouro", seed=0)
     with pytest.raises(ConfigError, match="model.reference_path.*not the policy's"):

@@ -145,7 +145,8 @@ def test_fixed_depth_rounds(tmp_path: Path) -> None:
 def test_depth_checks() -> None:
     """eval.depths refused in one line naming the key: 0, > 255, not ints, duplicates; a
     depth-1 family takes [1] only."""
-    from pipeline.config import ConfigError, load_config
+    from models.errors import ConfigError
+    from pipeline.config import load_config
     from pipeline.core.eval_rounds import check_depths
 
     base = ["eval.every=1", "task.kind=dataset", "task.path=x"]

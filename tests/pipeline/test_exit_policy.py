@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from models.errors import ConfigError
 from models.exits import (
     KL,
     ExitPolicy,
@@ -23,7 +24,7 @@ from models.exits import (
     policy_from_dict,
     policy_to_dict,
 )
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
 from proto import Rollout
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.net.log_limit import RateLimitedLog
-from pipeline.net.transport import TransportConfig, TransportError
+from pipeline.net.transport_config import TransportConfig, TransportError
 from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Hello, RolloutBatch, Welcome

@@ -17,10 +17,11 @@ import torch
 
 import learner.threads as threads_mod
 from learner.threads import apply_threads, resolve_threads, set_threads
+from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import launcher
 from pipeline.commands.learner_main import resolve_config
-from pipeline.config import ConfigError, RunConfig, load_config, to_yaml
+from pipeline.config import RunConfig, load_config, to_yaml
 
 
 @pytest.fixture

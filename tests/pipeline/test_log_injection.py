@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from pipeline.commands import console
-from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.untrusted import printable
 from proto import Codec

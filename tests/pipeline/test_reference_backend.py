@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from models.errors import ConfigError
+from pipeline.config import load_config
 
 
 def test_reference_refuses_the_checkpoints_truncated_backprop(tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from learner.threads import resolve_threads, set_threads
+from models.errors import ConfigError
 from pipeline.commands.learner_main import resolve_config
 from pipeline.commands.replay_main import replay
-from pipeline.config import ConfigError
 from tests.pipeline.e2e_utils import check_run, run, small_config
 
 # Objective values of the verl / AReaL / TRL parity issue, together: RLOO advantages (Bessel

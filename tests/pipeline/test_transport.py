@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeline.net.transport import (
-    GeneratorConnection,
-    Incoming,
-    LearnerEndpoint,
-    TransportConfig,
-    TransportError,
-)
+from pipeline.net.transport import GeneratorConnection, Incoming, LearnerEndpoint
+from pipeline.net.transport_config import TransportConfig, TransportError
 from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import (

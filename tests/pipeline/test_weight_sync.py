@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.net.transport import TransportConfig
+from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome

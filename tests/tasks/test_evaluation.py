@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.commands.evaluation import correct_of, evaluate, main
+from models.errors import ConfigError
+from pipeline.commands.evaluation import evaluate, main
 from pipeline.commands.make_math_data import make_dataset
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
+from pipeline.core.eval_rounds import correct_of
 
 
 @pytest.fixture(scope="module")
