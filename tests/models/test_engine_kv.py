@@ -25,7 +25,7 @@ def check(device: str) -> dict[str, bool]:
     """Kernel vs torch on one random case: a core cache of 5 slots (depth 4 + a spare), 3
     layers, 6 rows, 9 positions, 2 kv heads of 24; rows written at their own slot and
     position; exits at depths 1..4 (4: nothing to copy), one row not exited."""
-    from models import engine_kv as kv
+    from models.engine import kv
 
     g = torch.Generator().manual_seed(0)
     core = torch.randn(5, 3, 2, 6, 9, 2, 24, generator=g).to(device)
