@@ -280,9 +280,8 @@ def state_from_blob(
 
 # -- the tree digest (docs/CONTRACTS.md 6) --------------------------------------------------------
 
-# The kind names are proto.records.DIGEST_FLAT / DIGEST_TREE (the wire's spelling; this module
-# imports torch only, so benchmarks/digest.py loads it by path; tests/models/test_digest.py
-# checks the two agree).
+# The kind names are proto.records.DIGEST_FLAT / DIGEST_TREE (the wire's spelling, written here
+# again; tests/weights/test_digest.py checks the two agree).
 FLAT = "sha256"
 """Digest kind of runs recorded before the tree: one sha256 over headers and bytes
 (`canonical_digest`). A record with no kind (or "") means this kind."""
