@@ -115,7 +115,7 @@ def serve(spec: dict[str, Any]) -> None:
     from models.checkpoint import load_config
     from pipeline.net.transport_config import TransportConfig
     from pipeline.net.transport_zmq import ZmqGeneratorConnection
-    from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+    from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
     dev = torch.device(spec["device"])
     init = Path(spec["init"])
@@ -182,6 +182,10 @@ def serve(spec: dict[str, Any]) -> None:
                 version = rec.version
                 paths[version] = Path(rec.path)
                 conn.send(Ack("weights", str(version), version), channel="weights")
+                # as a real generator does (generator.loop): the version also goes out on the
+                # control channel, ahead of the rollouts that claim it (the Ack's socket may lag)
+                conn.set_status(version, 0)
+                conn.send(Heartbeat(gid, time.time(), version, 0))
             elif isinstance(rec, WorkItem):
                 waiting.append(rec)
             # a work item waits for its min_weight_version (as a real generator loads it first)

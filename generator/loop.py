@@ -269,8 +269,11 @@ class GeneratorLoop:
             self.conn.send(Nack("weights", str(rec.version), why, rec.version), channel="weights")
         if ready is None:
             return
+        loading = self._load[0].version if self._load is not None else -1
         if ready.version <= self.version:  # already served (our Ack was lost): acknowledge
             self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+        elif ready.version <= loading:  # heard again while it loads (e.g. after a pause):
+            pass  # the load's end acknowledges it
         else:
             self._pending = ready  # a newer verified set replaces one not yet loaded
 
@@ -287,6 +290,9 @@ class GeneratorLoop:
             return
         if self._pending is not None:
             ready, self._pending = self._pending, None
+            if ready.version <= self.version:  # a load that ended meanwhile served it
+                self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+                return self._advance()
             self._load = (ready, self._engine_lane.submit(lambda: self._load_weights(ready)))
             return self._advance() if self._engine_lane.inline else None
         if self.serving:

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -57,6 +57,7 @@ def fake_generator(control: str, weights: str, stop: threading.Event, init: Path
             if isinstance(rec, WeightAnnounce):
                 version, model = rec.version, load_model(Path(rec.path))[1]
                 conn.send(Ack("weights", str(version), version), channel="weights")
+                conn.send(Heartbeat("fake0", time.time(), version, 0))  # control too
             elif isinstance(rec, WorkItem):
                 model = model if model is not None else load_model(init)[1]
                 idx = rec.sample_indices or list(range(rec.n))

@@ -41,6 +41,7 @@ class FakeEngine:
         self.log, self.weight_version = log, version
         self.max_batch = 0
         self.gate: threading.Event | None = None  # generate waits for it when set
+        self.load_gate: threading.Event | None = None  # load_weights waits for it when set
         self.fail = False
 
     def generate(self, items: Sequence[WorkItem]) -> list[list[FakeSample]]:
@@ -59,7 +60,11 @@ class FakeEngine:
         ]
 
     def load_weights(self, source: Any, version: int, digest: str) -> None:
+        if version <= self.weight_version:  # as generator.engine.checked_state refuses it
+            raise ValueError(f"version {version} is not newer than {self.weight_version}")
         self.log.append(("load", version, digest, source))
+        if self.load_gate is not None:
+            self.load_gate.wait()
         self.weight_version = version
 
 

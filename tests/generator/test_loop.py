@@ -17,6 +17,7 @@ from proto import (
     Ack,
     Goodbye,
     Hello,
+    Nack,
     RolloutBatch,
     TensorMeta,
     Welcome,
@@ -72,6 +73,35 @@ def test_item_waits_for_its_min_weight_version() -> None:
     conn.push(on_disk(1), channel="weights")
     spin(loop)
     assert [e[1:] for e in log if e[0] == "generate"] == [(["now"], 0), (["later"], 1)]
+
+
+def test_an_announcement_repeated_while_its_version_loads_is_loaded_once() -> None:
+    """A generator back from a pause hears a version twice (the announcement queued before the
+    pause, and the one its re-Hello brings): the second, arriving while the first loads, is not
+    loaded again (before: the engine refused 'version 2 is not newer than 2', the generator
+    Nacked the weights and left the run)."""
+    loop, engine, conn, log = make(version=1, threaded=True)
+    engine.load_gate = threading.Event()
+    conn.push(welcome(1))
+    conn.push(on_disk(2), channel="weights")
+    deadline = time.monotonic() + 10
+    while "load" not in kinds(log) and time.monotonic() < deadline:
+        loop.step(0.01)
+    assert "load" in kinds(log), "the first announcement was not loaded"
+    conn.push(on_disk(2), channel="weights")  # again, while v2 loads
+    for _ in range(5):
+        loop.step(0.01)
+    engine.load_gate.set()
+    deadline = time.monotonic() + 10
+    while loop.version < 2 and time.monotonic() < deadline:
+        loop.step(0.01)
+    for _ in range(5):
+        loop.step(0.01)
+    loop.stop()
+    assert loop.version == 2 and engine.weight_version == 2
+    assert [e[1] for e in log if e[0] == "load"] == [2]  # loaded once
+    assert not conn.of(Nack), conn.of(Nack)
+    assert {a.version for a in conn.of(Ack) if a.kind == "weights"} == {2}
 
 
 def test_an_engine_batch_is_sent_in_one_rollout_batch_with_rewards() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from pipeline.core.dispatch import Prompt, PromptSource
 from pipeline.core.validation import ModelLimits
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_memory import MemoryNetwork
-from proto import Ack, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
+from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
 from weights.publication import Publication
 
 
@@ -124,6 +125,8 @@ class FakeGenerator:
             elif isinstance(rec, WeightAnnounce):
                 self.version = rec.version
                 self.conn.send(Ack("weights", str(rec.version), rec.version), channel="weights")
+                # and on the control channel, ahead of rollouts claiming it (generator.loop)
+                self.conn.send(Heartbeat(self.gid, time.time(), rec.version, len(self.queue)))
             elif isinstance(rec, Welcome):
                 pass
             inc = self.conn.recv(0.0)

@@ -26,7 +26,7 @@ from pipeline.core.quarantine import read_quarantine
 from pipeline.core.recorder import read_rollouts, read_steps
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from proto import Ack, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from proto import Ack, Heartbeat, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 from tests.pipeline.e2e_utils import check_run, small_config
 from tests.pipeline.fakes import POISONS, poison
 
@@ -52,6 +52,7 @@ class ZmqPoisoner:
             if isinstance(rec, WeightAnnounce):  # claims to load it at once
                 self.version = rec.version
                 self.conn.send(Ack("weights", str(rec.version), rec.version), channel="weights")
+                self.conn.send(Heartbeat("poison", time.time(), rec.version, 0))  # control too
             elif isinstance(rec, WorkItem):
                 self.held.append(rec)
             elif isinstance(rec, Nack):
