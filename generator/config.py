@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models import settings
 from models.chat import TEMPLATES
 from models.contract import NUMERICS
+from models.cost import Host, LoopShape
 from models.errors import ConfigError as _ConfigError
 from models.exits import ExitPolicy, parse_policy, policy_to_dict
 
@@ -24,6 +25,7 @@ ENGINES = ("vllm", "torch")
 """Generation engines: vllm (generator.engine.LoopedEngine) or torch (the reference engine,
 generator.torch_engine.engine.TorchEngine; docs/GENERATOR.md)."""
 DTYPES = ("auto", "float32", "bfloat16")
+AUTO = "auto"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -48,16 +50,18 @@ class GeneratorConfig:
     """Checkpoint directory (HF layout) the engine starts from, served as weight version 0."""
     generator_id: str = ""
     """Stable id of this process, unique among the learner's generators; empty: HOST-PID."""
-    max_inflight: int = 16
+    max_inflight: int | str = "auto"
     """Most work items held at once (queued + generating + scoring); the rest is handed back.
-    16: a whole step of the quickstart (rollout.prompts_per_step) in one engine batch."""
+    auto: 16 on a CPU host (a whole step of the quickstart in one engine batch), 64 on a CUDA
+    host (under `looprl run`: a whole step's prompts, shared between its generators)."""
     max_batch_items: int = 0
     """Most work items per engine.generate call; 0: max_inflight."""
     batch_wait_s: float = 0.05
     """Longest a ready work item waits for a fuller batch before generation starts (s)."""
-    engine: str = "vllm"
+    engine: str = "auto"
     """Generation engine: vllm, or torch (the reference engine on CPU / GPU, no vLLM needed;
-    docs/GENERATOR.md lists the keys it reads)."""
+    docs/GENERATOR.md lists the keys it reads); auto: torch on a CUDA host (the GPU path that
+    is tested), vllm on a CPU host."""
     numerics: str = "fast"
     """Engine numerics: fast (native kernels) or exact (fp64-accumulated, bit-exact replay)."""
     exit_policy: _PolicySetting = None
@@ -75,8 +79,10 @@ class GeneratorConfig:
     """Torch engine: decode adaptive exit depths by ticks, every row at its own core iteration
     of its own token, exited rows read out every depth_ticks ticks (generator.torch_engine.ticks;
     kv last_exited; not a fixed depth on a GPU, which runs its CUDA graph); 0: one chunk per token."""
-    kv_cache_mb: int = 64
-    """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests."""
+    kv_cache_mb: int | str = "auto"
+    """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests;
+    auto: on a CUDA host 0.8 of the card's free memory less the weights (under `looprl run`:
+    what the learner leaves, split between its generators), else 64."""
     seed: int = 0
     """Engine seed (vLLM's; the torch engine mixes it into each sample's sampler seed)."""
     inflight_updates: bool = False
@@ -134,10 +140,15 @@ class GeneratorConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"generator config exit_policy: {e}") from None
         checks = [
-            (self.max_inflight >= 1, "max_inflight", "must be >= 1"),
+            (
+                self.max_inflight == AUTO
+                or (isinstance(self.max_inflight, int) and self.max_inflight >= 1),
+                "max_inflight",
+                "must be auto or >= 1",
+            ),
             (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
             (self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0"),
-            (self.engine in ENGINES, "engine", f"must be one of {ENGINES}"),
+            (self.engine in (*ENGINES, AUTO), "engine", f"must be one of {(*ENGINES, AUTO)}"),
             (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
             (
                 self.engine != "torch" or not self.inflight_updates,
@@ -156,10 +167,15 @@ class GeneratorConfig:
                 "max_model_len",
                 "must be 0 (the checkpoint's) or >= 2",
             ),
-            (self.kv_cache_mb >= 1, "kv_cache_mb", "must be >= 1"),
+            (
+                self.kv_cache_mb == AUTO
+                or (isinstance(self.kv_cache_mb, int) and self.kv_cache_mb >= 1),
+                "kv_cache_mb",
+                "must be auto or >= 1",
+            ),
             (self.depth_ticks >= 0, "depth_ticks", "must be >= 0 (0: off)"),
             (
-                self.engine == "torch" or self.depth_ticks == 0,
+                self.engine in ("torch", AUTO) or self.depth_ticks == 0,
                 "depth_ticks",
                 "only the torch engine decodes by ticks (use engine torch, or 0)",
             ),
@@ -185,6 +201,20 @@ class GeneratorConfig:
             if not ok:
                 raise ConfigError(f"generator config {key}={getattr(self, key)!r}: {why}")
 
+    @property
+    def held_items(self) -> int:
+        """max_inflight once chosen (``for_this_host`` resolves auto)."""
+        if self.max_inflight == AUTO:
+            raise ValueError("generator config max_inflight=auto was not resolved (for_this_host)")
+        return int(self.max_inflight)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """kv_cache_mb in bytes once chosen (``for_this_host`` resolves auto)."""
+        if self.kv_cache_mb == AUTO:
+            raise ValueError("generator config kv_cache_mb=auto was not resolved (for_this_host)")
+        return int(self.kv_cache_mb) << 20
+
     def require_learner(self) -> None:
         """Raise ConfigError unless ``learner`` is set (checked at run time, not load time)."""
         if not self.learner:
@@ -192,6 +222,39 @@ class GeneratorConfig:
                 "generator config learner: the learner endpoint is required "
                 "(--learner tcp://HOST:PORT or `learner:` in the config file)"
             )
+
+
+def for_this_host(
+    cfg: GeneratorConfig, host: Host | None = None
+) -> tuple[GeneratorConfig, list[str]]:
+    """``cfg`` with its auto keys chosen for ``host`` (default: this process's device), and a
+    line per choice saying why: engine torch on a CUDA host (the tested GPU path), vllm on a
+    CPU host; max_inflight 64 on a CUDA host, 16 on a CPU host; kv_cache_mb 0.8 of the card's free memory less the model's bf16 weights (at
+    least 256) on a CUDA host, 64 on a CPU host. `looprl run` resolves its generators' keys
+    itself (what its learner leaves: pipeline.device_defaults)."""
+    if AUTO not in (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight):
+        return cfg, []
+    host = host or Host.here()
+    values: dict[str, Any] = {}
+    why: list[str] = []
+    if cfg.engine == AUTO:
+        values["engine"] = "torch" if host.cuda else "vllm"
+        why.append(f"engine={values['engine']}: {host.describe()}")
+    if cfg.max_inflight == AUTO:
+        values["max_inflight"] = 64 if host.cuda else 16
+        why.append(f"max_inflight={values['max_inflight']}: {host.describe()}")
+    if cfg.kv_cache_mb == AUTO:
+        mb = 64
+        if host.cuda:
+            weights = 0.0
+            if cfg.model:
+                from models.checkpoint import load_config as load_model_config
+
+                weights = 2.0 * LoopShape.of(load_model_config(cfg.model)).params()
+            mb = max(256, int((0.8 * host.free_bytes - weights) / 2**20) // 256 * 256)
+        values["kv_cache_mb"] = mb
+        why.append(f"kv_cache_mb={mb}: {host.describe()}")
+    return replace(cfg, **values), why
 
 
 def exit_policy_arg(policy: ExitPolicy | None) -> str:

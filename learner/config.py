@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from learner.objective_config import (
     ObjectiveConfig,
@@ -33,6 +34,8 @@ __all__ = [
 OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
+AUTO = "auto"
+"""A key chosen for the host at start (pipeline.device_defaults)."""
 DEFAULT_VOCAB_CHUNK = 4096
 """Vocabulary slice width of the token statistics: 256 tokens x 4096 columns x 4 B = 4 MiB."""
 
@@ -143,35 +146,62 @@ class ScheduleConfig:
         return self.min_lr + coeff * (peak - self.min_lr)
 
 
+def _chosen(value: Any, key: str) -> Any:
+    if value == AUTO:
+        raise ValueError(f"{key}=auto was not resolved (pipeline.device_defaults does it when "
+                         "a run config is built)")  # fmt: skip
+    return value
+
+
 @dataclass(frozen=True)
 class LearnerConfig:
     """The learner's compute settings (backend reference honours micro_batch_size and
     backprop_depth 0 / -1 without truncation, and refuses the others' non-defaults)."""
 
-    precision: str = "fp32"
-    """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state."""
+    precision: str = "auto"
+    """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state; auto:
+    bf16 for a megatron learner on a CUDA host with numerics fast, else fp32
+    (pipeline.device_defaults, resolved once and recorded for replay)."""
     backprop_depth: int = -1
     """Core iterations with gradient per token: -1 the checkpoint's mean_backprop_depth, 0 all."""
     micro_batch_size: int = 0
     """Sequences per forward/backward per rank; 0: automatic, at most 16384 tokens (docs/LEARNER.md)."""
     recompute: bool = False
     """Activation recompute around every block call (less memory, one more forward)."""
-    compile: bool = False
-    """torch.compile every transformer block (numerics fast only)."""
-    max_tokens_per_micro: int = 0
-    """Packed rows: rollouts end to end, at most this many tokens per forward/backward; 0: padded rows."""
+    compile: bool | str = "auto"
+    """torch.compile every transformer block (numerics fast only); auto: on for a megatron
+    learner on a CUDA host with numerics fast, else off."""
+    max_tokens_per_micro: int | str = "auto"
+    """Packed rows: rollouts end to end, at most this many tokens per forward/backward; 0: padded
+    rows; auto: on a CUDA host a budget from the card's free memory where the forward packs
+    (megatron, micro_batch_size 0), else 0."""
     threads: int | str = "auto"
     """Torch intra-op threads of each learner process, >= 1, or auto (CPU: the cores minus the local generators' threads; CUDA: torch's count), resolved once and recorded for replay."""
+
+    @property
+    def packed_tokens(self) -> int:
+        """max_tokens_per_micro once chosen (a run config resolves auto when it is built)."""
+        return int(_chosen(self.max_tokens_per_micro, "learner.max_tokens_per_micro"))
+
+    @property
+    def compiled(self) -> bool:
+        """compile once chosen (a run config resolves auto when it is built)."""
+        return bool(_chosen(self.compile, "learner.compile"))
 
     def __post_init__(self) -> None:
         need = checker(self, "learner")
 
-        need(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}")
+        need(self.precision in (*PRECISIONS, AUTO), "precision",
+             f"must be one of {(*PRECISIONS, AUTO)}")  # fmt: skip
+        need(self.compile == AUTO or isinstance(self.compile, bool), "compile",
+             "must be true, false or auto")  # fmt: skip
         need(self.backprop_depth >= -1, "backprop_depth",
              "must be -1 (the checkpoint's), 0 (all) or a positive iteration count")  # fmt: skip
         need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: automatic)")
-        need(self.max_tokens_per_micro >= 0, "max_tokens_per_micro",
-             "must be >= 0 (0: padded rows of micro_batch_size)")  # fmt: skip
+        m = self.max_tokens_per_micro
+        need(m == AUTO or (isinstance(m, int) and not isinstance(m, bool) and m >= 0),
+             "max_tokens_per_micro", "must be auto or an integer >= 0 (0: padded rows of "
+             "micro_batch_size)")  # fmt: skip
         t = self.threads
         need(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 1),
              "threads", "must be an integer >= 1 or auto")  # fmt: skip

@@ -12,7 +12,7 @@ Each component receives only its own section (``cfg.rollout``, ``cfg.staleness``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from models.contract import NUMERICS
 from models.errors import ConfigError
 from models.exits import is_sampled, policy_kind
 from models.settings import parse_overrides
+from pipeline import device_defaults
 from pipeline.config_outputs import (
     COLLECTIVE,
     CheckpointSection,
@@ -112,6 +113,12 @@ class RunConfig:
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     """Supervised warm start before RL (dataset tasks with an answer column)."""
 
+    @property
+    def device_choices(self) -> list[str]:
+        """The auto keys this config resolved when it was built, one line each with why
+        (pipeline.device_defaults); empty when none was auto (e.g. a recorded config)."""
+        return list(getattr(self, "_device_choices", []))
+
     def work_timeout_s(self) -> float:
         """intake.work_timeout_s, or half of max_wait_s where it is unset (0: never)."""
         t = self.intake.work_timeout_s
@@ -128,10 +135,16 @@ class RunConfig:
         if type(self.transport) is not TransportConfig:  # TransportSection checked each key:
             plain = TransportConfig(**vars(self.transport))  # the plain class every end compares
             object.__setattr__(self, "transport", plain)
-        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
-        _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, "must be in [0, 2**32)")
         _check(self.backend in BACKENDS, "backend", self.backend, f"must be one of {BACKENDS}")
         _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
+        # the auto keys, chosen for this host before the checks below see them
+        chosen, why = device_defaults.resolve(self)
+        for section, values in chosen.items():
+            object.__setattr__(self, section, replace(getattr(self, section), **values))
+        if why:
+            object.__setattr__(self, "_device_choices", why)
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, "must be in [0, 2**32)")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
         _check(self.min_generators >= 1, "min_generators", self.min_generators, "must be >= 1")

@@ -43,8 +43,9 @@ class PublishSection:
 
     every: int = 1
     """Publish a new weight version every this many steps."""
-    transport: _TransportSetting = SHARED_FS
-    """shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); shm: shared_fs plus
+    transport: _TransportSetting = "auto"  # type: ignore[assignment]  # resolved at load
+    """auto: shm on a CUDA host with local generators, else shared_fs (pipeline.device_defaults);
+    shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); shm: shared_fs plus
     one copy per version in /dev/shm that generators on the learner's host map and check
     (weights.shm; others read the directory); zmq: stream the
     blob over the weights socket; collective: torch.distributed broadcast (old names disk,
@@ -83,8 +84,8 @@ class PublishSection:
         _check(self.every >= 1, "publish.every", self.every, "must be >= 1")
         _check(self.chunk_bytes >= 1, "publish.chunk_bytes", self.chunk_bytes, "must be >= 1")
         _check(self.window >= 1, "publish.window", self.window, "must be >= 1")
-        _check(self.transport in WEIGHT_TRANSPORTS, "publish.transport", self.transport,
-               f"must be one of {WEIGHT_TRANSPORTS}")  # fmt: skip
+        _check(self.transport in (*WEIGHT_TRANSPORTS, "auto"), "publish.transport",
+               self.transport, f"must be one of {(*WEIGHT_TRANSPORTS, 'auto')}")  # fmt: skip
         _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
         _check(not isinstance(self.max_pending, bool) and isinstance(self.max_pending, int)
                and self.max_pending >= 0, "publish.max_pending", self.max_pending,

@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth depth_big torch_depth torchgen digest e2e learnerproc shm packed loop_credit loop_credit_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth depth_big torch_depth torchgen digest e2e system learnerproc shm packed loop_credit loop_credit_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -228,6 +228,21 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
     for f in /tmp/gpu_e2e/run_*.out; do [ -f "$f" ] && tail -n 3 "$f"; done
     for r in async sync; do  # the per-step rows (time/* timeline) come back with the JSON
         [ -f "/tmp/gpu_e2e/run_$r/metrics.jsonl" ] && cp "/tmp/gpu_e2e/run_$r/metrics.jsonl" "$LOG/e2e_$r.jsonl"
+    done
+fi
+if has system; then  # looprl run at a shape users run, against its parts alone (gpu_system.py)
+    # SYSTEM_JOBS: "PROMPTSxNxTOKENS ..." (default the 1b 256 x 512 job); one JSON line each
+    for job in ${SYSTEM_JOBS:-32x8x512}; do
+        IFS=x read -r sp sn st <<<"$job"
+        timeout "${T_SYSTEM:-560}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
+            --prompts "$sp" --n "$sn" --tokens "$st" --steps "${SYSTEM_STEPS:-10}" \
+            --warmup "${SYSTEM_WARMUP:-3}" --timeout "${SYSTEM_TIMEOUT:-420}" ${SYSTEM_ARGS:-} \
+            2>"$LOG/system_$job.err" | tee -a "$LOG/system.jsonl"
+        echo "system $job rc=${PIPESTATUS[0]}"
+        tail -n 5 "$LOG/system_$job.err"
+        run=/tmp/gpu_system/run_${SYSTEM_SIZE:-1b}_${sp}x${sn}x${st}
+        [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$LOG/system_$job.metrics.jsonl"
+        tail -n 15 /tmp/gpu_system/run_${SYSTEM_SIZE:-1b}_${sp}x${sn}x${st}.out 2>/dev/null
     done
 fi
 if has learnerproc; then  # the real `looprl learner` process at Huginn-0125

@@ -45,19 +45,20 @@ def train_config(cfg: RunConfig, batch: int | None = None) -> TrainConfig:
         batch = r.prompts_per_step * r.n // o.minibatches  # one optimizer update each
     dp = dist.get_world_size() // cfg.tp if dist.is_available() and dist.is_initialized() else 1
     longest = row_tokens(cfg)
-    if lr.max_tokens_per_micro and longest is not None and lr.max_tokens_per_micro < longest:
-        raise ConfigError(f"learner.max_tokens_per_micro={lr.max_tokens_per_micro}: must hold "
+    packed = lr.packed_tokens
+    if packed and longest is not None and packed < longest:
+        raise ConfigError(f"learner.max_tokens_per_micro={packed}: must hold "
                           f"the longest row the run can produce ({longest} tokens: the prompt "
                           "+ rollout.max_tokens)")  # fmt: skip
     # packed micro-batches are cut by tokens: micro_batch_size only has to divide the update
     mbs = lr.micro_batch_size or (
-        1 if lr.max_tokens_per_micro else micro_batch_size(batch // max(dp, 1), r.n, longest)
+        1 if packed else micro_batch_size(batch // max(dp, 1), r.n, longest)
     )
-    if not (lr.micro_batch_size or lr.max_tokens_per_micro) and longest is None:
+    if not (lr.micro_batch_size or packed) and longest is None:
         _warn_row_rule(cfg, mbs, batch // max(dp, 1))
     return TrainConfig(
         global_batch_size=batch, micro_batch_size=mbs,
-        max_tokens_per_micro=lr.max_tokens_per_micro,
+        max_tokens_per_micro=packed,
         seed=cfg.seed, objective=o, sampling=r.sampling, recompute=lr.recompute,
         max_tokens=r.max_tokens,
         fused_token_stats=cfg.numerics == "fast", numerics=cfg.numerics,

@@ -128,7 +128,7 @@ def build_learner_trainer(
         numerics=cfg.numerics,
         params_dtype=torch.bfloat16 if lr.precision == "bf16" else torch.float32,
         backprop_depth=None if lr.backprop_depth < 0 else lr.backprop_depth,
-        compile=lr.compile,
+        compile=lr.compiled,
         kv=resolve_kv(r.parsed_policy, model_config),  # replay the run's exit KV semantics
     )
     schedule = cfg.resolved_schedule()

@@ -46,6 +46,7 @@ from generator.config import (
     GeneratorConfig,
     exit_policy_arg,
     field_docs,
+    for_this_host,
     load_config,
 )
 from generator.depth_engines import DepthEngines, fixed_depth_of
@@ -103,6 +104,11 @@ _FAMILIES = {
 }
 
 
+def int_or_auto(text: str) -> int | str:
+    """A flag that takes a number or ``auto`` (chosen for the host: generator.config)."""
+    return text if text == "auto" else int(text)
+
+
 def flag_name(field_name: str) -> str:
     """The command-line flag of a GeneratorConfig field."""
     return _FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
@@ -129,8 +135,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
-            fallback = "N" if kw["type"] is int else f.name.rsplit("_", 1)[-1].upper()
+            kw["type"] = {"int": int, "float": float, "int | str": int_or_auto}.get(
+                str(f.type), str
+            )
+            fallback = (
+                "N" if kw["type"] in (int, int_or_auto) else f.name.rsplit("_", 1)[-1].upper()
+            )
             kw["metavar"] = _METAVARS.get(f.name, fallback)
             if f.name in _CHOICES:
                 kw["choices"] = list(_CHOICES[f.name])
@@ -336,7 +346,7 @@ def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]
     of eval.depths run neither)."""
     common: dict[str, Any] = dict(
         numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-        kv_cache_bytes=cfg.kv_cache_mb << 20, max_model_len=cfg.max_model_len or None,
+        kv_cache_bytes=cfg.kv_cache_bytes, max_model_len=cfg.max_model_len or None,
         seed=cfg.seed,
     )  # fmt: skip
     if cfg.engine == "torch":
@@ -410,7 +420,7 @@ def serve(cfg: GeneratorConfig) -> int:
     try:
         engine = build_engines(cfg)
         served = StopOnFailedLoad(engine if env is None else multi_turn(cfg, engine, env))
-        hello = make_hello(gid, cfg.max_inflight, engine.weight_version, families)
+        hello = make_hello(gid, cfg.held_items, engine.weight_version, families)
         conn = ZmqGeneratorConnection(
             transport, hello, control=cfg.learner, weights=weights_ep, security=security
         )
@@ -421,7 +431,7 @@ def serve(cfg: GeneratorConfig) -> int:
             reward,
             to_rollouts=to_rollouts,
             generator_id=gid,
-            max_inflight=cfg.max_inflight,
+            max_inflight=cfg.held_items,
             batch_wait_s=cfg.batch_wait_s,
             max_batch_items=cfg.max_batch_items,
             weights=CollectiveWeightSink(  # any transport: collective, else the chunk receiver
@@ -480,6 +490,9 @@ def run(args: argparse.Namespace) -> int:
     for h in logging.getLogger().handlers:  # a learner's text in a log line: escaped
         h.addFilter(EscapeArgs())
     try:
+        cfg, chosen = for_this_host(cfg)  # the auto keys (engine, kv_cache_mb) for this host
+        for line in chosen:
+            log.info("auto: %s", line)
         return serve(cfg)
     except ValueError as e:  # ConfigError, a bad config.json (models.errors), bad keys ...
         print(f"looprl generator: error: {e}", file=sys.stderr)

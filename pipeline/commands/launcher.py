@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import ConfigError
+from pipeline import device_defaults
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
 from pipeline.commands.generator_flags import config_argv, generator_config
@@ -181,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
     path = console.setup(log_file(cfg), verbose=verbose, level=logging.WARNING)
     if not verbose:
         print(f"logs: {path} (third-party warnings too; -v shows them here)", file=sys.stderr)
+    if cfg.device_choices:  # the auto keys, chosen for this host (recorded in config.yaml)
+        print(device_defaults.summary(cfg.device_choices), file=sys.stderr)
+        for line in cfg.device_choices:
+            log.info("%s", line)
     try:
         s = run_local(cfg)
     except LearnerStopped as e:  # no generators, a full disk: exit 1, as `looprl learner`

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from models.checkpoint import load_config as load_model_config
 from models.errors import ConfigError
 from models.init import init_checkpoint
+from pipeline import device_defaults
 from pipeline.backends.ranks import Leader, follow
 from pipeline.backends.trainer_api import build_trainer, with_learner_threads
 from pipeline.commands import console
@@ -62,6 +63,7 @@ from pipeline.core import resume as resume_mod
 from pipeline.core import tasks
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.coordinator_errors import CoordinatorError
+from pipeline.core.efficiency import Efficiency
 from pipeline.core.eval_rounds import (
     EvalRounds,
     check_depths,
@@ -328,9 +330,11 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             rescore=rescore,
             depths=e.depths,
         )  # fmt: skip
+    efficiency = Efficiency.for_run(model, backprop_depth=cfg.learner.backprop_depth,
+                                    ranks=getattr(trainer, "world_size", 1))  # fmt: skip
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
                         run_dir=run_dir, limits=limits, on_step=on_step, background=True,
-                        evals=evals)  # fmt: skip
+                        evals=evals, efficiency=efficiency)  # fmt: skip
     stopping = {"flag": False}
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -464,6 +468,10 @@ def run(args: argparse.Namespace) -> int:
     path = console.setup(log_file(cfg), verbose=verbose)
     if not verbose:
         log.info("third-party logs and warnings go to %s (-v shows them here)", path)
+    if cfg.device_choices:  # the auto keys, chosen for this host (recorded in config.yaml)
+        print(device_defaults.summary(cfg.device_choices), file=sys.stderr)
+        for line in cfg.device_choices:
+            log.info("%s", line)
     try:
         s = run_learner(cfg, resume=args.resume is not None)
     except LearnerStopped as e:  # no generators, a full disk: the one line says what to do

@@ -73,6 +73,8 @@ class WeightAnnouncer:
         self.version = 0
         """The newest version announced to the generators (a resume sets it: core.resume)."""
         self.last_digest = ""
+        self.announced_bytes = 0
+        """The newest announced version's blob size (bytes)."""
         self._announced_stages: dict[str, float] = {}  # since the last metrics row
 
     @property
@@ -219,6 +221,7 @@ class WeightAnnouncer:
             chunked=self.cfg.chunked,  # zmq, and collective's fallback: the blob too
         )  # fmt: skip
         self.version, self.last_digest = v, pub.digest
+        self.announced_bytes = len(pub.blob)
         self.set_status(v)
         # every directory older than the newest publish.keep (0: all kept), a killed run's too
         prune_weights(self.run_dir, v, self.cfg.keep)

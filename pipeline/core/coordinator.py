@@ -59,6 +59,7 @@ from pipeline.core import faults
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import CoordinatorError
 from pipeline.core.dispatch import Dispatcher, PromptSource
+from pipeline.core.efficiency import Efficiency
 from pipeline.core.eval_rounds import EvalRounds
 from pipeline.core.intake import Group, Intake
 from pipeline.core.ledger import InFlightLedger
@@ -146,6 +147,7 @@ class Coordinator:
         poll_s: float = 0.02,
         background: bool = False,
         evals: EvalRounds | None = None,
+        efficiency: Efficiency | None = None,
     ) -> None:
         self.cfg, self.endpoint, self.trainer, self.run_dir = cfg, endpoint, trainer, run_dir
         self.on_step, self.clock, self.poll_s = on_step, clock, poll_s
@@ -154,6 +156,7 @@ class Coordinator:
         self.version_step = 0  # the step whose weights the newest version (trained_version) is
         self.limits = limits
         self.evals = evals
+        self.efficiency = efficiency  # the rows' perf/* keys (None: left out)
         self.ledger = InFlightLedger()
         st = cfg.staleness
         self.gate = StalenessGate(st.max_staleness, st.policy)  # type: ignore[arg-type]
@@ -375,6 +378,12 @@ class Coordinator:
         self._last_step_t = now
         stages, announce_s = self.announcer.hand_over(made)
         m.update(self.timeline.row(rolls, train_s=train_s, publish=stages, announce_s=announce_s))
+        if self.efficiency is not None:
+            m.update(self.efficiency.row(
+                rolls, train_s=train_s, step_s=m["step_s"],
+                delivery_s=m.get("time/weight_delivery"),
+                version_bytes=self.announcer.announced_bytes,
+            ))  # fmt: skip
         self.timeline.step_done()
         if self.on_step is not None:
             self.on_step(m)

@@ -1,0 +1,107 @@
+"""The run's auto keys (pipeline.device_defaults): today's CPU values on a CPU host; bf16,
+compiled blocks, packed rows from the free memory, the torch engine with the cache the learner
+leaves and /dev/shm weights on a CUDA host; a set key kept; the choice recorded in config.yaml;
+the standalone generator's own choice. The CUDA host is a ``Host`` value (no GPU here: the
+arithmetic is what is tested; the device check runs scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from generator.config import GeneratorConfig, for_this_host
+from models.cost import GIB, Host, LoopShape
+from models.init import model_config
+from pipeline import device_defaults
+from pipeline.config import RunConfig, load_config, to_yaml
+from pipeline.config_sections import ModelSection
+
+H100 = Host(True, "NVIDIA H100 80GB HBM3", int(79 * GIB), int(80 * GIB))
+
+
+def on(host: Host, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> RunConfig:
+    monkeypatch.setattr(device_defaults.Host, "here", classmethod(lambda cls: host))
+    monkeypatch.setattr(device_defaults, "megatron_available", lambda: True)
+    return RunConfig(**kw)
+
+
+def test_a_cpu_host_keeps_todays_defaults() -> None:
+    cfg = RunConfig()  # this host has no CUDA
+    assert cfg.learner.precision == "fp32" and cfg.learner.compile is False
+    assert cfg.learner.max_tokens_per_micro == 0
+    assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
+    assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
+    assert len(cfg.device_choices) == 7 and all("a CPU host" in x for x in cfg.device_choices)
+
+
+def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = on(H100, monkeypatch, model=ModelSection(size="1b"))
+    lr, gens = cfg.learner, cfg.generators
+    assert lr.precision == "bf16" and lr.compile is True
+    shape = LoopShape.of(model_config("huginn", "1b"))
+    per = device_defaults.token_bytes(shape, 8)
+    # a third of the free memory for one micro-batch's activations, a multiple of 1024
+    assert lr.max_tokens_per_micro % 1024 == 0
+    assert lr.max_tokens_per_micro == int(79 * GIB / 3 / per) // 1024 * 1024
+    assert 8192 <= lr.max_tokens_per_micro <= 65536
+    # the generator's cache: 0.9 of what the learner's plan leaves, less its bf16 weights
+    learner = device_defaults.learner_gib(shape, lr.max_tokens_per_micro, 8)
+    assert 10 < learner < 60
+    expect = (0.9 * (79 - learner) - 2 * shape.params() / GIB) * 1024
+    assert gens.kv_cache_mb == pytest.approx(expect, abs=256) and gens.kv_cache_mb % 256 == 0
+    assert gens.engine == "torch" and cfg.publish.transport == "shm"
+    # a whole step's prompts, and the next one's (max_staleness 1), held by the one generator
+    assert gens.max_inflight == cfg.rollout.prompts_per_step * 2
+    assert any("H100" in x for x in cfg.device_choices)
+
+
+def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(None, ["learner.precision=fp32", "generators.kv_cache_mb=1024",
+                             "publish.transport=zmq"])  # fmt: skip
+    assert (cfg.learner.precision, cfg.generators.kv_cache_mb) == ("fp32", 1024)
+    monkeypatch.setattr(device_defaults.Host, "here", classmethod(lambda cls: H100))
+    monkeypatch.setattr(device_defaults, "megatron_available", lambda: True)
+    cfg = load_config(None, ["learner.precision=fp32", "generators.kv_cache_mb=1024",
+                             "publish.transport=zmq", "model.size=1b"])  # fmt: skip
+    assert cfg.learner.precision == "fp32" and cfg.learner.compile is True
+    assert cfg.generators.kv_cache_mb == 1024 and cfg.publish.transport == "zmq"
+    exact = load_config(None, ["numerics=exact", "model.size=1b"])
+    assert exact.learner.precision == "fp32" and exact.learner.compile is False
+    assert exact.learner.max_tokens_per_micro == 0
+    # a forward that does not pack (per-loop credit) keeps padded rows
+    credit = load_config(None, ["objective.loop_weighting=uniform", "model.size=1b"])
+    assert credit.learner.max_tokens_per_micro == 0 and credit.learner.precision == "bf16"
+    # backend reference implements none of them
+    ref = load_config(None, ["backend=reference", "model.size=1b"])
+    assert ref.learner.precision == "fp32" and ref.learner.compile is False
+
+
+def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    cfg = on(H100, monkeypatch, model=ModelSection(size="1b"))
+    text = to_yaml(cfg)
+    assert "auto" not in [v for line in text.splitlines() for v in line.split()[1:2]
+                          if line.strip().startswith(("precision", "compile", "kv_cache_mb"))]  # fmt: skip
+    monkeypatch.undo()  # replayed on a CPU host: the recorded values, not the CPU's
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    again = load_config(path, [])
+    assert again.learner == cfg.learner and again.generators == cfg.generators
+    assert again.publish == cfg.publish and again.device_choices == []
+
+
+def test_a_standalone_generator_chooses_for_its_own_host(tmp_path: Any) -> None:
+    cfg, why = for_this_host(GeneratorConfig())
+    assert (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight) == ("vllm", 64, 16) and len(why) == 3
+    from models.init import init_checkpoint
+
+    model = init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
+    gpu, why = for_this_host(GeneratorConfig(model=str(model)), H100)
+    assert gpu.engine == "torch" and gpu.held_items == 64
+    assert gpu.kv_cache_mb == pytest.approx(0.8 * 79 * 1024, abs=256) and gpu.kv_cache_mb % 256 == 0
+    kept, why = for_this_host(GeneratorConfig(engine="vllm", kv_cache_mb=100, max_inflight=4), H100)
+    assert (kept.engine, kept.kv_cache_mb, why) == ("vllm", 100, [])
+    with pytest.raises(ValueError, match="kv_cache_mb=auto was not resolved"):
+        _ = GeneratorConfig().kv_cache_bytes
