@@ -106,19 +106,19 @@ def training_alone(run_dir: Path, warmup: int, device: str) -> float | None:
     return statistics.median(timed)
 
 
-def generation_alone(run_dir: Path, model: Path, prompts: int, n: int, tokens: int,
-                     device: str) -> float | None:  # fmt: skip
-    """Seconds for one step's work on the run's own engine, nothing else on the card."""
+def generation_alone(cfg: Any, model: Path, prompts: int, n: int, tokens: int, device: str,
+                     profile: Path | None = None) -> float | None:  # fmt: skip
+    """Seconds for one step's work on the run's own engine (the generator settings of the run
+    config ``cfg``), nothing else on the card; ``profile``: one more call under torch.profiler,
+    its kernels by CUDA time into PROFILE/generation_kernels.txt."""
     import numpy as np
     import torch
 
     from generator.config import for_this_host
     from pipeline.commands.generator_cli import build_engines
     from pipeline.commands.generator_flags import generator_config
-    from pipeline.commands.learner_main import resolve_config
     from proto import WorkItem
 
-    cfg = resolve_config(None, str(run_dir), [])
     gen, _ = for_this_host(generator_config(cfg, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", model))
     engines = build_engines(gen)
     rng = np.random.default_rng(0)
@@ -143,6 +143,20 @@ def generation_alone(run_dir: Path, model: Path, prompts: int, n: int, tokens: i
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            engines.generate(work(9))
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40)
+        profile.mkdir(parents=True, exist_ok=True)
+        (profile / "generation_kernels.txt").write_text(table)
+        log("generation profile:\n" + "\n".join(table.splitlines()[:30]))
     return min(times[1:])
 
 
@@ -161,6 +175,13 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/gpu_system")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the run")
     ap.add_argument("--skip-parts", action="store_true", help="the run alone")
+    ap.add_argument(
+        "--generation-only",
+        action="store_true",
+        help="no run: generation alone at the settings the run would choose",
+    )
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="profile one more generation-alone call into DIR")  # fmt: skip
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +198,16 @@ def main() -> int:
             f"rollout.max_tokens={a.tokens}", *a.set]  # fmt: skip
     if a.engine:
         keys.append(f"generators.engine={a.engine}")
+    if a.generation_only:
+        from pipeline.config import load_config
+
+        cfg = load_config(None, keys)
+        gen_s = generation_alone(cfg, model, a.prompts, a.n, a.tokens, a.device,
+                                 Path(a.profile) if a.profile else None)  # fmt: skip
+        print(json.dumps({"size": a.size, "prompts": a.prompts, "n": a.n, "tokens": a.tokens,
+                          "generation_alone_s": _r(gen_s),
+                          "tokens_per_s": _r(a.prompts * a.n * a.tokens / gen_s) if gen_s else None}))  # fmt: skip
+        return 0
     log(f"looprl run {' '.join(keys)}")
     if run_dir.exists():
         import shutil
@@ -228,7 +259,10 @@ def main() -> int:
         log("training alone: the run's Trainer on its recorded steps")
         train = training_alone(run_dir, a.warmup, a.device)
         log("generation alone: the run's engine on one step's work")
-        gen = generation_alone(run_dir, model, a.prompts, a.n, a.tokens, a.device)
+        from pipeline.commands.learner_main import resolve_config
+
+        gen = generation_alone(resolve_config(None, str(run_dir), []), model, a.prompts, a.n,
+                               a.tokens, a.device, Path(a.profile) if a.profile else None)  # fmt: skip
         res["training_alone_s"] = _r(train)
         res["generation_alone_s"] = _r(gen)
         parts = max(x for x in (train, gen, 1e-9) if x is not None)

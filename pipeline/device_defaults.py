@@ -19,8 +19,10 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
 model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two
 moments (18 bytes a parameter) plus the activations one packed micro-batch keeps for the
-backward (about 24 h + 6 f bytes a token per layer pass with gradient, bf16), and the
-generators get 0.9 of what is left. `looprl generator` on its own resolves its own
+backward (about 24 h + 6 f bytes a token per layer pass with gradient, bf16, and 8 bytes a
+vocabulary entry for the head's logits) and 4 GiB; the generators get 0.8 of what is left,
+less their weights and 1 GiB each. (On an H100 at 1b, 0.9 of it with no logits term ran the
+learner out of memory in its first backward.) `looprl generator` on its own resolves its own
 (generator.config: the engine, and a cache of 0.8 of the card's free memory less the
 weights).
 """
@@ -44,12 +46,14 @@ def token_bytes(shape: Any, backprop_depth: int) -> float:
     """Activation bytes one trained token keeps for the backward (module docstring)."""
     k = shape.recurrence if backprop_depth <= 0 else min(backprop_depth, shape.recurrence)
     passes = shape.prelude + shape.coda + k * shape.core
-    return float(passes * (24 * shape.hidden + 6 * shape.ffn))
+    # the head's logits at every trained position: bf16 values and gradient and the fp32
+    # temporaries of the token statistics (8 bytes a vocabulary entry)
+    return float(passes * (24 * shape.hidden + 6 * shape.ffn) + 8 * shape.vocab)
 
 
 def learner_gib(shape: Any, tokens: int, backprop_depth: int) -> float:
     """The learner's planned card memory: its states and one micro-batch's activations."""
-    return (18 * shape.params() + tokens * token_bytes(shape, backprop_depth)) / GIB + 2.0
+    return (18 * shape.params() + tokens * token_bytes(shape, backprop_depth)) / GIB + 4.0
 
 
 def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -175,10 +179,11 @@ def _token_budget(cfg: Any, host: Host, shape: Any) -> int:
 
 
 def _kv_mb(cfg: Any, host: Host, shape: Any, budget: int, local: int) -> int:
-    """MiB of K/V cache for each local generator: 0.9 of what the learner's plan leaves, less
-    each generator's bf16 weights; at least 256."""
+    """MiB of K/V cache for each local generator: 0.8 of what the learner's plan leaves, less
+    each generator's bf16 weights and 1 GiB of its own (CUDA context, graphs, activations);
+    at least 256."""
     left = host.free_bytes / GIB - learner_gib(shape, budget, _backprop(cfg, shape))
-    each = 0.9 * left / local - 2 * shape.params() / GIB
+    each = 0.8 * left / local - 2 * shape.params() / GIB - 1.0
     return max(256, int(each * 1024) // 256 * 256)
 
 

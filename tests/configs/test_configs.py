@@ -84,7 +84,7 @@ def test_reference_tables_in_the_docs_are_generated_from_the_schemas() -> None:
 
 def test_each_default_is_stated_once_by_its_component() -> None:
     """The run config composes the components' own classes: its defaults are theirs."""
-    from generator.config import GeneratorConfig
+    from generator.config import GeneratorConfig, for_this_host
     from learner.config import LearnerConfig, OptimConfig, ScheduleConfig
     from learner.objective_config import ObjectiveConfig
     from models.contract import Sampling
@@ -93,7 +93,8 @@ def test_each_default_is_stated_once_by_its_component() -> None:
     assert type(cfg.objective) is ObjectiveConfig and type(cfg.optimizer) is OptimConfig
     assert type(cfg.schedule) is ScheduleConfig and type(cfg.learner) is LearnerConfig
     assert isinstance(cfg.rollout, Sampling) and isinstance(cfg.generators, GeneratorConfig)
-    gen = GeneratorConfig()
+    # the auto keys as both resolve them on this (CPU) host
+    gen, _ = for_this_host(GeneratorConfig())
     for key in ("max_inflight", "reward_mode", "max_model_len", "peer_timeout_s", "dtype"):
         assert getattr(cfg.generators, key) == getattr(gen, key)
 
