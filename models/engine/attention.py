@@ -6,7 +6,8 @@ k / v [B, T, G, D] with a boolean mask [B, S, T]. For decode (S = 1) on CUDA, SD
 cache through a transposed view ([B, G, T, D] with the T stride G * D) and an explicit mask:
 the profiled step spent ~133 us a call in cuDNN there, 132 calls a step at the Huginn-0125
 shape (docs/PERFORMANCE.md). A decode query reads each key and value once: this kernel does
-exactly that, one program per (row, query head) walking the cache positions in blocks with
+exactly that, one program per (row, query head) walking the cache positions up to the row's
+last visible key (the slot may be longer: allocated for the longest row) in blocks with
 an online softmax (running max, rescaled sums) in fp32, keys and values read in the cache's
 layout and dtype, the mask's invisible positions skipped as -inf (every row sees at least one
 key: `models.engine.chunk._key_mask`). Query head h reads kv head h // (H / G). Output in q's dtype.
@@ -49,7 +50,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        Q, K, V, M, Out, R, SL, T, scale,
+        Q, K, V, M, Out, R, SL, L, scale,
         s_qb, s_qh, s_kb, s_kt, s_kg, s_vb, s_vt, s_vg, s_mb, s_mt, s_ob, s_oh, s_ks, s_vs,
         REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
         ROWS: tl.constexpr, SLOTS: tl.constexpr,
@@ -70,9 +71,10 @@ if triton is not None:
         m_i = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), 0)
         l_i = tl.sum(tl.zeros([BLOCK_T], tl.float32), 0)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for t0 in range(0, T, BLOCK_T):
+        n = tl.load(L + b)  # this query's keys end here: nothing past them is read
+        for t0 in range(0, n, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < T
+            tm = t < n
             vis = tl.load(M + b * s_mb + t * s_mt, mask=tm, other=0) != 0
             kv_m = tm[:, None] & dm[None, :]
             k = tl.load(K + k_off + t[:, None] * s_kt + g * s_kg + d[None, :], mask=kv_m,
@@ -119,10 +121,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int
         raise ValueError(f"query heads {heads} not a multiple of kv heads {groups}")
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     m = mask[:, 0].view(torch.uint8)
+    # each query's last visible key + 1: a cache slot is allocated for the longest row, and
+    # the keys past a row's own are never read (at 256 rows of 512-token responses they were
+    # half of every decode step's K/V reads)
+    ends = (mask[:, 0] * torch.arange(1, length + 1, device=mask.device, dtype=torch.int32)).amax(-1)
     block_d = max(16, triton.next_power_of_2(dim))
     _decode_kernel[(bsz, heads)](
         q, k, v, m, out, rows if rows is not None else m, slots if slots is not None else m,
-        length, 1.0 / math.sqrt(dim),
+        ends, 1.0 / math.sqrt(dim),
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), s_ks, s_vs,

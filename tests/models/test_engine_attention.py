@@ -65,6 +65,15 @@ sl, rw = torch.tensor([2, 0, 1]), torch.tensor([1, 3, 1])
 ref = nx.attention(q, ks[sl, rw], vs[sl, rw], mask, "exact")
 got = decode_attention(q, ks, vs, mask, block_t=16, rows=rw, slots=sl)
 out["slots"] = float((got - ref).abs().max()) / max(1.0, float(ref.abs().max()))
+# keys past a row's last visible one are never read: NaN there (a slot allocated for the
+# longest row, not yet written) leaves the output as it is
+q, k, v, mask = _case(torch.float32, "cpu")
+ref = nx.attention(q, k, v, mask, "exact")
+kn, vn = k.clone(), v.clone()
+kn[1, 31:], vn[1, 31:] = float("nan"), float("nan")  # row 1 sees 20..30
+kn[2, 36:], vn[2, 36:] = float("nan"), float("nan")  # row 2's last visible key is 35
+got = decode_attention(q, kn, vn, mask, block_t=16)
+out["past_end"] = float((got - ref).abs().max())
 print(json.dumps(out))
 """
 
@@ -82,6 +91,7 @@ def test_decode_kernel_under_the_interpreter() -> None:
     assert res["torch.bfloat16"][0] <= 2e-2, res  # one bf16 rounding of values of ~1
     assert res["rows"] <= 2e-6, res  # each query read its own cache row
     assert res["slots"] <= 2e-6, res  # ... of its own slot
+    assert res["past_end"] <= 2e-6, res  # NaN past a row's last key: not read (finite, equal)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
