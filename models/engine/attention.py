@@ -124,7 +124,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block_t: int
     # each query's last visible key + 1: a cache slot is allocated for the longest row, and
     # the keys past a row's own are never read (at 256 rows of 512-token responses they were
     # half of every decode step's K/V reads)
-    ends = (mask[:, 0] * torch.arange(1, length + 1, device=mask.device, dtype=torch.int32)).amax(-1)
+    ends = (mask[:, 0] * torch.arange(1, length + 1, device=mask.device, dtype=torch.int32)).amax(
+        -1
+    )
     block_d = max(16, triton.next_power_of_2(dim))
     _decode_kernel[(bsz, heads)](
         q, k, v, m, out, rows if rows is not None else m, slots if slots is not None else m,
