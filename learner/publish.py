@@ -5,8 +5,7 @@ Order of calls (every rank calls; ranks outside data-parallel rank 0 return None
     out = weights.publication.weights_dir(run_dir, v)   # the coordinator names it
     pub = publish(trainer.policy_model, out, v, dtype=torch.bfloat16)
     if pub is not None:                                  # global rank 0 (the coordinator)
-        ann = pub.announce(chunk_bytes)                  # proto.WeightAnnounce
-        publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), digest=pub.digests, ...)
+        publisher.publish(pub)                           # weights.transports: the announce, ...
 
 This module is the learner's part only (the TP gather and the cast); the publication itself
 (blob, digest, manifest, the directory's name) is weights.publication's.
@@ -25,7 +24,7 @@ What is published, for weight version v:
    "digest_chunk_bytes", "tied", "tensors": [{name, dtype, shape, offset, nbytes, sha256}]};
    the digest is the tree digest (weights.digest) of the stored tensors' blob;
 5. the same tensors as one contiguous blob + per-tensor metadata (`weights.digest`)
-   for the transports (weights.chunked, weights.collective_learner).
+   for the transports (weights.transports).
 
 Non-finite weights are never published: `publication_state` checks every stored tensor after
 the cast (a finite fp32 value can overflow bf16) and raises `NonFiniteWeightsError` naming the
