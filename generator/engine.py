@@ -84,7 +84,6 @@ from generator.vllm_plugin.settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from proto.records import Rollout, WorkItem
 from weights.check import WeightsRefused
-from weights.digest import canonical_digest
 from weights.verified import VerifiedWeights
 
 CPU_BLOCK_SIZE = 32
@@ -444,7 +443,6 @@ __all__ = [
     "LoopedEngine",
     "Sample",
     "WeightLoadError",
-    "canonical_digest",
     "check_newer",
     "checked_state",
     "to_rollouts",

@@ -46,30 +46,18 @@ import torch
 from torch import Tensor, nn
 
 from models.checkpoint import json_bytes, save_checkpoint
-from models.errors import NonFiniteWeightsError
 from models.ties import detached_copy, view_key
 from weights.digest import check_finite
-from weights.publication import (
-    MANIFEST_NAME,
-    Publication,
-    read_manifest,
-    verify_publication,
-)
+from weights.publication import MANIFEST_NAME, Publication
 
 __all__ = [
-    "MANIFEST_NAME",
     "Exporter",
-    "NonFiniteWeightsError",
-    "Publication",
     "cast_for_publication",
-    "check_finite",
     "looped_exporter",
     "publication_state",
     "publish",
-    "read_manifest",
     "snapshot_publication",
     "tie_map",
-    "verify_publication",
 ]
 
 Exporter = Callable[[nn.Module], tuple[dict[str, Tensor], set[str]]]

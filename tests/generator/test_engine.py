@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator.engine import CPU_BLOCK_SIZE, LoopedEngine, canonical_digest, to_rollouts
+from generator.engine import CPU_BLOCK_SIZE, LoopedEngine, to_rollouts
 from generator.vllm_plugin.context import RequestSlice, StepBatch
 from generator.vllm_plugin.records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
@@ -22,6 +22,7 @@ from models.init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
 from weights.check import WeightsRefused
+from weights.digest import canonical_digest
 from weights.verified import VerifiedWeights
 
 
