@@ -37,9 +37,9 @@ from weights.digest import (
 class WeightsRefused(ValueError):
     """This weight set is refused: its digest, its bytes (torn, short), its metadata or its
     version is not what it must be; the message names what was wrong. Every receiver's check
-    raises it (the receiver Nacks the version with the message), and so does
-    ``VerifiedWeights.state`` and an engine's version check (the engine keeps serving the
-    version it had)."""
+    raises it (the receiver Nacks the version with the message), and so do
+    ``VerifiedWeights.state``, an engine's version check (the engine keeps serving the
+    version it had) and the publisher, for a version it cannot announce."""
 
 
 def check_blob(announce: WeightAnnounce, blob: Any) -> None:

@@ -44,14 +44,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk
+from weights.check import WeightsRefused
 from weights.digest import FLAT, TREE, Digest, check_kind, num_chunks, weights_digest
 from weights.publication import Publication
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(ValueError):
-    """Bad publisher / receiver settings or use."""
 
 
 class LearnerSide(Protocol):
@@ -108,7 +105,7 @@ class WeightPublisher:
         chunked: bool = True,
     ) -> None:
         if chunk_bytes < 1 or window < 1 or max_attempts < 1 or stall_timeout_s <= 0:
-            raise WeightSyncError("chunk_bytes, window, max_attempts, stall_timeout_s must be > 0")
+            raise ValueError("chunk_bytes, window, max_attempts, stall_timeout_s must be > 0")
         self.endpoint, self.chunked = endpoint, chunked
         self.chunk_bytes, self.window, self.max_attempts = chunk_bytes, window, max_attempts
         self.stall_timeout_s = stall_timeout_s
@@ -154,12 +151,13 @@ class WeightPublisher:
         flat-kind digest); None: computed here from the blob (the tree kind for tensors, the
         flat sha256 of an opaque test payload). Not ``chunked``: only the announce travels,
         with ``path`` (required) and the digest (required); the generator's engine loads the
-        directory and checks that digest."""
+        directory and checks that digest. WeightsRefused for a version not newer than the
+        last, or a set that cannot be announced (no path or digest, an unknown digest kind)."""
         chunked = self.chunked
         if version <= self.version:
-            raise WeightSyncError(f"version {version} is not newer than {self.version}")
+            raise WeightsRefused(f"version {version} is not newer than {self.version}")
         if not chunked and (not path or digest is None):
-            raise WeightSyncError("an on-disk publication needs its path and canonical digest")
+            raise WeightsRefused("an on-disk publication needs its path and canonical digest")
         try:
             if digest is None:
                 kind = TREE if tensors else FLAT
@@ -168,7 +166,7 @@ class WeightPublisher:
                 digest = Digest(digest)
             check_kind(digest.kind, digest.chunk_bytes)
         except ValueError as e:
-            raise WeightSyncError(f"weight set v{version}: {e}") from e
+            raise WeightsRefused(f"weight set v{version}: {e}") from e
         n = len(blob)
         ann = WeightAnnounce(
             version=version,
@@ -338,7 +336,6 @@ __all__ = [
     "LearnerSide",
     "PublishSettings",
     "WeightPublisher",
-    "WeightSyncError",
     "shared_fs_publisher",
     "zmq_publisher",
 ]

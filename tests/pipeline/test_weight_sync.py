@@ -17,7 +17,8 @@ from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
-from weights.publisher import WeightPublisher, WeightSyncError
+from weights.check import WeightsRefused
+from weights.publisher import WeightPublisher
 from weights.receiver import WeightReceiver
 from weights.verified import VerifiedWeights
 
@@ -135,7 +136,7 @@ def test_late_joiner_gets_the_current_version_only() -> None:
     assert {r.version for r in sent} == {2}
     pub.add_generator("gen-1", serving_version=2)  # already current: nothing to send
     assert pub.pump() == 0
-    with pytest.raises(WeightSyncError, match="not newer"):
+    with pytest.raises(WeightsRefused, match="not newer"):
         pub.publish_blob(2, b"x")
 
 
