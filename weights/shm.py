@@ -40,6 +40,7 @@ is written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -47,7 +48,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -162,28 +163,35 @@ def prune_shm(weights_root: str | os.PathLike[str], current: int, keep: int,
     return gone
 
 
-def _map(announce: WeightAnnounce, path: Path) -> mmap.mmap:
-    """``path`` mapped copy-on-write, its size checked against the announce (not its digest);
-    WeightsRefused naming the file and why."""
+@contextlib.contextmanager
+def _refusing(announce: WeightAnnounce, path: Path) -> Iterator[None]:
+    """An OSError or ValueError (a WeightsRefused too) raised inside as one WeightsRefused
+    naming the version and the file."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != announce.total_bytes:
-                raise ValueError(f"{size} bytes, {announce.total_bytes} announced")
-            if not size:
-                raise ValueError("empty")
-            # private (copy-on-write), not populated: MAP_POPULATE on a writable private mapping
-            # faults every page in for writing, i.e. copies the whole file (measured: 0.3 GB/s
-            # instead of the hash's rate); read faults share the file's pages, read ahead
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
-            mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot)
-            if hasattr(mmap, "MADV_WILLNEED"):
-                mapping.madvise(mmap.MADV_WILLNEED)
-            return mapping
+        yield
     except OSError as e:
         raise WeightsRefused(f"weights v{announce.version} in {path}: {e.strerror}") from None
     except ValueError as e:
         raise WeightsRefused(f"weights v{announce.version} in {path}: {e}") from None
+
+
+def _map(announce: WeightAnnounce, path: Path) -> mmap.mmap:
+    """``path`` mapped copy-on-write, its size checked against the announce (not its digest);
+    WeightsRefused naming the file and why."""
+    with _refusing(announce, path), open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != announce.total_bytes:
+            raise ValueError(f"{size} bytes, {announce.total_bytes} announced")
+        if not size:
+            raise ValueError("empty")
+        # private (copy-on-write), not populated: MAP_POPULATE on a writable private mapping
+        # faults every page in for writing, i.e. copies the whole file (measured: 0.3 GB/s
+        # instead of the hash's rate); read faults share the file's pages, read ahead
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot)
+        if hasattr(mmap, "MADV_WILLNEED"):
+            mapping.madvise(mmap.MADV_WILLNEED)
+        return mapping
 
 
 def open_shm(announce: WeightAnnounce, path: str | os.PathLike[str]) -> mmap.mmap:
@@ -192,12 +200,13 @@ def open_shm(announce: WeightAnnounce, path: str | os.PathLike[str]) -> mmap.mma
     digest)."""
     path = Path(path)
     mapping = _map(announce, path)
-    try:
-        check_blob(announce, mapping)
-        return mapping
-    except WeightsRefused as e:
-        mapping.close()
-        raise WeightsRefused(f"weights v{announce.version} in {path}: {e}") from None
+    with _refusing(announce, path):
+        try:
+            check_blob(announce, mapping)
+        except WeightsRefused:
+            mapping.close()
+            raise
+    return mapping
 
 
 READ_BLOCK = 4 << 20
@@ -268,12 +277,8 @@ def load_staged(
 
     def opener(a: WeightAnnounce, path: Path) -> Any:
         buf = buffer(a.total_bytes)
-        try:
+        with _refusing(a, path):
             read_checked(a, path, buf)
-        except OSError as e:
-            raise WeightsRefused(f"weights v{a.version} in {path}: {e.strerror}") from None
-        except ValueError as e:
-            raise WeightsRefused(f"weights v{a.version} in {path}: {e}") from None
         return buf
 
     found = _open_local(announce, root, opener)
