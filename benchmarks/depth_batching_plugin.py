@@ -44,11 +44,13 @@ def plugin_main(a: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from generator.engine import LoopedEngine, canonical_digest
+    from generator.engine import LoopedEngine
     from models.checkpoint import load_checkpoint
     from models.exits import FixedDepth, SampledGate
     from models.init import init_checkpoint
     from tests.generator import prompts, work_item
+    from weights.digest import canonical_digest
+    from weights.verified import VerifiedWeights
 
     d, b = a.depth, a.batch
     tmp = tempfile.TemporaryDirectory()
@@ -96,7 +98,7 @@ def plugin_main(a: argparse.Namespace) -> int:
             st["model.early_exit_gate.weight"] = torch.zeros_like(w)
             st["model.early_exit_gate.bias"] = torch.full_like(g, bias)
             version += 1
-            gate_eng.load_weights(st, version, canonical_digest(st))
+            gate_eng.load_weights(VerifiedWeights.of(st, version, canonical_digest(st)))
             loaded = bias
         gate_eng.llm.collective_rpc(_set_depth_batching, args=(path_ == "compact",))
         return gate_eng

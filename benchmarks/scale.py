@@ -20,14 +20,14 @@ the coordinator process's RSS growth, steps done.
 Weights (``--weights``): the time from announcing one version to every generator's ack, for
 each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit windows),
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
-checks the digest as generator.engine.load_weights does: load_checkpoint, then
-digest_of_state of the announced kind) and "collective" (gloo from the learner to all N,
+checks the digest as an engine's load_weights does: ``VerifiedWeights.state()``, the
+directory read and hashed with the announced kind) and "collective" (gloo from the learner to all N,
 weights.collective_learner, pipelined in ``--collective-chunk-mb`` pieces, 0: one
 broadcast; each generator
 checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
 simulated generator is a process of its own (``--sim processes``, the default: a real
-ZmqGeneratorConnection and the product's weight sink, CollectiveWeightSink over the ZMQ chunk
-receiver, so its reads, copies and sha256 run on its own interpreter as a real generator's do;
+ZmqGeneratorConnection and the product's weight receiver, weights.transports.open_receiver:
+CollectiveReceiver over the ZMQ chunk receiver, so its reads, copies and sha256 run on its own interpreter as a real generator's do;
 a collective receive blocks its loop, as in the product); ``--sim threads`` puts them on threads
 of ``--procs`` processes instead (the earlier method: their reads and digests share one
 interpreter per process). The learner's side: "publish_s" (the trainer writes the version and
@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from models.checkpoint import save_checkpoint  # noqa: E402
 from pipeline.backends.results import StepResult  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
@@ -70,12 +70,10 @@ from pipeline.core.validation import ModelLimits  # noqa: E402
 from pipeline.net.transport_config import TransportConfig  # noqa: E402
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
 from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
-from weights.chunked import WeightReceiver  # noqa: E402
 from weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402
-from weights.collective_generator import CollectiveWeightSink  # noqa: E402
 from weights.collective_learner import CollectivePublisher  # noqa: E402
-from weights.digest import digest_of_state  # noqa: E402
 from weights.publication import Publication  # noqa: E402
+from weights.transports import open_receiver  # noqa: E402
 
 # --peer-timeout-s reaches the spawned simulated generators through the environment
 TCFG = dict(heartbeat_interval_s=1.0,
@@ -142,7 +140,7 @@ def sim_worker(ids: list[str], control: str, weights: str, gen_s: float, tokens:
     for gid in ids:
         hello = Hello(gid, "sim", os.getpid(), ["huginn"], 2, 0, time.time())
         conn = ZmqGeneratorConnection(tc, hello, control=control, weights=weights)
-        rx = CollectiveWeightSink(conn, WeightReceiver(conn), gid)
+        rx = open_receiver(conn, gid)
         gens.append({"gid": gid, "conn": conn, "rx": rx, "v": 0, "q": []})
     got: dict[str, list[Any]] = {"lat": [], "acked": [], "acks": []}
     sent_at: dict[str, float] = {}
@@ -184,12 +182,8 @@ def _turn(g: dict[str, Any], gen_s: float, tokens: int, check_digest: bool,
         elif inc.channel == "weights":
             ready = g["rx"].handle(rec)  # a collective receive blocks here, digest checked
             if ready is not None:
-                ann = ready.announce
-                if check_digest and ann.path and not getattr(ready, "blob", b""):  # on disk
-                    # what generator.engine.load_weights does with a directory before serving
-                    kind, chunk = ann.digest_kind, ann.digest_chunk_bytes
-                    if digest_of_state(load_checkpoint(ann.path)[1], kind, chunk) != ann.digest:
-                        raise RuntimeError(f"{g['gid']}: digest mismatch v{ann.version}")
+                if check_digest and ready.directory:  # on disk: read and hashed, as an engine
+                    ready.state()  # does before serving (WeightsRefused on a mismatch)
                 g["v"] = ready.version
                 g["rx"].loaded(ready.version)
                 got["acked"].append((g["gid"], ready.version, time.time()))

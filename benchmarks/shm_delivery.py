@@ -18,9 +18,10 @@ checked on another thread (`open_verify_s` is then the whole of it, `to_device_s
 buffer (allocated before the clock, as the engine keeps it between versions:
 `staging_alloc_s`), each piece hashed as it is read, then, checked, copied from there into the
 tensors (DMA; `open_verify_s` is the whole of it);
-``checked_first``, `read_weights` then the copy: `mapped_copy` (shm: map the file, check the
-tree digest per piece), else, for shared_fs or a refused copy, read the safetensors directory
-and hash it (`open_verify_s`), then the copy into the tensors (`to_device_s`, synchronised).
+``checked_first``, `VerifiedWeights.state()` then the copy: `mapped_copy` (shm: map the file,
+check the tree digest per piece), else, for shared_fs or a refused copy, read the safetensors
+directory and hash it (`open_verify_s`), then the copy into the tensors (`to_device_s`,
+synchronised).
 `delivery_s` = from the announce sent to the weights in the device tensors; `*_cpu_s` = CPU seconds of each process's part (all
 its threads). The target: the Huginn-0125 set (7.1 GB) to a generator process in under 1 s.
 """
@@ -45,13 +46,12 @@ def generator(conn: Any, device: str, load: str) -> None:
     one, as an engine holds them, before the clock), then, handed the announce, delivery as the
     engine takes it, into those tensors: ``load`` overlapped = the torch engine's path
     (`load_mapped`: the copy while the digest is checked; shared_fs or no copy: as below),
-    checked_first = `read_weights` (map and check, or read and hash the directory), then the
-    copy (the vLLM engine's order, and the torch engine's before)."""
+    checked_first = `VerifiedWeights.state()` (map and check, or read and hash the
+    directory), then the copy (the vLLM engine's order, and the torch engine's before)."""
     import torch
 
-    from weights.reading import read_weights
-    from weights.shm import ShmWeights, load_mapped, load_staged, mapped_copy
-    from weights.verified import OnDisk
+    from weights.shm import load_mapped, load_staged, mapped_copy
+    from weights.verified import VerifiedWeights
 
     metas, total = conn.recv()
     dst = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
@@ -83,15 +83,16 @@ def generator(conn: Any, device: str, load: str) -> None:
         mapped, digest = True, announce.digest  # (read and checked, then copied)
         t1 = time.time()
     else:
-        ready = mapped_copy(announce, root)  # what read_weights(OnDisk) tries first
-        mapped = isinstance(ready, ShmWeights)
-        state, digest = read_weights(ready if ready is not None else OnDisk(announce))
+        mapping = mapped_copy(announce, root)  # what VerifiedWeights.state() tries first
+        mapped = mapping is not None
+        ready = (VerifiedWeights(announce, mapping) if mapped  # checked by mapped_copy
+                 else VerifiedWeights.of_directory(announce))  # fmt: skip
+        state, digest = ready.state(local_copy=False), announce.digest  # (raises on a mismatch)
         t1 = time.time()
         copy(state)
         dev_s = time.time() - t1
         del state
-        if isinstance(ready, ShmWeights):
-            ready.close()
+        ready.close()
     done = time.time()
     conn.send({"open_verify_s": t1 - t0, "to_device_s": dev_s, "delivery_s": done - sent,
                "cpu_s": time.process_time() - c0, "tensors": len(dst), "digest": digest,

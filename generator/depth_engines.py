@@ -6,8 +6,8 @@ exit policy.
     engines.generate(items)   # items grouped by eval_depth; main serves eval_depth 0 (and d
                               # when the main policy is FixedDepth(d)); one engine per other
                               # depth, built on first use, results in the order of ``items``
-    engines.load_weights(source, v, digest)   # main at once; the others before their next
-                                              # generate (the last verified source is kept)
+    engines.load_weights(weights)   # main at once; the others before their next generate
+                                    # (the last VerifiedWeights is kept)
 
 The vLLM plugin sizes its KV cache by the policy's depth when the engine is built (one
 attention slot per core iteration), so a depth the main engine does not run needs an engine of
@@ -26,6 +26,7 @@ from typing import Any
 
 from models.exits import FixedDepth
 from proto import WorkItem
+from weights.verified import VerifiedWeights
 
 
 class DepthEngines:
@@ -37,7 +38,7 @@ class DepthEngines:
         self.main, self.build, self.looped = main, build, looped
         self.main_fixed_depth = main_fixed_depth  # d when the main policy is FixedDepth(d)
         self.engines: dict[int, Any] = {}
-        self._last: tuple[Any, int, str] | None = None  # the newest verified weights
+        self._last: VerifiedWeights | None = None  # the newest weights loaded
 
     @property
     def weight_version(self) -> int:
@@ -46,9 +47,9 @@ class DepthEngines:
     def __getattr__(self, name: str) -> Any:  # broken, inflight_updates, ...: the main engine's
         return getattr(self.__dict__["main"], name)
 
-    def load_weights(self, source: Any, version: int, digest: str) -> None:
-        self.main.load_weights(source, version, digest)
-        self._last = (source, version, digest)
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        self.main.load_weights(weights)
+        self._last = weights
 
     def _engine(self, depth: int) -> Any:
         if depth == 0 or depth == self.main_fixed_depth:
@@ -60,8 +61,8 @@ class DepthEngines:
         eng = self.engines.get(depth)
         if eng is None:
             eng = self.engines[depth] = self.build(depth)
-        if self._last is not None and eng.weight_version < self._last[1]:
-            eng.load_weights(*self._last)
+        if self._last is not None and eng.weight_version < self._last.version:
+            eng.load_weights(self._last)
         return eng
 
     def generate(

@@ -5,7 +5,7 @@ Order of calls (one thread; `load_weights` may also come from another thread):
     engine = LoopedEngine(model_dir, numerics="exact", exit_policy=KL(0.1))
     samples = engine.generate(work_items)          # [item][sample] -> Sample
     rollouts = to_rollouts(item, samples[i], generator_id)
-    engine.load_weights(source, version=v, digest=d)   # verify (or trust), then swap in place
+    engine.load_weights(weights)                   # a VerifiedWeights: its checked state, swapped in place
 
 One vLLM request per sample (each has its own latent seed, `extra_args["latent_seed"]`).
 Per-token exit depths, behaviour log-probs (docs/CONTRACTS.md 4, the plugin's own
@@ -26,12 +26,12 @@ with `Generator.set_offset`, which CPU generators reject ("CPU Generator does no
 offset", `GPUModelRunner._bookkeeping_sync`); there the engine-wide `seed` drives sampling.
 Replay does not need the sampler's randomness (only tokens, seeds and depths).
 
-Weights: `load_weights` trusts a `weights.verified.VerifiedWeights` (its receiver checked
-the digest on those very bytes, piece by piece; only its announced digest is compared) and
-hashes only what it reads itself (`weights.reading.read_weights`): an `OnDisk`
-directory (with the announce's digest kind), any other directory or mapping (the flat kind,
-`canonical_digest`). A mismatch raises
-`WeightDigestError` and the engine keeps serving the old version. By default a swap waits
+Weights: `load_weights` takes a `weights.verified.VerifiedWeights` and swaps in its checked
+state (`VerifiedWeights.state()`, on the engine's thread: views of bytes its receiver
+checked piece by piece, not hashed again; an announced directory read and hashed there, this
+host's /dev/shm copy first). A version not newer than the one served, or a set whose digest
+does not match, raises `weights.check.WeightsRefused` and the engine keeps serving the old
+version (`checked_state`). By default a swap waits
 until no request is in flight (a lock around generate); with `inflight_updates=True` it is
 applied between two engine steps of a running `generate`, and each token records the version
 that computed it (`Sample.token_versions`).
@@ -83,39 +83,36 @@ from generator.vllm_plugin.sampled import disable_book, enable_book, pop_sampled
 from generator.vllm_plugin.settings import PluginSettings, settings_to_dict
 from models.exits import ExitPolicy, FixedDepth, resolve_max_depth
 from proto.records import Rollout, WorkItem
-from weights.digest import canonical_digest
-from weights.reading import read_weights
+from weights.check import WeightsRefused
+from weights.verified import VerifiedWeights
 
 CPU_BLOCK_SIZE = 32
 """Tokens per KV cache page on the CPU (a multiple of 32, which vLLM's CPU attention prefers;
 see the module doc)."""
 
 
-class WeightDigestError(ValueError):
-    """Published weights whose digest does not match their announcement."""
-
-
 class WeightLoadError(RuntimeError):
     """The model's weight loader failed on a verified set: the engine no longer serves."""
 
 
-def checked_state(
-    source: str | os.PathLike | Mapping[str, torch.Tensor], version: int, digest: str,
-    serving: int,
-) -> Any:  # fmt: skip
-    """The state of `source` for a swap to `version` from `serving`, its digest checked
-    (`read_weights`: a VerifiedWeights is trusted, anything else hashed): ValueError for a
-    version not newer, WeightDigestError for a digest that does not match (old version kept).
-    Both engines (this one and generator.torch_engine.engine) load through it."""
+def check_newer(version: int, serving: int) -> None:
+    """WeightsRefused unless ``version`` is newer than the ``serving`` one."""
     if version <= serving:
-        raise ValueError(f"version {version} is not newer than {serving}")
-    state, got = read_weights(source)
-    if got != digest:
-        raise WeightDigestError(
-            f"weights v{version}: digest {got} does not match the announced {digest}; "
-            f"still serving v{serving}"
-        )
-    return state
+        raise WeightsRefused(f"version {version} is not newer than {serving}")
+
+
+def checked_state(
+    weights: VerifiedWeights, serving: int, *, local_copy: bool = True
+) -> Mapping[str, torch.Tensor]:
+    """``weights.state()`` for a swap from version ``serving``: WeightsRefused for a version
+    not newer (before anything is read) or a set whose digest does not match (the old version
+    kept). ``local_copy``: as ``VerifiedWeights.state``. Both engines (this one and
+    generator.torch_engine) load through it."""
+    check_newer(weights.version, serving)
+    try:
+        return weights.state(local_copy=local_copy)
+    except WeightsRefused as e:  # the engine's part of the line: what it serves meanwhile
+        raise WeightsRefused(f"{e}; still serving v{serving}") from None
 
 
 @dataclasses.dataclass
@@ -238,7 +235,7 @@ class LoopedEngine:
         )
         self._ids = itertools.count()
         self._lock = threading.RLock()  # held by generate; swaps wait for it by default
-        self._pending: tuple[dict[str, Any], int] | None = None
+        self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._pending_lock = threading.Lock()
         self.broken = ""
         """Why the engine no longer serves (a failed weight load); empty while it does."""
@@ -262,7 +259,7 @@ class LoopedEngine:
 
         self.llm.collective_rpc(set_version, args=(version,))
 
-    def _apply(self, state: dict[str, Any], version: int) -> None:
+    def _apply(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         try:
             self.llm.collective_rpc(_load_on_worker, args=(state, version, not self.looped))
         except Exception as e:
@@ -280,16 +277,11 @@ class LoopedEngine:
         if self.broken:
             raise WeightLoadError(self.broken)
 
-    def load_weights(
-        self,
-        source: str | os.PathLike | Mapping[str, torch.Tensor],
-        version: int,
-        digest: str,
-    ) -> None:
-        """Verify `digest` of `source` (VerifiedWeights: trusted; a checkpoint directory or a
-        state dict of HF-named tensors: hashed), then serve it as `version` (see module doc)."""
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        """Serve ``weights`` (its checked state, ``checked_state``) as its version (see module
+        doc)."""
         self._check_usable()
-        state = checked_state(source, version, digest, self.weight_version)
+        state, version = checked_state(weights, self.weight_version), weights.version
         if self.inflight_updates and not self._lock.acquire(blocking=False):
             with self._pending_lock:  # a generate is running: it swaps between steps
                 self._pending = (state, version)
@@ -450,8 +442,8 @@ __all__ = [
     "CPU_BLOCK_SIZE",
     "LoopedEngine",
     "Sample",
-    "WeightDigestError",
     "WeightLoadError",
-    "canonical_digest",
+    "check_newer",
+    "checked_state",
     "to_rollouts",
 ]

@@ -8,7 +8,7 @@ Order of events (one ``GeneratorLoop.run()``)::
     loop until stop():
         recv (control + weights; at least every poll_s, so the connection's heartbeats flow)
           WorkItem        -> queue it, or hand it back (WorkReturn) when max_inflight are held
-          WeightAnnounce/Chunk -> weight sink; a verified set waits for the engine to be idle
+          WeightAnnounce/Chunk -> the receiver; a VerifiedWeights waits for the engine to be idle
           Ack/Nack rollout     -> the outbox forgets the acknowledged rollouts
           Welcome again        -> a reconnect: the outbox re-sends every unacknowledged group
         engine idle: load pending weights, else start a batch (full, or oldest waited batch_wait_s)
@@ -57,7 +57,8 @@ from proto import (
     WorkItem,
     WorkReturn,
 )
-from weights.verified import OnDisk, WeightSink
+from weights.receiver import Receiver
+from weights.verified import VerifiedWeights
 
 __all__ = ["FatalError", "GeneratorLoop", "LoopStats"]
 
@@ -94,8 +95,10 @@ class GeneratorLoop:
     """Serves work items from the learner; see the module docstring for the loop.
 
     Threads: the caller's thread runs ``run()`` and owns the connection; one engine thread
-    runs engine.generate, ``to_rollouts`` and engine.load_weights in order; one scoring
-    thread runs the reward runner. ``threaded=False`` runs both inline in ``step()``.
+    runs engine.generate, ``to_rollouts`` and engine.load_weights in order (an announced
+    directory is read and hashed there, not on the caller's thread); one scoring thread runs
+    the reward runner. ``weights``: the receiver of the weights channel (weights.transports.open_receiver);
+    its Acks and Nacks go out through it. ``threaded=False`` runs both inline in ``step()``.
     ``stop()`` only sets a flag, so a signal handler may call it. Finished rollouts go to
     ``outbox`` (generator.outbox.Outbox), which sends them and keeps them until acknowledged.
     """
@@ -111,7 +114,7 @@ class GeneratorLoop:
         max_inflight: int,
         batch_wait_s: float = 0.05,
         max_batch_items: int = 0,
-        weights: WeightSink | None = None,
+        weights: Receiver,
         detokenize: Callable[[list[int]], str] | None = None,
         check_welcome: Callable[[Welcome], None] | None = None,
         drain_timeout_s: float = 30.0,
@@ -148,8 +151,8 @@ class GeneratorLoop:
         self._ids: set[str] = set()  # work ids held (queued, generating or scoring)
         self._batch: _Batch | None = None  # on the engine thread
         self._scoring: deque[_Batch] = deque()  # on the scoring thread, in order
-        self._pending: Any = None  # verified weights waiting for the engine to be idle
-        self._load: tuple[Any, Future[Any]] | None = None
+        self._pending: VerifiedWeights | None = None  # waiting for the engine to be idle
+        self._load: tuple[VerifiedWeights, Future[Any]] | None = None
         self._stopping, self._stop_reason = False, "shutdown"
         # a lane's finished call wakes run()'s recv (connection.waker), not the next poll_s
         waker = getattr(connection, "waker", None)
@@ -259,14 +262,7 @@ class GeneratorLoop:
         self.stats.max_held = max(self.stats.max_held, self.held)
 
     def _on_weights(self, rec: WeightAnnounce | WeightChunk) -> None:
-        ready: Any = None
-        if isinstance(rec, WeightAnnounce) and rec.num_chunks == 0 and rec.path:
-            ready = OnDisk(rec)  # published as files: the engine loads the directory
-        elif self.weights is not None:
-            ready = self.weights.handle(rec)
-        elif isinstance(rec, WeightAnnounce):
-            why = "this generator has no weight receiver for chunked weights"
-            self.conn.send(Nack("weights", str(rec.version), why, rec.version), channel="weights")
+        ready = self.weights.handle(rec)
         if ready is None:
             return
         loading = self._load[0].version if self._load is not None else -1
@@ -275,7 +271,7 @@ class GeneratorLoop:
         elif ready.version <= loading:  # heard again while it loads (e.g. after a pause):
             pass  # the load's end acknowledges it
         else:
-            self._pending = ready  # a newer verified set replaces one not yet loaded
+            self._pending = ready  # a newer version replaces one not yet loaded
 
     # -- engine ---------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -298,9 +294,8 @@ class GeneratorLoop:
         if self.serving:
             self._maybe_start_batch()
 
-    def _load_weights(self, ready: Any) -> int:
-        # VerifiedWeights: checked by its receiver (trusted); OnDisk: the engine checks its files
-        self.engine.load_weights(ready, ready.version, ready.digest)
+    def _load_weights(self, ready: VerifiedWeights) -> int:
+        self.engine.load_weights(ready)  # its state checked on this (the engine's) thread
         return self.engine.weight_version
 
     def _weights_done(self, version: int, exc: BaseException | None) -> None:
@@ -308,18 +303,11 @@ class GeneratorLoop:
         if exc is not None:
             c["weights_failed"] += 1
             log.error("loading weights v%d failed: %r", version, exc)
-            if self.weights is not None:
-                self.weights.load_failed(version, repr(exc)[:2000])
-            else:
-                why = f"engine could not load: {exc!r}"[:2000]
-                self.conn.send(Nack("weights", str(version), why, version), channel="weights")
+            self.weights.load_failed(version, repr(exc)[:2000])
             return
         c["weights_loaded"] += 1
         log.info("serving weights v%d", self.version)
-        if self.weights is not None:
-            self.weights.loaded(self.version)
-        else:
-            self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+        self.weights.loaded(self.version)
         # The learner accepts rollouts of a version only from a generator that said it serves
         # it. The weights Ack travels on the other socket; a Heartbeat on the control channel
         # now, before any batch of this version starts, arrives ahead of its rollouts.

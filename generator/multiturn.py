@@ -43,6 +43,7 @@ import numpy as np
 from generator.engine import Sample
 from generator.environments import EnvCalls, Environment, Scalar, Turn
 from proto.records import WorkItem
+from weights.verified import VerifiedWeights
 
 
 @dataclass
@@ -107,8 +108,8 @@ class MultiTurnEngine:
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
 
-    def load_weights(self, source: Any, version: int, digest: str) -> None:
-        self.engine.load_weights(source, version, digest)
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        self.engine.load_weights(weights)
 
     def generate(self, items: Sequence[WorkItem]) -> list[list[Sample]]:
         convs = [[_Conversation(it, int(s)) for s in it.latent_seeds] for it in items]

@@ -3,7 +3,7 @@
 generator/ never imports pipeline/; these Protocols are what generator.loop (and its
 generator.outbox) needs, written so that pipeline.net.transport.GeneratorConnection satisfies
 them as it is, and generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight
-sink and what it hands the engine (VerifiedWeights, OnDisk) are weights.verified's.
+receiver and what it hands the engine (weights.verified.VerifiedWeights) are weights'.
 Helpers: the Hello a generator introduces itself with and the one-thread work lane that keeps
 engine calls in order.
 """
@@ -20,6 +20,7 @@ from queue import SimpleQueue
 from typing import Any, Literal, Protocol
 
 from proto import Hello, Rollout, WorkItem
+from weights.verified import VerifiedWeights
 
 Channel = Literal["control", "weights"]
 ToRollouts = Callable[[WorkItem, list[Any], str], list[Rollout]]
@@ -53,15 +54,15 @@ class Connection(Protocol):
 
 class Engine(Protocol):
     """The sampling engine (generator.engine.LoopedEngine); called from one thread only.
-    ``load_weights`` gets a weights.verified.VerifiedWeights (trusted: checked by its
-    receiver) or OnDisk (the engine checks the files it reads), with its version and digest."""
+    ``load_weights`` gets a weights.verified.VerifiedWeights and serves its checked state
+    (``state()``, read on this thread) as its version."""
 
     @property
     def weight_version(self) -> int: ...
     def generate(self, items: list[WorkItem]) -> list[list[Any]]: ...
     # an engine a multi-turn driver (generator.multiturn) drives also takes
     # generate(items, sampling_offsets=[per item: the turn]): models.reference.sampling_seed
-    def load_weights(self, source: Any, version: int, digest: str) -> None: ...
+    def load_weights(self, weights: VerifiedWeights) -> None: ...
 
 
 def make_hello(

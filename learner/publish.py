@@ -5,8 +5,7 @@ Order of calls (every rank calls; ranks outside data-parallel rank 0 return None
     out = weights.publication.weights_dir(run_dir, v)   # the coordinator names it
     pub = publish(trainer.policy_model, out, v, dtype=torch.bfloat16)
     if pub is not None:                                  # global rank 0 (the coordinator)
-        ann = pub.announce(chunk_bytes)                  # proto.WeightAnnounce
-        publisher.publish(pub.version, pub.blob, tensors=pub.tensor_metas(), digest=pub.digests, ...)
+        publisher.publish(pub)                           # weights.transports: the announce, ...
 
 This module is the learner's part only (the TP gather and the cast); the publication itself
 (blob, digest, manifest, the directory's name) is weights.publication's.
@@ -25,7 +24,7 @@ What is published, for weight version v:
    "digest_chunk_bytes", "tied", "tensors": [{name, dtype, shape, offset, nbytes, sha256}]};
    the digest is the tree digest (weights.digest) of the stored tensors' blob;
 5. the same tensors as one contiguous blob + per-tensor metadata (`weights.digest`)
-   for the transports (weights.chunked, weights.collective_learner).
+   for the transports (weights.transports).
 
 Non-finite weights are never published: `publication_state` checks every stored tensor after
 the cast (a finite fp32 value can overflow bf16) and raises `NonFiniteWeightsError` naming the
@@ -47,30 +46,18 @@ import torch
 from torch import Tensor, nn
 
 from models.checkpoint import json_bytes, save_checkpoint
-from models.errors import NonFiniteWeightsError
 from models.ties import detached_copy, view_key
 from weights.digest import check_finite
-from weights.publication import (
-    MANIFEST_NAME,
-    Publication,
-    read_manifest,
-    verify_publication,
-)
+from weights.publication import MANIFEST_NAME, Publication
 
 __all__ = [
-    "MANIFEST_NAME",
     "Exporter",
-    "NonFiniteWeightsError",
-    "Publication",
     "cast_for_publication",
-    "check_finite",
     "looped_exporter",
     "publication_state",
     "publish",
-    "read_manifest",
     "snapshot_publication",
     "tie_map",
-    "verify_publication",
 ]
 
 Exporter = Callable[[nn.Module], tuple[dict[str, Tensor], set[str]]]

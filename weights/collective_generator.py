@@ -1,10 +1,10 @@
 """Weights by torch.distributed broadcast (publish.transport=collective), generator side.
 
-``CollectiveWeightSink`` is the loop's weight sink (weights.verified.WeightSink): a
-WeightAnnounce whose ``collective`` field is set is received here; every other weight record
-(ZMQ chunks, the fallback the learner switches a generator to when a round fails) goes to the
-``fallback`` sink (weights.chunked.WeightReceiver), so a generator serves whichever
-transport the learner picks, without a setting of its own. One announce, on the loop's
+``CollectiveReceiver`` is the transport's receiver (weights.receiver.Receiver; registered in
+weights.transports): a WeightAnnounce whose ``collective`` field is set is received here;
+every other weight record (ZMQ chunks, the fallback the learner switches a generator to when a
+round fails) goes to the ``fallback`` receiver (weights.receiver.WeightReceiver), so a
+generator serves whichever transport the learner picks, without a setting of its own. One announce, on the loop's
 thread (weights.collective has the keys)::
 
     store := the learner's TCPStore at collective.store (one client per address, kept)
@@ -12,9 +12,9 @@ thread (weights.collective has the keys)::
     not in the roster (joined too late): Nack -> the learner sends this version by ZMQ
     group on the store (rank = index in roster + 1), receive the blob (<= timeout_s), forwarding
         it piece by piece to the next rank when collective.chunk_bytes > 0 (weights.collective.deliver)
-    digest == announced (weights.verified.verify_blob: the tree's pieces hashed in
-        parallel, a bad piece named)? -> VerifiedWeights to the loop, which loads it through
-        engine.load_weights (trusted there: not hashed again), then Ack
+    digest == announced (weights.check.check_blob: the tree's pieces hashed in parallel, a
+        bad piece named)? -> VerifiedWeights to the loop, which loads it through
+        engine.load_weights (views of the checked bytes: not hashed again), then Ack
     else / any failure: Nack(reason); nothing is served (the learner sends that version by ZMQ
         chunks, which re-fetch a bad piece alone)
 
@@ -36,19 +36,20 @@ import torch
 
 from proto import Ack, Nack, WeightAnnounce
 from weights import collective as coll
-from weights.chunked import _GeneratorSide
-from weights.verified import OnDisk, VerifiedWeights, WeightSink, verify_blob
+from weights.check import WeightsRefused
+from weights.receiver import GeneratorSide, Receiver
+from weights.verified import VerifiedWeights
 
 log = logging.getLogger(__name__)
 
 
-class CollectiveWeightSink:
+class CollectiveReceiver:
     """Generator side of the collective transport; see the module docstring for the loop."""
 
     def __init__(
         self,
-        conn: _GeneratorSide,
-        fallback: WeightSink,
+        conn: GeneratorSide,
+        fallback: Receiver,
         generator_id: str,
         *,
         serving_version: int = -1,
@@ -61,7 +62,7 @@ class CollectiveWeightSink:
         self._stores: dict[str, Any] = {}
         self.counts: Counter[str] = Counter()
 
-    def handle(self, rec: Any) -> VerifiedWeights | OnDisk | None:
+    def handle(self, rec: Any) -> VerifiedWeights | None:
         """One record of the weights channel; returns a verified set to load, or None."""
         if isinstance(rec, WeightAnnounce) and rec.collective:
             return self._receive(rec)
@@ -115,8 +116,8 @@ class CollectiveWeightSink:
             self._nack(v, f"collective receive of round {name} failed: {e}")
             return None
         try:
-            ready = verify_blob(ann, blob)
-        except ValueError as e:
+            ready = VerifiedWeights.of_blob(ann, blob)
+        except WeightsRefused as e:
             self.counts["digest_mismatch"] += 1
             self._nack(v, f"weights v{v}: {e}")
             return None
@@ -132,3 +133,6 @@ class CollectiveWeightSink:
         if self.hostname:
             return self.hostname
         return coll.local_address_towards(*coll.split_address(str(c["store"])))
+
+
+__all__ = ["CollectiveReceiver"]

@@ -1,6 +1,6 @@
 """Weight push over a torch.distributed broadcast (publish.transport=collective), learner side.
 
-``CollectivePublisher`` is a ``WeightPublisher`` (weights.chunked) whose generators get
+``CollectivePublisher`` is a ``WeightPublisher`` (weights.publisher) whose generators get
 each version by one broadcast from the learner (rank 0) instead of one chunk stream each; the
 coordinator drives it exactly like the ZMQ publisher (publish / add_generator / handle / observe
 / remove_generator / pump / close). weights.collective has the rendezvous keys. Loop, on the
@@ -48,12 +48,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from proto import Nack, WeightAnnounce
+from proto import Nack
 from proto.schema import Scalar
 from weights import collective as coll
-from weights.chunked import WeightPublisher, WeightSyncError, _LearnerSide
+from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class CollectivePublisher(WeightPublisher):
 
     def __init__(
         self,
-        endpoint: _LearnerSide,
+        endpoint: LearnerSide,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -96,13 +97,7 @@ class CollectivePublisher(WeightPublisher):
         self._delivered: dict[str, int] = {}  # gid -> version its last good round carried
         self.round_log: list[dict[str, Any]] = []  # per finished round: members, joined, s, error
 
-    # -- WeightPublisher interface ------------------------------------------------------------
-    def publish(self, version: int, blob: bytes | memoryview, **kw: Any) -> WeightAnnounce:
-        """As WeightPublisher.publish; the blob is kept (it is broadcast, and the fallback)."""
-        if kw.get("chunked", True) is False:
-            raise WeightSyncError("the collective transport needs the blob (chunked=True)")
-        return super().publish(version, blob, **kw)
-
+    # -- WeightPublisher interface (the blob is kept: it is broadcast, and the fallback) ------
     def add_generator(self, gid: str, serving_version: int = -1) -> None:
         """A (re)connected generator takes the collective path (again), whatever it did before."""
         self._delivered.pop(gid, None)
@@ -225,15 +220,17 @@ class CollectivePublisher(WeightPublisher):
             self._start(g)
 
 
-def make_publisher(transport: str, endpoint: _LearnerSide, section: Any) -> WeightPublisher:
-    """The publisher for ``publish.transport`` (pipeline.config_outputs.PublishSection)."""
-    if transport != "collective":
-        return WeightPublisher(endpoint, chunk_bytes=section.chunk_bytes, window=section.window)
+def collective_publisher(
+    endpoint: LearnerSide, settings: PublishSettings, run_dir: Path
+) -> CollectivePublisher:
+    """publish.transport=collective (weights.transports): a broadcast round per version, ZMQ
+    chunks for a generator that falls out of it."""
+    s = settings
     return CollectivePublisher(
-        endpoint, host=section.collective_host, port=section.collective_port,
-        backend=section.collective_backend, timeout_s=section.collective_timeout_s,
-        pipe_bytes=section.collective_chunk_bytes, chunk_bytes=section.chunk_bytes, window=section.window,
+        endpoint, host=s.collective_host, port=s.collective_port, backend=s.collective_backend,
+        timeout_s=s.collective_timeout_s, pipe_bytes=s.collective_chunk_bytes,
+        chunk_bytes=s.chunk_bytes, window=s.window,
     )  # fmt: skip
 
 
-__all__ = ["CollectivePublisher", "make_publisher"]
+__all__ = ["CollectivePublisher", "collective_publisher"]

@@ -66,9 +66,11 @@ __all__ = [
     "digest_of_state",
     "dtype_name",
     "meta_leaf",
+    "num_chunks",
     "state_from_blob",
     "tensor_bytes",
     "tree_digest",
+    "tree_of",
     "tree_root",
     "weights_digest",
 ]
@@ -117,13 +119,23 @@ def _header(name: str, dtype: str, shape: Iterable[int], nbytes: int) -> bytes:
 
 def canonical_digest(state: Mapping[str, torch.Tensor]) -> str:
     """sha256 hex of a weight set's canonical bytes (layout: module docstring)."""
+
+    def entries() -> Iterable[tuple[str, str, Sequence[int], memoryview]]:
+        for name in sorted(state):
+            t = state[name]
+            raw = _canonical_view(t)  # hashed in place: a generator verifying GBs copies nothing
+            yield name, dtype_name(t.dtype), t.shape, memoryview(b"") if raw is None else raw
+
+    return _flat_digest(entries())
+
+
+def _flat_digest(entries: Iterable[tuple[str, str, Sequence[int], memoryview]]) -> str:
+    """The flat digest: sha256 hex over each (name, dtype, shape, canonical bytes) entry's
+    header and bytes, in the given (sorted-name) order."""
     h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name]
-        raw = _canonical_view(t)  # hashed in place: a generator verifying GBs copies nothing
-        h.update(_header(name, dtype_name(t.dtype), t.shape, 0 if raw is None else raw.nbytes))
-        if raw is not None:
-            h.update(raw)
+    for name, dtype, shape, raw in entries:
+        h.update(_header(name, dtype, shape, len(raw)))
+        h.update(raw)
     return h.hexdigest()
 
 
@@ -235,12 +247,10 @@ def digest_from_blob(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) 
 
     Equals `canonical_digest(state_from_blob(blob, meta))`; ValueError for inconsistent
     metadata (gaps, overlaps, sizes that do not match shape x dtype, unknown dtypes)."""
-    entries = list(_slices(blob, meta))
-    h = hashlib.sha256()
-    for name, dtype, shape, raw, _ in sorted(entries, key=lambda e: e[0]):
-        h.update(_header(name, dtype_name(dtype), shape, len(raw)))
-        h.update(raw)
-    return h.hexdigest()
+    entries = sorted(_slices(blob, meta), key=lambda e: e[0])
+    return _flat_digest(
+        (name, dtype_name(dtype), shape, raw) for name, dtype, shape, raw, _ in entries
+    )
 
 
 def blob_digest(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) -> str:
@@ -325,6 +335,7 @@ def check_kind(kind: str, chunk_bytes: int) -> str:
 
 
 def num_chunks(total: int, chunk_bytes: int) -> int:
+    """How many ``chunk_bytes`` pieces hold ``total`` bytes (the last one shorter)."""
     return -(-total // chunk_bytes)
 
 
@@ -396,15 +407,19 @@ def tree_digest(
     head = meta_leaf(
         (n, dtype_name(state[n].dtype), state[n].shape, len(r)) for n, r in zip(names, raws)
     )
-    leaves = chunk_leaves(raws, chunk_bytes)
-    total = sum(len(r) for r in raws)
+    return tree_of(head, chunk_leaves(raws, chunk_bytes), chunk_bytes, sum(len(r) for r in raws))
+
+
+def tree_of(head: bytes, leaves: Sequence[bytes], chunk_bytes: int, total: int) -> Digest:
+    """The tree ``Digest`` of a header leaf and the chunk leaves of ``total`` bytes."""
     return Digest(tree_root(head, leaves, chunk_bytes, total), TREE, chunk_bytes,
                   tuple(x.hex() for x in leaves))  # fmt: skip
 
 
 def blob_head(blob_len: int, meta: Sequence[Any]) -> bytes:
-    """The header leaf of a blob's tensors; ValueError unless ``meta`` is in sorted-name
-    order (the blob then holds the canonical bytes as they are)."""
+    """The header leaf of a blob's tensors (none, an opaque payload: sha256 of nothing);
+    ValueError unless ``meta`` is in sorted-name order (the blob then holds the canonical
+    bytes as they are)."""
     names = [str(_get(m, "name")) for m in meta]
     if names != sorted(names):
         raise ValueError("a tree digest needs the tensors in sorted-name order")
@@ -433,10 +448,8 @@ def weights_digest(
         list(_slices(blob, meta))  # validates offsets, sizes and dtypes
     if kind == FLAT:
         return Digest(blob_digest(blob, meta))
-    head = blob_head(len(blob), meta) if meta else hashlib.sha256().digest()
-    leaves = chunk_leaves([blob], chunk_bytes)
-    return Digest(tree_root(head, leaves, chunk_bytes, len(blob)), TREE, chunk_bytes,
-                  tuple(x.hex() for x in leaves))  # fmt: skip
+    return tree_of(blob_head(len(blob), meta), chunk_leaves([blob], chunk_bytes), chunk_bytes,
+                   len(blob))  # fmt: skip
 
 
 def digest_of_state(state: Mapping[str, torch.Tensor], kind: str = "", chunk_bytes: int = 0) -> str:

@@ -1,58 +1,64 @@
-"""Same-host weight delivery through shared memory: one copy of a version's
-blob per host, mapped by every local generator, its digest still checked.
+"""Same-host weight delivery through shared memory (publish.transport=shm): one copy of a
+version's blob per host, mapped by every local generator, its digest still checked.
 
 The learner (or one process per host) writes a Publication's canonical blob once into a file of
 a memory file system (``/dev/shm``: POSIX shared memory), atomically (``write_shm``: a temporary
 name, then rename); each generator process on that host maps it (``open_shm``) copy-on-write
-(``MAP_PRIVATE``, populated: writable tensor views that never write back into the shared copy), and
-checks the tree digest against the version's announce (``weights.verified.verify_blob``:
-pieces hashed on the thread pool, a bad piece named with its tensors) before handing the engine
-``VerifiedWeights`` views of the mapped pages: no socket, no chunk copies, no second copy in the
-generator's memory until the engine copies the tensors to its device.
+(``MAP_PRIVATE``: writable tensor views that never write back into the shared copy), and
+checks the tree digest against the version's announce (``weights.check.check_blob``: pieces
+hashed on the thread pool, a bad piece named with its tensors) before the engine gets views of
+the mapped pages: no socket, no chunk copies, no second copy in the generator's memory until
+the engine copies the tensors to its device.
 
 Order of calls::
 
     path = write_shm(pub, shm_path(run_id, pub.version))     # learner side, once per host
     announce = pub.announce(chunk_bytes)                       # what generators already receive
-    weights = open_shm(announce, path)                         # each local generator
-    ...engine.load_weights(weights)...; weights.close()        # unmaps (the views die with it)
+    mapping = open_shm(announce, path)                         # each local generator: checked
+    ...VerifiedWeights(announce, mapping)...; .close()         # unmaps (the views die with it)
     remove_shm(path)                                           # learner side, when pruned
 
-``publish.transport=shm`` wires it into a run: the trainer writes its
-directory RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the learner
-then writes the same canonical blob once into ``shm_file(directory)`` (``publish_shm``, beside
-the next step) and announces the directory as shared_fs does. A generator's engine handed such an
-announce (``weights.reading.read_weights`` -> ``mapped_copy``, on its lane) maps the file if its host has it and checks the tree digest
-piece by piece: a match is handed to the engine as trusted ``VerifiedWeights`` (nothing read
-from the directory, no second hash); no file (another host, a shared_fs run) or a refused one
-(its bad pieces named in the log) loads the directory, whose digest the engine checks, so
-nothing is loaded unchecked. The torch engine (generator.torch_engine.engine) takes ``load_mapped``
-instead: the copy into its parameters runs while the digest is checked, nothing is served
-until both are done, and a refused copy is replaced from the directory. Generators need no setting. ``prune_shm`` keeps the newest
-``publish.keep`` files like the directories: an unlinked file's pages live on while a generator
-still maps them (the kernel frees them at the last unmap), so a generator never loses a version
-it holds. ``LOOPRL_CORRUPT_SHM=<version>`` (a test hook) flips one byte of that version's file
-after it is written.
+In a run (``ShmPublisher``, the transport's learner side): the trainer writes its directory
+RUN_DIR/weights/vN as with shared_fs (resume and the fallback read it), the publisher then
+writes the same canonical blob once into ``shm_file(directory)`` (``prepare`` -> ``publish_shm``,
+beside the next step) and announces the directory as shared_fs does; it keeps the newest
+``publish.keep`` files like the directories (``prune_shm``: an unlinked file's pages live on
+while a generator still maps them, the kernel frees them at the last unmap, so a generator
+never loses a version it holds) and removes the run's files when it closes. Generators need no
+setting: the generator side is ``weights.verified.VerifiedWeights`` of an announced directory,
+which maps this host's file if it has one (``mapped_copy``, on the engine's lane like the read)
+and checks the tree digest piece by piece: a match is handed to the engine as views (nothing
+read from the directory, no second hash); no file (another host, a shared_fs run) or a refused
+one (its bad pieces named in the log) loads the directory, whose digest is checked as it is
+read, so nothing is loaded unchecked. The torch engine (generator.torch_engine.weights) takes
+``load_staged`` (a GPU: read into a pinned buffer, checked, then copied) or ``load_mapped``
+(the CPU: the copy into its parameters runs while the digest is checked, nothing is served
+until both are done, and a refused copy is replaced from the directory) instead.
+``LOOPRL_CORRUPT_SHM=<version>`` (a test hook) flips one byte of that version's file after it
+is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import mmap
 import os
 import re
+import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from models.pool import hash_pool
 from proto import WeightAnnounce
-from weights.digest import TREE, blob_head, check_kind, state_from_blob, tree_root
+from weights.check import WeightsRefused, check_blob, check_digest
+from weights.digest import TREE, Digest, blob_head, check_kind, state_from_blob, tree_of
 from weights.publication import Publication
-from weights.verified import VerifiedWeights, check_blob, tensors_of, verify_blob
+from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("LOOPRL_SHM_DIR", "/dev/shm"))
@@ -157,58 +163,50 @@ def prune_shm(weights_root: str | os.PathLike[str], current: int, keep: int,
     return gone
 
 
-class ShmWeights(VerifiedWeights):
-    """VerifiedWeights whose blob is a copy-on-write mapping of a shared file; ``close()``
-    unmaps it (the tensor views must be dropped first)."""
-
-    def __init__(self, announce: WeightAnnounce, blob: Any, mapping: mmap.mmap) -> None:
-        super().__init__(announce, blob)
-        self.mapping = mapping
-
-    def close(self) -> None:
-        self.clear()
-        self.blob = bytearray()
-        try:
-            self.mapping.close()
-        except BufferError:  # a view of it is still alive elsewhere: unmapped when it dies
-            pass
+@contextlib.contextmanager
+def _refusing(announce: WeightAnnounce, path: Path) -> Iterator[None]:
+    """An OSError or ValueError (a WeightsRefused too) raised inside as one WeightsRefused
+    naming the version and the file."""
+    try:
+        yield
+    except OSError as e:
+        raise WeightsRefused(f"weights v{announce.version} in {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise WeightsRefused(f"weights v{announce.version} in {path}: {e}") from None
 
 
 def _map(announce: WeightAnnounce, path: Path) -> mmap.mmap:
     """``path`` mapped copy-on-write, its size checked against the announce (not its digest);
-    ValueError naming the file and why."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != announce.total_bytes:
-                raise ValueError(f"{size} bytes, {announce.total_bytes} announced")
-            if not size:
-                raise ValueError("empty")
-            # private (copy-on-write), not populated: MAP_POPULATE on a writable private mapping
-            # faults every page in for writing, i.e. copies the whole file (measured: 0.3 GB/s
-            # instead of the hash's rate); read faults share the file's pages, read ahead
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
-            mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot)
-            if hasattr(mmap, "MADV_WILLNEED"):
-                mapping.madvise(mmap.MADV_WILLNEED)
-            return mapping
-    except OSError as e:
-        raise ValueError(f"weights v{announce.version} in {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise ValueError(f"weights v{announce.version} in {path}: {e}") from None
+    WeightsRefused naming the file and why."""
+    with _refusing(announce, path), open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != announce.total_bytes:
+            raise ValueError(f"{size} bytes, {announce.total_bytes} announced")
+        if not size:
+            raise ValueError("empty")
+        # private (copy-on-write), not populated: MAP_POPULATE on a writable private mapping
+        # faults every page in for writing, i.e. copies the whole file (measured: 0.3 GB/s
+        # instead of the hash's rate); read faults share the file's pages, read ahead
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot)
+        if hasattr(mmap, "MADV_WILLNEED"):
+            mapping.madvise(mmap.MADV_WILLNEED)
+        return mapping
 
 
-def open_shm(announce: WeightAnnounce, path: str | os.PathLike[str]) -> ShmWeights:
-    """The weights of ``path`` as checked ``VerifiedWeights`` views (module docstring);
-    ValueError naming the file and why (size, the pieces that differ, the digest)."""
+def open_shm(announce: WeightAnnounce, path: str | os.PathLike[str]) -> mmap.mmap:
+    """``path`` mapped copy-on-write once its digest matched the announce (module
+    docstring); WeightsRefused naming the file and why (size, the pieces that differ, the
+    digest)."""
     path = Path(path)
     mapping = _map(announce, path)
-    try:
-        verify_blob(announce, mapping)  # type: ignore[arg-type]  # a writable buffer
-        return ShmWeights(announce, mapping, mapping)
-    except ValueError as e:
-        mapping.close()
-        raise ValueError(f"weights v{announce.version} in {path}: {e}") from None
+    with _refusing(announce, path):
+        try:
+            check_blob(announce, mapping)
+        except WeightsRefused:
+            mapping.close()
+            raise
+    return mapping
 
 
 READ_BLOCK = 4 << 20
@@ -220,8 +218,9 @@ def read_checked(announce: WeightAnnounce, path: str | os.PathLike[str], buf: An
     tensor's memory) with its digest checked on the bytes in ``buf``: for a tree digest each
     piece is read and hashed on the hash pool in blocks of ``READ_BLOCK`` (one pass over the
     file's pages, the hash on cache-hot bytes), its leaf compared with the announced one, then
-    the root; an older (flat) digest is read, then hashed. ValueError naming the file's size,
-    the pieces that differ (with their tensors) or the digest."""
+    the root; an older (flat) digest is read, then hashed. WeightsRefused naming the file's
+    size, the pieces that differ (with their tensors) or the digest; ValueError for a buffer
+    of another size."""
     a = announce
     kind = check_kind(a.digest_kind, a.digest_chunk_bytes)
     view = memoryview(buf).cast("B")
@@ -231,7 +230,7 @@ def read_checked(announce: WeightAnnounce, path: str | os.PathLike[str], buf: An
     try:
         size = os.fstat(fd).st_size
         if size != a.total_bytes:
-            raise ValueError(f"{size} bytes, {a.total_bytes} announced")
+            raise WeightsRefused(f"{size} bytes, {a.total_bytes} announced")
         tree = kind == TREE and bool(a.chunk_digests)
         piece = a.digest_chunk_bytes if tree else WRITE_PIECE
 
@@ -243,7 +242,7 @@ def read_checked(announce: WeightAnnounce, path: str | os.PathLike[str], buf: An
                 while got < len(dst):
                     n = os.preadv(fd, [dst[got:]], b + got)
                     if n <= 0:
-                        raise ValueError(f"short read at byte {b + got} of {size}")
+                        raise WeightsRefused(f"short read at byte {b + got} of {size}")
                     got += n
                 if tree:
                     h.update(dst)
@@ -255,13 +254,12 @@ def read_checked(announce: WeightAnnounce, path: str | os.PathLike[str], buf: An
     if not tree:
         check_blob(a, view)
         return
-    bad = [j for j, leaf in enumerate(leaves) if leaf.hex() != a.chunk_digests[j]]
-    if bad:
-        where = [f"{j} ({tensors_of(a, j)[:3]})" for j in bad[:8]]
-        raise ValueError(f"pieces {', '.join(where)} do not match their digests")
-    root = tree_root(blob_head(size, a.tensors), leaves, a.digest_chunk_bytes, size)
-    if root != a.digest:
-        raise ValueError(f"digest {root} != announced {a.digest}")
+    try:
+        head = blob_head(size, a.tensors)
+    except ValueError as e:  # tensors out of sorted-name order
+        raise WeightsRefused(str(e)) from None
+    got: Digest = tree_of(head, leaves, a.digest_chunk_bytes, size)
+    check_digest(a, got)
 
 
 def load_staged(
@@ -279,12 +277,8 @@ def load_staged(
 
     def opener(a: WeightAnnounce, path: Path) -> Any:
         buf = buffer(a.total_bytes)
-        try:
+        with _refusing(a, path):
             read_checked(a, path, buf)
-        except OSError as e:
-            raise ValueError(f"weights v{a.version} in {path}: {e.strerror}") from None
-        except ValueError as e:
-            raise ValueError(f"weights v{a.version} in {path}: {e}") from None
         return buf
 
     found = _open_local(announce, root, opener)
@@ -298,9 +292,10 @@ def load_staged(
     return True
 
 
-class ShmRefused(ValueError):
+class ShmRefused(WeightsRefused):
     """``load_mapped``: the copy's digest did not match after ``load`` had run: what was loaded
-    is unchecked and must be replaced from a checked source."""
+    is unchecked and must be replaced from a checked source (the one refusal a caller handles
+    apart: weights.verified.VerifiedWeights.load_local_copy's)."""
 
 
 def load_mapped(
@@ -352,8 +347,8 @@ def _open_local(
     opener: Callable[[WeightAnnounce, Path], _T],
 ) -> tuple[Path, _T] | None:  # fmt: skip
     """(this host's file of ``announce``, ``opener``'s result on it), or None when there is
-    no file (counted shm_absent) or ``opener`` refused it (ValueError: counted shm_refused,
-    logged; the caller reads the directory, its digest checked as it is read)."""
+    no file (counted shm_absent) or ``opener`` refused it (WeightsRefused: counted
+    shm_refused, logged; the caller reads the directory, its digest checked as it is read)."""
     try:
         path = shm_file(announce.path, root)
     except ValueError:
@@ -363,7 +358,7 @@ def _open_local(
         return None
     try:
         return path, opener(announce, path)
-    except ValueError as e:
+    except WeightsRefused as e:
         counts["shm_refused"] += 1
         log.error("shared-memory copy refused: %s; loading the directory %s instead "
                   "(its digest checked as it is read)", e, announce.path)  # fmt: skip
@@ -377,23 +372,61 @@ def remove_shm(path: str | os.PathLike[str]) -> None:
 
 def mapped_copy(
     announce: WeightAnnounce, root: str | os.PathLike[str] | None = None
-) -> ShmWeights | None:
+) -> mmap.mmap | None:
     """This host's shared-memory copy of an announced directory, mapped and checked (module
     docstring); None when there is none (the caller reads the directory) or it was refused
     (logged with the pieces that differ; the caller reads the directory, checked as read)."""
     found = _open_local(announce, root, open_shm)
     if found is None:
         return None
-    path, weights = found
+    path, mapping = found
     counts["shm_loaded"] += 1
     log.info("weights v%d mapped from %s, digest checked", announce.version, path)
-    return weights
+    return mapping
+
+
+class ShmPublisher(WeightPublisher):
+    """publish.transport=shm, learner side (module docstring): shared_fs's announce of the
+    directory, and each version's blob once in this host's /dev/shm."""
+
+    def __init__(self, endpoint: LearnerSide, weights_root: Path, *, keep: int,
+                 root: str | os.PathLike[str] | None = None, **kw: Any) -> None:  # fmt: skip
+        """``weights_root``: RUN_DIR/weights (the files are named from its directories);
+        ``keep``: publish.keep; ``root``: the shared-memory directory (default /dev/shm)."""
+        super().__init__(endpoint, chunked=False, **kw)
+        self.weights_root, self.keep, self.root = Path(weights_root), keep, root
+
+    def prepare(self, pub: Publication) -> Publication:
+        """``pub``'s blob into its /dev/shm file (``publish_shm``; its seconds in
+        ``pub.stage_s["shm_write"]``), on the thread that finished it."""
+        t0 = time.perf_counter()
+        publish_shm(pub, self.root)
+        pub.stage_s["shm_write"] = time.perf_counter() - t0
+        return pub
+
+    def publish(self, pub: Publication) -> WeightAnnounce:
+        """Announce ``pub``'s directory, then keep the newest ``keep`` files (bounded like the
+        directories)."""
+        ann = super().publish(pub)
+        prune_shm(self.weights_root, pub.version, self.keep, self.root)
+        return ann
+
+    def close(self) -> None:
+        """Remove every file of this run (a generator still mapping one keeps its pages)."""
+        super().close()
+        prune_shm(self.weights_root, 1 << 62, 0, self.root)
+
+
+def shm_publisher(endpoint: LearnerSide, settings: PublishSettings, run_dir: Path) -> ShmPublisher:
+    """publish.transport=shm: shared_fs's announce, and each version once in /dev/shm."""
+    return ShmPublisher(endpoint, Path(run_dir) / "weights", keep=settings.keep,
+                        chunk_bytes=settings.chunk_bytes, window=settings.window)  # fmt: skip
 
 
 __all__ = [
     "SHM_DIR",
+    "ShmPublisher",
     "ShmRefused",
-    "ShmWeights",
     "load_mapped",
     "load_staged",
     "mapped_copy",
@@ -404,6 +437,7 @@ __all__ = [
     "remove_shm",
     "shm_file",
     "shm_path",
+    "shm_publisher",
     "shm_versions",
     "write_shm",
 ]

@@ -2,7 +2,7 @@
 
 `generators.engine: torch` (generator config `engine`) serves a checkpoint with the same
 contract as `generator.engine.LoopedEngine` (`weight_version`, `generate(items)` ->
-[item][sample] `Sample`, `load_weights(source, version, digest)`, `close()`), computed by the
+[item][sample] `Sample`, `load_weights(weights)`, `close()`), computed by the
 project's own looped engine: `models.reference.build_model` + `models.checkpoint` weights,
 `models.engine.chunk.run_chunk` (prefill and adaptive-depth decode, with depth batching: an exited
 token stops costing core compute, kv='last_exited'), and at a fixed depth on CUDA the CUDA-graph
@@ -37,9 +37,10 @@ row: every K/V slot, prelude + core x depth + coda, of the call's length), and a
 holds no row is refused naming the key (at start when `max_model_len` is set); `seed` (engine
 seed) is mixed into every sampler seed (`engine_sampling_seed`: 0 = the reference's draws).
 
-Weights: `load_weights` (generator.torch_engine.weights.TorchWeights) hashes what it reads
-(`weights.reading.read_weights`; a `VerifiedWeights` is trusted), refuses a digest
-mismatch (`WeightDigestError`, old version kept) and copies the tensors into the parameters in
+Weights: `load_weights` (generator.torch_engine.weights.TorchWeights) takes a
+`weights.verified.VerifiedWeights`, whose checked state (`generator.engine.checked_state`: a
+version not newer or a digest mismatch refused, `WeightsRefused`, old version kept) it copies
+into the parameters in
 place (`models.checkpoint.load_into`; the CUDA graph reads parameters by address), between
 `generate` calls (a lock); this host's /dev/shm copy is taken first (that module's doc).
 `inflight_updates` is not offered: a swap waits for the running batch.

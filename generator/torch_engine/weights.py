@@ -1,15 +1,14 @@
 """The torch generator engine's weight loading (generator.torch_engine.engine.TorchEngine's base): a
-version verified, then copied into the parameters in place, between `generate` calls (the
-engine's lock); this host's /dev/shm copy of an announced directory (publish.transport shm)
-taken first: on a GPU read into a pinned buffer kept between versions with every piece hashed
-as read, then copied to the device (`weights.shm.load_staged`: nothing unchecked reaches
-the parameters); on the CPU copied out of the mapping while its digest is checked
-(`load_mapped`: a copy refused after it was loaded is replaced from the directory, and the
+version's checked state copied into the parameters in place, between `generate` calls (the
+engine's lock); an announced directory's /dev/shm copy on this host (publish.transport shm)
+taken first (`weights.verified.VerifiedWeights.load_local_copy`): on a GPU read into a pinned
+buffer kept between versions with every piece hashed as read, then copied to the device
+(nothing unchecked reaches the parameters); on the CPU copied out of the mapping while its
+digest is checked (a copy refused after it was loaded is replaced from the directory, and the
 engine stops serving if that fails too)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from typing import cast
@@ -17,10 +16,10 @@ from typing import cast
 import numpy as np
 import torch
 
-from generator.engine import WeightLoadError, checked_state
+from generator.engine import WeightLoadError, check_newer, checked_state
 from models.checkpoint import load_into
-from weights.shm import ShmRefused, load_mapped, load_staged
-from weights.verified import OnDisk
+from weights.shm import ShmRefused
+from weights.verified import VerifiedWeights
 
 
 class TorchWeights:
@@ -35,25 +34,21 @@ class TorchWeights:
     _pinned: torch.Tensor | None
     stage_shm: bool | None
 
-    def load_weights(
-        self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], version: int,
-        digest: str,
-    ) -> None:  # fmt: skip
-        """Verify, then copy `source` into the parameters in place as `version` (module doc).
-        A directory with this host's /dev/shm copy (publish.transport shm) takes that copy
-        first (``_load_mapped``: staged and checked before the load on a GPU, copied while
-        checked on the CPU; the lock held, nothing served before the check ends); a refused
-        copy is replaced from the directory, checked as read, and the engine stops serving
-        (WeightLoadError) if a copy already loaded cannot be replaced."""
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        """Copy the checked state of ``weights`` into the parameters in place as its version
+        (module doc). An announced directory with this host's /dev/shm copy (publish.transport
+        shm) takes that copy first (``_load_local``: staged and checked before the load on a
+        GPU, copied while checked on the CPU; the lock held, nothing served before the check
+        ends); a refused copy is replaced from the directory, checked as read, and the engine
+        stops serving (WeightLoadError) if a copy already loaded cannot be replaced."""
         if self.broken:
             raise WeightLoadError(self.broken)
+        version = weights.version
         with self._lock:
-            if isinstance(source, OnDisk) and source.local_copy:
-                if self._load_mapped(source, version, digest):
-                    return
-                source = source.directory_only()
-            try:
-                state = checked_state(source, version, digest, self.weight_version)
+            if self._load_local(weights):
+                return
+            try:  # the directory itself when its copy was tried
+                state = checked_state(weights, self.weight_version, local_copy=False)
             except Exception as e:
                 if self._unchecked:  # the parameters hold a refused copy's bytes
                     self.broken = (f"weights v{version}: the /dev/shm copy was refused after "
@@ -68,31 +63,27 @@ class TorchWeights:
             self._unchecked = False
             self.weight_version = version
 
-    def _load_mapped(self, source: OnDisk, version: int, digest: str) -> bool:
-        """`load_mapped` into the parameters: True when loaded and checked; False when there is
-        no copy here or it was refused (then ``_unchecked`` says whether it had been loaded)."""
-        if version <= self.weight_version:
-            raise ValueError(f"version {version} is not newer than {self.weight_version}")
-        if source.announce.digest != digest:  # the directory path names the mismatch
-            return False
+    def _load_local(self, weights: VerifiedWeights) -> bool:
+        """``load_local_copy`` into the parameters: True when loaded and checked; False when it
+        is no announced directory, there is no copy here or it was refused (then
+        ``_unchecked`` says whether it had been loaded)."""
+        check_newer(weights.version, self.weight_version)
 
         def load(st: Mapping[str, torch.Tensor]) -> None:
             load_into(self.model, dict(st))
 
-        try:
-            if self.stage_shm if self.stage_shm is not None else self.device.type == "cuda":
-                done = load_staged(source.announce, load, self._staging)
-            else:  # copied out of the mapping while the digest is checked
-                done = load_mapped(source.announce, load)
+        staged = self.stage_shm if self.stage_shm is not None else self.device.type == "cuda"
+        try:  # staged: read into the kept buffer and checked; else copied while checked
+            done = weights.load_local_copy(load, self._staging if staged else None)
         except ShmRefused:
             self._unchecked = True
             return False
         except Exception as e:
-            self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
+            self.broken = f"weights v{weights.version}: load failed ({type(e).__name__}: {e})"
             raise WeightLoadError(self.broken) from e
         if done:
             self._unchecked = False
-            self.weight_version = version
+            self.weight_version = weights.version
         return done
 
     def _staging(self, nbytes: int) -> np.ndarray:

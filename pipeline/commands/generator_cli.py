@@ -65,8 +65,7 @@ from pipeline.net.security import ClientCurve, generator_id_for
 from pipeline.net.transport_config import ConnectTimeout, TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
 from pipeline.net.untrusted import EscapeArgs
-from weights.chunked import WeightReceiver
-from weights.collective_generator import CollectiveWeightSink
+from weights.transports import open_receiver
 
 log = logging.getLogger(__name__)
 
@@ -434,12 +433,7 @@ def serve(cfg: GeneratorConfig) -> int:
             max_inflight=cfg.held_items,
             batch_wait_s=cfg.batch_wait_s,
             max_batch_items=cfg.max_batch_items,
-            weights=CollectiveWeightSink(  # any transport: collective, else the chunk receiver
-                conn,
-                WeightReceiver(conn, serving_version=engine.weight_version),
-                gid,
-                serving_version=engine.weight_version,
-            ),
+            weights=open_receiver(conn, gid, serving_version=engine.weight_version),
             detokenize=_detokenizer(cfg.model),
             check_welcome=_check_welcome(cfg.numerics, cfg.exit_policy),
             drain_timeout_s=cfg.drain_timeout_s,

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from generator.multiturn import MultiTurnEngine
 from models.chat import ChatError, ChatRenderer
 from models.checkpoint import load_config as load_model_config
 from models.errors import ConfigError
+from weights.verified import VerifiedWeights
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,12 @@ class StopOnFailedLoad:
     def generate(self, items: list[Any]) -> list[list[Any]]:
         return self.engine.generate(items)  # type: ignore[no-any-return]
 
-    def load_weights(self, source: Any, version: int, digest: str) -> None:
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        version = weights.version
         try:
-            self.engine.load_weights(source, version, digest)
+            self.engine.load_weights(weights)
         except Exception as e:
-            if superseded(source, version):  # refused, not fatal: the newest version follows
+            if superseded(weights.directory, version):  # refused, not fatal: the newest follows
                 log.warning("weights v%d were pruned (a newer version was published meanwhile, "
                             "e.g. while this process was paused): waiting for the newest",
                             version)  # fmt: skip
@@ -63,15 +64,16 @@ class StopOnFailedLoad:
             raise
 
 
-def superseded(source: Any, version: int) -> bool:
-    """An on-disk version (publish.transport shared_fs: ``source`` is RUN_DIR/weights/v<N>)
-    that is gone because newer versions were published and the old pruned (publish.keep):
-    its directory is missing and a newer v<M> stands beside where it was. A generator that
-    was paused past its announce meets this on resuming; a generator that cannot see the
-    run's directory at all (no shared filesystem) does not, and stops as before."""
-    if not isinstance(source, (str, os.PathLike)):
+def superseded(directory: str, version: int) -> bool:
+    """An on-disk version (publish.transport shared_fs: ``directory`` is RUN_DIR/weights/v<N>;
+    "" for a set in memory) that is gone because newer versions were published and the old
+    pruned (publish.keep): its directory is missing and a newer v<M> stands beside where it
+    was. A generator that was paused past its announce meets this on resuming; a generator
+    that cannot see the run's directory at all (no shared filesystem) does not, and stops as
+    before."""
+    if not directory:
         return False
-    path = Path(source)
+    path = Path(directory)
     if path.exists() or not path.parent.is_dir():
         return False
     newer = (d.name[1:] for d in path.parent.iterdir() if d.name.startswith("v"))

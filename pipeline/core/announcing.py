@@ -1,5 +1,5 @@
 """Weight versions written and announced: a step's publication written (or taken and then hashed
-and written beside the next step, pipeline.core.publishing) and announced in version order:
+and written beside the next step, weights.pending) and announced in version order:
 digests.jsonl first (write-ahead), then the publisher's transfers to the generators;
 non-finite weights end the run unpublished (docs/PIPELINE.md, "Weight publication";
 docs/ARCHITECTURE.md, "The walk of a weight set")."""
@@ -17,13 +17,13 @@ from typing import Any
 
 from models.errors import NonFiniteWeightsError
 from pipeline.backends.trainer_api import Trainer
-from pipeline.config_outputs import SHM, PublishSection
+from pipeline.config_outputs import PublishSection
 from pipeline.core import faults
 from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
-from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.timeline import StepTimeline
+from weights.pending import PublicationQueue, Snapshot
 from weights.publication import Publication, prune_weights, weights_dir
-from weights.shm import prune_shm, publish_shm
+from weights.publisher import WeightPublisher
 
 log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
 
@@ -59,13 +59,13 @@ class WeightAnnouncer:
         run_dir: Path,
         *,
         trainer: Trainer,
-        publisher: Any,
+        publisher: WeightPublisher,
         pending: PublicationQueue | None,
         timeline: StepTimeline,
         set_status: Callable[[int], None],
     ) -> None:
-        """``publisher``: the weight transfers (weights: announce, chunks, collective
-        rounds); ``pending``: the versions being hashed and written beside the next steps
+        """``publisher``: the transport's publisher (weights.transports: announce, chunks,
+        collective rounds); ``pending``: the versions being hashed and written beside the next steps
         (None: each written before the next step starts); ``set_status``: tells the endpoint
         the newest announced version (its heartbeats carry it)."""
         self.cfg, self.run_dir, self.trainer, self.publisher = cfg, run_dir, trainer, publisher
@@ -95,33 +95,19 @@ class WeightAnnouncer:
         taken = self._guarded(v, step, lambda out: self.trainer.snapshot(out, v))
         if taken is None:
             return self.write(v, step)
-        finish = self._with_shm(taken.finish)
+        publisher, finish = self.publisher, taken.finish
         stages = {**taken.stage_s, "snapshot": time.perf_counter() - t1, "room_wait": room}
-        return Snapshot(v, finish, stages)
+        return Snapshot(v, lambda: publisher.prepare(finish()), stages)
 
     def write(self, v: int, step: int) -> Written:
-        """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness)."""
+        """The trainer writes RUN_DIR/weights/v<v>; read back (digest, finiteness); then the
+        transport's part before an announce (``WeightPublisher.prepare``: shm's /dev/shm copy)."""
         t0 = time.perf_counter()
         pub = self._guarded(v, step, lambda out: self.trainer.publish(out, v))
         if pub is None:
             raise CoordinatorError(f"the trainer returned no publication for v{v}")
-        self._with_shm(lambda: pub)()
+        self.publisher.prepare(pub)
         return Written(pub, {**pub.stage_s, "total": time.perf_counter() - t0})
-
-    def _with_shm(self, finish: Callable[[], Publication]) -> Callable[[], Publication]:
-        """``finish`` then, with publish.transport shm, the same bytes once more into /dev/shm
-        (weights.shm; its seconds in ``pub.stage_s["shm_write"]``)."""
-        if self.cfg.transport != SHM:
-            return finish
-
-        def run() -> Publication:
-            pub = finish()
-            t0 = time.perf_counter()
-            publish_shm(pub)
-            pub.stage_s["shm_write"] = time.perf_counter() - t0
-            return pub
-
-        return run
 
     def _guarded(self, v: int, step: int, take: Callable[[Path], Any]) -> Any:
         """``take(RUN_DIR/weights/v<v>)``; non-finite weights end the run, nothing written."""
@@ -215,22 +201,15 @@ class WeightAnnouncer:
             with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
                 f.write(json.dumps(pub.record()) + "\n")  # with its digest kind
             faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
-        self.publisher.publish(
-            v, pub.blob, tensors=pub.tensor_metas(), config_json=pub.config_json,
-            path=str(Path(pub.path).resolve()), digest=pub.digests,
-            chunked=self.cfg.chunked,  # zmq, and collective's fallback: the blob too
-        )  # fmt: skip
+        self.publisher.publish(pub)  # the transport's announce and transfers
         self.version, self.last_digest = v, pub.digest
         self.announced_bytes = len(pub.blob)
         self.set_status(v)
         # every directory older than the newest publish.keep (0: all kept), a killed run's too
         prune_weights(self.run_dir, v, self.cfg.keep)
-        if self.cfg.transport == SHM:  # bounded like the directories
-            prune_shm(self.run_dir / "weights", v, self.cfg.keep)
 
     def close(self) -> None:
-        """Wait for the versions being written; remove this run's /dev/shm files (shm)."""
+        """Wait for the versions being written (the publisher is closed after: shm removes
+        this run's /dev/shm files then)."""
         if self.pending is not None:
             self.pending.close()
-        if self.cfg.transport == SHM:  # a generator still mapping one keeps its pages
-            prune_shm(self.run_dir / "weights", 1 << 62, 0)  # every file of this run

@@ -28,7 +28,7 @@ loop")::
                 its other groups back in the buffer (``verifier.refuse_step``)
             step log -> ledger.settle -> metrics; verifier.verify(the step's measurements)
             every publish.every steps: announcer.prepare(N) on the trainer thread (the
-            weights taken, hashed and written beside the next step: pipeline.core.publishing;
+            weights taken, hashed and written beside the next step: weights.pending;
             publish.max_pending 0: written before the next step), announcer.hand_over when the
             step completes; announced when ready: v = N
             every checkpoint.every steps: trainer.save(ckpt, pipeline_state)
@@ -64,7 +64,6 @@ from pipeline.core.eval_rounds import EvalRounds
 from pipeline.core.intake import Group, Intake
 from pipeline.core.ledger import InFlightLedger
 from pipeline.core.peers import Peers
-from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.quarantine import Quarantine
 from pipeline.core.recorder import Recorder, StepRecord
 from pipeline.core.staleness import StalenessGate
@@ -72,9 +71,11 @@ from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
 from pipeline.core.validation import ModelLimits, door_rules
 from pipeline.core.verification import LogpVerifier, behaviour_logp_base
-from pipeline.net.weight_sync import DeliveryLog
 from proto import Rollout, WorkItem
-from weights.collective_learner import make_publisher
+from weights.deliveries import DeliveryLog
+from weights.pending import PublicationQueue, Snapshot
+from weights.publisher import WeightPublisher
+from weights.transports import open_publisher
 
 log = logging.getLogger(__name__)
 VOIDED_NAME = "voided.jsonl"
@@ -122,8 +123,8 @@ class Coordinator:
     """The time/* keys of each step's metrics row."""
     deliveries: DeliveryLog
     """Versions announced to each generator: the truth its claims are checked against."""
-    publisher: Any
-    """The weight transfers to the generators (weights, publish.transport)."""
+    publisher: WeightPublisher
+    """The weight transfers to the generators (publish.transport: weights.transports)."""
     announcer: WeightAnnouncer
     """Versions written and announced in order (digests.jsonl first)."""
     peers: Peers
@@ -182,8 +183,8 @@ class Coordinator:
         )  # fmt: skip
         self.timeline = StepTimeline()
         self.deliveries = DeliveryLog()
-        self.publisher = make_publisher(cfg.publish.transport, self.deliveries.endpoint(endpoint),
-                                        cfg.publish)  # fmt: skip
+        self.publisher = open_publisher(cfg.publish.transport, self.deliveries.endpoint(endpoint),
+                                        cfg.publish, run_dir)  # fmt: skip
         self._last_progress = clock()
         self._job: _Job | None = None
         self._hurry = False  # a step just completed: the next turn does not wait in poll

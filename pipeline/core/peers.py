@@ -15,7 +15,6 @@ from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.intake import Intake
 from pipeline.core.timeline import StepTimeline
 from pipeline.net.log_limit import Throttle
-from pipeline.net.weight_sync import DeliveryLog
 from proto import (
     Ack,
     ErrorMsg,
@@ -28,6 +27,7 @@ from proto import (
     Welcome,
     WorkReturn,
 )
+from weights.deliveries import DeliveryLog
 
 log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
 HELLO_INTERVAL_S = 1.0  # a generator id's Hellos are answered once per interval
@@ -135,7 +135,7 @@ class Peers:
 
     def _claimed(self, peer: str, v: int, what: str) -> int:
         """A generator's claimed serving version, checked against what was delivered to it
-        (pipeline.net.weight_sync: the starting checkpoint v0, or a version whose announcement
+        (weights.deliveries: the starting checkpoint v0, or a version whose announcement
         this learner sent to ``peer``; a version above the newest was never even published).
         A false claim is refused (counted ``claims_refused``, logged at most once per
         ``HELLO_INTERVAL_S`` per generator) and -1 returned: the generator is treated as

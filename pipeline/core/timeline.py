@@ -16,7 +16,7 @@ Keys (seconds; absent when the step had nothing to measure):
 - ``time/publish``: the publication's hash and write (learner.publish), and
   ``time/publish_<stage>`` for each stage the trainer reports (the megatron backend's
   ``gather``, in ``SnapshotResult.stage_s`` or the Publication's; the publication's own
-  ``blob``, ``digest`` and ``write``, weights.publication.Publication.stage_s). With publish.max_pending > 0 (pipeline.core.publishing)
+  ``blob``, ``digest`` and ``write``, weights.publication.Publication.stage_s). With publish.max_pending > 0 (weights.pending)
   the step's row has ``time/publish_snapshot`` (gather + copy, on the critical path) and
   ``time/publish_room_wait``; the hash and write run beside the next step, so ``time/publish``
   (with its ``_blob``, ``_digest``, ``_write``), ``time/publish_lag`` (handed over -> announced)

@@ -7,7 +7,7 @@ weights  a second ROUTER (own port) <-> a second DEALER, same routing id: Weight
          WeightChunk out, Ack(kind="chunk") credits and Ack/Nack(kind="weights") back.
          Per-generator ROUTER, not PUB: PUB drops silently at a slow subscriber's HWM, has
          no back channel for credits and misses late joiners; ROUTER_MANDATORY sends fail
-         visibly, so weights.chunked keeps <= window chunks in flight per generator.
+         visibly, so weights.publisher keeps <= window chunks in flight per generator.
 
 Order of calls (ZMQ: pipeline.net.transport_zmq; in-memory: pipeline.net.transport_memory; same behaviour)::
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from generator.engine import WeightDigestError
 from pipeline.commands.generator_cli import StopOnFailedLoad
 from pipeline.commands.launcher import last_error_line
 from tests.cli.test_run_llama import ENV, QUIET, REPO
+from weights.check import WeightsRefused
+from weights.verified import VerifiedWeights
 
 
 class FakeEngine:
@@ -34,32 +35,30 @@ class FakeEngine:
     def generate(self, items: list[Any]) -> list[list[Any]]:
         return [[] for _ in items]
 
-    def load_weights(self, source: Any, version: int, digest: str) -> None:
+    def load_weights(self, weights: VerifiedWeights) -> None:
         if self.fail is not None:
             raise self.fail
-        self.weight_version = version
+        self.weight_version = weights.version
 
 
 def test_a_refused_set_stops_the_generator_with_one_line() -> None:
     lines: list[str] = []
     ok = StopOnFailedLoad(FakeEngine(None), lines.append)
-    ok.load_weights({}, 1, "d")
+    ok.load_weights(VerifiedWeights.of({}, 1, "d"))
     assert ok.weight_version == 1 and ok.failure == "" and lines == []
     assert ok.generate([1, 2]) == [[], []]
 
-    bad = WeightDigestError(
-        "weights v2: digest aa does not match the announced bb; still serving v1"
-    )
+    bad = WeightsRefused("weights v2: digest aa does not match the announced bb; still serving v1")
     served = StopOnFailedLoad(FakeEngine(bad), lines.append)
-    with pytest.raises(WeightDigestError):
-        served.load_weights("/weights/v2", 2, "bb")
+    with pytest.raises(WeightsRefused):
+        served.load_weights(VerifiedWeights.of("/weights/v2", 2, "bb"))
     assert lines == [served.failure]
     assert served.failure == (
         "cannot serve weights v2: digest aa does not match the announced bb; still serving v1"
     )
     missing = StopOnFailedLoad(FakeEngine(FileNotFoundError("no /weights/v3")), lines.append)
     with pytest.raises(FileNotFoundError):
-        missing.load_weights("/weights/v3", 3, "cc")
+        missing.load_weights(VerifiedWeights.of("/weights/v3", 3, "cc"))
     assert lines[-1] == "cannot serve weights v3: FileNotFoundError: no /weights/v3"
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from generator.engine import check_newer
 from generator.loop import GeneratorLoop
 from generator.protocols import Channel
 from generator.reward_runner import RewardRunner
@@ -22,6 +23,8 @@ from proto import (
     Welcome,
     WorkItem,
 )
+from weights.transports import open_receiver
+from weights.verified import VerifiedWeights
 
 GID = "gen-test"
 DIGEST = "ab" * 32
@@ -59,10 +62,10 @@ class FakeEngine:
             for it in items
         ]
 
-    def load_weights(self, source: Any, version: int, digest: str) -> None:
-        if version <= self.weight_version:  # as generator.engine.checked_state refuses it
-            raise ValueError(f"version {version} is not newer than {self.weight_version}")
-        self.log.append(("load", version, digest, source))
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        version = weights.version
+        check_newer(version, self.weight_version)  # as the real engines refuse it
+        self.log.append(("load", version, weights.digest, weights))
         if self.load_gate is not None:
             self.load_gate.wait()
         self.weight_version = version
@@ -195,6 +198,7 @@ def make(
         RewardRunner(reward, mode="inline"),
         to_rollouts=to_rollouts,
         generator_id=GID,
+        weights=open_receiver(conn, GID, serving_version=version),
         **opts,
     )
     return loop, engine, conn, log

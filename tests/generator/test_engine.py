@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator.engine import (
-    CPU_BLOCK_SIZE,
-    LoopedEngine,
-    WeightDigestError,
-    canonical_digest,
-    to_rollouts,
-)
+from generator.engine import CPU_BLOCK_SIZE, LoopedEngine, to_rollouts
 from generator.vllm_plugin.context import RequestSlice, StepBatch
 from generator.vllm_plugin.records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
@@ -27,6 +21,9 @@ from models.exits import KL
 from models.init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
+from weights.check import WeightsRefused
+from weights.digest import canonical_digest
+from weights.verified import VerifiedWeights
 
 
 # ---- no engine ---------------------------------------------------------------------------
@@ -151,20 +148,20 @@ def test_cpu_cache_pages_run_a_step_of_short_rollouts_at_once(
 def test_reload_changes_outputs_and_wrong_digest_is_refused(setup: Setup) -> None:
     item, before = _greedy(setup)
     new = setup.weights(seed=1)
-    with pytest.raises(WeightDigestError):
-        setup.engine.load_weights(new, setup.version + 1, "0" * 64)
+    with pytest.raises(WeightsRefused):
+        setup.engine.load_weights(VerifiedWeights.of(new, setup.version + 1, "0" * 64))
     _, still = _greedy(setup)
     assert np.array_equal(still[0].logprobs, before[0].logprobs)
     assert still[0].weight_version == setup.version
     setup.version += 1
-    setup.engine.load_weights(new, setup.version, canonical_digest(new))
+    setup.engine.load_weights(VerifiedWeights.of(new, setup.version, canonical_digest(new)))
     _, after = _greedy(setup)
     assert after[0].weight_version == setup.version
     assert not np.array_equal(after[0].logprobs, before[0].logprobs)
     new_model = load_model(setup.root / "w1")[1]
     assert replay_diff(new_model, item, after, "fast") <= 1e-4
     with pytest.raises(ValueError, match="not newer"):
-        setup.engine.load_weights(new, setup.version, canonical_digest(new))
+        setup.engine.load_weights(VerifiedWeights.of(new, setup.version, canonical_digest(new)))
 
 
 @pytest.mark.vllm
@@ -180,7 +177,8 @@ def test_inflight_update_records_token_versions(setup: Setup, monkeypatch: Any) 
         calls[0] += 1
         if calls[0] == 3:  # the generate thread holds the engine: the swap is queued
             t = threading.Thread(
-                target=setup.engine.load_weights, args=(new, setup.version, canonical_digest(new))
+                target=setup.engine.load_weights,
+                args=(VerifiedWeights.of(new, setup.version, canonical_digest(new)),),
             )
             t.start()
             t.join()
@@ -276,16 +274,15 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     setup: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """publish.transport=collective, generator side: a real tiny checkpoint broadcast over gloo
-    (the learner's rank 0 on a thread here), checked by CollectiveWeightSink, then loaded by
-    engine.load_weights exactly as the generator loop does (the sink's VerifiedWeights), and
-    served. The engine trusts the set the sink checked on those bytes instead of hashing them
-    again."""
+    (the learner's rank 0 on a thread here), checked by CollectiveReceiver, then loaded by
+    engine.load_weights exactly as the generator loop does (the receiver's VerifiedWeights),
+    and served. The engine takes the views of the bytes the receiver checked instead of
+    hashing them again."""
     from proto import TensorMeta, WeightAnnounce
     from weights import collective as coll
     from weights import digest as digest_mod
-    from weights.collective_generator import CollectiveWeightSink
+    from weights.collective_generator import CollectiveReceiver
     from weights.digest import blob_and_meta
-    from weights.verified import VerifiedWeights
 
     new = setup.weights(seed=3)
     blob, meta = blob_and_meta(new)
@@ -309,7 +306,7 @@ def test_weights_received_by_broadcast_load_through_the_engine(
             sent.append(record)
             return True
 
-    class Chunks:  # the fallback sink: nothing may reach it here
+    class Chunks:  # the fallback receiver: nothing may reach it here
         def handle(self, rec: Any) -> Any:
             raise AssertionError(f"fallback used for {rec!r}")
 
@@ -321,23 +318,24 @@ def test_weights_received_by_broadcast_load_through_the_engine(
 
     t = threading.Thread(target=learner)
     t.start()
-    ready = CollectiveWeightSink(Conn(), Chunks(), "gen-0").handle(ann)  # type: ignore[arg-type]
+    ready = CollectiveReceiver(Conn(), Chunks(), "gen-0").handle(ann)  # type: ignore[arg-type]
     t.join(timeout=30)
     assert ready is not None and bytes(ready.blob) == blob and sent == []
     item, before = _greedy(setup)
     src = ready
     assert isinstance(src, VerifiedWeights) and src.digest == ann.digest
-    assert canonical_digest(dict(src)) == ann.digest  # the views hash to it, by construction
+    assert canonical_digest(src.state()) == ann.digest  # the views hash to it, by construction
 
     def hashed_again(state: Any) -> str:
         raise AssertionError("the engine hashed a received blob a second time")
 
     monkeypatch.setattr(digest_mod, "canonical_digest", hashed_again)
-    monkeypatch.setattr("generator.engine.canonical_digest", hashed_again)
     with pytest.raises(AssertionError, match="a second time"):  # a plain mapping is hashed
-        setup.engine.load_weights(dict(src), setup.version + 1, ann.digest)
+        setup.engine.load_weights(
+            VerifiedWeights.of(dict(src.state()), setup.version + 1, ann.digest)
+        )
     setup.version += 1
-    setup.engine.load_weights(src, setup.version, ann.digest)
+    setup.engine.load_weights(src)
     monkeypatch.undo()
     _, after = _greedy(setup)
     assert after[0].weight_version == setup.version
@@ -370,7 +368,7 @@ def test_eval_depths_score_what_a_fixed_depth_generator_scores(setup: Setup) -> 
     engines = DepthEngines(setup.engine, build)
     new = setup.weights(seed=3)
     setup.version += 1
-    engines.load_weights(new, setup.version, canonical_digest(new))
+    engines.load_weights(VerifiedWeights.of(new, setup.version, canonical_digest(new)))
     model = load_model(setup.root / "w3")[1]
     ps = [Prompt(f"q{i}", p, {}) for i, p in enumerate(prompts(6, [5, 9], seed=11))]
     results: list[dict[str, Any]] = []

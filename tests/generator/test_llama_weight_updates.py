@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from generator.engine import WeightDigestError
 from models.checkpoint import load_checkpoint
 from models.init import init_checkpoint
 from tests.generator.update_utils import (
@@ -31,7 +30,9 @@ from tests.generator.update_utils import (
     shutdown,
     write_like,
 )
+from weights.check import WeightsRefused
 from weights.digest import canonical_digest
+from weights.verified import VerifiedWeights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -61,12 +62,16 @@ def test_update_equals_a_fresh_engine_on_the_new_weights(llama: Llama) -> None:
     eng, items = llama.engine, llama.items
     if eng.weight_version:  # (run after the next test) back to the first set
         llama.version += 1
-        eng.load_weights(llama.state_a, llama.version, canonical_digest(llama.state_a))
-    with pytest.raises(WeightDigestError):
-        eng.load_weights(llama.state_b, llama.version + 1, "0" * 64)
+        eng.load_weights(
+            VerifiedWeights.of(llama.state_a, llama.version, canonical_digest(llama.state_a))
+        )
+    with pytest.raises(WeightsRefused):
+        eng.load_weights(VerifiedWeights.of(llama.state_b, llama.version + 1, "0" * 64))
     assert max_diff(eng.generate(items), llama.before) == 0.0  # still the first set
     llama.version += 1
-    eng.load_weights(llama.state_b, llama.version, canonical_digest(llama.state_b))
+    eng.load_weights(
+        VerifiedWeights.of(llama.state_b, llama.version, canonical_digest(llama.state_b))
+    )
     after = eng.generate(items)
     diff, move = max_diff(after, llama.want), moved(after, llama.before)
     print(
@@ -81,9 +86,11 @@ def test_update_from_a_directory_back_to_the_first_set(llama: Llama) -> None:
     eng = llama.engine
     if eng.weight_version == 0:  # run alone: move away first
         llama.version += 1
-        eng.load_weights(llama.state_b, llama.version, canonical_digest(llama.state_b))
+        eng.load_weights(
+            VerifiedWeights.of(llama.state_b, llama.version, canonical_digest(llama.state_b))
+        )
     llama.version += 1
-    eng.load_weights(llama.a, llama.version, canonical_digest(llama.state_a))
+    eng.load_weights(VerifiedWeights.of(llama.a, llama.version, canonical_digest(llama.state_a)))
     back = eng.generate(llama.items)
     assert max_diff(back, llama.before) == 0.0
     assert all(s.weight_version == llama.version for s in flat(back))
@@ -106,7 +113,9 @@ def test_direct_reload_serves_what_vllms_reload_serves(
         monkeypatch.setattr(reload_mod, "_direct_reload",
                             direct if path == "direct" else lambda model, state: False)  # fmt: skip
         llama.version += 1
-        eng.load_weights(llama.state_b, llama.version, canonical_digest(llama.state_b))
+        eng.load_weights(
+            VerifiedWeights.of(llama.state_b, llama.version, canonical_digest(llama.state_b))
+        )
         served.append(eng.generate(items))
     kept = eng.llm.collective_rpc(
         lambda w: len(getattr(w.model_runner.get_model(), reload_mod.KEPT, {}))
@@ -120,7 +129,9 @@ def test_direct_reload_serves_what_vllms_reload_serves(
     monkeypatch.setattr(reload_mod, "DIRECT_RELOAD_BYTES", 0)
     eng.llm.collective_rpc(lambda w: getattr(w.model_runner.get_model(), reload_mod.KEPT).clear())
     llama.version += 1
-    eng.load_weights(llama.state_b, llama.version, canonical_digest(llama.state_b))
+    eng.load_weights(
+        VerifiedWeights.of(llama.state_b, llama.version, canonical_digest(llama.state_b))
+    )
     assert max_diff(eng.generate(items), llama.want) == 0.0
     assert eng.llm.collective_rpc(
         lambda w: len(getattr(w.model_runner.get_model(), reload_mod.KEPT))

@@ -38,6 +38,7 @@ from tests.generator.loop_fakes import (
     to_rollouts,
     welcome,
 )
+from weights.transports import open_receiver
 
 
 # -- ordering -------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_welcome_then_weights_before_any_work() -> None:
     ev = kinds(log)
     load, first_gen = ev.index("load"), ev.index("generate")
     assert ev.index("recv:Welcome") < load < first_gen < ev.index("send:RolloutBatch")
-    assert log[load][1:] == (2, DIGEST, "/ckpt/v2")
+    assert log[load][1:3] == (2, DIGEST) and log[load][3].directory == "/ckpt/v2"
     assert ev.index("send:Ack") < first_gen  # weights acknowledged before serving
     (ack,) = conn.of(Ack)
     assert (ack.kind, ack.ref, ack.version) == ("weights", "2", 2)
@@ -282,6 +283,7 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
     loop = GeneratorLoop(
         engine, conn, RewardRunner(length_reward, mode="inline"), to_rollouts=to_rollouts,
         generator_id=GID, max_inflight=4, batch_wait_s=0.0, threaded=False, clock=clock,
+        weights=open_receiver(conn, GID, serving_version=0),
     )  # fmt: skip
 
     def learner_turn(ep: Any, got: dict[str, int], ack: Callable[[str], bool]) -> list[str]:
@@ -327,10 +329,12 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
     assert conn.closed
 
 
-def test_chunked_weights_through_pipeline_weight_sync() -> None:
-    """weights.chunked's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
+def test_chunked_weights_through_the_weights_package() -> None:
+    """weights.publisher's WeightPublisher and weights.receiver's WeightReceiver satisfy the
+    loop's Receiver protocol: a chunked version reaches the engine as checked views."""
     transport_memory = pytest.importorskip("pipeline.net.transport_memory")
-    weight_sync = pytest.importorskip("weights.chunked")
+    publisher = pytest.importorskip("weights.publisher")
+    receiver = pytest.importorskip("weights.receiver")
     torch = pytest.importorskip("torch")
 
     net = transport_memory.MemoryNetwork()
@@ -341,9 +345,9 @@ def test_chunked_weights_through_pipeline_weight_sync() -> None:
     loop = GeneratorLoop(
         engine, conn, RewardRunner(length_reward, mode="inline"), to_rollouts=to_rollouts,
         generator_id=GID, max_inflight=2, batch_wait_s=0.0, threaded=False,
-        weights=weight_sync.WeightReceiver(conn, serving_version=0),
+        weights=receiver.WeightReceiver(conn, serving_version=0),
     )  # fmt: skip
-    pub = weight_sync.WeightPublisher(ep, chunk_bytes=100, window=2)
+    pub = publisher.WeightPublisher(ep, chunk_bytes=100, window=2)
     a = torch.arange(60, dtype=torch.float32).reshape(3, 20)
     b = torch.ones(4, dtype=torch.bfloat16)
     raw = a.numpy().tobytes() + b.view(torch.int16).numpy().tobytes()
@@ -355,7 +359,7 @@ def test_chunked_weights_through_pipeline_weight_sync() -> None:
         pass
     ep.send(GID, Welcome("run-1", GID, 1, 1.0))
     pub.add_generator(GID, 0)
-    pub.publish(1, raw, tensors=metas)
+    pub.publish_blob(1, raw, tensors=metas)
     ep.send(GID, item("w0", min_version=1))
     for _ in range(50):
         pub.pump()
@@ -365,7 +369,7 @@ def test_chunked_weights_through_pipeline_weight_sync() -> None:
         if pub.serving(GID) == 1 and not loop.held:
             break
     (load,) = [e for e in log if e[0] == "load"]
-    state = load[3]
+    state = load[3].state()
     assert load[1] == 1 and torch.equal(state["a"], a) and torch.equal(state["b"], b)
     assert pub.serving(GID) == 1  # the receiver's Ack(kind="weights") reached the learner
     assert [e[1:] for e in log if e[0] == "generate"] == [(["w0"], 1)]

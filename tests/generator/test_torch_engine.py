@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from generator.config import ConfigError, GeneratorConfig
-from generator.engine import WeightDigestError
 from generator.torch_engine.engine import TorchEngine, check_engine
 from models.checkpoint import load_checkpoint, load_into, load_model
 from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
@@ -22,7 +21,9 @@ from models.reference import SamplingParams, generate
 from proto.records import WorkItem
 from tests.generator import prompts, work_item
 from tests.generator.update_utils import perturbed
+from weights.check import WeightsRefused
 from weights.digest import digest_of_state
+from weights.verified import VerifiedWeights
 
 POLICIES: dict[str, ExitPolicy] = {"huginn": LatentDiff(0.45), "ouro": OuroGate(0.8),
                                    "ouro-sampled": SampledGate()}  # fmt: skip
@@ -88,13 +89,13 @@ def test_weights_swap_and_refusals(tmp_path: Path) -> None:
     before = eng.generate(items)
     _, state = load_checkpoint(path)
     new = perturbed(state, seed=7)
-    with pytest.raises(WeightDigestError, match="does not match"):
-        eng.load_weights(new, 1, "sha256:" + "0" * 64)
+    with pytest.raises(WeightsRefused, match="does not match"):
+        eng.load_weights(VerifiedWeights.of(new, 1, "sha256:" + "0" * 64))
     assert eng.weight_version == 0
-    eng.load_weights(new, 1, digest_of_state(new))
+    eng.load_weights(VerifiedWeights.of(new, 1, digest_of_state(new)))
     assert eng.weight_version == 1
     with pytest.raises(ValueError, match="not newer"):
-        eng.load_weights(new, 1, digest_of_state(new))
+        eng.load_weights(VerifiedWeights.of(new, 1, digest_of_state(new)))
     after = eng.generate(items)
     _, model = load_model(path)
     load_into(model, new)
@@ -192,7 +193,6 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     from generator.engine import WeightLoadError
     from tests.generator.update_utils import write_like
     from weights.publication import Publication
-    from weights.verified import OnDisk
 
     root = tmp_path / "shm"
     root.mkdir()
@@ -202,26 +202,26 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     eng.stage_shm = staged
     _, state = load_checkpoint(path)
 
-    def publish(version: int, corrupt: bool) -> tuple[OnDisk, dict[str, torch.Tensor], str]:
+    def publish(version: int, corrupt: bool) -> tuple[VerifiedWeights, dict[str, torch.Tensor]]:
         new = perturbed(state, seed=10 + version)
         vdir = write_like(path, new, tmp_path / "run" / "weights" / f"v{version}")
         pub = Publication.from_dir(vdir, version)
         monkeypatch.setenv(shm.CORRUPT_ENV, str(version) if corrupt else "")
         shm.publish_shm(pub)
-        return OnDisk(pub.announce(0)), new, pub.digest
+        return VerifiedWeights.of_directory(pub.announce(0)), new
 
     def serves(new: dict[str, torch.Tensor]) -> bool:
         own = eng.model.state_dict()
         return all(torch.equal(own[k], v) for k, v in new.items())
 
     before = dict(shm.counts)
-    src, new, digest = publish(1, corrupt=False)
-    eng.load_weights(src, 1, digest)
+    src, new = publish(1, corrupt=False)
+    eng.load_weights(src)
     assert eng.weight_version == 1 and serves(new)
     assert shm.counts["shm_loaded"] == before.get("shm_loaded", 0) + 1
 
-    src, new, digest = publish(2, corrupt=True)
-    eng.load_weights(src, 2, digest)  # loaded, refused, replaced from the directory
+    src, new = publish(2, corrupt=True)
+    eng.load_weights(src)  # loaded, refused, replaced from the directory
     assert eng.weight_version == 2 and serves(new) and not eng.broken
     assert shm.counts["shm_refused"] == before.get("shm_refused", 0) + 1
     assert shm.counts["shm_loaded"] == before.get("shm_loaded", 0) + 1  # not counted twice
@@ -234,21 +234,21 @@ def test_shm_copy_loads_while_checked_and_a_refused_one_is_replaced(
     assert got[0].tokens.tolist() == tokens and got[0].weight_version == 2
     np.testing.assert_array_equal(got[0].logprobs, lps)
 
-    src, new, digest = publish(3, corrupt=True)
+    src, new = publish(3, corrupt=True)
     shard = next((tmp_path / "run" / "weights" / "v3").glob("*.safetensors"))
     raw = bytearray(shard.read_bytes())
     raw[-5] ^= 0xFF  # a weight byte of the directory too
     shard.write_bytes(bytes(raw))
     if staged:  # nothing unchecked reached the parameters: the version is refused, v2 served
         with pytest.raises(Exception, match="digest") as err:
-            eng.load_weights(src, 3, digest)
+            eng.load_weights(src)
         assert not isinstance(err.value, WeightLoadError)
         assert not eng.broken and eng.weight_version == 2 and eng._pinned is not None
         (again,) = eng.generate(items)
         assert again[0].tokens.tolist() == tokens and again[0].weight_version == 2
         return
     with pytest.raises(WeightLoadError, match="refused after it was loaded and the directory"):
-        eng.load_weights(src, 3, digest)
+        eng.load_weights(src)
     assert eng.broken and eng.weight_version == 2
     with pytest.raises(WeightLoadError):
         eng.generate(items)

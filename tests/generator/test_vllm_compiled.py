@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from generator.engine import LoopedEngine, canonical_digest
+from generator.engine import LoopedEngine
 from models.checkpoint import load_checkpoint
 from models.exits import FixedDepth
 from models.init import init_checkpoint
 from tests.generator import prompts, work_item
+from weights.digest import canonical_digest
+from weights.verified import VerifiedWeights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -61,7 +63,7 @@ def test_compiled_fixed_depth_decode_equals_eager(tmp_path: Path) -> None:
             for k, v in load_checkpoint(path)[1].items()
         }
         for engine in (compiled, eager):
-            engine.load_weights(state, 1, canonical_digest(state))
+            engine.load_weights(VerifiedWeights.of(state, 1, canonical_digest(state)))
         got2, want2 = compiled.generate(items[:2]), eager.generate(items[:2])
         moved = max(float(np.abs(a[0].logprobs - b[0].logprobs).max()) for a, b in zip(got, got2))
         after = max(float(np.abs(a[0].logprobs - b[0].logprobs).max()) for a, b in zip(got2, want2))

@@ -30,6 +30,7 @@ from tests.generator.update_utils import (
     write_like,
 )
 from weights.digest import canonical_digest
+from weights.verified import VerifiedWeights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -45,7 +46,7 @@ def test_tied_llama_update_and_an_unloadable_set_breaks_the_engine(tmp_path: Pat
     try:
         items = greedy_items()
         before = eng.generate(items)
-        eng.load_weights(state_b, 1, canonical_digest(state_b))
+        eng.load_weights(VerifiedWeights.of(state_b, 1, canonical_digest(state_b)))
         after = eng.generate(items)
         diff = replay_all(load_model(b)[1], items, after)
         print(f"\ntied llama update vs reference max|dlogprob| = {diff:.3g}")
@@ -55,12 +56,12 @@ def test_tied_llama_update_and_an_unloadable_set_breaks_the_engine(tmp_path: Pat
         bad = dict(state_b)
         bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(96, 64)
         with pytest.raises(WeightLoadError, match="weights v2: the model's weight loader"):
-            eng.load_weights(bad, 2, canonical_digest(bad))
+            eng.load_weights(VerifiedWeights.of(bad, 2, canonical_digest(bad)))
         assert eng.weight_version == 1 and "weights v2" in eng.broken
         with pytest.raises(WeightLoadError):
             eng.generate(items)
         with pytest.raises(WeightLoadError):
-            eng.load_weights(state_a, 3, canonical_digest(state_a))
+            eng.load_weights(VerifiedWeights.of(state_a, 3, canonical_digest(state_a)))
     finally:
         shutdown(eng)
 
@@ -75,7 +76,7 @@ def test_plugin_family_update_equals_the_reference(family: str, tmp_path: Path) 
     try:
         items = greedy_items()
         before = eng.generate(items)
-        eng.load_weights(state_b, 1, canonical_digest(state_b))
+        eng.load_weights(VerifiedWeights.of(state_b, 1, canonical_digest(state_b)))
         after = eng.generate(items)
         diff = replay_all(load_model(b)[1], items, after)
         print(f"\n{family} update vs reference max|dlogprob| = {diff:.3g}")

@@ -1,6 +1,7 @@
 """Pieces of the collective-transport tests: a trainer publishing real tensors, an engine that
-checks and keeps what it loads, and a real generator loop (ZMQ connection, collective sink with
-the chunk receiver as fallback) runnable in a thread or a spawned process."""
+checks and keeps what it loads, and a real generator loop (ZMQ connection, the product's
+receiver: the collective one with the chunk receiver as fallback) runnable in a thread or a
+spawned process."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from models.checkpoint import save_checkpoint
 from pipeline.net.transport_config import TransportConfig
 from pipeline.net.transport_zmq import ZmqGeneratorConnection
 from tests.pipeline.fakes import FakeTrainer
-from weights.chunked import WeightReceiver
-from weights.collective_generator import CollectiveWeightSink
+from weights.collective_generator import CollectiveReceiver
 from weights.digest import tensor_bytes
 from weights.publication import Publication
+from weights.transports import open_receiver
+from weights.verified import VerifiedWeights
 
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=30.0)
 
@@ -60,14 +62,10 @@ class KeepingEngine:
     def generate(self, items: list[Any]) -> list[list[Any]]:
         return [[] for _ in items]
 
-    def load_weights(self, source: Any, version: int, digest: str) -> None:
-        from weights.reading import read_weights  # the engine's own rule: trust or hash
-
-        state, got = read_weights(source)
-        if got != digest:
-            raise ValueError(f"v{version}: digest mismatch")
-        self.loaded[version] = {k: v.clone() for k, v in state.items()}
-        self.weight_version = version
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        state = weights.state()  # the engines' own rule: checked (views of checked bytes)
+        self.loaded[weights.version] = {k: v.clone() for k, v in state.items()}
+        self.weight_version = weights.version
 
 
 class Receiver:
@@ -78,8 +76,9 @@ class Receiver:
         self.engine = KeepingEngine()
         self.conn = ZmqGeneratorConnection(TCFG, make_hello(gid, 2, 0), control=control,
                                            weights=weights)  # fmt: skip
-        self.chunks = WeightReceiver(self.conn, serving_version=0)
-        self.sink = CollectiveWeightSink(self.conn, self.chunks, gid, serving_version=0)
+        self.sink = open_receiver(self.conn, gid, serving_version=0)
+        assert isinstance(self.sink, CollectiveReceiver)
+        self.chunks = self.sink.fallback  # the chunk receiver under it
         self.loop = GeneratorLoop(
             self.engine, self.conn, RewardRunner(_zero_reward, mode="inline"),
             to_rollouts=lambda item, s, g: [], generator_id=gid, max_inflight=2,

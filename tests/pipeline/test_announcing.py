@@ -19,8 +19,8 @@ from pipeline.backends.results import SnapshotResult
 from pipeline.config import load_config
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import NonFinitePublication
-from pipeline.core.publishing import PublicationQueue, Snapshot
 from pipeline.core.timeline import StepTimeline
+from weights.pending import PublicationQueue, Snapshot
 from weights.publication import Publication
 
 
@@ -62,9 +62,12 @@ class RecordingPublisher:
         self.digests = run_dir / "weights" / "digests.jsonl"
         self.announced: list[tuple[int, list[int]]] = []
 
-    def publish(self, version: int, blob: Any, **_: Any) -> None:
+    def prepare(self, pub: Publication) -> Publication:
+        return pub
+
+    def publish(self, pub: Publication) -> None:
         lines = self.digests.read_text().splitlines() if self.digests.is_file() else []
-        self.announced.append((version, [json.loads(x)["version"] for x in lines]))
+        self.announced.append((pub.version, [json.loads(x)["version"] for x in lines]))
 
 
 def _announcer(run_dir: Path, trainer: Any, max_pending: int) -> tuple[WeightAnnouncer, Any, list]:

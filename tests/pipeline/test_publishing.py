@@ -1,4 +1,4 @@
-"""Publication off the critical path: pipeline.core.publishing's queue, the
+"""Publication off the critical path: weights.pending's queue, the
 copies a snapshot holds, and the coordinator training the next step while a version is being
 hashed and written, announcing versions in order with the staleness bound unchanged."""
 
@@ -16,13 +16,13 @@ import torch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.ties import detached_copy
 from pipeline.backends.results import SnapshotResult
-from pipeline.core.publishing import PublicationQueue, Snapshot
 from tests.pipeline.fakes import (
     FakeGenerator,
     FakeTrainer,
     make_coordinator,
     reference_trainer_and_pair,
 )
+from weights.pending import PublicationQueue, Snapshot
 from weights.publication import Publication
 
 

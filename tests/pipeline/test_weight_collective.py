@@ -27,7 +27,8 @@ from tests.pipeline.collective_utils import (
     state_for,
 )
 from tests.pipeline.fakes import FAKE_LIMITS, prompts
-from weights.collective_learner import CollectivePublisher, make_publisher
+from weights.collective_learner import CollectivePublisher
+from weights.transports import open_publisher
 
 TIMEOUT_S = 3.0  # publish.collective_timeout_s in these tests
 # A round run inside the coordinator's loop would make one turn last >= TIMEOUT_S when a
@@ -151,8 +152,8 @@ def test_a_corrupted_broadcast_is_refused_and_the_true_weights_come_by_zmq(
     from pipeline.core import coordinator
 
     # the coordinator's weight transfers, handed to its components, are the corrupting ones
-    monkeypatch.setattr(coordinator, "make_publisher", lambda _kind, ep, _cfg: CorruptingPublisher(
-        ep, timeout_s=TIMEOUT_S, chunk_bytes=262144))  # fmt: skip
+    monkeypatch.setattr(coordinator, "open_publisher", lambda _kind, ep, _cfg, _run_dir:
+                        CorruptingPublisher(ep, timeout_s=TIMEOUT_S, chunk_bytes=262144))  # fmt: skip
     c = make_coord(tmp_path)
     assert isinstance(c.publisher, CorruptingPublisher)
     turns = Turns(c)
@@ -265,12 +266,15 @@ def test_nccl_round_delivers_to_a_generator_on_another_gpu(tmp_path: Path) -> No
         c.endpoint.close()
 
 
-def test_make_publisher_picks_the_transport(tmp_path: Path) -> None:
-    for name, kind in (("zmq", "WeightPublisher"), ("shared_fs", "WeightPublisher"),
-                       ("chunks", "WeightPublisher"), ("collective", "CollectivePublisher")):  # fmt: skip
+def test_open_publisher_picks_the_transport(tmp_path: Path) -> None:
+    for name, kind, chunked in (
+        ("zmq", "WeightPublisher", True), ("shared_fs", "WeightPublisher", False),
+        ("chunks", "WeightPublisher", True), ("shm", "ShmPublisher", False),
+        ("collective", "CollectivePublisher", True),
+    ):  # fmt: skip
         cfg = load_config(None, [f"run_dir={tmp_path}", f"publish.transport={name}"])
-        pub = make_publisher(cfg.publish.transport, None, cfg.publish)  # type: ignore[arg-type]
-        assert type(pub).__name__ == kind
+        pub = open_publisher(cfg.publish.transport, None, cfg.publish, tmp_path)  # type: ignore[arg-type]
+        assert type(pub).__name__ == kind and pub.chunked is chunked
         pub.close()
     cfg = load_config(None, [f"run_dir={tmp_path}", "publish.transport=disk"])
     assert cfg.publish.transport == "shared_fs"  # the old names stay accepted

@@ -17,7 +17,9 @@ from pipeline.net.transport_memory import MemoryNetwork
 from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
-from weights.chunked import WeightPublisher, WeightReceiver, WeightSyncError
+from weights.check import WeightsRefused
+from weights.publisher import WeightPublisher
+from weights.receiver import WeightReceiver
 from weights.verified import VerifiedWeights
 
 CFG = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
@@ -93,7 +95,7 @@ def test_push_verify_ack_in_memory() -> None:
     for g in conns:
         pub.add_generator(g)
     data = blob(100_000)
-    ann = pub.publish(1, data)
+    ann = pub.publish_blob(1, data)
     assert ann.num_chunks == 13 and ann.digest == hashlib.sha256(data).hexdigest()
     ready = run(ep, pub, rxs, conns)
     for g in conns:
@@ -107,7 +109,7 @@ def test_slow_generator_costs_at_most_a_window() -> None:
     ep, conns, _ = setup()
     pub = WeightPublisher(ep, chunk_bytes=1000, window=4)
     pub.add_generator("gen-0")
-    pub.publish(1, blob(100_000))
+    pub.publish_blob(1, blob(100_000))
     for _ in range(50):  # the generator never reads: no credit comes back
         pub.pump()
     queued = list(conns["gen-0"].inbox.q)
@@ -125,8 +127,8 @@ def test_late_joiner_gets_the_current_version_only() -> None:
         return r
 
     pub = WeightPublisher(Tamper(ep, record), chunk_bytes=4096)
-    pub.publish(1, blob(10_000, 1))
-    pub.publish(2, blob(10_000, 2))
+    pub.publish_blob(1, blob(10_000, 1))
+    pub.publish_blob(2, blob(10_000, 2))
     assert pub.pump() == 0  # nobody to send to
     pub.add_generator("gen-0", serving_version=-1)
     ready = run(ep, pub, {"gen-0": WeightReceiver(conns["gen-0"])}, conns)
@@ -134,8 +136,8 @@ def test_late_joiner_gets_the_current_version_only() -> None:
     assert {r.version for r in sent} == {2}
     pub.add_generator("gen-1", serving_version=2)  # already current: nothing to send
     assert pub.pump() == 0
-    with pytest.raises(WeightSyncError, match="not newer"):
-        pub.publish(2, b"x")
+    with pytest.raises(WeightsRefused, match="not newer"):
+        pub.publish_blob(2, b"x")
 
 
 def test_newer_announce_supersedes_an_incomplete_transfer() -> None:
@@ -143,14 +145,14 @@ def test_newer_announce_supersedes_an_incomplete_transfer() -> None:
     pub = WeightPublisher(ep, chunk_bytes=1000, window=2)
     rx = WeightReceiver(conns["gen-0"])
     pub.add_generator("gen-0")
-    pub.publish(1, blob(10_000, 1))
+    pub.publish_blob(1, blob(10_000, 1))
     pub.pump()
     for _ in range(3):  # announce + 2 chunks of v1 arrive; credits go back
         inc = conns["gen-0"].recv(0)
         assert inc is not None and rx.handle(inc.record) is None
     assert rx.receiving == 1
     new = blob(7_000, 2)
-    pub.publish(2, new)
+    pub.publish_blob(2, new)
     ready = run(ep, pub, {"gen-0": rx}, conns)
     assert [(w.version, bytes(w.blob)) for w in ready["gen-0"]] == [(2, new)]
     assert rx.counts["superseded"] == 1 and pub.serving("gen-0") == 2
@@ -216,6 +218,7 @@ def test_receiver_refuses_oversized_or_empty_announce_and_passes_on_disk_ones() 
     on_disk = dataclasses.replace(nothing, version=3, path="/ckpt/v3")
     got = rx.handle(on_disk)
     assert got is not None and got.version == 3 and got.blob == bytearray()
+    assert got.directory == "/ckpt/v3"  # read (and checked) by the engine
 
 
 def corrupt_once(index: int, fix_crc: bool, times: int) -> Any:
@@ -240,7 +243,7 @@ def test_corruption_is_nacked_and_retried(fix_crc: bool) -> None:
     rx = WeightReceiver(conns["gen-0"])
     pub.add_generator("gen-0")
     data = blob(9_500)
-    pub.publish(1, data)
+    pub.publish_blob(1, data)
     ready = run(ep, pub, {"gen-0": rx}, conns)
     assert [bytes(w.blob) for w in ready["gen-0"]] == [data]  # the retry went through
     assert pub.counts["nacked"] == 1 and pub.counts["retries"] == 1 and rx.counts["nacked"] == 1
@@ -273,7 +276,7 @@ def test_a_corrupt_piece_is_named_and_refetched_alone(times: int) -> None:
     rx = WeightReceiver(conns["gen-0"], max_refetch=2)
     pub.add_generator("gen-0")
     data, metas = tensors_blob(9_500)
-    ann = pub.publish(1, data, tensors=metas)
+    ann = pub.publish_blob(1, data, tensors=metas)
     assert ann.digest_kind == "sha256-tree" and ann.digest_chunk_bytes == 1000
     assert len(ann.chunk_digests) == ann.num_chunks == 10
     ready = run(ep, pub, {"gen-0": rx}, conns)
@@ -283,7 +286,7 @@ def test_a_corrupt_piece_is_named_and_refetched_alone(times: int) -> None:
         assert rx.counts["pieces_refetched"] == 1 and pub.counts["chunks_resent"] == 1
         assert pub.counts["retries"] == 0 and rx.counts["nacked"] == 0 and pub.serving("gen-0") == 1
         (w,) = ready["gen-0"]
-        assert isinstance(w, VerifiedWeights) and bytes(w["t1"].numpy()) == data[3166:6333]
+        assert isinstance(w, VerifiedWeights) and bytes(w.state()["t1"].numpy()) == data[3166:6333]
     else:
         assert ready["gen-0"] == [] and rx.serving == -1
         assert rx.counts["pieces_refetched"] == 3 and sent.count(4) == 3  # 1 + max_refetch
@@ -296,7 +299,7 @@ def test_persistent_corruption_is_never_served() -> None:
     pub = WeightPublisher(tamper, chunk_bytes=1000, window=3, max_attempts=3)
     rx = WeightReceiver(conns["gen-0"])
     pub.add_generator("gen-0")
-    pub.publish(1, blob(5_000))
+    pub.publish_blob(1, blob(5_000))
     ready = run(ep, pub, {"gen-0": rx}, conns)
     assert ready["gen-0"] == [] and rx.serving == -1
     assert pub.counts["nacked"] == 3 and pub.counts["gave_up"] == 1 and pub.gave_up("gen-0")
@@ -319,7 +322,7 @@ def test_stalled_transfer_restarts() -> None:
     rx = WeightReceiver(conns["gen-0"])
     pub.add_generator("gen-0")
     data = blob(8_000)
-    pub.publish(1, data)
+    pub.publish_blob(1, data)
     assert run(ep, pub, {"gen-0": rx}, conns)["gen-0"] == []  # stuck: a credit is missing
     clock.advance(31)
     ready = run(ep, pub, {"gen-0": rx}, conns)
@@ -364,11 +367,11 @@ def test_over_zmq_tcp_10mb_in_1mb_chunks_then_a_corrupt_version() -> None:
             return got
 
         data = os.urandom(10 << 20)
-        assert pub.publish(1, data).num_chunks == 10
+        assert pub.publish_blob(1, data).num_chunks == 10
         (w,) = settle()
         assert w.version == 1 and bytes(w.blob) == data and pub.serving("gen-0") == 1
         corrupt[0] = True
-        pub.publish(2, os.urandom(10 << 20))
+        pub.publish_blob(2, os.urandom(10 << 20))
         assert settle() == []  # Nack: v2 never handed to the engine
         assert rx.counts["nacked"] == 1 and rx.serving == 1 and pub.gave_up("gen-0")
     finally:
@@ -390,7 +393,7 @@ def test_lost_announce_is_nacked_and_restarted() -> None:
     rx = WeightReceiver(conns["gen-0"])
     pub.add_generator("gen-0")
     data = blob(6_000)
-    pub.publish(1, data)
+    pub.publish_blob(1, data)
     ready = run(ep, pub, {"gen-0": rx}, conns)
     assert [bytes(w.blob) for w in ready["gen-0"]] == [data]
     assert rx.counts["nacked"] == 1 and pub.counts["retries"] == 1
@@ -400,7 +403,7 @@ def test_heartbeat_version_covers_a_lost_final_ack() -> None:
     ep, conns, _ = setup()
     pub = WeightPublisher(Tamper(ep, lambda r: r), chunk_bytes=1000)
     pub.add_generator("gen-0")
-    pub.publish(1, blob(3_000))
+    pub.publish_blob(1, blob(3_000))
     pub.pump()
     assert not pub.gave_up("gen-0") and pub.serving("gen-0") == -1
     pub.observe("gen-0", 1)

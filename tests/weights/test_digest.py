@@ -11,6 +11,7 @@ import torch
 
 from proto.records import DIGEST_KINDS, TensorMeta, WeightAnnounce
 from weights import digest as dg
+from weights.check import WeightsRefused
 from weights.digest import (
     blob_and_meta,
     canonical_digest,
@@ -118,13 +119,16 @@ def test_verified_weights_are_views_that_hash_to_the_receivers_digest() -> None:
     digest = digest_from_blob(blob, meta)
     ann = WeightAnnounce(1, digest, len(blob), 0, 0, [TensorMeta(**m) for m in meta])
     buf = bytearray(blob)
-    src = VerifiedWeights(ann, buf)
-    assert isinstance(src, VerifiedWeights) and src.digest == digest and src.version == 1
-    assert canonical_digest(dict(src)) == digest == canonical_digest(state)
-    assert all(torch.equal(src[k], state[k]) for k in state)
+    src = VerifiedWeights.of_blob(ann, buf)
+    assert src.digest == digest and src.version == 1 and src.directory == ""
+    views = src.state()
+    assert canonical_digest(views) == digest == canonical_digest(state)
+    assert all(torch.equal(views[k], state[k]) for k in state)
     buf[meta[-1]["offset"]] ^= 1  # views of the blob, not copies
     last = meta[-1]["name"]
-    assert not torch.equal(src[last], state[last]) or state[last].numel() == 0
+    assert not torch.equal(views[last], state[last]) or state[last].numel() == 0
+    with pytest.raises(WeightsRefused, match="!= announced"):  # and nothing else is handed out
+        VerifiedWeights.of_blob(ann, buf)
 
 
 def test_tree_digest_documented_layout() -> None:
@@ -211,15 +215,16 @@ def test_recorded_old_kind_digest_still_verifies(tmp_path: Any) -> None:
         state, {"model_type": "llama"}, tmp_path / "v2", extra_files={"manifest.json": new}
     )
     assert verify_publication(tmp_path / "v2") == pub.digest
-    # an on-disk announce with no kind: the engine's reader hashes the files flat
-    from weights.reading import read_weights
-    from weights.verified import OnDisk
-
+    # an on-disk announce with no kind: the engine's read hashes the files flat
     ann = WeightAnnounce(1, RECORDED_FLAT, 0, 0, 0, path=str(tmp_path / "v1"))
-    assert read_weights(OnDisk(ann))[1] == RECORDED_FLAT
+    assert VerifiedWeights.of_directory(ann).state().keys() == state.keys()
     tree = WeightAnnounce(2, pub.digest, 0, 0, 0, path=str(tmp_path / "v2"),
                           digest_kind=dg.TREE, digest_chunk_bytes=dg.DEFAULT_CHUNK_BYTES)  # fmt: skip
-    assert read_weights(OnDisk(tree))[1] == pub.digest
+    assert VerifiedWeights.of_directory(tree).state().keys() == state.keys()
+    flat_for_tree = WeightAnnounce(2, RECORDED_FLAT, 0, 0, 0, path=str(tmp_path / "v2"),
+                                   digest_kind=dg.TREE, digest_chunk_bytes=dg.DEFAULT_CHUNK_BYTES)  # fmt: skip
+    with pytest.raises(WeightsRefused, match=f"digest {pub.digest} does not match"):
+        VerifiedWeights.of_directory(flat_for_tree).state()  # hashed with the announced kind
 
 
 def test_bad_blobs_are_rejected() -> None:

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from weights.check import WeightsRefused
 from weights.publication import Publication
 from weights.shm import SHM_DIR, open_shm, remove_shm, shm_path, write_shm
+from weights.verified import VerifiedWeights
 
 PIECE = 1 << 16  # small digest pieces: the test's blob spans several
 
@@ -30,8 +32,8 @@ def _state() -> dict[str, torch.Tensor]:
 def _read(args: tuple[Any, str]) -> dict[str, Any]:
     """In a generator-like process: map, check, and report each tensor's sum (fp64)."""
     announce, path = args
-    w = open_shm(announce, path)
-    out = {"digest": w.digest, "sums": {k: float(v.double().sum()) for k, v in w.items()}}
+    w = VerifiedWeights(announce, open_shm(announce, path))
+    out = {"digest": w.digest, "sums": {k: float(v.double().sum()) for k, v in w.state().items()}}
     w.close()
     return out
 
@@ -64,11 +66,12 @@ def test_two_processes_map_one_copy_and_check_its_digest(tmp_path: Path) -> None
         want = {k: float(v.double().sum()) for k, v in state.items()}
         for g in got:
             assert g["digest"] == pub.digest and g["sums"] == want
-        w = open_shm(announce, path)  # here too: views of the mapping, bit-equal
-        assert all(torch.equal(w[k], v) for k, v in state.items())
-        w["b.weight"].add_(1.0)  # copy-on-write: the shared copy is untouched
+        w = VerifiedWeights(announce, open_shm(announce, path))  # here too: views, bit-equal
+        assert all(torch.equal(w.state()[k], v) for k, v in state.items())
+        w.state()["b.weight"].add_(1.0)  # copy-on-write: the shared copy is untouched
         w.close()
-        assert open_shm(announce, path)["b.weight"].equal(state["b.weight"])
+        again = VerifiedWeights(announce, open_shm(announce, path))
+        assert again.state()["b.weight"].equal(state["b.weight"])
     finally:
         remove_shm(path)
     assert not path.exists()
@@ -85,19 +88,19 @@ def test_a_corrupt_piece_is_named_and_refused(tmp_path: Path) -> None:
             f.seek(2 * PIECE + 5)
             f.write(bytes([b[0] ^ 0xFF]))
         with pytest.raises(
-            ValueError,
+            WeightsRefused,
             match=r"weights v4 in .*: pieces 2 \(\['b.weight', 'c.bias'\]\) do not match",
         ):
             open_shm(announce, path)
         with open(path, "r+b") as f:  # a short file
             f.truncate(len(pub.blob) - 1)
         with pytest.raises(
-            ValueError, match=f"{len(pub.blob) - 1} bytes, {len(pub.blob)} announced"
+            WeightsRefused, match=f"{len(pub.blob) - 1} bytes, {len(pub.blob)} announced"
         ):
             open_shm(announce, path)
     finally:
         remove_shm(path)
-    with pytest.raises(ValueError, match="No such file"):
+    with pytest.raises(WeightsRefused, match="No such file"):
         open_shm(announce, path)
 
 
@@ -122,9 +125,11 @@ def test_the_run_file_holds_the_canonical_blob_and_is_found_from_the_directory(
     announce = pub.announce(0)
     announce.path = str(vdir.resolve())
     got = shm.mapped_copy(announce, root)
-    assert isinstance(got, shm.ShmWeights) and got.digest == pub.digest
-    assert all(torch.equal(got[k], v) for k, v in _state().items())
-    got.close()
+    assert got is not None
+    w = VerifiedWeights(announce, got)
+    assert w.digest == pub.digest and w.directory == ""
+    assert all(torch.equal(w.state()[k], v) for k, v in _state().items())
+    w.close()
     with pytest.raises(ValueError, match="expected a name v<version>"):
         shm.shm_file(tmp_path / "weights" / "latest", root)
 
@@ -157,14 +162,12 @@ def test_pruning_keeps_the_newest_files_of_this_run_only(tmp_path: Path) -> None
             pub = Publication.of_state(_state(), v, run / f"v{v}", chunk_bytes=PIECE)
             shm.publish_shm(pub, root)
     assert shm.shm_versions(runs[0], root) == [1, 2, 3, 4, 5]
-    mapped = shm.open_shm(
-        Publication.of_state(_state(), 2, None, chunk_bytes=PIECE).announce(1 << 20),
-        shm.shm_file(runs[0] / "v2", root),
-    )
+    ann = Publication.of_state(_state(), 2, None, chunk_bytes=PIECE).announce(1 << 20)
+    mapped = VerifiedWeights(ann, shm.open_shm(ann, shm.shm_file(runs[0] / "v2", root)))
     assert shm.prune_shm(runs[0], 4, 2, root) == [1, 2]  # v5: above current, being written
     assert shm.shm_versions(runs[0], root) == [3, 4, 5]
     assert shm.shm_versions(runs[1], root) == [1, 2, 3, 4, 5]  # another run's: untouched
-    assert torch.equal(mapped["a.weight"], _state()["a.weight"])  # unlinked, still mapped
+    assert torch.equal(mapped.state()["a.weight"], _state()["a.weight"])  # unlinked, mapped
     mapped.close()
     assert shm.prune_shm(runs[0], 1 << 62, 0, root) == [3, 4, 5]  # the run's end: all
     assert len(list(root.iterdir())) == 5 and not list(root.glob(".*"))

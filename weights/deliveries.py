@@ -1,4 +1,5 @@
-"""Which weight versions were delivered to which generator: what a claimed version is checked against.
+"""Which weight versions were delivered to which generator: what a claimed version is checked
+against (the coordinator's pipeline.core.peers asks ``delivered``).
 
 A generator says which version it serves (Hello, every Heartbeat, the weights Ack that
 ends a transfer), and the learner acts on it: dispatch issues work against it
@@ -12,7 +13,7 @@ that generator's claim (``WeightPublisher.target``: covers a publisher swapped i
 wrapper). Loop, on the coordinator's thread::
 
     log = DeliveryLog()
-    publisher = make_publisher(transport, log.endpoint(endpoint), section)
+    publisher = open_publisher(transport, log.endpoint(endpoint), settings, run_dir)
     ... publisher.pump() / publish() send announces -> log.record(gid, v) ...
     if not log.delivered(gid, claimed): refuse the claim (the generator serves nothing known
                                         and gets the current weights before any work)

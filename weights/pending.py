@@ -2,11 +2,12 @@
 
 A step that publishes ends with the trainer's ``snapshot(out_dir, v)``: the weights gathered
 and copied (on the trainer thread, every rank). What is left, the blob, the tree digest and
-the directory (``finish()``), runs here, on one publishing thread, while the next step
-trains; with ``max_pending`` > 1 each pending version's on its own thread, so consecutive
-versions overlap their stages (one builds its blob from the device while the one before it
-is written to disk: the disk, not the sum of the stages, then sets the pace). The
-coordinator announces a version when its ``finish()`` is done, in version order:
+the directory (``finish()``, with the transport's ``WeightPublisher.prepare``: shm's /dev/shm
+copy), runs here, on one publishing thread, while the next step trains; with
+``max_pending`` > 1 each pending version's on its own thread, so consecutive versions overlap
+their stages (one builds its blob from the device while the one before it is written to
+disk: the disk, not the sum of the stages, then sets the pace). The coordinator announces a
+version when its ``finish()`` is done, in version order:
 a version counts as published when its digest is announced, so the staleness gate sees what
 it saw before. At most ``max_pending`` versions are unfinished at once: the trainer thread
 waits (``make_room``) before taking the next snapshot, so a slow disk slows training down
