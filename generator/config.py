@@ -86,7 +86,9 @@ class GeneratorConfig:
     seed: int = 0
     """Engine seed (vLLM's; the torch engine mixes it into each sample's sampler seed)."""
     inflight_updates: bool = False
-    """Swap weights between engine steps of a running batch (per-token versions)."""
+    """Swap weights between engine steps of a running batch (per-token versions): a version is
+    served as soon as it is checked and copied, not when the batch ends (torch engine: not with
+    depth_ticks)."""
     keys: str = ""
     """CURVE key directory (written by `looprl keys DIR`); empty: no CURVE (loopback only)."""
     key_name: str = ""
@@ -151,9 +153,10 @@ class GeneratorConfig:
             (self.engine in (*ENGINES, AUTO), "engine", f"must be one of {(*ENGINES, AUTO)}"),
             (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
             (
-                self.engine != "torch" or not self.inflight_updates,
+                self.engine == "vllm" or not self.inflight_updates or self.depth_ticks == 0,
                 "inflight_updates",
-                "the torch engine swaps weights between batches only (use engine vllm)",
+                "the torch engine's tick decode (depth_ticks > 0) swaps weights between "
+                "batches only (use depth_ticks 0)",
             ),
             (self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}"),
             (

@@ -153,12 +153,20 @@ class GeneratorLoop:
         self._scoring: deque[_Batch] = deque()  # on the scoring thread, in order
         self._pending: VerifiedWeights | None = None  # waiting for the engine to be idle
         self._load: tuple[VerifiedWeights, Future[Any]] | None = None
+        # an engine that swaps weights between the steps of a running batch
+        # (inflight_updates): a version is loaded (checked, staged) on its own lane while a
+        # batch runs, and served once the engine's weight_version reaches it
+        self._inflight = bool(getattr(engine, "inflight_updates", False))
+        self._beside = False  # the load in progress runs beside a batch (the weights lane)
+        self._swapping: VerifiedWeights | None = None  # staged in the engine, not yet in
         self._stopping, self._stop_reason = False, "shutdown"
         # a lane's finished call wakes run()'s recv (connection.waker), not the next poll_s
         waker = getattr(connection, "waker", None)
         wake = waker() if threaded and callable(waker) else None
         self._engine_lane = Lane("generator-engine", inline=not threaded, on_done=wake)
         self._score_lane = Lane("generator-score", inline=not threaded, on_done=wake)
+        self._weights_lane = (Lane("generator-weights", inline=not threaded, on_done=wake)
+                              if self._inflight else None)  # fmt: skip
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -265,7 +273,8 @@ class GeneratorLoop:
         ready = self.weights.handle(rec)
         if ready is None:
             return
-        loading = self._load[0].version if self._load is not None else -1
+        loading = max(self._load[0].version if self._load is not None else -1,
+                      self._swapping.version if self._swapping is not None else -1)  # fmt: skip
         if ready.version <= self.version:  # already served (our Ack was lost): acknowledge
             self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
         elif ready.version <= loading:  # heard again while it loads (e.g. after a pause):
@@ -277,14 +286,40 @@ class GeneratorLoop:
     def _advance(self) -> None:
         if self._load is not None and self._load[1].done():
             ready, fut = self._load
-            self._load = None
+            self._load, self._beside = None, False
             exc = fut.exception()
-            if exc is None:
-                self.version = int(fut.result())
-            self._weights_done(ready.version, exc)
-        if self._batch is not None or self._load is not None or self._stopping:
+            if exc is None and int(fut.result()) < ready.version:
+                self._swapping = ready  # staged: the running batch swaps it in
+            else:
+                if exc is None:
+                    self.version = int(fut.result())
+                self._weights_done(ready.version, exc)
+        swap, broken = self._swapping, getattr(self.engine, "broken", "")
+        if swap is not None and (self.engine.weight_version >= swap.version or broken):
+            self._swapping = None
+            served = int(self.engine.weight_version)
+            failed = None if served >= swap.version else RuntimeError(str(broken))
+            self.version = max(self.version, served)
+            self._weights_done(swap.version, failed)
+        if self._stopping:
             return
-        if self._pending is not None:
+        if (self._inflight and self._batch is not None and self._load is None
+                and self._swapping is None and self._pending is not None):  # fmt: skip
+            ready, self._pending = self._pending, None  # loaded beside the running batch
+            if ready.version <= self.version:
+                self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")
+            else:
+                assert self._weights_lane is not None
+                self._beside = True
+                self._load = (ready, self._weights_lane.submit(lambda: self._load_weights(ready)))
+            return
+        if self._batch is not None or (self._load is not None and not self._beside):
+            return
+        if self._swapping is not None and self._load is None:  # staged as the batch ended:
+            if self._pending is None:  # loaded on the idle engine (a newer pending replaces it)
+                self._pending = self._swapping
+            self._swapping = None
+        if self._pending is not None and self._load is None:
             ready, self._pending = self._pending, None
             if ready.version <= self.version:  # a load that ended meanwhile served it
                 self.conn.send(Ack("weights", str(self.version), self.version), channel="weights")

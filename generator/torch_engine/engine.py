@@ -43,7 +43,10 @@ version not newer or a digest mismatch refused, `WeightsRefused`, old version ke
 into the parameters in
 place (`models.checkpoint.load_into`; the CUDA graph reads parameters by address), between
 `generate` calls (a lock); this host's /dev/shm copy is taken first (that module's doc).
-`inflight_updates` is not offered: a swap waits for the running batch.
+`inflight_updates=True`: a version loaded while `generate` runs is checked on the loading
+thread, copied to the device and swapped in between two decode steps (in place: a captured
+graph reads it); each token's `Sample.token_versions` entry is the version whose forward
+computed its distribution. Not with `ticks` (a swap there waits for the batch).
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class TorchEngine(TorchWeights):
         ticks: int = 0,
         tick_graph: bool | None = None,
         readout_rows: int | None = None,
+        inflight_updates: bool = False,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -200,7 +204,14 @@ class TorchEngine(TorchWeights):
         """/dev/shm copies: read and checked into a (pinned) buffer, then loaded (True), or
         copied out of the mapping while checked (False); None: the first on a GPU."""
         self.looped = True
-        self.inflight_updates = False  # a swap waits for the running batch
+        if inflight_updates and ticks:
+            raise ValueError("inflight_updates swaps between decode steps of the chunk decode; "
+                             "the tick decode (ticks > 0) swaps between batches only")  # fmt: skip
+        self.inflight_updates = inflight_updates
+        """A version loaded during `generate` is swapped in between two of its decode steps
+        (per-token versions) instead of waiting for the batch to end."""
+        self._swap: tuple[Mapping[str, torch.Tensor], int] | None = None  # checked, not yet in
+        self._swap_lock = threading.Lock()
         self._lock = threading.RLock()
 
     def row_bytes(self, length: int) -> int:
@@ -297,14 +308,18 @@ class TorchEngine(TorchWeights):
                 self._kept = (cache, ticker)  # its captured graph, for the next call
             waiting.clear()
         while waiting or any(s is not None for s in slots):
+            done = pending[:]  # logits of the last decode: drawn as the version that made them
+            version = self.weight_version
+            pending.clear()
+            if self.inflight_updates:
+                self._apply_swap()  # a version loaded meanwhile: in before the next forward
             free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
             for b in free:
                 slots[b] = waiting.popleft()
             if free:
                 self._sample_rows(slots, self._prefill(cache, slots, free))
-            for rows, block in pending:
-                self._sample_block(slots, rows, block)
-            pending.clear()
+            for rows, block in done:
+                self._sample_block(slots, rows, block, version)
             live = [b for b in range(bsz) if slots[b] is not None and not slots[b].finish]  # type: ignore[union-attr]
             for b in range(bsz):  # finished requests free their slot
                 if slots[b] is not None and slots[b].finish:  # type: ignore[union-attr]
@@ -324,6 +339,8 @@ class TorchEngine(TorchWeights):
             pending.append(
                 (live, out if len(live) == bsz else out[torch.tensor(live).to(out.device)])
             )
+        if self.inflight_updates:
+            self._apply_swap()
         results: list[list[Sample]] = [[None] * it.n for it in items]  # type: ignore[list-item]
         for r in reqs:
             results[r.item][r.sample] = self._record(r)
@@ -431,10 +448,11 @@ class TorchEngine(TorchWeights):
     ) -> None:
         """Draw each row's next token from its logits (module doc) and record it."""
         if logits:
-            self._sample_block(slots, list(logits), torch.stack(list(logits.values())))
+            self._sample_block(slots, list(logits), torch.stack(list(logits.values())),
+                               self.weight_version)  # fmt: skip
 
     def _sample_block(self, slots: list[TorchRequest | None], rows: list[int],
-                      logits: torch.Tensor) -> None:  # fmt: skip
+                      logits: torch.Tensor, version: int) -> None:  # fmt: skip
         """`_sample_rows` of rows ``rows`` whose logits are ``logits`` [len(rows), V]: one
         draw per (temperature, top_p) group on the logits' device (the draw's integer bits are
         the same on every device, models.sampling), tokens and their log-probs read back once."""
@@ -457,7 +475,7 @@ class TorchEngine(TorchWeights):
             for j, k in enumerate(ks):
                 r = slots[rows[k]]
                 assert r is not None
-                r.take(int(back[0][j]), back[1][j])
+                r.take(int(back[0][j]), back[1][j], version)
 
     def _record(self, r: TorchRequest) -> Sample:
         return Sample(
@@ -465,8 +483,8 @@ class TorchEngine(TorchWeights):
             logprobs=np.asarray(r.logprobs, dtype=np.float32),
             exit_depths=np.asarray(r.depths[: len(r.tokens)], dtype=np.uint8),
             latent_seed=r.seed,
-            weight_version=self.weight_version,
-            token_versions=None,
+            weight_version=r.versions[0] if r.versions else self.weight_version,
+            token_versions=np.asarray(r.versions, np.int64) if self.inflight_updates else None,
             finish_reason=r.finish or "length",
             full_depth=self.full_depth,
             exit_logprobs=np.asarray(r.exit_lps[: len(r.tokens)], dtype=np.float32)

@@ -26,12 +26,16 @@ class TorchRequest:
     exit_lps: list[float] = dataclasses.field(default_factory=list)
     """A sampled exit (SampledGate): the exit log-prob of each sampling position."""
     finish: str = ""
+    versions: list[int] = dataclasses.field(default_factory=list)
+    """The weight version of the forward that computed each token's distribution."""
 
-    def take(self, tok: int, logprob: float) -> bool:
-        """Record a drawn token and its log-prob; True when it finishes the request (a stop
-        token, or max_tokens reached: then the depths beyond the tokens are dropped)."""
+    def take(self, tok: int, logprob: float, version: int) -> bool:
+        """Record a drawn token, its log-prob and the version that computed it; True when it
+        finishes the request (a stop token, or max_tokens reached: then the depths beyond the
+        tokens are dropped)."""
         self.tokens.append(tok)
         self.logprobs.append(logprob)
+        self.versions.append(version)
         if tok in self.work.stop_token_ids:
             self.finish = "stop"
         elif len(self.tokens) >= int(self.work.max_tokens):

@@ -112,7 +112,7 @@ def _sample_and_feed(eng: Any, ticker: Ticker, slots: list[Any],
     free the slots whose request finished, feed the others their token; returns those rows."""
     sampled = [b for rows, _ in blocks for b in rows]
     for rows, block in blocks:
-        eng._sample_block(slots, rows, block)
+        eng._sample_block(slots, rows, block, eng.weight_version)
     go = [b for b in sampled if not slots[b].finish]
     for b in sampled:
         if slots[b].finish:
@@ -170,7 +170,7 @@ def _by_graph_steps(eng: Any, reqs: list[Any], cache: KVCache, ticker: GraphTick
                 r.depths.append(int(depth[b]))
                 if eng.sampled:  # a sampled exit: its log-prob, as the chunk decode files it
                     r.exit_lps.append(float(elp[b]))
-                if r.take(int(tok[b]), lp[b]):
+                if r.take(int(tok[b]), lp[b], eng.weight_version):
                     done.append(b)
                     slots[b] = None
             ticker.retire(done)

@@ -1,6 +1,6 @@
 """The torch generator engine's weight loading (generator.torch_engine.engine.TorchEngine's base): a
 version's checked state copied into the parameters in place, between `generate` calls (the
-engine's lock); an announced directory's /dev/shm copy on this host (publish.transport shm)
+engine's lock), or with `inflight_updates` between two decode steps of a running one; an announced directory's /dev/shm copy on this host (publish.transport shm)
 taken first (`weights.verified.VerifiedWeights.load_local_copy`): on a GPU read into a pinned
 buffer kept between versions with every piece hashed as read, then copied to the device
 (nothing unchecked reaches the parameters); on the CPU copied out of the mapping while its
@@ -33,16 +33,56 @@ class TorchWeights:
     _unchecked: bool
     _pinned: torch.Tensor | None
     stage_shm: bool | None
+    inflight_updates: bool
+    _swap: tuple[Mapping[str, torch.Tensor], int] | None
+    _swap_lock: threading.Lock
 
     def load_weights(self, weights: VerifiedWeights) -> None:
+        """Load ``weights`` (``_load_now``); with ``inflight_updates`` while a ``generate``
+        runs (its lock held by another thread): check the state on this thread, copy it to the
+        device beside the parameters, and let the running batch swap it in between two decode
+        steps (``_apply_swap``: an in-place copy, so a captured CUDA graph reads the new
+        weights); ``weight_version`` changes then, not when this returns."""
+        if self.broken:
+            raise WeightLoadError(self.broken)
+        if self.inflight_updates and not self._lock.acquire(blocking=False):
+            check_newer(weights.version, self.weight_version)
+            state = checked_state(weights, self.weight_version)
+            staged = {k: state[k].to(self.device, copy=True) for k in state}
+            with self._swap_lock:
+                self._swap = (staged, weights.version)
+            return
+        if self.inflight_updates:  # acquired above: the engine is idle
+            try:
+                self._load_now(weights)
+            finally:
+                self._lock.release()
+            return
+        self._load_now(weights)
+
+    def _apply_swap(self) -> None:
+        """The version ``load_weights`` staged during this ``generate``, into the parameters
+        (on the engine's thread, between decode steps)."""
+        with self._swap_lock:
+            swap, self._swap = self._swap, None
+        if swap is None or swap[1] <= self.weight_version:
+            return
+        state, version = swap
+        try:
+            load_into(self.model, dict(state))
+        except Exception as e:
+            self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
+            raise WeightLoadError(self.broken) from e
+        self._unchecked = False
+        self.weight_version = version
+
+    def _load_now(self, weights: VerifiedWeights) -> None:
         """Copy the checked state of ``weights`` into the parameters in place as its version
         (module doc). An announced directory with this host's /dev/shm copy (publish.transport
         shm) takes that copy first (``_load_local``: staged and checked before the load on a
         GPU, copied while checked on the CPU; the lock held, nothing served before the check
         ends); a refused copy is replaced from the directory, checked as read, and the engine
         stops serving (WeightLoadError) if a copy already loaded cannot be replaced."""
-        if self.broken:
-            raise WeightLoadError(self.broken)
         version = weights.version
         with self._lock:
             if self._load_local(weights):

@@ -343,13 +343,14 @@ def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]
     """(the keys every engine of this generator is built with, those of its main engine alone:
     the vLLM engine's inflight_updates, the torch engine's depth_ticks; the FixedDepth engines
     of eval.depths run neither)."""
+    cfg, _ = for_this_host(cfg)  # (auto keys left: chosen here, as `looprl generator` does)
     common: dict[str, Any] = dict(
         numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
         kv_cache_bytes=cfg.kv_cache_bytes, max_model_len=cfg.max_model_len or None,
         seed=cfg.seed,
     )  # fmt: skip
     if cfg.engine == "torch":
-        return common, {"ticks": cfg.depth_ticks}
+        return common, {"ticks": cfg.depth_ticks, "inflight_updates": cfg.inflight_updates}
     return common, {"inflight_updates": cfg.inflight_updates}
 
 

@@ -40,6 +40,8 @@ class FakeSample:
 class FakeEngine:
     """Deterministic tokens (a function of the latent seed); logs every call in ``log``."""
 
+    inflight_updates = False
+
     def __init__(self, log: list[tuple[Any, ...]], version: int = 0) -> None:
         self.log, self.weight_version = log, version
         self.max_batch = 0
@@ -186,10 +188,11 @@ def make(
     *,
     threaded: bool = False,
     reward: Callable[..., Any] = length_reward,
+    engine_cls: type[FakeEngine] | None = None,
     **kw: Any,
 ) -> tuple[GeneratorLoop, FakeEngine, FakeConnection, list[tuple[Any, ...]]]:
     log: list[tuple[Any, ...]] = []
-    engine, conn = FakeEngine(log, version), FakeConnection(log)
+    engine, conn = (engine_cls or FakeEngine)(log, version), FakeConnection(log)
     opts: dict[str, Any] = dict(max_inflight=4, batch_wait_s=0.0, threaded=threaded)
     opts.update(kw)
     loop = GeneratorLoop(
@@ -224,3 +227,40 @@ def on_disk(version: int) -> WeightAnnounce:
 def kinds(log: list[tuple[Any, ...]]) -> list[str]:
     """The log as 'recv:X' / 'send:X' / 'generate' / 'load' events."""
     return [f"{e[0]}:{e[1]}" if e[0] in ("send", "recv") else e[0] for e in log]
+
+
+class InflightEngine(FakeEngine):
+    """A FakeEngine that swaps weights between the steps of a running generate
+    (inflight_updates): load_weights during generate stages the version; generate applies it
+    while it waits on its gate."""
+
+    inflight_updates = True
+
+    def __init__(self, log: list[tuple[Any, ...]], version: int = 0) -> None:
+        super().__init__(log, version)
+        self.running = threading.Event()
+        self.staged: int | None = None
+
+    def generate(self, items: Sequence[WorkItem]) -> list[list[FakeSample]]:
+        self.running.set()
+        try:
+            while self.gate is not None and not self.gate.wait(0.005):
+                self._apply()  # between two "steps"
+            self.gate = None
+            self._apply()
+            return super().generate(items)
+        finally:
+            self.running.clear()
+
+    def _apply(self) -> None:
+        if self.staged is not None:
+            self.log.append(("swap", self.staged))
+            self.weight_version, self.staged = self.staged, None
+
+    def load_weights(self, weights: VerifiedWeights) -> None:
+        if self.running.is_set():
+            check_newer(weights.version, self.weight_version)
+            self.log.append(("stage", weights.version))
+            self.staged = weights.version
+            return
+        super().load_weights(weights)

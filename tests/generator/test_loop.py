@@ -105,6 +105,38 @@ def test_an_announcement_repeated_while_its_version_loads_is_loaded_once() -> No
     assert {a.version for a in conn.of(Ack) if a.kind == "weights"} == {2}
 
 
+def test_an_inflight_engine_gets_a_version_during_its_batch_and_it_is_acknowledged() -> None:
+    """inflight_updates: a version announced while a batch runs is loaded beside it (its own
+    lane), staged, swapped in by the batch, and acknowledged as soon as the engine serves it,
+    before the batch ends (before: the load waited for the batch, a version's delivery
+    included the rest of the batch)."""
+    from tests.generator.loop_fakes import InflightEngine
+
+    loop, engine, conn, log = make(threaded=True, engine_cls=InflightEngine)
+    assert isinstance(engine, InflightEngine)
+    engine.gate = threading.Event()
+    conn.push(welcome(0), item("long"))
+    deadline = time.monotonic() + 10
+    while not engine.running.is_set() and time.monotonic() < deadline:
+        loop.step(0.01)
+    assert engine.running.is_set(), "the batch did not start"
+    conn.push(on_disk(1), channel="weights")
+    while not conn.of(Ack) and time.monotonic() < deadline:
+        loop.step(0.01)
+    acks = [a for a in conn.of(Ack) if a.kind == "weights"]
+    assert [a.version for a in acks] == [1] and loop.version == 1
+    assert engine.running.is_set(), "acknowledged only after the batch ended"
+    assert not conn.of(RolloutBatch)
+    ev = kinds(log)
+    assert ev.index("stage") < ev.index("swap") < ev.index("send:Ack")
+    engine.gate.set()
+    while not conn.of(RolloutBatch) and time.monotonic() < deadline:
+        loop.step(0.01)
+    loop.stop()
+    assert conn.of(RolloutBatch), "the batch never finished"
+    assert not conn.of(Nack) and "load" not in ev  # staged and swapped, never loaded apart
+
+
 def test_an_engine_batch_is_sent_in_one_rollout_batch_with_rewards() -> None:
     """The items of one engine batch go out together (the learner records and flushes once per
     message), acknowledged per item; a batch over MESSAGE_ROLLOUTS is split between items."""

@@ -109,8 +109,11 @@ def test_weights_swap_and_refusals(tmp_path: Path) -> None:
         check_engine("vlm")
     with pytest.raises(ConfigError, match="engine='vlm': must be one of"):
         GeneratorConfig(engine="vlm")
-    with pytest.raises(ConfigError, match="inflight_updates"):
-        GeneratorConfig(engine="torch", inflight_updates=True)
+    with pytest.raises(
+        ConfigError, match="inflight_updates"
+    ):  # the tick decode swaps between batches
+        GeneratorConfig(engine="torch", inflight_updates=True, depth_ticks=2)
+    assert GeneratorConfig(engine="torch", inflight_updates=True).inflight_updates
     with pytest.raises(ValueError, match="stop strings"):
         bad = _items()[0]
         bad.stop = ["\n"]
@@ -271,3 +274,57 @@ def test_a_short_prompt_prefilled_beside_a_longer_running_one(tmp_path: Path) ->
             tokens, exit_depths, lps, _ = _reference(model, it, int(seed), policy)
             assert s.tokens.tolist() == tokens and s.exit_depths.tolist() == exit_depths
             np.testing.assert_array_equal(s.logprobs, lps)
+
+
+def test_a_version_loaded_during_generate_is_swapped_in_between_decode_steps(
+    tmp_path: Path,
+) -> None:
+    """inflight_updates: load_weights from another thread while generate runs is staged and
+    swapped in between two decode steps; each token records the version whose forward made it;
+    the tokens before the swap are the old weights' (as a batch that never swapped), those
+    after differ, the next batch is the new weights' alone."""
+    import threading
+
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    _, state = load_checkpoint(path)
+    new = perturbed(state, seed=7)
+    items = [work_item(prompts(1, [5], seed=3)[0], [21, 22], temperature=1.0, max_tokens=12,
+                       name="long")]  # fmt: skip
+    plain = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu")
+    old_only = plain.generate(items)[0]
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", inflight_updates=True)
+    decode, calls = eng._decode, []
+
+    def decode_then_load(*a: object, **kw: object) -> object:
+        out = decode(*a, **kw)
+        calls.append(eng.weight_version)
+        if len(calls) == 4:  # another thread loads v1 while this batch runs: staged
+            t = threading.Thread(target=eng.load_weights,
+                                 args=(VerifiedWeights.of(new, 1, digest_of_state(new)),))  # fmt: skip
+            t.start()
+            t.join()
+            assert eng.weight_version == 0  # not yet: the batch swaps it in
+        return out
+
+    eng._decode = decode_then_load  # type: ignore[method-assign]
+    mixed = eng.generate(items)[0]
+    assert eng.weight_version == 1 and calls[3] == 0 and calls[-1] == 1
+    for s_old, s_mix in zip(old_only, mixed, strict=True):
+        v = s_mix.token_versions.tolist()
+        assert v == sorted(v) and v[0] == 0 and v[-1] == 1, v  # one swap, in order
+        k = v.index(1)
+        assert 1 <= k < len(v) and s_mix.weight_version == 0
+        # before the swap: the old weights' tokens and log-probs, bit for bit
+        assert s_mix.tokens[:k].tolist() == s_old.tokens[:k].tolist()
+        np.testing.assert_array_equal(s_mix.logprobs[:k], s_old.logprobs[:k])
+        assert (
+            float(np.abs(s_mix.logprobs[k:] - s_old.logprobs[k : len(s_mix.logprobs)]).max()) > 1e-4
+        )
+    # the next batch: the new weights alone (the reference at v1)
+    _, model = load_model(path)
+    load_into(model, new)
+    for seed, s_new in zip(items[0].latent_seeds.tolist(), eng.generate(items)[0], strict=True):
+        tokens, _, lps, _ = _reference(model, items[0], int(seed), FixedDepth(model.max_depth))
+        assert s_new.tokens.tolist() == tokens and set(s_new.token_versions.tolist()) == {1}
+        np.testing.assert_array_equal(s_new.logprobs, lps)
+    assert plain.generate(items)[0][0].token_versions is None  # without inflight_updates
