@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from proto import Codec, Rollout, RolloutBatch
-from proto.stream import StreamWriter
+from proto.stream.writer import StreamWriter
 
 QUARANTINE_DIR = "quarantine"
 QUARANTINE_LOG = "quarantine.jsonl"

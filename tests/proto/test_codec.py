@@ -368,7 +368,7 @@ def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     from pipeline.core.recorder import read_rollouts
     from proto.batch import encode_batch
     from proto.schema import to_wire
-    from proto.stream import StreamWriter
+    from proto.stream.writer import StreamWriter
 
     assert PROTOCOL_MINOR == 7
     a, b = _rollout(5), dataclasses.replace(_rollout(3), rollout_id="w/1", sample_index=1)

@@ -1,25 +1,7 @@
-"""Rollout stream files: what the recorder writes (every accepted rollout) and replay reads.
-
-A stream is a directory of append-only segment files with sidecar indexes (layout in
-:mod:`proto.stream_format`). Each frame holds one opaque payload (an encoded, compressed
-proto message) under a strictly increasing sequence number.
-
-Order of calls::
-
-    with StreamWriter(path, segment_bytes=64 << 20, fsync="batch") as w:   # one writer
-        seq = w.append(payload)        # buffered; assigns seq (or checks the given one)
-        w.flush()                      # now visible to readers (and fsync'd unless "never")
-
-    with StreamReader(path) as r:      # any number of readers, other processes included
-        r.get(seq); r.iter(start_seq=0); r.iter(follow=True, timeout=5.0)  # tail a live stream
-
-Crash safety: frames are only appended; a writer killed at any moment leaves at most one
-torn frame at the tail of the last segment. Readers stop before it without changing
-anything; ``StreamWriter`` (on open) and :func:`recover` truncate it and repair the index.
-Damage anywhere else raises :class:`StreamCorruptError` naming the segment and offset;
-:func:`recover` checks every frame and salvages the intact ones around it
-(:mod:`proto.stream_salvage`), keeping the original files in a backup directory.
-"""
+"""Writing a rollout stream (package doc: proto.stream): ``StreamWriter``, the one writer of
+a stream, and ``recover``, which repairs one without appending (cuts a torn tail, rebuilds
+indexes, salvages the intact frames around damage with :mod:`proto.stream.salvage`); both
+report a ``RecoveryReport``."""
 
 from __future__ import annotations
 
@@ -32,7 +14,7 @@ from types import TracebackType
 from typing import Literal
 
 from proto.fileio import fsync_path
-from proto.stream_format import (
+from proto.stream.format import (
     FRAME_HEADER_SIZE,
     INDEX_ENTRY_SIZE,
     LOCK_NAME,
@@ -40,7 +22,6 @@ from proto.stream_format import (
     MAX_SEQ,
     SEGMENT_HEADER_SIZE,
     SegmentScan,
-    StreamCorruptError,
     StreamError,
     StreamLockedError,
     check_stream_dir,
@@ -53,22 +34,7 @@ from proto.stream_format import (
     scan_segment,
     segment_name,
 )
-from proto.stream_reader import Frame, StreamReader
-from proto.stream_salvage import LostRange, Repair, salvage, survey
-
-__all__ = [
-    "Frame",
-    "FsyncMode",
-    "LostRange",
-    "RecoveryReport",
-    "Repair",
-    "StreamCorruptError",
-    "StreamError",
-    "StreamLockedError",
-    "StreamReader",
-    "StreamWriter",
-    "recover",
-]
+from proto.stream.salvage import LostRange, Repair, salvage, survey
 
 FsyncMode = Literal["always", "batch", "never"]
 FSYNC_MODES: tuple[str, ...] = ("always", "batch", "never")

@@ -1,4 +1,4 @@
-"""Reading rollout streams, also while their writer appends (see :mod:`proto.stream`)."""
+"""Reading rollout streams, also while their writer appends (see :mod:`proto.stream.writer`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from proto.stream_format import (
+from proto.stream.format import (
     CRC,
     FRAME_HEAD,
     FRAME_HEADER_SIZE,

@@ -11,7 +11,7 @@ A segment file missing between two present ones (a gap in the numbering) is one
 :class:`LostRange` with ``missing`` set: its frames are the seqs strictly between the
 intact frames around it (exact from the segment's orphan index when that survived).
 
-:func:`salvage` (called by :func:`proto.stream.recover` under the writer lock) rewrites
+:func:`salvage` (called by :func:`proto.stream.writer.recover` under the writer lock) rewrites
 each damaged segment in place so that it holds a new header and exactly its intact frames,
 byte for byte and with their seqs, after hard-linking (or copying) the original segment and
 index files into a backup directory beside the stream; a missing segment is replaced by an
@@ -31,7 +31,7 @@ from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from proto.stream_format import (
+from proto.stream.format import (
     FRAME_HEAD,
     FRAME_HEADER_SIZE,
     FRAME_MAGIC,
@@ -444,7 +444,7 @@ def salvage(
     """Rewrite every damaged segment of ``found`` to its intact frames (the caller holds the
     writer lock); returns the backup directory holding the original files (None: no damage,
     or only missing segments with no index left).
-    A missing segment is created empty. A torn tail is left to :func:`proto.stream.recover`'s
+    A missing segment is created empty. A torn tail is left to :func:`proto.stream.writer.recover`'s
     truncation."""
     damaged = [s for s in found.segments if (s.lost or s.repairs) and not s.missing]
     gaps = [s for s in found.segments if s.missing]

@@ -20,7 +20,7 @@ The crc32 (zlib) covers the first 20 header bytes and the payload. Index entries
 ``(seq u64, offset u64)`` of each frame; the segment data is the source of truth and an
 index that disagrees with it is ignored (readers) or rebuilt (writer, ``recover``).
 
-Everything here only reads; repairs live in :mod:`proto.stream`.
+Everything here only reads; repairs live in :mod:`proto.stream.writer`.
 """
 
 from __future__ import annotations
