@@ -67,8 +67,8 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
 from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402
 from pipeline.core.validation import ModelLimits  # noqa: E402
-from pipeline.net.transport_config import TransportConfig  # noqa: E402
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
+from pipeline.net.transport.config import TransportConfig  # noqa: E402
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
 from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
 from weights.chunked import WeightReceiver  # noqa: E402
 from weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402

@@ -118,7 +118,7 @@ class GeneratorConfig:
     """Learner silence after which the generator re-sends Hello (s)."""
     transport: str = ""
     """More transport settings as JSON, e.g. {"weights_max_frame_bytes": 134217728} (the keys of
-    pipeline.net.transport_config.TransportConfig, equal on both ends); empty: the defaults."""
+    pipeline.net.transport.config.TransportConfig, equal on both ends); empty: the defaults."""
     connect_timeout_s: float = 60.0
     """Give up (exit 2) if the learner has not answered within this long at start (s); 0: never."""
     health_file: str = ""

@@ -1,7 +1,7 @@
 """The generator's collaborators, as structural types: connection and engine.
 
 generator/ never imports pipeline/; these Protocols are what generator.loop (and its
-generator.outbox) needs, written so that pipeline.net.transport.GeneratorConnection satisfies
+generator.outbox) needs, written so that pipeline.net.transport.session.GeneratorConnection satisfies
 them as it is, and generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight
 sink and what it hands the engine (VerifiedWeights, OnDisk) are weights.verified's.
 Helpers: the Hello a generator introduces itself with and the one-thread work lane that keeps
@@ -27,7 +27,7 @@ ToRollouts = Callable[[WorkItem, list[Any], str], list[Rollout]]
 
 
 class Received(Protocol):
-    """What ``Connection.recv`` returns (pipeline.net.transport.Incoming)."""
+    """What ``Connection.recv`` returns (pipeline.net.transport.session.Incoming)."""
 
     @property
     def channel(self) -> Channel: ...
@@ -36,7 +36,7 @@ class Received(Protocol):
 
 
 class Connection(Protocol):
-    """The generator's link to the learner (pipeline.net.transport.GeneratorConnection).
+    """The generator's link to the learner (pipeline.net.transport.session.GeneratorConnection).
 
     It sends Hello when created and again whenever it lost the learner (``ready`` False
     until the next Welcome, which ``recv`` also returns); it sends heartbeats carrying the

@@ -48,7 +48,7 @@ from pipeline.config_sections import (
     WarmStartSection,
     _check,
 )
-from pipeline.net.transport_config import TransportConfig
+from pipeline.net.transport.config import TransportConfig
 
 BACKENDS = ("auto", "megatron", "reference")
 
@@ -96,7 +96,7 @@ class RunConfig:
     endpoints: EndpointsSection = field(default_factory=EndpointsSection)
     """Learner endpoints."""
     transport: TransportConfig = field(default_factory=TransportSection)
-    """Both channels' settings (pipeline.net.transport_config), the same on the generators."""
+    """Both channels' settings (pipeline.net.transport.config), the same on the generators."""
     publish: PublishSection = field(default_factory=PublishSection)
     """Weight publication."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

@@ -15,7 +15,7 @@ from models.errors import ConfigError
 from models.exits import KL, MAX_DEPTH, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
 from models.init import SIZES
 from models.settings import check
-from pipeline.net.transport_config import TransportConfig
+from pipeline.net.transport.config import TransportConfig
 
 ENVIRONMENT_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 """task.environment: package.module:Class."""
@@ -305,7 +305,7 @@ class EndpointsSection:
 
 @dataclass(frozen=True)
 class TransportSection(TransportConfig):
-    """pipeline.net.transport_config.TransportConfig as the run config's ``transport``
+    """pipeline.net.transport.config.TransportConfig as the run config's ``transport``
     section: the same keys, each bad value refused naming its ``transport.`` key (the base
     class's own checks stay as the backstop)."""
 

@@ -61,8 +61,8 @@ from models.checkpoint import read_config
 from models.exits import ExitPolicy, FixedDepth, parse_policy
 from pipeline.commands.generator_engine import StopOnFailedLoad, multi_turn
 from pipeline.net.security import ClientCurve, generator_id_for
-from pipeline.net.transport_config import ConnectTimeout, TransportConfig
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.transport.config import ConnectTimeout, TransportConfig
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
 from pipeline.net.untrusted import EscapeArgs
 from weights.chunked import WeightReceiver
 from weights.collective_generator import CollectiveWeightSink

@@ -22,7 +22,7 @@ from pipeline.commands.generator_cli import flag_name
 from pipeline.config import RunConfig
 from pipeline.config_sections import RUN_MANAGED
 from pipeline.net.security import generator_keys
-from pipeline.net.transport_config import TransportConfig
+from pipeline.net.transport.config import TransportConfig
 
 ALWAYS = ("learner", "weights_endpoint", "model", "reward", "numerics", "dtype")
 """Keys written even at their default: what a reader of the command line looks for first."""

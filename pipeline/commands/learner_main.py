@@ -72,7 +72,7 @@ from pipeline.core.metrics import MetricsWriter, read_metrics, summary
 from pipeline.core.tasks import load_prompts as load
 from pipeline.core.validation import ModelLimits
 from pipeline.net.security import ServerCurve
-from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 
 log = logging.getLogger(__name__)
 OnBound = Callable[[str, str, Path], None]

@@ -100,7 +100,7 @@ class _Job:
 
 
 class Coordinator:
-    """See the module docstring. ``endpoint`` is a pipeline.net.transport.LearnerEndpoint.
+    """See the module docstring. ``endpoint`` is a pipeline.net.transport.session.LearnerEndpoint.
 
     Its components, built in ``__init__`` (the run's state lives in them; the coordinator
     keeps the loop's counters, ``step`` and ``version_step``, and the step in flight)."""

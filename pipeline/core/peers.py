@@ -65,7 +65,7 @@ class Peers:
         work_timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
-        """``endpoint``: a pipeline.net.transport.LearnerEndpoint; ``publisher``: the weight
+        """``endpoint``: a pipeline.net.transport.session.LearnerEndpoint; ``publisher``: the weight
         transfers (weights); ``run_id`` and ``version``: the run's id and the newest
         announced version when a Welcome is sent; ``welcome_settings``: what a generator
         checks on Welcome (numerics, exit policy); ``work_timeout_s``: intake.work_timeout_s

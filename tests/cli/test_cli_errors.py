@@ -106,8 +106,8 @@ def test_generator_wrong_port_says_handshake_failed(model: Path, not_zmq: int) -
 def test_generator_without_keys_against_a_curve_learner(model: Path, tmp_path: Path) -> None:
     from pipeline.commands.generator_cli import probe_learner
     from pipeline.net.security import ClientCurve, ServerCurve
-    from pipeline.net.transport_config import TransportConfig
-    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+    from pipeline.net.transport.config import TransportConfig
+    from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "-n", "1"]) == 0

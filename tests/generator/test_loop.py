@@ -270,8 +270,8 @@ def test_reconnect_resends_unacked_only() -> None:
 
 
 def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> None:
-    transport_config = pytest.importorskip("pipeline.net.transport_config")
-    transport_memory = pytest.importorskip("pipeline.net.transport_memory")
+    transport_config = pytest.importorskip("pipeline.net.transport.config")
+    transport_memory = pytest.importorskip("pipeline.net.transport.memory")
     cfg = transport_config.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
     net, clock = transport_memory.MemoryNetwork(), FakeClock()
     ep1 = net.bind("learner", cfg, clock=clock)
@@ -329,7 +329,7 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
 
 def test_chunked_weights_through_pipeline_weight_sync() -> None:
     """weights.chunked's WeightPublisher/WeightReceiver satisfy the loop's WeightSink protocol."""
-    transport_memory = pytest.importorskip("pipeline.net.transport_memory")
+    transport_memory = pytest.importorskip("pipeline.net.transport.memory")
     weight_sync = pytest.importorskip("weights.chunked")
     torch = pytest.importorskip("torch")
 

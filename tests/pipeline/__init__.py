@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.net.transport_config import TransportConfig
+from pipeline.net.transport.config import TransportConfig
 from proto import Hello, Rollout
 
 

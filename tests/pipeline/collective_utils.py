@@ -17,8 +17,8 @@ from generator.loop import GeneratorLoop
 from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.checkpoint import save_checkpoint
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
 from tests.pipeline.fakes import FakeTrainer
 from weights.chunked import WeightReceiver
 from weights.collective_generator import CollectiveWeightSink

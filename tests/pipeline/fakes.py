@@ -17,8 +17,8 @@ from pipeline.config import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Prompt, PromptSource
 from pipeline.core.validation import ModelLimits
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_memory import MemoryNetwork
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.memory import MemoryNetwork
 from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
 from weights.publication import Publication
 

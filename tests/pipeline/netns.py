@@ -207,7 +207,7 @@ def tail(path: Path, n: int = 40) -> str:
 
 # -- peers run inside the namespaces (python -m tests.pipeline.netns ROLE ...) ---------------
 def _fast() -> Any:
-    from pipeline.net.transport_config import TransportConfig
+    from pipeline.net.transport.config import TransportConfig
 
     return TransportConfig(
         heartbeat_interval_s=0.2,
@@ -221,7 +221,7 @@ def _fast() -> Any:
 
 def _learner(a: argparse.Namespace, out: IO[str]) -> None:
     from pipeline.net.security import ServerCurve
-    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+    from pipeline.net.transport.zmq import ZmqLearnerEndpoint
     from proto import Hello, Welcome
 
     ep = ZmqLearnerEndpoint(
@@ -245,7 +245,7 @@ def _learner(a: argparse.Namespace, out: IO[str]) -> None:
 
 def _generator(a: argparse.Namespace, out: IO[str]) -> None:
     from pipeline.net.security import ClientCurve, generator_id_for
-    from pipeline.net.transport_zmq import ZmqGeneratorConnection
+    from pipeline.net.transport.zmq import ZmqGeneratorConnection
     from proto import Hello
 
     hello = Hello(

@@ -125,7 +125,7 @@ def test_a_version_never_delivered_to_that_generator_is_refused(tmp_path: Path) 
 
     from pipeline.config import load_config
     from pipeline.core.coordinator import Coordinator
-    from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+    from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
     from proto import Ack, WeightAnnounce
     from tests.pipeline import fast_zmq, hello
     from tests.pipeline.fakes import FAKE_LIMITS, FakeTrainer, prompts

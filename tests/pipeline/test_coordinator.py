@@ -207,7 +207,7 @@ def test_background_training_keeps_listening(tmp_path: Path) -> None:
     import time
 
     from pipeline.core.coordinator import Coordinator
-    from pipeline.net.transport_memory import MemoryNetwork
+    from pipeline.net.transport.memory import MemoryNetwork
     from tests.pipeline.fakes import FAKE_LIMITS, TCFG, prompts
 
     cfg = make_coordinator(tmp_path / "cfg", ["staleness.max_staleness=1"])[0].cfg

@@ -97,8 +97,8 @@ def test_connection_without_welcome_reports_then_times_out(
     second (timeout 2 s), then ConnectTimeout from recv; a Welcome ends the watch."""
     import time
 
-    from pipeline.net.transport_config import ConnectTimeout, TransportConfig
-    from pipeline.net.transport_memory import MemoryNetwork
+    from pipeline.net.transport.config import ConnectTimeout, TransportConfig
+    from pipeline.net.transport.memory import MemoryNetwork
     from proto import Hello
 
     net = MemoryNetwork()

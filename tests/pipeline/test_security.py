@@ -25,7 +25,7 @@ from pipeline.net.security import (
     check_bind,
     is_loopback,
 )
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Hello, RolloutBatch, Welcome
 from tests.pipeline import fast_zmq, hello, rollout
 

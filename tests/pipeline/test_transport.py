@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeline.net.transport import GeneratorConnection, Incoming, LearnerEndpoint
-from pipeline.net.transport_config import TransportConfig, TransportError
-from pipeline.net.transport_memory import MemoryNetwork
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.transport.config import TransportConfig, TransportError
+from pipeline.net.transport.memory import MemoryNetwork
+from pipeline.net.transport.session import GeneratorConnection, Incoming, LearnerEndpoint
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import (
     Codec,
     ErrorMsg,

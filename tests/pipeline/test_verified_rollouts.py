@@ -236,7 +236,7 @@ def _spec_run(
     from pipeline.core.coordinator import Coordinator
     from pipeline.core.dispatch import Prompt, PromptSource
     from pipeline.core.validation import ModelLimits
-    from pipeline.net.transport_memory import MemoryNetwork
+    from pipeline.net.transport.memory import MemoryNetwork
     from tests.pipeline.fakes import TCFG
 
     cfg = load_config(None, [f"run_dir={tmp}", f"backend={backend}", "rollout.n=4",

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.core.coordinator import Coordinator
-from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 from tests.pipeline.collective_utils import (
     TCFG,
     Receiver,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_memory import MemoryNetwork
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.memory import MemoryNetwork
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
 from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
 from weights.chunked import WeightPublisher, WeightReceiver, WeightSyncError

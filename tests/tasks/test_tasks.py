@@ -30,7 +30,7 @@ from pipeline.core.tasks import (
     with_task_stops,
 )
 from pipeline.core.validation import ModelLimits
-from pipeline.net.transport_memory import MemoryNetwork
+from pipeline.net.transport.memory import MemoryNetwork
 from tests.pipeline.fakes import TCFG, FakeGenerator, FakeTrainer, drive
 
 ROWS = 12

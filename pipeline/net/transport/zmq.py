@@ -1,4 +1,4 @@
-"""ZMQ implementation of pipeline.net.transport (tcp, ipc or inproc; CURVE via pipeline.net.security).
+"""ZMQ implementation of pipeline.net.transport.session (tcp, ipc or inproc; CURVE via pipeline.net.security).
 
 Sockets: two ROUTERs bound by the learner (control, weights) with ROUTER_MANDATORY (a send
 to an unknown or full peer fails instead of vanishing) and ROUTER_HANDOVER (a reconnecting
@@ -7,7 +7,7 @@ RECONNECT_IVL_MAX. Every socket sets SNDHWM = hwm, RCVHWM = ``config.rcvhwm(...)
 per-connection byte budget), MAXMSGSIZE = the channel's frame limit + grace, TCP keepalive
 and TCP_MAXRT instead of ZMTP heartbeats (dead tcp connections are noticed and
 re-established; ZMTP heartbeats abort a process paused past the timeout, see ``_socket``)
-and a monitor that counts refused handshakes and disconnects. See pipeline.net.transport for the order of calls.
+and a monitor that counts refused handshakes and disconnects. See pipeline.net.transport.session for the order of calls.
 
 Routing id = ``generator_id + NUL + nonce`` (8 random bytes per connection object, the
 same on both sockets). The learner strips the nonce (``peer`` is the generator id) and
@@ -37,8 +37,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.net.security import ClientCurve, ServerCurve, check_bind, owns
-from pipeline.net.transport import Clock, GeneratorConnection, Incoming, LearnerEndpoint, Raw, _Base
-from pipeline.net.transport_config import CHANNELS, Channel, TransportConfig, TransportError
+from pipeline.net.transport.config import CHANNELS, Channel, TransportConfig, TransportError
+from pipeline.net.transport.session import (
+    Clock,
+    GeneratorConnection,
+    Incoming,
+    LearnerEndpoint,
+    Raw,
+    _Base,
+)
 from proto import Goodbye, Hello
 
 log = logging.getLogger(__name__)
@@ -127,7 +134,7 @@ class _ZmqMixin(_Base):
         s.sndhwm = cfg.hwm
         s.rcvhwm = cfg.rcvhwm(self.side, channel)
         s.maxmsgsize = cfg.recv_limit(self.side, channel) + cfg.oversize_grace_bytes
-        # No ZMTP heartbeats (the session protocol has its own, pipeline.net.transport): in
+        # No ZMTP heartbeats (the session protocol has its own, pipeline.net.transport.session): in
         # libzmq 4.3.5 a heartbeat timer that fires on a connection whose peer hung up while
         # its receive pipe was full (RCVHWM reached: a process paused, or busy, not reading)
         # writes to it and aborts the process (Assertion failed: !_io_error,

@@ -1,4 +1,4 @@
-"""In-memory implementation of the two channels (pipeline.net.transport): the same frames, the
+"""In-memory implementation of the two channels (pipeline.net.transport.session): the same frames, the
 same codec checks and the same session protocol, with bounded queues instead of sockets. It
 drives the fast coordinator and generator-loop tests; ``MemoryNetwork`` stands for the
 addresses::
@@ -14,8 +14,8 @@ import threading
 import time
 from collections import deque
 
-from pipeline.net.transport import Clock, GeneratorConnection, LearnerEndpoint, Raw
-from pipeline.net.transport_config import Channel, TransportConfig, TransportError
+from pipeline.net.transport.config import Channel, TransportConfig, TransportError
+from pipeline.net.transport.session import Clock, GeneratorConnection, LearnerEndpoint, Raw
 from proto import Goodbye, Hello
 
 

@@ -1,4 +1,5 @@
-"""Settings, counters and errors of pipeline.net.transport (both channels, both sides).
+"""Settings, counters and errors of the transport (pipeline.net.transport: both channels, both
+sides).
 
 Memory bound of the receive side (docs/PROTOCOL.md, "Flow control"): libzmq queues at most
 RCVHWM whole messages per connection (ZMQ HWMs are per pipe) and decodes one more, each at

@@ -1,7 +1,7 @@
 """The two channels between the learner (rank 0) and its generators (docs/PROTOCOL.md).
 
 control  learner ROUTER (bind) <-> generator DEALER (connect), routing id = generator id
-         (+ a per-connection nonce; with CURVE the key must own the id, transport_zmq):
+         (+ a per-connection nonce; with CURVE the key must own the id, zmq.py):
          Hello/Welcome, Heartbeat, WorkItem, Rollout(Batch), WorkReturn, Ack/Nack, Goodbye.
 weights  a second ROUTER (own port) <-> a second DEALER, same routing id: WeightAnnounce +
          WeightChunk out, Ack(kind="chunk") credits and Ack/Nack(kind="weights") back.
@@ -9,7 +9,7 @@ weights  a second ROUTER (own port) <-> a second DEALER, same routing id: Weight
          no back channel for credits and misses late joiners; ROUTER_MANDATORY sends fail
          visibly, so weights.chunked keeps <= window chunks in flight per generator.
 
-Order of calls (ZMQ: pipeline.net.transport_zmq; in-memory: pipeline.net.transport_memory; same behaviour)::
+Order of calls (ZMQ: pipeline.net.transport.zmq; in-memory: pipeline.net.transport.memory; same behaviour)::
 
     learner:   ep = ZmqLearnerEndpoint(cfg, control=..., weights=..., security=...)  # binds
                loop: inc = ep.recv(timeout_s)     # Incoming(channel, peer, record) | None
@@ -34,7 +34,7 @@ is refused before anything is allocated, proto.codec), and the learner decodes a
 rest undecoded (``stats.muted``, pipeline.net.strikes). Warnings about what a peer sends are
 rate-limited (``log_interval_s``, pipeline.net.log_limit) and their arguments escaped
 (pipeline.net.untrusted). What is queued from one connection is bounded in bytes
-(``recv_budget_bytes``, pipeline.net.transport_config). Not thread-safe: one thread per
+(``recv_budget_bytes``, pipeline.net.transport.config). Not thread-safe: one thread per
 object.
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 
 from pipeline.net.log_limit import RateLimitedLog, Throttle
 from pipeline.net.strikes import STRIKE_LIMIT, STRIKE_WINDOW_S, Strikes
-from pipeline.net.transport_config import (
+from pipeline.net.transport.config import (
     CHANNELS,
     Channel,
     ConnectTimeout,
