@@ -458,9 +458,9 @@ def _order(r: Any) -> tuple[str, int, str]:
 
 
 def _packed_attention() -> str:
-    """Which attention the packed rows ran with (learner.mcore_layers: FlexAttention on CUDA
+    """Which attention the packed rows ran with (learner.megatron.layers: FlexAttention on CUDA
     once it checked out, else SDPA with a dense block-diagonal mask; the reason why)."""
-    from learner.mcore_layers import _FLEX
+    from learner.megatron.layers import _FLEX
 
     if "fn" in _FLEX:
         return "flex"

@@ -210,7 +210,7 @@ class TrainConfig:
     """The run's numerics: exact computes the token statistics as the contract defines them
     (models.reference.behaviour_logprobs in exact mode), the reference backend's operations."""
     fused_token_stats: bool = True
-    """CUDA logits go through the fused Triton token-stats kernel (learner.triton_token_stats;
+    """CUDA logits go through the fused Triton token-stats kernel (learner.kernels.token_stats;
     the PyTorch path elsewhere); False: always the PyTorch path (exact numerics)."""
     exit_min_depth: int | None = None
     """A sampled exit (models.exits.SampledGate): its min_depth, so the policy's forwards also

@@ -36,7 +36,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
-from learner.mcore_model import LoopedGPT, _seed_tensor
+from learner.megatron.model import LoopedGPT, _seed_tensor
 from learner.vocab_ops import token_stats
 from models import numerics as nx
 from models.contract import full_depth

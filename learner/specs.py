@@ -57,12 +57,13 @@ def _valid(mb: TrainBatch) -> Tensor:
 
 
 def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> PolicySpec:
-    """PolicySpec of a looped family (`learner.mcore_model.build_policy`): the forward replays
+    """PolicySpec of a looped family (`learner.megatron.model.build_policy`): the forward replays
     the recorded exit depths and latent seeds and gathers the response rows' logits to the
     full vocabulary (`learner.replay.full_vocab_logits`)."""
     import dataclasses
 
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.replay import full_vocab_logits
 
     base = options or MegatronOptions()
@@ -86,10 +87,11 @@ def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = N
 
 
 def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> CriticSpec:
-    """CriticSpec of a looped family (`learner.mcore_model.build_critic`, value head)."""
+    """CriticSpec of a looped family (`learner.megatron.model.build_critic`, value head)."""
     import dataclasses
 
-    from learner.mcore_model import MegatronOptions, build_critic
+    from learner.megatron.model import build_critic
+    from learner.megatron.options import MegatronOptions
 
     base = options or MegatronOptions()
 

@@ -19,7 +19,7 @@ every-rank finiteness check), the data-parallel group, and the token statistics 
 operations in exact numerics).
 
 The model hides behind `PolicySpec` / `CriticSpec` (build + forward): the looped families of
-learner/mcore_model.py (`looped_policy_spec`) and a plain megatron GPTModel plug in alike.
+learner/megatron/model.py (`looped_policy_spec`) and a plain megatron GPTModel plug in alike.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.kernels.token_stats import token_stats_auto
 from learner.loop_forward import exit_forward, loop_forward
 from learner.network import Network, seed_all
 from learner.objectives.loops import check_gate
@@ -39,7 +40,6 @@ from learner.specs import (
 )
 from learner.step import LearnerStep
 from learner.step_api import DataParallel
-from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import contract_token_stats, nucleus_rows, token_stats
 
 __all__ = [

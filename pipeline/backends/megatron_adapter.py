@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from learner import checkpoint as learner_checkpoint
-from learner.mcore_model import MegatronOptions
+from learner.megatron.options import MegatronOptions
 from learner.parallel import destroy_distributed, init_distributed
 from learner.publish import looped_exporter, snapshot_publication
 from learner.specs import looped_critic_spec, looped_policy_spec

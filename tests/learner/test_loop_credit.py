@@ -358,7 +358,7 @@ def test_memory_grows_with_one_loops_logits_not_all(tmp_path: Path) -> None:
     (learner.loop_forward without its checkpoint) grows by more than that per loop and fails."""
     from learner.batching import build_batch
     from learner.loop_forward import loop_forward
-    from learner.mcore_model import build_policy
+    from learner.megatron.model import build_policy
     from learner.parallel import destroy_distributed, init_distributed
     from learner.vocab_ops import token_stats
 
@@ -371,7 +371,7 @@ def test_memory_grows_with_one_loops_logits_not_all(tmp_path: Path) -> None:
 
 def _check_memory_grows(build_policy: Any, loop_forward: Any, token_stats: Any,
                         build_batch: Any) -> None:  # fmt: skip
-    from learner.mcore_model import MegatronOptions
+    from learner.megatron.options import MegatronOptions
     from models.config import tiny_config
 
     cfg = dataclasses.replace(tiny_config("ouro"), vocab_size=8192, total_ut_steps=8)

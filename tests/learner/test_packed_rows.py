@@ -365,10 +365,10 @@ def test_data_parallel_shares_balanced_by_tokens(models_dir: dict[str, Path]) ->
 
 
 def test_exact_embedding_sums_a_tokens_gradient_in_fp64() -> None:
-    """learner.mcore_layers.exact_embedding (exact numerics on CUDA): the lookup's values, and
+    """learner.megatron.layers.exact_embedding (exact numerics on CUDA): the lookup's values, and
     each row's gradient the fp64 sum of its occurrences rounded once, whatever their order (a
     permutation of the positions gives the same bits; fp32 sums in another order need not)."""
-    from learner.mcore_layers import exact_embedding
+    from learner.megatron.layers import exact_embedding
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(5, 3, generator=g)

@@ -38,7 +38,7 @@ def _items() -> list[ReplayItem]:
 
 
 def publish_body(run_dir: str) -> dict[str, Any]:
-    from learner.mcore_model import MegatronOptions
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
     from learner.publish import publish, snapshot_publication
     from learner.replay import replay as mcore_replay

@@ -71,7 +71,8 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def kv_worker(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import replay
 

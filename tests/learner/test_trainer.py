@@ -4,7 +4,7 @@ Two spawned runs shared through module fixtures (megatron's import costs seconds
 `single` (1 rank: improvement, micro-batching, Adam / SGD, LR schedule, clipping, recompute,
 every objective kind incl. a critic, and the TP=1 reference update) and `pair` (2 ranks: the
 same update at TP=2, then at DP=2). Model: the tiny Huginn looped model of
-learner.mcore_model (tied embeddings, depth up to 6), through `looped_policy_spec`; the helpers
+learner.megatron.model (tied embeddings, depth up to 6), through `looped_policy_spec`; the helpers
 below also give a megatron GPTModel stand-in behind the same PolicySpec protocol.
 """
 

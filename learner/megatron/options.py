@@ -1,7 +1,6 @@
 """How the learner builds a looped model on megatron-core: `MegatronOptions` (the run-level
 choices: numerics, dtype, recompute, truncated depth backprop, exit KV semantics, compile) and
-megatron's `TransformerConfig` of a family config (`transformer_config`, `padded_rows`).
-Re-exported by `learner.mcore_model`."""
+megatron's `TransformerConfig` of a family config (`transformer_config`, `padded_rows`)."""
 
 from __future__ import annotations
 

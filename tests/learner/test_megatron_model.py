@@ -53,7 +53,8 @@ def _loss(model: Any, batch: Any) -> torch.Tensor:
 
 def _grads(family: str, recompute: str = "none") -> dict[str, torch.Tensor]:
     from learner.hf_convert import gather_hf_state
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.replay import make_replay_batch
 
     cfg = tp2_config(family)
@@ -64,7 +65,7 @@ def _grads(family: str, recompute: str = "none") -> dict[str, torch.Tensor]:
 
 def _round_trips() -> dict[str, bool]:
     from learner.hf_convert import gather_hf_state
-    from learner.mcore_model import build_policy
+    from learner.megatron.model import build_policy
 
     ok = {}
     for i, family in enumerate(FAMILIES):
@@ -83,7 +84,7 @@ def _round_trips() -> dict[str, bool]:
 def tp2_worker(ckpt_dir: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
-    from learner.mcore_model import build_policy
+    from learner.megatron.model import build_policy
     from learner.parallel import destroy_distributed, init_distributed
 
     init_distributed(2)
@@ -103,7 +104,8 @@ def tp2_worker(ckpt_dir: str) -> dict[str, Any]:
 
 def _checks_tp1() -> dict[str, Any]:
     """Critic, input validation, batch layout, DDP + Adam step, bf16 forward (TP=1)."""
-    from learner.mcore_model import MegatronOptions, build_critic, build_policy
+    from learner.megatron.model import build_critic, build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.replay import make_replay_batch, replay_forward
     from tests.learner.dist_utils import wrap_ddp
 
@@ -180,7 +182,8 @@ def tp1_worker(ckpt_dir: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     from learner.hf_convert import gather_hf_state
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
 
     init_distributed(1)

@@ -1,4 +1,4 @@
-"""megatron's RNG tracker on the CPU generator (used by `learner.cpu_compat` on CPU hosts).
+"""megatron's RNG tracker on the CPU generator (used by `learner.megatron.cpu` on CPU hosts).
 
 On a GPU, megatron keeps three named CUDA generator states (data-parallel, model-parallel =
 seed + 2718 + tp_rank, expert-parallel) and swaps one into the default CUDA generator inside
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import random as mrandom
 
-from learner.cpu_compat_tools import CpuCompatError
+from learner.megatron.cpu import CpuCompatError
 
 __all__ = ["CpuRNGStatesTracker", "cpu_get_rng_state", "cpu_set_rng_state", "install"]
 

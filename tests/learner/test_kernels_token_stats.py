@@ -1,4 +1,4 @@
-"""learner.triton_token_stats on a CPU host: the dispatcher, the argument checks, and the Triton
+"""learner.kernels.token_stats on a CPU host: the dispatcher, the argument checks, and the Triton
 kernels themselves under Triton's CPU interpreter (TRITON_INTERPRET=1), against the PyTorch
 reference `learner.vocab_ops.token_stats`.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.triton_token_stats import HAS_TRITON, token_stats_auto, token_stats_triton
+from learner.kernels.token_stats import HAS_TRITON, token_stats_auto, token_stats_triton
 from learner.vocab_ops import token_stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,9 +94,9 @@ def test_argument_errors_match_reference(kwargs: dict, match: str) -> None:
 
 _INTERPRETER_CHECK = r"""
 import json, torch
-from learner.triton_token_stats import TritonConfig, token_stats_triton
+from learner.kernels.token_stats import TritonConfig, token_stats_triton
 from learner.vocab_ops import token_stats
-from tests.learner.test_triton_token_stats import _inputs, _loss
+from tests.learner.test_kernels_token_stats import _inputs, _loss
 
 TritonConfig.fwd_block = TritonConfig.bwd_block = 64
 out = {}

@@ -42,7 +42,8 @@ from megatron.core.transformer.utils import (
 from torch import Tensor, nn
 
 from learner.hf_convert import load_hf_state
-from learner.mcore_layers import (
+from learner.kernels.noise import latent_noise_cuda
+from learner.megatron.layers import (
     DocMask,
     LoopedBlock,
     RMSNorm,
@@ -52,8 +53,7 @@ from learner.mcore_layers import (
     exact_embedding,
     replicated_linear,
 )
-from learner.mcore_options import MegatronOptions, padded_rows, transformer_config
-from learner.triton_noise import latent_noise_cuda
+from learner.megatron.options import MegatronOptions, padded_rows, transformer_config
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.contract import seed_to_i64
@@ -209,7 +209,7 @@ class LoopedGPT(MegatronModule):
         c = self.family_config
         b, s = positions.shape
         h = c.n_embd  # type: ignore[union-attr]
-        if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.triton_noise)
+        if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.kernels.noise)
             per = seeds.to(e.device)
             per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
             z = latent_noise_cuda(per, positions.reshape(-1), h)
@@ -491,9 +491,6 @@ def _to_device(model: LoopedGPT) -> LoopedGPT:
 __all__ = [
     "LoopedGPT",
     "LoopedOutput",
-    "MegatronOptions",
     "build_critic",
     "build_policy",
-    "padded_rows",
-    "transformer_config",
 ]

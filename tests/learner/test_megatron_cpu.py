@@ -1,4 +1,4 @@
-"""megatron-core on CPU over gloo (learner.cpu_compat + learner.parallel).
+"""megatron-core on CPU over gloo (learner.megatron.cpu + learner.parallel).
 
 All megatron work happens in two spawned runs (megatron's import alone is seconds per process),
 shared by the tests through module fixtures: `single` (1 rank, single-process init: no-op-with-
@@ -263,9 +263,11 @@ def _noop_with_cuda_available() -> dict[str, Any]:
     import importlib
     import sys
 
-    import learner.cpu_compat as compat
+    import learner.megatron.cpu as compat
 
-    importlib.import_module("megatron.core.tensor_parallel.random")  # what learner.cpu_rng patches
+    importlib.import_module(
+        "megatron.core.tensor_parallel.random"
+    )  # what learner.megatron.rng patches
     for name in {m for m, _ in compat.TORCH_VIEW_MODULES} | {r.module for r in compat.REWRITES}:
         importlib.import_module(name)
 
@@ -433,7 +435,7 @@ def _checkpoint_roundtrip(path: Path, tokens: torch.Tensor, labels: torch.Tensor
 def single_rank_checks(workdir: str) -> dict[str, Any]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from learner.cpu_compat import applied_patches, apply_cpu_compat, describe_patches
+    from learner.megatron.cpu import applied_patches, apply_cpu_compat, describe_patches
     from learner.parallel import destroy_distributed, init_distributed
 
     out: dict[str, Any] = {"gpu_noop": _noop_with_cuda_available()}

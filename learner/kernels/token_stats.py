@@ -2,7 +2,7 @@
 
 `token_stats_triton` has the signature, return type and semantics of
 `learner.vocab_ops.token_stats`, which stays the reference it is tested against
-(tests/learner/test_triton_token_stats.py on the CPU interpreter, benchmarks/token_stats_gpu.py
+(tests/learner/test_kernels_token_stats.py on the CPU interpreter, benchmarks/token_stats_gpu.py
 on a GPU). `token_stats_auto` picks the Triton path for CUDA tensors when Triton imports, and
 the PyTorch path otherwise; this module imports on a machine without a GPU (and without Triton).
 

@@ -8,7 +8,7 @@ the fp32 result. What keeps the bits: every float64 operation is one correctly r
 operation (add, sub, mul, div.rn, sqrt.rn), FMA contraction is off (`enable_fp_fusion=False`),
 the float64 constants are read from a float64 table (a Python float literal in a Triton kernel
 may be typed fp32), the integer hash wraps mod 2^64 like torch's int64, and the final
-fp64 -> fp32 conversion rounds to nearest even. tests/learner/test_triton_noise.py checks the
+fp64 -> fp32 conversion rounds to nearest even. tests/learner/test_kernels_noise.py checks the
 docs/NOISE.md vectors and random seeds / positions bit for bit on CUDA (scripts/gpu_check.sh).
 
     z = latent_noise_cuda(seeds, positions, hidden)   # == latent_noise_torch(...) bit for bit
