@@ -94,7 +94,7 @@ from models.noise import derive_latent_seed  # noqa: E402
 from models.reference import SamplingParams, generate  # noqa: E402
 from models.ties import tied_from_module  # noqa: E402
 from pipeline.commands.warm_start import sft_steps  # noqa: E402
-from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.config.run import RunConfig, load_config  # noqa: E402
 from proto import Rollout  # noqa: E402
 
 

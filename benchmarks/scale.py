@@ -63,7 +63,7 @@ import torch  # noqa: E402
 
 from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from pipeline.backends.results import StepResult  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config.run import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
 from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402
 from pipeline.core.validation import ModelLimits  # noqa: E402

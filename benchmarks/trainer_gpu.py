@@ -294,7 +294,7 @@ def main() -> None:
 
     from learner.parallel import init_distributed
     from pipeline.backends.megatron_adapter import build_learner_trainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     s = dict(SHAPES["tiny" if a.tiny else a.shape])
     for key in ("recurrence", "seq", "batch", "micro", "backprop_depth"):

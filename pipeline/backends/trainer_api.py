@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.backends.results import SnapshotResult, StepResult
-from pipeline.config import RunConfig
+from pipeline.config.run import RunConfig
 from proto import Rollout
 from weights.publication import Publication
 

@@ -34,7 +34,7 @@ from pipeline.commands import console
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
 from pipeline.commands.learner_stops import LearnerStopped
-from pipeline.config import RunConfig, load_config
+from pipeline.config.run import RunConfig, load_config
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from pipeline.commands.evaluation import eval_prompts
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_stops import LearnerStalled, LearnerStopped, disk_full
 from pipeline.commands.warm_start import warm_start_chain
-from pipeline.config import (
+from pipeline.config.run import (
     RunConfig,
     check_sections,
     load_config,
@@ -84,7 +84,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="run the learner (coordinator on rank 0); generators connect to it",
         description=(__doc__ or "").split("\n\n")[0],
     )
-    p.add_argument("--config", metavar="FILE", help="run config YAML (pipeline.config.RunConfig)")
+    p.add_argument(
+        "--config", metavar="FILE", help="run config YAML (pipeline.config.run.RunConfig)"
+    )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     add_verbose(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")

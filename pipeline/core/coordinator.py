@@ -54,7 +54,7 @@ from typing import Any
 from models.exits import policy_json
 from pipeline.backends.results import StepResult
 from pipeline.backends.trainer_api import Trainer
-from pipeline.config import RunConfig
+from pipeline.config.run import RunConfig
 from pipeline.core import faults
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import CoordinatorError

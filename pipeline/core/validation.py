@@ -173,7 +173,7 @@ class DoorRules:
 
 
 def door_rules(cfg: Any) -> DoorRules:
-    """The door's rules of a run config (pipeline.config.RunConfig)."""
+    """The door's rules of a run config (pipeline.config.run.RunConfig)."""
     return DoorRules(
         reward_bound=cfg.intake.reward_bound,
         environment=bool(cfg.task.environment),

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.commands.learner_main import connect_host, generator_hint
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from models.errors import ConfigError
-from pipeline.config import RunConfig, field_docs, load_config
+from pipeline.config.run import RunConfig, field_docs, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -151,12 +151,11 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
 
 def test_publish_transport_is_one_of_the_named_transports() -> None:
     """publish.transport: a Literal of the transports in the schema, its values named once
-    (pipeline.config_outputs) and compared by name; the former names map to theirs; a bad one
+    (pipeline.config.outputs) and compared by name; the former names map to theirs; a bad one
     is refused naming the key; the YAML value stays a string."""
     import typing
 
-    from pipeline.config import to_yaml
-    from pipeline.config_outputs import (
+    from pipeline.config.outputs import (
         COLLECTIVE,
         SHARED_FS,
         SHM,
@@ -164,6 +163,7 @@ def test_publish_transport_is_one_of_the_named_transports() -> None:
         ZMQ,
         WeightTransport,
     )
+    from pipeline.config.run import to_yaml
 
     assert (
         WEIGHT_TRANSPORTS == typing.get_args(WeightTransport) == (SHARED_FS, SHM, ZMQ, COLLECTIVE)

@@ -82,7 +82,7 @@ def test_the_generator_renders_observations_under_task_template(tmp_path: Path) 
     from models.init import init_checkpoint
     from pipeline.commands.generator_engine import multi_turn
     from pipeline.commands.generator_flags import config_argv, generator_config
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     model = init_checkpoint("llama", "tiny", tmp_path / "m", seed=0)
 

@@ -235,7 +235,7 @@ def _fresh(model: Path, numerics: str) -> list[Rollout]:
 
 
 def _trainer(backend: str, model: Path, *over: str) -> Any:
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, [f"backend={backend}", "rollout.n=4", "rollout.prompts_per_step=2",
                              "learner.backprop_depth=0", *over])  # fmt: skip

@@ -47,7 +47,7 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     context) or training it (mask all ones) does change the update (the test can fail)."""
     from models.init import init_checkpoint
     from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     rolls = [conversation(i, float(i % 2)) for i in range(4)]

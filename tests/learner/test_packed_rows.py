@@ -121,7 +121,7 @@ def test_layout_by_hand() -> None:
 
 
 def _trainer(backend: str, model: Path, numerics: str, *over: str) -> Any:
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, [f"backend={backend}", "rollout.n=4", "rollout.prompts_per_step=2",
                              "rollout.max_tokens=40", "learner.backprop_depth=0",
@@ -271,7 +271,7 @@ def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path
 def test_refusals(over: list[str], match: str) -> None:
     """Bad values, and what the megatron backend does not pack, refused naming the key."""
     from pipeline.backends.learner_configs import train_config
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     with pytest.raises((ConfigError, ValueError), match=match):
         train_config(load_config(None, ["backend=megatron", *over]))
@@ -320,7 +320,7 @@ def _dp_rank(model_dir: str) -> dict[str, Any]:
     """One rank of a DP=2 job (or the single rank): one packed exact SGD step; its rows' share,
     metrics and weights."""
     from pipeline.backends.megatron_adapter import MegatronTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, ["backend=megatron", "rollout.n=4", "rollout.prompts_per_step=2",
                              "rollout.max_tokens=40", "learner.backprop_depth=0", "numerics=exact",

@@ -54,7 +54,7 @@ def _both(root_s: str, weightings: list[str]) -> dict[str, Any]:
     from models.ties import tied_from_module
     from pipeline.backends.megatron_adapter import MegatronTrainer
     from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     root = Path(root_s) / "ouro"
     m: Any = build_model(tiny_config("ouro"), seed=5)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.backends.results import StepResult
-from pipeline.config import RunConfig, load_config
+from pipeline.config.run import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Prompt, PromptSource
 from pipeline.core.validation import ModelLimits

@@ -123,7 +123,7 @@ def test_a_version_never_delivered_to_that_generator_is_refused(tmp_path: Path) 
     which was delivered, it is believed. The honest generator's claims are never refused."""
     import time
 
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from pipeline.core.coordinator import Coordinator
     from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
     from proto import Ack, WeightAnnounce

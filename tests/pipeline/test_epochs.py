@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from proto import Rollout
 
 
@@ -392,7 +392,7 @@ def test_backends_agree_on_loss_metrics_and_weights(
 def test_lr_schedule_from_the_run_config(model: Path, backend: str) -> None:
     """schedule.style / warmup_steps / decay_steps / min_lr: both backends use
     ScheduleConfig.lr_at for the n-th update (updates counted over the run)."""
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     over = ["optimizer.lr=0.01", "schedule.style=cosine", "schedule.warmup_steps=2",
             "schedule.decay_steps=6", "schedule.min_lr=0.001", "objective.minibatches=2"]  # fmt: skip

@@ -24,7 +24,7 @@ from models.exits import (
     policy_from_dict,
     policy_to_dict,
 )
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
 from proto import Rollout
 

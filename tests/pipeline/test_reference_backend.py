@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from models.errors import ConfigError
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 
 def test_reference_refuses_the_checkpoints_truncated_backprop(tmp_path: Path) -> None:

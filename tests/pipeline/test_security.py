@@ -16,7 +16,7 @@ import zmq
 import zmq.auth
 
 from pipeline.commands import keys_cli
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.net.security import (
     ClientCurve,
     InsecureBindError,

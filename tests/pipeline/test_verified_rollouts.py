@@ -232,7 +232,7 @@ def _spec_run(
     (rollouts, refused indices, weights after)."""
     import torch
 
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from pipeline.core.coordinator import Coordinator
     from pipeline.core.dispatch import Prompt, PromptSource
     from pipeline.core.validation import ModelLimits
@@ -331,7 +331,7 @@ def test_a_lying_generator_is_refused_before_its_step_trains(
     # refused step remains: weights, optimizer state, schedule, counters)
     if backend == "reference":
         from pipeline.backends.reference_trainer import ReferenceTrainer
-        from pipeline.config import load_config
+        from pipeline.config.run import load_config
 
         cfg = c.cfg
         fresh = ReferenceTrainer(load_config(None, [f"run_dir={run}", "backend=reference",
@@ -362,7 +362,7 @@ def _refuse_on_two_ranks(model_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pipeline.backends.megatron_adapter import MegatronTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from tests.pipeline.test_epochs import _rollouts
 
     cfg = load_config(None, ["backend=megatron", "rollout.n=4", "rollout.prompts_per_step=2",

@@ -11,7 +11,7 @@ import pytest
 from models.errors import ConfigError
 from pipeline.commands.evaluation import evaluate, main
 from pipeline.commands.make_math_data import make_dataset
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.eval_rounds import correct_of
 
 

@@ -14,7 +14,7 @@ import pytest
 from models.chat import ChatRenderer
 from models.errors import ConfigError
 from models.tokenizer import EOS_ID, build_tokenizer
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core import resume
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Dispatcher

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from proto import WeightAnnounce
 from proto.errors import ProtocolError
 from weights import collective as coll

@@ -1,4 +1,4 @@
-"""The sections of the run config (pipeline.config.RunConfig composes them): one frozen
+"""The sections of the run config (pipeline.config.run.RunConfig composes them): one frozen
 dataclass per component, each field with its default and a one-line docstring, each section
 validating its own values (a bad value is a models.errors.ConfigError naming the key)."""
 

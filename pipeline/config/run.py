@@ -2,7 +2,7 @@
 
 Precedence: schema defaults < the YAML file (``--config FILE``) < ``key=value`` overrides
 (dotted keys, e.g. ``rollout.n=4 objective.kind=ppo``). OmegaConf merges; the frozen
-dataclasses (the sections in pipeline.config_sections, composed by ``RunConfig`` here) are the
+dataclasses (the sections in pipeline.config.sections, composed by ``RunConfig`` here) are the
 schema and the only place defaults live. An unknown key, a value
 of the wrong type or an out-of-range value is a :class:`ConfigError` naming the key.
 The defaults ARE the quickstart (configs/quickstart.yaml repeats them; a test checks that).
@@ -26,14 +26,14 @@ from models.contract import NUMERICS
 from models.errors import ConfigError
 from models.exits import is_sampled, policy_kind
 from models.settings import parse_overrides
-from pipeline.config_outputs import (
+from pipeline.config.outputs import (
     COLLECTIVE,
     CheckpointSection,
     MetricsSection,
     PublishSection,
     RecordSection,
 )
-from pipeline.config_sections import (
+from pipeline.config.sections import (
     ADAPTIVE_EXITS,
     SEED_LIMIT,
     EndpointsSection,

@@ -1,15 +1,15 @@
-"""The run config's output sections (pipeline.config.RunConfig composes them with
-pipeline.config_sections'): how weights are published (`publish`), checkpoints (`checkpoint`),
+"""The run config's output sections (pipeline.config.run.RunConfig composes them with
+pipeline.config.sections'): how weights are published (`publish`), checkpoints (`checkpoint`),
 the recorded rollout stream (`record`) and the metrics (`metrics`). One frozen dataclass per
 section, each validating its own values (a bad value is a models.errors.ConfigError naming the
-key). Split from pipeline/config_sections.py by concern."""
+key)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, get_args
 
-from pipeline.config_sections import _check
+from pipeline.config.sections import _check
 from weights.collective import DEFAULT_PIPE_BYTES
 
 __all__ = ["COLLECTIVE", "COLLECTIVE_BACKENDS", "FSYNC", "SHARED_FS", "SHM", "WEIGHT_TRANSPORTS",
