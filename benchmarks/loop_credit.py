@@ -95,7 +95,7 @@ from models.reference import SamplingParams, generate  # noqa: E402
 from models.ties import tied_from_module  # noqa: E402
 from pipeline.commands.warm_start import sft_steps  # noqa: E402
 from pipeline.config.run import RunConfig, load_config  # noqa: E402
-from proto import Rollout  # noqa: E402
+from proto.records import Rollout  # noqa: E402
 
 
 def sft(model: Any, task: Task, steps: int, lr: float, batch: int, seed: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from models.exits import FixedDepth
-from proto import WorkItem
+from proto.records import WorkItem
 
 
 class DepthEngines:

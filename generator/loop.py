@@ -44,7 +44,7 @@ from typing import Any
 from generator.outbox import Outbox
 from generator.protocols import Connection, Engine, Lane, ToRollouts
 from generator.reward_runner import RewardRunner
-from proto import (
+from proto.records import (
     Ack,
     ErrorMsg,
     Goodbye,

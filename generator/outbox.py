@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from generator.protocols import Connection
-from proto import Ack, Nack, Rollout, RolloutBatch
+from proto.records import Ack, Nack, Rollout, RolloutBatch
 
 log = logging.getLogger("generator.loop")  # its lines are the generator loop's
 

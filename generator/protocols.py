@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any, Literal, Protocol
 
-from proto import Hello, Rollout, WorkItem
+from proto.records import Hello, Rollout, WorkItem
 
 Channel = Literal["control", "weights"]
 ToRollouts = Callable[[WorkItem, list[Any], str], list[Rollout]]

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from proto import Ack, ErrorMsg, Nack, TensorMeta, WeightAnnounce, WeightChunk
+from proto.records import Ack, ErrorMsg, Nack, TensorMeta, WeightAnnounce, WeightChunk
 from weights.digest import FLAT, TREE, Digest, check_kind, weights_digest
 from weights.verified import OnDisk, PieceCheck, VerifiedWeights, tensors_of, verify_blob
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from proto import Ack, Nack, WeightAnnounce
+from proto.records import Ack, Nack, WeightAnnounce
 from weights import collective as coll
 from weights.chunked import _GeneratorSide
 from weights.verified import OnDisk, VerifiedWeights, WeightSink, verify_blob

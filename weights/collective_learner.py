@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from proto import Nack, WeightAnnounce
+from proto.records import Nack, WeightAnnounce
 from proto.schema import Scalar
 from weights import collective as coll
 from weights.chunked import WeightPublisher, WeightSyncError, _LearnerSide

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from models.pool import hash_pool
-from proto import WeightAnnounce
+from proto.records import WeightAnnounce
 from weights.digest import TREE, blob_head, check_kind, state_from_blob, tree_root
 from weights.publication import Publication
 from weights.verified import VerifiedWeights, check_blob, tensors_of, verify_blob

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Protocol
 
-from proto import WeightAnnounce
+from proto.records import WeightAnnounce
 from weights.digest import (
     TREE,
     blob_head,

@@ -34,7 +34,7 @@ from models.exits import resolve_kv
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
-from proto import Rollout
+from proto.records import Rollout
 from weights.publication import Publication
 
 log = logging.getLogger(__name__)

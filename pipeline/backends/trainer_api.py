@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
-from proto import Rollout
+from proto.records import Rollout
 from weights.publication import Publication
 
 log = logging.getLogger(__name__)

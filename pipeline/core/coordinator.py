@@ -72,7 +72,7 @@ from pipeline.core.timeline import StepTimeline
 from pipeline.core.validation import ModelLimits, door_rules
 from pipeline.core.verification import LogpVerifier, behaviour_logp_base
 from pipeline.net.weight_sync import DeliveryLog
-from proto import Rollout, WorkItem
+from proto.records import Rollout, WorkItem
 from weights.collective_learner import make_publisher
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ from pipeline.core.validation import (
     check_rollout,
     sanitize_reward,
 )
-from proto import Ack, Nack, Rollout, RolloutBatch, WorkItem
+from proto.records import Ack, Nack, Rollout, RolloutBatch, WorkItem
 
 log = logging.getLogger(__name__)
 

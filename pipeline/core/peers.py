@@ -16,7 +16,7 @@ from pipeline.core.intake import Intake
 from pipeline.core.timeline import StepTimeline
 from pipeline.net.log_limit import Throttle
 from pipeline.net.weight_sync import DeliveryLog
-from proto import (
+from proto.records import (
     Ack,
     ErrorMsg,
     Goodbye,

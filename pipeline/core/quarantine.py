@@ -17,7 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from proto import Codec, Rollout, RolloutBatch
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
 from proto.stream.writer import StreamWriter
 
 QUARANTINE_DIR = "quarantine"

@@ -74,7 +74,7 @@ import numpy as np
 from models.checkpoint import load_config
 from models.contract import full_depth
 from models.exits import is_sampled, resolve_max_depth
-from proto import Rollout
+from proto.records import Rollout
 
 REASONS = (
     "prompt_mismatch",

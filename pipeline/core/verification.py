@@ -13,7 +13,7 @@ from pipeline.config.run import RunConfig
 from pipeline.core.intake import Group, Intake
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.validation import ModelLimits, Refusal, check_logp, logp_base, logp_bound
-from proto import Rollout
+from proto.records import Rollout
 
 log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.net.transport.config import TransportConfig
 from pipeline.net.transport.zmq import ZmqGeneratorConnection
-from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from proto.records import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}

@@ -11,7 +11,8 @@ import pytest
 from models.checkpoint import load_checkpoint
 from models.config import config_from_hf_dict
 from pipeline.cli import main
-from proto import Codec, Rollout, RolloutBatch
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
 from proto.stream.writer import StreamWriter
 
 

@@ -15,13 +15,7 @@ import numpy as np
 from generator.loop import GeneratorLoop
 from generator.protocols import Channel
 from generator.reward_runner import RewardRunner
-from proto import (
-    Goodbye,
-    Rollout,
-    WeightAnnounce,
-    Welcome,
-    WorkItem,
-)
+from proto.records import Goodbye, Rollout, WeightAnnounce, Welcome, WorkItem
 
 GID = "gen-test"
 DIGEST = "ab" * 32

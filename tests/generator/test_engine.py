@@ -280,7 +280,7 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     engine.load_weights exactly as the generator loop does (the sink's VerifiedWeights), and
     served. The engine trusts the set the sink checked on those bytes instead of hashing them
     again."""
-    from proto import TensorMeta, WeightAnnounce
+    from proto.records import TensorMeta, WeightAnnounce
     from weights import collective as coll
     from weights import digest as digest_mod
     from weights.collective_generator import CollectiveWeightSink

@@ -13,16 +13,7 @@ import pytest
 
 from generator.loop import FatalError, GeneratorLoop
 from generator.reward_runner import RewardRunner
-from proto import (
-    Ack,
-    Goodbye,
-    Hello,
-    Nack,
-    RolloutBatch,
-    TensorMeta,
-    Welcome,
-    WorkReturn,
-)
+from proto.records import Ack, Goodbye, Hello, Nack, RolloutBatch, TensorMeta, Welcome, WorkReturn
 from tests.generator.loop_fakes import (
     DIGEST,
     GID,

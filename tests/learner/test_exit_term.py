@@ -20,7 +20,7 @@ from learner.torch_policy import TorchPolicy
 from models.config import tiny_config
 from models.exits import SampledGate
 from models.reference import SamplingParams, build_model, generate
-from proto import Rollout
+from proto.records import Rollout
 
 B, T = 2, 3
 ADV = torch.tensor([1.0, -2.0])

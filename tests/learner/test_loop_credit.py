@@ -20,7 +20,7 @@ from learner.objective_config import ObjectiveConfig
 from learner.objectives import policy_loss
 from learner.objectives.loops import LearnedLoopWeights, loop_weights
 from models.errors import ConfigError
-from proto import Rollout
+from proto.records import Rollout
 
 
 def _w(kind: str, e: list[list[int]], gate: torch.Tensor | None = None, k: int = 4,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from learner.batching import build_batch
-from proto import Rollout
+from proto.records import Rollout
 
 D = 4  # the tiny Huginn's depth
 MASK = np.array([1, 1, 0, 0, 0, 1, 1, 0, 0], np.uint8)  # 2 model turns, env tokens between/after

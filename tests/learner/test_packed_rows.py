@@ -20,7 +20,7 @@ import torch
 from learner.batching import build_batch, packed_inputs
 from models.errors import ConfigError
 from models.rows import micro_spans, pack_order, pack_rows, token_shares
-from proto import Rollout
+from proto.records import Rollout
 from tests.bench_import import load_benchmark
 
 LENS = [1, 37, 3, 22, 9, 40, 2, 15]

@@ -22,7 +22,7 @@ import torch
 from models.config import tiny_config
 from models.exits import SampledGate
 from models.reference import SamplingParams, build_model, generate
-from proto import Rollout
+from proto.records import Rollout
 
 CUTS = (7, 3, 1, 5)
 """Response lengths after the cut (a prefix of a generation is a valid record)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.net.transport.config import TransportConfig
-from proto import Hello, Rollout
+from proto.records import Hello, Rollout
 
 
 def fast_zmq(**overrides: object) -> TransportConfig:

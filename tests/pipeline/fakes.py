@@ -19,7 +19,16 @@ from pipeline.core.dispatch import Prompt, PromptSource
 from pipeline.core.validation import ModelLimits
 from pipeline.net.transport.config import TransportConfig
 from pipeline.net.transport.memory import MemoryNetwork
-from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
+from proto.records import (
+    Ack,
+    Heartbeat,
+    Hello,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    Welcome,
+    WorkItem,
+)
 from weights.publication import Publication
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.net.transport.config import TransportConfig  # noqa: E402
 from pipeline.net.transport.zmq import ZmqGeneratorConnection  # noqa: E402
-from proto import (  # noqa: E402
+from proto.records import (  # noqa: E402
     Ack,
     ErrorMsg,
     Heartbeat,

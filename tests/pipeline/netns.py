@@ -222,7 +222,7 @@ def _fast() -> Any:
 def _learner(a: argparse.Namespace, out: IO[str]) -> None:
     from pipeline.net.security import ServerCurve
     from pipeline.net.transport.zmq import ZmqLearnerEndpoint
-    from proto import Hello, Welcome
+    from proto.records import Hello, Welcome
 
     ep = ZmqLearnerEndpoint(
         _fast(), control=a.control, weights=a.weights, security=ServerCurve.from_dir(a.keys)
@@ -246,7 +246,7 @@ def _learner(a: argparse.Namespace, out: IO[str]) -> None:
 def _generator(a: argparse.Namespace, out: IO[str]) -> None:
     from pipeline.net.security import ClientCurve, generator_id_for
     from pipeline.net.transport.zmq import ZmqGeneratorConnection
-    from proto import Hello
+    from proto.records import Hello
 
     hello = Hello(
         generator_id_for(a.key_name, a.id), "netns", os.getpid(), ["huginn"], 1, -1, time.time()

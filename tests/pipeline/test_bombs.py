@@ -27,7 +27,8 @@ import zmq
 
 from pipeline.net.strikes import STRIKE_LIMIT, Strikes
 from pipeline.net.transport.zmq import ZmqGeneratorConnection
-from proto import Codec, ErrorMsg
+from proto.codec import Codec
+from proto.records import ErrorMsg
 from tests.pipeline import FakeClock, fast_zmq, hello
 from tests.proto.test_codec import bomb_frame
 
@@ -45,7 +46,7 @@ LEARNER = """
 import json, select, sys
 from pipeline.commands import console
 from pipeline.net.transport.zmq import ZmqLearnerEndpoint
-from proto import Hello, Welcome
+from proto.records import Hello, Welcome
 from tests.pipeline import fast_zmq
 console.setup(sys.argv[2])
 cfg = fast_zmq(**json.loads(sys.argv[1]))

@@ -26,7 +26,16 @@ from pipeline.core.quarantine import read_quarantine
 from pipeline.core.recorder import read_rollouts, read_steps
 from pipeline.net.transport.config import TransportConfig
 from pipeline.net.transport.zmq import ZmqGeneratorConnection
-from proto import Ack, Heartbeat, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from proto.records import (
+    Ack,
+    Heartbeat,
+    Hello,
+    Nack,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    WorkItem,
+)
 from tests.pipeline.e2e_utils import check_run, small_config
 from tests.pipeline.fakes import POISONS, poison
 

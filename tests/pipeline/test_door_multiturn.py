@@ -20,7 +20,7 @@ from pipeline.core.validation import (
     door_rules,
     model_turns,
 )
-from proto import Rollout
+from proto.records import Rollout
 
 
 # -- the run-config keys ------------------------------------------------------------------

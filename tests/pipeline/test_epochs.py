@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.config.run import load_config
-from proto import Rollout
+from proto.records import Rollout
 
 
 def _rollouts(groups: int = 2, n: int = 4, seed: int = 0) -> list[Rollout]:

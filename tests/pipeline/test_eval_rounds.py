@@ -16,7 +16,7 @@ import pytest
 from pipeline.core.dispatch import Prompt
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.recorder import read_rollouts, read_steps
-from proto import Rollout, WorkItem
+from proto.records import Rollout, WorkItem
 from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator, poison
 
 

@@ -26,7 +26,7 @@ from models.exits import (
 )
 from pipeline.config.run import load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
-from proto import Rollout
+from proto.records import Rollout
 
 GATE = {"kind": "ouro_gate", "q": 0.8, "kv": "full"}
 

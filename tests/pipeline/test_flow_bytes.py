@@ -20,7 +20,7 @@ from pipeline.net.log_limit import RateLimitedLog
 from pipeline.net.transport.config import TransportConfig, TransportError
 from pipeline.net.transport.memory import MemoryNetwork
 from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Hello, RolloutBatch, Welcome
+from proto.records import Hello, RolloutBatch, Welcome
 from tests.pipeline import FakeClock, fast_zmq, hello, rollout
 
 MIB = 1 << 20

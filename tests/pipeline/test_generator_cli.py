@@ -99,7 +99,7 @@ def test_connection_without_welcome_reports_then_times_out(
 
     from pipeline.net.transport.config import ConnectTimeout, TransportConfig
     from pipeline.net.transport.memory import MemoryNetwork
-    from proto import Hello
+    from proto.records import Hello
 
     net = MemoryNetwork()
     conn = net.connect("learner", Hello("g0", "host", 1, ["llama"], 1, 0, 0.0), TransportConfig())
@@ -123,7 +123,7 @@ def test_connection_without_welcome_reports_then_times_out(
     conn2.watch_connect(1.0, "mem://learner")
     inc = ep.recv(1.0)
     assert inc is not None and inc.peer == "g1"
-    from proto import Welcome
+    from proto.records import Welcome
 
     ep.send("g1", Welcome("run", "g1", 0, 2.0, {}))
     t1 = time.monotonic()

@@ -27,7 +27,8 @@ from pipeline.net.security import (
 from pipeline.net.transport.config import TransportError
 from pipeline.net.transport.session import GeneratorConnection, Incoming
 from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Ack, Codec, ErrorMsg, Hello, RolloutBatch, Welcome, WorkItem
+from proto.codec import Codec
+from proto.records import Ack, ErrorMsg, Hello, RolloutBatch, Welcome, WorkItem
 from tests.pipeline import fast_zmq, rollout
 
 CFG = fast_zmq()

@@ -19,7 +19,7 @@ from pipeline.commands import console
 from pipeline.net.transport.config import TransportConfig
 from pipeline.net.transport.memory import MemoryNetwork
 from pipeline.net.untrusted import printable
-from proto import Codec
+from proto.codec import Codec
 from tests.pipeline import FakeClock, hello
 from tests.pipeline.test_bombs import Learner
 

@@ -25,7 +25,7 @@ import pytest
 
 from pipeline.core.recorder import read_rollouts
 from pipeline.net.transport.zmq import ZmqLearnerEndpoint
-from proto import Hello, Welcome
+from proto.records import Hello, Welcome
 from tests.pipeline.e2e_utils import SMALL, check_run, run, small_config, wait_until
 from tests.pipeline.pause_peer import CFG
 

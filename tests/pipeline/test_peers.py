@@ -16,7 +16,7 @@ from pipeline.core.intake import IntakeResult, RefusalTracker
 from pipeline.core.peers import MAX_WORK_TIMEOUTS, Peers
 from pipeline.core.timeline import StepTimeline
 from pipeline.net.weight_sync import DeliveryLog
-from proto import ErrorMsg, Goodbye, Heartbeat, Hello, Rollout, RolloutBatch, Welcome
+from proto.records import ErrorMsg, Goodbye, Heartbeat, Hello, Rollout, RolloutBatch, Welcome
 
 
 class Log:

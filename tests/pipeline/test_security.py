@@ -26,7 +26,7 @@ from pipeline.net.security import (
     is_loopback,
 )
 from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Hello, RolloutBatch, Welcome
+from proto.records import Hello, RolloutBatch, Welcome
 from tests.pipeline import fast_zmq, hello, rollout
 
 CFG = fast_zmq(peer_timeout_s=0.6)

@@ -15,16 +15,8 @@ from pipeline.net.transport.config import TransportConfig, TransportError
 from pipeline.net.transport.memory import MemoryNetwork
 from pipeline.net.transport.session import GeneratorConnection, Incoming, LearnerEndpoint
 from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import (
-    Codec,
-    ErrorMsg,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    RolloutBatch,
-    Welcome,
-    WorkItem,
-)
+from proto.codec import Codec
+from proto.records import ErrorMsg, Goodbye, Heartbeat, Hello, RolloutBatch, Welcome, WorkItem
 from tests.pipeline import FakeClock, hello, rollout
 
 CFG = TransportConfig(

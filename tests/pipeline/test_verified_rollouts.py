@@ -25,7 +25,7 @@ from pipeline.core.validation import (
     LOGP_DRIFT_PER_UPDATE,
     logp_bound,
 )
-from proto import Rollout, WorkItem
+from proto.records import Rollout, WorkItem
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 

@@ -15,7 +15,7 @@ import pytest
 from pipeline.net.transport.config import TransportConfig
 from pipeline.net.transport.memory import MemoryNetwork
 from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
+from proto.records import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
 from weights.chunked import WeightPublisher, WeightReceiver, WeightSyncError
 from weights.verified import VerifiedWeights

@@ -13,8 +13,10 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 
-from proto import Codec, ProtocolError, Rollout, RolloutBatch, records
-from proto.codec import FLAG_ZSTD, HEADER, MAGIC, ZSTD_MAGIC
+from proto import records
+from proto.codec import FLAG_ZSTD, HEADER, MAGIC, ZSTD_MAGIC, Codec
+from proto.errors import ProtocolError
+from proto.records import Rollout, RolloutBatch
 from proto.schema import REGISTRY
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from tests.proto.strategies import ALL, rollouts

@@ -11,8 +11,8 @@ import torch
 
 from models.errors import ConfigError
 from pipeline.config.run import load_config
-from proto import WeightAnnounce
 from proto.errors import ProtocolError
+from proto.records import WeightAnnounce
 from weights import collective as coll
 
 

@@ -16,7 +16,7 @@ from collections import deque
 
 from pipeline.net.transport.config import Channel, TransportConfig, TransportError
 from pipeline.net.transport.session import Clock, GeneratorConnection, LearnerEndpoint, Raw
-from proto import Goodbye, Hello
+from proto.records import Goodbye, Hello
 
 
 class _Box:

@@ -57,15 +57,15 @@ from pipeline.net.transport.config import (
     TransportStats,
 )
 from pipeline.net.untrusted import EscapeArgs
-from proto import (
+from proto.codec import Codec
+from proto.errors import ProtocolError
+from proto.records import (
     Ack,
-    Codec,
     ErrorMsg,
     Goodbye,
     Heartbeat,
     Hello,
     Nack,
-    ProtocolError,
     Rollout,
     RolloutBatch,
     WeightAnnounce,

@@ -46,7 +46,7 @@ from pipeline.net.transport.session import (
     Raw,
     _Base,
 )
-from proto import Goodbye, Hello
+from proto.records import Goodbye, Hello
 
 log = logging.getLogger(__name__)
 
