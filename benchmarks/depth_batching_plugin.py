@@ -44,11 +44,12 @@ def plugin_main(a: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from generator.engine import LoopedEngine, canonical_digest
+    from generator.engine import LoopedEngine
     from models.checkpoint import load_checkpoint
     from models.exits import FixedDepth, SampledGate
     from models.init import init_checkpoint
     from tests.generator import prompts, work_item
+    from weights.digest import canonical_digest
 
     d, b = a.depth, a.batch
     tmp = tempfile.TemporaryDirectory()

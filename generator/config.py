@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from models import settings
 from models.chat import TEMPLATES
-from models.contract import NUMERICS
-from models.errors import ConfigError as _ConfigError
+from models.errors import ConfigError
 from models.exits import ExitPolicy, parse_policy, policy_to_dict
+from models.numerics import MODES
 
 REWARD_MODES = ("process", "thread", "inline")
 ENGINES = ("vllm", "torch")
@@ -26,8 +26,6 @@ generator.torch_engine.engine.TorchEngine; docs/GENERATOR.md)."""
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-
-ConfigError = _ConfigError  # the project's one ConfigError (models.errors)
 
 if TYPE_CHECKING:
     _PolicySetting = ExitPolicy | None
@@ -138,7 +136,7 @@ class GeneratorConfig:
             (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
             (self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0"),
             (self.engine in ENGINES, "engine", f"must be one of {ENGINES}"),
-            (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
+            (self.numerics in MODES, "numerics", f"must be one of {MODES}"),
             (
                 self.engine != "torch" or not self.inflight_updates,
                 "inflight_updates",

@@ -66,7 +66,6 @@ __all__ = [
     "rank_cuts",
     "sort_rollouts",
     "step_advantages",
-    "uint64_to_int64",
 ]
 
 _TOKEN_FIELDS = (
@@ -87,9 +86,6 @@ _ROW_FIELDS = (
     "prompt_lens",
     "truncated",
 )
-
-
-uint64_to_int64 = seed_to_i64  # models.contract owns the wrap (kept name: learner API)
 
 
 @dataclasses.dataclass
@@ -297,7 +293,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
             if exit_behav is not None and r.exit_logprobs is not None:
                 exit_behav[i, response_slice(p, t)] = r.exit_logprobs
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
-        seeds.append(uint64_to_int64(int(r.latent_seed)))
+        seeds.append(seed_to_i64(int(r.latent_seed)))
         rewards.append(float(r.reward))  # type: ignore[arg-type]
         versions.append(int(r.weight_version))
     extra = {} if exit_behav is None else {"exit_behav": torch.from_numpy(exit_behav)}

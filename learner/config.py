@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from learner.objective_config import (
     ObjectiveConfig,
 )
-from models.contract import NUMERICS, Sampling
+from models.contract import Sampling
+from models.numerics import MODES
 from models.settings import check, checker
 
 __all__ = [
@@ -232,7 +233,7 @@ class TrainConfig:
         need(self.max_tokens_per_micro >= 0, "max_tokens_per_micro", "must be >= 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.vocab_chunk >= 1, "vocab_chunk", "must be >= 1")
-        need(self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}")
+        need(self.numerics in MODES, "numerics", f"must be one of {MODES}")
         need(self.exit_min_depth is None or self.exit_min_depth >= 1, "exit_min_depth",
              "must be None or >= 1")  # fmt: skip
         need(self.exit_min_depth is not None or not (self.objective.exit_coef > 0

@@ -63,14 +63,9 @@ from learner.batching import (
 )
 from learner.config import TrainConfig
 from learner.losses import kl_penalty
-from learner.objectives import (
-    LossBatch,
-    ValueBatch,
-    behaviour_weighted,
-    policy_loss,
-    rollout_correction,
-    value_loss,
-)
+from learner.objectives import behaviour_weighted, policy_loss, value_loss
+from learner.objectives.batch import LossBatch, ValueBatch
+from learner.objectives.correction import rollout_correction
 from learner.objectives.loops import (
     LearnedLoopWeights,
     loop_weights,

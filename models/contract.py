@@ -16,7 +16,6 @@ imports.
 - Sampling (contract 4): ``Sampling`` (temperature, top_p): the distribution a behaviour
   log-prob is taken from; the run's rollout section is one, and the learner computes its
   log-probs from the same one.
-- Numerics (contract 5): ``NumericsMode`` and ``NUMERICS`` (models.numerics).
 """
 
 from __future__ import annotations
@@ -27,15 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from models.numerics import MODES as NUMERICS
-from models.numerics import NumericsMode
 from models.settings import check
 from proto.schema import U64_MAX  # the wire format owns the 64-bit range
 
 __all__ = [
-    "NUMERICS",
-    "U64_MAX",
-    "NumericsMode",
     "Sampling",
     "check_latent_seed",
     "full_depth",

@@ -478,7 +478,6 @@ __all__ = [
     "FixedDepth",
     "KV_MODES",
     "LatentDiff",
-    "MAX_DEPTH",
     "OuroGate",
     "SampledGate",
     "StepInfo",

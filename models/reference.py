@@ -52,7 +52,6 @@ from models.contract import check_latent_seed, full_depth
 from models.engine.chunk import KVCache, run_chunk
 from models.engine.graph import GraphDecoder
 from models.exits import (
-    MAX_DEPTH,
     ExitPolicy,
     FixedDepth,
     SampledGate,
@@ -64,6 +63,7 @@ from models.exits import (
 )
 from models.rows import response_slice, token_rows
 from models.sampling import draw
+from proto.records import MAX_DEPTH
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
 _MASK64 = (1 << 64) - 1

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from learner.vocab_ops import DEFAULT_CHUNK, TokenStats, token_stats
+from learner.config import DEFAULT_VOCAB_CHUNK
+from learner.vocab_ops import TokenStats, token_stats
 
 try:  # Triton is optional: CPU hosts may lack it, and the PyTorch path needs none of it.
     import triton
@@ -384,7 +385,7 @@ def token_stats_triton(
     logits_old: Tensor | None,
     targets: Tensor,
     temperature: float = 1.0,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> TokenStats:
     """`learner.vocab_ops.token_stats` through the fused Triton kernels.
 
@@ -414,7 +415,7 @@ def token_stats_auto(
     logits_old: Tensor | None,
     targets: Tensor,
     temperature: float = 1.0,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> TokenStats:
     """`token_stats_triton` for CUDA tensors when Triton imports, else
     `learner.vocab_ops.token_stats` (CPU tensors, fp64 logits, no Triton)."""

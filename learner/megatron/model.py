@@ -57,8 +57,9 @@ from learner.megatron.options import MegatronOptions, padded_rows, transformer_c
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.contract import seed_to_i64
-from models.exits import MAX_DEPTH, check_kv, default_kv
+from models.exits import check_kv, default_kv
 from models.noise import latent_noise
+from proto.records import MAX_DEPTH
 
 LoopFn = Callable[[int, Tensor, Callable[[Tensor], Tensor]], Tensor | None]
 """loop_fn(k, state after core iteration k [B, S, h], readout) (LoopedGPT.forward); a tensor

@@ -40,9 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 from generator.config import (
     DTYPES,
     LOG_LEVELS,
-    NUMERICS,
     REWARD_MODES,
-    ConfigError,
     GeneratorConfig,
     exit_policy_arg,
     field_docs,
@@ -58,7 +56,9 @@ from generator.reward_runner import RewardRunner
 from models.chat import TEMPLATES
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
+from models.errors import ConfigError
 from models.exits import ExitPolicy, FixedDepth, parse_policy
+from models.numerics import MODES
 from pipeline.commands.generator_engine import StopOnFailedLoad, multi_turn
 from pipeline.net.security import ClientCurve, generator_id_for
 from pipeline.net.transport.config import ConnectTimeout, TransportConfig
@@ -79,7 +79,7 @@ _FLAG_NAMES = {
     "connect_timeout_s": "--connect-timeout",
 }
 _CHOICES: dict[str, Sequence[str]] = {
-    "numerics": NUMERICS,
+    "numerics": MODES,
     "dtype": DTYPES,
     "reward_mode": REWARD_MODES,
     "log_level": LOG_LEVELS,

@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 from learner.config import LearnerConfig, OptimConfig, ScheduleConfig
 from learner.objective_config import ObjectiveConfig
 from models import settings
-from models.contract import NUMERICS
 from models.errors import ConfigError
 from models.exits import is_sampled, policy_kind
+from models.numerics import MODES
 from models.settings import parse_overrides
 from pipeline.config.outputs import (
     COLLECTIVE,
@@ -131,7 +131,7 @@ class RunConfig:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, "must be in [0, 2**32)")
         _check(self.backend in BACKENDS, "backend", self.backend, f"must be one of {BACKENDS}")
-        _check(self.numerics in NUMERICS, "numerics", self.numerics, f"one of {NUMERICS}")
+        _check(self.numerics in MODES, "numerics", self.numerics, f"one of {MODES}")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")
         _check(self.max_wait_s > 0, "max_wait_s", self.max_wait_s, "must be > 0")
         _check(self.min_generators >= 1, "min_generators", self.min_generators, "must be >= 1")

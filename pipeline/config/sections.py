@@ -12,10 +12,11 @@ from typing import Any
 from generator.config import GeneratorConfig
 from models.contract import Sampling
 from models.errors import ConfigError
-from models.exits import KL, MAX_DEPTH, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
+from models.exits import KL, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
 from models.init import SIZES
 from models.settings import check
 from pipeline.net.transport.config import TransportConfig
+from proto.records import MAX_DEPTH
 
 ENVIRONMENT_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 """task.environment: package.module:Class."""

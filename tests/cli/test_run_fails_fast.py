@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from generator.engine import WeightDigestError
-from pipeline.commands.generator_cli import StopOnFailedLoad
+from pipeline.commands.generator_engine import StopOnFailedLoad
 from pipeline.commands.launcher import last_error_line
 from tests.cli.test_run_llama import ENV, QUIET, REPO
 

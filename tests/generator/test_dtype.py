@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from generator.config import ConfigError, GeneratorConfig
+from generator.config import GeneratorConfig
 from generator.engine import resolve_dtype
+from models.errors import ConfigError
 from pipeline.commands.launcher import generator_command
 from pipeline.config.run import load_config
 

@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator.engine import (
-    CPU_BLOCK_SIZE,
-    LoopedEngine,
-    WeightDigestError,
-    canonical_digest,
-    to_rollouts,
-)
+from generator.engine import CPU_BLOCK_SIZE, LoopedEngine, WeightDigestError, to_rollouts
 from generator.vllm_plugin.context import RequestSlice, StepBatch
 from generator.vllm_plugin.records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
@@ -27,6 +21,7 @@ from models.exits import KL
 from models.init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
+from weights.digest import canonical_digest
 
 
 # ---- no engine ---------------------------------------------------------------------------
@@ -333,7 +328,7 @@ def test_weights_received_by_broadcast_load_through_the_engine(
         raise AssertionError("the engine hashed a received blob a second time")
 
     monkeypatch.setattr(digest_mod, "canonical_digest", hashed_again)
-    monkeypatch.setattr("generator.engine.canonical_digest", hashed_again)
+    monkeypatch.setattr("weights.digest.canonical_digest", hashed_again)
     with pytest.raises(AssertionError, match="a second time"):  # a plain mapping is hashed
         setup.engine.load_weights(dict(src), setup.version + 1, ann.digest)
     setup.version += 1

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from generator.engine import LoopedEngine, canonical_digest
+from generator.engine import LoopedEngine
 from models.checkpoint import load_checkpoint
 from models.exits import FixedDepth
 from models.init import init_checkpoint
 from tests.generator import prompts, work_item
+from weights.digest import canonical_digest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-from learner.objectives import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import SEED, gpt_policy_spec, make_rollouts, rollouts_for
 

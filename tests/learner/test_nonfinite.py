@@ -99,7 +99,8 @@ def _exporter(state: dict[str, torch.Tensor]) -> Any:
 
 
 def test_publish_refuses_nonfinite_tensors(tmp_path: Path) -> None:
-    from learner.publish import NonFiniteWeightsError, publish
+    from learner.publish import publish
+    from models.errors import NonFiniteWeightsError
     from weights.publication import weights_dir
 
     good = torch.arange(12, dtype=torch.float32).reshape(3, 4)

@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-from learner.publish import read_manifest, verify_publication
 from models.checkpoint import load_checkpoint, load_model
 from models.reference import ReplayItem, replay
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import SEED, rollouts_for
 from weights.digest import TREE, digest_of_state, state_from_blob, weights_digest
+from weights.publication import read_manifest, verify_publication
 
 pytestmark = pytest.mark.megatron
 

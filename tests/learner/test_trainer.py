@@ -20,7 +20,7 @@ import torch
 
 from learner.batching import build_batch, group_token_advantages
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-from learner.objectives import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from proto.records import Rollout
 from tests.learner.dist_utils import run_distributed
 

@@ -117,8 +117,8 @@ def test_the_generator_reads_its_policy_once_from_a_flag_or_a_file(tmp_path: Pat
     the generators section (rollout.exit_policy sets it)."""
     import argparse
 
-    from generator.config import ConfigError as GeneratorConfigError
     from generator.config import load_config as load_generator_config
+    from models.errors import ConfigError as GeneratorConfigError
     from pipeline.commands.generator_cli import add_parser, config_from_args
 
     parser = argparse.ArgumentParser()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from generator.config import ConfigError, GeneratorConfig
+from generator.config import GeneratorConfig
+from models.errors import ConfigError
 from models.exits import KL
 from pipeline.commands.generator_cli import (
     add_parser,
