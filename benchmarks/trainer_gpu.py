@@ -193,10 +193,10 @@ def layout_positions(seq_lens: list[int], layout: str, micro: int, budget: int,
                      multiple: int = 1) -> int:  # fmt: skip
     """Positions the model computes for rows of ``seq_lens`` (the step's sorted order, one
     update, one rank): padded micro-batches of ``micro`` rows at their longest, or packed
-    micro-batches (models.rows.micro_spans) of their summed lengths, rounded up, in the
+    micro-batches (models.token_rows.micro_spans) of their summed lengths, rounded up, in the
     first-fit-decreasing order the learner's step packs them in (learner.batching.pack_updates,
-    models.rows.pack_order)."""
-    from models.rows import micro_spans, pack_order
+    models.token_rows.pack_order)."""
+    from models.token_rows import micro_spans, pack_order
 
     def up(n: int) -> int:
         return -(-n // multiple) * multiple

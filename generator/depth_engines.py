@@ -29,7 +29,7 @@ from proto.records import WorkItem
 
 
 class DepthEngines:
-    """The Engine protocol (generator.protocols.Engine) over a main engine plus one engine per
+    """The Engine protocol (generator.collaborators.Engine) over a main engine plus one engine per
     extra fixed eval depth; see the module doc."""
 
     def __init__(self, main: Any, build: Callable[[int], Any], *, looped: bool = True,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from learner.objective_config import (
     ObjectiveConfig,
 )
-from models.contract import Sampling
 from models.numerics import MODES
+from models.sampling import Sampling
 from models.settings import check, checker
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""learner.step_api.Policy in plain PyTorch: the models.reference forward
+"""learner.policy.Policy in plain PyTorch: the models.reference forward
 (models.engine.chunk.run_chunk replaying each row's latent seed and exit depths) and torch
 optimizers.
 
@@ -40,7 +40,7 @@ from learner.objectives.loops import (
     spread,
     tap,
 )
-from learner.step_api import DataParallel
+from learner.policy import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
 from models.base import LoopedLM
@@ -60,7 +60,7 @@ def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimiz
 
 
 class TorchNet:
-    """learner.step_api.Net on a torch optimizer (module docstring)."""
+    """learner.policy.Net on a torch optimizer (module docstring)."""
 
     def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig, *,
                  exact: bool = False) -> None:  # fmt: skip
@@ -123,7 +123,7 @@ class TorchCritic(nn.Module):
 
 
 class TorchPolicy:
-    """learner.step_api.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
+    """learner.policy.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
     semantics (models.exits.resolve_kv); ``critic``: a trunk for the critic (the starting
     checkpoint's, loaded again), ``reference``: the frozen reference policy of
     objective.kl_coef."""

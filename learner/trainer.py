@@ -31,15 +31,12 @@ from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from learner.kernels.token_stats import token_stats_auto
 from learner.loop_forward import exit_forward, loop_forward
+from learner.model_specs import CriticSpec, PolicySpec
 from learner.network import Network, seed_all
 from learner.objectives.loops import check_gate
+from learner.policy import DataParallel
 from learner.replay import unwrap
-from learner.specs import (
-    CriticSpec,
-    PolicySpec,
-)
 from learner.step import LearnerStep
-from learner.step_api import DataParallel
 from learner.vocab_ops import contract_token_stats, nucleus_rows, token_stats
 
 __all__ = [
@@ -49,7 +46,7 @@ __all__ = [
 
 
 class MegatronPolicy:
-    """learner.step_api.Policy on megatron-core: the policy (and critic) as `Network`s (Megatron
+    """learner.policy.Policy on megatron-core: the policy (and critic) as `Network`s (Megatron
     DDP + optimizer + LR schedule), forwarded through their `PolicySpec` / `CriticSpec`."""
 
     def __init__(

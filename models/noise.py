@@ -54,8 +54,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.contract import check_latent_seed as _u64
-from models.contract import seed_to_i64 as _i64
+from models.seeds import check_latent_seed as _u64
+from models.seeds import seed_to_i64 as _i64
 from proto.schema import U64_MAX as MASK64  # the wire format owns the 64-bit range
 
 GOLDEN = 0x9E3779B97F4A7C15

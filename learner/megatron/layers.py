@@ -92,7 +92,7 @@ def replicated_linear(layer: nn.Linear, x: Tensor, mode: str) -> Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class DocMask:
-    """The attention mask of packed rows (models.rows.pack_rows): causal within a sequence,
+    """The attention mask of packed rows (models.token_rows.pack_rows): causal within a sequence,
     nothing across sequences (block-diagonal). ``dense`` [B, S, S] bool (True = visible; a
     tail-padding query sees the padding keys up to itself): the exact recipe's mask, and the
     fast one's on the CPU. ``flex``: a FlexAttention BlockMask of the same mask (fast numerics

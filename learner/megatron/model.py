@@ -56,9 +56,9 @@ from learner.megatron.layers import (
 from learner.megatron.options import MegatronOptions, padded_rows, transformer_config
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
-from models.contract import seed_to_i64
 from models.exits import check_kv, default_kv
 from models.noise import latent_noise
+from models.seeds import seed_to_i64
 from proto.records import MAX_DEPTH
 
 LoopFn = Callable[[int, Tensor, Callable[[Tensor], Tensor]], Tensor | None]

@@ -25,9 +25,9 @@ from megatron.core import parallel_state as ps
 
 from learner import checkpoint as learner_checkpoint
 from learner.megatron.options import MegatronOptions
+from learner.model_specs import looped_critic_spec, looped_policy_spec
 from learner.parallel import destroy_distributed, init_distributed
 from learner.publish import looped_exporter, snapshot_publication
-from learner.specs import looped_critic_spec, looped_policy_spec
 from learner.trainer import Trainer
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv

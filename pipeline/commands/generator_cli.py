@@ -37,6 +37,7 @@ import zmq
 from tokenizers import Tokenizer
 from zmq.utils.monitor import recv_monitor_message
 
+from generator.collaborators import make_hello
 from generator.config import (
     DTYPES,
     LOG_LEVELS,
@@ -51,7 +52,6 @@ from generator.engine import LoopedEngine, to_rollouts
 from generator.environments import resolve_environment
 from generator.health import HealthFile
 from generator.loop import FatalError, GeneratorLoop
-from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.chat import TEMPLATES
 from models.checkpoint import load_config as load_model_config

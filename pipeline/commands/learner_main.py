@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from models.checkpoint import load_config as load_model_config
 from models.errors import ConfigError
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.backends.ranks import Leader, follow
 from pipeline.backends.trainer_api import build_trainer, with_learner_threads
 from pipeline.commands import console

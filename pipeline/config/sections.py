@@ -10,10 +10,10 @@ from functools import cached_property
 from typing import Any
 
 from generator.config import GeneratorConfig
-from models.contract import Sampling
 from models.errors import ConfigError
 from models.exits import KL, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
-from models.init import SIZES
+from models.random_init import SIZES
+from models.sampling import Sampling
 from models.settings import check
 from pipeline.net.transport.config import TransportConfig
 from proto.records import MAX_DEPTH
@@ -40,7 +40,7 @@ class ModelSection:
     family: str = "huginn"
     """Model family for a fresh checkpoint: huginn, ouro, nanbeige or llama."""
     size: str = "tiny"
-    """Preset size for a fresh checkpoint (models.init): tiny, small, or the GPU shapes 1b and 0125
+    """Preset size for a fresh checkpoint (models.random_init): tiny, small, or the GPU shapes 1b and 0125
     (Huginn only: the ~1B and Huginn-0125 shapes, random init)."""
     path: str = ""
     """Existing HF-layout checkpoint directory; empty: create family/size in RUN_DIR/init."""
@@ -132,7 +132,7 @@ class TaskSection:
 
 @dataclass(frozen=True)
 class RolloutSection(Sampling):
-    """Sampling (temperature and top_p: models.contract.Sampling, which the learner gets too):
+    """Sampling (temperature and top_p: models.sampling.Sampling, which the learner gets too):
     how many completions of what length, and how many prompts per step."""
 
     n: int = 8

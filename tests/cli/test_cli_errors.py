@@ -25,7 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     return Path(init_checkpoint("llama", "tiny", tmp_path_factory.mktemp("m") / "llama"))
 

@@ -87,7 +87,7 @@ def test_each_default_is_stated_once_by_its_component() -> None:
     from generator.config import GeneratorConfig
     from learner.config import LearnerConfig, OptimConfig, ScheduleConfig
     from learner.objective_config import ObjectiveConfig
-    from models.contract import Sampling
+    from models.sampling import Sampling
 
     cfg = RunConfig()
     assert type(cfg.objective) is ObjectiveConfig and type(cfg.optimizer) is OptimConfig

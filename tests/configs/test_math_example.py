@@ -16,7 +16,7 @@ import yaml
 
 from generator.math_reward import hash_answer, math
 from models.chat import ChatRenderer, eos_token_ids
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.commands.make_math_data import main as make_data
 from pipeline.commands.warm_start import completion_tokens, sft_examples, warm_start
 from pipeline.commands.warm_start import main as sft_main

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from generator.collaborators import Channel
 from generator.loop import GeneratorLoop
-from generator.protocols import Channel
 from generator.reward_runner import RewardRunner
 from proto.records import Goodbye, Rollout, WeightAnnounce, Welcome, WorkItem
 

@@ -18,7 +18,7 @@ from generator.vllm_plugin.context import RequestSlice, StepBatch
 from generator.vllm_plugin.records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
 from models.exits import KL
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
 from weights.digest import canonical_digest

@@ -20,7 +20,7 @@ import pytest
 
 from generator.engine import WeightDigestError
 from models.checkpoint import load_checkpoint
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator.update_utils import (
     engine,
     flat,

@@ -14,7 +14,7 @@ import pytest
 
 from generator.torch_engine.engine import TorchEngine
 from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator import prompts, work_item
 from tests.generator.test_torch_engine import _items, equal_to_reference
 

@@ -31,7 +31,7 @@ SCHEDULE = ScheduleConfig(style="cosine", warmup_steps=1, decay_steps=6, min_lr=
 
 
 def _trainer(case: str, tp: int) -> Any:
-    from learner.specs import looped_critic_spec, looped_policy_spec
+    from learner.model_specs import looped_critic_spec, looped_policy_spec
     from learner.trainer import Trainer
     from models.config import tiny_config
 

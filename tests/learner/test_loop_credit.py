@@ -250,7 +250,7 @@ def _trainer(backend: str, model: Path, *over: str) -> Any:
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     root = tmp_path_factory.mktemp("loops")
     out = {}

@@ -45,7 +45,7 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     behaviour log-probs enter the loss): perturbing environment tokens' behaviour
     log-probs leaves every parameter bit-identical; changing an environment token's id (the
     context) or training it (mask all ones) does change the update (the test can fail)."""
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.backends.reference_trainer import ReferenceTrainer
     from pipeline.config.run import load_config
 

@@ -12,7 +12,7 @@ from learner.config import TrainConfig
 from learner.losses import aggregate
 from learner.objective_config import ObjectiveConfig
 from learner.objectives import policy_loss, value_loss
-from models.contract import Sampling
+from models.sampling import Sampling
 
 LN = math.log
 INF = float("inf")

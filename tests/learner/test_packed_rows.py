@@ -1,5 +1,5 @@
 """Packed rows (learner.max_tokens_per_micro): rollouts of very different
-lengths laid end to end in micro-batches of a token budget (models.rows.pack_rows), attention
+lengths laid end to end in micro-batches of a token budget (models.token_rows.pack_rows), attention
 within each sequence, positions, latent noise and full depth per sequence. The layout by hand;
 then the megatron policy packed vs its padded rows on one batch (responses of 1 to 40 tokens,
 prompts of 2 to 8): per-token log-probs, every step metric and the weights after one SGD step
@@ -19,7 +19,7 @@ import torch
 
 from learner.batching import build_batch, packed_inputs
 from models.errors import ConfigError
-from models.rows import micro_spans, pack_order, pack_rows, token_shares
+from models.token_rows import micro_spans, pack_order, pack_rows, token_shares
 from proto.records import Rollout
 from tests.bench_import import load_benchmark
 
@@ -138,7 +138,7 @@ def _trainer(backend: str, model: Path, numerics: str, *over: str) -> Any:
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     out = {}
     for fam in ("huginn", "ouro"):
@@ -341,7 +341,7 @@ def _dp_rank(model_dir: str) -> dict[str, Any]:
 @pytest.mark.megatron
 def test_data_parallel_shares_balanced_by_tokens(models_dir: dict[str, Path]) -> None:
     """DP=2 with packed rows: each rank takes a contiguous share of the update of about equal
-    tokens (models.rows.token_shares: rows 0-1 | 2-7, 91 | 77 tokens, where 4 rows each would
+    tokens (models.token_rows.token_shares: rows 0-1 | 2-7, 91 | 77 tokens, where 4 rows each would
     give 135 | 33), packs it in its own micro-batches, and the step's metrics and weights equal the single
     rank's within 1e-6 (the DP all-reduce sums the gradients in another order)."""
     from tests.learner.dist_utils import run_distributed

@@ -65,7 +65,7 @@ def make_rollouts(
 def gpt_policy_spec(tp: int, **overrides: Any) -> Any:
     """A megatron GPTModel stand-in (local spec, hidden 64, vocab 128) as a PolicySpec; logits
     gathered over TP (parallel_output=False); `overrides` go to the TransformerConfig."""
-    from learner.specs import PolicySpec
+    from learner.model_specs import PolicySpec
 
     def build(recompute: bool) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
@@ -113,7 +113,7 @@ def gpt_policy_spec(tp: int, **overrides: Any) -> Any:
 def looped_trainer(
     cfg: TrainConfig, optim: OptimConfig, schedule: ScheduleConfig | None = None, **kw: Any
 ) -> Any:
-    from learner.specs import looped_critic_spec, looped_policy_spec
+    from learner.model_specs import looped_critic_spec, looped_policy_spec
     from learner.trainer import Trainer
     from models.config import tiny_config
 

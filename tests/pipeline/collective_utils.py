@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from generator.collaborators import make_hello
 from generator.loop import GeneratorLoop
-from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.checkpoint import save_checkpoint
 from pipeline.net.transport.config import TransportConfig

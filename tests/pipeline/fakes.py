@@ -87,7 +87,7 @@ class FakeTrainer:
 def reference_trainer_and_pair(tmp: Path, lr: float = 0.1) -> tuple[Any, list[Rollout]]:
     """A backend=reference trainer on a fresh tiny Huginn (tmp/m) and one group of two
     FakeGenerator rollouts of work item w0 (prompt [1, 2], seeds 11 and 12)."""
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.backends.reference_trainer import ReferenceTrainer
 
     init_checkpoint("huginn", "tiny", tmp / "m", seed=0)

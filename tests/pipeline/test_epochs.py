@@ -50,7 +50,7 @@ def _trainer(backend: str, model: Path, *over: str) -> Any:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     d = tmp_path_factory.mktemp("m") / "huginn"
     init_checkpoint("huginn", "tiny", d, seed=0)
@@ -196,7 +196,7 @@ def test_reference_policy_kl(model: Path, backend: str, in_reward: bool) -> None
 
 def test_reference_path_must_be_the_same_model(model: Path, tmp_path: Path) -> None:
     from models.errors import ConfigError
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     init_checkpoint("ouro", "tiny", tmp_path / "ouro", seed=0)
     with pytest.raises(ConfigError, match="model.reference_path.*not the policy's"):

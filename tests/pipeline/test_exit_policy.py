@@ -66,7 +66,7 @@ def test_the_policy_is_one_typed_object_from_yaml_to_the_engine(tmp_path: Path) 
         settings_from_additional_config,
         settings_to_dict,
     )
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.commands.generator_cli import add_parser, build_engines, config_from_args
     from pipeline.commands.generator_flags import generator_config
     from pipeline.commands.launcher import generator_command
@@ -186,7 +186,7 @@ def _rollout(depths: list[int]) -> tuple[Rollout, Expected]:
 
 
 def test_door_bounds_exit_depths_by_the_run_policy(tmp_path: Path) -> None:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     path = init_checkpoint("huginn", "tiny", tmp_path / "m")  # mean_recurrence 6
     model_only = ModelLimits.from_checkpoint(path)
@@ -208,7 +208,7 @@ def test_door_bounds_exit_depths_by_the_run_policy(tmp_path: Path) -> None:
 def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> None:
     from learner.batching import build_batch
     from models.checkpoint import load_model
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from models.reference import SamplingParams, behaviour_logprobs, generate
     from pipeline.backends.reference_trainer import ReferenceTrainer
 

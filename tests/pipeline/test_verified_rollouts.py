@@ -276,7 +276,7 @@ def _weights(trainer: object) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     d = tmp_path_factory.mktemp("m") / "huginn"
     init_checkpoint("huginn", "tiny", d, seed=0)

@@ -17,7 +17,7 @@ from pipeline.core.eval_rounds import correct_of
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     tmp = tmp_path_factory.mktemp("eval")
     model = init_checkpoint("huginn", "tiny", tmp / "model")

@@ -296,7 +296,7 @@ def test_synthetic_and_jsonl_kinds_still_load(tmp_path: Path, model: Path) -> No
 def test_prompt_limit_reads_the_checkpoints_context(tmp_path: Path, family: str) -> None:
     """generators.max_model_len 0 (the default) is the checkpoint's context length, as vLLM
     derives it (Huginn: block_size; the others: max_position_embeddings)."""
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.core.tasks import prompt_limit
 
     d = tmp_path / family

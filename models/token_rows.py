@@ -8,7 +8,7 @@ predicted at position p = P - 1 + t (P = prompt length):
     input_ids[b, p]  token at p                        (0 on padding)
     targets[b, p]    response[t] at p = P - 1 + t      (0 elsewhere)
     mask[b, p]       True at p = P - 1 + t             (False elsewhere)
-    depths[b, p]     the depth run at p (models.contract.position_depths: the row's full
+    depths[b, p]     the depth run at p (models.depths.position_depths: the row's full
                      depth D at prompt positions 0..P-2, exit_depths[t] at P - 1 + t;
                      docs/CONTRACTS.md 2); PAD_DEPTH on padding and on every position of an
                      empty response
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.contract import position_depths
+from models.depths import position_depths
 
 __all__ = [
     "PAD_DEPTH", "PackedRows", "TokenRows", "micro_spans", "pack_rows", "response_slice",

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from models.checkpoint import load_checkpoint, load_config, load_model
-from models.init import FAMILIES, init_checkpoint, model_config
+from models.random_init import FAMILIES, init_checkpoint, model_config
 from models.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 pytest.importorskip("models.reference")

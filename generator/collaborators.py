@@ -4,19 +4,15 @@ generator/ never imports pipeline/; these Protocols are what generator.loop (and
 generator.outbox) needs, written so that pipeline.net.transport.session.GeneratorConnection satisfies
 them as it is, and generator.engine.LoopedEngine (or a fake in tests) is the Engine. The weight
 sink and what it hands the engine (VerifiedWeights, OnDisk) are weights.verified's.
-Helpers: the Hello a generator introduces itself with and the one-thread work lane that keeps
-engine calls in order.
+And the Hello a generator introduces itself with on that connection (``make_hello``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from queue import SimpleQueue
 from typing import Any, Literal, Protocol
 
 from proto.records import Hello, Rollout, WorkItem
@@ -72,42 +68,3 @@ def make_hello(
         generator_id, socket.gethostname(), os.getpid(), list(families), max_inflight,
         weight_version, time.time(),
     )  # fmt: skip
-
-
-class Lane:
-    """One daemon thread running submitted calls in order (inline=True: run at submit)."""
-
-    def __init__(self, name: str, inline: bool, on_done: Callable[[], None] | None = None) -> None:
-        """``on_done``: called on the lane's thread after each call (a thread lane only): the
-        loop's connection waker, so the loop acts on a result at once."""
-        self.inline = inline
-        self._on_done = None if inline else on_done
-        self._q: SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = SimpleQueue()
-        if not inline:
-            threading.Thread(target=self._work, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        if self.inline:
-            self._run(fut, fn)
-        else:
-            self._q.put((fut, fn))
-        return fut
-
-    @staticmethod
-    def _run(fut: Future[Any], fn: Callable[[], Any]) -> None:
-        fut.set_running_or_notify_cancel()
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # handed to the loop thread, which decides
-            fut.set_exception(e)
-
-    def _work(self) -> None:
-        while (job := self._q.get()) is not None:
-            self._run(*job)
-            if self._on_done is not None:
-                self._on_done()
-
-    def close(self) -> None:
-        if not self.inline:
-            self._q.put(None)

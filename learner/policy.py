@@ -1,7 +1,6 @@
 """The interface `learner.step.LearnerStep` trains through: `Policy` (what a backend gives the
 step: learner.trainer's megatron policy, learner.torch_policy's PyTorch one), the `Net` it
-updates and the `DataParallel` place of this rank. Split from learner/step.py (which
-re-exports them) so that the step's file holds the step."""
+updates and the `DataParallel` place of this rank."""
 
 from __future__ import annotations
 
