@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.exits import policy_json
 from pipeline.backends.results import StepResult
 from pipeline.backends.trainer_api import Trainer
 from pipeline.config.run import RunConfig
@@ -203,8 +202,7 @@ class Coordinator:
             endpoint, dispatcher=self.dispatcher, publisher=self.publisher, intake=self.intake,
             deliveries=self.deliveries, timeline=self.timeline, evals=evals,
             run_id=lambda: self.run_id, version=lambda: self.version,
-            welcome_settings={"numerics": cfg.numerics,  # canonical JSON, '' = full depth
-                              "exit_policy": policy_json(cfg.rollout.parsed_policy)},
+            welcome_settings={"numerics": cfg.numerics}, exit_policy=cfg.rollout.parsed_policy,
             work_timeout_s=cfg.work_timeout_s(), clock=clock,
         )  # fmt: skip
         self.verifier = LogpVerifier(

@@ -122,6 +122,7 @@ class FakeGenerator:
         self.rng = random.Random(seed)
         self.alive = True
         self.paused = False
+        self.welcome: Welcome | None = None  # the last Welcome heard
 
     def step(self) -> None:
         if not self.alive:
@@ -137,7 +138,7 @@ class FakeGenerator:
                 # and on the control channel, ahead of rollouts claiming it (generator.loop)
                 self.conn.send(Heartbeat(self.gid, time.time(), rec.version, len(self.queue)))
             elif isinstance(rec, Welcome):
-                pass
+                self.welcome = rec
             inc = self.conn.recv(0.0)
         self.conn.set_status(self.version, len(self.queue))
         if self.paused:
