@@ -22,7 +22,7 @@ Everything is checked and compiled before anything is mutated, so a mismatch lea
 untouched. Call it before building models, DDP wrappers or optimizers;
 `learner.parallel.init_distributed` does. See docs/LEARNER_CPU.md.
 
-This module imports only torch: the megatron modules named by the patch tables are imported by
+This module imports only torch (and its error type): the megatron modules named by the patch tables are imported by
 `apply_cpu_compat()`, never at import time. The mechanics (the torch view, the source rewrites)
 come first, then the tables of what is patched and `apply_cpu_compat()`.
 """
@@ -44,12 +44,13 @@ from typing import Any
 
 import torch
 
+from learner.megatron.errors import CpuCompatError
+
 __all__ = [
     "REDIRECTED_CUDA_CALLS",
     "REWRITES",
     "TORCH_VIEW",
     "TORCH_VIEW_MODULES",
-    "CpuCompatError",
     "PatchRecord",
     "PreparedRewrite",
     "Rewrite",
@@ -63,10 +64,6 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
-
-
-class CpuCompatError(RuntimeError):
-    """A patch does not match the installed megatron-core, or a CUDA-only feature was asked for."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import random as mrandom
 
-from learner.megatron.cpu import CpuCompatError
+from learner.megatron.errors import CpuCompatError
 
 __all__ = ["CpuRNGStatesTracker", "cpu_get_rng_state", "cpu_set_rng_state", "install"]
 
