@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import numerics as nx  # noqa: E402
 from models.checkpoint import load_model  # noqa: E402
 from models.huginn import precompute_freqs_cis  # noqa: E402
-from models.init import init_checkpoint  # noqa: E402
 from models.layers import SandwichBlock  # noqa: E402
+from models.random_init import init_checkpoint  # noqa: E402
 
 _EAGER_RMS_NORM = nx.rms_norm
 

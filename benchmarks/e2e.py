@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.commands.launcher import generator_command  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config.run import load_config  # noqa: E402
 from pipeline.core.metrics import read_metrics  # noqa: E402
 from pipeline.core.recorder import read_rollouts  # noqa: E402
 

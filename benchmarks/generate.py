@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from generator.engine import LoopedEngine
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     items = _items(args.batch, args.prompt_len, args.max_tokens)
     common = dict(max_num_seqs=args.batch, kv_cache_bytes=64 << 20, max_model_len=512)

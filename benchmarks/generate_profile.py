@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.generate import llama_like
     from generator.engine import LoopedEngine
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     items = _items(args.batch, args.prompt_len, args.max_tokens)
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,7 @@ generator as two processes sharing the device, at a Huginn GPU shape, on a verif
     python benchmarks/gpu_e2e.py --size tiny --device cpu   # the CPU twin (vLLM not needed either)
 
 What runs, in order, each step timed:
-1. ``looprl model init`` of the shape (random init, no download; ``models.init`` sizes 1b and 0125).
+1. ``looprl model init`` of the shape (random init, no download; ``models.random_init`` sizes 1b and 0125).
 2. A format-only warm start on the device: ``pipeline.commands.warm_start.sft_steps`` on the
    count-on prompts with *random* alphabet symbols as targets, so the policy learns to answer in
    the task's alphabet (the 0.2 format part of the reward) but is taught nothing of the count
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from generator.rewards import SYNTHETIC_BASE, synthetic_task_prompts  # noqa: E402
 from models.checkpoint import load_model, read_config  # noqa: E402
-from models.init import init_checkpoint  # noqa: E402
+from models.random_init import init_checkpoint  # noqa: E402
 from pipeline.commands.warm_start import save_like, sft_steps  # noqa: E402
 from pipeline.core.metrics import read_metrics  # noqa: E402
 

@@ -12,7 +12,7 @@ What runs, in order (one process each, every one the product's own):
    ``--tokens``, a random model over 65,536 tokens almost never samples its EOS).
 2. ``looprl run`` given only the model, the task (the default count-on task) and the batch
    (``rollout.prompts_per_step``, ``rollout.n``, ``rollout.max_tokens``, ``steps``): every
-   other key at its default, i.e. ``auto`` chosen for the host (pipeline.device_defaults; the
+   other key at its default, i.e. ``auto`` chosen for the host (pipeline.config.device; the
    choices are in the JSON). Its metrics rows after ``--warmup`` steps give the step time and
    the rows' ``perf/*`` keys (pipeline.core.efficiency).
 3. Training alone: the run's own Trainer (its recorded config.yaml, so the same auto choices)
@@ -117,7 +117,7 @@ def generation_alone(cfg: Any, model: Path, prompts: int, n: int, tokens: int, d
     from generator.config import for_this_host
     from pipeline.commands.generator_cli import build_engines
     from pipeline.commands.generator_flags import generator_config
-    from proto import WorkItem
+    from proto.records import WorkItem
 
     gen, _ = for_this_host(generator_config(cfg, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", model))
     engines = build_engines(gen)
@@ -162,7 +162,7 @@ def generation_alone(cfg: Any, model: Path, prompts: int, n: int, tokens: int, d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--size", default="1b", help="models.init size of the Huginn shape")
+    ap.add_argument("--size", default="1b", help="models.random_init size of the Huginn shape")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--prompts", type=int, default=32, help="rollout.prompts_per_step")
     ap.add_argument("--n", type=int, default=8, help="rollout.n")
@@ -187,7 +187,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU twin: no card even on a GPU host
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     model = out / f"init_{a.size}"
     if not (model / "config.json").exists():
@@ -199,7 +199,7 @@ def main() -> int:
     if a.engine:
         keys.append(f"generators.engine={a.engine}")
     if a.generation_only:
-        from pipeline.config import load_config
+        from pipeline.config.run import load_config
 
         cfg = load_config(None, keys)
         gen_s = generation_alone(cfg, model, a.prompts, a.n, a.tokens, a.device,

@@ -5,11 +5,11 @@
 
 Model (Huginn-shaped, defaults): hidden 2048, 16 heads x 128, prelude 2, core 4 iterated
 r = 4 times, coda 2, SwiGLU 5632, vocab 65536 (tied head), seq 2048, every position at full
-depth r. `--impl mcore` (default) is the learner's own `learner.mcore_model.LoopedGPT`
+depth r. `--impl mcore` (default) is the learner's own `learner.megatron.model.LoopedGPT`
 (megatron-core, TP=1, `fast` numerics: SDPA causal attention) with bf16 parameters and
 random weights; `--impl torch_reference` is a minimal plain-PyTorch block with the same shapes
 (used when megatron-core does not import). The loss is the policy's own per-token statistics,
-`-mean(logp) - 0.01 mean(entropy)` from `learner.triton_token_stats.token_stats_auto`.
+`-mean(logp) - 0.01 mean(entropy)` from `learner.kernels.token_stats.token_stats_auto`.
 Optimizer: `torch.optim.AdamW(fused=True)` on the bf16 parameters (no fp32 master copy).
 
 FLOPs per step = tokens * (6 * P_touched + 12 * L_run * seq * hidden), with
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.triton_token_stats import token_stats_auto  # noqa: E402
+from learner.kernels.token_stats import token_stats_auto  # noqa: E402
 from models.config import HuginnConfig  # noqa: E402
 
 PEAK_BF16 = 989e12
@@ -181,7 +181,8 @@ def quiet_megatron_tp_group() -> None:
 
 
 def build_mcore(c: HuginnConfig, device: torch.device) -> tuple[nn.Module, Any]:
-    from learner.mcore_model import LoopedGPT, MegatronOptions
+    from learner.megatron.model import LoopedGPT
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import init_distributed
     from models.huginn import precompute_freqs_cis
 

@@ -7,7 +7,7 @@ What runs is the product's path: `python -m pipeline.cli learner` (megatron back
 coordinator, the door, the recorder, publication of one version per step into RUN_DIR/weights,
 metrics.jsonl), started as a process with run-config overrides. Only the generators are
 simulated: `--generators` processes of benchmarks/learner_process_gen.py connect to the learner's
-endpoints with the real ZMQ transport (pipeline.net.transport_zmq), answer every WorkItem with
+endpoints with the real ZMQ transport (pipeline.net.transport.zmq), answer every WorkItem with
 valid rollouts and acknowledge every announced version.
 
 The rollouts: the dispatched prompt and latent seeds; a response of L random token ids, L

@@ -113,9 +113,9 @@ def serve(spec: dict[str, Any]) -> None:
     import torch
 
     from models.checkpoint import load_config
-    from pipeline.net.transport_config import TransportConfig
-    from pipeline.net.transport_zmq import ZmqGeneratorConnection
-    from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+    from pipeline.net.transport.config import TransportConfig
+    from pipeline.net.transport.zmq import ZmqGeneratorConnection
+    from proto.records import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
     dev = torch.device(spec["device"])
     init = Path(spec["init"])

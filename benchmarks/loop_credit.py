@@ -89,13 +89,13 @@ from benchmarks.loop_credit_gate import check_gate_args, gate_report, gate_warm 
 from benchmarks.loop_credit_tasks import TASKS, Task, eval_all, write_data  # noqa: E402
 from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save  # noqa: E402
 from models.exits import ExitPolicy, policy_from_dict  # noqa: E402
-from models.init import init_checkpoint  # noqa: E402
 from models.noise import derive_latent_seed  # noqa: E402
+from models.random_init import init_checkpoint  # noqa: E402
 from models.reference import SamplingParams, generate  # noqa: E402
 from models.ties import tied_from_module  # noqa: E402
 from pipeline.commands.warm_start import sft_steps  # noqa: E402
-from pipeline.config import RunConfig, load_config  # noqa: E402
-from proto import Rollout  # noqa: E402
+from pipeline.config.run import RunConfig, load_config  # noqa: E402
+from proto.records import Rollout  # noqa: E402
 
 
 def sft(model: Any, task: Task, steps: int, lr: float, batch: int, seed: int) -> dict[str, Any]:

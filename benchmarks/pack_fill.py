@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.trainer_gpu import SHAPES, prompt_len, spread_rollouts  # noqa: E402
 from learner.batching import build_batch  # noqa: E402
-from models.rows import micro_spans, pack_order  # noqa: E402
+from models.token_rows import micro_spans, pack_order  # noqa: E402
 
 
 def main() -> None:

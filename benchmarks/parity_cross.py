@@ -150,7 +150,8 @@ def megatron_replay(jobs: Sequence[Job], tp: int) -> list[tuple[list[torch.Tenso
 
 def worker(tp: int, payload: str, out: str) -> int:
     """Under torchrun: replay the jobs of `payload`; rank 0 writes the results to `out`."""
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import replay
 

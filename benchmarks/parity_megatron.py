@@ -77,7 +77,8 @@ def pair_megatron_vs_reference(model: LoopedLM, case: Any, mode: str) -> tuple[f
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import init_distributed
 
     if parallel_state.model_parallel_is_initialized() and not dist.is_initialized():
@@ -102,7 +103,8 @@ def pair_megatron_vs_reference(model: LoopedLM, case: Any, mode: str) -> tuple[f
 
 def worker(args: argparse.Namespace) -> int:
     """One TP group (under torchrun): rank 0 prints the JSON lines."""
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
 
     info = init_distributed(args.tp)

@@ -63,13 +63,13 @@ import torch  # noqa: E402
 
 from models.checkpoint import save_checkpoint  # noqa: E402
 from pipeline.backends.results import StepResult  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config.run import load_config  # noqa: E402
 from pipeline.core.coordinator import Coordinator  # noqa: E402
 from pipeline.core.dispatch import Prompt, PromptSource  # noqa: E402
 from pipeline.core.validation import ModelLimits  # noqa: E402
-from pipeline.net.transport_config import TransportConfig  # noqa: E402
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
-from proto import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
+from pipeline.net.transport.config import TransportConfig  # noqa: E402
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
+from proto.records import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
 from weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402
 from weights.collective_learner import CollectivePublisher  # noqa: E402
 from weights.publication import Publication  # noqa: E402
@@ -278,7 +278,7 @@ def run_load(n: int, args: argparse.Namespace) -> dict[str, Any]:
     got = collect(stop, ps, out)
     rss1 = proc.memory_info().rss
     accepted = c.intake.counts["accepted"] - acc0
-    from proto import Codec
+    from proto.codec import Codec
 
     one = len(Codec().encode(_rollouts(WorkItem("w0", "p0", np.array([1, 2], np.int32),
                                                 np.arange(4, dtype=np.uint64)), "sim0000", 0,

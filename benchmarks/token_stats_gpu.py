@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.triton_token_stats import TritonConfig, token_stats_triton  # noqa: E402
+from learner.kernels.token_stats import TritonConfig, token_stats_triton  # noqa: E402
 from learner.vocab_ops import TokenStats, token_stats  # noqa: E402
 
 FIELDS = ("logp", "entropy", "kl", "logp_old")

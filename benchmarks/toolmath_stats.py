@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.chat import ChatRenderer  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config.run import load_config  # noqa: E402
 from pipeline.core.recorder import read_rollouts  # noqa: E402
 
 

@@ -193,10 +193,10 @@ def layout_positions(seq_lens: list[int], layout: str, micro: int, budget: int,
                      multiple: int = 1) -> int:  # fmt: skip
     """Positions the model computes for rows of ``seq_lens`` (the step's sorted order, one
     update, one rank): padded micro-batches of ``micro`` rows at their longest, or packed
-    micro-batches (models.rows.micro_spans) of their summed lengths, rounded up, in the
+    micro-batches (models.token_rows.micro_spans) of their summed lengths, rounded up, in the
     first-fit-decreasing order the learner's step packs them in (learner.batching.pack_updates,
-    models.rows.pack_order)."""
-    from models.rows import micro_spans, pack_order
+    models.token_rows.pack_order)."""
+    from models.token_rows import micro_spans, pack_order
 
     def up(n: int) -> int:
         return -(-n // multiple) * multiple
@@ -294,7 +294,7 @@ def main() -> None:
 
     from learner.parallel import init_distributed
     from pipeline.backends.megatron_adapter import build_learner_trainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     s = dict(SHAPES["tiny" if a.tiny else a.shape])
     for key in ("recurrence", "seq", "batch", "micro", "backprop_depth"):
@@ -458,9 +458,9 @@ def _order(r: Any) -> tuple[str, int, str]:
 
 
 def _packed_attention() -> str:
-    """Which attention the packed rows ran with (learner.mcore_layers: FlexAttention on CUDA
+    """Which attention the packed rows ran with (learner.megatron.layers: FlexAttention on CUDA
     once it checked out, else SDPA with a dense block-diagonal mask; the reason why)."""
-    from learner.mcore_layers import _FLEX
+    from learner.megatron.layers import _FLEX
 
     if "fn" in _FLEX:
         return "flex"

@@ -260,7 +260,7 @@ def main() -> None:
                     help="NAME=KEY=VALUE[,KEY=VALUE...]: one more looprl run with these keys")  # fmt: skip
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     res: dict[str, Any] = {"bench": "vs_trl", "steps": a.steps, "load_before": os.getloadavg(),
                            "cpus": os.cpu_count()}  # fmt: skip

@@ -36,7 +36,7 @@ PROMPT, RESPONSE = 256, 1024
 
 
 def make_rollouts(n: int, seed: int = 0) -> list:
-    from proto import Rollout
+    from proto.records import Rollout
 
     rng = np.random.default_rng(seed)
     perm = rng.permutation(VOCAB).astype(np.int32)
@@ -83,7 +83,8 @@ def payload_bytes(r) -> bytes:  # type: ignore[no-untyped-def]
 def _sender(addr: str, mode: str, n: int, batch: int, level: int, ready: mp.Event) -> None:  # type: ignore[type-arg]
     import zmq
 
-    from proto import Codec, RolloutBatch
+    from proto.codec import Codec
+    from proto.records import RolloutBatch
 
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {0})  # sender on core 0, receiver on core 1
@@ -118,7 +119,7 @@ def _sender(addr: str, mode: str, n: int, batch: int, level: int, ready: mp.Even
 def _run(mode: str, n: int, batch: int, level: int) -> dict:
     import zmq
 
-    from proto import Codec
+    from proto.codec import Codec
 
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from models import settings
 from models.chat import TEMPLATES
-from models.contract import NUMERICS
 from models.cost import Host, LoopShape
-from models.errors import ConfigError as _ConfigError
+from models.errors import ConfigError
 from models.exits import ExitPolicy, parse_policy, policy_to_dict
+from models.numerics import MODES
 
 REWARD_MODES = ("process", "thread", "inline")
 ENGINES = ("vllm", "torch")
@@ -28,8 +28,6 @@ DTYPES = ("auto", "float32", "bfloat16")
 AUTO = "auto"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-
-ConfigError = _ConfigError  # the project's one ConfigError (models.errors)
 
 if TYPE_CHECKING:
     _PolicySetting = ExitPolicy | None
@@ -126,7 +124,7 @@ class GeneratorConfig:
     """Learner silence after which the generator re-sends Hello (s)."""
     transport: str = ""
     """More transport settings as JSON, e.g. {"weights_max_frame_bytes": 134217728} (the keys of
-    pipeline.net.transport_config.TransportConfig, equal on both ends); empty: the defaults."""
+    pipeline.net.transport.config.TransportConfig, equal on both ends); empty: the defaults."""
     connect_timeout_s: float = 60.0
     """Give up (exit 2) if the learner has not answered within this long at start (s); 0: never."""
     health_file: str = ""
@@ -151,7 +149,7 @@ class GeneratorConfig:
             (self.max_batch_items >= 0, "max_batch_items", "must be >= 0"),
             (self.batch_wait_s >= 0, "batch_wait_s", "must be >= 0"),
             (self.engine in (*ENGINES, AUTO), "engine", f"must be one of {(*ENGINES, AUTO)}"),
-            (self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}"),
+            (self.numerics in MODES, "numerics", f"must be one of {MODES}"),
             (
                 self.engine == "vllm" or not self.inflight_updates or self.depth_ticks == 0,
                 "inflight_updates",
@@ -234,7 +232,7 @@ def for_this_host(
     line per choice saying why: engine torch on a CUDA host (the tested GPU path), vllm on a
     CPU host; max_inflight 64 on a CUDA host, 16 on a CPU host; kv_cache_mb 0.8 of the card's free memory less the model's bf16 weights (at
     least 256) on a CUDA host, 64 on a CPU host. `looprl run` resolves its generators' keys
-    itself (what its learner leaves: pipeline.device_defaults)."""
+    itself (what its learner leaves: pipeline.config.device)."""
     if AUTO not in (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight):
         return cfg, []
     host = host or Host.here()

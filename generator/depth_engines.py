@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from models.exits import FixedDepth
-from proto import WorkItem
+from proto.records import WorkItem
 from weights.verified import VerifiedWeights
 
 
 class DepthEngines:
-    """The Engine protocol (generator.protocols.Engine) over a main engine plus one engine per
+    """The Engine protocol (generator.collaborators.Engine) over a main engine plus one engine per
     extra fixed eval depth; see the module doc."""
 
     def __init__(self, main: Any, build: Callable[[int], Any], *, looped: bool = True,

@@ -41,10 +41,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from generator.collaborators import Connection, Engine, ToRollouts
+from generator.lane import Lane
 from generator.outbox import Outbox
-from generator.protocols import Connection, Engine, Lane, ToRollouts
 from generator.reward_runner import RewardRunner
-from proto import (
+from proto.records import (
     Ack,
     ErrorMsg,
     Goodbye,

@@ -1,6 +1,6 @@
 """The multi-turn driver: every sample of a work item is one conversation with an environment.
 
-``MultiTurnEngine(engine, env, renderer, ...)`` is an Engine (generator.protocols) around the
+``MultiTurnEngine(engine, env, renderer, ...)`` is an Engine (generator.collaborators) around the
 LoopedEngine or TorchEngine: ``generate(items)`` returns, per item and latent seed, one
 Sample holding the whole conversation after the first prompt (the multi-turn wire
 contract: `Rollout.token_mask`), in rounds::

@@ -13,8 +13,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from generator.protocols import Connection
-from proto import Ack, Nack, Rollout, RolloutBatch
+from generator.collaborators import Connection
+from proto.records import Ack, Nack, Rollout, RolloutBatch
 
 log = logging.getLogger("generator.loop")  # its lines are the generator loop's
 

@@ -9,14 +9,14 @@ Order of calls in a training step (learner.trainer.Trainer.step):
 
 Layout. Rollouts are sorted by (work_id, sample_index, rollout_id), so the batch and every
 slice of it are independent of arrival order (replay of a recorded stream is bit-exact).
-The rows are models.rows' layout (input_ids, targets, mask, exit_depths = its depths,
+The rows are models.token_rows' layout (input_ids, targets, mask, exit_depths = its depths,
 seq_lens, prompt_lens), plus, per token:
 
     position_ids[b, p]  p                            (continues on padding)
     behav_logp[b, p]    rollout.logprobs[t] at p = P-1+t (0 elsewhere)
     token_rewards[b, p] the reward at the last response token (of a conversation: its last
                         model token), 0 elsewhere
-`mask` is models.rows' loss_mask: the response positions whose tokens the model sampled
+`mask` is models.token_rows' loss_mask: the response positions whose tokens the model sampled
 (a conversation's environment tokens, Rollout.token_mask 0, are out of it: no loss, no
 log-prob check, no token count; they are replayed at full depth like prompt positions).
 Per row: latent_seeds (int64 holding the uint64 bit pattern), group_ids (index of the
@@ -24,10 +24,10 @@ work item in sorted order), rewards, weight_versions (rollout.weight_version), s
 (P + T - 1, or P for an empty response), prompt_lens, truncated (finish_reason "length").
 
 Packed micro-batches (learner.max_tokens_per_micro): the step cuts rows into micro-batches of at
-most that many positions (models.rows.micro_spans) and marks them ``packed``; the micro-batch
+most that many positions (models.token_rows.micro_spans) and marks them ``packed``; the micro-batch
 keeps this padded [B, L] layout for everything the step computes (losses, advantages,
-metrics), and a policy whose forward packs (learner.specs.looped_policy_spec) feeds the model
-`packed_inputs(mb)`: the rows end to end in one row (models.rows.pack_rows), then spreads the
+metrics), and a policy whose forward packs (learner.model_specs.looped_policy_spec) feeds the model
+`packed_inputs(mb)`: the rows end to end in one row (models.token_rows.pack_rows), then spreads the
 outputs back (`PackedInputs.unpack`).
 """
 
@@ -50,8 +50,15 @@ from learner.advantages import (
     rloo_advantages,
     whiten_tokens,
 )
-from models.contract import seed_from_i64, seed_to_i64
-from models.rows import PAD_DEPTH, pack_order, pack_rows, response_slice, token_rows, token_shares
+from models.seeds import seed_from_i64, seed_to_i64
+from models.token_rows import (
+    PAD_DEPTH,
+    pack_order,
+    pack_rows,
+    response_slice,
+    token_rows,
+    token_shares,
+)
 from proto.records import Rollout
 
 __all__ = [
@@ -66,7 +73,6 @@ __all__ = [
     "rank_cuts",
     "sort_rollouts",
     "step_advantages",
-    "uint64_to_int64",
 ]
 
 _TOKEN_FIELDS = (
@@ -87,9 +93,6 @@ _ROW_FIELDS = (
     "prompt_lens",
     "truncated",
 )
-
-
-uint64_to_int64 = seed_to_i64  # models.contract owns the wrap (kept name: learner API)
 
 
 @dataclasses.dataclass
@@ -182,7 +185,7 @@ class TrainBatch:
 
 @dataclasses.dataclass(frozen=True)
 class PackedInputs:
-    """A micro-batch's model inputs in the packed layout (models.rows.pack_rows): one row of N
+    """A micro-batch's model inputs in the packed layout (models.token_rows.pack_rows): one row of N
     positions, [1, N] each, on the micro-batch's device."""
 
     input_ids: Tensor
@@ -214,7 +217,7 @@ class PackedInputs:
 
 
 def packed_inputs(mb: TrainBatch) -> PackedInputs:
-    """`mb`'s rows end to end (module docstring; models.rows.pack_rows)."""
+    """`mb`'s rows end to end (module docstring; models.token_rows.pack_rows)."""
     dev = mb.input_ids.device
     lay = pack_rows(mb.seq_lens.cpu().numpy(), mb.length, pad_to_multiple=mb.pack_multiple)
     index = torch.from_numpy(lay.index).to(dev)
@@ -297,7 +300,7 @@ def build_batch(rollouts: Sequence[Rollout], *, pad_to_multiple: int = 1) -> Tra
             if exit_behav is not None and r.exit_logprobs is not None:
                 exit_behav[i, response_slice(p, t)] = r.exit_logprobs
         group_ids.append(groups.setdefault(r.work_id, len(groups)))
-        seeds.append(uint64_to_int64(int(r.latent_seed)))
+        seeds.append(seed_to_i64(int(r.latent_seed)))
         rewards.append(float(r.reward))  # type: ignore[arg-type]
         versions.append(int(r.weight_version))
     extra = {} if exit_behav is None else {"exit_behav": torch.from_numpy(exit_behav)}
@@ -470,8 +473,8 @@ def local_rows(batch: TrainBatch, g: int, ranks: int, rank: int,
 
 def pack_updates(batch: TrainBatch, g: int, ranks: int, budget: int) -> TrainBatch:
     """Packed micro-batches (``budget`` = max_tokens_per_micro > 0): every rank's share of
-    every update reordered so that its consecutive token spans (models.rows.micro_spans) are
-    first-fit-decreasing bins (models.rows.pack_order): fewer, fuller micro-batches than in
+    every update reordered so that its consecutive token spans (models.token_rows.micro_spans) are
+    first-fit-decreasing bins (models.token_rows.pack_order): fewer, fuller micro-batches than in
     training order (the same set of rows per update and per rank; every rank reorders every
     share alike, so per-row results keep one index on all ranks). ``batch`` itself when
     ``budget`` is 0 or nothing moves."""

@@ -18,7 +18,8 @@ from typing import Any
 from learner.objective_config import (
     ObjectiveConfig,
 )
-from models.contract import NUMERICS, Sampling
+from models.numerics import MODES
+from models.sampling import Sampling
 from models.settings import check, checker
 
 __all__ = [
@@ -35,7 +36,7 @@ OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
 AUTO = "auto"
-"""A key chosen for the host at start (pipeline.device_defaults)."""
+"""A key chosen for the host at start (pipeline.config.device)."""
 DEFAULT_VOCAB_CHUNK = 4096
 """Vocabulary slice width of the token statistics: 256 tokens x 4096 columns x 4 B = 4 MiB."""
 
@@ -148,7 +149,7 @@ class ScheduleConfig:
 
 def _chosen(value: Any, key: str) -> Any:
     if value == AUTO:
-        raise ValueError(f"{key}=auto was not resolved (pipeline.device_defaults does it when "
+        raise ValueError(f"{key}=auto was not resolved (pipeline.config.device does it when "
                          "a run config is built)")  # fmt: skip
     return value
 
@@ -161,7 +162,7 @@ class LearnerConfig:
     precision: str = "auto"
     """fp32, or bf16: bf16 weights/activations, fp32 main weights, grads and Adam state; auto:
     bf16 for a megatron learner on a CUDA host with numerics fast, else fp32
-    (pipeline.device_defaults, resolved once and recorded for replay)."""
+    (pipeline.config.device, resolved once and recorded for replay)."""
     backprop_depth: int = -1
     """Core iterations with gradient per token: -1 the checkpoint's mean_backprop_depth, 0 all."""
     micro_batch_size: int = 0
@@ -240,7 +241,7 @@ class TrainConfig:
     """The run's numerics: exact computes the token statistics as the contract defines them
     (models.reference.behaviour_logprobs in exact mode), the reference backend's operations."""
     fused_token_stats: bool = True
-    """CUDA logits go through the fused Triton token-stats kernel (learner.triton_token_stats;
+    """CUDA logits go through the fused Triton token-stats kernel (learner.kernels.token_stats;
     the PyTorch path elsewhere); False: always the PyTorch path (exact numerics)."""
     exit_min_depth: int | None = None
     """A sampled exit (models.exits.SampledGate): its min_depth, so the policy's forwards also
@@ -262,7 +263,7 @@ class TrainConfig:
         need(self.max_tokens_per_micro >= 0, "max_tokens_per_micro", "must be >= 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.vocab_chunk >= 1, "vocab_chunk", "must be >= 1")
-        need(self.numerics in NUMERICS, "numerics", f"must be one of {NUMERICS}")
+        need(self.numerics in MODES, "numerics", f"must be one of {MODES}")
         need(self.exit_min_depth is None or self.exit_min_depth >= 1, "exit_min_depth",
              "must be None or >= 1")  # fmt: skip
         need(self.exit_min_depth is not None or not (self.objective.exit_coef > 0

@@ -1,4 +1,4 @@
-"""Hugging Face state dicts <-> the TP shards of `learner.mcore_model.LoopedGPT`.
+"""Hugging Face state dicts <-> the TP shards of `learner.megatron.model.LoopedGPT`.
 
 `load_hf_state(model, hf_state)` copies full HF tensors (the family's official names, as
 `models.checkpoint.load_checkpoint` returns them) into this rank's shards;
@@ -7,7 +7,7 @@ dict on every rank (`grads=True`: the same for the parameters' gradients). Round
 exact at any TP size; tied embeddings come back as one tensor under both names; Huginn's fp32
 `freqs_cis` buffer is carried as is.
 
-Layouts (see `learner.mcore_layers`):
+Layouts (see `learner.megatron.layers`):
 
 | kind  | megatron local shard on rank r of tp                                        |
 |-------|-----------------------------------------------------------------------------|
@@ -37,7 +37,7 @@ from models.errors import CheckpointError
 
 
 class LoopedGPT(Protocol):
-    """What the conversion reads of a `learner.mcore_model.LoopedGPT` (a protocol here: that
+    """What the conversion reads of a `learner.megatron.model.LoopedGPT` (a protocol here: that
     module imports this one to load HF states, not the other way round)."""
 
     @property

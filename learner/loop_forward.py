@@ -86,12 +86,12 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
 
 def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor]:
     """A sampled exit's forward (TrainConfig.exit_min_depth; learner.objectives.exit_term):
-    the policy forward of `learner.specs.looped_policy_spec` ({"mask_logits": [N, V]}) plus
+    the policy forward of `learner.model_specs.looped_policy_spec` ({"mask_logits": [N, V]}) plus
     each response token's exit log-prob and exit entropy [B, L] from the gate logit after
     every core iteration it ran (LoopedGPT.forward's loop_fn), summed per token in iteration
     order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
     models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit."""
-    from learner.specs import _valid
+    from learner.model_specs import _valid
 
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)

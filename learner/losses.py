@@ -17,8 +17,6 @@ from torch import Tensor
 from learner.objective_config import AGGREGATIONS, KL_CAP_DEFAULT, KL_ESTIMATORS, LENGTH_NORMED
 
 __all__ = [
-    "AGGREGATIONS",
-    "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
     "ClippedSurrogate",
     "aggregate",

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from learner.cpu_compat import apply_cpu_compat
+from learner.megatron.cpu import apply_cpu_compat
 
 __all__ = ["DistributedInfo", "destroy_distributed", "free_port", "init_distributed"]
 

@@ -66,7 +66,7 @@ A collective over the tensor-parallel group."""
 
 
 def looped_exporter(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
-    """HF state of a `learner.mcore_model.LoopedGPT` (`gather_hf_state`) and its buffers."""
+    """HF state of a `learner.megatron.model.LoopedGPT` (`gather_hf_state`) and its buffers."""
     from learner.hf_convert import conversion_rules, gather_hf_state
 
     params = {n for n, _ in model.named_parameters()}

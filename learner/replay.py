@@ -36,12 +36,12 @@ import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
-from learner.mcore_model import LoopedGPT, _seed_tensor
+from learner.megatron.model import LoopedGPT, _seed_tensor
 from learner.vocab_ops import token_stats
 from models import numerics as nx
-from models.contract import full_depth
+from models.depths import full_depth
 from models.reference import ReplayItem, ReplayResult, behaviour_logprobs, entropy
-from models.rows import token_rows
+from models.token_rows import token_rows
 from proto.records import MAX_DEPTH
 
 __all__ = [
@@ -65,7 +65,7 @@ class ReplayBatch:
     targets: Tensor
     """[B, S] int64 the token each position predicts (completion tokens where loss_mask)."""
     depths: Tensor
-    """[B, S] int64 core iterations per position (models.rows: PAD_DEPTH on padding)."""
+    """[B, S] int64 core iterations per position (models.token_rows: PAD_DEPTH on padding)."""
     valid: Tensor
     """[B, S] bool real positions (a prefix of each row)."""
     loss_mask: Tensor

@@ -63,22 +63,17 @@ from learner.batching import (
 )
 from learner.config import TrainConfig
 from learner.losses import kl_penalty
-from learner.objectives import (
-    LossBatch,
-    ValueBatch,
-    behaviour_weighted,
-    policy_loss,
-    rollout_correction,
-    value_loss,
-)
+from learner.objectives import behaviour_weighted, policy_loss, value_loss
+from learner.objectives.batch import LossBatch, ValueBatch
+from learner.objectives.correction import rollout_correction
 from learner.objectives.loops import (
     LearnedLoopWeights,
     loop_weights,
     response_depths,
     row_full_depths,
 )
+from learner.policy import Net, Policy
 from learner.shaping import depth_fraction, penalise_kl, shape_rollouts
-from learner.step_api import Net, Policy
 from learner.step_metrics import (
     StepMetrics,
     exit_mismatch,
@@ -86,10 +81,10 @@ from learner.step_metrics import (
     record_value,
     row_mismatch,
 )
-from models.rows import micro_spans
+from models.token_rows import micro_spans
 from proto.records import Rollout
 
-__all__ = ["LearnerStep"]  # the interface it drives: learner.step_api
+__all__ = ["LearnerStep"]  # the interface it drives: learner.policy
 
 Rows = list[tuple[int, int, int, int]]
 """Per mini-batch: (global start, global stop, this rank's start, stop) in the sorted batch."""
@@ -162,7 +157,7 @@ class LearnerStep:
     def _micro(self, batch: TrainBatch, lo: int, hi: int) -> Iterator[tuple[int, TrainBatch]]:
         """(first row, micro-batch on the policy's device) over rows [lo, hi): micro_batch_size
         rows each, or with max_tokens_per_micro consecutive rows of at most that many tokens
-        (models.rows.micro_spans), marked packed (learner.batching.packed_inputs)."""
+        (models.token_rows.micro_spans), marked packed (learner.batching.packed_inputs)."""
         mbs, pad, budget = (
             self.cfg.micro_batch_size,
             self.cfg.pad_to_multiple,

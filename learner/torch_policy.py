@@ -1,4 +1,4 @@
-"""learner.step_api.Policy in plain PyTorch: the models.reference forward
+"""learner.policy.Policy in plain PyTorch: the models.reference forward
 (models.engine.chunk.run_chunk replaying each row's latent seed and exit depths) and torch
 optimizers.
 
@@ -12,7 +12,7 @@ backend for CPU runs (same inputs, same thread count -> the same bits: `looprl r
   there: learner.network.exact_l2_norm / exact_clip_coeff), the n-th applied update at
   ScheduleConfig.lr_at(n); a non-finite loss or norm skips the update (megatron's found-inf).
 - The critic: a copy of the starting checkpoint's trunk with a zero-initialised value head
-  Linear(hidden -> 1) in place of the LM head (learner.mcore_model.build_critic's
+  Linear(hidden -> 1) in place of the LM head (learner.megatron.model.build_critic's
   counterpart), its own optimizer (optimizer.critic_lr) and clip.
 - Token statistics: learner.vocab_ops.contract_token_stats, the contract's own operations, in
   both numerics.
@@ -40,7 +40,7 @@ from learner.objectives.loops import (
     spread,
     tap,
 )
-from learner.step_api import DataParallel
+from learner.policy import DataParallel
 from learner.vocab_ops import contract_token_stats
 from models import numerics as nx
 from models.base import LoopedLM
@@ -60,7 +60,7 @@ def make_optimizer(params: Iterable[Any], p: OptimConfig) -> torch.optim.Optimiz
 
 
 class TorchNet:
-    """learner.step_api.Net on a torch optimizer (module docstring)."""
+    """learner.policy.Net on a torch optimizer (module docstring)."""
 
     def __init__(self, module: nn.Module, optim: OptimConfig, schedule: ScheduleConfig, *,
                  exact: bool = False) -> None:  # fmt: skip
@@ -123,7 +123,7 @@ class TorchCritic(nn.Module):
 
 
 class TorchPolicy:
-    """learner.step_api.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
+    """learner.policy.Policy on models.engine.chunk (module docstring). ``kv``: the run's exit KV
     semantics (models.exits.resolve_kv); ``critic``: a trunk for the critic (the starting
     checkpoint's, loaded again), ``reference``: the frozen reference policy of
     objective.kl_coef."""
@@ -175,7 +175,7 @@ class TorchPolicy:
         """(logits [B, L, V], hidden [B, L, H]) at every input position of the micro-batch's
         rows, each row at its recorded depths (or ``depths``) with its latent seed (full depth:
         its deepest position: the prompt's D, docs/CONTRACTS.md 2; with a one-token prompt a
-        smaller one, which no read-out depends on: learner.mcore_model's rule)."""
+        smaller one, which no read-out depends on: learner.megatron.model's rule)."""
         depths = mb.exit_depths if depths is None else depths
         valid = mb.position_ids < mb.seq_lens[:, None]
         full = [int(d) for d in torch.where(valid, depths, 0).amax(dim=1).tolist()]

@@ -19,7 +19,7 @@ every-rank finiteness check), the data-parallel group, and the token statistics 
 operations in exact numerics).
 
 The model hides behind `PolicySpec` / `CriticSpec` (build + forward): the looped families of
-learner/mcore_model.py (`looped_policy_spec`) and a plain megatron GPTModel plug in alike.
+learner/megatron/model.py (`looped_policy_spec`) and a plain megatron GPTModel plug in alike.
 """
 
 from __future__ import annotations
@@ -29,17 +29,14 @@ from torch import Tensor, nn
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
+from learner.kernels.token_stats import token_stats_auto
 from learner.loop_forward import exit_forward, loop_forward
+from learner.model_specs import CriticSpec, PolicySpec
 from learner.network import Network, seed_all
 from learner.objectives.loops import check_gate
+from learner.policy import DataParallel
 from learner.replay import unwrap
-from learner.specs import (
-    CriticSpec,
-    PolicySpec,
-)
 from learner.step import LearnerStep
-from learner.step_api import DataParallel
-from learner.triton_token_stats import token_stats_auto
 from learner.vocab_ops import contract_token_stats, nucleus_rows, token_stats
 
 __all__ = [
@@ -49,7 +46,7 @@ __all__ = [
 
 
 class MegatronPolicy:
-    """learner.step_api.Policy on megatron-core: the policy (and critic) as `Network`s (Megatron
+    """learner.policy.Policy on megatron-core: the policy (and critic) as `Network`s (Megatron
     DDP + optimizer + LR schedule), forwarded through their `PolicySpec` / `CriticSpec`."""
 
     def __init__(

@@ -42,10 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from learner.config import DEFAULT_VOCAB_CHUNK
 
-__all__ = ["DEFAULT_CHUNK", "TokenStats", "contract_token_stats", "token_stats"]
-
-DEFAULT_CHUNK = DEFAULT_VOCAB_CHUNK
-"""Default vocabulary slice width (learner.config owns it): 256 tokens x 4096 columns x 4 bytes = 4 MiB per temporary."""
+__all__ = ["TokenStats", "contract_token_stats", "token_stats"]
 
 
 class TokenStats(NamedTuple):
@@ -180,7 +177,7 @@ def token_stats(
     logits_old: Tensor | None,
     targets: Tensor,
     temperature: float = 1.0,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> TokenStats:
     """Selected log-prob, entropy and exact KL(old || new) per token, in vocabulary chunks.
 

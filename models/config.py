@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from models.errors import ConfigError
-from models.hf_config import HF_BOOKKEEPING_KEYS, HFConfig
+from models.hf_config import HFConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,7 +429,6 @@ def tiny_config(family: str) -> ModelConfig:
 
 __all__ = [
     "CONFIG_CLASSES",
-    "HF_BOOKKEEPING_KEYS",
     "HuginnConfig",
     "LlamaConfig",
     "ModelConfig",

@@ -4,7 +4,8 @@
 class ConfigError(ValueError):
     """A configuration is invalid: a model's config.json, a run config, a generator config or
     a command-line setting; the message names the key and what is expected. The one
-    ConfigError of the project (pipeline.config and generator.config re-export it)."""
+    ConfigError of the project: every config loader raises it (models.settings, learner.config,
+    generator.config, pipeline.config)."""
 
 
 class CheckpointError(ValueError):

@@ -290,17 +290,12 @@ def policy_kind(policy: ExitPolicy) -> str:
 def policy_to_dict(policy: ExitPolicy | None) -> dict[str, Any] | None:
     """The mapping form of an exit policy (None for None): {"kind": `policy_kind`, **its
     fields}, as rollout.exit_policy writes it; what crosses a process boundary (the
-    --exit-policy flag as its JSON, vLLM's additional_config, the learner's Welcome), read back
+    --exit-policy flag as its JSON, vLLM's additional_config, the learner's Welcome.exit_policy), read
+    back
     by `parse_policy`."""
     if policy is None:
         return None
     return {"kind": policy_kind(policy), **dataclasses.asdict(policy)}
-
-
-def policy_json(policy: ExitPolicy | None) -> str:
-    """Canonical JSON of `policy` ('' for None): equal strings = equal policies."""
-    d = policy_to_dict(policy)
-    return "" if d is None else json.dumps(d, sort_keys=True)
 
 
 def policy_from_dict(d: Mapping[str, Any] | None) -> ExitPolicy | None:
@@ -324,7 +319,7 @@ def policy_from_dict(d: Mapping[str, Any] | None) -> ExitPolicy | None:
 def parse_policy(value: ExitPolicy | Mapping[str, Any] | str | None) -> ExitPolicy | None:
     """The exit policy `value` states, whatever form it came in: a policy (returned as is),
     `policy_to_dict`'s mapping, that mapping as JSON or YAML text (a command line; the Welcome
-    of learners that sent it as canonical JSON), or None / '' / {} (full depth: None).
+    of a learner before protocol 1.8, which sent it as canonical JSON), or None / '' / {} (full depth: None).
     ValueError (or TypeError for a field of the wrong type) naming what is wrong."""
     if value is None or isinstance(value, ExitPolicy):
         return value
@@ -478,7 +473,6 @@ __all__ = [
     "FixedDepth",
     "KV_MODES",
     "LatentDiff",
-    "MAX_DEPTH",
     "OuroGate",
     "SampledGate",
     "StepInfo",
@@ -491,7 +485,6 @@ __all__ = [
     "needs_logits",
     "parse_policy",
     "policy_from_dict",
-    "policy_json",
     "policy_kind",
     "policy_to_dict",
     "resolve_kv",

@@ -54,9 +54,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.contract import U64_MAX as MASK64  # the contract owns the seed range and the wrap
-from models.contract import check_latent_seed as _u64
-from models.contract import seed_to_i64 as _i64
+from models.seeds import check_latent_seed as _u64
+from models.seeds import seed_to_i64 as _i64
+from proto.schema import U64_MAX as MASK64  # the wire format owns the 64-bit range
 
 GOLDEN = 0x9E3779B97F4A7C15
 NOISE_DOMAIN = 0x4C4F4F50524C4E5A

@@ -48,11 +48,10 @@ from torch import Tensor
 from models import numerics as nx
 from models.base import LoopedLM
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, NanbeigeConfig, OuroConfig
-from models.contract import check_latent_seed, full_depth
+from models.depths import full_depth
 from models.engine.chunk import KVCache, run_chunk
 from models.engine.graph import GraphDecoder
 from models.exits import (
-    MAX_DEPTH,
     ExitPolicy,
     FixedDepth,
     SampledGate,
@@ -62,8 +61,10 @@ from models.exits import (
     resolve_max_depth,
     token0_follows_policy,
 )
-from models.rows import response_slice, token_rows
 from models.sampling import draw
+from models.seeds import check_latent_seed
+from models.token_rows import response_slice, token_rows
+from proto.records import MAX_DEPTH
 
 SAMPLING_SALT = 0x5341_4D50_4C45_5253  # b"SAMPLERS"
 _MASK64 = (1 << 64) - 1

@@ -1,4 +1,7 @@
-"""The sampler's random numbers: counter-based, one batched draw for every row of a step.
+"""How a token is sampled: the distribution (``Sampling``, docs/CONTRACTS.md 4: temperature and
+top_p, which the generator samples with and the learner renormalises with; the run's rollout
+section is one) and the sampler's random numbers: counter-based, one batched draw for every row
+of a step.
 
 A completion's token t is drawn by the Gumbel/exponential race over the distribution actually
 sampled from (models.reference.behaviour_logprobs: lp, fp32 [V])::
@@ -22,17 +25,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from models import numerics as nx
-from models.contract import seed_to_i64 as _i64
 from models.noise import GOLDEN, _mix_t, _srl
+from models.seeds import seed_to_i64 as _i64
+from models.settings import check
 
 _log = logging.getLogger(__name__)
 
 SAMPLE_DOMAIN = 0x4558_5053_414D_504C  # b"EXPSAMPL"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the generator samples a token (contract 4); the learner renormalises the same way."""
+
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the objective uses the same."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]: the learner renormalises over the same nucleus."""
+
+    def __post_init__(self) -> None:
+        check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
 
 
 def exponentials(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
@@ -121,4 +140,4 @@ def draw(
     return [int(t) for t in draw_tensor(lp, keys, steps, greedy).tolist()]
 
 
-__all__ = ["SAMPLE_DOMAIN", "draw", "draw_keys", "draw_tensor", "exponentials"]
+__all__ = ["SAMPLE_DOMAIN", "Sampling", "draw", "draw_keys", "draw_tensor", "exponentials"]

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from models.init import SIZES, init_checkpoint
+from models.random_init import SIZES, init_checkpoint
 from pipeline.commands.evaluation import add_parser as add_eval_parser
 from pipeline.commands.generator_cli import add_parser as add_generator_parser
 from pipeline.commands.keys_cli import add_parser as add_keys_parser

@@ -18,7 +18,7 @@ Decompression bombs: a zstd body is decompressed only if it is one standard zstd
 in one piece (``max_output_size`` only matters for frames without one, which are refused),
 and zstd stops at that size, so decoding one frame allocates at most ``max_message_bytes``
 for its body however the bytes claim otherwise. A receiver sets ``max_message_bytes`` to its
-frame limit (pipeline.net.transport), so a body costs at most its frame limit in memory,
+frame limit (pipeline.net.transport.session), so a body costs at most its frame limit in memory,
 compressed or not, and the lists and maps msgpack builds from it at most twice that
 (:class:`_ObjectBudget`); ``encode`` refuses a body its own limit would refuse.
 

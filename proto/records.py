@@ -59,6 +59,11 @@ class Welcome:
     weight_version: the version the generator must load before serving work.
     heartbeat_interval_s: how often both sides send Heartbeat (s).
     settings: run-wide generator settings (scalars only), e.g. numerics mode.
+    exit_policy (1.8): the run's exit policy, models.exits.policy_to_dict's map: "kind" and the
+    policy's fields (numbers, strings or None), e.g. {"kind": "ouro_gate", "q": 0.8, "kv":
+    "full", ...}; {} = none (every token at the full depth). None: not stated (a learner before
+    1.8, which stated it as JSON text in settings["exit_policy"]). The generator parses it
+    (models.exits.parse_policy) and refuses to serve another policy than its own.
     """
 
     run_id: str
@@ -66,6 +71,7 @@ class Welcome:
     weight_version: int
     heartbeat_interval_s: float
     settings: dict[str, Scalar] = field(default_factory=dict)
+    exit_policy: dict[str, Scalar] | None = None
 
     def validate(self) -> None:
         _need(self.heartbeat_interval_s > 0, "welcome.heartbeat_interval_s: must be > 0")

@@ -20,8 +20,8 @@ def tables() -> dict[tuple[str, str], str]:
     """{(doc file, marker name): its generated table}."""
     from generator.config import GeneratorConfig
     from models.settings import reference_table
-    from pipeline.config import RunConfig
-    from pipeline.config_sections import RUN_MANAGED
+    from pipeline.config.run import RunConfig
+    from pipeline.config.sections import RUN_MANAGED
 
     managed = {f"generators.{k}": f"(set by `looprl run` from {v}; refused here)"
                for k, v in RUN_MANAGED.items()}  # fmt: skip

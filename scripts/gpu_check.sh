@@ -34,8 +34,8 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 if has tests; then
     timeout "${T_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider \
-        tests/learner/test_device_noise.py tests/learner/test_triton_noise.py \
-        tests/learner/test_backprop_depth.py tests/learner/test_triton_token_stats.py \
+        tests/learner/test_device_noise.py tests/learner/test_kernels_noise.py \
+        tests/learner/test_backprop_depth.py tests/learner/test_kernels_token_stats.py \
         tests/models/test_sampling.py -rA 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 40 | tee "$LOG/tests.txt"
 fi

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proto import WeightAnnounce
+from proto.records import WeightAnnounce
 from weights.digest import (
     TREE,
     Digest,

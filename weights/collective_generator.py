@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from proto import Ack, Nack, WeightAnnounce
+from proto.records import Ack, Nack, WeightAnnounce
 from weights import collective as coll
 from weights.check import WeightsRefused
 from weights.receiver import GeneratorSide, Receiver

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto import Nack
+from proto.records import Nack
 from proto.schema import Scalar
 from weights import collective as coll
 from weights.publisher import LearnerSide, PublishSettings, WeightPublisher

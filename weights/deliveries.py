@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proto import WeightAnnounce
+from proto.records import WeightAnnounce
 
 INITIAL_VERSION = 0
 """The starting checkpoint's version: every generator may serve it without a delivery."""

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk
+from proto.records import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk
 from weights.check import WeightsRefused
 from weights.digest import FLAT, TREE, Digest, check_kind, num_chunks, weights_digest
 from weights.publication import Publication

@@ -46,7 +46,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proto import Ack, ErrorMsg, Nack, WeightAnnounce, WeightChunk
+from proto.records import Ack, ErrorMsg, Nack, WeightAnnounce, WeightChunk
 from weights.check import PieceCheck, WeightsRefused, check_digest, tensors_of
 from weights.digest import TREE
 from weights.verified import VerifiedWeights
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 class GeneratorSide(Protocol):
-    """The generator's connection as a receiver replies through it (generator.protocols)."""
+    """The generator's connection as a receiver replies through it (generator.collaborators)."""
 
     def send(self, record: Any, *, channel: Any = ...) -> bool: ...
 

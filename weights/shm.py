@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from models.pool import hash_pool
-from proto import WeightAnnounce
+from proto.records import WeightAnnounce
 from weights.check import WeightsRefused, check_blob, check_digest
 from weights.digest import TREE, Digest, blob_head, check_kind, state_from_blob, tree_of
 from weights.publication import Publication

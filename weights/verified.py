@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from models.checkpoint import load_checkpoint
-from proto import WeightAnnounce
+from proto.records import WeightAnnounce
 from weights.check import WeightsRefused, check_blob
 from weights.digest import digest_of_state, state_from_blob
 from weights.shm import load_mapped, load_staged, mapped_copy

@@ -499,4 +499,4 @@ class TorchEngine(TorchWeights):
             torch.cuda.empty_cache()
 
 
-__all__ = ["ENGINES", "TorchEngine", "check_engine"]
+__all__ = ["TorchEngine", "check_engine"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from models.contract import check_latent_seed
+from models.seeds import check_latent_seed
 
 _RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("looprl_runner", default=None)
 _HOOK_ATTR = "_looprl_hooked"

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from learner.config import DEFAULT_VOCAB_CHUNK
 from learner.losses import (
     aggregate,
     masked_mean,
@@ -43,22 +44,13 @@ from learner.objectives.batch import LossBatch, Tokens, ValueBatch
 from learner.objectives.correction import Correction, rollout_correction
 from learner.objectives.exit_term import exit_term, uses_exit_term
 from learner.objectives.kind import Kind, Metrics, Term
-from learner.vocab_ops import DEFAULT_CHUNK, token_stats
+from learner.vocab_ops import token_stats
 
 __all__ = [
-    "KINDS",
     "KIND_REGISTRY",
     "TERMS",
-    "Correction",
-    "Kind",
-    "LossBatch",
-    "ObjectiveConfig",
-    "Term",
-    "Tokens",
-    "ValueBatch",
     "behaviour_weighted",
     "policy_loss",
-    "rollout_correction",
     "value_loss",
 ]
 
@@ -351,7 +343,7 @@ def _loop_policy_loss(
             prox_logp=None if prox is None else prox[..., k],
             ref_logp=None if ref is None else ref[..., k], normalizer=lb.normalizer,
         )  # fmt: skip
-        tok, _ = _tokens(cfg, kind, part, 1.0, DEFAULT_CHUNK, correction=corr)
+        tok, _ = _tokens(cfg, kind, part, 1.0, DEFAULT_VOCAB_CHUNK, correction=corr)
         m: Metrics = {}
         pg_k, total_k, _ = _token_loss(cfg, kind, tok, corr, m, lb.normalizer)
         pg, total = pg + wk * pg_k, total + wk * total_k
@@ -389,7 +381,7 @@ def policy_loss(
     batch: LossBatch | Mapping[str, Any],
     *,
     temperature: float = 1.0,
-    vocab_chunk: int = DEFAULT_CHUNK,
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> tuple[Tensor, dict[str, float]]:
     """Policy loss of `cfg.kind` over a (micro-)batch (``temperature`` and ``vocab_chunk``: of
     the token statistics of batch logits); a mapping is read as `LossBatch.of(batch)`.

@@ -20,7 +20,7 @@ from generator.rewards import synthetic_task_prompts
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
 from models.errors import ConfigError
 from models.exits import SampledGate
-from pipeline.config import RunConfig
+from pipeline.config.run import RunConfig
 
 __all__ = [
     "MICRO_BATCH_TOKENS", "check_reference", "critic_optim", "micro_batch_size", "row_tokens",

@@ -24,17 +24,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from learner import checkpoint as learner_checkpoint
-from learner.mcore_model import MegatronOptions
+from learner.megatron.options import MegatronOptions
+from learner.model_specs import looped_critic_spec, looped_policy_spec
 from learner.parallel import destroy_distributed, init_distributed
 from learner.publish import looped_exporter, snapshot_publication
-from learner.specs import looped_critic_spec, looped_policy_spec
 from learner.trainer import Trainer
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
-from pipeline.config import RunConfig
-from proto import Rollout
+from pipeline.config.run import RunConfig
+from proto.records import Rollout
 from weights.publication import Publication
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class MegatronTrainer:
     ) -> StepResult:  # fmt: skip
         """learner.step's step; ``logp_bounds``: its verified rollouts (a rollout over its
         bound refuses the step before any update: ``StepResult.refused``)."""
-        # policy keep requires objective.is_cap (pipeline.config), applied to every rollout
+        # policy keep requires objective.is_cap (pipeline.config.run), applied to every rollout
         out = dict(self.trainer.step(list(rollouts), logp_bounds=logp_bounds))
         # per rollout: the numerics mismatch (the coordinator's fresh-rollout metric, its checks)
         mismatch = [m if m >= 0 else float("nan") for m in self.trainer.last_mismatch]

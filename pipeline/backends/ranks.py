@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.backends.results import SnapshotResult, StepResult
-from proto import Codec, Rollout, RolloutBatch
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
 
 
 def _device() -> Any:

@@ -35,8 +35,8 @@ from models.exits import resolve_kv
 from models.ties import detached_copy, tied_from_module
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
-from pipeline.config import RunConfig
-from proto import Rollout
+from pipeline.config.run import RunConfig
+from proto.records import Rollout
 from weights.digest import check_finite
 from weights.publication import Publication
 

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.backends.results import SnapshotResult, StepResult
-from pipeline.config import RunConfig
-from proto import Rollout
+from pipeline.config.run import RunConfig
+from proto.records import Rollout
 from weights.publication import Publication
 
 log = logging.getLogger(__name__)

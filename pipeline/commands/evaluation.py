@@ -41,8 +41,8 @@ from models.errors import ConfigError
 from models.exits import ExitPolicy, FixedDepth
 from models.noise import derive_latent_seed
 from models.reference import SamplingParams, generate
-from pipeline.config import RunConfig, load_config
-from pipeline.config_sections import EvalSection
+from pipeline.config.run import RunConfig, load_config
+from pipeline.config.sections import EvalSection
 from pipeline.core.eval_rounds import check_depths, correct_of
 from pipeline.core.tasks import dataset_prompts, prompt_limit
 

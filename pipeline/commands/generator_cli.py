@@ -37,12 +37,11 @@ import zmq
 from tokenizers import Tokenizer
 from zmq.utils.monitor import recv_monitor_message
 
+from generator.collaborators import make_hello
 from generator.config import (
     DTYPES,
     LOG_LEVELS,
-    NUMERICS,
     REWARD_MODES,
-    ConfigError,
     GeneratorConfig,
     exit_policy_arg,
     field_docs,
@@ -54,17 +53,19 @@ from generator.engine import LoopedEngine, to_rollouts
 from generator.environments import resolve_environment
 from generator.health import HealthFile
 from generator.loop import FatalError, GeneratorLoop
-from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.chat import TEMPLATES
 from models.checkpoint import load_config as load_model_config
 from models.checkpoint import read_config
+from models.errors import ConfigError
 from models.exits import ExitPolicy, FixedDepth, parse_policy
+from models.numerics import MODES
 from pipeline.commands.generator_engine import StopOnFailedLoad, multi_turn
 from pipeline.net.security import ClientCurve, generator_id_for
-from pipeline.net.transport_config import ConnectTimeout, TransportConfig
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.transport.config import ConnectTimeout, TransportConfig
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
 from pipeline.net.untrusted import EscapeArgs
+from proto.records import Welcome
 from weights.transports import open_receiver
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ _FLAG_NAMES = {
     "connect_timeout_s": "--connect-timeout",
 }
 _CHOICES: dict[str, Sequence[str]] = {
-    "numerics": NUMERICS,
+    "numerics": MODES,
     "dtype": DTYPES,
     "reward_mode": REWARD_MODES,
     "log_level": LOG_LEVELS,
@@ -307,23 +308,26 @@ def probe_learner(
         ctx.term()
 
 
-def _check_welcome(numerics: str, policy: ExitPolicy | None = None) -> Callable[[Any], None]:
+def _check_welcome(numerics: str, policy: ExitPolicy | None = None) -> Callable[[Welcome], None]:
     """A Welcome check: the learner's numerics and exit policy must be this generator's
-    (``policy``, its parsed --exit-policy). The Welcome states the policy in
-    ``settings["exit_policy"]`` as `models.exits.policy_to_dict`'s mapping or, from older
-    learners, its canonical JSON; None or '' is full depth; a Welcome without it is not checked.
-    The parsed policies are compared, not their text."""
+    (``policy``, its parsed --exit-policy). The Welcome states the policy in ``exit_policy`` as
+    `models.exits.policy_to_dict`'s map ({}: full depth), parsed here once with
+    `models.exits.parse_policy`; a learner before protocol 1.8 stated it as canonical JSON in
+    ``settings["exit_policy"]`` ('': full depth), read the same way; a Welcome that states
+    neither is not checked. The parsed policies are compared, not their text."""
 
-    def check(welcome: Any) -> None:
+    def check(welcome: Welcome) -> None:
         want = welcome.settings.get("numerics")
         if want is not None and want != numerics:
             raise ValueError(
                 f"the learner runs numerics {want!r}, this generator {numerics!r} "
                 f"(restart it with --numerics {want})"
             )
-        if "exit_policy" not in welcome.settings:
-            return
-        stated = welcome.settings["exit_policy"]
+        stated: Any = welcome.exit_policy  # None: a learner before 1.8 (settings' text or none)
+        if stated is None:
+            if "exit_policy" not in welcome.settings:
+                return
+            stated = welcome.settings["exit_policy"]
         try:
             theirs = parse_policy(stated)
         except (ValueError, TypeError) as e:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class StopOnFailedLoad:
-    """The loop's engine (generator.protocols.Engine) around a LoopedEngine: the first weight
+    """The loop's engine (generator.collaborators.Engine) around a LoopedEngine: the first weight
     set that fails to load calls ``on_failure(line)`` (the loop's ``stop``) and re-raises.
 
     Why a generator stops rather than serving on: the learner sends only its newest version,

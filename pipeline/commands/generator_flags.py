@@ -3,7 +3,7 @@
 One mapping from the run config to a generator's settings, used by ``looprl run`` (the
 processes it starts) and by the learner (the command it prints for generators started by
 hand): the ``generators`` section's own keys, and the run-managed keys
-(``pipeline.config_sections.RUN_MANAGED``) taken from the sections that own them. The flags are
+(``pipeline.config.sections.RUN_MANAGED``) taken from the sections that own them. The flags are
 derived from the config class (``config_argv``: every key that differs from the
 ``GeneratorConfig`` default, under the name ``looprl generator`` parses), so parsing them back
 gives the same config (tests/configs/test_configs.py checks the round trip).
@@ -19,10 +19,10 @@ from typing import Any
 from generator.config import GeneratorConfig, exit_policy_arg
 from models.errors import ConfigError
 from pipeline.commands.generator_cli import flag_name
-from pipeline.config import RunConfig
-from pipeline.config_sections import RUN_MANAGED
+from pipeline.config.run import RunConfig
+from pipeline.config.sections import RUN_MANAGED
 from pipeline.net.security import generator_keys
-from pipeline.net.transport_config import TransportConfig
+from pipeline.net.transport.config import TransportConfig
 
 ALWAYS = ("learner", "weights_endpoint", "model", "reward", "numerics", "dtype")
 """Keys written even at their default: what a reader of the command line looks for first."""

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import ConfigError
-from pipeline import device_defaults
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
 from pipeline.commands.learner_stops import LearnerStopped
-from pipeline.config import RunConfig, load_config
+from pipeline.config import device as device_defaults
+from pipeline.config.run import RunConfig, load_config
 
 log = logging.getLogger(__name__)
 

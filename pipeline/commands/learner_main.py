@@ -41,8 +41,7 @@ from tqdm import tqdm
 
 from models.checkpoint import load_config as load_model_config
 from models.errors import ConfigError
-from models.init import init_checkpoint
-from pipeline import device_defaults
+from models.random_init import init_checkpoint
 from pipeline.backends.ranks import Leader, follow
 from pipeline.backends.trainer_api import build_trainer, with_learner_threads
 from pipeline.commands import console
@@ -50,7 +49,8 @@ from pipeline.commands.evaluation import eval_prompts
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.learner_stops import LearnerStalled, LearnerStopped, disk_full
 from pipeline.commands.warm_start import warm_start_chain
-from pipeline.config import (
+from pipeline.config import device as device_defaults
+from pipeline.config.run import (
     RunConfig,
     check_sections,
     load_config,
@@ -74,7 +74,7 @@ from pipeline.core.metrics import MetricsWriter, read_metrics, summary
 from pipeline.core.tasks import load_prompts as load
 from pipeline.core.validation import ModelLimits
 from pipeline.net.security import ServerCurve
-from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 
 log = logging.getLogger(__name__)
 OnBound = Callable[[str, str, Path], None]
@@ -86,7 +86,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="run the learner (coordinator on rank 0); generators connect to it",
         description=(__doc__ or "").split("\n\n")[0],
     )
-    p.add_argument("--config", metavar="FILE", help="run config YAML (pipeline.config.RunConfig)")
+    p.add_argument(
+        "--config", metavar="FILE", help="run config YAML (pipeline.config.run.RunConfig)"
+    )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     add_verbose(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import ConfigError
-from proto.stream import StreamError, StreamReader
+from proto.stream.format import StreamError
+from proto.stream.reader import StreamReader
 
 LOW_SPACE_BYTES = 1 << 20  # below this many free bytes a failed write is taken as "disk full"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

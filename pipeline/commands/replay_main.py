@@ -33,7 +33,7 @@ from pipeline.commands import console
 from pipeline.commands.learner_main import model_dir, resolve_config
 from pipeline.core.recorder import read_rollouts, read_steps
 from pipeline.net.untrusted import EscapeArgs
-from proto.stream_format import check_stream_dir
+from proto.stream.format import check_stream_dir
 from weights.publication import Publication, weights_dir
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,10 @@ from typing import Any
 from proto.codec import Codec
 from proto.errors import ProtocolError
 from proto.records import Rollout, RolloutBatch
-from proto.stream import RecoveryReport, StreamCorruptError, StreamError, StreamReader, recover
-from proto.stream_format import FRAME_HEADER_SIZE, segment_name
-from proto.stream_salvage import LostRange, Repair, missing_segments, survey
+from proto.stream.format import FRAME_HEADER_SIZE, StreamCorruptError, StreamError, segment_name
+from proto.stream.reader import StreamReader
+from proto.stream.salvage import LostRange, Repair, missing_segments, survey
+from proto.stream.writer import RecoveryReport, recover
 
 
 @dataclass

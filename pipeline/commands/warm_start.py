@@ -42,9 +42,9 @@ import torch
 from models.chat import ChatRenderer, _compile, eos_token_ids
 from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
 from models.errors import ConfigError
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from models.ties import tied_from_module as tied_of
-from pipeline.config import RunConfig, load_config
+from pipeline.config.run import RunConfig, load_config
 from pipeline.core.tasks import TaskError, prompt_limit, read_split
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 from models.errors import NonFiniteWeightsError
 from pipeline.backends.trainer_api import Trainer
-from pipeline.config_outputs import PublishSection
+from pipeline.config.outputs import PublishSection
 from pipeline.core import faults
 from pipeline.core.coordinator_errors import CoordinatorError, NonFinitePublication
 from pipeline.core.timeline import StepTimeline

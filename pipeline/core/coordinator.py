@@ -51,10 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.exits import policy_json
 from pipeline.backends.results import StepResult
 from pipeline.backends.trainer_api import Trainer
-from pipeline.config import RunConfig
+from pipeline.config.run import RunConfig
 from pipeline.core import faults
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import CoordinatorError
@@ -71,7 +70,7 @@ from pipeline.core.step_row import step_row
 from pipeline.core.timeline import StepTimeline
 from pipeline.core.validation import ModelLimits, door_rules
 from pipeline.core.verification import LogpVerifier, behaviour_logp_base
-from proto import Rollout, WorkItem
+from proto.records import Rollout, WorkItem
 from weights.deliveries import DeliveryLog
 from weights.pending import PublicationQueue, Snapshot
 from weights.publisher import WeightPublisher
@@ -102,7 +101,7 @@ class _Job:
 
 
 class Coordinator:
-    """See the module docstring. ``endpoint`` is a pipeline.net.transport.LearnerEndpoint.
+    """See the module docstring. ``endpoint`` is a pipeline.net.transport.session.LearnerEndpoint.
 
     Its components, built in ``__init__`` (the run's state lives in them; the coordinator
     keeps the loop's counters, ``step`` and ``version_step``, and the step in flight)."""
@@ -207,8 +206,7 @@ class Coordinator:
             endpoint, dispatcher=self.dispatcher, publisher=self.publisher, intake=self.intake,
             deliveries=self.deliveries, timeline=self.timeline, evals=evals,
             run_id=lambda: self.run_id, version=lambda: self.version,
-            welcome_settings={"numerics": cfg.numerics,  # canonical JSON, '' = full depth
-                              "exit_policy": policy_json(cfg.rollout.parsed_policy)},
+            welcome_settings={"numerics": cfg.numerics}, exit_policy=cfg.rollout.parsed_policy,
             work_timeout_s=cfg.work_timeout_s(), clock=clock,
         )  # fmt: skip
         self.verifier = LogpVerifier(

@@ -54,7 +54,7 @@ from models.noise import derive_latent_seed
 from pipeline.core.eval_rounds import EvalRounds
 from pipeline.core.ledger import InFlightLedger, Redispatch
 from pipeline.core.staleness import StalenessGate
-from proto import WorkItem
+from proto.records import WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from models.checkpoint import load_config
 from models.cost import LoopShape, card_peaks, decode_bound, train_flops
-from proto import Rollout
+from proto.records import Rollout
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from generator.reward_runner import RewardRunner
 from models.errors import ConfigError
 from models.noise import derive_latent_seed
 from pipeline.net.log_limit import RateLimitedLog
-from proto import Ack, Nack, Rollout, WorkItem
+from proto.records import Ack, Nack, Rollout, WorkItem
 
 log = logging.getLogger(__name__)
 Rescore = Callable[

@@ -49,7 +49,7 @@ from pipeline.core.validation import (
     check_rollout,
     sanitize_reward,
 )
-from proto import Ack, Nack, Rollout, RolloutBatch, WorkItem
+from proto.records import Ack, Nack, Rollout, RolloutBatch, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Intake:
         void: Callable[[list[dict[str, Any]]], None] | None = None,
         dynamic_sampling: bool = False,
     ) -> None:
-        if dynamic_sampling and n < 2:  # the run config refuses it first (pipeline.config)
+        if dynamic_sampling and n < 2:  # the run config refuses it first (pipeline.config.run)
             raise ValueError(f"objective.dynamic_sampling with rollout.n={n}: a group of one "
                              "sample always has equal rewards, so every group would be dropped")  # fmt: skip
         self.ledger, self.gate, self.dispatcher, self.record, self.n = (

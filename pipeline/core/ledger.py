@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proto import Rollout
+from proto.records import Rollout
 
 Outcome = Literal["accepted", "duplicate", "unknown"]
 UNASSIGNED, ACCEPTED, SETTLED = "", "\0accepted", "\0settled"  # else: the owner's generator id

@@ -10,12 +10,13 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from models.exits import ExitPolicy, policy_to_dict
 from pipeline.core.dispatch import Dispatcher
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.intake import Intake
 from pipeline.core.timeline import StepTimeline
 from pipeline.net.log_limit import Throttle
-from proto import (
+from proto.records import (
     Ack,
     ErrorMsg,
     Goodbye,
@@ -62,18 +63,22 @@ class Peers:
         run_id: Callable[[], str],
         version: Callable[[], int],
         welcome_settings: Mapping[str, Any],
+        exit_policy: ExitPolicy | None,
         work_timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
-        """``endpoint``: a pipeline.net.transport.LearnerEndpoint; ``publisher``: the weight
+        """``endpoint``: a pipeline.net.transport.session.LearnerEndpoint; ``publisher``: the weight
         transfers (weights); ``run_id`` and ``version``: the run's id and the newest
-        announced version when a Welcome is sent; ``welcome_settings``: what a generator
-        checks on Welcome (numerics, exit policy); ``work_timeout_s``: intake.work_timeout_s
+        announced version when a Welcome is sent; ``welcome_settings``: the run-wide scalar
+        settings a generator checks on Welcome (numerics); ``exit_policy``: the run's exit
+        policy (None: full depth), which the Welcome states as its map (Welcome.exit_policy) and
+        a generator checks too; ``work_timeout_s``: intake.work_timeout_s
         resolved (0: work is never taken back)."""
         self.endpoint, self.dispatcher, self.publisher = endpoint, dispatcher, publisher
         self.intake, self.deliveries, self.timeline = intake, deliveries, timeline
         self.evals, self.run_id, self.version = evals, run_id, version
         self.welcome_settings = dict(welcome_settings)
+        self.exit_policy = exit_policy
         self.work_timeout_s = work_timeout_s
         self.banned: dict[str, str] = {}  # generator id -> why it was dropped for the run
         self._throttle = Throttle(HELLO_INTERVAL_S, clock)  # Hellos and claim warnings, per id
@@ -189,7 +194,8 @@ class Peers:
         else:
             self.publisher.add_generator(peer, v)
         ep.send(peer, Welcome(self.run_id(), peer, self.version(),
-                              ep.config.heartbeat_interval_s, dict(self.welcome_settings)))  # fmt: skip
+                              ep.config.heartbeat_interval_s, dict(self.welcome_settings),
+                              exit_policy=policy_to_dict(self.exit_policy) or {}))  # fmt: skip
 
     def ban(self, gid: str, why: str) -> None:
         """Drop ``gid`` for the rest of the run: its work is re-dispatched, whatever it sends

@@ -17,8 +17,9 @@ import json
 import time
 from pathlib import Path
 
-from proto import Codec, Rollout, RolloutBatch
-from proto.stream import StreamWriter
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
+from proto.stream.writer import StreamWriter
 
 QUARANTINE_DIR = "quarantine"
 QUARANTINE_LOG = "quarantine.jsonl"

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto import Codec, Rollout, RolloutBatch
-from proto.stream import FsyncMode, StreamReader, StreamWriter
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
+from proto.stream.reader import StreamReader
+from proto.stream.writer import FsyncMode, StreamWriter
 
 STEPS_NAME = "steps.jsonl"
 STREAM_NAME = "stream"

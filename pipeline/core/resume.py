@@ -46,7 +46,7 @@ from pipeline.core.ledger import InFlightLedger
 from pipeline.core.recorder import read_rollouts
 from pipeline.core.staleness import VersionLineage
 from pipeline.core.validation import Refusal, check_rollout, sanitize_reward
-from proto import Rollout
+from proto.records import Rollout
 from weights.publication import Publication, weights_dir
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from proto import Rollout
+from proto.records import Rollout
 
 Policy = Literal["drop", "keep"]
 

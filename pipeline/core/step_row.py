@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.core.intake import Group
-from proto import Rollout
+from proto.records import Rollout
 
 
 def step_row(

@@ -40,8 +40,8 @@ from generator.rewards import synthetic_task_prompts
 from models.chat import ChatError, ChatRenderer, eos_token_ids
 from models.checkpoint import read_config
 from models.errors import ConfigError
-from pipeline.config import RunConfig
-from pipeline.config_sections import TaskSection
+from pipeline.config.run import RunConfig
+from pipeline.config.sections import TaskSection
 from pipeline.core.dispatch import Prompt, PromptSource
 
 log = logging.getLogger(__name__)

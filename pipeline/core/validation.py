@@ -19,7 +19,7 @@ Rules (``Refusal.reason`` in brackets, the names counted per generator and repor
   is the one the sample was dispatched to (the transport's peer id is authoritative);
 - [token_out_of_vocab] every response token id in [0, vocab_size);
 - [too_long]        response length <= the WorkItem's max_tokens;
-- [exit_depth]      contract 2 (models.contract.full_depth): the full depth run by the
+- [exit_depth]      contract 2 (models.depths.full_depth): the full depth run by the
   prompt's positions (`full_depth`; 0 = a stream recorded before that field, whose
   exit_depths[0] is it) in 1..max_depth (the run's exit policy's max depth, which may exceed
   the model's trained depth; the model's when the run sets no policy) and every depth, token
@@ -72,9 +72,9 @@ from typing import Any
 import numpy as np
 
 from models.checkpoint import load_config
-from models.contract import full_depth
+from models.depths import full_depth
 from models.exits import is_sampled, resolve_max_depth
-from proto import Rollout
+from proto.records import Rollout
 
 REASONS = (
     "prompt_mismatch",
@@ -173,7 +173,7 @@ class DoorRules:
 
 
 def door_rules(cfg: Any) -> DoorRules:
-    """The door's rules of a run config (pipeline.config.RunConfig)."""
+    """The door's rules of a run config (pipeline.config.run.RunConfig)."""
     return DoorRules(
         reward_bound=cfg.intake.reward_bound,
         environment=bool(cfg.task.environment),

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from pipeline.config import RunConfig
+from pipeline.config.run import RunConfig
 from pipeline.core.intake import Group, Intake
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.validation import ModelLimits, Refusal, check_logp, logp_base, logp_bound
-from proto import Rollout
+from proto.records import Rollout
 
 log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
 

@@ -13,7 +13,7 @@ bytes), whatever it sends; frames it sends while muted cost a receive and a dict
 Honest peers send no refused frames and are never muted; a muted key never affects another.
 
 The key is the connection's routing id (generator id + a random nonce,
-pipeline.net.transport_zmq): a peer claiming a generator's id cannot get that generator
+pipeline.net.transport.zmq): a peer claiming a generator's id cannot get that generator
 muted; a new connection starts a new count, at the price of a TCP (+ CURVE) handshake. At
 most ``max_keys`` keys are remembered (the oldest forgotten first), which can only give a
 connection its ``limit`` decodes early, never mute one.

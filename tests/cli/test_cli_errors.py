@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.commands.learner_main import connect_host, generator_hint
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -25,7 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     return Path(init_checkpoint("llama", "tiny", tmp_path_factory.mktemp("m") / "llama"))
 
@@ -106,8 +106,8 @@ def test_generator_wrong_port_says_handshake_failed(model: Path, not_zmq: int) -
 def test_generator_without_keys_against_a_curve_learner(model: Path, tmp_path: Path) -> None:
     from pipeline.commands.generator_cli import probe_learner
     from pipeline.net.security import ClientCurve, ServerCurve
-    from pipeline.net.transport_config import TransportConfig
-    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+    from pipeline.net.transport.config import TransportConfig
+    from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "-n", "1"]) == 0

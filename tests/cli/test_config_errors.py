@@ -16,7 +16,7 @@ import pytest
 from models import settings
 from models.errors import ConfigError
 from pipeline.cli import main
-from pipeline.config import RunConfig, load_config
+from pipeline.config.run import RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
+from proto.records import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, WorkItem
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}

@@ -11,8 +11,9 @@ import pytest
 from models.checkpoint import load_checkpoint
 from models.config import config_from_hf_dict
 from pipeline.cli import main
-from proto import Codec, Rollout, RolloutBatch
-from proto.stream import StreamWriter
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
+from proto.stream.writer import StreamWriter
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro", "nanbeige", "llama"])

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from learner.shaping import depth_fraction
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.commands.replay_main import replay
 from pipeline.core.metrics import read_metrics
 from pipeline.core.recorder import read_rollouts, read_steps

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.core.recorder import read_rollouts
 from tests.cli.test_run_llama import looprl_run
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.cli.test_run_llama import ENV, looprl_run
 from weights.shm import SHM_DIR, shm_versions
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from models.errors import ConfigError
-from pipeline.config import RunConfig, field_docs, load_config
+from pipeline.config.run import RunConfig, field_docs, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -87,7 +87,7 @@ def test_each_default_is_stated_once_by_its_component() -> None:
     from generator.config import GeneratorConfig, for_this_host
     from learner.config import LearnerConfig, OptimConfig, ScheduleConfig
     from learner.objective_config import ObjectiveConfig
-    from models.contract import Sampling
+    from models.sampling import Sampling
 
     cfg = RunConfig()
     assert type(cfg.objective) is ObjectiveConfig and type(cfg.optimizer) is OptimConfig
@@ -152,12 +152,11 @@ def test_generators_section_reaches_the_generators_or_is_refused(tmp_path: Path)
 
 def test_publish_transport_is_one_of_the_named_transports() -> None:
     """publish.transport: a Literal of the transports in the schema, its values named once
-    (pipeline.config_outputs) and compared by name; the former names map to theirs; a bad one
+    (pipeline.config.outputs) and compared by name; the former names map to theirs; a bad one
     is refused naming the key; the YAML value stays a string."""
     import typing
 
-    from pipeline.config import to_yaml
-    from pipeline.config_outputs import (
+    from pipeline.config.outputs import (
         COLLECTIVE,
         SHARED_FS,
         SHM,
@@ -165,6 +164,7 @@ def test_publish_transport_is_one_of_the_named_transports() -> None:
         ZMQ,
         WeightTransport,
     )
+    from pipeline.config.run import to_yaml
 
     assert (
         WEIGHT_TRANSPORTS == typing.get_args(WeightTransport) == (SHARED_FS, SHM, ZMQ, COLLECTIVE)

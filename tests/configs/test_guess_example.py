@@ -20,12 +20,12 @@ from generator.config import GeneratorConfig
 from generator.environments import GuessNumber, guess_rows
 from models.chat import ChatRenderer, eos_token_ids
 from models.errors import ConfigError
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.commands.generator_cli import add_parser, config_from_args
 from pipeline.commands.generator_engine import multi_turn
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.warm_start import sft_examples
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from tests.cli.test_run_llama import looprl_run
 from tests.generator import work_item
 

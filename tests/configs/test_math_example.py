@@ -16,11 +16,11 @@ import yaml
 
 from generator.math_reward import hash_answer, math
 from models.chat import ChatRenderer, eos_token_ids
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.commands.make_math_data import main as make_data
 from pipeline.commands.warm_start import completion_tokens, sft_examples, warm_start
 from pipeline.commands.warm_start import main as sft_main
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "math.yaml"

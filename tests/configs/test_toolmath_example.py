@@ -15,9 +15,9 @@ import pytest
 
 from generator.tools.toolmath import SPLITS, ToolMath, toolmath_rows, write_data
 from models.chat import ChatRenderer, eos_token_ids
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.commands.warm_start import sft_examples
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from tests.cli.test_run_llama import looprl_run
 
 REPO = Path(__file__).resolve().parents[2]

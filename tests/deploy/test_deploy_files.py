@@ -22,7 +22,7 @@ import yaml
 
 from pipeline.cli import build_parser
 from pipeline.commands.generator_cli import config_from_args
-from pipeline.config import field_docs, load_config
+from pipeline.config.run import field_docs, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

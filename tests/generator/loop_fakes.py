@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from generator.collaborators import Channel
 from generator.engine import check_newer
 from generator.loop import GeneratorLoop
-from generator.protocols import Channel
 from generator.reward_runner import RewardRunner
-from proto import (
+from proto.records import (
     Goodbye,
     Rollout,
     WeightAnnounce,

@@ -26,7 +26,7 @@ import torch
 
 from generator.engine import LoopedEngine, Sample
 from models.exits import SampledGate
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator import prompts, work_item
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from generator.config import ConfigError, GeneratorConfig
+from generator.config import GeneratorConfig
 from generator.engine import resolve_dtype
+from models.errors import ConfigError
 from pipeline.commands.launcher import generator_command
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 
 def test_auto_follows_the_checkpoint_on_gpu_and_is_fp32_on_cpu() -> None:

@@ -18,7 +18,7 @@ from generator.vllm_plugin.context import RequestSlice, StepBatch
 from generator.vllm_plugin.records import RecordBook
 from models.checkpoint import load_checkpoint, load_model
 from models.exits import KL
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
 from weights.check import WeightsRefused
@@ -278,7 +278,7 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     engine.load_weights exactly as the generator loop does (the receiver's VerifiedWeights),
     and served. The engine takes the views of the bytes the receiver checked instead of
     hashing them again."""
-    from proto import TensorMeta, WeightAnnounce
+    from proto.records import TensorMeta, WeightAnnounce
     from weights import collective as coll
     from weights import digest as digest_mod
     from weights.collective_generator import CollectiveReceiver

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from models.checkpoint import load_checkpoint
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator.update_utils import (
     engine,
     flat,

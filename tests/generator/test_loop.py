@@ -13,16 +13,7 @@ import pytest
 
 from generator.loop import FatalError, GeneratorLoop
 from generator.reward_runner import RewardRunner
-from proto import (
-    Ack,
-    Goodbye,
-    Hello,
-    Nack,
-    RolloutBatch,
-    TensorMeta,
-    Welcome,
-    WorkReturn,
-)
+from proto.records import Ack, Goodbye, Hello, Nack, RolloutBatch, TensorMeta, Welcome, WorkReturn
 from tests.generator.loop_fakes import (
     DIGEST,
     GID,
@@ -303,8 +294,8 @@ def test_reconnect_resends_unacked_only() -> None:
 
 
 def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> None:
-    transport_config = pytest.importorskip("pipeline.net.transport_config")
-    transport_memory = pytest.importorskip("pipeline.net.transport_memory")
+    transport_config = pytest.importorskip("pipeline.net.transport.config")
+    transport_memory = pytest.importorskip("pipeline.net.transport.memory")
     cfg = transport_config.TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
     net, clock = transport_memory.MemoryNetwork(), FakeClock()
     ep1 = net.bind("learner", cfg, clock=clock)
@@ -364,7 +355,7 @@ def test_learner_restart_in_memory_transport_loses_and_duplicates_nothing() -> N
 def test_chunked_weights_through_the_weights_package() -> None:
     """weights.publisher's WeightPublisher and weights.receiver's WeightReceiver satisfy the
     loop's Receiver protocol: a chunked version reaches the engine as checked views."""
-    transport_memory = pytest.importorskip("pipeline.net.transport_memory")
+    transport_memory = pytest.importorskip("pipeline.net.transport.memory")
     publisher = pytest.importorskip("weights.publisher")
     receiver = pytest.importorskip("weights.receiver")
     torch = pytest.importorskip("torch")

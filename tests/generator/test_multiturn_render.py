@@ -79,10 +79,10 @@ def test_the_generator_renders_observations_under_task_template(tmp_path: Path) 
 
     from generator.config import GeneratorConfig
     from models.errors import ConfigError
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.commands.generator_engine import multi_turn
     from pipeline.commands.generator_flags import config_argv, generator_config
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     model = init_checkpoint("llama", "tiny", tmp_path / "m", seed=0)
 

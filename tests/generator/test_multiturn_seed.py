@@ -22,7 +22,7 @@ from generator.vllm_plugin.requests import request_seed
 from models.chat import ChatRenderer
 from models.checkpoint import load_model
 from models.exits import FixedDepth
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from models.reference import (
     SAMPLING_SALT,
     ReplayItem,

@@ -18,7 +18,7 @@ from generator.multiturn import MultiTurnEngine
 from models.chat import ChatRenderer
 from models.checkpoint import load_model
 from models.exits import FixedDepth
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from models.reference import ReplayItem, replay
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
 from tests.generator import work_item

@@ -11,7 +11,7 @@ import pytest
 
 import generator.outbox
 from generator.outbox import Outbox
-from proto import Ack, Nack, RolloutBatch
+from proto.records import Ack, Nack, RolloutBatch
 from tests.generator.loop_fakes import FakeClock, FakeConnection, rollouts
 
 

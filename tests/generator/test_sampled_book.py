@@ -20,7 +20,7 @@ import torch
 
 from generator.engine import LoopedEngine, Sample
 from generator.vllm_plugin.sampled import SampledBook
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator import prompts, work_item
 from tests.generator.update_utils import flat, shutdown
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from generator.config import ConfigError, GeneratorConfig
+from generator.config import GeneratorConfig
 from generator.torch_engine.engine import TorchEngine, check_engine
 from models.checkpoint import load_checkpoint, load_into, load_model
+from models.errors import ConfigError
 from models.exits import ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from models.reference import SamplingParams, generate
 from proto.records import WorkItem
 from tests.generator import prompts, work_item

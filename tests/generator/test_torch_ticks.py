@@ -14,7 +14,7 @@ import pytest
 
 from generator.torch_engine.engine import TorchEngine
 from models.exits import KL, ExitPolicy, FixedDepth, LatentDiff, OuroGate, SampledGate
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator import prompts, work_item
 from tests.generator.test_torch_engine import _items, equal_to_reference
 
@@ -114,7 +114,8 @@ def test_the_generator_key_reaches_the_main_torch_engine_only(tmp_path: Path) ->
     """generators.depth_ticks: refused for the vLLM engine and below 0, naming the key; handed
     to the generator's main torch engine (not to the FixedDepth engines of eval.depths), which
     then decodes by ticks."""
-    from generator.config import ConfigError, GeneratorConfig
+    from generator.config import GeneratorConfig
+    from models.errors import ConfigError
     from pipeline.commands.generator_cli import engine_kwargs
 
     with pytest.raises(ConfigError, match="depth_ticks=2: only the torch engine decodes by ticks"):

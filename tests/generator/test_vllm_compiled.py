@@ -14,7 +14,7 @@ import torch
 from generator.engine import LoopedEngine
 from models.checkpoint import load_checkpoint
 from models.exits import FixedDepth
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator import prompts, work_item
 from weights.digest import canonical_digest
 from weights.verified import VerifiedWeights

@@ -25,7 +25,7 @@ from generator.engine import LoopedEngine
 from models.checkpoint import load_model
 from models.config import config_from_hf_dict
 from models.exits import ExitPolicy, LatentDiff, OuroGate, SampledGate
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from models.reference import ReplayItem, SamplingParams, generate, replay
 from tests.generator import prompts, replay_diff, work_item
 

@@ -25,7 +25,7 @@ from models.exits import (
     policy_from_dict,
     policy_to_dict,
 )
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from models.reference import SamplingParams, generate
 from tests.generator import prompts, replay_diff, work_item
 

@@ -17,7 +17,7 @@ import torch
 
 from generator.engine import WeightLoadError
 from models.checkpoint import load_checkpoint, load_model
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from tests.generator.update_utils import (
     engine,
     flat,

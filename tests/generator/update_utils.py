@@ -19,7 +19,7 @@ from models.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from proto.records import WorkItem
 from tests.generator import prompts, replay_diff, work_item
 

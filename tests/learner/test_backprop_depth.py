@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.learner.dist_utils import run_distributed
-from tests.learner.test_mcore_model import make_items
+from tests.learner.test_megatron_model import make_items
 
 pytestmark = pytest.mark.megatron
 
@@ -90,7 +90,8 @@ def _grad_mode_per_iteration(model: Any) -> list[bool]:
 
 def body() -> dict[str, Any]:
     from learner.hf_convert import gather_hf_state
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import make_replay_batch
     from models.config import tiny_config

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-from learner.objectives import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import SEED, gpt_policy_spec, make_rollouts, rollouts_for
 
@@ -31,7 +31,7 @@ SCHEDULE = ScheduleConfig(style="cosine", warmup_steps=1, decay_steps=6, min_lr=
 
 
 def _trainer(case: str, tp: int) -> Any:
-    from learner.specs import looped_critic_spec, looped_policy_spec
+    from learner.model_specs import looped_critic_spec, looped_policy_spec
     from learner.trainer import Trainer
     from models.config import tiny_config
 

@@ -20,7 +20,7 @@ from learner.torch_policy import TorchPolicy
 from models.config import tiny_config
 from models.exits import SampledGate
 from models.reference import SamplingParams, build_model, generate
-from proto import Rollout
+from proto.records import Rollout
 
 B, T = 2, 3
 ADV = torch.tensor([1.0, -2.0])
@@ -176,7 +176,7 @@ def test_a_lie_about_the_exit_is_refused_before_the_update(tmp_path: object) -> 
     from models.checkpoint import save_checkpoint, state_dict_for_save
     from models.ties import tied_from_module
     from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     torch.manual_seed(0)
     m = build_model(tiny_config("ouro"), seed=3)
@@ -210,7 +210,7 @@ def test_a_lie_about_the_exit_is_refused_before_the_update(tmp_path: object) -> 
 def test_the_door_checks_exit_claims_against_the_run_policy() -> None:
     """Rule exit_logprob: a sampled-exit run admits only rollouts that carry finite exit
     log-probs <= 0; a run whose exits are decided admits none that carry them."""
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout, door_rules
 
     sampled = door_rules(load_config(None, ["backend=reference",
@@ -244,7 +244,7 @@ def _two_backends(root_s: str) -> dict[str, Any]:
 
     from models.checkpoint import load_checkpoint, load_model, save_checkpoint, state_dict_for_save
     from models.ties import tied_from_module
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     root = Path(root_s) / "ouro"
     m = build_model(tiny_config("ouro"), seed=3)

@@ -20,7 +20,7 @@ from learner.objective_config import ObjectiveConfig
 from learner.objectives import policy_loss
 from learner.objectives.loops import LearnedLoopWeights, loop_weights
 from models.errors import ConfigError
-from proto import Rollout
+from proto.records import Rollout
 
 
 def _w(kind: str, e: list[list[int]], gate: torch.Tensor | None = None, k: int = 4,
@@ -235,7 +235,7 @@ def _fresh(model: Path, numerics: str) -> list[Rollout]:
 
 
 def _trainer(backend: str, model: Path, *over: str) -> Any:
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, [f"backend={backend}", "rollout.n=4", "rollout.prompts_per_step=2",
                              "learner.backprop_depth=0", *over])  # fmt: skip
@@ -250,7 +250,7 @@ def _trainer(backend: str, model: Path, *over: str) -> Any:
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     root = tmp_path_factory.mktemp("loops")
     out = {}
@@ -358,7 +358,7 @@ def test_memory_grows_with_one_loops_logits_not_all(tmp_path: Path) -> None:
     (learner.loop_forward without its checkpoint) grows by more than that per loop and fails."""
     from learner.batching import build_batch
     from learner.loop_forward import loop_forward
-    from learner.mcore_model import build_policy
+    from learner.megatron.model import build_policy
     from learner.parallel import destroy_distributed, init_distributed
     from learner.vocab_ops import token_stats
 
@@ -371,7 +371,7 @@ def test_memory_grows_with_one_loops_logits_not_all(tmp_path: Path) -> None:
 
 def _check_memory_grows(build_policy: Any, loop_forward: Any, token_stats: Any,
                         build_batch: Any) -> None:  # fmt: skip
-    from learner.mcore_model import MegatronOptions
+    from learner.megatron.options import MegatronOptions
     from models.config import tiny_config
 
     cfg = dataclasses.replace(tiny_config("ouro"), vocab_size=8192, total_ut_steps=8)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from learner.batching import build_batch
-from proto import Rollout
+from proto.records import Rollout
 
 D = 4  # the tiny Huginn's depth
 MASK = np.array([1, 1, 0, 0, 0, 1, 1, 0, 0], np.uint8)  # 2 model turns, env tokens between/after
@@ -45,9 +45,9 @@ def test_the_update_ignores_environment_log_probs(tmp_path: Path) -> None:
     behaviour log-probs enter the loss): perturbing environment tokens' behaviour
     log-probs leaves every parameter bit-identical; changing an environment token's id (the
     context) or training it (mask all ones) does change the update (the test can fail)."""
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     rolls = [conversation(i, float(i % 2)) for i in range(4)]

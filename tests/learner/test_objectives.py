@@ -10,8 +10,9 @@ import torch
 from learner.advantages import broadcast_to_tokens, gae, group_advantages, normalize_advantages
 from learner.config import TrainConfig
 from learner.losses import aggregate
-from learner.objectives import ObjectiveConfig, policy_loss, value_loss
-from models.contract import Sampling
+from learner.objective_config import ObjectiveConfig
+from learner.objectives import policy_loss, value_loss
+from models.sampling import Sampling
 
 LN = math.log
 INF = float("inf")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from learner.objective_config import ObjectiveConfig
-from learner.objectives import policy_loss, rollout_correction
+from learner.objectives import policy_loss
+from learner.objectives.correction import rollout_correction
 from learner.step_metrics import StepMetrics, mismatch_stats
 from models.errors import ConfigError
 

@@ -25,7 +25,8 @@ from learner.advantages import (
 )
 from learner.batching import TrainBatch, group_token_advantages, step_advantages
 from learner.losses import aggregate, kl_penalty
-from learner.objectives import ObjectiveConfig, policy_loss
+from learner.objective_config import ObjectiveConfig
+from learner.objectives import policy_loss
 
 INF = float("inf")
 FP32 = dict(atol=2e-6, rtol=2e-6)

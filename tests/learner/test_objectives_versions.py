@@ -11,7 +11,7 @@ import torch
 from learner.batching import build_batch, mask_stale_tokens
 from learner.objective_config import ObjectiveConfig
 from models.errors import ConfigError
-from proto import Rollout
+from proto.records import Rollout
 
 
 def rollout(i: int, versions: list[int] | None, n: int = 5) -> Rollout:

@@ -1,5 +1,5 @@
 """Packed rows (learner.max_tokens_per_micro): rollouts of very different
-lengths laid end to end in micro-batches of a token budget (models.rows.pack_rows), attention
+lengths laid end to end in micro-batches of a token budget (models.token_rows.pack_rows), attention
 within each sequence, positions, latent noise and full depth per sequence. The layout by hand;
 then the megatron policy packed vs its padded rows on one batch (responses of 1 to 40 tokens,
 prompts of 2 to 8): per-token log-probs, every step metric and the weights after one SGD step
@@ -19,8 +19,8 @@ import torch
 
 from learner.batching import build_batch, packed_inputs
 from models.errors import ConfigError
-from models.rows import micro_spans, pack_order, pack_rows, token_shares
-from proto import Rollout
+from models.token_rows import micro_spans, pack_order, pack_rows, token_shares
+from proto.records import Rollout
 from tests.bench_import import load_benchmark
 
 LENS = [1, 37, 3, 22, 9, 40, 2, 15]
@@ -121,7 +121,7 @@ def test_layout_by_hand() -> None:
 
 
 def _trainer(backend: str, model: Path, numerics: str, *over: str) -> Any:
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, [f"backend={backend}", "rollout.n=4", "rollout.prompts_per_step=2",
                              "rollout.max_tokens=40", "learner.backprop_depth=0",
@@ -138,7 +138,7 @@ def _trainer(backend: str, model: Path, numerics: str, *over: str) -> Any:
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     out = {}
     for fam in ("huginn", "ouro"):
@@ -271,7 +271,7 @@ def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path
 def test_refusals(over: list[str], match: str) -> None:
     """Bad values, and what the megatron backend does not pack, refused naming the key."""
     from pipeline.backends.learner_configs import train_config
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     with pytest.raises((ConfigError, ValueError), match=match):
         train_config(load_config(None, ["backend=megatron", *over]))
@@ -320,7 +320,7 @@ def _dp_rank(model_dir: str) -> dict[str, Any]:
     """One rank of a DP=2 job (or the single rank): one packed exact SGD step; its rows' share,
     metrics and weights."""
     from pipeline.backends.megatron_adapter import MegatronTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, ["backend=megatron", "rollout.n=4", "rollout.prompts_per_step=2",
                              "rollout.max_tokens=40", "learner.backprop_depth=0", "numerics=exact",
@@ -341,7 +341,7 @@ def _dp_rank(model_dir: str) -> dict[str, Any]:
 @pytest.mark.megatron
 def test_data_parallel_shares_balanced_by_tokens(models_dir: dict[str, Path]) -> None:
     """DP=2 with packed rows: each rank takes a contiguous share of the update of about equal
-    tokens (models.rows.token_shares: rows 0-1 | 2-7, 91 | 77 tokens, where 4 rows each would
+    tokens (models.token_rows.token_shares: rows 0-1 | 2-7, 91 | 77 tokens, where 4 rows each would
     give 135 | 33), packs it in its own micro-batches, and the step's metrics and weights equal the single
     rank's within 1e-6 (the DP all-reduce sums the gradients in another order)."""
     from tests.learner.dist_utils import run_distributed
@@ -365,10 +365,10 @@ def test_data_parallel_shares_balanced_by_tokens(models_dir: dict[str, Path]) ->
 
 
 def test_exact_embedding_sums_a_tokens_gradient_in_fp64() -> None:
-    """learner.mcore_layers.exact_embedding (exact numerics on CUDA): the lookup's values, and
+    """learner.megatron.layers.exact_embedding (exact numerics on CUDA): the lookup's values, and
     each row's gradient the fp64 sum of its occurrences rounded once, whatever their order (a
     permutation of the positions gives the same bits; fp32 sums in another order need not)."""
-    from learner.mcore_layers import exact_embedding
+    from learner.megatron.layers import exact_embedding
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(5, 3, generator=g)

@@ -22,7 +22,7 @@ import torch
 from models.config import tiny_config
 from models.exits import SampledGate
 from models.reference import SamplingParams, build_model, generate
-from proto import Rollout
+from proto.records import Rollout
 
 CUTS = (7, 3, 1, 5)
 """Response lengths after the cut (a prefix of a generation is a valid record)."""
@@ -54,7 +54,7 @@ def _both(root_s: str, weightings: list[str]) -> dict[str, Any]:
     from models.ties import tied_from_module
     from pipeline.backends.megatron_adapter import MegatronTrainer
     from pipeline.backends.reference_trainer import ReferenceTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     root = Path(root_s) / "ouro"
     m: Any = build_model(tiny_config("ouro"), seed=5)

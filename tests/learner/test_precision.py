@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from tests.bench_import import load_benchmark
 from tests.learner.dist_utils import run_distributed
 from tests.learner.test_trainer import rollouts_for

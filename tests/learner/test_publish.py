@@ -38,11 +38,11 @@ def _items() -> list[ReplayItem]:
 
 
 def publish_body(run_dir: str) -> dict[str, Any]:
-    from learner.mcore_model import MegatronOptions
+    from learner.megatron.options import MegatronOptions
+    from learner.model_specs import looped_policy_spec
     from learner.parallel import destroy_distributed, init_distributed
     from learner.publish import publish, snapshot_publication
     from learner.replay import replay as mcore_replay
-    from learner.specs import looped_policy_spec
     from learner.trainer import Trainer
     from models.config import tiny_config
     from weights.publication import weights_dir

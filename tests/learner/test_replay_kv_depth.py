@@ -71,7 +71,8 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def kv_worker(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import replay
 
@@ -115,7 +116,7 @@ def adapter_body(items: list[ReplayItem], logprobs: list[torch.Tensor]) -> dict[
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import replay, unwrap
     from pipeline.backends.megatron_adapter import build_learner_trainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     init_distributed(tp=1, seed=0)
     cfg_ouro = tiny_config("ouro")

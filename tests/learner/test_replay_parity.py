@@ -75,7 +75,8 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def parity_worker(tp: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Replay every family at TP=tp in both modes; max |diff| against the reference values."""
-    from learner.mcore_model import MegatronOptions, build_policy
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
     from learner.parallel import destroy_distributed, init_distributed
     from learner.replay import replay
 

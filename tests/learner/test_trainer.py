@@ -4,7 +4,7 @@ Two spawned runs shared through module fixtures (megatron's import costs seconds
 `single` (1 rank: improvement, micro-batching, Adam / SGD, LR schedule, clipping, recompute,
 every objective kind incl. a critic, and the TP=1 reference update) and `pair` (2 ranks: the
 same update at TP=2, then at DP=2). Model: the tiny Huginn looped model of
-learner.mcore_model (tied embeddings, depth up to 6), through `looped_policy_spec`; the helpers
+learner.megatron.model (tied embeddings, depth up to 6), through `looped_policy_spec`; the helpers
 below also give a megatron GPTModel stand-in behind the same PolicySpec protocol.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from learner.batching import build_batch, group_token_advantages
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
-from learner.objectives import ObjectiveConfig
+from learner.objective_config import ObjectiveConfig
 from proto.records import Rollout
 from tests.learner.dist_utils import run_distributed
 
@@ -65,7 +65,7 @@ def make_rollouts(
 def gpt_policy_spec(tp: int, **overrides: Any) -> Any:
     """A megatron GPTModel stand-in (local spec, hidden 64, vocab 128) as a PolicySpec; logits
     gathered over TP (parallel_output=False); `overrides` go to the TransformerConfig."""
-    from learner.specs import PolicySpec
+    from learner.model_specs import PolicySpec
 
     def build(recompute: bool) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
@@ -113,7 +113,7 @@ def gpt_policy_spec(tp: int, **overrides: Any) -> Any:
 def looped_trainer(
     cfg: TrainConfig, optim: OptimConfig, schedule: ScheduleConfig | None = None, **kw: Any
 ) -> Any:
-    from learner.specs import looped_critic_spec, looped_policy_spec
+    from learner.model_specs import looped_critic_spec, looped_policy_spec
     from learner.trainer import Trainer
     from models.config import tiny_config
 

@@ -460,18 +460,14 @@ def test_bad_arguments_are_refused() -> None:
         latent_noise([1, 2, 3], [0, 1], H)
 
 
-def test_contract_module_seed_and_depth_rules() -> None:
-    """models.contract: one owner of the seed range and wrap and the contract-2 layout."""
+def test_seed_and_depth_rules() -> None:
+    """models.seeds and models.depths: the one owners of the seed range and wrap and of the
+    contract-2 rules and layout."""
     import numpy as np
     import pytest
 
-    from models.contract import (
-        check_latent_seed,
-        full_depth,
-        position_depths,
-        seed_from_i64,
-        seed_to_i64,
-    )
+    from models.depths import full_depth, position_depths
+    from models.seeds import check_latent_seed, seed_from_i64, seed_to_i64
 
     for s in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
         assert seed_from_i64(seed_to_i64(s)) == s and -(1 << 63) <= seed_to_i64(s) < 1 << 63

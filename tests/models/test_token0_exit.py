@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from models.config import tiny_config
-from models.contract import full_depth, position_depths
+from models.depths import full_depth, position_depths
 from models.engine.chunk import KVCache, run_chunk
 from models.exits import KL, LatentDiff, OuroGate, token0_follows_policy
 from models.reference import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.net.transport_config import TransportConfig
-from proto import Hello, Rollout
+from pipeline.net.transport.config import TransportConfig
+from proto.records import Hello, Rollout
 
 
 def fast_zmq(**overrides: object) -> TransportConfig:

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from generator.collaborators import make_hello
 from generator.loop import GeneratorLoop
-from generator.protocols import make_hello
 from generator.reward_runner import RewardRunner
 from models.checkpoint import save_checkpoint
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
 from tests.pipeline.fakes import FakeTrainer
 from weights.collective_generator import CollectiveReceiver
 from weights.digest import tensor_bytes

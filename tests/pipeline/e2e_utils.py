@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.commands.launcher import Generators
 from pipeline.commands.learner_main import run_learner
-from pipeline.config import RunConfig, load_config
+from pipeline.config.run import RunConfig, load_config
 from pipeline.core.metrics import read_metrics
 from pipeline.core.recorder import read_rollouts, read_steps
 

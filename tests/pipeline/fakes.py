@@ -13,13 +13,22 @@ import numpy as np
 import torch
 
 from pipeline.backends.results import StepResult
-from pipeline.config import RunConfig, load_config
+from pipeline.config.run import RunConfig, load_config
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Prompt, PromptSource
 from pipeline.core.validation import ModelLimits
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_memory import MemoryNetwork
-from proto import Ack, Heartbeat, Hello, Rollout, RolloutBatch, WeightAnnounce, Welcome, WorkItem
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.memory import MemoryNetwork
+from proto.records import (
+    Ack,
+    Heartbeat,
+    Hello,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    Welcome,
+    WorkItem,
+)
 from weights.publication import Publication
 
 
@@ -78,7 +87,7 @@ class FakeTrainer:
 def reference_trainer_and_pair(tmp: Path, lr: float = 0.1) -> tuple[Any, list[Rollout]]:
     """A backend=reference trainer on a fresh tiny Huginn (tmp/m) and one group of two
     FakeGenerator rollouts of work item w0 (prompt [1, 2], seeds 11 and 12)."""
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.backends.reference_trainer import ReferenceTrainer
 
     init_checkpoint("huginn", "tiny", tmp / "m", seed=0)
@@ -113,6 +122,7 @@ class FakeGenerator:
         self.rng = random.Random(seed)
         self.alive = True
         self.paused = False
+        self.welcome: Welcome | None = None  # the last Welcome heard
 
     def step(self) -> None:
         if not self.alive:
@@ -128,7 +138,7 @@ class FakeGenerator:
                 # and on the control channel, ahead of rollouts claiming it (generator.loop)
                 self.conn.send(Heartbeat(self.gid, time.time(), rec.version, len(self.queue)))
             elif isinstance(rec, Welcome):
-                pass
+                self.welcome = rec
             inc = self.conn.recv(0.0)
         self.conn.set_status(self.version, len(self.queue))
         if self.paused:

@@ -31,9 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.net.transport_config import TransportConfig  # noqa: E402
-from pipeline.net.transport_zmq import ZmqGeneratorConnection  # noqa: E402
-from proto import (  # noqa: E402
+from pipeline.net.transport.config import TransportConfig  # noqa: E402
+from pipeline.net.transport.zmq import ZmqGeneratorConnection  # noqa: E402
+from proto.records import (  # noqa: E402
     Ack,
     ErrorMsg,
     Heartbeat,

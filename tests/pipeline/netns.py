@@ -207,7 +207,7 @@ def tail(path: Path, n: int = 40) -> str:
 
 # -- peers run inside the namespaces (python -m tests.pipeline.netns ROLE ...) ---------------
 def _fast() -> Any:
-    from pipeline.net.transport_config import TransportConfig
+    from pipeline.net.transport.config import TransportConfig
 
     return TransportConfig(
         heartbeat_interval_s=0.2,
@@ -221,8 +221,8 @@ def _fast() -> Any:
 
 def _learner(a: argparse.Namespace, out: IO[str]) -> None:
     from pipeline.net.security import ServerCurve
-    from pipeline.net.transport_zmq import ZmqLearnerEndpoint
-    from proto import Hello, Welcome
+    from pipeline.net.transport.zmq import ZmqLearnerEndpoint
+    from proto.records import Hello, Welcome
 
     ep = ZmqLearnerEndpoint(
         _fast(), control=a.control, weights=a.weights, security=ServerCurve.from_dir(a.keys)
@@ -245,8 +245,8 @@ def _learner(a: argparse.Namespace, out: IO[str]) -> None:
 
 def _generator(a: argparse.Namespace, out: IO[str]) -> None:
     from pipeline.net.security import ClientCurve, generator_id_for
-    from pipeline.net.transport_zmq import ZmqGeneratorConnection
-    from proto import Hello
+    from pipeline.net.transport.zmq import ZmqGeneratorConnection
+    from proto.records import Hello
 
     hello = Hello(
         generator_id_for(a.key_name, a.id), "netns", os.getpid(), ["huginn"], 1, -1, time.time()

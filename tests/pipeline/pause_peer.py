@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.net.transport_config import TransportConfig  # noqa: E402
-from pipeline.net.transport_zmq import ZmqGeneratorConnection  # noqa: E402
-from proto import Hello  # noqa: E402
+from pipeline.net.transport.config import TransportConfig  # noqa: E402
+from pipeline.net.transport.zmq import ZmqGeneratorConnection  # noqa: E402
+from proto.records import Hello  # noqa: E402
 
 CFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=4.0)
 

@@ -16,7 +16,7 @@ import torch
 from models.checkpoint import save_checkpoint
 from models.errors import NonFiniteWeightsError
 from pipeline.backends.results import SnapshotResult
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.announcing import WeightAnnouncer, Written
 from pipeline.core.coordinator_errors import NonFinitePublication
 from pipeline.core.timeline import StepTimeline

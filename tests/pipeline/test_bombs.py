@@ -1,6 +1,6 @@
 """Decompression bombs against a real learner endpoint in its own process.
 
-A learner endpoint (pipeline.net.transport_zmq, the sockets `looprl learner` binds) runs in
+A learner endpoint (pipeline.net.transport.zmq, the sockets `looprl learner` binds) runs in
 a second process, so its RSS is its own; raw ZeroMQ DEALERs on 127.0.0.1 send it frames of
 about 32 KiB whose zstd body declares 1 GiB (control and weights port) or exactly the
 control frame limit. Each such frame may cost the learner at most its channel's frame limit,
@@ -26,8 +26,9 @@ import pytest
 import zmq
 
 from pipeline.net.strikes import STRIKE_LIMIT, Strikes
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from proto import Codec, ErrorMsg
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
+from proto.codec import Codec
+from proto.records import ErrorMsg
 from tests.pipeline import FakeClock, fast_zmq, hello
 from tests.proto.test_codec import bomb_frame
 
@@ -44,8 +45,8 @@ CFG = dict(max_frame_bytes=LIMIT, heartbeat_interval_s=0.5, peer_timeout_s=30.0)
 LEARNER = """
 import json, select, sys
 from pipeline.commands import console
-from pipeline.net.transport_zmq import ZmqLearnerEndpoint
-from proto import Hello, Welcome
+from pipeline.net.transport.zmq import ZmqLearnerEndpoint
+from proto.records import Hello, Welcome
 from tests.pipeline import fast_zmq
 console.setup(sys.argv[2])
 cfg = fast_zmq(**json.loads(sys.argv[1]))

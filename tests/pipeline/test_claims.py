@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.peers import HELLO_INTERVAL_S, MAX_WORK_TIMEOUTS
-from proto import Heartbeat, Hello, Welcome, WorkItem
+from proto.records import Heartbeat, Hello, Welcome, WorkItem
 from tests.pipeline import FakeClock
 from tests.pipeline.fakes import FakeGenerator, drive, drive_with_a_hole, make_coordinator
 
@@ -123,10 +123,10 @@ def test_a_version_never_delivered_to_that_generator_is_refused(tmp_path: Path) 
     which was delivered, it is believed. The honest generator's claims are never refused."""
     import time
 
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from pipeline.core.coordinator import Coordinator
-    from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-    from proto import Ack, WeightAnnounce
+    from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+    from proto.records import Ack, WeightAnnounce
     from tests.pipeline import fast_zmq, hello
     from tests.pipeline.fakes import FAKE_LIMITS, FakeTrainer, prompts
 

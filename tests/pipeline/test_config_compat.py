@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CHECK = """
 import sys, tempfile, pathlib, omegaconf
-from pipeline.config import load_config, to_yaml
+from pipeline.config.run import load_config, to_yaml
 from pipeline.commands.learner_main import resolve_config
 d = pathlib.Path(tempfile.mkdtemp())
 cfg = load_config("configs/quickstart.yaml", ["model.family=ouro", f"run_dir={d}", "steps=3"])

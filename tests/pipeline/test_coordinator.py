@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.core import resume
 from pipeline.core.recorder import read_rollouts, read_steps
-from proto import Ack
+from proto.records import Ack, RolloutBatch, WorkItem
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 
@@ -115,7 +115,7 @@ def test_late_duplicates_discarded_and_partial_redispatch_renumbered(tmp_path: P
     g0 = FakeGenerator(net, "g0", number_from_zero=True)
     drive(c, [g0], 1)
     # a replayed frame (the generator re-sends after a reconnect): all duplicates, acked
-    res = c.intake.receive("g0", __import__("proto").RolloutBatch(g0.sent[:4]))
+    res = c.intake.receive("g0", RolloutBatch(g0.sent[:4]))
     assert res.accepted == 0 and res.duplicate == 4
     assert all(isinstance(r, Ack) for r in res.replies)
     # a partial re-dispatch numbered 0..k-1 is renumbered by latent seed
@@ -123,7 +123,7 @@ def test_late_duplicates_discarded_and_partial_redispatch_renumbered(tmp_path: P
     c.dispatcher.open[spec.work_id] = spec
     c.ledger.dispatch(spec.work_id, "g0", 4, indices=[2, 3])
     p = spec.prompt  # the rollout answers what was dispatched (the door checks the prompt)
-    r = g0._rollout(__import__("proto").WorkItem(spec.work_id, p.prompt_id, __import__("numpy").array(p.tokens, "int32"),
+    r = g0._rollout(WorkItem(spec.work_id, p.prompt_id, __import__("numpy").array(p.tokens, "int32"),
                     __import__("numpy").array(spec.seeds[2:3], "uint64")), 0, spec.seeds[2])  # fmt: skip
     res = c.intake.receive("g0", r)
     assert res.accepted == 1 and c.intake.counts["remapped"] == 1
@@ -207,7 +207,7 @@ def test_background_training_keeps_listening(tmp_path: Path) -> None:
     import time
 
     from pipeline.core.coordinator import Coordinator
-    from pipeline.net.transport_memory import MemoryNetwork
+    from pipeline.net.transport.memory import MemoryNetwork
     from tests.pipeline.fakes import FAKE_LIMITS, TCFG, prompts
 
     cfg = make_coordinator(tmp_path / "cfg", ["staleness.max_staleness=1"])[0].cfg

@@ -1,4 +1,4 @@
-"""The run's auto keys (pipeline.device_defaults): today's CPU values on a CPU host; bf16,
+"""The run's auto keys (pipeline.config.device): today's CPU values on a CPU host; bf16,
 compiled blocks, packed rows from the free memory, the torch engine with the cache the learner
 leaves and /dev/shm weights on a CUDA host; a set key kept; the choice recorded in config.yaml;
 the standalone generator's own choice. The CUDA host is a ``Host`` value (no GPU here: the
@@ -12,10 +12,10 @@ import pytest
 
 from generator.config import GeneratorConfig, for_this_host
 from models.cost import GIB, Host, LoopShape
-from models.init import model_config
-from pipeline import device_defaults
-from pipeline.config import RunConfig, load_config, to_yaml
-from pipeline.config_sections import ModelSection
+from models.random_init import model_config
+from pipeline.config import device as device_defaults
+from pipeline.config.run import RunConfig, load_config, to_yaml
+from pipeline.config.sections import ModelSection
 
 H100 = Host(True, "NVIDIA H100 80GB HBM3", int(79 * GIB), int(80 * GIB))
 
@@ -96,7 +96,7 @@ def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_
 def test_a_standalone_generator_chooses_for_its_own_host(tmp_path: Any) -> None:
     cfg, why = for_this_host(GeneratorConfig())
     assert (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight) == ("vllm", 64, 16) and len(why) == 3
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     model = init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     gpu, why = for_this_host(GeneratorConfig(model=str(model)), H100)

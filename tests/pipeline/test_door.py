@@ -29,7 +29,7 @@ from pipeline.core.validation import (
     check_rollout,
     sanitize_reward,
 )
-from proto import ErrorMsg, Nack, Rollout, WorkItem
+from proto.records import ErrorMsg, Nack, Rollout, WorkItem
 from tests.pipeline.fakes import (
     POISONS,
     FakeGenerator,

@@ -24,9 +24,18 @@ from pipeline.commands.launcher import Generators
 from pipeline.commands.learner_main import run_learner
 from pipeline.core.quarantine import read_quarantine
 from pipeline.core.recorder import read_rollouts, read_steps
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_zmq import ZmqGeneratorConnection
-from proto import Ack, Heartbeat, Hello, Nack, Rollout, RolloutBatch, WeightAnnounce, WorkItem
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.zmq import ZmqGeneratorConnection
+from proto.records import (
+    Ack,
+    Heartbeat,
+    Hello,
+    Nack,
+    Rollout,
+    RolloutBatch,
+    WeightAnnounce,
+    WorkItem,
+)
 from tests.pipeline.e2e_utils import check_run, small_config
 from tests.pipeline.fakes import POISONS, poison
 

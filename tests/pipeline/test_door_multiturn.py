@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models.errors import ConfigError
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.validation import (
     REASONS,
     DoorRules,
@@ -20,7 +20,7 @@ from pipeline.core.validation import (
     door_rules,
     model_turns,
 )
-from proto import Rollout
+from proto.records import Rollout
 
 
 # -- the run-config keys ------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from models.errors import ConfigError
 from pipeline.cli import main
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 BAD = ["rollout.n=1", "objective.dynamic_sampling=true"]
 

@@ -151,7 +151,7 @@ def test_quickstart_reward_rises(tmp_path: Path) -> None:
     """The quickstart defaults (GRPO, 16 prompts x 8 samples), 30 steps: the mean reward of
     the last 5 steps is well above the first 5 (the format term alone lifts it to ~0.2)."""
     from pipeline.commands.launcher import run_local
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     cfg = load_config(None, [f"run_dir={tmp_path}", "steps=30", "metrics.progress=false",
                              "metrics.plot=false", "metrics.tensorboard=false"])  # fmt: skip

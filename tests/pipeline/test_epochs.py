@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_config
-from proto import Rollout
+from pipeline.config.run import load_config
+from proto.records import Rollout
 
 
 def _rollouts(groups: int = 2, n: int = 4, seed: int = 0) -> list[Rollout]:
@@ -50,7 +50,7 @@ def _trainer(backend: str, model: Path, *over: str) -> Any:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     d = tmp_path_factory.mktemp("m") / "huginn"
     init_checkpoint("huginn", "tiny", d, seed=0)
@@ -196,7 +196,7 @@ def test_reference_policy_kl(model: Path, backend: str, in_reward: bool) -> None
 
 def test_reference_path_must_be_the_same_model(model: Path, tmp_path: Path) -> None:
     from models.errors import ConfigError
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     init_checkpoint("ouro", "tiny", tmp_path / "ouro", seed=0)
     with pytest.raises(ConfigError, match="model.reference_path.*not the policy's"):
@@ -392,7 +392,7 @@ def test_backends_agree_on_loss_metrics_and_weights(
 def test_lr_schedule_from_the_run_config(model: Path, backend: str) -> None:
     """schedule.style / warmup_steps / decay_steps / min_lr: both backends use
     ScheduleConfig.lr_at for the n-th update (updates counted over the run)."""
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
 
     over = ["optimizer.lr=0.01", "schedule.style=cosine", "schedule.warmup_steps=2",
             "schedule.decay_steps=6", "schedule.min_lr=0.001", "objective.minibatches=2"]  # fmt: skip

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from models.chat import ChatRenderer
-from models.init import init_checkpoint
+from models.random_init import init_checkpoint
 from pipeline.core.dispatch import Prompt
 from pipeline.core.eval_rounds import EvalRounds, environment_rescorer
-from proto import Rollout
+from proto.records import Rollout
 
 TOOLMATH = "generator.tools.toolmath:ToolMath"
 

@@ -16,7 +16,7 @@ import pytest
 from pipeline.core.dispatch import Prompt
 from pipeline.core.eval_rounds import EvalRounds, is_eval_work
 from pipeline.core.recorder import read_rollouts, read_steps
-from proto import Rollout, WorkItem
+from proto.records import Rollout, WorkItem
 from tests.pipeline.fakes import FakeGenerator, drive, make_coordinator, poison
 
 
@@ -146,7 +146,7 @@ def test_depth_checks() -> None:
     """eval.depths refused in one line naming the key: 0, > 255, not ints, duplicates; a
     depth-1 family takes [1] only."""
     from models.errors import ConfigError
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from pipeline.core.eval_rounds import check_depths
 
     base = ["eval.every=1", "task.kind=dataset", "task.path=x"]

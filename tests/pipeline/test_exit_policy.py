@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,9 +23,9 @@ from models.exits import (
     policy_from_dict,
     policy_to_dict,
 )
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
-from proto import Rollout
+from proto.records import Rollout, Welcome
 
 GATE = {"kind": "ouro_gate", "q": 0.8, "kv": "full"}
 
@@ -66,7 +65,7 @@ def test_the_policy_is_one_typed_object_from_yaml_to_the_engine(tmp_path: Path) 
         settings_from_additional_config,
         settings_to_dict,
     )
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.commands.generator_cli import add_parser, build_engines, config_from_args
     from pipeline.commands.generator_flags import generator_config
     from pipeline.commands.launcher import generator_command
@@ -117,8 +116,8 @@ def test_the_generator_reads_its_policy_once_from_a_flag_or_a_file(tmp_path: Pat
     the generators section (rollout.exit_policy sets it)."""
     import argparse
 
-    from generator.config import ConfigError as GeneratorConfigError
     from generator.config import load_config as load_generator_config
+    from models.errors import ConfigError as GeneratorConfigError
     from pipeline.commands.generator_cli import add_parser, config_from_args
 
     parser = argparse.ArgumentParser()
@@ -144,32 +143,67 @@ def test_the_generator_reads_its_policy_once_from_a_flag_or_a_file(tmp_path: Pat
 
 
 def test_welcome_check_compares_policies_not_text() -> None:
-    """The Welcome states the run's policy as a mapping (models.exits.policy_to_dict) or, from
-    older learners, as its canonical JSON; either passes the check of a generator that runs
-    that policy. Another policy, or full depth against a policy, is refused naming
+    """The Welcome states the run's policy as a map (Welcome.exit_policy, models.exits.
+    policy_to_dict's; {} = full depth) or, from learners before protocol 1.8, as its canonical
+    JSON in settings["exit_policy"]; either passes the check of a generator that runs that
+    policy, through the codec. Another policy, or full depth against a policy, is refused naming
     --exit-policy and rollout.exit_policy; a Welcome that states none is not checked."""
     from pipeline.commands.generator_cli import _check_welcome
+    from proto.codec import Codec
+
+    def welcome(policy_map: dict | None = None, **settings: object) -> Welcome:
+        w = Welcome("run", "g", 0, 1.0, dict(settings), exit_policy=policy_map)
+        return Codec().decode(Codec().encode(w))  # type: ignore[return-value]
 
     def legacy(policy: ExitPolicy | None) -> str:  # what learners sent before: canonical JSON
         return "" if policy is None else json.dumps(policy_to_dict(policy), sort_keys=True)
 
+    def stated(policy: ExitPolicy | None) -> list[Welcome]:  # the 1.8 form and the older one
+        return [welcome(policy_to_dict(policy) or {}), welcome(exit_policy=legacy(policy))]
+
     mine = OuroGate(0.8, kv="full")
     reordered = '{"q": 0.8, "kind": "ouro_gate", "kv": "full"}'  # other text, the same policy
-    for stated in (policy_to_dict(mine), legacy(mine), reordered):
-        _check_welcome("fast", mine)(SimpleNamespace(settings={"numerics": "fast",
-                                                               "exit_policy": stated}))  # fmt: skip
-    for stated in (None, ""):  # full depth
-        _check_welcome("fast", None)(SimpleNamespace(settings={"exit_policy": stated}))
-    _check_welcome("fast", mine)(SimpleNamespace(settings={"numerics": "fast"}))
+    assert welcome(policy_to_dict(mine)).exit_policy == policy_to_dict(mine)  # a typed map
+    for w in [*stated(mine), welcome(exit_policy=reordered), welcome(numerics="fast")]:
+        _check_welcome("fast", mine)(w)  # the last states none: not checked
+    for w in [*stated(None), welcome(exit_policy=None)]:  # full depth
+        _check_welcome("fast", None)(w)
     other = OuroGate(0.8, kv="last_exited")
+    _check_welcome("fast", mine)(
+        welcome(policy_to_dict(mine), exit_policy=legacy(other))
+    )  # 1.8 first
     for theirs, generator in ((other, mine), (mine, None), (None, mine)):
-        for stated in (policy_to_dict(theirs), legacy(theirs)):
-            welcome = SimpleNamespace(settings={"exit_policy": stated})
+        for w in stated(theirs):
             with pytest.raises(ValueError, match=r"--exit-policy '.*', the run config's "
                                r"rollout.exit_policy"):  # fmt: skip
-                _check_welcome("fast", generator)(welcome)
-    with pytest.raises(ValueError, match="cannot read"):
-        _check_welcome("fast", mine)(SimpleNamespace(settings={"exit_policy": {"kind": "x"}}))
+                _check_welcome("fast", generator)(w)
+    for w in (welcome({"kind": "x"}), welcome(exit_policy='{"kind": "x"}')):
+        with pytest.raises(ValueError, match="cannot read"):
+            _check_welcome("fast", mine)(w)
+
+
+def test_the_coordinators_welcome_states_the_run_policy(tmp_path: Path) -> None:
+    """The coordinator's Welcome carries rollout.exit_policy as a typed map (no JSON text in its
+    settings), through the in-memory transport's codec; a generator of that policy passes the
+    check, one of another is refused."""
+    from pipeline.commands.generator_cli import _check_welcome
+    from tests.pipeline.fakes import FakeGenerator, make_coordinator
+
+    for policy, run in ((OuroGate(0.8, kv="full"), [f"rollout.exit_policy={json.dumps(GATE)}"]),
+                        (None, [])):  # fmt: skip
+        c, net, _ = make_coordinator(tmp_path / str(policy is None), run)
+        g = FakeGenerator(net, "g0")
+        for _ in range(20):
+            c.turn(0.0)
+            g.step()
+            if g.welcome is not None:
+                break
+        assert g.welcome is not None and "exit_policy" not in g.welcome.settings
+        assert g.welcome.exit_policy == (policy_to_dict(policy) or {})
+        _check_welcome(c.cfg.numerics, policy)(g.welcome)
+        with pytest.raises(ValueError, match="--exit-policy"):
+            _check_welcome(c.cfg.numerics, FixedDepth(2))(g.welcome)
+        c.close()
 
 
 def _rollout(depths: list[int]) -> tuple[Rollout, Expected]:
@@ -186,7 +220,7 @@ def _rollout(depths: list[int]) -> tuple[Rollout, Expected]:
 
 
 def test_door_bounds_exit_depths_by_the_run_policy(tmp_path: Path) -> None:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     path = init_checkpoint("huginn", "tiny", tmp_path / "m")  # mean_recurrence 6
     model_only = ModelLimits.from_checkpoint(path)
@@ -208,7 +242,7 @@ def test_door_bounds_exit_depths_by_the_run_policy(tmp_path: Path) -> None:
 def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> None:
     from learner.batching import build_batch
     from models.checkpoint import load_model
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from models.reference import SamplingParams, behaviour_logprobs, generate
     from pipeline.backends.reference_trainer import ReferenceTrainer
 

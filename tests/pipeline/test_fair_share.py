@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.backends.results import StepResult
-from proto import Rollout
+from proto.records import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 STEPS = 40  # x 4 groups of 4 = 640 rollouts

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.net.log_limit import RateLimitedLog
-from pipeline.net.transport_config import TransportConfig, TransportError
-from pipeline.net.transport_memory import MemoryNetwork
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Hello, RolloutBatch, Welcome
+from pipeline.net.transport.config import TransportConfig, TransportError
+from pipeline.net.transport.memory import MemoryNetwork
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from proto.records import Hello, RolloutBatch, Welcome
 from tests.pipeline import FakeClock, fast_zmq, hello, rollout
 
 MIB = 1 << 20
@@ -90,7 +90,7 @@ def test_flood_of_large_frames_is_bounded_in_bytes(caplog: pytest.LogCaptureFixt
         good = ZmqGeneratorConnection(
             cfg, hello("good"), control=ep.endpoints["control"], weights=ep.endpoints["weights"]
         )
-        caplog.set_level(logging.WARNING, logger="pipeline.net.transport")
+        caplog.set_level(logging.WARNING, logger="pipeline.net.transport.session")
         got = None
         end = time.monotonic() + 20
         while got is None and time.monotonic() < end:
@@ -145,7 +145,7 @@ def test_memory_inbox_bounded_in_bytes_per_sender() -> None:
 
 
 def test_rejection_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="pipeline.net.transport")
+    caplog.set_level(logging.WARNING, logger="pipeline.net.transport.session")
     net, clock = MemoryNetwork(), FakeClock()
     cfg = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0, log_interval_s=10.0)
     ep = net.bind("learner", cfg, clock=clock)

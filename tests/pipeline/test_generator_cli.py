@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from generator.config import ConfigError, GeneratorConfig
+from generator.config import GeneratorConfig
+from models.errors import ConfigError
 from models.exits import KL
 from pipeline.commands.generator_cli import (
     add_parser,
@@ -97,9 +98,9 @@ def test_connection_without_welcome_reports_then_times_out(
     second (timeout 2 s), then ConnectTimeout from recv; a Welcome ends the watch."""
     import time
 
-    from pipeline.net.transport_config import ConnectTimeout, TransportConfig
-    from pipeline.net.transport_memory import MemoryNetwork
-    from proto import Hello
+    from pipeline.net.transport.config import ConnectTimeout, TransportConfig
+    from pipeline.net.transport.memory import MemoryNetwork
+    from proto.records import Hello
 
     net = MemoryNetwork()
     conn = net.connect("learner", Hello("g0", "host", 1, ["llama"], 1, 0, 0.0), TransportConfig())
@@ -123,7 +124,7 @@ def test_connection_without_welcome_reports_then_times_out(
     conn2.watch_connect(1.0, "mem://learner")
     inc = ep.recv(1.0)
     assert inc is not None and inc.peer == "g1"
-    from proto import Welcome
+    from proto.records import Welcome
 
     ep.send("g1", Welcome("run", "g1", 0, 2.0, {}))
     t1 = time.monotonic()

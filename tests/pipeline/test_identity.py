@@ -24,10 +24,11 @@ from pipeline.net.security import (
     generator_id_for,
     owns,
 )
-from pipeline.net.transport import GeneratorConnection, Incoming
-from pipeline.net.transport_config import TransportError
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Ack, Codec, ErrorMsg, Hello, RolloutBatch, Welcome, WorkItem
+from pipeline.net.transport.config import TransportError
+from pipeline.net.transport.session import GeneratorConnection, Incoming
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from proto.codec import Codec
+from proto.records import Ack, ErrorMsg, Hello, RolloutBatch, Welcome, WorkItem
 from tests.pipeline import fast_zmq, rollout
 
 CFG = fast_zmq()

@@ -21,7 +21,7 @@ from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import launcher
 from pipeline.commands.learner_main import resolve_config
-from pipeline.config import RunConfig, load_config, to_yaml
+from pipeline.config.run import RunConfig, load_config, to_yaml
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ import pytest
 import zmq
 
 from pipeline.commands import console
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_memory import MemoryNetwork
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.memory import MemoryNetwork
 from pipeline.net.untrusted import printable
-from proto import Codec
+from proto.codec import Codec
 from tests.pipeline import FakeClock, hello
 from tests.pipeline.test_bombs import Learner
 
@@ -115,7 +115,7 @@ def test_console_escapes_every_argument(
 
 def test_transport_warnings_are_escaped_without_console(caplog: pytest.LogCaptureFixture) -> None:
     """The transport's own lines are escaped at the source (any handler, here pytest's)."""
-    caplog.set_level(logging.WARNING, logger="pipeline.net.transport")
+    caplog.set_level(logging.WARNING, logger="pipeline.net.transport.session")
     net, clock = MemoryNetwork(), FakeClock()
     cfg = TransportConfig(heartbeat_interval_s=1.0, peer_timeout_s=5.0)
     ep = net.bind("learner", cfg, clock=clock)

@@ -16,7 +16,7 @@ from pipeline.backends.learner_configs import (
     row_tokens,
     train_config,
 )
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 
 def test_quickstart_update_is_one_micro_batch() -> None:

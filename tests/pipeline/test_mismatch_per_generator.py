@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.backends.results import StepResult
-from proto import Rollout
+from proto.records import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 

@@ -3,7 +3,7 @@
 libzmq 4.3.5 with ZMTP heartbeats aborted such a process: on resume its socket reads the
 messages queued meanwhile until the receive pipe is full (RCVHWM), the peer's hang-up then
 marks the connection failed, and the next heartbeat timer writes to it: ``Assertion failed:
-!_io_error (src/stream_engine_base.cpp:310)``. pipeline.net.transport_zmq now leaves ZMTP
+!_io_error (src/stream_engine_base.cpp:310)``. pipeline.net.transport.zmq now leaves ZMTP
 heartbeats off (the session protocol has its own) and lets TCP keepalive / TCP_MAXRT notice
 dead connections. The first test pauses a transport-level generator process (seconds);
 the others pause a real ``looprl generator`` and a real learner process mid-run.
@@ -24,8 +24,8 @@ from typing import cast
 import pytest
 
 from pipeline.core.recorder import read_rollouts
-from pipeline.net.transport_zmq import ZmqLearnerEndpoint
-from proto import Hello, Welcome
+from pipeline.net.transport.zmq import ZmqLearnerEndpoint
+from proto.records import Hello, Welcome
 from tests.pipeline.e2e_utils import SMALL, check_run, run, small_config, wait_until
 from tests.pipeline.pause_peer import CFG
 

@@ -15,7 +15,7 @@ import numpy as np
 from pipeline.core.intake import IntakeResult, RefusalTracker
 from pipeline.core.peers import MAX_WORK_TIMEOUTS, Peers
 from pipeline.core.timeline import StepTimeline
-from proto import ErrorMsg, Goodbye, Heartbeat, Hello, Rollout, RolloutBatch, Welcome
+from proto.records import ErrorMsg, Goodbye, Heartbeat, Hello, Rollout, RolloutBatch, Welcome
 from weights.deliveries import DeliveryLog
 
 
@@ -116,6 +116,7 @@ def _peers(work_timeout_s: float = 0.0) -> tuple[Peers, FakeEndpoint, Log, FakeI
     p = Peers(ep, dispatcher=FakeDispatcher(log), publisher=FakePublisher(log),  # type: ignore[arg-type]
               intake=intake, deliveries=DeliveryLog(), timeline=StepTimeline(), evals=None,  # type: ignore[arg-type]
               run_id=lambda: "run", version=lambda: 0, welcome_settings={"numerics": "fast"},
+              exit_policy=None,
               work_timeout_s=work_timeout_s, clock=lambda: 0.0)  # fmt: skip
     return p, ep, log, intake
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from models.errors import ConfigError
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 
 
 def test_reference_refuses_the_checkpoints_truncated_backprop(tmp_path: Path) -> None:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.backends.reference_trainer import ReferenceTrainer
 
     init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)

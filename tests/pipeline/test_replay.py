@@ -87,7 +87,7 @@ def test_replay_errors(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    from pipeline.config import RunConfig, to_yaml
+    from pipeline.config.run import RunConfig, to_yaml
 
     (run_dir / "config.yaml").write_text(to_yaml(RunConfig(run_dir=str(run_dir))))
     rec = Recorder(run_dir)

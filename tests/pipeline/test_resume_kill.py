@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from pipeline.commands.launcher import Generators
-from pipeline.config import to_yaml
+from pipeline.config.run import to_yaml
 from pipeline.core.recorder import read_rollouts, read_steps
 from tests.pipeline.e2e_utils import SMALL, check_run, small_config
 

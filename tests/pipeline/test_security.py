@@ -16,7 +16,7 @@ import zmq
 import zmq.auth
 
 from pipeline.commands import keys_cli
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.net.security import (
     ClientCurve,
     InsecureBindError,
@@ -25,8 +25,8 @@ from pipeline.net.security import (
     check_bind,
     is_loopback,
 )
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Hello, RolloutBatch, Welcome
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from proto.records import Hello, RolloutBatch, Welcome
 from tests.pipeline import fast_zmq, hello, rollout
 
 CFG = fast_zmq(peer_timeout_s=0.6)

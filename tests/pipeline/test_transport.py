@@ -11,20 +11,12 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeline.net.transport import GeneratorConnection, Incoming, LearnerEndpoint
-from pipeline.net.transport_config import TransportConfig, TransportError
-from pipeline.net.transport_memory import MemoryNetwork
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import (
-    Codec,
-    ErrorMsg,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    RolloutBatch,
-    Welcome,
-    WorkItem,
-)
+from pipeline.net.transport.config import TransportConfig, TransportError
+from pipeline.net.transport.memory import MemoryNetwork
+from pipeline.net.transport.session import GeneratorConnection, Incoming, LearnerEndpoint
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from proto.codec import Codec
+from proto.records import ErrorMsg, Goodbye, Heartbeat, Hello, RolloutBatch, Welcome, WorkItem
 from tests.pipeline import FakeClock, hello, rollout
 
 CFG = TransportConfig(

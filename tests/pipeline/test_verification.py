@@ -19,7 +19,7 @@ from pipeline.backends.results import StepResult
 from pipeline.core.staleness import StalenessGate
 from pipeline.core.validation import LOGP_DRIFT_PER_UPDATE, Refusal, logp_bound
 from pipeline.core.verification import LogpVerifier
-from proto import Rollout
+from proto.records import Rollout
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 

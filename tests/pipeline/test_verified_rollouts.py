@@ -25,7 +25,7 @@ from pipeline.core.validation import (
     LOGP_DRIFT_PER_UPDATE,
     logp_bound,
 )
-from proto import Rollout, WorkItem
+from proto.records import Rollout, WorkItem
 from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
 
 
@@ -232,11 +232,11 @@ def _spec_run(
     (rollouts, refused indices, weights after)."""
     import torch
 
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from pipeline.core.coordinator import Coordinator
     from pipeline.core.dispatch import Prompt, PromptSource
     from pipeline.core.validation import ModelLimits
-    from pipeline.net.transport_memory import MemoryNetwork
+    from pipeline.net.transport.memory import MemoryNetwork
     from tests.pipeline.fakes import TCFG
 
     cfg = load_config(None, [f"run_dir={tmp}", f"backend={backend}", "rollout.n=4",
@@ -276,7 +276,7 @@ def _weights(trainer: object) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     d = tmp_path_factory.mktemp("m") / "huginn"
     init_checkpoint("huginn", "tiny", d, seed=0)
@@ -331,7 +331,7 @@ def test_a_lying_generator_is_refused_before_its_step_trains(
     # refused step remains: weights, optimizer state, schedule, counters)
     if backend == "reference":
         from pipeline.backends.reference_trainer import ReferenceTrainer
-        from pipeline.config import load_config
+        from pipeline.config.run import load_config
 
         cfg = c.cfg
         fresh = ReferenceTrainer(load_config(None, [f"run_dir={run}", "backend=reference",
@@ -362,7 +362,7 @@ def _refuse_on_two_ranks(model_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pipeline.backends.megatron_adapter import MegatronTrainer
-    from pipeline.config import load_config
+    from pipeline.config.run import load_config
     from tests.pipeline.test_epochs import _rollouts
 
     cfg = load_config(None, ["backend=megatron", "rollout.n=4", "rollout.prompts_per_step=2",

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.coordinator import Coordinator
-from pipeline.net.transport_zmq import ZmqLearnerEndpoint
+from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 from tests.pipeline.collective_utils import (
     TCFG,
     Receiver,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.net.transport_config import TransportConfig
-from pipeline.net.transport_memory import MemoryNetwork
-from pipeline.net.transport_zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
-from proto import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
+from pipeline.net.transport.config import TransportConfig
+from pipeline.net.transport.memory import MemoryNetwork
+from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint
+from proto.records import Ack, Nack, TensorMeta, WeightAnnounce, WeightChunk, Welcome
 from tests.pipeline import FakeClock, hello
 from weights.check import WeightsRefused
 from weights.publisher import WeightPublisher

@@ -199,6 +199,7 @@ def sample_records(rng: random.Random) -> list[object]:
                 weight_version=k,
                 heartbeat_interval_s=1.0,
                 settings={"numerics": "fast", "k": k},
+                exit_policy=[None, {}, {"kind": "ouro_gate", "q": 0.8, "max_depth": None}][k % 3],
             ),
             R.Heartbeat(sender_id="g", sent_at=2.0, weight_version=k, inflight=k),
             R.WorkItem(

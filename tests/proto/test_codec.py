@@ -13,8 +13,10 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 
-from proto import Codec, ProtocolError, Rollout, RolloutBatch, records
-from proto.codec import FLAG_ZSTD, HEADER, MAGIC, ZSTD_MAGIC
+from proto import records
+from proto.codec import FLAG_ZSTD, HEADER, MAGIC, ZSTD_MAGIC, Codec
+from proto.errors import ProtocolError
+from proto.records import Rollout, RolloutBatch
 from proto.schema import REGISTRY
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from tests.proto.strategies import ALL, rollouts
@@ -368,9 +370,9 @@ def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     from pipeline.core.recorder import read_rollouts
     from proto.batch import encode_batch
     from proto.schema import to_wire
-    from proto.stream import StreamWriter
+    from proto.stream.writer import StreamWriter
 
-    assert PROTOCOL_MINOR == 7
+    assert PROTOCOL_MINOR == 8  # 1.8 added Welcome.exit_policy, no rollout field
     a, b = _rollout(5), dataclasses.replace(_rollout(3), rollout_id="w/1", sample_index=1)
     cols = msgpack.unpackb(msgpack.packb(encode_batch(RolloutBatch([a, b]))))
     single = to_wire(dataclasses.replace(a, rollout_id="w/2", sample_index=2))
@@ -387,3 +389,30 @@ def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     assert [r.num_tokens for r in got] == [5, 3, 5]
     assert_same(got[0], a)
     assert_same(got[1], b)
+
+
+def test_welcome_states_the_exit_policy_as_a_typed_map() -> None:
+    """1.8: Welcome.exit_policy is a map of scalars (models.exits.policy_to_dict's form, {} =
+    full depth) that round trips as a map; a 1.7 Welcome (no such field, the policy as JSON text
+    in its settings) decodes with exit_policy None; a nested value is refused, naming the field."""
+    codec = Codec(level=0)
+    gate = {"kind": "ouro_gate", "q": 0.8, "min_depth": 1, "max_depth": None, "kv": "full"}
+    for policy in (gate, {}):
+        w = records.Welcome("run", "g", 3, 1.0, {"numerics": "fast"}, exit_policy=policy)
+        got = codec.decode(codec.encode(w))
+        assert isinstance(got, records.Welcome) and got.exit_policy == policy and got == w
+    old = {
+        "run_id": "run",
+        "generator_id": "g",
+        "weight_version": 3,
+        "heartbeat_interval_s": 1.0,
+        "settings": {"numerics": "fast", "exit_policy": '{"kind": "fixed", "depth": 4}'},
+    }
+    got = codec.decode(HEADER.pack(MAGIC, 1, 7, 0, 0) + msgpack.packb(["welcome", old]))
+    assert got.exit_policy is None and got.settings["exit_policy"] == old["settings"]["exit_policy"]
+    for bad in ({"kind": "fixed", "depth": [4]}, {"kind": {"fixed": 4}}):
+        frame = HEADER.pack(MAGIC, 1, PROTOCOL_MINOR, 0, 0) + msgpack.packb(
+            ["welcome", {**old, "exit_policy": bad}]
+        )
+        with pytest.raises(ProtocolError, match=r"welcome\.exit_policy"):
+            codec.decode(frame)

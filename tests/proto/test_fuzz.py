@@ -18,8 +18,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto import Codec, ProtocolError
-from proto.codec import HEADER, MAGIC
+from proto.codec import HEADER, MAGIC, Codec
+from proto.errors import ProtocolError
 from tests.proto.strategies import sample_records
 
 HOSTILE: list[Any] = [

@@ -18,21 +18,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto.stream import (
+from proto.stream.format import (
+    FRAME_HEADER_SIZE,
+    SEGMENT_HEADER_SIZE,
     StreamCorruptError,
     StreamError,
     StreamLockedError,
-    StreamReader,
-    StreamWriter,
-    recover,
-)
-from proto.stream_format import (
-    FRAME_HEADER_SIZE,
-    SEGMENT_HEADER_SIZE,
     encode_segment_header,
     index_name,
     segment_name,
 )
+from proto.stream.reader import StreamReader
+from proto.stream.writer import StreamWriter, recover
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -309,7 +306,7 @@ def test_two_writers_refused(tmp_path: Path) -> None:
             StreamWriter(s)
         with pytest.raises(StreamLockedError):
             recover(s)
-        code = f"from proto.stream import StreamWriter; StreamWriter({str(s)!r})"
+        code = f"from proto.stream.writer import StreamWriter; StreamWriter({str(s)!r})"
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True)
         assert out.returncode != 0 and b"StreamLockedError" in out.stderr
     with StreamWriter(s) as w:  # released on close

@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proto import Codec, Rollout, RolloutBatch
-from proto.stream import StreamReader, StreamWriter
-from proto.stream_format import index_name, segment_name
+from proto.codec import Codec
+from proto.records import Rollout, RolloutBatch
+from proto.stream.format import index_name, segment_name
+from proto.stream.reader import StreamReader
+from proto.stream.writer import StreamWriter
 
 REPO = Path(__file__).resolve().parents[2]
 FRAMES = 60

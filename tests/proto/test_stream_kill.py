@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from proto.stream import StreamCorruptError, StreamError, StreamReader, StreamWriter, recover
+from proto.stream.format import StreamCorruptError, StreamError
+from proto.stream.reader import StreamReader
+from proto.stream.writer import StreamWriter, recover
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,7 @@ WRITER = (
     PAYLOAD_SRC
     + """
 import sys
-from proto.stream import StreamWriter
+from proto.stream.writer import StreamWriter
 with StreamWriter(sys.argv[1], segment_bytes=int(sys.argv[2]), fsync=sys.argv[3]) as w:
     while True:
         w.append(payload(w.next_seq))
@@ -41,7 +43,7 @@ with StreamWriter(sys.argv[1], segment_bytes=int(sys.argv[2]), fsync=sys.argv[3]
 
 TAILER = """
 import hashlib, json, sys
-from proto.stream import StreamReader
+from proto.stream.reader import StreamReader
 r = StreamReader(sys.argv[1])
 want = int(sys.argv[2])
 print("ready", flush=True)

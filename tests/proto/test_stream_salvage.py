@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from proto.stream import StreamCorruptError, StreamReader, StreamWriter, recover
-from proto.stream_format import FRAME_HEADER_SIZE, segment_name
-from proto.stream_salvage import survey
+from proto.stream.format import FRAME_HEADER_SIZE, StreamCorruptError, segment_name
+from proto.stream.reader import StreamReader
+from proto.stream.salvage import survey
+from proto.stream.writer import StreamWriter, recover
 
 REPO = Path(__file__).resolve().parents[2]
 N = 120

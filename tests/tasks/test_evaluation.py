@@ -11,13 +11,13 @@ import pytest
 from models.errors import ConfigError
 from pipeline.commands.evaluation import evaluate, main
 from pipeline.commands.make_math_data import make_dataset
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core.eval_rounds import correct_of
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
 
     tmp = tmp_path_factory.mktemp("eval")
     model = init_checkpoint("huginn", "tiny", tmp / "model")

@@ -14,7 +14,7 @@ import pytest
 from models.chat import ChatRenderer
 from models.errors import ConfigError
 from models.tokenizer import EOS_ID, build_tokenizer
-from pipeline.config import load_config
+from pipeline.config.run import load_config
 from pipeline.core import resume
 from pipeline.core.coordinator import Coordinator
 from pipeline.core.dispatch import Dispatcher
@@ -30,7 +30,7 @@ from pipeline.core.tasks import (
     with_task_stops,
 )
 from pipeline.core.validation import ModelLimits
-from pipeline.net.transport_memory import MemoryNetwork
+from pipeline.net.transport.memory import MemoryNetwork
 from tests.pipeline.fakes import TCFG, FakeGenerator, FakeTrainer, drive
 
 ROWS = 12
@@ -296,7 +296,7 @@ def test_synthetic_and_jsonl_kinds_still_load(tmp_path: Path, model: Path) -> No
 def test_prompt_limit_reads_the_checkpoints_context(tmp_path: Path, family: str) -> None:
     """generators.max_model_len 0 (the default) is the checkpoint's context length, as vLLM
     derives it (Huginn: block_size; the others: max_position_embeddings)."""
-    from models.init import init_checkpoint
+    from models.random_init import init_checkpoint
     from pipeline.core.tasks import prompt_limit
 
     d = tmp_path / family

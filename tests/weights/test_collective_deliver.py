@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from pipeline.config import load_config
-from proto import WeightAnnounce
+from pipeline.config.run import load_config
 from proto.errors import ProtocolError
+from proto.records import WeightAnnounce
 from weights import collective as coll
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from pipeline.config import load_config
-from proto import Ack, WeightAnnounce
+from pipeline.config.run import load_config
+from proto.records import Ack, WeightAnnounce
 from weights import shm
 from weights.collective_generator import CollectiveReceiver
 from weights.publication import Publication, weights_dir

@@ -1,0 +1,196 @@
+"""The run's ``auto`` keys, chosen for the host it starts on.
+
+A key left at ``auto`` is resolved once, when the run config is built (``resolve``, from
+``RunConfig.__post_init__``, before its cross-key checks), and the run records the value in
+RUN_DIR/config.yaml: a resume or a replay trains with what the live run chose, on any host.
+Any of them set to a value is kept as it is. The choices, with why, are printed at start
+(``RunConfig.device_choices``).
+
+| key | CUDA host | CPU host |
+|---|---|---|
+| learner.precision | bf16 (numerics fast, backend megatron) | fp32 |
+| learner.compile | true (numerics fast, backend megatron) | false |
+| learner.max_tokens_per_micro | packed rows, a token budget from the card's free memory (megatron, learner.micro_batch_size 0, a forward that packs) | 0 (padded rows) |
+| generators.engine | torch (the GPU path that is tested; vLLM's plugin on a GPU is not) | vllm |
+| generators.max_inflight | a whole step's prompts x (max_staleness + 1), split between the local generators (the engine batch is that x rollout.n rows) | 16 |
+| generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
+| publish.transport | shm (local generators: one /dev/shm copy each version maps and checks) | shared_fs |
+
+The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
+model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two
+moments (18 bytes a parameter) plus the activations one packed micro-batch keeps for the
+backward (about 24 h + 6 f bytes a token per layer pass with gradient, bf16, and 8 bytes a
+vocabulary entry for the head's logits) and 4 GiB; the generators get 0.8 of what is left,
+less their weights and 1 GiB each. (On an H100 at 1b, 0.9 of it with no logits term ran the
+learner out of memory in its first backward.) `looprl generator` on its own resolves its own
+(generator.config: the engine, and a cache of 0.8 of the card's free memory less the
+weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from models.cost import GIB, Host
+
+AUTO = "auto"
+
+
+def megatron_available() -> bool:
+    """Whether backend auto resolves to megatron (learner.trainer's megatron-core is there)."""
+    return importlib.util.find_spec("megatron.core") is not None
+
+
+def token_bytes(shape: Any, backprop_depth: int) -> float:
+    """Activation bytes one trained token keeps for the backward (module docstring)."""
+    k = shape.recurrence if backprop_depth <= 0 else min(backprop_depth, shape.recurrence)
+    passes = shape.prelude + shape.coda + k * shape.core
+    # the head's logits at every trained position: bf16 values and gradient and the fp32
+    # temporaries of the token statistics (8 bytes a vocabulary entry)
+    return float(passes * (24 * shape.hidden + 6 * shape.ffn) + 8 * shape.vocab)
+
+
+def learner_gib(shape: Any, tokens: int, backprop_depth: int) -> float:
+    """The learner's planned card memory: its states and one micro-batch's activations."""
+    return (18 * shape.params() + tokens * token_bytes(shape, backprop_depth)) / GIB + 4.0
+
+
+def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The values of ``cfg``'s auto keys on ``host`` (default: this one), as {section: {key:
+    value}}, and one line per choice saying why."""
+    lr, gens, pub = cfg.learner, cfg.generators, cfg.publish
+    autos = [lr.precision, lr.compile, lr.max_tokens_per_micro, gens.engine, gens.kv_cache_mb,
+             gens.max_inflight, pub.transport]  # fmt: skip
+    if AUTO not in autos:
+        return {}, []
+    host = host or Host.here()
+    out: dict[str, dict[str, Any]] = {"learner": {}, "generators": {}, "publish": {}}
+    why: list[str] = []
+
+    def choose(section: str, key: str, value: Any, reason: str) -> None:
+        out[section][key] = value
+        why.append(f"{section}.{key}={value}: {reason}")
+
+    megatron = cfg.backend == "megatron" or (cfg.backend == "auto" and megatron_available())
+    fast = cfg.numerics == "fast"
+    gpu_learner = host.cuda and megatron and fast
+    where = host.describe()
+    if lr.precision == AUTO:
+        if gpu_learner:
+            choose("learner", "precision", "bf16", f"{where}, megatron, numerics fast")
+        else:
+            choose("learner", "precision", "fp32", _why_not(host, megatron, fast))
+    if lr.compile == AUTO:
+        if gpu_learner:
+            choose("learner", "compile", True, f"{where}: compiled blocks")
+        else:
+            choose("learner", "compile", False, _why_not(host, megatron, fast))
+    shape = _shape(cfg) if host.cuda else None
+    budget = 0
+    if lr.max_tokens_per_micro == AUTO:
+        packs = (cfg.objective.loop_weighting == "last" and not _sampled_exit(cfg)
+                 and not lr.micro_batch_size)  # fmt: skip
+        if gpu_learner and packs and shape is not None:
+            budget = _token_budget(cfg, host, shape)
+            choose("learner", "max_tokens_per_micro", budget,
+                   f"packed rows, {budget} tokens a micro-batch from {where}")  # fmt: skip
+        else:
+            reason = ("learner.micro_batch_size is set" if lr.micro_batch_size
+                      else "the forward does not pack (per-loop credit or a sampled exit)"
+                      if gpu_learner else _why_not(host, megatron, fast))  # fmt: skip
+            choose("learner", "max_tokens_per_micro", 0, f"padded rows: {reason}")
+    if gens.engine == AUTO:
+        if host.cuda:
+            choose("generators", "engine", "torch", f"{where}: the tested GPU engine")
+        else:
+            choose("generators", "engine", "vllm", "a CPU host: vLLM's CPU build")
+    local = gens.count
+    if gens.max_inflight == AUTO:
+        if host.cuda:  # a whole step (and what staleness lets run ahead) in one engine batch
+            r, ahead = cfg.rollout, cfg.staleness.max_staleness + 1
+            held = max(1, -(-r.prompts_per_step * ahead // max(1, local)))
+            choose("generators", "max_inflight", held,
+                   f"{where}: a whole step's prompts (x max_staleness + 1) in one batch")  # fmt: skip
+        else:
+            choose("generators", "max_inflight", 16, "a CPU host")
+    if gens.kv_cache_mb == AUTO:
+        if host.cuda and local and shape is not None:
+            mb = _kv_mb(cfg, host, shape, budget, local)
+            choose("generators", "kv_cache_mb", mb,
+                   f"what the learner leaves on {host.card}, split {local} way(s)")  # fmt: skip
+        else:
+            choose("generators", "kv_cache_mb", 64, "a CPU host" if not host.cuda
+                   else "no local generator")  # fmt: skip
+    if pub.transport == AUTO:
+        if host.cuda and local:
+            choose("publish", "transport", "shm",
+                   "generators on this host map each version from /dev/shm")  # fmt: skip
+        else:
+            choose("publish", "transport", "shared_fs", "a CPU host" if not host.cuda
+                   else "no local generator: the directory every host mounts")  # fmt: skip
+    return {k: v for k, v in out.items() if v}, why
+
+
+def _why_not(host: Host, megatron: bool, fast: bool) -> str:
+    if not host.cuda:
+        return "a CPU host"
+    if not megatron:
+        return "backend reference"
+    return "numerics exact" if not fast else "not a GPU learner"
+
+
+def _sampled_exit(cfg: Any) -> bool:
+    from models.exits import is_sampled
+
+    return bool(is_sampled(cfg.rollout.parsed_policy))
+
+
+def _shape(cfg: Any) -> Any:
+    """The run's model shape: model.path's config.json, or the family/size it initialises."""
+    from models.cost import LoopShape
+
+    try:
+        if cfg.model.path:
+            from models.checkpoint import load_config
+
+            return LoopShape.of(load_config(cfg.model.path))
+        from models.random_init import model_config
+
+        return LoopShape.of(model_config(cfg.model.family, cfg.model.size))
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is refused later, by name
+        return None
+
+
+def _backprop(cfg: Any, shape: Any) -> int:
+    """learner.backprop_depth (-1: Huginn's mean_backprop_depth, 8 in every size; all else)."""
+    depth = int(cfg.learner.backprop_depth)
+    return depth if depth >= 0 else (8 if shape.adapter else 0)
+
+
+def _token_budget(cfg: Any, host: Host, shape: Any) -> int:
+    """Tokens of one packed micro-batch: a third of the free memory for activations (the rest
+    for the learner's states and the generators), in [the longest row, 65,536], a multiple
+    of 1,024 above the longest row."""
+    longest = cfg.rollout.max_tokens + 2048  # a prompt's room beside the longest response
+    per = token_bytes(shape, _backprop(cfg, shape))
+    tokens = int(host.free_bytes / 3 / per) // 1024 * 1024
+    return max(longest, min(tokens, 65536))
+
+
+def _kv_mb(cfg: Any, host: Host, shape: Any, budget: int, local: int) -> int:
+    """MiB of K/V cache for each local generator: 0.8 of what the learner's plan leaves, less
+    each generator's bf16 weights and 1 GiB of its own (CUDA context, graphs, activations);
+    at least 256."""
+    left = host.free_bytes / GIB - learner_gib(shape, budget, _backprop(cfg, shape))
+    each = 0.8 * left / local - 2 * shape.params() / GIB - 1.0
+    return max(256, int(each * 1024) // 256 * 256)
+
+
+def summary(lines: list[str]) -> str:
+    """The choices in one line for the console (``resolve``'s lines give each one's why)."""
+    return (
+        "auto keys: "
+        + ", ".join(line.split(":", 1)[0] for line in lines)
+        + (" (set any of them to override; the reasons are in the log)")
+    )
