@@ -3,7 +3,7 @@
     python benchmarks/collective_bcast.py --backend gloo --gens 1,4,16 --sizes-mb 10,100
     python benchmarks/collective_bcast.py --backend nccl --gens 1 --sizes-mb 100,1000,7000
 
-The group and the broadcast are the product's (weights/collective.py: a group on a TCPStore the
+The group and the broadcast are the product's (weights/collective/group.py: a group on a TCPStore the
 rank-0 process hosts, a uint8 tensor broadcast from rank 0); what is left out is the ZeroMQ
 announce and the coordinator (benchmarks/scale.py --weights measures those too). Each
 generator rank receives, then (``--digest``) computes sha256 over the received bytes on its
@@ -11,7 +11,7 @@ own CPU (the cost of the digest check, which every generator pays in parallel). 
 (size, N): the group set-up (``group_s``), the first broadcast on the new group (what one
 product round pays: NCCL connects lazily, on the first collective), a second one on the same
 group, and the time to the last generator's digest; ratios to N = 1. nccl: rank r uses GPU r,
-so N <= GPUs - 1. Loads weights/collective.py by path (torch only: runs where the rest of the
+so N <= GPUs - 1. Loads weights/collective/group.py by path (torch only: runs where the rest of the
 project's dependencies are not installed). Prints one JSON line per configuration.
 """
 

@@ -22,7 +22,7 @@ each size and N, with publish transport "zmq" (the blob over ZeroMQ, credit wind
 "shared_fs" (shared storage: only the announce travels; each generator reads the directory and
 checks the digest as an engine's load_weights does: ``VerifiedWeights.state()``, the
 directory read and hashed with the announced kind) and "collective" (gloo from the learner to all N,
-weights.collective_learner, pipelined in ``--collective-chunk-mb`` pieces, 0: one
+weights.collective.learner, pipelined in ``--collective-chunk-mb`` pieces, 0: one
 broadcast; each generator
 checks the digest of what it received), and the ratio to the first N of ``--gens``. Each
 simulated generator is a process of its own (``--sim processes``, the default: a real
@@ -70,8 +70,8 @@ from pipeline.core.validation import ModelLimits  # noqa: E402
 from pipeline.net.transport.config import TransportConfig  # noqa: E402
 from pipeline.net.transport.zmq import ZmqGeneratorConnection, ZmqLearnerEndpoint  # noqa: E402
 from proto.records import Ack, Hello, Rollout, RolloutBatch, WorkItem  # noqa: E402
-from weights.collective import DEFAULT_PIPE_BYTES  # noqa: E402
-from weights.collective_learner import CollectivePublisher  # noqa: E402
+from weights.collective.group import DEFAULT_PIPE_BYTES  # noqa: E402
+from weights.collective.learner import CollectivePublisher  # noqa: E402
 from weights.publication import Publication  # noqa: E402
 from weights.transports import open_receiver  # noqa: E402
 

@@ -313,7 +313,7 @@ class WeightAnnounce:
     tensors: per-tensor layout inside the blob. config_json: the HF config.json text.
     created_at: publication time (s).
     collective (protocol 1.2; empty otherwise): the blob comes by a torch.distributed broadcast
-      (publish.transport=collective; weights.collective): ``store`` "host:port" of the learner's
+      (publish.transport=collective; weights.collective.group): ``store`` "host:port" of the learner's
       TCPStore, ``round`` the key prefix of this delivery round, ``backend`` gloo | nccl,
       ``timeout_s`` the bound of each wait (s); optional ``chunk_bytes`` (int >= 0, 0 when
       absent): the piece size of a pipelined delivery (weights.collective.deliver), 0 one whole

@@ -35,8 +35,8 @@ Files:
   announce, and the zmq chunk stream);
 - receiver.py: ``WeightReceiver``, the generator's end (announced directories, the chunk stream);
 - shm.py: transport shm (a /dev/shm copy per host), both ends;
-- collective.py, collective_learner.py, collective_generator.py: transport collective (a
-  torch.distributed broadcast), its helpers and its two ends;
+- collective/: transport collective (a torch.distributed broadcast): group.py its helpers,
+  learner.py and generator.py its two ends;
 - check.py: where a received set's digest is checked, and ``WeightsRefused``, the one error
   of a refused set;
 - verified.py: ``VerifiedWeights``, the one type a receiver hands the engine;

@@ -1,7 +1,7 @@
 """The weight digest (docs/CONTRACTS.md 6), the weight blob layout and its one decoder.
 
 Everyone who names a weight set by its digest uses this module: the learner's publication
-(weights.publication), every receiver of this package (chunked, collective_generator)
+(weights.publication), every receiver of this package (receiver.py, collective/generator.py)
 and the generator's engine for the sets it reads itself. Nothing here looks at a model; a
 weight set is a mapping {name: tensor} of HF-named tensors.
 

@@ -6,7 +6,7 @@ under way, from its Acks and Nacks. What follows the announce is the transport's
 (weights.transports): nothing for shared_fs (the directory is read where the generator is) and
 shm (``weights.shm.ShmPublisher``: a /dev/shm copy beside the directory); the blob in chunks
 for zmq, here (the generator's end: weights.receiver); a broadcast for collective
-(weights.collective_learner, a subclass, with the chunks as its fallback).
+(weights.collective.learner, a subclass, with the chunks as its fallback).
 
 Loop, on the coordinator's thread::
 
@@ -114,7 +114,7 @@ class WeightPublisher:
         self._blob: bytes | memoryview = b""
         self._gens: dict[str, _Gen] = {}
         self.external: set[str] = set()
-        """Generators whose transfers another transport carries (weights.collective_learner):
+        """Generators whose transfers another transport carries (weights.collective.learner):
         their state is kept here (versions, Acks, Nacks), but ``pump`` sends them nothing."""
         self.counts: Counter[str] = Counter()
 

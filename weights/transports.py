@@ -14,8 +14,8 @@ with a ``collective`` field) and handing every other record to the one below.
     shared_fs   the announce of RUN_DIR/weights/vN; the engine reads the directory
     shm         shared_fs + the blob once in this host's /dev/shm (weights.shm), read first
     zmq         the announce, then the blob in credit-windowed chunks (weights.publisher)
-    collective  a torch.distributed broadcast per version (weights.collective_learner,
-                weights.collective_generator), ZMQ chunks for a generator that falls out
+    collective  a torch.distributed broadcast per version (weights.collective.learner,
+                weights.collective.generator), ZMQ chunks for a generator that falls out
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from weights.collective_generator import CollectiveReceiver
-from weights.collective_learner import collective_publisher
+from weights.collective.generator import CollectiveReceiver
+from weights.collective.learner import collective_publisher
 from weights.publisher import (
     LearnerSide,
     PublishSettings,

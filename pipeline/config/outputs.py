@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, get_args
 
 from pipeline.config.sections import _check
-from weights.collective import DEFAULT_PIPE_BYTES
+from weights.collective.group import DEFAULT_PIPE_BYTES
 
 __all__ = ["COLLECTIVE", "COLLECTIVE_BACKENDS", "FSYNC", "SHARED_FS", "SHM", "WEIGHT_TRANSPORTS",
            "ZMQ", "CheckpointSection", "MetricsSection", "PublishSection", "RecordSection",

@@ -279,9 +279,9 @@ def test_weights_received_by_broadcast_load_through_the_engine(
     and served. The engine takes the views of the bytes the receiver checked instead of
     hashing them again."""
     from proto.records import TensorMeta, WeightAnnounce
-    from weights import collective as coll
     from weights import digest as digest_mod
-    from weights.collective_generator import CollectiveReceiver
+    from weights.collective import group as coll
+    from weights.collective.generator import CollectiveReceiver
     from weights.digest import blob_and_meta
 
     new = setup.weights(seed=3)

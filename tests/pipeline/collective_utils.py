@@ -21,7 +21,7 @@ from models.checkpoint import save_checkpoint
 from pipeline.net.transport.config import TransportConfig
 from pipeline.net.transport.zmq import ZmqGeneratorConnection
 from tests.pipeline.fakes import FakeTrainer
-from weights.collective_generator import CollectiveReceiver
+from weights.collective.generator import CollectiveReceiver
 from weights.digest import tensor_bytes
 from weights.publication import Publication
 from weights.transports import open_receiver
@@ -110,7 +110,7 @@ def child(gid: str, control: str, weights: str, die_in_round: bool, device: int 
     if device >= 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     if die_in_round:
-        import weights.collective as coll
+        import weights.collective.group as coll
 
         def die(*a: Any, **k: Any) -> Any:
             os._exit(3)

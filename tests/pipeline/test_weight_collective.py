@@ -27,7 +27,7 @@ from tests.pipeline.collective_utils import (
     state_for,
 )
 from tests.pipeline.fakes import FAKE_LIMITS, prompts
-from weights.collective_learner import CollectivePublisher
+from weights.collective.learner import CollectivePublisher
 from weights.transports import open_publisher
 
 TIMEOUT_S = 3.0  # publish.collective_timeout_s in these tests

@@ -13,7 +13,7 @@ from models.errors import ConfigError
 from pipeline.config.run import load_config
 from proto.errors import ProtocolError
 from proto.records import WeightAnnounce
-from weights import collective as coll
+from weights.collective import group as coll
 
 
 def _run_group(world: int, nbytes: int, chunk: int, name: str) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from pipeline.config.run import load_config
 from proto.records import Ack, WeightAnnounce
 from weights import shm
-from weights.collective_generator import CollectiveReceiver
+from weights.collective.generator import CollectiveReceiver
 from weights.publication import Publication, weights_dir
 from weights.receiver import WeightReceiver
 from weights.transports import TRANSPORTS, open_publisher, open_receiver

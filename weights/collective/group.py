@@ -1,7 +1,7 @@
 """The weight-broadcast group of ``publish.transport=collective``: helpers both sides share.
 
-The learner's publisher (weights.collective_learner, rank 0) and every generator's weight
-sink (weights.collective_generator, ranks 1..n) meet through a TCPStore the learner hosts; its
+The learner's publisher (weights.collective.learner, rank 0) and every generator's weight
+sink (weights.collective.generator, ranks 1..n) meet through a TCPStore the learner hosts; its
 address travels in ``WeightAnnounce.collective`` on the weights channel. One delivery round
 (one version to the generators that lack it) uses the store keys under the round's prefix::
 

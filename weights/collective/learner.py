@@ -3,7 +3,7 @@
 ``CollectivePublisher`` is a ``WeightPublisher`` (weights.publisher) whose generators get
 each version by one broadcast from the learner (rank 0) instead of one chunk stream each; the
 coordinator drives it exactly like the ZMQ publisher (publish / add_generator / handle / observe
-/ remove_generator / pump / close). weights.collective has the rendezvous keys. Loop, on the
+/ remove_generator / pump / close). weights.collective.group has the rendezvous keys. Loop, on the
 coordinator's thread, every ``pump()``::
 
     a round finished?  ok: its members are "delivered" (they Ack over ZMQ once verified, loaded)
@@ -36,7 +36,7 @@ generator costs at most one bounded round, never a hang. A dead generator is the
 always, by its heartbeat expiring.
 
 Invariants (as the ZMQ publisher): a generator serves a version only after its own digest
-check (weights.collective_generator); versions are announced in increasing order; only the
+check (weights.collective.generator); versions are announced in increasing order; only the
 newest version is ever sent.
 """
 
@@ -53,7 +53,7 @@ from typing import Any
 
 from proto.records import Nack
 from proto.schema import Scalar
-from weights import collective as coll
+from weights.collective import group as coll
 from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
 
 log = logging.getLogger(__name__)

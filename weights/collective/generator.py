@@ -5,7 +5,7 @@ weights.transports): a WeightAnnounce whose ``collective`` field is set is recei
 every other weight record (ZMQ chunks, the fallback the learner switches a generator to when a
 round fails) goes to the ``fallback`` receiver (weights.receiver.WeightReceiver), so a
 generator serves whichever transport the learner picks, without a setting of its own. One announce, on the loop's
-thread (weights.collective has the keys)::
+thread (weights.collective.group has the keys)::
 
     store := the learner's TCPStore at collective.store (one client per address, kept)
     set <round>/join/<id>; wait <= timeout_s for <round>/roster
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from proto.records import Ack, Nack, WeightAnnounce
-from weights import collective as coll
 from weights.check import WeightsRefused
+from weights.collective import group as coll
 from weights.receiver import GeneratorSide, Receiver
 from weights.verified import VerifiedWeights
 
