@@ -201,8 +201,7 @@ class LearnerConfig:
         need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: automatic)")
         m = self.max_tokens_per_micro
         need(m == AUTO or (isinstance(m, int) and not isinstance(m, bool) and m >= 0),
-             "max_tokens_per_micro", "must be auto or an integer >= 0 (0: padded rows of "
-             "micro_batch_size)")  # fmt: skip
+             "max_tokens_per_micro", "must be >= 0 (0: padded rows of micro_batch_size) or auto")  # fmt: skip
         t = self.threads
         need(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 1),
              "threads", "must be an integer >= 1 or auto")  # fmt: skip

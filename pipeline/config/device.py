@@ -58,7 +58,7 @@ def learner_gib(shape: Any, tokens: int, backprop_depth: int) -> float:
 
 def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The values of ``cfg``'s auto keys on ``host`` (default: this one), as {section: {key:
-    value}}, and one line per choice saying why."""
+    value}}, and one line per choice saying why (the first line names the host)."""
     lr, gens, pub = cfg.learner, cfg.generators, cfg.publish
     autos = [lr.precision, lr.compile, lr.max_tokens_per_micro, gens.engine, gens.kv_cache_mb,
              gens.max_inflight, pub.transport]  # fmt: skip
@@ -66,7 +66,7 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
         return {}, []
     host = host or Host.here()
     out: dict[str, dict[str, Any]] = {"learner": {}, "generators": {}, "publish": {}}
-    why: list[str] = []
+    why: list[str] = [f"host: {host.describe()}"]
 
     def choose(section: str, key: str, value: Any, reason: str) -> None:
         out[section][key] = value
@@ -187,10 +187,11 @@ def _kv_mb(cfg: Any, host: Host, shape: Any, budget: int, local: int) -> int:
     return max(256, int(each * 1024) // 256 * 256)
 
 
-def summary(lines: list[str]) -> str:
-    """The choices in one line for the console (``resolve``'s lines give each one's why)."""
-    return (
-        "auto keys: "
-        + ", ".join(line.split(":", 1)[0] for line in lines)
-        + (" (set any of them to override; the reasons are in the log)")
-    )
+def summary(lines: list[str]) -> str | None:
+    """The choices in one line for the console on a CUDA host (``resolve``'s lines give each
+    one's why); None on a CPU host, whose choices are today's defaults (the log has them)."""
+    if not lines or lines[0] == "host: a CPU host":
+        return None
+    keys = ", ".join(line.split(":", 1)[0] for line in lines[1:])
+    return (f"auto keys on {lines[0].removeprefix('host: ')}: {keys} (set any of them to "
+            "override; the reasons are in the log)")  # fmt: skip

@@ -77,7 +77,19 @@ def test_the_work_timeout_is_ordered_below_max_wait() -> None:
 
 
 def _numeric_keys() -> dict[str, int | float]:
-    return {k: v for k, v in settings.defaults(RunConfig).items()
+    """Numeric leaves, and the auto keys that take a number (their value on this host)."""
+    here = RunConfig()
+
+    def value(key: str, default: object) -> object:
+        if default != "auto":
+            return default
+        obj: object = here
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    out = {k: value(k, v) for k, v in settings.defaults(RunConfig).items()}
+    return {k: v for k, v in out.items()
             if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
 
 

@@ -32,7 +32,8 @@ def test_a_cpu_host_keeps_todays_defaults() -> None:
     assert cfg.learner.max_tokens_per_micro == 0
     assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
     assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
-    assert len(cfg.device_choices) == 7 and all("a CPU host" in x for x in cfg.device_choices)
+    assert len(cfg.device_choices) == 8 and all("a CPU host" in x for x in cfg.device_choices)
+    assert device_defaults.summary(cfg.device_choices) is None  # nothing new to print on a CPU
 
 
 def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
@@ -56,7 +57,10 @@ def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
     assert gens.engine == "torch" and cfg.publish.transport == "shm"
     # a whole step's prompts, and the next one's (max_staleness 1), held by the one generator
     assert gens.max_inflight == cfg.rollout.prompts_per_step * 2
-    assert any("H100" in x for x in cfg.device_choices)
+    assert cfg.device_choices[0] == f"host: {H100.describe()}"
+    line = device_defaults.summary(cfg.device_choices)
+    assert line is not None and line.startswith("auto keys on NVIDIA H100 80GB HBM3 (79 of 80 GiB")
+    assert "learner.precision=bf16" in line and "publish.transport=shm" in line
 
 
 def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
