@@ -12,7 +12,9 @@ P - 1 + t. The book files, under the request's record key (`context.RECORD_KEY`)
   as the input of the request's next forward (or, for the last token, with `pop`), which
   gathers logprob[t] = row[token] if the row's position is P - 1 + t.
 
-Rows are recomputed the same way after a preemption (recompute), so entries are idempotent.
+Rows are recomputed the same way after a preemption (recompute), so entries are idempotent; a
+row waits, keyed by its position, until the token it sampled is fed (a recomputed prefill in
+chunks brings rows of its own in between).
 The engine wrapper calls `pop` (through `LLM.collective_rpc`) once per finished request; at
 most `max_requests` requests are kept (oldest dropped) so direct vLLM use cannot leak memory.
 """
@@ -36,8 +38,17 @@ class _Entry:
     logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
     exit_logprobs: dict[int, float] = dataclasses.field(default_factory=dict)
     """A sampled exit (SampledGate): the exit's log-prob at each sampling position."""
-    pending: tuple[int, np.ndarray] | None = None
-    """(sampling position, fp32 behaviour log-prob row [V])."""
+    pending: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    """{sampling position: its fp32 behaviour log-prob row [V]} whose token is not filed yet.
+    More than one: a request preempted right after it sampled is recomputed as a prefill in
+    chunks, and each chunk's last position brings a row of its own before the chunk that feeds
+    the sampled token (the row it needs is the one from before the preemption)."""
+
+    def keep(self, pos: int, row: np.ndarray) -> None:
+        """Keep ``row`` of position ``pos``; drop the rows whose token is filed."""
+        self.pending[pos] = row
+        for p in [p for p in self.pending if p - (self.prompt_len - 1) in self.logprobs]:
+            del self.pending[p]
 
 
 @dataclasses.dataclass
@@ -108,9 +119,9 @@ class RecordBook:
                 entry.versions[t] = version
                 if elp_l is not None and elp_l[row] == elp_l[row]:  # (not NaN)
                     entry.exit_logprobs[t] = elp_l[row]
-                if pos >= rs.prompt_len and entry.pending is not None:
-                    ppos, lp = entry.pending
-                    if ppos == pos - 1:
+                if pos >= rs.prompt_len:
+                    lp = entry.pending.pop(pos - 1, None)
+                    if lp is not None:
                         entry.logprobs[t - 1] = float(lp[tok_l[row]])
 
     def on_logits(self, step: StepBatch, positions: np.ndarray, rows: list[np.ndarray]) -> None:
@@ -119,7 +130,7 @@ class RecordBook:
         for rs, lp in zip(step.requests, rows):
             last = pos_l[rs.end - 1]
             if last >= rs.prompt_len - 1:
-                self._entry(rs.key, rs.prompt_len).pending = (last, lp)
+                self._entry(rs.key, rs.prompt_len).keep(last, lp)
 
     def pop(self, key: str, tokens: list[int]) -> Record | None:
         """Remove and return the record of `key` for its final completion `tokens`."""
@@ -127,9 +138,9 @@ class RecordBook:
         if entry is None:
             return None
         n = len(tokens)
-        if n and entry.pending is not None and (n - 1) not in entry.logprobs:
-            ppos, lp = entry.pending
-            if ppos == entry.prompt_len - 1 + n - 1:
+        if n and (n - 1) not in entry.logprobs:
+            lp = entry.pending.get(entry.prompt_len - 1 + n - 1)
+            if lp is not None:
                 entry.logprobs[n - 1] = float(lp[int(tokens[-1])])
         return Record(
             depths=[entry.depths.get(t, 0) for t in range(n)],
