@@ -42,6 +42,16 @@ class StopOnFailedLoad:
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
 
+    @property
+    def inflight_updates(self) -> bool:
+        """The engine swaps a version in between the steps of a running batch (the loop then
+        loads beside the batch); without this the loop waited for every batch to end."""
+        return bool(getattr(self.engine, "inflight_updates", False))
+
+    @property
+    def broken(self) -> str:
+        return str(getattr(self.engine, "broken", "") or "")
+
     def generate(self, items: list[Any]) -> list[list[Any]]:
         return self.engine.generate(items)  # type: ignore[no-any-return]
 
