@@ -19,13 +19,13 @@ from models.cost import Host, LoopShape
 from models.errors import ConfigError
 from models.exits import ExitPolicy, parse_policy, policy_to_dict
 from models.numerics import MODES
+from models.settings import AUTO
 
 REWARD_MODES = ("process", "thread", "inline")
 ENGINES = ("vllm", "torch")
 """Generation engines: vllm (generator.engine.LoopedEngine) or torch (the reference engine,
 generator.torch_engine.engine.TorchEngine; docs/GENERATOR.md)."""
 DTYPES = ("auto", "float32", "bfloat16")
-AUTO = "auto"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

@@ -20,7 +20,7 @@ from learner.objective_config import (
 )
 from models.numerics import MODES
 from models.sampling import Sampling
-from models.settings import check, checker
+from models.settings import AUTO, check, checker
 
 __all__ = [
     "OPTIMIZERS",
@@ -35,8 +35,6 @@ __all__ = [
 OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
-AUTO = "auto"
-"""A key chosen for the host at start (pipeline.config.device)."""
 DEFAULT_VOCAB_CHUNK = 4096
 """Vocabulary slice width of the token statistics: 256 tokens x 4096 columns x 4 B = 4 MiB."""
 

@@ -15,9 +15,9 @@ import os
 
 import torch
 
-log = logging.getLogger(__name__)
+from models.settings import AUTO
 
-AUTO = "auto"
+log = logging.getLogger(__name__)
 
 
 def host_cores() -> int:

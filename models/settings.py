@@ -23,6 +23,10 @@ from models.errors import ConfigError
 
 T = TypeVar("T")
 
+AUTO = "auto"
+"""The value of a key chosen for the host when a process starts (learner.threads; the run's
+device keys, pipeline.config.device; a lone generator's, generator.config.for_this_host)."""
+
 
 def check(ok: bool, key: str, value: Any, why: str, *, what: str = "") -> None:
     """Raise ``ConfigError("[<what> ]<key>=<value>: <why>")`` unless ``ok``."""

@@ -67,14 +67,7 @@ class TorchWeights:
             swap, self._swap = self._swap, None
         if swap is None or swap[1] <= self.weight_version:
             return
-        state, version = swap
-        try:
-            load_into(self.model, dict(state))
-        except Exception as e:
-            self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
-            raise WeightLoadError(self.broken) from e
-        self._unchecked = False
-        self.weight_version = version
+        self._serve(*swap)
 
     def _load_now(self, weights: VerifiedWeights) -> None:
         """Copy the checked state of ``weights`` into the parameters in place as its version
@@ -95,13 +88,18 @@ class TorchWeights:
                                    f"it was loaded and the directory failed too ({e})")  # fmt: skip
                     raise WeightLoadError(self.broken) from e
                 raise
-            try:
-                load_into(self.model, {k: state[k] for k in state})
-            except Exception as e:
-                self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
-                raise WeightLoadError(self.broken) from e
-            self._unchecked = False
-            self.weight_version = version
+            self._serve(state, version)
+
+    def _serve(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """A checked ``state`` into the parameters in place, served as ``version``; a loader
+        that fails part way leaves the engine broken (WeightLoadError)."""
+        try:
+            load_into(self.model, {k: state[k] for k in state})
+        except Exception as e:
+            self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
+            raise WeightLoadError(self.broken) from e
+        self._unchecked = False
+        self.weight_version = version
 
     def _load_local(self, weights: VerifiedWeights) -> bool:
         """``load_local_copy`` into the parameters: True when loaded and checked; False when it

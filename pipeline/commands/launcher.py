@@ -182,11 +182,7 @@ def run(args: argparse.Namespace) -> int:
     path = console.setup(log_file(cfg), verbose=verbose, level=logging.WARNING)
     if not verbose:
         print(f"logs: {path} (third-party warnings too; -v shows them here)", file=sys.stderr)
-    shown = device_defaults.summary(cfg.device_choices)  # auto keys chosen for this host
-    if shown is not None:  # (recorded in config.yaml; on a CPU host in the log alone)
-        print(shown, file=sys.stderr)
-    for line in cfg.device_choices:
-        log.info("auto: %s", line)
+    device_defaults.report(cfg.device_choices, log)  # the auto keys chosen for this host
     try:
         s = run_local(cfg)
     except LearnerStopped as e:  # no generators, a full disk: exit 1, as `looprl learner`

@@ -470,11 +470,7 @@ def run(args: argparse.Namespace) -> int:
     path = console.setup(log_file(cfg), verbose=verbose)
     if not verbose:
         log.info("third-party logs and warnings go to %s (-v shows them here)", path)
-    shown = device_defaults.summary(cfg.device_choices)  # auto keys chosen for this host
-    if shown is not None:  # (recorded in config.yaml; on a CPU host in the log alone)
-        print(shown, file=sys.stderr)
-    for line in cfg.device_choices:
-        log.info("auto: %s", line)
+    device_defaults.report(cfg.device_choices, log)  # the auto keys chosen for this host
     try:
         s = run_learner(cfg, resume=args.resume is not None)
     except LearnerStopped as e:  # no generators, a full disk: the one line says what to do

@@ -30,11 +30,11 @@ weights).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
 from models.cost import GIB, Host
-
-AUTO = "auto"
+from models.settings import AUTO
 
 
 def megatron_available() -> bool:
@@ -195,3 +195,12 @@ def summary(lines: list[str]) -> str | None:
     keys = ", ".join(line.split(":", 1)[0] for line in lines[1:])
     return (f"auto keys on {lines[0].removeprefix('host: ')}: {keys} (set any of them to "
             "override; the reasons are in the log)")  # fmt: skip
+
+
+def report(lines: list[str], log: Any) -> None:
+    """``summary`` on stderr where there is one (a CUDA host), every line into ``log``."""
+    shown = summary(lines)
+    if shown is not None:
+        print(shown, file=sys.stderr)
+    for line in lines:
+        log.info("auto: %s", line)
