@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
 from generator.config import GeneratorConfig, for_this_host
 from models.cost import GIB, Host, LoopShape
@@ -87,8 +88,14 @@ def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.Monk
 def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     cfg = on(H100, monkeypatch, model=ModelSection(size="1b"))
     text = to_yaml(cfg)
-    assert "auto" not in [v for line in text.splitlines() for v in line.split()[1:2]
-                          if line.strip().startswith(("precision", "compile", "kv_cache_mb"))]  # fmt: skip
+    doc = yaml.safe_load(text)
+    recorded = {**{f"learner.{k}": doc["learner"][k]
+                   for k in ("precision", "compile", "max_tokens_per_micro")},
+                **{f"generators.{k}": doc["generators"][k]
+                   for k in ("engine", "kv_cache_mb", "max_inflight")},
+                "publish.transport": doc["publish"]["transport"]}  # fmt: skip
+    assert "auto" not in recorded.values(), recorded  # the chosen values, not "auto"
+    assert recorded["learner.precision"] == "bf16" and recorded["publish.transport"] == "shm"
     monkeypatch.undo()  # replayed on a CPU host: the recorded values, not the CPU's
     path = tmp_path / "config.yaml"
     path.write_text(text)
