@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.cost import card_peaks  # noqa: E402
 from models.engine.attention import decode_attention  # noqa: E402
 
 
@@ -33,9 +34,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=55)
     ap.add_argument("--dim", type=int, default=96)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--hbm-tb-s", type=float, default=4.8)
+    ap.add_argument(
+        "--hbm-tb-s",
+        type=float,
+        default=None,
+        help="the card's memory bandwidth (default: models.cost.card_peaks)",
+    )
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
+    if a.hbm_tb_s is None:
+        peaks = card_peaks(torch.cuda.get_device_name())
+        a.hbm_tb_s = peaks[1] / 1e12 if peaks else 3.35
     g = torch.Generator(device=dev).manual_seed(0)
     b, t, h, d = a.batch, a.length, a.heads, a.dim
     q = torch.randn(b, 1, h, d, device=dev, dtype=dt, generator=g)

@@ -200,7 +200,8 @@ def snapshot_publication(
         # device tensors are copied into the blob from there (the "blob" stage includes it)
         with _side_stream(stored, ready):
             pub = Publication.of_state(stored, version, path, tied=tied,
-                                       config_json=config_json, checked=True)  # fmt: skip
+                                       config_json=config_json, checked=True,
+                                       device_state=stored if ready is not None else None)  # fmt: skip
         if path is not None:
             t0 = time.perf_counter()
             save_checkpoint(stored, config_dict, path, tied=tied,

@@ -322,6 +322,13 @@ class WeightAnnounce:
       runs before): "sha256-tree" = sha256 over the ordered sha256 of the ``digest_chunk_bytes``
       pieces of the blob (weights.digest). chunk_digests: those per-piece sha256 hex, in
       order (tree kind; may be empty), so a receiver checks each piece as it arrives.
+    cuda_ipc (protocol 1.9; empty otherwise): the same blob in a CUDA buffer of the learner's
+      (publish.transport=cuda_ipc, weights.cuda_ipc), for a generator on the learner's host:
+      ``device_uuid`` the card's UUID, ``handle`` the buffer's CUDA IPC handle (hex; with
+      ``size``, ``offset`` and ``ref_handle``, ``ref_offset``, the allocation's reference
+      counter, as torch shares a storage), ``pid`` the learner's process, ``slot`` which of its
+      buffers, ``digest`` the device digest of the blob in it (weights.device_digest, kind
+      ``digest_kind`` "mix128"). A generator that cannot map it reads ``path`` as shared_fs.
     """
 
     version: int
@@ -337,6 +344,7 @@ class WeightAnnounce:
     digest_kind: str = ""
     digest_chunk_bytes: int = 0
     chunk_digests: list[str] = field(default_factory=list)
+    cuda_ipc: dict[str, Scalar] = field(default_factory=dict)
 
     def validate(self) -> None:
         w = f"weights v{self.version}"
@@ -383,6 +391,17 @@ class WeightAnnounce:
             pipe = c.get("chunk_bytes", 0)
             _need(isinstance(pipe, int) and not isinstance(pipe, bool) and pipe >= 0,
                   f"{w}: collective.chunk_bytes must be an integer >= 0")  # fmt: skip
+        if self.cuda_ipc:
+            c = self.cuda_ipc
+            _need(bool(self.path), f"{w}: cuda_ipc needs the directory (path) beside it")
+            for key in ("device_uuid", "handle", "ref_handle", "digest", "digest_kind"):
+                _need(isinstance(c.get(key), str) and bool(c.get(key)),
+                      f"{w}: cuda_ipc.{key} must be a non-empty string")  # fmt: skip
+            for key in ("size", "offset", "ref_offset", "pid", "slot"):
+                x = c.get(key)
+                _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+                      f"{w}: cuda_ipc.{key} must be an integer >= 0")  # fmt: skip
+            _need(len(str(c.get("digest"))) == 64, f"{w}: cuda_ipc.digest must be 64 hex chars")
 
 
 @record("chunk")

@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer dp standin decode depth depth_big torch_depth torchgen digest e2e system learnerproc shm packed loop_credit loop_credit_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system learnerproc shm packed loop_credit loop_credit_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -229,6 +229,17 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
     for r in async sync; do  # the per-step rows (time/* timeline) come back with the JSON
         [ -f "/tmp/gpu_e2e/run_$r/metrics.jsonl" ] && cp "/tmp/gpu_e2e/run_$r/metrics.jsonl" "$LOG/e2e_$r.jsonl"
     done
+fi
+if has ipc; then  # same-host weights on the device (weights.cuda_ipc): the digest kernel, two processes
+    timeout "${T_IPC:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/weights/test_cuda_ipc.py \
+        tests/weights/test_transports.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
+        tail -n 30 | tee "$LOG/ipc_tests.txt"
+fi
+if has attn; then  # the decode-attention kernel at the 1b run's shape, per launch configuration
+    timeout "${T_ATTN:-240}" "$PY" benchmarks/decode_attention.py \
+        ${ATTN_ARGS:---batch 256 --length 544 --heads 16 --dim 128 --reps 50} 2>"$LOG/attn.err" |
+        tee -a "$LOG/attn.jsonl"
+    tail -n 3 "$LOG/attn.err"
 fi
 if has system; then  # looprl run at a shape users run, against its parts alone (gpu_system.py)
     # SYSTEM_JOBS: "PROMPTSxNxTOKENS ..." (default the 1b 256 x 512 job); one JSON line each

@@ -75,6 +75,10 @@ class Publication:
     """Seconds of the stages that built it: ``blob`` (the canonical bytes), ``digest`` (the
     tree digest), and ``write`` when learner.publish wrote its directory (the metrics rows'
     ``time/publish_<stage>``); empty when built otherwise. Not part of its identity."""
+    device_state: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """The stored tensors where the learner keeps them (a GPU: learner.publish), for a transport
+    that sends them from there (weights.cuda_ipc), which empties it once it has; empty when the
+    tensors were on the host. Not part of its identity."""
 
     @classmethod
     def of_state(
@@ -88,6 +92,7 @@ class Publication:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         where: str = "",
         checked: bool = False,
+        device_state: Mapping[str, torch.Tensor] | None = None,
     ) -> Publication:
         """Blob, metadata and tree digest of the stored tensors (hashed on the thread pool).
         NonFiniteWeightsError naming the first tensor that holds NaN or inf (and ``where``),
@@ -100,7 +105,7 @@ class Publication:
         d = weights_digest(blob, meta, TREE, chunk_bytes)
         stage_s = {"blob": t1 - t0, "digest": time.perf_counter() - t1}
         return cls(version, d.hex, path, blob, meta, dict(tied or {}), config_json,
-                   d.kind, d.chunk_bytes, d.chunks, stage_s)  # fmt: skip
+                   d.kind, d.chunk_bytes, d.chunks, stage_s, dict(device_state or {}))  # fmt: skip
 
     @classmethod
     def from_dir(cls, path: str | Path, version: int) -> Publication:

@@ -67,6 +67,8 @@ class PublishSettings(Protocol):
     @property
     def keep(self) -> int: ...
     @property
+    def max_pending(self) -> int: ...
+    @property
     def collective_host(self) -> str: ...
     @property
     def collective_port(self) -> int: ...
@@ -124,8 +126,10 @@ class WeightPublisher:
 
     def prepare(self, pub: Publication) -> Publication:
         """What the transport does with a version before it is announced, on the thread that
-        finished it (weights.pending, beside the next step): nothing here (shm: its /dev/shm
-        copy, weights.shm.ShmPublisher)."""
+        finished it (weights.pending, beside the next step): nothing here but letting go of
+        the snapshot's device copy (shm: its /dev/shm copy, weights.shm.ShmPublisher;
+        cuda_ipc: the device buffer, weights.cuda_ipc)."""
+        pub.device_state.clear()
         return pub
 
     def publish(self, pub: Publication) -> WeightAnnounce:

@@ -402,7 +402,7 @@ class ShmPublisher(WeightPublisher):
         t0 = time.perf_counter()
         publish_shm(pub, self.root)
         pub.stage_s["shm_write"] = time.perf_counter() - t0
-        return pub
+        return super().prepare(pub)
 
     def publish(self, pub: Publication) -> WeightAnnounce:
         """Announce ``pub``'s directory, then keep the newest ``keep`` files (bounded like the

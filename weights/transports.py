@@ -16,6 +16,8 @@ with a ``collective`` field) and handing every other record to the one below.
     zmq         the announce, then the blob in credit-windowed chunks (weights.publisher)
     collective  a torch.distributed broadcast per version (weights.collective.learner,
                 weights.collective.generator), ZMQ chunks for a generator that falls out
+    cuda_ipc    shared_fs + the blob in a learner's device buffer, mapped, copied and checked
+                on the device by the generators on its host (weights.cuda_ipc)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Protocol
 
 from weights.collective.generator import CollectiveReceiver
 from weights.collective.learner import collective_publisher
+from weights.cuda_ipc import CudaIpcReceiver, cuda_ipc_publisher
 from weights.publisher import (
     LearnerSide,
     PublishSettings,
@@ -66,6 +69,7 @@ TRANSPORTS: dict[str, Transport] = {
     "shm": Transport(shm_publisher),
     "zmq": Transport(zmq_publisher),
     "collective": Transport(collective_publisher, CollectiveReceiver),
+    "cuda_ipc": Transport(cuda_ipc_publisher, CudaIpcReceiver),
 }
 
 

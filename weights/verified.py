@@ -71,6 +71,14 @@ class VerifiedWeights:
         return cls(announce, blob)
 
     @classmethod
+    def of_checked(cls, announce: WeightAnnounce, state: State) -> VerifiedWeights:
+        """``state`` (e.g. views of a device buffer: weights.cuda_ipc) whose digest the caller
+        checked against the announce; ``state()`` returns it, not hashed again."""
+        w = cls(announce)
+        w._views, w._local_copy = dict(state), False
+        return w
+
+    @classmethod
     def of_directory(cls, announce: WeightAnnounce) -> VerifiedWeights:
         """The directory ``announce.path`` (no chunks travel), checked when ``state()`` reads it."""
         return cls(announce)

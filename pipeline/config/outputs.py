@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Final, Literal, get_args
 from pipeline.config.sections import _check
 from weights.collective.group import DEFAULT_PIPE_BYTES
 
-__all__ = ["COLLECTIVE", "COLLECTIVE_BACKENDS", "FSYNC", "SHARED_FS", "SHM", "WEIGHT_TRANSPORTS",
+__all__ = ["COLLECTIVE", "COLLECTIVE_BACKENDS", "CUDA_IPC", "FSYNC", "SHARED_FS", "SHM", "WEIGHT_TRANSPORTS",
            "ZMQ", "CheckpointSection", "MetricsSection", "PublishSection", "RecordSection",
            "WeightTransport"]  # fmt: skip
 
-WeightTransport = Literal["shared_fs", "shm", "zmq", "collective"]
+WeightTransport = Literal["shared_fs", "shm", "zmq", "collective", "cuda_ipc"]
 """How a weight version reaches the generators (publish.transport; PublishSection.transport)."""
 SHARED_FS: Final = "shared_fs"
 """Announce RUN_DIR/weights/vN, a directory on storage every host mounts."""
@@ -26,6 +26,9 @@ ZMQ: Final = "zmq"
 """Stream the blob as WeightChunks over the weights socket."""
 COLLECTIVE: Final = "collective"
 """torch.distributed broadcast (ZMQ chunks for a generator that falls out of it)."""
+CUDA_IPC: Final = "cuda_ipc"
+"""shared_fs, plus the blob in a device buffer of the learner's that the generators on its host
+map, copy and check on the device (a CUDA learner)."""
 WEIGHT_TRANSPORTS: tuple[WeightTransport, ...] = get_args(WeightTransport)
 WEIGHT_TRANSPORT_ALIASES = {"disk": SHARED_FS, "chunks": ZMQ}  # the transports' former names
 if TYPE_CHECKING:
@@ -48,8 +51,9 @@ class PublishSection:
     shared_fs: announce RUN_DIR/weights/vN (storage every host mounts); shm: shared_fs plus
     one copy per version in /dev/shm that generators on the learner's host map and check
     (weights.shm; others read the directory); zmq: stream the
-    blob over the weights socket; collective: torch.distributed broadcast (old names disk,
-    chunks are accepted)."""
+    blob over the weights socket; collective: torch.distributed broadcast; cuda_ipc (a CUDA
+    learner): shared_fs plus the blob in a device buffer the generators on its host map, copy
+    and check on the device (weights.cuda_ipc) (old names disk, chunks are accepted)."""
     chunk_bytes: int = 4 << 20
     """zmq (and collective's fallback): bytes per WeightChunk."""
     window: int = 4

@@ -99,7 +99,7 @@ def test_incompatible_major_is_refused() -> None:
 def test_newer_minor_with_unknown_field_is_accepted_same_minor_refused() -> None:
     codec = Codec(level=0)
     body = msgpack.packb(["ack", {"kind": "rollout", "ref": "x", "version": 1, "future": 5}])
-    newer = HEADER.pack(MAGIC, 1, 9, 0, 0) + body
+    newer = HEADER.pack(MAGIC, 1, PROTOCOL_MINOR + 1, 0, 0) + body
     assert codec.decode(newer).ref == "x"
     same = HEADER.pack(MAGIC, 1, PROTOCOL_MINOR, 0, 0) + body
     with pytest.raises(ProtocolError, match="unknown field"):
@@ -372,7 +372,7 @@ def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     from proto.schema import to_wire
     from proto.stream.writer import StreamWriter
 
-    assert PROTOCOL_MINOR == 8  # 1.8 added Welcome.exit_policy, no rollout field
+    assert PROTOCOL_MINOR == 9  # 1.8 added Welcome.exit_policy, 1.9 WeightAnnounce.cuda_ipc: no rollout field
     a, b = _rollout(5), dataclasses.replace(_rollout(3), rollout_id="w/1", sample_index=1)
     cols = msgpack.unpackb(msgpack.packb(encode_batch(RolloutBatch([a, b]))))
     single = to_wire(dataclasses.replace(a, rollout_id="w/2", sample_index=2))

@@ -1,0 +1,282 @@
+"""Same-host weights on the device (publish.transport=cuda_ipc): a version goes from the
+learner's GPU memory to a generator's without touching the host, checked on the device.
+
+Learner side (``CudaIpcPublisher``): the trainer's snapshot keeps the stored tensors on the
+card (``Publication.device_state``, learner.publish); ``prepare`` (the publishing thread,
+beside the next step) packs them in the canonical blob layout (weights.digest) into one of
+``slots`` device buffers the publisher owns, round robin, and computes the blob's device digest
+there (weights.device_digest, one read of the bytes); ``publish`` announces the directory as
+shared_fs does, with a ``cuda_ipc`` field (proto.records.WeightAnnounce, protocol 1.9): the
+buffer's CUDA IPC handle (shared once per buffer), the card's UUID, the slot and the device
+digest. The directory is still written (a checkpoint of the version, other hosts, a generator
+that cannot map the buffer) on the publishing thread before the announce, as with shm.
+
+Generator side (``CudaIpcReceiver``, stacked on the weights channel's receiver by
+weights.transports.open_receiver): an announce with a ``cuda_ipc`` field whose card this process
+sees is mapped (``torch.UntypedStorage._new_shared_cuda``, once per buffer and kept), copied
+device to device into a buffer of the generator's own, and its device digest computed on that
+copy and compared with the announced one; a match is handed to the engine as views of the
+copy (``VerifiedWeights.of_checked``: not hashed again). A copy whose digest differs (a torn
+read: the learner refilled the slot while it was copied, or corrupted memory) is refused by
+name, counted and logged, and the announce goes to the receiver below, which reads the
+directory (checked as read): the generator serves its version until one loads. So does an
+announce it cannot map (another card, another host, no CUDA).
+
+Invariants: training never waits for a reader (the slot of version v is refilled by version
+v + slots without asking who reads it); a reader never serves a half-written set (its copy is
+checked after it is made, never the shared buffer before); ``slots`` is at least
+publish.max_pending + 1, so no version still being finished shares a slot with the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.errors import ConfigError
+from proto.records import WeightAnnounce
+from weights.device_digest import KIND, device_digest, padded_size
+from weights.publication import Publication
+from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
+from weights.receiver import GeneratorSide, Receiver
+from weights.verified import VerifiedWeights
+
+log = logging.getLogger(__name__)
+CORRUPT_ENV = "LOOPRL_CORRUPT_IPC"
+"""A test hook: ``<version>`` flips one byte of that version's slot after its digest."""
+
+__all__ = ["CORRUPT_ENV", "CudaIpcPublisher", "CudaIpcReceiver", "card_uuid",
+           "cuda_ipc_publisher", "pack", "unpack"]  # fmt: skip
+
+
+def card_uuid(device: torch.device | int) -> str:
+    """The UUID of a CUDA card (the same string in every process that sees it)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def pack(state: Mapping[str, torch.Tensor], buf: torch.Tensor) -> int:
+    """``state``'s tensors copied into the flat uint8 ``buf`` in the canonical blob layout
+    (sorted names, each tensor's bytes in C order, no gaps: weights.digest), the bytes after
+    the blob up to a whole word zeroed; returns the blob's size."""
+    off = 0
+    for name in sorted(state):
+        t = state[name].detach()
+        n = t.numel() * t.element_size()
+        if n:  # as bytes: a tensor's offset need not be a multiple of its element size
+            buf[off : off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        off += n
+    buf[off : padded_size(off)].zero_()
+    return off
+
+
+def unpack(buf: torch.Tensor, tensors: list[Any]) -> dict[str, torch.Tensor]:
+    """{name: view of ``buf``} as the announce's tensor metadata lays the blob out."""
+    out: dict[str, torch.Tensor] = {}
+    for t in tensors:
+        dtype = getattr(torch, t.dtype)
+        if not t.nbytes:
+            out[t.name] = torch.empty(list(t.shape), dtype=dtype, device=buf.device)
+            continue
+        piece = buf[t.offset : t.offset + t.nbytes]
+        if t.offset % dtype.itemsize:  # not aligned for a view: a copy of its own
+            piece = piece.clone()
+        out[t.name] = piece.view(dtype).view(list(t.shape))
+    return out
+
+
+class CudaIpcPublisher(WeightPublisher):
+    """publish.transport=cuda_ipc, learner side (module docstring)."""
+
+    def __init__(self, endpoint: LearnerSide, *, slots: int = 2, **kw: Any) -> None:
+        """``slots``: device buffers, round robin (>= publish.max_pending + 1)."""
+        if slots < 2:
+            raise ValueError(f"slots: expected >= 2, got {slots}")
+        super().__init__(endpoint, chunked=False, **kw)
+        self.slots = slots
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._shared: list[dict[str, Any] | None] = [None] * slots
+        self._next = 0
+        self._ready: dict[int, dict[str, Any]] = {}  # version -> the announce's cuda_ipc field
+
+    def prepare(self, pub: Publication) -> Publication:
+        """``pub``'s device tensors packed into the next slot and its device digest computed
+        there (``pub.stage_s["device_pack"]``, ``["device_digest"]``); a publication without
+        them (a CPU trainer) is announced as shared_fs."""
+        state = pub.device_state
+        if not state:
+            self.counts["no_device_state"] += 1
+            if self.counts["no_device_state"] == 1:
+                log.warning("cuda_ipc: weights v%d came with no device tensors (a trainer on "
+                            "the CPU, or backend reference): announced as shared_fs (the "
+                            "generators read the directory)", pub.version)  # fmt: skip
+            return pub
+        dev = next(iter(state.values())).device
+        size = padded_size(len(pub.blob))
+        i = self._next
+        self._next = (i + 1) % self.slots
+        with _on(dev):
+            t0 = time.perf_counter()
+            buf = self._bufs[i]
+            if buf is None or buf.numel() != size or buf.device != dev:
+                self._bufs[i] = self._shared[i] = None  # (the old one freed first)
+                buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=dev)
+            n = pack(state, buf)
+            if n != len(pub.blob):
+                raise ValueError(
+                    f"v{pub.version}: {n} bytes on the device, {len(pub.blob)} in the blob"
+                )
+            t1 = time.perf_counter()
+            digest = device_digest(buf, n, pub.tensors)  # synchronises: the bytes are there
+            t2 = time.perf_counter()
+            if os.environ.get(CORRUPT_ENV, "") == str(pub.version):
+                buf[0:1].bitwise_xor_(0xFF)
+                if buf.is_cuda:
+                    torch.cuda.synchronize(dev)
+                log.warning("%s=%d: flipped byte 0 of slot %d", CORRUPT_ENV, pub.version, i)
+            shared = self._shared[i] = self._shared[i] or _share(buf)
+        pub.stage_s["device_pack"], pub.stage_s["device_digest"] = t1 - t0, t2 - t1
+        pub.device_state.clear()  # the snapshot's copy is not needed any more
+        self._ready = {pub.version: {**shared, "slot": i, "digest": digest, "digest_kind": KIND}}
+        return pub
+
+    def publish(self, pub: Publication) -> WeightAnnounce:
+        """Announce ``pub``'s directory, with the ``cuda_ipc`` field when it was packed."""
+        ann = super().publish(pub)
+        field = self._ready.pop(pub.version, None)
+        if field is not None:
+            ann = dataclasses.replace(ann, cuda_ipc=field)
+            ann.validate()
+            self.announce = ann
+        return ann
+
+    def close(self) -> None:
+        """Free the buffers (a generator that maps one keeps the allocation alive until it
+        lets go: torch's reference counter of shared CUDA storages)."""
+        super().close()
+        self._bufs = [None] * self.slots
+        self._shared = [None] * self.slots
+
+
+def _on(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``dev`` current for the block (a CUDA device; nothing for the CPU: tests)."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+def _share(buf: torch.Tensor) -> dict[str, Any]:
+    """The IPC fields of ``buf``'s storage (torch's ``_share_cuda_``), hex for the wire."""
+    dev, handle, size, offset, ref_handle, ref_offset, event, sync = (
+        buf.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+    )
+    return {"device_uuid": card_uuid(buf.device), "handle": bytes(handle).hex(), "size": int(size),
+            "offset": int(offset), "ref_handle": bytes(ref_handle).hex(),
+            "ref_offset": int(ref_offset), "pid": os.getpid(),
+            "event": bytes(event or b"").hex(), "event_sync": bool(sync)}  # fmt: skip
+
+
+def cuda_ipc_publisher(
+    endpoint: LearnerSide, settings: PublishSettings, run_dir: Path
+) -> CudaIpcPublisher:
+    """publish.transport=cuda_ipc: shared_fs's announce, the blob in a device buffer beside it."""
+    if not torch.cuda.is_available():
+        raise ConfigError("publish.transport=cuda_ipc: this learner sees no CUDA device; "
+                          "expected shm or shared_fs on a CPU host")  # fmt: skip
+    slots = max(2, settings.max_pending + 1)
+    return CudaIpcPublisher(endpoint, slots=slots, chunk_bytes=settings.chunk_bytes,
+                            window=settings.window)  # fmt: skip
+
+
+class CudaIpcReceiver:
+    """Generator side of cuda_ipc (module docstring); every other record goes to ``fallback``."""
+
+    def __init__(
+        self, conn: GeneratorSide, fallback: Receiver, generator_id: str, *,
+        serving_version: int = -1, max_total_bytes: int = 1 << 40,
+    ) -> None:  # fmt: skip
+        self.conn, self.fallback, self.generator_id = conn, fallback, generator_id
+        self.serving, self.max_total_bytes = serving_version, max_total_bytes
+        self._maps: dict[tuple[int, str], torch.Tensor] = {}  # (pid, handle) -> mapped bytes
+        self._cards: dict[str, int] | None = None
+        self.counts: Counter[str] = Counter()
+        self.copy_s = 0.0
+        """Seconds of the newest version's copy and check (map, copy, digest)."""
+
+    def handle(self, rec: Any) -> VerifiedWeights | None:
+        """One record of the weights channel; a checked set to load, or None."""
+        if not isinstance(rec, WeightAnnounce) or not rec.cuda_ipc:
+            return self.fallback.handle(rec)
+        plain = dataclasses.replace(rec, cuda_ipc={})
+        if rec.version <= self.serving or rec.total_bytes > self.max_total_bytes:
+            return self.fallback.handle(plain)  # acknowledged again, or refused, there
+        try:
+            got = self._receive(rec)
+        except (RuntimeError, ValueError, OSError, KeyError) as e:
+            self.counts["unmapped"] += 1
+            if self.counts["unmapped"] == 1:
+                log.warning("weights v%d: the learner's device buffer cannot be mapped here "
+                            "(%s: %s); reading the directory (and every later one)",
+                            rec.version, type(e).__name__, e)  # fmt: skip
+            return self.fallback.handle(plain)
+        if got is None:
+            return self.fallback.handle(plain)
+        return got
+
+    def loaded(self, version: int) -> None:
+        self.serving = max(self.serving, version)
+        self.fallback.loaded(version)
+
+    def load_failed(self, version: int, reason: str) -> None:
+        self.fallback.load_failed(version, reason)
+
+    def _card(self, uuid: str) -> int:
+        if self._cards is None:
+            self._cards = {card_uuid(i): i for i in range(torch.cuda.device_count())}
+        if uuid not in self._cards:
+            raise ValueError(f"card {uuid} is not visible to this process")
+        return self._cards[uuid]
+
+    def _map(self, c: Mapping[str, Any], index: int) -> torch.Tensor:
+        key = (int(c["pid"]), str(c["handle"]))
+        if key not in self._maps:
+            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                index, bytes.fromhex(str(c["handle"])), int(c["size"]), int(c["offset"]),
+                bytes.fromhex(str(c["ref_handle"])), int(c["ref_offset"]),
+                bytes.fromhex(str(c.get("event", ""))) or None, bool(c.get("event_sync", False)),
+            )  # fmt: skip
+            t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+            t.set_(storage)
+            self._maps[key] = t
+        return self._maps[key]
+
+    def _receive(self, a: WeightAnnounce) -> VerifiedWeights | None:
+        """The announced slot copied and checked (module docstring); None when the copy's
+        digest differs (refused, counted, logged: the caller reads the directory)."""
+        c = a.cuda_ipc
+        t0 = time.perf_counter()
+        index = self._card(str(c["device_uuid"]))
+        src = self._map(c, index)
+        size = padded_size(a.total_bytes)
+        if src.numel() < size:
+            raise ValueError(f"the mapped buffer holds {src.numel()} bytes, {size} announced")
+        with _on(src.device):
+            mine = torch.empty(size, dtype=torch.uint8, device=src.device)
+            mine.copy_(src[:size])
+            got = device_digest(mine, a.total_bytes, a.tensors)
+        self.copy_s = time.perf_counter() - t0
+        if got != c["digest"]:
+            self.counts["refused"] += 1
+            log.error("weights v%d: the copy of the learner's device buffer (slot %s) has device "
+                      "digest %s, %s announced (torn by a newer version or corrupted): refused; "
+                      "reading the directory %s", a.version, c.get("slot"), got, c["digest"],
+                      a.path)  # fmt: skip
+            return None
+        self.counts["verified"] += 1
+        return VerifiedWeights.of_checked(a, unpack(mine, list(a.tensors)))
