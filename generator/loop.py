@@ -168,6 +168,9 @@ class GeneratorLoop:
         self._score_lane = Lane("generator-score", inline=not threaded, on_done=wake)
         self._weights_lane = (Lane("generator-weights", inline=not threaded, on_done=wake)
                               if self._inflight else None)  # fmt: skip
+        notify = getattr(engine, "notify_swaps", None)
+        if self._inflight and wake is not None and callable(notify):
+            notify(wake)  # a version swapped in mid-batch is acknowledged at once
 
     # -- public ---------------------------------------------------------------------------
     @property

@@ -203,7 +203,7 @@ class CudaIpcReceiver:
     ) -> None:  # fmt: skip
         self.conn, self.fallback, self.generator_id = conn, fallback, generator_id
         self.serving, self.max_total_bytes = serving_version, max_total_bytes
-        self._maps: dict[tuple[int, str], torch.Tensor] = {}  # (pid, handle) -> mapped bytes
+        self._maps: dict[tuple[int, str, int], torch.Tensor] = {}  # (pid, handle, offset) ->
         self._cards: dict[str, int] | None = None
         self.counts: Counter[str] = Counter()
         self.copy_s = 0.0
@@ -244,7 +244,8 @@ class CudaIpcReceiver:
         return self._cards[uuid]
 
     def _map(self, c: Mapping[str, Any], index: int) -> torch.Tensor:
-        key = (int(c["pid"]), str(c["handle"]))
+        # one allocation may hold several buffers (torch's caching allocator): the offset too
+        key = (int(c["pid"]), str(c["handle"]), int(c["offset"]))
         if key not in self._maps:
             storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
                 index, bytes.fromhex(str(c["handle"])), int(c["size"]), int(c["offset"]),

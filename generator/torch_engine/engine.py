@@ -212,6 +212,7 @@ class TorchEngine(TorchWeights):
         (per-token versions) instead of waiting for the batch to end."""
         self._swap: tuple[Mapping[str, torch.Tensor], int] | None = None  # checked, not yet in
         self._swap_lock = threading.Lock()
+        self.on_swapped = None
         self._lock = threading.RLock()
 
     def row_bytes(self, length: int) -> int:

@@ -10,7 +10,7 @@ engine stops serving if that fails too)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import numpy as np
@@ -36,6 +36,9 @@ class TorchWeights:
     inflight_updates: bool
     _swap: tuple[Mapping[str, torch.Tensor], int] | None
     _swap_lock: threading.Lock
+    on_swapped: Callable[[], None] | None
+    """Called on the engine's thread once a version staged during a batch is served (the
+    generator loop's waker: it acknowledges the version at once, not at its next poll)."""
 
     def load_weights(self, weights: VerifiedWeights) -> None:
         """Load ``weights`` (``_load_now``); with ``inflight_updates`` while a ``generate``
@@ -48,7 +51,10 @@ class TorchWeights:
         if self.inflight_updates and not self._lock.acquire(blocking=False):
             check_newer(weights.version, self.weight_version)
             state = checked_state(weights, self.weight_version)
-            staged = {k: state[k].to(self.device, copy=True) for k in state}
+            # a checked state already on this device is the receiver's own copy (weights.
+            # cuda_ipc): taken as it is; any other (views of a mapping, host bytes) is copied
+            staged = {k: t if t.device == self.device and t.is_cuda else t.to(self.device, copy=True)
+                      for k, t in state.items()}  # fmt: skip
             with self._swap_lock:
                 self._swap = (staged, weights.version)
             return
@@ -68,6 +74,8 @@ class TorchWeights:
         if swap is None or swap[1] <= self.weight_version:
             return
         self._serve(*swap)
+        if self.on_swapped is not None:
+            self.on_swapped()
 
     def _load_now(self, weights: VerifiedWeights) -> None:
         """Copy the checked state of ``weights`` into the parameters in place as its version

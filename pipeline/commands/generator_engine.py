@@ -52,6 +52,12 @@ class StopOnFailedLoad:
     def broken(self) -> str:
         return str(getattr(self.engine, "broken", "") or "")
 
+    def notify_swaps(self, callback: Callable[[], None]) -> None:
+        """``callback`` once a version staged during a batch is served, for an engine that
+        says so (the torch engine's ``on_swapped``); nothing otherwise."""
+        if hasattr(self.engine, "on_swapped"):
+            self.engine.on_swapped = callback
+
     def generate(self, items: list[Any]) -> list[list[Any]]:
         return self.engine.generate(items)  # type: ignore[no-any-return]
 

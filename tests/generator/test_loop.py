@@ -128,6 +128,69 @@ def test_an_inflight_engine_gets_a_version_during_its_batch_and_it_is_acknowledg
     assert not conn.of(Nack) and "load" not in ev  # staged and swapped, never loaded apart
 
 
+def test_a_version_swapped_in_mid_batch_wakes_the_loop_that_acknowledges_it() -> None:
+    """An engine that says when it swapped a staged version in (notify_swaps: the torch
+    engine's on_swapped) wakes the loop's receive: the Ack goes out at once, not at the next
+    poll (here a receive of 5 s; before, the swap waited for it)."""
+    from generator.loop import GeneratorLoop
+    from generator.reward_runner import RewardRunner
+    from tests.generator.loop_fakes import (
+        FakeConnection,
+        InflightEngine,
+        length_reward,
+        to_rollouts,
+    )
+
+    class Notifying(InflightEngine):
+        def __init__(self, log: list[Any], version: int = 0) -> None:
+            super().__init__(log, version)
+            self.on_swapped: Any = None
+
+        def notify_swaps(self, callback: Any) -> None:
+            self.on_swapped = callback
+
+        def _apply(self) -> None:
+            staged = self.staged is not None
+            super()._apply()
+            if staged and self.on_swapped is not None:
+                self.on_swapped()
+
+    class Waking(FakeConnection):
+        woken = threading.Event()
+
+        def waker(self) -> Any:
+            return self.woken.set
+
+        def recv(self, timeout_s: float = 0.0) -> Any:
+            end = time.monotonic() + timeout_s  # a wake ends the wait with nothing received
+            while self.inbox.empty() and not self.woken.is_set() and time.monotonic() < end:
+                time.sleep(0.001)
+            self.woken.clear()
+            return super().recv(0.0)
+
+    log: list[Any] = []
+    engine, conn = Notifying(log), Waking(log)
+    loop = GeneratorLoop(engine, conn, RewardRunner(length_reward, mode="inline"),
+                         to_rollouts=to_rollouts, generator_id=GID, max_inflight=4,
+                         batch_wait_s=0.0, threaded=True,
+                         weights=open_receiver(conn, GID, serving_version=0))  # fmt: skip
+    assert engine.on_swapped is not None, "the loop did not ask to be woken"
+    engine.gate = threading.Event()
+    conn.push(welcome(0), item("long"))
+    deadline = time.monotonic() + 10
+    while not engine.running.is_set() and time.monotonic() < deadline:
+        loop.step(0.01)
+    conn.push(on_disk(1), channel="weights")
+    t0 = time.monotonic()
+    while not [a for a in conn.of(Ack) if a.kind == "weights"] and time.monotonic() < deadline:
+        loop.step(5.0)
+    took = time.monotonic() - t0
+    assert [a.version for a in conn.of(Ack) if a.kind == "weights"] == [1]
+    assert took < 2.0, f"acknowledged {took:.2f} s after the announce: the swap did not wake it"
+    engine.gate.set()
+    loop.stop()
+
+
 def test_an_engine_batch_is_sent_in_one_rollout_batch_with_rewards() -> None:
     """The items of one engine batch go out together (the learner records and flushes once per
     message), acknowledged per item; a batch over MESSAGE_ROLLOUTS is split between items."""

@@ -75,7 +75,8 @@ print(json.dumps(check_kernel("cpu")))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this host")
 def test_device_digest_kernel_equals_its_spec_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
