@@ -160,6 +160,7 @@ class GeneratorLoop:
         self._inflight = bool(getattr(engine, "inflight_updates", False))
         self._beside = False  # the load in progress runs beside a batch (the weights lane)
         self._swapping: VerifiedWeights | None = None  # staged in the engine, not yet in
+        self._heard: dict[int, tuple[float, float]] = {}  # version -> (record in, handed out)
         self._stopping, self._stop_reason = False, "shutdown"
         # a lane's finished call wakes run()'s recv (connection.waker), not the next poll_s
         waker = getattr(connection, "waker", None)
@@ -274,9 +275,11 @@ class GeneratorLoop:
         self.stats.max_held = max(self.stats.max_held, self.held)
 
     def _on_weights(self, rec: WeightAnnounce | WeightChunk) -> None:
+        t0 = time.perf_counter()
         ready = self.weights.handle(rec)
         if ready is None:
             return
+        self._heard[ready.version] = (t0, time.perf_counter())
         loading = max(self._load[0].version if self._load is not None else -1,
                       self._swapping.version if self._swapping is not None else -1)  # fmt: skip
         if ready.version <= self.version:  # already served (our Ack was lost): acknowledge
@@ -345,7 +348,15 @@ class GeneratorLoop:
             self.weights.load_failed(version, repr(exc)[:2000])
             return
         c["weights_loaded"] += 1
-        log.info("serving weights v%d", self.version)
+        heard = self._heard.pop(version, None)
+        for v in [v for v in self._heard if v < version]:
+            del self._heard[v]
+        if heard is None:
+            log.info("serving weights v%d", self.version)
+        else:  # the announce's record received -> handed out (checked) -> served
+            now = time.perf_counter()
+            log.info("serving weights v%d: received and checked in %.1f ms, served %.1f ms "
+                     "after", self.version, 1e3 * (heard[1] - heard[0]), 1e3 * (now - heard[1]))  # fmt: skip
         self.weights.loaded(self.version)
         # The learner accepts rollouts of a version only from a generator that said it serves
         # it. The weights Ack travels on the other socket; a Heartbeat on the control channel
