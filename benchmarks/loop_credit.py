@@ -3,7 +3,7 @@ uniform, progressive, exit_pdf (with and without the gate's gradient) and learne
 (objective.loop_weighting), each task from one warm start, at equal samples; 95% intervals
 over seeds and, on the last line, the verdict.
 
-    python benchmarks/loop_credit.py --quick             # the CPU smoke: ~1 minute
+    python benchmarks/loop_credit.py --quick             # the CPU smoke: ~25 s
     python benchmarks/loop_credit.py --seeds 5           # CPU: tiny Ouro, 6 arms x 2 tasks
     python benchmarks/loop_credit.py --task mix --arms last,uniform --seeds 5 --steps 30
 
