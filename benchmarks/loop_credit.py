@@ -1,10 +1,16 @@
-"""Per-loop credit on a task where depth should matter: held-out accuracy of `last` vs
-`exit_pdf` vs `uniform` (objective.loop_weighting) from one warm start, one JSON line.
+"""Per-loop credit on tasks where depth should matter: held-out accuracy of `last` against
+uniform, progressive, exit_pdf (with and without the gate's gradient) and learned
+(objective.loop_weighting), each task from one warm start, at equal samples; 95% intervals
+over seeds and, on the last line, the verdict.
 
-    python benchmarks/loop_credit.py                     # CPU: tiny Ouro, 3 arms x 3 seeds
-    python benchmarks/loop_credit.py --arms last,uniform --seeds 5 --steps 30
+    python benchmarks/loop_credit.py --quick             # the CPU smoke: ~25 s
+    python benchmarks/loop_credit.py --seeds 5           # CPU: tiny Ouro, 6 arms x 2 tasks
+    python benchmarks/loop_credit.py --task mix --arms last,uniform --seeds 5 --steps 30
 
-Task (built here, no downloads; ``--task``, default vars): ``vars``, variable tracking: two
+Tasks (built here, no downloads; ``--task``, comma-separated, default ``vars,mix``; each its
+own data, warm start and runs): ``mix``, the mixed-depth task (generator.depth_mix: half the
+questions copying, whose answer is the prompt's one digit, half variable tracking through
+``--chain`` assignments; its figures also by class, "accuracy@d/hops=h"); ``vars``, variable tracking: two
 pointer chains of ``--chain`` assignments from two different digits, shuffled, the query
 names the end of the first ("y=x,b=4,x=7,c=b,z=y?z" -> "7"): each hop one more lookup, the
 kind of multi-step latent computation more core iterations should help with. Others, tried
@@ -38,13 +44,19 @@ same prompts and latent seeds in every arm for a given seed -> greedy accuracy o
 split at each fixed depth of ``--depths`` (FixedDepth(d), as eval.depths) and under the run's
 policy, and the mean exit depth of its tokens.
 
-Output: {"arms": {arm: {"accuracy": mean, "accuracy_std", "accuracy_seeds": [...],
-"mean_depth", "accuracy@d": mean, "accuracy@d_std", ...}}, "warm_start": {the warm start's
-accuracy at each depth; with --gate-warm-steps also "gate": {"before", "after": the gate's
-greedy test accuracy and token-mean exit depth under SampledGate() and OuroGate(0.5), its mean
-exit distribution p(t) and the mean cross-entropy after each loop on the test answers;
-"objective", "steps", "loss_first", "loss_last", "s"}}, settings, "wall_s", "load_1m": [at
-start, at end]}. Spread = the sample standard deviation over seeds.
+Output, two JSON lines. First: {"tasks": {task: {"arms": {arm: {"accuracy": mean,
+"accuracy_std", "accuracy_seeds": [...], "accuracy_ci95": [low, high], "mean_depth",
+"accuracy@d": mean, "accuracy@d_std", ...}}, "warm_start": {the warm start's accuracy at each
+depth; with --gate-warm-steps also "gate": {"before", "after": the gate's greedy test accuracy
+and token-mean exit depth under SampledGate() and OuroGate(0.5), its mean exit distribution
+p(t) and the mean cross-entropy after each loop on the test answers; "objective", "steps",
+"loss_first", "loss_last", "s"}}}}, settings, "samples_per_arm_seed", "wall_s", "load_1m": [at
+start, at end]}. Spread = the sample standard deviation over seeds; accuracy_ci95 = the 95%
+t-interval of the mean over seeds. Last: the verdict (benchmarks/loop_credit_stats.py): every
+arm against `last` on every task, paired by seed (a seed fixes the RL prompts and latent seeds
+of every arm), the mean difference and its 95% t-interval; {"verdict": "ARM ahead of last on
+TASK: +d (95% CI lo..hi, n seeds)" or "no arm ahead of last (best: ...)", "ahead": [[task,
+arm], ...], "comparisons": [...], "samples_per_arm_seed"}.
 
 The GPU mode, ``--device cuda`` (`PARTS=loop_credit_gpu bash
 scripts/gpu_check.sh` holds its command: Ouro ``--size small``, 13M parameters): the warm
@@ -53,8 +65,9 @@ learner there (backend=megatron), ``task.max_prompt_tokens`` set to the longest 
 the learner's automatic micro-batch holds a whole step; ``--jobs`` processes share the GPU.
 Each arm's ``collapsed``: its seeds under half the warm start's held-out accuracy.
 
-Arms: any of last, uniform, progressive, exit_pdf (Ouro's exit gate only), or
-``name:key=value;key=value``: run-config overrides for that arm. An arm's
+Arms: any of last (required: the base), uniform, progressive, exit_pdf (Ouro's exit gate
+only), exit_pdf_grad (exit_pdf with objective.exit_pdf_gradient: the gate trained through the
+weights), learned, or ``name:key=value;key=value``: run-config overrides for that arm. An arm's
 rollout.exit_policy replaces --exit-policy for its rollouts and its evaluation, e.g. the
 sampled exit with a compute cost::
 
@@ -86,7 +99,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.loop_credit_gate import check_gate_args, gate_report, gate_warm  # noqa: E402
-from benchmarks.loop_credit_tasks import TASKS, Task, eval_all, write_data  # noqa: E402
+from benchmarks.loop_credit_stats import t_interval, verdict  # noqa: E402
+from benchmarks.loop_credit_tasks import TASK_NAMES, Task, eval_all, write_data  # noqa: E402
 from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save  # noqa: E402
 from models.exits import ExitPolicy, policy_from_dict  # noqa: E402
 from models.noise import derive_latent_seed  # noqa: E402
@@ -228,14 +242,16 @@ def parse_arm(spec: str) -> tuple[str, list[str]]:
     name, _, rest = spec.partition(":")
     extra = [kv for kv in rest.split(";") if kv] if rest else []
     if not rest:
-        extra = [f"objective.loop_weighting={name}"]
+        extra = (["objective.loop_weighting=exit_pdf", "objective.exit_pdf_gradient=true"]
+                 if name == "exit_pdf_grad" else [f"objective.loop_weighting={name}"])  # fmt: skip
     return name, extra
 
 
 def summarise(runs: list[dict[str, float]], warm_accuracy: float) -> dict[str, Any]:
-    """Mean over seeds of each figure, the spread of the accuracies, and ``collapsed``: the
-    seeds whose held-out accuracy fell below half the warm start's (a run that was finite but
-    not healthy)."""
+    """Mean over seeds of each figure, the spread of the accuracies (sample standard deviation),
+    the 95% t-interval of the mean accuracy over seeds (``accuracy_ci95``), and ``collapsed``:
+    the seeds whose held-out accuracy fell below half the warm start's (a run that was finite
+    but not healthy)."""
     out: dict[str, Any] = {}
     for key in runs[0]:
         vals = [r[key] for r in runs]
@@ -243,6 +259,7 @@ def summarise(runs: list[dict[str, float]], warm_accuracy: float) -> dict[str, A
         if key.startswith("accuracy"):
             out[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
     out["accuracy_seeds"] = [r["accuracy"] for r in runs]
+    out["accuracy_ci95"] = list(t_interval(out["accuracy_seeds"])[1:])
     out["collapsed"] = sum(r["accuracy"] < 0.5 * warm_accuracy for r in runs)
     return out
 
@@ -251,15 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument(
         "--arms",
-        default="last,exit_pdf,uniform",
-        help="comma-separated loop weightings, or name:key=value;key=value overrides",
+        default="last,uniform,progressive,exit_pdf,exit_pdf_grad,learned",
+        help="comma-separated loop weightings (exit_pdf_grad: exit_pdf with the gate's "
+        "gradient), or name:key=value;key=value overrides",
     )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--family", default="ouro")
     p.add_argument("--size", default="tiny")
-    p.add_argument("--task", default="vars", choices=sorted(TASKS))
     p.add_argument(
-        "--chain", type=int, default=2, help="additions (sum) / hops (vars) per question"
+        "--task",
+        default="vars,mix",
+        help=f"comma-separated tasks, each its own warm start and arms ({', '.join(TASK_NAMES)})",
+    )
+    p.add_argument(
+        "--chain", type=int, default=2, help="additions (sum) / hops (vars; mix's tracking class)"
     )
     p.add_argument("--hidden", type=int, default=0, help="hidden size over the preset's (0: keep)")
     p.add_argument("--train", type=int, default=4000)
@@ -312,90 +334,116 @@ def main(argv: list[str] | None = None) -> int:
         "arms train with the megatron learner there: backend=megatron)",
     )
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the CPU smoke: arms last,exit_pdf_grad, 2 seeds, 2 RL steps of 4 x 4, 300 train "
+        "/ 24 test rows, 120 warm-start steps (over the other flags)",
+    )
     args = p.parse_args(argv)
     args.depths = [int(x) for x in args.depths.split(",") if x]
     if args.device not in ("cpu", "cuda") or (
         args.device == "cuda" and not torch.cuda.is_available()
     ):
         raise SystemExit(f"--device must be cpu, or cuda on a host with a GPU; got {args.device!r}")
+    if args.quick:  # the CPU smoke (tests/learner/test_loop_credit_bench.py): every piece, tiny
+        args.arms, args.seeds, args.steps, args.prompts, args.n = "last,exit_pdf_grad", 2, 2, 4, 4
+        args.train, args.test, args.warm_steps, args.depths = 300, 24, 120, [1, 4]
+    args.tasks = [t for t in args.task.split(",") if t]
+    bad = [t for t in args.tasks if t not in TASK_NAMES]
+    if bad or not args.tasks:
+        raise SystemExit(
+            f"--task: comma-separated names of {', '.join(TASK_NAMES)}; got {args.task!r}"
+        )
     check_gate_args(args)
     torch.set_num_threads(args.threads)
     t0, load0 = time.time(), os.getloadavg()[0]
     policy = policy_from_dict(json.loads(args.exit_policy)) if args.exit_policy else None
     arms = [parse_arm(a) for a in args.arms.split(",") if a]
+    if "last" not in [name for name, _ in arms]:
+        raise SystemExit("--arms: needs the arm 'last' (every arm is compared with it)")
+    tasks: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(args.out or tmp)
-        write_data(root / "data", args.train, args.test, args.task, args.chain, args.data_seed)
-        base = init_checkpoint(args.family, args.size, root / "init", overrides=widen(args.hidden))
-        common = [f"task.path={root / 'data'}", "task.kind=dataset", "task.reward=exact_match",
-
-                  f"rollout.max_tokens={args.max_tokens}", f"rollout.n={args.n}",
-                  f"rollout.prompts_per_step={args.prompts}", "objective.kind=grpo",
-                  f"optimizer.lr={args.lr}", f"run_dir={root / 'run'}",
-                  f"backend={'megatron' if args.device == 'cuda' else 'reference'}"]  # fmt: skip
-        if args.exit_policy:
-            common.append(f"rollout.exit_policy={args.exit_policy}")
-        task = Task(root / "data", Path(base))
-        if args.device == "cuda":  # the learner's automatic micro-batch holds the whole step
-            # (a dataset task's prompt bound is unknown to it: 8-row micro-batches otherwise,
-            # 32 forward/backward calls a step, ~8 s on the H200; CPU runs keep the old rule)
-            longest = max(len(p.tokens) for p in task.train + task.test)
-            common.append(f"task.max_prompt_tokens={longest}")
-        cfg0 = load_config(None, common)
-        warm_model = load_model(Path(base))[1]
-        if args.embed_std:
-            rescale_embedding(warm_model, args.embed_std)
-        warm_model.to(args.device)
-        ws = sft(warm_model, task, args.warm_steps, args.warm_lr, args.warm_batch, args.data_seed)
-        print(f"# sft: {ws}", file=sys.stderr, flush=True)
-        gate: dict[str, Any] = {}
-        if args.gate_warm_steps:
-            gate["before"] = gate_report(warm_model, task, args, cfg0.numerics)
-            gate |= gate_warm(warm_model, task, args, cfg0.numerics)
-            gate["after"] = gate_report(warm_model, task, args, cfg0.numerics)
-        warm = root / "warm"
-        warm_model.cpu()  # (ties kept: the module moves, not copies of its tensors)
-        save_checkpoint(state_dict_for_save(warm_model), read_config(Path(base)), warm,
-                        tied=tied_from_module(warm_model),
-                        extra_files={f.name: f for f in Path(base).iterdir()
-                                     if f.is_file() and f.name != "config.json"
-                                     and ".safetensors" not in f.name})  # fmt: skip
-        warm_model.to(args.device)
-        warm_eval: dict[str, Any] = eval_all(
-            warm_model, task, policy, args.depths, args.max_tokens, cfg0.numerics
-        )
-        warm_eval |= {"loss_first": ws["loss_first"], "loss_last": ws["loss_last"], "s": ws["s"]}
-        if gate:
-            warm_eval["gate"] = gate
-        print(f"# warm start: {warm_eval}", file=sys.stderr, flush=True)
-        jobs = [(name, seed, [*common, *extra, f"seed={seed}", f"run_dir={root}/run-{i}"])
-                for i, (name, extra) in enumerate(arms) for seed in range(args.seeds)]  # fmt: skip
-        if args.jobs > 1:  # each (arm, seed) in a spawned process: the same bits, in parallel
-            import multiprocessing as mp
-
-            spec = json.dumps(vars(args))
-            with mp.get_context("spawn").Pool(args.jobs) as pool:
-                results = []  # in order, each reported as it is done (a cut-off run keeps them)
-                for job, res in zip(jobs, pool.imap(_job, [(ov, s, str(root), spec)
-                                                          for _, s, ov in jobs])):  # fmt: skip
-                    print(f"# done {job[0]} seed {job[1]}: {res}", file=sys.stderr, flush=True)
-                    results.append(res)
-        else:
-            results = [rl_arm(load_config(None, ov), warm, task, seed, args, policy)
-                       for _, seed, ov in jobs]  # fmt: skip
-        out_arms: dict[str, Any] = {}
-        for (name, seed, _), res in zip(jobs, results):
-            print(f"# {name} seed {seed}: {res}", file=sys.stderr, flush=True)
-        for name, _ in arms:
-            out_arms[name] = summarise([r for (n, _, _), r in zip(jobs, results) if n == name],
-                                       warm_eval["accuracy"])  # fmt: skip
+        for name in args.tasks:
+            tasks[name] = run_task(name, Path(args.out or tmp) / name, args, arms, policy)
+    seeds = {
+        t: {a: r["accuracy_seeds"] for a, r in res["arms"].items()} for t, res in tasks.items()
+    }
     print(json.dumps({
-        "arms": out_arms, "warm_start": warm_eval,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "tasks": tasks, "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "samples_per_arm_seed": args.steps * args.prompts * args.n,
         "wall_s": round(time.time() - t0, 1), "load_1m": [load0, os.getloadavg()[0]],
     }))  # fmt: skip
+    print(json.dumps(verdict(seeds) | {"samples_per_arm_seed": args.steps * args.prompts * args.n}))
     return 0
+
+
+def run_task(name: str, root: Path, args: argparse.Namespace, arms: list[tuple[str, list[str]]],
+             policy: ExitPolicy | None) -> dict[str, Any]:  # fmt: skip
+    """One task under ``root``: its data, the warm start (and the gate's), then every (arm,
+    seed); {"arms": {arm: summarise(...)}, "warm_start": its evaluation}."""
+    write_data(root / "data", args.train, args.test, name, args.chain, args.data_seed)
+    base = init_checkpoint(args.family, args.size, root / "init", overrides=widen(args.hidden))
+    common = [f"task.path={root / 'data'}", "task.kind=dataset", "task.reward=exact_match",
+              f"rollout.max_tokens={args.max_tokens}", f"rollout.n={args.n}",
+              f"rollout.prompts_per_step={args.prompts}", "objective.kind=grpo",
+              f"optimizer.lr={args.lr}", f"run_dir={root / 'run'}",
+              f"backend={'megatron' if args.device == 'cuda' else 'reference'}"]  # fmt: skip
+    if args.exit_policy:
+        common.append(f"rollout.exit_policy={args.exit_policy}")
+    task = Task(root / "data", Path(base))
+    if args.device == "cuda":  # the learner's automatic micro-batch holds the whole step
+        # (a dataset task's prompt bound is unknown to it: 8-row micro-batches otherwise,
+        # 32 forward/backward calls a step, ~8 s on the H200; CPU runs keep the old rule)
+        longest = max(len(p.tokens) for p in task.train + task.test)
+        common.append(f"task.max_prompt_tokens={longest}")
+    cfg0 = load_config(None, common)
+    warm_model = load_model(Path(base))[1]
+    if args.embed_std:
+        rescale_embedding(warm_model, args.embed_std)
+    warm_model.to(args.device)
+    ws = sft(warm_model, task, args.warm_steps, args.warm_lr, args.warm_batch, args.data_seed)
+    print(f"# {name} sft: {ws}", file=sys.stderr, flush=True)
+    gate: dict[str, Any] = {}
+    if args.gate_warm_steps:
+        gate["before"] = gate_report(warm_model, task, args, cfg0.numerics)
+        gate |= gate_warm(warm_model, task, args, cfg0.numerics)
+        gate["after"] = gate_report(warm_model, task, args, cfg0.numerics)
+    warm = root / "warm"
+    warm_model.cpu()  # (ties kept: the module moves, not copies of its tensors)
+    save_checkpoint(state_dict_for_save(warm_model), read_config(Path(base)), warm,
+                    tied=tied_from_module(warm_model),
+                    extra_files={f.name: f for f in Path(base).iterdir()
+                                 if f.is_file() and f.name != "config.json"
+                                 and ".safetensors" not in f.name})  # fmt: skip
+    warm_model.to(args.device)
+    warm_eval: dict[str, Any] = eval_all(
+        warm_model, task, policy, args.depths, args.max_tokens, cfg0.numerics
+    )
+    warm_eval |= {"loss_first": ws["loss_first"], "loss_last": ws["loss_last"], "s": ws["s"]}
+    if gate:
+        warm_eval["gate"] = gate
+    print(f"# {name} warm start: {warm_eval}", file=sys.stderr, flush=True)
+    jobs = [(arm, seed, [*common, *extra, f"seed={seed}", f"run_dir={root}/run-{i}"])
+            for i, (arm, extra) in enumerate(arms) for seed in range(args.seeds)]  # fmt: skip
+    if args.jobs > 1:  # each (arm, seed) in a spawned process: the same bits, in parallel
+        import multiprocessing as mp
+
+        spec = json.dumps(vars(args))
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            results = []  # in order, each reported as it is done (a cut-off run keeps them)
+            for job, res in zip(jobs, pool.imap(_job, [(ov, s, str(root), spec)
+                                                      for _, s, ov in jobs])):  # fmt: skip
+                print(f"# done {name} {job[0]} seed {job[1]}: {res}", file=sys.stderr, flush=True)
+                results.append(res)
+    else:
+        results = [rl_arm(load_config(None, ov), warm, task, seed, args, policy)
+                   for _, seed, ov in jobs]  # fmt: skip
+    for (arm, seed, _), res in zip(jobs, results):
+        print(f"# {name} {arm} seed {seed}: {res}", file=sys.stderr, flush=True)
+    out_arms = {arm: summarise([r for (n, _, _), r in zip(jobs, results) if n == arm],
+                               warm_eval["accuracy"]) for arm, _ in arms}  # fmt: skip
+    return {"arms": out_arms, "warm_start": warm_eval}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The synthetic tasks of benchmarks/loop_credit.py (its --task): multi-step questions whose
 one-digit answers need several steps (variable tracking, chained sums, reversed addition,
-parity, comparison), the jsonl splits the benchmark writes, and `Task`: the splits rendered
-as plain text and the exact-match scorer, and the held-out evaluation (greedy, under an exit
-policy and at fixed depths). Split from loop_credit.py by concern."""
+parity, comparison) and ``mix``, the mixed-depth task (generator.depth_mix: half copying,
+half tracking through ``chain`` assignments), the jsonl splits the benchmark writes, and
+`Task`: the splits rendered as plain text and the exact-match scorer, and the held-out
+evaluation (greedy, under an exit policy and at fixed depths; by class where the rows carry
+``hops``). Split from loop_credit.py by concern."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from generator.depth_mix import write_depth_mix
 from generator.rewards import exact_match
 from models.chat import eos_token_ids
 from models.exits import ExitPolicy, FixedDepth
@@ -21,7 +24,7 @@ from models.noise import derive_latent_seed
 from models.reference import SamplingParams, generate
 from pipeline.core.dispatch import Prompt
 
-__all__ = ["TASKS", "Task", "eval_all", "evaluate", "make_rows", "write_data"]
+__all__ = ["TASKS", "TASK_NAMES", "Task", "eval_all", "evaluate", "make_rows", "write_data"]
 
 
 def _sum_row(rng: random.Random, chain: int) -> tuple[str, str]:
@@ -74,6 +77,10 @@ TASKS = {
 }
 """--task: a row builder (rng, chain) -> (question, one-digit answer)."""
 
+TASK_NAMES = (*sorted(TASKS), "mix")
+"""--task's choices: TASKS, and ``mix`` (generator.depth_mix, classes of 1 and ``chain`` hops
+in equal shares)."""
+
 
 def make_rows(n: int, task: str, chain: int, seed: int, split: str,
               avoid: set[str]) -> list[dict[str, str]]:  # fmt: skip
@@ -93,6 +100,11 @@ def make_rows(n: int, task: str, chain: int, seed: int, split: str,
 
 
 def write_data(out: Path, train: int, test: int, task: str, chain: int, seed: int) -> None:
+    if task == "mix":
+        if chain < 2:
+            raise SystemExit(f"--task mix: --chain is the tracking class's hops, >= 2; got {chain}")
+        write_depth_mix(out, train, test, {1: 0.5, chain: 0.5}, seed)
+        return
     out.mkdir(parents=True, exist_ok=True)
     tr = make_rows(train, task, chain, seed, "train", set())
     te = make_rows(test, task, chain, seed, "test", {r["prompt"] for r in tr})
@@ -112,7 +124,8 @@ class Task:
     def _rows(self, path: Path, split: str) -> list[Prompt]:
         rows = [json.loads(x) for x in path.read_text().splitlines()]
         return [Prompt(f"{split}-{i}", list(self.tok.encode(r["prompt"]).ids),
-                       {"answer": r["answer"]}) for i, r in enumerate(rows)]  # fmt: skip
+                       {k: r[k] for k in ("answer", "hops") if k in r})
+                for i, r in enumerate(rows)]  # fmt: skip
 
     def target(self, p: Prompt) -> list[int]:
         ids = list(self.tok.encode(str(p.task["answer"]), add_special_tokens=False).ids)
@@ -123,25 +136,45 @@ class Task:
         return float(exact_match(text, tokens, task)[0])
 
 
-def evaluate(model: Any, task: Task, policy: ExitPolicy | None, max_tokens: int,
-             numerics: str) -> tuple[float, float]:  # fmt: skip
-    """(greedy test accuracy, token-mean exit depth) under ``policy`` (None: full depth)."""
+def _scores(model: Any, task: Task, policy: ExitPolicy | None, max_tokens: int,
+            numerics: str) -> tuple[list[float], list[int]]:  # fmt: skip
+    """(each test question's greedy exact match, every generated token's exit depth)."""
     sp = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=task.stops, greedy=True)
     seeds = [derive_latent_seed(0, f"eval/{p.prompt_id}", 0) for p in task.test]
     with torch.no_grad():
         gens = generate(model, [p.tokens for p in task.test], seeds, sp, policy, numerics)
     acc = [task.score([int(t) for t in g.tokens], dict(p.task)) for p, g in zip(task.test, gens)]
-    depths = [d for g in gens for d in g.exit_depths]
+    return acc, [d for g in gens for d in g.exit_depths]
+
+
+def evaluate(model: Any, task: Task, policy: ExitPolicy | None, max_tokens: int,
+             numerics: str) -> tuple[float, float]:  # fmt: skip
+    """(greedy test accuracy, token-mean exit depth) under ``policy`` (None: full depth)."""
+    acc, depths = _scores(model, task, policy, max_tokens, numerics)
     return sum(acc) / len(acc), sum(depths) / max(len(depths), 1)
 
 
 def eval_all(model: Any, task: Task, policy: ExitPolicy | None, depths: list[int],
              max_tokens: int, numerics: str) -> dict[str, float]:  # fmt: skip
+    """Greedy test accuracy and mean exit depth under ``policy``, the accuracy at each fixed
+    depth ("accuracy@d"); where the rows carry ``hops`` (--task mix) also each class's
+    ("accuracy/hops=h", "accuracy@d/hops=h")."""
     was = model.training
     model.eval()
-    acc, mean_depth = evaluate(model, task, policy, max_tokens, numerics)
-    out = {"accuracy": acc, "mean_depth": mean_depth}
+    classes = sorted({int(p.task["hops"]) for p in task.test if "hops" in p.task})
+
+    def figures(suffix: str, pol: ExitPolicy | None) -> dict[str, float]:
+        acc, ds = _scores(model, task, pol, max_tokens, numerics)
+        out = {f"accuracy{suffix}": sum(acc) / len(acc)}
+        for h in classes:
+            mine = [a for a, p in zip(acc, task.test) if int(p.task["hops"]) == h]
+            out[f"accuracy{suffix}/hops={h}"] = sum(mine) / len(mine)
+        if not suffix:
+            out["mean_depth"] = sum(ds) / max(len(ds), 1)
+        return out
+
+    out = figures("", policy)
     for d in depths:
-        out[f"accuracy@{d}"] = evaluate(model, task, FixedDepth(d), max_tokens, numerics)[0]
+        out |= figures(f"@{d}", FixedDepth(d))
     model.train(was)
     return out

@@ -44,10 +44,11 @@ RowStats = Callable[[Tensor, Tensor], dict[str, Tensor]]
 
 
 def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
-                 exit_min_depth: int | None = None) -> dict:  # fmt: skip
+                 exit_min_depth: int | None = None, gate_grad: bool = False) -> dict:  # fmt: skip
     """The module docstring's outputs for a micro-batch on the model's device; with
     ``exit_min_depth`` (a sampled exit) also "exit_logp", "exit_entropy" [B, L] as
-    `exit_forward` computes them, in the same pass."""
+    `exit_forward` computes them, in the same pass; ``gate_grad``: "loop_gate" carries its
+    gradient (objective.exit_pdf_gradient)."""
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
     sel, e, n_loops = response_depths(mb)
@@ -68,7 +69,7 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
             return st["logp"], st["entropy"]
 
         add_loop_columns(cols, sel_k, side, stats,
-                         (lambda s: core.gate_logit(s, mode)) if gate else None)  # fmt: skip
+                         (lambda s: core.gate_logit(s, mode)) if gate else None, gate_grad)  # fmt: skip
         if exits is not None:
             exits.add(k, core.gate_logit(side, mode))
         return state

@@ -170,6 +170,10 @@ class ObjectiveConfig:
     objective's per-token term at every loop 1..e_t summed with weights uniform, progressive
     (k^progressive_alpha), exit_pdf (Ouro's exit distribution over 1..e_t) or learned (a
     softmax over per-loop logits trained by RLTT's policy-gradient term, docs/OBJECTIVES.md)."""
+    exit_pdf_gradient: bool = False
+    """loop_weighting exit_pdf: the weights carry the exit gate's gradient (RLTT's exit_pdf: the
+    gate's logits get the policy-gradient term that trains learned's, docs/OBJECTIVES.md); false:
+    the weights are a fixed credit assignment, no gradient through them."""
     progressive_alpha: float = 1.0
     """loop_weighting progressive: w_k proportional to k^alpha (RLTT's option B), >= 0."""
     loop_weight_lr: float = 0.01
@@ -280,6 +284,8 @@ class ObjectiveConfig:
              "must be a finite number > 0")  # fmt: skip
         need(self.loop_weight_lr == 0.01 or self.loop_weighting == "learned", "loop_weight_lr",
              "applies with objective.loop_weighting=learned only")  # fmt: skip
+        need(not self.exit_pdf_gradient or self.loop_weighting == "exit_pdf", "exit_pdf_gradient",
+             "applies with objective.loop_weighting=exit_pdf only")  # fmt: skip
         need(self.progressive_alpha >= 0.0, "progressive_alpha", "must be >= 0")
         need(self.progressive_alpha == 1.0 or self.loop_weighting == "progressive",
              "progressive_alpha", "applies with objective.loop_weighting=progressive only")  # fmt: skip

@@ -188,7 +188,8 @@ class TorchPolicy:
         return out.logits[..., : model.vocab_size], out.hidden
 
     def _loop_stats(self, model: LoopedLM, mb: TrainBatch, gate: bool,
-                    exit_min_depth: int | None = None) -> dict[str, Tensor]:  # fmt: skip
+                    exit_min_depth: int | None = None,
+                    gate_grad: bool = False) -> dict[str, Tensor]:  # fmt: skip
         """Per-loop credit: {"logp", "entropy"} [B, L] of the exit readout (no grad) and
         {"loop_logp", "loop_entropy"(, "loop_gate")} [B, L, K] (0 where k > e_t): one replay
         (`_replay_loops`, models.engine.chunk.run_chunk's replay with a hook after each iteration)
@@ -197,7 +198,8 @@ class TorchPolicy:
         learner.loop_forward's computation, in the same order, so in numerics exact the two
         policies give the same bits, gradients included. ``exit_min_depth`` (a sampled exit):
         also {"exit_logp", "exit_entropy"} [B, L] from the gate after each iteration (ExitSum,
-        as learner.loop_forward)."""
+        as learner.loop_forward). ``gate_grad``: "loop_gate" carries its gradient
+        (objective.exit_pdf_gradient)."""
         smp, mode = self.cfg.sampling, self.cfg.numerics
         sel, e, n_loops = response_depths(mb)
         cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
@@ -223,7 +225,7 @@ class TorchPolicy:
                 assert g is not None
                 return g.view(sel.shape)
 
-            add_loop_columns(cols, sel_k, side, stats, gate_logit if gate else None)
+            add_loop_columns(cols, sel_k, side, stats, gate_logit if gate else None, gate_grad)
             if exits is not None:
                 exits.add(k, gate_logit(side))
             return state
@@ -248,7 +250,9 @@ class TorchPolicy:
     def policy_stats(self, mb: TrainBatch, old: Tensor | None) -> dict[str, Tensor]:
         if self.loops:  # per-loop credit (flow_dppo is refused with it)
             gate = self.cfg.objective.loop_weighting == "exit_pdf"
-            return self._loop_stats(self.model, mb, gate, self.cfg.exit_min_depth)
+            return self._loop_stats(
+                self.model, mb, gate, self.cfg.exit_min_depth, self.cfg.objective.exit_pdf_gradient
+            )
         if self.cfg.exit_min_depth is None:
             return self._stats(self.forward(self.model, mb)[0], mb, old)
         return self._exit_stats(self.model, mb, old, self.cfg.exit_min_depth)

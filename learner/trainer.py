@@ -135,7 +135,8 @@ class MegatronPolicy:
         if self.loops:  # per-loop credit (flow_dppo refused), a sampled exit's terms with it
             gate = self.cfg.objective.loop_weighting == "exit_pdf"
             return loop_forward(self.policy.module, mb, self._row_stats, gate=gate,
-                                exit_min_depth=self.cfg.exit_min_depth)  # fmt: skip
+                                exit_min_depth=self.cfg.exit_min_depth,
+                                gate_grad=self.cfg.objective.exit_pdf_gradient)  # fmt: skip
         if self.cfg.exit_min_depth is not None:  # a sampled exit: its log-prob and entropy
             out = exit_forward(self.policy.module, mb, self.cfg.exit_min_depth)
             st = self._stats({"mask_logits": out["mask_logits"]}, mb, old)

@@ -195,7 +195,7 @@ if has loop_credit; then  # loop credit on the host's CPU cores (GPU hidden): on
     # then the 15 (arm, seed) runs of benchmarks/loop_credit.py in 15 processes of one thread
     S='rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.exit_entropy_coef=0.01'
     CUDA_VISIBLE_DEVICES= timeout "${T_LOOP:-590}" "$PY" benchmarks/loop_credit.py --jobs 15 \
-        --gate-warm-steps "${LOOP_GATE_STEPS:-600}" --seeds "${LOOP_SEEDS:-5}" \
+        --task vars --gate-warm-steps "${LOOP_GATE_STEPS:-600}" --seeds "${LOOP_SEEDS:-5}" \
         --arms "last,exit_pdf,uniform,learned,sampled_cost05_adv:$S;objective.depth_cost=0.05;objective.depth_cost_in=advantage" \
         2>"$LOG/loop_credit.err" | tee "$LOG/loop_credit.jsonl"
     echo "loop_credit rc=${PIPESTATUS[0]}"
@@ -208,7 +208,7 @@ if has loop_credit_gpu; then  # loop credit, the GPU mode: Ouro small (13M) on t
     # (a later flag wins), e.g. a short timing run.
     S='rollout.exit_policy={kind: sampled_gate};objective.exit_coef=1.0;objective.exit_entropy_coef=0.01'
     timeout "${T_LOOPG:-580}" "$PY" benchmarks/loop_credit.py --device cuda --size small \
-        --chain 2 --train 20000 --test 500 --warm-steps 1500 --warm-batch 128 --warm-lr 1e-3 \
+        --task vars --chain 2 --train 20000 --test 500 --warm-steps 1500 --warm-batch 128 --warm-lr 1e-3 \
         --gate-warm-steps 400 --steps 30 --prompts 32 --n 8 --lr 3e-4 --seeds 3 --jobs 12 \
         --arms "last,exit_pdf,uniform,sampled_cost05_adv:$S;objective.depth_cost=0.05;objective.depth_cost_in=advantage" \
         ${LOOPG_ARGS:-} 2>"$LOG/loop_credit_gpu.err" | tee "$LOG/loop_credit_gpu.jsonl"

@@ -300,8 +300,9 @@ def _loop_policy_loss(
     the kind's surrogate and every TERM at loop k with that loop's current / proximal /
     reference log-probs and entropy; the behaviour weight (and its rejections) once per token
     from the exit loop's proximal log-prob (`prox_logp`; the behaviour log-prob exists there
-    only). A token is read at loop k when w_tk > 0. Learned weights (a ``loop_weight`` that
-    requires grad) get RLTT's policy-gradient term as their loss, l_t += sum_k (w_tk -
+    only). A token is read at loop k when w_tk > 0. Weights with a gradient (a ``loop_weight``
+    that requires grad: learned, exit_pdf with exit_pdf_gradient) get RLTT's policy-gradient
+    term as their loss, l_t += sum_k (w_tk -
     sg(w_tk)) sg(-A_t logp_tk): 0 in value and in every other gradient (every ratio
     surrogate's own w-gradient vanishes at the proximal point, where each loop's ratio is 1).
     A sampled exit's term (exit_coef, exit_entropy_coef) is added once per token, not per
@@ -321,7 +322,7 @@ def _loop_policy_loss(
     ent = _loop_input(lb.loop_entropy, "loop_entropy", shape)
     prox = _loop_input(lb.loop_prox, "loop_prox", shape)
     ref = _loop_input(lb.loop_ref, "loop_ref", shape)
-    learned = w_all.requires_grad  # loop_weighting learned (learner.objectives.loops)
+    learned = w_all.requires_grad  # learned, or exit_pdf_gradient (learner.objectives.loops)
     w_grad = w_all.float()
     w_all = w_grad.detach()
     corr = None

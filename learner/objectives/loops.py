@@ -5,9 +5,10 @@ weights w_tk of each response token t over its loops k = 1..e_t.
 
 `learner.objectives.policy_loss` applies the objective's per-token term at every loop with the
 loop's log-probs (`LossBatch.loop_logp`, `loop_prox`, `loop_ref`, `loop_entropy`) and sums the
-terms with these weights. These weights carry no gradient (RLTT's exit_pdf weights are the
-model's exit distribution, a fixed credit assignment per token, not a quantity to optimise);
-``learned`` (`LearnedLoopWeights`) is the one weighting whose weights are trained by the loss.
+terms with these weights. These weights carry no gradient (a fixed credit assignment per
+token), except ``learned`` (`LearnedLoopWeights`, whose logits are trained by the loss) and
+exit_pdf with objective.exit_pdf_gradient (as RLTT's: the exit gate's logits, and through them
+the gate and the state it reads, get the same policy-gradient term as learned's logits).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ MAX_LOOPS = 255
 """Logits a `LearnedLoopWeights` holds: one per loop an exit depth (uint8) can name."""
 
 
-@torch.no_grad()
 def loop_weights(
     cfg: ObjectiveConfig,
     exit_depths: Tensor,
@@ -52,7 +52,18 @@ def loop_weights(
         exit_pdf:     p_k = lambda_k prod_{j < k} (1 - lambda_j)  (k < D),  p_D = prod_{j < D}
                       (1 - lambda_j),  lambda_k = sigmoid(gate_k);  w_tk = p_k / sum_{j <= e_t} p_j
                       (a token whose renormalising sum underflows to 0 gets w = 1 at e_t)
+
+    No gradient, except exit_pdf with ``cfg.exit_pdf_gradient`` (grad mode on): then w is
+    differentiable in ``gate`` (the same values, bit for bit).
     """
+    grad = cfg.loop_weighting == "exit_pdf" and cfg.exit_pdf_gradient
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return _loop_weights(cfg, exit_depths, full_depths, gate, n_loops)
+
+
+def _loop_weights(cfg: ObjectiveConfig, exit_depths: Tensor, full_depths: Tensor,
+                  gate: Tensor | None, n_loops: int) -> Tensor:  # fmt: skip
+    """`loop_weights`'s formulas, under the caller's grad mode."""
     e = exit_depths.long()
     k = torch.arange(1, n_loops + 1, device=e.device)
     inside = (k <= e[..., None]) & (e[..., None] > 0)
@@ -159,11 +170,13 @@ def add_loop_columns(
     state: Tensor,
     stats: Callable[[Tensor], tuple[Tensor, Tensor]],
     gate_logit: Callable[[Tensor], Tensor] | None = None,
+    gate_grad: bool = False,
 ) -> None:
     """One loop k's columns, for both policies' per-loop forwards: ``stats(state)`` (the
     sampled tokens' log-probs and entropies at the rows ``sel_k``, the tokens that ran loop k)
     under activation checkpointing when a gradient is built (the backward recomputes one
-    loop's logits at a time), spread to [B, T]; with ``gate_logit``, the exit gate's logit."""
+    loop's logits at a time), spread to [B, T]; with ``gate_logit``, the exit gate's logit
+    (with its gradient when ``gate_grad``: objective.exit_pdf_gradient)."""
     if torch.is_grad_enabled():
         lp, ent = checkpoint(stats, state, use_reentrant=False)
     else:
@@ -171,7 +184,7 @@ def add_loop_columns(
     cols["loop_logp"].append(spread(sel_k, lp))
     cols["loop_entropy"].append(spread(sel_k, ent))
     if gate_logit is not None:
-        with torch.no_grad():
+        with torch.set_grad_enabled(gate_grad and torch.is_grad_enabled()):
             cols["loop_gate"].append(torch.where(sel_k, gate_logit(state), 0.0))
 
 

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on the run's eval split, on its own (no learner, no generators).
 
     looprl eval --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
-                [--temperature 0] [--limit 0] [--depths 1,2,4] [key=value ...]
+                [--temperature 0] [--limit 0] [--depths 1,2,4] [--by COLUMN] [key=value ...]
 
 Order: the run config's task (pipeline.core.tasks: same rendering, limits, reward_args) is read
 with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
@@ -15,7 +15,11 @@ depths), ``model``; with ``--depths`` (default: the run config's eval.depths) al
 ``eval/accuracy@d``, ``eval/mean@n@d`` and ``eval/mean_depth@d`` at each fixed depth d
 (FixedDepth(d), as the generators run eval.depths). The run's own policy is
 rollout.exit_policy (full depth when unset). Correct means the reward's info says ``correct``
-(the math reward), else reward >= 1.
+(the math reward), else reward >= 1. With ``--by COLUMN`` (one of task.metadata_columns, e.g.
+the mixed-depth task's ``hops``, generator.depth_mix) the same figures again for each class of
+the prompts by that column's value, as ``eval/COLUMN=VALUE/accuracy``,
+``eval/COLUMN=VALUE/accuracy@d``, ... (``eval/COLUMN=VALUE/prompts`` of them): accuracy by
+item difficulty at each fixed depth.
 
 This uses the reference PyTorch forward (models/reference.py), which is the numerical spec but
 not fast: fine for the tiny and small checkpoints on a CPU, slow for real ones (where the
@@ -113,16 +117,32 @@ def _score(cfg: RunConfig, net: Any, tok_dir: Path, prompts: Sequence[Any], n: i
 
 def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
              temperature: float = 0.0, limit: int = 0, tokenizer: Path | None = None,
-             depths: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+             depths: Sequence[int] | None = None, by: str = "") -> dict[str, Any]:  # fmt: skip
     """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
     ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
-    RUN_DIR/weights/vN hold none: use RUN_DIR/init)."""
+    RUN_DIR/weights/vN hold none: use RUN_DIR/init); ``by``: also per class of that metadata
+    column."""
     tok_dir = tokenizer or model
+    if by and by not in cfg.task.metadata_columns:
+        raise ConfigError(f"--by {by!r}: not one of task.metadata_columns "
+                          f"{cfg.task.metadata_columns} (the columns a prompt carries)")  # fmt: skip
     prompts = eval_prompts(cfg, tok_dir, split, limit)
     depths = cfg.eval.depths if depths is None else depths
     out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature,
                            depths=depths)  # fmt: skip
+    for value, part in sorted(_classes(prompts, by).items()) if by else ():
+        got = score_checkpoint(cfg, model, tok_dir, part, n=n, temperature=temperature,
+                               depths=depths)  # fmt: skip
+        out |= {f"eval/{by}={value}/{k.removeprefix('eval/')}": v for k, v in got.items()}
     return {"model": str(model), "eval/split": split, **out}
+
+
+def _classes(prompts: Sequence[Any], by: str) -> dict[str, list[Any]]:
+    """The prompts by the text of their task[by] (a class's prompts in split order)."""
+    out: dict[str, list[Any]] = {}
+    for p in prompts:
+        out.setdefault(str(p.task[by]), []).append(p)
+    return out
 
 
 def _depth_list(text: str) -> list[int]:
@@ -149,6 +169,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         metavar="D,D,...",
         help="fixed depths to evaluate at too (default: the config's eval.depths)",
     )
+    p.add_argument(
+        "--by",
+        default="",
+        metavar="COLUMN",
+        help="also report each class of this task metadata column (e.g. hops)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -167,7 +193,7 @@ def run(a: argparse.Namespace) -> int:
         cfg = load_config(a.config, list(a.overrides))
         out = evaluate(cfg, Path(a.model), split=a.split, n=a.n, temperature=a.temperature,
                        limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None,
-                       depths=a.depths)  # fmt: skip
+                       depths=a.depths, by=a.by)  # fmt: skip
     except ConfigError as e:
         print(f"looprl eval: error: {e}", file=sys.stderr)
         return 2

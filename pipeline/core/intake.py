@@ -252,10 +252,12 @@ class Intake:
             max_version=self.version(), sender=sender,
         )  # fmt: skip
         r, _ = sanitize_reward(r)
-        limits = self.limits  # an eval.depths item may run deeper than the run's policy
-        if item.eval_depth > limits.max_depth:
+        limits, rules = self.limits, self.rules  # an eval.depths item may run deeper than the
+        if item.eval_depth > limits.max_depth:  # run's policy
             limits = dataclasses.replace(limits, max_depth=item.eval_depth)
-        why = check_rollout(r, expect=expect, limits=limits, rules=self.rules)
+        if item.eval_depth:  # and runs FixedDepth: no exit is sampled, none claimed
+            rules = dataclasses.replace(rules, sampled_exit=False)
+        why = check_rollout(r, expect=expect, limits=limits, rules=rules)
         if why is None:
             return r, None, None
         self.counts["refused"] += 1

@@ -97,6 +97,65 @@ def test_learned_weights_by_hand() -> None:
     assert not bool(lw.logits[4:].any()) and lw.logits.grad is None
 
 
+def _exit_pdf_reference(gate: torch.Tensor, e: torch.Tensor, full: list[int]) -> torch.Tensor:
+    """exit_pdf's weights written out token by token from the formula of docs/OBJECTIVES.md
+    (lambda_k = sigmoid(g_k), p_k = lambda_k prod_{j<k} (1 - lambda_j), p_D = prod_{j<D}
+    (1 - lambda_j), w_tk = p_k / sum_{j <= e_t} p_j), differentiable in ``gate``."""
+    b, t, k = gate.shape
+    rows = []
+    for i in range(b):
+        toks = []
+        for j in range(t):
+            lam = [1.0 / (1.0 + torch.exp(-gate[i, j, m])) for m in range(k)]
+            p, left = [], torch.ones(())
+            for m in range(k):
+                p.append(left if m + 1 == full[i] else lam[m] * left)
+                left = left * (1.0 - lam[m])
+            et = int(e[i, j])
+            z = sum(p[:et], torch.zeros(()))
+            toks.append(torch.stack([p[m] / z if m < et else torch.zeros(()) for m in range(k)]))
+        rows.append(torch.stack(toks))
+    return torch.stack(rows)
+
+
+def test_exit_pdf_gradient_by_hand() -> None:
+    """objective.exit_pdf_gradient: off, the weights carry no gradient (today's); on, the same
+    weights, loss value and log-prob gradient bit for bit, and the gate's logits get RLTT's
+    term: d/dg of sum_t sum_k w_tk(g) (-A_t logp_tk) mask_t / N, by autograd on the written-out
+    formula (`_exit_pdf_reference`), non-zero; rows of full depth 4 and 8 (loop 4 last or not)."""
+    batch, e = _loss_batch("pdf")
+    full = [4, 8, 4]
+    g0 = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(3)) * 1.5
+    on_cfg = ObjectiveConfig(kind="grpo", loop_weighting="exit_pdf", exit_pdf_gradient=True)
+    off_cfg = ObjectiveConfig(kind="grpo", loop_weighting="exit_pdf")
+    res = {}
+    for name, cfg in (("off", off_cfg), ("on", on_cfg)):
+        gate = g0.clone().requires_grad_()
+        w = loop_weights(cfg, e, torch.tensor(full), gate, 4)
+        assert w.requires_grad == (name == "on")
+        leaf = batch["loop_logp"].clone().requires_grad_()
+        loss, m = policy_loss(cfg, dict(batch, loop_logp=leaf, loop_weight=w, normalizer=7.0))
+        inputs = [leaf, gate] if name == "on" else [leaf]
+        grads = torch.autograd.grad(loss, inputs)
+        res[name] = (w.detach(), loss.detach(), m, grads)
+    w_off, loss_off, m_off, (g_logp_off,) = res["off"]
+    w_on, loss_on, m_on, (g_logp_on, g_gate) = res["on"]
+    assert torch.equal(w_on, w_off) and torch.equal(loss_on, loss_off) and m_on == m_off
+    assert torch.equal(g_logp_on, g_logp_off)
+    probe = g0.clone().requires_grad_()
+    want_w = _exit_pdf_reference(probe, e, full)
+    torch.testing.assert_close(want_w.detach(), w_off, rtol=1e-6, atol=1e-7)
+    term = (want_w * (-batch["advantages"][..., None] * batch["loop_logp"])).sum(-1)
+    (want,) = torch.autograd.grad((term * batch["mask"]).sum() / 7.0, probe)
+    torch.testing.assert_close(g_gate, want, rtol=1e-5, atol=1e-7)
+    # loops a token reached (k < e_t, and k = e_t below the full depth) get a gradient; a
+    # token's loops beyond e_t none, masked tokens none
+    assert float(g_gate.abs().sum()) > 1e-3
+    assert not bool(g_gate[2, 3:].any())
+    beyond = torch.arange(1, 5)[None, None] > e[..., None]
+    assert not bool(g_gate[beyond].any())
+
+
 def _loss_batch(kind: str, seed: int = 0) -> tuple[dict[str, Any], torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     b, t, k = 3, 5, 4
@@ -193,6 +252,7 @@ def test_uniform_sums_the_loops() -> None:
         (dict(loop_weighting="uniform", ratio_level="sequence"), "GSPO"),
         (dict(loop_weighting="every"), "must be one of"),
         (dict(progressive_alpha=2.0), "progressive only"),
+        (dict(loop_weighting="uniform", exit_pdf_gradient=True), "exit_pdf only"),
         (dict(loop_weighting="progressive", progressive_alpha=-1.0), "must be >= 0"),
     ],
 )
@@ -268,6 +328,9 @@ _CASES = [  # (family, loop_weighting, kind, numerics)
     # the learned weights' logits: trained by the loss in shared code, the same bits after 4
     # updates (each update's weights depend on the updates before it)
     ("ouro", "learned", "dppo", "exact"),
+    # objective.exit_pdf_gradient: the weights carry the gate's gradient; no weight decay and
+    # no exit term, so the gate moves through the weights alone
+    ("ouro", "exit_pdf+gradient", "grpo", "exact"),
 ]
 
 
@@ -284,6 +347,7 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
     two per-loop implementations agree, so three cases only."""
     from models.checkpoint import load_checkpoint
 
+    weighting, _, option = weighting.partition("+")
     rolls = _fresh(models_dir[fam], numerics)
     depths = {int(d) for r in rolls for d in r.exit_depths}
     assert len(depths) > 1 or fam == "huginn", depths
@@ -295,6 +359,7 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
     over += ["objective.anchor=proximal"] if kind == "divergence_ppo" else []
     over += ["objective.is_cap=2.0"] if kind == "dppo" else []
     over += ["objective.loop_weight_lr=0.05"] if weighting == "learned" else []
+    over += ["objective.exit_pdf_gradient=true", "optimizer.weight_decay=0.0"] if option else []
     res, weights, logits = {}, {}, {}
     for backend in ("reference", "megatron"):
         t = _trainer(backend, models_dir[fam], *over)
@@ -321,6 +386,10 @@ def test_policies_agree_per_loop(models_dir: dict[str, Path], tmp_path: Path, fa
     assert worst <= tol, worst
     if numerics == "exact":
         assert all(torch.equal(a[k], b[k]) for k in a)
+    if option:  # the gate's only gradient is through the weights: it moved (4 Adam steps)
+        start = load_checkpoint(models_dir[fam])[1]
+        gates = [k for k in a if "early_exit_gate" in k]
+        assert gates and all(not torch.equal(a[k], start[k]) for k in gates), gates
     if weighting == "learned":  # 4 Adam steps of lr 0.05 from 0: every loop's logit moved
         la, lb = logits["reference"], logits["megatron"]
         assert la is not None and lb is not None and torch.equal(la, lb), (la[:4], lb[:4])

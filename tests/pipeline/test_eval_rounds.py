@@ -142,6 +142,43 @@ def test_fixed_depth_rounds(tmp_path: Path) -> None:
     assert m["eval/mean_depth@9"] == 9.0
 
 
+class SampledDepthGrader(DepthGrader):
+    """A sampled-exit run's generator: the run's own items (training, eval_depth 0) claim exit
+    log-probs; an eval_depth item runs FixedDepth and claims none."""
+
+    def _rollout(self, item: WorkItem, i: int, seed: int, version: int = 0) -> Rollout:
+        r = super()._rollout(item, i, seed, version)
+        if item.eval_depth:
+            return r
+        return dataclasses.replace(r, exit_logprobs=np.array([-0.5, -0.5], np.float32))
+
+
+def test_fixed_depth_rounds_on_a_sampled_exit(tmp_path: Path) -> None:
+    """rollout.exit_policy sampled_gate with eval.depths: the fixed-depth items' rollouts carry
+    no exit log-probs and the door admits them (before: every one refused, reason
+    exit_logprob, until the generator was dropped); the round reports each depth."""
+    results: list[tuple[int, dict[str, Any]]] = []
+    prompts = [Prompt(f"q{i}", [1, 30 + i], {}) for i in range(6)]
+    rounds = EvalRounds(prompts, n=2, temperature=0.0, max_tokens=8, stop_token_ids=[],
+                        run_seed=0, every=2, last_step=100, depths=[1, 4],
+                        on_result=lambda s, m: results.append((s, m)))  # fmt: skip
+    c, net, _ = make_coordinator(tmp_path, ["rollout.exit_policy={kind: sampled_gate}"],
+                                 evals=rounds)  # fmt: skip
+    assert c.intake.rules.sampled_exit
+    rounds.start(0, 0)
+    g = SampledDepthGrader(net, "g", seed=2)
+    for _ in range(300):
+        c.turn(0.0)
+        g.step()
+        if results:
+            break
+    c.close()
+    ((step, m),) = results
+    assert rounds.counts["refused"] == 0 and m["eval/prompts"] == 6
+    assert m["eval/mean_depth@1"] == 1.0 and m["eval/accuracy@1"] == 0.0
+    assert m["eval/mean_depth@4"] == 4.0 and m["eval/accuracy@4"] == 1.0
+
+
 def test_depth_checks() -> None:
     """eval.depths refused in one line naming the key: 0, > 255, not ints, duplicates; a
     depth-1 family takes [1] only."""

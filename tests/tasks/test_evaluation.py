@@ -87,3 +87,32 @@ def test_fixed_depths(setup: tuple[Path, Path]) -> None:
     assert at2["eval/mean_depth"] == 2.0 and "eval/accuracy@2" not in at2
     with pytest.raises(ConfigError, match=r"eval\.depths=\[0\]: must be distinct ints"):
         evaluate(cfg(data), model, depths=[0])
+
+
+def test_accuracy_at_depth_by_class(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--by hops on the mixed-depth task (generator.depth_mix, a tiny Ouro of 4 loops): the
+    figures of each class at each fixed depth, whose prompt-weighted mean is the whole split's
+    (pass@1, n = 1), every token of a class at the fixed depth; a column the prompts do not
+    carry is refused in one line."""
+    from generator.depth_mix import parse_mix, write_depth_mix
+    from models.random_init import init_checkpoint
+
+    model = init_checkpoint("ouro", "tiny", tmp_path / "model")
+    write_depth_mix(tmp_path / "data", 20, 10, parse_mix("1:0.4,3:0.6"), 0)
+    over = ["task.kind=dataset", f"task.path={tmp_path / 'data'}", "task.template=plain",
+            "task.reward=generator.depth_mix:reward", "task.metadata_columns=[hops]",
+            "rollout.max_tokens=2"]  # fmt: skip
+    args = ["--model", str(model), "--depths", "1,2,4", "--by", "hops", *over]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["eval/hops=1/prompts"] == 4 and out["eval/hops=3/prompts"] == 6
+    for d in (1, 2, 4):
+        for h in (1, 3):
+            assert out[f"eval/hops={h}/mean_depth@{d}"] == float(d)
+            assert 0.0 <= out[f"eval/hops={h}/accuracy@{d}"] <= 1.0
+        whole = (4 * out[f"eval/hops=1/accuracy@{d}"] + 6 * out[f"eval/hops=3/accuracy@{d}"]) / 10
+        assert abs(out[f"eval/accuracy@{d}"] - whole) < 1e-12
+    assert out["eval/hops=1/mean_depth"] == 4.0  # the run's policy: full depth
+    cfg_ = load_config(None, over)
+    with pytest.raises(ConfigError, match="--by 'level': not one of task.metadata_columns"):
+        evaluate(cfg_, model, by="level")
