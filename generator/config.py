@@ -83,10 +83,10 @@ class GeneratorConfig:
     what the learner leaves, split between its generators), else 64."""
     seed: int = 0
     """Engine seed (vLLM's; the torch engine mixes it into each sample's sampler seed)."""
-    inflight_updates: bool = False
+    inflight_updates: bool | str = "auto"
     """Swap weights between engine steps of a running batch (per-token versions): a version is
     served as soon as it is checked and copied, not when the batch ends (torch engine: not with
-    depth_ticks)."""
+    depth_ticks); auto: true for the torch engine on a CUDA host with depth_ticks 0, else false."""
     keys: str = ""
     """CURVE key directory (written by `looprl keys DIR`); empty: no CURVE (loopback only)."""
     key_name: str = ""
@@ -151,7 +151,12 @@ class GeneratorConfig:
             (self.engine in (*ENGINES, AUTO), "engine", f"must be one of {(*ENGINES, AUTO)}"),
             (self.numerics in MODES, "numerics", f"must be one of {MODES}"),
             (
-                self.engine == "vllm" or not self.inflight_updates or self.depth_ticks == 0,
+                self.inflight_updates in (True, False, AUTO),
+                "inflight_updates",
+                "must be true, false or auto",
+            ),
+            (
+                self.engine == "vllm" or self.inflight_updates is not True or self.depth_ticks == 0,
                 "inflight_updates",
                 "the torch engine's tick decode (depth_ticks > 0) swaps weights between "
                 "batches only (use depth_ticks 0)",
@@ -231,9 +236,10 @@ def for_this_host(
     """``cfg`` with its auto keys chosen for ``host`` (default: this process's device), and a
     line per choice saying why: engine torch on a CUDA host (the tested GPU path), vllm on a
     CPU host; max_inflight 64 on a CUDA host, 16 on a CPU host; kv_cache_mb 0.8 of the card's free memory less the model's bf16 weights (at
-    least 256) on a CUDA host, 64 on a CPU host. `looprl run` resolves its generators' keys
+    least 256) on a CUDA host, 64 on a CPU host; inflight_updates true for the torch engine on
+    a CUDA host (depth_ticks 0), else false. `looprl run` resolves its generators' keys
     itself (what its learner leaves: pipeline.config.device)."""
-    if AUTO not in (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight):
+    if AUTO not in (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight, cfg.inflight_updates):
         return cfg, []
     host = host or Host.here()
     values: dict[str, Any] = {}
@@ -255,6 +261,11 @@ def for_this_host(
             mb = max(256, int((0.8 * host.free_bytes - weights) / 2**20) // 256 * 256)
         values["kv_cache_mb"] = mb
         why.append(f"kv_cache_mb={mb}: {host.describe()}")
+    if cfg.inflight_updates == AUTO:
+        engine = values.get("engine", cfg.engine)
+        values["inflight_updates"] = host.cuda and engine == "torch" and cfg.depth_ticks == 0
+        why.append(f"inflight_updates={values['inflight_updates']}: engine {engine}, "
+                   f"{host.describe()}")  # fmt: skip
     return replace(cfg, **values), why
 
 

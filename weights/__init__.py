@@ -35,6 +35,8 @@ Files:
   announce, and the zmq chunk stream);
 - receiver.py: ``WeightReceiver``, the generator's end (announced directories, the chunk stream);
 - shm.py: transport shm (a /dev/shm copy per host), both ends;
+- cuda_ipc.py: transport cuda_ipc (the blob in the learner's device buffers, copied and checked
+  on the device by the generators on its host), both ends; device_digest.py its digest kind;
 - collective/: transport collective (a torch.distributed broadcast): group.py its helpers,
   learner.py and generator.py its two ends;
 - check.py: where a received set's digest is checked, and ``WeightsRefused``, the one error

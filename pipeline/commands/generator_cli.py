@@ -132,7 +132,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         shown = repr(default) if isinstance(default, str) else default
         help_text = f"{docs.get(f.name, f.name)} (default: {shown})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | str"):  # bool | str: absent is the default (auto)
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = {"int": int, "float": float, "int | str": int_or_auto}.get(
@@ -354,8 +354,8 @@ def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]
         seed=cfg.seed,
     )  # fmt: skip
     if cfg.engine == "torch":
-        return common, {"ticks": cfg.depth_ticks, "inflight_updates": cfg.inflight_updates}
-    return common, {"inflight_updates": cfg.inflight_updates}
+        return common, {"ticks": cfg.depth_ticks, "inflight_updates": cfg.inflight_updates is True}
+    return common, {"inflight_updates": cfg.inflight_updates is True}
 
 
 def build_engines(cfg: GeneratorConfig) -> DepthEngines:

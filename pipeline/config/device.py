@@ -14,7 +14,8 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.engine | torch (the GPU path that is tested; vLLM's plugin on a GPU is not) | vllm |
 | generators.max_inflight | a whole step's prompts x (max_staleness + 1), split between the local generators (the engine batch is that x rollout.n rows) | 16 |
 | generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
-| publish.transport | shm (local generators: one /dev/shm copy each version maps and checks) | shared_fs |
+| generators.inflight_updates | true with the torch engine (depth_ticks 0): a version swapped in between two decode steps of a running batch | false |
+| publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
 model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two
@@ -61,7 +62,7 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     value}}, and one line per choice saying why (the first line names the host)."""
     lr, gens, pub = cfg.learner, cfg.generators, cfg.publish
     autos = [lr.precision, lr.compile, lr.max_tokens_per_micro, gens.engine, gens.kv_cache_mb,
-             gens.max_inflight, pub.transport]  # fmt: skip
+             gens.max_inflight, gens.inflight_updates, pub.transport]  # fmt: skip
     if AUTO not in autos:
         return {}, []
     host = host or Host.here()
@@ -122,10 +123,23 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
         else:
             choose("generators", "kv_cache_mb", 64, "a CPU host" if not host.cuda
                    else "no local generator")  # fmt: skip
+    if gens.inflight_updates == AUTO:
+        engine = out["generators"].get("engine", gens.engine)
+        if host.cuda and engine == "torch" and gens.depth_ticks == 0:
+            choose("generators", "inflight_updates", True,
+                   f"{where}: a version swapped in between decode steps, not after the batch")  # fmt: skip
+        else:
+            choose("generators", "inflight_updates", False, "a CPU host" if not host.cuda
+                   else f"engine {engine}" if engine != "torch" else "depth_ticks > 0")  # fmt: skip
     if pub.transport == AUTO:
-        if host.cuda and local:
+        if host.cuda and local and megatron:
+            choose("publish", "transport", "cuda_ipc",
+                   "generators on this host copy each version from the learner's GPU memory, "
+                   "checked on the device")  # fmt: skip
+        elif host.cuda and local:
             choose("publish", "transport", "shm",
-                   "generators on this host map each version from /dev/shm")  # fmt: skip
+                   "generators on this host map each version from /dev/shm (backend reference: "
+                   "its weights are on the host)")  # fmt: skip
         else:
             choose("publish", "transport", "shared_fs", "a CPU host" if not host.cuda
                    else "no local generator: the directory every host mounts")  # fmt: skip

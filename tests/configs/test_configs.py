@@ -158,6 +158,7 @@ def test_publish_transport_is_one_of_the_named_transports() -> None:
 
     from pipeline.config.outputs import (
         COLLECTIVE,
+        CUDA_IPC,
         SHARED_FS,
         SHM,
         WEIGHT_TRANSPORTS,
@@ -167,11 +168,14 @@ def test_publish_transport_is_one_of_the_named_transports() -> None:
     from pipeline.config.run import to_yaml
 
     assert (
-        WEIGHT_TRANSPORTS == typing.get_args(WeightTransport) == (SHARED_FS, SHM, ZMQ, COLLECTIVE)
+        WEIGHT_TRANSPORTS
+        == typing.get_args(WeightTransport)
+        == (SHARED_FS, SHM, ZMQ, COLLECTIVE, CUDA_IPC)
     )
     for given, named, chunked in (("shared_fs", SHARED_FS, False), ("disk", SHARED_FS, False),
                                   ("shm", SHM, False), ("zmq", ZMQ, True), ("chunks", ZMQ, True),
-                                  ("collective", COLLECTIVE, True)):  # fmt: skip
+                                  ("collective", COLLECTIVE, True),
+                                  ("cuda_ipc", CUDA_IPC, False)):  # fmt: skip
         cfg = load_config(None, [f"publish.transport={given}"])
         assert cfg.publish.transport == named and cfg.publish.chunked is chunked
         assert f"\n  transport: {named}\n" in to_yaml(cfg)

@@ -33,7 +33,8 @@ def test_a_cpu_host_keeps_todays_defaults() -> None:
     assert cfg.learner.max_tokens_per_micro == 0
     assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
     assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
-    assert len(cfg.device_choices) == 8 and all("a CPU host" in x for x in cfg.device_choices)
+    assert cfg.generators.inflight_updates is False
+    assert len(cfg.device_choices) == 9 and all("a CPU host" in x for x in cfg.device_choices)
     assert device_defaults.summary(cfg.device_choices) is None  # nothing new to print on a CPU
 
 
@@ -55,13 +56,15 @@ def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
     assert 10 < learner < 60
     expect = (0.8 * (79 - learner) - 2 * shape.params() / GIB - 1) * 1024
     assert gens.kv_cache_mb == pytest.approx(expect, abs=256) and gens.kv_cache_mb % 256 == 0
-    assert gens.engine == "torch" and cfg.publish.transport == "shm"
+    assert gens.engine == "torch" and cfg.publish.transport == "cuda_ipc"
+    assert gens.inflight_updates is True  # a version swapped in between decode steps
     # a whole step's prompts, and the next one's (max_staleness 1), held by the one generator
     assert gens.max_inflight == cfg.rollout.prompts_per_step * 2
     assert cfg.device_choices[0] == f"host: {H100.describe()}"
     line = device_defaults.summary(cfg.device_choices)
     assert line is not None and line.startswith("auto keys on NVIDIA H100 80GB HBM3 (79 of 80 GiB")
-    assert "learner.precision=bf16" in line and "publish.transport=shm" in line
+    assert "learner.precision=bf16" in line and "publish.transport=cuda_ipc" in line
+    assert "generators.inflight_updates=True" in line
 
 
 def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,6 +86,12 @@ def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.Monk
     # backend reference implements none of them
     ref = load_config(None, ["backend=reference", "model.size=1b"])
     assert ref.learner.precision == "fp32" and ref.learner.compile is False
+    assert ref.publish.transport == "shm"  # its weights are on the host: no device buffer
+    # the tick decode swaps between batches only; a set value is kept
+    ticks = load_config(None, ["generators.depth_ticks=2", "model.size=1b"])
+    assert ticks.generators.inflight_updates is False
+    off = load_config(None, ["generators.inflight_updates=false", "model.size=1b"])
+    assert off.generators.inflight_updates is False
 
 
 def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -92,10 +101,11 @@ def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_
     recorded = {**{f"learner.{k}": doc["learner"][k]
                    for k in ("precision", "compile", "max_tokens_per_micro")},
                 **{f"generators.{k}": doc["generators"][k]
-                   for k in ("engine", "kv_cache_mb", "max_inflight")},
+                   for k in ("engine", "kv_cache_mb", "max_inflight", "inflight_updates")},
                 "publish.transport": doc["publish"]["transport"]}  # fmt: skip
     assert "auto" not in recorded.values(), recorded  # the chosen values, not "auto"
-    assert recorded["learner.precision"] == "bf16" and recorded["publish.transport"] == "shm"
+    assert recorded["learner.precision"] == "bf16" and recorded["publish.transport"] == "cuda_ipc"
+    assert recorded["generators.inflight_updates"] is True
     monkeypatch.undo()  # replayed on a CPU host: the recorded values, not the CPU's
     path = tmp_path / "config.yaml"
     path.write_text(text)
@@ -106,14 +116,16 @@ def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_a_standalone_generator_chooses_for_its_own_host(tmp_path: Any) -> None:
     cfg, why = for_this_host(GeneratorConfig())
-    assert (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight) == ("vllm", 64, 16) and len(why) == 3
+    assert (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight) == ("vllm", 64, 16) and len(why) == 4
+    assert cfg.inflight_updates is False
     from models.random_init import init_checkpoint
 
     model = init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     gpu, why = for_this_host(GeneratorConfig(model=str(model)), H100)
-    assert gpu.engine == "torch" and gpu.held_items == 64
+    assert gpu.engine == "torch" and gpu.held_items == 64 and gpu.inflight_updates is True
     assert gpu.kv_cache_mb == pytest.approx(0.8 * 79 * 1024, abs=256) and gpu.kv_cache_mb % 256 == 0
-    kept, why = for_this_host(GeneratorConfig(engine="vllm", kv_cache_mb=100, max_inflight=4), H100)
+    kept, why = for_this_host(GeneratorConfig(engine="vllm", kv_cache_mb=100, max_inflight=4,
+                                              inflight_updates=False), H100)  # fmt: skip
     assert (kept.engine, kept.kv_cache_mb, why) == ("vllm", 100, [])
     with pytest.raises(ValueError, match="kv_cache_mb=auto was not resolved"):
         _ = GeneratorConfig().kv_cache_bytes
