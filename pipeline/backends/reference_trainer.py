@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from learner.batching import sort_rollouts
+from learner.lora import apply_lora, merged_state
 from learner.step import LearnerStep
 from learner.torch_policy import TorchPolicy
 from models.base import LoopedLM
@@ -71,6 +72,9 @@ class ReferenceTrainer:
                 "learner.backprop_depth=0 or use backend=megatron"
             )
         self.tied = tied_from_module(model)
+        lora = cfg.learner.lora
+        self.adapters = apply_lora(model, lora, cfg.seed) if lora.on else None
+        """learner.lora's adapters (learner.lora.rank > 0): the base frozen, A and B trained."""
         o = cfg.objective
         reference = None
         if o.kl_coef > 0:  # the frozen reference policy of the KL term
@@ -119,7 +123,8 @@ class ReferenceTrainer:
         extra: dict[str, Any] = {
             n: self.model_dir / n for n in _KEEP_FILES if (self.model_dir / n).is_file()
         }
-        state = detached_copy(state_dict_for_save(self.model))  # the next step trains on
+        own = state_dict_for_save(self.model) if self.adapters is None else merged_state(self.model)
+        state = detached_copy(own)  # the next step trains on
         check_finite(state, f"weights v{version}")  # nothing non-finite is even written
 
         def finish() -> Publication:
