@@ -52,8 +52,12 @@ class LoraFactors(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(out_features, lora_a.shape[0], dtype=lora_a.dtype))
         self.scale = scale
 
+    def delta(self) -> Tensor:
+        """s B A [out, in] in fp64 (models.lora.lora_delta)."""
+        return lora_delta(self.lora_A, self.lora_B, self.scale)
+
     def forward(self, weight: Tensor) -> Tensor:
-        return merged_weight(weight, lora_delta(self.lora_A, self.lora_B, self.scale))
+        return merged_weight(weight, self.delta())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +106,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
     """Freeze ``model`` and adapt the linears ``cfg.targets`` names (module docstring)."""
     if not cfg.on:
         raise ValueError("apply_lora: learner.lora.rank is 0 (adapters off)")
-    if cfg.dropout:
-        raise ConfigError(
-            f"learner.lora.dropout={cfg.dropout!r}: the learner merges B A into the weight "
-            "(models.lora), where input dropout has no place; use 0"
-        )
+    check_dropout(cfg)
     names = select_targets(linear_names(model), cfg.targets)
     shared: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -120,18 +120,35 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
                 "adapter there would change both: leave it out of the patterns"
             )
     model.requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
+    linears = {n: modules[n] for n in names}
+    starts = initial_a({n: m.in_features for n, m in linears.items()}, cfg.rank, seed)
     factors: dict[str, LoraFactors] = {}
-    for name in names:
-        lin = modules[name]
+    for name, lin in linears.items():
         assert isinstance(lin, nn.Linear)
-        bound = 1.0 / math.sqrt(lin.in_features)
-        a = torch.empty(cfg.rank, lin.in_features, dtype=lin.weight.dtype)
-        a.uniform_(-bound, bound, generator=gen)
-        f = LoraFactors(a, lin.out_features, cfg.scale)
+        f = LoraFactors(starts[name].to(lin.weight.dtype), lin.out_features, cfg.scale)
         parametrize.register_parametrization(lin, "weight", f)
         factors[name] = f
     return Adapters(cfg, factors)
+
+
+def check_dropout(cfg: LoraConfig) -> None:
+    """ConfigError unless learner.lora.dropout is 0 (the backends merge B A into W)."""
+    if cfg.dropout:
+        raise ConfigError(
+            f"learner.lora.dropout={cfg.dropout!r}: the learner merges B A into the weight "
+            "(models.lora), where input dropout has no place; use 0"
+        )
+
+
+def initial_a(in_features: dict[str, int], rank: int, seed: int) -> dict[str, Tensor]:
+    """{module: A [rank, in] fp32}: uniform in +-1/sqrt(in) from one torch.Generator(seed),
+    drawn in sorted-name order (both backends start from these)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Tensor] = {}
+    for name in sorted(in_features):
+        bound = 1.0 / math.sqrt(in_features[name])
+        out[name] = torch.empty(rank, in_features[name]).uniform_(-bound, bound, generator=gen)
+    return out
 
 
 @torch.no_grad()

@@ -135,7 +135,7 @@ def build_learner_trainer(
     c_optim, c_schedule = critic_optim(cfg)
     return Trainer(
         train, p, schedule,
-        looped_policy_spec(model_config, options, hf_state),
+        looped_policy_spec(model_config, options, hf_state, lora=lr.lora, lora_seed=cfg.seed),
         critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
         critic_optim=c_optim, critic_schedule=c_schedule,
         reference=looped_policy_spec(model_config, options, ref_state)

@@ -120,3 +120,84 @@ def test_bad_targets_are_refused_by_name(model: Path) -> None:
         _trainer(model, "learner.lora.rank=4", "learner.lora.dropout=0.1")
     with pytest.raises(ConfigError, match="learner.lora.rank=-1"):
         load_config(None, ["learner.lora.rank=-1"])
+
+
+def _sampled(model: Path, numerics: str) -> list[Rollout]:
+    """2 groups x 4 rollouts of 6 tokens sampled from the starting weights in ``numerics``."""
+    from models.checkpoint import load_model
+    from models.reference import SamplingParams, generate
+
+    _, m = load_model(model)
+    out = []
+    for g in range(2):
+        seeds = [11 + 10 * g + i for i in range(4)]
+        for i, x in enumerate(generate(m, [[1, 18 + g, 19 + g]] * 4, seeds,
+                                       SamplingParams(max_new_tokens=6), None, numerics)):  # fmt: skip
+            out.append(Rollout(
+                rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
+                generator_id="g0", latent_seed=seeds[i],
+                prompt_tokens=np.array(x.prompt_tokens, np.int32),
+                tokens=np.array(x.tokens, np.int32), logprobs=x.logprobs.numpy(),
+                exit_depths=np.array(x.exit_depths, np.uint8), weight_version=0,
+                reward=float((7 * i + 3 * g) % 5),
+            ))  # fmt: skip
+    return out
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_backends_agree_with_adapters(model: Path, tmp_path: Path, numerics: str) -> None:
+    """The megatron and the reference backend with learner.lora.rank=4, the same sampled
+    rollouts, two steps (the second moves A too): the same adapter names, metrics, adapter
+    tensors and published (merged) weights, the same bits in numerics exact and within 1e-6
+    in fast (at lr 1e-4: Adam's first update of A is about lr x sign(g), so where A's gradient
+    is near 0 the fast backends' last-bit differences become differences of up to ~lr); at
+    megatron too only the adapters changed and only they are in the optimizer."""
+    from learner.megatron.lora import megatron_adapters
+    from learner.replay import unwrap
+    from models.checkpoint import load_checkpoint
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+
+    rolls = _sampled(model, numerics)
+    over = [*_RUN[1:], "learner.lora.rank=4", "learner.lora.alpha=8", f"numerics={numerics}",
+            "objective.kind=grpo", "optimizer.lr=1e-4"]  # fmt: skip
+    res, weights, adapters = {}, {}, {}
+    for backend in ("reference", "megatron"):
+        cfg = load_config(None, [f"backend={backend}", *over])
+        t = ReferenceTrainer(cfg, model) if backend == "reference" else MegatronTrainer(cfg, model)
+        try:
+            if backend == "megatron":
+                core = unwrap(t.trainer.policy_model)
+                base = {k: v.clone() for k, v in core.state_dict().items()
+                        if ".lora." not in k and isinstance(v, torch.Tensor)}  # fmt: skip
+                held = [p for g in t.trainer.policy.opt.param_groups for p in g["params"]]
+                assert len(held) == 2 * 16  # A and B of the 16 adapted linears, nothing else
+                ad = megatron_adapters(core, cfg.learner.lora)
+            else:
+                ad = t.adapters
+            t.step(rolls, [False] * 8)
+            res[backend] = t.step(rolls, [False] * 8).metrics
+            adapters[backend] = {k: v.clone() for k, v in ad.state().items()}
+            t.publish(tmp_path / backend / "v2", 2)
+            weights[backend] = load_checkpoint(tmp_path / backend / "v2")[1]
+            if backend == "megatron":
+                after = core.state_dict()
+                assert all(torch.equal(base[k], after[k]) for k in base)  # the base's bytes
+        finally:
+            t.close() if backend == "megatron" else None
+    ref, meg = res["reference"], res["megatron"]
+    assert set(ref) == set(meg) and ref["updates"] == 1.0
+    tol = 0.0 if numerics == "exact" else 1e-6
+    bad = {k: (ref[k], meg[k]) for k in ref
+           if not abs(ref[k] - meg[k]) <= tol * max(1.0, abs(ref[k]))}  # fmt: skip
+    assert not bad, bad
+    a, b = adapters["reference"], adapters["megatron"]
+    assert a.keys() == b.keys() and len(a) == 32
+    assert all(float(v.abs().max()) > 0 for v in a.values())  # A and B both moved off 0 / init
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= tol, worst
+    wa, wb = weights["reference"], weights["megatron"]
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+    assert worst <= tol, worst
