@@ -27,6 +27,7 @@ import torch
 
 from learner.batching import sort_rollouts
 from learner.lora import apply_lora, merged_state
+from learner.peft_adapter import write_peft
 from learner.step import LearnerStep
 from learner.torch_policy import TorchPolicy
 from models.base import LoopedLM
@@ -134,8 +135,8 @@ class ReferenceTrainer:
         return SnapshotResult(finish)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
-        """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json}, written to
-        a temporary directory and renamed; then ``latest`` points at it (atomic rename)."""
+        """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json} (and, with
+        adapters, adapter/: learner.peft_adapter), written to a temporary directory and renamed; then ``latest`` points at it (atomic rename)."""
         root = run_dir / "checkpoints"
         name = f"step_{self.steps:08d}"
         tmp, final = root / f".tmp-{name}", root / name
@@ -156,6 +157,8 @@ class ReferenceTrainer:
         }
         torch.save(blob, tmp / "trainer.pt")
         (tmp / "pipeline_state.json").write_text(json.dumps(pipeline_state))
+        if self.adapters is not None:  # the adapters for Hugging Face users (PEFT layout)
+            write_peft(tmp / "adapter", self.adapters, str(self.model_dir))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(name)

@@ -201,3 +201,81 @@ def test_backends_agree_with_adapters(model: Path, tmp_path: Path, numerics: str
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
     assert worst <= tol, worst
+
+
+def _make(backend: str, model: Path, over: list[str]) -> Any:
+    cfg = load_config(None, [f"backend={backend}", *over])
+    if backend == "reference":
+        from pipeline.backends.reference_trainer import ReferenceTrainer
+
+        return ReferenceTrainer(cfg, model)
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+
+    return MegatronTrainer(cfg, model)
+
+
+def _adapters(t: Any) -> dict[str, torch.Tensor]:
+    if hasattr(t, "adapters"):
+        return {k: v.clone() for k, v in t.adapters.state().items()}
+    from learner.megatron.lora import megatron_adapters
+    from learner.replay import unwrap
+
+    ad = megatron_adapters(unwrap(t.trainer.policy_model), t.lora)
+    return {k: v.clone() for k, v in ad.state().items()}
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", pytest.param("megatron", marks=pytest.mark.megatron)]
+)
+def test_resume_continues_the_adapters_and_exports_them(
+    model: Path, tmp_path: Path, backend: str
+) -> None:
+    """Numerics exact: a learner that checkpoints after step 1 and runs steps 2-3, and a new
+    learner that resumes that checkpoint and runs steps 2-3, end with the same adapter bits and
+    the same published (merged) weights: the checkpoint holds the adapters and their Adam
+    state. The checkpoint's adapter/ is the PEFT layout (adapter_config.json +
+    adapter_model.safetensors) of the step-1 adapters, read back by name."""
+    from learner.peft_adapter import read_peft
+    from models.checkpoint import load_checkpoint
+
+    rolls = _sampled(model, "exact")
+    over = [*_RUN[1:], "learner.lora.rank=4", "learner.lora.alpha=8", "numerics=exact",
+            "objective.kind=grpo", "optimizer.lr=1e-3"]  # fmt: skip
+    run, ends = tmp_path / "run", {}
+    for name in ("through", "resumed"):
+        t = _make(backend, model, over)
+        try:
+            if name == "through":
+                t.step(rolls, [False] * 8)
+                at_save = _adapters(t)
+                ckpt = t.save(run, {"cursor": 1}, 2)
+            else:
+                ckpt = t.latest(run)
+                assert ckpt is not None and t.load(ckpt) == {"cursor": 1}
+                assert all(torch.equal(v, at_save[k]) for k, v in _adapters(t).items())
+            for _ in range(2):
+                t.step(rolls, [False] * 8)
+            t.publish(tmp_path / name / "v3", 3)
+            ends[name] = (_adapters(t), load_checkpoint(tmp_path / name / "v3")[1])
+        finally:
+            t.close()
+    (a, wa), (b, wb) = ends["through"], ends["resumed"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(torch.equal(a[k], at_save[k]) for k in a)  # steps 2-3 moved every A and B
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    config, peft = read_peft(ckpt / "adapter")
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["lora_dropout"]) == (
+        "LORA", 4, 8.0, 0.0)  # fmt: skip
+    assert config["base_model_name_or_path"] == str(model)
+    assert config["target_modules"] == sorted(k.removesuffix(".lora_A") for k in at_save
+                                              if k.endswith(".lora_A"))  # fmt: skip
+    assert len(peft) == 16
+    for mod, (lora_a, lora_b) in peft.items():
+        assert torch.equal(lora_a, at_save[f"{mod}.lora_A"])
+        assert torch.equal(lora_b, at_save[f"{mod}.lora_B"])
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "base_model.model.transformer.core_block.0.attn.Wqkv.lora_A.weight" in keys
+    assert len(keys) == 32
