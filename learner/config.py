@@ -155,7 +155,8 @@ DEFAULT_LORA_TARGETS = ("*attn.*", "*mlp.*")
 class LoraConfig:
     """Low-rank adapters (docs/LEARNER.md "LoRA"): each targeted linear W [out, in] trains
     A [rank, in] and B [out, rank] (B starts at 0), runs as W + (alpha / rank) B A
-    (models.lora), and every base weight is frozen and left out of the optimizer."""
+    (models.lora); every other base weight (the norms' unless train_norms) is frozen and left
+    out of the optimizer."""
 
     rank: int = 0
     """Adapter rank r, >= 0; 0: off (every weight trained, the default)."""
@@ -168,6 +169,10 @@ class LoraConfig:
     """Linear modules to adapt: fnmatch patterns over the Hugging Face module names (e.g.
     transformer.core_block.*.attn.Wqkv, model.layers.*.mlp.down_proj, lm_head); each must match
     at least one linear of the model."""
+
+    train_norms: bool = True
+    """Also train every RMSNorm weight in full (a few hidden-size vectors; the final norm holds
+    the logit scale of a frozen tied head); false: the adapters only."""
 
     @property
     def on(self) -> bool:
@@ -191,6 +196,7 @@ class LoraConfig:
         need(len(t) > 0 and all(isinstance(x, str) and x.strip() == x and x for x in t),
              "targets", "must be a non-empty list of module-name patterns (no blanks)")  # fmt: skip
         need(len(set(t)) == len(t), "targets", "must not repeat a pattern")
+        need(isinstance(self.train_norms, bool), "train_norms", "must be true or false")
 
 
 def _chosen(value: Any, key: str) -> Any:

@@ -11,8 +11,8 @@ iterations as its weights are.
 
 Factors: A [r, in] uniform in +-1/sqrt(in) from one torch.Generator(seed), the targets taken in
 sorted-name order; B [out, r] zero, so the adapted model starts equal to its base bit for bit.
-Only A and B require grad: an optimizer built over the parameters that require grad
-(learner.torch_policy.TorchNet) holds adapter tensors only.
+Only A and B (and, with ``cfg.train_norms``, the RMSNorm weights) require grad: an optimizer
+built over the parameters that require grad (learner.torch_policy.TorchNet) holds those only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 
 from learner.config import LoraConfig
 from models.errors import ConfigError
+from models.layers import RMSNorm
 from models.lora import lora_delta, merged_weight
 
 __all__ = [
@@ -62,10 +63,12 @@ class LoraFactors(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Adapters:
-    """The adapters `apply_lora` put on a model: {HF module name: its factors}, sorted by name."""
+    """The adapters `apply_lora` put on a model: {HF module name: its factors}, sorted by name,
+    and the norm weights trained in full beside them ({HF parameter name: parameter})."""
 
     config: LoraConfig
     factors: dict[str, LoraFactors]
+    norms: dict[str, nn.Parameter] = dataclasses.field(default_factory=dict)
 
     def state(self) -> dict[str, Tensor]:
         """{"<module>.lora_A": A [r, in], "<module>.lora_B": B [out, r]} (detached)."""
@@ -76,8 +79,10 @@ class Adapters:
         return out
 
     def parameters(self) -> list[nn.Parameter]:
-        """A and B of every adapter, in the order of `factors`."""
-        return [p for f in self.factors.values() for p in (f.lora_A, f.lora_B)]
+        """A and B of every adapter, in the order of `factors`, then the trained norms."""
+        return [p for f in self.factors.values() for p in (f.lora_A, f.lora_B)] + list(
+            self.norms.values()
+        )
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -120,6 +125,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
                 "adapter there would change both: leave it out of the patterns"
             )
     model.requires_grad_(False)
+    norms: dict[str, nn.Parameter] = {}
+    if cfg.train_norms:
+        for n, m in model.named_modules():
+            if isinstance(m, RMSNorm):
+                norms[f"{n}.weight"] = m.weight
+                m.weight.requires_grad_(True)
     linears = {n: modules[n] for n in names}
     starts = initial_a({n: m.in_features for n, m in linears.items()}, cfg.rank, seed)
     factors: dict[str, LoraFactors] = {}
@@ -128,7 +139,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
         f = LoraFactors(starts[name].to(lin.weight.dtype), lin.out_features, cfg.scale)
         parametrize.register_parametrization(lin, "weight", f)
         factors[name] = f
-    return Adapters(cfg, factors)
+    return Adapters(cfg, factors, dict(sorted(norms.items())))
 
 
 def check_dropout(cfg: LoraConfig) -> None:

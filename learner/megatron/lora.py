@@ -12,8 +12,9 @@ learner.lora.initial_a, B = 0). A megatron linear with adapted parts owns a `Lor
 W in fp64 and rounded once (models.lora): elementwise the weight the reference backend merges,
 so in numerics exact both backends compute with the same bits. A looped core block is one set
 of modules run at every iteration: its adapters are shared across iterations as its weights
-are. Every base parameter is frozen (no gradient, no optimizer state). Tensor parallel 1 only
-(the factors are whole on each rank).
+are. Every other base parameter is frozen (no gradient, no optimizer state), but for the
+RMSNorm weights with learner.lora.train_norms. Tensor parallel 1 only (the factors are whole on
+each rank).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from torch import Tensor, nn
 from learner.config import LoraConfig
 from learner.hf_convert import Rule, conversion_rules, to_full, to_local
 from learner.lora import Adapters, LoraFactors, check_dropout, initial_a, select_targets
+from learner.megatron.layers import RMSNorm
 from models.errors import ConfigError
 from models.lora import merged_weight
 
-__all__ = ["LoraMerge", "apply_megatron_lora", "hf_linears", "megatron_adapters"]
+__all__ = ["LoraMerge", "apply_megatron_lora", "hf_linears", "megatron_adapters", "trained_norms"]
 
 
 class LoraMerge(nn.Module):
@@ -84,6 +86,11 @@ def apply_megatron_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapter
     for name in names:
         by_owner.setdefault(candidates[name][0].mine, []).append(name)
     model.requires_grad_(False)
+    norms: dict[str, nn.Parameter] = {}
+    if cfg.train_norms:
+        norms = trained_norms(model)
+        for p in norms.values():
+            p.requires_grad_(True)
     hf = {}
     for mine in by_owner:
         rule = candidates[by_owner[mine][0]][0]
@@ -106,7 +113,18 @@ def apply_megatron_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapter
             return to_local(model, rule, deltas, 0, 1)  # type: ignore[arg-type]
 
         owner.lora = LoraMerge([h.removesuffix(".weight") for h in rule.hf], shapes, own, layout)
-    return Adapters(cfg, dict(sorted(factors.items())))
+    return Adapters(cfg, dict(sorted(factors.items())), norms)
+
+
+def trained_norms(model: nn.Module) -> dict[str, nn.Parameter]:
+    """{HF name: parameter} of every RMSNorm weight of ``model``, sorted by name."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    out = {}
+    for rule in conversion_rules(model):  # type: ignore[arg-type]
+        if isinstance(modules.get(rule.mine.removesuffix(".weight")), RMSNorm):
+            out[rule.hf[0]] = params[rule.mine]
+    return dict(sorted(out.items()))
 
 
 def megatron_adapters(model: nn.Module, cfg: LoraConfig) -> Adapters:
@@ -117,4 +135,6 @@ def megatron_adapters(model: nn.Module, cfg: LoraConfig) -> Adapters:
             for i, f in m.parts.items():
                 assert isinstance(f, LoraFactors)
                 factors[m.names[int(i)]] = f
-    return Adapters(cfg, dict(sorted(factors.items())))
+    return Adapters(
+        cfg, dict(sorted(factors.items())), trained_norms(model) if cfg.train_norms else {}
+    )

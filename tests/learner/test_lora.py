@@ -70,17 +70,23 @@ def test_at_init_the_adapted_model_is_its_base_bit_for_bit(model: Path, numerics
     assert torch.equal(got, want)
 
 
-def test_a_step_trains_the_adapters_only(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("norms", [False, True])
+def test_a_step_trains_the_adapters_only(model: Path, tmp_path: Path, norms: bool) -> None:
+    """learner.lora.train_norms=false: A and B only; true: the 17 RMSNorm weights too."""
     from models.checkpoint import load_checkpoint
 
-    t = _trainer(model, "learner.lora.rank=4", "learner.lora.alpha=8")
+    t = _trainer(model, "learner.lora.rank=4", "learner.lora.alpha=8",
+                 f"learner.lora.train_norms={str(norms).lower()}")  # fmt: skip
     names = list(t.adapters.factors)
     assert names == sorted(names) and "transformer.core_block.0.attn.Wqkv" in names
     assert not any(n.startswith("lm_head") for n in names)  # not matched by the default
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     trained = {k for k, p in t.model.named_parameters() if p.requires_grad}
+    norm_names = set(t.adapters.norms)
+    assert len(norm_names) == (17 if norms else 0)  # 4 per block x 4 blocks + ln_f
+    assert not norms or "transformer.ln_f.weight" in norm_names
     assert trained == {f"{n}.parametrizations.weight.0.{ab}" for n in names
-                       for ab in ("lora_A", "lora_B")}  # fmt: skip
+                       for ab in ("lora_A", "lora_B")} | norm_names  # fmt: skip
 
     def changed() -> set[str]:
         after = t.model.state_dict()
@@ -89,14 +95,14 @@ def test_a_step_trains_the_adapters_only(model: Path, tmp_path: Path) -> None:
     out = t.step(_rollouts(), [False] * 8).metrics
     assert out["updates"] == 1.0 and out["grad_norm"] > 0
     # B = 0 at init, so A's first gradient (s B^T dW) is 0: the first update moves B only
-    assert changed() == {k for k in trained if k.endswith("lora_B")}
+    assert changed() == {k for k in trained if not k.endswith("lora_A")}
     t.step(_rollouts(seed=1), [False] * 8)
     assert changed() == trained, changed() ^ trained  # every A and B moved, nothing else
     # the optimizer holds exactly the adapter tensors (Adam moments of each, nothing more)
     opt = t.policy.policy.opt
     held = [p for g in opt.param_groups for p in g["params"]]
     assert {id(p) for p in held} == {id(p) for p in t.adapters.parameters()}
-    assert len(opt.state) == len(held) == 2 * len(names)
+    assert len(opt.state) == len(held) == 2 * len(names) + len(norm_names)
     # the publication is the merged model under the base's names: adapted weights moved by
     # exactly s B A (models.lora), the rest the base's bytes
     t.publish(tmp_path / "v1", 1)
@@ -104,7 +110,7 @@ def test_a_step_trains_the_adapters_only(model: Path, tmp_path: Path) -> None:
     base = load_checkpoint(model)[1]
     assert pub.keys() == base.keys()
     moved = {k for k in pub if not torch.equal(pub[k], base[k])}
-    assert moved == {f"{n}.weight" for n in names}
+    assert moved == {f"{n}.weight" for n in names} | norm_names
     f = t.adapters.factors["transformer.core_block.1.mlp.proj"]
     w = base["transformer.core_block.1.mlp.proj.weight"]
     want = (w.double() + 2.0 * f.lora_B.detach().double() @ f.lora_A.detach().double()).float()
@@ -169,16 +175,22 @@ def test_backends_agree_with_adapters(model: Path, tmp_path: Path, numerics: str
         try:
             if backend == "megatron":
                 core = unwrap(t.trainer.policy_model)
+                trained = {n for n, p in core.named_parameters() if p.requires_grad}
+                assert len([n for n in trained if "norm" in n]) == 17  # train_norms
+                assert len([n for n in trained if ".lora." in n]) == 32
                 base = {k: v.clone() for k, v in core.state_dict().items()
-                        if ".lora." not in k and isinstance(v, torch.Tensor)}  # fmt: skip
+                        if k not in trained and isinstance(v, torch.Tensor)}  # fmt: skip
                 held = [p for g in t.trainer.policy.opt.param_groups for p in g["params"]]
-                assert len(held) == 2 * 16  # A and B of the 16 adapted linears, nothing else
+                # A and B of the 16 adapted linears and the 17 norms (train_norms), nothing else
+                assert len(held) == 2 * 16 + 17
                 ad = megatron_adapters(core, cfg.learner.lora)
             else:
                 ad = t.adapters
             t.step(rolls, [False] * 8)
             res[backend] = t.step(rolls, [False] * 8).metrics
-            adapters[backend] = {k: v.clone() for k, v in ad.state().items()}
+            adapters[backend] = {k: v.clone() for k, v in ad.state().items()} | {
+                k: p.detach().clone() for k, p in ad.norms.items()
+            }
             t.publish(tmp_path / backend / "v2", 2)
             weights[backend] = load_checkpoint(tmp_path / backend / "v2")[1]
             if backend == "megatron":
@@ -193,7 +205,7 @@ def test_backends_agree_with_adapters(model: Path, tmp_path: Path, numerics: str
            if not abs(ref[k] - meg[k]) <= tol * max(1.0, abs(ref[k]))}  # fmt: skip
     assert not bad, bad
     a, b = adapters["reference"], adapters["megatron"]
-    assert a.keys() == b.keys() and len(a) == 32
+    assert a.keys() == b.keys() and len(a) == 32 + 17
     assert all(float(v.abs().max()) > 0 for v in a.values())  # A and B both moved off 0 / init
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= tol, worst
@@ -216,12 +228,16 @@ def _make(backend: str, model: Path, over: list[str]) -> Any:
 
 def _adapters(t: Any) -> dict[str, torch.Tensor]:
     if hasattr(t, "adapters"):
-        return {k: v.clone() for k, v in t.adapters.state().items()}
+        return {k: v.clone() for k, v in t.adapters.state().items()} | {
+            k: p.detach().clone() for k, p in t.adapters.norms.items()
+        }
     from learner.megatron.lora import megatron_adapters
     from learner.replay import unwrap
 
     ad = megatron_adapters(unwrap(t.trainer.policy_model), t.lora)
-    return {k: v.clone() for k, v in ad.state().items()}
+    return {k: v.clone() for k, v in ad.state().items()} | {
+        k: p.detach().clone() for k, p in ad.norms.items()
+    }
 
 
 @pytest.mark.parametrize(
@@ -235,7 +251,7 @@ def test_resume_continues_the_adapters_and_exports_them(
     the same published (merged) weights: the checkpoint holds the adapters and their Adam
     state. The checkpoint's adapter/ is the PEFT layout (adapter_config.json +
     adapter_model.safetensors) of the step-1 adapters, read back by name."""
-    from learner.peft_adapter import read_peft
+    from learner.peft_adapter import read_peft, read_saved
     from models.checkpoint import load_checkpoint
 
     rolls = _sampled(model, "exact")
@@ -273,9 +289,11 @@ def test_resume_continues_the_adapters_and_exports_them(
     for mod, (lora_a, lora_b) in peft.items():
         assert torch.equal(lora_a, at_save[f"{mod}.lora_A"])
         assert torch.equal(lora_b, at_save[f"{mod}.lora_B"])
+    saved = read_saved(ckpt / "adapter")  # the trained norms: PEFT's modules_to_save
+    assert len(saved) == 17 and all(torch.equal(v, at_save[k]) for k, v in saved.items())
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "adapter" / "adapter_model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "base_model.model.transformer.core_block.0.attn.Wqkv.lora_A.weight" in keys
-    assert len(keys) == 32
+    assert len(keys) == 32 + 17
