@@ -122,8 +122,16 @@ def test_bad_targets_are_refused_by_name(model: Path) -> None:
         _trainer(model, "learner.lora.rank=4", 'learner.lora.targets=["*q_proj"]')
     with pytest.raises(ConfigError, match="lm_head shares its weight"):  # the tiny head is tied
         _trainer(model, "learner.lora.rank=4", "learner.lora.targets=[lm_head]")
-    with pytest.raises(ConfigError, match="learner.lora.dropout"):
-        _trainer(model, "learner.lora.rank=4", "learner.lora.dropout=0.1")
+    with pytest.raises(ConfigError, match="learner.lora.dropout=0.1"):
+        load_config(None, ["learner.lora.rank=4", "learner.lora.dropout=0.1"])
+    with pytest.raises(ConfigError, match="tp=2: learner.lora"):
+        load_config(None, ["learner.lora.rank=4", "tp=2"])
+    from learner.config import LoraConfig
+    from learner.lora import apply_lora
+    from models.checkpoint import load_model
+
+    with pytest.raises(ConfigError, match="learner.lora.dropout=0.1"):  # a direct caller too
+        apply_lora(load_model(model)[1], LoraConfig(rank=4, dropout=0.1), seed=0)
     with pytest.raises(ConfigError, match="learner.lora.rank=-1"):
         load_config(None, ["learner.lora.rank=-1"])
 
