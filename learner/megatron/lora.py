@@ -80,7 +80,13 @@ def apply_megatron_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapter
             f"(tp is {ps.get_tensor_model_parallel_world_size()})"
         )
     candidates = hf_linears(model)
-    names = select_targets(list(candidates), cfg.targets)
+    tied = bool(getattr(model, "tied", False))  # the head is the embedding: no linear of its own
+    names = select_targets(list(candidates) + (["lm_head"] if tied else []), cfg.targets)
+    if "lm_head" in names and "lm_head" not in candidates:
+        raise ConfigError(
+            "learner.lora.targets: lm_head shares its weight with the embedding (tied); an "
+            "adapter there would change both: leave it out of the patterns"
+        )
     modules = dict(model.named_modules())
     by_owner: dict[str, list[str]] = {}
     for name in names:

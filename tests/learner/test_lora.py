@@ -70,6 +70,40 @@ def test_at_init_the_adapted_model_is_its_base_bit_for_bit(model: Path, numerics
     assert torch.equal(got, want)
 
 
+@pytest.mark.megatron
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_at_init_the_megatron_adapted_policy_is_its_base_bit_for_bit(
+    model: Path, numerics: str
+) -> None:
+    """The megatron policy with adapters on every linear there is (q/k/v parts of linear_qkv,
+    linear_fc1, Huginn's adapter: B = 0) gives its base's logits bit for bit."""
+    from learner.replay import unwrap
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+
+    ids = torch.tensor([[1, 18, 19, 40, 41, 42, 7]])
+    depths, valid = torch.full_like(ids, 4), torch.ones_like(ids, dtype=torch.bool)
+    logits = []
+    bad = load_config(
+        None, ["backend=megatron", "learner.lora.rank=4", 'learner.lora.targets=["*"]']
+    )
+    with pytest.raises(ConfigError, match="lm_head shares its weight"):  # tied, as in reference
+        MegatronTrainer(bad, model).close()
+    for lora in (
+        [],
+        ["learner.lora.rank=4", 'learner.lora.targets=["*attn.*","*mlp.*","transformer.adapter"]'],
+    ):
+        cfg = load_config(None, ["backend=megatron", f"numerics={numerics}", *lora])
+        t = MegatronTrainer(cfg, model)
+        try:
+            core = unwrap(t.trainer.policy_model)
+            assert sum(hasattr(m, "lora") for m in core.modules()) == (17 if lora else 0)
+            with torch.no_grad():
+                logits.append(core(ids, depths, valid, [5]).logits)
+        finally:
+            t.close()
+    assert torch.equal(logits[0], logits[1])
+
+
 @pytest.mark.parametrize("norms", [False, True])
 def test_a_step_trains_the_adapters_only(model: Path, tmp_path: Path, norms: bool) -> None:
     """learner.lora.train_norms=false: A and B only; true: the 17 RMSNorm weights too."""
