@@ -35,6 +35,8 @@ __all__ = [
     "Adapters",
     "LoraFactors",
     "apply_lora",
+    "check_dropout",
+    "initial_a",
     "linear_names",
     "merged_state",
     "select_targets",
