@@ -339,3 +339,59 @@ def test_resume_continues_the_adapters_and_exports_them(
         keys = set(f.keys())
     assert "base_model.model.transformer.core_block.0.attn.Wqkv.lora_A.weight" in keys
     assert len(keys) == 32 + 17
+
+
+@pytest.mark.megatron
+def test_backends_agree_on_a_llama_with_split_projections(tmp_path: Path) -> None:
+    """A tiny Llama (untied head): q_proj / k_proj / v_proj are parts of megatron's grouped
+    linear_qkv, gate_proj / up_proj of linear_fc1, lm_head the vocabulary-padded output layer.
+    With adapters on q_proj, v_proj (k_proj's part stays 0), up_proj, down_proj and lm_head,
+    numerics exact, two steps: both backends hold the same adapter bits and publish the same
+    merged weights; the base tensors of k_proj and gate_proj come back unchanged."""
+    from learner.megatron.lora import megatron_adapters
+    from learner.replay import unwrap
+    from models.checkpoint import load_checkpoint
+    from models.random_init import init_checkpoint
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+
+    llama = tmp_path / "llama"
+    init_checkpoint("llama", "tiny", llama, seed=0)
+    rolls = _sampled(llama, "exact")
+    targets = '["*q_proj","*v_proj","*up_proj","*down_proj","lm_head"]'
+    over = [*_RUN[1:], "learner.lora.rank=4", "learner.lora.alpha=8", "numerics=exact",
+            "objective.kind=grpo", "optimizer.lr=1e-3", f"learner.lora.targets={targets}"]  # fmt: skip
+    weights, adapters = {}, {}
+    for backend in ("reference", "megatron"):
+        cfg = load_config(None, [f"backend={backend}", *over])
+        t = ReferenceTrainer(cfg, llama) if backend == "reference" else MegatronTrainer(cfg, llama)
+        try:
+            for _ in range(2):
+                t.step(rolls, [False] * 8)
+            ad = (t.adapters if backend == "reference"
+                  else megatron_adapters(unwrap(t.trainer.policy_model), cfg.learner.lora))  # fmt: skip
+            adapters[backend] = {k: v.clone() for k, v in ad.state().items()}
+            t.publish(tmp_path / backend / "v2", 2)
+            weights[backend] = load_checkpoint(tmp_path / backend / "v2")[1]
+        finally:
+            t.close() if backend == "megatron" else None
+    a, b = adapters["reference"], adapters["megatron"]
+    assert (
+        a.keys() == b.keys()
+        and "lm_head.lora_B" in a
+        and "model.layers.0.self_attn.q_proj.lora_A" in a
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    wa, wb = weights["reference"], weights["megatron"]
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [
+        k for k in wa if not torch.equal(wa[k], wb[k])
+    ]
+    base = load_checkpoint(llama)[1]
+    for k in wa:
+        adapted = k.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight",
+                              "down_proj.weight")) or k == "lm_head.weight"  # fmt: skip
+        if not adapted and "norm" not in k:
+            assert torch.equal(wa[k], base[k]), k
+        if adapted:
+            assert not torch.equal(wa[k], base[k]), k
