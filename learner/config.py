@@ -27,6 +27,7 @@ __all__ = [
     "PRECISIONS",
     "SCHEDULES",
     "LearnerConfig",
+    "LoraConfig",
     "OptimConfig",
     "ScheduleConfig",
     "TrainConfig",
@@ -145,6 +146,59 @@ class ScheduleConfig:
         return self.min_lr + coeff * (peak - self.min_lr)
 
 
+DEFAULT_LORA_TARGETS = ("*attn.*", "*mlp.*")
+"""The attention and MLP projections of every block (prelude, core and coda; docs/LEARNER.md
+"LoRA")."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (docs/LEARNER.md "LoRA"): each targeted linear W [out, in] trains
+    A [rank, in] and B [out, rank] (B starts at 0), runs as W + (alpha / rank) B A
+    (models.lora); every other base weight (the norms' unless train_norms) is frozen and left
+    out of the optimizer."""
+
+    rank: int = 0
+    """Adapter rank r, >= 0; 0: off (every weight trained, the default)."""
+    alpha: float = 16.0
+    """Scale numerator, > 0: the adapter adds (alpha / rank) B A to its weight."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input in [0, 1); the backends merge B A into the weight, so they
+    take 0 only and refuse the rest."""
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    """Linear modules to adapt: fnmatch patterns over the Hugging Face module names (e.g.
+    transformer.core_block.*.attn.Wqkv, model.layers.*.mlp.down_proj, lm_head); each must match
+    at least one linear of the model."""
+
+    train_norms: bool = True
+    """Also train every RMSNorm weight in full (a few hidden-size vectors; the final norm holds
+    the logit scale of a frozen tied head); false: the adapters only."""
+
+    @property
+    def on(self) -> bool:
+        """Adapters are trained (rank > 0)."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank (rank > 0)."""
+        return self.alpha / self.rank
+
+    def __post_init__(self) -> None:
+        need = checker(self, "learner.lora")
+
+        r = self.rank
+        need(isinstance(r, int) and not isinstance(r, bool) and r >= 0, "rank",
+             "must be an integer >= 0 (0: off)")  # fmt: skip
+        need(math.isfinite(self.alpha) and self.alpha > 0, "alpha", "must be a finite number > 0")
+        need(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        t = self.targets
+        need(len(t) > 0 and all(isinstance(x, str) and x.strip() == x and x for x in t),
+             "targets", "must be a non-empty list of module-name patterns (no blanks)")  # fmt: skip
+        need(len(set(t)) == len(t), "targets", "must not repeat a pattern")
+        need(isinstance(self.train_norms, bool), "train_norms", "must be true or false")
+
+
 def _chosen(value: Any, key: str) -> Any:
     if value == AUTO:
         raise ValueError(f"{key}=auto was not resolved (pipeline.config.device does it when "
@@ -176,6 +230,8 @@ class LearnerConfig:
     (megatron, micro_batch_size 0), else 0."""
     threads: int | str = "auto"
     """Torch intra-op threads of each learner process, >= 1, or auto (CPU: the cores minus the local generators' threads; CUDA: torch's count), resolved once and recorded for replay."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters in place of full fine-tuning (rank 0: off)."""
 
     @property
     def packed_tokens(self) -> int:

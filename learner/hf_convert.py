@@ -56,9 +56,18 @@ class LoopedGPT(Protocol):
     def rows(self) -> int: ...
     def state_dict(self, *, keep_vars: bool = False) -> dict[str, Any]: ...
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+    def named_modules(self) -> Iterator[tuple[str, torch.nn.Module]]: ...
 
 
-__all__ = ["Rule", "conversion_rules", "gather_hf_state", "load_hf_state", "to_local_state"]
+__all__ = [
+    "Rule",
+    "conversion_rules",
+    "gather_hf_state",
+    "load_hf_state",
+    "to_full",
+    "to_local",
+    "to_local_state",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +122,8 @@ def _block_rules(mine: str, hf: str, names: set[str], huginn: bool) -> list[Rule
 
 def conversion_rules(model: LoopedGPT) -> list[Rule]:
     """Every tensor of `model.state_dict()` and where it comes from in the HF state dict."""
-    names = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    # (".lora.": learner.megatron.lora's adapters, which are no HF tensors)
+    names = {k for k in model.state_dict() if not k.endswith("_extra_state") and ".lora." not in k}
     c = model.family_config
     rules: list[Rule] = []
     if isinstance(c, HuginnConfig):
@@ -180,7 +190,8 @@ def _ungroup_qkv(model: LoopedGPT, full: Tensor, n_out: int) -> list[Tensor]:
     return [torch.cat(out, dim=0)] if n_out == 1 else out
 
 
-def _local(model: LoopedGPT, rule: Rule, parts: list[Tensor], rank: int, size: int) -> Tensor:
+def to_local(model: LoopedGPT, rule: Rule, parts: list[Tensor], rank: int, size: int) -> Tensor:
+    """TP rank ``rank``'s shard of ``rule.mine`` from its full HF tensors ``parts``."""
     kind = rule.kind
     if kind == "rep":
         return parts[0]
@@ -201,7 +212,8 @@ def _local(model: LoopedGPT, rule: Rule, parts: list[Tensor], rank: int, size: i
     raise AssertionError(f"unknown kind {kind}")
 
 
-def _full(model: LoopedGPT, rule: Rule, shards: list[Tensor]) -> list[Tensor]:
+def to_full(model: LoopedGPT, rule: Rule, shards: list[Tensor]) -> list[Tensor]:
+    """The full HF tensors of ``rule.hf`` from every TP rank's shard of ``rule.mine``."""
     kind = rule.kind
     if kind == "rep":
         return [shards[0]]
@@ -254,7 +266,7 @@ def to_local_state(model: LoopedGPT, hf_state: Mapping[str, Tensor]) -> dict[str
     out = {}
     for rule in rules:
         if all(n in state for n in rule.hf):
-            out[rule.mine] = _local(model, rule, [state[n] for n in rule.hf], rank, size)
+            out[rule.mine] = to_local(model, rule, [state[n] for n in rule.hf], rank, size)
     return out
 
 
@@ -291,9 +303,14 @@ def gather_hf_state(model: LoopedGPT, *, grads: bool = False) -> dict[str, Tenso
     _, size = _tp()
     own = model.state_dict(keep_vars=True)
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     out: dict[str, Tensor] = {}
     for rule in conversion_rules(model):
         t = own[rule.mine]
+        lora = getattr(modules.get(rule.mine.rpartition(".")[0]), "lora", None)
+        if lora is not None and rule.mine.endswith(".weight") and not grads:
+            with torch.no_grad():
+                t = lora(t)  # learner.megatron.lora: the merged weight W + s B A
         if grads:
             if rule.mine not in params:
                 continue
@@ -301,7 +318,7 @@ def gather_hf_state(model: LoopedGPT, *, grads: bool = False) -> dict[str, Tenso
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
             t = torch.zeros_like(p) if g is None else g
-        full = _full(model, rule, _gather(t.detach(), size) if rule.kind != "rep" else [t])
+        full = to_full(model, rule, _gather(t.detach(), size) if rule.kind != "rep" else [t])
         out.update({n: v.detach().clone() for n, v in zip(rule.hf, full, strict=True)})
     tie = _hf_tied(model)
     if tie is not None and not model.is_critic and tie[1] in out:

@@ -56,10 +56,15 @@ def _valid(mb: TrainBatch) -> Tensor:
     return mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
 
 
-def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = None) -> PolicySpec:
+def looped_policy_spec(
+    model_config: Any, options: Any = None, hf_state: Any = None, *, lora: Any = None,
+    lora_seed: int = 0,
+) -> PolicySpec:  # fmt: skip
     """PolicySpec of a looped family (`learner.megatron.model.build_policy`): the forward replays
     the recorded exit depths and latent seeds and gathers the response rows' logits to the
-    full vocabulary (`learner.replay.full_vocab_logits`)."""
+    full vocabulary (`learner.replay.full_vocab_logits`). ``lora``: a learner.config.LoraConfig
+    that is on: the built policy gets its adapters (learner.megatron.lora, A drawn from
+    ``lora_seed``), its base frozen."""
     import dataclasses
 
     from learner.megatron.model import build_policy
@@ -70,7 +75,12 @@ def looped_policy_spec(model_config: Any, options: Any = None, hf_state: Any = N
 
     def build(recompute: bool) -> nn.Module:
         opts = dataclasses.replace(base, recompute="block" if recompute else "none")
-        return build_policy(model_config, opts, hf_state)
+        model = build_policy(model_config, opts, hf_state)
+        if lora is not None and lora.on:
+            from learner.megatron.lora import apply_megatron_lora
+
+            apply_megatron_lora(model, lora, lora_seed)
+        return model
 
     def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
         # the head runs on the response rows only (no [B, L, V] logits, no gather of them)

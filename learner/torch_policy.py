@@ -66,7 +66,8 @@ class TorchNet:
                  exact: bool = False) -> None:  # fmt: skip
         self.module, self.schedule, self.exact = module, schedule, exact
         self.grad_clip = optim.grad_clip
-        self.opt = make_optimizer(module.parameters(), optim)
+        # frozen parameters (a LoRA base: learner.lora) never enter the optimizer
+        self.opt = make_optimizer([p for p in module.parameters() if p.requires_grad], optim)
         self.updates = 0
         """Applied updates (the schedule's n)."""
         self.skipped_nonfinite = 0

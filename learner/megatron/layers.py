@@ -60,7 +60,10 @@ BLOCK_STYLES = ("huginn", "llama", "ouro")
 def column_linear(
     layer: ColumnParallelLinear, x: Tensor, mode: str, weight: Tensor | None = None
 ) -> Tensor:
-    """Output of a ColumnParallelLinear (local shard unless it gathers its output)."""
+    """Output of a ColumnParallelLinear (local shard unless it gathers its output); a layer
+    with adapters (learner.megatron.lora) computes with its merged weight."""
+    if weight is None and hasattr(layer, "lora"):
+        weight = _adapted(layer)
     w = layer.weight if weight is None else weight
     if mode == "exact":
         xp = copy_to_tensor_model_parallel_region(x)  # identity; backward all-reduces
@@ -77,7 +80,8 @@ def row_linear(layer: RowParallelLinear, x: Tensor, mode: str) -> Tensor:
     exact: fp64 partial sums all-reduced in fp64, bias added in fp64, one rounding to fp32.
     """
     if mode == "exact":
-        y = reduce_from_tensor_model_parallel_region(F.linear(x.double(), layer.weight.double()))
+        w = _adapted(layer)
+        y = reduce_from_tensor_model_parallel_region(F.linear(x.double(), w.double()))
         if layer.bias is not None:
             y = y + layer.bias.double()
         return y.float()
@@ -87,7 +91,15 @@ def row_linear(layer: RowParallelLinear, x: Tensor, mode: str) -> Tensor:
 
 def replicated_linear(layer: nn.Linear, x: Tensor, mode: str) -> Tensor:
     """A small TP-replicated linear (exit gate, value head) via `models.numerics.linear`."""
-    return nx.linear(x, layer.weight, layer.bias, mode)
+    return nx.linear(x, _adapted(layer), layer.bias, mode)
+
+
+def _adapted(layer: nn.Module) -> Tensor:
+    """The layer's weight, merged with its adapters when it has them (learner.megatron.lora)."""
+    w = layer.weight
+    assert isinstance(w, Tensor)
+    lora = getattr(layer, "lora", None)
+    return w if lora is None else lora(w)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +254,14 @@ class RMSNorm(nn.Module):
 class RowLinear(RowParallelLinear):
     """megatron's RowParallelLinear, passing its own TP group to the matmul: 0.16.1's forward
     passes `tp_group=None`, whose fallback (`get_tensor_model_parallel_group_if_none`) warns on
-    every call, a torch.compile graph break inside each block. Same group, same result."""
+    every call, a torch.compile graph break inside each block. Same group, same result. With
+    adapters (learner.megatron.lora) it multiplies by its merged weight."""
 
     def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("tp_group") is None:
             kwargs["tp_group"] = self.tp_group
+        if hasattr(self, "lora"):  # adapters (learner.megatron.lora): the merged weight
+            weight = _adapted(self)
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 

@@ -24,10 +24,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from learner import checkpoint as learner_checkpoint
+from learner.megatron.lora import megatron_adapters
 from learner.megatron.options import MegatronOptions
 from learner.model_specs import looped_critic_spec, looped_policy_spec
 from learner.parallel import destroy_distributed, init_distributed
+from learner.peft_adapter import write_peft
 from learner.publish import looped_exporter, snapshot_publication
+from learner.replay import unwrap
 from learner.trainer import Trainer
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
@@ -55,6 +58,7 @@ class MegatronTrainer:
             check_reference(load_config(ref_dir), self.model_config, ref_dir)
             ref_state = load_checkpoint(ref_dir)[1]
         self.trainer = build_learner_trainer(cfg, self.model_config, hf_state, ref_state=ref_state)
+        self.lora, self.model_dir = cfg.learner.lora, Path(model_dir)
         self.is_cap = cfg.objective.is_cap
 
     def step(
@@ -101,9 +105,15 @@ class MegatronTrainer:
         return SnapshotResult(finish, stages)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
-        return learner_checkpoint.save(
+        """learner.checkpoint's; with adapters, rank 0 then adds adapter/ (learner.peft_adapter:
+        the PEFT layout, for Hugging Face users; resuming reads the checkpoint only)."""
+        path = learner_checkpoint.save(
             self.trainer, run_dir, pipeline_state=pipeline_state, keep_last=max(keep, 1)
         )
+        if self.lora.on and self.rank == 0:
+            adapters = megatron_adapters(unwrap(self.trainer.policy_model), self.lora)
+            write_peft(path / "adapter", adapters, str(self.model_dir))
+        return path
 
     def latest(self, run_dir: Path) -> Path | None:
         return learner_checkpoint.latest(run_dir)
@@ -135,7 +145,7 @@ def build_learner_trainer(
     c_optim, c_schedule = critic_optim(cfg)
     return Trainer(
         train, p, schedule,
-        looped_policy_spec(model_config, options, hf_state),
+        looped_policy_spec(model_config, options, hf_state, lora=lr.lora, lora_seed=cfg.seed),
         critic=looped_critic_spec(model_config, options, hf_state) if critic else None,
         critic_optim=c_optim, critic_schedule=c_schedule,
         reference=looped_policy_spec(model_config, options, ref_state)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from learner.batching import sort_rollouts
+from learner.lora import apply_lora, merged_state
+from learner.peft_adapter import write_peft
 from learner.step import LearnerStep
 from learner.torch_policy import TorchPolicy
 from models.base import LoopedLM
@@ -71,6 +73,9 @@ class ReferenceTrainer:
                 "learner.backprop_depth=0 or use backend=megatron"
             )
         self.tied = tied_from_module(model)
+        lora = cfg.learner.lora
+        self.adapters = apply_lora(model, lora, cfg.seed) if lora.on else None
+        """learner.lora's adapters (learner.lora.rank > 0): the base frozen, A and B trained."""
         o = cfg.objective
         reference = None
         if o.kl_coef > 0:  # the frozen reference policy of the KL term
@@ -119,7 +124,8 @@ class ReferenceTrainer:
         extra: dict[str, Any] = {
             n: self.model_dir / n for n in _KEEP_FILES if (self.model_dir / n).is_file()
         }
-        state = detached_copy(state_dict_for_save(self.model))  # the next step trains on
+        own = state_dict_for_save(self.model) if self.adapters is None else merged_state(self.model)
+        state = detached_copy(own)  # the next step trains on
         check_finite(state, f"weights v{version}")  # nothing non-finite is even written
 
         def finish() -> Publication:
@@ -129,8 +135,8 @@ class ReferenceTrainer:
         return SnapshotResult(finish)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
-        """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json}, written to
-        a temporary directory and renamed; then ``latest`` points at it (atomic rename)."""
+        """RUN_DIR/checkpoints/step_<8 digits>/ {trainer.pt, pipeline_state.json} (and, with
+        adapters, adapter/: learner.peft_adapter), written to a temporary directory and renamed; then ``latest`` points at it (atomic rename)."""
         root = run_dir / "checkpoints"
         name = f"step_{self.steps:08d}"
         tmp, final = root / f".tmp-{name}", root / name
@@ -151,6 +157,8 @@ class ReferenceTrainer:
         }
         torch.save(blob, tmp / "trainer.pt")
         (tmp / "pipeline_state.json").write_text(json.dumps(pipeline_state))
+        if self.adapters is not None:  # the adapters for Hugging Face users (PEFT layout)
+            write_peft(tmp / "adapter", self.adapters, str(self.model_dir))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(name)

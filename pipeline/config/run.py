@@ -205,6 +205,12 @@ class RunConfig:
             _check(lr.precision == "fp32", "learner.precision", lr.precision,
                    "numerics=exact needs fp32")  # fmt: skip
             _check(not lr.compile, "learner.compile", lr.compile, "numerics=exact needs False")
+        if lr.lora.on:  # low-rank adapters (docs/LEARNER.md "LoRA")
+            _check(not lr.lora.dropout, "learner.lora.dropout", lr.lora.dropout,
+                   "both backends train through the merged weight W + (alpha / rank) B A, "
+                   "where input dropout has no place: use 0")  # fmt: skip
+            _check(self.tp == 1, "tp", self.tp,
+                   "learner.lora: the megatron backend trains adapters at tp 1 only")  # fmt: skip
         if self.backend == "reference":  # rule: every key honoured by every backend or refused
             for key, value, default in (
                 ("precision", lr.precision, "fp32"), ("recompute", lr.recompute, False),

@@ -47,6 +47,7 @@ ACCEPTED = {
     ("publish.keep", 0): "keep all", ("publish.collective_port", 0): "a free port",
     ("publish.max_pending", 0): "publish before the next step",
     ("objective.exit_coef", 0): "no exit term", ("objective.exit_entropy_coef", 0): "none",
+    ("learner.lora.rank", 0): "adapters off", ("learner.lora.dropout", 0): "no dropout",
     ("publish.collective_chunk_bytes", 0): "one broadcast", ("checkpoint.every", 0): "at the end",
     ("checkpoint.keep", 0): "keep all", ("learner.backprop_depth", 0): "all iterations",
     ("learner.backprop_depth", -1): "the checkpoint's", ("learner.micro_batch_size", 0): "auto",
