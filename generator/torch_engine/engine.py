@@ -62,6 +62,7 @@ import torch
 
 from generator.config import ENGINES
 from generator.engine import Sample, WeightLoadError
+from generator.torch_engine.ahead import decode_ahead
 from generator.torch_engine.requests import TorchRequest
 from generator.torch_engine.ticks import check_ticks, generate_by_ticks, resolve_tick_graph
 from generator.torch_engine.weights import TorchWeights
@@ -308,6 +309,9 @@ class TorchEngine(TorchWeights):
             if isinstance(ticker, GraphTicker) and ticker.graphed:
                 self._kept = (cache, ticker)  # its captured graph, for the next call
             waiting.clear()
+        elif self.graph:  # the fixed-depth graph step, one step ahead of the host
+            assert not isinstance(decoder, GraphTicker)
+            decode_ahead(self, cache, slots, waiting, decoder)
         while waiting or any(s is not None for s in slots):
             done = pending[:]  # logits of the last decode: drawn as the version that made them
             version = self.weight_version
@@ -327,16 +331,7 @@ class TorchEngine(TorchWeights):
                     slots[b] = None
             if not live:
                 continue
-            if self.graph:
-                assert not isinstance(decoder, GraphTicker)
-                if decoder is None:
-                    seeds = [s.seed if s is not None else 0 for s in slots]
-                    decoder = GraphDecoder(self.model, cache, seeds, depth=self.full_depth,
-                                           mode=self.numerics, compile=self.compile)  # fmt: skip
-                    self._kept = (cache, decoder)
-                out = self._graph_step(decoder, slots)
-            else:
-                out = self._decode(cache, slots, live)
+            out = self._decode(cache, slots, live)
             pending.append(
                 (live, out if len(live) == bsz else out[torch.tensor(live).to(out.device)])
             )
@@ -431,17 +426,6 @@ class TorchEngine(TorchWeights):
         for b in live:
             slots[b].depths.append(int(depths[b]))  # type: ignore[union-attr]
         self._exit_lps(slots, live, out.exit_logprobs)
-        return out.logits[:, 0]
-
-    def _graph_step(self, decoder: GraphDecoder, slots: list[TorchRequest | None]) -> torch.Tensor:
-        """The fixed-depth decode step (a CUDA graph on CUDA) for every slot (idle ones fed a
-        dummy token at position 0 of their own row: reset before the slot's next prefill)."""
-        toks, pos = self._feed(slots)
-        decoder.seeds = [s.seed if s is not None else 0 for s in slots]
-        out = decoder.step(toks.to(self.device), pos)
-        for s in slots:
-            if s is not None and not s.finish:
-                s.depths.append(self.full_depth)
         return out.logits[:, 0]
 
     def _sample_rows(

@@ -83,6 +83,105 @@ def equal_to_reference(path: Path, items: list[WorkItem], out: list, policy: Exi
     assert len(depths) >= 2, f"mixed exit depths needed, got {depths}"
 
 
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_the_graph_decode_ahead_of_the_host_equals_the_reference(
+    family: str, tmp_path: Path
+) -> None:
+    """The fixed-depth graph path (generator.torch_engine.ahead: each step's tokens drawn on the
+    device and fed to the next step while the host files the previous one) with stop tokens
+    (a request the host learns is finished one step late), requests finishing by length,
+    more requests than slots (refills), a greedy group beside two sampled ones: every record
+    equals the reference bit for bit and the step-by-step loop's; weight version 0 throughout."""
+    path = init_checkpoint(family, "tiny", tmp_path / family, seed=1)
+    items = _items()
+    items[0].stop_token_ids = [int(t) for t in range(2, 512, 5)]
+    items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", graph=True)
+    ahead = eng.generate(items)
+    policy = FixedDepth(eng.full_depth)
+    _, model = load_model(path)
+    finish = set()
+    for it, samples in zip(items, ahead, strict=True):
+        for seed, s in zip(it.latent_seeds.tolist(), samples, strict=True):
+            tokens, depths, lps, _ = _reference(model, it, int(seed), policy)
+            assert s.tokens.tolist() == tokens, (it.work_id, seed)
+            assert s.exit_depths.tolist() == depths and s.weight_version == 0
+            np.testing.assert_array_equal(s.logprobs, lps)
+            finish.add(s.finish_reason)
+    assert finish == {"stop", "length"}, finish
+    step = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", graph=False,
+                       exit_policy=policy)  # fmt: skip
+    for a, b in zip(ahead, step.generate(items), strict=True):
+        for sa, sb in zip(a, b, strict=True):
+            assert sa.tokens.tolist() == sb.tokens.tolist()
+            np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_graph_decode_ahead_on_cuda_equals_the_step_by_step_decode(tmp_path: Path) -> None:
+    """On CUDA (a captured graph, tokens drawn on the device, copied back through pinned
+    buffers behind an event): in exact numerics the records equal the step-by-step decode's on
+    the same device, bit for bit, with stops, refills and a greedy group; twice (the kept graph)."""
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    items = _items()
+    items[0].stop_token_ids = [int(t) for t in range(2, 512, 5)]
+    items[2].stop_token_ids = [int(t) for t in range(3, 512, 7)]
+    ahead = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cuda", graph=True)
+    step = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cuda", graph=False,
+                       exit_policy=FixedDepth(ahead.full_depth))  # fmt: skip
+    out = {g: e.generate(items) + e.generate(items) for g, e in ((True, ahead), (False, step))}
+    for a, b in zip(out[False], out[True], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.tokens.tolist() == y.tokens.tolist()
+            assert np.array_equal(x.logprobs, y.logprobs)
+
+
+def test_a_version_swapped_in_on_the_graph_path_between_two_launches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """inflight_updates on the graph path (one step ahead of the host): a version loaded after
+    the 4th launch is swapped in before the next; each token records the version of the step
+    that computed it: the old weights' tokens bit for bit before, different after."""
+    import threading
+
+    from generator.torch_engine import ahead
+
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    _, state = load_checkpoint(path)
+    new = perturbed(state, seed=7)
+    items = [work_item(prompts(1, [5], seed=3)[0], [21, 22], temperature=1.0, max_tokens=12,
+                       name="long")]  # fmt: skip
+    old_only = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu",
+                           graph=True).generate(items)[0]  # fmt: skip
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", graph=True,
+                      inflight_updates=True)  # fmt: skip
+    calls: list[int] = []
+
+    class Loading(ahead.GraphDecoder):
+        def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> object:  # type: ignore[override]
+            out = super().step(tokens, positions)
+            calls.append(eng.weight_version)
+            if len(calls) == 4:
+                t = threading.Thread(target=eng.load_weights,
+                                     args=(VerifiedWeights.of(new, 1, digest_of_state(new)),))  # fmt: skip
+                t.start()
+                t.join()
+            return out
+
+    monkeypatch.setattr(ahead, "GraphDecoder", Loading)
+    mixed = eng.generate(items)[0]
+    assert calls[3] == 0 and calls[4] == 1 and eng.weight_version == 1
+    for s_old, s_mix in zip(old_only, mixed, strict=True):
+        v = s_mix.token_versions.tolist()
+        assert v == sorted(v) and v[0] == 0 and v[-1] == 1, v
+        k = v.index(1)
+        assert s_mix.tokens[:k].tolist() == s_old.tokens[:k].tolist()
+        np.testing.assert_array_equal(s_mix.logprobs[:k], s_old.logprobs[:k])
+        assert (
+            float(np.abs(s_mix.logprobs[k:] - s_old.logprobs[k : len(s_mix.logprobs)]).max()) > 1e-4
+        )
+
+
 def test_weights_swap_and_refusals(tmp_path: Path) -> None:
     path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
     eng = TorchEngine(path, numerics="exact", max_num_seqs=4, device="cpu")
