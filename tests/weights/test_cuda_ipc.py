@@ -22,6 +22,7 @@ from models.errors import ConfigError
 from pipeline.config.run import load_config
 from proto.codec import Codec
 from proto.records import WeightAnnounce
+from tests.weights.test_transports import Sent
 from weights import cuda_ipc
 from weights import device_digest as dd
 from weights.digest import blob_and_meta
@@ -130,15 +131,6 @@ def _meta(m: dict[str, Any]) -> Any:
     return TensorMeta(**m)
 
 
-class _Conn:
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send(self, *args: Any, **kw: Any) -> bool:
-        self.sent.append(args[-1])
-        return True
-
-
 class _Below:
     """The receiver under cuda_ipc's (weights.receiver's part): what it was handed."""
 
@@ -162,11 +154,11 @@ def _cpu_pair(
 ) -> tuple[cuda_ipc.CudaIpcPublisher, cuda_ipc.CudaIpcReceiver]:
     """A publisher and a receiver whose 'mapping' is the publisher's own slot (the CPU: the
     IPC call itself is what the CUDA test below makes)."""
-    pub = cuda_ipc.CudaIpcPublisher(_Conn(), slots=2)
+    pub = cuda_ipc.CudaIpcPublisher(Sent(), slots=2)
     fields = {"device_uuid": "GPU-test", "handle": "01" * 8, "size": 0, "offset": 0,
               "ref_handle": "02", "ref_offset": 0, "pid": os.getpid()}  # fmt: skip
     monkeypatch.setattr(cuda_ipc, "_share", lambda buf: dict(fields))
-    rx = cuda_ipc.CudaIpcReceiver(_Conn(), _Below(), "gen-0")
+    rx = cuda_ipc.CudaIpcReceiver(Sent(), _Below(), "gen-0")
     monkeypatch.setattr(rx, "_card", lambda uuid: 0)
     monkeypatch.setattr(rx, "_map", lambda c, i: pub._bufs[int(c["slot"])])
     return pub, rx
@@ -237,19 +229,20 @@ def test_the_run_config_takes_cuda_ipc_and_a_cpu_learner_refuses_it(tmp_path: Pa
     cfg = load_config(None, ["publish.transport=cuda_ipc", "publish.max_pending=2"])
     assert cfg.publish.transport == "cuda_ipc"
     if torch.cuda.is_available():
-        pub = open_publisher("cuda_ipc", _Conn(), cfg.publish, tmp_path)
+        pub = open_publisher("cuda_ipc", Sent(), cfg.publish, tmp_path)
         assert isinstance(pub, cuda_ipc.CudaIpcPublisher) and pub.slots == 3
         return
     with pytest.raises(ConfigError, match="publish.transport=cuda_ipc: this learner sees no CUDA"):
-        open_publisher("cuda_ipc", _Conn(), cfg.publish, tmp_path)
+        open_publisher("cuda_ipc", Sent(), cfg.publish, tmp_path)
 
 
 _READER = """
 import json, sys, time, torch
 from proto.codec import Codec
 from weights import cuda_ipc
-from tests.weights.test_cuda_ipc import _Below, _Conn, _state
-rx = cuda_ipc.CudaIpcReceiver(_Conn(), _Below(), "gen-0")
+from tests.weights.test_cuda_ipc import _Below, _state
+from tests.weights.test_transports import Sent
+rx = cuda_ipc.CudaIpcReceiver(Sent(), _Below(), "gen-0")
 out = []
 for line in sys.stdin:
     ann = Codec().decode(bytes.fromhex(line.strip()))
@@ -266,7 +259,7 @@ for line in sys.stdin:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_processes_on_one_card(tmp_path: Path) -> None:
     """The learner's slot mapped by another process: served, then a torn copy refused."""
-    pub = cuda_ipc.CudaIpcPublisher(_Conn(), slots=2)
+    pub = cuda_ipc.CudaIpcPublisher(Sent(), slots=2)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
