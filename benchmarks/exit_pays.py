@@ -12,7 +12,8 @@ warm_start keys, embedding at std 1.0, random rows, then Ouro's stage I; docs/TA
 depth") -> for each seed in 0..seeds-1 and each arm, a real `looprl run --config
 configs/depth_mix.yaml model.path=WARM warm_start.segments=[]` (its learner process, backend
 reference, and one `looprl generator` process on the torch engine: models.engine.chunk's
-depth-batched chunks on the CPU, the same engine for both arms) of ``--steps`` GRPO steps of
+depth-batched chunks on the CPU, one chunk per token whose deepest row sets its iterations,
+or with ``--depth-ticks K`` the tick decode; the same engine for both arms) of ``--steps`` GRPO steps of
 ``--prompts`` x ``--n`` samples (the same samples in both arms; a seed fixes the run's prompt
 order and latent seeds) -> `looprl eval` (pipeline.commands.evaluation.evaluate) of the run's
 last published weights on the test split under the arm's own exit policy, greedy, by ``hops``.
@@ -27,8 +28,8 @@ a depth cost").
 Per run, from its metrics rows after the first step (the first waits on the generator's start)
 and its stream: ``samples_per_s`` and ``tokens_per_s`` = the steps' rollouts and generated
 tokens over the sum of their walls (``step_s``: the run's throughput, learner included);
-``gen_samples_per_s`` = the rollouts over the generators' ``time/generation`` (generation
-alone); ``mean_depth`` = the trained rollouts' token-mean exit depth; ``accuracy`` (the arm's
+``gen_samples_per_s`` = an engine batch's samples (generators.max_inflight prompts x n) over
+its mean engine time (the rows' ``time/generation``: generation alone, batches taken as full); ``mean_depth`` = the trained rollouts' token-mean exit depth; ``accuracy`` (the arm's
 policy), ``accuracy/hops=h`` and ``accuracy@d`` (fixed depth d). Per arm: the mean over seeds,
 the sample standard deviation (``_std``) and the 95% t-interval of the mean (``_ci95``).
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,8 +90,12 @@ def _cli(args: list[str], log: Path, timeout_s: float) -> None:
 
 
 def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The shared warm start into ``root``/warm (`looprl sft`); its stats line."""
+    """The shared warm start into ``root``/warm (`looprl sft`); its stats line. With ``--warm
+    DIR``, a copy of that checkpoint instead (a warm start of an earlier call)."""
     out = root / "warm"
+    if args.warm:
+        shutil.copytree(args.warm, out, dirs_exist_ok=True)
+        return {"from": args.warm}
     _cli(["sft", "--config", str(CONFIG), "--out", str(out), "--steps", str(args.warm_steps),
           "--gate-steps", str(args.gate_steps)], root / "warm.log", 1800)  # fmt: skip
     lines = [ln for ln in (root / "warm.log").read_text().splitlines() if ln.startswith("{")]
@@ -103,6 +109,7 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[s
               "warm_start.gate_steps=0", f"seed={seed}", f"steps={args.steps}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
               "generators.count=1", "generators.engine=torch", "eval.every=0",
+              f"generators.depth_ticks={args.depth_ticks}",
               "backend=reference", *arm_overrides(arm, args.depth_cost)]  # fmt: skip
     t0 = time.time()
     _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
@@ -111,14 +118,16 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[s
     rows = [r for r in read_metrics(live / "metrics.jsonl") if r["step"] > 1]
     wall = sum(r["step_s"] for r in rows)
     samples = sum(r["perf/samples_per_s"] * r["step_s"] for r in rows)
-    gen_s = sum(r.get("time/generation", 0.0) for r in rows)
+    batch_s = statistics.fmean(r.get("time/generation", 0.0) for r in rows)
     depths = [int(d) for _, ro in read_rollouts(live / "stream") for d in ro.exit_depths]
     weights = max((live / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
     cfg = load_config(CONFIG, [f"run_dir={live}", *common])
+    held = cfg.generators.max_inflight  # prompts per engine batch (the config's 2)
+    batch_rows = min(held if isinstance(held, int) else args.prompts, args.prompts) * args.n
     ev = evaluate(cfg, weights, tokenizer=root / "warm", depths=DEPTHS, by="hops",
                   limit=args.eval_limit)  # fmt: skip
     out = {"samples_per_s": samples / wall, "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
-           "gen_samples_per_s": samples / gen_s if gen_s else 0.0,
+           "gen_samples_per_s": batch_rows / batch_s if batch_s else 0.0,
            "mean_depth": statistics.fmean(depths), "accuracy": ev["eval/accuracy"],
            "eval_mean_depth": ev["eval/mean_depth"], "run_s": run_s}  # fmt: skip
     hops = sorted({k.split("/")[1] for k in ev if k.startswith("eval/hops=")})
@@ -172,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
     p.add_argument("--gate-steps", type=int, default=200, help="warm-start stage-I steps")
+    p.add_argument("--depth-ticks", type=int, default=0,
+                   help="both arms' generators.depth_ticks (0: one chunk per token)")  # fmt: skip
+    p.add_argument("--warm", default="", help="an earlier warm start's checkpoint (skip it)")
     p.add_argument("--eval-limit", type=int, default=0, help="first N test prompts (0: all)")
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
     p.add_argument("--smoke", action="store_true",
