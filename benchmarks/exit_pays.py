@@ -12,8 +12,9 @@ warm_start keys, embedding at std 1.0, random rows, then Ouro's stage I; docs/TA
 depth") -> for each seed in 0..seeds-1 and each arm, a real `looprl run --config
 configs/depth_mix.yaml model.path=WARM warm_start.segments=[]` (its learner process, backend
 reference, and one `looprl generator` process on the torch engine: models.engine.chunk's
-depth-batched chunks on the CPU, one chunk per token whose deepest row sets its iterations,
-or with ``--depth-ticks K`` the tick decode; the same engine for both arms) of ``--steps`` GRPO steps of
+depth-batched chunks on the CPU, one chunk per token whose deepest row sets its iterations;
+with ``--depth-ticks K`` the exit arm's generator decodes by ticks instead, its exit policy
+in kv last_exited, which the tick decode needs) of ``--steps`` GRPO steps of
 ``--prompts`` x ``--n`` samples (the same samples in both arms; a seed fixes the run's prompt
 order and latent seeds) -> `looprl eval` (pipeline.commands.evaluation.evaluate) of the run's
 last published weights on the test split under the arm's own exit policy, greedy, by ``hops``.
@@ -69,13 +70,16 @@ QUIET = ["metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=fa
 DEPTHS = (1, 2, 3, 4)
 
 
-def arm_overrides(arm: str, depth_cost: float) -> list[str]:
-    """The run-config overrides of ``arm`` (full or exit) over the shared ones."""
+def arm_overrides(arm: str, depth_cost: float, ticks: int) -> list[str]:
+    """The run-config overrides of ``arm`` (full or exit) over the shared ones; ``ticks`` > 0:
+    the exit arm's generator decodes by ticks (generators.depth_ticks, which needs the exit
+    policy's kv last_exited)."""
     if arm == "full":
         return []
-    return ["rollout.exit_policy={kind: sampled_gate}", "objective.exit_coef=1.0",
+    policy = "{kind: sampled_gate, kv: last_exited}" if ticks else "{kind: sampled_gate}"
+    return [f"rollout.exit_policy={policy}", "objective.exit_coef=1.0",
             "objective.exit_entropy_coef=0.01", f"objective.depth_cost={depth_cost}",
-            "objective.depth_cost_in=advantage"]  # fmt: skip
+            "objective.depth_cost_in=advantage", f"generators.depth_ticks={ticks}"]  # fmt: skip
 
 
 def _cli(args: list[str], log: Path, timeout_s: float) -> None:
@@ -109,8 +113,7 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[s
               "warm_start.gate_steps=0", f"seed={seed}", f"steps={args.steps}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
               "generators.count=1", "generators.engine=torch", "eval.every=0",
-              f"generators.depth_ticks={args.depth_ticks}",
-              "backend=reference", *arm_overrides(arm, args.depth_cost)]  # fmt: skip
+              "backend=reference", *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
     t0 = time.time()
     _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
          root / f"{arm}-{seed}.log", 1800)  # fmt: skip
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
     p.add_argument("--gate-steps", type=int, default=200, help="warm-start stage-I steps")
     p.add_argument("--depth-ticks", type=int, default=0,
-                   help="both arms' generators.depth_ticks (0: one chunk per token)")  # fmt: skip
+                   help="the exit arm's generators.depth_ticks, with kv last_exited (0: one "
+                   "chunk per token, kv full)")  # fmt: skip
     p.add_argument("--warm", default="", help="an earlier warm start's checkpoint (skip it)")
     p.add_argument("--eval-limit", type=int, default=0, help="first N test prompts (0: all)")
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
