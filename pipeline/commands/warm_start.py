@@ -47,6 +47,7 @@ from models.checkpoint import load_model, read_config, save_checkpoint, state_di
 from models.errors import ConfigError
 from models.random_init import init_checkpoint
 from models.ties import tied_from_module as tied_of
+from pipeline.commands.exit_stages import gate_steps
 from pipeline.config.run import RunConfig, load_config
 from pipeline.config.sections import WarmStartRows
 from pipeline.core.tasks import TaskError, prompt_limit, read_split
@@ -229,13 +230,10 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
 def gate_stage(cfg: RunConfig, model: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
     """The warm start's exit-gate stage: checkpoint ``model`` trained for ``steps`` steps
     (``warm_start.gate_steps`` in a run) by pipeline.commands.exit_stages.gate_steps
-    (``warm_start.gate_objective``, its lr,
-    beta, slope and margin; the numerics of the run) on random batches of ``warm_start.batch``
-    train rows (sft_examples: the targets the segments learn; one latent seed per row), drawn
-    from a generator seeded by ``seed``, and written to ``out``. Returns {"gate_steps",
-    "gate_objective", "loss_first", "loss_last", "s"}."""
-    from pipeline.commands.exit_stages import gate_steps
-
+    (``warm_start.gate_objective``, its lr, beta, slope and margin; the run's numerics) on
+    random batches of ``warm_start.batch`` train rows (sft_examples: the targets the segments
+    learn; one latent seed per row), drawn from a generator seeded by ``seed``, and written to
+    ``out``. Returns {"gate_steps", "gate_objective", "loss_first", "loss_last", "s"}."""
     w = cfg.warm_start
     t0 = time.perf_counter()
     examples = sft_examples(cfg, model)
@@ -262,7 +260,8 @@ def warm_start_chain(cfg: RunConfig, model: Path, out: Path) -> list[dict[str, A
     """The run config's warm start (``warm_start.segments``): ``warm_start`` segment after
     segment from ``model`` (the first one rescaling the input embedding when
     ``warm_start.embed_std`` is set), each seeded by the steps before it (the same as chained
-    `looprl sft --steps S --seed <steps so far>` calls), then with ``warm_start.gate_steps``
+    `looprl sft --steps S --seed <steps so far> --gate-steps 0` calls, those after the first
+    with --embed-std 0), then with ``warm_start.gate_steps``
     the exit-gate stage (`gate_stage`, seed 0), the last one renamed to ``out`` at the end (so
     ``out`` exists only when the whole chain is done). Returns each part's stats."""
 
