@@ -23,11 +23,12 @@ completion; accuracy = greedy exact match on the test split.
 Order: a fresh ``--family``/``--size`` checkpoint -> ONE supervised warm start on the train
 answers (``sft`` below: pipeline.commands.warm_start's recipe on the plain-text rendering,
 reference forward at full depth, ``--warm-steps`` AdamW steps of ``--warm-batch`` rows, the
-fresh model's input embedding first scaled to ``--embed-std`` (default 1.0; see
-`rescale_embedding`); the script renders
+fresh model's input embedding first scaled to ``--embed-std`` (default 1.0; the product's
+warm_start.embed_std: pipeline.commands.warm_start.rescale_embedding); the script renders
 the rows itself: the dataset task's loader took minutes per 2,000 rows on the loaded host)
 -> with ``--gate-warm-steps N`` (default 0: none), the exit gate trained as Ouro trains it
-(`gate_warm` in benchmarks/loop_credit_gate.py; Ouro families only), on the per-loop readouts of the train answers
+(`gate_warm` in benchmarks/loop_credit_gate.py: the product's warm_start.gate_steps stage,
+pipeline/commands/exit_stages.py; Ouro families only), on the per-loop readouts of the train answers
 (`loop_losses`: loop k = the depth-k forward): ``--gate-objective adaptive`` (default) is
 Ouro's stage II, the gate alone taught whether the next loop still lowers the token's loss
 (`gate_loss_adaptive`, ``--gate-slope`` k = 50, ``--gate-margin`` gamma = 0.005, the
@@ -102,26 +103,24 @@ from benchmarks.loop_credit_gate import check_gate_args, gate_report, gate_warm 
 from benchmarks.loop_credit_stats import t_interval, verdict  # noqa: E402
 from benchmarks.loop_credit_tasks import TASK_NAMES, Task, eval_all, write_data  # noqa: E402
 from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save  # noqa: E402
+from models.errors import ConfigError  # noqa: E402
 from models.exits import ExitPolicy, policy_from_dict  # noqa: E402
 from models.noise import derive_latent_seed  # noqa: E402
 from models.random_init import init_checkpoint  # noqa: E402
 from models.reference import SamplingParams, generate  # noqa: E402
 from models.ties import tied_from_module  # noqa: E402
-from pipeline.commands.warm_start import sft_steps  # noqa: E402
+from pipeline.commands.warm_start import rescale_embedding, row_picker, sft_steps  # noqa: E402
 from pipeline.config.run import RunConfig, load_config  # noqa: E402
 from proto.records import Rollout  # noqa: E402
 
 
 def sft(model: Any, task: Task, steps: int, lr: float, batch: int, seed: int) -> dict[str, Any]:
     """The warm start: pipeline.commands.warm_start's own loop (sft_steps) on random batches
-    of the training prompts and their targets."""
+    of the training prompts and their targets (its row_picker, warm_start.rows=random)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
-
-    def pick(_: int) -> list[tuple[list[int], list[int]]]:
-        return [(p.tokens, task.target(p)) for p in rng.sample(task.train, batch)]
-
-    losses = sft_steps(model, pick, steps, lr, 0, rng)
+    examples = [(p.tokens, task.target(p)) for p in task.train]
+    losses = sft_steps(model, row_picker(examples, batch, "random", rng), steps, lr, 0, rng)
     return {"steps": steps, "loss_first": losses[0], "loss_last": losses[-1],
             "s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
@@ -197,21 +196,6 @@ def rl_arm(cfg: RunConfig, warm: Path, task: Task, seed: int, args: argparse.Nam
           f"steps {t_step:.1f} s), eval {time.time() - t_rl:.1f} s",
           file=sys.stderr, flush=True)  # fmt: skip
     return out
-
-
-def rescale_embedding(model: Any, std: float) -> None:
-    """The fresh model's input embedding scaled to standard deviation ``std`` (Llama-like
-    families: ``model.embed_tokens``, untied from the head). The tiny preset's 0.02 leaves the
-    token in the residual at about 1/6 of each sandwich-normed block output (RMS 1), and the
-    tiny Ouro then learned no task here (see docs/PERFORMANCE.md)."""
-    emb = dict(model.named_parameters()).get("model.embed_tokens.weight")
-    if emb is None or "lm_head.weight" in tied_from_module(model):
-        raise SystemExit(
-            "--embed-std: needs an untied model.embed_tokens (ouro, nanbeige, llama); "
-            "pass --embed-std 0 to keep the preset's embedding"
-        )
-    with torch.no_grad():
-        emb.mul_(std / float(emb.float().std()))
 
 
 def widen(hidden: int) -> dict[str, int] | None:
@@ -399,8 +383,11 @@ def run_task(name: str, root: Path, args: argparse.Namespace, arms: list[tuple[s
         common.append(f"task.max_prompt_tokens={longest}")
     cfg0 = load_config(None, common)
     warm_model = load_model(Path(base))[1]
-    if args.embed_std:
-        rescale_embedding(warm_model, args.embed_std)
+    if args.embed_std:  # the product's warm_start.embed_std
+        try:
+            rescale_embedding(warm_model, args.embed_std)
+        except ConfigError as e:
+            raise SystemExit(f"--embed-std: {e}; pass --embed-std 0 to keep it") from None
     warm_model.to(args.device)
     ws = sft(warm_model, task, args.warm_steps, args.warm_lr, args.warm_batch, args.data_seed)
     print(f"# {name} sft: {ws}", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """A short supervised warm start: fine-tune a checkpoint on the train split's reference answers.
 
     looprl sft --config FILE --out DIR [--model DIR] [--steps 60] [--lr 3e-3] [--batch 32]
-               [--seed 0] [key=value ...]
+               [--seed 0] [--embed-std S] [--gate-steps G] [key=value ...]
 
 RL needs a policy that already answers in the task's format now and then: a randomly
 initialised model spreads its first token over the whole vocabulary, so it almost never
@@ -20,7 +20,10 @@ steps of next-token cross-entropy on the target tokens only, over shuffled batch
 ``batch`` rows (the reference PyTorch forward, models/reference.py, full depth, one latent
 seed per row) -> the weights are written as a full checkpoint (config, tokenizer and
 generation config copied from the source) to ``out``. Deterministic for a given (checkpoint,
-data, steps, lr, batch, seed) on one machine.
+data, steps, lr, batch, seed) on one machine. Two more parts, as the run config's
+``warm_start`` sets them (docs/TASKS.md "Mixed depth"): ``embed_std`` rescales the input
+embedding before the first step (`rescale_embedding`), and ``gate_steps`` trains every loop's
+readout and the exit gate after the last (Ouro's stages: pipeline/commands/exit_stages.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from models.checkpoint import load_model, read_config, save_checkpoint, state_di
 from models.errors import ConfigError
 from models.random_init import init_checkpoint
 from models.ties import tied_from_module as tied_of
+from pipeline.commands.exit_stages import gate_steps
 from pipeline.config.run import RunConfig, load_config
+from pipeline.config.sections import WarmStartRows
 from pipeline.core.tasks import TaskError, prompt_limit, read_split
 
 log = logging.getLogger(__name__)
@@ -160,14 +165,48 @@ def save_like(module: Any, source: Path, out: Path, dtype: torch.dtype | None = 
                            tied=tied_of(module), extra_files=extra)  # fmt: skip
 
 
+def rescale_embedding(module: Any, std: float) -> None:
+    """``module``'s input embedding scaled to standard deviation ``std`` (warm_start.embed_std;
+    Llama-like families: ``model.embed_tokens``, untied from the head); ConfigError for a model
+    without one."""
+    emb = dict(module.named_parameters()).get("model.embed_tokens.weight")
+    if emb is None or "lm_head.weight" in tied_of(module):
+        raise ConfigError(
+            f"warm_start.embed_std={std}: needs an untied model.embed_tokens (ouro, nanbeige, "
+            f"llama); {type(module).__name__} has none (set 0 to keep the embedding)"
+        )
+    with torch.no_grad():
+        emb.mul_(std / float(emb.float().std()))
+
+
+def row_picker(examples: Sequence[Example], batch: int, rows: WarmStartRows,
+               rng: random.Random) -> Callable[[int], list[Example]]:  # fmt: skip
+    """Step -> its ``batch`` examples (warm_start.rows): ``passes``, one shuffled pass over
+    ``examples`` after another; ``random``, each step ``rng.sample`` of them (what
+    benchmarks/loop_credit.py's warm start draws, so the same seed gives the same rows)."""
+    if rows == "random":
+        return lambda _: rng.sample(list(examples), min(batch, len(examples)))
+    order = list(range(len(examples)))
+
+    def pick(step: int) -> list[Example]:
+        if step * batch % len(examples) < batch:
+            rng.shuffle(order)
+        return [examples[order[(step * batch + i) % len(order)]] for i in range(batch)]
+
+    return pick
+
+
 def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
-               lr: float | None = None, batch: int | None = None,
-               seed: int = 0) -> dict[str, Any]:  # fmt: skip
+               lr: float | None = None, batch: int | None = None, seed: int = 0,
+               embed_std: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Fine-tune checkpoint ``model`` on the task's reference answers and write it to ``out``
-    (see the module doc); ``lr`` / ``batch`` None: the run config's warm_start.lr / batch.
-    Returns {"steps", "examples", "loss_first", "loss_last", "s"}."""
+    (see the module doc); ``lr`` / ``batch`` / ``embed_std`` None: the run config's
+    warm_start.lr / batch / embed_std (a nonzero ``embed_std`` rescales the input embedding
+    first: `rescale_embedding`). Returns {"steps", "examples", "loss_first", "loss_last",
+    "s"}."""
     lr = cfg.warm_start.lr if lr is None else lr
     batch = cfg.warm_start.batch if batch is None else batch
+    embed_std = cfg.warm_start.embed_std if embed_std is None else embed_std
     if steps < 1 or batch < 1 or not lr > 0:
         raise ConfigError(f"warm start needs steps >= 1, batch >= 1, lr > 0; got steps={steps}, "
                           f"batch={batch}, lr={lr}")  # fmt: skip
@@ -175,13 +214,10 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
     t0 = time.perf_counter()
     examples = sft_examples(cfg, model)
     _, module = load_model(model)
-    rng, order = random.Random(seed), list(range(len(examples)))
-
-    def pick(step: int) -> list[Example]:  # one shuffled pass over the examples after another
-        if step * batch % len(examples) < batch:
-            rng.shuffle(order)
-        return [examples[order[(step * batch + i) % len(order)]] for i in range(batch)]
-
+    if embed_std:
+        rescale_embedding(module, embed_std)
+    rng = random.Random(seed)
+    pick = row_picker(examples, batch, cfg.warm_start.rows, rng)
     pad = int(read_config(model).get("pad_token_id") or 0)
     losses = sft_steps(module, pick, steps, lr, pad, rng)
     save_like(module, model, out)
@@ -191,20 +227,57 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
     return stats
 
 
+def gate_stage(cfg: RunConfig, model: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
+    """The warm start's exit-gate stage: checkpoint ``model`` trained for ``steps`` steps
+    (``warm_start.gate_steps`` in a run) by pipeline.commands.exit_stages.gate_steps
+    (``warm_start.gate_objective``, its lr, beta, slope and margin; the run's numerics) on
+    random batches of ``warm_start.batch`` train rows (sft_examples: the targets the segments
+    learn; one latent seed per row), drawn from a generator seeded by ``seed``, and written to
+    ``out``. Returns {"gate_steps", "gate_objective", "loss_first", "loss_last", "s"}."""
+    w = cfg.warm_start
+    t0 = time.perf_counter()
+    examples = sft_examples(cfg, model)
+    _, module = load_model(model)
+    pad = int(read_config(model).get("pad_token_id") or 0)
+    rng = random.Random(f"gate/{seed}")
+
+    def pick(_: int) -> tuple[Any, Any, list[int]]:
+        chosen = rng.sample(examples, min(w.batch, len(examples)))
+        ids, mask = _batch(chosen, pad)
+        return ids, mask, [rng.getrandbits(32) for _ in chosen]
+
+    losses = gate_steps(module, pick, steps, w.gate_objective, w.gate_lr, w.gate_beta,
+                        w.gate_slope, w.gate_margin, cfg.numerics)  # fmt: skip
+    save_like(module, model, out)
+    stats = {"gate_steps": steps, "gate_objective": w.gate_objective,
+             "loss_first": losses[0], "loss_last": losses[-1],
+             "s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    log.info("warm start: gate stage %s", stats)
+    return stats
+
+
 def warm_start_chain(cfg: RunConfig, model: Path, out: Path) -> list[dict[str, Any]]:
     """The run config's warm start (``warm_start.segments``): ``warm_start`` segment after
-    segment from ``model``, each seeded by the steps before it (the same as chained `looprl
-    sft --steps S --seed <steps so far>` calls), the last one renamed to ``out`` at the end
-    (so ``out`` exists only when the whole chain is done). Returns each segment's stats."""
+    segment from ``model`` (the first one rescaling the input embedding when
+    ``warm_start.embed_std`` is set), each seeded by the steps before it (the same as chained
+    `looprl sft --steps S --seed <steps so far> --gate-steps 0` calls, those after the first
+    with --embed-std 0), then with ``warm_start.gate_steps``
+    the exit-gate stage (`gate_stage`, seed 0), the last one renamed to ``out`` at the end (so
+    ``out`` exists only when the whole chain is done). Returns each part's stats."""
 
     w, work = cfg.warm_start, out.parent / f".{out.name}-warm-start"
     shutil.rmtree(work, ignore_errors=True)
     cur, done, stats = model, 0, []
     for k, steps in enumerate(w.segments):
         nxt = work / f"s{done + steps}"
-        stats.append(warm_start(cfg, cur, nxt, steps=steps, lr=w.lr, batch=w.batch, seed=done))
+        stats.append(warm_start(cfg, cur, nxt, steps=steps, lr=w.lr, batch=w.batch, seed=done,
+                                embed_std=w.embed_std if k == 0 else 0.0))  # fmt: skip
         cur, done = nxt, done + steps
         log.info("warm start: segment %d of %d done (%d steps)", k + 1, len(w.segments), done)
+    if w.gate_steps:
+        nxt = work / f"gate{w.gate_steps}"
+        stats.append(gate_stage(cfg, cur, nxt, w.gate_steps, seed=0))
+        cur = nxt
     shutil.rmtree(out, ignore_errors=True)
     os.replace(cur, out)
     shutil.rmtree(work, ignore_errors=True)
@@ -223,6 +296,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None,
                    help="rows per step (default: the config's warm_start.batch)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="shuffle and latent seed (default 0)")
+    p.add_argument("--embed-std", type=float, default=None,
+                   help="input embedding std first (default: the config's warm_start.embed_std; "
+                        "0: keep)")  # fmt: skip
+    p.add_argument("--gate-steps", type=int, default=None,
+                   help="exit-gate stage steps after the SFT steps (default: the config's "
+                        "warm_start.gate_steps; its gate_* keys set the stage)")  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -247,7 +326,16 @@ def run(a: argparse.Namespace) -> int:
         else:
             model = init_checkpoint(cfg.model.family, cfg.model.size, out,
                                     seed=cfg.model.init_seed)  # fmt: skip
-        stats = warm_start(cfg, model, out, steps=a.steps, lr=a.lr, batch=a.batch, seed=a.seed)
+        gate = cfg.warm_start.gate_steps if a.gate_steps is None else a.gate_steps
+        if gate < 0 or (a.embed_std is not None and a.embed_std < 0):
+            raise ConfigError(f"--gate-steps and --embed-std must be >= 0, got {gate} and "
+                              f"{a.embed_std}")  # fmt: skip
+        sft_out = out.parent / f".{out.name}-sft" if gate else out
+        stats = warm_start(cfg, model, sft_out, steps=a.steps, lr=a.lr, batch=a.batch,
+                           seed=a.seed, embed_std=a.embed_std)  # fmt: skip
+        if gate:
+            stats["gate"] = gate_stage(cfg, sft_out, out, gate, seed=a.seed)
+            shutil.rmtree(sft_out, ignore_errors=True)
     except (ConfigError, ValueError) as e:
         print(f"looprl sft: error: {e}", file=sys.stderr)
         return 2

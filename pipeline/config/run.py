@@ -224,6 +224,10 @@ class RunConfig:
                                                   and bool(self.task.answer_column)),
                "warm_start.segments", self.warm_start.segments,
                "needs task.kind=dataset with task.answer_column (the reference answers)")  # fmt: skip
+        _check(not self.warm_start.gate_steps or bool(self.model.path)
+               or self.model.family == "ouro", "warm_start.gate_steps", self.warm_start.gate_steps,
+               f"needs a family with an exit gate read on its state (ouro), not "
+               f"model.family={self.model.family} (set 0)")  # fmt: skip
         _check(not self.eval.every or self.task.kind == "dataset", "eval.every", self.eval.every,
                "needs task.kind=dataset (an eval split)")  # fmt: skip
         policy = self.rollout.parsed_policy

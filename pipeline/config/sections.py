@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from generator.config import GeneratorConfig
 from models.errors import ConfigError
@@ -380,6 +380,19 @@ class EvalSection:
         _check(self.limit >= 0, "eval.limit", self.limit, "must be >= 0")
 
 
+GateObjective = Literal["entropy", "adaptive"]
+"""The warm start's exit-gate stage (WarmStartSection.gate_objective)."""
+GATE_OBJECTIVES: tuple[GateObjective, ...] = get_args(GateObjective)
+WarmStartRows = Literal["passes", "random"]
+"""How a warm-start step's rows are drawn (WarmStartSection.rows)."""
+WARM_START_ROWS: tuple[WarmStartRows, ...] = get_args(WarmStartRows)
+if TYPE_CHECKING:
+    _GateObjectiveSetting = GateObjective
+    _RowsSetting = WarmStartRows
+else:  # OmegaConf 2.3 refuses a Literal annotation: a str, checked once in __post_init__
+    _GateObjectiveSetting = _RowsSetting = str
+
+
 @dataclass(frozen=True)
 class WarmStartSection:
     """A supervised warm start before RL (`looprl sft`'s steps, run by `looprl learner` into
@@ -392,10 +405,45 @@ class WarmStartSection:
     lr: float = 3e-3
     """Learning rate of the warm start's AdamW."""
     batch: int = 32
-    """Examples per warm-start step."""
+    """Examples per warm-start step (the segments' and the gate stage's)."""
+    rows: _RowsSetting = "passes"
+    """How a segment step's rows are drawn: passes (one shuffled pass over the train rows
+    after another) or random (each step its own random draw, benchmarks/loop_credit.py's)."""
+    embed_std: float = 0.0
+    """Before the first segment, the starting checkpoint's input embedding scaled to this
+    standard deviation (0: kept); for a fresh checkpoint of a family with an untied
+    embedding (ouro, nanbeige, llama): the tiny presets' 0.02 leaves the token at ~1/6 of each
+    normed block's output and the tiny Ouro learns no mixed-depth answer (docs/TASKS.md)."""
+    gate_steps: int = 0
+    """After the segments, AdamW steps of Ouro's exit-gate stage (pipeline.commands.exit_stages;
+    Ouro only): every loop's readout trained on the reference answers; 0: none."""
+    gate_objective: _GateObjectiveSetting = "entropy"
+    """The gate stage's loss: entropy (Ouro's stage I: every parameter on the exit
+    distribution's expected per-loop loss minus gate_beta times its entropy) or adaptive
+    (stage II: the gate alone, taught whether the next loop still lowers the loss)."""
+    gate_lr: float = 3e-3
+    """Learning rate of the gate stage's AdamW."""
+    gate_beta: float = 0.05
+    """entropy: the weight of the exit distribution's entropy."""
+    gate_slope: float = 50.0
+    """adaptive: k of the ideal continue probability sigmoid(k (gain - gate_margin))."""
+    gate_margin: float = 0.005
+    """adaptive: gamma, the loss gain below which the next loop is not worth it."""
 
     def __post_init__(self) -> None:
         _check(all(s >= 1 for s in self.segments), "warm_start.segments", self.segments,
                "every segment needs >= 1 step")  # fmt: skip
         _check(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
         _check(self.batch >= 1, "warm_start.batch", self.batch, "must be >= 1")
+        _check(self.embed_std >= 0, "warm_start.embed_std", self.embed_std, "must be >= 0")
+        _check(self.gate_steps >= 0, "warm_start.gate_steps", self.gate_steps, "must be >= 0")
+        _check(self.rows in WARM_START_ROWS, "warm_start.rows", self.rows,
+               f"must be one of {', '.join(WARM_START_ROWS)}")  # fmt: skip
+        _check(self.gate_objective in GATE_OBJECTIVES, "warm_start.gate_objective",
+               self.gate_objective, f"must be one of {', '.join(GATE_OBJECTIVES)}")  # fmt: skip
+        _check(self.gate_lr > 0, "warm_start.gate_lr", self.gate_lr, "must be > 0")
+        _check(self.gate_beta >= 0, "warm_start.gate_beta", self.gate_beta, "must be >= 0")
+        _check(self.gate_slope > 0, "warm_start.gate_slope", self.gate_slope, "must be > 0")
+        _check(not (self.embed_std or self.gate_steps) or bool(self.segments),
+               "warm_start.segments", self.segments,
+               "embed_std and gate_steps are parts of a warm start: give it >= 1 segment")  # fmt: skip

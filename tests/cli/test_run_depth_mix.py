@@ -25,7 +25,7 @@ def test_depth_mix_with_exit_pdf_gradient_replays(tmp_path: Path, backend: str) 
     live = tmp_path / "live"
     code, err, _ = looprl_run(
         live, "steps=3", "generators.count=1", "generators.engine=torch",
-        "warm_start.segments=[5]", "eval.every=3", "eval.limit=4", "rollout.prompts_per_step=4", "rollout.n=4",
+        "warm_start.segments=[5]", "warm_start.gate_steps=2", "eval.every=3", "eval.limit=4", "rollout.prompts_per_step=4", "rollout.n=4",
         f"backend={backend}", "objective.loop_weighting=exit_pdf",
         "objective.exit_pdf_gradient=true", "rollout.exit_policy={kind: sampled_gate}",
         "objective.exit_coef=0.5", "learner.backprop_depth=0",

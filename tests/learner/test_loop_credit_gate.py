@@ -1,5 +1,6 @@
-"""benchmarks/loop_credit.py's exit-gate warm start (--gate-warm-steps): Ouro's exit
-distribution, the stage-I and stage-II gate losses by hand, and the per-loop readouts against
+"""The exit-gate warm start (pipeline/commands/exit_stages.py; benchmarks/loop_credit.py's
+--gate-warm-steps runs it): Ouro's exit distribution, the stage-I and stage-II gate losses by
+hand, and the per-loop readouts against
 fixed-depth forwards of a tiny Ouro.
 
 Cost: tensor-only tests (< 1 s), tiny-model forwards and argument checks (~4 s in all)."""
@@ -15,6 +16,7 @@ from learner.objective_config import ObjectiveConfig
 from learner.objectives.loops import loop_weights
 from models.config import tiny_config
 from models.reference import build_model
+from pipeline.commands import exit_stages
 from tests.bench_import import load_benchmark
 
 lc = load_benchmark("loop_credit")
@@ -31,13 +33,13 @@ def test_exit_pdf_by_hand_and_as_the_learner_reads_it() -> None:
     # = 0.5 * 0.25 = 0.125; the last gate logit is not used
     for last in (0.1, 0.9):
         g = _logit([0.5, 0.75, last])[:, None]
-        p = lcg.exit_log_pdf(g).exp()[:, 0]
+        p = exit_stages.exit_log_pdf(g).exp()[:, 0]
         torch.testing.assert_close(p, torch.tensor([0.5, 0.375, 0.125], dtype=torch.float64))
     # the learner's exit_pdf loop weights of a token that ran every loop are the same numbers
     g4 = _logit([0.5, 0.25, 0.5, 0.9])
     w = loop_weights(ObjectiveConfig(loop_weighting="exit_pdf"), torch.tensor([[4]]),
                      torch.tensor([4]), g4.float().view(1, 1, 4), 4)  # fmt: skip
-    torch.testing.assert_close(lcg.exit_log_pdf(g4[:, None].float()).exp()[:, 0], w[0, 0])
+    torch.testing.assert_close(exit_stages.exit_log_pdf(g4[:, None].float()).exp()[:, 0], w[0, 0])
 
 
 def test_stage1_entropy_loss_by_hand() -> None:
@@ -47,12 +49,14 @@ def test_stage1_entropy_loss_by_hand() -> None:
     loss = torch.tensor([[2.0], [1.0], [0.5]], dtype=torch.float64)
     h = 0.5 * math.log(2) + 0.375 * math.log(8 / 3) + 0.125 * math.log(8)
     assert abs(h - 0.9743148) < 1e-6
-    got = lcg.gate_loss_entropy(loss, g, 0.1)
+    got = exit_stages.gate_loss_entropy(loss, g, 0.1)
     assert abs(float(got) - (1.4375 - 0.1 * h)) < 1e-12
-    assert abs(float(lcg.gate_loss_entropy(loss, g, 0.0)) - 1.4375) < 1e-12
+    assert abs(float(exit_stages.gate_loss_entropy(loss, g, 0.0)) - 1.4375) < 1e-12
     # two tokens: the mean of the two per-token losses
     g2, loss2 = torch.cat([g, g], 1), torch.cat([loss, loss + 1.0], 1)
-    assert abs(float(lcg.gate_loss_entropy(loss2, g2, 0.1)) - (1.4375 - 0.1 * h + 0.5)) < 1e-12
+    assert (
+        abs(float(exit_stages.gate_loss_entropy(loss2, g2, 0.1)) - (1.4375 - 0.1 * h + 0.5)) < 1e-12
+    )
 
 
 def test_stage2_adaptive_loss_by_hand() -> None:
@@ -62,7 +66,7 @@ def test_stage2_adaptive_loss_by_hand() -> None:
     # mean 0.7309138
     g = _logit([0.5, 0.75, 0.99])[:, None].requires_grad_(True)
     loss = torch.tensor([[2.0], [1.0], [1.0]], dtype=torch.float64, requires_grad=True)
-    got = lcg.gate_loss_adaptive(loss, g, 50.0, 0.005)
+    got = exit_stages.gate_loss_adaptive(loss, g, 50.0, 0.005)
     w2 = 1 / (1 + math.exp(0.25))
     t2 = -(w2 * math.log(0.25) + (1 - w2) * math.log(0.75))
     assert abs(t2 - 0.7686804) < 1e-6
@@ -71,7 +75,9 @@ def test_stage2_adaptive_loss_by_hand() -> None:
     assert loss.grad is None  # the per-loop losses are labels, not trained through
     assert g.grad is not None and float(g.grad[2, 0]) == 0.0  # the last loop's gate unused
     # a loss that rises (L2 > L1): no gain, w = sigmoid(-0.25) too
-    up = lcg.gate_loss_adaptive(torch.tensor([[1.0], [1.5]]), torch.zeros(2, 1), 50.0, 0.005)
+    up = exit_stages.gate_loss_adaptive(
+        torch.tensor([[1.0], [1.5]]), torch.zeros(2, 1), 50.0, 0.005
+    )
     w = 1 / (1 + math.exp(0.25))
     assert abs(float(up) - (-(w * math.log(0.5) + (1 - w) * math.log(0.5)))) < 1e-6
 

@@ -1,0 +1,222 @@
+"""Does a learned exit pay over a whole run? `looprl run` on the mixed-depth task
+(configs/depth_mix.yaml) at the fixed full depth against the same run with a sampled, trained
+exit and a depth cost: throughput and held-out accuracy, 95% intervals over seeds, and on the
+last line the verdict.
+
+    python benchmarks/exit_pays.py --seeds 3          # CPU: tiny Ouro, 2 arms x 3 seeds
+    python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
+
+Order: ONE warm start for both arms, the product's (`looprl sft --config
+configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
+warm_start keys, embedding at std 1.0, random rows, then Ouro's stage I; docs/TASKS.md "Mixed
+depth") -> for each seed in 0..seeds-1 and each arm, a real `looprl run --config
+configs/depth_mix.yaml model.path=WARM warm_start.segments=[]` (its learner process, backend
+reference, and one `looprl generator` process on the torch engine: models.engine.chunk's
+depth-batched chunks on the CPU, one chunk per token whose deepest row sets its iterations;
+with ``--depth-ticks K`` the exit arm's generator decodes by ticks instead, its exit policy
+in kv last_exited, which the tick decode needs) of ``--steps`` GRPO steps of
+``--prompts`` x ``--n`` samples (the same samples in both arms; a seed fixes the run's prompt
+order and latent seeds) -> `looprl eval` (pipeline.commands.evaluation.evaluate) of the run's
+last published weights on the test split under the arm's own exit policy, greedy, by ``hops``.
+
+Arms: ``full``, the config as it is (every token at the full depth, 4 loops); ``exit``,
+rollout.exit_policy={kind: sampled_gate} (each token's exit drawn from the gate), the exit
+term objective.exit_coef=1.0 with objective.exit_entropy_coef=0.01, and the depth cost
+objective.depth_cost=``--depth-cost`` (0.05) in the advantage (depth_cost_in=advantage:
+docs/OBJECTIVES.md; the setting that kept accuracy in docs/PERFORMANCE.md "A sampled exit with
+a depth cost").
+
+Per run, from its metrics rows after the first step (the first waits on the generator's start)
+and its stream: ``samples_per_s`` and ``tokens_per_s`` = the steps' rollouts and generated
+tokens over the sum of their walls (``step_s``: the run's throughput, learner included);
+``gen_samples_per_s`` = an engine batch's samples (generators.max_inflight prompts x n) over
+its mean engine time (the rows' ``time/generation``: generation alone, batches taken as full); ``mean_depth`` = the trained rollouts' token-mean exit depth; ``accuracy`` (the arm's
+policy), ``accuracy/hops=h`` and ``accuracy@d`` (fixed depth d). Per arm: the mean over seeds,
+the sample standard deviation (``_std``) and the 95% t-interval of the mean (``_ci95``).
+
+Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, figure_seeds}},
+"warm_start": the warm start's stats, "settings", "samples_per_run", "wall_s", "load_1m"};
+last, the verdict: {"samples_per_s_ratio": exit / full paired by seed (mean, [95% CI]),
+"gen_samples_per_s_ratio", "accuracy_diff": exit - full paired by seed (mean, [95% CI]),
+"mean_depth": [full, exit], "seeds", "verdict": one sentence}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.loop_credit_stats import t_interval  # noqa: E402
+from pipeline.commands.evaluation import evaluate  # noqa: E402
+from pipeline.config.run import load_config  # noqa: E402
+from pipeline.core.metrics import read_metrics  # noqa: E402
+from pipeline.core.recorder import read_rollouts  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "depth_mix.yaml"
+QUIET = ["metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false",
+         "checkpoint.every=0", "checkpoint.final=false"]  # fmt: skip
+DEPTHS = (1, 2, 3, 4)
+
+
+def arm_overrides(arm: str, depth_cost: float, ticks: int) -> list[str]:
+    """The run-config overrides of ``arm`` (full or exit) over the shared ones; ``ticks`` > 0:
+    the exit arm's generator decodes by ticks (generators.depth_ticks, which needs the exit
+    policy's kv last_exited)."""
+    if arm == "full":
+        return []
+    policy = "{kind: sampled_gate, kv: last_exited}" if ticks else "{kind: sampled_gate}"
+    return [f"rollout.exit_policy={policy}", "objective.exit_coef=1.0",
+            "objective.exit_entropy_coef=0.01", f"objective.depth_cost={depth_cost}",
+            "objective.depth_cost_in=advantage", f"generators.depth_ticks={ticks}"]  # fmt: skip
+
+
+def _cli(args: list[str], log: Path, timeout_s: float) -> None:
+    """``python -m pipeline.cli ARGS`` (the `looprl` entry point) with its stderr in ``log``;
+    SystemExit with the log's tail when it fails."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as err:
+        code = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
+                              stdout=err, stderr=subprocess.STDOUT, timeout=timeout_s).returncode  # fmt: skip
+    if code:
+        raise SystemExit(f"looprl {args[0]} failed ({code}):\n{log.read_text()[-3000:]}")
+
+
+def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The shared warm start into ``root``/warm (`looprl sft`); its stats line. With ``--warm
+    DIR``, a copy of that checkpoint instead (a warm start of an earlier call)."""
+    out = root / "warm"
+    if args.warm:
+        shutil.copytree(args.warm, out, dirs_exist_ok=True)
+        return {"from": args.warm}
+    _cli(["sft", "--config", str(CONFIG), "--out", str(out), "--steps", str(args.warm_steps),
+          "--gate-steps", str(args.gate_steps)], root / "warm.log", 1800)  # fmt: skip
+    lines = [ln for ln in (root / "warm.log").read_text().splitlines() if ln.startswith("{")]
+    return dict(json.loads(lines[-1]))
+
+
+def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
+    """`looprl run` of ``arm`` with ``seed`` from the warm start, then its evaluation."""
+    live = root / f"{arm}-{seed}"
+    common = [f"model.path={root / 'warm'}", "warm_start.segments=[]", "warm_start.embed_std=0",
+              "warm_start.gate_steps=0", f"seed={seed}", f"steps={args.steps}",
+              f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
+              "generators.count=1", "generators.engine=torch", "eval.every=0",
+              "backend=reference", *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
+    t0 = time.time()
+    _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
+         root / f"{arm}-{seed}.log", 1800)  # fmt: skip
+    run_s = time.time() - t0
+    rows = [r for r in read_metrics(live / "metrics.jsonl") if r["step"] > 1]
+    wall = sum(r["step_s"] for r in rows)
+    samples = sum(r["perf/samples_per_s"] * r["step_s"] for r in rows)
+    batch_s = statistics.fmean(r.get("time/generation", 0.0) for r in rows)
+    depths = [int(d) for _, ro in read_rollouts(live / "stream") for d in ro.exit_depths]
+    weights = max((live / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
+    cfg = load_config(CONFIG, [f"run_dir={live}", *common])
+    held = cfg.generators.max_inflight  # prompts per engine batch (the config's 2)
+    batch_rows = min(held if isinstance(held, int) else args.prompts, args.prompts) * args.n
+    ev = evaluate(cfg, weights, tokenizer=root / "warm", depths=DEPTHS, by="hops",
+                  limit=args.eval_limit)  # fmt: skip
+    out = {"samples_per_s": samples / wall, "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
+           "gen_samples_per_s": batch_rows / batch_s if batch_s else 0.0,
+           "mean_depth": statistics.fmean(depths), "accuracy": ev["eval/accuracy"],
+           "eval_mean_depth": ev["eval/mean_depth"], "run_s": run_s}  # fmt: skip
+    hops = sorted({k.split("/")[1] for k in ev if k.startswith("eval/hops=")})
+    for key in ("accuracy", *(f"accuracy@{d}" for d in DEPTHS)):
+        if key != "accuracy":
+            out[key] = float(ev[f"eval/{key}"])
+        for h in hops:  # "hops=1": accuracy/hops=1, accuracy@d/hops=1
+            out[f"{key}/{h}"] = float(ev[f"eval/{h}/{key}"])
+    print(f"# {arm} seed {seed}: {json.dumps(out)}", file=sys.stderr, flush=True)
+    return out
+
+
+def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Mean, sample standard deviation, 95% t-interval and per-seed values of each figure."""
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        out[key] = statistics.fmean(vals)
+        out[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        out[f"{key}_ci95"] = list(t_interval(vals)[1:])
+        out[f"{key}_seeds"] = vals
+    return out
+
+
+def verdict(full: list[dict[str, float]], exit_: list[dict[str, float]]) -> dict[str, Any]:
+    """exit against full, paired by seed: the samples/s ratio and the accuracy difference,
+    each mean with its 95% t-interval, and one sentence."""
+    ratio = [e["samples_per_s"] / f["samples_per_s"] for f, e in zip(full, exit_)]
+    gen = [e["gen_samples_per_s"] / f["gen_samples_per_s"] for f, e in zip(full, exit_)
+           if f["gen_samples_per_s"]]  # fmt: skip
+    diff = [e["accuracy"] - f["accuracy"] for f, e in zip(full, exit_)]
+    r, d = t_interval(ratio), t_interval(diff)
+    g = t_interval(gen) if gen else (0.0, 0.0, 0.0)
+    depth = [statistics.fmean(x["mean_depth"] for x in arm) for arm in (full, exit_)]
+    n = len(ratio)
+    return {"samples_per_s_ratio": [r[0], [r[1], r[2]]],
+            "gen_samples_per_s_ratio": [g[0], [g[1], g[2]]],
+            "accuracy_diff": [d[0], [d[1], d[2]]], "mean_depth": depth, "seeds": n,
+            "verdict": (f"exit vs full: samples/s x{r[0]:.3f} (95% CI {r[1]:.3f}..{r[2]:.3f}), "
+                        f"generation-only x{g[0]:.3f} ({g[1]:.3f}..{g[2]:.3f}), accuracy "
+                        f"{d[0]:+.3f} ({d[1]:+.3f}..{d[2]:+.3f}), mean exit depth "
+                        f"{depth[1]:.2f} vs {depth[0]:.2f}, {n} seed(s)")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
+    p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
+    p.add_argument("--gate-steps", type=int, default=200, help="warm-start stage-I steps")
+    p.add_argument("--depth-ticks", type=int, default=0,
+                   help="the exit arm's generators.depth_ticks, with kv last_exited (0: one "
+                   "chunk per token, kv full)")  # fmt: skip
+    p.add_argument("--warm", default="", help="an earlier warm start's checkpoint (skip it)")
+    p.add_argument("--eval-limit", type=int, default=0, help="first N test prompts (0: all)")
+    p.add_argument("--out", default="", help="work directory (default: a temporary one)")
+    p.add_argument("--smoke", action="store_true",
+                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seeds, args.steps, args.prompts, args.n = 1, 3, 4, 4
+        args.warm_steps, args.gate_steps, args.eval_limit = 40, 5, 40
+    if args.seeds < 1 or args.steps < 2:
+        raise SystemExit("--seeds must be >= 1 and --steps >= 2 (the first step is not timed)")
+    t0, load0 = time.time(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.out or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        ws = warm_start(root, args)
+        print(f"# warm start: {json.dumps(ws)}", file=sys.stderr, flush=True)
+        runs: dict[str, list[dict[str, float]]] = {"full": [], "exit": []}
+        for seed in range(args.seeds):  # interleaved: a load change hits both arms alike
+            for arm in runs:
+                runs[arm].append(one_run(root, arm, seed, args))
+    print(json.dumps({
+        "arms": {arm: summarise(r) for arm, r in runs.items()}, "warm_start": ws,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "samples_per_run": args.steps * args.prompts * args.n,
+        "wall_s": round(time.time() - t0, 1), "load_1m": [load0, os.getloadavg()[0]],
+    }))  # fmt: skip
+    print(json.dumps(verdict(runs["full"], runs["exit"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
