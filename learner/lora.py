@@ -36,6 +36,7 @@ __all__ = [
     "LoraFactors",
     "apply_lora",
     "check_dropout",
+    "frozen_weights",
     "initial_a",
     "linear_names",
     "merged_state",
@@ -79,6 +80,11 @@ class Adapters:
             out[f"{name}.lora_A"] = f.lora_A.detach()
             out[f"{name}.lora_B"] = f.lora_B.detach()
         return out
+
+    def factor_copies(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """{module: (A, B)} copied now (the next step trains on): a version's adapter set."""
+        return {n: (f.lora_A.detach().clone(), f.lora_B.detach().clone())
+                for n, f in self.factors.items()}  # fmt: skip
 
     def parameters(self) -> list[nn.Parameter]:
         """A and B of every adapter, in the order of `factors`, then the trained norms."""
@@ -161,6 +167,19 @@ def initial_a(in_features: dict[str, int], rank: int, seed: int) -> dict[str, Te
     for name in sorted(in_features):
         bound = 1.0 / math.sqrt(in_features[name])
         out[name] = torch.empty(rank, in_features[name]).uniform_(-bound, bound, generator=gen)
+    return out
+
+
+@torch.no_grad()
+def frozen_weights(model: nn.Module, adapters: Adapters) -> dict[str, Tensor]:
+    """{"<module>.weight": W} of each adapted linear: its frozen base weight (without B A),
+    the tensor itself (it never changes)."""
+    modules = dict(model.named_modules())
+    out: dict[str, Tensor] = {}
+    for name in adapters.factors:
+        lin = modules[name]
+        assert parametrize.is_parametrized(lin, "weight")
+        out[f"{name}.weight"] = lin.parametrizations.weight.original.detach()  # type: ignore[union-attr]
     return out
 
 

@@ -32,7 +32,14 @@ from learner.megatron.layers import RMSNorm
 from models.errors import ConfigError
 from models.lora import merged_weight
 
-__all__ = ["LoraMerge", "apply_megatron_lora", "hf_linears", "megatron_adapters", "trained_norms"]
+__all__ = [
+    "LoraMerge",
+    "apply_megatron_lora",
+    "frozen_hf_weights",
+    "hf_linears",
+    "megatron_adapters",
+    "trained_norms",
+]
 
 
 class LoraMerge(nn.Module):
@@ -120,6 +127,20 @@ def apply_megatron_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapter
 
         owner.lora = LoraMerge([h.removesuffix(".weight") for h in rule.hf], shapes, own, layout)
     return Adapters(cfg, dict(sorted(factors.items())), norms)
+
+
+@torch.no_grad()
+def frozen_hf_weights(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
+    """{"<module>.weight": W} of the HF linears ``names``: the frozen base weight of each
+    (its part of the megatron weight, without the adapters), on rank 0 at tp 1."""
+    candidates, modules = hf_linears(model), dict(model.named_modules())
+    out: dict[str, Tensor] = {}
+    for name in names:
+        rule, i = candidates[name]
+        owner = modules[rule.mine.removesuffix(".weight")]
+        parts = to_full(model, rule, [owner.weight.detach()])  # type: ignore[arg-type]
+        out[f"{name}.weight"] = parts[i].contiguous()
+    return out
 
 
 def trained_norms(model: nn.Module) -> dict[str, nn.Parameter]:
