@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -253,6 +254,7 @@ class AdapterReceiver:
         if v <= self.serving:  # already serving it: our Ack was lost
             self.conn.send(Ack("weights", str(self.serving), self.serving), channel="weights")
             return None
+        t0 = time.perf_counter()
         try:
             base_digest = str(c["base_digest"])
             if self.base is not None and self.base_digest != base_digest:
@@ -264,12 +266,17 @@ class AdapterReceiver:
                 adapter = self._read(str(c["path"]), v, c, str(c["digest"]))
             except WeightsRefused as e:
                 raise WeightsRefused(f"adapter set of v{v}: {e}") from None
-            self.bytes_read["adapter"] += sum(t.nbytes for t in adapter.values())
+            nbytes = sum(t.nbytes for t in adapter.values())
+            self.bytes_read["adapter"] += nbytes
+            t1 = time.perf_counter()
             if self.base is None:  # a late joiner (or the first adapter): the base, once
                 self.base = self._read(str(c["base_path"]), v, c, base_digest)
                 self.base_digest = base_digest
                 self.bytes_read["base"] += sum(t.nbytes for t in self.base.values())
                 self.counts["base_read"] += 1
+                log.info("weights v%d: read the base %s once (%d bytes)", v, base_digest[:16],
+                         self.bytes_read["base"])  # fmt: skip
+            t2 = time.perf_counter()
             targets = [t for t in str(c["targets"]).split(",") if t]
             merged = merge_adapters(self.base, adapter, targets, float(c["scale"]))  # type: ignore[arg-type]
         except WeightsRefused as e:
@@ -282,4 +289,7 @@ class AdapterReceiver:
             self.counts["merge_mismatch"] += 1
             return self.fallback.handle(ann)
         self.counts["merged"] += 1
+        log.info("weights v%d: adapter set of %d bytes read in %.3f s, merged onto base %s and "
+                 "checked in %.3f s", v, nbytes, t1 - t0, base_digest[:16],
+                 time.perf_counter() - t2)  # fmt: skip
         return VerifiedWeights.of_checked(ann, merged)
