@@ -37,6 +37,7 @@ import json
 import logging
 import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -83,6 +84,13 @@ def adapter_state(
     return out
 
 
+def _views(pub: Publication) -> dict[str, Tensor]:
+    """{name: tensor} read-only views of ``pub``'s blob (nothing copied; never written to)."""
+    with warnings.catch_warnings():  # torch warns of a read-only buffer: these are only read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return state_from_blob(pub.blob, pub.tensors, verify=False, copy=False)
+
+
 def _write(state: Mapping[str, Tensor], pub_like: Publication, out: Path, version: int,
            tied: Mapping[str, str]) -> Publication:  # fmt: skip
     """``state`` written to ``out`` (HF layout, manifest.json) and read back as a Publication."""
@@ -123,7 +131,7 @@ class AdapterLine:
             return merged
         if merged.path is None:
             raise ValueError(f"weights v{merged.version}: no directory to put the adapter set in")
-        full = state_from_blob(merged.blob, merged.tensors, verify=False, copy=False)
+        full = _views(merged)
         state = adapter_state(factors, {n: full[n] for n in norms})
         out = Path(merged.path) / ADAPTER_DIR
         ad = _write(state, merged, out, merged.version, {})
@@ -146,7 +154,7 @@ class AdapterLine:
     ) -> Publication:
         """The base set (module docstring), written to RUN_DIR/weights/base unless a base of
         the same digest is there."""
-        full = state_from_blob(merged.blob, merged.tensors, verify=False, copy=False)
+        full = _views(merged)
         missing = sorted(set(frozen) - set(full))
         if missing:
             raise ValueError(f"adapted weights {missing} are not stored tensors of the set")
