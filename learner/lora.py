@@ -11,7 +11,8 @@ iterations as its weights are.
 
 Factors: A [r, in] uniform in +-1/sqrt(in) from one torch.Generator(seed), the targets taken in
 sorted-name order; B [out, r] zero, so the adapted model starts equal to its base bit for bit.
-Only A and B (and, with ``cfg.train_norms``, the RMSNorm weights) require grad: an optimizer
+Only A and B (and, with ``cfg.train_norms``, the RMSNorm weights; with
+``cfg.train_embeddings``, the token embedding, a tied head with it) require grad: an optimizer
 built over the parameters that require grad (learner.torch_policy.TorchNet) holds those only.
 """
 
@@ -67,7 +68,8 @@ class LoraFactors(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class Adapters:
     """The adapters `apply_lora` put on a model: {HF module name: its factors}, sorted by name,
-    and the norm weights trained in full beside them ({HF parameter name: parameter})."""
+    and the weights trained in full beside them ({HF parameter name: parameter}: the norms
+    with train_norms, the token embedding with train_embeddings)."""
 
     config: LoraConfig
     factors: dict[str, LoraFactors]
@@ -134,11 +136,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
             )
     model.requires_grad_(False)
     norms: dict[str, nn.Parameter] = {}
-    if cfg.train_norms:
-        for n, m in model.named_modules():
-            if isinstance(m, RMSNorm):
-                norms[f"{n}.weight"] = m.weight
-                m.weight.requires_grad_(True)
+    for n, m in model.named_modules():
+        if (cfg.train_norms and isinstance(m, RMSNorm)) or (
+            cfg.train_embeddings and isinstance(m, nn.Embedding)
+        ):
+            norms[f"{n}.weight"] = m.weight
+            m.weight.requires_grad_(True)
     linears = {n: modules[n] for n in names}
     starts = initial_a({n: m.in_features for n, m in linears.items()}, cfg.rank, seed)
     factors: dict[str, LoraFactors] = {}
