@@ -186,3 +186,54 @@ def test_a_corrupted_adapter_set_is_refused(published: Any, tmp_path: Path) -> N
     _refused(rx, conn, ann, "adapter set of v2")
     # the real one still merges afterwards
     assert rx.handle(v2.announce(0)) is not None
+
+
+@pytest.mark.parametrize("backend", ["reference", "megatron"])
+def test_a_resumed_learner_keeps_the_base_and_its_generators_merge_on(
+    backend: str, model: Path, tmp_path: Path
+) -> None:
+    """A learner that saves after v1 and a new one that resumes there: the new one's first
+    version is whole again and finds the base it would write already there (same digest: the
+    frozen weights did not change), so a generator that holds it merges the next adapter set
+    without reading the base again."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [f"backend={backend}", f"run_dir={run_dir}", *_RUN])
+
+    def trainer() -> Any:
+        if backend == "reference":
+            from pipeline.backends.reference_trainer import ReferenceTrainer
+
+            return ReferenceTrainer(cfg, model)
+        from pipeline.backends.megatron_adapter import MegatronTrainer
+
+        return MegatronTrainer(cfg, model)
+
+    conn = _Conn()
+    rx = AdapterReceiver(conn, WeightReceiver(conn, serving_version=-1), "g0")
+    t = trainer()
+    try:
+        t.publish(run_dir / "weights" / "v0", 0)
+        t.step(_rollouts(1), [False] * 8)
+        v1 = t.publish(run_dir / "weights" / "v1", 1)
+        t.save(run_dir, {"cursor": 1}, 2)
+    finally:
+        t.close() if hasattr(t, "close") else None
+    assert rx.handle(v1.announce(0)) is not None
+    rx.loaded(1)
+    t = trainer()
+    try:
+        ckpt = t.latest(run_dir)
+        assert ckpt is not None
+        t.load(ckpt)
+        pubs = []
+        for v in (2, 3):
+            t.step(_rollouts(v), [False] * 8)
+            pubs.append(t.publish(run_dir / "weights" / f"v{v}", v))
+        assert t.line.counts["base_kept"] == 1 and not t.line.counts["base_written"]
+    finally:
+        t.close() if hasattr(t, "close") else None
+    v2, v3 = pubs
+    assert not v2.adapter and v3.adapter["base_digest"] == v1.adapter["base_digest"]
+    w = rx.handle(v3.announce(0))
+    assert w is not None and w.digest == v3.digest and rx.counts["base_read"] == 1
+    assert not conn.nacks()
