@@ -161,7 +161,8 @@ class AdapterLine:
         state = {n: t for n, t in full.items() if n not in norms}
         state.update({n: w.detach().cpu().contiguous() for n, w in frozen.items()})
         out = self.weights_root / BASE_DIR
-        want = Publication.of_state(state, merged.version, out, tied=merged.tied,
+        tied = {t: src for t, src in merged.tied.items() if src in state}  # not a trained embedding
+        want = Publication.of_state(state, merged.version, out, tied=tied,
                                     config_json=merged.config_json)  # fmt: skip
         try:
             if read_manifest(out)["digest"] == want.digest:
@@ -170,7 +171,7 @@ class AdapterLine:
         except (OSError, ValueError, KeyError):
             pass
         self.counts["base_written"] += 1
-        return _write(state, merged, out, merged.version, merged.tied)
+        return _write(state, merged, out, merged.version, tied)
 
 
 def merge_adapters(

@@ -237,3 +237,39 @@ def test_a_resumed_learner_keeps_the_base_and_its_generators_merge_on(
     w = rx.handle(v3.announce(0))
     assert w is not None and w.digest == v3.digest and rx.counts["base_read"] == 1
     assert not conn.nacks()
+
+
+@pytest.mark.parametrize("backend", ["reference", "megatron"])
+def test_an_embedding_trained_in_full_travels_in_the_adapter_set(
+    backend: str, model: Path, tmp_path: Path
+) -> None:
+    """learner.lora.train_embeddings with adapter versions: the tied embedding is left out of
+    the base (with its tie: megatron's publication names it) and travels in each adapter set;
+    the merge reaches the merged digest."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [f"backend={backend}", f"run_dir={run_dir}", *_RUN,
+                             "learner.lora.train_embeddings=true"])  # fmt: skip
+    if backend == "reference":
+        from pipeline.backends.reference_trainer import ReferenceTrainer
+
+        t: Any = ReferenceTrainer(cfg, model)
+    else:
+        from pipeline.backends.megatron_adapter import MegatronTrainer
+
+        t = MegatronTrainer(cfg, model)
+    try:
+        v0 = t.publish(run_dir / "weights" / "v0", 0)
+        t.step(_rollouts(1), [False] * 8)
+        v1 = t.publish(run_dir / "weights" / "v1", 1)
+    finally:
+        t.close() if hasattr(t, "close") else None
+    assert v1.adapter and not v0.adapter
+    assert backend == "reference" or v0.tied == {"lm_head.weight": "transformer.wte.weight"}
+    base = Publication.from_dir(run_dir / "weights" / BASE_DIR, 0)
+    assert "transformer.wte.weight" not in {m["name"] for m in base.tensors}
+    ad = Publication.from_dir(v1.adapter["path"], 1)
+    assert "transformer.wte.weight" in {m["name"] for m in ad.tensors}
+    conn = _Conn()
+    rx = AdapterReceiver(conn, WeightReceiver(conn, serving_version=-1), "g0")
+    w = rx.handle(v1.announce(0))
+    assert w is not None and w.digest == v1.digest and rx.counts["merged"] == 1
