@@ -140,8 +140,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
         if (cfg.train_norms and isinstance(m, RMSNorm)) or (
             cfg.train_embeddings and isinstance(m, nn.Embedding)
         ):
-            norms[f"{n}.weight"] = m.weight
-            m.weight.requires_grad_(True)
+            w = m.weight
+            assert isinstance(w, nn.Parameter)
+            norms[f"{n}.weight"] = w
+            w.requires_grad_(True)
     linears = {n: modules[n] for n in names}
     starts = initial_a({n: m.in_features for n, m in linears.items()}, cfg.rank, seed)
     factors: dict[str, LoraFactors] = {}
