@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from learner.objective_config import (
     ObjectiveConfig,
@@ -174,6 +174,17 @@ class LoraConfig:
     """Also train every RMSNorm weight in full (a few hidden-size vectors; the final norm holds
     the logit scale of a frozen tied head); false: the adapters only."""
 
+    train_embeddings: bool = False
+    """Also train the token embedding in full (PEFT's modules_to_save; a tied head is the same
+    tensor, so it trains too): the weight a frozen tied head leaves no adapter for."""
+
+    publish: Literal["merged", "adapters"] = "merged"
+    """What a version carries to the generators: merged, the full merged set W + s B A;
+    adapters, the first version of a learner process the full set, each later one its adapter
+    set (the factors and the trained norms, a few MB) on that base, merged by the generator
+    and checked against the merged digest (weights.adapters; publish.transport shared_fs, shm
+    or cuda_ipc)."""
+
     @property
     def on(self) -> bool:
         """Adapters are trained (rank > 0)."""
@@ -197,6 +208,10 @@ class LoraConfig:
              "targets", "must be a non-empty list of module-name patterns (no blanks)")  # fmt: skip
         need(len(set(t)) == len(t), "targets", "must not repeat a pattern")
         need(isinstance(self.train_norms, bool), "train_norms", "must be true or false")
+        need(isinstance(self.train_embeddings, bool), "train_embeddings", "must be true or false")
+        need(self.publish in ("merged", "adapters"), "publish", "must be merged or adapters")
+        need(self.publish == "merged" or r > 0, "publish",
+             "adapters needs learner.lora.rank > 0 (without adapters every version is full)")  # fmt: skip
 
 
 def _chosen(value: Any, key: str) -> Any:

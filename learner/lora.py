@@ -11,7 +11,8 @@ iterations as its weights are.
 
 Factors: A [r, in] uniform in +-1/sqrt(in) from one torch.Generator(seed), the targets taken in
 sorted-name order; B [out, r] zero, so the adapted model starts equal to its base bit for bit.
-Only A and B (and, with ``cfg.train_norms``, the RMSNorm weights) require grad: an optimizer
+Only A and B (and, with ``cfg.train_norms``, the RMSNorm weights; with
+``cfg.train_embeddings``, the token embedding, a tied head with it) require grad: an optimizer
 built over the parameters that require grad (learner.torch_policy.TorchNet) holds those only.
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "LoraFactors",
     "apply_lora",
     "check_dropout",
+    "frozen_weights",
     "initial_a",
     "linear_names",
     "merged_state",
@@ -66,7 +68,8 @@ class LoraFactors(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class Adapters:
     """The adapters `apply_lora` put on a model: {HF module name: its factors}, sorted by name,
-    and the norm weights trained in full beside them ({HF parameter name: parameter})."""
+    and the weights trained in full beside them ({HF parameter name: parameter}: the norms
+    with train_norms, the token embedding with train_embeddings)."""
 
     config: LoraConfig
     factors: dict[str, LoraFactors]
@@ -79,6 +82,11 @@ class Adapters:
             out[f"{name}.lora_A"] = f.lora_A.detach()
             out[f"{name}.lora_B"] = f.lora_B.detach()
         return out
+
+    def factor_copies(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """{module: (A, B)} copied now (the next step trains on): a version's adapter set."""
+        return {n: (f.lora_A.detach().clone(), f.lora_B.detach().clone())
+                for n, f in self.factors.items()}  # fmt: skip
 
     def parameters(self) -> list[nn.Parameter]:
         """A and B of every adapter, in the order of `factors`, then the trained norms."""
@@ -128,11 +136,14 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
             )
     model.requires_grad_(False)
     norms: dict[str, nn.Parameter] = {}
-    if cfg.train_norms:
-        for n, m in model.named_modules():
-            if isinstance(m, RMSNorm):
-                norms[f"{n}.weight"] = m.weight
-                m.weight.requires_grad_(True)
+    for n, m in model.named_modules():
+        if (cfg.train_norms and isinstance(m, RMSNorm)) or (
+            cfg.train_embeddings and isinstance(m, nn.Embedding)
+        ):
+            w = m.weight
+            assert isinstance(w, nn.Parameter)
+            norms[f"{n}.weight"] = w
+            w.requires_grad_(True)
     linears = {n: modules[n] for n in names}
     starts = initial_a({n: m.in_features for n, m in linears.items()}, cfg.rank, seed)
     factors: dict[str, LoraFactors] = {}
@@ -161,6 +172,19 @@ def initial_a(in_features: dict[str, int], rank: int, seed: int) -> dict[str, Te
     for name in sorted(in_features):
         bound = 1.0 / math.sqrt(in_features[name])
         out[name] = torch.empty(rank, in_features[name]).uniform_(-bound, bound, generator=gen)
+    return out
+
+
+@torch.no_grad()
+def frozen_weights(model: nn.Module, adapters: Adapters) -> dict[str, Tensor]:
+    """{"<module>.weight": W} of each adapted linear: its frozen base weight (without B A),
+    the tensor itself (it never changes)."""
+    modules = dict(model.named_modules())
+    out: dict[str, Tensor] = {}
+    for name in adapters.factors:
+        lin = modules[name]
+        assert parametrize.is_parametrized(lin, "weight")
+        out[f"{name}.weight"] = lin.parametrizations.weight.original.detach()  # type: ignore[union-attr]
     return out
 
 

@@ -329,6 +329,14 @@ class WeightAnnounce:
       counter, as torch shares a storage), ``pid`` the learner's process, ``slot`` which of its
       buffers, ``digest`` the device digest of the blob in it (weights.device_digest, kind
       ``digest_kind`` "mix128"). A generator that cannot map it reads ``path`` as shared_fs.
+    adapter (protocol 1.10; empty otherwise): the version is also a low-rank adapter set on a
+      base (learner.lora.publish=adapters, weights.adapters): ``path`` the adapter set's
+      directory (its lora_A [r, in] / lora_B [out, r] per adapted module, the norms trained
+      in full), ``digest``, ``digest_kind``, ``digest_chunk_bytes``, ``bytes`` its tree digest
+      and size; ``base_path``, ``base_digest`` the base set it applies to (same kind and piece
+      size as the adapter's); ``targets`` the adapted module names, comma-separated, sorted;
+      ``scale`` alpha / rank. The announce's own fields still describe the merged set (its
+      digest is the merged digest): a generator without the base, or a 1.9 one, reads ``path``.
     """
 
     version: int
@@ -345,6 +353,7 @@ class WeightAnnounce:
     digest_chunk_bytes: int = 0
     chunk_digests: list[str] = field(default_factory=list)
     cuda_ipc: dict[str, Scalar] = field(default_factory=dict)
+    adapter: dict[str, Scalar] = field(default_factory=dict)
 
     def validate(self) -> None:
         w = f"weights v{self.version}"
@@ -402,6 +411,23 @@ class WeightAnnounce:
                 _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
                       f"{w}: cuda_ipc.{key} must be an integer >= 0")  # fmt: skip
             _need(len(str(c.get("digest"))) == 64, f"{w}: cuda_ipc.digest must be 64 hex chars")
+        if self.adapter:
+            c = self.adapter
+            _need(bool(self.path) and not self.num_chunks and not self.collective,
+                  f"{w}: adapter needs the merged directory (path) and no chunks")  # fmt: skip
+            for key in ("path", "base_path", "digest_kind", "targets"):
+                _need(isinstance(c.get(key), str) and bool(c.get(key)),
+                      f"{w}: adapter.{key} must be a non-empty string")  # fmt: skip
+            for key in ("digest", "base_digest"):
+                _need(isinstance(c.get(key), str) and len(str(c.get(key))) == 64,
+                      f"{w}: adapter.{key} must be 64 hex chars")  # fmt: skip
+            for key in ("digest_chunk_bytes", "bytes"):
+                x = c.get(key)
+                _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+                      f"{w}: adapter.{key} must be an integer >= 0")  # fmt: skip
+            s = c.get("scale")
+            _need(isinstance(s, int | float) and not isinstance(s, bool) and s > 0,
+                  f"{w}: adapter.scale must be a number > 0")  # fmt: skip
 
 
 @record("chunk")

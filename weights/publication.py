@@ -79,6 +79,10 @@ class Publication:
     """The stored tensors where the learner keeps them (a GPU: learner.publish), for a transport
     that sends them from there (weights.cuda_ipc), which empties it once it has; empty when the
     tensors were on the host. Not part of its identity."""
+    adapter: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The announce's ``adapter`` field (weights.adapters, learner.lora.publish=adapters): this
+    merged set is also an adapter set on a base, whose directory and digests it names; empty
+    for a plain set. Not part of its identity (the merged digest is)."""
 
     @classmethod
     def of_state(
@@ -165,6 +169,7 @@ class Publication:
             digest_kind=self.digest_kind,
             digest_chunk_bytes=self.digest_chunk_bytes,
             chunk_digests=list(self.chunk_digests),
+            adapter=dict(self.adapter),
         )
         ann.validate()
         return ann

@@ -38,7 +38,7 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -137,7 +137,8 @@ class WeightPublisher:
         is (``Publication.digests``, not computed again)."""
         path = "" if pub.path is None else str(Path(pub.path).resolve())
         return self.publish_blob(pub.version, pub.blob, tensors=pub.tensor_metas(),
-                                 config_json=pub.config_json, path=path, digest=pub.digests)  # fmt: skip
+                                 config_json=pub.config_json, path=path, digest=pub.digests,
+                                 adapter=pub.adapter)  # fmt: skip
 
     def publish_blob(
         self,
@@ -148,12 +149,14 @@ class WeightPublisher:
         config_json: str = "",
         path: str = "",
         digest: Digest | str | None = None,
+        adapter: Mapping[str, Any] | None = None,
     ) -> WeightAnnounce:
         """Make ``blob`` (canonical tensor bytes) version ``version`` and start sending it.
 
         ``digest``: what the caller computed (trusted, not computed again; a bare string is a
         flat-kind digest); None: computed here from the blob (the tree kind for tensors, the
-        flat sha256 of an opaque test payload). Not ``chunked``: only the announce travels,
+        flat sha256 of an opaque test payload). ``adapter``: the announce's adapter field
+        (weights.adapters; a directory announce only). Not ``chunked``: only the announce travels,
         with ``path`` (required) and the digest (required); the generator's engine loads the
         directory and checks that digest. WeightsRefused for a version not newer than the
         last, or a set that cannot be announced (no path or digest, an unknown digest kind)."""
@@ -185,6 +188,7 @@ class WeightPublisher:
             digest_kind=digest.kind,
             digest_chunk_bytes=digest.chunk_bytes,
             chunk_digests=list(digest.chunks),
+            adapter=dict(adapter or {}),
         )
         ann.validate()
         # a read-only blob (bytes, or weights.digest.blob_and_meta's view) is kept as

@@ -18,6 +18,10 @@ with a ``collective`` field) and handing every other record to the one below.
                 weights.collective.generator), ZMQ chunks for a generator that falls out
     cuda_ipc    shared_fs + the blob in a learner's device buffer, mapped, copied and checked
                 on the device by the generators on its host (weights.cuda_ipc)
+
+Over every transport's receiver sits ``weights.adapters.AdapterReceiver``: a version that is
+also an adapter set on a base (learner.lora.publish=adapters; the announce's ``adapter``
+field) is read as that set and merged onto the base the generator holds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from weights.adapters import AdapterReceiver
 from weights.collective.generator import CollectiveReceiver
 from weights.collective.learner import collective_publisher
 from weights.cuda_ipc import CudaIpcReceiver, cuda_ipc_publisher
@@ -96,7 +101,8 @@ def open_receiver(
         if t.receiver is not None:
             rx = t.receiver(conn, rx, generator_id, serving_version=serving_version,
                             max_total_bytes=max_total_bytes)  # fmt: skip
-    return rx
+    return AdapterReceiver(conn, rx, generator_id, serving_version=serving_version,
+                           max_total_bytes=max_total_bytes)  # fmt: skip
 
 
 __all__ = ["TRANSPORTS", "Transport", "open_publisher", "open_receiver"]

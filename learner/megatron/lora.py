@@ -13,7 +13,8 @@ W in fp64 and rounded once (models.lora): elementwise the weight the reference b
 so in numerics exact both backends compute with the same bits. A looped core block is one set
 of modules run at every iteration: its adapters are shared across iterations as its weights
 are. Every other base parameter is frozen (no gradient, no optimizer state), but for the
-RMSNorm weights with learner.lora.train_norms. Tensor parallel 1 only (the factors are whole on
+RMSNorm weights with learner.lora.train_norms and the token embedding with
+learner.lora.train_embeddings (a tied head is the same tensor). Tensor parallel 1 only (the factors are whole on
 each rank).
 """
 
@@ -32,7 +33,15 @@ from learner.megatron.layers import RMSNorm
 from models.errors import ConfigError
 from models.lora import merged_weight
 
-__all__ = ["LoraMerge", "apply_megatron_lora", "hf_linears", "megatron_adapters", "trained_norms"]
+__all__ = [
+    "LoraMerge",
+    "apply_megatron_lora",
+    "frozen_hf_weights",
+    "hf_linears",
+    "megatron_adapters",
+    "trained_full",
+    "trained_norms",
+]
 
 
 class LoraMerge(nn.Module):
@@ -92,11 +101,9 @@ def apply_megatron_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapter
     for name in names:
         by_owner.setdefault(candidates[name][0].mine, []).append(name)
     model.requires_grad_(False)
-    norms: dict[str, nn.Parameter] = {}
-    if cfg.train_norms:
-        norms = trained_norms(model)
-        for p in norms.values():
-            p.requires_grad_(True)
+    norms = trained_full(model, cfg)
+    for p in norms.values():
+        p.requires_grad_(True)
     hf = {}
     for mine in by_owner:
         rule = candidates[by_owner[mine][0]][0]
@@ -122,6 +129,20 @@ def apply_megatron_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapter
     return Adapters(cfg, dict(sorted(factors.items())), norms)
 
 
+@torch.no_grad()
+def frozen_hf_weights(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
+    """{"<module>.weight": W} of the HF linears ``names``: the frozen base weight of each
+    (its part of the megatron weight, without the adapters), on rank 0 at tp 1."""
+    candidates, modules = hf_linears(model), dict(model.named_modules())
+    out: dict[str, Tensor] = {}
+    for name in names:
+        rule, i = candidates[name]
+        owner = modules[rule.mine.removesuffix(".weight")]
+        parts = to_full(model, rule, [owner.weight.detach()])  # type: ignore[arg-type]
+        out[f"{name}.weight"] = parts[i].contiguous()
+    return out
+
+
 def trained_norms(model: nn.Module) -> dict[str, nn.Parameter]:
     """{HF name: parameter} of every RMSNorm weight of ``model``, sorted by name."""
     modules = dict(model.named_modules())
@@ -133,6 +154,20 @@ def trained_norms(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(sorted(out.items()))
 
 
+def trained_full(model: nn.Module, cfg: LoraConfig) -> dict[str, nn.Parameter]:
+    """{HF name: parameter} of the weights trained in full beside the adapters: the RMSNorm
+    weights with train_norms, the token embedding with train_embeddings; sorted by name."""
+    out = dict(trained_norms(model)) if cfg.train_norms else {}
+    if cfg.train_embeddings:
+        params = dict(model.named_parameters())
+        for rule in conversion_rules(model):  # type: ignore[arg-type]
+            if rule.mine == "embedding.weight" and rule.mine in params:
+                out[rule.hf[0]] = params[rule.mine]
+        if not any(rule.mine == "embedding.weight" for rule in conversion_rules(model)):  # type: ignore[arg-type]
+            raise ConfigError("learner.lora.train_embeddings: the model has no embedding rule")
+    return dict(sorted(out.items()))
+
+
 def megatron_adapters(model: nn.Module, cfg: LoraConfig) -> Adapters:
     """The adapters `apply_megatron_lora` put on ``model`` (by HF module name, sorted)."""
     factors: dict[str, LoraFactors] = {}
@@ -141,6 +176,4 @@ def megatron_adapters(model: nn.Module, cfg: LoraConfig) -> Adapters:
             for i, f in m.parts.items():
                 assert isinstance(f, LoraFactors)
                 factors[m.names[int(i)]] = f
-    return Adapters(
-        cfg, dict(sorted(factors.items())), trained_norms(model) if cfg.train_norms else {}
-    )
+    return Adapters(cfg, dict(sorted(factors.items())), trained_full(model, cfg))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from learner import checkpoint as learner_checkpoint
-from learner.megatron.lora import megatron_adapters
+from learner.megatron.lora import frozen_hf_weights, megatron_adapters
 from learner.megatron.options import MegatronOptions
 from learner.model_specs import looped_critic_spec, looped_policy_spec
 from learner.parallel import destroy_distributed, init_distributed
@@ -38,6 +38,7 @@ from pipeline.backends.learner_configs import check_reference, critic_optim, tra
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
 from proto.records import Rollout
+from weights.adapters import AdapterLine
 from weights.publication import Publication
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class MegatronTrainer:
             ref_state = load_checkpoint(ref_dir)[1]
         self.trainer = build_learner_trainer(cfg, self.model_config, hf_state, ref_state=ref_state)
         self.lora, self.model_dir = cfg.learner.lora, Path(model_dir)
+        self.line = (AdapterLine(cfg.run_dir, self.lora.scale)
+                     if self.lora.on and self.lora.publish == "adapters" else None)  # fmt: skip
+        """learner.lora.publish=adapters: each version's adapter set (weights.adapters)."""
         self.is_cap = cfg.objective.is_cap
 
     def step(
@@ -102,7 +106,20 @@ class MegatronTrainer:
             if self.rank == 0:
                 raise RuntimeError("publish: learner rank 0 got no Publication")
             return None
-        return SnapshotResult(finish, stages)
+        line = self.line
+        if line is None:
+            return SnapshotResult(finish, stages)
+        # learner.lora.publish=adapters: this version's adapter set (weights.adapters)
+        model = unwrap(self.trainer.policy_model)
+        ad = megatron_adapters(model, self.lora)
+        factors, norms = ad.factor_copies(), list(ad.norms)
+        frozen = frozen_hf_weights(model, list(ad.factors)) if line.base is None else {}
+        full = finish
+
+        def with_adapters() -> Publication:
+            return line.publication(full(), factors, frozen, norms)
+
+        return SnapshotResult(with_adapters, stages)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         """learner.checkpoint's; with adapters, rank 0 then adds adapter/ (learner.peft_adapter:

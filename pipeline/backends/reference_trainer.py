@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from learner.batching import sort_rollouts
-from learner.lora import apply_lora, merged_state
+from learner.lora import apply_lora, frozen_weights, merged_state
 from learner.peft_adapter import write_peft
 from learner.step import LearnerStep
 from learner.torch_policy import TorchPolicy
@@ -39,6 +39,7 @@ from pipeline.backends.learner_configs import check_reference, critic_optim, tra
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
 from proto.records import Rollout
+from weights.adapters import AdapterLine
 from weights.digest import check_finite
 from weights.publication import Publication
 
@@ -76,6 +77,9 @@ class ReferenceTrainer:
         lora = cfg.learner.lora
         self.adapters = apply_lora(model, lora, cfg.seed) if lora.on else None
         """learner.lora's adapters (learner.lora.rank > 0): the base frozen, A and B trained."""
+        self.line = (AdapterLine(cfg.run_dir, lora.scale)
+                     if lora.on and lora.publish == "adapters" else None)  # fmt: skip
+        """learner.lora.publish=adapters: each version's adapter set (weights.adapters)."""
         o = cfg.objective
         reference = None
         if o.kl_coef > 0:  # the frozen reference policy of the KL term
@@ -127,10 +131,18 @@ class ReferenceTrainer:
         own = state_dict_for_save(self.model) if self.adapters is None else merged_state(self.model)
         state = detached_copy(own)  # the next step trains on
         check_finite(state, f"weights v{version}")  # nothing non-finite is even written
+        line, ad = self.line, self.adapters
+        if line is not None:  # learner.lora.publish=adapters: this version's adapter set
+            assert ad is not None
+            factors, frozen = ad.factor_copies(), frozen_weights(self.model, ad)
 
         def finish() -> Publication:
             save_checkpoint(state, self.hf_config, out_dir, tied=self.tied, extra_files=extra)
-            return Publication.from_dir(out_dir, version)
+            pub = Publication.from_dir(out_dir, version)
+            if line is None:
+                return pub
+            assert ad is not None
+            return line.publication(pub, factors, frozen, list(ad.norms))
 
         return SnapshotResult(finish)
 

@@ -211,6 +211,10 @@ class RunConfig:
                    "where input dropout has no place: use 0")  # fmt: skip
             _check(self.tp == 1, "tp", self.tp,
                    "learner.lora: the megatron backend trains adapters at tp 1 only")  # fmt: skip
+        _check(lr.lora.publish == "merged" or self.publish.transport not in ("zmq", COLLECTIVE),
+               "publish.transport", self.publish.transport,
+               "learner.lora.publish=adapters names the adapter set's directory: use shared_fs, "
+               "shm or cuda_ipc (or learner.lora.publish=merged)")  # fmt: skip
         if self.backend == "reference":  # rule: every key honoured by every backend or refused
             for key, value, default in (
                 ("precision", lr.precision, "fp32"), ("recompute", lr.recompute, False),

@@ -215,7 +215,8 @@ class WeightAnnouncer:
             faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
         self.publisher.publish(pub)  # the transport's announce and transfers
         self.version, self.last_digest = v, pub.digest
-        self.announced_bytes = len(pub.blob)
+        # what a generator reads: the adapter set alone when the version carries one
+        self.announced_bytes = int(pub.adapter["bytes"]) if pub.adapter else len(pub.blob)
         self.set_status(v)
         # every directory older than the newest publish.keep (0: all kept), a killed run's too:
         # on a thread of its own (deleting a 1.1 GB file took 0.2 s of the coordinator's turn)

@@ -395,3 +395,32 @@ def test_backends_agree_on_a_llama_with_split_projections(tmp_path: Path) -> Non
             assert torch.equal(wa[k], base[k]), k
         if adapted:
             assert not torch.equal(wa[k], base[k]), k
+
+
+@pytest.mark.parametrize("backend", ["reference", "megatron"])
+def test_train_embeddings_trains_the_embedding_in_full(model: Path, backend: str) -> None:
+    """learner.lora.train_embeddings=true: the token embedding (the tiny Huginn's tied head with
+    it) is trained in full beside A, B and the norms, held by the optimizer, and moves."""
+    from learner.megatron.lora import megatron_adapters
+    from learner.replay import unwrap
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.backends.reference_trainer import ReferenceTrainer
+
+    cfg = load_config(None, [f"backend={backend}", *_RUN[1:], "learner.lora.rank=4",
+                             "learner.lora.train_embeddings=true"])  # fmt: skip
+    t: Any = ReferenceTrainer(cfg, model) if backend == "reference" else MegatronTrainer(cfg, model)
+    try:
+        if backend == "reference":
+            ad, opt = t.adapters, t.policy.policy.opt
+        else:
+            ad = megatron_adapters(unwrap(t.trainer.policy_model), cfg.learner.lora)
+            opt = t.trainer.policy.opt
+        assert "transformer.wte.weight" in ad.norms and len(ad.norms) == 17 + 1
+        held = [p for g in opt.param_groups for p in g["params"]]
+        assert len(held) == 2 * 16 + 17 + 1
+        before = ad.norms["transformer.wte.weight"].detach().clone()
+        t.step(_rollouts(), [False] * 8)
+        assert not torch.equal(before, ad.norms["transformer.wte.weight"].detach())
+    finally:
+        if hasattr(t, "close"):
+            t.close()

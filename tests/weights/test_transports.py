@@ -13,6 +13,7 @@ import torch
 from pipeline.config.run import load_config
 from proto.records import Ack, WeightAnnounce
 from weights import shm
+from weights.adapters import AdapterReceiver
 from weights.collective.generator import CollectiveReceiver
 from weights.cuda_ipc import CudaIpcReceiver
 from weights.publication import Publication, weights_dir
@@ -35,13 +36,17 @@ def test_the_registry_names_the_configs_transports() -> None:
 
 
 def test_the_generators_receiver_takes_every_transports_records() -> None:
-    """One receiver for any transport: cuda_ipc's and collective's on top (each takes its own
-    announces), the chunk stream's below them; an announced directory comes out as a VerifiedWeights to read."""
+    """One receiver for any transport: the adapter sets' on top (weights.adapters), then
+    cuda_ipc's and collective's (each takes its own announces), the chunk stream's below them;
+    an announced directory comes out as a VerifiedWeights to read."""
     conn = Sent()
-    rx = open_receiver(conn, "gen-0", serving_version=1)
+    top = open_receiver(conn, "gen-0", serving_version=1)
+    assert isinstance(top, AdapterReceiver) and top.serving == 1
+    rx = top.fallback
     assert isinstance(rx, CudaIpcReceiver) and isinstance(rx.fallback, CollectiveReceiver)
     assert isinstance(rx.fallback.fallback, WeightReceiver)
     assert rx.serving == rx.fallback.serving == rx.fallback.fallback.serving == 1
+    rx = top
     ann = WeightAnnounce(2, "ab" * 32, 0, 0, 0, path="/run/weights/v2")
     got = rx.handle(ann)
     assert got is not None and got.version == 2 and got.directory == "/run/weights/v2"
