@@ -4,6 +4,7 @@ validating its own values (a bad value is a models.errors.ConfigError naming the
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -444,6 +445,8 @@ class WarmStartSection:
         _check(self.gate_lr > 0, "warm_start.gate_lr", self.gate_lr, "must be > 0")
         _check(self.gate_beta >= 0, "warm_start.gate_beta", self.gate_beta, "must be >= 0")
         _check(self.gate_slope > 0, "warm_start.gate_slope", self.gate_slope, "must be > 0")
+        _check(math.isfinite(self.gate_margin) and self.gate_margin >= 0, "warm_start.gate_margin",
+               self.gate_margin, "must be a finite number >= 0")  # fmt: skip
         _check(not (self.embed_std or self.gate_steps) or bool(self.segments),
                "warm_start.segments", self.segments,
                "embed_std and gate_steps are parts of a warm start: give it >= 1 segment")  # fmt: skip

@@ -54,6 +54,9 @@ ACCEPTED = {
     ("eval.every", 0): "never", ("eval.temperature", 0): "greedy", ("eval.limit", 0): "all",
     ("objective.depth_cost", 0): "no compute cost in the reward",
     ("learner.max_tokens_per_micro", 0): "padded rows (no packing)",
+    ("warm_start.embed_std", 0): "the embedding kept", ("warm_start.gate_steps", 0): "no gate stage",
+    ("warm_start.gate_beta", 0): "no entropy term",
+    ("warm_start.gate_margin", 0): "any loss gain is worth the next loop",
 }  # fmt: skip
 
 
