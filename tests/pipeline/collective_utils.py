@@ -76,13 +76,16 @@ class Receiver:
         self.engine = KeepingEngine()
         self.conn = ZmqGeneratorConnection(TCFG, make_hello(gid, 2, 0), control=control,
                                            weights=weights)  # fmt: skip
-        self.sink = open_receiver(self.conn, gid, serving_version=0)
-        assert isinstance(self.sink, CollectiveReceiver)
+        stack = open_receiver(self.conn, gid, serving_version=0)  # the product's whole stack
+        sink: Any = stack
+        while not isinstance(sink, CollectiveReceiver):  # (adapters', cuda_ipc's above it)
+            sink = sink.fallback
+        self.sink: CollectiveReceiver = sink
         self.chunks = self.sink.fallback  # the chunk receiver under it
         self.loop = GeneratorLoop(
             self.engine, self.conn, RewardRunner(_zero_reward, mode="inline"),
             to_rollouts=lambda item, s, g: [], generator_id=gid, max_inflight=2,
-            weights=self.sink, poll_s=0.005,
+            weights=stack, poll_s=0.005,
         )  # fmt: skip
         self.thread = threading.Thread(target=self.loop.run, name=gid, daemon=True)
 
