@@ -5,7 +5,6 @@ refused by name."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +15,10 @@ import torch
 from models.errors import ConfigError
 from pipeline.config.run import load_config
 from proto.records import Rollout
+from tests.pipeline.test_epochs import _rollouts  # one batch of rollouts for a step
 
 _RUN = ["backend=reference", "rollout.n=4", "rollout.prompts_per_step=2",
         "learner.backprop_depth=0", "optimizer.lr=0.05"]  # fmt: skip
-
-
-def _rollouts(groups: int = 2, n: int = 4, seed: int = 0) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for g in range(groups):
-        prompt = np.array([1, 18 + g, 19 + g], np.int32)
-        for i in range(n):
-            toks = np.array([rng.randrange(20, 200) for _ in range(5)], np.int32)
-            out.append(Rollout(
-                rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
-                generator_id="g0", latent_seed=1000 * g + i, prompt_tokens=prompt, tokens=toks,
-                logprobs=np.full(5, -6.0, np.float32), exit_depths=np.full(5, 4, np.uint8),
-                weight_version=0, reward=float(rng.random()),
-            ))  # fmt: skip
-    return out
 
 
 @pytest.fixture(scope="module")

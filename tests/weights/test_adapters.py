@@ -10,16 +10,15 @@ engine, which keeps serving its version."""
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from pipeline.config.run import load_config
-from proto.records import Ack, Nack, Rollout, WeightAnnounce
+from proto.records import Ack, Nack, WeightAnnounce
+from tests.pipeline.test_epochs import _rollouts  # one batch of rollouts for a step
 from weights.adapters import ADAPTER_DIR, BASE_DIR, AdapterReceiver
 from weights.digest import digest_of_state
 from weights.publication import Publication
@@ -28,21 +27,6 @@ from weights.receiver import WeightReceiver
 _RUN = ["rollout.n=4", "rollout.prompts_per_step=2", "learner.backprop_depth=0",
         "optimizer.lr=0.05", "learner.lora.rank=4", "learner.lora.alpha=8",
         "learner.lora.publish=adapters"]  # fmt: skip
-
-
-def _rollouts(seed: int) -> list[Rollout]:
-    rng, out = random.Random(seed), []
-    for g in range(2):
-        prompt = np.array([1, 18 + g, 19 + g], np.int32)
-        for i in range(4):
-            toks = np.array([rng.randrange(20, 200) for _ in range(5)], np.int32)
-            out.append(Rollout(
-                rollout_id=f"w{g}/{i}", work_id=f"w{g}", prompt_id=f"p{g}", sample_index=i,
-                generator_id="g0", latent_seed=1000 * g + i, prompt_tokens=prompt, tokens=toks,
-                logprobs=np.full(5, -6.0, np.float32), exit_depths=np.full(5, 4, np.uint8),
-                weight_version=0, reward=float(rng.random()),
-            ))  # fmt: skip
-    return out
 
 
 class _Conn:
@@ -81,7 +65,7 @@ def _publish_three(backend: str, model: Path, run_dir: Path) -> list[Publication
     try:
         for v in range(3):
             if v:
-                t.step(_rollouts(v), [False] * 8)
+                t.step(_rollouts(seed=v), [False] * 8)
             pub = t.publish(run_dir / "weights" / f"v{v}", v)
             assert pub is not None
             pubs.append(pub)
@@ -213,7 +197,7 @@ def test_a_resumed_learner_keeps_the_base_and_its_generators_merge_on(
     t = trainer()
     try:
         t.publish(run_dir / "weights" / "v0", 0)
-        t.step(_rollouts(1), [False] * 8)
+        t.step(_rollouts(seed=1), [False] * 8)
         v1 = t.publish(run_dir / "weights" / "v1", 1)
         t.save(run_dir, {"cursor": 1}, 2)
     finally:
@@ -227,7 +211,7 @@ def test_a_resumed_learner_keeps_the_base_and_its_generators_merge_on(
         t.load(ckpt)
         pubs = []
         for v in (2, 3):
-            t.step(_rollouts(v), [False] * 8)
+            t.step(_rollouts(seed=v), [False] * 8)
             pubs.append(t.publish(run_dir / "weights" / f"v{v}", v))
         assert t.line.counts["base_kept"] == 1 and not t.line.counts["base_written"]
     finally:
@@ -259,7 +243,7 @@ def test_an_embedding_trained_in_full_travels_in_the_adapter_set(
         t = MegatronTrainer(cfg, model)
     try:
         v0 = t.publish(run_dir / "weights" / "v0", 0)
-        t.step(_rollouts(1), [False] * 8)
+        t.step(_rollouts(seed=1), [False] * 8)
         v1 = t.publish(run_dir / "weights" / "v1", 1)
     finally:
         t.close() if hasattr(t, "close") else None
