@@ -235,6 +235,8 @@ def main() -> int:
             "generators.kv_cache_mb": c.generators.kv_cache_mb,
             "generators.max_inflight": c.generators.max_inflight,
             "publish.transport": c.publish.transport,
+            "publish.directories": c.publish.directories,
+            "learner.lora.rank": c.learner.lora.rank,
         }  # fmt: skip
     if rows:
         step = statistics.median(float(r["step_s"]) for r in rows)

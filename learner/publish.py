@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from models.checkpoint import json_bytes, save_checkpoint
 from models.ties import detached_copy, view_key
 from weights.digest import check_finite
-from weights.publication import MANIFEST_NAME, Publication
+from weights.publication import MANIFEST_NAME, DeviceSnapshot, Publication
 
 __all__ = [
     "Exporter",
@@ -210,7 +210,21 @@ def snapshot_publication(
             pub.stage_s["write"] = time.perf_counter() - t0
         return pub
 
-    return finish
+    if ready is None:
+        return finish
+    return _Finish(finish, DeviceSnapshot(version, stored, dict(tied),
+                                          json_bytes(config_dict).decode("utf-8"), path, ready))  # fmt: skip
+
+
+class _Finish:
+    """``snapshot_publication``'s ``finish`` when the copy is on a GPU: callable as ever, with
+    the copy itself as ``device`` (weights.publication.DeviceSnapshot)."""
+
+    def __init__(self, finish: Callable[[], Publication], device: DeviceSnapshot) -> None:
+        self.finish, self.device = finish, device
+
+    def __call__(self) -> Publication:
+        return self.finish()
 
 
 def publish(

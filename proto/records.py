@@ -278,7 +278,10 @@ DIGEST_FLAT = "sha256"
 DIGEST_TREE = "sha256-tree"
 """sha256 over the ordered sha256 of fixed-size pieces (docs/CONTRACTS.md 6;
 weights.digest)."""
-DIGEST_KINDS = ("", DIGEST_FLAT, DIGEST_TREE)
+DIGEST_DEVICE = "mix128"
+"""The device kind (protocol 1.11: a version announced from the learner's GPU before, or
+without, any host copy; weights.device_digest, docs/CONTRACTS.md 6)."""
+DIGEST_KINDS = ("", DIGEST_FLAT, DIGEST_TREE, DIGEST_DEVICE)
 
 
 @dataclass
@@ -329,6 +332,10 @@ class WeightAnnounce:
       counter, as torch shares a storage), ``pid`` the learner's process, ``slot`` which of its
       buffers, ``digest`` the device digest of the blob in it (weights.device_digest, kind
       ``digest_kind`` "mix128"). A generator that cannot map it reads ``path`` as shared_fs.
+      Protocol 1.11: a version announced from the device before any host copy (publish.
+      directories=auto under cuda_ipc) is named by that device digest (``digest_kind``
+      "mix128", ``digest`` == ``cuda_ipc.digest``, per-tensor ``sha256`` empty) and has
+      ``path`` "" when no directory of it is written: the device buffer is its only copy.
     adapter (protocol 1.10; empty otherwise): the version is also a low-rank adapter set on a
       base (learner.lora.publish=adapters, weights.adapters): ``path`` the adapter set's
       directory (its lora_A [r, in] / lora_B [out, r] per adapted module, the norms trained
@@ -402,7 +409,9 @@ class WeightAnnounce:
                   f"{w}: collective.chunk_bytes must be an integer >= 0")  # fmt: skip
         if self.cuda_ipc:
             c = self.cuda_ipc
-            _need(bool(self.path), f"{w}: cuda_ipc needs the directory (path) beside it")
+            _need(bool(self.path) or self.digest_kind == DIGEST_DEVICE,
+                  f"{w}: cuda_ipc needs the directory (path) beside it, or digest_kind "
+                  f"{DIGEST_DEVICE} (a version that lives on the device only)")  # fmt: skip
             for key in ("device_uuid", "handle", "ref_handle", "digest", "digest_kind"):
                 _need(isinstance(c.get(key), str) and bool(c.get(key)),
                       f"{w}: cuda_ipc.{key} must be a non-empty string")  # fmt: skip
@@ -411,6 +420,11 @@ class WeightAnnounce:
                 _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
                       f"{w}: cuda_ipc.{key} must be an integer >= 0")  # fmt: skip
             _need(len(str(c.get("digest"))) == 64, f"{w}: cuda_ipc.digest must be 64 hex chars")
+            _need(self.digest_kind != DIGEST_DEVICE or c.get("digest") == self.digest,
+                  f"{w}: a {DIGEST_DEVICE}-named version's cuda_ipc.digest must be its digest")  # fmt: skip
+        elif self.digest_kind == DIGEST_DEVICE:
+            _need(False, f"{w}: digest_kind {DIGEST_DEVICE} names a version on the device: "
+                  "it needs the cuda_ipc field")  # fmt: skip
         if self.adapter:
             c = self.adapter
             _need(bool(self.path) and not self.num_chunks and not self.collective,

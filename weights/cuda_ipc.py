@@ -22,6 +22,17 @@ name, counted and logged, and the announce goes to the receiver below, which rea
 directory (checked as read): the generator serves its version until one loads. So does an
 announce it cannot map (another card, another host, no CUDA).
 
+Device first (publish.directories=when_free): a version whose snapshot is on the card
+(``Publication.device_state``'s ``DeviceSnapshot``) is packed and digested on the publishing
+thread and announced at once, named by its device digest (``Publication.on_device``, kind
+mix128, no path): no host blob, tree digest or disk write before it, the work that set the pace
+of a 7.1 GB version (13 s at Huginn-0125 on an H200). Its directory is written beside training
+by ``DirectoryWriter`` when that is free (the slot's bytes copied to a pinned host buffer under
+the slot's lock, then the tree digest and the safetensors from there); a version that comes
+while one is being written gets none, and ``close`` writes the newest one if it has none, so a
+run's last version is always on disk. A generator that cannot map or check such a version has
+no directory to read: it refuses it by name (a Nack) and serves what it has.
+
 Invariants: training never waits for a reader (the slot of version v is refilled by version
 v + slots without asking who reads it); a reader never serves a half-written set (its copy is
 checked after it is made, never the shared buffer before); ``slots`` is at least
@@ -32,20 +43,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
-from proto.records import WeightAnnounce
+from proto.records import Nack, WeightAnnounce
+from weights.check import WeightsRefused
 from weights.device_digest import KIND, device_digest, padded_size
-from weights.publication import Publication
+from weights.digest import DEFAULT_CHUNK_BYTES, TREE, blob_layout, weights_digest, with_sha256
+from weights.publication import MANIFEST_NAME, DeviceSnapshot, Publication
 from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
 from weights.receiver import GeneratorSide, Receiver
 from weights.verified import VerifiedWeights
@@ -54,7 +71,7 @@ log = logging.getLogger(__name__)
 CORRUPT_ENV = "LOOPRL_CORRUPT_IPC"
 """A test hook: ``<version>`` flips one byte of that version's slot after its digest."""
 
-__all__ = ["CORRUPT_ENV", "CudaIpcPublisher", "CudaIpcReceiver", "card_uuid",
+__all__ = ["CORRUPT_ENV", "CudaIpcPublisher", "CudaIpcReceiver", "DirectoryWriter", "card_uuid",
            "cuda_ipc_publisher", "pack", "unpack"]  # fmt: skip
 
 
@@ -96,16 +113,76 @@ def unpack(buf: torch.Tensor, tensors: list[Any]) -> dict[str, torch.Tensor]:
 class CudaIpcPublisher(WeightPublisher):
     """publish.transport=cuda_ipc, learner side (module docstring)."""
 
-    def __init__(self, endpoint: LearnerSide, *, slots: int = 2, **kw: Any) -> None:
-        """``slots``: device buffers, round robin (>= publish.max_pending + 1)."""
+    def __init__(
+        self, endpoint: LearnerSide, *, slots: int = 2, device_first: bool = False, **kw: Any
+    ) -> None:
+        """``slots``: device buffers, round robin (>= publish.max_pending + 1);
+        ``device_first``: publish.directories=when_free (module docstring)."""
         if slots < 2:
             raise ValueError(f"slots: expected >= 2, got {slots}")
         super().__init__(endpoint, chunked=False, **kw)
-        self.slots = slots
+        self.slots, self.device_first = slots, device_first
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._shared: list[dict[str, Any] | None] = [None] * slots
+        self._locks = [threading.Lock() for _ in range(slots)]  # a slot read by the writer
         self._next = 0
         self._ready: dict[int, dict[str, Any]] = {}  # version -> the announce's cuda_ipc field
+        self._held: dict[int, tuple[int, Publication, Path | None]] = {}  # slot -> its version
+        self.writer = DirectoryWriter(self)
+
+    def _slot(self, size: int, dev: torch.device) -> tuple[int, torch.Tensor, float]:
+        """The next slot, a buffer of ``size`` bytes on ``dev`` in it, its lock held (the
+        seconds waited for the writer to let go of it): the caller releases it."""
+        i = self._next
+        self._next = (i + 1) % self.slots
+        t0 = time.perf_counter()
+        self._locks[i].acquire()
+        waited = time.perf_counter() - t0
+        buf = self._bufs[i]
+        if buf is None or buf.numel() != size or buf.device != dev:
+            self._bufs[i] = self._shared[i] = None  # (the old one freed first)
+            buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=dev)
+        return i, buf, waited
+
+    def _corrupt(self, version: int, i: int, buf: torch.Tensor) -> None:
+        if os.environ.get(CORRUPT_ENV, "") == str(version):
+            buf[0:1].bitwise_xor_(0xFF)
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
+            log.warning("%s=%d: flipped byte 0 of slot %d", CORRUPT_ENV, version, i)
+
+    def prepare_device(self, snap: DeviceSnapshot) -> Publication:
+        """publish.directories=when_free: ``snap`` packed into the next slot and digested there,
+        its copy let go, and the version as ``Publication.on_device`` (named by that digest;
+        stages ``device_pack``, ``device_digest``, ``slot_wait``), its directory offered to
+        the writer once announced (``publish``)."""
+        state = snap.state
+        if not state:
+            raise ValueError(f"weights v{snap.version}: the device snapshot holds no tensors")
+        dev = next(iter(state.values())).device
+        layout = blob_layout(state)
+        nbytes = sum(int(t["nbytes"]) for t in layout)
+        with _on(dev), _side(dev, snap.ready):  # not behind the next step's kernels
+            i, buf, waited = self._slot(padded_size(nbytes), dev)
+            try:
+                self._held.pop(i, None)
+                t0 = time.perf_counter()
+                if pack(state, buf) != nbytes:
+                    raise ValueError(f"v{snap.version}: the packed blob is not {nbytes} bytes")
+                t1 = time.perf_counter()
+                digest = device_digest(buf, nbytes, layout)  # synchronises: the bytes are there
+                t2 = time.perf_counter()
+                self._corrupt(snap.version, i, buf)
+                shared = self._shared[i] = self._shared[i] or _share(buf)
+            finally:
+                self._locks[i].release()
+        state.clear()  # the snapshot's copy is not needed any more
+        pub = Publication.on_device(snap.version, digest, layout, tied=snap.tied,
+                                    config_json=snap.config_json)  # fmt: skip
+        pub.stage_s.update(device_pack=t1 - t0, device_digest=t2 - t1, slot_wait=waited)
+        self._held[i] = (snap.version, pub, snap.path)
+        self._ready[snap.version] = {**shared, "slot": i, "digest": digest, "digest_kind": KIND}
+        return pub
 
     def prepare(self, pub: Publication) -> Publication:
         """``pub``'s device tensors packed into the next slot and its device digest computed
@@ -120,38 +197,40 @@ class CudaIpcPublisher(WeightPublisher):
                             "generators read the directory)", pub.version)  # fmt: skip
             return pub
         dev = next(iter(state.values())).device
-        size = padded_size(len(pub.blob))
-        i = self._next
-        self._next = (i + 1) % self.slots
         with _on(dev):
-            t0 = time.perf_counter()
-            buf = self._bufs[i]
-            if buf is None or buf.numel() != size or buf.device != dev:
-                self._bufs[i] = self._shared[i] = None  # (the old one freed first)
-                buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=dev)
-            n = pack(state, buf)
-            if n != len(pub.blob):
-                raise ValueError(
-                    f"v{pub.version}: {n} bytes on the device, {len(pub.blob)} in the blob"
-                )
-            t1 = time.perf_counter()
-            digest = device_digest(buf, n, pub.tensors)  # synchronises: the bytes are there
-            t2 = time.perf_counter()
-            if os.environ.get(CORRUPT_ENV, "") == str(pub.version):
-                buf[0:1].bitwise_xor_(0xFF)
-                if buf.is_cuda:
-                    torch.cuda.synchronize(dev)
-                log.warning("%s=%d: flipped byte 0 of slot %d", CORRUPT_ENV, pub.version, i)
-            shared = self._shared[i] = self._shared[i] or _share(buf)
+            i, buf, _ = self._slot(padded_size(len(pub.blob)), dev)
+            try:
+                self._held.pop(i, None)
+                t0 = time.perf_counter()
+                n = pack(state, buf)
+                if n != len(pub.blob):
+                    raise ValueError(
+                        f"v{pub.version}: {n} bytes on the device, {len(pub.blob)} in the blob"
+                    )
+                t1 = time.perf_counter()
+                digest = device_digest(buf, n, pub.tensors)  # synchronises: the bytes are there
+                t2 = time.perf_counter()
+                self._corrupt(pub.version, i, buf)
+                shared = self._shared[i] = self._shared[i] or _share(buf)
+            finally:
+                self._locks[i].release()
         pub.stage_s["device_pack"], pub.stage_s["device_digest"] = t1 - t0, t2 - t1
         pub.device_state.clear()  # the snapshot's copy is not needed any more
         self._ready = {pub.version: {**shared, "slot": i, "digest": digest, "digest_kind": KIND}}
         return pub
 
     def publish(self, pub: Publication) -> WeightAnnounce:
-        """Announce ``pub``'s directory, with the ``cuda_ipc`` field when it was packed."""
-        ann = super().publish(pub)
+        """Announce ``pub``'s directory, with the ``cuda_ipc`` field when it was packed; a
+        version on the device only (``prepare_device``) without a directory, its directory
+        then offered to the writer."""
         field = self._ready.pop(pub.version, None)
+        if pub.on_device_only:
+            if field is None:
+                raise WeightsRefused(f"weights v{pub.version}: on the device only, not packed")
+            self.publish_announce(ann := pub.announce(0, created_at=time.time(), cuda_ipc=field))
+            self.writer.offer(int(field["slot"]))
+            return ann
+        ann = super().publish(pub)
         if field is not None:
             ann = dataclasses.replace(ann, cuda_ipc=field)
             ann.validate()
@@ -159,16 +238,134 @@ class CudaIpcPublisher(WeightPublisher):
         return ann
 
     def close(self) -> None:
-        """Free the buffers (a generator that maps one keeps the allocation alive until it
-        lets go: torch's reference counter of shared CUDA storages)."""
-        super().close()
-        self._bufs = [None] * self.slots
-        self._shared = [None] * self.slots
+        """Write the newest version's directory if it has none (the run's last version is
+        always on disk), then free the buffers (a generator that maps one keeps the
+        allocation alive until it lets go: torch's reference counter of shared CUDA
+        storages)."""
+        try:
+            self.writer.close(newest=self.version)
+        finally:
+            super().close()
+            self._bufs = [None] * self.slots
+            self._shared = [None] * self.slots
+
+
+class DirectoryWriter:
+    """publish.directories=when_free: the directories of device-only versions, one at a time,
+    on a thread of their own (module docstring). ``written``: the versions it wrote;
+    ``counts``: ``written``, ``skipped`` (came while busy), ``failed``."""
+
+    def __init__(self, pub: CudaIpcPublisher) -> None:
+        self.pub = pub
+        self.busy = False
+        self.written: list[int] = []
+        self.counts: Counter[str] = Counter()
+        self._host: torch.Tensor | None = None  # the pinned buffer, reused
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-dir")
+        self._lock = threading.Lock()
+
+    def offer(self, slot: int) -> bool:
+        """Write the directory of the version in ``slot`` if free (the slot locked while its
+        bytes are copied out); False: busy, skipped."""
+        held = self.pub._held.get(slot)
+        if held is None or held[2] is None:
+            return False
+        with self._lock:
+            if self.busy:
+                self.counts["skipped"] += 1
+                return False
+            self.busy = True
+        self._pool.submit(self._write, slot, *held)
+        return True
+
+    def _write(self, slot: int, version: int, pub: Publication, path: Path | None) -> None:
+        try:
+            self.write(slot, version, pub, path)
+        except Exception as e:  # noqa: BLE001 - a directory is a copy: the run goes on
+            self.counts["failed"] += 1
+            log.warning("weights v%d: its directory %s was not written: %s: %s", version, path,
+                        type(e).__name__, e)  # fmt: skip
+        finally:
+            with self._lock:
+                self.busy = False
+
+    def write(self, slot: int, version: int, pub: Publication, path: Path | None) -> None:
+        """``pub``'s directory at ``path`` from the bytes in ``slot`` (which must still hold
+        ``version``): copied to the host under the slot's lock, then hashed and written."""
+        if path is None:
+            return
+        t0 = time.perf_counter()
+        n = pub.nbytes
+        with self.pub._locks[slot]:
+            held = self.pub._held.get(slot)
+            buf = self.pub._bufs[slot]
+            if held is None or held[0] != version or buf is None:
+                self.counts["gone"] += 1
+                return
+            host = self._host
+            if host is None or host.numel() < n:
+                self._host = None
+                host = self._host = torch.empty(
+                    max(n, 1), dtype=torch.uint8, pin_memory=buf.is_cuda)  # fmt: skip
+            with _on(buf.device), _side(buf.device, None, "writer"):
+                host[:n].copy_(buf[:n])  # synchronous: pageable or pinned, the bytes are here
+        t1 = time.perf_counter()
+        blob = memoryview(host[:n].numpy().data).toreadonly() if n else memoryview(b"")
+        tensors = with_sha256(blob, pub.tensors)
+        d = weights_digest(blob, tensors, TREE, DEFAULT_CHUNK_BYTES)
+        t2 = time.perf_counter()
+        written = Publication(version, d.hex, path, blob, tensors, dict(pub.tied),
+                              pub.config_json, d.kind, d.chunk_bytes, d.chunks)  # fmt: skip
+        meta = {t["name"]: torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]), device="meta")
+                for t in tensors}  # fmt: skip
+        save_checkpoint(meta, json.loads(pub.config_json or "{}"), path, tied=pub.tied,
+                        extra_files={MANIFEST_NAME: written.manifest()},
+                        blob=(blob, tensors))  # fmt: skip
+        self.written.append(version)
+        self.counts["written"] += 1
+        log.info("weights v%d: directory %s written beside training (copy %.3f s, digest %.3f "
+                 "s, write %.3f s)", version, path, t1 - t0, t2 - t1,
+                 time.perf_counter() - t2)  # fmt: skip
+
+    def close(self, newest: int) -> None:
+        """Wait for the write in progress; then the ``newest`` version's directory if none
+        was written (still in its slot: nothing refills it)."""
+        self._pool.shutdown(wait=True)
+        if newest < 0 or newest in self.written:
+            return
+        for slot, (version, pub, path) in list(self.pub._held.items()):
+            if version == newest and path is not None and not (path / MANIFEST_NAME).is_file():
+                try:
+                    self.write(slot, version, pub, path)
+                except Exception as e:  # noqa: BLE001
+                    self.counts["failed"] += 1
+                    log.warning("weights v%d: its directory %s was not written at the end: "
+                                "%s: %s", version, path, type(e).__name__, e)  # fmt: skip
 
 
 def _on(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
     """``dev`` current for the block (a CUDA device; nothing for the CPU: tests)."""
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+_SIDE: dict[tuple[torch.device, str], Any] = {}
+
+
+def _side(
+    dev: torch.device, ready: Any, name: str = "pack"
+) -> contextlib.AbstractContextManager[Any]:
+    """A stream of the publisher's own on ``dev`` (CUDA; one per ``name``), current for the
+    block, that waits for ``ready`` (the snapshot's copies) first: the pack, the digest and the
+    writer's copy run beside the trainer's stream, not queued behind the kernels of the step
+    it already launched."""
+    if dev.type != "cuda":
+        return contextlib.nullcontext()
+    side = _SIDE.get((dev, name))
+    if side is None:
+        side = _SIDE[(dev, name)] = torch.cuda.Stream(dev)
+    if ready is not None:
+        side.wait_event(ready)
+    return torch.cuda.stream(side)
 
 
 def _share(buf: torch.Tensor) -> dict[str, Any]:
@@ -190,8 +387,9 @@ def cuda_ipc_publisher(
         raise ConfigError("publish.transport=cuda_ipc: this learner sees no CUDA device; "
                           "expected shm or shared_fs on a CPU host")  # fmt: skip
     slots = max(2, settings.max_pending + 1)
+    first = getattr(settings, "directories", "every") == "when_free"
     return CudaIpcPublisher(endpoint, slots=slots, chunk_bytes=settings.chunk_bytes,
-                            window=settings.window)  # fmt: skip
+                            window=settings.window, device_first=first)  # fmt: skip
 
 
 class CudaIpcReceiver:
@@ -220,14 +418,33 @@ class CudaIpcReceiver:
             got = self._receive(rec)
         except (RuntimeError, ValueError, OSError, KeyError) as e:
             self.counts["unmapped"] += 1
+            if not rec.path:
+                self._refuse(rec, f"the learner's device buffer cannot be mapped here "
+                                  f"({type(e).__name__}: {e})")  # fmt: skip
+                return None
             if self.counts["unmapped"] == 1:
                 log.warning("weights v%d: the learner's device buffer cannot be mapped here "
                             "(%s: %s); reading the directory (and every later one)",
                             rec.version, type(e).__name__, e)  # fmt: skip
             return self.fallback.handle(plain)
         if got is None:
+            if not rec.path:
+                self._refuse(rec, "the copy of the learner's device buffer does not match "
+                                  "its device digest (torn or corrupted)")  # fmt: skip
+                return None
             return self.fallback.handle(plain)
         return got
+
+    def _refuse(self, rec: WeightAnnounce, why: str) -> None:
+        """A version on the device only that cannot be taken here: refused by name (a Nack),
+        the version served kept (there is no directory to read instead)."""
+        self.counts["refused_device_only"] += 1
+        reason = (f"weights v{rec.version} lives on the learner's GPU only (publish.directories="
+                  f"when_free) and {why}; generators that cannot map it need "
+                  "publish.directories=every or another publish.transport")  # fmt: skip
+        log.error("%s", reason)
+        self.conn.send(Nack("weights", str(rec.version), reason[:2000], rec.version),
+                       channel="weights")  # fmt: skip
 
     def loaded(self, version: int) -> None:
         self.serving = max(self.serving, version)

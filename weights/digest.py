@@ -57,6 +57,7 @@ __all__ = [
     "TREE",
     "Digest",
     "blob_and_meta",
+    "blob_layout",
     "blob_digest",
     "canonical_digest",
     "check_finite",
@@ -73,6 +74,7 @@ __all__ = [
     "tree_of",
     "tree_root",
     "weights_digest",
+    "with_sha256",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
@@ -190,6 +192,32 @@ def blob_and_meta(state: Mapping[str, torch.Tensor]) -> tuple[memoryview, list[d
         for i, (name, sha) in enumerate(zip(names, shas))
     ]  # fmt: skip
     return view, meta
+
+
+def blob_layout(state: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """The canonical blob's layout of ``state`` without its bytes: per tensor, in sorted-name
+    order, {name, dtype, shape, offset, nbytes} (``blob_and_meta``'s metadata less sha256;
+    the tensors may live on a device)."""
+    out, off = [], 0
+    for name in sorted(state):
+        t = state[name]
+        n = int(t.numel()) * t.element_size()
+        out.append({"name": name, "dtype": dtype_name(t.dtype), "shape": [int(d) for d in t.shape],
+                    "offset": off, "nbytes": n})  # fmt: skip
+        off += n
+    return out
+
+
+def with_sha256(blob: memoryview, layout: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``layout`` (``blob_layout``) with each tensor's sha256 over its bytes of ``blob``,
+    hashed on the thread pool."""
+    shas = hash_pool().map(
+        lambda m: hashlib.sha256(
+            blob[int(m["offset"]) : int(m["offset"]) + int(m["nbytes"])]
+        ).hexdigest(),
+        layout,
+    )
+    return [{**m, "sha256": sha} for m, sha in zip(layout, shas)]
 
 
 def _canonical_flat(t: torch.Tensor) -> torch.Tensor | None:

@@ -46,6 +46,22 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "looprl-weights/1"
 
 
+@dataclass
+class DeviceSnapshot:
+    """A version's stored tensors as the trainer's snapshot left them on its GPU (learner.publish;
+    a transport that announces from there: weights.cuda_ipc, publish.directories=auto)."""
+
+    version: int
+    state: dict[str, torch.Tensor]
+    """The stored tensors (after the ties), the learner's own copy, on one CUDA device."""
+    tied: dict[str, str]
+    config_json: str
+    path: Path | None
+    """Where its directory goes if one is written (RUN_DIR/weights/v<version>)."""
+    ready: Any = None
+    """A CUDA event recorded after the snapshot's copies (wait on it before reading)."""
+
+
 @dataclass(frozen=True)
 class Publication:
     """One published weight set (rank 0's view)."""
@@ -112,6 +128,42 @@ class Publication:
                    d.kind, d.chunk_bytes, d.chunks, stage_s, dict(device_state or {}))  # fmt: skip
 
     @classmethod
+    def on_device(
+        cls,
+        version: int,
+        digest: str,
+        tensors: list[dict[str, Any]],
+        *,
+        tied: Mapping[str, str] | None = None,
+        config_json: str = "",
+    ) -> Publication:
+        """A version that lives on the device only (publish.transport=cuda_ipc with
+        publish.directories=auto, weights.cuda_ipc): named by its device digest ``digest``
+        (kind ``mix128``, weights.device_digest) over the canonical layout ``tensors``
+        ({name, dtype, shape, offset, nbytes}; no per-tensor sha256), no blob on the host, no
+        directory. ``nbytes`` is its size; ``digest_as`` needs a host blob and refuses here."""
+        from weights.device_digest import KIND
+
+        metas = [{**t, "sha256": str(t.get("sha256", ""))} for t in tensors]
+        return cls(version, digest, None, memoryview(b""), metas, dict(tied or {}), config_json,
+                   KIND, 0, ())  # fmt: skip
+
+    @property
+    def on_device_only(self) -> bool:
+        """Named by its device digest, with no host blob (``on_device``)."""
+        from weights.device_digest import KIND
+
+        return self.digest_kind == KIND and not len(self.blob)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of its canonical blob (bytes), also when the blob is on the device only."""
+        if len(self.blob) or not self.tensors:
+            return len(self.blob)
+        last = self.tensors[-1]
+        return int(last["offset"]) + int(last["nbytes"])
+
+    @classmethod
     def from_dir(cls, path: str | Path, version: int) -> Publication:
         """Read a written HF directory back: the state a generator's engine loads from it, so
         the digests agree by construction. NonFiniteWeightsError if a tensor is not finite."""
@@ -135,6 +187,13 @@ class Publication:
     def digest_as(self, kind: str = "", chunk_bytes: int = 0) -> str:
         """This set's digest of kind ``kind`` ("": the flat kind of runs recorded before the
         tree): what replay compares with a recorded digest of that kind."""
+        from weights.device_digest import KIND, reference_digest
+
+        if kind == KIND:  # a version named on the device (weights.cuda_ipc): its numpy spec
+            if self.on_device_only:
+                raise ValueError(f"weights v{self.version}: on the device only, no host blob")
+            return self.digest if self.digest_kind == KIND else reference_digest(
+                self.blob, self.tensors)  # fmt: skip
         kind = check_kind(kind, chunk_bytes)
         if (kind, chunk_bytes if kind == TREE else 0) == (
             self.digest_kind,
@@ -151,15 +210,24 @@ class Publication:
     def tensor_metas(self) -> list[TensorMeta]:
         return [TensorMeta(**t) for t in self.tensors]
 
-    def announce(self, chunk_bytes: int, *, created_at: float = 0.0) -> WeightAnnounce:
+    def announce(
+        self,
+        chunk_bytes: int,
+        *,
+        created_at: float = 0.0,
+        cuda_ipc: Mapping[str, Any] | None = None,
+    ) -> WeightAnnounce:
         """The WeightAnnounce of a chunked broadcast of `blob` in `chunk_bytes` chunks, or of
-        the directory alone (no chunks) when `chunk_bytes` is 0."""
-        if chunk_bytes < 0 or (chunk_bytes == 0 and self.path is None):
+        the directory alone (no chunks) when `chunk_bytes` is 0; ``cuda_ipc``: its field
+        (weights.cuda_ipc; what a version on the device only is announced with)."""
+        if self.on_device_only and chunk_bytes:
+            raise ValueError(f"weights v{self.version}: on the device only, no blob to chunk")
+        if chunk_bytes < 0 or (chunk_bytes == 0 and self.path is None and not self.on_device_only):
             raise ValueError(f"chunk_bytes: expected >= 1 (or 0 with a path), got {chunk_bytes}")
         ann = WeightAnnounce(
             version=self.version,
             digest=self.digest,
-            total_bytes=len(self.blob),
+            total_bytes=self.nbytes,
             chunk_bytes=chunk_bytes,
             num_chunks=-(-len(self.blob) // chunk_bytes) if chunk_bytes else 0,
             tensors=self.tensor_metas(),
@@ -170,6 +238,7 @@ class Publication:
             digest_chunk_bytes=self.digest_chunk_bytes,
             chunk_digests=list(self.chunk_digests),
             adapter=dict(self.adapter),
+            cuda_ipc=dict(cuda_ipc or {}),
         )
         ann.validate()
         return ann

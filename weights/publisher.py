@@ -78,6 +78,8 @@ class PublishSettings(Protocol):
     def collective_timeout_s(self) -> float: ...
     @property
     def collective_chunk_bytes(self) -> int: ...
+    @property
+    def directories(self) -> str: ...
 
 
 @dataclass
@@ -198,9 +200,19 @@ class WeightPublisher:
             if isinstance(blob, bytes) or (isinstance(blob, memoryview) and blob.readonly)
             else bytes(blob)
         )
-        self.announce, self._blob = ann, keep if chunked else b""
+        return self.publish_announce(ann, keep if chunked else b"")
+
+    def publish_announce(
+        self, ann: WeightAnnounce, blob: bytes | memoryview = b""
+    ) -> WeightAnnounce:
+        """Make the validated ``ann`` current (``blob``: what its chunks are cut from, when
+        ``chunked``) and start it towards every generator that serves an older version.
+        WeightsRefused for a version not newer than the last."""
+        if ann.version <= self.version:
+            raise WeightsRefused(f"version {ann.version} is not newer than {self.version}")
+        self.announce, self._blob = ann, blob
         for g in self._gens.values():
-            if g.serving < version:
+            if g.serving < ann.version:
                 self._start(g)
         self.counts["published"] += 1
         return ann

@@ -107,8 +107,8 @@ class MegatronTrainer:
                 raise RuntimeError("publish: learner rank 0 got no Publication")
             return None
         line = self.line
-        if line is None:
-            return SnapshotResult(finish, stages)
+        if line is None:  # the GPU copy too (cuda_ipc announces from it: weights.cuda_ipc)
+            return SnapshotResult(finish, stages, getattr(finish, "device", None))
         # learner.lora.publish=adapters: this version's adapter set (weights.adapters)
         model = unwrap(self.trainer.policy_model)
         ad = megatron_adapters(model, self.lora)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from weights.publication import Publication
+from weights.publication import DeviceSnapshot, Publication
 
 
 @dataclass(frozen=True)
@@ -39,3 +39,6 @@ class SnapshotResult:
     Publication it returns)."""
     stage_s: dict[str, float] = field(default_factory=dict)
     """Seconds of the taking's stages (megatron: ``gather``, the HF state gathered over TP)."""
+    device: DeviceSnapshot | None = None
+    """The taken tensors on the learner's GPU (megatron on CUDA; None on the CPU): what
+    publish.transport=cuda_ipc announces from before, or instead of, ``finish()``."""

@@ -16,6 +16,7 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
 | generators.inflight_updates | true with the torch engine (depth_ticks 0): a version swapped in between two decode steps of a running batch | false |
 | publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
+| publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; learner.lora.publish=merged), else every | every |
 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
 model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two
@@ -62,7 +63,7 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     value}}, and one line per choice saying why (the first line names the host)."""
     lr, gens, pub = cfg.learner, cfg.generators, cfg.publish
     autos = [lr.precision, lr.compile, lr.max_tokens_per_micro, gens.engine, gens.kv_cache_mb,
-             gens.max_inflight, gens.inflight_updates, pub.transport]  # fmt: skip
+             gens.max_inflight, gens.inflight_updates, pub.transport, pub.directories]  # fmt: skip
     if AUTO not in autos:
         return {}, []
     host = host or Host.here()
@@ -143,6 +144,16 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
         else:
             choose("publish", "transport", "shared_fs", "a CPU host" if not host.cuda
                    else "no local generator: the directory every host mounts")  # fmt: skip
+    if pub.directories == AUTO:
+        transport = out["publish"].get("transport", pub.transport)
+        if transport == "cuda_ipc" and cfg.learner.lora.publish != "adapters":
+            choose("publish", "directories", "when_free",
+                   "each version announced from the GPU once packed; its directory written "
+                   "beside training when the writer is free, the last one always")  # fmt: skip
+        else:
+            choose("publish", "directories", "every", "a CPU host" if not host.cuda
+                   else f"transport {transport}" if transport != "cuda_ipc"
+                   else "learner.lora.publish=adapters (adapter sets live in directories)")  # fmt: skip
     return {k: v for k, v in out.items() if v}, why
 
 

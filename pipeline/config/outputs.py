@@ -38,6 +38,8 @@ else:  # OmegaConf sees a str: 2.3 refuses a Literal annotation, 2.4 would refus
 
 COLLECTIVE_BACKENDS = ("gloo", "nccl")
 FSYNC = ("always", "batch", "never")
+DIRECTORIES = ("every", "when_free")
+"""publish.directories' values (PublishSection.directories)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,15 @@ class PublishSection:
     blob over the weights socket; collective: torch.distributed broadcast; cuda_ipc (a CUDA
     learner): shared_fs plus the blob in a device buffer the generators on its host map, copy
     and check on the device (weights.cuda_ipc) (old names disk, chunks are accepted)."""
+    directories: str = "auto"  # resolved at load (pipeline.config.device)
+    """Which versions get their directory RUN_DIR/weights/vN. every: each one, written (blob,
+    tree digest, safetensors) before it is announced. when_free (transport cuda_ipc only): each
+    version is announced from the learner's GPU as soon as it is packed and named by its
+    device digest (kind mix128), and its directory is written beside training only when the
+    writer is free (a version that comes while one is being written gets none), the run's last
+    version always; a generator that cannot map the learner's buffer gets nothing then (use
+    every, or another transport, for generators on other hosts). auto: when_free under
+    cuda_ipc (learner.lora.publish=merged), else every."""
     chunk_bytes: int = 4 << 20
     """zmq (and collective's fallback): bytes per WeightChunk."""
     window: int = 4
@@ -91,6 +102,12 @@ class PublishSection:
         _check(self.transport in (*WEIGHT_TRANSPORTS, "auto"), "publish.transport",
                self.transport, f"must be one of {(*WEIGHT_TRANSPORTS, 'auto')}")  # fmt: skip
         _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
+        _check(self.directories in ("auto", *DIRECTORIES), "publish.directories",
+               self.directories, f"must be one of {('auto', *DIRECTORIES)}")  # fmt: skip
+        _check(self.directories != "when_free" or self.transport in ("cuda_ipc", "auto"),
+               "publish.directories", self.directories,
+               f"when_free needs publish.transport cuda_ipc (got {self.transport}): only a "
+               "version on the device can be announced without its directory")  # fmt: skip
         _check(not isinstance(self.max_pending, bool) and isinstance(self.max_pending, int)
                and self.max_pending >= 0, "publish.max_pending", self.max_pending,
                "must be an integer >= 0 (0: publish before the next step starts)")  # fmt: skip

@@ -215,6 +215,15 @@ class RunConfig:
                "publish.transport", self.publish.transport,
                "learner.lora.publish=adapters names the adapter set's directory: use shared_fs, "
                "shm or cuda_ipc (or learner.lora.publish=merged)")  # fmt: skip
+        if self.publish.directories == "when_free":  # a version on the device only
+            _check(self.publish.transport == "cuda_ipc", "publish.directories", "when_free",
+                   f"needs publish.transport cuda_ipc (got {self.publish.transport}): only a "
+                   "version on the learner's GPU can be announced without its directory")  # fmt: skip
+            _check(lr.lora.publish == "merged", "publish.directories", "when_free",
+                   "learner.lora.publish=adapters announces adapter sets, which live in "
+                   "directories: use publish.directories=every")  # fmt: skip
+            _check(self.backend != "reference", "publish.directories", "when_free",
+                   "backend reference keeps its weights on the host: use every")  # fmt: skip
         if self.backend == "reference":  # rule: every key honoured by every backend or refused
             for key, value, default in (
                 ("precision", lr.precision, "fp32"), ("recompute", lr.recompute, False),

@@ -109,6 +109,9 @@ class WeightAnnouncer:
             return self.write(v, step)
         publisher, finish = self.publisher, taken.finish
         stages = {**taken.stage_s, "snapshot": time.perf_counter() - t1, "room_wait": room}
+        device, first = taken.device, getattr(publisher, "device_first", False)
+        if first and device is not None:  # cuda_ipc, directories when_free: announced from the GPU
+            return Snapshot(v, lambda: publisher.prepare_device(device), stages)  # type: ignore[attr-defined]
         return Snapshot(v, lambda: publisher.prepare(finish()), stages)
 
     def write(self, v: int, step: int) -> Written:
@@ -204,19 +207,20 @@ class WeightAnnouncer:
         ``again``: a version announced before this learner started (a resume at the newest
         version: generators that join now need it), not recorded a second time."""
         v = pub.version
-        if pub.path is None:
+        if pub.path is None and not pub.on_device_only:
             raise CoordinatorError(f"publication v{v} has no directory")
         assert again or v > self.version, f"v{v} announced after v{self.version}"
         if not again:
             # Write-ahead: a version is in digests.jsonl before any generator can hear of it, so
             # a resume never reuses the number of weights that were announced (core.resume).
+            (self.run_dir / "weights").mkdir(parents=True, exist_ok=True)  # a device-only v
             with (self.run_dir / "weights" / "digests.jsonl").open("a") as f:
                 f.write(json.dumps(pub.record()) + "\n")  # with its digest kind
             faults.kill_at("announce", v)  # the crash tests' kill -9: written, never announced
         self.publisher.publish(pub)  # the transport's announce and transfers
         self.version, self.last_digest = v, pub.digest
         # what a generator reads: the adapter set alone when the version carries one
-        self.announced_bytes = int(pub.adapter["bytes"]) if pub.adapter else len(pub.blob)
+        self.announced_bytes = int(pub.adapter["bytes"]) if pub.adapter else pub.nbytes
         self.set_status(v)
         # every directory older than the newest publish.keep (0: all kept), a killed run's too:
         # on a thread of its own (deleting a 1.1 GB file took 0.2 s of the coordinator's turn)

@@ -34,7 +34,7 @@ def test_a_cpu_host_keeps_todays_defaults() -> None:
     assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
     assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
     assert cfg.generators.inflight_updates is False
-    assert len(cfg.device_choices) == 9 and all("a CPU host" in x for x in cfg.device_choices)
+    assert len(cfg.device_choices) == 10 and all("a CPU host" in x for x in cfg.device_choices)
     assert device_defaults.summary(cfg.device_choices) is None  # nothing new to print on a CPU
 
 
