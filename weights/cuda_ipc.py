@@ -71,13 +71,24 @@ log = logging.getLogger(__name__)
 CORRUPT_ENV = "LOOPRL_CORRUPT_IPC"
 """A test hook: ``<version>`` flips one byte of that version's slot after its digest."""
 
-__all__ = ["CORRUPT_ENV", "CudaIpcPublisher", "CudaIpcReceiver", "DirectoryWriter", "card_uuid",
+__all__ = ["CORRUPT_ENV", "CudaIpcPublisher", "CudaIpcReceiver", "DirectoryWriter", "card_uuid", "card_visible",
            "cuda_ipc_publisher", "pack", "unpack"]  # fmt: skip
 
 
 def card_uuid(device: torch.device | int) -> str:
     """The UUID of a CUDA card (the same string in every process that sees it)."""
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+_VISIBLE: list[set[str]] = []
+
+
+def card_visible(uuid: str) -> bool:
+    """Whether this process sees the CUDA card ``uuid`` (``card_uuid``'s string)."""
+    if not _VISIBLE:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _VISIBLE.append({card_uuid(i) for i in range(n)})
+    return bool(uuid) and uuid in _VISIBLE[0]
 
 
 def pack(state: Mapping[str, torch.Tensor], buf: torch.Tensor) -> int:

@@ -122,6 +122,37 @@ def test_a_late_joiner_reads_the_base_once_then_merges_each_adapter_set(publishe
     assert rx.bytes_read["adapter"] < len(v2.blob) / 2
 
 
+def test_an_announce_from_a_card_this_process_sees_goes_to_the_device_copy(
+    published: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuda_ipc beside the adapter set: where the learner's card is ours, the receivers below
+    (the device copy, checked there) take it, not the host merge; elsewhere the adapter set."""
+    import dataclasses
+
+    from weights import adapters, cuda_ipc
+
+    _, (_, v1, _) = published
+    ipc = {"device_uuid": "GPU-learner", "handle": "01" * 8, "size": 1, "offset": 0,
+           "ref_handle": "02", "ref_offset": 0, "pid": 1, "slot": 0, "digest": "0" * 64,
+           "digest_kind": "mix128"}  # fmt: skip
+    ann = dataclasses.replace(v1.announce(0), cuda_ipc=ipc)
+    below: list[Any] = []
+
+    class Below(WeightReceiver):
+        def handle(self, rec: Any) -> Any:
+            below.append(rec)
+            return "the device copy"
+
+    conn = _Conn()
+    rx = AdapterReceiver(conn, Below(conn, serving_version=-1), "g0")
+    assert not cuda_ipc.card_visible("GPU-learner")  # another host's card: the adapter set
+    w = rx.handle(ann)
+    assert w is not None and w.digest == v1.digest and rx.counts["merged"] == 1 and not below
+    monkeypatch.setattr(adapters, "card_visible", lambda uuid: uuid == "GPU-learner")
+    assert rx.handle(dataclasses.replace(ann, version=9)) == "the device copy"
+    assert below[-1].cuda_ipc == ipc and rx.counts["device_copy"] == 1
+
+
 def _receiver_holding(v1: Publication) -> tuple[_Conn, AdapterReceiver]:
     conn = _Conn()
     rx = AdapterReceiver(conn, WeightReceiver(conn, serving_version=-1), "g0")
