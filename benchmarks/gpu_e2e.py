@@ -87,7 +87,7 @@ def warm_start(init: Path, out: Path, device: str, steps: int, lr: float) -> dic
 
 
 def looprl_run(run_dir: Path, model: Path, steps: int, staleness: int, lr: float, device: str,
-               timeout: float) -> tuple[int, float]:  # fmt: skip
+               timeout: float, extra: list[str] | None = None) -> tuple[int, float]:  # fmt: skip
     """`looprl run` as a user types it; (exit code, wall seconds)."""
     args = [f"run_dir={run_dir}", f"model.path={model}", f"steps={steps}",
             "generators.engine=torch", "generators.count=1", f"optimizer.lr={lr}",
@@ -100,6 +100,7 @@ def looprl_run(run_dir: Path, model: Path, steps: int, staleness: int, lr: float
             "metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false"]  # fmt: skip
     if device.startswith("cuda"):  # the torch engine's cache budget (kv_cache_mb): 32 GiB
         args += ["learner.precision=bf16", "generators.kv_cache_mb=32768"]
+    args += list(extra or [])  # --set: e.g. learner.lora.rank=16
     t0 = time.perf_counter()
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
         p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", *args], cwd=ROOT,
@@ -142,6 +143,9 @@ def summarise(run_dir: Path, warmup: int, bound: float) -> dict[str, Any]:
         "reward_last5": round(sum(rewards[-5:]) / len(rewards[-5:]), 4),
         "logprob_mismatch_max": max(float(r.get("logprob_mismatch") or 0.0) for r in rows),
         "refused_total": int(rows[-1].get("refused_total", 0)),
+        "learner_peak_gib": max((float(r["mem/peak_gib"]) for r in rows if "mem/peak_gib" in r),
+                                default=None),  # fmt: skip
+        "delivery_s_max": round(max(float(r.get("time/weight_delivery") or 0.0) for r in win), 3),
         "timeline_mean_s": {
             k: round(total(k) / len(win), 4)  # where a step's time went
             for k in sorted({k for r in win for k in r if k.startswith("time/")})
@@ -163,11 +167,13 @@ def main() -> int:
     ap.add_argument("--sft-lr", type=float, default=1e-4)
     ap.add_argument("--lr", type=float, default=None, help="RL lr (default: the shape's)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per looprl run")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more run keys for both runs (e.g. learner.lora.rank=16)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     lr = a.lr if a.lr is not None else LR[a.size]
-    result: dict[str, Any] = {"size": a.size, "device": a.device, "lr": lr,
+    result: dict[str, Any] = {"size": a.size, "device": a.device, "lr": lr, "set": a.set,
                               "prompts": PROMPTS, "n": N, "max_tokens": TOKENS}  # fmt: skip
     if a.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(0)
@@ -187,7 +193,7 @@ def main() -> int:
         if steps <= 0:
             continue
         run_dir = out / f"run_{name}"
-        rc, wall = looprl_run(run_dir, out / "warm", steps, stale, lr, a.device, a.timeout)
+        rc, wall = looprl_run(run_dir, out / "warm", steps, stale, lr, a.device, a.timeout, a.set)
         log(f"{name}: rc {rc} in {wall:.0f} s")
         result[name] = {"rc": rc, "wall_s": round(wall, 1), **summarise(run_dir, a.warmup, bound)}
         if rc != 0:
