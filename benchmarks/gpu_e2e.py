@@ -143,8 +143,9 @@ def summarise(run_dir: Path, warmup: int, bound: float) -> dict[str, Any]:
         "reward_last5": round(sum(rewards[-5:]) / len(rewards[-5:]), 4),
         "logprob_mismatch_max": max(float(r.get("logprob_mismatch") or 0.0) for r in rows),
         "refused_total": int(rows[-1].get("refused_total", 0)),
-        "learner_peak_gib": max((float(r["mem/peak_gib"]) for r in rows if "mem/peak_gib" in r),
-                                default=None),  # fmt: skip
+        "learner_peak_gib": max(
+            (float(r["mem/peak_gib"]) for r in rows if "mem/peak_gib" in r), default=None
+        ),  # fmt: skip
         "delivery_s_max": round(max(float(r.get("time/weight_delivery") or 0.0) for r in win), 3),
         "timeline_mean_s": {
             k: round(total(k) / len(win), 4)  # where a step's time went
@@ -167,8 +168,13 @@ def main() -> int:
     ap.add_argument("--sft-lr", type=float, default=1e-4)
     ap.add_argument("--lr", type=float, default=None, help="RL lr (default: the shape's)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per looprl run")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="more run keys for both runs (e.g. learner.lora.rank=16)")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more run keys for both runs (e.g. learner.lora.rank=16)",
+    )
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
