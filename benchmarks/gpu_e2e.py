@@ -80,8 +80,9 @@ def warm_start(init: Path, out: Path, device: str, steps: int, lr: float) -> dic
     del module
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"steps": steps, "lr": lr, "loss_first": round(losses[0], 4),
-            "loss_last": round(losses[-1], 4), "s": round(time.perf_counter() - t0, 1),
+    return {"steps": steps, "lr": lr,  # 0 steps: the init as it is (an 80 GB card's 0125)
+            "loss_first": round(losses[0], 4) if losses else None,
+            "loss_last": round(losses[-1], 4) if losses else None, "s": round(time.perf_counter() - t0, 1),
             "params": params, "core_params": core,
             "depth": int(getattr(config, "mean_recurrence", 1))}  # fmt: skip
 
