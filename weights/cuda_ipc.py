@@ -166,7 +166,10 @@ class CudaIpcPublisher(WeightPublisher):
         """publish.directories=when_free: ``snap`` packed into the next slot and digested there,
         its copy let go, and the version as ``Publication.on_device`` (named by that digest;
         stages ``device_pack``, ``device_digest``, ``slot_wait``), its directory offered to
-        the writer once announced (``publish``)."""
+        the writer once announced (``publish``). The coordinator calls it on the trainer thread
+        right after the snapshot (pipeline.core.announcing): a few milliseconds of the card's
+        bandwidth, and the snapshot's copy is freed before the next step allocates, so the
+        learner holds ``slots`` copies of the weights beside training, not ``slots`` + 1."""
         state = snap.state
         if not state:
             raise ValueError(f"weights v{snap.version}: the device snapshot holds no tensors")
@@ -307,17 +310,17 @@ class DirectoryWriter:
             return
         t0 = time.perf_counter()
         n = pub.nbytes
+        host = self._host  # allocated (pinned: seconds for gigabytes) before taking the lock
+        if host is None or host.numel() < n:
+            self._host = None
+            cuda = any(b is not None and b.is_cuda for b in self.pub._bufs)
+            host = self._host = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=cuda)
         with self.pub._locks[slot]:
             held = self.pub._held.get(slot)
             buf = self.pub._bufs[slot]
             if held is None or held[0] != version or buf is None:
                 self.counts["gone"] += 1
                 return
-            host = self._host
-            if host is None or host.numel() < n:
-                self._host = None
-                host = self._host = torch.empty(
-                    max(n, 1), dtype=torch.uint8, pin_memory=buf.is_cuda)  # fmt: skip
             with _on(buf.device), _side(buf.device, None, "writer"):
                 host[:n].copy_(buf[:n])  # synchronous: pageable or pinned, the bytes are here
         t1 = time.perf_counter()

@@ -20,7 +20,9 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
 model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two
-moments (18 bytes a parameter) plus the activations one packed micro-batch keeps for the
+moments (18 bytes a parameter; with learner.lora the frozen base's 2 and 18 an adapter
+parameter), the bf16 copies cuda_ipc keeps on the learner's card (2 slots, and the snapshot's
+copy under publish.directories=every) and in each generator (the copy it serves from), plus the activations one packed micro-batch keeps for the
 backward (about 24 h + 6 f bytes a token per layer pass with gradient, bf16, and 8 bytes a
 vocabulary entry for the head's logits) and 4 GiB; the generators get 0.8 of what is left,
 less their weights and 1 GiB each. (On an H100 at 1b, 0.9 of it with no logits term ran the
@@ -53,9 +55,39 @@ def token_bytes(shape: Any, backprop_depth: int) -> float:
     return float(passes * (24 * shape.hidden + 6 * shape.ffn) + 8 * shape.vocab)
 
 
-def learner_gib(shape: Any, tokens: int, backprop_depth: int) -> float:
-    """The learner's planned card memory: its states and one micro-batch's activations."""
-    return (18 * shape.params() + tokens * token_bytes(shape, backprop_depth)) / GIB + 4.0
+def lora_params(shape: Any, rank: int) -> int:
+    """Trained adapter parameters at ``rank`` on the default targets (every block's attention
+    and MLP projections: q, k, v, o ~ 4 x (h + h), gate, up, down 3 x (h + f); K/V grouping
+    ignored, an upper estimate)."""
+    layers = shape.prelude + shape.core + shape.coda
+    return int(rank * layers * (8 * shape.hidden + 3 * (shape.hidden + shape.ffn)))
+
+
+def learner_gib(
+    shape: Any, tokens: int, backprop_depth: int, *, lora_rank: int = 0, weight_copies: int = 0
+) -> float:
+    """The learner's planned card memory: its states (18 bytes a trained parameter; with
+    adapters, the frozen base in bf16 and 18 bytes an adapter parameter), ``weight_copies``
+    bf16 copies of the weights the publication keeps on the card (cuda_ipc's slots), and one
+    micro-batch's activations."""
+    p = shape.params()
+    states = 18 * p if lora_rank <= 0 else 2 * p + 18 * lora_params(shape, lora_rank)
+    return (
+        states + 2 * p * weight_copies + tokens * token_bytes(shape, backprop_depth)
+    ) / GIB + 4.0
+
+
+def _ipc_copies(cfg: Any, host: Host, local: int, megatron: bool) -> int:
+    """bf16 weight copies cuda_ipc keeps on the learner's card (0 for another transport): a slot
+    per pending version and one more, and the snapshot's own copy unless versions are packed
+    as they are taken (publish.directories when_free)."""
+    t = cfg.publish.transport
+    if t == AUTO:
+        t = "cuda_ipc" if host.cuda and local and megatron else "other"
+    if t != "cuda_ipc":
+        return 0
+    first = cfg.publish.directories != "every" and cfg.learner.lora.publish != "adapters"
+    return max(2, cfg.publish.max_pending + 1) + (0 if first else 1)
 
 
 def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -204,11 +236,17 @@ def _token_budget(cfg: Any, host: Host, shape: Any) -> int:
 
 
 def _kv_mb(cfg: Any, host: Host, shape: Any, budget: int, local: int) -> int:
-    """MiB of K/V cache for each local generator: 0.8 of what the learner's plan leaves, less
-    each generator's bf16 weights and 1 GiB of its own (CUDA context, graphs, activations);
-    at least 256."""
-    left = host.free_bytes / GIB - learner_gib(shape, budget, _backprop(cfg, shape))
-    each = 0.8 * left / local - 2 * shape.params() / GIB - 1.0
+    """MiB of K/V cache for each local generator: 0.8 of what the learner's plan leaves
+    (``learner_gib``: adapters and cuda_ipc's copies counted), less each generator's bf16
+    weights (twice under cuda_ipc: the copy it serves from) and 1 GiB of its own (CUDA
+    context, graphs, activations); at least 256."""
+    megatron = cfg.backend == "megatron" or (cfg.backend == "auto" and megatron_available())
+    copies = _ipc_copies(cfg, host, local, megatron)
+    rank = cfg.learner.lora.rank
+    left = host.free_bytes / GIB - learner_gib(shape, budget, _backprop(cfg, shape),
+                                               lora_rank=rank, weight_copies=copies)  # fmt: skip
+    # each generator: its weights, and under cuda_ipc the checked copy it serves from
+    each = 0.8 * left / local - 2 * shape.params() * (2 if copies else 1) / GIB - 1.0
     return max(256, int(each * 1024) // 256 * 256)
 
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from generator.config import GeneratorConfig, for_this_host
+from learner.config import LearnerConfig, LoraConfig
 from models.cost import GIB, Host, LoopShape
 from models.random_init import model_config
 from pipeline.config import device as device_defaults
@@ -52,9 +53,10 @@ def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
     assert 8192 <= lr.max_tokens_per_micro <= 65536
     # the generator's cache: 0.8 of what the learner's plan leaves, less its bf16 weights and
     # 1 GiB of its own
-    learner = device_defaults.learner_gib(shape, lr.max_tokens_per_micro, 8)
+    # (cuda_ipc's two slots on the learner's card, the copy each generator serves from)
+    learner = device_defaults.learner_gib(shape, lr.max_tokens_per_micro, 8, weight_copies=2)
     assert 10 < learner < 60
-    expect = (0.8 * (79 - learner) - 2 * shape.params() / GIB - 1) * 1024
+    expect = (0.8 * (79 - learner) - 2 * 2 * shape.params() / GIB - 1) * 1024
     assert gens.kv_cache_mb == pytest.approx(expect, abs=256) and gens.kv_cache_mb % 256 == 0
     assert gens.engine == "torch" and cfg.publish.transport == "cuda_ipc"
     assert gens.inflight_updates is True  # a version swapped in between decode steps
@@ -65,6 +67,26 @@ def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
     assert line is not None and line.startswith("auto keys on NVIDIA H100 80GB HBM3 (79 of 80 GiB")
     assert "learner.precision=bf16" in line and "publish.transport=cuda_ipc" in line
     assert "generators.inflight_updates=True" in line
+
+
+def test_adapters_and_the_device_copies_are_in_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """learner.lora: the frozen base in bf16 and the adapters' states, not 18 bytes a weight;
+    cuda_ipc's copies on both sides. Huginn-0125 on an H100 with LoRA leaves a cache; the
+    adapter count is an upper estimate of the real one (12,288,000 factor elements at rank 16
+    on the default targets: docs/LEARNER.md "LoRA", benchmarks/adapter_bytes.py)."""
+    shape = LoopShape.of(model_config("huginn", "0125"))
+    assert 12_288_000 <= device_defaults.lora_params(shape, 16) <= 1.25 * 12_288_000
+    full = device_defaults.learner_gib(shape, 4096, 8)
+    lora = device_defaults.learner_gib(shape, 4096, 8, lora_rank=16)
+    assert full - lora > 15.5 * shape.params() / GIB  # ~16 bytes a frozen weight fewer
+    with_slots = device_defaults.learner_gib(shape, 4096, 8, lora_rank=16, weight_copies=2)
+    assert with_slots - lora == pytest.approx(4 * shape.params() / GIB)
+    cfg = on(H100, monkeypatch, model=ModelSection(size="0125"),
+             learner=LearnerConfig(lora=LoraConfig(rank=16)))  # fmt: skip
+    assert cfg.publish.transport == "cuda_ipc" and cfg.publish.directories == "when_free"
+    assert cfg.generators.kv_cache_mb > 4096  # room for a cache beside the LoRA learner
+    full_ft = on(H100, monkeypatch, model=ModelSection(size="0125"))
+    assert full_ft.generators.kv_cache_mb == 256  # a full 0125 learner leaves an H100 nothing
 
 
 def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig, LoraConfig
+from models.cost import Host
 from models.errors import ConfigError
 from pipeline.backends.results import SnapshotResult
 from pipeline.config.outputs import PublishSection
@@ -210,7 +211,8 @@ def test_the_announcer_records_the_device_name_first_and_builds_no_host_blob(
 def test_the_key_resolves_for_the_transport_and_is_refused_where_it_cannot_hold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert load_config(None, []).publish.directories == "every"  # a CPU host: shared_fs
+    cpu = on(Host(False), monkeypatch)
+    assert cpu.publish.transport == "shared_fs" and cpu.publish.directories == "every"
     for bad, match in (
         (["publish.transport=shm", "publish.directories=when_free"], "needs publish.transport cuda_ipc"),
         (["publish.directories=sometimes"], "publish.directories"),
