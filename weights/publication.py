@@ -187,13 +187,14 @@ class Publication:
     def digest_as(self, kind: str = "", chunk_bytes: int = 0) -> str:
         """This set's digest of kind ``kind`` ("": the flat kind of runs recorded before the
         tree): what replay compares with a recorded digest of that kind."""
-        from weights.device_digest import KIND, reference_digest
+        from weights.device_digest import KIND, digest_on_host_blob
 
-        if kind == KIND:  # a version named on the device (weights.cuda_ipc): its numpy spec
+        if kind == KIND:  # a version named on the device (weights.cuda_ipc)
             if self.on_device_only:
                 raise ValueError(f"weights v{self.version}: on the device only, no host blob")
-            return self.digest if self.digest_kind == KIND else reference_digest(
-                self.blob, self.tensors)  # fmt: skip
+            if self.digest_kind == KIND:
+                return self.digest
+            return digest_on_host_blob(self.blob, self.tensors)
         kind = check_kind(kind, chunk_bytes)
         if (kind, chunk_bytes if kind == TREE else 0) == (
             self.digest_kind,
