@@ -23,8 +23,9 @@ directory (checked as read): the generator serves its version until one loads. S
 announce it cannot map (another card, another host, no CUDA).
 
 Device first (publish.directories=when_free): a version whose snapshot is on the card
-(``Publication.device_state``'s ``DeviceSnapshot``) is packed and digested on the publishing
-thread and announced at once, named by its device digest (``Publication.on_device``, kind
+(``SnapshotResult.device``, a ``DeviceSnapshot``) is packed and digested on the trainer thread
+right after the snapshot (milliseconds; the snapshot's copy is freed at once) and announced as
+soon as the coordinator takes the step, named by its device digest (``Publication.on_device``, kind
 mix128, no path): no host blob, tree digest or disk write before it, the work that set the pace
 of a 7.1 GB version (13 s at Huginn-0125 on an H200). Its directory is written beside training
 by ``DirectoryWriter`` when that is free (the slot's bytes copied to a pinned host buffer under
