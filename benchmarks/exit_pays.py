@@ -75,13 +75,15 @@ DEPTHS = (1, 2, 3, 4)
 def arm_overrides(arm: str, depth_cost: float, ticks: int) -> list[str]:
     """The run-config overrides of ``arm`` (full or exit) over the shared ones; ``ticks`` > 0:
     the exit arm's generator decodes by ticks (generators.depth_ticks, which needs the exit
-    policy's kv last_exited)."""
+    policy's kv last_exited). A depth cost of 0 is no cost, where the config refuses
+    depth_cost_in=advantage: the exit term alone (benchmarks/exit_frontier.py's cost 0)."""
     if arm == "full":
         return []
     policy = "{kind: sampled_gate, kv: last_exited}" if ticks else "{kind: sampled_gate}"
+    where = ["objective.depth_cost_in=advantage"] if depth_cost > 0 else []
     return [f"rollout.exit_policy={policy}", "objective.exit_coef=1.0",
             "objective.exit_entropy_coef=0.01", f"objective.depth_cost={depth_cost}",
-            "objective.depth_cost_in=advantage", f"generators.depth_ticks={ticks}"]  # fmt: skip
+            *where, f"generators.depth_ticks={ticks}"]  # fmt: skip
 
 
 def _cli(args: list[str], log: Path, timeout_s: float) -> None:
