@@ -33,7 +33,7 @@ docs/images/exit_frontier.png; --smoke's: exit_frontier_smoke.png in the tempora
 has two panels: accuracy against mean exit depth (the curve with its intervals, the costs'
 points with theirs in both axes), and accuracy against generation alone's samples/s (the full
 arm at depth D and the costs' points; the fixed depths below D have no run of their own, so
-no throughput).
+no throughput). ``--replot FILE`` draws it again from a saved output, without a run.
 """
 
 from __future__ import annotations
@@ -167,24 +167,26 @@ def plot(fr: dict[str, Any], path: Path, title: str = "") -> Path:
                    capsize=3, xerr=_bars(full["gen_samples_per_s"], full["gen_samples_per_s_ci95"]),
                    yerr=_bars(top["accuracy"], top["accuracy_ci95"]),
                    label=f"fixed depth {top['depth']} (full arm)")  # fmt: skip
+    n = len(fr["exit"])
     for i, p in enumerate(fr["exit"]):
-        c = f"C{i}"
+        c, rise = f"C{i}", 12 * i - 6 * (n - 1)  # labels staggered: the points may crowd
         label = f"learned exit, cost {p['cost']:g}"
         yerr = _bars(p["accuracy"], p["accuracy_ci95"])
         for ax, key in ((left, "mean_depth"), (right, "gen_samples_per_s")):
             ax.errorbar([p[key]], [p["accuracy"]], xerr=_bars(p[key], p[f"{key}_ci95"]),
                         yerr=yerr, marker="o", color=c, capsize=3, label=label)  # fmt: skip
             ax.annotate(f"c={p['cost']:g}", (p[key], p["accuracy"]), textcoords="offset points",
-                        xytext=(5, 5), fontsize=8, color=c)  # fmt: skip
+                        xytext=(8, rise), fontsize=8, color=c)  # fmt: skip
     left.set_xlabel("mean exit depth (held out; fixed: d)")
     left.set_xticks(ds)
-    right.set_xlabel("generation-alone samples/s (engine batch time; not the run's samples/s)")
+    right.set_xlabel("samples/s of generation alone (engine batches, not the run's)")
     for ax in (left, right):
         ax.set_ylabel("held-out accuracy (greedy)")
         ax.grid(alpha=0.3)
         ax.margins(x=0.1)
         lo, hi = ax.get_ylim()  # 2 seeds' t-intervals can run past [0, 1]
         ax.set_ylim(max(lo, -0.02), min(hi, 1.02))
+    right.set_xlim(left=max(right.get_xlim()[0], 0.0))  # and below 0 samples/s
     left.legend(fontsize=7, loc="lower right")
     fig.suptitle(title or f"exit frontier: {fr['seeds']} seed(s), 95% t-intervals", fontsize=10)
     fig.tight_layout()
@@ -192,6 +194,19 @@ def plot(fr: dict[str, Any], path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def title(fr: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The figure's title: the task, the seeds, each run's shape."""
+    shape = f"{settings['steps']} steps of {settings['prompts']} x {settings['n']}"
+    return (f"learned exit vs fixed depth (configs/depth_mix.yaml, tiny Ouro): "
+            f"{fr['seeds']} seed(s), {shape}; 95% t-intervals")  # fmt: skip
+
+
+def replot(results: Path, png: Path) -> Path:
+    """The PNG again from an earlier call's output (its last line: the frontier), no run."""
+    fr = json.loads(results.read_text().strip().splitlines()[-1])
+    return plot(fr, png, title(fr, fr["settings"]))
 
 
 def run_args(args: argparse.Namespace, cost: float) -> argparse.Namespace:
@@ -207,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the exit arm's depth costs, comma-separated (default 0,0.02,0.05,0.1,0.2)")  # fmt: skip
     ep.add_warm_arguments(p)
     p.add_argument("--png", default="", help=f"the figure (default {PNG.relative_to(ep.REPO)})")
+    p.add_argument("--replot", default="", metavar="FILE",
+                   help="no run: the PNG again from an earlier call's output, saved in FILE")  # fmt: skip
     p.add_argument("--smoke", action="store_true",
                    help="exit_pays's smoke shape (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start "
                    "steps, 40 eval prompts) at the first and last cost; the PNG in the temp dir")  # fmt: skip
@@ -216,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         args.costs = sorted({args.costs[0], args.costs[-1]})
     png = Path(args.png or (Path(tempfile.gettempdir()) / "exit_frontier_smoke.png"
                             if args.smoke else PNG))  # fmt: skip
+    if args.replot:
+        print(replot(Path(args.replot), png))
+        return 0
     t0, load0 = time.time(), os.getloadavg()[0]
     points: list[dict[str, Any]] = []
     with ep.work_root(args) as (root, ws):
@@ -227,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 points.append({"arm": arm, "cost": cost, "seed": seed, **run})
                 print(json.dumps(points[-1]), flush=True)
     fr = frontier(points)
-    shape = f"{args.steps} steps of {args.prompts} x {args.n}"
-    plot(fr, png, f"learned exit vs fixed depth (configs/depth_mix.yaml, tiny Ouro): "
-                  f"{fr['seeds']} seed(s), {shape}; 95% t-intervals")  # fmt: skip
+    plot(fr, png, title(fr, vars(args)))
     print(json.dumps({
         **fr, "png": str(png), "warm_start": ws,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

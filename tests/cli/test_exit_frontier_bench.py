@@ -5,6 +5,7 @@ benchmarks/exit_frontier.py --smoke` (~1-2 min; not in the suite)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,11 @@ def test_frontier_and_plot(tmp_path: Path) -> None:
     assert fr["verdict"].endswith("above the curve: cost 0.05")
     png = ef.plot(fr, tmp_path / "images" / "frontier.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    saved = tmp_path / "out.jsonl"  # --replot: the figure again from the output's last line
+    settings = {"steps": 30, "prompts": 16, "n": 8}
+    saved.write_text(json.dumps({"arm": "full"}) + "\n" + json.dumps({**fr, "settings": settings}))
+    assert ef.main(["--replot", str(saved), "--png", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 10_000
 
 
 def test_frontier_refuses_missing_seeds() -> None:
