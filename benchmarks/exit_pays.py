@@ -44,6 +44,7 @@ last, the verdict: {"samples_per_s_ratio": exit / full paired by seed (mean, [95
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +75,15 @@ DEPTHS = (1, 2, 3, 4)
 def arm_overrides(arm: str, depth_cost: float, ticks: int) -> list[str]:
     """The run-config overrides of ``arm`` (full or exit) over the shared ones; ``ticks`` > 0:
     the exit arm's generator decodes by ticks (generators.depth_ticks, which needs the exit
-    policy's kv last_exited)."""
+    policy's kv last_exited). A depth cost of 0 is no cost, where the config refuses
+    depth_cost_in=advantage: the exit term alone (benchmarks/exit_frontier.py's cost 0)."""
     if arm == "full":
         return []
     policy = "{kind: sampled_gate, kv: last_exited}" if ticks else "{kind: sampled_gate}"
+    where = ["objective.depth_cost_in=advantage"] if depth_cost > 0 else []
     return [f"rollout.exit_policy={policy}", "objective.exit_coef=1.0",
             "objective.exit_entropy_coef=0.01", f"objective.depth_cost={depth_cost}",
-            "objective.depth_cost_in=advantage", f"generators.depth_ticks={ticks}"]  # fmt: skip
+            *where, f"generators.depth_ticks={ticks}"]  # fmt: skip
 
 
 def _cli(args: list[str], log: Path, timeout_s: float) -> None:
@@ -106,9 +110,13 @@ def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
-def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
-    """`looprl run` of ``arm`` with ``seed`` from the warm start, then its evaluation."""
-    live = root / f"{arm}-{seed}"
+def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
+            name: str = "") -> dict[str, float]:  # fmt: skip
+    """`looprl run` of ``arm`` with ``seed`` from the warm start, then its evaluation; its run
+    directory and log ``root``/``name`` (default ARM-SEED; benchmarks/exit_frontier.py names
+    each depth cost's)."""
+    name = name or f"{arm}-{seed}"
+    live = root / name
     common = [f"model.path={root / 'warm'}", "warm_start.segments=[]", "warm_start.embed_std=0",
               "warm_start.gate_steps=0", f"seed={seed}", f"steps={args.steps}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
@@ -116,7 +124,7 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace) -> dict[s
               "backend=reference", *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
     t0 = time.time()
     _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
-         root / f"{arm}-{seed}.log", 1800)  # fmt: skip
+         root / f"{name}.log", 1800)  # fmt: skip
     run_s = time.time() - t0
     rows = [r for r in read_metrics(live / "metrics.jsonl") if r["step"] > 1]
     wall = sum(r["step_s"] for r in rows)
@@ -175,13 +183,15 @@ def verdict(full: list[dict[str, float]], exit_: list[dict[str, float]]) -> dict
                         f"{depth[1]:.2f} vs {depth[0]:.2f}, {n} seed(s)")}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=3)
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Each run's shape: --steps, --prompts, --n (here and in benchmarks/exit_frontier.py)."""
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
-    p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
+
+
+def add_warm_arguments(p: argparse.ArgumentParser) -> None:
+    """The warm start's, the exit arm's decode's, the evaluation's and the work directory's."""
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
     p.add_argument("--gate-steps", type=int, default=200, help="warm-start stage-I steps")
     p.add_argument("--depth-ticks", type=int, default=0,
@@ -190,20 +200,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", default="", help="an earlier warm start's checkpoint (skip it)")
     p.add_argument("--eval-limit", type=int, default=0, help="first N test prompts (0: all)")
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
-    p.add_argument("--smoke", action="store_true",
-                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts")  # fmt: skip
-    args = p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """--smoke's shape into ``args`` (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40
+    eval prompts), then the checks of --seeds and --steps."""
     if args.smoke:
         args.seeds, args.steps, args.prompts, args.n = 1, 3, 4, 4
         args.warm_steps, args.gate_steps, args.eval_limit = 40, 5, 40
     if args.seeds < 1 or args.steps < 2:
         raise SystemExit("--seeds must be >= 1 and --steps >= 2 (the first step is not timed)")
-    t0, load0 = time.time(), os.getloadavg()[0]
+
+
+@contextlib.contextmanager
+def work_root(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(the work directory, the warm start's stats): --out, else a temporary directory removed
+    on exit, with the warm start in it (`warm_start`; its stats also on stderr)."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
         root.mkdir(parents=True, exist_ok=True)
         ws = warm_start(root, args)
         print(f"# warm start: {json.dumps(ws)}", file=sys.stderr, flush=True)
+        yield root, ws
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3)
+    add_run_arguments(p)
+    p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
+    add_warm_arguments(p)
+    p.add_argument("--smoke", action="store_true",
+                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts")  # fmt: skip
+    args = p.parse_args(argv)
+    check_args(args)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    with work_root(args) as (root, ws):
         runs: dict[str, list[dict[str, float]]] = {"full": [], "exit": []}
         for seed in range(args.seeds):  # interleaved: a load change hits both arms alike
             for arm in runs:
