@@ -35,9 +35,10 @@ log = logging.getLogger("pipeline.core.coordinator")
 
 class BehaviourAudit:
     """``audit(rollouts)``: per rollout, the max over its tokens (and sampled exits) of
-    |log-prob at the weights that sampled the token - the claim|, or None (unverifiable)."""
+    |log-prob at the weights that sampled the token - the claim|, or None (unverifiable).
+    ``cached``: the versions' policies kept loaded (each a full fp32 copy in host memory)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, cached: int = 2) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, cached: int = 1) -> None:
         self.cfg, self.run_dir, self.cached = cfg, Path(run_dir), max(cached, 1)
         self._policies: OrderedDict[int, Any] = OrderedDict()
         self._train_cfg: Any = None

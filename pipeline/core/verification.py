@@ -86,7 +86,11 @@ class LogpVerifier:
         audited: dict[int, float | None] = {}
         if stale:
             assert self.audit is not None
-            got = self.audit([rolls[i] for i in stale])
+            try:
+                got = list(self.audit([rolls[i] for i in stale]))
+            except Exception:  # noqa: BLE001 - an audit that fails proves nothing: unverifiable
+                log.exception("behaviour audit failed: %d stale rollouts unverifiable", len(stale))
+                got = [None] * len(stale)
             audited = {i: got[k] for k, i in enumerate(stale)}
         for i, (r, x, b) in enumerate(zip(rolls, mismatch, bounds, strict=True)):
             why = check_logp(float(x), b) or Refusal(

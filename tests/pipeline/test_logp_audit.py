@@ -259,3 +259,16 @@ def test_the_audit_measures_claims_at_the_weights_that_sampled_them(published: P
     assert audit(same) == got
     # weights gone (pruned): unverifiable
     assert audit([dataclasses.replace(honest[0], weight_version=1)]) == [None]
+
+
+def test_an_audit_that_fails_proves_nothing() -> None:
+    intake = FakeIntake()
+
+    def broken(rs: Sequence[Any]) -> list:
+        raise RuntimeError("out of memory")
+
+    v = LogpVerifier(base=LOGP_BOUND_FAST, every=1, gate=StalenessGate(4, "drop"),
+                     intake=intake, ban=lambda g, w: None, audit=broken)  # type: ignore[arg-type]  # fmt: skip
+    b = logp_bound(LOGP_BOUND_FAST, 1)
+    v.refuse_step(3, [_roll("a", 0)], ["g"], [b], refused=[0], mismatch=[40.0])
+    assert not intake.refused and intake.taken_back == [{"a": "logp_unverified"}]
