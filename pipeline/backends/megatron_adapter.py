@@ -37,6 +37,7 @@ from models.exits import resolve_kv
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
+from pipeline.core.audit import BehaviourAudit
 from proto.records import Rollout
 from weights.adapters import AdapterLine
 from weights.publication import Publication
@@ -64,6 +65,13 @@ class MegatronTrainer:
                      if self.lora.on and self.lora.publish == "adapters" else None)  # fmt: skip
         """learner.lora.publish=adapters: each version's adapter set (weights.adapters)."""
         self.is_cap = cfg.objective.is_cap
+        self.audits = BehaviourAudit(cfg, cfg.run_dir)
+
+    def audit(self, rollouts: Sequence[Rollout]) -> list[float | None]:
+        """Rule logp_mismatch's audit of stale rollouts over their bound (pipeline.core.audit:
+        the reference forward at the published weights that sampled them, on rank 0 alone;
+        no collective)."""
+        return self.audits(rollouts)
 
     def step(
         self, rollouts: Sequence[Rollout], needs_correction: Sequence[bool],

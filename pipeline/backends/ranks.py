@@ -69,6 +69,10 @@ class Leader:
         _bcast(self.codec.encode(RolloutBatch(list(rollouts))))
         return self.trainer.step(rollouts, needs_correction, bounds)  # type: ignore[no-any-return]
 
+    def audit(self, rollouts: Sequence[Rollout]) -> list[float | None]:
+        """Rank 0 alone (the audit's forward is no collective: nothing is broadcast)."""
+        return self.trainer.audit(rollouts)  # type: ignore[no-any-return]
+
     def publish(self, out_dir: Path, version: int) -> Any:
         self._send("publish", out_dir=str(out_dir), version=version)
         return self.trainer.publish(out_dir, version)

@@ -38,6 +38,7 @@ from models.ties import detached_copy, tied_from_module
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
+from pipeline.core.audit import BehaviourAudit
 from proto.records import Rollout
 from weights.adapters import AdapterLine
 from weights.digest import check_finite
@@ -95,6 +96,12 @@ class ReferenceTrainer:
         )  # fmt: skip
         self.runner = LearnerStep(tc, self.policy)
         self.model = self.policy.model
+        self.audits = BehaviourAudit(cfg, cfg.run_dir)
+
+    def audit(self, rollouts: Sequence[Rollout]) -> list[float | None]:
+        """Rule logp_mismatch's audit of stale rollouts over their bound (pipeline.core.audit:
+        this backend's forward at the published weights that sampled them)."""
+        return self.audits(rollouts)
 
     @property
     def steps(self) -> int:

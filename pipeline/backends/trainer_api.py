@@ -26,6 +26,13 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
                                                        # on any thread, while the next step trains;
                                                        # None: no two-part publication (publish)
     trainer.save(run_dir, pipeline_state, keep)        # trainer state + the opaque pipeline dict
+    trainer.audit(rollouts)                            # optional (both backends have it): per
+                                                       # rollout, max |log-prob at the published
+                                                       # weights that sampled it - claim|, None
+                                                       # where those are gone: rule
+                                                       # logp_mismatch's verdict on a stale
+                                                       # rollout over its bound
+                                                       # (pipeline.core.audit)
 
 What ``step`` and ``snapshot`` return, ``StepResult`` and ``SnapshotResult``, is in
 pipeline/backends/results.py (the backends import it; this module imports the backends).

@@ -211,7 +211,7 @@ class Coordinator:
         )  # fmt: skip
         self.verifier = LogpVerifier(
             base=behaviour_logp_base(cfg, limits), every=cfg.publish.every, gate=self.gate,
-            intake=self.intake, ban=self.peers.ban,
+            intake=self.intake, ban=self.peers.ban, audit=getattr(trainer, "audit", None),
         )  # fmt: skip
 
     # -- what the components hold --------------------------------------------------------------------

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,33 +323,42 @@ class Intake:
                             source="train")  # fmt: skip
         return self.refusals.note(gid, why.reason)
 
-    def take_back(self, groups: list[Group], refused: set[str]) -> int:
+    def take_back(self, groups: list[Group], refused: Collection[str] | Mapping[str, str]) -> int:
         """A step the trainer refused before its update (``refused``: the rollout ids over
-        their log-prob bound): its groups come back untrained. The refused rollouts are voided
-        (RUN_DIR/voided.jsonl, reason "logp_mismatch"): their samples re-opened in the ledger
-        and dispatched again, to another generator than the one that lied where there is one;
-        the rest wait in the buffer (complete groups first in line again, partial ones for
-        their new samples). Returns the samples dispatched again."""
+        their log-prob bound, or id -> reason: "logp_mismatch" for a lie, "logp_drift" /
+        "logp_unverified" for a stale rollout the verifier does not blame): its groups come
+        back untrained. The refused rollouts are voided (RUN_DIR/voided.jsonl, their reason):
+        their samples re-opened in the ledger and dispatched again, a lie's to another
+        generator than the one that lied where there is one; the rest wait in the buffer
+        (complete groups first in line again, partial ones for their new samples). Returns
+        the samples dispatched again."""
+        why = (
+            dict(refused)
+            if isinstance(refused, Mapping)
+            else dict.fromkeys(refused, "logp_mismatch")
+        )
         voided: list[Rollout] = []
         for g in reversed(groups):
-            bad = [r for r in g.rollouts if r.rollout_id in refused]
+            bad = [r for r in g.rollouts if r.rollout_id in why]
             if not bad:
                 self.complete[g.work_id] = Group(g.work_id, list(g.rollouts))
                 self.complete.move_to_end(g.work_id, last=False)
                 continue
-            keep = {r.sample_index: r for r in g.rollouts if r.rollout_id not in refused}
+            keep = {r.sample_index: r for r in g.rollouts if r.rollout_id not in why}
             if keep:
                 self._partial[g.work_id] = keep
             idx = sorted(int(r.sample_index) for r in bad)
             self.ledger.reopen(g.work_id, idx)
-            self.dispatcher.redo(g.work_id, idx, avoid={int(r.sample_index): r.generator_id
-                                                        for r in bad})  # fmt: skip
+            avoid = {int(r.sample_index): r.generator_id for r in bad
+                     if why[r.rollout_id] == "logp_mismatch"}  # fmt: skip
+            self.dispatcher.redo(g.work_id, idx, avoid=avoid)
             voided += bad
         for r in voided:
             self.restored.discard(r.rollout_id)
         if voided and self.void is not None:
-            self.void([{"rollout_id": r.rollout_id, "reason": "logp_mismatch"} for r in voided])
-        self.counts["voided_logp_mismatch"] += len(voided)
+            self.void([{"rollout_id": r.rollout_id, "reason": why[r.rollout_id]} for r in voided])
+        for r in voided:
+            self.counts[f"voided_{why[r.rollout_id]}"] += 1
         return len(voided)
 
     def void_generator(self, gid: str) -> int:

@@ -54,7 +54,15 @@ After training (the trainer measures each rollout's log-probs in the step that t
   both sides compute in float32, ``LOGP_BOUND_LOW_PRECISION`` when either may run bf16
   (``logp_base``); plus ``LOGP_DRIFT_PER_UPDATE`` per optimizer step between the weights
   that sampled the rollout and the learner's (``publish.every`` steps a version, plus the
-  steps taken since the newest version: the coordinator counts them).
+  steps taken since the newest version: the coordinator counts them). The trainer measures
+  at its own weights, so for a stale rollout (updates > 0) the measurement holds the updates'
+  drift, which LOGP_DRIFT_PER_UPDATE does not bound for every learning rate (math example,
+  optimizer.lr=3e-3: one update moved an honest token from -0.014 to -10.16 nats; the fp32
+  difference at the weights that sampled it was 1.4e-5 at most over 3,070 tokens, max |logit|
+  12.9). A stale rollout over its bound is therefore judged at the weights that sampled it
+  (pipeline.core.audit, pipeline.core.verification.LogpVerifier.judge): within ``base`` there,
+  honest drift (voided, dispatched again, not counted); weights gone, unverifiable (the same);
+  beyond ``base``, a lie. A fresh rollout is measured at those weights already.
 
 A NaN or infinite reward is not a refusal: it is a failed reward (reward None, the error in
 ``reward_info``), which intake handles as every failed reward (the worst of its group).
@@ -96,6 +104,10 @@ REASONS = (
 # The behaviour log-prob check (rule logp_mismatch), nats per token (max over the rollout).
 # fast numerics, staleness 0: measured max 9.5e-7 (tiny Huginn, fp32 on CPU, vLLM vs megatron,
 # tests/pipeline/test_resume_kill.py); the bound leaves three decades for other kernels.
+# The fp32 error grows with the logits' magnitude: the reference forward's fast vs exact log-probs
+# on the math example's v21 (lr 3e-3) with the logits scaled k-fold: max 1.7e-6 / 6.7e-6 /
+# 2.3e-5 / 2.4e-4 at max |logit| 13 / 52 / 206 / 825 (~3e-7 a unit of |logit|); 1e-3 holds to
+# |logit| ~1,500 with two such sides. The run's own logits stayed below 13.
 LOGP_BOUND_FAST = 1e-3
 # fast numerics with bf16 on either side (learner.precision bf16, or generators that may run
 # the checkpoint's bf16 dtype on a GPU): not measured here; loose, so that honest low-precision
@@ -104,6 +116,9 @@ LOGP_BOUND_LOW_PRECISION = 5.0
 # per update (optimizer step) between sampling and the check: one update moved a sampled token's log-prob by up to 0.94 nats in
 # the crash test and up to 2.05 in the 30-step quickstart (docs/OBJECTIVES.md); 10 leaves 5x.
 # A claim of -40 per token is ~35 nats away; a claim of -0.01 is caught on fresh rollouts.
+# Not a bound on honest drift: the math example at optimizer.lr=3e-3 moved a token 10.1 nats in
+# one update (9.78 at step 6, 10.1 at step 22). A stale rollout over it is audited at the
+# weights that sampled it (module docstring), so it only decides which rollouts are audited.
 LOGP_DRIFT_PER_UPDATE = 10.0
 
 

@@ -2,7 +2,14 @@
 within a bound per rollout (docs/PIPELINE.md, "Verified rollouts"). Before the update, where the
 trainer refuses a step holding a rollout over its bound (``refuse_step``), and after it
 otherwise (``verify``). A lie is quarantined and counted toward its generator's budget; over
-budget the generator is banned."""
+budget the generator is banned.
+
+A stale rollout over its bound is judged at the weights that sampled it (``audit``,
+pipeline.core.audit): the trainer's measurement holds the updates since, whose effect has no
+bound for every learning rate. Within the numerics' base there it drifted honestly: voided
+(reason logp_drift) and dispatched again, never counted toward its generator; beyond it, a lie.
+Unverifiable (its weights gone): voided (logp_unverified), not counted. A fresh rollout's
+measurement is at the weights that sampled it already: over its bound, a lie."""
 
 from __future__ import annotations
 
@@ -16,6 +23,9 @@ from pipeline.core.validation import ModelLimits, Refusal, check_logp, logp_base
 from proto.records import Rollout
 
 log = logging.getLogger("pipeline.core.coordinator")  # the coordinator's lines, one logger name
+
+Audit = Callable[[Sequence[Rollout]], Sequence[float | None]]
+"""Per rollout: max |log-prob at the weights that sampled it - claim|, or None (unverifiable)."""
 
 
 def behaviour_logp_base(cfg: RunConfig, limits: ModelLimits) -> float:
@@ -52,12 +62,59 @@ class LogpVerifier:
         gate: StalenessGate,
         intake: Intake,
         ban: Callable[[str, str], None],
+        audit: Audit | None = None,
     ) -> None:
         """``base``: the bound at staleness 0 (``behaviour_logp_base``); ``every``:
         publish.every (optimizer steps per version); ``gate``: measures a rollout's staleness;
         ``intake``: quarantines, counts and takes groups back; ``ban``: drops a generator for
-        the run (a no-op for one banned already)."""
+        the run (a no-op for one banned already); ``audit``: a stale rollout's mismatch at the
+        weights that sampled it (pipeline.core.audit.BehaviourAudit; None per unverifiable
+        rollout; no audit: the trainer's measurement is the verdict, the drift allowance
+        trusted, as before the audit)."""
         self.base, self.every, self.gate, self.intake, self.ban = base, every, gate, intake, ban
+        self.audit = audit
+
+    def judge(self, rolls: Sequence[Rollout], mismatch: Sequence[float],
+              bounds: Sequence[float]) -> list[Refusal | str]:  # fmt: skip
+        """The verdict on each rollout over its bound (``mismatch`` as the trainer measured):
+        a Refusal (a lie: counted toward its generator), or "logp_drift" (a stale rollout
+        within the base at the weights that sampled it: honest) or "logp_unverified" (a stale
+        rollout whose weights are gone: not judged). Fresh rollouts (bound == base: measured
+        at the weights that sampled them) are judged on ``mismatch`` alone."""
+        out: list[Refusal | str] = []
+        stale = [i for i, b in enumerate(bounds) if b > self.base and self.audit is not None]
+        audited: dict[int, float | None] = {}
+        if stale:
+            assert self.audit is not None
+            try:
+                got = list(self.audit([rolls[i] for i in stale]))
+            except Exception:  # noqa: BLE001 - an audit that fails proves nothing: unverifiable
+                log.exception("behaviour audit failed: %d stale rollouts unverifiable", len(stale))
+                got = [None] * len(stale)
+            audited = {i: got[k] for k, i in enumerate(stale)}
+        for i, (r, x, b) in enumerate(zip(rolls, mismatch, bounds, strict=True)):
+            why = check_logp(float(x), b) or Refusal(
+                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound {b:.3g})"
+            )
+            if i not in audited:
+                out.append(why)
+                continue
+            a = audited[i]
+            if a is None:
+                log.warning("generator %s: rollout %s v%d, %s; its weights are gone: "
+                            "unverifiable, voided and not counted", r.generator_id,
+                            r.rollout_id, r.weight_version, why.detail)  # fmt: skip
+                out.append("logp_unverified")
+            elif check_logp(a, self.base) is None:
+                log.info("rollout %s of %s drifted honestly: %s; %.3g nats at the weights that "
+                         "sampled it (v%d, base %.3g)", r.rollout_id, r.generator_id,
+                         why.detail, a, r.weight_version, self.base)  # fmt: skip
+                out.append("logp_drift")
+            else:
+                out.append(Refusal("logp_mismatch", f"claimed log-probs {a:.3g} nats from the "
+                                   f"weights that sampled them (v{r.weight_version}, bound "
+                                   f"{self.base:.3g}); {why.detail}"))  # fmt: skip
+        return out
 
     def bounds(self, rolls: Sequence[Rollout], version: int, since: int) -> list[float]:
         """Each rollout's log-prob bound (validation.logp_bound: the numerics' base plus the
@@ -87,24 +144,26 @@ class LogpVerifier:
         back to the buffer, untrained, and a later step takes them. Over budget: banned (which
         voids the generator's other accepted, untrained rollouts)."""
         bans: dict[str, str] = {}
-        liars: set[str] = set()
-        for i in refused:
-            r = rolls[i]
-            x = mismatch[i] if i < len(mismatch) else float("nan")
-            why = check_logp(float(x), bounds[i]) or Refusal(
-                "logp_mismatch", f"the trainer measured {x:.3g} nats (bound {bounds[i]:.3g})"
-            )
-            liars.add(r.rollout_id)
+        out: dict[str, str] = {}  # rollout id -> why it leaves the step
+        over = [rolls[i] for i in refused]
+        xs = [mismatch[i] if i < len(mismatch) else float("nan") for i in refused]
+        for r, why in zip(over, self.judge(over, xs, [bounds[i] for i in refused]), strict=True):
+            if isinstance(why, str):  # honest drift, or unverifiable: not counted
+                out[r.rollout_id] = why
+                self.intake.counts[f"audited_{why}"] += 1
+                continue
+            out[r.rollout_id] = why.reason
             ban = self.intake.refuse_trained(r.generator_id, r, why)
             if ban is not None:
                 bans.setdefault(r.generator_id, ban)
-        who = sorted({rolls[i].generator_id for i in refused})
-        n = self.intake.take_back(groups, liars)
+        liars = sorted({r.generator_id for r in over if out[r.rollout_id] == "logp_mismatch"})
+        lies = sum(v == "logp_mismatch" for v in out.values())
+        n = self.intake.take_back(groups, out)
         self.intake.counts["steps_refused"] += 1
         log.warning("step %d refused before its update: %d rollouts of %s claim log-probs the "
-                    "learner does not compute (quarantined; %d samples dispatched again, %d "
-                    "groups back in the buffer)", step, len(liars), who, n,
-                    len(groups))  # fmt: skip
+                    "learner does not compute (quarantined), %d stale ones drifted beyond their "
+                    "bound (not counted); %d samples dispatched again, %d groups back in the "
+                    "buffer", step, lies, liars, len(out) - lies, n, len(groups))  # fmt: skip
         for gid, reason in bans.items():
             self.ban(gid, reason)
 
@@ -118,9 +177,13 @@ class LogpVerifier:
         if len(mismatch) != len(rolls):
             return
         bans: dict[str, str] = {}
-        for x, r, b in zip(mismatch, rolls, bounds, strict=True):
-            why = check_logp(float(x), b)
-            if why is None:
+        over = [i for i, (x, b) in enumerate(zip(mismatch, bounds, strict=True))
+                if check_logp(float(x), b) is not None]  # fmt: skip
+        pick = [rolls[i] for i in over]
+        verdicts = self.judge(pick, [mismatch[i] for i in over], [bounds[i] for i in over])
+        for r, why in zip(pick, verdicts, strict=True):
+            if isinstance(why, str):  # trained already; honest drift or unverifiable
+                self.intake.counts[f"audited_{why}"] += 1
                 continue
             log.warning("generator %s: rollout %s trained with %s", r.generator_id,
                         r.rollout_id, why)  # fmt: skip
