@@ -16,8 +16,12 @@ LOGP_BOUND_FAST = 1e-3).
 
 ``None`` for a rollout whose weights are gone (pruned, never written as a directory: a
 transport without directories, adapters only) or do not load: unverifiable, so not judged.
-The reference forward runs on the CPU in fp32: rare (only rollouts over their allowance), but
-a large model's audit is slow.
+The reference forward runs on the CPU in fp32, on the coordinator's turn: rare (only rollouts
+over their allowance), and bounded: a set of more than ``MAX_PARAMS`` parameters is not audited
+(loading it in fp32 and running it on the host would hold the coordinator for minutes: at
+Huginn-0125, 14 GB and a 32-loop forward), so those rollouts are unverifiable too: voided and
+not counted, as with weights that are gone. (On a CUDA run with publish.directories=when_free
+most versions have no directory either.)
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from pipeline.config.run import RunConfig
 from proto.records import Rollout
 
 log = logging.getLogger("pipeline.core.coordinator")
+
+
+MAX_PARAMS = 200_000_000
+"""The largest weight set audited on the host (parameters); larger: unverifiable."""
 
 
 class BehaviourAudit:
@@ -77,6 +85,15 @@ class BehaviourAudit:
 
         path = weights_dir(self.run_dir, version)
         try:
+            from models.checkpoint import load_config
+            from models.cost import LoopShape
+
+            params = LoopShape.of(load_config(path)).params()
+            if params > MAX_PARAMS:
+                log.warning("behaviour audit: weights v%d hold %.3g parameters, above the %.3g "
+                            "audited on the host: its stale rollouts are unverifiable", version,
+                            params, MAX_PARAMS)  # fmt: skip
+                return None
             config, model = load_model(path)
         except Exception as e:  # noqa: BLE001 - gone, half-pruned, adapters only: unverifiable
             log.warning("behaviour audit: weights v%d at %s do not load (%s)", version, path, e)

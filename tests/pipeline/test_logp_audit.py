@@ -261,6 +261,22 @@ def test_the_audit_measures_claims_at_the_weights_that_sampled_them(published: P
     assert audit([dataclasses.replace(honest[0], weight_version=1)]) == [None]
 
 
+def test_a_set_too_large_for_the_host_is_not_audited(
+    published: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above audit.MAX_PARAMS the weights are not even loaded: unverifiable (None)."""
+    from pipeline.config.run import load_config
+    from pipeline.core import audit as audit_mod
+
+    cfg = load_config(None, [f"run_dir={published}", "backend=reference", "rollout.n=1",
+                             "rollout.prompts_per_step=3", "rollout.max_tokens=6"])  # fmt: skip
+    honest = _sampled(published, 3, k=1)
+    monkeypatch.setattr(audit_mod, "MAX_PARAMS", 1000)
+    loaded: list[Any] = []
+    monkeypatch.setattr("models.checkpoint.load_model", lambda p: loaded.append(p))
+    assert audit_mod.BehaviourAudit(cfg, published)(honest) == [None] and not loaded
+
+
 def test_an_audit_that_fails_proves_nothing() -> None:
     intake = FakeIntake()
 
