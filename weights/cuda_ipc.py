@@ -199,6 +199,33 @@ class CudaIpcPublisher(WeightPublisher):
         self._ready[snap.version] = {**shared, "slot": i, "digest": digest, "digest_kind": KIND}
         return pub
 
+    def held(self, slot: int) -> tuple[int, Publication, Path | None] | None:
+        """What ``slot`` holds of a device-first version: (version, its publication, where its
+        directory goes), or None."""
+        return self._held.get(slot)
+
+    def slot_of(self, version: int) -> int | None:
+        """The slot that holds device-first ``version``, or None."""
+        return next((i for i, h in list(self._held.items()) if h[0] == version), None)
+
+    def copy_out(self, slot: int, version: int, host: torch.Tensor) -> bool:
+        """The first bytes of ``slot`` (``version``'s blob) copied into ``host`` under the
+        slot's lock, on a stream of the writer's own; False when the slot holds another
+        version by now (nothing copied)."""
+        with self._locks[slot]:
+            held, buf = self._held.get(slot), self._bufs[slot]
+            if held is None or held[0] != version or buf is None:
+                return False
+            n = held[1].nbytes
+            with _on(buf.device), _side(buf.device, None, "writer"):
+                host[:n].copy_(buf[:n])  # synchronous: pageable or pinned, the bytes are here
+            return True
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether its buffers are on a CUDA card (the writer then pins its host buffer)."""
+        return any(b is not None and b.is_cuda for b in self._bufs)
+
     def prepare(self, pub: Publication) -> Publication:
         """``pub``'s device tensors packed into the next slot and its device digest computed
         there (``pub.stage_s["device_pack"]``, ``["device_digest"]``); a publication without
@@ -282,7 +309,7 @@ class DirectoryWriter:
     def offer(self, slot: int) -> bool:
         """Write the directory of the version in ``slot`` if free (the slot locked while its
         bytes are copied out); False: busy, skipped."""
-        held = self.pub._held.get(slot)
+        held = self.pub.held(slot)
         if held is None or held[2] is None:
             return False
         with self._lock:
@@ -314,16 +341,12 @@ class DirectoryWriter:
         host = self._host  # allocated (pinned: seconds for gigabytes) before taking the lock
         if host is None or host.numel() < n:
             self._host = None
-            cuda = any(b is not None and b.is_cuda for b in self.pub._bufs)
-            host = self._host = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=cuda)
-        with self.pub._locks[slot]:
-            held = self.pub._held.get(slot)
-            buf = self.pub._bufs[slot]
-            if held is None or held[0] != version or buf is None:
-                self.counts["gone"] += 1
-                return
-            with _on(buf.device), _side(buf.device, None, "writer"):
-                host[:n].copy_(buf[:n])  # synchronous: pageable or pinned, the bytes are here
+            host = self._host = torch.empty(
+                max(n, 1), dtype=torch.uint8, pin_memory=self.pub.on_cuda
+            )
+        if not self.pub.copy_out(slot, version, host):
+            self.counts["gone"] += 1
+            return
         t1 = time.perf_counter()
         blob = memoryview(host[:n].numpy().data).toreadonly() if n else memoryview(b"")
         tensors = with_sha256(blob, pub.tensors)
@@ -348,14 +371,17 @@ class DirectoryWriter:
         self._pool.shutdown(wait=True)
         if newest < 0 or newest in self.written:
             return
-        for slot, (version, pub, path) in list(self.pub._held.items()):
-            if version == newest and path is not None and not (path / MANIFEST_NAME).is_file():
+        slot = self.pub.slot_of(newest)
+        held = None if slot is None else self.pub.held(slot)
+        if slot is not None and held is not None:
+            _, pub, path = held
+            if path is not None and not (path / MANIFEST_NAME).is_file():
                 try:
-                    self.write(slot, version, pub, path)
+                    self.write(slot, newest, pub, path)
                 except Exception as e:  # noqa: BLE001
                     self.counts["failed"] += 1
                     log.warning("weights v%d: its directory %s was not written at the end: "
-                                "%s: %s", version, path, type(e).__name__, e)  # fmt: skip
+                                "%s: %s", newest, path, type(e).__name__, e)  # fmt: skip
 
 
 def _on(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
