@@ -34,10 +34,10 @@ from learner.replay import unwrap
 from learner.trainer import Trainer
 from models.checkpoint import load_checkpoint, load_config
 from models.exits import resolve_kv
+from pipeline.backends.audit import BehaviourAudit
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
-from pipeline.core.audit import BehaviourAudit
 from proto.records import Rollout
 from weights.adapters import AdapterLine
 from weights.publication import Publication
@@ -68,7 +68,7 @@ class MegatronTrainer:
         self.audits = BehaviourAudit(cfg, cfg.run_dir)
 
     def audit(self, rollouts: Sequence[Rollout]) -> list[float | None]:
-        """Rule logp_mismatch's audit of stale rollouts over their bound (pipeline.core.audit:
+        """Rule logp_mismatch's audit of stale rollouts over their bound (pipeline.backends.audit:
         the reference forward at the published weights that sampled them, on rank 0 alone;
         no collective)."""
         return self.audits(rollouts)

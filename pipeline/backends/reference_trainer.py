@@ -35,10 +35,10 @@ from models.checkpoint import load_model, read_config, save_checkpoint, state_di
 from models.errors import ConfigError
 from models.exits import resolve_kv
 from models.ties import detached_copy, tied_from_module
+from pipeline.backends.audit import BehaviourAudit
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
 from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
-from pipeline.core.audit import BehaviourAudit
 from proto.records import Rollout
 from weights.adapters import AdapterLine
 from weights.digest import check_finite
@@ -99,7 +99,7 @@ class ReferenceTrainer:
         self.audits = BehaviourAudit(cfg, cfg.run_dir)
 
     def audit(self, rollouts: Sequence[Rollout]) -> list[float | None]:
-        """Rule logp_mismatch's audit of stale rollouts over their bound (pipeline.core.audit:
+        """Rule logp_mismatch's audit of stale rollouts over their bound (pipeline.backends.audit:
         this backend's forward at the published weights that sampled them)."""
         return self.audits(rollouts)
 

@@ -32,7 +32,7 @@ Order of calls (learner rank 0; other ranks, if any, follow the same trainer cal
                                                        # where those are gone: rule
                                                        # logp_mismatch's verdict on a stale
                                                        # rollout over its bound
-                                                       # (pipeline.core.audit)
+                                                       # (pipeline.backends.audit)
 
 What ``step`` and ``snapshot`` return, ``StepResult`` and ``SnapshotResult``, is in
 pipeline/backends/results.py (the backends import it; this module imports the backends).

@@ -60,7 +60,7 @@ After training (the trainer measures each rollout's log-probs in the step that t
   optimizer.lr=3e-3: one update moved an honest token from -0.014 to -10.16 nats; the fp32
   difference at the weights that sampled it was 1.4e-5 at most over 3,070 tokens, max |logit|
   12.9). A stale rollout over its bound is therefore judged at the weights that sampled it
-  (pipeline.core.audit, pipeline.core.verification.LogpVerifier.judge): within ``base`` there,
+  (pipeline.backends.audit, pipeline.core.verification.LogpVerifier.judge): within ``base`` there,
   honest drift (voided, dispatched again, not counted); weights gone, unverifiable (the same);
   beyond ``base``, a lie. A fresh rollout is measured at those weights already.
 

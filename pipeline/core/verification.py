@@ -5,7 +5,7 @@ otherwise (``verify``). A lie is quarantined and counted toward its generator's 
 budget the generator is banned.
 
 A stale rollout over its bound is judged at the weights that sampled it (``audit``,
-pipeline.core.audit): the trainer's measurement holds the updates since, whose effect has no
+pipeline.backends.audit): the trainer's measurement holds the updates since, whose effect has no
 bound for every learning rate. Within the numerics' base there it drifted honestly: voided
 (reason logp_drift) and dispatched again, never counted toward its generator; beyond it, a lie.
 Unverifiable (its weights gone): voided (logp_unverified), not counted. A fresh rollout's
@@ -68,7 +68,7 @@ class LogpVerifier:
         publish.every (optimizer steps per version); ``gate``: measures a rollout's staleness;
         ``intake``: quarantines, counts and takes groups back; ``ban``: drops a generator for
         the run (a no-op for one banned already); ``audit``: a stale rollout's mismatch at the
-        weights that sampled it (pipeline.core.audit.BehaviourAudit; None per unverifiable
+        weights that sampled it (pipeline.backends.audit.BehaviourAudit; None per unverifiable
         rollout; no audit: the trainer's measurement is the verdict, the drift allowance
         trusted, as before the audit)."""
         self.base, self.every, self.gate, self.intake, self.ban = base, every, gate, intake, ban

@@ -5,7 +5,7 @@ drift allowance (LOGP_DRIFT_PER_UPDATE, 10 nats): on the math example at optimiz
 token claimed at -0.014 (and computed at -0.014 by the learner at the weights that sampled it,
 to 1.4e-5) was -10.16 one update later, and both honest vLLM generators were dropped. A stale
 rollout over its bound is therefore judged at the weights that sampled it
-(pipeline.core.audit.BehaviourAudit, through the trainer's ``audit``): honest drift is voided
+(pipeline.backends.audit.BehaviourAudit, through the trainer's ``audit``): honest drift is voided
 and dispatched again, never counted; a claim off at those weights is still a lie."""
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ def _sampled(run: Path, version: int, k: int = 3) -> list[Rollout]:
 
 
 def test_the_audit_measures_claims_at_the_weights_that_sampled_them(published: Path) -> None:
+    from pipeline.backends.audit import BehaviourAudit
     from pipeline.config.run import load_config
-    from pipeline.core.audit import BehaviourAudit
 
     cfg = load_config(None, [f"run_dir={published}", "backend=reference", "rollout.n=1",
                              "rollout.prompts_per_step=3", "rollout.max_tokens=6"])  # fmt: skip
@@ -265,8 +265,8 @@ def test_a_set_too_large_for_the_host_is_not_audited(
     published: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Above audit.MAX_PARAMS the weights are not even loaded: unverifiable (None)."""
+    from pipeline.backends import audit as audit_mod
     from pipeline.config.run import load_config
-    from pipeline.core import audit as audit_mod
 
     cfg = load_config(None, [f"run_dir={published}", "backend=reference", "rollout.n=1",
                              "rollout.prompts_per_step=3", "rollout.max_tokens=6"])  # fmt: skip
