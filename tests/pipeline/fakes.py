@@ -98,6 +98,29 @@ def reference_trainer_and_pair(tmp: Path, lr: float = 0.1) -> tuple[Any, list[Ro
     return tr, [g._rollout(item, i, s) for i, s in enumerate([11, 12])]
 
 
+def generated_rollouts(gens: Sequence[Any], version: int, reward: float | None) -> list[Rollout]:
+    """models.reference.generate's completions as the rollouts a generator sends (work item
+    w<i>, sample 0, generator g0), sampled by weights ``version``."""
+    return [
+        Rollout(
+            rollout_id=f"w{i}/0",
+            work_id=f"w{i}",
+            prompt_id=f"p{i}",
+            sample_index=0,
+            generator_id="g0",
+            latent_seed=g.latent_seed,
+            prompt_tokens=np.array(g.prompt_tokens, np.int32),
+            tokens=np.array(g.tokens, np.int32),
+            logprobs=g.logprobs.numpy(),
+            exit_depths=np.array(g.exit_depths, np.uint8),
+            full_depth=g.full_depth,
+            weight_version=version,
+            reward=reward,
+        )  # fmt: skip
+        for i, g in enumerate(gens)
+    ]
+
+
 FAKE_LIMITS = ModelLimits(vocab_size=64, max_depth=4)  # what FakeGenerator's rollouts fit
 TCFG = TransportConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0)
 

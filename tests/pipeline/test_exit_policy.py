@@ -26,6 +26,7 @@ from models.exits import (
 from pipeline.config.run import load_config
 from pipeline.core.validation import DoorRules, Expected, ModelLimits, check_rollout
 from proto.records import Rollout, Welcome
+from tests.pipeline.fakes import generated_rollouts
 
 GATE = {"kind": "ouro_gate", "q": 0.8, "kv": "full"}
 
@@ -252,24 +253,7 @@ def test_reference_trainer_replays_in_the_runs_kv(tmp_path: Path, kv: str) -> No
     gens = generate(model, [[5, 9, 13, 17], [300, 4]], [1, 2],
                     SamplingParams(max_new_tokens=10), policy, "fast")  # fmt: skip
     assert len({d for g in gens for d in g.exit_depths}) >= 2, "adaptive exits vary"
-    rolls = [
-        Rollout(
-            rollout_id=f"w{i}/0",
-            work_id=f"w{i}",
-            prompt_id=f"p{i}",
-            sample_index=0,
-            generator_id="g0",
-            latent_seed=g.latent_seed,
-            prompt_tokens=np.array(g.prompt_tokens, np.int32),
-            tokens=np.array(g.tokens, np.int32),
-            logprobs=g.logprobs.numpy(),
-            exit_depths=np.array(g.exit_depths, np.uint8),
-            full_depth=g.full_depth,
-            weight_version=0,
-            reward=1.0,
-        )  # fmt: skip
-        for i, g in enumerate(gens)
-    ]
+    rolls = generated_rollouts(gens, 0, 1.0)
 
     def diff(run_kv: str) -> float:
         over = {"backend": "reference", "rollout": {"exit_policy": {**GATE, "kv": run_kv}}}

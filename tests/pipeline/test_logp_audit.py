@@ -25,7 +25,13 @@ from pipeline.core.staleness import StalenessGate
 from pipeline.core.validation import LOGP_BOUND_FAST, LOGP_DRIFT_PER_UPDATE, Refusal, logp_bound
 from pipeline.core.verification import LogpVerifier
 from proto.records import Rollout, WorkItem
-from tests.pipeline.fakes import FakeGenerator, FakeTrainer, drive, make_coordinator
+from tests.pipeline.fakes import (
+    FakeGenerator,
+    FakeTrainer,
+    drive,
+    generated_rollouts,
+    make_coordinator,
+)
 
 DRIFT = LOGP_DRIFT_PER_UPDATE + 1.0  # one update's honest move, over the allowance
 
@@ -211,24 +217,7 @@ def _sampled(run: Path, version: int, k: int = 3) -> list[Rollout]:
     with torch.no_grad():
         gens = generate(model, [[1, 20 + i, 30] for i in range(k)], list(range(k)),  # type: ignore[arg-type]
                         SamplingParams(max_new_tokens=6), None, "fast")  # fmt: skip
-    return [
-        Rollout(
-            rollout_id=f"w{i}/0",
-            work_id=f"w{i}",
-            prompt_id=f"p{i}",
-            sample_index=0,
-            generator_id="g0",
-            latent_seed=i,
-            prompt_tokens=np.array(g.prompt_tokens, np.int32),
-            tokens=np.array(g.tokens, np.int32),
-            logprobs=g.logprobs.numpy(),
-            exit_depths=np.array(g.exit_depths, np.uint8),
-            full_depth=g.full_depth,
-            weight_version=version,
-            reward=None,
-        )  # fmt: skip
-        for i, g in enumerate(gens)
-    ]
+    return generated_rollouts(gens, version, None)
 
 
 def test_the_audit_measures_claims_at_the_weights_that_sampled_them(published: Path) -> None:
