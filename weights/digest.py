@@ -164,34 +164,22 @@ def blob_and_meta(state: Mapping[str, torch.Tensor]) -> tuple[memoryview, list[d
     on the thread pool. Each step releases the GIL (torch's copy, hashlib), so a publication
     built on a side thread leaves the trainer's Python thread running (a b"".join of 7 GB
     held it for seconds)."""
-    names = sorted(state)
-    flats = [_canonical_flat(state[n]) for n in names]
-    sizes = [0 if f is None else int(f.numel()) for f in flats]
-    offsets = [0]
-    for n in sizes:
-        offsets.append(offsets[-1] + n)
-    buf = torch.empty(offsets[-1], dtype=torch.uint8)
+    layout = blob_layout(state)
+    flats = [_canonical_flat(state[m["name"]]) for m in layout]
+    buf = torch.empty(sum(int(m["nbytes"]) for m in layout), dtype=torch.uint8)
 
     def fill(i: int) -> None:
-        f = flats[i]
+        f, lo = flats[i], int(layout[i]["offset"])
         if f is not None:
-            buf[offsets[i] : offsets[i + 1]].copy_(f)
+            buf[lo : lo + int(f.numel())].copy_(f)
 
     on_host = [i for i, f in enumerate(flats) if f is not None and f.device.type == "cpu"]
     for i, f in enumerate(flats):  # device tensors in this thread (its stream), in order
         if f is not None and f.device.type != "cpu":
             fill(i)
     list(hash_pool().map(fill, on_host))
-    view = memoryview(buf.numpy().data).toreadonly() if offsets[-1] else memoryview(b"")
-    shas = hash_pool().map(lambda i: hashlib.sha256(view[offsets[i] : offsets[i + 1]]).hexdigest(),
-                           range(len(names)))  # fmt: skip
-    meta = [
-        {"name": name, "dtype": dtype_name(state[name].dtype),
-         "shape": [int(d) for d in state[name].shape], "offset": offsets[i], "nbytes": sizes[i],
-         "sha256": sha}
-        for i, (name, sha) in enumerate(zip(names, shas))
-    ]  # fmt: skip
-    return view, meta
+    view = memoryview(buf.numpy().data).toreadonly() if buf.numel() else memoryview(b"")
+    return view, with_sha256(view, layout)
 
 
 def blob_layout(state: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
