@@ -174,30 +174,41 @@ class CudaIpcPublisher(WeightPublisher):
         state = snap.state
         if not state:
             raise ValueError(f"weights v{snap.version}: the device snapshot holds no tensors")
-        dev = next(iter(state.values())).device
         layout = blob_layout(state)
         nbytes = sum(int(t["nbytes"]) for t in layout)
-        with _on(dev), _side(dev, snap.ready):  # not behind the next step's kernels
+        i, digest, stages = self._fill(snap.version, state, nbytes, layout, snap.ready)
+        state.clear()  # the snapshot's copy is not needed any more
+        pub = Publication.on_device(snap.version, digest, layout, tied=snap.tied,
+                                    config_json=snap.config_json)  # fmt: skip
+        pub.stage_s.update(stages)
+        self._held[i] = (snap.version, pub, snap.path)
+        return pub
+
+    def _fill(
+        self, version: int, state: Mapping[str, torch.Tensor], nbytes: int, meta: list[Any],
+        ready: Any = None,
+    ) -> tuple[int, str, dict[str, float]]:  # fmt: skip
+        """``state`` packed into the next slot (on the publisher's stream, after ``ready``)
+        and its device digest computed there; the announce's cuda_ipc field kept for
+        ``publish``. Returns (slot, digest, stages: device_pack, device_digest, slot_wait)."""
+        dev = next(iter(state.values())).device
+        with _on(dev), _side(dev, ready):  # not behind the next step's kernels
             i, buf, waited = self._slot(padded_size(nbytes), dev)
             try:
                 self._held.pop(i, None)
                 t0 = time.perf_counter()
-                if pack(state, buf) != nbytes:
-                    raise ValueError(f"v{snap.version}: the packed blob is not {nbytes} bytes")
+                n = pack(state, buf)
+                if n != nbytes:
+                    raise ValueError(f"v{version}: {n} bytes on the device, {nbytes} in the blob")
                 t1 = time.perf_counter()
-                digest = device_digest(buf, nbytes, layout)  # synchronises: the bytes are there
+                digest = device_digest(buf, n, meta)  # synchronises: the bytes are there
                 t2 = time.perf_counter()
-                self._corrupt(snap.version, i, buf)
+                self._corrupt(version, i, buf)
                 shared = self._shared[i] = self._shared[i] or _share(buf)
             finally:
                 self._locks[i].release()
-        state.clear()  # the snapshot's copy is not needed any more
-        pub = Publication.on_device(snap.version, digest, layout, tied=snap.tied,
-                                    config_json=snap.config_json)  # fmt: skip
-        pub.stage_s.update(device_pack=t1 - t0, device_digest=t2 - t1, slot_wait=waited)
-        self._held[i] = (snap.version, pub, snap.path)
-        self._ready[snap.version] = {**shared, "slot": i, "digest": digest, "digest_kind": KIND}
-        return pub
+        self._ready[version] = {**shared, "slot": i, "digest": digest, "digest_kind": KIND}
+        return i, digest, {"device_pack": t1 - t0, "device_digest": t2 - t1, "slot_wait": waited}
 
     def held(self, slot: int) -> tuple[int, Publication, Path | None] | None:
         """What ``slot`` holds of a device-first version: (version, its publication, where its
@@ -238,27 +249,9 @@ class CudaIpcPublisher(WeightPublisher):
                             "the CPU, or backend reference): announced as shared_fs (the "
                             "generators read the directory)", pub.version)  # fmt: skip
             return pub
-        dev = next(iter(state.values())).device
-        with _on(dev):
-            i, buf, _ = self._slot(padded_size(len(pub.blob)), dev)
-            try:
-                self._held.pop(i, None)
-                t0 = time.perf_counter()
-                n = pack(state, buf)
-                if n != len(pub.blob):
-                    raise ValueError(
-                        f"v{pub.version}: {n} bytes on the device, {len(pub.blob)} in the blob"
-                    )
-                t1 = time.perf_counter()
-                digest = device_digest(buf, n, pub.tensors)  # synchronises: the bytes are there
-                t2 = time.perf_counter()
-                self._corrupt(pub.version, i, buf)
-                shared = self._shared[i] = self._shared[i] or _share(buf)
-            finally:
-                self._locks[i].release()
-        pub.stage_s["device_pack"], pub.stage_s["device_digest"] = t1 - t0, t2 - t1
+        _, _, stages = self._fill(pub.version, state, len(pub.blob), pub.tensors)
+        pub.stage_s.update(stages)
         pub.device_state.clear()  # the snapshot's copy is not needed any more
-        self._ready = {pub.version: {**shared, "slot": i, "digest": digest, "digest_kind": KIND}}
         return pub
 
     def publish(self, pub: Publication) -> WeightAnnounce:
