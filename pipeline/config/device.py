@@ -83,7 +83,7 @@ def _ipc_copies(cfg: Any, host: Host, local: int, megatron: bool) -> int:
     as they are taken (publish.directories when_free)."""
     t = cfg.publish.transport
     if t == AUTO:
-        t = "cuda_ipc" if host.cuda and local and megatron else "other"
+        t = _auto_transport(host, local, megatron)[0]
     if t != "cuda_ipc":
         return 0
     first = cfg.publish.directories != "every" and cfg.learner.lora.publish != "adapters"
@@ -150,7 +150,7 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
             choose("generators", "max_inflight", 16, "a CPU host")
     if gens.kv_cache_mb == AUTO:
         if host.cuda and local and shape is not None:
-            mb = _kv_mb(cfg, host, shape, budget, local)
+            mb = _kv_mb(cfg, host, shape, budget, local, megatron)
             choose("generators", "kv_cache_mb", mb,
                    f"what the learner leaves on {host.card}, split {local} way(s)")  # fmt: skip
         else:
@@ -165,17 +165,7 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
             choose("generators", "inflight_updates", False, "a CPU host" if not host.cuda
                    else f"engine {engine}" if engine != "torch" else "depth_ticks > 0")  # fmt: skip
     if pub.transport == AUTO:
-        if host.cuda and local and megatron:
-            choose("publish", "transport", "cuda_ipc",
-                   "generators on this host copy each version from the learner's GPU memory, "
-                   "checked on the device")  # fmt: skip
-        elif host.cuda and local:
-            choose("publish", "transport", "shm",
-                   "generators on this host map each version from /dev/shm (backend reference: "
-                   "its weights are on the host)")  # fmt: skip
-        else:
-            choose("publish", "transport", "shared_fs", "a CPU host" if not host.cuda
-                   else "no local generator: the directory every host mounts")  # fmt: skip
+        choose("publish", "transport", *_auto_transport(host, local, megatron))
     if pub.directories == AUTO:
         transport = out["publish"].get("transport", pub.transport)
         if transport == "cuda_ipc" and cfg.learner.lora.publish != "adapters":
@@ -235,12 +225,23 @@ def _token_budget(cfg: Any, host: Host, shape: Any) -> int:
     return max(longest, min(tokens, 65536))
 
 
-def _kv_mb(cfg: Any, host: Host, shape: Any, budget: int, local: int) -> int:
+def _auto_transport(host: Host, local: int, megatron: bool) -> tuple[str, str]:
+    """publish.transport auto on ``host``: (the transport, why)."""
+    if host.cuda and local and megatron:
+        return ("cuda_ipc", "generators on this host copy each version from the learner's GPU "
+                "memory, checked on the device")  # fmt: skip
+    if host.cuda and local:
+        return ("shm", "generators on this host map each version from /dev/shm (backend "
+                "reference: its weights are on the host)")  # fmt: skip
+    return ("shared_fs", "a CPU host" if not host.cuda
+            else "no local generator: the directory every host mounts")  # fmt: skip
+
+
+def _kv_mb(cfg: Any, host: Host, shape: Any, budget: int, local: int, megatron: bool) -> int:
     """MiB of K/V cache for each local generator: 0.8 of what the learner's plan leaves
     (``learner_gib``: adapters and cuda_ipc's copies counted), less each generator's bf16
     weights (twice under cuda_ipc: the copy it serves from) and 1 GiB of its own (CUDA
     context, graphs, activations); at least 256."""
-    megatron = cfg.backend == "megatron" or (cfg.backend == "auto" and megatron_available())
     copies = _ipc_copies(cfg, host, local, megatron)
     rank = cfg.learner.lora.rank
     left = host.free_bytes / GIB - learner_gib(shape, budget, _backprop(cfg, shape),
