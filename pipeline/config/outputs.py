@@ -104,10 +104,6 @@ class PublishSection:
         _check(self.keep >= 0, "publish.keep", self.keep, "must be >= 0")
         _check(self.directories in ("auto", *DIRECTORIES), "publish.directories",
                self.directories, f"must be one of {('auto', *DIRECTORIES)}")  # fmt: skip
-        _check(self.directories != "when_free" or self.transport in ("cuda_ipc", "auto"),
-               "publish.directories", self.directories,
-               f"when_free needs publish.transport cuda_ipc (got {self.transport}): only a "
-               "version on the device can be announced without its directory")  # fmt: skip
         _check(not isinstance(self.max_pending, bool) and isinstance(self.max_pending, int)
                and self.max_pending >= 0, "publish.max_pending", self.max_pending,
                "must be an integer >= 0 (0: publish before the next step starts)")  # fmt: skip
