@@ -344,6 +344,14 @@ class WeightAnnounce:
       size as the adapter's); ``targets`` the adapted module names, comma-separated, sorted;
       ``scale`` alpha / rank. The announce's own fields still describe the merged set (its
       digest is the merged digest): a generator without the base, or a 1.9 one, reads ``path``.
+      Protocol 1.12, an adapter version on the device (publish.transport=cuda_ipc, directories
+      when_free): ``cuda_ipc.holds`` "adapter": the slot holds the adapter set, not the
+      merged set (``cuda_ipc.digest`` is still the version's, the merged set's device digest);
+      ``adapter.digest`` (kind mix128) and ``bytes`` are the adapter blob's, ``layout`` its
+      tensors as JSON ([{name, dtype, shape, offset, nbytes}]); ``base_digest`` (mix128),
+      ``base_bytes`` and ``base_handle``, ``base_size``, ``base_offset``, ``base_ref_handle``,
+      ``base_ref_offset`` (as ``cuda_ipc``'s, same card and process) the base's buffer, whose
+      layout is the merged set's less the adapter's tensors trained in full. No paths.
     """
 
     version: int
@@ -425,7 +433,9 @@ class WeightAnnounce:
         elif self.digest_kind == DIGEST_DEVICE:
             _need(False, f"{w}: digest_kind {DIGEST_DEVICE} names a version on the device: "
                   "it needs the cuda_ipc field")  # fmt: skip
-        if self.adapter:
+        if self.adapter and self.cuda_ipc.get("holds") == "adapter":
+            self._validate_device_adapter(w)
+        elif self.adapter:
             c = self.adapter
             _need(bool(self.path) and not self.num_chunks and not self.collective,
                   f"{w}: adapter needs the merged directory (path) and no chunks")  # fmt: skip
@@ -442,6 +452,31 @@ class WeightAnnounce:
             s = c.get("scale")
             _need(isinstance(s, int | float) and not isinstance(s, bool) and s > 0,
                   f"{w}: adapter.scale must be a number > 0")  # fmt: skip
+        elif self.cuda_ipc.get("holds", "") != "":
+            _need(False, f"{w}: cuda_ipc.holds {self.cuda_ipc.get('holds')!r}: only 'adapter' "
+                  "(with the adapter field) is defined")  # fmt: skip
+
+    def _validate_device_adapter(self, w: str) -> None:
+        """Protocol 1.12's adapter version on the device (class docstring)."""
+        c = self.adapter
+        _need(self.digest_kind == DIGEST_DEVICE and not self.num_chunks and not self.collective,
+              f"{w}: an adapter set on the device needs digest_kind {DIGEST_DEVICE} and no "
+              "chunks")  # fmt: skip
+        _need(c.get("digest_kind") == DIGEST_DEVICE,
+              f"{w}: adapter.digest_kind must be {DIGEST_DEVICE} on the device")  # fmt: skip
+        for key in ("targets", "layout", "base_handle", "base_ref_handle"):
+            _need(isinstance(c.get(key), str) and bool(c.get(key)),
+                  f"{w}: adapter.{key} must be a non-empty string")  # fmt: skip
+        for key in ("digest", "base_digest"):
+            _need(isinstance(c.get(key), str) and len(str(c.get(key))) == 64,
+                  f"{w}: adapter.{key} must be 64 hex chars")  # fmt: skip
+        for key in ("bytes", "base_bytes", "base_size", "base_offset", "base_ref_offset"):
+            x = c.get(key)
+            _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+                  f"{w}: adapter.{key} must be an integer >= 0")  # fmt: skip
+        s = c.get("scale")
+        _need(isinstance(s, int | float) and not isinstance(s, bool) and s > 0,
+              f"{w}: adapter.scale must be a number > 0")  # fmt: skip
 
 
 @record("chunk")

@@ -10,10 +10,11 @@ from __future__ import annotations
 from proto.errors import ProtocolError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 11  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind;
+PROTOCOL_MINOR = 12  # 1.1: WorkItem.stop; 1.2: WeightAnnounce.collective; 1.3: digest_kind;
 # 1.4: WorkItem.eval_depth; 1.5: Rollout.full_depth; 1.6: Rollout.token_mask;
 # 1.7: Rollout.exit_logprobs; 1.8: Welcome.exit_policy; 1.9: WeightAnnounce.cuda_ipc;
-# 1.10: WeightAnnounce.adapter; 1.11: digest_kind mix128 (a version on the device only)
+# 1.10: WeightAnnounce.adapter; 1.11: digest_kind mix128 (a version on the device only);
+# 1.12: an adapter version on the device (cuda_ipc.holds adapter, the base's buffer)
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 

@@ -29,7 +29,10 @@ receiver (weights.transports.open_receiver). One announce, on the loop's thread:
 An announce that also carries a ``cuda_ipc`` field of a card this process sees (the learner on
 this host, publish.transport=cuda_ipc) goes to the receivers below instead: the merged set
 copied device to device and checked there (weights.cuda_ipc) costs milliseconds where the host
-merge of a 7.1 GB set takes seconds.
+merge of a 7.1 GB set takes seconds. So does an adapter version announced from the device
+(publish.directories=when_free, protocol 1.12): its adapter set is in the learner's slot and
+its base in a buffer the learner packed once; weights.cuda_ipc merges them on the card (one
+routine with this host merge: weights.adapter_merge) or refuses the version by name.
 
 Invariant: nothing reaches the engine before its digest matched the announced merged digest;
 a refused adapter set leaves the version served as it was (the engine is not touched).
@@ -51,8 +54,8 @@ from typing import Any
 from torch import Tensor
 
 from models.checkpoint import save_checkpoint
-from models.lora import lora_delta, merged_weight
 from proto.records import Ack, Nack, WeightAnnounce
+from weights.adapter_merge import merge_adapters
 from weights.check import WeightsRefused
 from weights.cuda_ipc import card_visible
 from weights.digest import digest_of_state, state_from_blob
@@ -73,7 +76,6 @@ __all__ = [
     "AdapterLine",
     "AdapterReceiver",
     "adapter_state",
-    "merge_adapters",
 ]
 
 
@@ -180,39 +182,6 @@ class AdapterLine:
         return _write(state, merged, out, merged.version, tied)
 
 
-def merge_adapters(
-    base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], targets: list[str], scale: float
-) -> dict[str, Tensor]:
-    """The merged set: ``base`` with each target's weight W replaced by
-    ``merged_weight(W, lora_delta(A, B, scale))`` and every full tensor of ``adapter`` (the
-    norms) added. WeightsRefused naming the targets that are not the set's factors, not
-    weights of the base, or of shapes that do not fit [out, in] = B [out, r] A [r, in]."""
-    factors = sorted({n.rsplit(".", 1)[0] for n in adapter if n.endswith((".lora_A", ".lora_B"))})
-    if factors != sorted(targets):
-        raise WeightsRefused(
-            f"adapter set: its factors {factors} are not the announced targets {sorted(targets)}"
-        )
-    absent = [m for m in targets if f"{m}.weight" not in base]
-    if absent:
-        raise WeightsRefused(
-            f"adapter set for other target modules: {absent} have no weight in the base held"
-        )
-    out = dict(base)
-    for m in targets:
-        w, a, b = base[f"{m}.weight"], adapter.get(f"{m}.lora_A"), adapter.get(f"{m}.lora_B")
-        if a is None or b is None:
-            raise WeightsRefused(f"adapter set: module {m} lacks its lora_A or lora_B")
-        fits = w.dim() == a.dim() == b.dim() == 2 and a.shape[0] == b.shape[1]
-        if not fits or (b.shape[0], a.shape[1]) != tuple(w.shape):
-            raise WeightsRefused(
-                f"adapter set for other target modules: {m} has lora_A {list(a.shape)}, lora_B "
-                f"{list(b.shape)}, the base's weight {list(w.shape)}"
-            )
-        out[f"{m}.weight"] = merged_weight(w, lora_delta(a.to(w.device), b.to(w.device), scale))
-    out.update({n: t for n, t in adapter.items() if not n.endswith((".lora_A", ".lora_B"))})
-    return out
-
-
 class AdapterReceiver:
     """The generator's end (module docstring): announces with an ``adapter`` field and no
     chunks are taken here; every other record goes to ``fallback``. It keeps the base set it
@@ -237,6 +206,9 @@ class AdapterReceiver:
 
     def handle(self, rec: Any) -> VerifiedWeights | None:
         if isinstance(rec, WeightAnnounce) and rec.adapter and not rec.num_chunks:
+            if rec.cuda_ipc.get("holds") == "adapter":  # the adapter set on the device only
+                self.counts["device_adapter"] += 1  # (weights.cuda_ipc merges it on the card)
+                return self.fallback.handle(rec)
             if rec.cuda_ipc and card_visible(str(rec.cuda_ipc.get("device_uuid", ""))):
                 # the learner's card is ours (cuda_ipc): its device copy of the merged set, a
                 # device-to-device copy checked there, beats reading and merging on the host

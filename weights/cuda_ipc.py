@@ -50,9 +50,10 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -60,10 +61,11 @@ import torch
 from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
 from proto.records import Nack, WeightAnnounce
+from weights.adapter_merge import write_merged
 from weights.check import WeightsRefused
-from weights.device_digest import KIND, device_digest, padded_size
+from weights.device_digest import KIND, device_digest, padded_size, state_digest
 from weights.digest import DEFAULT_CHUNK_BYTES, TREE, blob_layout, weights_digest, with_sha256
-from weights.publication import MANIFEST_NAME, DeviceSnapshot, Publication
+from weights.publication import MANIFEST_NAME, DeviceAdapter, DeviceSnapshot, Publication
 from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
 from weights.receiver import GeneratorSide, Receiver
 from weights.verified import VerifiedWeights
@@ -140,6 +142,7 @@ class CudaIpcPublisher(WeightPublisher):
         self._next = 0
         self._ready: dict[int, dict[str, Any]] = {}  # version -> the announce's cuda_ipc field
         self._held: dict[int, tuple[int, Publication, Path | None]] = {}  # slot -> its version
+        self._base: tuple[torch.Tensor, dict[str, Any], str, int] | None = None  # adapters' base
         self.writer = DirectoryWriter(self)
 
     def _slot(self, size: int, dev: torch.device) -> tuple[int, torch.Tensor, float]:
@@ -174,6 +177,8 @@ class CudaIpcPublisher(WeightPublisher):
         state = snap.state
         if not state:
             raise ValueError(f"weights v{snap.version}: the device snapshot holds no tensors")
+        if snap.adapter is not None:
+            return self._prepare_adapter(snap, snap.adapter)
         layout = blob_layout(state)
         nbytes = sum(int(t["nbytes"]) for t in layout)
         i, digest, stages = self._fill(snap.version, state, nbytes, layout, snap.ready)
@@ -183,6 +188,100 @@ class CudaIpcPublisher(WeightPublisher):
         pub.stage_s.update(stages)
         self._held[i] = (snap.version, pub, snap.path)
         return pub
+
+    def _prepare_adapter(self, snap: DeviceSnapshot, ad: DeviceAdapter) -> Publication:
+        """An adapter version (module docstring, "Adapters"): the merged set's device digest
+        taken tensor by tensor from ``snap`` (no packed copy), the adapter set packed into
+        the next slot and digested, the base packed once into a buffer of its own; the
+        snapshot's copy let go. Stages ``device_digest`` (the merged set's), ``device_pack``
+        and ``adapter_digest`` (the adapter set's), ``base_pack`` (once), ``slot_wait``."""
+        state, version = snap.state, snap.version
+        layout = blob_layout(state)
+        dev = next(iter(state.values())).device
+        with _on(dev), _side(dev, snap.ready):
+            t0 = time.perf_counter()
+            digest = state_digest(state, layout)  # synchronises (the lanes' sums)
+            t1 = time.perf_counter()
+            if self._base is None:
+                self._base = self._pack_base(state, ad)
+            t2 = time.perf_counter()
+        adapter = {f"{m}.{k}": t for m, (a, b) in ad.factors.items()
+                   for k, t in (("lora_A", a), ("lora_B", b))}  # fmt: skip
+        missing = [n for n in ad.full if n not in state]
+        if missing:
+            raise ValueError(
+                f"weights v{version}: tensors trained in full {missing} are not stored"
+            )
+        adapter.update({n: state[n] for n in ad.full})
+        ad_layout = blob_layout(adapter)
+        nbytes = sum(int(t["nbytes"]) for t in ad_layout)
+        i, ad_digest, stages = self._fill(version, adapter, nbytes, ad_layout, snap.ready)
+        state.clear()
+        # the slot holds the adapter set; the version is named by the merged set's digest
+        self._ready[version].update(digest=digest, holds="adapter")
+        base_buf, base_field, base_digest, base_bytes = self._base
+        field: dict[str, Any] = {
+            "digest": ad_digest, "digest_kind": KIND, "digest_chunk_bytes": 0, "bytes": nbytes,
+            "layout": json.dumps(ad_layout, separators=(",", ":")), "base_digest": base_digest,
+            "base_bytes": base_bytes, "targets": ",".join(sorted(ad.factors)),
+            "scale": float(ad.scale), **{f"base_{k}": v for k, v in base_field.items()
+                                         if k in _BASE_KEYS},
+        }  # fmt: skip
+        pub = Publication.on_device(version, digest, layout, tied=snap.tied,
+                                    config_json=snap.config_json)  # fmt: skip
+        pub = dataclasses.replace(pub, adapter=field)
+        pub.stage_s.update(stages)
+        pub.stage_s.update(adapter_digest=stages["device_digest"], device_digest=t1 - t0,
+                           base_pack=t2 - t1)  # fmt: skip
+        self._held[i] = (version, pub, snap.path)
+        self.counts["adapter_versions"] += 1
+        return pub
+
+    def _pack_base(
+        self, state: Mapping[str, torch.Tensor], ad: DeviceAdapter
+    ) -> tuple[torch.Tensor, dict[str, Any], str, int]:
+        """The base set (every stored tensor but those trained in full, each adapted weight
+        as before training) packed into a buffer of its own and digested: (buffer, its IPC
+        fields, digest, bytes). Never refilled: a generator maps it once, a late one too."""
+        frozen = ad.frozen()
+        strays = sorted(set(frozen) - set(state))
+        if strays:
+            raise ValueError(f"adapted weights {strays} are not stored tensors of the set")
+        odd = [
+            n for n, w in frozen.items() if (w.dtype, w.shape) != (state[n].dtype, state[n].shape)
+        ]
+        if odd:  # a merge of W in another dtype would not give the published bits
+            raise ValueError(f"adapted weights {odd}: the base weight's dtype or shape is not "
+                             "the published one's")  # fmt: skip
+        base = {n: t for n, t in state.items() if n not in set(ad.full)}
+        base.update(frozen)
+        layout = blob_layout(base)
+        nbytes = sum(int(t["nbytes"]) for t in layout)
+        buf = torch.empty(
+            padded_size(nbytes), dtype=torch.uint8, device=next(iter(base.values())).device
+        )
+        pack(base, buf)
+        digest = device_digest(buf, nbytes, layout)
+        self.counts["base_packed"] += 1
+        log.info("weights: the adapters' base packed on the device once (%d bytes, %s)", nbytes,
+                 digest[:16])  # fmt: skip
+        return buf, _share(buf), digest, nbytes
+
+    def merged_blob(self, slot: int, version: int) -> torch.Tensor | None:
+        """The merged set of adapter ``version`` in ``slot`` as a new device blob (the base and
+        the adapter set merged as a generator merges them): the run's last version's directory
+        (``DirectoryWriter.close``); None when the slot holds another version."""
+        with self._locks[slot]:
+            held, buf = self._held.get(slot), self._bufs[slot]
+            if held is None or held[0] != version or buf is None or self._base is None:
+                return None
+            pub = held[1]
+            with _on(buf.device):
+                out = torch.zeros(padded_size(pub.nbytes), dtype=torch.uint8, device=buf.device)
+                write_merged(
+                    out, pub.tensors, *_adapter_sets(pub.adapter, pub.tensors, self._base[0], buf)
+                )
+            return out
 
     def _fill(
         self, version: int, state: Mapping[str, torch.Tensor], nbytes: int, meta: list[Any],
@@ -263,7 +362,8 @@ class CudaIpcPublisher(WeightPublisher):
             if field is None:
                 raise WeightsRefused(f"weights v{pub.version}: on the device only, not packed")
             self.publish_announce(ann := pub.announce(0, created_at=time.time(), cuda_ipc=field))
-            self.writer.offer(int(field["slot"]))
+            if not pub.adapter:  # an adapter version's directory: the run's last only (close)
+                self.writer.offer(int(field["slot"]))
             return ann
         ann = super().publish(pub)
         if field is not None:
@@ -283,6 +383,7 @@ class CudaIpcPublisher(WeightPublisher):
             super().close()
             self._bufs = [None] * self.slots
             self._shared = [None] * self.slots
+            self._base = None
 
 
 class DirectoryWriter:
@@ -337,7 +438,7 @@ class DirectoryWriter:
             host = self._host = torch.empty(
                 max(n, 1), dtype=torch.uint8, pin_memory=self.pub.on_cuda
             )
-        if not self.pub.copy_out(slot, version, host):
+        if not self._copy(slot, version, pub, host):
             self.counts["gone"] += 1
             return
         t1 = time.perf_counter()
@@ -358,6 +459,18 @@ class DirectoryWriter:
                  "s, write %.3f s)", version, path, t1 - t0, t2 - t1,
                  time.perf_counter() - t2)  # fmt: skip
 
+    def _copy(self, slot: int, version: int, pub: Publication, host: torch.Tensor) -> bool:
+        """``version``'s blob into ``host``: the slot's bytes, or for an adapter version the
+        merged set built on the device from the base and the slot's adapter set."""
+        if not pub.adapter:
+            return self.pub.copy_out(slot, version, host)
+        merged = self.pub.merged_blob(slot, version)
+        if merged is None:
+            return False
+        with _on(merged.device):
+            host[: pub.nbytes].copy_(merged[: pub.nbytes])
+        return True
+
     def close(self, newest: int) -> None:
         """Wait for the write in progress; then the ``newest`` version's directory if none
         was written (still in its slot: nothing refills it)."""
@@ -375,6 +488,44 @@ class DirectoryWriter:
                     self.counts["failed"] += 1
                     log.warning("weights v%d: its directory %s was not written at the end: "
                                 "%s: %s", newest, path, type(e).__name__, e)  # fmt: skip
+
+
+_BASE_KEYS = ("handle", "size", "offset", "ref_handle", "ref_offset", "event", "event_sync")
+"""The base buffer's IPC fields an adapter version's announce carries (``base_<key>``)."""
+
+
+def _objs(layout: list[dict[str, Any]]) -> list[Any]:
+    return [SimpleNamespace(**t) for t in layout]
+
+
+def _base_layout(c: Mapping[str, Any], tensors: Sequence[Any]) -> list[dict[str, Any]]:
+    """The base set's layout of an adapter version (its ``adapter`` field ``c``, the merged
+    layout ``tensors``): the merged one less the tensors trained in full, offsets anew."""
+    ad_layout = json.loads(str(c["layout"]))
+    full = {t["name"] for t in ad_layout if not t["name"].endswith((".lora_A", ".lora_B"))}
+    out, off = [], 0
+    for t in tensors:
+        meta = dict(t) if isinstance(t, Mapping) else dataclasses.asdict(t)
+        if meta["name"] in full:
+            continue
+        out.append({**meta, "offset": off})
+        off += int(meta["nbytes"])
+    return out
+
+
+def _adapter_sets(
+    c: Mapping[str, Any], tensors: Sequence[Any], base_buf: torch.Tensor, ad_buf: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str], float]:
+    """(base, adapter set, targets, scale) of an adapter version, as views of the base's
+    buffer and of the adapter set's (``_base_layout``; the set's own layout in ``c``)."""
+    base_layout = _base_layout(c, tensors)
+    end = sum(int(t["nbytes"]) for t in base_layout)
+    if end > base_buf.numel():
+        raise WeightsRefused(f"wrong base: the set needs a base of {end} bytes, the base holds "
+                             f"{base_buf.numel()}")  # fmt: skip
+    targets = [m for m in str(c["targets"]).split(",") if m]
+    adapter = unpack(ad_buf, _objs(json.loads(str(c["layout"]))))
+    return unpack(base_buf, _objs(base_layout)), adapter, targets, float(c["scale"])
 
 
 def _on(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -437,6 +588,7 @@ class CudaIpcReceiver:
         self.serving, self.max_total_bytes = serving_version, max_total_bytes
         self._maps: dict[tuple[int, str, int], torch.Tensor] = {}  # (pid, handle, offset) ->
         self._cards: dict[str, int] | None = None
+        self._base_ok: dict[tuple[int, str, int], str] = {}  # a mapped base buffer -> its digest
         self.counts: Counter[str] = Counter()
         self.copy_s = 0.0
         """Seconds of the newest version's copy and check (map, copy, digest)."""
@@ -449,7 +601,12 @@ class CudaIpcReceiver:
         if rec.version <= self.serving or rec.total_bytes > self.max_total_bytes:
             return self.fallback.handle(plain)  # acknowledged again, or refused, there
         try:
-            got = self._receive(rec)
+            got = self._receive_adapter(rec) if rec.cuda_ipc.get("holds") == "adapter" else (
+                self._receive(rec))  # fmt: skip
+        except WeightsRefused as e:  # an adapter set that does not fit its base: by name
+            self.counts["refused"] += 1
+            self._refuse(rec, str(e))
+            return None
         except (RuntimeError, ValueError, OSError, KeyError) as e:
             self.counts["unmapped"] += 1
             if not rec.path:
@@ -531,4 +688,57 @@ class CudaIpcReceiver:
                       a.path)  # fmt: skip
             return None
         self.counts["verified"] += 1
+        return VerifiedWeights.of_checked(a, unpack(mine, list(a.tensors)))
+
+    def _receive_adapter(self, a: WeightAnnounce) -> VerifiedWeights | None:
+        """An adapter version (module docstring, "Adapters"): the adapter set copied out of
+        its slot and checked; the base's buffer mapped (once) and checked against the
+        announced base digest (once per buffer); the merged set written into a buffer of
+        this generator's own and its device digest compared with the version's. None when a
+        copy or the merge does not match (refused, counted, logged); WeightsRefused naming a
+        base or an adapter set that does not fit."""
+        c, ad = a.cuda_ipc, a.adapter
+        t0 = time.perf_counter()
+        index = self._card(str(c["device_uuid"]))
+        src = self._map(c, index)
+        n_ad = int(str(ad["bytes"]))
+        if src.numel() < padded_size(n_ad):
+            raise ValueError(f"the mapped buffer holds {src.numel()} bytes, {n_ad} announced")
+        base_c: dict[str, Any] = {"pid": c["pid"]}
+        base_c.update({k: ad[f"base_{k}"] for k in _BASE_KEYS if f"base_{k}" in ad})
+        base = self._map(base_c, index)
+        with _on(src.device):
+            mine_ad = torch.empty(padded_size(n_ad), dtype=torch.uint8, device=src.device)
+            mine_ad.copy_(src[: mine_ad.numel()])
+            got = device_digest(mine_ad, n_ad, json.loads(str(ad["layout"])))
+            if got != ad["digest"]:
+                self.counts["refused"] += 1
+                log.error("weights v%d: the copy of the adapter set (slot %s) has device digest "
+                          "%s, %s announced (torn by a newer version or corrupted): refused",
+                          a.version, c.get("slot"), got, ad["digest"])  # fmt: skip
+                return None
+            key = (int(base_c["pid"]), str(base_c["handle"]), int(base_c["offset"]))
+            if self._base_ok.get(key) != ad["base_digest"]:
+                layout = _base_layout(ad, a.tensors)
+                nb = sum(int(t["nbytes"]) for t in layout)
+                held = device_digest(base, nb, layout) if base.numel() >= padded_size(nb) else ""
+                if held != ad["base_digest"]:
+                    raise WeightsRefused(
+                        f"wrong base: the adapter set applies to base {str(ad['base_digest'])[:16]}, "
+                        f"the learner's base buffer holds {held[:16] or 'fewer bytes'}"
+                    )
+                self._base_ok[key] = str(ad["base_digest"])
+            mine = torch.empty(padded_size(a.total_bytes), dtype=torch.uint8, device=src.device)
+            mine[a.total_bytes :].zero_()
+            write_merged(mine, a.tensors, *_adapter_sets(ad, a.tensors, base, mine_ad))
+            got = device_digest(mine, a.total_bytes, a.tensors)
+        self.copy_s = time.perf_counter() - t0
+        if got != c["digest"]:
+            self.counts["merge_mismatch"] += 1
+            log.error("weights v%d: the adapter set merged onto its base has device digest %s, "
+                      "%s announced (a merge that differs from the learner's in a bit): "
+                      "refused", a.version, got, c["digest"])  # fmt: skip
+            return None
+        self.counts["verified"] += 1
+        self.counts["adapter_merged"] += 1
         return VerifiedWeights.of_checked(a, unpack(mine, list(a.tensors)))

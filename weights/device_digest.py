@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ BLOCK = 4096
 INTERPRET = [False]
 """Tests: take the kernel on CPU tensors too (under TRITON_INTERPRET=1)."""
 
-__all__ = ["BLOCK", "INTERPRET", "KIND", "device_digest", "digest_on_host_blob", "lanes_digest", "padded_size",
+__all__ = ["BLOCK", "INTERPRET", "KIND", "Lanes", "device_digest", "state_digest", "digest_on_host_blob", "lanes_digest", "padded_size",
            "reference_digest", "reference_lanes"]  # fmt: skip
 
 
@@ -73,9 +73,11 @@ def lanes_digest(total: int, meta: Sequence[Any], a: int, b: int) -> str:
 
 
 def reference_lanes(
-    blob: bytes | bytearray | memoryview, piece_words: int = 1 << 22
+    blob: bytes | bytearray | memoryview, piece_words: int = 1 << 22, first_word: int = 0
 ) -> tuple[int, int]:
-    """(lane A, lane B) of ``blob`` (module docstring), in numpy (uint64 arithmetic wraps)."""
+    """(lane A, lane B) of ``blob`` (module docstring), in numpy (uint64 arithmetic wraps);
+    ``first_word``: the blob's first word is word ``first_word`` of a longer one (its index
+    mixes with that position)."""
     view = memoryview(blob).cast("B")
     n = len(view)
     a = b = np.uint64(0)
@@ -86,7 +88,7 @@ def reference_lanes(
             raw = bytes(view[lo * 4 : min(hi * 4, n)])
             raw += b"\0" * ((hi - lo) * 4 - len(raw))
             w = np.frombuffer(raw, dtype="<u4").astype(np.uint64)
-            j = np.arange(lo, hi, dtype=np.uint64)
+            j = np.arange(first_word + lo, first_word + hi, dtype=np.uint64)
             x = w ^ (j * np.uint64(_GOLD))
             xa = x ^ (x >> np.uint64(30))
             xa = xa * np.uint64(_A1)
@@ -111,12 +113,12 @@ def reference_digest(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) 
 if triton is not None:
 
     @triton.jit
-    def _lanes_kernel(W, Out, n_words, gold, a1, a2, b1, b2, BLOCK: tl.constexpr):
+    def _lanes_kernel(W, Out, n_words, j0, gold, a1, a2, b1, b2, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = j < n_words
         w = tl.load(W + j, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        x = w ^ (j.to(tl.uint64) * gold)
+        x = w ^ ((j + j0).to(tl.uint64) * gold)
         xa = x ^ (x >> 30)
         xa = xa * a1
         xa = xa ^ (xa >> 27)
@@ -140,24 +142,116 @@ def device_lanes(buf: torch.Tensor, nbytes: int) -> tuple[int, int]:
     """(lane A, lane B) of the first ``nbytes`` of ``buf`` (a contiguous uint8 tensor of at
     least ``padded_size(nbytes)`` bytes whose bytes past ``nbytes`` are zero), on its device:
     one read of the blob, one partial pair per ``BLOCK`` words, summed on the host (wrapping)."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(
-            f"a flat contiguous uint8 buffer expected, got {buf.dtype} {tuple(buf.shape)}"
-        )
-    size = padded_size(nbytes)
-    if buf.numel() < size:
-        raise ValueError(f"a buffer of {buf.numel()} bytes holds no {nbytes}-byte blob as words")
-    if not _kernel_ok(buf):
-        return reference_lanes(buf[:nbytes].cpu().numpy().tobytes())
-    words = buf[:size].view(torch.int32)
-    n = size // 4
-    grid = max(1, -(-n // BLOCK))
-    out = torch.empty(2 * grid, dtype=torch.int64, device=buf.device)
-    _lanes_kernel[(grid,)](words, out, n, _GOLD, _A1, _A2, _B1, _B2, BLOCK=BLOCK)
-    parts = out.view(grid, 2).cpu().numpy().view(np.uint64)
-    with np.errstate(over="ignore"):
-        a, b = np.add.reduce(parts, axis=0, dtype=np.uint64)
-    return int(a), int(b)
+    lanes = Lanes()
+    lanes.add_words(buf, nbytes)
+    return lanes.total()
+
+
+class Lanes:
+    """The two lane sums of one blob fed in order, piece by piece, where its tensors are (the
+    blob need not exist as one buffer): ``feed`` a tensor's canonical bytes, or
+    ``add_words`` a buffer of whole words; ``total`` the lanes. Pieces that do not end on a
+    word boundary pass through a staging buffer of ``staging`` bytes, so every word is
+    mixed with its index in the blob, as ``device_lanes`` over the packed blob mixes it.
+    On a CUDA tensor (or under ``INTERPRET``) the kernel runs and its partial sums stay on
+    the device until ``total``; elsewhere the numpy spec."""
+
+    def __init__(self, staging: int = 1 << 24) -> None:
+        self.words = 0  # words summed so far (the next one's index)
+        self.nbytes = 0  # bytes fed
+        self._a = self._b = 0
+        self._parts: list[torch.Tensor] = []
+        self._stage: torch.Tensor | None = None
+        self._fill = 0
+        self._staging = max(4 * BLOCK, staging // (4 * BLOCK) * 4 * BLOCK)
+
+    def feed(self, t: torch.Tensor) -> None:
+        """A tensor's canonical bytes (C order), next in the blob."""
+        flat = t.detach().resolve_neg().contiguous().reshape(-1)
+        if not flat.numel():
+            return
+        raw = flat.view(torch.uint8)
+        n, off = raw.numel(), 0
+        self.nbytes += n
+        while off < n:
+            whole = (n - off) // 4 * 4
+            if self._fill == 0 and whole and (raw.data_ptr() + off) % 4 == 0:
+                self._words(raw[off : off + whole], whole)
+                off += whole
+                continue
+            stage = self._staged(raw)
+            take = min(stage.numel() - self._fill, n - off)
+            stage[self._fill : self._fill + take].copy_(raw[off : off + take])
+            self._fill += take
+            off += take
+            if self._fill == stage.numel():
+                self._words(stage, self._fill)
+                self._fill = 0
+
+    def add_words(self, buf: torch.Tensor, nbytes: int) -> None:
+        """The first ``nbytes`` of ``buf`` (``device_lanes``' conditions), next in the blob;
+        only as the blob's last piece when ``nbytes`` is not a multiple of 4."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(
+                f"a flat contiguous uint8 buffer expected, got {buf.dtype} {tuple(buf.shape)}"
+            )
+        if buf.numel() < padded_size(nbytes):
+            raise ValueError(
+                f"a buffer of {buf.numel()} bytes holds no {nbytes}-byte blob as words"
+            )
+        if self._fill or self.nbytes % 4:
+            raise ValueError("add_words after a piece that did not end on a word boundary")
+        self.nbytes += nbytes
+        if nbytes:
+            self._words(buf, nbytes)
+
+    def total(self) -> tuple[int, int]:
+        """(lane A, lane B) of everything fed (the last partial word padded with zeros)."""
+        if self._fill:
+            stage = self._stage
+            assert stage is not None
+            end = padded_size(self._fill)
+            stage[self._fill : end].zero_()
+            self._words(stage, self._fill)
+            self._fill = 0
+        a, b = self._a, self._b
+        if self._parts:
+            parts = torch.cat([p.cpu() for p in self._parts]).numpy().view(np.uint64)
+            with np.errstate(over="ignore"):
+                pa, pb = np.add.reduce(parts.reshape(-1, 2), axis=0, dtype=np.uint64)
+            a, b = a + int(pa), b + int(pb)
+        return a & _M64, b & _M64
+
+    def _staged(self, like: torch.Tensor) -> torch.Tensor:
+        if self._stage is None or self._stage.device != like.device:
+            self._stage = torch.zeros(self._staging, dtype=torch.uint8, device=like.device)
+        return self._stage
+
+    def _words(self, buf: torch.Tensor, nbytes: int) -> None:
+        """Sum the words of ``buf[:padded_size(nbytes)]`` as words ``self.words``... ."""
+        size = padded_size(nbytes)
+        n = size // 4
+        if not _kernel_ok(buf):
+            a, b = reference_lanes(buf[:nbytes].cpu().numpy().tobytes(), first_word=self.words)
+            self._a, self._b = self._a + a, self._b + b
+        else:
+            words = buf[:size].view(torch.int32)
+            grid = max(1, -(-n // BLOCK))
+            out = torch.empty(2 * grid, dtype=torch.int64, device=buf.device)
+            _lanes_kernel[(grid,)](words, out, n, self.words, _GOLD, _A1, _A2, _B1, _B2,
+                                   BLOCK=BLOCK)  # fmt: skip
+            self._parts.append(out)
+        self.words += n
+
+
+def state_digest(state: Mapping[str, torch.Tensor], meta: Sequence[Any]) -> str:
+    """The digest of ``state``'s canonical blob (sorted names; ``meta`` its layout,
+    weights.digest.blob_layout) computed tensor by tensor where the tensors are, without
+    packing them: the same digest as ``device_digest`` over the packed blob."""
+    lanes = Lanes()
+    for name in sorted(state):
+        lanes.feed(state[name])
+    return lanes_digest(lanes.nbytes, meta, *lanes.total())
 
 
 def digest_on_host_blob(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) -> str:

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,25 @@ class DeviceSnapshot:
     """Where its directory goes if one is written (RUN_DIR/weights/v<version>)."""
     ready: Any = None
     """A CUDA event recorded after the snapshot's copies (wait on it before reading)."""
+    adapter: DeviceAdapter | None = None
+    """learner.lora.publish=adapters: the version's adapter set beside ``state`` (the merged
+    set), announced on the device as that set on a base (weights.cuda_ipc)."""
+
+
+@dataclass
+class DeviceAdapter:
+    """A version's low-rank adapter set on the learner's card (weights.cuda_ipc's adapter
+    versions; the host's: weights.adapters)."""
+
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """{module: (A [r, in], B [out, r])}, the learner's copies as merged into ``state``."""
+    full: list[str]
+    """The stored tensors trained in full beside the adapters (the norms; in ``state``)."""
+    frozen: Callable[[], dict[str, torch.Tensor]]
+    """{"<module>.weight": W} of every adapted module's base weight, on the card (called once
+    per publisher: the base set)."""
+    scale: float
+    """alpha / rank."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ pipeline.backends.ranks wraps rank 0's trainer (``Leader``) and runs the others 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
 from proto.records import Rollout
 from weights.adapters import AdapterLine
-from weights.publication import Publication
+from weights.publication import DeviceAdapter, Publication
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +123,18 @@ class MegatronTrainer:
         ad = megatron_adapters(model, self.lora)
         factors, norms = ad.factor_copies(), list(ad.norms)
         frozen = frozen_hf_weights(model, list(ad.factors)) if line.base is None else {}
+        # (the host's path, publish.directories every; the device's takes the base once itself)
         full = finish
 
         def with_adapters() -> Publication:
             return line.publication(full(), factors, frozen, norms)
 
-        return SnapshotResult(with_adapters, stages)
+        device = getattr(finish, "device", None)
+        if device is not None:  # cuda_ipc, directories when_free: the adapter set on the card
+            names = list(ad.factors)
+            device = dataclasses.replace(device, adapter=DeviceAdapter(
+                factors, norms, lambda: frozen_hf_weights(model, names), self.lora.scale))  # fmt: skip
+        return SnapshotResult(with_adapters, stages, device)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         """learner.checkpoint's; with adapters, rank 0 then adds adapter/ (learner.peft_adapter:

@@ -16,7 +16,7 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
 | generators.inflight_updates | true with the torch engine (depth_ticks 0): a version swapped in between two decode steps of a running batch | false |
 | publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
-| publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; learner.lora.publish=merged), else every | every |
+| publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; an adapter version as its adapter set on a base packed once), else every | every |
 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
 model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two
@@ -80,13 +80,16 @@ def learner_gib(
 def _ipc_copies(cfg: Any, host: Host, local: int, megatron: bool) -> int:
     """bf16 weight copies cuda_ipc keeps on the learner's card (0 for another transport): a slot
     per pending version and one more, and the snapshot's own copy unless versions are packed
-    as they are taken (publish.directories when_free)."""
+    as they are taken (publish.directories when_free); adapter versions taken so
+    (learner.lora.publish=adapters) keep one, the base (their slots hold adapter sets)."""
     t = cfg.publish.transport
     if t == AUTO:
         t = _auto_transport(host, local, megatron)[0]
     if t != "cuda_ipc":
         return 0
-    first = cfg.publish.directories != "every" and cfg.learner.lora.publish != "adapters"
+    first = cfg.publish.directories != "every"
+    if first and cfg.learner.lora.on and cfg.learner.lora.publish == "adapters":
+        return 1
     return max(2, cfg.publish.max_pending + 1) + (0 if first else 1)
 
 
@@ -168,14 +171,14 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
         choose("publish", "transport", *_auto_transport(host, local, megatron))
     if pub.directories == AUTO:
         transport = out["publish"].get("transport", pub.transport)
-        if transport == "cuda_ipc" and cfg.learner.lora.publish != "adapters":
+        if transport == "cuda_ipc":
             choose("publish", "directories", "when_free",
-                   "each version announced from the GPU once packed; its directory written "
+                   "each version announced from the GPU once packed (with learner.lora.publish="
+                   "adapters: its adapter set on a base packed once); its directory written "
                    "beside training when the writer is free, the last one always")  # fmt: skip
         else:
             choose("publish", "directories", "every", "a CPU host" if not host.cuda
-                   else f"transport {transport}" if transport != "cuda_ipc"
-                   else "learner.lora.publish=adapters (adapter sets live in directories)")  # fmt: skip
+                   else f"transport {transport}")  # fmt: skip
     return {k: v for k, v in out.items() if v}, why
 
 

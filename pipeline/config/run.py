@@ -219,9 +219,6 @@ class RunConfig:
             _check(self.publish.transport == "cuda_ipc", "publish.directories", "when_free",
                    f"needs publish.transport cuda_ipc (got {self.publish.transport}): only a "
                    "version on the learner's GPU can be announced without its directory")  # fmt: skip
-            _check(lr.lora.publish == "merged", "publish.directories", "when_free",
-                   "learner.lora.publish=adapters announces adapter sets, which live in "
-                   "directories: use publish.directories=every")  # fmt: skip
             _check(self.backend != "reference", "publish.directories", "when_free",
                    "backend reference keeps its weights on the host: use every")  # fmt: skip
         if self.backend == "reference":  # rule: every key honoured by every backend or refused

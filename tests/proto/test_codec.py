@@ -372,7 +372,7 @@ def test_stream_recorded_before_1_6_still_reads(tmp_path: object) -> None:
     from proto.schema import to_wire
     from proto.stream.writer import StreamWriter
 
-    assert PROTOCOL_MINOR == 11  # 1.8-1.11: Welcome and WeightAnnounce fields, no rollout field
+    assert PROTOCOL_MINOR == 12  # 1.8-1.12: Welcome and WeightAnnounce fields, no rollout field
     a, b = _rollout(5), dataclasses.replace(_rollout(3), rollout_id="w/1", sample_index=1)
     cols = msgpack.unpackb(msgpack.packb(encode_batch(RolloutBatch([a, b]))))
     single = to_wire(dataclasses.replace(a, rollout_id="w/2", sample_index=2))

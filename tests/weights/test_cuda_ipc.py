@@ -63,8 +63,18 @@ def check_kernel(device: str) -> dict[str, Any]:
         same.append(got == dd.reference_lanes(blob))
     blob, meta = blob_and_meta(_state())
     whole = dd.device_digest(_buf(bytes(blob)).to(device), len(blob), meta)
+    # tensor by tensor where they are (no packed blob): odd offsets go through the staging
+    # buffer, whole words straight through the kernel at their index in the blob
+    big = {**_state(), "f.big": torch.randn(3 * dd.BLOCK + 5, generator=g).to(torch.bfloat16),
+           "g.words": torch.randn(2 * dd.BLOCK, generator=g)}  # fmt: skip
+    big_blob, big_meta = blob_and_meta(big)
+    lanes = dd.Lanes(staging=4 * dd.BLOCK)
+    for name in sorted(big):
+        lanes.feed(big[name].to(device))
+    streamed = dd.lanes_digest(lanes.nbytes, big_meta, *lanes.total())
     dd.INTERPRET[0] = False
-    return {"lanes": same, "digest": whole == dd.reference_digest(blob, meta)}
+    return {"lanes": same, "digest": whole == dd.reference_digest(blob, meta),
+            "state": streamed == dd.reference_digest(big_blob, big_meta)}  # fmt: skip
 
 
 _CHECK = """
@@ -82,12 +92,12 @@ def test_device_digest_kernel_equals_its_spec_under_the_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res == {"lanes": [True] * 8, "digest": True}, res
+    assert res == {"lanes": [True] * 8, "digest": True, "state": True}, res
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_digest_kernel_equals_its_spec_on_cuda() -> None:
-    assert check_kernel("cuda") == {"lanes": [True] * 8, "digest": True}
+    assert check_kernel("cuda") == {"lanes": [True] * 8, "digest": True, "state": True}
 
 
 def test_device_digest_changes_with_a_flipped_bit_moved_words_and_names() -> None:
