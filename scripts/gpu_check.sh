@@ -231,7 +231,7 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
     done
 fi
 if has ipc; then  # same-host weights on the device (weights.cuda_ipc): the digest kernel, two processes
-    timeout "${T_IPC:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/weights/test_cuda_ipc.py tests/weights/test_device_first.py \
+    timeout "${T_IPC:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/weights/test_cuda_ipc.py tests/weights/test_device_first.py tests/weights/test_device_adapters.py \
         tests/weights/test_transports.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 30 | tee "$LOG/ipc_tests.txt"
 fi

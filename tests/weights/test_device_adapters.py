@@ -217,3 +217,74 @@ def test_an_adapter_announce_on_the_device_is_checked_on_the_wire(
     with pytest.raises(ProtocolError, match="cuda_ipc.holds"):
         odd.validate()
     pub.close()
+
+
+_READER = """
+import json, sys, time, torch
+from proto.codec import Codec
+from weights import cuda_ipc
+from tests.weights.test_cuda_ipc import _Below
+from tests.weights.test_device_adapters import _merged
+from tests.weights.test_transports import Sent
+rx = cuda_ipc.CudaIpcReceiver(Sent(), _Below(), "gen-0")
+for line in sys.stdin:
+    ann = Codec().decode(bytes.fromhex(line.strip()))
+    t0 = time.perf_counter()
+    got = rx.handle(ann)
+    dt = time.perf_counter() - t0
+    ok = got not in (None, "read-the-directory") and all(
+        torch.equal(got.state()[k].cpu(), t) for k, t in _merged(ann.version).items())
+    if ok:
+        rx.loaded(ann.version)
+    print(json.dumps({"v": ann.version, "ok": ok, "s": dt, "counts": dict(rx.counts)}), flush=True)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_card_another_process_merges_it_to_the_learners_bits(tmp_path: Path) -> None:
+    """The real IPC on CUDA: the learner's merged weights, factors and base on the card (the
+    merge in fp64 by cuBLAS on both sides), another process maps the adapter slot and the
+    base, merges and serves the learner's exact bits; the base is packed once."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.weights.test_cuda_ipc import ROOT
+
+    pub = cuda_ipc.CudaIpcPublisher(Sent(), slots=2, device_first=True)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_READER)], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    rows = []
+    try:
+        for v in (1, 2, 3):
+            host = _snap(tmp_path, v)
+            assert host.adapter is not None
+            ad = host.adapter
+            cuda = {f"{m}.weight": _base()[f"{m}.weight"].cuda() for m in TARGETS}
+            factors = {m: (a.cuda(), b.cuda()) for m, (a, b) in ad.factors.items()}
+            state = {k: t.cuda() for k, t in host.state.items()}
+            for m, (a, b) in factors.items():  # the learner's own merge, on the card
+                state[f"{m}.weight"] = merged_weight(cuda[f"{m}.weight"], lora_delta(a, b, SCALE))
+            ready = torch.cuda.Event()
+            ready.record()
+            snap = DeviceSnapshot(v, state, {}, CONFIG, host.path, ready, adapter=DeviceAdapter(
+                factors, ad.full, lambda c=cuda: dict(c), SCALE))  # fmt: skip
+            ann = pub.publish(pub.prepare_device(snap))
+            assert ann.cuda_ipc["holds"] == "adapter" and not snap.state
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(Codec().encode(ann).hex() + "\n")
+            proc.stdin.flush()
+            rows.append(json.loads(proc.stdout.readline()))
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(timeout=60)
+    assert [r["ok"] for r in rows] == [True, True, True], rows
+    assert rows[-1]["counts"].get("adapter_merged") == 3 and pub.counts["base_packed"] == 1
+    pub.close()
+    assert pub.writer.written == [3]
+    on_disk = Publication.from_dir(weights_dir(tmp_path, 3), 3)
+    assert on_disk.digest == Publication.of_state(_merged(3), 3, None).digest
