@@ -226,6 +226,9 @@ if has e2e; then  # the whole system on this GPU: looprl run, learner + torch-en
         2>"$LOG/e2e.err" | tee "$LOG/e2e.json"
     tail -n 8 "$LOG/e2e.err"
     for f in /tmp/gpu_e2e/run_*.out; do [ -f "$f" ] && tail -n 3 "$f"; done
+    # why a generator refused a version, memory, the adapters' path (learner and generator logs)
+    grep -hE "refused weights|out of memory|OutOfMemory|adapter|base packed|gone|Traceback" \
+        /tmp/gpu_e2e/run_*/logs/*.log 2>/dev/null | cut -c1-400 | tail -n 20
     for r in async sync; do  # the per-step rows (time/* timeline) come back with the JSON
         [ -f "/tmp/gpu_e2e/run_$r/metrics.jsonl" ] && cp "/tmp/gpu_e2e/run_$r/metrics.jsonl" "$LOG/e2e_$r.jsonl"
     done

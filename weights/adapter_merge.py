@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from models.lora import lora_delta, merged_weight
+from models.lora import lora_delta
 from weights.check import WeightsRefused
 from weights.digest import dtype_name
 
@@ -70,9 +71,19 @@ def _pieces(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], adapted: 
         elif name in adapted:
             w, m = base[name], adapted[name]
             a, b = adapter[f"{m}.lora_A"].to(w.device), adapter[f"{m}.lora_B"].to(w.device)
-            yield name, merged_weight(w, lora_delta(a, b, scale))
+            yield name, _merged(w, a, b, scale)
         else:
             yield name, base[name]
+
+
+def _merged(w: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``merged_weight(w, lora_delta(a, b, scale))`` bit for bit (fp64 addition commutes, and
+    w's fp64 value is exact), in one fp64 temporary instead of three: a 0125 MLP weight's
+    merge holds 1.5 GB on the generator's card, not 4.5."""
+    with torch.no_grad():
+        d = lora_delta(a, b, scale)
+        d.add_(w)
+        return d.to(w.dtype)
 
 
 def merge_adapters(

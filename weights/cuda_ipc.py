@@ -243,24 +243,28 @@ class CudaIpcPublisher(WeightPublisher):
         """The base set (every stored tensor but those trained in full, each adapted weight
         as before training) packed into a buffer of its own and digested: (buffer, its IPC
         fields, digest, bytes). Never refilled: a generator maps it once, a late one too."""
-        frozen = ad.frozen()
-        strays = sorted(set(frozen) - set(state))
+        full = set(ad.full)
+        base = {n: t for n, t in state.items() if n not in full}  # the layout: W as W' is
+        adapted = {f"{m}.weight": m for m in ad.factors}
+        strays = sorted(set(adapted) - set(base))
         if strays:
             raise ValueError(f"adapted weights {strays} are not stored tensors of the set")
-        odd = [
-            n for n, w in frozen.items() if (w.dtype, w.shape) != (state[n].dtype, state[n].shape)
-        ]
-        if odd:  # a merge of W in another dtype would not give the published bits
-            raise ValueError(f"adapted weights {odd}: the base weight's dtype or shape is not "
-                             "the published one's")  # fmt: skip
-        base = {n: t for n, t in state.items() if n not in set(ad.full)}
-        base.update(frozen)
         layout = blob_layout(base)
         nbytes = sum(int(t["nbytes"]) for t in layout)
-        buf = torch.empty(
-            padded_size(nbytes), dtype=torch.uint8, device=next(iter(base.values())).device
-        )
-        pack(base, buf)
+        dev = next(iter(base.values())).device
+        buf = torch.empty(padded_size(nbytes), dtype=torch.uint8, device=dev)
+        buf[nbytes:].zero_()
+        for meta in layout:  # one frozen weight at a time: no second copy of the set
+            name, n, off = meta["name"], int(meta["nbytes"]), int(meta["offset"])
+            t = ad.frozen(adapted[name]) if name in adapted else base[name]
+            if (t.dtype, t.shape) != (base[name].dtype, base[name].shape):
+                # a merge of W in another dtype would not give the published bits
+                raise ValueError(f"adapted weight {name}: the base weight is {t.dtype} "
+                                 f"{tuple(t.shape)}, the published {base[name].dtype} "
+                                 f"{tuple(base[name].shape)}")  # fmt: skip
+            if n:
+                buf[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            del t
         digest = device_digest(buf, nbytes, layout)
         self.counts["base_packed"] += 1
         log.info("weights: the adapters' base packed on the device once (%d bytes, %s)", nbytes,

@@ -74,9 +74,9 @@ class DeviceAdapter:
     """{module: (A [r, in], B [out, r])}, the learner's copies as merged into ``state``."""
     full: list[str]
     """The stored tensors trained in full beside the adapters (the norms; in ``state``)."""
-    frozen: Callable[[], dict[str, torch.Tensor]]
-    """{"<module>.weight": W} of every adapted module's base weight, on the card (called once
-    per publisher: the base set)."""
+    frozen: Callable[[str], torch.Tensor]
+    """Module -> its base weight W (before training), on the card: called for each adapted
+    module once per publisher (the base set, packed one weight at a time)."""
     scale: float
     """alpha / rank."""
 

@@ -131,9 +131,12 @@ class MegatronTrainer:
 
         device = getattr(finish, "device", None)
         if device is not None:  # cuda_ipc, directories when_free: the adapter set on the card
-            names = list(ad.factors)
+
+            def base_weight(m: str) -> torch.Tensor:
+                return frozen_hf_weights(model, [m])[f"{m}.weight"]
+
             device = dataclasses.replace(device, adapter=DeviceAdapter(
-                factors, norms, lambda: frozen_hf_weights(model, names), self.lora.scale))  # fmt: skip
+                factors, norms, base_weight, self.lora.scale))  # fmt: skip
         return SnapshotResult(with_adapters, stages, device)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:

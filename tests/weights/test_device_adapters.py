@@ -72,10 +72,10 @@ def _merged(v: int) -> dict[str, torch.Tensor]:
 
 
 def _snap(tmp_path: Path, v: int, frozen_calls: list[int] | None = None) -> DeviceSnapshot:
-    def frozen() -> dict[str, torch.Tensor]:
+    def frozen(m: str) -> torch.Tensor:
         if frozen_calls is not None:
             frozen_calls.append(v)
-        return {f"{m}.weight": _base()[f"{m}.weight"] for m in TARGETS}
+        return _base()[f"{m}.weight"]
 
     ad = DeviceAdapter(_factors(v), ["norm.weight"], frozen, SCALE)
     return DeviceSnapshot(v, _merged(v), {}, CONFIG, weights_dir(tmp_path, v), adapter=ad)
@@ -128,7 +128,7 @@ def test_an_adapter_version_travels_as_its_adapter_set_and_merges_to_the_learner
         for k, t in _merged(v).items():
             assert torch.equal(got.state()[k], t), (v, k)
         rx.loaded(v)
-    assert calls == [1] and pub.counts["base_packed"] == 1  # the base once
+    assert calls == [1, 1] and pub.counts["base_packed"] == 1  # the base once (2 weights)
     assert rx.counts["adapter_merged"] == 2 and not _nacks(conn)
     assert len(rx._base_ok) == 1  # the base buffer checked once
     assert {"device_digest", "adapter_digest", "device_pack", "base_pack"} <= p.stage_s.keys()
@@ -272,7 +272,7 @@ def test_on_the_card_another_process_merges_it_to_the_learners_bits(tmp_path: Pa
             ready = torch.cuda.Event()
             ready.record()
             snap = DeviceSnapshot(v, state, {}, CONFIG, host.path, ready, adapter=DeviceAdapter(
-                factors, ad.full, lambda c=cuda: dict(c), SCALE))  # fmt: skip
+                factors, ad.full, lambda m, c=cuda: c[f"{m}.weight"], SCALE))  # fmt: skip
             ann = pub.publish(pub.prepare_device(snap))
             assert ann.cuda_ipc["holds"] == "adapter" and not snap.state
             assert proc.stdin is not None and proc.stdout is not None
