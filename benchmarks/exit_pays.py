@@ -185,6 +185,7 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
     each depth cost's)."""
     name = name or f"{arm}-{seed}"
     live = root / name
+    shutil.rmtree(live, ignore_errors=True)  # (an earlier call's, killed: --out reused)
     common = [f"model.path={root / 'warm'}", "warm_start.segments=[]", "warm_start.embed_std=0",
               "warm_start.gate_steps=0", f"seed={seed}", f"steps={args.steps}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
