@@ -69,14 +69,16 @@ def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> l
 
 def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequence[Any], *,
                      n: int = 1, temperature: float = 0.0, batch: int = 64,
-                     depths: Sequence[int] = (), device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+                     depths: Sequence[int] = (), device: str = "cpu",
+                     loaded: tuple[Any, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Complete every prompt ``n`` times with the checkpoint at ``weights`` (on ``device``) and
     score the completions with the task's reward, under the run's exit policy and at each
-    fixed depth of ``depths`` (see the module doc)."""
+    fixed depth of ``depths`` (see the module doc). ``loaded``: its `load_model` (config,
+    module), when the caller has it."""
 
     if n < 1 or temperature < 0:
         raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")
-    config, net = load_model(weights)
+    config, net = loaded if loaded is not None else load_model(weights)
     EvalSection(every=1, depths=list(depths))  # the eval.depths rules (one line naming it)
     check_depths(depths, int(config.max_depth), looped=config.family != "llama")
     net.to(device).eval()
@@ -132,11 +134,12 @@ def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
                           f"{cfg.task.metadata_columns} (the columns a prompt carries)")  # fmt: skip
     prompts = eval_prompts(cfg, tok_dir, split, limit)
     depths = cfg.eval.depths if depths is None else depths
+    loaded = load_model(model)  # once for every class (a 413 M model: seconds a load)
     out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature,
-                           depths=depths, device=device)  # fmt: skip
+                           depths=depths, device=device, loaded=loaded)  # fmt: skip
     for value, part in sorted(_classes(prompts, by).items()) if by else ():
         got = score_checkpoint(cfg, model, tok_dir, part, n=n, temperature=temperature,
-                               depths=depths, device=device)  # fmt: skip
+                               depths=depths, device=device, loaded=loaded)  # fmt: skip
         out |= {f"eval/{by}={value}/{k.removeprefix('eval/')}": v for k, v in got.items()}
     return {"model": str(model), "eval/split": split, **out}
 
