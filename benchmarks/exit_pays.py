@@ -42,7 +42,8 @@ parameters; a decode step reads its bf16 weights once per loop, 3.3 GB at depth 
 is weight-bound). The warm start trains there (`looprl sft --device cuda`: fp32, TF32 matmuls;
 --warm-lr, --warm-batch, --gate-lr; stage I as on the CPU) and is evaluated there (its
 "eval": accuracy at each fixed depth by hops, and under the exit arm's sampled gate). Each run
-(`device_overrides`): the megatron learner in bf16 (uncompiled unless ``--compile``), the
+(`device_overrides`): the megatron learner in bf16 (uncompiled unless ``--compile``; the
+engine's blocks compiled unless ``--engine-eager``: compiles in every run's start), the
 torch engine in bf16 with the GPU's auto batch (generators.max_inflight auto: a step's prompts
 x 2), two versions kept on disk (each run's weights deleted after its evaluation), the
 task's longest prompt as task.max_prompt_tokens; the full arm decodes by the engine's
@@ -110,11 +111,14 @@ def arm_overrides(arm: str, depth_cost: float, ticks: int) -> list[str]:
             *where, f"generators.depth_ticks={ticks}"]  # fmt: skip
 
 
-def _cli(args: list[str], log: Path, timeout_s: float) -> None:
+def _cli(args: list[str], log: Path, timeout_s: float, eager: bool = False) -> None:
     """``python -m pipeline.cli ARGS`` (the `looprl` entry point) with its stderr in ``log``;
-    SystemExit with the log's tail when it fails."""
+    SystemExit with the log's tail when it fails. ``eager``: TORCHDYNAMO_DISABLE=1 in its
+    environment (torch.compile a no-op in it and its children)."""
     path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}  # (the GPU host's wheels)
+    if eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
     with open(log, "w") as err:
         code = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
                               stdout=err, stderr=subprocess.STDOUT, timeout=timeout_s).returncode  # fmt: skip
@@ -193,7 +197,7 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
               *device_overrides(args), *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
     t0 = time.time()
     _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
-         root / f"{name}.log", 1800)  # fmt: skip
+         root / f"{name}.log", 1800, eager=args.engine_eager)  # fmt: skip
     run_s = time.time() - t0
     rows = [r for r in read_metrics(live / "metrics.jsonl") if r["step"] > 1]
     wall = sum(r["step_s"] for r in rows)
@@ -296,6 +300,9 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
                    "chunk per token, kv full; default 0, GPU 2)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="GPU: the learner's blocks compiled (learner.compile; off by default)")  # fmt: skip
+    p.add_argument("--engine-eager", action="store_true",
+                   help="GPU: TORCHDYNAMO_DISABLE=1 for the runs (the engine's compiled blocks "
+                   "eager inside its CUDA graphs: no compile in each run's start)")  # fmt: skip
     p.add_argument("--warm", default="", help="an earlier warm start's checkpoint (skip it)")
     p.add_argument("--eval-limit", type=int, default=0, help="first N test prompts (0: all)")
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
