@@ -5,7 +5,7 @@ last line the verdict.
 
     python benchmarks/exit_pays.py --seeds 3          # CPU: tiny Ouro, 2 arms x 3 seeds
     python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
-    python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m (PARTS=exit_pays_gpu)
+    python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m, 5 seeds
 
 Order: ONE warm start for both arms, the product's (`looprl sft --config
 configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
@@ -38,29 +38,35 @@ the sample standard deviation (``_std``) and the 95% t-interval of the mean (``_
 The GPU mode, ``--device cuda`` (`PARTS=exit_pays_gpu bash scripts/gpu_check.sh` holds its
 command; defaults `GPU`, each flag given wins): the same pipeline on one GPU at Ouro ``--size
 400m`` (models.random_init: Ouro-1.4B's layer, hidden 2048, x 8 layers, 4 loops, 413 M
-parameters; a decode step reads its bf16 weights once per loop, 3.3 GB at depth 4, so decode
-is weight-bound). The warm start trains there (`looprl sft --device cuda`: fp32, TF32 matmuls;
---warm-lr, --warm-batch, --gate-lr; stage I as on the CPU) and is evaluated there (its
-"eval": accuracy at each fixed depth by hops, and under the exit arm's sampled gate). Each run
-(`device_overrides`): the megatron learner in bf16 (uncompiled unless ``--compile``; the
-engine's blocks compiled unless ``--engine-eager``: compiles in every run's start), the
-torch engine in bf16 with the GPU's auto batch (generators.max_inflight auto: a step's prompts
-x 2), two versions kept on disk (each run's weights deleted after its evaluation), the
-task's longest prompt as task.max_prompt_tokens; the full arm decodes by the engine's
-fixed-depth CUDA graph, the exit arm by ticks in a CUDA graph (``--depth-ticks`` 2, kv
-last_exited: an exited token stops costing core compute; kv full, or ticks 0, would run every
-row to the deepest row's depth, so nothing is skipped). `looprl eval` runs on the GPU.
-``--budget-s`` bounds the call (a seed is started only if the slowest so far still fits);
-``--warm DIR`` and ``--first-seed`` let a later call add seeds to an earlier one's warm start,
-and ``--merge OUT1 OUT2 ...`` reads those calls' outputs into one summary and verdict (no
-run). What the task leaves to save: a completion is 2 tokens (the digit + EOS) after a
-~19-token prompt that runs at the full depth (only the prompt's last position, token 0,
-follows the exit policy), and the learner's forward runs those prompt positions at the full
-depth too, so the exit can shorten only a small part of a step (the verdict's generation-only
-ratio isolates the engine's part).
+parameters; a decode step reads its bf16 weights once per loop, 3.3 GB at depth 4, against
+~0.7 GB of K/V at 128 rows of 21 positions: weight-bound). The warm start trains there
+(`looprl sft --device cuda`: fp32, TF32 matmuls; --warm-lr, --warm-batch, --gate-lr; stage I
+as on the CPU) and is evaluated there (its "eval": accuracy at each fixed depth by hops, and
+under the exit arm's sampled gate). Each run (`device_overrides`): the megatron learner in
+bf16 (uncompiled unless ``--compile``; the engine's blocks compiled unless
+``--engine-eager``, a compile in every run's start), the torch engine in bf16 with the GPU's
+auto batch (generators.max_inflight auto: a step's prompts x 2), two versions kept on disk
+(each run's weights deleted after its evaluation), the task's longest prompt as
+task.max_prompt_tokens and that + 2 as generators.max_model_len. The full arm decodes by the
+engine's fixed-depth CUDA graph; the exit arm by ticks in a CUDA graph (``--depth-ticks`` 2,
+kv last_exited: a row whose token exited goes on to its next token at the next tick instead
+of waiting for the batch's deepest row; with kv full or ticks 0 every row runs to the deepest
+row's depth, so nothing is saved). `looprl eval` runs on the GPU. ``--budget-s`` bounds the
+call (a seed is started only if the slowest so far still fits); ``--warm DIR`` and
+``--first-seed`` let a later call add seeds to an earlier one's warm start, and ``--merge
+OUT1 OUT2 ...`` reads those calls' outputs into one summary and verdict (no run).
+
+What this task leaves the exit to save: a completion is 2 tokens (the digit + EOS) after a
+prompt of at most 18 that runs at the full depth; token 0 (the prompt's last position)
+follows the exit policy in the prefill's chunk, whose iterations the deepest of its rows sets,
+and token 1 is the one decoded by ticks, so a batch still takes as many ticks as its deepest
+row's exit; the learner's forward runs every position to the full depth in both arms. So
+the exit can shorten only a small part of a step here (the verdict's generation-only ratio
+isolates the engine's part); a saving needs completions of many tokens a row.
 
 Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, figure_seeds}},
-"warm_start": the warm start's stats, "settings", "seeds_run", "samples_per_run", "wall_s", "load_1m", "device": the card};
+"warm_start": the warm start's stats, "settings", "seeds_run", "samples_per_run", "wall_s",
+"load_1m", "device": the card};
 last, the verdict: {"samples_per_s_ratio": exit / full paired by seed (mean, [95% CI]),
 "gen_samples_per_s_ratio", "accuracy_diff": exit - full paired by seed (mean, [95% CI]),
 "mean_depth": [full, exit], "seeds", "verdict": one sentence}.
@@ -164,14 +170,16 @@ def device_overrides(args: argparse.Namespace) -> list[str]:
     CUDA the megatron learner in bf16 (compiled only with ``--compile``: a compile per run
     costs more than a short run), the torch engine in bf16 with the GPU's auto batch (a step's
     prompts x (max_staleness + 1)) and cache, two published versions kept on disk, the prompt
-    bound the task's longest prompt (so the learner's automatic micro-batch holds a step);
-    ``--lr`` on either."""
+    bound the task's longest prompt (so the learner's automatic micro-batch holds a step) and
+    the engine's cache rows that + rollout.max_tokens (the config's 64 positions would read
+    3x the K/V a decode step needs); ``--lr`` on either."""
     lr = [f"optimizer.lr={args.lr}"] if args.lr is not None else []
     if args.device == "cpu":
         return ["backend=reference", *lr]
+    longest = longest_prompt()
     return ["backend=megatron", "learner.precision=bf16", f"learner.compile={str(args.compile).lower()}",
             "generators.dtype=bfloat16", "generators.max_inflight=auto", "publish.keep=2",
-            f"task.max_prompt_tokens={longest_prompt()}", *lr]  # fmt: skip
+            f"task.max_prompt_tokens={longest}", f"generators.max_model_len={longest + 2}", *lr]  # fmt: skip
 
 
 def longest_prompt() -> int:

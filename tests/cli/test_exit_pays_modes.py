@@ -51,6 +51,7 @@ def test_gpu_mode_defaults_and_a_valid_run_config(monkeypatch: pytest.MonkeyPatc
     assert "backend=megatron" in over and "learner.precision=bf16" in over
     assert "learner.compile=false" in over and "generators.dtype=bfloat16" in over
     assert "optimizer.lr=3e-05" in over and "task.max_prompt_tokens=19" in over
+    assert "generators.max_model_len=21" in over  # the prompt + the digit + EOS
     base = ["generators.engine=torch", "generators.count=1", *over]
     full = load_config(ep.CONFIG, base + ep.arm_overrides("full", 0.05, args.depth_ticks))
     assert full.rollout.parsed_policy is None and full.generators.depth_ticks == 0
