@@ -402,10 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(calls of other seeds, --first-seed)")  # fmt: skip
     args = p.parse_args(argv)
     if args.merge:
-        runs, seeds = merge(args.merge)
-        print(json.dumps({"arms": {arm: summarise(r) for arm, r in runs.items()},
+        merged, seeds = merge(args.merge)
+        print(json.dumps({"arms": {arm: summarise(r) for arm, r in merged.items()},
                           "merged": args.merge, "seeds_run": seeds}))  # fmt: skip
-        print(json.dumps(verdict(runs["full"], runs["exit"])))
+        print(json.dumps(verdict(merged["full"], merged["exit"])))
         return 0
     check_args(args)
     t0, load0 = time.time(), os.getloadavg()[0]
