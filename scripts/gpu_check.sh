@@ -229,8 +229,10 @@ if has exit_pays_gpu; then  # does the learned exit pay, the GPU mode (issue 47)
     TX=${T_EXITG:-580}
     timeout "$TX" "$PY" benchmarks/exit_pays.py --device cuda --out "${EXITG_OUT:-runs/exit_pays_gpu}" \
         --budget-s $((TX - 30)) ${EXITG_ARGS:-} 2>"$LOG/exit_pays_gpu.err" | tee "$LOG/exit_pays_gpu.jsonl"
-    echo "exit_pays_gpu rc=${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    echo "exit_pays_gpu rc=$rc"
     grep -E "^#|Error|error:" "$LOG/exit_pays_gpu.err" | cut -c1-600 | tail -n 30
+    [ "$rc" = 0 ] || tail -n 5 "$LOG/exit_pays_gpu.err" | cut -c1-600
 fi
 
 if has digest; then  # the weight digest on the host's CPUs (target: 7 GB under 0.5 s)
