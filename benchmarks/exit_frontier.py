@@ -199,7 +199,8 @@ def plot(fr: dict[str, Any], path: Path, title: str = "") -> Path:
 def title(fr: dict[str, Any], settings: dict[str, Any]) -> str:
     """The figure's title: the task, the seeds, each run's shape."""
     shape = f"{settings['steps']} steps of {settings['prompts']} x {settings['n']}"
-    return (f"learned exit vs fixed depth (configs/depth_mix.yaml, tiny Ouro): "
+    return (f"learned exit vs fixed depth (configs/depth_mix.yaml, {settings.get('size') or 'tiny'} Ouro"
+            f"{', ' + settings['device'] if settings.get('device', 'cpu') != 'cpu' else ''}): "
             f"{fr['seeds']} seed(s), {shape}; 95% t-intervals")  # fmt: skip
 
 
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     t0, load0 = time.time(), os.getloadavg()[0]
     points: list[dict[str, Any]] = []
     with ep.work_root(args) as (root, ws):
-        for seed in range(args.seeds):  # interleaved: a load change hits every arm alike
+        for seed in ep.seeds_in_budget(args, t0):  # interleaved: a load change hits every arm alike
             for cost in (None, *args.costs):
                 arm = "full" if cost is None else "exit"
                 name = f"full-{seed}" if cost is None else f"exit-c{cost:g}-{seed}"

@@ -5,6 +5,7 @@ last line the verdict.
 
     python benchmarks/exit_pays.py --seeds 3          # CPU: tiny Ouro, 2 arms x 3 seeds
     python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
+    python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m, 5 seeds
 
 Order: ONE warm start for both arms, the product's (`looprl sft --config
 configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
@@ -34,8 +35,38 @@ its mean engine time (the rows' ``time/generation``: generation alone, batches t
 policy), ``accuracy/hops=h`` and ``accuracy@d`` (fixed depth d). Per arm: the mean over seeds,
 the sample standard deviation (``_std``) and the 95% t-interval of the mean (``_ci95``).
 
+The GPU mode, ``--device cuda`` (`PARTS=exit_pays_gpu bash scripts/gpu_check.sh` holds its
+command; defaults `GPU`, each flag given wins): the same pipeline on one GPU at Ouro ``--size
+400m`` (models.random_init: Ouro-1.4B's layer, hidden 2048, x 8 layers, 4 loops, 413 M
+parameters; a decode step reads its bf16 weights once per loop, 3.3 GB at depth 4, against
+~0.7 GB of K/V at 128 rows of 21 positions: weight-bound). The warm start trains there
+(`looprl sft --device cuda`: fp32, TF32 matmuls; --warm-lr, --warm-batch, --gate-lr; stage I
+as on the CPU) and is evaluated there (its "eval": accuracy at each fixed depth by hops, and
+under the exit arm's sampled gate). Each run (`device_overrides`): the megatron learner in
+bf16 (uncompiled unless ``--compile``; the engine's blocks compiled unless
+``--engine-eager``, a compile in every run's start), the torch engine in bf16 with the GPU's
+auto batch (generators.max_inflight auto: a step's prompts x 2), two versions kept on disk
+(each run's weights deleted after its evaluation), the task's longest prompt as
+task.max_prompt_tokens and that + 2 as generators.max_model_len. The full arm decodes by the
+engine's fixed-depth CUDA graph; the exit arm by ticks in a CUDA graph (``--depth-ticks`` 2,
+kv last_exited: a row whose token exited goes on to its next token at the next tick instead
+of waiting for the batch's deepest row; with kv full or ticks 0 every row runs to the deepest
+row's depth, so nothing is saved). `looprl eval` runs on the GPU. ``--budget-s`` bounds the
+call (a seed is started only if the slowest so far still fits); ``--warm DIR`` and
+``--first-seed`` let a later call add seeds to an earlier one's warm start, and ``--merge
+OUT1 OUT2 ...`` reads those calls' outputs into one summary and verdict (no run).
+
+What this task leaves the exit to save: a completion is 2 tokens (the digit + EOS) after a
+prompt of at most 18 that runs at the full depth; token 0 (the prompt's last position)
+follows the exit policy in the prefill's chunk, whose iterations the deepest of its rows sets,
+and token 1 is the one decoded by ticks, so a batch still takes as many ticks as its deepest
+row's exit; the learner's forward runs every position to the full depth in both arms. So
+the exit can shorten only a small part of a step here (the verdict's generation-only ratio
+isolates the engine's part); a saving needs completions of many tokens a row.
+
 Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, figure_seeds}},
-"warm_start": the warm start's stats, "settings", "samples_per_run", "wall_s", "load_1m"};
+"warm_start": the warm start's stats, "settings", "seeds_run", "samples_per_run", "wall_s",
+"load_1m", "device": the card};
 last, the verdict: {"samples_per_s_ratio": exit / full paired by seed (mean, [95% CI]),
 "gen_samples_per_s_ratio", "accuracy_diff": exit - full paired by seed (mean, [95% CI]),
 "mean_depth": [full, exit], "seeds", "verdict": one sentence}.
@@ -53,7 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +117,14 @@ def arm_overrides(arm: str, depth_cost: float, ticks: int) -> list[str]:
             *where, f"generators.depth_ticks={ticks}"]  # fmt: skip
 
 
-def _cli(args: list[str], log: Path, timeout_s: float) -> None:
+def _cli(args: list[str], log: Path, timeout_s: float, eager: bool = False) -> None:
     """``python -m pipeline.cli ARGS`` (the `looprl` entry point) with its stderr in ``log``;
-    SystemExit with the log's tail when it fails."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    SystemExit with the log's tail when it fails. ``eager``: TORCHDYNAMO_DISABLE=1 in its
+    environment (torch.compile a no-op in it and its children)."""
+    path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}  # (the GPU host's wheels)
+    if eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
     with open(log, "w") as err:
         code = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
                               stdout=err, stderr=subprocess.STDOUT, timeout=timeout_s).returncode  # fmt: skip
@@ -102,12 +137,57 @@ def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     DIR``, a copy of that checkpoint instead (a warm start of an earlier call)."""
     out = root / "warm"
     if args.warm:
-        shutil.copytree(args.warm, out, dirs_exist_ok=True)
+        if Path(args.warm).resolve() != out.resolve():
+            shutil.copytree(args.warm, out, dirs_exist_ok=True)
         return {"from": args.warm}
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in (("lr", args.warm_lr),
+             ("batch", args.warm_batch)) if v is not None]  # fmt: skip
+    if args.gate_lr is not None:
+        extra.append(f"warm_start.gate_lr={args.gate_lr}")
     _cli(["sft", "--config", str(CONFIG), "--out", str(out), "--steps", str(args.warm_steps),
-          "--gate-steps", str(args.gate_steps)], root / "warm.log", 1800)  # fmt: skip
+          "--gate-steps", str(args.gate_steps), "--device", args.device,
+          f"model.size={args.size}", *extra], root / "warm.log", 1800)  # fmt: skip
     lines = [ln for ln in (root / "warm.log").read_text().splitlines() if ln.startswith("{")]
-    return dict(json.loads(lines[-1]))
+    stats = dict(json.loads(lines[-1]))
+    if args.device != "cpu":  # the split the warm start leaves, and its gate's exit
+        stats["eval"] = warm_eval(root, args)
+    return stats
+
+
+def warm_eval(root: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The warm start's held-out figures (`looprl eval` on ``args.device``, by hops): accuracy
+    at each fixed depth, and under the exit arm's sampled gate its accuracy and mean depth."""
+    cfg = load_config(CONFIG, arm_overrides("exit", args.depth_cost, args.depth_ticks)
+                      + ["generators.engine=torch"])  # fmt: skip
+    ev = evaluate(cfg, root / "warm", depths=DEPTHS, by="hops", limit=args.eval_limit,
+                  device=args.device)  # fmt: skip
+    return {k.removeprefix("eval/"): float(v) for k, v in ev.items()
+            if k.startswith("eval/") and ("accuracy" in k or "mean_depth" in k)}  # fmt: skip
+
+
+def device_overrides(args: argparse.Namespace) -> list[str]:
+    """Both arms' run-config overrides of ``--device``: on the CPU the reference learner; on
+    CUDA the megatron learner in bf16 (compiled only with ``--compile``: a compile per run
+    costs more than a short run), the torch engine in bf16 with the GPU's auto batch (a step's
+    prompts x (max_staleness + 1)) and cache, two published versions kept on disk, the prompt
+    bound the task's longest prompt (so the learner's automatic micro-batch holds a step) and
+    the engine's cache rows that + rollout.max_tokens (the config's 64 positions would read
+    3x the K/V a decode step needs); ``--lr`` on either."""
+    lr = [f"optimizer.lr={args.lr}"] if args.lr is not None else []
+    if args.device == "cpu":
+        return ["backend=reference", *lr]
+    longest = longest_prompt()
+    return ["backend=megatron", "learner.precision=bf16", f"learner.compile={str(args.compile).lower()}",
+            "generators.dtype=bfloat16", "generators.max_inflight=auto", "publish.keep=2",
+            f"task.max_prompt_tokens={longest}", f"generators.max_model_len={longest + 2}", *lr]  # fmt: skip
+
+
+def longest_prompt() -> int:
+    """An upper bound of the task's rendered prompt tokens: its longest question's bytes (the
+    byte-level tokenizer's most tokens) + BOS + 1."""
+    data = REPO / "configs" / "data" / "depth_mix"
+    return 2 + max(len(json.loads(ln)["prompt"].encode()) for split in ("train", "test")
+                   for ln in (data / f"{split}.jsonl").read_text().splitlines() if ln)  # fmt: skip
 
 
 def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
@@ -117,14 +197,15 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
     each depth cost's)."""
     name = name or f"{arm}-{seed}"
     live = root / name
+    shutil.rmtree(live, ignore_errors=True)  # (an earlier call's, killed: --out reused)
     common = [f"model.path={root / 'warm'}", "warm_start.segments=[]", "warm_start.embed_std=0",
               "warm_start.gate_steps=0", f"seed={seed}", f"steps={args.steps}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
               "generators.count=1", "generators.engine=torch", "eval.every=0",
-              "backend=reference", *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
+              *device_overrides(args), *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
     t0 = time.time()
     _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
-         root / f"{name}.log", 1800)  # fmt: skip
+         root / f"{name}.log", 1800, eager=args.engine_eager)  # fmt: skip
     run_s = time.time() - t0
     rows = [r for r in read_metrics(live / "metrics.jsonl") if r["step"] > 1]
     wall = sum(r["step_s"] for r in rows)
@@ -136,7 +217,9 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
     held = cfg.generators.max_inflight  # prompts per engine batch (the config's 2)
     batch_rows = min(held if isinstance(held, int) else args.prompts, args.prompts) * args.n
     ev = evaluate(cfg, weights, tokenizer=root / "warm", depths=DEPTHS, by="hops",
-                  limit=args.eval_limit)  # fmt: skip
+                  limit=args.eval_limit, device=args.device)  # fmt: skip
+    if args.device != "cpu":  # a 413 M model's versions: 0.8 GB each, the disk's 64 GB
+        shutil.rmtree(live / "weights", ignore_errors=True)
     out = {"samples_per_s": samples / wall, "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
            "gen_samples_per_s": batch_rows / batch_s if batch_s else 0.0,
            "mean_depth": statistics.fmean(depths), "accuracy": ev["eval/accuracy"],
@@ -183,33 +266,115 @@ def verdict(full: list[dict[str, float]], exit_: list[dict[str, float]]) -> dict
                         f"{depth[1]:.2f} vs {depth[0]:.2f}, {n} seed(s)")}  # fmt: skip
 
 
+GPU = {"size": "400m", "steps": 12, "seeds": 5, "warm_lr": 3e-4, "warm_batch": 64,
+       "gate_lr": 3e-4, "lr": 3e-5, "depth_ticks": 2}  # fmt: skip
+"""The GPU mode's defaults (``--device cuda``; each flag given wins): the 413 M Ouro shape, runs
+of 12 steps, 5 seeds, a warm start at a width-2048 model's rates (lr 3e-4, 64 rows a step, the
+gate's stage at 3e-4), GRPO at 3e-5, the exit arm decoding by ticks (2 a CUDA graph replay:
+docs/PERFORMANCE.md "The torch engine on the GPU"). Not tuned on a GPU: knobs, not findings."""
+CPU = {"size": "tiny", "steps": 30, "seeds": 3, "warm_lr": None, "warm_batch": None,
+       "gate_lr": None, "lr": None, "depth_ticks": 0}  # fmt: skip
+"""The CPU defaults: the config's (tiny Ouro, its warm_start and optimizer rates; None: the
+config's value), 30 steps, 3 seeds, one chunk per token."""
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Each run's shape: --steps, --prompts, --n (here and in benchmarks/exit_frontier.py)."""
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    """Each run's shape: --steps, --prompts, --n, --lr (here and in
+    benchmarks/exit_frontier.py)."""
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (30; GPU 12)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--lr", type=float, default=None,
+                   help="GRPO's optimizer.lr (default: the config's 1e-3; GPU 3e-5)")  # fmt: skip
 
 
 def add_warm_arguments(p: argparse.ArgumentParser) -> None:
-    """The warm start's, the exit arm's decode's, the evaluation's and the work directory's."""
+    """The device's, the warm start's, the exit arm's decode's, the evaluation's, the work
+    directory's and the time budget's."""
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu, or cuda: the GPU mode (module doc; defaults GPU)")  # fmt: skip
+    p.add_argument("--size", default=None,
+                   help="model.size of the warm start's fresh Ouro (tiny; GPU 400m)")  # fmt: skip
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
     p.add_argument("--gate-steps", type=int, default=200, help="warm-start stage-I steps")
-    p.add_argument("--depth-ticks", type=int, default=0,
+    p.add_argument("--warm-lr", type=float, default=None,
+                   help="warm-start SFT lr (default: the config's 3e-3; GPU 3e-4)")  # fmt: skip
+    p.add_argument("--warm-batch", type=int, default=None,
+                   help="warm-start rows a step (default: the config's 32; GPU 64)")  # fmt: skip
+    p.add_argument("--gate-lr", type=float, default=None,
+                   help="stage I's lr (default: the config's 3e-3; GPU 3e-4)")  # fmt: skip
+    p.add_argument("--depth-ticks", type=int, default=None,
                    help="the exit arm's generators.depth_ticks, with kv last_exited (0: one "
-                   "chunk per token, kv full)")  # fmt: skip
+                   "chunk per token, kv full; default 0, GPU 2)")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="GPU: the learner's blocks compiled (learner.compile; off by default)")  # fmt: skip
+    p.add_argument("--engine-eager", action="store_true",
+                   help="GPU: TORCHDYNAMO_DISABLE=1 for the runs (the engine's compiled blocks "
+                   "eager inside its CUDA graphs: no compile in each run's start)")  # fmt: skip
     p.add_argument("--warm", default="", help="an earlier warm start's checkpoint (skip it)")
     p.add_argument("--eval-limit", type=int, default=0, help="first N test prompts (0: all)")
     p.add_argument("--out", default="", help="work directory (default: a temporary one)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds first-seed .. first-seed + seeds - 1 (a later call's, --merge)")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="seconds for the whole call: no seed is started that the slowest one "
+                   "so far says will not end in time (0: no limit)")  # fmt: skip
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """--smoke's shape into ``args`` (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40
-    eval prompts), then the checks of --seeds and --steps."""
+    """The device's defaults into ``args`` (`GPU`, `CPU`: a flag given wins), --smoke's shape
+    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts), then the checks of
+    --seeds, --steps and --device."""
+    for key, value in (GPU if args.device == "cuda" else CPU).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     if args.smoke:
         args.seeds, args.steps, args.prompts, args.n = 1, 3, 4, 4
         args.warm_steps, args.gate_steps, args.eval_limit = 40, 5, 40
     if args.seeds < 1 or args.steps < 2:
         raise SystemExit("--seeds must be >= 1 and --steps >= 2 (the first step is not timed)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this host has no CUDA device")
+
+
+def seeds_in_budget(args: argparse.Namespace, t0: float,
+                    clock: Callable[[], float] = time.time) -> Iterator[int]:  # fmt: skip
+    """The seeds to run, in order, each started only while ``--budget-s`` (from ``t0`` on
+    ``clock``) still holds the slowest seed so far x 1.1 (every seed, without a budget); the
+    seeds left out are said on stderr."""
+    slowest, start = 0.0, clock()
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        now = clock()
+        if seed > args.first_seed:
+            slowest = max(slowest, now - start)
+        if args.budget_s and slowest and now - t0 + 1.1 * slowest > args.budget_s:
+            print(f"# budget: {now - t0:.0f} s of {args.budget_s:g} used, a seed takes up to "
+                  f"{slowest:.0f} s: seeds {seed}..{args.first_seed + args.seeds - 1} not run",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
+        start = now
+        yield seed
+
+
+def merge(paths: list[str]) -> tuple[dict[str, list[dict[str, float]]], list[int]]:
+    """The per-seed runs of earlier calls' outputs (each file's first line, `main`'s
+    {"arms": ...}: every figure's per-seed values), concatenated in file order, and their
+    seeds."""
+    runs: dict[str, list[dict[str, float]]] = {"full": [], "exit": []}
+    seeds: list[int] = []
+    for path in paths:
+        res = json.loads(Path(path).read_text().strip().splitlines()[0])
+        for arm, fig in res["arms"].items():
+            keys = [k.removesuffix("_seeds") for k in fig if k.endswith("_seeds")]
+            n = len(fig[f"{keys[0]}_seeds"])
+            runs[arm] += [{k: fig[f"{k}_seeds"][i] for k in keys} for i in range(n)]
+        seeds += res.get("seeds_run", [])
+    if len(runs["full"]) != len(runs["exit"]) or not runs["full"]:
+        raise SystemExit(f"--merge: {len(runs['full'])} full and {len(runs['exit'])} exit runs")
+    return runs, seeds
 
 
 @contextlib.contextmanager
@@ -226,28 +391,51 @@ def work_root(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, Any]]]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=None, help="seeds (3; GPU 5)")
     add_run_arguments(p)
     p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
     add_warm_arguments(p)
     p.add_argument("--smoke", action="store_true",
                    help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts")  # fmt: skip
+    p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
+                   help="no run: the summary and the verdict of earlier calls' outputs together "
+                   "(calls of other seeds, --first-seed)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.merge:
+        merged, seeds = merge(args.merge)
+        print(json.dumps({"arms": {arm: summarise(r) for arm, r in merged.items()},
+                          "merged": args.merge, "seeds_run": seeds}))  # fmt: skip
+        print(json.dumps(verdict(merged["full"], merged["exit"])))
+        return 0
     check_args(args)
     t0, load0 = time.time(), os.getloadavg()[0]
+    done: list[int] = []
     with work_root(args) as (root, ws):
         runs: dict[str, list[dict[str, float]]] = {"full": [], "exit": []}
-        for seed in range(args.seeds):  # interleaved: a load change hits both arms alike
+        for seed in seeds_in_budget(args, t0):  # interleaved: a load change hits both arms alike
             for arm in runs:
                 runs[arm].append(one_run(root, arm, seed, args))
+            done.append(seed)
+    if not done:
+        raise SystemExit(f"--budget-s {args.budget_s:g}: no seed fitted after the warm start")
     print(json.dumps({
         "arms": {arm: summarise(r) for arm, r in runs.items()}, "warm_start": ws,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"}, "seeds_run": done,
         "samples_per_run": args.steps * args.prompts * args.n,
         "wall_s": round(time.time() - t0, 1), "load_1m": [load0, os.getloadavg()[0]],
+        "device": device_name(args.device),
     }))  # fmt: skip
     print(json.dumps(verdict(runs["full"], runs["exit"])))
     return 0
+
+
+def device_name(device: str) -> str:
+    """The card's name on CUDA (the numbers' card), else "cpu"."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
     generation_config.json      bos / eos / pad ids
 
 Sizes: "tiny" = `models.config.tiny_config` (hidden 64, for tests); "small" = hidden 512,
-four blocks (~13-15M parameters), for runs that should learn something on a CPU.
+four blocks (~13-15M parameters), for runs that should learn something on a CPU; the GPU
+shapes (`GPU_SIZES`, one family each): Huginn's "1b" and "0125", Ouro's "400m".
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ from models.ties import tied_from_module
 from models.tokenizer import BOS_ID, EOS_ID, PAD_ID, tokenizer_files
 
 FAMILIES = ("huginn", "ouro", "nanbeige", "llama")
-SIZES = ("tiny", "small", "1b", "0125")
-"""tiny (head_dim 32, vLLM CPU), small (hidden 512), and two GPU shapes of Huginn only: 1b (the
+SIZES = ("tiny", "small", "1b", "0125", "400m")
+"""tiny (head_dim 32, vLLM CPU), small (hidden 512), two GPU shapes of Huginn only: 1b (the
 ~1B Huginn shape of benchmarks/trainer_gpu.py: hidden 2048, 16 heads, 2 + 4 + 2 layers, mean
 recurrence 4) and 0125 (the Huginn-0125 shape: hidden 5280, 55 heads, 2 + 4 + 2 layers, mean
-recurrence 32), both vocab 65536, for the one-GPU end to end run (scripts/gpu_e2e.sh)."""
+recurrence 32), both vocab 65536, for the one-GPU end to end run (scripts/gpu_e2e.sh); and one of
+Ouro only: 400m (Ouro-1.4B's layer, hidden 2048, 16 heads of 128, intermediate 5632, in 8 of its
+24 layers, 4 loops: 413 M parameters, the tiny preset's vocab 512 so the CPU tasks' tokenizer
+serves it), weight-bound in decode on one GPU (benchmarks/exit_pays.py --device cuda)."""
+GPU_SIZES = {"1b": "huginn", "0125": "huginn", "400m": "ouro"}
+"""Each GPU shape's one family."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"huginn_raven": "huginn", "nanbeige_looped": "nanbeige"}
 
@@ -58,6 +64,11 @@ _GPU_HUGINN_COMMON = {
     "padded_vocab_size": 65536,
     "block_size": 4096,
 }
+_GPU_OURO = {  # Ouro-1.4B's layer (benchmarks/trainer_gpu.py's ouro_1b), 8 layers of its 24
+    "400m": {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16,
+             "head_dim": 128, "intermediate_size": 5632, "num_hidden_layers": 8,
+             "max_position_embeddings": 2048, "total_ut_steps": 4},
+}  # fmt: skip
 _SMALL_LLAMA_LIKE = {
     "hidden_size": 512,
     "num_attention_heads": 8,
@@ -77,18 +88,24 @@ def _family(family: str) -> str:
 
 
 def model_config(family: str, size: str) -> Any:
-    """The typed config of `family` at `size` (one of SIZES; 1b and 0125: Huginn only)."""
+    """The typed config of `family` at `size` (one of SIZES; a GPU shape only for its family,
+    GPU_SIZES: 1b and 0125 Huginn, 400m Ouro)."""
     name = _family(family)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; allowed: {', '.join(SIZES)}")
-    if size in _GPU_HUGINN and name != "huginn":
-        raise ValueError(f"size {size!r} is a Huginn shape; for family {name!r} use tiny or small")
+    owner = GPU_SIZES.get(size, name)
+    if owner != name:
+        raise ValueError(f"size {size!r} is a{'n' if owner == 'ouro' else ''} "
+                         f"{owner.capitalize()} shape; for family {name!r} use tiny or small"
+                         f"{''.join(f', {s}' for s, f in GPU_SIZES.items() if f == name)}")  # fmt: skip
     tiny = tiny_config(name)
     if size == "tiny":
         return tiny
     d = {k: v for k, v in tiny.to_hf_dict().items() if k not in type(tiny).derived_keys}
     if size in _GPU_HUGINN:
         d.update({**_GPU_HUGINN_COMMON, **_GPU_HUGINN[size]})
+    elif size in _GPU_OURO:
+        d.update(_GPU_OURO[size])
     else:
         d.update(_SMALL_HUGINN if name == "huginn" else _SMALL_LLAMA_LIKE)
     d.pop("layer_types", None)  # per-layer list of the tiny stack; the default fits any depth
@@ -132,4 +149,4 @@ def init_checkpoint(
     )
 
 
-__all__ = ["DTYPES", "FAMILIES", "SIZES", "init_checkpoint", "model_config"]
+__all__ = ["DTYPES", "FAMILIES", "GPU_SIZES", "SIZES", "init_checkpoint", "model_config"]

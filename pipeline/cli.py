@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         default="tiny",
         choices=list(SIZES),
-        help="preset size (default: tiny, head_dim 32; 1b and 0125: Huginn GPU shapes)",
+        help="preset size (default: tiny, head_dim 32; 1b and 0125: Huginn GPU shapes; 400m: "
+        "an Ouro GPU shape)",
     )
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.add_argument(

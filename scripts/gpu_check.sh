@@ -6,13 +6,14 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system learnerproc shm packed loop_credit loop_credit_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
 # needs torch and triton. Env: PARTS, BENCHES (trainer labels to run; default all), TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
 # T_TESTS, T_DP, T_TG (seconds), TG_VARIANTS, TG_ATTN (PARTS=torchgen), LEARNERPROC_ARGS (extra flags of benchmarks/learner_process.py, e.g.
-# --compile), LOG (default $OUT or /tmp/gpu_check).
+# --compile), T_EXITG (default 580), EXITG_ARGS, EXITG_OUT (PARTS=exit_pays_gpu), LOG (default $OUT
+# or /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -214,6 +215,24 @@ if has loop_credit_gpu; then  # loop credit, the GPU mode: Ouro small (13M) on t
         ${LOOPG_ARGS:-} 2>"$LOG/loop_credit_gpu.err" | tee "$LOG/loop_credit_gpu.jsonl"
     echo "loop_credit_gpu rc=${PIPESTATUS[0]}"
     grep -E "^#|Error" "$LOG/loop_credit_gpu.err" | tail -n 40
+fi
+
+if has exit_pays_gpu; then  # does the learned exit pay, the GPU mode (issue 47): Ouro 400m (413 M,
+    # weight-bound decode), ONE warm start on this GPU (SFT + Ouro's stage I), then per seed
+    # `looprl run` at the fixed full depth and with the sampled exit + depth cost (megatron bf16
+    # learner, torch engine bf16: graph decode / ticks in kv last_exited), `looprl eval` on the
+    # GPU. --budget-s: no seed is started that would not end inside T_EXITG. The work directory
+    # (runs/, ignored: kept while this machine stays warm) holds the warm start for a later
+    # call: EXITG_ARGS="--warm runs/exit_pays_gpu/warm --first-seed 3 --seeds 2"; the calls'
+    # outputs combine with `python benchmarks/exit_pays.py --merge A.jsonl B.jsonl` (no GPU).
+    # EXITG_ARGS: flags appended (a later flag wins); EXITG_OUT: the work directory.
+    TX=${T_EXITG:-580}
+    timeout "$TX" "$PY" benchmarks/exit_pays.py --device cuda --out "${EXITG_OUT:-runs/exit_pays_gpu}" \
+        --budget-s $((TX - 30)) ${EXITG_ARGS:-} 2>"$LOG/exit_pays_gpu.err" | tee "$LOG/exit_pays_gpu.jsonl"
+    rc=${PIPESTATUS[0]}
+    echo "exit_pays_gpu rc=$rc"
+    grep -E "^#|Error|error:" "$LOG/exit_pays_gpu.err" | cut -c1-600 | tail -n 30
+    [ "$rc" = 0 ] || tail -n 5 "$LOG/exit_pays_gpu.err" | cut -c1-600
 fi
 
 if has digest; then  # the weight digest on the host's CPUs (target: 7 GB under 0.5 s)

@@ -1,7 +1,8 @@
 """Evaluate a checkpoint on the run's eval split, on its own (no learner, no generators).
 
     looprl eval --model DIR --config FILE [--tokenizer DIR] [--split test] [--n 1]
-                [--temperature 0] [--limit 0] [--depths 1,2,4] [--by COLUMN] [key=value ...]
+                [--temperature 0] [--limit 0] [--depths 1,2,4] [--by COLUMN] [--device cpu]
+                [key=value ...]
 
 Order: the run config's task (pipeline.core.tasks: same rendering, limits, reward_args) is read
 with ``--split`` (default "test") -> every prompt is completed ``n`` times with the
@@ -23,7 +24,9 @@ item difficulty at each fixed depth.
 
 This uses the reference PyTorch forward (models/reference.py), which is the numerical spec but
 not fast: fine for the tiny and small checkpoints on a CPU, slow for real ones (where the
-generators should run the eval split: see docs/TASKS.md, "Evaluation").
+generators should run the eval split: see docs/TASKS.md, "Evaluation"). ``--device cuda`` runs
+that forward on the GPU (the checkpoint loaded in fp32 as on the CPU; benchmarks/exit_pays.py's
+GPU mode).
 """
 
 from __future__ import annotations
@@ -66,17 +69,19 @@ def eval_prompts(cfg: RunConfig, tok_dir: Path, split: str, limit: int = 0) -> l
 
 def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequence[Any], *,
                      n: int = 1, temperature: float = 0.0, batch: int = 64,
-                     depths: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
-    """Complete every prompt ``n`` times with the checkpoint at ``weights`` and score the
-    completions with the task's reward, under the run's exit policy and at each fixed depth of
-    ``depths`` (see the module doc)."""
+                     depths: Sequence[int] = (), device: str = "cpu",
+                     loaded: tuple[Any, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Complete every prompt ``n`` times with the checkpoint at ``weights`` (on ``device``) and
+    score the completions with the task's reward, under the run's exit policy and at each
+    fixed depth of ``depths`` (see the module doc). ``loaded``: its `load_model` (config,
+    module), when the caller has it."""
 
     if n < 1 or temperature < 0:
         raise ConfigError(f"need n >= 1 and temperature >= 0, got n={n}, temperature={temperature}")
-    config, net = load_model(weights)
+    config, net = loaded if loaded is not None else load_model(weights)
     EvalSection(every=1, depths=list(depths))  # the eval.depths rules (one line naming it)
     check_depths(depths, int(config.max_depth), looped=config.family != "llama")
-    net.eval()
+    net.to(device).eval()
     out = _score(cfg, net, tok_dir, prompts, n, temperature, batch, cfg.rollout.parsed_policy)
     for d in depths:
         at = _score(cfg, net, tok_dir, prompts, n, temperature, batch, FixedDepth(d))
@@ -117,22 +122,24 @@ def _score(cfg: RunConfig, net: Any, tok_dir: Path, prompts: Sequence[Any], n: i
 
 def evaluate(cfg: RunConfig, model: Path, *, split: str = "test", n: int = 1,
              temperature: float = 0.0, limit: int = 0, tokenizer: Path | None = None,
-             depths: Sequence[int] | None = None, by: str = "") -> dict[str, Any]:  # fmt: skip
+             depths: Sequence[int] | None = None, by: str = "",
+             device: str = "cpu") -> dict[str, Any]:  # fmt: skip
     """Scores of ``model`` on ``split`` of the run's dataset task (see the module doc);
     ``tokenizer``: the directory of its tokenizer files, if not ``model`` (published weights
     RUN_DIR/weights/vN hold none: use RUN_DIR/init); ``by``: also per class of that metadata
-    column."""
+    column; ``device``: where the forward runs."""
     tok_dir = tokenizer or model
     if by and by not in cfg.task.metadata_columns:
         raise ConfigError(f"--by {by!r}: not one of task.metadata_columns "
                           f"{cfg.task.metadata_columns} (the columns a prompt carries)")  # fmt: skip
     prompts = eval_prompts(cfg, tok_dir, split, limit)
     depths = cfg.eval.depths if depths is None else depths
+    loaded = load_model(model)  # once for every class (a 413 M model: seconds a load)
     out = score_checkpoint(cfg, model, tok_dir, prompts, n=n, temperature=temperature,
-                           depths=depths)  # fmt: skip
+                           depths=depths, device=device, loaded=loaded)  # fmt: skip
     for value, part in sorted(_classes(prompts, by).items()) if by else ():
         got = score_checkpoint(cfg, model, tok_dir, part, n=n, temperature=temperature,
-                               depths=depths)  # fmt: skip
+                               depths=depths, device=device, loaded=loaded)  # fmt: skip
         out |= {f"eval/{by}={value}/{k.removeprefix('eval/')}": v for k, v in got.items()}
     return {"model": str(model), "eval/split": split, **out}
 
@@ -175,6 +182,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         metavar="COLUMN",
         help="also report each class of this task metadata column (e.g. hops)",
     )
+    p.add_argument("--device", default="cpu", help="where the forward runs: cpu (default) or cuda")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -193,7 +201,7 @@ def run(a: argparse.Namespace) -> int:
         cfg = load_config(a.config, list(a.overrides))
         out = evaluate(cfg, Path(a.model), split=a.split, n=a.n, temperature=a.temperature,
                        limit=a.limit, tokenizer=Path(a.tokenizer) if a.tokenizer else None,
-                       depths=a.depths, by=a.by)  # fmt: skip
+                       depths=a.depths, by=a.by, device=a.device)  # fmt: skip
     except ConfigError as e:
         print(f"looprl eval: error: {e}", file=sys.stderr)
         return 2

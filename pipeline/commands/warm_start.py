@@ -1,7 +1,7 @@
 """A short supervised warm start: fine-tune a checkpoint on the train split's reference answers.
 
     looprl sft --config FILE --out DIR [--model DIR] [--steps 60] [--lr 3e-3] [--batch 32]
-               [--seed 0] [--embed-std S] [--gate-steps G] [key=value ...]
+               [--seed 0] [--embed-std S] [--gate-steps G] [--device cpu] [key=value ...]
 
 RL needs a policy that already answers in the task's format now and then: a randomly
 initialised model spreads its first token over the whole vocabulary, so it almost never
@@ -24,6 +24,8 @@ data, steps, lr, batch, seed) on one machine. Two more parts, as the run config'
 ``warm_start`` sets them (docs/TASKS.md "Mixed depth"): ``embed_std`` rescales the input
 embedding before the first step (`rescale_embedding`), and ``gate_steps`` trains every loop's
 readout and the exit gate after the last (Ouro's stages: pipeline/commands/exit_stages.py).
+``--device cuda`` trains on the GPU (fp32 weights and AdamW, matmuls in TF32: `on_device`;
+benchmarks/exit_pays.py's GPU mode at model.size 400m), the checkpoint written as on the CPU.
 """
 
 from __future__ import annotations
@@ -165,6 +167,20 @@ def save_like(module: Any, source: Path, out: Path, dtype: torch.dtype | None = 
                            tied=tied_of(module), extra_files=extra)  # fmt: skip
 
 
+def on_device(module: Any, device: str) -> Any:
+    """``module`` on ``device`` (cpu, cuda, cuda:N) to train there: on CUDA its fp32 matmuls
+    in TF32 (torch's "high" float32 precision; a CPU run is unchanged); ConfigError for a
+    device this host lacks."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: this host has no CUDA device")
+        torch.set_float32_matmul_precision("high")
+    elif dev.type != "cpu":
+        raise ConfigError(f"--device {device!r}: expected cpu or cuda[:N]")
+    return module.to(dev)
+
+
 def rescale_embedding(module: Any, std: float) -> None:
     """``module``'s input embedding scaled to standard deviation ``std`` (warm_start.embed_std;
     Llama-like families: ``model.embed_tokens``, untied from the head); ConfigError for a model
@@ -198,12 +214,12 @@ def row_picker(examples: Sequence[Example], batch: int, rows: WarmStartRows,
 
 def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
                lr: float | None = None, batch: int | None = None, seed: int = 0,
-               embed_std: float | None = None) -> dict[str, Any]:  # fmt: skip
+               embed_std: float | None = None, device: str = "cpu") -> dict[str, Any]:  # fmt: skip
     """Fine-tune checkpoint ``model`` on the task's reference answers and write it to ``out``
     (see the module doc); ``lr`` / ``batch`` / ``embed_std`` None: the run config's
     warm_start.lr / batch / embed_std (a nonzero ``embed_std`` rescales the input embedding
     first: `rescale_embedding`). Returns {"steps", "examples", "loss_first", "loss_last",
-    "s"}."""
+    "s"}. ``device``: where it trains (`on_device`)."""
     lr = cfg.warm_start.lr if lr is None else lr
     batch = cfg.warm_start.batch if batch is None else batch
     embed_std = cfg.warm_start.embed_std if embed_std is None else embed_std
@@ -213,7 +229,7 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
 
     t0 = time.perf_counter()
     examples = sft_examples(cfg, model)
-    _, module = load_model(model)
+    module = on_device(load_model(model)[1], device)
     if embed_std:
         rescale_embedding(module, embed_std)
     rng = random.Random(seed)
@@ -227,17 +243,19 @@ def warm_start(cfg: RunConfig, model: Path, out: Path, *, steps: int = 60,
     return stats
 
 
-def gate_stage(cfg: RunConfig, model: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
+def gate_stage(cfg: RunConfig, model: Path, out: Path, steps: int, seed: int,
+               device: str = "cpu") -> dict[str, Any]:  # fmt: skip
     """The warm start's exit-gate stage: checkpoint ``model`` trained for ``steps`` steps
     (``warm_start.gate_steps`` in a run) by pipeline.commands.exit_stages.gate_steps
     (``warm_start.gate_objective``, its lr, beta, slope and margin; the run's numerics) on
     random batches of ``warm_start.batch`` train rows (sft_examples: the targets the segments
     learn; one latent seed per row), drawn from a generator seeded by ``seed``, and written to
-    ``out``. Returns {"gate_steps", "gate_objective", "loss_first", "loss_last", "s"}."""
+    ``out``; on ``device`` (`on_device`). Returns {"gate_steps", "gate_objective",
+    "loss_first", "loss_last", "s"}."""
     w = cfg.warm_start
     t0 = time.perf_counter()
     examples = sft_examples(cfg, model)
-    _, module = load_model(model)
+    module = on_device(load_model(model)[1], device)
     pad = int(read_config(model).get("pad_token_id") or 0)
     rng = random.Random(f"gate/{seed}")
 
@@ -302,6 +320,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-steps", type=int, default=None,
                    help="exit-gate stage steps after the SFT steps (default: the config's "
                         "warm_start.gate_steps; its gate_* keys set the stage)")  # fmt: skip
+    p.add_argument("--device", default="cpu",
+                   help="where to train: cpu (default) or cuda[:N] (fp32, matmuls in TF32)")  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -332,9 +352,9 @@ def run(a: argparse.Namespace) -> int:
                               f"{a.embed_std}")  # fmt: skip
         sft_out = out.parent / f".{out.name}-sft" if gate else out
         stats = warm_start(cfg, model, sft_out, steps=a.steps, lr=a.lr, batch=a.batch,
-                           seed=a.seed, embed_std=a.embed_std)  # fmt: skip
+                           seed=a.seed, embed_std=a.embed_std, device=a.device)  # fmt: skip
         if gate:
-            stats["gate"] = gate_stage(cfg, sft_out, out, gate, seed=a.seed)
+            stats["gate"] = gate_stage(cfg, sft_out, out, gate, seed=a.seed, device=a.device)
             shutil.rmtree(sft_out, ignore_errors=True)
     except (ConfigError, ValueError) as e:
         print(f"looprl sft: error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from generator.config import GeneratorConfig
 from models.errors import ConfigError
 from models.exits import KL, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
-from models.random_init import SIZES
+from models.random_init import GPU_SIZES, SIZES
 from models.sampling import Sampling
 from models.settings import check
 from pipeline.net.transport.config import TransportConfig
@@ -42,7 +42,7 @@ class ModelSection:
     """Model family for a fresh checkpoint: huginn, ouro, nanbeige or llama."""
     size: str = "tiny"
     """Preset size for a fresh checkpoint (models.random_init): tiny, small, or the GPU shapes 1b and 0125
-    (Huginn only: the ~1B and Huginn-0125 shapes, random init)."""
+    (Huginn only: the ~1B and Huginn-0125 shapes, random init) and 400m (Ouro only: 413 M, vocab 512)."""
     path: str = ""
     """Existing HF-layout checkpoint directory; empty: create family/size in RUN_DIR/init."""
     init_seed: int = 0
@@ -54,9 +54,11 @@ class ModelSection:
         _check(self.family in ("huginn", "ouro", "nanbeige", "llama"), "model.family",
                self.family, "must be huginn, ouro, nanbeige or llama")  # fmt: skip
         _check(self.size in SIZES, "model.size", self.size,
-               f"must be one of {', '.join(SIZES)} (1b, 0125: family huginn only)")  # fmt: skip
-        _check(self.size not in ("1b", "0125") or self.family == "huginn", "model.size",
-               self.size, f"is a Huginn shape; model.family is {self.family}")  # fmt: skip
+               f"must be one of {', '.join(SIZES)} (1b, 0125: family huginn only; 400m: ouro only)")  # fmt: skip
+        owner = GPU_SIZES.get(self.size, self.family)
+        _check(owner == self.family, "model.size", self.size,
+               f"is a{'n' if owner == 'ouro' else ''} {owner.capitalize()} shape; model.family is "
+               f"{self.family}")  # fmt: skip
         _check(0 <= self.init_seed < SEED_LIMIT, "model.init_seed", self.init_seed,
                "must be in [0, 2**32)")  # fmt: skip
 

@@ -159,3 +159,35 @@ def test_gpu_shapes_are_huginn_only_with_the_benchmark_shapes(
     assert (config.mean_recurrence, config.vocab_size) == (recurrence, 65536)
     with pytest.raises(ValueError, match="is a Huginn shape"):
         model_config("ouro", size)
+
+
+def test_ouro_gpu_shape_is_ouro_only_and_weight_bound_sized() -> None:
+    """400m: Ouro-1.4B's layer (hidden 2048, 16 heads of 128, intermediate 5632) in 8 layers,
+    4 loops, the tiny preset's vocab (the CPU tasks' tokenizer); counted on the meta device."""
+    from models.cost import LoopShape
+
+    config = model_config("ouro", "400m")
+    with torch.device("meta"):
+        model = build_model(config, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == 413_208_577
+    assert LoopShape.of(config).params() == 413_138_944  # the cost model's count (no norms)
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (2048, 8, 128)
+    assert (config.max_depth, config.tie_word_embeddings) == (4, False)
+    assert config.vocab_size == model_config("ouro", "tiny").vocab_size
+    for family in ("huginn", "nanbeige", "llama"):
+        with pytest.raises(ValueError, match="'400m' is an Ouro shape"):
+            model_config(family, "400m")
+    with pytest.raises(ValueError, match="is a Huginn shape; for family 'ouro' use tiny or "
+                       "small, 400m"):  # fmt: skip
+        model_config("ouro", "1b")
+
+
+def test_run_config_refuses_a_gpu_size_of_another_family() -> None:
+    from models.errors import ConfigError
+    from pipeline.config.run import load_config
+
+    assert load_config(None, ["model.family=ouro", "model.size=400m"]).model.size == "400m"
+    with pytest.raises(ConfigError, match="is an Ouro shape; model.family is huginn"):
+        load_config(None, ["model.family=huginn", "model.size=400m"])
+    with pytest.raises(ConfigError, match="is a Huginn shape; model.family is ouro"):
+        load_config(None, ["model.family=ouro", "model.size=1b"])

@@ -1,0 +1,113 @@
+"""benchmarks/exit_pays.py's settings without a run (~2 s): the GPU mode's defaults and run
+overrides (a valid run config, the exit arm decoding by ticks in kv last_exited, so that an
+exited token skips compute), the CPU mode unchanged, the time budget's seeds and --merge."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.bench_import import load_benchmark
+
+ep = load_benchmark("exit_pays")
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", type=int, default=None)
+    ep.add_run_arguments(p)
+    p.add_argument("--depth-cost", type=float, default=0.05)
+    ep.add_warm_arguments(p)
+    p.add_argument("--smoke", action="store_true")
+    return p.parse_args(argv)
+
+
+def test_cpu_mode_keeps_its_defaults() -> None:
+    args = _args([])
+    ep.check_args(args)
+    assert (args.size, args.steps, args.seeds) == ("tiny", 30, 3)
+    assert (args.depth_ticks, args.lr) == (0, None)
+    assert ep.device_overrides(args) == ["backend=reference"]
+    assert ep.arm_overrides("exit", 0.05, 0)[0] == "rollout.exit_policy={kind: sampled_gate}"
+
+
+def test_gpu_mode_defaults_and_a_valid_run_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the refusal below needs a host without CUDA")
+    import torch
+
+    from pipeline.config.run import load_config
+
+    args = _args(["--device", "cuda", "--steps", "8"])
+    with monkeypatch.context() as m:  # (the run configs below resolve on this CPU host)
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        ep.check_args(args)
+    assert (args.size, args.steps, args.seeds, args.depth_ticks) == ("400m", 8, 5, 2)
+    assert (args.warm_lr, args.warm_batch, args.gate_lr, args.lr) == (3e-4, 64, 3e-4, 3e-5)
+    over = ep.device_overrides(args)
+    assert "backend=megatron" in over and "learner.precision=bf16" in over
+    assert "learner.compile=false" in over and "generators.dtype=bfloat16" in over
+    assert "optimizer.lr=3e-05" in over and "task.max_prompt_tokens=19" in over
+    assert "generators.max_model_len=21" in over  # the prompt + the digit + EOS
+    base = ["generators.engine=torch", "generators.count=1", *over]
+    full = load_config(ep.CONFIG, base + ep.arm_overrides("full", 0.05, args.depth_ticks))
+    assert full.rollout.parsed_policy is None and full.generators.depth_ticks == 0
+    exit_ = load_config(ep.CONFIG, base + ep.arm_overrides("exit", 0.05, args.depth_ticks))
+    policy = exit_.rollout.parsed_policy
+    assert type(policy).__name__ == "SampledGate" and policy.kv == "last_exited"
+    assert exit_.generators.depth_ticks == 2 and exit_.objective.depth_cost == 0.05
+    assert (exit_.learner.precision, exit_.backend, exit_.publish.keep) == ("bf16", "megatron", 2)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        ep.check_args(_args(["--device", "cuda"]))  # (this host: torch.cuda unavailable)
+
+
+def test_longest_prompt_bounds_the_rendered_prompts() -> None:
+    data = ep.REPO / "configs" / "data" / "depth_mix" / "test.jsonl"
+    longest = max(len(json.loads(ln)["prompt"]) for ln in data.read_text().splitlines() if ln)
+    assert ep.longest_prompt() >= longest + 1  # BOS + one token a byte at most
+
+
+def test_budget_stops_before_a_seed_that_cannot_end() -> None:
+    clock = iter([100.0, 100.0, 150.0, 200.0, 250.0]).__next__  # a seed takes 50 s
+    args = argparse.Namespace(first_seed=2, seeds=5, budget_s=260.0)
+    # seed 5 would start at 250 s: 250 + 1.1 x 50 > 260, so 5 and 6 are not run
+    assert list(ep.seeds_in_budget(args, 0.0, clock)) == [2, 3, 4]
+    args = argparse.Namespace(first_seed=0, seeds=3, budget_s=0.0)
+    assert list(ep.seeds_in_budget(args, 0.0)) == [0, 1, 2]
+
+
+def test_merge_pairs_the_calls_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def call(path: Path, seeds: list[int], speed: float) -> str:
+        runs = {arm: [{"samples_per_s": speed * (1 + (arm == "exit")) + s, "accuracy": 0.5,
+                       "gen_samples_per_s": 10.0, "mean_depth": 4.0 - (arm == "exit")}
+                      for s in seeds] for arm in ("full", "exit")}  # fmt: skip
+        summary = {"arms": {a: ep.summarise(r) for a, r in runs.items()}, "seeds_run": seeds}
+        path.write_text(json.dumps(summary) + "\n" + json.dumps({"verdict": "..."}) + "\n")
+        return str(path)
+
+    files = [call(tmp_path / "a.json", [0, 1], 100.0), call(tmp_path / "b.json", [2], 100.0)]
+    assert ep.main(["--merge", *files]) == 0
+    res, verdict = (json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines())
+    assert res["seeds_run"] == [0, 1, 2] and verdict["seeds"] == 3
+    assert res["arms"]["full"]["samples_per_s_seeds"] == [100.0, 101.0, 102.0]
+    assert verdict["mean_depth"] == [4.0, 3.0] and verdict["accuracy_diff"][0] == 0.0
+
+
+def test_sft_trains_on_the_device_named() -> None:
+    """`looprl sft --device`: the module moved there (cpu: as before); a CUDA device this host
+    lacks is refused in one line, and an unknown one too."""
+    import torch
+
+    from models.errors import ConfigError
+    from pipeline.commands.warm_start import on_device
+
+    module = torch.nn.Linear(2, 2)
+    assert on_device(module, "cpu") is module
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--device cuda: this host has no CUDA device"):
+            on_device(module, "cuda")
+    with pytest.raises(ConfigError, match="expected cpu or cuda"):
+        on_device(module, "meta")
