@@ -34,6 +34,21 @@ while one is being written gets none, and ``close`` writes the newest one if it 
 run's last version is always on disk. A generator that cannot map or check such a version has
 no directory to read: it refuses it by name (a Nack) and serves what it has.
 
+Adapters (learner.lora.publish=adapters, device first; protocol 1.12): a version whose snapshot
+carries its adapter set (``DeviceSnapshot.adapter``) is named by the merged set's device digest,
+taken tensor by tensor where the snapshot's tensors are (``weights.device_digest.state_digest``:
+no packed copy); its slot holds the adapter set (the factors and the tensors trained in full,
+megabytes), and the base (every other stored tensor, each adapted weight as before training) is
+packed once per publisher into a buffer of its own, one frozen weight at a time, never refilled.
+The announce's ``cuda_ipc.holds`` is "adapter" and its ``adapter`` field carries the adapter
+blob's digest and layout and the base buffer's digest and IPC fields. A receiver copies the
+adapter set out of its slot and checks it, checks the mapped base against its digest (once per
+buffer), merges the two into a buffer of its own (weights.adapter_merge, the host path's
+routine: the learner's bits) and serves the merge only when its device digest is the version's;
+anything else is refused by name. No directory is written beside training for such a version
+(an adapter set is not the set); ``close`` writes the newest one's merged set (merged on the
+card from the base and its slot).
+
 Invariants: training never waits for a reader (the slot of version v is refilled by version
 v + slots without asking who reads it); a reader never serves a half-written set (its copy is
 checked after it is made, never the shared buffer before); ``slots`` is at least
