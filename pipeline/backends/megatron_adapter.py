@@ -135,7 +135,12 @@ class MegatronTrainer:
             def base_weight(m: str) -> torch.Tensor:
                 return frozen_hf_weights(model, [m])[f"{m}.weight"]
 
-            device = dataclasses.replace(device, adapter=DeviceAdapter(
+            # the factors' copies were queued after the snapshot's ready event: a new one, so
+            # the publisher's stream waits for them too (else it may pack them half copied)
+            ready = torch.cuda.Event() if torch.cuda.is_available() else None
+            if ready is not None:
+                ready.record()
+            device = dataclasses.replace(device, ready=ready or device.ready, adapter=DeviceAdapter(
                 factors, norms, base_weight, self.lora.scale))  # fmt: skip
         return SnapshotResult(with_adapters, stages, device)
 
