@@ -41,6 +41,8 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill
+# a test cluster: schedule a batch job at submit (the default may wait 3 s)
+SchedulerParameters=batch_sched_delay=0
 NodeName=n0 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 18000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN
 NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 19000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN
 NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(( 20000 + RANDOM % 1000 )) CPUs=2 State=UNKNOWN

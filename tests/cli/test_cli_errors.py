@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,39 +45,21 @@ def free_port() -> int:
     raise RuntimeError("no free port pair")
 
 
-def generator(model: Path, learner: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, "-m", "pipeline.cli", "generator", "--learner", learner,
-           "--model", str(model), "--reward-mode", "thread", "--connect-timeout", "4", *extra]  # fmt: skip
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    return out, time.monotonic() - t0
+def generator_cmd(model: Path, learner: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "generator", "--learner", learner,
+            "--model", str(model), "--reward-mode", "thread", "--connect-timeout", "4", *extra]  # fmt: skip
 
 
 def _reports(text: str, endpoint: str) -> int:
     return len(re.findall(rf"waiting for the learner for \d+s at {re.escape(endpoint)}", text))
 
 
-def test_generator_closed_port_says_so_and_exits_2(model: Path) -> None:
-    port = free_port()
-    ep = f"tcp://127.0.0.1:{port}"
-    out, took = generator(model, ep)
-    err = out.stderr
-    assert out.returncode == 2, err[-3000:]
-    assert _reports(err, ep) >= 2  # one line every second or so (timeout 4 s)
-    assert f"no learner answered within 4s (--connect-timeout) at {ep} and" in err
-    assert "connection refused" in err and "Traceback" not in err
-    assert "CURVE" not in err  # nothing listens: keys are not the cause
-    assert took < 60
-
-
-@pytest.fixture
-def not_zmq() -> Iterator[int]:
+def _not_zmq(stop: threading.Event) -> tuple[int, threading.Thread, socket.socket]:
     """Something listening that is not a ZMQ peer (answers every connection with HTTP)."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
     srv.settimeout(0.2)
-    stop = threading.Event()
 
     def serve() -> None:
         while not stop.is_set():
@@ -89,44 +72,93 @@ def not_zmq() -> Iterator[int]:
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    yield int(srv.getsockname()[1])
-    stop.set()
-    t.join(5)
-    srv.close()
+    return int(srv.getsockname()[1]), t, srv
 
 
-def test_generator_wrong_port_says_handshake_failed(model: Path, not_zmq: int) -> None:
-    ep = f"tcp://127.0.0.1:{not_zmq}"
-    out, _ = generator(model, ep, "--weights-endpoint", ep)
+@pytest.fixture(scope="module")
+def no_learner(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The three generators that find no learner, started together (each waits out its own
+    4 s --connect-timeout; one after the other they took ~16 s): "closed" (nothing listens),
+    "not_zmq" (an HTTP answerer on control and weights), "curve" (a CURVE learner, the
+    generator without keys). Each test reads its own one's result (`finished`); every process
+    is stopped by pid at the end."""
+    from pipeline.net.security import ServerCurve
+    from pipeline.net.transport.config import TransportConfig
+    from pipeline.net.transport.zmq import ZmqLearnerEndpoint
+
+    stop = threading.Event()
+    http_port, server, srv = _not_zmq(stop)
+    keys = tmp_path_factory.mktemp("curve") / "keys"
+    assert main(["keys", str(keys), "-n", "1"]) == 0
+    port = free_port()
+    ctrl, wts = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    ep = ZmqLearnerEndpoint(TransportConfig(), control=ctrl, weights=wts,
+                            security=ServerCurve.from_dir(keys, curve_on_loopback=True))  # fmt: skip
+    closed, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{http_port}"
+    cmds = {"closed": generator_cmd(model, closed),
+            "not_zmq": generator_cmd(model, http, "--weights-endpoint", http),
+            "curve": generator_cmd(model, ctrl)}  # fmt: skip
+    procs: dict[str, tuple[subprocess.Popen[str], float]] = {}
+    try:
+        for name, cmd in cmds.items():
+            procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True),
+                           time.monotonic())  # fmt: skip
+        yield {"procs": procs, "closed": closed, "not_zmq": http, "curve": (ctrl, wts),
+               "keys": keys}  # fmt: skip
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        ep.close()
+        stop.set()
+        server.join(5)
+        srv.close()
+
+
+def finished(no_learner: dict[str, Any], name: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The generator ``name`` of `no_learner`, waited for: (its result, seconds it took)."""
+    proc, t0 = no_learner["procs"][name]
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), took
+
+
+def test_generator_closed_port_says_so_and_exits_2(no_learner: dict[str, Any]) -> None:
+    ep = no_learner["closed"]
+    out, took = finished(no_learner, "closed")
+    err = out.stderr
+    assert out.returncode == 2, err[-3000:]
+    assert _reports(err, ep) >= 2  # one line every second or so (timeout 4 s)
+    assert f"no learner answered within 4s (--connect-timeout) at {ep} and" in err
+    assert "connection refused" in err and "Traceback" not in err
+    assert "CURVE" not in err  # nothing listens: keys are not the cause
+    assert took < 60
+
+
+def test_generator_wrong_port_says_handshake_failed(no_learner: dict[str, Any]) -> None:
+    ep = no_learner["not_zmq"]
+    out, _ = finished(no_learner, "not_zmq")
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"no learner answered within 4s (--connect-timeout) at {ep}" in out.stderr
     assert "TCP connects but the ZMQ handshake fails (not a looprl learner" in out.stderr
 
 
-def test_generator_without_keys_against_a_curve_learner(model: Path, tmp_path: Path) -> None:
+def test_generator_without_keys_against_a_curve_learner(no_learner: dict[str, Any]) -> None:
     from pipeline.commands.generator_cli import probe_learner
-    from pipeline.net.security import ClientCurve, ServerCurve
-    from pipeline.net.transport.config import TransportConfig
-    from pipeline.net.transport.zmq import ZmqLearnerEndpoint
+    from pipeline.net.security import ClientCurve
 
-    keys = tmp_path / "keys"
-    assert main(["keys", str(keys), "-n", "1"]) == 0
-    port = free_port()
-    ctrl, wts = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
-    server = ServerCurve.from_dir(keys, curve_on_loopback=True)
-    ep = ZmqLearnerEndpoint(TransportConfig(), control=ctrl, weights=wts, security=server)
-    try:
-        out, _ = generator(model, ctrl)
-        assert out.returncode == 2, out.stderr[-3000:]
-        assert f"no learner answered within 4s (--connect-timeout) at {ctrl}" in out.stderr
-        assert "this generator has no CURVE keys" in out.stderr and "--keys DIR" in out.stderr
-        # the same learner answers a probe that has the keys
-        client = ClientCurve.from_dir(keys, "generator-000", curve_on_loopback=True)
-        t0 = time.monotonic()
-        probe_learner({"control": ctrl, "weights": wts}, "g", client, timeout_s=10)
-        assert time.monotonic() - t0 < 5
-    finally:
-        ep.close()
+    ctrl, wts = no_learner["curve"]
+    out, _ = finished(no_learner, "curve")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"no learner answered within 4s (--connect-timeout) at {ctrl}" in out.stderr
+    assert "this generator has no CURVE keys" in out.stderr and "--keys DIR" in out.stderr
+    # the same learner answers a probe that has the keys
+    client = ClientCurve.from_dir(no_learner["keys"], "generator-000", curve_on_loopback=True)
+    t0 = time.monotonic()
+    probe_learner({"control": ctrl, "weights": wts}, "g", client, timeout_s=10)
+    assert time.monotonic() - t0 < 5
 
 
 def test_learner_busy_port_is_one_line(tmp_path: Path) -> None:

@@ -23,9 +23,11 @@ pytestmark = pytest.mark.slow
 
 def test_versions_swap_in_during_a_batch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # generators.drain_timeout_s: once training ends the generator hands its last batch back
+    # instead of finishing it (~5 s of 128-token decoding nobody trains on)
     code, err, _ = looprl_run(
         run_dir, "steps=5", "generators.engine=torch", "generators.inflight_updates=true",
-        "rollout.max_tokens=128", timeout_s=400,
+        "rollout.max_tokens=128", "generators.drain_timeout_s=0.5", timeout_s=400,
     )  # fmt: skip
     assert code == 0, err[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 SBATCH = REPO / "deploy" / "slurm" / "looprl.sbatch"
 ARRAY = REPO / "deploy" / "slurm" / "generators.sbatch"
+POLL_S = 0.25  # the test's look at the jobs and metrics.jsonl
 HAVE_SLURM = shutil.which("slurmctld", path="/usr/sbin:/usr/bin") and os.geteuid() == 0
 pytestmark = pytest.mark.skipif(
     not HAVE_SLURM, reason="needs root, slurm-wlm and munge (scripts/setup.sh installs them)"
@@ -143,7 +144,7 @@ def test_sbatch_trains_survives_a_cancelled_step_and_resumes_after_the_time_limi
                         subprocess.run(["scancel", on_n2[0]], env=slurm, check=True)
                     else:
                         subprocess.run([*action, job], env=slurm, check=True)
-            time.sleep(1)
+            time.sleep(POLL_S)
         log = out.read_text()
         assert _job_state(slurm, job) == "COMPLETED", log
         assert "learner exited with 0" in log, log
@@ -164,7 +165,7 @@ def test_sbatch_trains_survives_a_cancelled_step_and_resumes_after_the_time_limi
     while any(_job_state(slurm, f"{array[0]}_{i}") in {"PENDING", "RUNNING", "COMPLETING"}
               for i in (0, 1)):  # fmt: skip
         assert time.monotonic() < end, "the array generators did not stop"
-        time.sleep(1)
+        time.sleep(POLL_S)
     sent = {}
     for i in (0, 1):
         log = (tmp_path / f"array-{i}.out").read_text()

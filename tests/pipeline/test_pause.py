@@ -19,7 +19,6 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import cast
 
 import pytest
 
@@ -96,21 +95,31 @@ def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> No
     # steps, then at 40 once steps took ~0.3 s, gen1 alone finished the run during
     # the pause and gen0 never contributed (failed in the suite). So the steps after the pause
     # are paced (STEP_FLOOR_S each, in the learner's step hook, under the peer timeout) until
-    # the pause plus REJOIN_S are over: the run lasts that long whatever the step time.
+    # gen0 is welcomed again and REJOIN_STEPS more steps are done, or at most until the pause
+    # plus REJOIN_S are over: the run lasts that long whatever the step time.
     steps = 40
     cfg = small_config(tmp_path, f"steps={steps}")
     pause_s = 3 * cfg.transport.peer_timeout_s
-    step_floor_s, rejoin_s = 0.8, 15.0
+    step_floor_s, rejoin_s, rejoin_steps = 0.8, 15.0, 3
     assert step_floor_s < cfg.transport.peer_timeout_s / 2 and (steps - 2) * step_floor_s > (
         pause_s + rejoin_s
     )
-    state: dict[str, object] = {}
+    state: dict[str, float] = {}
+    log = tmp_path / "logs" / "gen0.log"
+
+    def rejoined(steps: int) -> bool:
+        """gen0 was welcomed again after the pause, and ``rejoin_steps`` steps are done since."""
+        if "rejoined_at" not in state and time.time() > state["paused"] + pause_s:
+            if log.read_text(errors="replace").count("welcomed by run") >= 2:
+                state["rejoined_at"] = steps
+        return "rejoined_at" in state and steps >= state["rejoined_at"] + rejoin_steps
 
     def hook(steps: int, gens) -> None:  # type: ignore[no-untyped-def]
         if steps >= 2 and "paused" not in state:
-            state["paused"] = time.time()
+            state["paused"], state["paused_step"] = time.time(), steps
             _pause(gens.procs[0].pid, pause_s)
-        elif "paused" in state and time.time() < cast(float, state["paused"]) + pause_s + rejoin_s:
+        elif ("paused" in state and time.time() < state["paused"] + pause_s + rejoin_s
+              and not rejoined(steps)):  # fmt: skip
             time.sleep(step_floor_s)
         if "paused" in state and gens.procs[0].poll() is not None:
             state.setdefault("died", gens.procs[0].poll())  # -6: SIGABRT before the fix
@@ -119,10 +128,15 @@ def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> No
     assert "paused" in state and "died" not in state, state
     assert s["steps"] == steps
     check_run(tmp_path, 4, steps, max_staleness=None)
-    log = (tmp_path / "logs" / "gen0.log").read_text(errors="replace")
-    assert "Assertion failed" not in log
+    text = log.read_text(errors="replace")
+    assert "Assertion failed" not in text
+    assert text.count("welcomed by run") >= 2, text[-3000:]  # it re-Helloed after the pause
     after = [r for _, r in read_rollouts(tmp_path / "stream")]
     assert Counter(r.generator_id for r in after)["gen0"] > 0
+    # and contributed again: rollouts sampled with weights newer than those it held when paused
+    late = [r for r in after if r.generator_id == "gen0"
+            and r.weight_version > state["paused_step"] + 1]  # fmt: skip
+    assert late, sorted((r.generator_id, r.weight_version) for r in after)
 
 
 @pytest.mark.vllm
