@@ -63,8 +63,10 @@ class PublishSection:
     device digest (kind mix128), and its directory is written beside training only when the
     writer is free (a version that comes while one is being written gets none), the run's last
     version always; a generator that cannot map the learner's buffer gets nothing then (use
-    every, or another transport, for generators on other hosts). auto: when_free under
-    cuda_ipc (learner.lora.publish=merged), else every."""
+    every, or another transport, for generators on other hosts). With
+    learner.lora.publish=adapters a version is its adapter set on a base packed once
+    (protocol 1.12), and only the run's last version gets a directory (its merged set, at the
+    end). auto: when_free under cuda_ipc, else every."""
     chunk_bytes: int = 4 << 20
     """zmq (and collective's fallback): bytes per WeightChunk."""
     window: int = 4
