@@ -24,7 +24,7 @@ Layouts (see `learner.megatron.layers`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -293,11 +293,15 @@ def _gather(t: Tensor, size: int) -> list[Tensor]:
     return shards
 
 
-def gather_hf_state(model: LoopedGPT, *, grads: bool = False) -> dict[str, Tensor]:
+def gather_hf_state(
+    model: LoopedGPT, *, grads: bool = False, only: Collection[str] | None = None
+) -> dict[str, Tensor]:
     """Full HF state dict on every TP rank (a collective over the TP group).
 
     grads: gather the parameters' `.grad` instead (zeros where None; buffers skipped;
     Megatron DDP keeps grads in `main_grad`, which is used when present).
+    only: the HF tensors of the rules that make these names (None: all): a version's norms
+    (weights.cuda_ipc's adapter versions) without exporting the whole set.
     Tied embeddings: the head name maps to the very tensor of the embedding.
     """
     _, size = _tp()
@@ -306,6 +310,8 @@ def gather_hf_state(model: LoopedGPT, *, grads: bool = False) -> dict[str, Tenso
     modules = dict(model.named_modules())
     out: dict[str, Tensor] = {}
     for rule in conversion_rules(model):
+        if only is not None and not set(rule.hf) & set(only):
+            continue
         t = own[rule.mine]
         lora = getattr(modules.get(rule.mine.rpartition(".")[0]), "lora", None)
         if lora is not None and rule.mine.endswith(".weight") and not grads:

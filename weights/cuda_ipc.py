@@ -35,19 +35,21 @@ run's last version is always on disk. A generator that cannot map or check such 
 no directory to read: it refuses it by name (a Nack) and serves what it has.
 
 Adapters (learner.lora.publish=adapters, device first; protocol 1.12): a version whose snapshot
-carries its adapter set (``DeviceSnapshot.adapter``) is named by the merged set's device digest,
-taken tensor by tensor where the snapshot's tensors are (``weights.device_digest.state_digest``:
-no packed copy); its slot holds the adapter set (the factors and the tensors trained in full,
-megabytes), and the base (every other stored tensor, each adapted weight as before training) is
-packed once per publisher into a buffer of its own, one frozen weight at a time, never refilled.
-The announce's ``cuda_ipc.holds`` is "adapter" and its ``adapter`` field carries the adapter
-blob's digest and layout and the base buffer's digest and IPC fields. A receiver copies the
-adapter set out of its slot and checks it, checks the mapped base against its digest (once per
-buffer), merges the two into a buffer of its own (weights.adapter_merge, the host path's
-routine: the learner's bits) and serves the merge only when its device digest is the version's;
-anything else is refused by name. No directory is written beside training for such a version
-(an adapter set is not the set); ``close`` writes the newest one's merged set (merged on the
-card from the base and its slot).
+carries its adapter set (``DeviceSnapshot.adapter``: the factors and the tensors trained in
+full, megabytes) puts that set in its slot. The base (every other stored tensor, each adapted
+weight as before training) is packed once per publisher into a buffer of its own, one frozen
+weight at a time, from the first version's whole set, and never refilled. The version is named
+by the device digest of the merged set as a generator builds it from the two
+(weights.adapter_merge, each merged weight streamed through the lanes and let go: no copy of
+the set on the learner); that it is the learner's own merged set is the learner's contract
+(tests/learner/test_lora.py: the publication is base + (alpha/r) B A exactly), which replay
+checks against digests.jsonl. The announce's ``cuda_ipc.holds`` is "adapter" and its
+``adapter`` field carries the adapter blob's digest and layout and the base buffer's digest and
+IPC fields. A receiver copies the adapter set out of its slot and checks it, checks the mapped
+base against its digest (once per buffer), merges the two into a buffer of its own and serves
+the merge only when its device digest is the version's; anything else is refused by name. No
+directory is written beside training for such a version (an adapter set is not the set);
+``close`` writes the newest one's merged set (merged on the card from the base and its slot).
 
 Invariants: training never waits for a reader (the slot of version v is refilled by version
 v + slots without asking who reads it); a reader never serves a half-written set (its copy is
@@ -76,9 +78,9 @@ import torch
 from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
 from proto.records import Nack, WeightAnnounce
-from weights.adapter_merge import write_merged
+from weights.adapter_merge import merged_pieces, write_merged
 from weights.check import WeightsRefused
-from weights.device_digest import KIND, device_digest, padded_size, state_digest
+from weights.device_digest import KIND, Lanes, device_digest, lanes_digest, padded_size
 from weights.digest import DEFAULT_CHUNK_BYTES, TREE, blob_layout, weights_digest, with_sha256
 from weights.publication import MANIFEST_NAME, DeviceAdapter, DeviceSnapshot, Publication
 from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
@@ -157,7 +159,7 @@ class CudaIpcPublisher(WeightPublisher):
         self._next = 0
         self._ready: dict[int, dict[str, Any]] = {}  # version -> the announce's cuda_ipc field
         self._held: dict[int, tuple[int, Publication, Path | None]] = {}  # slot -> its version
-        self._base: tuple[torch.Tensor, dict[str, Any], str, int] | None = None  # adapters' base
+        self._base: _Base | None = None  # the adapters' base (adapter versions)
         self.writer = DirectoryWriter(self)
 
     def _slot(self, size: int, dev: torch.device) -> tuple[int, torch.Tensor, float]:
@@ -205,49 +207,58 @@ class CudaIpcPublisher(WeightPublisher):
         return _released(pub)
 
     def _prepare_adapter(self, snap: DeviceSnapshot, ad: DeviceAdapter) -> Publication:
-        """An adapter version (module docstring, "Adapters"): the merged set's device digest
-        taken tensor by tensor from ``snap`` (no packed copy), the adapter set packed into
-        the next slot and digested, the base packed once into a buffer of its own; the
-        snapshot's copy let go. Stages ``device_digest`` (the merged set's), ``device_pack``
-        and ``adapter_digest`` (the adapter set's), ``base_pack`` (once), ``slot_wait``."""
-        state, version = snap.state, snap.version
-        layout = blob_layout(state)
-        dev = next(iter(state.values())).device
-        with _on(dev), _side(dev, snap.ready):
-            t0 = time.perf_counter()
-            digest = state_digest(state, layout)  # synchronises (the lanes' sums)
-            t1 = time.perf_counter()
-            if self._base is None:
-                self._base = self._pack_base(state, ad)
-            t2 = time.perf_counter()
-        adapter = {f"{m}.{k}": t for m, (a, b) in ad.factors.items()
-                   for k, t in (("lora_A", a), ("lora_B", b))}  # fmt: skip
+        """An adapter version (module docstring, "Adapters"): the base packed once (from the
+        whole set: ``ad.whole()``, or the snapshot's state), the adapter set packed into the
+        next slot and digested, and the version named by the device digest of the merged set
+        as a generator builds it from the two (weights.adapter_merge, streamed through the
+        lanes one weight at a time: no copy of the set). Stages ``base_pack`` (once),
+        ``device_pack`` and ``adapter_digest`` (the adapter set's), ``device_digest`` (the
+        merged set's), ``slot_wait``."""
+        version, state = snap.version, snap.state
+        t0 = time.perf_counter()
+        if self._base is None:
+            given = [*state.values(), *(t for ab in ad.factors.values() for t in ab)]
+            if not given:
+                raise ValueError(f"weights v{version}: the device snapshot holds no tensors")
+            dev = given[0].device
+            with _on(dev), _side(dev, snap.ready):  # the export too, after the snapshot's copies
+                whole, tied = ad.whole() if ad.whole is not None else (state, snap.tied)
+                self._base = _Base(*self._pack_base(whole, ad), blob_layout(whole), dict(tied))
+            del whole
+        base = self._base
+        t1 = time.perf_counter()
         missing = [n for n in ad.full if n not in state]
         if missing:
-            raise ValueError(
-                f"weights v{version}: tensors trained in full {missing} are not stored"
-            )
+            raise ValueError(f"weights v{version}: tensors trained in full {missing} not given")
+        adapter = {f"{m}.{k}": t for m, (a, b) in ad.factors.items()
+                   for k, t in (("lora_A", a), ("lora_B", b))}  # fmt: skip
         adapter.update({n: state[n] for n in ad.full})
         ad_layout = blob_layout(adapter)
         nbytes = sum(int(t["nbytes"]) for t in ad_layout)
         i, ad_digest, stages = self._fill(version, adapter, nbytes, ad_layout, snap.ready)
+        field: dict[str, Any] = {
+            "digest": ad_digest, "digest_kind": KIND, "digest_chunk_bytes": 0, "bytes": nbytes,
+            "layout": json.dumps(ad_layout, separators=(",", ":")), "base_digest": base.digest,
+            "base_bytes": base.nbytes, "targets": ",".join(sorted(ad.factors)),
+            "scale": float(ad.scale), **{f"base_{k}": v for k, v in base.field.items()
+                                         if k in _BASE_KEYS},
+        }  # fmt: skip
+        t2 = time.perf_counter()
+        slot = self._bufs[i]
+        assert slot is not None
+        with _on(slot.device), _side(slot.device, None):  # after the slot's pack (same stream)
+            # the merged set a generator builds from the slot's bytes and the base's
+            digest = _merged_digest(field, base.layout, base.buf, slot)
+        t3 = time.perf_counter()
         state.clear()
         # the slot holds the adapter set; the version is named by the merged set's digest
         self._ready[version].update(digest=digest, holds="adapter")
-        base_buf, base_field, base_digest, base_bytes = self._base
-        field: dict[str, Any] = {
-            "digest": ad_digest, "digest_kind": KIND, "digest_chunk_bytes": 0, "bytes": nbytes,
-            "layout": json.dumps(ad_layout, separators=(",", ":")), "base_digest": base_digest,
-            "base_bytes": base_bytes, "targets": ",".join(sorted(ad.factors)),
-            "scale": float(ad.scale), **{f"base_{k}": v for k, v in base_field.items()
-                                         if k in _BASE_KEYS},
-        }  # fmt: skip
-        pub = Publication.on_device(version, digest, layout, tied=snap.tied,
+        pub = Publication.on_device(version, digest, base.layout, tied=base.tied,
                                     config_json=snap.config_json)  # fmt: skip
         pub = dataclasses.replace(pub, adapter=field)
         pub.stage_s.update(stages)
-        pub.stage_s.update(adapter_digest=stages["device_digest"], device_digest=t1 - t0,
-                           base_pack=t2 - t1)  # fmt: skip
+        pub.stage_s.update(adapter_digest=stages["device_digest"], device_digest=t3 - t2,
+                           base_pack=t1 - t0)  # fmt: skip
         self._held[i] = (version, pub, snap.path)
         self.counts["adapter_versions"] += 1
         return pub
@@ -255,9 +266,10 @@ class CudaIpcPublisher(WeightPublisher):
     def _pack_base(
         self, state: Mapping[str, torch.Tensor], ad: DeviceAdapter
     ) -> tuple[torch.Tensor, dict[str, Any], str, int]:
-        """The base set (every stored tensor but those trained in full, each adapted weight
-        as before training) packed into a buffer of its own and digested: (buffer, its IPC
-        fields, digest, bytes). Never refilled: a generator maps it once, a late one too."""
+        """The base set (every stored tensor of the whole set ``state`` but those trained in
+        full, each adapted weight as before training) packed into a buffer of its own, one
+        frozen weight at a time, and digested: (buffer, its IPC fields, digest, bytes). Never
+        refilled: a generator maps it once, a late one too."""
         full = set(ad.full)
         base = {n: t for n, t in state.items() if n not in full}  # the layout: W as W' is
         adapted = {f"{m}.weight": m for m in ad.factors}
@@ -298,7 +310,7 @@ class CudaIpcPublisher(WeightPublisher):
             with _on(buf.device):
                 out = torch.zeros(padded_size(pub.nbytes), dtype=torch.uint8, device=buf.device)
                 write_merged(
-                    out, pub.tensors, *_adapter_sets(pub.adapter, pub.tensors, self._base[0], buf)
+                    out, pub.tensors, *_adapter_sets(pub.adapter, pub.tensors, self._base.buf, buf)
                 )
             return out
 
@@ -545,6 +557,32 @@ def _adapter_sets(
     targets = [m for m in str(c["targets"]).split(",") if m]
     adapter = unpack(ad_buf, _objs(json.loads(str(c["layout"]))))
     return unpack(base_buf, _objs(base_layout)), adapter, targets, float(c["scale"])
+
+
+@dataclasses.dataclass
+class _Base:
+    """The adapters' base on the learner's card (``CudaIpcPublisher._pack_base``) and the
+    whole set's layout and ties (every adapter version's merged set has them)."""
+
+    buf: torch.Tensor
+    field: dict[str, Any]
+    digest: str
+    nbytes: int
+    layout: list[dict[str, Any]]
+    tied: dict[str, str]
+
+
+def _merged_digest(
+    c: Mapping[str, Any], layout: list[dict[str, Any]], base_buf: torch.Tensor,
+    ad_buf: torch.Tensor,
+) -> str:  # fmt: skip
+    """The device digest of the merged set an adapter version's receiver builds (its field
+    ``c``, the merged ``layout``, the base's and the adapter set's buffers), each merged
+    weight fed to the lanes and let go in turn (weights.adapter_merge.merged_pieces)."""
+    lanes = Lanes()
+    for _, t in merged_pieces(*_adapter_sets(c, layout, base_buf, ad_buf)):
+        lanes.feed(t)
+    return lanes_digest(lanes.nbytes, layout, *lanes.total())
 
 
 def _released(pub: Publication) -> Publication:

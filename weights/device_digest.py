@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ BLOCK = 4096
 INTERPRET = [False]
 """Tests: take the kernel on CPU tensors too (under TRITON_INTERPRET=1)."""
 
-__all__ = ["BLOCK", "INTERPRET", "KIND", "Lanes", "device_digest", "state_digest", "digest_on_host_blob", "lanes_digest", "padded_size",
+__all__ = ["BLOCK", "INTERPRET", "KIND", "Lanes", "device_digest", "digest_on_host_blob", "lanes_digest", "padded_size",
            "reference_digest", "reference_lanes"]  # fmt: skip
 
 
@@ -242,16 +242,6 @@ class Lanes:
                                    BLOCK=BLOCK)  # fmt: skip
             self._parts.append(out)
         self.words += n
-
-
-def state_digest(state: Mapping[str, torch.Tensor], meta: Sequence[Any]) -> str:
-    """The digest of ``state``'s canonical blob (sorted names; ``meta`` its layout,
-    weights.digest.blob_layout) computed tensor by tensor where the tensors are, without
-    packing them: the same digest as ``device_digest`` over the packed blob."""
-    lanes = Lanes()
-    for name in sorted(state):
-        lanes.feed(state[name])
-    return lanes_digest(lanes.nbytes, meta, *lanes.total())
 
 
 def digest_on_host_blob(blob: bytes | bytearray | memoryview, meta: Sequence[Any]) -> str:

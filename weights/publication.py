@@ -61,8 +61,9 @@ class DeviceSnapshot:
     ready: Any = None
     """A CUDA event recorded after the snapshot's copies (wait on it before reading)."""
     adapter: DeviceAdapter | None = None
-    """learner.lora.publish=adapters: the version's adapter set beside ``state`` (the merged
-    set), announced on the device as that set on a base (weights.cuda_ipc)."""
+    """learner.lora.publish=adapters: the version's adapter set, announced on the device as
+    that set on a base (weights.cuda_ipc); ``state`` then holds at least the tensors trained
+    in full (the whole set unless ``adapter.whole`` takes it)."""
 
 
 @dataclass
@@ -79,6 +80,10 @@ class DeviceAdapter:
     module once per publisher (the base set, packed one weight at a time)."""
     scale: float
     """alpha / rank."""
+    whole: Callable[[], tuple[dict[str, torch.Tensor], dict[str, str]]] | None = None
+    """The version's whole stored set on the card and its ties, taken when called (the first
+    version of a publisher: the base is packed from it); None: the snapshot's ``state`` is the
+    whole set."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ pipeline.backends.ranks wraps rank 0's trainer (``Leader``) and runs the others 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -25,15 +24,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from learner import checkpoint as learner_checkpoint
+from learner.hf_convert import gather_hf_state
 from learner.megatron.lora import frozen_hf_weights, megatron_adapters
 from learner.megatron.options import MegatronOptions
 from learner.model_specs import looped_critic_spec, looped_policy_spec
 from learner.parallel import destroy_distributed, init_distributed
 from learner.peft_adapter import write_peft
-from learner.publish import looped_exporter, snapshot_publication
+from learner.publish import looped_exporter, publication_state, snapshot_publication
 from learner.replay import unwrap
 from learner.trainer import Trainer
-from models.checkpoint import load_checkpoint, load_config
+from models.checkpoint import json_bytes, load_checkpoint, load_config
 from models.exits import resolve_kv
 from pipeline.backends.audit import BehaviourAudit
 from pipeline.backends.learner_configs import check_reference, critic_optim, train_config
@@ -41,7 +41,8 @@ from pipeline.backends.results import SnapshotResult, StepResult
 from pipeline.config.run import RunConfig
 from proto.records import Rollout
 from weights.adapters import AdapterLine
-from weights.publication import DeviceAdapter, Publication
+from weights.digest import check_finite
+from weights.publication import DeviceAdapter, DeviceSnapshot, Publication
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class MegatronTrainer:
         self.lora, self.model_dir = cfg.learner.lora, Path(model_dir)
         self.line = (AdapterLine(cfg.run_dir, self.lora.scale)
                      if self.lora.on and self.lora.publish == "adapters" else None)  # fmt: skip
+        self.device_adapters = (cfg.publish.transport == "cuda_ipc"
+                                and cfg.publish.directories == "when_free"
+                                and torch.cuda.is_available())  # fmt: skip
+        """Adapter versions announced from the card (``_adapter_snapshot``)."""
         """learner.lora.publish=adapters: each version's adapter set (weights.adapters)."""
         self.is_cap = cfg.objective.is_cap
         self.audits = BehaviourAudit(cfg, cfg.run_dir)
@@ -108,6 +113,8 @@ class MegatronTrainer:
             stages["gather"] = time.perf_counter() - t0
             return out
 
+        if self.line is not None and self.device_adapters:
+            return self._adapter_snapshot(out_dir, version, stages)
         finish = snapshot_publication(self.trainer.policy_model, out_dir, version,
                                       config=self.model_config.to_hf_dict(),
                                       exporter=timed_export)  # fmt: skip
@@ -129,20 +136,48 @@ class MegatronTrainer:
         def with_adapters() -> Publication:
             return line.publication(full(), factors, frozen, norms)
 
-        device = getattr(finish, "device", None)
-        if device is not None:  # cuda_ipc, directories when_free: the adapter set on the card
+        return SnapshotResult(with_adapters, stages)
 
-            def base_weight(m: str) -> torch.Tensor:
-                return frozen_hf_weights(model, [m])[f"{m}.weight"]
+    def _adapter_snapshot(
+        self, out_dir: Path, version: int, stages: dict[str, float]
+    ) -> SnapshotResult | None:
+        """An adapter version announced from the card (publish.transport cuda_ipc, directories
+        when_free: weights.cuda_ipc "Adapters"): the factors and the tensors trained in full
+        copied now (megabytes), the whole set exported only when the publisher packs its base
+        (its first version), each adapted module's frozen weight when it packs it; no copy of
+        the set. NonFiniteWeightsError for factors or norms that are not finite."""
+        from megatron.core import parallel_state as ps
 
-            # the factors' copies were queued after the snapshot's ready event: a new one, so
-            # the publisher's stream waits for them too (else it may pack them half copied)
-            ready = torch.cuda.Event() if torch.cuda.is_available() else None
-            if ready is not None:
-                ready.record()
-            device = dataclasses.replace(device, ready=ready or device.ready, adapter=DeviceAdapter(
-                factors, norms, base_weight, self.lora.scale))  # fmt: skip
-        return SnapshotResult(with_adapters, stages, device)
+        if ps.get_data_parallel_rank() != 0 or self.rank != 0:
+            return None
+        model = unwrap(self.trainer.policy_model)
+        t0 = time.perf_counter()
+        ad = megatron_adapters(model, self.lora)
+        factors = ad.factor_copies()
+        full = {n: t.detach().clone() for n, t in gather_hf_state(model, only=list(ad.norms)).items()
+                if n in ad.norms}  # fmt: skip
+        check_finite({**{f"{m}.lora_{k}": t for m, (a, b) in factors.items()
+                         for k, t in (("A", a), ("B", b))}, **full})  # fmt: skip
+        ready = torch.cuda.Event() if torch.cuda.is_available() else None
+        if ready is not None:
+            ready.record()  # after the copies, on the trainer's stream
+        stages["gather"] = time.perf_counter() - t0
+
+        def base_weight(m: str) -> torch.Tensor:
+            return frozen_hf_weights(model, [m])[f"{m}.weight"]
+
+        def whole() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            return publication_state(model, on_device=True)
+
+        config = json_bytes(self.model_config.to_hf_dict()).decode("utf-8")
+        snap = DeviceSnapshot(version, full, {}, config, Path(out_dir), ready, adapter=DeviceAdapter(
+            factors, list(ad.norms), base_weight, self.lora.scale, whole))  # fmt: skip
+
+        def host() -> Publication:
+            raise RuntimeError(f"weights v{version}: an adapter version under publish."
+                               "directories=when_free is announced from the device only")  # fmt: skip
+
+        return SnapshotResult(host, stages, snap)
 
     def save(self, run_dir: Path, pipeline_state: dict[str, Any], keep: int) -> Path:
         """learner.checkpoint's; with adapters, rank 0 then adds adapter/ (learner.peft_adapter:

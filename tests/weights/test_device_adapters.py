@@ -98,7 +98,7 @@ def _pair(
         if "slot" in c:
             return pub._bufs[int(c["slot"])]  # type: ignore[return-value]
         assert pub._base is not None
-        return pub._base[0]
+        return pub._base.buf
 
     monkeypatch.setattr(rx, "_map", mapped)
     return pub, rx, conn
@@ -175,12 +175,43 @@ def test_a_merge_that_differs_from_the_learners_in_a_bit_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pub, rx, conn = _pair(monkeypatch)
-    snap = _snap(tmp_path, 1)
-    snap.state["l1.weight"] = snap.state["l1.weight"].clone()
-    snap.state["l1.weight"].view(torch.int16)[0, 0] ^= 1  # the learner's set, one bit off
-    ann = pub.publish(pub.prepare_device(snap))
+    ann = pub.publish(pub.prepare_device(_snap(tmp_path, 1)))
+    real = cuda_ipc.write_merged
+
+    def off_by_a_bit(out: torch.Tensor, *a: Any) -> None:  # the generator's merge, one bit off
+        real(out, *a)
+        out[0:1].bitwise_xor_(1)
+
+    monkeypatch.setattr(cuda_ipc, "write_merged", off_by_a_bit)
     assert rx.handle(ann) is None
     assert rx.counts["merge_mismatch"] == 1 and len(_nacks(conn)) == 1
+    pub.close()
+
+
+def test_the_learner_exports_the_whole_set_once_for_the_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The megatron path's snapshot: the tensors trained in full only, the whole set taken by
+    the publisher for its base (``DeviceAdapter.whole``) at its first version alone; every
+    version's name is still the learner's merged set's."""
+    pub, rx, _ = _pair(monkeypatch)
+    taken: list[int] = []
+    for v in (1, 2, 3):
+        snap = _snap(tmp_path, v)
+        assert snap.adapter is not None
+
+        def whole(v: int = v) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            taken.append(v)
+            return _merged(v), {}
+
+        snap = dataclasses.replace(snap, state={"norm.weight": _merged(v)["norm.weight"]},
+                                   adapter=dataclasses.replace(snap.adapter, whole=whole))  # fmt: skip
+        p = pub.prepare_device(snap)
+        assert p.digest == dd.reference_digest(*blob_and_meta(_merged(v)))
+        got = rx.handle(pub.publish(p))
+        assert got is not None and torch.equal(got.state()["l1.weight"], _merged(v)["l1.weight"])
+        rx.loaded(v)
+    assert taken == [1]
     pub.close()
 
 
@@ -288,3 +319,45 @@ def test_on_the_card_another_process_merges_it_to_the_learners_bits(tmp_path: Pa
     assert pub.writer.written == [3]
     on_disk = Publication.from_dir(weights_dir(tmp_path, 3), 3)
     assert on_disk.digest == Publication.of_state(_merged(3), 3, None).digest
+
+
+def test_the_megatron_learners_adapter_versions_are_its_merged_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real megatron learner (gloo, CPU) with its device-adapter snapshot forced on: its
+    snapshots hold the factors and the norms only, the publisher exports the whole set once,
+    and every version's device name is the mix128 of the set the learner publishes through
+    the host path (its own merged weights), which the receiver's merge reproduces."""
+    from models.random_init import init_checkpoint
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.config.run import load_config
+    from tests.pipeline.test_epochs import _rollouts
+
+    model = tmp_path / "huginn"
+    init_checkpoint("huginn", "tiny", model, seed=0)
+    cfg = load_config(None, ["backend=megatron", f"run_dir={tmp_path / 'run'}", "rollout.n=4",
+                             "rollout.prompts_per_step=2", "learner.backprop_depth=0",
+                             "optimizer.lr=0.05", "learner.lora.rank=4", "learner.lora.alpha=8",
+                             "learner.lora.publish=adapters"])  # fmt: skip
+    t = MegatronTrainer(cfg, model)
+    pub, rx, _ = _pair(monkeypatch)
+    try:
+        for v in range(3):
+            if v:
+                t.step(_rollouts(seed=v), [False] * 8)
+            t.device_adapters = True
+            taken = t.snapshot(tmp_path / "run" / "weights" / f"v{v}", v)
+            assert taken is not None and taken.device is not None
+            snap = taken.device
+            assert snap.adapter is not None and sorted(snap.state) == sorted(snap.adapter.full)
+            p = pub.prepare_device(snap)
+            t.device_adapters = False
+            own = t.publish(tmp_path / "host" / f"v{v}", v)  # the learner's merged set, as ever
+            assert own is not None and p.digest == own.digest_as("mix128"), v
+            got = rx.handle(pub.publish(p))
+            assert got is not None and got.digest == p.digest
+            rx.loaded(v)
+    finally:
+        t.close()
+        pub.close()
+    assert pub.counts["base_packed"] == 1 and rx.counts["adapter_merged"] == 3
