@@ -83,7 +83,7 @@ from weights.check import WeightsRefused
 from weights.device_digest import KIND, Lanes, device_digest, lanes_digest, padded_size
 from weights.digest import DEFAULT_CHUNK_BYTES, TREE, blob_layout, weights_digest, with_sha256
 from weights.publication import MANIFEST_NAME, DeviceAdapter, DeviceSnapshot, Publication
-from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
+from weights.publisher import RETRY_DELAY_S, LearnerSide, PublishSettings, WeightPublisher
 from weights.receiver import GeneratorSide, Receiver
 from weights.verified import VerifiedWeights
 
@@ -644,7 +644,8 @@ def cuda_ipc_publisher(
     slots = max(2, settings.max_pending + 1)
     first = getattr(settings, "directories", "every") == "when_free"
     return CudaIpcPublisher(endpoint, slots=slots, chunk_bytes=settings.chunk_bytes,
-                            window=settings.window, device_first=first)  # fmt: skip
+                            window=settings.window, device_first=first,
+                            retry_delay_s=RETRY_DELAY_S)  # fmt: skip
 
 
 class CudaIpcReceiver:

@@ -28,8 +28,9 @@ piece whose digest did not match comes back as ``Nack(kind="chunk", ref="<versio
 index>")`` for each chunk it spans, and those chunks are sent again.
 
 Invariants: versions are announced in strictly increasing order and only the newest is ever
-sent; a refused transfer, ``Nack(kind="weights")``, is started again for that generator (at
-most ``max_attempts`` transfers, then it gives up and counts it).
+sent; a refused transfer, ``Nack(kind="weights")``, is started again for that generator after
+``retry_delay_s``, then twice that, ... (at most ``max_attempts`` transfers, then it gives up and
+counts it; the transports' publishers wait RETRY_DELAY_S).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class _Gen:
     resend: list[int] = field(default_factory=list)  # chunk indices a receiver asked again for
     attempts: int = 0  # transfers of ``sending`` started
     progress_at: float = 0.0  # clock time of the last send or credit
+    not_before: float = 0.0  # clock time before which a refused transfer is not started again
 
 
 class WeightPublisher:
@@ -107,12 +109,16 @@ class WeightPublisher:
         stall_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         chunked: bool = True,
+        retry_delay_s: float = 0.0,
     ) -> None:
         if chunk_bytes < 1 or window < 1 or max_attempts < 1 or stall_timeout_s <= 0:
             raise ValueError("chunk_bytes, window, max_attempts, stall_timeout_s must be > 0")
         self.endpoint, self.chunked = endpoint, chunked
         self.chunk_bytes, self.window, self.max_attempts = chunk_bytes, window, max_attempts
         self.stall_timeout_s = stall_timeout_s
+        self.retry_delay_s = retry_delay_s
+        """A refused transfer starts again after retry_delay_s, then twice that, ... (a
+        generator that cannot take a version now, out of memory beside the learner, gets time)."""
         self.clock = clock
         self.announce: WeightAnnounce | None = None
         self._blob: bytes | memoryview = b""
@@ -278,6 +284,8 @@ class WeightPublisher:
                 self.counts["stalled"] += 1
                 g.outstanding, g.next_chunk = 0, -1
             if g.next_chunk < 0:
+                if now < g.not_before:  # a refused transfer, waiting to start again
+                    continue
                 if not self.endpoint.send(gid, ann, channel="weights"):
                     continue
                 g.next_chunk, g.progress_at, sent = 0, now, sent + 1
@@ -330,10 +338,16 @@ class WeightPublisher:
                     self.counts["gave_up"] += 1
                 else:
                     self._start(g)
+                    g.not_before = g.progress_at + self.retry_delay_s * 2 ** (g.attempts - 2)
                     self.counts["retries"] += 1
         else:
             return False
         return True
+
+
+RETRY_DELAY_S = 1.0
+"""The transports' wait before a refused version is announced again (1 s, then 2 s: a generator
+that could not take it, for want of memory beside the learner, gets 3 s before it is given up)."""
 
 
 def shared_fs_publisher(
@@ -342,19 +356,21 @@ def shared_fs_publisher(
     """publish.transport=shared_fs: the announce of RUN_DIR/weights/vN alone (every host
     reads the directory; weights.transports)."""
     return WeightPublisher(endpoint, chunk_bytes=settings.chunk_bytes, window=settings.window,
-                           chunked=False)  # fmt: skip
+                           chunked=False, retry_delay_s=RETRY_DELAY_S)  # fmt: skip
 
 
 def zmq_publisher(
     endpoint: LearnerSide, settings: PublishSettings, run_dir: Path
 ) -> WeightPublisher:
     """publish.transport=zmq: the announce, then the blob in credit-windowed chunks."""
-    return WeightPublisher(endpoint, chunk_bytes=settings.chunk_bytes, window=settings.window)
+    return WeightPublisher(endpoint, chunk_bytes=settings.chunk_bytes, window=settings.window,
+                           retry_delay_s=RETRY_DELAY_S)  # fmt: skip
 
 
 __all__ = [
     "LearnerSide",
     "PublishSettings",
+    "RETRY_DELAY_S",
     "WeightPublisher",
     "shared_fs_publisher",
     "zmq_publisher",

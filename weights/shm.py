@@ -58,7 +58,7 @@ from proto.records import WeightAnnounce
 from weights.check import WeightsRefused, check_blob, check_digest
 from weights.digest import TREE, Digest, blob_head, check_kind, state_from_blob, tree_of
 from weights.publication import Publication
-from weights.publisher import LearnerSide, PublishSettings, WeightPublisher
+from weights.publisher import RETRY_DELAY_S, LearnerSide, PublishSettings, WeightPublisher
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("LOOPRL_SHM_DIR", "/dev/shm"))
@@ -420,7 +420,8 @@ class ShmPublisher(WeightPublisher):
 def shm_publisher(endpoint: LearnerSide, settings: PublishSettings, run_dir: Path) -> ShmPublisher:
     """publish.transport=shm: shared_fs's announce, and each version once in /dev/shm."""
     return ShmPublisher(endpoint, Path(run_dir) / "weights", keep=settings.keep,
-                        chunk_bytes=settings.chunk_bytes, window=settings.window)  # fmt: skip
+                        chunk_bytes=settings.chunk_bytes, window=settings.window,
+                        retry_delay_s=RETRY_DELAY_S)  # fmt: skip
 
 
 __all__ = [

@@ -305,6 +305,43 @@ def test_persistent_corruption_is_never_served() -> None:
     assert pub.counts["nacked"] == 3 and pub.counts["gave_up"] == 1 and pub.gave_up("gen-0")
 
 
+def test_a_refused_version_is_announced_again_after_a_growing_wait() -> None:
+    """A generator that cannot take a version now (a Nack: out of memory beside the learner,
+    on an H100) gets retry_delay_s, then twice that, before the next transfer starts; it loads
+    the version once it can, and only max_attempts refusals give it up."""
+    clock = FakeClock()
+    ep, conns, _ = setup(clock=clock)
+    refusals = [2]
+
+    class Busy(WeightReceiver):
+        def handle(self, rec: Any) -> Any:
+            got = super().handle(rec)
+            if got is not None and refusals[0]:
+                refusals[0] -= 1
+                self.load_failed(got.version, "CUDA out of memory (the test's)")
+                return None
+            return got
+
+    pub = WeightPublisher(ep, chunk_bytes=1000, window=3, clock=clock, retry_delay_s=1.0)
+    rx = Busy(conns["gen-0"])
+    pub.add_generator("gen-0")
+    data = blob(3_000)
+    pub.publish_blob(1, data)
+    assert run(ep, pub, {"gen-0": rx}, conns)["gen-0"] == []  # refused once, waiting
+    assert pub.counts["nacked"] == 1 and pub.counts["retries"] == 1 and not pub.gave_up("gen-0")
+    clock.advance(0.9)
+    assert run(ep, pub, {"gen-0": rx}, conns)["gen-0"] == []  # not yet: nothing was sent
+    assert pub.counts["nacked"] == 1
+    clock.advance(0.2)  # 1.1 s: the second transfer, refused too; now 2 s to wait
+    assert run(ep, pub, {"gen-0": rx}, conns)["gen-0"] == [] and pub.counts["nacked"] == 2
+    clock.advance(1.5)
+    assert run(ep, pub, {"gen-0": rx}, conns)["gen-0"] == []
+    clock.advance(0.6)
+    ready = run(ep, pub, {"gen-0": rx}, conns)
+    assert [bytes(w.blob) for w in ready["gen-0"]] == [data] and pub.serving("gen-0") == 1
+    assert pub.counts["retries"] == 2 and pub.counts["gave_up"] == 0
+
+
 def test_stalled_transfer_restarts() -> None:
     clock = FakeClock()
     ep, conns, _ = setup(clock=clock)
