@@ -9,6 +9,7 @@ version, and calls ``validate()`` for the cross-field rules below.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,6 +305,27 @@ class TensorMeta:
 record("tensor_meta")(TensorMeta)
 
 
+def _adapter_fields(
+    w: str, c: Mapping[str, Any], strings: Sequence[str], counts: Sequence[str]
+) -> None:
+    """An announce's ``adapter`` field: ``strings`` non-empty, ``digest`` and ``base_digest``
+    64 hex chars, ``counts`` integers >= 0, ``scale`` a number > 0 (ProtocolError naming the
+    first that is not)."""
+    for key in strings:
+        _need(isinstance(c.get(key), str) and bool(c.get(key)),
+              f"{w}: adapter.{key} must be a non-empty string")  # fmt: skip
+    for key in ("digest", "base_digest"):
+        _need(isinstance(c.get(key), str) and len(str(c.get(key))) == 64,
+              f"{w}: adapter.{key} must be 64 hex chars")  # fmt: skip
+    for key in counts:
+        x = c.get(key)
+        _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+              f"{w}: adapter.{key} must be an integer >= 0")  # fmt: skip
+    s = c.get("scale")
+    _need(isinstance(s, int | float) and not isinstance(s, bool) and s > 0,
+          f"{w}: adapter.scale must be a number > 0")  # fmt: skip
+
+
 @record("weights")
 @dataclass
 class WeightAnnounce:
@@ -439,19 +461,8 @@ class WeightAnnounce:
             c = self.adapter
             _need(bool(self.path) and not self.num_chunks and not self.collective,
                   f"{w}: adapter needs the merged directory (path) and no chunks")  # fmt: skip
-            for key in ("path", "base_path", "digest_kind", "targets"):
-                _need(isinstance(c.get(key), str) and bool(c.get(key)),
-                      f"{w}: adapter.{key} must be a non-empty string")  # fmt: skip
-            for key in ("digest", "base_digest"):
-                _need(isinstance(c.get(key), str) and len(str(c.get(key))) == 64,
-                      f"{w}: adapter.{key} must be 64 hex chars")  # fmt: skip
-            for key in ("digest_chunk_bytes", "bytes"):
-                x = c.get(key)
-                _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-                      f"{w}: adapter.{key} must be an integer >= 0")  # fmt: skip
-            s = c.get("scale")
-            _need(isinstance(s, int | float) and not isinstance(s, bool) and s > 0,
-                  f"{w}: adapter.scale must be a number > 0")  # fmt: skip
+            _adapter_fields(w, c, ("path", "base_path", "digest_kind", "targets"),
+                            ("digest_chunk_bytes", "bytes"))  # fmt: skip
         elif self.cuda_ipc.get("holds", "") != "":
             _need(False, f"{w}: cuda_ipc.holds {self.cuda_ipc.get('holds')!r}: only 'adapter' "
                   "(with the adapter field) is defined")  # fmt: skip
@@ -464,19 +475,8 @@ class WeightAnnounce:
               "chunks")  # fmt: skip
         _need(c.get("digest_kind") == DIGEST_DEVICE,
               f"{w}: adapter.digest_kind must be {DIGEST_DEVICE} on the device")  # fmt: skip
-        for key in ("targets", "layout", "base_handle", "base_ref_handle"):
-            _need(isinstance(c.get(key), str) and bool(c.get(key)),
-                  f"{w}: adapter.{key} must be a non-empty string")  # fmt: skip
-        for key in ("digest", "base_digest"):
-            _need(isinstance(c.get(key), str) and len(str(c.get(key))) == 64,
-                  f"{w}: adapter.{key} must be 64 hex chars")  # fmt: skip
-        for key in ("bytes", "base_bytes", "base_size", "base_offset", "base_ref_offset"):
-            x = c.get(key)
-            _need(isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-                  f"{w}: adapter.{key} must be an integer >= 0")  # fmt: skip
-        s = c.get("scale")
-        _need(isinstance(s, int | float) and not isinstance(s, bool) and s > 0,
-              f"{w}: adapter.scale must be a number > 0")  # fmt: skip
+        _adapter_fields(w, c, ("targets", "layout", "base_handle", "base_ref_handle"),
+                        ("bytes", "base_bytes", "base_size", "base_offset", "base_ref_offset"))  # fmt: skip
 
 
 @record("chunk")
