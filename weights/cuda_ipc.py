@@ -598,6 +598,19 @@ def _released(pub: Publication) -> Publication:
     return pub
 
 
+def _copied(src: torch.Tensor, nbytes: int, meta: Sequence[Any]) -> tuple[torch.Tensor, str]:
+    """A mapped buffer's first ``nbytes`` (a blob laid out as ``meta``) copied into a buffer of
+    this process's own, and the copy's device digest: a receiver checks the copy, never the
+    shared buffer the learner may refill."""
+    size = padded_size(nbytes)
+    if src.numel() < size:
+        raise ValueError(f"the mapped buffer holds {src.numel()} bytes, {size} announced")
+    with _on(src.device):
+        mine = torch.empty(size, dtype=torch.uint8, device=src.device)
+        mine.copy_(src[:size])
+        return mine, device_digest(mine, nbytes, meta)
+
+
 def _on(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
     """``dev`` current for the block (a CUDA device; nothing for the CPU: tests)."""
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
@@ -742,14 +755,7 @@ class CudaIpcReceiver:
         c = a.cuda_ipc
         t0 = time.perf_counter()
         index = self._card(str(c["device_uuid"]))
-        src = self._map(c, index)
-        size = padded_size(a.total_bytes)
-        if src.numel() < size:
-            raise ValueError(f"the mapped buffer holds {src.numel()} bytes, {size} announced")
-        with _on(src.device):
-            mine = torch.empty(size, dtype=torch.uint8, device=src.device)
-            mine.copy_(src[:size])
-            got = device_digest(mine, a.total_bytes, a.tensors)
+        mine, got = _copied(self._map(c, index), a.total_bytes, a.tensors)
         self.copy_s = time.perf_counter() - t0
         if got != c["digest"]:
             self.counts["refused"] += 1
@@ -771,17 +777,12 @@ class CudaIpcReceiver:
         c, ad = a.cuda_ipc, a.adapter
         t0 = time.perf_counter()
         index = self._card(str(c["device_uuid"]))
-        src = self._map(c, index)
-        n_ad = int(str(ad["bytes"]))
-        if src.numel() < padded_size(n_ad):
-            raise ValueError(f"the mapped buffer holds {src.numel()} bytes, {n_ad} announced")
+        mine_ad, got = _copied(self._map(c, index), int(str(ad["bytes"])),
+                               json.loads(str(ad["layout"])))  # fmt: skip
         base_c: dict[str, Any] = {"pid": c["pid"]}
         base_c.update({k: ad[f"base_{k}"] for k in _BASE_KEYS if f"base_{k}" in ad})
         base = self._map(base_c, index)
-        with _on(src.device):
-            mine_ad = torch.empty(padded_size(n_ad), dtype=torch.uint8, device=src.device)
-            mine_ad.copy_(src[: mine_ad.numel()])
-            got = device_digest(mine_ad, n_ad, json.loads(str(ad["layout"])))
+        with _on(base.device):
             if got != ad["digest"]:
                 self.counts["refused"] += 1
                 log.error("weights v%d: the copy of the adapter set (slot %s) has device digest "
@@ -799,7 +800,7 @@ class CudaIpcReceiver:
                         f"the learner's base buffer holds {held[:16] or 'fewer bytes'}"
                     )
                 self._base_ok[key] = str(ad["base_digest"])
-            mine = torch.empty(padded_size(a.total_bytes), dtype=torch.uint8, device=src.device)
+            mine = torch.empty(padded_size(a.total_bytes), dtype=torch.uint8, device=base.device)
             mine[a.total_bytes :].zero_()
             write_merged(mine, a.tensors, *_adapter_sets(ad, a.tensors, base, mine_ad))
             got = device_digest(mine, a.total_bytes, a.tensors)
