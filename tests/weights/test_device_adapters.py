@@ -22,7 +22,7 @@ import torch
 from models.lora import lora_delta, merged_weight
 from proto.codec import Codec
 from proto.records import Nack
-from tests.weights.test_cuda_ipc import _Below
+from tests.weights.test_device_first import _pair as device_first_pair
 from tests.weights.test_transports import Sent
 from weights import cuda_ipc
 from weights import device_digest as dd
@@ -84,15 +84,9 @@ def _snap(tmp_path: Path, v: int, frozen_calls: list[int] | None = None) -> Devi
 def _pair(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[cuda_ipc.CudaIpcPublisher, cuda_ipc.CudaIpcReceiver, Sent]:
-    """A device-first publisher and a receiver whose 'mappings' are the publisher's own
-    buffers (the adapter set's slot, the base's buffer)."""
-    pub = cuda_ipc.CudaIpcPublisher(Sent(), slots=2, device_first=True)
-    fields = {"device_uuid": "GPU-test", "handle": "01" * 8, "size": 0, "offset": 0,
-              "ref_handle": "02", "ref_offset": 0, "pid": 1}  # fmt: skip
-    monkeypatch.setattr(cuda_ipc, "_share", lambda buf: dict(fields))
-    conn = Sent()
-    rx = cuda_ipc.CudaIpcReceiver(conn, _Below(), "gen-0")
-    monkeypatch.setattr(rx, "_card", lambda uuid: 0)
+    """test_device_first's pair, whose receiver also 'maps' the base: the publisher's own
+    buffer (an announce's base fields carry no slot)."""
+    pub, rx, conn = device_first_pair(monkeypatch)
 
     def mapped(c: dict[str, Any], index: int) -> torch.Tensor:
         if "slot" in c:
@@ -254,7 +248,7 @@ _READER = """
 import json, sys, time, torch
 from proto.codec import Codec
 from weights import cuda_ipc
-from tests.weights.test_cuda_ipc import _Below
+from tests.weights.test_device_first import _pair as device_first_pair
 from tests.weights.test_device_adapters import _merged
 from tests.weights.test_transports import Sent
 rx = cuda_ipc.CudaIpcReceiver(Sent(), _Below(), "gen-0")
