@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weights.digest import blob_head
+from weights.digest import blob_head, canonical_flat
 
 try:
     import triton
@@ -167,10 +167,9 @@ class Lanes:
 
     def feed(self, t: torch.Tensor) -> None:
         """A tensor's canonical bytes (C order), next in the blob."""
-        flat = t.detach().resolve_neg().contiguous().reshape(-1)
-        if not flat.numel():
+        raw = canonical_flat(t)
+        if raw is None:
             return
-        raw = flat.view(torch.uint8)
         n, off = raw.numel(), 0
         self.nbytes += n
         while off < n:

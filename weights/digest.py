@@ -57,6 +57,7 @@ __all__ = [
     "TREE",
     "Digest",
     "blob_and_meta",
+    "canonical_flat",
     "blob_layout",
     "blob_digest",
     "canonical_digest",
@@ -102,7 +103,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 def _canonical_view(t: torch.Tensor) -> memoryview | None:
     """The canonical bytes of `t` as a read-only view of a CPU tensor's memory (no copy when
     `t` is already a contiguous CPU tensor); None for an empty tensor."""
-    flat = _canonical_flat(t.cpu() if isinstance(t, torch.Tensor) else t)
+    flat = canonical_flat(t.cpu() if isinstance(t, torch.Tensor) else t)
     return None if flat is None else memoryview(flat.numpy().data).toreadonly()
 
 
@@ -165,7 +166,7 @@ def blob_and_meta(state: Mapping[str, torch.Tensor]) -> tuple[memoryview, list[d
     built on a side thread leaves the trainer's Python thread running (a b"".join of 7 GB
     held it for seconds)."""
     layout = blob_layout(state)
-    flats = [_canonical_flat(state[m["name"]]) for m in layout]
+    flats = [canonical_flat(state[m["name"]]) for m in layout]
     buf = torch.empty(sum(int(m["nbytes"]) for m in layout), dtype=torch.uint8)
 
     def fill(i: int) -> None:
@@ -208,7 +209,7 @@ def with_sha256(blob: memoryview, layout: Sequence[Mapping[str, Any]]) -> list[d
     return [{**m, "sha256": sha} for m, sha in zip(layout, shas)]
 
 
-def _canonical_flat(t: torch.Tensor) -> torch.Tensor | None:
+def canonical_flat(t: torch.Tensor) -> torch.Tensor | None:
     """`t`'s canonical bytes as a flat uint8 tensor on its own device (a view when it is
     contiguous); None for an empty tensor."""
     if not isinstance(t, torch.Tensor):
