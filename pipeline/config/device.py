@@ -81,8 +81,10 @@ def _ipc_copies(cfg: Any, host: Host, local: int, megatron: bool) -> int:
     """bf16 weight copies cuda_ipc keeps on the learner's card (0 for another transport): a slot
     per pending version and one more, and the snapshot's own copy unless versions are packed
     as they are taken (publish.directories when_free); adapter versions taken so
-    (learner.lora.publish=adapters) keep the base and the snapshot's copy of each version
-    (their slots hold adapter sets; the merged set's digest is taken from that copy)."""
+    (learner.lora.publish=adapters) keep one, the base: their slots hold adapter sets, their
+    snapshots copy the factors and norms only, and the merged set's name is streamed one
+    weight at a time (weights.cuda_ipc "Adapters"; the whole set is exported once, for the
+    base, and the CUDA cache handed back after it)."""
     t = cfg.publish.transport
     if t == AUTO:
         t = _auto_transport(host, local, megatron)[0]
@@ -90,7 +92,7 @@ def _ipc_copies(cfg: Any, host: Host, local: int, megatron: bool) -> int:
         return 0
     first = cfg.publish.directories != "every"
     if first and cfg.learner.lora.on and cfg.learner.lora.publish == "adapters":
-        return 2
+        return 1
     return max(2, cfg.publish.max_pending + 1) + (0 if first else 1)
 
 
