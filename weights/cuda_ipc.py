@@ -20,7 +20,9 @@ copy (``VerifiedWeights.of_checked``: not hashed again). A copy whose digest dif
 read: the learner refilled the slot while it was copied, or corrupted memory) is refused by
 name, counted and logged, and the announce goes to the receiver below, which reads the
 directory (checked as read): the generator serves its version until one loads. So does an
-announce it cannot map (another card, another host, no CUDA).
+announce it cannot map (another card, another host, no CUDA). A receiver in the learner's own
+process (a generator thread: generators.placement=thread) takes the buffer itself (CUDA maps no
+handle in the process that made it): the same copy and check, no mapping.
 
 Device first (publish.directories=when_free): a version whose snapshot is on the card
 (``SnapshotResult.device``, a ``DeviceSnapshot``) is packed and digested on the trainer thread
@@ -66,6 +68,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -636,11 +639,18 @@ def _side(
     return torch.cuda.stream(side)
 
 
+_OWN: weakref.WeakValueDictionary[tuple[str, int], torch.Tensor] = weakref.WeakValueDictionary()
+"""This process's shared buffers by (handle, offset): a receiver in the same process (a
+generator thread of the learner's: generators.placement=thread) takes the buffer itself, as
+CUDA does not map a handle in the process that made it."""
+
+
 def _share(buf: torch.Tensor) -> dict[str, Any]:
     """The IPC fields of ``buf``'s storage (torch's ``_share_cuda_``), hex for the wire."""
     dev, handle, size, offset, ref_handle, ref_offset, event, sync = (
         buf.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
     )
+    _OWN[(bytes(handle).hex(), int(offset))] = buf
     return {"device_uuid": card_uuid(buf.device), "handle": bytes(handle).hex(), "size": int(size),
             "offset": int(offset), "ref_handle": bytes(ref_handle).hex(),
             "ref_offset": int(ref_offset), "pid": os.getpid(),
@@ -738,6 +748,11 @@ class CudaIpcReceiver:
     def _map(self, c: Mapping[str, Any], index: int) -> torch.Tensor:
         # one allocation may hold several buffers (torch's caching allocator): the offset too
         key = (int(c["pid"]), str(c["handle"]), int(c["offset"]))
+        if key[0] == os.getpid():  # a buffer of this very process (module docstring)
+            own = _OWN.get(key[1:])
+            if own is None or own.device.index != index:
+                raise ValueError("a buffer of this process that it no longer holds")
+            return own
         if key not in self._maps:
             storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
                 index, bytes.fromhex(str(c["handle"])), int(c["size"]), int(c["offset"]),

@@ -157,6 +157,9 @@ class TorchEngine(TorchWeights):
         for p in self.model.parameters():  # parameters only: Huginn's RoPE table stays fp32
             p.data = p.data.to(torch_dtype)
         self.device, self.dtype = dev, torch_dtype
+        self.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        """The stream current where the engine was built: its device work (generation, weight
+        loads) runs there (a generator thread's own: pipeline.commands.generator_threads)."""
         self.policy = exit_policy if exit_policy is not None else FixedDepth(self.model.max_depth)
         self.sampled = is_sampled(self.policy)  # exits drawn from the gate, log-probs kept
         self.full_depth = resolve_max_depth(self.policy, self.model.max_depth)
@@ -259,7 +262,8 @@ class TorchEngine(TorchWeights):
         """Sample every item `item.n` times (one request per latent seed); results in order.
         ``sampling_offsets``: per item, its samples' sampling-seed offset (None: 0; a
         conversation's turn, generator.multiturn; `models.reference.sampling_seed`)."""
-        with self._lock, torch.no_grad(), nx.fused_generation(self.numerics == "fast"):
+        with self._lock, self.on_stream(), torch.no_grad(), \
+                nx.fused_generation(self.numerics == "fast"):  # fmt: skip
             if self.broken:
                 raise WeightLoadError(self.broken)
             return self._generate(items, sampling_offsets)

@@ -9,9 +9,10 @@ engine stops serving if that fails too)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ class TorchWeights:
 
     model: torch.nn.Module
     device: torch.device
+    stream: torch.cuda.Stream | None
     weight_version: int
     broken: str
     _lock: threading.Lock | threading.RLock
@@ -40,12 +42,23 @@ class TorchWeights:
     """Called on the engine's thread once a version staged during a batch is served (the
     generator loop's waker: it acknowledges the version at once, not at its next poll)."""
 
+    def on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The engine's stream current for the block (``stream``: the one current where it
+        was built; nothing on the CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else (
+            contextlib.nullcontext())  # fmt: skip
+
     def load_weights(self, weights: VerifiedWeights) -> None:
         """Load ``weights`` (``_load_now``); with ``inflight_updates`` while a ``generate``
         runs (its lock held by another thread): check the state on this thread, copy it to the
         device beside the parameters, and let the running batch swap it in between two decode
         steps (``_apply_swap``: an in-place copy, so a captured CUDA graph reads the new
-        weights); ``weight_version`` changes then, not when this returns."""
+        weights); ``weight_version`` changes then, not when this returns. On the engine's
+        stream (``on_stream``), whichever thread calls."""
+        with self.on_stream():
+            self._load_weights(weights)
+
+    def _load_weights(self, weights: VerifiedWeights) -> None:
         if self.broken:
             raise WeightLoadError(self.broken)
         if self.inflight_updates and not self._lock.acquire(blocking=False):

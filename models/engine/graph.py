@@ -204,7 +204,9 @@ class GraphDecoder:
                     self._run()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another thread of the process (the learner's, beside a generator
+        # thread) may allocate or synchronize while this one captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._out = self._run()
         self._graph = graph
 

@@ -388,7 +388,9 @@ class GraphTicker(Ticker):
         torch.cuda.current_stream(dev).wait_stream(side)
         self.live.copy_(live)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another thread of the process (the learner's, beside a generator
+        # thread) may allocate or synchronize while this one captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._body(key)
         self._graphs[key] = graph
 

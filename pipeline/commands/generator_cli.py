@@ -384,8 +384,10 @@ def build_engines(cfg: GeneratorConfig) -> DepthEngines:
     )  # fmt: skip
 
 
-def serve(cfg: GeneratorConfig) -> int:
-    """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal."""
+def serve(cfg: GeneratorConfig, *, on_loop: Callable[[GeneratorLoop], None] | None = None) -> int:
+    """Build engine, reward runner, connection and loop from ``cfg``; serve until a signal.
+    ``on_loop``: given the loop before it runs, instead of SIGTERM / SIGINT handlers (a
+    generator in a thread of another process: its owner stops it with ``loop.stop``)."""
 
     cfg.require_learner()
     if not cfg.model:
@@ -446,8 +448,11 @@ def serve(cfg: GeneratorConfig) -> int:
             max_unacked=cfg.max_unacked,
         )
         served.on_failure = lambda line: loop.stop(f"weights refused: {line}")
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: loop.stop(signal.Signals(signum).name))
+        if on_loop is not None:
+            on_loop(loop)
+        else:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, _frame: loop.stop(signal.Signals(signum).name))
         log.info("generator %s -> %s (weights %s), %s", gid, cfg.learner, weights_ep,
                  f"environment {cfg.environment}" if env is not None else f"reward {cfg.reward}")  # fmt: skip
         if cfg.health_file:  # touched while the loop turns (deploy/k8s: the liveness probe)

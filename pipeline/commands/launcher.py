@@ -5,7 +5,9 @@
 
 The learner runs in this process (pipeline.commands.learner_main.run_learner); once its endpoints are
 bound, ``generators.count`` processes ``python -m pipeline.cli generator --learner ...`` start
-(logs in RUN_DIR/logs/gen<i>.log, torch threads = ``generators.threads``). At the end, on
+(logs in RUN_DIR/logs/gen<i>.log, torch threads = ``generators.threads``), or with
+``generators.placement=thread`` as many threads of this process
+(pipeline.commands.generator_threads). At the end, on
 Ctrl-C or SIGTERM, each generator is stopped by its pid (SIGTERM, then SIGKILL after 20 s),
 and a summary prints the mean reward of the first and last 5 steps. When every generator has
 exited (a bad setting, weights they cannot load, a crash), the run stops at the next turn and
@@ -32,6 +34,7 @@ from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
 from pipeline.commands.generator_flags import config_argv, generator_config
+from pipeline.commands.generator_threads import GeneratorThreads
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
 from pipeline.commands.learner_stops import LearnerStopped
 from pipeline.config import device as device_defaults
@@ -154,9 +157,10 @@ def run_local(cfg: RunConfig) -> dict[str, Any]:
         raise ConfigError(f"min_generators={cfg.min_generators}: more than the "
                           f"generators.count={cfg.generators.count} this run starts (the "
                           "first step would never come)")  # fmt: skip
-    local = cfg.generators.count * cfg.generators.threads
+    threads = cfg.generators.placement == "thread"  # then torch's threads are shared
+    local = 0 if threads else cfg.generators.count * cfg.generators.threads
     cfg = with_learner_threads(cfg, local_generator_threads=local)
-    gens = Generators(cfg)
+    gens = GeneratorThreads(cfg) if threads else Generators(cfg)
     t0 = time.time()
     try:
         # the generators are told to stop when training ends: their shutdown overlaps the

@@ -141,7 +141,10 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
                       if gpu_learner else _why_not(host, megatron, fast))  # fmt: skip
             choose("learner", "max_tokens_per_micro", 0, f"padded rows: {reason}")
     if gens.engine == AUTO:
-        if host.cuda:
+        if gens.placement == "thread":
+            choose("generators", "engine", "torch", "generators.placement=thread: the torch "
+                   "engine in the learner's process")  # fmt: skip
+        elif host.cuda:
             choose("generators", "engine", "torch", f"{where}: the tested GPU engine")
         else:
             choose("generators", "engine", "vllm", "a CPU host: vLLM's CPU build")

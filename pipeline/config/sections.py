@@ -15,7 +15,7 @@ from models.errors import ConfigError
 from models.exits import KL, EntropyDiff, ExitPolicy, LatentDiff, OuroGate, parse_policy
 from models.random_init import GPU_SIZES, SIZES
 from models.sampling import Sampling
-from models.settings import check
+from models.settings import AUTO, check
 from pipeline.net.transport.config import TransportConfig
 from proto.records import MAX_DEPTH
 
@@ -264,6 +264,13 @@ class GeneratorsSection(GeneratorConfig):
     """Torch threads per generator process (OMP_NUM_THREADS) under `looprl run`."""
     extra_args: list[str] = field(default_factory=list)
     """More `looprl generator` flags, passed verbatim by `looprl run`."""
+    placement: str = "process"
+    """Where `looprl run` runs each generator: ``process`` (its own `looprl generator`
+    process) or ``thread`` (a thread of the learner's process, the torch engine only: on a GPU
+    its device work on a stream of its own at high priority, so decode and training kernels
+    run at once on one card, where two processes take turns; weights over cuda_ipc are taken
+    from the learner's buffer in the same process; its log lines also in logs/gen<i>.log).
+    pipeline.commands.generator_threads."""
 
     def __post_init__(self) -> None:
         try:
@@ -277,6 +284,14 @@ class GeneratorsSection(GeneratorConfig):
                    getattr(self, key), f"set by looprl run from {owner}; leave it unset")  # fmt: skip
         _check(self.count >= 0, "generators.count", self.count, "must be >= 0")
         _check(self.threads >= 1, "generators.threads", self.threads, "must be >= 1")
+        _check(self.placement in ("process", "thread"), "generators.placement", self.placement,
+               "expected process or thread")  # fmt: skip
+        _check(self.placement == "process" or not self.extra_args, "generators.extra_args",
+               self.extra_args, "flags of a generator process; generators.placement=thread "
+               "starts none (set the keys in the generators section)")  # fmt: skip
+        _check(self.placement == "process" or self.engine in ("torch", AUTO), "generators.engine",
+               self.engine, "generators.placement=thread runs the torch engine only (vLLM "
+               "starts engine processes of its own)")  # fmt: skip
 
     def generator_settings(self) -> dict[str, Any]:
         """The GeneratorConfig keys this section sets (the file `looprl run` hands to each

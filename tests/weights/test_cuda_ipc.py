@@ -303,3 +303,40 @@ def test_two_processes_on_one_card(tmp_path: Path) -> None:
         proc.wait(timeout=60)
     assert [r["ok"] for r in rows] == [True, True, False], rows
     assert rows[-1]["counts"] == {"verified": 2, "refused": 1}, rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_receiver_in_the_learners_own_process(tmp_path: Path) -> None:
+    """generators.placement=thread: the announce's handle is this process's own buffer, which
+    CUDA would not map here; the receiver takes the buffer itself, copies and checks it as
+    across processes (a torn copy refused), and a buffer the publisher let go is not served."""
+    pub = cuda_ipc.CudaIpcPublisher(Sent(), slots=2)
+    rx = cuda_ipc.CudaIpcReceiver(Sent(), _Below(), "gen-0")
+    anns = []
+    for v in (1, 2):
+        state = {k: t.cuda() for k, t in _state(v % 2).items()}
+        p = Publication.of_state(state, v, weights_dir(tmp_path, v), device_state=state)
+        anns.append(pub.publish(pub.prepare(p)))
+        assert anns[-1].cuda_ipc["pid"] == os.getpid()
+        got = rx.handle(anns[-1])
+        assert got is not None and got != "read-the-directory", rx.counts
+        for k, t in _state(v % 2).items():
+            assert torch.equal(got.state()[k].cpu(), t), k
+        # the generator's own copy, not a view of the learner's slot
+        slot = pub._bufs[int(anns[-1].cuda_ipc["slot"])]
+        assert slot is not None
+        assert all(t.untyped_storage().data_ptr() != slot.untyped_storage().data_ptr()
+                   for t in got.state().values())  # fmt: skip
+    assert rx.counts == {"verified": 2} and not rx._maps  # nothing mapped
+    state = {k: t.cuda() for k, t in _state(1).items()}
+    pub.prepare(Publication.of_state(state, 3, weights_dir(tmp_path, 3), device_state=state))
+    torn = dataclasses_replace(anns[1], version=4, cuda_ipc={**anns[0].cuda_ipc,
+                               "digest": anns[1].cuda_ipc["digest"]})  # fmt: skip
+    assert rx.handle(torn) == "read-the-directory" and rx.counts["refused"] == 1
+    pub._bufs = [None, None]  # the publisher lets its buffers go
+    pub._shared = [None, None]
+    import gc
+
+    gc.collect()
+    late = dataclasses_replace(anns[1], version=5)
+    assert rx.handle(late) == "read-the-directory" and rx.counts["unmapped"] == 1
