@@ -67,11 +67,15 @@ def learner_gib(
     shape: Any, tokens: int, backprop_depth: int, *, lora_rank: int = 0, weight_copies: int = 0
 ) -> float:
     """The learner's planned card memory: its states (18 bytes a trained parameter; with
-    adapters, the frozen base in bf16 and 18 bytes an adapter parameter), ``weight_copies``
-    bf16 copies of the weights the publication keeps on the card (cuda_ipc's slots), and one
-    micro-batch's activations."""
+    adapters, the frozen base in bf16 and 18 bytes an adapter parameter, plus the merged
+    weights W + s B A the forward keeps for the backward, bf16, and the merge's fp64
+    temporary of the largest weight, the fused gate/up), ``weight_copies`` bf16 copies of the
+    weights the publication keeps on the card (cuda_ipc's slots), and one micro-batch's
+    activations. (0125 with rank-16 adapters on an H100 ran out of memory at step 2 without
+    the merged weights and the temporary: 53.9 GiB used, 1.41 GiB asked for that temporary.)"""
     p = shape.params()
-    states = 18 * p if lora_rank <= 0 else 2 * p + 18 * lora_params(shape, lora_rank)
+    states = 18 * p if lora_rank <= 0 else (
+        4 * p + 18 * lora_params(shape, lora_rank) + 8 * 2 * shape.ffn * shape.hidden)  # fmt: skip
     return (
         states + 2 * p * weight_copies + tokens * token_bytes(shape, backprop_depth)
     ) / GIB + 4.0

@@ -78,18 +78,23 @@ def test_adapters_and_the_device_copies_are_in_the_plan(monkeypatch: pytest.Monk
     assert 12_288_000 <= device_defaults.lora_params(shape, 16) <= 1.25 * 12_288_000
     full = device_defaults.learner_gib(shape, 4096, 8)
     lora = device_defaults.learner_gib(shape, 4096, 8, lora_rank=16)
-    assert full - lora > 15.5 * shape.params() / GIB  # ~16 bytes a frozen weight fewer
+    # ~14 bytes a frozen weight fewer: 18 against the bf16 base and the bf16 merged weights
+    # the forward keeps for the backward, less the merge's fp64 temporary (one weight)
+    assert 13.5 * shape.params() / GIB < full - lora < 14 * shape.params() / GIB
     with_slots = device_defaults.learner_gib(shape, 4096, 8, lora_rank=16, weight_copies=2)
     assert with_slots - lora == pytest.approx(4 * shape.params() / GIB)
     cfg = on(H100, monkeypatch, model=ModelSection(size="0125"),
              learner=LearnerConfig(lora=LoraConfig(rank=16)))  # fmt: skip
     assert cfg.publish.transport == "cuda_ipc" and cfg.publish.directories == "when_free"
-    assert cfg.generators.kv_cache_mb > 4096  # room for a cache beside the LoRA learner
+    # room for a cache beside the LoRA learner (2,560 MiB with merged versions' two slots; an
+    # H100 run of this plan before the merged weights were counted ran out of memory)
+    assert cfg.generators.kv_cache_mb >= 2048
     # adapter versions on the device keep one copy, the base, where merged ones keep 2 slots:
     # the generator's cache gets the other copy (0.8 of it, its share of what is left)
     ad = on(H100, monkeypatch, model=ModelSection(size="0125"),
             learner=LearnerConfig(lora=LoraConfig(rank=16, publish="adapters")))  # fmt: skip
     assert ad.publish.directories == "when_free"
+    assert ad.generators.kv_cache_mb >= 6144  # 7,936 MiB
     gain = (ad.generators.kv_cache_mb - cfg.generators.kv_cache_mb) * 2**20
     assert gain == pytest.approx(0.8 * 2 * shape.params(), rel=0.02, abs=256 * 2**20)
     full_ft = on(H100, monkeypatch, model=ModelSection(size="0125"))

@@ -327,6 +327,7 @@ def test_a_receiver_in_the_learners_own_process(tmp_path: Path) -> None:
         assert slot is not None
         assert all(t.untyped_storage().data_ptr() != slot.untyped_storage().data_ptr()
                    for t in got.state().values())  # fmt: skip
+        del slot  # (the test's own reference would keep the buffer alive below)
     assert rx.counts == {"verified": 2} and not rx._maps  # nothing mapped
     state = {k: t.cuda() for k, t in _state(1).items()}
     pub.prepare(Publication.of_state(state, 3, weights_dir(tmp_path, 3), device_state=state))
