@@ -237,6 +237,7 @@ def main() -> int:
             "publish.transport": c.publish.transport,
             "publish.directories": c.publish.directories,
             "learner.lora.rank": c.learner.lora.rank,
+            "generators.placement": c.generators.placement,
         }  # fmt: skip
     if rows:
         step = statistics.median(float(r["step_s"]) for r in rows)
