@@ -289,6 +289,9 @@ class GeneratorsSection(GeneratorConfig):
         _check(self.placement == "process" or not self.extra_args, "generators.extra_args",
                self.extra_args, "flags of a generator process; generators.placement=thread "
                "starts none (set the keys in the generators section)")  # fmt: skip
+        _check(self.placement == "process" or self.threads == 1, "generators.threads",
+               self.threads, "torch threads of a generator process; a generator thread shares "
+               "the learner's (learner.threads)")  # fmt: skip
         _check(self.placement == "process" or self.engine in ("torch", AUTO), "generators.engine",
                self.engine, "generators.placement=thread runs the torch engine only (vLLM "
                "starts engine processes of its own)")  # fmt: skip

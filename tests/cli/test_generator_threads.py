@@ -66,6 +66,8 @@ def test_a_failing_generator_thread_stops_the_run_with_its_error(tmp_path: Path)
         (["generators.placement=threads"], "generators.placement='threads': expected process or thread"),
         (["generators.placement=thread", "generators.engine=vllm"],
          "generators.engine='vllm': generators.placement=thread runs the torch engine only"),
+        (["generators.placement=thread", "generators.threads=2"],
+         "generators.threads=2: torch threads of a generator process"),
         (["generators.placement=thread", "generators.extra_args=[--batch-wait-s,1]"],
          "generators.extra_args=['--batch-wait-s', '1']: flags of a generator process"),
     ],
