@@ -6,7 +6,7 @@ last line the verdict.
     python benchmarks/exit_pays.py --seeds 3          # CPU: tiny Ouro, 2 arms x 3 seeds
     python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
     python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m, 5 seeds
-    python benchmarks/exit_pays.py --task long --smoke  # the long completions (below)
+    python benchmarks/exit_pays.py --task long --smoke  # the long completions (below), ~2 min
 
 Order: ONE warm start for both arms, the product's (`looprl sft --config
 configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
@@ -381,14 +381,15 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """The device's defaults into ``args`` (`GPU`, `CPU`: a flag given wins), --smoke's shape
-    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts), then the checks of
-    --seeds, --steps and --device."""
+    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts; task long 16), then
+    the checks of --seeds, --steps and --device."""
     for key, value in (GPU if args.device == "cuda" else CPU).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.smoke:
         args.seeds, args.steps, args.prompts, args.n = 1, 3, 4, 4
-        args.warm_steps, args.gate_steps, args.eval_limit = 40, 5, 40
+        args.warm_steps, args.gate_steps = 40, 5
+        args.eval_limit = 40 if args.task == "mix" else 16  # long: 3 evaluations of 17 tokens
     if args.seeds < 1 or args.steps < 2:
         raise SystemExit("--seeds must be >= 1 and --steps >= 2 (the first step is not timed)")
     if args.device == "cuda":
@@ -454,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
     add_warm_arguments(p)
     p.add_argument("--smoke", action="store_true",
-                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts")  # fmt: skip
+                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts "
+                   "(--task long: 16)")  # fmt: skip
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
                    help="no run: the summary and the verdict of earlier calls' outputs together "
                    "(calls of other seeds, --first-seed)")  # fmt: skip
