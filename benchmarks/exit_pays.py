@@ -6,7 +6,7 @@ last line the verdict.
     python benchmarks/exit_pays.py --seeds 3          # CPU: tiny Ouro, 2 arms x 3 seeds
     python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
     python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m, 5 seeds
-    python benchmarks/exit_pays.py --task long --smoke  # the long completions (below), ~2 min
+    python benchmarks/exit_pays.py --task long --smoke  # the long completions (below), ~2-3 min
 
 Order: ONE warm start for both arms, the product's (`looprl sft --config
 configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
