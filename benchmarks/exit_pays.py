@@ -72,9 +72,9 @@ so that 16 of its 17 tokens are decoded under the exit policy and their class ch
 token. There "accuracy" is the held-out fraction of digits right (the reward's partial credit,
 eval/reward_mean; "exact": all 16 right), by class through task.reward_args={score_hops: h}
 (each class one more evaluation), so the verdict's accuracy difference is in digits. On the
-CPU (ticks 0) a decode step of a batch still costs its deepest row's loops, and with classes
-shuffled within rows some row is almost always deep: the exit's saving shows with ticks
-(``--depth-ticks``, the GPU mode's default 2), where each row moves on when its token exits.
+CPU (ticks 0) a batch's decode step still runs its deepest row's loops, so an exit saves only
+where the whole batch takes it; with ticks (``--depth-ticks``, the GPU mode's default 2) each
+row moves on when its own token exits.
 
 Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, figure_seeds}},
 "warm_start": the warm start's stats, "settings", "seeds_run", "samples_per_run", "wall_s",
