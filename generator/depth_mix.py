@@ -33,8 +33,8 @@ completions"), where the class varies per generated token rather than per questi
     prompt   ``--chains`` C pointer chains of H assignments each (H the longest class of the
              mix) over distinct capital letters, from C distinct digits, every assignment
              shuffled, then "?" and K queried names, one letter each, no separator
-             ("B=A,A=4,D=C,C=7?ABBA" -> "4447" for K = 4; the last query B)
-    answer   the K queried names' root digits in query order, e.g. "4447"
+             ("B=A,A=4,D=C,C=7?ABDC" -> "4477" for K = 4)
+    answer   the K queried names' root digits in query order, e.g. "4477"
     hops     the K queries' classes in query order, one digit each, e.g. "1221": query j of
              class h names the h-th name of its chain (h = 1: the name holds its digit, a
              copy; h > 1: h - 1 pointers to follow)
