@@ -6,6 +6,7 @@ last line the verdict.
     python benchmarks/exit_pays.py --seeds 3          # CPU: tiny Ouro, 2 arms x 3 seeds
     python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
     python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m, 5 seeds
+    python benchmarks/exit_pays.py --task long --smoke  # the long completions (below), ~2-3 min
 
 Order: ONE warm start for both arms, the product's (`looprl sft --config
 configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
@@ -64,6 +65,17 @@ row's exit; the learner's forward runs every position to the full depth in both 
 the exit can shorten only a small part of a step here (the verdict's generation-only ratio
 isolates the engine's part); a saving needs completions of many tokens a row.
 
+``--task long`` runs all of the above on configs/depth_mix_long.yaml instead (docs/TASKS.md
+"Mixed depth, long completions"): a 48-token question with 16 queried names, a completion of
+16 digits + EOS, half of a row's digits copies and half one pointer away, in a shuffled order,
+so that 16 of its 17 tokens are decoded under the exit policy and their class changes token by
+token. There "accuracy" is the held-out fraction of digits right (the reward's partial credit,
+eval/reward_mean; "exact": all 16 right), by class through task.reward_args={score_hops: h}
+(each class one more evaluation), so the verdict's accuracy difference is in digits. On the
+CPU (ticks 0) a batch's decode step still runs its deepest row's loops, so an exit saves only
+where the whole batch takes it; with ticks (``--depth-ticks``, the GPU mode's default 2) each
+row moves on when its own token exits.
+
 Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, figure_seeds}},
 "warm_start": the warm start's stats, "settings", "seeds_run", "samples_per_run", "wall_s",
 "load_1m", "device": the card};
@@ -97,7 +109,12 @@ from pipeline.core.metrics import read_metrics  # noqa: E402
 from pipeline.core.recorder import read_rollouts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "depth_mix.yaml"
+TASKS = {
+    "mix": REPO / "configs" / "depth_mix.yaml",
+    "long": REPO / "configs" / "depth_mix_long.yaml",
+}
+"""``--task``'s run config: mix, the one-digit answers; long, 16 digits a completion."""
+CONFIG = TASKS["mix"]
 QUIET = ["metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false",
          "checkpoint.every=0", "checkpoint.final=false"]  # fmt: skip
 DEPTHS = (1, 2, 3, 4)
@@ -144,8 +161,8 @@ def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
              ("batch", args.warm_batch)) if v is not None]  # fmt: skip
     if args.gate_lr is not None:
         extra.append(f"warm_start.gate_lr={args.gate_lr}")
-    _cli(["sft", "--config", str(CONFIG), "--out", str(out), "--steps", str(args.warm_steps),
-          "--gate-steps", str(args.gate_steps), "--device", args.device,
+    _cli(["sft", "--config", str(TASKS[args.task]), "--out", str(out), "--steps",
+          str(args.warm_steps), "--gate-steps", str(args.gate_steps), "--device", args.device,
           f"model.size={args.size}", *extra], root / "warm.log", 1800)  # fmt: skip
     lines = [ln for ln in (root / "warm.log").read_text().splitlines() if ln.startswith("{")]
     stats = dict(json.loads(lines[-1]))
@@ -156,13 +173,55 @@ def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def warm_eval(root: Path, args: argparse.Namespace) -> dict[str, float]:
     """The warm start's held-out figures (`looprl eval` on ``args.device``, by hops): accuracy
-    at each fixed depth, and under the exit arm's sampled gate its accuracy and mean depth."""
-    cfg = load_config(CONFIG, arm_overrides("exit", args.depth_cost, args.depth_ticks)
-                      + ["generators.engine=torch"])  # fmt: skip
-    ev = evaluate(cfg, root / "warm", depths=DEPTHS, by="hops", limit=args.eval_limit,
-                  device=args.device)  # fmt: skip
+    at each fixed depth, and under the exit arm's sampled gate its accuracy and mean depth
+    (task long: `held_out`'s figures)."""
+    over = arm_overrides("exit", args.depth_cost, args.depth_ticks) + ["generators.engine=torch"]
+    if args.task == "long":
+        return held_out(args, over, root / "warm", root / "warm")
+    ev = evaluate(load_config(CONFIG, over), root / "warm", depths=DEPTHS, by="hops",
+                  limit=args.eval_limit, device=args.device)  # fmt: skip
     return {k.removeprefix("eval/"): float(v) for k, v in ev.items()
             if k.startswith("eval/") and ("accuracy" in k or "mean_depth" in k)}  # fmt: skip
+
+
+def held_out(args: argparse.Namespace, overrides: list[str], weights: Path,
+             tokenizer: Path) -> dict[str, float]:  # fmt: skip
+    """`looprl eval` of ``weights`` on the test split of ``--task``'s config with
+    ``overrides``, greedy, under the config's exit policy and at each fixed depth: "accuracy",
+    "accuracy@d", "mean_depth" (the policy's), and the same by class ("accuracy/hops=h",
+    "accuracy@d/hops=h"). Task mix: a question's accuracy, by its hops (`--by hops`). Task
+    long: the fraction of digits right (eval/reward_mean, the reward's partial credit), by
+    query class through task.reward_args={score_hops: h} (each class one more evaluation of
+    every prompt), and "exact" (all 16 right)."""
+    cfg = load_config(TASKS[args.task], overrides)
+    by = "hops" if args.task == "mix" else ""
+    ev = evaluate(cfg, weights, tokenizer=tokenizer, depths=DEPTHS, by=by,
+                  limit=args.eval_limit, device=args.device)  # fmt: skip
+    if args.task == "mix":
+        hops = sorted({k.split("/")[1] for k in ev if k.startswith("eval/hops=")})
+        out = {"accuracy": float(ev["eval/accuracy"]), "mean_depth": float(ev["eval/mean_depth"])}
+        for key in ("accuracy", *(f"accuracy@{d}" for d in DEPTHS)):
+            out[key] = float(ev[f"eval/{key}"])
+            for h in hops:  # "hops=1": accuracy/hops=1, accuracy@d/hops=1
+                out[f"{key}/{h}"] = float(ev[f"eval/{h}/{key}"])
+        return out
+    out = {"accuracy": float(ev["eval/reward_mean"]), "exact": float(ev["eval/accuracy"]),
+           "mean_depth": float(ev["eval/mean_depth"])}  # fmt: skip
+    out |= {f"accuracy@{d}": float(ev[f"eval/reward_mean@{d}"]) for d in DEPTHS}
+    for h in query_classes(args):
+        at = evaluate(load_config(TASKS[args.task], [*overrides,
+                                                     f"task.reward_args={{score_hops: {h}}}"]),
+                      weights, tokenizer=tokenizer, depths=DEPTHS, limit=args.eval_limit,
+                      device=args.device)  # fmt: skip
+        out[f"accuracy/hops={h}"] = float(at["eval/reward_mean"])
+        out |= {f"accuracy@{d}/hops={h}": float(at[f"eval/reward_mean@{d}"]) for d in DEPTHS}
+    return out
+
+
+def query_classes(args: argparse.Namespace) -> list[str]:
+    """The long task's query classes: the digits of its test rows' ``hops``."""
+    data = REPO / load_config(TASKS[args.task]).task.path / "test.jsonl"
+    return sorted({h for ln in data.read_text().splitlines() if ln for h in json.loads(ln)["hops"]})
 
 
 def device_overrides(args: argparse.Namespace) -> list[str]:
@@ -171,21 +230,23 @@ def device_overrides(args: argparse.Namespace) -> list[str]:
     costs more than a short run), the torch engine in bf16 with the GPU's auto batch (a step's
     prompts x (max_staleness + 1)) and cache, two published versions kept on disk, the prompt
     bound the task's longest prompt (so the learner's automatic micro-batch holds a step) and
-    the engine's cache rows that + rollout.max_tokens (the config's 64 positions would read
-    3x the K/V a decode step needs); ``--lr`` on either."""
+    the engine's cache rows that + rollout.max_tokens (the short task's 64 positions would
+    read 3x the K/V a decode step needs); ``--lr`` on either."""
     lr = [f"optimizer.lr={args.lr}"] if args.lr is not None else []
     if args.device == "cpu":
         return ["backend=reference", *lr]
-    longest = longest_prompt()
+    config = TASKS[args.task]
+    longest, completion = longest_prompt(config), load_config(config).rollout.max_tokens
     return ["backend=megatron", "learner.precision=bf16", f"learner.compile={str(args.compile).lower()}",
             "generators.dtype=bfloat16", "generators.max_inflight=auto", "publish.keep=2",
-            f"task.max_prompt_tokens={longest}", f"generators.max_model_len={longest + 2}", *lr]  # fmt: skip
+            f"task.max_prompt_tokens={longest}", f"generators.max_model_len={longest + completion}",
+            *lr]  # fmt: skip
 
 
-def longest_prompt() -> int:
-    """An upper bound of the task's rendered prompt tokens: its longest question's bytes (the
-    byte-level tokenizer's most tokens) + BOS + 1."""
-    data = REPO / "configs" / "data" / "depth_mix"
+def longest_prompt(config: Path = CONFIG) -> int:
+    """An upper bound of the rendered prompt tokens of ``config``'s task: its longest
+    question's bytes (the byte-level tokenizer's most tokens) + BOS + 1."""
+    data = REPO / load_config(config).task.path
     return 2 + max(len(json.loads(ln)["prompt"].encode()) for split in ("train", "test")
                    for ln in (data / f"{split}.jsonl").read_text().splitlines() if ln)  # fmt: skip
 
@@ -204,7 +265,8 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
               "generators.count=1", "generators.engine=torch", "eval.every=0",
               *device_overrides(args), *arm_overrides(arm, args.depth_cost, args.depth_ticks)]  # fmt: skip
     t0 = time.time()
-    _cli(["run", "--config", str(CONFIG), f"run_dir={live}", *QUIET, *common],
+    config = TASKS[args.task]
+    _cli(["run", "--config", str(config), f"run_dir={live}", *QUIET, *common],
          root / f"{name}.log", 1800, eager=args.engine_eager)  # fmt: skip
     run_s = time.time() - t0
     rows = [r for r in read_metrics(live / "metrics.jsonl") if r["step"] > 1]
@@ -213,23 +275,16 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
     batch_s = statistics.fmean(r.get("time/generation", 0.0) for r in rows)
     depths = [int(d) for _, ro in read_rollouts(live / "stream") for d in ro.exit_depths]
     weights = max((live / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
-    cfg = load_config(CONFIG, [f"run_dir={live}", *common])
+    cfg = load_config(config, [f"run_dir={live}", *common])
     held = cfg.generators.max_inflight  # prompts per engine batch (the config's 2)
     batch_rows = min(held if isinstance(held, int) else args.prompts, args.prompts) * args.n
-    ev = evaluate(cfg, weights, tokenizer=root / "warm", depths=DEPTHS, by="hops",
-                  limit=args.eval_limit, device=args.device)  # fmt: skip
+    ev = held_out(args, [f"run_dir={live}", *common], weights, root / "warm")
     if args.device != "cpu":  # a 413 M model's versions: 0.8 GB each, the disk's 64 GB
         shutil.rmtree(live / "weights", ignore_errors=True)
     out = {"samples_per_s": samples / wall, "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
            "gen_samples_per_s": batch_rows / batch_s if batch_s else 0.0,
-           "mean_depth": statistics.fmean(depths), "accuracy": ev["eval/accuracy"],
-           "eval_mean_depth": ev["eval/mean_depth"], "run_s": run_s}  # fmt: skip
-    hops = sorted({k.split("/")[1] for k in ev if k.startswith("eval/hops=")})
-    for key in ("accuracy", *(f"accuracy@{d}" for d in DEPTHS)):
-        if key != "accuracy":
-            out[key] = float(ev[f"eval/{key}"])
-        for h in hops:  # "hops=1": accuracy/hops=1, accuracy@d/hops=1
-            out[f"{key}/{h}"] = float(ev[f"eval/{h}/{key}"])
+           "mean_depth": statistics.fmean(depths), "eval_mean_depth": ev.pop("mean_depth"),
+           "run_s": run_s, **ev}  # fmt: skip
     print(f"# {arm} seed {seed}: {json.dumps(out)}", file=sys.stderr, flush=True)
     return out
 
@@ -293,6 +348,9 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
     directory's and the time budget's."""
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu, or cuda: the GPU mode (module doc; defaults GPU)")  # fmt: skip
+    p.add_argument("--task", default="mix", choices=tuple(TASKS),
+                   help="mix: configs/depth_mix.yaml (one digit a completion); long: "
+                   "configs/depth_mix_long.yaml (16 digits, the class varying by token)")  # fmt: skip
     p.add_argument("--size", default=None,
                    help="model.size of the warm start's fresh Ouro (tiny; GPU 400m)")  # fmt: skip
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
@@ -323,14 +381,15 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """The device's defaults into ``args`` (`GPU`, `CPU`: a flag given wins), --smoke's shape
-    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts), then the checks of
-    --seeds, --steps and --device."""
+    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts; task long 16), then
+    the checks of --seeds, --steps and --device."""
     for key, value in (GPU if args.device == "cuda" else CPU).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.smoke:
         args.seeds, args.steps, args.prompts, args.n = 1, 3, 4, 4
-        args.warm_steps, args.gate_steps, args.eval_limit = 40, 5, 40
+        args.warm_steps, args.gate_steps = 40, 5
+        args.eval_limit = 40 if args.task == "mix" else 16  # long: 3 evaluations of 17 tokens
     if args.seeds < 1 or args.steps < 2:
         raise SystemExit("--seeds must be >= 1 and --steps >= 2 (the first step is not timed)")
     if args.device == "cuda":
@@ -396,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth-cost", type=float, default=0.05, help="the exit arm's depth cost")
     add_warm_arguments(p)
     p.add_argument("--smoke", action="store_true",
-                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts")  # fmt: skip
+                   help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts "
+                   "(--task long: 16)")  # fmt: skip
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
                    help="no run: the summary and the verdict of earlier calls' outputs together "
                    "(calls of other seeds, --first-seed)")  # fmt: skip

@@ -2,7 +2,7 @@
 answers need one lookup and others every hop (docs/TASKS.md, "Mixed depth").
 
     python -m generator.depth_mix OUT_DIR [--train 4000] [--test 200] [--mix 1:0.5,2:0.5]
-                                  [--seed 0]
+                                  [--seed 0] [--queries 1] [--chains 4]
 
 writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl, one question a row:
 
@@ -26,6 +26,30 @@ Reward (`reward`, task.reward ``generator.depth_mix:reward``): 1 when the comple
 whitespace stripped, is the answer digit; 0 otherwise, and ``malformed`` when it is not one
 digit. Accuracy by class at each fixed depth: ``looprl eval --by hops --depths 1,2,3,4``
 (pipeline/commands/evaluation.py).
+
+With ``--queries K`` (K >= 2) the rows are the long variant (docs/TASKS.md "Mixed depth, long
+completions"), where the class varies per generated token rather than per question:
+
+    prompt   ``--chains`` C pointer chains of H assignments each (H the longest class of the
+             mix) over distinct capital letters, from C distinct digits, every assignment
+             shuffled, then "?" and K queried names, one letter each, no separator
+             ("B=A,A=4,D=C,C=7?ABDC" -> "4477" for K = 4)
+    answer   the K queried names' root digits in query order, e.g. "4477"
+    hops     the K queries' classes in query order, one digit each, e.g. "1221": query j of
+             class h names the h-th name of its chain (h = 1: the name holds its digit, a
+             copy; h > 1: h - 1 pointers to follow)
+
+Of each row's K queries exactly round(K x share) are of each class but the last (the rest), in
+a seeded order, each of a chain drawn uniformly. Capital letters because the tiny tokenizer
+(models/tokenizer.py) merges no two of them: every character of a prompt is one token, so
+query j sits exactly K - 1 positions before the position that predicts answer digit j.
+Rows are again a pure function of (seed, split, row, K, C). Reward (`reward_multi`,
+task.reward ``generator.depth_mix:reward_multi``, with ``hops`` in task.metadata_columns):
+the fraction of the K digits right (partial credit), ``correct`` when all are; 0 and
+``malformed`` when the completion, whitespace stripped, is not exactly K digits. With
+task.reward_args ``score_hops: h`` it scores only the queries of class h, so that
+``looprl eval ... --depths 1,2,3,4 'task.reward_args={score_hops: h}'`` gives that class's
+per-digit accuracy at each fixed depth (``eval/reward_mean@d``): `--by` needs one class a row.
 """
 
 from __future__ import annotations
@@ -38,9 +62,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["depth_mix_row", "depth_mix_rows", "parse_mix", "reward", "write_depth_mix"]
+__all__ = [
+    "depth_mix_multi_row",
+    "depth_mix_row",
+    "depth_mix_rows",
+    "parse_mix",
+    "reward",
+    "reward_multi",
+    "write_depth_mix",
+]
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+CAPITALS = LETTERS.upper()
+"""The long variant's names: one token each, however they are strung together (module doc)."""
 DIGITS = "0123456789"
 
 
@@ -60,6 +94,28 @@ def depth_mix_row(rng: random.Random, hops: int, distractor: int) -> tuple[str, 
         parts += [f"{b}={a}" for a, b in zip(names, names[1:])]
     rng.shuffle(parts)
     return ",".join(parts) + "?" + letters[hops - 1], str(root)
+
+
+def depth_mix_multi_row(rng: random.Random, classes: Sequence[int], chains: int,
+                        length: int) -> tuple[str, str]:  # fmt: skip
+    """One long-variant question (module doc): ``chains`` chains of ``length`` assignments from
+    distinct digits, then one query a class of ``classes`` (in order; class h names a chain's
+    h-th name): (prompt, answer digits)."""
+    if not 1 <= chains <= len(DIGITS) or length < 1 or chains * length > len(CAPITALS):
+        raise ValueError(f"depth_mix: {chains} chains of {length} assignments need 1 <= chains "
+                         f"<= {len(DIGITS)} (distinct digits) and chains x assignments <= "
+                         f"{len(CAPITALS)} (distinct letters)")  # fmt: skip
+    if not classes or not all(1 <= h <= length for h in classes):
+        raise ValueError(f"depth_mix: query classes {list(classes)} must be 1..{length}")
+    letters = rng.sample(CAPITALS, chains * length)
+    names = [letters[c * length : (c + 1) * length] for c in range(chains)]
+    roots = rng.sample(DIGITS, chains)
+    parts = [f"{chain[0]}={root}" for chain, root in zip(names, roots)]
+    parts += [f"{b}={a}" for chain in names for a, b in zip(chain, chain[1:])]
+    rng.shuffle(parts)
+    picks = [rng.randrange(chains) for _ in classes]
+    query = "".join(names[c][h - 1] for c, h in zip(picks, classes))
+    return ",".join(parts) + "?" + query, "".join(roots[c] for c in picks)
 
 
 def parse_mix(text: str) -> dict[int, float]:
@@ -86,9 +142,15 @@ def _classes(n: int, mix: dict[int, float], rng: random.Random) -> list[int]:
 
 
 def depth_mix_rows(n: int, mix: dict[int, float], seed: int, split: str,
-                   avoid: set[str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                   avoid: set[str] | None = None, queries: int = 1,
+                   chains: int = 4) -> list[dict[str, Any]]:  # fmt: skip
     """``n`` distinct questions of the mix (module doc) not in ``avoid``: {"prompt", "answer",
-    "hops"} rows."""
+    "hops"} rows; ``queries`` >= 2: the long variant's, of ``chains`` chains (``hops`` a string
+    of the queries' classes)."""
+    if queries >= 2:
+        return _multi_rows(n, mix, seed, split, avoid, queries, chains)
+    if queries != 1:
+        raise ValueError(f"depth_mix: --queries {queries} must be >= 1")
     rng = random.Random(f"depth_mix/{seed}/{split}")
     distractor = max(mix)
     rows: list[dict[str, Any]] = []
@@ -105,11 +167,39 @@ def depth_mix_rows(n: int, mix: dict[int, float], seed: int, split: str,
     return rows
 
 
-def write_depth_mix(out: Path, train: int, test: int, mix: dict[int, float], seed: int) -> None:
+def _multi_rows(n: int, mix: dict[int, float], seed: int, split: str, avoid: set[str] | None,
+                queries: int, chains: int) -> list[dict[str, Any]]:  # fmt: skip
+    """depth_mix_rows of the long variant: every row's classes by share (`_classes` over its
+    ``queries``), then its question (`depth_mix_multi_row`), redrawn while it repeats."""
+    rng = random.Random(f"depth_mix/{seed}/{split}/queries={queries}/chains={chains}")
+    length = max(mix)
+    if length > 9:
+        raise ValueError(f"depth_mix: class {length} does not fit the hops column's one digit")
+    counts = [round(queries * mix[h]) for h in list(mix)[:-1]]
+    if min(counts, default=1) < 1 or sum(counts) >= queries:
+        raise ValueError(f"depth_mix: shares {mix} over {queries} queries leave a class none a "
+                         "row (every row asks each class at least once)")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    seen = set(avoid or ())
+    for _ in range(n):
+        classes = _classes(queries, mix, rng)
+        for _ in range(1000):
+            q, a = depth_mix_multi_row(rng, classes, chains, length)
+            if q not in seen:
+                break
+        else:
+            raise ValueError(f"depth_mix: no new question of {queries} queries in 1000 draws")
+        seen.add(q)
+        rows.append({"prompt": q, "answer": a, "hops": "".join(map(str, classes))})
+    return rows
+
+
+def write_depth_mix(out: Path, train: int, test: int, mix: dict[int, float], seed: int,
+                    queries: int = 1, chains: int = 4) -> None:  # fmt: skip
     """OUT/train.jsonl and OUT/test.jsonl (module doc)."""
     out.mkdir(parents=True, exist_ok=True)
-    tr = depth_mix_rows(train, mix, seed, "train")
-    te = depth_mix_rows(test, mix, seed, "test", {r["prompt"] for r in tr})
+    tr = depth_mix_rows(train, mix, seed, "train", queries=queries, chains=chains)
+    te = depth_mix_rows(test, mix, seed, "test", {r["prompt"] for r in tr}, queries, chains)
     for name, rows in (("train", tr), ("test", te)):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -123,6 +213,34 @@ def reward(text: str, tokens: list[int], task: dict[str, Any]) -> tuple[float, d
     return float(correct), {"correct": correct, "malformed": not well}
 
 
+def reward_multi(text: str, tokens: list[int],
+                 task: dict[str, Any]) -> tuple[float, dict[str, Any]]:  # fmt: skip
+    """The long variant's reward (module doc): the fraction of the scored queries whose digit
+    the completion (whitespace stripped) has right, the scored queries all of task["answer"]'s
+    or, with task["score_hops"], those whose class in task["hops"] is it; info ``correct`` (all
+    scored right), ``malformed`` (not exactly as many digits as the answer: reward 0) and
+    ``right`` (how many scored right)."""
+    answer = str(task["answer"]).strip()
+    got = text.strip()
+    if not answer or not all(c in DIGITS for c in answer):
+        raise ValueError(f"depth_mix: answer {answer!r} is not one or more digits")
+    well = len(got) == len(answer) and all(c in DIGITS for c in got)
+    scored = list(range(len(answer)))
+    if task.get("score_hops") is not None:
+        classes = str(task["hops"])
+        if len(classes) != len(answer):
+            raise ValueError(f"depth_mix: hops {classes!r} has {len(classes)} classes for the "
+                             f"{len(answer)} answer digits {answer!r}")  # fmt: skip
+        scored = [j for j, h in enumerate(classes) if h == str(task["score_hops"])]
+        if not scored:
+            raise ValueError(f"depth_mix: score_hops {task['score_hops']}: no query of that "
+                             f"class in hops {classes!r}")  # fmt: skip
+    right = sum(got[j] == answer[j] for j in scored) if well else 0
+    frac = right / len(scored)
+    return frac, {"correct": well and right == len(scored), "malformed": not well,
+                  "right": right}  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m generator.depth_mix",
                                 description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
@@ -131,9 +249,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--test", type=int, default=200, help="test rows")
     p.add_argument("--mix", default="1:0.5,2:0.5", help="HOPS:SHARE,... (shares sum to 1)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
+    p.add_argument("--queries", type=int, default=1,
+                   help="queried names a question (1: one digit answers; K >= 2: the long "
+                   "variant, K digits)")  # fmt: skip
+    p.add_argument("--chains", type=int, default=None,
+                   help="the long variant's chains a question (default 4)")  # fmt: skip
     a = p.parse_args(argv)
     try:
-        write_depth_mix(a.out, a.train, a.test, parse_mix(a.mix), a.seed)
+        if a.chains is not None and a.queries < 2:
+            raise ValueError(f"--chains {a.chains}: only the long variant (--queries >= 2) has "
+                             "chains to count; a single query has its chain and one distractor")  # fmt: skip
+        write_depth_mix(a.out, a.train, a.test, parse_mix(a.mix), a.seed, a.queries,
+                        4 if a.chains is None else a.chains)  # fmt: skip
     except ValueError as e:
         print(f"python -m generator.depth_mix: error: {e}", file=sys.stderr)
         return 2

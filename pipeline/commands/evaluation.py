@@ -13,8 +13,9 @@ scored by the task's reward through the RewardRunner (mode inline) -> one JSON l
 ``eval/accuracy`` (pass@1: sample 0 correct), ``eval/mean@n`` (mean over all samples),
 ``eval/reward_mean``, ``eval/prompts``, ``eval/n``, ``eval/mean_depth`` (token mean of the exit
 depths), ``model``; with ``--depths`` (default: the run config's eval.depths) also
-``eval/accuracy@d``, ``eval/mean@n@d`` and ``eval/mean_depth@d`` at each fixed depth d
-(FixedDepth(d), as the generators run eval.depths). The run's own policy is
+``eval/accuracy@d``, ``eval/mean@n@d``, ``eval/reward_mean@d`` and ``eval/mean_depth@d`` at
+each fixed depth d (FixedDepth(d), as the generators run eval.depths; reward_mean: a partial
+credit reward's mean, e.g. the long mixed-depth task's fraction of digits right). The run's own policy is
 rollout.exit_policy (full depth when unset). Correct means the reward's info says ``correct``
 (the math reward), else reward >= 1. With ``--by COLUMN`` (one of task.metadata_columns, e.g.
 the mixed-depth task's ``hops``, generator.depth_mix) the same figures again for each class of
@@ -86,6 +87,7 @@ def score_checkpoint(cfg: RunConfig, weights: Path, tok_dir: Path, prompts: Sequ
     for d in depths:
         at = _score(cfg, net, tok_dir, prompts, n, temperature, batch, FixedDepth(d))
         out |= {f"eval/accuracy@{d}": at["eval/accuracy"], f"eval/mean@n@{d}": at["eval/mean@n"],
+                f"eval/reward_mean@{d}": at["eval/reward_mean"],
                 f"eval/mean_depth@{d}": at["eval/mean_depth"]}  # fmt: skip
     return out
 

@@ -38,3 +38,20 @@ def test_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verdict["verdict"].startswith("exit vs full: samples/s x")
     for arm in ("full", "exit"):  # both arms generated with the torch engine
         assert "engine: torch" in (tmp_path / f"{arm}-0" / "config.yaml").read_text()
+
+
+def test_smoke_long(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--task long: the same pipeline on configs/depth_mix_long.yaml (16 digits a completion),
+    its accuracy the fraction of digits right, by query class. ~2 min on a quiet host."""
+    assert ep.main(["--smoke", "--task", "long", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    res, verdict = json.loads(lines[-2]), json.loads(lines[-1])
+    assert res["samples_per_run"] == 3 * 4 * 4 and res["settings"]["task"] == "long"
+    full, exit_ = res["arms"]["full"], res["arms"]["exit"]
+    assert full["mean_depth"] == 4.0 and 1.0 <= exit_["mean_depth"] < 4.0
+    for arm in (full, exit_):
+        for key in ("accuracy", "exact", "accuracy@1", "accuracy/hops=1", "accuracy@4/hops=2"):
+            assert 0.0 <= arm[key] <= 1.0, key
+    assert verdict["verdict"].startswith("exit vs full: samples/s x")
+    for arm in ("full", "exit"):
+        assert "depth_mix_long" in (tmp_path / f"{arm}-0" / "config.yaml").read_text()

@@ -116,3 +116,25 @@ def test_accuracy_at_depth_by_class(tmp_path: Path, capsys: pytest.CaptureFixtur
     cfg_ = load_config(None, over)
     with pytest.raises(ConfigError, match="--by 'level': not one of task.metadata_columns"):
         evaluate(cfg_, model, by="level")
+
+
+def test_digit_accuracy_at_depth_by_query_class(tmp_path: Path) -> None:
+    """The long mixed-depth task (generator.depth_mix --queries 8, reward_multi): at each fixed
+    depth eval/reward_mean@d is the fraction of digits right, and scoring one query class at a
+    time (task.reward_args score_hops) splits it: every row asks each class 4 times, so the
+    whole split's figure is the two classes' mean."""
+    from generator.depth_mix import parse_mix, write_depth_mix
+    from models.random_init import init_checkpoint
+
+    model = init_checkpoint("ouro", "tiny", tmp_path / "model")
+    write_depth_mix(tmp_path / "data", 20, 6, parse_mix("1:0.5,2:0.5"), 0, queries=8)
+    over = ["task.kind=dataset", f"task.path={tmp_path / 'data'}", "task.template=plain",
+            "task.reward=generator.depth_mix:reward_multi", "task.metadata_columns=[hops]",
+            "rollout.max_tokens=9"]  # fmt: skip
+    whole = evaluate(load_config(None, over), model, depths=[1, 4])
+    one, two = (evaluate(load_config(None, [*over, f"task.reward_args={{score_hops: {h}}}"]),
+                         model, depths=[1, 4]) for h in (1, 2))  # fmt: skip
+    for key in ("eval/reward_mean", "eval/reward_mean@1", "eval/reward_mean@4"):
+        assert 0.0 <= whole[key] <= 1.0
+        assert abs(whole[key] - (one[key] + two[key]) / 2) < 1e-12, key
+    assert whole["eval/reward_mean@4"] == whole["eval/reward_mean"]  # the run's policy: depth 4
