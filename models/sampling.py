@@ -34,6 +34,7 @@ from models import numerics as nx
 from models.noise import GOLDEN, _mix_t, _srl
 from models.seeds import seed_to_i64 as _i64
 from models.settings import check
+from models.untraced import nested_trace
 
 _log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ def draw_keys(lp: Tensor, keys: Tensor | None, steps: Tensor | None) -> Tensor:
         try:
             return _compiled_race()(lp, keys, steps, offs)
         except Exception as exc:  # noqa: BLE001  (a compiler failure: the eager race from now)
+            if nested_trace(exc):  # another thread compiling (models.untraced): eager this once
+                return _race(lp, keys, steps, offs)
             _log.warning("compiled draw failed (%s: %s); eager draws", type(exc).__name__, exc)
             _RACE[:] = [None]
     return _race(lp, keys, steps, offs)

@@ -58,6 +58,7 @@ from models.engine.chunk import (
     _stack,
 )
 from models.noise import latent_noise, latent_noise_torch
+from models.untraced import untraced
 
 if TYPE_CHECKING:
     from models.base import LoopedLM
@@ -191,9 +192,8 @@ class GraphDecoder:
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            try:
-                for _ in range(self.warmup):
-                    self._run()
+            try:  # (untraced: not while another thread compiles, models.untraced)
+                untraced(self._warm)
             except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
                 if self.regions is None:
                     raise
@@ -203,12 +203,19 @@ class GraphDecoder:
                 for _ in range(self.warmup):
                     self._run()
         torch.cuda.current_stream(dev).wait_stream(side)
+        self._graph = untraced(self._captured)
+
+    def _warm(self) -> None:
+        for _ in range(self.warmup):
+            self._run()
+
+    def _captured(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread of the process (the learner's, beside a generator
         # thread) may allocate or synchronize while this one captures
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._out = self._run()
-        self._graph = graph
+        return graph
 
     @torch.no_grad()
     def step(self, tokens: Tensor, positions: Tensor) -> ChunkOut:

@@ -70,6 +70,7 @@ from models.engine.ticks import Ticker
 from models.exits import ExitPolicy, OuroGate, needs_gate, needs_logits
 from models.layers import Block
 from models.noise import latent_noise_torch
+from models.untraced import untraced
 
 _log = logging.getLogger(__name__)
 
@@ -374,9 +375,8 @@ class GraphTicker(Ticker):
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            try:
-                for _ in range(self.warmup):
-                    self._body(key)
+            try:  # (untraced: not while another thread compiles, models.untraced)
+                untraced(lambda: self._warm(key))
             except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
                 if self.regions is None:
                     raise
@@ -387,12 +387,19 @@ class GraphTicker(Ticker):
                     self._body(key)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.live.copy_(live)
+        self._graphs[key] = untraced(lambda: self._captured(key))
+
+    def _warm(self, key: object) -> None:
+        for _ in range(self.warmup):
+            self._body(key)
+
+    def _captured(self, key: object) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread of the process (the learner's, beside a generator
         # thread) may allocate or synchronize while this one captures
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._body(key)
-        self._graphs[key] = graph
+        return graph
 
     def _tick(self) -> None:
         """One core iteration of every row (module doc); static buffers updated in place."""
