@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from learner.batching import TrainBatch
 from learner.config import OptimConfig, ScheduleConfig, TrainConfig
@@ -181,11 +182,15 @@ class TorchPolicy:
         valid = mb.position_ids < mb.seq_lens[:, None]
         full = [int(d) for d in torch.where(valid, depths, 0).amax(dim=1).tolist()]
         cache = KVCache.empty(model, mb.size, mb.length, max(full))
-        out = run_chunk(
-            model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,
-            max_depth=max(full), depths=depths, mode=self.cfg.numerics, kv=self.kv,
-            row_depths=full if self.kv == "full" else None,
-        )  # fmt: skip
+        # adapters (learner.lora's parametrizations) merged once per forward, not at each
+        # access (a looped core block's linears are read at every iteration): as the megatron
+        # policy's learner.megatron.lora.merged_once
+        with parametrize.cached():
+            out = run_chunk(
+                model, cache, mb.input_ids, mb.position_ids, valid, mb.seeds,
+                max_depth=max(full), depths=depths, mode=self.cfg.numerics, kv=self.kv,
+                row_depths=full if self.kv == "full" else None,
+            )  # fmt: skip
         return out.logits[..., : model.vocab_size], out.hidden
 
     def _loop_stats(self, model: LoopedLM, mb: TrainBatch, gate: bool,
@@ -305,7 +310,13 @@ def _replay_loops(model: LoopedLM, mb: TrainBatch, mode: str, kv: str, hook: Any
     """models.engine.chunk.run_chunk's replay of a micro-batch at its recorded depths (the same
     operations in the same order), calling hook(k, state [B, L, h], readout) after core
     iteration k; readout(state) -> (logits, hidden) [B, L, ...] through the coda with a fresh
-    coda cache. Returns the exit readout's logits [B, L, V_pad]."""
+    coda cache. Returns the exit readout's logits [B, L, V_pad]. Adapters merged once for it
+    (as ``forward``)."""
+    with parametrize.cached():
+        return _replayed_loops(model, mb, mode, kv, hook)
+
+
+def _replayed_loops(model: LoopedLM, mb: TrainBatch, mode: str, kv: str, hook: Any) -> Tensor:
     from models.engine.chunk import _key_mask, _readout, _Rows, _stack
 
     depths = mb.exit_depths

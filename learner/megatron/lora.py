@@ -20,7 +20,8 @@ each rank).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -38,6 +39,7 @@ __all__ = [
     "apply_megatron_lora",
     "frozen_hf_weights",
     "hf_linears",
+    "merged_once",
     "megatron_adapters",
     "trained_full",
     "trained_norms",
@@ -45,15 +47,24 @@ __all__ = [
 
 
 class LoraMerge(nn.Module):
-    """The adapters of one megatron linear: W -> W + layout(s B_i A_i of each HF part i)."""
+    """The adapters of one megatron linear: W -> W + layout(s B_i A_i of each HF part i).
+    Within ``merged_once`` the merge is made once and every call returns it (``merged``)."""
 
     def __init__(self, names: list[str], shapes: list[tuple[int, int]],
                  parts: dict[int, LoraFactors], layout: Callable[[list[Tensor]], Tensor]) -> None:  # fmt: skip
         super().__init__()
         self.names, self.shapes, self.layout = names, shapes, layout
         self.parts = nn.ModuleDict({str(i): f for i, f in parts.items()})
+        self.merged: Tensor | None
+        self.register_buffer("merged", None, persistent=False)  # (a buffer: a compiled block's
+        # input, not a constant it would recompile for)
 
     def forward(self, weight: Tensor) -> Tensor:
+        if self.merged is not None:
+            return self.merged
+        return self.merge(weight)
+
+    def merge(self, weight: Tensor) -> Tensor:
         deltas = []
         for i, shape in enumerate(self.shapes):
             f = self.parts[str(i)] if str(i) in self.parts else None
@@ -61,6 +72,27 @@ class LoraMerge(nn.Module):
             deltas.append(torch.zeros(shape, dtype=torch.float64, device=weight.device)
                           if f is None else f.delta())  # fmt: skip
         return merged_weight(weight, self.layout(deltas))
+
+
+@contextlib.contextmanager
+def merged_once(model: nn.Module) -> Iterator[None]:
+    """Every adapted linear of ``model`` merged once for the block (one forward): a looped
+    core block's linears, run at every iteration, read the same merged weight, which autograd
+    keeps once for the backward (its gradient summed over the iterations, then through the
+    merge once). Merging at every call kept a merged copy per iteration with gradient: 0125
+    with rank-16 adapters ran an H100 out of memory (docs/PERFORMANCE.md)."""
+    merges = [(m, owner.weight) for owner in model.modules()
+              if isinstance(m := getattr(owner, "lora", None), LoraMerge)]  # fmt: skip
+    if not merges or any(m.merged is not None for m, _ in merges):  # none, or already inside
+        yield
+        return
+    try:
+        for m, w in merges:
+            m.merged = m.merge(w)
+        yield
+    finally:
+        for m, _ in merges:
+            m.merged = None
 
 
 def hf_linears(model: nn.Module) -> dict[str, tuple[Rule, int]]:

@@ -303,8 +303,21 @@ class LoopedGPT(MegatronModule):
         called after core iteration k (1-based) as loop_fn(k, state [B, S, h], readout), outside
         any no_grad of truncated backprop; readout(state) is the family's readout of a state
         tensor (Huginn: norm, coda, norm; Ouro / Nanbeige: the state itself, normed by the
-        core's exit) before the head.
+        core's exit) before the head. Adapted linears (learner.megatron.lora) merge once per
+        call (``merged_once``), not at each iteration.
         """
+        from learner.megatron.lora import merged_once
+
+        with merged_once(self):
+            return self._forward(tokens, depths, valid, latent_seeds, numerics, head_rows, kv,
+                                 loop_fn, segments, positions)  # fmt: skip
+
+    def _forward(
+        self, tokens: Tensor, depths: Tensor, valid: Tensor,
+        latent_seeds: Tensor | Sequence[int], numerics: str | None, head_rows: Tensor | None,
+        kv: str | None, loop_fn: LoopFn | None, segments: Tensor | None,
+        positions: Tensor | None,
+    ) -> LoopedOutput:  # fmt: skip
         mode = nx.check_mode(numerics or self.options.numerics)
         kv = check_kv(kv or self.options.kv or default_kv(self.family_config))
         bsz, seq = tokens.shape

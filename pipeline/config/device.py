@@ -68,11 +68,12 @@ def learner_gib(
 ) -> float:
     """The learner's planned card memory: its states (18 bytes a trained parameter; with
     adapters, the frozen base in bf16 and 18 bytes an adapter parameter, plus the merged
-    weights W + s B A the forward keeps for the backward, bf16, and the merge's fp64
-    temporary of the largest weight, the fused gate/up), ``weight_copies`` bf16 copies of the
-    weights the publication keeps on the card (cuda_ipc's slots), and one micro-batch's
-    activations. (0125 with rank-16 adapters on an H100 ran out of memory at step 2 without
-    the merged weights and the temporary: 53.9 GiB used, 1.41 GiB asked for that temporary.)"""
+    weights W + s B A the forward keeps for the backward, bf16, once a forward:
+    learner.megatron.lora.merged_once, and the merge's fp64 temporary of the largest weight,
+    the fused gate/up), ``weight_copies`` bf16 copies of the weights the publication keeps on
+    the card (cuda_ipc's slots), and one micro-batch's activations. (0125 with rank-16 adapters
+    on an H100 ran out of memory at step 2 when each core iteration merged again and kept its
+    copy: 53.9 GiB used, 1.41 GiB asked for a merge's temporary.)"""
     p = shape.params()
     states = 18 * p if lora_rank <= 0 else (
         4 * p + 18 * lora_params(shape, lora_rank) + 8 * 2 * shape.ffn * shape.hidden)  # fmt: skip

@@ -408,3 +408,47 @@ def test_train_embeddings_trains_the_embedding_in_full(model: Path, backend: str
     finally:
         if hasattr(t, "close"):
             t.close()
+
+
+def test_adapters_merge_once_a_forward_on_both_backends(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A looped core block's linears are read at every iteration; the merge W + s B A is made
+    once a forward (learner.megatron.lora.merged_once; the reference's parametrizations
+    cached), so autograd keeps one merged copy, not one per iteration (which ran Huginn-0125
+    with rank-16 adapters out of memory on an H100: docs/PERFORMANCE.md). Counted on a forward
+    with gradient at depth 4 (the core's 4 linears x 4 iterations)."""
+    from learner.batching import build_batch
+    from learner.lora import LoraFactors
+    from learner.megatron.lora import LoraMerge
+    from learner.replay import unwrap
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+
+    merges: list[int] = []
+    merge = LoraMerge.merge
+    monkeypatch.setattr(LoraMerge, "merge", lambda self, w: (merges.append(1), merge(self, w))[1])
+    t = MegatronTrainer(load_config(None, ["backend=megatron", "learner.lora.rank=4"]), model)
+    try:
+        core = unwrap(t.trainer.policy_model)
+        n = sum(isinstance(getattr(m, "lora", None), LoraMerge) for m in core.modules())
+        ids = torch.tensor([[1, 18, 19, 40, 41, 42, 7]])
+        depths, valid = torch.full_like(ids, 4), torch.ones_like(ids, dtype=torch.bool)
+        core(ids, depths, valid, [5]).logits.float().sum().backward()
+        assert n == 16 and len(merges) == n, (n, len(merges))  # default targets: 16 linears
+        assert all(getattr(m, "lora", None) is None or m.lora.merged is None
+                   for m in core.modules())  # fmt: skip  # let go after the forward
+        grads = [g for p in core.parameters() if p.requires_grad
+                 for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]  # fmt: skip
+        assert any(bool(g.abs().sum() > 0) for g in grads)  # it reached B through the one merge
+    finally:
+        t.close()
+
+    reads: list[int] = []
+    fwd = LoraFactors.forward
+    monkeypatch.setattr(LoraFactors, "forward", lambda self, w: (reads.append(1), fwd(self, w))[1])
+    ref = _trainer(model, "learner.lora.rank=4")
+    mb = build_batch(_rollouts())
+    reads.clear()  # (building the trainer read each merged weight once, for its state)
+    logits, _ = ref.policy.forward(ref.model, mb)
+    logits.float().sum().backward()
+    assert len(reads) == len(ref.adapters.factors), (len(reads), len(ref.adapters.factors))
