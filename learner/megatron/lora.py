@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -81,7 +82,7 @@ def merged_once(model: nn.Module) -> Iterator[None]:
     keeps once for the backward (its gradient summed over the iterations, then through the
     merge once). Merging at every call kept a merged copy per iteration with gradient: 0125
     with rank-16 adapters ran an H100 out of memory (docs/PERFORMANCE.md)."""
-    merges = [(m, owner.weight) for owner in model.modules()
+    merges = [(m, cast(Tensor, owner.weight)) for owner in model.modules()
               if isinstance(m := getattr(owner, "lora", None), LoraMerge)]  # fmt: skip
     if not merges or any(m.merged is not None for m, _ in merges):  # none, or already inside
         yield
