@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -256,6 +256,17 @@ if has ipc; then  # same-host weights on the device (weights.cuda_ipc): the dige
     timeout "${T_IPC:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/weights/test_cuda_ipc.py tests/weights/test_device_first.py tests/weights/test_device_adapters.py \
         tests/weights/test_transports.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 30 | tee "$LOG/ipc_tests.txt"
+fi
+if has placement; then  # looprl run with its generator as a thread, then as a process: one card
+    # (generators.placement; gpu_system.py --skip-parts; PLACEMENT_STEPS timed + 2 warm-up steps)
+    for pl in thread process; do
+        timeout "${T_PLACEMENT:-270}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
+            --prompts 32 --n 8 --tokens 512 --steps "${PLACEMENT_STEPS:-6}" --warmup 2 \
+            --timeout 250 --skip-parts --out "/tmp/gpu_placement_$pl" \
+            --set "generators.placement=$pl" 2>"$LOG/placement_$pl.err" | tee -a "$LOG/placement.jsonl"
+        echo "placement $pl rc=${PIPESTATUS[0]}"
+        grep -hE "failed|Error|error:" "$LOG/placement_$pl.err" | grep -v "^\[W" | tail -n 3
+    done
 fi
 if has attn; then  # the decode-attention kernel at the 1b run's shape, per launch configuration
     timeout "${T_ATTN:-240}" "$PY" benchmarks/decode_attention.py \
