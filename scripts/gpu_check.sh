@@ -258,7 +258,7 @@ if has ipc; then  # same-host weights on the device (weights.cuda_ipc): the dige
         tail -n 30 | tee "$LOG/ipc_tests.txt"
 fi
 if has placement; then  # looprl run with its generator as a thread, then as a process: one card
-    # (generators.placement; gpu_system.py --skip-parts; PLACEMENT_STEPS timed + 2 warm-up steps)
+    # (generators.placement; gpu_system.py --skip-parts; PLACEMENT_STEPS steps, the first 2 untimed)
     for pl in thread process; do
         timeout "${T_PLACEMENT:-270}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
             --prompts 32 --n 8 --tokens 512 --steps "${PLACEMENT_STEPS:-6}" --warmup 2 \
