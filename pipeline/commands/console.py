@@ -18,12 +18,16 @@ The file is written with ``errors="backslashreplace"``: a message that still hol
 surrogate (a traceback's text) is written escaped instead of failing.
 
 The progress bar (tqdm) writes to stderr itself and is not affected.
+
+``last_error_line(log)``: the line a log ends on for the terminal (a generator's, when the run
+stops because every generator exited: pipeline.commands.launcher and generator_threads).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 from pipeline.net.untrusted import EscapeArgs
@@ -81,3 +85,22 @@ def setup(log_file: str | Path, *, verbose: bool = False, level: int = logging.I
     root.setLevel(min(level, logging.INFO))
     logging.captureWarnings(True)
     return path
+
+
+def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str:
+    """The last line of a generator log that reports an error (else its last line), trimmed."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, log_path.stat().st_size - max_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in lines if ln.strip()]
+    errors = [ln for ln in lines if " ERROR " in ln or "error:" in ln.lower()]
+    line = (errors or lines or [""])[-1]
+    logged = _LOG_LINE.match(line)  # "<date> <time> ERROR <logger>: <message>"
+    line = logged.group(1) if logged else line
+    return line if len(line) <= 600 else line[:597] + "..."
+
+
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: (.*)$")

@@ -32,6 +32,7 @@ from typing import Any
 
 from generator.config import for_this_host
 from generator.loop import GeneratorLoop
+from pipeline.commands.console import last_error_line
 from pipeline.commands.generator_cli import serve
 from pipeline.commands.generator_flags import generator_config
 from pipeline.config.run import RunConfig
@@ -129,8 +130,6 @@ class GeneratorThreads:
         after = f" after {steps} steps" if steps is not None else ""
         why = next((f"; {g.name}: {g.error}" for g in self.gens if g.error), "")
         if not why:
-            from pipeline.commands.launcher import last_error_line
-
             why = next((f"; {g.name}: {line}" for g in self.gens
                         if (line := last_error_line(self.logs / f"{g.name}.log"))), "")  # fmt: skip
         return f"every generator exited (codes {codes}){after}{why}; logs in {self.logs}"

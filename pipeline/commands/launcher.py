@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
+from pipeline.commands.console import last_error_line
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.generator_threads import GeneratorThreads
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
@@ -68,25 +68,6 @@ def generator_command(cfg: RunConfig, i: int, control: str, weights: str, model:
 
 class GeneratorsExited(RuntimeError):
     """Every generator of the run exited before the run finished."""
-
-
-def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str:
-    """The last line of a generator log that reports an error (else its last line), trimmed."""
-    try:
-        with log_path.open("rb") as f:
-            f.seek(max(0, log_path.stat().st_size - max_bytes))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    lines = [ln.strip() for ln in lines if ln.strip()]
-    errors = [ln for ln in lines if " ERROR " in ln or "error:" in ln.lower()]
-    line = (errors or lines or [""])[-1]
-    logged = _LOG_LINE.match(line)  # "<date> <time> ERROR <logger>: <message>"
-    line = logged.group(1) if logged else line
-    return line if len(line) <= 600 else line[:597] + "..."
-
-
-_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: (.*)$")
 
 
 class Generators:

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from pipeline.commands.console import last_error_line
 from pipeline.commands.generator_cli import StopOnFailedLoad
-from pipeline.commands.launcher import last_error_line
 from tests.cli.test_run_llama import ENV, QUIET, REPO
 from weights.check import WeightsRefused
 from weights.verified import VerifiedWeights
