@@ -82,3 +82,42 @@ def test_thread_placement_picks_the_torch_engine() -> None:
     assert cfg.generators.engine == "torch"
     assert any("generators.engine=torch: generators.placement=thread" in line
                for line in cfg.device_choices)  # fmt: skip
+
+
+def test_sigterm_stops_the_run_and_its_generator_thread(tmp_path: Path) -> None:
+    """SIGTERM to `looprl run` (its only process: the generator is a thread of it) ends the
+    run at the next turn: exit 0, the generator's loop asked to finish and stopped cleanly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.cli.test_run_llama import ENV, QUIET, REPO
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", f"run_dir={run_dir}", *QUIET,
+           "steps=100000", "generators.placement=thread"]  # fmt: skip
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        end = time.monotonic() + 240
+        while time.monotonic() < end and proc.poll() is None:
+            if metrics.is_file() and len(read_metrics(metrics)) >= 3:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, (tmp_path / "err").read_text()[-3000:]
+    gen_log = (run_dir / "logs" / "gen0.log").read_text()
+    assert "generator gen0 stopped cleanly" in gen_log, gen_log[-2000:]
+    assert "did not stop" not in (run_dir / "logs" / "learner.log").read_text()
+    print(f"\nSIGTERM after {len(read_metrics(metrics))} steps: exit 0 in {took:.1f} s")
+    assert took < 60
