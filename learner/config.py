@@ -174,9 +174,15 @@ class LoraConfig:
     """Also train every RMSNorm weight in full (a few hidden-size vectors; the final norm holds
     the logit scale of a frozen tied head); false: the adapters only."""
 
-    train_embeddings: bool = False
+    train_embeddings: bool | str = "auto"
     """Also train the token embedding in full (PEFT's modules_to_save; a tied head is the same
-    tensor, so it trains too): the weight a frozen tied head leaves no adapter for."""
+    tensor, so it trains too): the weight a frozen tied head leaves no adapter for. auto: true
+    when the run initializes its model itself (model.path empty: a random embedding, which
+    adapters alone cannot move: the quickstart's LoRA stops at 0.16 of reward with it frozen,
+    0.71 with it trained, docs/LEARNER.md "LoRA"), false for a given checkpoint (a pretrained
+    embedding, PEFT's default); the learner process chooses at start and records the choice in
+    RUN_DIR/config.yaml (pipeline.commands.learner_main.with_embeddings_choice); a trainer
+    built from an unresolved config takes auto as false."""
 
     publish: Literal["merged", "adapters"] = "merged"
     """What a version carries to the generators: merged, the full merged set W + s B A;
@@ -208,7 +214,9 @@ class LoraConfig:
              "targets", "must be a non-empty list of module-name patterns (no blanks)")  # fmt: skip
         need(len(set(t)) == len(t), "targets", "must not repeat a pattern")
         need(isinstance(self.train_norms, bool), "train_norms", "must be true or false")
-        need(isinstance(self.train_embeddings, bool), "train_embeddings", "must be true or false")
+        te = self.train_embeddings
+        need(isinstance(te, bool) or (isinstance(te, str) and te == "auto"), "train_embeddings",
+             "must be true, false or auto")  # fmt: skip
         need(self.publish in ("merged", "adapters"), "publish", "must be merged or adapters")
         need(self.publish == "merged" or r > 0, "publish",
              "adapters needs learner.lora.rank > 0 (without adapters every version is full)")  # fmt: skip

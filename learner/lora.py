@@ -138,7 +138,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> Adapters:
     norms: dict[str, nn.Parameter] = {}
     for n, m in model.named_modules():
         if (cfg.train_norms and isinstance(m, RMSNorm)) or (
-            cfg.train_embeddings and isinstance(m, nn.Embedding)
+            cfg.train_embeddings is True and isinstance(m, nn.Embedding)
         ):
             w = m.weight
             assert isinstance(w, nn.Parameter)

@@ -191,7 +191,7 @@ def trained_full(model: nn.Module, cfg: LoraConfig) -> dict[str, nn.Parameter]:
     """{HF name: parameter} of the weights trained in full beside the adapters: the RMSNorm
     weights with train_norms, the token embedding with train_embeddings; sorted by name."""
     out = dict(trained_norms(model)) if cfg.train_norms else {}
-    if cfg.train_embeddings:
+    if cfg.train_embeddings is True:  # (auto unresolved: false, LoraConfig)
         params = dict(model.named_parameters())
         for rule in conversion_rules(model):  # type: ignore[arg-type]
             if rule.mine == "embedding.weight" and rule.mine in params:

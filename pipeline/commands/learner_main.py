@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,19 @@ def model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return p
 
 
+def with_embeddings_choice(cfg: RunConfig) -> RunConfig:
+    """learner.lora.train_embeddings auto chosen for this run (learner.config.LoraConfig): true
+    when it initializes its model itself (model.path empty), false for a given checkpoint."""
+    lora = cfg.learner.lora
+    if isinstance(lora.train_embeddings, bool):
+        return cfg
+    fresh = not cfg.model.path
+    log.info("learner.lora.train_embeddings=%s: %s", str(fresh).lower(),
+             "the run initializes its model (a random embedding)" if fresh
+             else "a given checkpoint (model.path)")  # fmt: skip
+    return replace(cfg, learner=replace(cfg.learner, lora=replace(lora, train_embeddings=fresh)))
+
+
 def load_prompts(cfg: RunConfig, model: Path) -> Any:
     """The run's PromptSource (pipeline.core.tasks: synthetic, jsonl or dataset)."""
 
@@ -261,6 +275,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         return _follower(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = with_learner_threads(cfg)  # auto -> a number (`looprl run` resolved it already)
+    cfg = with_embeddings_choice(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     model = model_dir(cfg, run_dir)
     cfg = tasks.with_task_stops(cfg, model)  # dataset: stop at the checkpoint's EOS ids

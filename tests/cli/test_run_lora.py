@@ -1,9 +1,10 @@
 """`looprl run learner.lora.rank=16` as a user runs it (the quickstart: tiny Huginn, the
-megatron learner, a vLLM generator): it trains adapters only. Every step has its reward and
-loss rows; the published versions the generator served are the base with only the adapted
-linears (every block's attention and MLP projections) and the norms moved, the embedding and
-the adapter linear left as they were; the final checkpoint holds the adapters in the PEFT
-layout."""
+megatron learner, a vLLM generator): it trains adapters only, and the embedding of the model
+it initialized itself (learner.lora.train_embeddings auto: a random embedding). Every step has
+its reward and loss rows; the published versions the generator served are the base with only
+the adapted linears (every block's attention and MLP projections), the norms and the embedding
+moved, the adapter linear left as it was; the run recorded the choice; the final checkpoint
+holds the adapters in the PEFT layout, the norms and the embedding as modules saved whole."""
 
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ def test_looprl_run_trains_adapters_only(tmp_path: Path) -> None:
     linears = {k for k in base if k.endswith(("attn.Wqkv.weight", "attn.proj.weight",
                                               "mlp.fc.weight", "mlp.proj.weight"))}  # fmt: skip
     norms = {k for k in base if ".norm_" in k or k == "transformer.ln_f.weight"}
+    emb = {"transformer.wte.weight"}  # auto: trained, the run's own random init
     assert len(linears) == 16 and len(norms) == 17
-    assert moved == linears | norms, sorted(moved ^ (linears | norms))
+    assert moved == linears | norms | emb, sorted(moved ^ (linears | norms | emb))
+    from pipeline.commands.learner_main import resolve_config
+
+    assert resolve_config(None, str(run), []).learner.lora.train_embeddings is True
     # the final checkpoint's adapter, as Hugging Face PEFT reads it
     ckpt = max((run / "checkpoints").glob("step_*"))
     assert ckpt.name == "step_00000012"
@@ -51,5 +56,5 @@ def test_looprl_run_trains_adapters_only(tmp_path: Path) -> None:
     assert sorted(adapters) == sorted(k.removesuffix(".weight") for k in linears)
     assert all(a.shape[0] == 16 and b.shape[1] == 16 for a, b in adapters.values())
     saved = read_saved(ckpt / "adapter")
-    assert saved.keys() == norms
-    assert all(torch.equal(saved[k], pub[k]) for k in norms)  # the final norms, as published
+    assert saved.keys() == norms | emb
+    assert all(torch.equal(saved[k], pub[k]) for k in norms | emb)  # the final ones, published
