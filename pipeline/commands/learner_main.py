@@ -156,7 +156,7 @@ def with_embeddings_choice(cfg: RunConfig) -> RunConfig:
     """learner.lora.train_embeddings auto chosen for this run (learner.config.LoraConfig): true
     when it initializes its model itself (model.path empty), false for a given checkpoint."""
     lora = cfg.learner.lora
-    if isinstance(lora.train_embeddings, bool):
+    if isinstance(lora.train_embeddings, bool) or not lora.on:  # (no adapters: nothing to choose)
         return cfg
     fresh = not cfg.model.path
     log.info("learner.lora.train_embeddings=%s: %s", str(fresh).lower(),
