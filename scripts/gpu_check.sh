@@ -266,6 +266,11 @@ if has placement; then  # looprl run with its generator as a thread, then as a p
             --set "generators.placement=$pl" 2>"$LOG/placement_$pl.err" | tee -a "$LOG/placement.jsonl"
         echo "placement $pl rc=${PIPESTATUS[0]}"
         grep -hE "failed|Error|error:" "$LOG/placement_$pl.err" | grep -v "^\[W" | tail -n 3
+        # did the engine keep its compiled blocks and draw (a fallback logs "eager")
+        grep -hE "eager|Traceback|out of memory" /tmp/gpu_placement_$pl/run_*/logs/*.log 2>/dev/null |
+            cut -c1-300 | tail -n 6
+        f=$(ls /tmp/gpu_placement_$pl/run_*/metrics.jsonl 2>/dev/null | head -n 1)
+        [ -n "$f" ] && cp "$f" "$LOG/placement_$pl.metrics.jsonl"
     done
 fi
 if has attn; then  # the decode-attention kernel at the 1b run's shape, per launch configuration
