@@ -13,7 +13,7 @@
 # needs torch and triton. Env: PARTS, BENCHES (trainer labels to run; default all), TRAINER_STEPS (default 20), HUGINN_MICRO (default 1),
 # T_TESTS, T_DP, T_TG (seconds), TG_VARIANTS, TG_ATTN (PARTS=torchgen), LEARNERPROC_ARGS (extra flags of benchmarks/learner_process.py, e.g.
 # --compile), T_EXITG (default 580), EXITG_ARGS, EXITG_OUT (PARTS=exit_pays_gpu), LOG (default $OUT
-# or /tmp/gpu_check).
+# or /tmp/gpu_check), BALLAST_FREE_GIB (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,6 +32,25 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,no
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "gpus", torch.cuda.device_count())'
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+# BALLAST_FREE_GIB=G: a process holds the card's memory down to G GiB free (a bare H100 80GB
+# HBM3 has ~79.1 GiB free) while the parts run: a fit on a smaller card, tested on a larger one
+# (memory only: bandwidth and FLOP/s stay the larger card's). Stopped by its pid at exit.
+if [ -n "${BALLAST_FREE_GIB:-}" ]; then
+    "$PY" -c '
+import sys, time, torch
+free, total = torch.cuda.mem_get_info()
+keep = int(float(sys.argv[1]) * 2**30)
+held = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
+free, total = torch.cuda.mem_get_info()
+print(f"ballast: {held.numel() / 2**30:.1f} GiB held; {free / 2**30:.2f} of {total / 2**30:.1f} GiB free", flush=True)
+while True:
+    time.sleep(60)
+' "$BALLAST_FREE_GIB" &
+    BALLAST_PID=$!
+    trap 'kill "$BALLAST_PID" 2>/dev/null' EXIT
+    sleep 15
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader || true
+fi
 
 if has tests; then
     timeout "${T_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider \

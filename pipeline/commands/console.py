@@ -19,8 +19,8 @@ surrogate (a traceback's text) is written escaped instead of failing.
 
 The progress bar (tqdm) writes to stderr itself and is not affected.
 
-``last_error_line(log)``: the line a log ends on for the terminal (a generator's, when the run
-stops because every generator exited: pipeline.commands.launcher and generator_threads).
+``last_error_line(log)``: the line a log ends on for the terminal; ``generators_exited``: the
+line a run stops on when every generator exited (pipeline.commands.launcher, generator_threads).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from pipeline.net.untrusted import EscapeArgs
 
@@ -104,3 +105,17 @@ def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str:
 
 
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: (.*)$")
+
+
+def generators_exited(codes: list[tuple[str, Any]], logs: Path, steps: int | None = None,
+                      errors: dict[str, str] | None = None) -> str:  # fmt: skip
+    """One line for a run whose generators all exited: each one's exit code (``codes``: name,
+    code), the first known reason (an ``errors`` entry, else the first log's last error line:
+    ``logs``/NAME.log) and where the logs are."""
+    listed = ", ".join(f"{name}={code}" for name, code in codes)
+    after = f" after {steps} steps" if steps is not None else ""
+    why = next((f"; {n}: {e}" for n, _ in codes if (e := (errors or {}).get(n))), "")
+    if not why:
+        why = next((f"; {n}: {line}" for n, _ in codes
+                    if (line := last_error_line(logs / f"{n}.log"))), "")  # fmt: skip
+    return f"every generator exited (codes {listed}){after}{why}; logs in {logs}"

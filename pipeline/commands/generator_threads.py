@@ -32,7 +32,7 @@ from typing import Any
 
 from generator.config import for_this_host
 from generator.loop import GeneratorLoop
-from pipeline.commands.console import last_error_line
+from pipeline.commands.console import generators_exited
 from pipeline.commands.generator_cli import serve
 from pipeline.commands.generator_flags import generator_config
 from pipeline.config.run import RunConfig
@@ -126,13 +126,9 @@ class GeneratorThreads:
         return dead
 
     def exit_line(self, steps: int | None = None) -> str:
-        codes = ", ".join(f"{g.name}={g.code}" for g in self.gens)
-        after = f" after {steps} steps" if steps is not None else ""
-        why = next((f"; {g.name}: {g.error}" for g in self.gens if g.error), "")
-        if not why:
-            why = next((f"; {g.name}: {line}" for g in self.gens
-                        if (line := last_error_line(self.logs / f"{g.name}.log"))), "")  # fmt: skip
-        return f"every generator exited (codes {codes}){after}{why}; logs in {self.logs}"
+        """One line: each thread's exit code and the first one's error (console)."""
+        return generators_exited([(g.name, g.code) for g in self.gens], self.logs, steps,
+                                 {g.name: g.error for g in self.gens if g.error})  # fmt: skip
 
     def signal_stop(self) -> None:
         """Ask every generator loop to finish (it hands back its work and says Goodbye)."""

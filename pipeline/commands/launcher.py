@@ -32,7 +32,7 @@ from typing import Any
 from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
 from pipeline.commands import console
-from pipeline.commands.console import last_error_line
+from pipeline.commands.console import generators_exited
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.generator_threads import GeneratorThreads
 from pipeline.commands.learner_main import add_verbose, log_file, run_learner
@@ -106,11 +106,8 @@ class Generators:
 
     def exit_line(self, steps: int | None = None) -> str:
         """One line: each generator's exit code and the first one's last error line."""
-        codes = ", ".join(f"gen{i}={p.returncode}" for i, p in enumerate(self.procs))
-        after = f" after {steps} steps" if steps is not None else ""
-        why = next((f"; gen{i}: {line}" for i in range(len(self.procs))
-                    if (line := last_error_line(self.logs / f"gen{i}.log"))), "")  # fmt: skip
-        return f"every generator exited (codes {codes}){after}{why}; logs in {self.logs}"
+        return generators_exited([(f"gen{i}", p.returncode) for i, p in enumerate(self.procs)],
+                                 self.logs, steps)  # fmt: skip
 
     def signal_stop(self) -> None:
         """SIGTERM to every generator still running (they hand back their work and exit)."""
