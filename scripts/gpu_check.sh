@@ -278,11 +278,15 @@ if has ipc; then  # same-host weights on the device (weights.cuda_ipc): the dige
 fi
 if has placement; then  # looprl run with its generator as a thread, then as a process: one card
     # (generators.placement; gpu_system.py --skip-parts; PLACEMENT_STEPS steps, the first 2 untimed)
-    for pl in thread process; do
+    # PLACEMENTS (default "thread process"); PLACEMENT_PROFILE=A:B profiles steps A..B of each
+    # run (metrics.profile_steps: its summary.json and kernel table come back)
+    for pl in ${PLACEMENTS:-thread process}; do
+        prof=()
+        [ -n "${PLACEMENT_PROFILE:-}" ] && prof=("metrics.profile_steps=[${PLACEMENT_PROFILE/:/,}]")
         timeout "${T_PLACEMENT:-270}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
             --prompts 32 --n 8 --tokens 512 --steps "${PLACEMENT_STEPS:-6}" --warmup 2 \
             --timeout 250 --skip-parts --out "/tmp/gpu_placement_$pl" \
-            --set "generators.placement=$pl" 2>"$LOG/placement_$pl.err" | tee -a "$LOG/placement.jsonl"
+            --set "generators.placement=$pl" "${prof[@]}" 2>"$LOG/placement_$pl.err" | tee -a "$LOG/placement.jsonl"
         echo "placement $pl rc=${PIPESTATUS[0]}"
         grep -hE "failed|Error|error:" "$LOG/placement_$pl.err" | grep -v "^\[W" | tail -n 3
         # did the engine keep its compiled blocks and draw (a fallback logs "eager")
@@ -290,6 +294,12 @@ if has placement; then  # looprl run with its generator as a thread, then as a p
             cut -c1-300 | tail -n 6
         f=$(ls /tmp/gpu_placement_$pl/run_*/metrics.jsonl 2>/dev/null | head -n 1)
         [ -n "$f" ] && cp "$f" "$LOG/placement_$pl.metrics.jsonl"
+        for p in summary.json kernels.txt; do
+            g=$(ls /tmp/gpu_placement_$pl/run_*/profile/$p 2>/dev/null | head -n 1)
+            [ -n "$g" ] && cp "$g" "$LOG/placement_${pl}_profile_$p"
+        done
+        g=$(ls /tmp/gpu_placement_$pl/run_*/profile/summary.json 2>/dev/null | head -n 1)
+        [ -n "$g" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print("profile:", {k: round(v, 3) for k, v in s.items() if isinstance(v, float)}, {k: round(v["busy_s"], 3) for k, v in s["streams"].items()})' "$g"
     done
 fi
 if has attn; then  # the decode-attention kernel at the 1b run's shape, per launch configuration

@@ -72,6 +72,7 @@ from pipeline.core.eval_rounds import (
     reward_rescorer,
 )
 from pipeline.core.metrics import MetricsWriter, read_metrics, summary
+from pipeline.core.profiling import StepProfiler
 from pipeline.core.tasks import load_prompts as load
 from pipeline.core.validation import ModelLimits
 from pipeline.net.security import ServerCurve
@@ -305,6 +306,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
     metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb,
                             wandb_project=cfg.metrics.wandb_project, config=to_dict(cfg))  # fmt: skip
     bar = _progress(cfg)
+    profiler = StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")
     rows: dict[int, dict[str, Any]] = {}  # logged rows, by step (eval results join them)
     pending_eval: dict[int, dict[str, Any]] = {}
 
@@ -321,6 +323,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
         m.update(pending_eval.pop(int(m["step"]), {}))
         rows[int(m["step"])] = m
         metrics.log(m)
+        profiler.observe(int(m["step"]))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", stale=m["staleness_max"],
@@ -379,6 +382,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             keep = cfg.checkpoint.keep
             if coord.evals is not None:  # the starting weights' accuracy (reported with step 1)
                 coord.evals.start(coord.step, coord.version)
+            profiler.observe(coord.step)  # (a window opening with the next step)
             try:
                 coord.run(tasks.planned_steps(cfg, prompts), checkpoint=lambda: resume_mod.save(coord, keep),
                           stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
@@ -404,6 +408,7 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             signal.signal(s, h)
         if bar is not None:
             bar.close()
+        _closing(failing, "the profiler", profiler.close)
         counts = coord.counts()
         # stopping on an error: a failing close (the full disk again) must not replace it
         _closing(failing, "the coordinator", coord.close)

@@ -6,7 +6,7 @@ key)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal, get_args
 
 from pipeline.config.sections import _check
@@ -178,3 +178,13 @@ class MetricsSection:
     """Also log to Weights & Biases (imported only then; offline unless WANDB_MODE says otherwise)."""
     wandb_project: str = "looprl"
     """Weights & Biases project name."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: the learner process's steps first..last under torch.profiler, into
+    RUN_DIR/profile (a Chrome trace, a kernel table, each CUDA stream's busy and overlapping
+    seconds: pipeline.core.profiling); [] (the default) profiles nothing."""
+
+    def __post_init__(self) -> None:
+        p = self.profile_steps
+        _check(len(p) == 0 or (len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                    for x in p) and 1 <= p[0] <= p[1]),
+               "metrics.profile_steps", p, "must be [] or [first, last] with 1 <= first <= last")  # fmt: skip

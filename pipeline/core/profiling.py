@@ -1,0 +1,178 @@
+"""A run's own steps under torch.profiler (``metrics.profile_steps: [first, last]``).
+
+The figures a benchmark of one part gives do not say where a whole run's step goes (two parts
+on one card take turns, wait for each other's host threads, or run at once). So the learner
+process profiles its own steps ``first``..``last`` (the rows of those steps: started when step
+``first - 1``'s row is logged, or before the first step, and stopped when step ``last``'s is)
+and writes ``RUN_DIR/profile/``:
+
+- ``trace.json.gz``: the Chrome trace (chrome://tracing, Perfetto): host ops of the learner
+  process and every CUDA kernel and copy the process ran, on every stream;
+- ``kernels.txt``: torch.profiler's table of the window's ops and kernels by device time;
+- ``summary.json``: ``window_s`` (wall seconds profiled), ``steps``, per CUDA stream its busy
+  seconds (the union of its kernels' and copies' intervals), kernel count and top kernels by
+  time, ``busy_s`` (the union over streams: the card doing anything), ``overlap_s`` (seconds
+  during which two or more streams ran at once) and ``busy_fraction`` / ``overlap_fraction`` of
+  the window.
+
+A generator in a process of its own (``generators.placement=process``) is another process: its
+kernels are not in this trace (its own time is the rows' ``time/generation``); with
+``generators.placement=thread`` the engine runs in this process on a stream of its own, so the
+trace holds both sides, and ``overlap_s`` says whether the decode and the training ran at once.
+On a CPU host the trace holds host ops only (no streams). What profiling costs (the profiler's
+own overhead, a large trace: keep the window to a step or two) is the window's, not the
+other steps'.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Chrome-trace categories of device work (torch.profiler's Kineto export)."""
+
+
+def union_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by ``intervals`` (start, end) in microseconds, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e6
+
+
+def at_least_two_s(per_stream: dict[Any, list[tuple[float, float]]]) -> float:
+    """Seconds during which two or more of the streams were busy (each stream's own intervals
+    merged first, so a stream overlapping itself does not count)."""
+    edges: list[tuple[float, int]] = []
+    for ivs in per_stream.values():
+        merged: list[list[float]] = []
+        for a, b in sorted(ivs):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            edges += [(a, 1), (b, -1)]
+    edges.sort(key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    total, depth, last = 0.0, 0, 0.0
+    for t, step in edges:
+        if depth >= 2:
+            total += t - last
+        depth += step
+        last = t
+    return total / 1e6
+
+
+def trace_summary(events: list[dict[str, Any]], window_s: float, top: int = 8) -> dict[str, Any]:
+    """``summary.json``'s figures (module doc) from a Chrome trace's ``traceEvents``."""
+    per_stream: dict[str, list[tuple[float, float]]] = {}
+    names: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATS:
+            continue
+        args = e.get("args") or {}
+        key = f"{args.get('device', 0)}:{args.get('stream', e.get('tid', '?'))}"
+        a = float(e["ts"])
+        b = a + float(e.get("dur", 0.0))
+        per_stream.setdefault(key, []).append((a, b))
+        by_name = names.setdefault(key, {})
+        by_name[e.get("name", "?")] = by_name.get(e.get("name", "?"), 0.0) + (b - a) / 1e6
+    streams = {}
+    for key, ivs in sorted(per_stream.items(), key=lambda kv: -union_s(kv[1])):
+        ranked = sorted(names[key].items(), key=lambda kv: -kv[1])[:top]
+        streams[key] = {"busy_s": union_s(ivs), "kernels": len(ivs),
+                        "top": [[name[:120], round(s, 6)] for name, s in ranked]}  # fmt: skip
+    busy = union_s(iv for ivs in per_stream.values() for iv in ivs)
+    overlap = at_least_two_s(per_stream)
+    w = max(window_s, 1e-9)
+    return {"window_s": window_s, "busy_s": busy, "overlap_s": overlap,
+            "busy_fraction": busy / w, "overlap_fraction": overlap / w, "streams": streams}  # fmt: skip
+
+
+def _all_threads() -> Any:
+    """Kineto's options for a process of several threads (the trainer's, a generator thread's):
+    host ops of every thread, and CUDA's synchronizations (a thread waiting for the card); None
+    where this torch has no such options."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+    except (ImportError, TypeError):
+        return None
+
+
+class StepProfiler:
+    """Profiles the steps ``first``..``last`` of a run into ``out`` (module doc); ``observe``
+    is called with the steps done before the first (0 for a fresh run, a resume's step) and
+    with each logged step number."""
+
+    def __init__(self, steps: list[int], out: Path) -> None:
+        self.first, self.last = (int(steps[0]), int(steps[1])) if steps else (0, -1)
+        self.out = out
+        self._prof: Any = None
+        self._t0 = 0.0
+        self.summary: dict[str, Any] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.first >= 1
+
+    def observe(self, step: int) -> None:
+        """``step`` steps are done: open the window after ``first - 1``, close after ``last``
+        (exporting the trace, the table and the summary)."""
+        if not self.on:
+            return
+        if self._prof is None and step == self.first - 1:
+            self._start()
+        elif self._prof is not None and step >= self.last:
+            self._stop()
+
+    def close(self) -> None:
+        """The run ended inside the window: what was profiled is written."""
+        if self._prof is not None:
+            self._stop()
+
+    def _start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(ProfilerActivity.CUDA)
+        self._prof = profile(activities=acts, experimental_config=_all_threads())
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+        log.info("profile: steps %d..%d under torch.profiler", self.first, self.last)
+
+    def _stop(self) -> None:
+        prof, self._prof = self._prof, None
+        window = time.perf_counter() - self._t0
+        prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        raw = self.out / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text()).get("traceEvents", [])
+        with raw.open("rb") as src, gzip.open(self.out / "trace.json.gz", "wb") as dst:
+            dst.write(src.read())
+        raw.unlink()
+        sort = "self_cuda_time_total" if any(
+            e.get("cat") == "kernel" for e in events) else "self_cpu_time_total"  # fmt: skip
+        (self.out / "kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
+        self.summary = {"steps": [self.first, self.last], **trace_summary(events, window)}
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        log.info("profile: %.2f s profiled, card busy %.2f s, two streams at once %.2f s: %s",
+                 window, self.summary["busy_s"], self.summary["overlap_s"], self.out)  # fmt: skip
+
+
+__all__ = ["StepProfiler", "at_least_two_s", "trace_summary", "union_s"]

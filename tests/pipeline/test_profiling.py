@@ -1,0 +1,63 @@
+"""pipeline.core.profiling's arithmetic: a stream's busy seconds (its intervals' union), the
+seconds two or more streams ran at once, and the summary of a Chrome trace's device events."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.errors import ConfigError
+from pipeline.config.run import load_config
+from pipeline.core.profiling import at_least_two_s, trace_summary, union_s
+
+
+def test_union_counts_overlaps_once() -> None:
+    assert union_s([]) == 0.0
+    assert union_s([(0, 1e6)]) == pytest.approx(1.0)
+    # nested, overlapping, touching and disjoint intervals (microseconds)
+    ivs = [(0, 10), (2, 5), (8, 15), (15, 20), (30, 40)]
+    assert union_s(ivs) == pytest.approx(30 / 1e6)
+
+
+def test_two_streams_at_once() -> None:
+    # stream a busy 0-10 and 20-30, b busy 5-25: both at once 5-10 and 20-25
+    assert at_least_two_s({"a": [(0, 10), (20, 30)], "b": [(5, 25)]}) == pytest.approx(10e-6)
+    # a stream overlapping itself is one stream
+    assert at_least_two_s({"a": [(0, 10), (5, 15)]}) == 0.0
+    # touching ends do not overlap
+    assert at_least_two_s({"a": [(0, 10)], "b": [(10, 20)]}) == 0.0
+    # three streams: seconds with >= 2 busy
+    assert at_least_two_s({"a": [(0, 30)], "b": [(10, 20)], "c": [(15, 40)]}) == pytest.approx(
+        20e-6
+    )
+
+
+def _kernel(stream: int, ts: float, dur: float, name: str = "k", cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+            "args": {"device": 0, "stream": stream}}  # fmt: skip
+
+
+def test_trace_summary_per_stream() -> None:
+    events = [
+        _kernel(7, 0, 400_000, "gemm"), _kernel(7, 500_000, 100_000, "gemm"),
+        _kernel(13, 300_000, 400_000, "decode_attention"),
+        _kernel(13, 800_000, 50_000, "copy", cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900_000},  # host: not counted
+    ]  # fmt: skip
+    s = trace_summary(events, window_s=1.0)
+    assert set(s["streams"]) == {"0:7", "0:13"}
+    assert s["streams"]["0:7"]["busy_s"] == pytest.approx(0.5)
+    assert s["streams"]["0:13"]["busy_s"] == pytest.approx(0.45)
+    assert s["streams"]["0:7"]["kernels"] == 2
+    assert s["streams"]["0:7"]["top"][0] == ["gemm", pytest.approx(0.5)]
+    assert s["busy_s"] == pytest.approx(0.75)  # 0-0.7 and 0.8-0.85 (the memcpy)
+    assert s["overlap_s"] == pytest.approx(0.2)  # 0.3-0.4 and 0.5-0.6
+    assert s["busy_fraction"] == pytest.approx(0.75) and s["overlap_fraction"] == pytest.approx(0.2)
+    assert list(s["streams"])[0] == "0:7"  # the busiest stream first
+
+
+@pytest.mark.parametrize("bad", ["[3, 2]", "[0, 2]", "[2]", "[1, 2, 3]"])
+def test_bad_windows_are_refused_by_name(bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"metrics\.profile_steps.*1 <= first <= last"):
+        load_config(None, [f"metrics.profile_steps={bad}"])
+    with pytest.raises(ConfigError, match=r"metrics\.profile_steps.*Integer"):
+        load_config(None, ["metrics.profile_steps=[true, 2]"])
