@@ -198,7 +198,9 @@ class CudaIpcPublisher(WeightPublisher):
         if not state:
             raise ValueError(f"weights v{snap.version}: the device snapshot holds no tensors")
         if snap.adapter is not None:
-            return _released(self._prepare_adapter(snap, snap.adapter))
+            pub = self._prepare_adapter(snap, snap.adapter)
+            assert self._base is not None  # (packed by the first adapter version)
+            return _released(pub, self._base.nbytes)  # a generator merges into a set's size
         layout = blob_layout(state)
         nbytes = sum(int(t["nbytes"]) for t in layout)
         i, digest, stages = self._fill(snap.version, state, nbytes, layout, snap.ready)
@@ -207,7 +209,7 @@ class CudaIpcPublisher(WeightPublisher):
                                     config_json=snap.config_json)  # fmt: skip
         pub.stage_s.update(stages)
         self._held[i] = (snap.version, pub, snap.path)
-        return _released(pub)
+        return _released(pub, nbytes)
 
     def _prepare_adapter(self, snap: DeviceSnapshot, ad: DeviceAdapter) -> Publication:
         """An adapter version (module docstring, "Adapters"): the base packed once (from the
@@ -588,16 +590,28 @@ def _merged_digest(
     return lanes_digest(lanes.nbytes, layout, *lanes.total())
 
 
-def _released(pub: Publication) -> Publication:
+READER_MARGIN = 2 << 30
+"""Bytes beyond a version's own that a generator's copy of it may need on the card (the merge's
+fp64 temporary of the largest weight: 1.41 GiB at Huginn-0125), for ``_released``."""
+
+
+def _released(pub: Publication, nbytes: int) -> Publication:
     """``pub`` after the learner's CUDA cache is handed back to the card (stage
-    ``cache_release``): the snapshot's copy and the merge's temporaries, freed just now, stay
-    reserved by this process otherwise, where a generator beside it on the card allocates its
-    copy of the version (an H100 run of Huginn-0125 with adapters: the generator's 6.6 GiB
-    refused at 6.2 GiB free, the learner holding 59 GiB)."""
+    ``cache_release``) when the card has less free than a generator's copy of the version
+    needs (``nbytes`` + READER_MARGIN): the snapshot's copy and the merge's temporaries, freed
+    just now, stay reserved by this process otherwise, where a generator beside it on the card
+    allocates its copy of the version (an H100 run of Huginn-0125 with adapters: the
+    generator's 6.6 GiB refused at 6.2 GiB free, the learner holding 59 GiB). Only then: a
+    release every version costs the next step its allocations afresh (cudaMalloc, a device-wide
+    sync in cudaFree) and, with the generator a thread of this process
+    (generators.placement=thread), empties the cache its allocations share and holds the
+    allocator's lock while the card drains."""
     if torch.cuda.is_available():
         t0 = time.perf_counter()
-        torch.cuda.empty_cache()
-        pub.stage_s["cache_release"] = time.perf_counter() - t0
+        free, _ = torch.cuda.mem_get_info()
+        if free < nbytes + READER_MARGIN:
+            torch.cuda.empty_cache()
+            pub.stage_s["cache_release"] = time.perf_counter() - t0
     return pub
 
 

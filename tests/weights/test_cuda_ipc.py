@@ -341,3 +341,28 @@ def test_a_receiver_in_the_learners_own_process(tmp_path: Path) -> None:
     gc.collect()
     late = dataclasses_replace(anns[1], version=5)
     assert rx.handle(late) == "read-the-directory" and rx.counts["unmapped"] == 1
+
+
+def test_the_cache_goes_back_to_the_card_only_when_a_reader_would_lack_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cuda_ipc._released: the learner's CUDA cache is emptied after a version only when the
+    card's free memory is below the version's bytes + READER_MARGIN (a generator process must
+    allocate its copy); otherwise the next step keeps its cached blocks (and a generator thread
+    of the same process its allocations). The CUDA calls are stood in for: this is the rule."""
+    from weights import cuda_ipc as ci
+    from weights.publication import Publication
+
+    calls: list[str] = []
+    free = {"bytes": 0}
+    monkeypatch.setattr(ci.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ci.torch.cuda, "mem_get_info", lambda: (free["bytes"], 80 << 30))
+    monkeypatch.setattr(ci.torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    version = 1_100_000_000  # a 1b version's bytes
+    pub = Publication.on_device(3, "d" * 32, [], tied={}, config_json="{}")
+    free["bytes"] = 25 << 30  # plenty: kept
+    assert "cache_release" not in ci._released(pub, version).stage_s and calls == []
+    free["bytes"] = version + ci.READER_MARGIN  # exactly enough: kept
+    assert "cache_release" not in ci._released(pub, version).stage_s and calls == []
+    free["bytes"] = version + ci.READER_MARGIN - 1  # a byte short: released, timed
+    assert "cache_release" in ci._released(pub, version).stage_s and calls == ["empty"]
