@@ -77,6 +77,12 @@ class GeneratorConfig:
     """Torch engine: decode adaptive exit depths by ticks, every row at its own core iteration
     of its own token, exited rows read out every depth_ticks ticks (generator.torch_engine.ticks;
     kv last_exited; not a fixed depth on a GPU, which runs its CUDA graph); 0: one chunk per token."""
+    decode_chunk: int = 1
+    """Torch engine, fixed-depth graph decode: tokens a row decodes per CUDA graph replay, each
+    drawn on the device and fed to the next step with no host turn between them
+    (generator.torch_engine.chunked; the call's requests must share temperature and top_p,
+    else one a replay); a request that stops inside a chunk wastes the rest of it and of the
+    next; 1: one token a replay."""
     kv_cache_mb: int | str = "auto"
     """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests;
     auto: on a CUDA host 0.8 of the card's free memory less the weights (under `looprl run`:
@@ -180,6 +186,14 @@ class GeneratorConfig:
                 "must be auto or >= 1",
             ),
             (self.depth_ticks >= 0, "depth_ticks", "must be >= 0 (0: off)"),
+            (self.decode_chunk >= 1, "decode_chunk", "must be >= 1 (1: a token a replay)"),
+            (
+                self.decode_chunk == 1
+                or (self.engine in ("torch", AUTO) and self.depth_ticks == 0),
+                "decode_chunk",
+                "is the torch engine's fixed-depth graph decode (engine torch, depth_ticks 0; "
+                "or 1)",
+            ),
             (
                 self.engine in ("torch", AUTO) or self.depth_ticks == 0,
                 "depth_ticks",

@@ -51,6 +51,7 @@ computed its distribution. Not with `ticks` (a swap there waits for the batch).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -63,6 +64,7 @@ import torch
 from generator.config import ENGINES
 from generator.engine import Sample, WeightLoadError
 from generator.torch_engine.ahead import decode_ahead
+from generator.torch_engine.chunked import ChunkGraph, decode_chunks, uniform_sampling
 from generator.torch_engine.requests import TorchRequest
 from generator.torch_engine.ticks import check_ticks, generate_by_ticks, resolve_tick_graph
 from generator.torch_engine.weights import TorchWeights
@@ -97,6 +99,9 @@ def engine_sampling_seed(latent_seed: int, offset: int, seed: int) -> int:
     return base ^ ((int(seed) * 0x9E37_79B9_7F4A_7C15) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
+_log = logging.getLogger(__name__)
+
+
 def check_engine(name: str) -> str:
     """`name` if it is a known generator engine, else ValueError in one line."""
     if name not in ENGINES:
@@ -109,14 +114,17 @@ class TorchEngine(TorchWeights):
 
     dtype: 'auto' (float32; bfloat16 on CUDA when the checkpoint says so), 'float32' or
     'bfloat16' (fast numerics only). device: 'auto' (CUDA when available) or a torch device.
-    graph: None = the CUDA-graph decode exactly when the policy is a fixed depth on CUDA.
+    graph: None = the CUDA-graph decode exactly when the policy is a fixed depth on CUDA (or
+    decode_chunk > 1).
     model: an already built reference module (benchmarks, tests; `model_dir` may then be None).
     ticks: k > 0 decodes adaptive depths by ticks (generator.torch_engine.ticks; exited rows read out
     every k ticks); 0 = one `run_chunk` per decoded token. tick_graph: the ticks at one shape,
     k of them per CUDA graph replay (`models.engine.tickgraph.GraphTicker`); None = on CUDA
     where the policy decides on the device (not KL / EntropyDiff). readout_rows: with
     tick_graph, at most this many exited rows read out a step (the head and the draw on them
-    alone; `GraphTicker`); None = every row of the batch.
+    alone; `GraphTicker`); None = every row of the batch. decode_chunk: k > 1 tokens a row per
+    replay of the fixed-depth graph decode (generator.torch_engine.chunked; on the CPU, where
+    graph None then means the graph path, its steps run eagerly); 1 = one a replay.
     """
 
     def __init__(
@@ -139,6 +147,7 @@ class TorchEngine(TorchWeights):
         tick_graph: bool | None = None,
         readout_rows: int | None = None,
         inflight_updates: bool = False,
+        decode_chunk: int = 1,
     ) -> None:
         nx.check_mode(numerics)
         self.numerics, self.model_dir = numerics, str(model_dir or "")
@@ -167,7 +176,8 @@ class TorchEngine(TorchWeights):
         self.fixed = isinstance(self.policy, FixedDepth)
         self.token0_policy = token0_follows_policy(self.policy, self.model.config)
         """Token 0's position consults the policy (contract 2; Ouro, not Huginn)."""
-        self.graph = (self.fixed and dev.type == "cuda") if graph is None else graph
+        chunked = int(decode_chunk) > 1  # (on the CPU the graph path runs its steps eagerly)
+        self.graph = (self.fixed and (dev.type == "cuda" or chunked)) if graph is None else graph
         if self.graph and not self.fixed:
             raise ValueError("TorchEngine(graph=True) needs a FixedDepth exit policy")
         self.ticks = check_ticks(int(ticks), self.kv, self.graph)
@@ -180,11 +190,19 @@ class TorchEngine(TorchWeights):
         self.spare_slot = int(self.tick_graph)
         """Core slots beyond the depth: the fixed-shape ticks write idle rows' K/V there."""
         graphed = self.graph or (self.tick_graph and dev.type == "cuda")
-        self.compile = (graphed and numerics == "fast") if compile is None else compile
+        self.compile = (graphed and numerics == "fast" and dev.type == "cuda") if compile is None \
+            else compile  # fmt: skip
         if self.compile and not (graphed and numerics == "fast"):
             raise ValueError("TorchEngine(compile=True) needs a graph decode (the fixed depth's "
                              "or the ticks') in fast numerics")  # fmt: skip
-        self._kept: tuple[KVCache, GraphDecoder | GraphTicker | None] | None = None
+        if int(decode_chunk) < 1 or (int(decode_chunk) > 1 and (not self.graph or self.ticks)):
+            raise ValueError(f"decode_chunk={decode_chunk}: must be >= 1, and > 1 only on the "
+                             "fixed-depth graph decode (a full-depth exit policy, depth_ticks 0, "
+                             "graph not off)")  # fmt: skip
+        self.decode_chunk = int(decode_chunk)
+        """Tokens a row decodes per graph replay on the fixed-depth path
+        (generator.torch_engine.chunked; 1: one a replay, generator.torch_engine.ahead)."""
+        self._kept: tuple[KVCache, GraphDecoder | GraphTicker | ChunkGraph | None] | None = None
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -313,9 +331,24 @@ class TorchEngine(TorchWeights):
             if isinstance(ticker, GraphTicker) and ticker.graphed:
                 self._kept = (cache, ticker)  # its captured graph, for the next call
             waiting.clear()
-        elif self.graph:  # the fixed-depth graph step, one step ahead of the host
+        elif self.graph:  # the fixed-depth graph step, one step (or chunk) ahead of the host
             assert not isinstance(decoder, GraphTicker)
-            decode_ahead(self, cache, slots, waiting, decoder)
+            sampling = uniform_sampling(reqs) if self.decode_chunk > 1 else None
+            if sampling is not None:
+                run = decoder if isinstance(decoder, ChunkGraph) \
+                    and decoder.sampling == sampling else None  # fmt: skip
+                if run is None:
+                    run = ChunkGraph(self.model, cache, depth=self.full_depth,
+                                     chunk=self.decode_chunk, mode=self.numerics,
+                                     sampling=sampling, vocab=self.model.vocab_size,
+                                     compile=self.compile)  # fmt: skip
+                    self._kept = (cache, run)
+                    _log.info("torch engine: %d tokens a row per graph replay (%d rows, "
+                              "temperature %s, top_p %s)", run.chunk, len(slots), *sampling[:2])  # fmt: skip
+                decode_chunks(self, cache, slots, waiting, run)
+            else:
+                step = decoder if isinstance(decoder, GraphDecoder) else None
+                decode_ahead(self, cache, slots, waiting, step)
         while waiting or any(s is not None for s in slots):
             done = pending[:]  # logits of the last decode: drawn as the version that made them
             version = self.weight_version
@@ -346,7 +379,8 @@ class TorchEngine(TorchWeights):
             results[r.item][r.sample] = self._record(r)
         return results
 
-    def _cache(self, rows: int, length: int) -> tuple[KVCache, GraphDecoder | GraphTicker | None]:
+    def _cache(self, rows: int, length: int
+               ) -> tuple[KVCache, GraphDecoder | GraphTicker | ChunkGraph | None]:  # fmt: skip
         """The call's KV cache, and its captured decoder: on the graph path, the previous
         call's when the shape is the same (its `filled` cleared: the old K/V are invisible and
         overwritten), so a graph is captured once per shape, not once per call."""

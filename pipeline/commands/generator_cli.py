@@ -345,7 +345,7 @@ def _check_welcome(numerics: str, policy: ExitPolicy | None = None) -> Callable[
 
 def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the keys every engine of this generator is built with, those of its main engine alone:
-    the vLLM engine's inflight_updates, the torch engine's depth_ticks; the FixedDepth engines
+    the vLLM engine's inflight_updates, the torch engine's depth_ticks and decode_chunk; the FixedDepth engines
     of eval.depths run neither)."""
     cfg, _ = for_this_host(cfg)  # (auto keys left: chosen here, as `looprl generator` does)
     common: dict[str, Any] = dict(
@@ -354,7 +354,8 @@ def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]
         seed=cfg.seed,
     )  # fmt: skip
     if cfg.engine == "torch":
-        return common, {"ticks": cfg.depth_ticks, "inflight_updates": cfg.inflight_updates is True}
+        return common, {"ticks": cfg.depth_ticks, "inflight_updates": cfg.inflight_updates is True,
+                        "decode_chunk": cfg.decode_chunk}  # fmt: skip
     return common, {"inflight_updates": cfg.inflight_updates is True}
 
 

@@ -125,7 +125,8 @@ def test_the_generator_key_reaches_the_main_torch_engine_only(tmp_path: Path) ->
     path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
     common, main_only = engine_kwargs(GeneratorConfig(model=str(path), engine="torch",
                                                       depth_ticks=2))  # fmt: skip
-    assert main_only == {"ticks": 2, "inflight_updates": False} and "ticks" not in common
+    assert main_only == {"ticks": 2, "inflight_updates": False, "decode_chunk": 1}
+    assert "ticks" not in common and "decode_chunk" not in common
     eng = TorchEngine(path, exit_policy=LatentDiff(0.45), device="cpu", **common, **main_only)
     assert eng.ticks == 2
     assert engine_kwargs(GeneratorConfig(engine="vllm"))[1] == {"inflight_updates": False}
