@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement chunk learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -300,6 +300,19 @@ if has placement; then  # looprl run with its generator as a thread, then as a p
         done
         g=$(ls /tmp/gpu_placement_$pl/run_*/profile/summary.json 2>/dev/null | head -n 1)
         [ -n "$g" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print("profile:", {k: round(v, 3) for k, v in s.items() if isinstance(v, float)}, {k: round(v["busy_s"], 3) for k, v in s["streams"].items()})' "$g"
+    done
+fi
+if has chunk; then  # generators.decode_chunk: the CUDA test, then one step's generation alone at
+    # 1b 256 x 512 per chunk size (CHUNKS, default "1 8"; gpu_system.py --generation-only)
+    timeout "${T_CHUNK_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+        tests/generator/test_decode_chunk.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
+        tail -n 12 | tee "$LOG/chunk_tests.txt"
+    for c in ${CHUNKS:-1 8}; do
+        timeout "${T_CHUNK:-200}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
+            --prompts 32 --n 8 --tokens 512 --generation-only --out "/tmp/gpu_chunk_$c" \
+            --set "generators.decode_chunk=$c" 2>"$LOG/chunk_$c.err" | tee -a "$LOG/chunk.jsonl"
+        echo "chunk $c rc=${PIPESTATUS[0]}"
+        grep -hE "Error|error:|eager" "$LOG/chunk_$c.err" | grep -v "^\[W" | tail -n 3
     done
 fi
 if has attn; then  # the decode-attention kernel at the 1b run's shape, per launch configuration
