@@ -334,17 +334,26 @@ class TorchEngine(TorchWeights):
         elif self.graph:  # the fixed-depth graph step, one step (or chunk) ahead of the host
             assert not isinstance(decoder, GraphTicker)
             sampling = uniform_sampling(reqs) if self.decode_chunk > 1 else None
+            run = None
             if sampling is not None:
                 run = decoder if isinstance(decoder, ChunkGraph) \
                     and decoder.sampling == sampling else None  # fmt: skip
                 if run is None:
-                    run = ChunkGraph(self.model, cache, depth=self.full_depth,
-                                     chunk=self.decode_chunk, mode=self.numerics,
-                                     sampling=sampling, vocab=self.model.vocab_size,
-                                     compile=self.compile)  # fmt: skip
-                    self._kept = (cache, run)
-                    _log.info("torch engine: %d tokens a row per graph replay (%d rows, "
-                              "temperature %s, top_p %s)", run.chunk, len(slots), *sampling[:2])  # fmt: skip
+                    try:  # (a RoPE table over the cache's positions: Huginn's has a bound)
+                        run = ChunkGraph(self.model, cache, depth=self.full_depth,
+                                         chunk=self.decode_chunk, mode=self.numerics,
+                                         sampling=sampling, vocab=self.model.vocab_size,
+                                         compile=self.compile)  # fmt: skip
+                    except ValueError as e:
+                        _log.warning("torch engine: decode_chunk %d not used (%s); one token a "
+                                     "replay", self.decode_chunk, e)  # fmt: skip
+                        self.decode_chunk = 1
+                    else:
+                        self._kept = (cache, run)
+                        _log.info("torch engine: %d tokens a row per graph replay (%d rows, "
+                                  "temperature %s, top_p %s)", run.chunk, len(slots),
+                                  *sampling[:2])  # fmt: skip
+            if run is not None:
                 decode_chunks(self, cache, slots, waiting, run)
             else:
                 step = decoder if isinstance(decoder, GraphDecoder) else None

@@ -189,3 +189,27 @@ def test_looprl_run_with_chunks_trains(tmp_path: Path) -> None:
     log = (run_dir / "logs" / "gen0.log").read_text()
     assert "torch engine: 4 tokens a row per graph replay" in log, log[-2000:]
     assert "serving weights v1" in log
+
+
+def test_a_chunk_graph_that_cannot_be_built_falls_back_to_one_token_a_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RoPE table the model refuses (Huginn's position bound, say): logged, the call decodes
+    one token a replay with the same records."""
+    import generator.torch_engine.engine as engine_mod
+
+    class Refused(ChunkGraph):
+        def __init__(self, *_a: object, **_k: object) -> None:
+            raise ValueError("position 70 is beyond block_size 64")
+
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    items = _items(1.0, 1.0)
+    want = _engine(path, 1).generate(items)
+    monkeypatch.setattr(engine_mod, "ChunkGraph", Refused)
+    eng = _engine(path, 4)
+    with caplog.at_level("WARNING", logger="generator.torch_engine.engine"):
+        out = eng.generate(items)
+    assert "decode_chunk 4 not used (position 70 is beyond block_size 64)" in caplog.text
+    assert eng.decode_chunk == 1
+    for a, b in zip(out, want, strict=True):
+        assert [s.tokens.tolist() for s in a] == [s.tokens.tolist() for s in b]
