@@ -213,3 +213,51 @@ def test_a_chunk_graph_that_cannot_be_built_falls_back_to_one_token_a_replay(
     assert eng.decode_chunk == 1
     for a, b in zip(out, want, strict=True):
         assert [s.tokens.tolist() for s in a] == [s.tokens.tolist() for s in b]
+
+
+def test_a_version_swapped_in_between_two_chunks(tmp_path: Path) -> None:
+    """inflight_updates on the chunked path: a version loaded during the 2nd chunk is swapped in
+    before the 3rd; every token of a chunk records the version its replay ran with: the old
+    weights' tokens bit for bit before, different after."""
+    import threading
+
+    from models.checkpoint import load_checkpoint
+    from tests.generator.update_utils import perturbed
+    from weights.digest import digest_of_state
+    from weights.verified import VerifiedWeights
+
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    _, state = load_checkpoint(path)
+    new = perturbed(state, seed=7)
+    items = [work_item(prompts(1, [5], seed=3)[0], [21, 22], temperature=1.0, max_tokens=13,
+                       name="long")]  # fmt: skip
+    old_only = _engine(path, 3).generate(items)[0]
+    eng = TorchEngine(path, numerics="exact", max_num_seqs=2, device="cpu", graph=True,
+                      inflight_updates=True, decode_chunk=3)  # fmt: skip
+    runs: list[int] = []
+    real_run = ChunkGraph.run
+
+    def counting(self: ChunkGraph) -> None:
+        real_run(self)
+        runs.append(eng.weight_version)
+        if len(runs) == 2:
+            t = threading.Thread(target=eng.load_weights,
+                                 args=(VerifiedWeights.of(new, 1, digest_of_state(new)),))  # fmt: skip
+            t.start()
+            t.join()
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ChunkGraph, "run", counting)
+    try:
+        mixed = eng.generate(items)[0]
+    finally:
+        mp.undo()
+    assert runs[:3] == [0, 0, 1] and eng.weight_version == 1
+    for s_old, s_mix in zip(old_only, mixed, strict=True):
+        v = s_mix.token_versions.tolist()
+        # the first token comes from the prefill, then chunks of 3: tokens 1..6 at v0
+        assert v[:7] == [0] * 7 and set(v[7:]) == {1}, v
+        assert s_mix.tokens[:7].tolist() == s_old.tokens[:7].tolist()
+        np.testing.assert_array_equal(s_mix.logprobs[:7], s_old.logprobs[:7])
+        diff = np.abs(s_mix.logprobs[7:] - s_old.logprobs[7 : len(s_mix.logprobs)])
+        assert float(diff.max()) > 1e-4
