@@ -3,12 +3,13 @@
 samples alike).
 
 One token a replay (generator.torch_engine.ahead) leaves the host a turn per token: read the
-positions, build the RoPE rows and the latent noise, replay, draw, copy back, file. At a 1b
-shape that is ~1 ms of host work against a ~9 ms decode step, hidden by the look-ahead when the
-process has the host to itself, but not when another thread of it wants the interpreter too
-(generators.placement=thread: the learner's compiled step launches from Python): each of a
-step's ~50 interpreter turns can wait for the other thread. Here ``chunk`` steps run in one
-replay with no host work between them:
+positions, build the RoPE rows and the latent noise, replay, draw, copy back, file (a few dozen
+torch calls and a loop over the rows). Before the look-ahead that host work left the card idle
+for 1.4 s of a 4.9 s generation at 1b (docs/PERFORMANCE.md); the look-ahead hides it while the
+process has the interpreter to itself, not when another thread of it wants the interpreter too
+(generators.placement=thread: the learner's compiled step launches from Python), where each
+of those calls can wait for the other thread. Here ``chunk`` steps run in one replay with no
+host work between them:
 
     for each of the chunk's steps (all on the device, captured once):
         p      = min(position, length - 1)               (a row past its end stays in its row)
