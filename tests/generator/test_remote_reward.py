@@ -43,8 +43,12 @@ class Handler(BaseHTTPRequestHandler):
             n = s.requests
             s.in_flight += 1
             s.max_in_flight = max(s.max_in_flight, s.in_flight)
+        done = False
         try:
             time.sleep(s.delay_s)
+            with s.lock:  # done before the answer leaves: a client that has it may send the
+                s.in_flight -= 1  # next request before this thread runs again (a loaded host)
+                done = True
             if n <= s.fail_first:
                 code, out = 500, b"boom"
             elif s.garbage:
@@ -60,8 +64,9 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client timed out and left
         finally:
-            with s.lock:
-                s.in_flight -= 1
+            if not done:
+                with s.lock:
+                    s.in_flight -= 1
 
 
 @pytest.fixture
