@@ -279,10 +279,11 @@ fi
 if has placement; then  # looprl run with its generator as a thread, then as a process: one card
     # (generators.placement; gpu_system.py --skip-parts; PLACEMENT_STEPS steps, the first 2 untimed)
     # PLACEMENTS (default "thread process"); PLACEMENT_PROFILE=A:B profiles steps A..B of each
-    # run (metrics.profile_steps: its summary.json and kernel table come back)
+    # run (metrics.profile_steps: its summary.json and kernel table come back); PLACEMENT_SET:
+    # more KEY=VALUE for every run (e.g. "generators.decode_chunk=8")
     for pl in ${PLACEMENTS:-thread process}; do
-        prof=()
-        [ -n "${PLACEMENT_PROFILE:-}" ] && prof=("metrics.profile_steps=[${PLACEMENT_PROFILE/:/,}]")
+        prof=(${PLACEMENT_SET:-})
+        [ -n "${PLACEMENT_PROFILE:-}" ] && prof+=("metrics.profile_steps=[${PLACEMENT_PROFILE/:/,}]")
         timeout "${T_PLACEMENT:-270}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
             --prompts 32 --n 8 --tokens 512 --steps "${PLACEMENT_STEPS:-6}" --warmup 2 \
             --timeout 250 --skip-parts --out "/tmp/gpu_placement_$pl" \
