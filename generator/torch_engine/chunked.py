@@ -36,7 +36,6 @@ there decodes one token a replay (`uniform_sampling`).
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -45,14 +44,11 @@ import torch
 from torch import Tensor
 
 from models.engine.chunk import KVCache, _seed_tensor
-from models.engine.graph import compiled_regions, decode_step
+from models.engine.graph import captured, compiled_regions, decode_step, warm_on_side
 from models.noise import latent_noise_torch
 from models.reference import behaviour_logprobs
 from models.sampling import draw_keys
 from models.seeds import seed_to_i64
-from models.untraced import untraced
-
-_log = logging.getLogger(__name__)
 
 __all__ = ["ChunkGraph", "decode_chunks", "uniform_sampling"]
 
@@ -126,40 +122,24 @@ class ChunkGraph:
         self._graph.replay()
 
     def _capture(self) -> None:
-        dev = self.cache.filled.device
         kept = [t.clone() for t in (self.tokens, self.positions, self.steps)]
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-ups write this chunk's K/V as the replay will
-            try:
-                untraced(self._warm)
-            except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
-                if self.regions is None:
-                    raise
-                _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
-                             exc)  # fmt: skip
-                self.regions = None
-                self._reset(kept)
-                self._warm()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self._reset(kept)  # the warm-ups' feed undone: the replay starts where the host put it
-        self._graph = untraced(self._captured)
 
-    def _warm(self) -> None:
-        kept = [t.clone() for t in (self.tokens, self.positions, self.steps)]
-        for _ in range(self.warmup):
-            self._reset(kept)
-            self._run()
+        def warm() -> None:  # each warm-up writes this chunk's K/V as the replay will
+            for _ in range(self.warmup):
+                self._reset(kept)
+                self._run()
+
+        def drop_compiled() -> bool:
+            had, self.regions = self.regions is not None, None
+            return had
+
+        warm_on_side(self.cache.filled.device, warm, drop_compiled)
+        self._reset(kept)  # the warm-ups' feed undone: the replay starts where the host put it
+        self._graph, _ = captured(self._run)
 
     def _reset(self, kept: list[Tensor]) -> None:
         for t, k in zip((self.tokens, self.positions, self.steps), kept, strict=True):
             t.copy_(k)
-
-    def _captured(self) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (models.engine.graph)
-            self._run()
-        return graph
 
 
 @dataclass

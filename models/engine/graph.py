@@ -38,8 +38,8 @@ decoder. One decoder per cache; the capture happens at the first step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
@@ -59,6 +59,8 @@ from models.engine.chunk import (
 )
 from models.noise import latent_noise, latent_noise_torch
 from models.untraced import untraced
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from models.base import LoopedLM
@@ -106,6 +108,42 @@ def decode_step(
 
 
 _log = logging.getLogger(__name__)
+
+
+def warm_on_side(dev: torch.device, warm: Callable[[], None],
+                 drop_compiled: Callable[[], bool]) -> None:  # fmt: skip
+    """``warm()`` on a side stream before a capture (as torch documents), once no other thread
+    of the process traces (models.untraced); if it fails, ``drop_compiled()`` switches the
+    caller to its eager blocks (False: there were none, and the error is raised), a warning is
+    logged and ``warm()`` runs again. The current stream then waits for the side stream."""
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        try:
+            untraced(warm)
+        except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
+            if not drop_compiled():
+                raise
+            _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
+                         exc)  # fmt: skip
+            warm()
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+
+def captured(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``body`` captured in a CUDA graph (once no other thread traces) and what it returned
+    (its static outputs). thread_local: another thread of the process (the learner's, beside a
+    generator thread) may allocate or synchronize while this one captures."""
+
+    def capture() -> tuple[torch.cuda.CUDAGraph, T]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = body()
+        return graph, out
+
+    return untraced(capture)
+
+
 _REGIONS: list[Regions] = []
 
 
@@ -188,34 +226,16 @@ class GraphDecoder:
         )  # fmt: skip
 
     def _capture(self) -> None:
-        dev = self.cache.filled.device
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            try:  # (untraced: not while another thread compiles, models.untraced)
-                untraced(self._warm)
-            except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
-                if self.regions is None:
-                    raise
-                _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
-                             exc)  # fmt: skip
-                self.regions = None
-                for _ in range(self.warmup):
-                    self._run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self._graph = untraced(self._captured)
+        def drop_compiled() -> bool:
+            had, self.regions = self.regions is not None, None
+            return had
+
+        warm_on_side(self.cache.filled.device, self._warm, drop_compiled)
+        self._graph, self._out = captured(self._run)
 
     def _warm(self) -> None:
         for _ in range(self.warmup):
             self._run()
-
-    def _captured(self) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread of the process (the learner's, beside a generator
-        # thread) may allocate or synchronize while this one captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._out = self._run()
-        return graph
 
     @torch.no_grad()
     def step(self, tokens: Tensor, positions: Tensor) -> ChunkOut:
@@ -247,4 +267,4 @@ class GraphDecoder:
         return self._out
 
 
-__all__ = ["GraphDecoder", "compiled_regions", "decode_step"]
+__all__ = ["GraphDecoder", "captured", "compiled_regions", "decode_step", "warm_on_side"]

@@ -56,7 +56,6 @@ path; slower than `Ticker` there, which computes only the iterating rows).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,15 +63,13 @@ from torch import Tensor
 
 from models import numerics as nx
 from models.engine.chunk import EngineModel, KVCache, Regions, _key_mask, _post, _qkv, _seed_tensor
+from models.engine.graph import captured, warm_on_side
 from models.engine.kv import carry_exits, write_rows
 from models.engine.tickdecide import compiled_decide, decide, first_rows
 from models.engine.ticks import Ticker
 from models.exits import ExitPolicy, OuroGate, needs_gate, needs_logits
 from models.layers import Block
 from models.noise import latent_noise_torch
-from models.untraced import untraced
-
-_log = logging.getLogger(__name__)
 
 
 def graph_policy(policy: ExitPolicy | None) -> bool:
@@ -369,37 +366,21 @@ class GraphTicker(Ticker):
         self.state.copy_(torch.where(w[:, None], s0, self.state))
 
     def _capture(self, key: object) -> None:
-        dev = self.cache.filled.device
         live = self.live.clone()
         self.live.zero_()  # warm-up (compiles) with every row idle: it changes nothing
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            try:  # (untraced: not while another thread compiles, models.untraced)
-                untraced(lambda: self._warm(key))
-            except Exception as exc:  # noqa: BLE001  (compilation failed: the eager blocks)
-                if self.regions is None:
-                    raise
-                _log.warning("compiled blocks failed (%s: %s); eager blocks", type(exc).__name__,
-                             exc)  # fmt: skip
-                self.regions, self._decide = None, decide
-                for _ in range(self.warmup):
-                    self._body(key)
-        torch.cuda.current_stream(dev).wait_stream(side)
+
+        def drop_compiled() -> bool:
+            had = self.regions is not None
+            self.regions, self._decide = None, decide
+            return had
+
+        warm_on_side(self.cache.filled.device, lambda: self._warm(key), drop_compiled)
         self.live.copy_(live)
-        self._graphs[key] = untraced(lambda: self._captured(key))
+        self._graphs[key], _ = captured(lambda: self._body(key))
 
     def _warm(self, key: object) -> None:
         for _ in range(self.warmup):
             self._body(key)
-
-    def _captured(self, key: object) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread of the process (the learner's, beside a generator
-        # thread) may allocate or synchronize while this one captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._body(key)
-        return graph
 
     def _tick(self) -> None:
         """One core iteration of every row (module doc); static buffers updated in place."""

@@ -203,3 +203,50 @@ def test_compiled_regions_match_the_eager_step(device: str) -> None:
     with pytest.raises(ValueError, match="fast numerics only"):
         GraphDecoder(model, KVCache.empty(model, 2, 8, 1), [1, 2], depth=1, mode="exact",
                      compile=True)  # fmt: skip
+
+
+def test_the_capture_helpers_fall_back_once_and_capture_the_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """models.engine.graph.warm_on_side / captured, the one capture path of GraphDecoder,
+    GraphTicker and the torch engine's ChunkGraph (the CUDA calls stood in for: this is the
+    order and the fallback): a failing warm-up drops the compiled blocks and warms again; with
+    none to drop the error is raised; the body runs inside the graph and its value comes back."""
+    import contextlib
+
+    from models.engine import graph as g
+
+    calls: list[str] = []
+
+    class FakeStream:
+        def __init__(self, device: object = None) -> None:
+            pass
+
+        def wait_stream(self, other: object) -> None:
+            calls.append("wait")
+
+    monkeypatch.setattr(g.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(g.torch.cuda, "current_stream", lambda dev=None: FakeStream())
+    monkeypatch.setattr(g.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(g.torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(g.torch.cuda, "graph", lambda graph, capture_error_mode: (
+        calls.append(f"capture {capture_error_mode}") or contextlib.nullcontext()))  # fmt: skip
+    compiled = {"on": True}
+
+    def warm() -> None:
+        calls.append("warm compiled" if compiled["on"] else "warm eager")
+        if compiled["on"]:
+            raise RuntimeError("inductor failed")
+
+    def drop() -> bool:
+        had, compiled["on"] = compiled["on"], False
+        return had
+
+    g.warm_on_side(torch.device("cpu"), warm, drop)
+    assert calls == ["wait", "warm compiled", "warm eager", "wait"]
+    compiled["on"] = True
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        g.warm_on_side(torch.device("cpu"), warm, lambda: False)  # nothing to drop: raised
+    calls.clear()
+    graph, out = g.captured(lambda: calls.append("body") or 7)
+    assert (graph, out) == ("graph", 7) and calls == ["capture thread_local", "body"]
