@@ -37,7 +37,7 @@ from models.reference import behaviour_logprobs
 from models.sampling import draw_keys
 from models.seeds import seed_to_i64
 
-__all__ = ["decode_ahead"]
+__all__ = ["Flight", "decode_ahead", "file_tokens", "refill"]
 
 
 @dataclass
@@ -51,13 +51,59 @@ class _Sampler:
 
 
 @dataclass
-class _Flight:
-    """A launched step whose tokens the host has not filed yet."""
+class Flight:
+    """A launched step (or chunk of steps, generator.torch_engine.chunked) whose tokens the
+    host has not filed yet."""
 
     rows: list[Any]  # the request of each row at launch (None: idle)
-    back: torch.Tensor  # float64 [2, B] on the host: tokens, their log-probs
+    back: torch.Tensor  # float64 [2, k, B] on the host: k steps' tokens, their log-probs
     event: Any  # a CUDA event after the copy (None on the CPU: copied already)
-    version: int  # the weight version of the step's forward
+    version: int  # the weight version of the forward
+
+    @classmethod
+    def launched(cls, rows: list[Any], back: torch.Tensor, version: int, cuda: bool) -> Flight:
+        """The flight whose copies into the pinned ``back`` were just enqueued: on CUDA with
+        an event recorded after them."""
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return cls(rows, back, event, version)
+
+
+def file_tokens(eng: Any, flight: Flight | None, slots: list[Any]) -> None:
+    """The tokens of ``flight`` into its rows' requests, step by step; a request that
+    finishes frees its slot and its later tokens are dropped (a row that finished before the
+    launch is not in ``rows``: idle)."""
+    if flight is None:
+        return
+    if flight.event is not None:
+        flight.event.synchronize()
+    toks, lps = flight.back.tolist()
+    for b, r in enumerate(flight.rows):
+        if r is None:
+            continue
+        for j in range(len(toks)):
+            if r.finish:  # finished at an earlier step: its output dropped
+                break
+            r.depths.append(eng.full_depth)
+            if r.take(int(toks[j][b]), lps[j][b], flight.version) and slots[b] is r:
+                slots[b] = None
+
+
+def refill(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any]) -> bool:
+    """Free slots take waiting requests, prefilled with their first tokens drawn; a request
+    that first token finishes frees its slot again. Whether any slot holds a request."""
+    bsz = len(slots)
+    free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
+    for b in free:
+        slots[b] = waiting.popleft()
+    if free:
+        eng._sample_rows(slots, eng._prefill(cache, slots, free))
+    for b in range(bsz):
+        if slots[b] is not None and slots[b].finish:
+            slots[b] = None
+    return any(s is not None for s in slots)
 
 
 def _sampler(slots: list[Any], device: torch.device) -> _Sampler:
@@ -102,21 +148,6 @@ def _draw(eng: Any, logits: torch.Tensor, smp: _Sampler) -> tuple[torch.Tensor, 
     return toks, picked
 
 
-def _file(eng: Any, flight: _Flight | None, slots: list[Any]) -> None:
-    """The tokens of ``flight`` into its rows' requests; a finished request frees its slot."""
-    if flight is None:
-        return
-    if flight.event is not None:
-        flight.event.synchronize()
-    toks, lps = flight.back.tolist()
-    for b, r in enumerate(flight.rows):
-        if r is None or r.finish:  # idle, or finished one step ago: its output dropped
-            continue
-        r.depths.append(eng.full_depth)
-        if r.take(int(toks[b]), lps[b], flight.version) and slots[b] is r:
-            slots[b] = None
-
-
 def decode_ahead(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any],
                  decoder: GraphDecoder | None) -> GraphDecoder | None:  # fmt: skip
     """Decode every request in ``slots`` and ``waiting`` (a TorchEngine's, ``eng``; typed
@@ -126,29 +157,20 @@ def decode_ahead(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any]
     bsz, dev = len(slots), eng.device
     length = int(cache.filled.shape[1])
     cuda = dev.type == "cuda"
-    backs = [torch.zeros(2, bsz, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
+    backs = [torch.zeros(2, 1, bsz, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
     tok_d = torch.zeros(bsz, dtype=torch.int64, device=dev)
     pos = [0] * bsz  # the position each row is fed at next (the host's count)
     smp: _Sampler | None = None
-    flight: _Flight | None = None
+    flight: Flight | None = None
     turn = 0
     while True:
         if eng.inflight_updates:
             eng._apply_swap()  # a version loaded meanwhile: in before the next forward
         free = [b for b in range(bsz) if slots[b] is None]
         if smp is None or (free and waiting):  # (re)fill: file the step in flight first
-            _file(eng, flight, slots)
+            file_tokens(eng, flight, slots)
             flight = None
-            free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
-            for b in free:
-                slots[b] = waiting.popleft()
-            if free:
-                eng._sample_rows(slots, eng._prefill(cache, slots, free))
-            for b in range(bsz):  # a first token may finish its request
-                if slots[b] is not None and slots[b].finish:
-                    slots[b] = None
-            live = [s is not None for s in slots]
-            if not any(live):
+            if not refill(eng, cache, slots, waiting):
                 if waiting:
                     continue
                 return decoder
@@ -157,7 +179,7 @@ def decode_ahead(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any]
             pos = [len(s.prompt) + len(s.tokens) - 1 if s is not None else 0 for s in slots]
         rows = [s if s is not None and not s.finish else None for s in slots]
         if not any(r is not None for r in rows):
-            _file(eng, flight, slots)
+            file_tokens(eng, flight, slots)
             flight = None
             if not waiting and all(s is None for s in slots):
                 return decoder
@@ -175,14 +197,10 @@ def decode_ahead(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any]
         tok_d.copy_(toks)  # the next step's input, on the device
         back = backs[turn % 2]
         turn += 1
-        back[0].copy_(toks, non_blocking=cuda)
-        back[1].copy_(picked, non_blocking=cuda)
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        launched = _Flight(rows, back, event, int(eng.weight_version))
-        _file(eng, flight, slots)  # the previous step's, while this one runs
+        back[0, 0].copy_(toks, non_blocking=cuda)
+        back[1, 0].copy_(picked, non_blocking=cuda)
+        launched = Flight.launched(rows, back, int(eng.weight_version), cuda)
+        file_tokens(eng, flight, slots)  # the previous step's, while this one runs
         flight = launched
         for b in range(bsz):
             if rows[b] is not None:

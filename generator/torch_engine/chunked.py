@@ -37,12 +37,12 @@ there decodes one token a replay (`uniform_sampling`).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from generator.torch_engine.ahead import Flight, file_tokens, refill
 from models.engine.chunk import KVCache, _seed_tensor
 from models.engine.graph import captured, compiled_regions, decode_step, warm_on_side
 from models.noise import latent_noise_torch
@@ -142,35 +142,6 @@ class ChunkGraph:
             t.copy_(k)
 
 
-@dataclass
-class _Flight:
-    """A launched chunk whose tokens the host has not filed yet."""
-
-    rows: list[Any]  # the request of each row at launch (None: idle or finished)
-    back: Tensor  # float64 [2, chunk, B] on the host
-    event: Any  # a CUDA event after the copy (None on the CPU: copied already)
-    version: int
-
-
-def _file(eng: Any, flight: _Flight | None, slots: list[Any]) -> None:
-    """A chunk's tokens into its rows' requests, in order; a request that finishes frees its
-    slot and its later tokens are dropped."""
-    if flight is None:
-        return
-    if flight.event is not None:
-        flight.event.synchronize()
-    toks, lps = flight.back.tolist()
-    for b, r in enumerate(flight.rows):
-        if r is None:
-            continue
-        for j in range(len(toks)):
-            if r.finish:
-                break
-            r.depths.append(eng.full_depth)
-            if r.take(int(toks[j][b]), lps[j][b], flight.version) and slots[b] is r:
-                slots[b] = None
-
-
 def decode_chunks(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any],
                   run: ChunkGraph) -> None:  # fmt: skip
     """Decode every request in ``slots`` and ``waiting`` (a TorchEngine's, ``eng``) on
@@ -179,24 +150,16 @@ def decode_chunks(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any
     cuda = dev.type == "cuda"
     backs = [torch.zeros(2, run.chunk, bsz, dtype=torch.float64, pin_memory=cuda)
              for _ in range(2)]  # fmt: skip
-    flight: _Flight | None = None
+    flight: Flight | None = None
     fresh = True  # the device state is to be built from the requests
     turn = 0
     while True:
         if eng.inflight_updates:
             eng._apply_swap()  # a version loaded meanwhile: in before the next replay
         if fresh or (waiting and any(s is None for s in slots)):
-            _file(eng, flight, slots)  # (re)fill: the chunk in flight filed first
+            file_tokens(eng, flight, slots)  # (re)fill: the chunk in flight filed first
             flight = None
-            free = [b for b in range(bsz) if slots[b] is None][: len(waiting)]
-            for b in free:
-                slots[b] = waiting.popleft()
-            if free:
-                eng._sample_rows(slots, eng._prefill(cache, slots, free))
-            for b in range(bsz):  # a first token may finish its request
-                if slots[b] is not None and slots[b].finish:
-                    slots[b] = None
-            if all(s is None for s in slots):
+            if not refill(eng, cache, slots, waiting):
                 if waiting:
                     continue
                 return
@@ -204,7 +167,7 @@ def decode_chunks(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any
             fresh = False
         rows = [s if s is not None and not s.finish else None for s in slots]
         if all(r is None for r in rows):
-            _file(eng, flight, slots)
+            file_tokens(eng, flight, slots)
             flight = None
             if not waiting and all(s is None for s in slots):
                 return
@@ -214,12 +177,8 @@ def decode_chunks(eng: Any, cache: KVCache, slots: list[Any], waiting: deque[Any
         back = backs[turn % 2]
         turn += 1
         back.copy_(run.out, non_blocking=cuda)
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        launched = _Flight(rows, back, event, int(eng.weight_version))
-        _file(eng, flight, slots)  # the previous chunk's, while this one runs
+        launched = Flight.launched(rows, back, int(eng.weight_version), cuda)
+        file_tokens(eng, flight, slots)  # the previous chunk's, while this one runs
         flight = launched
 
 
