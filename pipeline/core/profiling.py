@@ -88,10 +88,11 @@ def trace_summary(events: list[dict[str, Any]], window_s: float, top: int = 8) -
         per_stream.setdefault(key, []).append((a, b))
         by_name = names.setdefault(key, {})
         by_name[e.get("name", "?")] = by_name.get(e.get("name", "?"), 0.0) + (b - a) / 1e6
+    busy_of = {key: union_s(ivs) for key, ivs in per_stream.items()}
     streams = {}
-    for key, ivs in sorted(per_stream.items(), key=lambda kv: -union_s(kv[1])):
+    for key in sorted(per_stream, key=lambda k: -busy_of[k]):  # the busiest stream first
         ranked = sorted(names[key].items(), key=lambda kv: -kv[1])[:top]
-        streams[key] = {"busy_s": union_s(ivs), "kernels": len(ivs),
+        streams[key] = {"busy_s": busy_of[key], "kernels": len(per_stream[key]),
                         "top": [[name[:120], round(s, 6)] for name, s in ranked]}  # fmt: skip
     busy = union_s(iv for ivs in per_stream.values() for iv in ivs)
     overlap = at_least_two_s(per_stream)
