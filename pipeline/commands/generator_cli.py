@@ -345,8 +345,8 @@ def _check_welcome(numerics: str, policy: ExitPolicy | None = None) -> Callable[
 
 def engine_kwargs(cfg: GeneratorConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the keys every engine of this generator is built with, those of its main engine alone:
-    the vLLM engine's inflight_updates, the torch engine's depth_ticks and decode_chunk; the FixedDepth engines
-    of eval.depths run neither)."""
+    the vLLM engine's inflight_updates, the torch engine's depth_ticks and decode_chunk; the
+    FixedDepth engines of eval.depths run none of them)."""
     cfg, _ = for_this_host(cfg)  # (auto keys left: chosen here, as `looprl generator` does)
     common: dict[str, Any] = dict(
         numerics=cfg.numerics, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
