@@ -300,7 +300,7 @@ if has placement; then  # looprl run with its generator as a thread, then as a p
             [ -n "$g" ] && cp "$g" "$LOG/placement_${pl}_profile_$p"
         done
         g=$(ls /tmp/gpu_placement_$pl/run_*/profile/summary.json 2>/dev/null | head -n 1)
-        [ -n "$g" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print("profile:", {k: round(v, 3) for k, v in s.items() if isinstance(v, float)}, {k: round(v["busy_s"], 3) for k, v in s["streams"].items()})' "$g"
+        [ -n "$g" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print("profile:", {k: round(v, 3) for k, v in s.items() if isinstance(v, float)}, {k: round(v["busy_s"], 3) for k, v in s["streams"].items()}, {k: {a: round(b, 3) for a, b in v.items()} for k, v in list(s.get("threads", {}).items())[:6]})' "$g"
     done
 fi
 if has chunk; then  # generators.decode_chunk: the CUDA test, then one step's generation alone at

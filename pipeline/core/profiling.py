@@ -13,7 +13,7 @@ and writes ``RUN_DIR/profile/``:
   seconds (the union of its kernels' and copies' intervals), kernel count and top kernels by
   time, ``busy_s`` (the union over streams: the card doing anything), ``overlap_s`` (seconds
   during which two or more streams ran at once) and ``busy_fraction`` / ``overlap_fraction`` of
-  the window.
+  the window; ``threads``: per host thread, its seconds in torch ops and waiting for the card.
 
 A generator in a process of its own (``generators.placement=process``) is another process: its
 kernels are not in this trace (its own time is the rows' ``time/generation``); with
@@ -98,7 +98,32 @@ def trace_summary(events: list[dict[str, Any]], window_s: float, top: int = 8) -
     overlap = at_least_two_s(per_stream)
     w = max(window_s, 1e-9)
     return {"window_s": window_s, "busy_s": busy, "overlap_s": overlap,
-            "busy_fraction": busy / w, "overlap_fraction": overlap / w, "streams": streams}  # fmt: skip
+            "busy_fraction": busy / w, "overlap_fraction": overlap / w, "streams": streams,
+            "threads": host_threads(events)}  # fmt: skip
+
+
+def host_threads(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per host thread of the trace (its name where the trace names it, else its id): the
+    seconds it spent in torch ops (``op_s``: the union of its ``cpu_op`` intervals), its op
+    count, and the seconds it waited for the card (``sync_s``: its ``cuda_sync`` intervals).
+    A generator thread whose ops are few and short while its stream idles was waiting for the
+    interpreter, not the card."""
+    named = {str(e.get("tid")): str((e.get("args") or {}).get("name", ""))
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
+    ops: dict[str, list[tuple[float, float]]] = {}
+    syncs: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "cuda_sync"):
+            continue
+        a = float(e["ts"])
+        into = ops if e["cat"] == "cpu_op" else syncs
+        into.setdefault(str(e.get("tid", "?")), []).append((a, a + float(e.get("dur", 0.0))))
+    out = {}
+    for tid in sorted(set(ops) | set(syncs), key=lambda t: -len(ops.get(t, []))):
+        label = f"{named[tid]} ({tid})" if named.get(tid) else tid
+        out[label] = {"op_s": union_s(ops.get(tid, [])), "ops": len(ops.get(tid, [])),
+                      "sync_s": union_s(syncs.get(tid, []))}  # fmt: skip
+    return out
 
 
 def _all_threads() -> Any:
@@ -176,4 +201,4 @@ class StepProfiler:
                  window, self.summary["busy_s"], self.summary["overlap_s"], self.out)  # fmt: skip
 
 
-__all__ = ["StepProfiler", "at_least_two_s", "trace_summary", "union_s"]
+__all__ = ["StepProfiler", "at_least_two_s", "host_threads", "trace_summary", "union_s"]

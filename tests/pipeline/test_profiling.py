@@ -7,7 +7,7 @@ import pytest
 
 from models.errors import ConfigError
 from pipeline.config.run import load_config
-from pipeline.core.profiling import at_least_two_s, trace_summary, union_s
+from pipeline.core.profiling import at_least_two_s, host_threads, trace_summary, union_s
 
 
 def test_union_counts_overlaps_once() -> None:
@@ -53,6 +53,22 @@ def test_trace_summary_per_stream() -> None:
     assert s["overlap_s"] == pytest.approx(0.2)  # 0.3-0.4 and 0.5-0.6
     assert s["busy_fraction"] == pytest.approx(0.75) and s["overlap_fraction"] == pytest.approx(0.2)
     assert list(s["streams"])[0] == "0:7"  # the busiest stream first
+
+
+def test_host_threads() -> None:
+    events = [
+        {"ph": "M", "name": "thread_name", "tid": 11, "args": {"name": "gen0"}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 11, "ts": 0, "dur": 100_000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "tid": 11, "ts": 50_000, "dur": 100_000},
+        {"ph": "X", "cat": "cuda_sync", "name": "Event Sync", "tid": 11, "ts": 200_000, "dur": 300_000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 22, "ts": 0, "dur": 10_000},
+        _kernel(7, 0, 400_000),  # device work: not a thread's
+    ]  # fmt: skip
+    th = host_threads(events)
+    assert list(th) == ["gen0 (11)", "22"]  # named where the trace names it; most ops first
+    assert th["gen0 (11)"] == {"op_s": pytest.approx(0.15), "ops": 2, "sync_s": pytest.approx(0.3)}
+    assert th["22"] == {"op_s": pytest.approx(0.01), "ops": 1, "sync_s": 0.0}
+    assert trace_summary(events, window_s=1.0)["threads"] == th
 
 
 @pytest.mark.parametrize("bad", ["[3, 2]", "[0, 2]", "[2]", "[1, 2, 3]"])
