@@ -299,6 +299,8 @@ if has placement; then  # looprl run with its generator as a thread, then as a p
             g=$(ls /tmp/gpu_placement_$pl/run_*/profile/$p 2>/dev/null | head -n 1)
             [ -n "$g" ] && cp "$g" "$LOG/placement_${pl}_profile_$p"
         done
+        g=$(ls /tmp/gpu_placement_$pl/run_*/profile/trace.json.gz 2>/dev/null | head -n 1)
+        [ -n "$g" ] && [ "$(stat -c %s "$g")" -lt 15000000 ] && cp "$g" "$LOG/placement_${pl}_trace.json.gz"
         g=$(ls /tmp/gpu_placement_$pl/run_*/profile/summary.json 2>/dev/null | head -n 1)
         [ -n "$g" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print("profile:", {k: round(v, 3) for k, v in s.items() if isinstance(v, float)}, {k: round(v["busy_s"], 3) for k, v in s["streams"].items()}, {k: {a: round(b, 3) for a, b in v.items()} for k, v in list(s.get("threads", {}).items())[:6]})' "$g"
     done
