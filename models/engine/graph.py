@@ -38,6 +38,7 @@ decoder. One decoder per cache; the capture happens at the first step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -130,10 +131,30 @@ def warm_on_side(dev: torch.device, warm: Callable[[], None],
     torch.cuda.current_stream(dev).wait_stream(side)
 
 
-def captured(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+class CaptureFailed(RuntimeError):
+    """A capture invalidated every time it was tried (``captured``): the caller decodes eagerly."""
+
+
+CAPTURE_ATTEMPTS = 4
+"""How often ``captured`` tries a capture another thread's work invalidated."""
+
+
+def _invalidated(exc: BaseException) -> bool:
+    """A CUDA error of a capture sequence (``cudaErrorStreamCaptureInvalidated`` "operation
+    failed due to a previous error during capture", ``...Unsupported`` "not permitted when
+    stream is capturing", ...): another thread's synchronizing call, not the body's fault."""
+    return "captur" in str(exc).lower()
+
+
+def captured(body: Callable[[], T], *, attempts: int = CAPTURE_ATTEMPTS,
+             pause_s: float = 0.2) -> tuple[torch.cuda.CUDAGraph, T]:  # fmt: skip
     """``body`` captured in a CUDA graph (once no other thread traces) and what it returned
     (its static outputs). thread_local: another thread of the process (the learner's, beside a
-    generator thread) may allocate or synchronize while this one captures."""
+    generator thread) may allocate or synchronize while this one captures. Such a call can
+    still invalidate the capture (a device-wide synchronization, a free: seen on an H100 with
+    the learner training beside a generator thread), so an invalidated capture is tried again
+    after a pause, ``attempts`` times in all; then ``CaptureFailed`` (the caller runs its body
+    eagerly). A capture records and does not run, so a failed one changed no device state."""
 
     def capture() -> tuple[torch.cuda.CUDAGraph, T]:
         graph = torch.cuda.CUDAGraph()
@@ -141,7 +162,18 @@ def captured(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
             out = body()
         return graph, out
 
-    return untraced(capture)
+    for i in range(1, attempts + 1):
+        try:
+            return untraced(capture)
+        except Exception as exc:  # noqa: BLE001  (the CUDA error of an invalidated capture)
+            if not _invalidated(exc):
+                raise
+            _log.warning("CUDA graph capture %d of %d invalidated (%s)", i, attempts,
+                         str(exc).splitlines()[0][:200])  # fmt: skip
+            if i == attempts:
+                raise CaptureFailed(f"capture invalidated {attempts} times: {exc}") from exc
+            time.sleep(pause_s * i)
+    raise AssertionError("unreachable")
 
 
 _REGIONS: list[Regions] = []
@@ -231,7 +263,11 @@ class GraphDecoder:
             return had
 
         warm_on_side(self.cache.filled.device, self._warm, drop_compiled)
-        self._graph, self._out = captured(self._run)
+        try:
+            self._graph, self._out = captured(self._run)
+        except CaptureFailed as e:
+            _log.warning("GraphDecoder: %s; the step runs eagerly from now on", e)
+            self.graphed = False
 
     def _warm(self) -> None:
         for _ in range(self.warmup):
@@ -262,9 +298,18 @@ class GraphDecoder:
             return self._run()
         if self._graph is None:
             self._capture()
+            if not self.graphed:
+                return self._run()
         assert self._graph is not None and self._out is not None
         self._graph.replay()
         return self._out
 
 
-__all__ = ["GraphDecoder", "captured", "compiled_regions", "decode_step", "warm_on_side"]
+__all__ = [
+    "CaptureFailed",
+    "GraphDecoder",
+    "captured",
+    "compiled_regions",
+    "decode_step",
+    "warm_on_side",
+]

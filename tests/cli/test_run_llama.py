@@ -28,7 +28,9 @@ from models.random_init import init_checkpoint
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+# the repo first, then what the caller's PYTHONPATH held (the device host's wheels: gpu_check.sh)
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
 ENV.pop("LOOPRL_VERBOSE", None)
 QUIET = ["metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false",
          "checkpoint.every=0"]  # fmt: skip

@@ -150,6 +150,35 @@ def test_chunks_on_cuda_equal_the_one_step_path(tmp_path: Path) -> None:
             np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_capture_that_keeps_failing_decodes_eagerly_on_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every capture invalidated (the learner's thread beside it): the chunk graph and the
+    1-step decoder warn and decode eagerly, the same tokens, instead of stopping the generator."""
+    from generator.torch_engine import chunked
+    from models.engine import graph as g
+
+    path = init_checkpoint("huginn", "tiny", tmp_path / "h", seed=1)
+    items = _items(0.8, 0.9)
+    one = _engine(path, 1, "cuda").generate(items)
+
+    def fail(body: object, **kw: object) -> object:
+        raise g.CaptureFailed("capture invalidated 4 times: stood in")
+
+    monkeypatch.setattr(chunked, "captured", fail)
+    monkeypatch.setattr(g, "captured", fail)
+    for chunk in (4, 1):
+        eng = _engine(path, chunk, "cuda")
+        out = eng.generate(items)
+        kept = eng._kept[1] if eng._kept is not None else None
+        assert kept is not None and kept.graphed is False, chunk
+        for a, b in zip(out, one, strict=True):
+            for sa, sb in zip(a, b, strict=True):
+                assert sa.tokens.tolist() == sb.tokens.tolist()
+                np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
+
+
 def test_a_cpu_engine_honours_the_key_and_a_run_config_refuses_what_cannot(
     tmp_path: Path,
 ) -> None:

@@ -250,3 +250,64 @@ def test_the_capture_helpers_fall_back_once_and_capture_the_body(
     calls.clear()
     graph, out = g.captured(lambda: calls.append("body") or 7)
     assert (graph, out) == ("graph", 7) and calls == ["capture thread_local", "body"]
+
+
+def test_an_invalidated_capture_is_tried_again_then_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """models.engine.graph.captured (the CUDA calls stood in for: this is the retry logic): a
+    capture another thread invalidated is tried again, up to its attempts, then CaptureFailed;
+    an error that is not the capture's is raised at once."""
+    import contextlib
+
+    from models.engine import graph as g
+
+    monkeypatch.setattr(g.torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(g.torch.cuda, "graph",
+                        lambda graph, capture_error_mode: contextlib.nullcontext())  # fmt: skip
+    monkeypatch.setattr(g.time, "sleep", lambda s: None)
+    tries = {"n": 0}
+
+    def body(fail: int, msg: str) -> object:
+        tries["n"] += 1
+        if tries["n"] <= fail:
+            raise RuntimeError(msg)
+        return "out"
+
+    invalid = "CUDA error: operation failed due to a previous error during capture"
+    assert g.captured(lambda: body(2, invalid), attempts=4) == ("graph", "out")
+    assert tries["n"] == 3
+    tries["n"] = 0
+    with pytest.raises(g.CaptureFailed, match="invalidated 4 times"):
+        g.captured(lambda: body(9, invalid), attempts=4)
+    assert tries["n"] == 4
+    tries["n"] = 0
+    with pytest.raises(RuntimeError, match="shape mismatch") as e:
+        g.captured(lambda: body(9, "shape mismatch"), attempts=4)
+    assert tries["n"] == 1 and not isinstance(e.value, g.CaptureFailed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_really_invalidated_capture_recovers_on_cuda() -> None:
+    """On CUDA: a capture whose first attempt makes a call the capture forbids (a device-wide
+    synchronization, as another thread's can) is tried again; the graph it then gets replays
+    the body's result, and the card works on."""
+    from models.engine import graph as g
+
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    y = torch.zeros_like(x)
+    first = {"on": True}
+
+    def body() -> None:
+        if first["on"]:
+            first["on"] = False
+            torch.cuda.synchronize()  # not permitted while this thread captures
+        y.copy_(x * 2 + 1)
+
+    graph, _ = g.captured(body, pause_s=0.0)
+    assert not first["on"]
+    x.copy_(torch.arange(8, dtype=torch.float32, device="cuda") + 10)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.tolist() == [(i + 10) * 2 + 1 for i in range(8)]
+    assert (x + 1).sum().item() == sum(i + 11 for i in range(8))
