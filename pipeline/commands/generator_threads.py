@@ -32,6 +32,7 @@ from typing import Any
 
 from generator.config import for_this_host
 from generator.loop import GeneratorLoop
+from models.errors import ConfigError
 from pipeline.commands.console import generators_exited
 from pipeline.commands.generator_cli import serve
 from pipeline.commands.generator_flags import generator_config
@@ -75,9 +76,11 @@ class GeneratorThreads:
         self.logs = Path(cfg.run_dir) / "logs"
         self.exited = False
         self._switch = sys.getswitchinterval()
+        self._carveout: int | None | bool = False  # (False: not set by this run)
 
     def start(self, control: str, weights: str, model: Path) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._carve(self.cfg.generators.carveout_sms)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         for i in range(self.cfg.generators.count):
@@ -94,6 +97,24 @@ class GeneratorThreads:
             self.gens.append(gen)
             gen.thread.start()
             log.info("generator %s: a thread of this process", gen.name)
+
+    def _carve(self, sms: int) -> None:
+        """generators.carveout_sms: cuBLAS matmuls of this process leave ``sms`` SMs free."""
+        if not sms:
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"run config generators.carveout_sms={sms}: needs a CUDA card "
+                              "(an SM carveout of the learner's matmuls); this host has none")  # fmt: skip
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if sms >= total:
+            raise ConfigError(f"run config generators.carveout_sms={sms}: expected fewer than "
+                              f"the card's {total} SMs")  # fmt: skip
+        self._carveout = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        log.info("generators.carveout_sms=%d: cuBLAS matmuls use %d of %d SMs", sms, total - sms,
+                 total)  # fmt: skip
 
     def _serve(self, gen: _Gen, settings: Any) -> None:
         try:
@@ -156,3 +177,8 @@ class GeneratorThreads:
                 logging.getLogger().removeHandler(g.handler)
                 g.handler.close()
         sys.setswitchinterval(self._switch)
+        if self._carveout is not False:
+            import torch
+
+            torch._C._set_sm_carveout_experimental(self._carveout)
+            self._carveout = False

@@ -271,6 +271,11 @@ class GeneratorsSection(GeneratorConfig):
     run at once on one card, where two processes take turns; weights over cuda_ipc are taken
     from the learner's buffer in the same process; its log lines also in logs/gen<i>.log).
     pipeline.commands.generator_threads."""
+    carveout_sms: int = 0
+    """With ``placement=thread`` on CUDA: streaming multiprocessors the process's cuBLAS
+    matmuls leave free (torch's experimental SM carveout, process-wide), so a generator
+    thread's decode kernels find SMs while the learner's persistent GEMMs run; 0: none (a
+    cuBLAS GEMM then holds every SM until it ends and the decode waits for it)."""
 
     def __post_init__(self) -> None:
         try:
@@ -292,6 +297,11 @@ class GeneratorsSection(GeneratorConfig):
         _check(self.placement == "process" or self.threads == 1, "generators.threads",
                self.threads, "torch threads of a generator process; a generator thread shares "
                "the learner's (learner.threads)")  # fmt: skip
+        _check(self.carveout_sms >= 0, "generators.carveout_sms", self.carveout_sms,
+               "must be >= 0")  # fmt: skip
+        _check(self.placement == "thread" or not self.carveout_sms, "generators.carveout_sms",
+               self.carveout_sms, "needs generators.placement=thread (generator processes "
+               "do not share the learner's SMs: the driver time-slices processes)")  # fmt: skip
         _check(self.placement == "process" or self.engine in ("torch", AUTO), "generators.engine",
                self.engine, "generators.placement=thread runs the torch engine only (vLLM "
                "starts engine processes of its own)")  # fmt: skip

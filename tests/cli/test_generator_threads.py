@@ -70,11 +70,34 @@ def test_a_failing_generator_thread_stops_the_run_with_its_error(tmp_path: Path)
          "generators.threads=2: torch threads of a generator process"),
         (["generators.placement=thread", "generators.extra_args=[--batch-wait-s,1]"],
          "generators.extra_args=['--batch-wait-s', '1']: flags of a generator process"),
+        (["generators.carveout_sms=16"], "generators.carveout_sms=16: needs generators.placement=thread"),
+        (["generators.placement=thread", "generators.carveout_sms=-1"],
+         "generators.carveout_sms=-1: must be >= 0"),
     ],
 )  # fmt: skip
 def test_settings_a_thread_cannot_honour_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU host's refusal")
+def test_an_sm_carveout_without_a_card_is_refused_and_nothing_is_left_set(tmp_path: Path) -> None:
+    """generators.carveout_sms on a host without CUDA: refused by name at start, before any
+    generator thread (the process-wide carveout and switch interval left as they were)."""
+    import sys
+
+    import torch
+
+    from pipeline.commands.generator_threads import GeneratorThreads
+
+    cfg = load_config(None, ["generators.placement=thread", "generators.carveout_sms=16",
+                             f"run_dir={tmp_path}"])  # fmt: skip
+    switch = sys.getswitchinterval()
+    gens = GeneratorThreads(cfg)
+    with pytest.raises(ConfigError, match=r"generators.carveout_sms=16: needs a CUDA card"):
+        gens.start("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", tmp_path / "model")
+    assert gens.gens == [] and sys.getswitchinterval() == switch
+    assert torch._C._get_sm_carveout_experimental() is None
 
 
 def test_thread_placement_picks_the_torch_engine() -> None:
