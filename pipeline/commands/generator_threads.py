@@ -18,6 +18,13 @@ handlers (the run stops each thread with ``loop.stop``), no process to kill (a t
 does not stop in time is left as a daemon and named in the log), the interpreter's switch
 interval lowered to 1 ms so a decode step's host work waits less for the learner's Python,
 and the log lines of thread ``gen<i>`` also in RUN_DIR/logs/gen<i>.log.
+
+Two streams of one process still take turns where a kernel holds every SM: the learner's
+matmuls are cuBLAS's persistent Hopper kernels (one block per SM, kept until the last tile),
+so a decode kernel waits for the whole GEMM whatever its stream's priority (a profiled H100
+run: the two streams busy 3.03 s and 1.95 s of 6.01 s, at once 0.41 s; docs/PERFORMANCE.md).
+``generators.carveout_sms=N`` sets torch's SM carveout for the process (cuBLAS's matmuls then
+target N fewer SMs, the generator's too) while the threads run, and puts it back at ``stop``.
 """
 
 from __future__ import annotations
