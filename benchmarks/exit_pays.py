@@ -327,10 +327,12 @@ GPU = {"size": "400m", "steps": 12, "seeds": 5, "warm_lr": 3e-4, "warm_batch": 6
 of 12 steps, 5 seeds, a warm start at a width-2048 model's rates (lr 3e-4, 64 rows a step, the
 gate's stage at 3e-4), GRPO at 3e-5, the exit arm decoding by ticks (2 a CUDA graph replay:
 docs/PERFORMANCE.md "The torch engine on the GPU"). Not tuned on a GPU: knobs, not findings."""
-CPU = {"size": "tiny", "steps": 30, "seeds": 3, "warm_lr": None, "warm_batch": None,
+CPU = {"size": "tiny", "steps": 30, "seeds": 3, "warm_lr": 3e-3, "warm_batch": None,
        "gate_lr": None, "lr": None, "depth_ticks": 0}  # fmt: skip
 """The CPU defaults: the config's (tiny Ouro, its warm_start and optimizer rates; None: the
-config's value), 30 steps, 3 seeds, one chunk per token."""
+config's value) but the warm start's lr, 3e-3 with --warm-steps 600 / --gate-steps 200 (what
+the figures in docs/PERFORMANCE.md were measured with; configs/depth_mix.yaml's own warm start
+is 1,200 + 600 steps at 1e-3 since 2026-12-07), 30 steps, 3 seeds, one chunk per token."""
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -356,7 +358,7 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
     p.add_argument("--gate-steps", type=int, default=200, help="warm-start stage-I steps")
     p.add_argument("--warm-lr", type=float, default=None,
-                   help="warm-start SFT lr (default: the config's 3e-3; GPU 3e-4)")  # fmt: skip
+                   help="warm-start SFT lr (default 3e-3; GPU 3e-4)")  # fmt: skip
     p.add_argument("--warm-batch", type=int, default=None,
                    help="warm-start rows a step (default: the config's 32; GPU 64)")  # fmt: skip
     p.add_argument("--gate-lr", type=float, default=None,
