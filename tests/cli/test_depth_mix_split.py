@@ -32,7 +32,7 @@ def test_depth_mix_run_learns_the_split(tmp_path: Path) -> None:
     live = tmp_path / "run"
     code, err, _ = looprl_run(
         live, "steps=2", "generators.count=1", "generators.engine=torch", "eval.every=0",
-        "rollout.prompts_per_step=4", "rollout.n=4", timeout_s=600, config=CONFIG,
+        "rollout.prompts_per_step=4", "rollout.n=4", timeout_s=1200, config=CONFIG,
     )  # fmt: skip
     assert code == 0, err[-3000:]
     assert [r["step"] for r in read_metrics(live / "metrics.jsonl")] == [1, 2]
