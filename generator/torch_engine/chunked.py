@@ -36,7 +36,6 @@ there decodes one token a replay (`uniform_sampling`).
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from typing import Any
 
@@ -45,15 +44,13 @@ from torch import Tensor
 
 from generator.torch_engine.ahead import Flight, file_tokens, refill
 from models.engine.chunk import KVCache, _seed_tensor
-from models.engine.graph import CaptureFailed, captured, compiled_regions, decode_step, warm_on_side
+from models.engine.graph import captured_or_eager, compiled_regions, decode_step, warm_on_side
 from models.noise import latent_noise_torch
 from models.reference import behaviour_logprobs
 from models.sampling import draw_keys
 from models.seeds import seed_to_i64
 
 __all__ = ["ChunkGraph", "decode_chunks", "uniform_sampling"]
-
-_log = logging.getLogger(__name__)
 
 
 def uniform_sampling(reqs: list[Any]) -> tuple[float, float, bool] | None:
@@ -141,11 +138,9 @@ class ChunkGraph:
 
         warm_on_side(self.cache.filled.device, warm, drop_compiled)
         self._reset(kept)  # the warm-ups' feed undone: the replay starts where the host put it
-        try:
-            self._graph, _ = captured(self._run)
-        except CaptureFailed as e:
-            _log.warning("decode_chunk: %s; the chunks run eagerly from now on", e)
-            self.graphed = False
+        got = captured_or_eager(self._run, "decode_chunk")
+        self._graph = None if got is None else got[0]
+        self.graphed = got is not None
 
     def _reset(self, kept: list[Tensor]) -> None:
         for t, k in zip((self.tokens, self.positions, self.steps), kept, strict=True):

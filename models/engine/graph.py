@@ -176,6 +176,16 @@ def captured(body: Callable[[], T], *, attempts: int = CAPTURE_ATTEMPTS,
     raise AssertionError("unreachable")
 
 
+def captured_or_eager(body: Callable[[], T], what: str) -> tuple[torch.cuda.CUDAGraph, T] | None:
+    """``captured(body)``, or None (logged, naming ``what``) when every attempt was
+    invalidated: the caller then runs ``body`` eagerly from now on."""
+    try:
+        return captured(body)
+    except CaptureFailed as e:
+        _log.warning("%s: %s; eager from now on", what, e)
+        return None
+
+
 _REGIONS: list[Regions] = []
 
 
@@ -263,11 +273,11 @@ class GraphDecoder:
             return had
 
         warm_on_side(self.cache.filled.device, self._warm, drop_compiled)
-        try:
-            self._graph, self._out = captured(self._run)
-        except CaptureFailed as e:
-            _log.warning("GraphDecoder: %s; the step runs eagerly from now on", e)
+        got = captured_or_eager(self._run, "GraphDecoder")
+        if got is None:
             self.graphed = False
+        else:
+            self._graph, self._out = got
 
     def _warm(self) -> None:
         for _ in range(self.warmup):
@@ -309,6 +319,7 @@ __all__ = [
     "CaptureFailed",
     "GraphDecoder",
     "captured",
+    "captured_or_eager",
     "compiled_regions",
     "decode_step",
     "warm_on_side",

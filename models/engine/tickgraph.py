@@ -56,7 +56,6 @@ path; slower than `Ticker` there, which computes only the iterating rows).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,15 +63,13 @@ from torch import Tensor
 
 from models import numerics as nx
 from models.engine.chunk import EngineModel, KVCache, Regions, _key_mask, _post, _qkv, _seed_tensor
-from models.engine.graph import CaptureFailed, captured, warm_on_side
+from models.engine.graph import captured_or_eager, warm_on_side
 from models.engine.kv import carry_exits, write_rows
 from models.engine.tickdecide import compiled_decide, decide, first_rows
 from models.engine.ticks import Ticker
 from models.exits import ExitPolicy, OuroGate, needs_gate, needs_logits
 from models.layers import Block
 from models.noise import latent_noise_torch
-
-_log = logging.getLogger(__name__)
 
 
 def graph_policy(policy: ExitPolicy | None) -> bool:
@@ -382,11 +379,11 @@ class GraphTicker(Ticker):
 
         warm_on_side(self.cache.filled.device, lambda: self._warm(key), drop_compiled)
         self.live.copy_(live)
-        try:
-            self._graphs[key], _ = captured(lambda: self._body(key))
-        except CaptureFailed as e:
-            _log.warning("GraphTicker: %s; the ticks run eagerly from now on", e)
+        got = captured_or_eager(lambda: self._body(key), "GraphTicker")
+        if got is None:
             self.graphed = False
+        else:
+            self._graphs[key] = got[0]
 
     def _warm(self, key: object) -> None:
         for _ in range(self.warmup):
