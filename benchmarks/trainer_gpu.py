@@ -285,6 +285,9 @@ def main() -> None:
     ap.add_argument("--pack-multiple", type=int, default=1,
                     help="round each packed row up to a multiple (fewer compiled shapes)")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
+    ap.add_argument("--syncs", action="store_true",
+                    help="one more step under torch's CUDA sync debug mode: how many times the "
+                    "step read the card, and where (`syncs`, `sync_sites`)")  # fmt: skip
     a = ap.parse_args()
     if a.packed:
         a.layout = "packed"
@@ -388,6 +391,13 @@ def main() -> None:
         else:
             trainer.step(batch)
             trainer.step(batch)
+    syncs = None
+    if a.syncs and cuda:
+        syncs = count_syncs(
+            lambda: trainer.step(
+                rollouts(s, a.warmup + a.steps + 2, trainer.weight_version, cfg.seed)
+            )
+        )
     fc = flop_counts(s, trainer.policy_model.backprop_depth)
     tokens = s["batch"] * s["seq"]
     step_s = statistics.median(times)
@@ -442,6 +452,8 @@ def main() -> None:
         "last_grad_norm": metrics.get("grad_norm"),
         "command": " ".join(sys.argv),
     }
+    if syncs is not None:
+        res.update(syncs)
     if spread:  # the spread layouts count real tokens only (module doc)
         res.update(tokens_per_step=res["real_tokens_per_step"],
                    tokens_per_s=res["real_tokens_per_s"], mfu=res["mfu_real_tokens"],
@@ -451,6 +463,39 @@ def main() -> None:
     from learner.parallel import destroy_distributed
 
     destroy_distributed()
+
+
+def count_syncs(call: Any) -> dict[str, Any]:
+    """{"syncs": how many synchronizing CUDA calls ``call`` made, "sync_sites": the 12
+    commonest file:line of ours (the nearest frame in the repository) with their counts}."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    here = str(Path(__file__).resolve().parents[1])
+    sites: collections.Counter[str] = collections.Counter()
+
+    def note(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1]
+                if f.filename.startswith(here) and "/.venv/" not in f.filename]  # fmt: skip
+        f = ours[-1] if ours else None
+        sites[f"{Path(f.filename).relative_to(here)}:{f.lineno}" if f else filename] += 1
+
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+    return {"syncs": sum(sites.values()), "sync_sites": dict(sites.most_common(12))}
 
 
 def _order(r: Any) -> tuple[str, int, str]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from learner.batching import TrainBatch, packed_inputs
+from learner.batching import PackedInputs, TrainBatch, packed_inputs
 
 __all__ = [
     "CriticForward",
@@ -56,6 +56,29 @@ def _valid(mb: TrainBatch) -> Tensor:
     return mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
 
 
+def _inputs(
+    mb: TrainBatch, head: bool
+) -> tuple[tuple[Tensor, ...], dict[str, Any], PackedInputs | None]:
+    """The looped model's arguments for ``mb`` (packed rows when it is packed: their
+    `PackedInputs` last), with their host copies (learner.megatron.model.HostView: the forward
+    reads no number off the card); ``head``: the head runs on the response rows only."""
+    from learner.megatron.model import HostView
+
+    h = mb.on_host()
+    if mb.packed:  # the rows end to end; the response rows keep their row-major order
+        p = packed_inputs(mb)
+        assert p.host is not None
+        view = HostView(p.host.exit_depths, p.host.valid, h.latent_seeds, p.host.segments,
+                        p.host.head_rows if head else None, p.host.positions)  # fmt: skip
+        kw = {"segments": p.segments, "positions": p.positions, "host": view}
+        if head:
+            kw["head_rows"] = p.head_rows
+        return (p.input_ids, p.exit_depths, p.valid, mb.latent_seeds), kw, p
+    view = HostView(h.exit_depths, _valid(h), h.latent_seeds, None, h.mask > 0 if head else None)
+    kw = {"host": view} | ({"head_rows": mb.mask > 0} if head else {})
+    return (mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds), kw, None
+
+
 def looped_policy_spec(
     model_config: Any, options: Any = None, hf_state: Any = None, *, lora: Any = None,
     lora_seed: int = 0,
@@ -84,13 +107,8 @@ def looped_policy_spec(
 
     def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
         # the head runs on the response rows only (no [B, L, V] logits, no gather of them)
-        if mb.packed:  # the rows end to end; the response rows keep their row-major order
-            p = packed_inputs(mb)
-            out = model(p.input_ids, p.exit_depths, p.valid, mb.latent_seeds,
-                        head_rows=p.head_rows, segments=p.segments, positions=p.positions)  # fmt: skip
-        else:
-            out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds,
-                        head_rows=mb.mask > 0)  # fmt: skip
+        args, kw, _ = _inputs(mb, head=True)
+        out = model(*args, **kw)
         return {"mask_logits": full_vocab_logits(model, out.logits)}  # type: ignore[arg-type]
 
     return PolicySpec(build, forward)
@@ -110,12 +128,8 @@ def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = N
         return build_critic(model_config, opts, hf_state=hf_state)
 
     def forward(model: nn.Module, mb: TrainBatch) -> Tensor:
-        if mb.packed:
-            p = packed_inputs(mb)
-            out = model(p.input_ids, p.exit_depths, p.valid, mb.latent_seeds,
-                        segments=p.segments, positions=p.positions)  # fmt: skip
-            return p.unpack(out.values)
-        values: Tensor = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds).values
-        return values
+        args, kw, packed = _inputs(mb, head=False)
+        values: Tensor = model(*args, **kw).values
+        return values if packed is None else packed.unpack(values)
 
     return CriticSpec(build, forward)

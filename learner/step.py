@@ -179,9 +179,23 @@ class LearnerStep:
         cfg, pol, obj = self.cfg, self.pol, self.cfg.objective
         zeros = torch.zeros(batch.size, batch.length)
 
+        landing: list[tuple[Tensor, int, Tensor]] = []
+
         def put(dst: Tensor, a: int, x: Tensor) -> None:
-            x = x.float().cpu()[:, : batch.length]
+            x = x.float()[:, : batch.length]
+            if x.is_cuda:  # copied to pinned memory without a wait; placed by `land`
+                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                landing.append((dst, a, host.copy_(x, non_blocking=True)))
+                return
             dst[a : a + x.shape[0], : x.shape[1], ...] = x
+
+        def land() -> None:
+            """After a pass: one wait for the card, then its outputs into place."""
+            if landing:
+                torch.cuda.current_stream().synchronize()
+            for dst, a, x in landing:
+                dst[a : a + x.shape[0], : x.shape[1], ...] = x
+            landing.clear()
 
         # per-loop credit: [B, L, K] per-loop log-probs of the proximal / reference passes
         loops = obj.loop_weighting != "last"
@@ -215,6 +229,7 @@ class LearnerStep:
                             put(exit_prox, a, stats["exit_logp"])
                         if loops:
                             put_loops(prox_loops, a, stats["loop_logp"])
+                land()
                 batch.extra["prox_logp" if cfg.use_prox else "kl_prox_logp"] = prox
                 if exit_prox is not None and cfg.use_prox:
                     batch.extra["exit_prox"] = exit_prox
@@ -239,6 +254,7 @@ class LearnerStep:
                             pen[a : a + mb.size, : k.shape[1]] = k.double().cpu()
                         else:
                             pen[a : a + mb.size] = k.sum(1).double().cpu()
+                land()
                 batch.extra.pop("kl_prox_logp", None)
                 if obj.kl_in_reward:  # every DP rank's rows, then the same rewards everywhere
                     kl_ref = penalise_kl(batch, pol.dp.all_reduce_(pen), obj.kl_coef,
@@ -253,6 +269,7 @@ class LearnerStep:
                 for _, _, lo, hi in rows:
                     for a, mb in self._micro(batch, lo, hi):
                         put(values, a, pol.values(mb))
+                land()
             local = torch.zeros(batch.size, dtype=torch.bool)
             for _, _, lo, hi in rows:
                 local[lo:hi] = True
@@ -312,7 +329,8 @@ class LearnerStep:
         use_prox_logp = cfg.use_prox and obj.kind != "flow_dppo"
         corrected = behaviour_weighted(obj)  # rollout correction (learner.objectives.correction)
         metrics = StepMetrics()
-        mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64)  # per batch row
+        # per batch row, on the card (read once, at the step's end: `_refused`, below)
+        mismatch = torch.full((batch.size,), -1.0, dtype=torch.float64, device=pol.device)
         order = update_order(len(rows), obj.epochs, cfg.seed, self.step_count)
         n_updates, skipped = len(order), 0.0
         bounds = None if logp_bounds is None else self._row_bounds(batch, rollouts, logp_bounds)
@@ -329,7 +347,7 @@ class LearnerStep:
             pol.policy.zero_grad()
             if self.loop_weights is not None:
                 self.loop_weights.zero_grad()
-            finite = True
+            finite: list[Tensor] = []  # each micro-batch's loss finite, read once an update
             for i, (a, mb) in enumerate(self._micro(batch, lo, hi)):
                 old = old_logits.get((j, i))
                 old = None if old is None else old.to(pol.device, non_blocking=True)
@@ -348,9 +366,9 @@ class LearnerStep:
                         mb.extra.get("exit_behav"),
                         mb.extra.get("exit_prox"),
                     )
-                loss, m = policy_loss(loss_obj, lb)
+                loss, m = policy_loss(loss_obj, lb, lazy=True)
                 (loss * pol.dp.size).backward()
-                finite = finite and bool(torch.isfinite(loss.detach()))
+                finite.append(torch.isfinite(loss.detach()))
                 # behaviour vs learner log-probs: the proximal pass when it ran, else the
                 # training forward of the step's first update (the same weights)
                 learner = mb.extra.get("prox_logp", stats["logp"].detach() if u == 0 else None)
@@ -370,7 +388,7 @@ class LearnerStep:
             ):
                 pol.policy.zero_grad()  # nothing of the liars' (nor anyone's) is applied
                 return {"refused_rollouts": float(len(self.last_refused))}
-            upd = pol.policy.update(finite)
+            upd = pol.policy.update(_all(finite))
             skip = upd.pop("skipped_nonfinite")
             skipped += skip
             if self.loop_weights is not None:  # loop_weighting learned: after the policy's
@@ -381,6 +399,7 @@ class LearnerStep:
             if pol.critic is not None:  # after the policy's update, on the same mini-batch
                 self._critic_update(pol.critic, batch, lo, hi, norm, metrics, n_updates)
         self._batch_metrics(batch, metrics)
+        mismatch = mismatch.cpu()
         pol.dp.all_reduce_(mismatch, dist.ReduceOp.MAX)  # each DP rank measured its own rows
         by_id = {rid: float(mismatch[i]) for i, rid in enumerate(batch.rollout_ids)}
         self.last_mismatch = [by_id[r.rollout_id] for r in rollouts]
@@ -435,7 +454,7 @@ class LearnerStep:
                  bounds: Tensor) -> bool:  # fmt: skip
         """Every rank's measurements (max over DP; per batch row), against the bounds: the
         liars, if any, in ``last_refused`` (input indices; the same decision on every rank)."""
-        m = self.pol.dp.all_reduce_(mismatch.clone(), dist.ReduceOp.MAX)
+        m = self.pol.dp.all_reduce_(mismatch.to("cpu", copy=True), dist.ReduceOp.MAX)
         bad = (m >= 0) & (m > bounds)
         if not bool(bad.any()):
             return False
@@ -451,26 +470,29 @@ class LearnerStep:
         tokens (token_mean) or rows with one (seq_*) the rollout correction keeps, from the
         same micro-batches and function as the loss (learner.objectives.correction)."""
         obj = self.cfg.objective
-        n = torch.zeros(1, dtype=torch.float64)
+        kept_n: list[Tensor] = []
         for _, mb in self._micro(batch, lo, hi):
             rej = rollout_correction(obj, mb.mask, mb.extra["prox_logp"], mb.behav_logp).rejected
             kept = (mb.mask > 0) & ~rej
-            n += float(kept.sum() if obj.aggregation == "token_mean" else kept.any(1).sum())
+            kept_n.append(kept.sum() if obj.aggregation == "token_mean" else kept.any(1).sum())
+        # (counts: exact in float64 whatever the order; one read of the card)
+        n = torch.tensor([float(sum(int(c) for c in torch.stack(kept_n).tolist()))
+                          if kept_n else 0.0], dtype=torch.float64)  # fmt: skip
         return float(self.pol.dp.all_reduce_(n)[0])
 
     def _critic_update(self, critic: Net, batch: TrainBatch, lo: int, hi: int, norm: float,
                        metrics: StepMetrics, n_updates: int) -> None:  # fmt: skip
         obj, dp = self.cfg.objective, self.pol.dp
         critic.zero_grad()
-        finite = True
+        finite: list[Tensor] = []
         for _, mb in self._micro(batch, lo, hi):
             vb = ValueBatch(values=self.pol.values(mb), old_values=mb.extra["old_values"],
                             returns=mb.extra["returns"], mask=mb.mask, normalizer=norm)  # fmt: skip
-            loss, m = value_loss(obj, vb)
+            loss, m = value_loss(obj, vb, lazy=True)
             (loss * (obj.value_coef * dp.size)).backward()
-            finite = finite and bool(torch.isfinite(loss.detach()))
+            finite.append(torch.isfinite(loss.detach()))
             record_value(metrics, m, mb.mask, n_updates)
-        upd = critic.update(finite)
+        upd = critic.update(_all(finite))
         metrics.add_max("critic_skipped_nonfinite", upd.pop("skipped_nonfinite"))
         for k, v in upd.items():
             metrics.add_mean(f"critic_{k}", v, 1.0)
@@ -486,3 +508,8 @@ class LearnerStep:
         metrics.add_sum("reward_mean", float(batch.rewards.mean()))
         metrics.add_sum("staleness_mean", float(stale.mean()))
         metrics.add_max("staleness_max", float(stale.max()))
+
+
+def _all(flags: list[Tensor]) -> bool:
+    """Whether every 0-d bool tensor holds (one read of the card for all of them)."""
+    return bool(torch.stack(flags).all()) if flags else True

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from learner.batching import to_device
 
 
 def all_reduce_(t: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -21,34 +24,47 @@ def all_reduce_(t: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> tor
     return t
 
 
+Number = float | torch.Tensor
+"""A metric's value: a float, or a 0-d tensor on any device (read at `StepMetrics.reduce`)."""
+
+
 class StepMetrics:
-    """Sums, token-weighted means and maxima, reduced over the data-parallel group."""
+    """Sums, token-weighted means and maxima, reduced over the data-parallel group.
+
+    A value may be a 0-d tensor on the card: sums accumulate there in float64 (the same bits
+    as Python floats added in the same order: a float32 value converts to float64 exactly,
+    as ``float(t)`` does) and the card is read once, at `reduce`, not once per value (learner.batching's "No device read on the way in")."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
+        self.sums: dict[str, Number] = {}
+        self.weighted: dict[str, Number] = {}
+        self.weights: dict[str, Number] = {}
+        self.maxes: dict[str, list[Number]] = {}
 
-    def add_sum(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
+    def add_sum(self, key: str, value: Number) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + _exact(value)
 
-    def add_mean(self, key: str, value: float, weight: float) -> None:
-        self.add_weighted(key, value * weight, weight)
+    def add_mean(self, key: str, value: Number, weight: Number) -> None:
+        self.add_weighted(key, _exact(value) * _exact(weight), weight)
 
-    def add_weighted(self, key: str, weighted_sum: float, weight: float) -> None:
-        self.weighted[key] = self.weighted.get(key, 0.0) + weighted_sum
-        self.weights[key] = self.weights.get(key, 0.0) + weight
+    def add_weighted(self, key: str, weighted_sum: Number, weight: Number) -> None:
+        self.weighted[key] = self.weighted.get(key, 0.0) + _exact(weighted_sum)
+        self.weights[key] = self.weights.get(key, 0.0) + _exact(weight)
 
-    def add_max(self, key: str, value: float) -> None:
-        self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
+    def add_max(self, key: str, value: Number) -> None:
+        self.maxes.setdefault(key, []).append(_exact(value))
 
     def reduce(self, group: Any) -> dict[str, float]:
         sk, wk, mk = sorted(self.sums), sorted(self.weighted), sorted(self.maxes)
-        flat = [self.sums[k] for k in sk]
-        flat += [self.weighted[k] for k in wk] + [self.weights[k] for k in wk]
+        flat = _floats([self.sums[k] for k in sk] + [self.weighted[k] for k in wk]
+                       + [self.weights[k] for k in wk])  # fmt: skip
+        each = _floats([v for k in mk for v in self.maxes[k]])
+        peak, at = [], 0
+        for k in mk:
+            peak.append(max(each[at : at + len(self.maxes[k])]))
+            at += len(self.maxes[k])
         packed = torch.tensor(flat, dtype=torch.float64)
-        peaks = torch.tensor([self.maxes[k] for k in mk], dtype=torch.float64)
+        peaks = torch.tensor(peak, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             all_reduce_(packed, group)
             all_reduce_(peaks, group, dist.ReduceOp.MAX)
@@ -61,9 +77,30 @@ class StepMetrics:
         return out
 
 
+def _exact(v: Number) -> Number:
+    """A tensor value as float64 (exactly the float ``float(t)`` gives); a float stays one."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().double()
+    return float(v)
+
+
+def _floats(values: list[Number]) -> list[float]:
+    """The values as floats, reading each device once (one stack per device)."""
+    out: list[float] = [v if isinstance(v, float) else math.nan for v in values]
+    by: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by.setdefault(v.device, []).append(i)
+    for idx in by.values():
+        got = torch.stack([values[i].reshape(()) for i in idx]).tolist()  # type: ignore[union-attr]
+        for i, x in zip(idx, got, strict=True):
+            out[i] = float(x)
+    return out
+
+
 def record_policy(
     metrics: StepMetrics,
-    m: dict[str, float],
+    m: Mapping[str, Number],
     mask: torch.Tensor,
     behav_logp: torch.Tensor,
     learner_logp: torch.Tensor | None,
@@ -75,10 +112,10 @@ def record_policy(
     else the step's first update's forward), the behaviour vs learner log-prob statistics
     (`mismatch_stats`; ``rejected``: the rollout correction's rejected tokens [B, T] bool).
     Both trainer backends record through it, so their step metrics are the same bits."""
-    weight = float((mask > 0).sum())
+    weight = (mask > 0).sum()
     for k, v in m.items():
         if k in ("loss", "pg_loss", "num_tokens"):
-            metrics.add_sum(k, v / n_updates)
+            metrics.add_sum(k, _exact(v) / n_updates)
         else:
             metrics.add_mean(k, v, weight)
     if learner_logp is not None:
@@ -101,31 +138,30 @@ def mismatch_stats(
     """
     live = (mask > 0) & torch.isfinite(behav_logp) & torch.isfinite(learner_logp)
     d = torch.where(live, learner_logp.float() - behav_logp.float(), 0.0)
-    n = float(live.sum())
-    metrics.add_weighted("logp_mismatch_mean", float(d.abs().sum()), n)
-    metrics.add_weighted("kl", float((d.clamp(-20, 20).exp() - 1 - d).sum()), n)
-    metrics.add_max("logp_mismatch_max", float(d.abs().max()) if d.numel() else 0.0)
-    metrics.add_weighted("mismatch_kl_token", float(-d.sum()), n)
+    n = live.sum()  # (tensors: StepMetrics reads the card once a step, not once a value)
+    metrics.add_weighted("logp_mismatch_mean", d.abs().sum(), n)
+    metrics.add_weighted("kl", (d.clamp(-20, 20).exp() - 1 - d).sum(), n)
+    metrics.add_max("logp_mismatch_max", d.abs().max() if d.numel() else 0.0)
+    metrics.add_weighted("mismatch_kl_token", -d.sum(), n)
     rows = live.any(dim=1)
     seq = d.double().sum(dim=1)
-    metrics.add_weighted("mismatch_kl_seq", float(torch.where(rows, -seq, 0.0).sum()),
-                         float(rows.sum()))  # fmt: skip
+    metrics.add_weighted("mismatch_kl_seq", torch.where(rows, -seq, 0.0).sum(), rows.sum())
     clamped = seq.clamp(-20, 20)
     k3 = torch.where(rows, clamped.exp() - 1 - clamped, 0.0)
-    metrics.add_weighted("mismatch_k3_seq", float(k3.sum()), float(rows.sum()))
+    metrics.add_weighted("mismatch_k3_seq", k3.sum(), rows.sum())
     if rejected is not None:
-        metrics.add_weighted("mismatch_masked_frac", float((rejected & (mask > 0)).sum()),
-                             float((mask > 0).sum()))  # fmt: skip
+        metrics.add_weighted("mismatch_masked_frac", (rejected & (mask > 0)).sum(),
+                             (mask > 0).sum())  # fmt: skip
 
 
 def record_value(
-    metrics: StepMetrics, m: dict[str, float], mask: torch.Tensor, n_updates: int
+    metrics: StepMetrics, m: Mapping[str, Number], mask: torch.Tensor, n_updates: int
 ) -> None:
     """Add one micro-batch's value_loss metrics (value_loss: a share of a global sum)."""
-    weight = float((mask > 0).sum())
+    weight = (mask > 0).sum()
     for k, v in m.items():
         if k == "value_loss":
-            metrics.add_sum(k, v / n_updates)
+            metrics.add_sum(k, _exact(v) / n_updates)
         else:
             metrics.add_mean(k, v, weight)
 
@@ -138,8 +174,10 @@ def row_mismatch(
     behaviour| log-prob); rows without a live token keep their value."""
     live = (mask > 0) & torch.isfinite(behav_logp) & torch.isfinite(learner_logp)
     d = torch.where(live, (learner_logp.float() - behav_logp.float()).abs(), 0.0)
-    per = d.amax(dim=1).double().cpu() if d.numel() else torch.zeros(mask.shape[0])
-    seen = live.any(dim=1).cpu()
+    per = d.amax(dim=1).double() if d.numel() else torch.zeros(mask.shape[0], device=d.device)
+    seen = live.any(dim=1)
+    if per.device != out.device:  # (to a card without a sync; off one: a read)
+        per, seen = to_device(per, out.device), to_device(seen, out.device)
     rows = out[row0 : row0 + per.shape[0]]
     rows.copy_(torch.where(seen, torch.maximum(rows, per), rows))
 

@@ -100,20 +100,25 @@ class MegatronPolicy:
             if old is not None:
                 raise ValueError("flow_dppo needs a PolicyForward that returns logits")
             return {"logp": out["logp"], "entropy": out["entropy"]}
-        sel = mb.mask > 0
-        rows = out["mask_logits"] if "mask_logits" in out else out["logits"][sel]
+        # the response rows (mask > 0) by their flat index, found on the host: no device read
+        at = mb.mask_rows()
+        if "mask_logits" in out:
+            rows = out["mask_logits"]
+        else:
+            rows = out["logits"].reshape(-1, out["logits"].shape[-1]).index_select(0, at)
+        targets = mb.targets.reshape(-1).index_select(0, at)
 
         def spread(x: Tensor) -> Tensor:
-            return torch.zeros(sel.shape, dtype=x.dtype, device=x.device).masked_scatter(sel, x)
+            flat = torch.zeros(mb.mask.numel(), dtype=x.dtype, device=x.device)
+            return flat.index_copy(0, at, x).view(mb.mask.shape)
 
         if self.cfg.numerics == "exact":  # the contract's own log-probs, op for op
-            st = contract_token_stats(rows, old, mb.targets[sel], smp.temperature, smp.top_p,
-                                      "exact")  # fmt: skip
+            st = contract_token_stats(rows, old, targets, smp.temperature, smp.top_p, "exact")
             return {k: spread(v) for k, v in st.items()} | {"rows": rows}
         if smp.top_p < 1.0:  # the generator sampled from the nucleus: renormalise over it
             rows = nucleus_rows(rows, smp.temperature, smp.top_p)
         stats_fn = token_stats_auto if self.cfg.fused_token_stats else token_stats
-        stats = stats_fn(rows, old, mb.targets[sel], smp.temperature, self.cfg.vocab_chunk)
+        stats = stats_fn(rows, old, targets, smp.temperature, self.cfg.vocab_chunk)
         res = {"logp": spread(stats.logp), "entropy": spread(stats.entropy), "rows": rows}
         if stats.kl is not None and stats.logp_old is not None:
             res["kl"] = spread(stats.kl)

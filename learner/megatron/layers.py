@@ -171,9 +171,10 @@ def _doc_mod(segments: Tensor) -> Any:
     return mask_mod
 
 
-def doc_mask(segments: Tensor, mode: str) -> DocMask:
+def doc_mask(segments: Tensor, mode: str, host: Tensor | None = None) -> DocMask:
     """The `DocMask` of packed rows' ``segments`` [B, S] (-1 on the tail padding): fast numerics
-    on CUDA get a FlexAttention BlockMask (no dense mask) when FlexAttention works there."""
+    on CUDA get a FlexAttention BlockMask (no dense mask) when FlexAttention works there.
+    ``host``: the same segments on the host (the spans are cut there, no device read)."""
     b, s = segments.shape
     if mode != "exact" and segments.is_cuda and _flex_fn() is not None:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -184,7 +185,7 @@ def doc_mask(segments: Tensor, mode: str) -> DocMask:
     dense = (segments[:, None, :] == segments[:, :, None]) & (idx[None, :] <= idx[:, None])
     spans: tuple[tuple[int, int], ...] = ()
     if b == 1:
-        seg = segments[0].cpu()
+        seg = (segments if host is None else host)[0].cpu()
         cut = [0, *(torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist(), s]
         spans = tuple(zip(cut[:-1], cut[1:], strict=True))
     return DocMask(dense, segments, spans=spans)

@@ -41,6 +41,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor, nn
 
+from learner.batching import flat_index, to_device
 from learner.hf_convert import load_hf_state
 from learner.kernels.noise import latent_noise_cuda
 from learner.megatron.layers import (
@@ -191,14 +192,16 @@ class LoopedGPT(MegatronModule):
             e = emb(tokens)
         if self.huginn:
             scale = self.family_config.embed_scale  # type: ignore[union-attr]
-            e = e * torch.tensor(scale, dtype=torch.float32, device=e.device)
+            e = e * torch.full((), scale, dtype=torch.float32, device=e.device)
         return e.to(self.config.params_dtype)
 
-    def _rope(self, positions: Tensor, mode: str) -> Rope:
+    def _rope(self, positions: Tensor, mode: str, top: int | None = None) -> Rope:
+        """``top``: the largest position when the caller knows it (else read off ``positions``)."""
         c = self.family_config
         if isinstance(c, HuginnConfig):
-            if int(positions.max()) >= c.block_size:
-                raise ValueError(f"position {int(positions.max())} is beyond block_size")
+            top = int(positions.max()) if top is None else top
+            if top >= c.block_size:
+                raise ValueError(f"position {top} is beyond block_size")
             return Rope("adjacent", self.freqs_cis[0, positions, 0].float())
         table = nx.rope_cos_sin(positions.reshape(-1), c.head_dim, c.rope_theta, mode)
         return Rope("half", table)
@@ -211,15 +214,16 @@ class LoopedGPT(MegatronModule):
         b, s = positions.shape
         h = c.n_embd  # type: ignore[union-attr]
         if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.kernels.noise)
-            per = seeds.to(e.device)
+            per = to_device(seeds, e.device)
             per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
             z = latent_noise_cuda(per, positions.reshape(-1), h)
         else:
             per = seeds.cpu()
             per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
             z = latent_noise(per, positions.reshape(-1).cpu(), h)
-        std = torch.tensor(c.init_std, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
-        scale = torch.tensor(c.embed_scale, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
+        # (torch.full: filled on the device; a torch.tensor copied there would wait for it)
+        std = torch.full((), c.init_std, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
+        scale = torch.full((), c.embed_scale, dtype=torch.float32, device=z.device)  # type: ignore[union-attr]
         return ((z * std) * scale).view(b, s, -1).to(e.device, e.dtype)
 
     def _core_in(self, state: Tensor, e: Tensor, mode: str) -> Tensor:
@@ -291,6 +295,7 @@ class LoopedGPT(MegatronModule):
         loop_fn: LoopFn | None = None,
         segments: Tensor | None = None,
         positions: Tensor | None = None,
+        host: HostView | None = None,
     ) -> LoopedOutput:
         """Replay forward of right-padded rows, or of packed rows (``segments``).
 
@@ -304,64 +309,68 @@ class LoopedGPT(MegatronModule):
         any no_grad of truncated backprop; readout(state) is the family's readout of a state
         tensor (Huginn: norm, coda, norm; Ouro / Nanbeige: the state itself, normed by the
         core's exit) before the head. Adapted linears (learner.megatron.lora) merge once per
-        call (``merged_once``), not at each iteration.
+        call (``merged_once``), not at each iteration. host: the same depths, valid, seeds,
+        segments and head_rows as host tensors (`HostView`), when the caller has them: the
+        forward reads its loop counts and checks its inputs there instead of on the device
+        (no sync; learner.batching's "No device read on the way in").
         """
         from learner.megatron.lora import merged_once
 
         with merged_once(self):
             return self._forward(tokens, depths, valid, latent_seeds, numerics, head_rows, kv,
-                                 loop_fn, segments, positions)  # fmt: skip
+                                 loop_fn, segments, positions, host)  # fmt: skip
 
     def _forward(
         self, tokens: Tensor, depths: Tensor, valid: Tensor,
         latent_seeds: Tensor | Sequence[int], numerics: str | None, head_rows: Tensor | None,
         kv: str | None, loop_fn: LoopFn | None, segments: Tensor | None,
-        positions: Tensor | None,
+        positions: Tensor | None, host: HostView | None = None,
     ) -> LoopedOutput:  # fmt: skip
         mode = nx.check_mode(numerics or self.options.numerics)
         kv = check_kv(kv or self.options.kv or default_kv(self.family_config))
         bsz, seq = tokens.shape
         dev = tokens.device
+        h = host or HostView(depths, valid, latent_seeds, segments, head_rows)
+        _check_rows(h.valid, h.depths)
         index = torch.arange(seq, device=dev).expand(bsz, seq)
-        lengths = valid.sum(dim=1)
-        if not torch.equal(valid, index < lengths[:, None]):
-            raise ValueError("valid must be a prefix of every row (right padding)")
-        if ((depths < 1) | (depths > MAX_DEPTH))[valid].any():
-            raise ValueError(f"depths must be in [1, {MAX_DEPTH}] at valid positions")
         full = kv == "full"
         if segments is None:
-            seeds = _seed_tensor(latent_seeds, bsz)
+            seeds = _seed_tensor(h.latent_seeds, bsz)
             positions = index
             # full: each position runs its row's full depth, the row's deepest position (its
             # prompt positions' D; with a one-token prompt a smaller one: no read-out depends on
             # deeper ones)
             deepest = torch.where(valid, depths, 0).amax(dim=1, keepdim=True).expand(bsz, seq)
+            h_deepest = torch.where(h.valid, h.depths, 0).amax(dim=1, keepdim=True)
             mask = valid[:, None, :] & (index[:, None, :] <= index[:, :, None])
             attn_mask: Any = mask
         else:
             # a tail-padding query sees the padding keys up to itself: no empty row
-            seeds, positions, deepest, doc = _packed(
-                latent_seeds, segments, positions, depths, valid, mode
+            seeds, positions, deepest, doc, h_deepest = _packed(
+                segments, positions, depths, valid, mode, h
             )
             attn_mask = doc.attn
         run_to = deepest if full else depths
-        if full and bool((depths > run_to)[valid].any()):
+        h_run_to = h_deepest.expand_as(h.depths) if full else h.depths
+        if full and bool((h.depths > h_run_to)[h.valid].any()):
             raise ValueError("kv='full': an exit depth exceeds its row's full depth depths[b, 0]")
         if segments is None:
             mask[..., 0] |= ~mask.any(dim=-1)
-        rope = self._rope(positions, mode)
+        top = seq - 1 if segments is None else (
+            int(h.positions.max()) if h.positions is not None else None)  # fmt: skip
+        rope = self._rope(positions, mode, top)
         e = self._embed(tokens)
         for blk in _blocks(self.prelude):
             e = self._block(blk, e, rope, attn_mask, mode)[0]
         state = self._initial_state(e, positions, seeds)
         prev: list[tuple[Tensor, Tensor] | None] = [None] * len(self.core)
-        n_iter = int(run_to[valid].max()) if bool(valid.any()) else 0
+        n_iter = int(h_run_to[h.valid].max()) if bool(h.valid.any()) else 0
         out_state = state
         # Truncated backprop (k > 0): token t's iterations i < depths[t] - k carry no gradient.
         # Iterations where that holds for every valid token run under no_grad; the others
         # detach the frozen tokens' K/V and outputs (LoopedBlock) and their new state.
         k_bp = self.backprop_depth if torch.is_grad_enabled() else 0
-        lo = int(depths[valid].min()) - k_bp if k_bp and n_iter else 0
+        lo = int(h.depths[h.valid].min()) - k_bp if k_bp and n_iter else 0
         hi = n_iter - k_bp if k_bp else 0
         for i in range(n_iter):
             active = valid & (run_to > i)
@@ -385,31 +394,66 @@ class LoopedGPT(MegatronModule):
         if self.is_critic:
             values = replicated_linear(self.value_head, hidden, mode)[..., 0]
             return LoopedOutput(None, hidden, values)
-        rows = hidden if head_rows is None else hidden[head_rows.to(hidden.device)]
+        rows = hidden
+        if head_rows is not None:  # hidden[head_rows], its index found on the host
+            at = to_device(flat_index(h.head_rows if h.head_rows is not None else head_rows),
+                           hidden.device)  # fmt: skip
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
         return LoopedOutput(self.head_logits(rows, mode), hidden, None)
 
 
+class HostView(NamedTuple):
+    """A forward's depths, valid, latent seeds, segments and head_rows as host tensors
+    (LoopedGPT.forward ``host``), the same values as the device's."""
+
+    depths: Tensor
+    valid: Tensor
+    latent_seeds: Tensor | Sequence[int]
+    segments: Tensor | None = None
+    head_rows: Tensor | None = None
+    positions: Tensor | None = None
+
+
+def _check_rows(valid: Tensor, depths: Tensor) -> None:
+    index = torch.arange(valid.shape[1], device=valid.device)
+    if not torch.equal(valid, index < valid.sum(dim=1)[:, None]):
+        raise ValueError("valid must be a prefix of every row (right padding)")
+    if ((depths < 1) | (depths > MAX_DEPTH))[valid].any():
+        raise ValueError(f"depths must be in [1, {MAX_DEPTH}] at valid positions")
+
+
 def _packed(
-    latent_seeds: Tensor | Sequence[int],
     segments: Tensor,
     positions: Tensor | None,
     depths: Tensor,
     valid: Tensor,
     mode: str,
-) -> tuple[Tensor, Tensor, Tensor, DocMask]:
+    h: HostView,
+) -> tuple[Tensor, Tensor, Tensor, DocMask, Tensor]:
     """Packed rows (LoopedGPT.forward): per-position seeds [B, S], positions, each position's
-    sequence's deepest depth [B, S] (kv='full'), the block-diagonal causal mask."""
+    sequence's deepest depth [B, S] (kv='full'), the block-diagonal causal mask, and the
+    deepest depths again on ``h``'s device (counted and checked there)."""
     if positions is None or positions.shape != segments.shape or segments.shape != valid.shape:
         raise ValueError("packed rows: segments and positions [B, S] like tokens")
-    if bool(((segments < 0) == valid).any()):
+    assert h.segments is not None
+    if bool(((h.segments < 0) == h.valid).any()):
         raise ValueError("packed rows: segments must be >= 0 exactly at valid positions")
-    n_seg = int(segments.max()) + 1 if bool(valid.any()) else 1
-    seeds = _seed_tensor(latent_seeds, n_seg).to(segments.device)
+    n_seg = int(h.segments.max()) + 1 if bool(h.valid.any()) else 1
+    seeds = to_device(_seed_tensor(h.latent_seeds, n_seg), segments.device)
     seg = segments.clamp(min=0)
     per_seed = seeds[seg]
-    top = torch.zeros(n_seg, dtype=depths.dtype, device=depths.device)
-    top = top.scatter_reduce(0, seg[valid], depths[valid], reduce="amax")
-    return per_seed, positions, top[seg], doc_mask(segments, mode)
+
+    def deepest(seg: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
+        # each segment's deepest valid depth (the padding scattered into a spare slot)
+        top = torch.zeros(n_seg + 1, dtype=depths.dtype, device=depths.device)
+        spare = torch.where(valid, seg, n_seg)
+        top = top.scatter_reduce(0, spare.reshape(-1), torch.where(valid, depths, 0).reshape(-1),
+                                 reduce="amax")  # fmt: skip
+        return top[seg]
+
+    h_seg = h.segments.clamp(min=0)
+    return (per_seed, positions, deepest(seg, depths, valid), doc_mask(segments, mode, h.segments),
+            deepest(h_seg, h.depths, h.valid))  # fmt: skip
 
 
 def _blocks(blocks: nn.ModuleList) -> list[LoopedBlock]:

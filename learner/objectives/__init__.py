@@ -126,10 +126,14 @@ def _from_logits(
     return out
 
 
-def _to_floats(metrics: Metrics) -> dict[str, float]:
-    """All metrics to Python floats with one device synchronisation."""
-    values = torch.stack([m.detach().float().reshape(()) for m in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
+def _to_floats(metrics: Metrics, lazy: bool = False) -> dict[str, Any]:
+    """All metrics to Python floats with one device synchronisation; ``lazy``: as float32 0-d
+    tensors instead, the same values unread (learner.step_metrics.StepMetrics reads them once
+    a step)."""
+    values = [m.detach().float().reshape(()) for m in metrics.values()]
+    if lazy:
+        return dict(zip(metrics, values, strict=True))
+    return dict(zip(metrics, torch.stack(values).tolist(), strict=True))
 
 
 def _advantages(cfg: ObjectiveConfig, adv: Any, shape: torch.Size) -> Tensor:
@@ -291,8 +295,8 @@ def _exit_tokens(cfg: ObjectiveConfig, lb: LossBatch) -> Tokens:
 
 
 def _loop_policy_loss(
-    cfg: ObjectiveConfig, kind: Kind, lb: LossBatch
-) -> tuple[Tensor, dict[str, float]]:
+    cfg: ObjectiveConfig, kind: Kind, lb: LossBatch, lazy: bool = False
+) -> tuple[Tensor, dict[str, Any]]:
     """Per-loop credit (docs/OBJECTIVES.md "Per-loop credit"):
 
         l_t = sum_k w_tk l_t(logp_tk, base_tk, ...),   loss = aggregate(l, mask)
@@ -374,7 +378,7 @@ def _loop_policy_loss(
     metrics["loop_depth_mean"] = masked_mean((w_all * loop_no).sum(-1), mask)  # credited loop
     metrics["num_tokens"] = live.sum()
     metrics["loss"] = loss.detach()
-    return loss, _to_floats(metrics)
+    return loss, _to_floats(metrics, lazy)
 
 
 def policy_loss(
@@ -383,9 +387,11 @@ def policy_loss(
     *,
     temperature: float = 1.0,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
-) -> tuple[Tensor, dict[str, float]]:
+    lazy: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
     """Policy loss of `cfg.kind` over a (micro-)batch (``temperature`` and ``vocab_chunk``: of
     the token statistics of batch logits); a mapping is read as `LossBatch.of(batch)`.
+    ``lazy``: the metrics as float32 0-d tensors, not read off the device (`_to_floats`).
 
     Per valid token (A: advantage, r: ratio, w: behaviour weight, H: entropy):
         ppo / grpo:  l = w * clip_surrogate(r = exp(logp - base), A)
@@ -409,7 +415,7 @@ def policy_loss(
     lb = LossBatch.of(batch)
     kind = KIND_REGISTRY[cfg.kind]
     if lb.loop_weight is not None:
-        return _loop_policy_loss(cfg, kind, lb)
+        return _loop_policy_loss(cfg, kind, lb, lazy)
     tok, corr = _tokens(cfg, kind, lb, temperature, vocab_chunk)
     metrics: Metrics = {}
     pg, total, agg = _token_loss(cfg, kind, tok, corr, metrics, lb.normalizer)
@@ -424,14 +430,14 @@ def policy_loss(
     metrics["invalid_frac"] = masked_mean((tok.live & ~tok.valid).float(), mask)
     metrics["num_tokens"] = tok.live.sum()
     metrics["loss"] = loss.detach()
-    return loss, _to_floats(metrics)
+    return loss, _to_floats(metrics, lazy)
 
 
 def value_loss(
-    cfg: ObjectiveConfig, batch: ValueBatch | Mapping[str, Any]
-) -> tuple[Tensor, dict[str, float]]:
+    cfg: ObjectiveConfig, batch: ValueBatch | Mapping[str, Any], *, lazy: bool = False
+) -> tuple[Tensor, dict[str, Any]]:
     """Clipped critic loss over a `ValueBatch` (or a mapping of its keys); returns (scalar
-    loss, metrics)."""
+    loss, metrics; ``lazy``: unread tensors, as `policy_loss`)."""
     vb = ValueBatch.of(batch)
     mask = vb.mask
     if not isinstance(mask, Tensor) or mask.dim() != 2:
@@ -451,4 +457,4 @@ def value_loss(
         "value_mean": masked_mean(v, mask),
         "return_mean": masked_mean(r, mask),
     }
-    return loss, _to_floats(metrics)
+    return loss, _to_floats(metrics, lazy)

@@ -437,3 +437,38 @@ def test_pack_fill_benchmark_prints_fuller_bins(
     assert row["rollouts_a_step"] == 16 and row["real_tokens"] > 16 * 256
     assert row["positions_ffd"] <= row["positions_next_fit"]
     assert row["positions_ffd"] >= row["real_tokens"] and row["fill_ffd"] <= 1.0
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_a_micro_batch_reads_nothing_off_the_card(models_dir: dict[str, Path],
+                                                  packed: bool) -> None:  # fmt: skip
+    """learner.batching's "No device read on the way in": a micro-batch moved to the card,
+    its forward (packed rows or padded), its token statistics and the backward of their sum
+    make no synchronizing CUDA call (torch's sync debug mode counts them; the second pass,
+    after FlexAttention's compile and the allocator's warm-up). Each such call stops the
+    host until the card has run everything queued before it."""
+    import warnings
+
+    over = "learner.max_tokens_per_micro=4096" if packed else "learner.micro_batch_size=8"
+    t = _trainer("megatron", models_dir["huginn"], "fast", over)
+    try:
+        meg = t.trainer.megatron
+        host = build_batch(_rollouts()).rows(0, 8)
+        host.packed = packed
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    mb = host.to(meg.device)
+                    st = meg.policy_stats(mb, None)
+                    (st["logp"] * mb.mask).sum().backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+        where = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+        assert not where, where
+    finally:
+        _close(t)
