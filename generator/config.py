@@ -17,7 +17,7 @@ from models import settings
 from models.chat import TEMPLATES
 from models.cost import Host, LoopShape
 from models.errors import ConfigError
-from models.exits import ExitPolicy, parse_policy, policy_to_dict
+from models.exits import ExitPolicy, FixedDepth, parse_policy, policy_to_dict
 from models.numerics import MODES
 from models.settings import AUTO
 
@@ -77,12 +77,13 @@ class GeneratorConfig:
     """Torch engine: decode adaptive exit depths by ticks, every row at its own core iteration
     of its own token, exited rows read out every depth_ticks ticks (generator.torch_engine.ticks;
     kv last_exited; not a fixed depth on a GPU, which runs its CUDA graph); 0: one chunk per token."""
-    decode_chunk: int = 1
+    decode_chunk: int | str = "auto"
     """Torch engine, fixed-depth graph decode: tokens a row decodes per CUDA graph replay, each
     drawn on the device and fed to the next step with no host turn between them
     (generator.torch_engine.chunked; the call's requests must share temperature and top_p,
     else one a replay); a request that stops inside a chunk wastes the rest of it and of the
-    next; 1: one token a replay."""
+    next; 1: one token a replay; auto: 8 for the torch engine on a CUDA host at full depth
+    (no exit policy, depth_ticks 0), else 1."""
     kv_cache_mb: int | str = "auto"
     """KV cache size (MiB); the torch engine's cache budget: it caps its concurrent requests;
     auto: on a CUDA host 0.8 of the card's free memory less the weights (under `looprl run`:
@@ -186,9 +187,14 @@ class GeneratorConfig:
                 "must be auto or >= 1",
             ),
             (self.depth_ticks >= 0, "depth_ticks", "must be >= 0 (0: off)"),
-            (self.decode_chunk >= 1, "decode_chunk", "must be >= 1 (1: a token a replay)"),
             (
-                self.decode_chunk == 1
+                self.decode_chunk == AUTO
+                or (isinstance(self.decode_chunk, int) and self.decode_chunk >= 1),
+                "decode_chunk",
+                "must be auto or >= 1 (1: a token a replay)",
+            ),
+            (
+                self.decode_chunk in (1, AUTO)
                 or (self.engine in ("torch", AUTO) and self.depth_ticks == 0),
                 "decode_chunk",
                 "is the torch engine's fixed-depth graph decode (engine torch, depth_ticks 0; "
@@ -251,9 +257,12 @@ def for_this_host(
     line per choice saying why: engine torch on a CUDA host (the tested GPU path), vllm on a
     CPU host; max_inflight 64 on a CUDA host, 16 on a CPU host; kv_cache_mb 0.8 of the card's free memory less the model's bf16 weights (at
     least 256) on a CUDA host, 64 on a CPU host; inflight_updates true for the torch engine on
-    a CUDA host (depth_ticks 0), else false. `looprl run` resolves its generators' keys
-    itself (what its learner leaves: pipeline.config.device)."""
-    if AUTO not in (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight, cfg.inflight_updates):
+    a CUDA host (depth_ticks 0), else false; decode_chunk `chunk_for` (8 for the torch engine
+    at full depth on a CUDA host, else 1). `looprl run` resolves its generators' keys itself
+    (what its learner leaves: pipeline.config.device)."""
+    autos = (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight, cfg.inflight_updates,
+             cfg.decode_chunk)  # fmt: skip
+    if AUTO not in autos:
         return cfg, []
     host = host or Host.here()
     values: dict[str, Any] = {}
@@ -280,7 +289,29 @@ def for_this_host(
         values["inflight_updates"] = host.cuda and engine == "torch" and cfg.depth_ticks == 0
         why.append(f"inflight_updates={values['inflight_updates']}: engine {engine}, "
                    f"{host.describe()}")  # fmt: skip
+    if cfg.decode_chunk == AUTO:
+        engine = values.get("engine", cfg.engine)
+        fixed = cfg.exit_policy is None or isinstance(cfg.exit_policy, FixedDepth)
+        values["decode_chunk"], reason = chunk_for(host.cuda, engine, cfg.depth_ticks, fixed)
+        why.append(f"decode_chunk={values['decode_chunk']}: {reason}")
     return replace(cfg, **values), why
+
+
+AUTO_CHUNK = 8
+"""decode_chunk auto on the GPU path: generation alone at 1b, 256 x 512 tokens on an H100,
+4.45 s at 1 token a replay, 3.81 s at 8 (docs/PERFORMANCE.md "decode_chunk on the card")."""
+
+
+def chunk_for(cuda: bool, engine: str, depth_ticks: int, full_depth: bool) -> tuple[int, str]:
+    """decode_chunk auto: (the value, why): `AUTO_CHUNK` for the torch engine's fixed-depth
+    graph decode on a CUDA host, else 1."""
+    if not cuda:
+        return 1, "a CPU host (the graph decode is the GPU's)"
+    if engine != "torch":
+        return 1, f"engine {engine}"
+    if depth_ticks or not full_depth:
+        return 1, "not a fixed full depth (depth_ticks or an exit policy)"
+    return AUTO_CHUNK, "the torch engine's fixed-depth graph decode on a CUDA host"
 
 
 def exit_policy_arg(policy: ExitPolicy | None) -> str:

@@ -15,6 +15,7 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.max_inflight | a whole step's prompts x (max_staleness + 1), split between the local generators (the engine batch is that x rollout.n rows) | 16 |
 | generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
 | generators.inflight_updates | true with the torch engine (depth_ticks 0): a version swapped in between two decode steps of a running batch | false |
+| generators.decode_chunk | 8 with the torch engine at a fixed full depth (no exit policy, depth_ticks 0): 8 tokens a CUDA graph replay | 1 |
 | publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
 | publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; an adapter version as its adapter set on a base packed once), else every | every |
 
@@ -106,7 +107,8 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     value}}, and one line per choice saying why (the first line names the host)."""
     lr, gens, pub = cfg.learner, cfg.generators, cfg.publish
     autos = [lr.precision, lr.compile, lr.max_tokens_per_micro, gens.engine, gens.kv_cache_mb,
-             gens.max_inflight, gens.inflight_updates, pub.transport, pub.directories]  # fmt: skip
+             gens.max_inflight, gens.inflight_updates, gens.decode_chunk, pub.transport,
+             pub.directories]  # fmt: skip
     if AUTO not in autos:
         return {}, []
     host = host or Host.here()
@@ -178,6 +180,14 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
         else:
             choose("generators", "inflight_updates", False, "a CPU host" if not host.cuda
                    else f"engine {engine}" if engine != "torch" else "depth_ticks > 0")  # fmt: skip
+    if gens.decode_chunk == AUTO:
+        from generator.config import chunk_for
+        from models.exits import FixedDepth
+
+        policy = cfg.rollout.parsed_policy
+        fixed = policy is None or isinstance(policy, FixedDepth)
+        engine = out["generators"].get("engine", gens.engine)
+        choose("generators", "decode_chunk", *chunk_for(host.cuda, engine, gens.depth_ticks, fixed))
     if pub.transport == AUTO:
         choose("publish", "transport", *_auto_transport(host, local, megatron))
     if pub.directories == AUTO:

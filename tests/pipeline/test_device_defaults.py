@@ -34,8 +34,8 @@ def test_a_cpu_host_keeps_todays_defaults() -> None:
     assert cfg.learner.max_tokens_per_micro == 0
     assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
     assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
-    assert cfg.generators.inflight_updates is False
-    assert len(cfg.device_choices) == 10 and all("a CPU host" in x for x in cfg.device_choices)
+    assert cfg.generators.inflight_updates is False and cfg.generators.decode_chunk == 1
+    assert len(cfg.device_choices) == 11 and all("a CPU host" in x for x in cfg.device_choices)
     assert device_defaults.summary(cfg.device_choices) is None  # nothing new to print on a CPU
 
 
@@ -60,6 +60,7 @@ def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
     assert gens.kv_cache_mb == pytest.approx(expect, abs=256) and gens.kv_cache_mb % 256 == 0
     assert gens.engine == "torch" and cfg.publish.transport == "cuda_ipc"
     assert gens.inflight_updates is True  # a version swapped in between decode steps
+    assert gens.decode_chunk == 8  # 8 tokens a graph replay at the fixed full depth
     # a whole step's prompts, and the next one's (max_staleness 1), held by the one generator
     assert gens.max_inflight == cfg.rollout.prompts_per_step * 2
     assert cfg.device_choices[0] == f"host: {H100.describe()}"
@@ -123,7 +124,12 @@ def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.Monk
     assert ref.publish.transport == "shm"  # its weights are on the host: no device buffer
     # the tick decode swaps between batches only; a set value is kept
     ticks = load_config(None, ["generators.depth_ticks=2", "model.size=1b"])
-    assert ticks.generators.inflight_updates is False
+    assert ticks.generators.inflight_updates is False and ticks.generators.decode_chunk == 1
+    sampled = load_config(None, ["rollout.exit_policy={kind: sampled_gate}", "model.family=ouro",
+                                 "model.size=400m"])  # fmt: skip
+    assert sampled.generators.decode_chunk == 1  # an exit policy: not one fixed depth
+    one = load_config(None, ["generators.decode_chunk=1", "model.size=1b"])
+    assert one.generators.decode_chunk == 1
     off = load_config(None, ["generators.inflight_updates=false", "model.size=1b"])
     assert off.generators.inflight_updates is False
 
@@ -135,7 +141,8 @@ def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_
     recorded = {**{f"learner.{k}": doc["learner"][k]
                    for k in ("precision", "compile", "max_tokens_per_micro")},
                 **{f"generators.{k}": doc["generators"][k]
-                   for k in ("engine", "kv_cache_mb", "max_inflight", "inflight_updates")},
+                   for k in ("engine", "kv_cache_mb", "max_inflight", "inflight_updates",
+                             "decode_chunk")},
                 "publish.transport": doc["publish"]["transport"]}  # fmt: skip
     assert "auto" not in recorded.values(), recorded  # the chosen values, not "auto"
     assert recorded["learner.precision"] == "bf16" and recorded["publish.transport"] == "cuda_ipc"
@@ -150,16 +157,18 @@ def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_a_standalone_generator_chooses_for_its_own_host(tmp_path: Any) -> None:
     cfg, why = for_this_host(GeneratorConfig())
-    assert (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight) == ("vllm", 64, 16) and len(why) == 4
-    assert cfg.inflight_updates is False
+    assert (cfg.engine, cfg.kv_cache_mb, cfg.max_inflight) == ("vllm", 64, 16) and len(why) == 5
+    assert cfg.inflight_updates is False and cfg.decode_chunk == 1
     from models.random_init import init_checkpoint
 
     model = init_checkpoint("huginn", "tiny", tmp_path / "m", seed=0)
     gpu, why = for_this_host(GeneratorConfig(model=str(model)), H100)
     assert gpu.engine == "torch" and gpu.held_items == 64 and gpu.inflight_updates is True
+    assert gpu.decode_chunk == 8
     assert gpu.kv_cache_mb == pytest.approx(0.8 * 79 * 1024, abs=256) and gpu.kv_cache_mb % 256 == 0
     kept, why = for_this_host(GeneratorConfig(engine="vllm", kv_cache_mb=100, max_inflight=4,
-                                              inflight_updates=False), H100)  # fmt: skip
+                                              inflight_updates=False, decode_chunk=1),
+                              H100)  # fmt: skip
     assert (kept.engine, kept.kv_cache_mb, why) == ("vllm", 100, [])
     with pytest.raises(ValueError, match="kv_cache_mb=auto was not resolved"):
         _ = GeneratorConfig().kv_cache_bytes
