@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement chunk learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement chunk syncs learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -303,6 +303,20 @@ if has placement; then  # looprl run with its generator as a thread, then as a p
         [ -n "$g" ] && [ "$(stat -c %s "$g")" -lt 15000000 ] && cp "$g" "$LOG/placement_${pl}_trace.json.gz"
         g=$(ls /tmp/gpu_placement_$pl/run_*/profile/summary.json 2>/dev/null | head -n 1)
         [ -n "$g" ] && "$PY" -c 'import json, sys; s = json.load(open(sys.argv[1])); print("profile:", {k: round(v, 3) for k, v in s.items() if isinstance(v, float)}, {k: round(v["busy_s"], 3) for k, v in s["streams"].items()}, {k: {a: round(b, 3) for a, b in v.items()} for k, v in list(s.get("threads", {}).items())[:6]})' "$g"
+    done
+fi
+if has syncs; then  # the learner's reads of the card (learner.batching "No device read"): the CUDA
+    # test (none in a micro-batch), then a 1b compiled step's count and sites (trainer_gpu --syncs);
+    # BASE=DIR: the same benchmark from another checkout first (git archive REV | tar -x -C DIR)
+    timeout "${T_SYNC_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+        tests/learner/test_packed_rows.py -k reads_nothing 2>&1 |
+        grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | cut -c1-1500 | tail -n 12 | tee "$LOG/sync_tests.txt"
+    for d in ${BASE:-} .; do
+        l=head && [ "$d" != . ] && l=base
+        (cd "$d" && PYTHONPATH="$PWD:/tmp/site" timeout "${T_SYNC:-200}" "$PY" benchmarks/trainer_gpu.py \
+            --shape huginn_1b --steps 8 --warmup 3 --compile --syncs --label "syncs_$l" \
+            2>"$LOG/syncs.err" | tee -a "$LOG/syncs.jsonl")
+        tail -n 2 "$LOG/syncs.err"
     done
 fi
 if has chunk; then  # generators.decode_chunk: the CUDA test, then one step's generation alone at
