@@ -326,16 +326,18 @@ def _ppnd_t(v: Tensor) -> Tensor:
     return torch.where(q.abs() > SPLIT, torch.where(neg, -xt, xt), x)
 
 
-def check_noise_args(seeds: torch.Tensor, positions: torch.Tensor, hidden_size: int) -> None:
+def check_noise_args(seeds: torch.Tensor, positions: torch.Tensor, hidden_size: int,
+                     nonnegative: bool = False) -> None:  # fmt: skip
     """ValueError unless seeds / positions are [T] int64 (positions >= 0) and hidden_size > 0:
-    the arguments of every device implementation of the noise (torch, Triton)."""
+    the arguments of every device implementation of the noise (torch, Triton). ``nonnegative``:
+    the caller checked the positions already (on the host: no read of the card here)."""
     if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
         raise ValueError(f"seeds and positions must be int64, got {seeds.dtype}, {positions.dtype}")
     if seeds.shape != positions.shape or seeds.dim() != 1:
         raise ValueError(f"seeds {tuple(seeds.shape)} and positions must both be [T]")
     if hidden_size <= 0:
         raise ValueError(f"hidden_size must be > 0, got {hidden_size}")
-    if positions.numel() and bool((positions < 0).any()):
+    if not nonnegative and positions.numel() and bool((positions < 0).any()):
         raise ValueError("positions must be >= 0")
 
 

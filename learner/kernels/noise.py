@@ -114,13 +114,15 @@ if HAVE_TRITON:
         tl.store(out_ptr + i * hidden + j, out.to(tl.float32), mask=live)
 
 
-def latent_noise_cuda(seeds: Tensor, positions: Tensor, hidden_size: int) -> Tensor:
+def latent_noise_cuda(seeds: Tensor, positions: Tensor, hidden_size: int,
+                      nonnegative: bool = False) -> Tensor:  # fmt: skip
     """`models.noise.latent_noise_torch(seeds, positions, hidden_size)` (same arguments and
     checks, fp32 [T, hidden_size] on the tensors' CUDA device) in one Triton kernel; falls back
-    to latent_noise_torch off CUDA or without Triton."""
+    to latent_noise_torch off CUDA or without Triton. ``nonnegative``: the caller knows the
+    positions are >= 0 (`models.noise.check_noise_args`: no read of the card)."""
     if not (HAVE_TRITON and seeds.is_cuda):
         return spec.latent_noise_torch(seeds, positions, hidden_size)
-    spec.check_noise_args(seeds, positions, hidden_size)
+    spec.check_noise_args(seeds, positions, hidden_size, nonnegative)
     assert spec.TRUNCATION == 3.0  # the kernel's clamp
     row = spec._mix_t(spec._mix_t(seeds ^ spec.NOISE_DOMAIN) ^ positions).contiguous()
     out = torch.empty((seeds.numel(), hidden_size), dtype=torch.float32, device=seeds.device)

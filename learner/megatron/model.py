@@ -206,8 +206,10 @@ class LoopedGPT(MegatronModule):
         table = nx.rope_cos_sin(positions.reshape(-1), c.head_dim, c.rope_theta, mode)
         return Rope("half", table)
 
-    def _initial_state(self, e: Tensor, positions: Tensor, seeds: Tensor) -> Tensor:
-        """seeds: [B] (one per row) or [B, S] (one per position: packed rows)."""
+    def _initial_state(self, e: Tensor, positions: Tensor, seeds: Tensor,
+                       nonnegative: bool = False) -> Tensor:  # fmt: skip
+        """seeds: [B] (one per row) or [B, S] (one per position: packed rows); ``nonnegative``:
+        the positions are known >= 0 (checked on the host)."""
         if not self.huginn:
             return e
         c = self.family_config
@@ -216,7 +218,7 @@ class LoopedGPT(MegatronModule):
         if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.kernels.noise)
             per = to_device(seeds, e.device)
             per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
-            z = latent_noise_cuda(per, positions.reshape(-1), h)
+            z = latent_noise_cuda(per, positions.reshape(-1), h, nonnegative)
         else:
             per = seeds.cpu()
             per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
@@ -358,11 +360,15 @@ class LoopedGPT(MegatronModule):
             mask[..., 0] |= ~mask.any(dim=-1)
         top = seq - 1 if segments is None else (
             int(h.positions.max()) if h.positions is not None else None)  # fmt: skip
+        # the positions checked >= 0 on the host: an arange, or the host's packed positions
+        nonnegative = segments is None or h.positions is not None
+        if segments is not None and h.positions is not None and bool((h.positions < 0).any()):
+            raise ValueError("packed rows: positions must be >= 0")
         rope = self._rope(positions, mode, top)
         e = self._embed(tokens)
         for blk in _blocks(self.prelude):
             e = self._block(blk, e, rope, attn_mask, mode)[0]
-        state = self._initial_state(e, positions, seeds)
+        state = self._initial_state(e, positions, seeds, nonnegative)
         prev: list[tuple[Tensor, Tensor] | None] = [None] * len(self.core)
         n_iter = int(h_run_to[h.valid].max()) if bool(h.valid.any()) else 0
         out_state = state
