@@ -622,7 +622,9 @@ def _copied(src: torch.Tensor, nbytes: int, meta: Sequence[Any]) -> tuple[torch.
     size = padded_size(nbytes)
     if src.numel() < size:
         raise ValueError(f"the mapped buffer holds {src.numel()} bytes, {size} announced")
-    with _on(src.device):
+    # on a stream of the reader's own: not queued behind the engine's decode on the stream the
+    # caller's thread has current (the process's default stream, in a generator process)
+    with _on(src.device), _side(src.device, None, "reader"):
         mine = torch.empty(size, dtype=torch.uint8, device=src.device)
         mine.copy_(src[:size])
         return mine, device_digest(mine, nbytes, meta)
@@ -639,10 +641,12 @@ _SIDE: dict[tuple[torch.device, str], Any] = {}
 def _side(
     dev: torch.device, ready: Any, name: str = "pack"
 ) -> contextlib.AbstractContextManager[Any]:
-    """A stream of the publisher's own on ``dev`` (CUDA; one per ``name``), current for the
-    block, that waits for ``ready`` (the snapshot's copies) first: the pack, the digest and the
-    writer's copy run beside the trainer's stream, not queued behind the kernels of the step
-    it already launched."""
+    """A stream of this process's own on ``dev`` (CUDA; one per ``name``), current for the
+    block, that waits for ``ready`` (the snapshot's copies) first: the publisher's pack, digest
+    and writer's copy run beside the trainer's stream, not queued behind the kernels of the
+    step it already launched; a reader's copy and digest (``_copied``) beside the engine's
+    decode. A tensor made on it and used on another stream is recorded there by its user
+    (generator.torch_engine.weights: ``record_stream`` when served)."""
     if dev.type != "cuda":
         return contextlib.nullcontext()
     side = _SIDE.get((dev, name))

@@ -116,6 +116,9 @@ class TorchWeights:
         that fails part way leaves the engine broken (WeightLoadError)."""
         try:
             load_into(self.model, {k: state[k] for k in state})
+            for t in state.values():  # (a copy made on a reader's stream, read on this one:
+                if t.is_cuda:  # its memory not reused before this stream's copies end)
+                    t.record_stream(torch.cuda.current_stream(t.device))
         except Exception as e:
             self.broken = f"weights v{version}: load failed ({type(e).__name__}: {e})"
             raise WeightLoadError(self.broken) from e
