@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from learner.batching import TrainBatch
+from learner.batching import TrainBatch, flat_index, to_device
 from learner.objectives.loops import (
     ExitSum,
     add_loop_columns,
@@ -49,10 +49,14 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
     ``exit_min_depth`` (a sampled exit) also "exit_logp", "exit_entropy" [B, L] as
     `exit_forward` computes them, in the same pass; ``gate_grad``: "loop_gate" carries its
     gradient (objective.exit_pdf_gradient)."""
+    from learner.model_specs import _inputs
+
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
     sel, e, n_loops = response_depths(mb)
-    targets = mb.targets
+    h = mb.on_host()  # each loop's rows by their index, found on the host: no read of the card
+    h_sel, h_e = h.mask > 0, h.exit_depths
+    targets = mb.targets.reshape(-1)
     cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
     full = row_full_depths(mb)
     exits = None if exit_min_depth is None else ExitSum(sel, e, full, exit_min_depth, mode)
@@ -62,10 +66,13 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
             return None
         state, side = tap(state)
         sel_k = sel & (e >= k)
+        at = to_device(flat_index(h_sel & (h_e >= k)), sel.device)  # the rows sel_k takes
 
         def stats(s: Tensor) -> tuple[Tensor, Tensor]:
-            rows = readout(s)[sel_k]
-            st = row_stats(full_vocab_logits(core, core.head_logits(rows, mode)), targets[sel_k])
+            r = readout(s)
+            rows = r.reshape(-1, r.shape[-1]).index_select(0, at)
+            st = row_stats(full_vocab_logits(core, core.head_logits(rows, mode)),
+                           targets.index_select(0, at))  # fmt: skip
             return st["logp"], st["entropy"]
 
         add_loop_columns(cols, sel_k, side, stats,
@@ -74,11 +81,12 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
             exits.add(k, core.gate_logit(side, mode))
         return state
 
-    valid = mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
-    out = model(mb.input_ids, mb.exit_depths, valid, mb.latent_seeds, head_rows=sel,
-                loop_fn=at_loop)  # fmt: skip
+    assert not mb.packed, "the per-loop and sampled-exit forwards do not pack"
+    args, kw, _ = _inputs(mb, head=True)
+    out = model(*args, **kw, loop_fn=at_loop)
     with torch.no_grad():  # the exit readout: behaviour mismatch, the correction's base
-        ex = row_stats(full_vocab_logits(core, out.logits.detach()), targets[sel])
+        ex = row_stats(full_vocab_logits(core, out.logits.detach()),
+                       targets.index_select(0, mb.mask_rows()))  # fmt: skip
     del out
     res = {"logp": spread(sel, ex["logp"]), "entropy": spread(sel, ex["entropy"])}
     res.update({k: torch.stack(v, dim=-1) for k, v in cols.items() if v})
@@ -92,7 +100,7 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
     every core iteration it ran (LoopedGPT.forward's loop_fn), summed per token in iteration
     order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
     models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit."""
-    from learner.model_specs import _valid
+    from learner.model_specs import _inputs
 
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
@@ -106,6 +114,7 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
         exits.add(k, core.gate_logit(side, mode))
         return state
 
-    out = model(mb.input_ids, mb.exit_depths, _valid(mb), mb.latent_seeds, head_rows=sel,
-                loop_fn=at_loop)  # fmt: skip
+    assert not mb.packed, "the per-loop and sampled-exit forwards do not pack"
+    args, kw, _ = _inputs(mb, head=True)
+    out = model(*args, **kw, loop_fn=at_loop)
     return {"mask_logits": full_vocab_logits(core, out.logits)} | exits.result()

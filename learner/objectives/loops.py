@@ -262,7 +262,11 @@ def row_full_depths(mb: TrainBatch) -> Tensor:
 
 
 def response_depths(mb: TrainBatch) -> tuple[Tensor, Tensor, int]:
-    """(sel [B, L] response positions, e [B, L] their exit depths (0 elsewhere), K = max e)."""
+    """(sel [B, L] response positions, e [B, L] their exit depths (0 elsewhere), K = max e;
+    K counted on the host copy, `TrainBatch.on_host`: no read of the card)."""
     sel = mb.mask > 0
     e = torch.where(sel, mb.exit_depths, 0)
-    return sel, e, max(1, int(e.max())) if bool(sel.any()) else 1
+    h = mb.on_host()
+    h_sel = h.mask > 0
+    h_e = torch.where(h_sel, h.exit_depths, 0)
+    return sel, e, max(1, int(h_e.max())) if bool(h_sel.any()) else 1
