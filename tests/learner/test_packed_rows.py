@@ -472,3 +472,26 @@ def test_a_micro_batch_reads_nothing_off_the_card(models_dir: dict[str, Path],
         assert not where, where
     finally:
         _close(t)
+
+
+def test_a_micro_batch_keeps_its_host_copy_and_finds_its_rows_there() -> None:
+    """TrainBatch.on_host / mask_rows and PackedInputs.host / unpack (learner.batching's "No
+    device read on the way in"), on the CPU: the host copy is the batch itself, the response
+    rows' flat index is the order x[mask > 0] takes, and unpack's index copy puts every packed
+    value where the boolean scatter did."""
+    mb = build_batch(_rollouts()).rows(0, 8)
+    moved = mb.to("cpu")
+    assert moved.host is mb and moved.on_host() is moved  # (on the CPU: itself)
+    x = torch.randn(mb.size, mb.length, 3)
+    at = mb.mask_rows()
+    assert at.dtype == torch.int64 and at.numel() == int((mb.mask > 0).sum())
+    assert torch.equal(x.reshape(-1, 3).index_select(0, at), x[mb.mask > 0])
+    mb.packed = True
+    p = packed_inputs(mb)
+    assert p.host is not None and torch.equal(p.host.input_ids, p.input_ids)
+    vals = torch.randn(1, p.index.numel(), 2)
+    keep = p.index >= 0
+    want = torch.zeros(mb.size * mb.length, 2)
+    want[p.index[keep]] = vals[0][keep]
+    assert torch.equal(p.unpack(vals), want.view(mb.size, mb.length, 2))
+    assert p.tokens == int(keep.sum()) == int(mb.seq_lens.sum())
