@@ -49,7 +49,7 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
     ``exit_min_depth`` (a sampled exit) also "exit_logp", "exit_entropy" [B, L] as
     `exit_forward` computes them, in the same pass; ``gate_grad``: "loop_gate" carries its
     gradient (objective.exit_pdf_gradient)."""
-    from learner.model_specs import _inputs
+    from learner.model_specs import looped_inputs
 
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
@@ -82,7 +82,7 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
         return state
 
     assert not mb.packed, "the per-loop and sampled-exit forwards do not pack"
-    args, kw, _ = _inputs(mb, head=True)
+    args, kw, _ = looped_inputs(mb, head=True)
     out = model(*args, **kw, loop_fn=at_loop)
     with torch.no_grad():  # the exit readout: behaviour mismatch, the correction's base
         ex = row_stats(full_vocab_logits(core, out.logits.detach()),
@@ -100,7 +100,7 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
     every core iteration it ran (LoopedGPT.forward's loop_fn), summed per token in iteration
     order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
     models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit."""
-    from learner.model_specs import _inputs
+    from learner.model_specs import looped_inputs
 
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
@@ -115,6 +115,6 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
         return state
 
     assert not mb.packed, "the per-loop and sampled-exit forwards do not pack"
-    args, kw, _ = _inputs(mb, head=True)
+    args, kw, _ = looped_inputs(mb, head=True)
     out = model(*args, **kw, loop_fn=at_loop)
     return {"mask_logits": full_vocab_logits(core, out.logits)} | exits.result()

@@ -22,6 +22,7 @@ __all__ = [
     "PolicyForward",
     "PolicySpec",
     "looped_critic_spec",
+    "looped_inputs",
     "looped_policy_spec",
 ]
 
@@ -56,7 +57,7 @@ def _valid(mb: TrainBatch) -> Tensor:
     return mb.position_ids < mb.seq_lens[:, None].to(mb.position_ids.device)
 
 
-def _inputs(
+def looped_inputs(
     mb: TrainBatch, head: bool
 ) -> tuple[tuple[Tensor, ...], dict[str, Any], PackedInputs | None]:
     """The looped model's arguments for ``mb`` (packed rows when it is packed: their
@@ -107,7 +108,7 @@ def looped_policy_spec(
 
     def forward(model: nn.Module, mb: TrainBatch) -> dict[str, Tensor]:
         # the head runs on the response rows only (no [B, L, V] logits, no gather of them)
-        args, kw, _ = _inputs(mb, head=True)
+        args, kw, _ = looped_inputs(mb, head=True)
         out = model(*args, **kw)
         return {"mask_logits": full_vocab_logits(model, out.logits)}  # type: ignore[arg-type]
 
@@ -128,7 +129,7 @@ def looped_critic_spec(model_config: Any, options: Any = None, hf_state: Any = N
         return build_critic(model_config, opts, hf_state=hf_state)
 
     def forward(model: nn.Module, mb: TrainBatch) -> Tensor:
-        args, kw, packed = _inputs(mb, head=False)
+        args, kw, packed = looped_inputs(mb, head=False)
         values: Tensor = model(*args, **kw).values
         return values if packed is None else packed.unpack(values)
 

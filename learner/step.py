@@ -475,9 +475,9 @@ class LearnerStep:
             rej = rollout_correction(obj, mb.mask, mb.extra["prox_logp"], mb.behav_logp).rejected
             kept = (mb.mask > 0) & ~rej
             kept_n.append(kept.sum() if obj.aggregation == "token_mean" else kept.any(1).sum())
-        # (counts: exact in float64 whatever the order; one read of the card)
-        n = torch.tensor([float(sum(int(c) for c in torch.stack(kept_n).tolist()))
-                          if kept_n else 0.0], dtype=torch.float64)  # fmt: skip
+        # (integer counts: their sum exact; one read of the card)
+        total = float(torch.stack(kept_n).sum()) if kept_n else 0.0
+        n = torch.tensor([total], dtype=torch.float64)
         return float(self.pol.dp.all_reduce_(n)[0])
 
     def _critic_update(self, critic: Net, batch: TrainBatch, lo: int, hi: int, norm: float,
