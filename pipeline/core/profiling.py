@@ -13,7 +13,9 @@ and writes ``RUN_DIR/profile/``:
   seconds (the union of its kernels' and copies' intervals), kernel count and top kernels by
   time, ``busy_s`` (the union over streams: the card doing anything), ``overlap_s`` (seconds
   during which two or more streams ran at once) and ``busy_fraction`` / ``overlap_fraction`` of
-  the window; ``threads``: per host thread, its seconds in torch ops and waiting for the card.
+  the window; ``timeline``: per stream, the busy fraction of each ``BIN_S`` bin from the first
+  device event (who had the card when: the decode beside the training, or after it);
+  ``threads``: per host thread, its seconds in torch ops and waiting for the card.
 
 A generator in a process of its own (``generators.placement=process``) is another process: its
 kernels are not in this trace (its own time is the rows' ``time/generation``); with
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of device work (torch.profiler's Kineto export)."""
+BIN_S = 0.1
+"""The width of ``summary.json``'s ``timeline`` bins (seconds)."""
 
 
 def union_s(intervals: Iterable[tuple[float, float]]) -> float:
@@ -51,18 +55,23 @@ def union_s(intervals: Iterable[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` (start, end) sorted, overlapping ones joined."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def at_least_two_s(per_stream: dict[Any, list[tuple[float, float]]]) -> float:
     """Seconds during which two or more of the streams were busy (each stream's own intervals
     merged first, so a stream overlapping itself does not count)."""
     edges: list[tuple[float, int]] = []
     for ivs in per_stream.values():
-        merged: list[list[float]] = []
-        for a, b in sorted(ivs):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        for a, b in merged:
+        for a, b in _merged(ivs):
             edges += [(a, 1), (b, -1)]
     edges.sort(key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
     total, depth, last = 0.0, 0, 0.0
@@ -99,7 +108,28 @@ def trace_summary(events: list[dict[str, Any]], window_s: float, top: int = 8) -
     w = max(window_s, 1e-9)
     return {"window_s": window_s, "busy_s": busy, "overlap_s": overlap,
             "busy_fraction": busy / w, "overlap_fraction": overlap / w, "streams": streams,
-            "threads": host_threads(events)}  # fmt: skip
+            "bin_s": BIN_S, "timeline": timeline(per_stream), "threads": host_threads(events)}  # fmt: skip
+
+
+def timeline(per_stream: dict[str, list[tuple[float, float]]],
+             bin_s: float = BIN_S) -> dict[str, list[float]]:  # fmt: skip
+    """Per stream, the fraction of each ``bin_s`` bin (from the first device event of any
+    stream) its merged intervals (microseconds) cover, rounded to 0.01."""
+    if not per_stream:
+        return {}
+    t0 = min(a for ivs in per_stream.values() for a, _ in ivs)
+    width = bin_s * 1e6
+    out = {}
+    for key, ivs in per_stream.items():
+        bins = [0.0] * (int((max(b for _, b in ivs) - t0) // width) + 1)
+        for a, b in _merged(ivs):
+            while a < b:
+                i = int((a - t0) // width)
+                end = min(b, t0 + (i + 1) * width)
+                bins[i] += end - a
+                a = end
+        out[key] = [round(x / width, 2) for x in bins]
+    return out
 
 
 def host_threads(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -77,3 +77,17 @@ def test_bad_windows_are_refused_by_name(bad: str) -> None:
         load_config(None, [f"metrics.profile_steps={bad}"])
     with pytest.raises(ConfigError, match=r"metrics\.profile_steps.*Integer"):
         load_config(None, ["metrics.profile_steps=[true, 2]"])
+
+
+def test_timeline_bins_each_streams_busy_fraction() -> None:
+    """summary.json's ``timeline``: per stream, the busy fraction of each 0.1 s bin from the
+    first device event (overlapping kernels of one stream counted once; a kernel across a bin
+    edge split between the bins)."""
+    events = [
+        _kernel(7, 0, 150_000, "gemm"), _kernel(7, 50_000, 50_000, "gemm"),  # inside the first
+        _kernel(13, 120_000, 30_000, "decode"), _kernel(13, 250_000, 10_000, "decode"),
+    ]  # fmt: skip
+    s = trace_summary(events, window_s=0.3)
+    assert s["bin_s"] == 0.1
+    assert s["timeline"] == {"0:7": [1.0, 0.5], "0:13": [0.0, 0.3, 0.1]}
+    assert trace_summary([], window_s=1.0)["timeline"] == {}
