@@ -31,7 +31,7 @@ from typing import Any
 
 from models.errors import ConfigError
 from pipeline.backends.trainer_api import with_learner_threads
-from pipeline.commands import console
+from pipeline.commands import console, mps
 from pipeline.commands.console import generators_exited
 from pipeline.commands.generator_flags import config_argv, generator_config
 from pipeline.commands.generator_threads import GeneratorThreads
@@ -86,6 +86,8 @@ class Generators:
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                               os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        if self.cfg.generators.mps == "on":
+            env = mps.generator_env(env, self.cfg.generators.mps_percent)
         for i in range(self.cfg.generators.count):
             cmd = generator_command(self.cfg, i, control, weights, model)
             out = open(self.logs / f"gen{i}.log", "ab")  # noqa: SIM115
@@ -160,11 +162,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2
 
+    if cfg.generators.mps == "on":  # before anything is printed: this may re-execute the run
+        explicit = not any(c.startswith("generators.mps=") for c in cfg.device_choices)
+        try:
+            mps.enter(Path(cfg.run_dir), cfg.generators.learner_mps_percent, explicit)
+        except ConfigError as e:
+            print(f"looprl run: error: {e}", file=sys.stderr)
+            return 2
     verbose = console.verbose_from_env(getattr(args, "verbose", False))
     path = console.setup(log_file(cfg), verbose=verbose, level=logging.WARNING)
     if not verbose:
         print(f"logs: {path} (third-party warnings too; -v shows them here)", file=sys.stderr)
     device_defaults.report(cfg.device_choices, log)  # the auto keys chosen for this host
+    if mps.ours() is not None:
+        log.info("MPS daemon pid %s (pipe %s) started by this run", mps.ours(), os.environ[mps.PIPE])
     try:
         s = run_local(cfg)
     except LearnerStopped as e:  # no generators, a full disk: exit 1, as `looprl learner`
@@ -176,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     except GeneratorsExited as e:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        mps.release()  # the run's own daemon, if it started one: quits once this process exits
     print(
         f"\nrun {cfg.run_dir}: {s.get('steps', 0)} steps in {s['wall_s']:.0f} s; mean reward "
         f"first 5 steps {s.get('reward_first', float('nan')):.3f} -> last 5 steps "

@@ -39,6 +39,7 @@ ACCEPTED = {
     ("generators.max_batch_items", 0): "max_inflight", ("generators.batch_wait_s", 0): "no wait",
     ("generators.depth_ticks", 0): "one chunk per token (no ticks)",
     ("generators.carveout_sms", 0): "no SM carveout",
+    ("generators.mps_percent", 0): "no SM limit", ("generators.learner_mps_percent", 0): "no SM limit",
     ("generators.max_model_len", 0): "the checkpoint's", ("generators.seed", 0): "unset",
     ("generators.drain_timeout_s", 0): "hand back at once", ("generators.count", 0): "external",
     ("generators.resend_after_s", 0): "after a reconnect only",

@@ -1,0 +1,140 @@
+"""CUDA MPS for `looprl run`: the learner and its generator processes run kernels at once on one
+GPU (``generators.mps``).
+
+Without MPS the driver time-slices the card between processes: while the learner's kernels run
+the generator's wait, so a step costs the sum of the two. Under an MPS daemon both processes are
+clients of one server and their kernels share the SMs (the decode is bound by memory bandwidth,
+training by arithmetic). A process joins MPS when it first initializes CUDA, and the learner's
+process has by the time the run config is built (the auto keys read the card's free memory), so
+``looprl run`` with ``generators.mps=on`` and no daemon yet starts one of its own
+(``nvidia-cuda-mps-control -f``, pipe directory a fresh /tmp/looprl-mps-*, its log in
+RUN_DIR/logs/mps.log) and re-executes itself under it, same pid and arguments; the generator
+processes inherit the pipe directory. ``generators.learner_mps_percent`` /
+``generators.mps_percent`` set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the learner / each
+generator. At the end the run asks the daemon to quit; it exits once its last client (this
+process) has. A daemon that already serves this process (the host's own, at
+CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps) is used as it is and left running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from models.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE = "CUDA_MPS_PIPE_DIRECTORY"
+LOGS = "CUDA_MPS_LOG_DIRECTORY"
+PERCENT = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+OURS = "LOOPRL_MPS_DAEMON_PID"
+"""Set in the re-executed run: the pid of the daemon this run started (its pipe: PIPE)."""
+
+
+def serving() -> Path | None:
+    """The pipe directory of an MPS daemon this process reaches (its ``control`` socket
+    exists), or None."""
+    pipe = Path(os.environ.get(PIPE) or "/tmp/nvidia-mps")
+    return pipe if (pipe / "control").exists() else None
+
+
+def ours() -> int | None:
+    """The pid of the daemon this run started (in the re-executed process), or None."""
+    pid = os.environ.get(OURS, "")
+    return int(pid) if pid.isdigit() else None
+
+
+def start_daemon(log_path: Path, timeout_s: float = 15.0) -> tuple[int, Path]:
+    """Start ``nvidia-cuda-mps-control -f`` with a fresh pipe directory; returns (pid, pipe)
+    once its control socket exists. Raises RuntimeError (the log's tail) if it exits or does
+    not come up in ``timeout_s``."""
+    exe = shutil.which(CONTROL)
+    if exe is None:
+        raise RuntimeError(f"{CONTROL} is not on PATH")
+    pipe = Path(tempfile.mkdtemp(prefix="looprl-mps-"))  # short: a unix socket path
+    logs = log_path.parent / "mps"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, PIPE: str(pipe), LOGS: str(logs)}
+    env.pop(PERCENT, None)  # the daemon's own default stays 100%
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([exe, "-f"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    end = time.monotonic() + timeout_s
+    while not (pipe / "control").exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(pipe, ignore_errors=True)
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"{CONTROL} -f exited with {proc.returncode} before its control "
+                               f"socket appeared (log {log_path}: {' | '.join(tail) or 'empty'})")  # fmt: skip
+        time.sleep(0.05)
+    return proc.pid, pipe
+
+
+def enter(run_dir: Path, learner_percent: int, explicit: bool) -> None:
+    """Put this run (generators.mps on) under MPS before it goes on: nothing if it already is
+    (this run's daemon, or the host's with the learner's share as set); else start a daemon of
+    its own (none where the host's serves) and replace this process with the same command
+    under it (then it does not return). If the daemon cannot start: ``explicit``
+    (generators.mps=on was set) raises ConfigError; under auto it logs why and returns (the
+    run goes on time-sliced)."""
+    share = str(learner_percent) if learner_percent else None
+    if ours() is not None or (serving() is not None and os.environ.get(PERCENT) == share):
+        return
+    env = dict(os.environ)
+    if serving() is None:
+        try:
+            pid, pipe = start_daemon(run_dir / "logs" / "mps.log")
+        except RuntimeError as e:
+            if explicit:
+                raise ConfigError("run config generators.mps=on: the MPS daemon did not "
+                                  f"start: {e}") from None  # fmt: skip
+            log.warning("generators.mps auto: no MPS daemon (%s); the learner and generators "
+                        "take turns on the card", e)  # fmt: skip
+            return
+        env.update({PIPE: str(pipe), LOGS: str(run_dir / "logs" / "mps"), OURS: str(pid)})
+    if share:
+        env[PERCENT] = share
+    else:
+        env.pop(PERCENT, None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    os.execve(sys.executable, argv, env)
+
+
+def generator_env(env: dict[str, str], percent: int) -> dict[str, str]:
+    """A generator process's environment: its own SM share (none: the learner's is not
+    inherited)."""
+    env = dict(env)
+    if percent:
+        env[PERCENT] = str(percent)
+    else:
+        env.pop(PERCENT, None)
+    return env
+
+
+def release() -> None:
+    """Ask the daemon this run started to quit (it exits once this process, its last client,
+    has; its empty pipe directory stays in /tmp). A daemon this run did not start is left
+    alone."""
+    pid = ours()
+    if pid is None:
+        return
+    pipe = os.environ.get(PIPE, "")
+    try:
+        subprocess.run([shutil.which(CONTROL) or CONTROL], input=b"quit\n", timeout=10,
+                       capture_output=True, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("MPS daemon pid %d: quit failed (%s)", pid, e)
+    log.info("MPS daemon pid %d asked to quit (pipe %s)", pid, pipe)
