@@ -36,6 +36,15 @@ else:  # what OmegaConf sees: it holds no union of dataclasses (omegaconf 2.3 re
     # and __post_init__ parses it into the policy, once
 
 
+def _window(text: str) -> tuple[int, int] | None:
+    """``"FIRST:LAST"`` -> (first, last) with 1 <= first <= last, else None."""
+    a, sep, b = text.partition(":")
+    if not (sep and a.strip().isdigit() and b.strip().isdigit()):
+        return None
+    first, last = int(a), int(b)
+    return (first, last) if 1 <= first <= last else None
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     """Everything `looprl generator` needs (docs/REWARDS.md for the reward fields)."""
@@ -140,6 +149,13 @@ class GeneratorConfig:
     once it stalls for 30 s; empty: none."""
     log_level: str = "INFO"
     """Logging level: DEBUG, INFO, WARNING or ERROR."""
+    profile_batches: str = ""
+    """``FIRST:LAST``: the engine batches FIRST..LAST (counted from 1) under torch.profiler, the
+    trace, kernel table and summary written to ``profile_dir`` (pipeline.core.profiling: the
+    same files as the learner's profile); empty: none. Under `looprl run`, set from
+    metrics.profile_steps (a batch a step in a steady run) into RUN_DIR/profile/gen<i>."""
+    profile_dir: str = ""
+    """Where ``profile_batches`` writes (needed with it)."""
 
     def __post_init__(self) -> None:
         try:
@@ -222,10 +238,25 @@ class GeneratorConfig:
             (self.peer_timeout_s > 0, "peer_timeout_s", "must be > 0"),
             (self.connect_timeout_s >= 0, "connect_timeout_s", "must be >= 0"),
             (self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}"),
+            (
+                not self.profile_batches or _window(self.profile_batches) is not None,
+                "profile_batches",
+                "expected FIRST:LAST with 1 <= FIRST <= LAST, e.g. 3:4",
+            ),
+            (
+                bool(self.profile_batches) == bool(self.profile_dir),
+                "profile_dir",
+                "profile_batches and profile_dir go together",
+            ),
         ]
         for ok, key, why in checks:
             if not ok:
                 raise ConfigError(f"generator config {key}={getattr(self, key)!r}: {why}")
+
+    @property
+    def profile_window(self) -> list[int]:
+        """``profile_batches`` as [first, last], or [] (none)."""
+        return list(_window(self.profile_batches) or ())
 
     @property
     def held_items(self) -> int:

@@ -61,6 +61,7 @@ from models.errors import ConfigError
 from models.exits import ExitPolicy, FixedDepth, parse_policy
 from models.numerics import MODES
 from pipeline.commands.generator_engine import StopOnFailedLoad, multi_turn
+from pipeline.core.profiling import StepProfiler
 from pipeline.net.security import ClientCurve, generator_id_for
 from pipeline.net.transport.config import ConnectTimeout, TransportConfig
 from pipeline.net.transport.zmq import ZmqGeneratorConnection
@@ -424,9 +425,13 @@ def serve(cfg: GeneratorConfig, *, on_loop: Callable[[GeneratorLoop], None] | No
         )
     engine = None
     health: HealthFile | None = None
+    batches: StepProfiler | None = None
     try:
         engine = build_engines(cfg)
-        served = StopOnFailedLoad(engine if env is None else multi_turn(cfg, engine, env))
+        batches = (StepProfiler(cfg.profile_window, Path(cfg.profile_dir), unit="batches")
+                   if cfg.profile_window else None)  # fmt: skip
+        served = StopOnFailedLoad(engine if env is None else multi_turn(cfg, engine, env),
+                                  batches=batches)  # fmt: skip
         hello = make_hello(gid, cfg.held_items, engine.weight_version, families)
         conn = ZmqGeneratorConnection(
             transport, hello, control=cfg.learner, weights=weights_ep, security=security
@@ -474,6 +479,8 @@ def serve(cfg: GeneratorConfig, *, on_loop: Callable[[GeneratorLoop], None] | No
     finally:
         if health is not None:
             health.stop()
+        if batches is not None:  # the run ended inside the window: what was profiled
+            batches.close()
         reward.close()
         if engine is not None:
             engine.close()

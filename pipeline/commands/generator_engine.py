@@ -33,10 +33,15 @@ class StopOnFailedLoad:
     (generator.engine.WeightLoadError). Stopping hands the work back at once, and a run whose
     generators all stopped fails fast (pipeline.commands.launcher)."""
 
-    def __init__(self, engine: Any, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(self, engine: Any, on_failure: Callable[[str], None] | None = None,
+                 batches: Any = None) -> None:  # fmt: skip
         self.engine, self.on_failure = engine, on_failure
         self.failure = ""
         """One line: the version that failed and why ('' while none did)."""
+        self.batches = batches
+        """A pipeline.core.profiling.StepProfiler over this engine's batches (the generator's
+        profile_batches), or None."""
+        self._done = 0
 
     @property
     def weight_version(self) -> int:
@@ -59,7 +64,14 @@ class StopOnFailedLoad:
             self.engine.on_swapped = callback
 
     def generate(self, items: list[Any]) -> list[list[Any]]:
-        return self.engine.generate(items)  # type: ignore[no-any-return]
+        if self.batches is None:
+            return self.engine.generate(items)  # type: ignore[no-any-return]
+        self.batches.observe(self._done)  # the window opens before its first batch
+        try:
+            return self.engine.generate(items)  # type: ignore[no-any-return]
+        finally:
+            self._done += 1
+            self.batches.observe(self._done)
 
     def load_weights(self, weights: VerifiedWeights) -> None:
         version = weights.version

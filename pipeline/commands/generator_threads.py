@@ -33,7 +33,7 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +96,9 @@ class GeneratorThreads:
             gen.handler.setFormatter(fmt)
             gen.handler.addFilter(_ThreadLog(gen.name))
             logging.getLogger().addHandler(gen.handler)
-            settings, _ = for_this_host(
-                generator_config(self.cfg, control, weights, model, index=i)
-            )
+            settings, _ = for_this_host(replace(  # in the learner's profile, not one of its own
+                generator_config(self.cfg, control, weights, model, index=i),
+                profile_batches="", profile_dir=""))  # fmt: skip
             gen.thread = threading.Thread(target=self._serve, args=(gen, settings),
                                           name=gen.name, daemon=True)  # fmt: skip
             self.gens.append(gen)

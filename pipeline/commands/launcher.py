@@ -175,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"logs: {path} (third-party warnings too; -v shows them here)", file=sys.stderr)
     device_defaults.report(cfg.device_choices, log)  # the auto keys chosen for this host
     if mps.ours() is not None:
-        log.info("MPS daemon pid %s (pipe %s) started by this run", mps.ours(), os.environ[mps.PIPE])
+        log.info(
+            "MPS daemon pid %s (pipe %s) started by this run", mps.ours(), os.environ[mps.PIPE]
+        )
     try:
         s = run_local(cfg)
     except LearnerStopped as e:  # no generators, a full disk: exit 1, as `looprl learner`

@@ -132,9 +132,14 @@ def release() -> None:
     if pid is None:
         return
     pipe = os.environ.get(PIPE, "")
-    try:
-        subprocess.run([shutil.which(CONTROL) or CONTROL], input=b"quit\n", timeout=10,
-                       capture_output=True, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as e:
+    try:  # the quit command returns only when the daemon has, after this process: not waited
+        asker = subprocess.Popen([shutil.which(CONTROL) or CONTROL], stdin=subprocess.PIPE,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)  # fmt: skip
+        assert asker.stdin is not None
+        asker.stdin.write(b"quit\n")
+        asker.stdin.close()
+    except OSError as e:
         log.warning("MPS daemon pid %d: quit failed (%s)", pid, e)
-    log.info("MPS daemon pid %d asked to quit (pipe %s)", pid, pipe)
+        return
+    log.info("MPS daemon pid %d asked to quit (pipe %s; asked by pid %d)", pid, pipe, asker.pid)

@@ -181,7 +181,9 @@ class MetricsSection:
     profile_steps: list[int] = field(default_factory=list)
     """[first, last]: the learner process's steps first..last under torch.profiler, into
     RUN_DIR/profile (a Chrome trace, a kernel table, each CUDA stream's busy and overlapping
-    seconds: pipeline.core.profiling); [] (the default) profiles nothing."""
+    seconds: pipeline.core.profiling); each generator process `looprl run` starts profiles its
+    engine batches first..last (a batch a step in a steady run) into RUN_DIR/profile/gen<i>
+    (a generator thread is in the learner's trace); [] (the default) profiles nothing."""
 
     def __post_init__(self) -> None:
         p = self.profile_steps

@@ -247,6 +247,8 @@ RUN_MANAGED = {
     "max_turns": "rollout.max_turns",
     "max_env_tokens": "rollout.max_env_tokens",
     "template": "task.template",
+    "profile_batches": "metrics.profile_steps",
+    "profile_dir": "metrics.profile_steps (RUN_DIR/profile/gen<i>)",
 }
 
 

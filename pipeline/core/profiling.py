@@ -173,9 +173,12 @@ class StepProfiler:
     is called with the steps done before the first (0 for a fresh run, a resume's step) and
     with each logged step number."""
 
-    def __init__(self, steps: list[int], out: Path) -> None:
+    def __init__(self, steps: list[int], out: Path, unit: str = "steps") -> None:
         self.first, self.last = (int(steps[0]), int(steps[1])) if steps else (0, -1)
         self.out = out
+        self.unit = unit
+        """What is counted: ``steps`` (the learner's), ``batches`` (a generator's engine
+        batches); the summary's key for the window."""
         self._prof: Any = None
         self._t0 = 0.0
         self.summary: dict[str, Any] | None = None
@@ -209,7 +212,7 @@ class StepProfiler:
         self._prof = profile(activities=acts, experimental_config=_all_threads())
         self._prof.__enter__()
         self._t0 = time.perf_counter()
-        log.info("profile: steps %d..%d under torch.profiler", self.first, self.last)
+        log.info("profile: %s %d..%d under torch.profiler", self.unit, self.first, self.last)
 
     def _stop(self) -> None:
         prof, self._prof = self._prof, None
@@ -225,7 +228,7 @@ class StepProfiler:
         sort = "self_cuda_time_total" if any(
             e.get("cat") == "kernel" for e in events) else "self_cpu_time_total"  # fmt: skip
         (self.out / "kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
-        self.summary = {"steps": [self.first, self.last], **trace_summary(events, window)}
+        self.summary = {self.unit: [self.first, self.last], **trace_summary(events, window)}
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
         log.info("profile: %.2f s profiled, card busy %.2f s, two streams at once %.2f s: %s",
                  window, self.summary["busy_s"], self.summary["overlap_s"], self.out)  # fmt: skip

@@ -1,0 +1,116 @@
+"""pipeline.commands.mps: the MPS daemon `looprl run` starts for itself (generators.mps on).
+
+The real daemon needs an NVIDIA driver (it ran on the H100: docs/PERFORMANCE.md); here a
+stand-in ``nvidia-cuda-mps-control`` on PATH tests the failure and ordering logic: a daemon that
+dies at start is named with its log's tail (an explicit ``on`` refused, ``auto`` goes on
+time-sliced), one that comes up is found by its control socket and quits when asked, and each
+generator gets its own SM share, never the learner's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from models.errors import ConfigError
+from pipeline.commands import mps
+
+STANDIN = """#!{python}
+import os, pathlib, sys, time
+pipe = pathlib.Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+if "-f" in sys.argv:
+    if os.environ.get("STANDIN_FAIL"):
+        print("An instance of this daemon is already running", flush=True)
+        sys.exit(1)
+    print("daemon up", flush=True)
+    (pipe / "control").touch()
+    while not (pipe / "quit").exists():
+        time.sleep(0.02)
+    (pipe / "control").unlink()
+else:
+    if sys.stdin.read().strip() == "quit":
+        (pipe / "quit").touch()
+"""
+
+
+@pytest.fixture
+def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "nvidia-cuda-mps-control"
+    exe.write_text(STANDIN.format(python=sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key in (mps.PIPE, mps.OURS, mps.PERCENT):
+        monkeypatch.delenv(key, raising=False)
+    return exe
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_daemon_that_dies_at_start_is_named_with_its_log(
+    standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STANDIN_FAIL", "1")
+    log = tmp_path / "run" / "logs" / "mps.log"
+    with pytest.raises(RuntimeError, match=r"exited with 1 before its control socket appeared "
+                                           r".*already running"):  # fmt: skip
+        mps.start_daemon(log)
+    # generators.mps=on set by the user: refused by name; auto: the run goes on without it
+    with pytest.raises(ConfigError, match=r"generators.mps=on: the MPS daemon did not start"):
+        mps.enter(tmp_path / "run", 0, explicit=True)
+    mps.enter(tmp_path / "run", 0, explicit=False)  # returns: no exec, no daemon
+    assert mps.ours() is None
+
+
+def test_a_daemon_comes_up_on_its_own_pipe_and_quits_when_asked(
+    standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pid, pipe = mps.start_daemon(tmp_path / "logs" / "mps.log")
+    try:
+        assert (pipe / "control").exists() and pipe.name.startswith("looprl-mps-")
+        assert "daemon up" in (tmp_path / "logs" / "mps.log").read_text()
+        monkeypatch.setenv(mps.PIPE, str(pipe))
+        assert mps.serving() == pipe
+        monkeypatch.setenv(mps.OURS, str(pid))
+        assert mps.ours() == pid
+        mps.release()  # asks, does not wait (the real daemon waits for this process to exit)
+        assert _gone(pid), "the daemon did not quit when asked"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def test_a_host_daemon_is_used_as_it_is(standin: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A daemon already serving this process (the host's): no daemon started, no re-exec."""
+    pipe = tmp_path / "host-mps"
+    pipe.mkdir()
+    (pipe / "control").touch()
+    monkeypatch.setenv(mps.PIPE, str(pipe))
+    mps.enter(tmp_path / "run", 0, explicit=True)  # returns
+    assert not (tmp_path / "run" / "logs" / "mps.log").exists()
+    mps.release()  # not ours: left alone
+    assert (pipe / "control").exists()
+
+
+def test_each_generator_gets_its_own_share_never_the_learners() -> None:
+    env = {"A": "1", mps.PERCENT: "30"}  # the learner's share, in the run's environment
+    assert mps.generator_env(env, 70)[mps.PERCENT] == "70"
+    assert mps.PERCENT not in mps.generator_env(env, 0)
+    assert env[mps.PERCENT] == "30"  # the caller's mapping unchanged
