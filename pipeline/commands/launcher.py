@@ -86,7 +86,7 @@ class Generators:
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                               os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        if self.cfg.generators.mps == "on":
+        if self.cfg.generators.mps is True:
             env = mps.generator_env(env, self.cfg.generators.mps_percent)
         for i in range(self.cfg.generators.count):
             cmd = generator_command(self.cfg, i, control, weights, model)
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"looprl run: error: {e}", file=sys.stderr)
         return 2
 
-    if cfg.generators.mps == "on":  # before anything is printed: this may re-execute the run
+    if cfg.generators.mps is True:  # before anything is printed: this may re-execute the run
         explicit = not any(c.startswith("generators.mps=") for c in cfg.device_choices)
         try:
             mps.enter(Path(cfg.run_dir), cfg.generators.learner_mps_percent, explicit)

@@ -6,7 +6,7 @@ the generator's wait, so a step costs the sum of the two. Under an MPS daemon bo
 clients of one server and their kernels share the SMs (the decode is bound by memory bandwidth,
 training by arithmetic). A process joins MPS when it first initializes CUDA, and the learner's
 process has by the time the run config is built (the auto keys read the card's free memory), so
-``looprl run`` with ``generators.mps=on`` and no daemon yet starts one of its own
+``looprl run`` with ``generators.mps`` true and no daemon yet starts one of its own
 (``nvidia-cuda-mps-control -f``, pipe directory a fresh /tmp/looprl-mps-*, its log in
 RUN_DIR/logs/mps.log) and re-executes itself under it, same pid and arguments; the generator
 processes inherit the pipe directory. ``generators.learner_mps_percent`` /
@@ -82,11 +82,11 @@ def start_daemon(log_path: Path, timeout_s: float = 15.0) -> tuple[int, Path]:
 
 
 def enter(run_dir: Path, learner_percent: int, explicit: bool) -> None:
-    """Put this run (generators.mps on) under MPS before it goes on: nothing if it already is
+    """Put this run (generators.mps true) under MPS before it goes on: nothing if it already is
     (this run's daemon, or the host's with the learner's share as set); else start a daemon of
     its own (none where the host's serves) and replace this process with the same command
     under it (then it does not return). If the daemon cannot start: ``explicit``
-    (generators.mps=on was set) raises ConfigError; under auto it logs why and returns (the
+    (generators.mps=true was set) raises ConfigError; under auto it logs why and returns (the
     run goes on time-sliced)."""
     share = str(learner_percent) if learner_percent else None
     if ours() is not None or (serving() is not None and os.environ.get(PERCENT) == share):
@@ -97,7 +97,7 @@ def enter(run_dir: Path, learner_percent: int, explicit: bool) -> None:
             pid, pipe = start_daemon(run_dir / "logs" / "mps.log")
         except RuntimeError as e:
             if explicit:
-                raise ConfigError("run config generators.mps=on: the MPS daemon did not "
+                raise ConfigError("run config generators.mps=true: the MPS daemon did not "
                                   f"start: {e}") from None  # fmt: skip
             log.warning("generators.mps auto: no MPS daemon (%s); the learner and generators "
                         "take turns on the card", e)  # fmt: skip

@@ -16,7 +16,7 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
 | generators.inflight_updates | true with the torch engine (depth_ticks 0): a version swapped in between two decode steps of a running batch | false |
 | generators.decode_chunk | 8 with the torch engine at a fixed full depth (no exit policy, depth_ticks 0): 8 tokens a CUDA graph replay | 1 |
-| generators.mps | on (generator processes beside a GPU learner, `nvidia-cuda-mps-control` on PATH): `looprl run` starts an MPS daemon of its own so both run kernels at once | off |
+| generators.mps | true (generator processes beside a GPU learner, `nvidia-cuda-mps-control` on PATH): `looprl run` starts an MPS daemon of its own so both run kernels at once | false |
 | publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
 | publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; an adapter version as its adapter set on a base packed once), else every | every |
 
@@ -206,21 +206,21 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     return {k: v for k, v in out.items() if v}, why
 
 
-def _auto_mps(host: Host, gens: Any, gpu_learner: bool) -> tuple[str, str]:
+def _auto_mps(host: Host, gens: Any, gpu_learner: bool) -> tuple[bool, str]:
     """generators.mps auto: on where generator processes share the card with a GPU learner
     and this host has the MPS control daemon (pipeline.commands.mps)."""
     import shutil
 
     if not host.cuda:
-        return "off", "a CPU host"
+        return False, "a CPU host"
     if gens.placement != "process" or not gens.count:
-        return "off", ("generators.placement=thread: one process" if gens.count
+        return False, ("generators.placement=thread: one process" if gens.count
                        else "no local generator")  # fmt: skip
     if not gpu_learner:
-        return "off", "not a GPU learner"
+        return False, "not a GPU learner"
     if shutil.which("nvidia-cuda-mps-control") is None:
-        return "off", "nvidia-cuda-mps-control is not on PATH: the processes take turns on the card"
-    return "on", (f"{host.card}: the learner and {gens.count} generator process(es) run "
+        return False, "nvidia-cuda-mps-control is not on PATH: the processes take turns on the card"
+    return True, (f"{host.card}: the learner and {gens.count} generator process(es) run "
                   "kernels at once under a CUDA MPS daemon of this run's own")  # fmt: skip
 
 

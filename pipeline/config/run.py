@@ -144,9 +144,9 @@ class RunConfig:
         if why:
             object.__setattr__(self, "_device_choices", why)
         for key in ("mps_percent", "learner_mps_percent"):
-            _check(self.generators.mps == "on" or not getattr(self.generators, key),
+            _check(self.generators.mps is True or not getattr(self.generators, key),
                    f"generators.{key}", getattr(self.generators, key),
-                   f"a share of the SMs under MPS; generators.mps is {self.generators.mps}")  # fmt: skip
+                   f"a share of the SMs under MPS; generators.mps is {str(self.generators.mps).lower()}")  # fmt: skip
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(0 <= self.seed < SEED_LIMIT, "seed", self.seed, "must be in [0, 2**32)")
         _check(self.tp >= 1, "tp", self.tp, "must be >= 1")

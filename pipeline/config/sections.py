@@ -278,13 +278,15 @@ class GeneratorsSection(GeneratorConfig):
     matmuls leave free (torch's experimental SM carveout, process-wide), so a generator
     thread's decode kernels find SMs while the learner's persistent GEMMs run; 0: none (a
     cuBLAS GEMM then holds every SM until it ends and the decode waits for it)."""
-    mps: str = AUTO
-    """``on``: `looprl run` starts a CUDA MPS control daemon of its own (pipe directory under
+    mps: bool | str = AUTO
+    """true: `looprl run` starts a CUDA MPS control daemon of its own (pipe directory under
     /tmp, its log in RUN_DIR/logs/mps.log) before the learner touches the card, so the learner
     and its generator processes run kernels at once on one GPU instead of taking turns (the
-    driver time-slices separate processes); stopped by its pid at the end. A host whose MPS
-    daemon already serves this process is used as it is. ``auto``: on for generator processes
-    beside a GPU learner where ``nvidia-cuda-mps-control`` is on PATH; ``off``: time-sliced.
+    driver time-slices separate processes); asked to quit at the end (it exits after the run's
+    last process; a SIGKILLed run leaves it: ``echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/looprl-mps-*
+    nvidia-cuda-mps-control``). A host whose MPS
+    daemon already serves this process is used as it is. auto: true for generator processes
+    beside a GPU learner where ``nvidia-cuda-mps-control`` is on PATH; false: time-sliced.
     pipeline.commands.mps."""
     mps_percent: int = 0
     """Under MPS: the share of the GPU's SMs each generator process may use
@@ -317,12 +319,12 @@ class GeneratorsSection(GeneratorConfig):
         _check(self.placement == "thread" or not self.carveout_sms, "generators.carveout_sms",
                self.carveout_sms, "needs generators.placement=thread (generator processes "
                "do not share the learner's SMs: the driver time-slices processes)")  # fmt: skip
-        _check(self.mps in (AUTO, "on", "off"), "generators.mps", self.mps,
-               "expected auto, on or off")  # fmt: skip
+        _check(self.mps in (AUTO, True, False), "generators.mps", self.mps,
+               "expected auto, true or false")  # fmt: skip
         for key in ("mps_percent", "learner_mps_percent"):
             _check(0 <= getattr(self, key) <= 100, f"generators.{key}", getattr(self, key),
                    "expected 1-100 (a share of the SMs, in percent) or 0 (no limit)")  # fmt: skip
-        _check(self.placement == "process" or self.mps in (AUTO, "off"), "generators.mps",
+        _check(self.placement == "process" or self.mps in (AUTO, False), "generators.mps",
                self.mps, "MPS shares a GPU between processes; generators.placement=thread "
                "runs the generators in the learner's process")  # fmt: skip
         _check(self.placement == "process" or self.engine in ("torch", AUTO), "generators.engine",

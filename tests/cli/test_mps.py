@@ -69,7 +69,7 @@ def test_a_daemon_that_dies_at_start_is_named_with_its_log(
                                            r".*already running"):  # fmt: skip
         mps.start_daemon(log)
     # generators.mps=on set by the user: refused by name; auto: the run goes on without it
-    with pytest.raises(ConfigError, match=r"generators.mps=on: the MPS daemon did not start"):
+    with pytest.raises(ConfigError, match=r"generators.mps=true: the MPS daemon did not start"):
         mps.enter(tmp_path / "run", 0, explicit=True)
     mps.enter(tmp_path / "run", 0, explicit=False)  # returns: no exec, no daemon
     assert mps.ours() is None
@@ -114,3 +114,65 @@ def test_each_generator_gets_its_own_share_never_the_learners() -> None:
     assert mps.generator_env(env, 70)[mps.PERCENT] == "70"
     assert mps.PERCENT not in mps.generator_env(env, 0)
     assert env[mps.PERCENT] == "30"  # the caller's mapping unchanged
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
+
+
+@pytest.mark.slow
+def test_a_run_with_mps_on_reexecutes_under_its_daemon_and_lets_it_go(
+    standin: Path, tmp_path: Path
+) -> None:
+    """`looprl run generators.mps=on` (YAML's on: true): the launcher starts the daemon, replaces itself with the
+    same command under it (the same pid: its caller waits on it), runs to the end, and asks the
+    daemon to quit; the daemon is gone after the run. (On this CPU host the learner does not
+    join it: the stand-in tests the process flow, the H100 run the sharing.)"""
+    import re
+    import subprocess
+
+    from tests.cli.test_run_llama import ENV, QUIET, REPO
+
+    run_dir = tmp_path / "run"
+    env = {**ENV, "PATH": os.environ["PATH"]}
+    for key in (mps.PIPE, mps.OURS, mps.PERCENT):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", f"run_dir={run_dir}", *QUIET, "steps=2",
+           "generators.engine=torch", "generators.mps=on", "generators.learner_mps_percent=40"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "auto keys" not in proc.stderr or "generators.mps=" not in proc.stderr  # set, not auto
+    log = (run_dir / "logs" / "learner.log").read_text()
+    found = re.search(r"MPS daemon pid (\d+) \(pipe (\S+)\) started by this run", log)
+    assert found, log[-2000:]
+    pid, pipe = int(found.group(1)), Path(found.group(2))
+    assert (run_dir / "logs" / "mps.log").read_text().count("daemon up") == 1  # one start, no loop
+    assert "asked to quit" in log
+    end = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not _alive(pid), f"the run's MPS daemon (pid {pid}) outlived the run"
+    assert (pipe / "quit").exists()
+
+
+def test_mps_on_without_the_daemon_is_refused_by_name(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import subprocess
+
+    from tests.cli.test_run_llama import ENV, REPO
+
+    env = {**ENV, "PATH": str(Path(sys.executable).parent)}  # no nvidia-cuda-mps-control
+    env.pop(mps.PIPE, None)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", f"run_dir={tmp_path / 'r'}",
+                           "generators.mps=on"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("looprl run: error: run config generators.mps=true: the MPS daemon did not start: "
+            "nvidia-cuda-mps-control is not on PATH") in proc.stderr  # fmt: skip

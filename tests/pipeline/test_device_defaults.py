@@ -35,7 +35,7 @@ def test_a_cpu_host_keeps_todays_defaults() -> None:
     assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
     assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
     assert cfg.generators.inflight_updates is False and cfg.generators.decode_chunk == 1
-    assert cfg.generators.mps == "off"
+    assert cfg.generators.mps is False
     assert len(cfg.device_choices) == 12 and all("a CPU host" in x for x in cfg.device_choices)
     assert device_defaults.summary(cfg.device_choices) is None  # nothing new to print on a CPU
 
@@ -85,19 +85,19 @@ def test_mps_is_chosen_where_generator_processes_share_the_card(
     have = {"nvidia-cuda-mps-control": "/usr/bin/nvidia-cuda-mps-control"}
     monkeypatch.setattr(shutil, "which", lambda name: have.get(name))
     cfg = on(H100, monkeypatch, model=ModelSection(size="1b"))
-    assert cfg.generators.mps == "on"
-    assert any(c.startswith("generators.mps=on: NVIDIA H100") for c in cfg.device_choices)
+    assert cfg.generators.mps is True
+    assert any(c.startswith("generators.mps=True: NVIDIA H100") for c in cfg.device_choices)
     for gens, why in [(GeneratorsSection(placement="thread"), "placement=thread"),
                       (GeneratorsSection(count=0), "no local generator")]:  # fmt: skip
         cfg = on(H100, monkeypatch, model=ModelSection(size="1b"), generators=gens)
-        assert cfg.generators.mps == "off"
-        assert any(c.startswith("generators.mps=off") and why in c for c in cfg.device_choices)
+        assert cfg.generators.mps is False
+        assert any(c.startswith("generators.mps=False") and why in c for c in cfg.device_choices)
     have.clear()
     cfg = on(H100, monkeypatch, model=ModelSection(size="1b"))
-    assert cfg.generators.mps == "off"
+    assert cfg.generators.mps is False
     assert any("nvidia-cuda-mps-control is not on PATH" in c for c in cfg.device_choices)
     with pytest.raises(ConfigError, match=r"generators.mps_percent=40: a share of the SMs under "
-                                          r"MPS; generators.mps is off"):  # fmt: skip
+                                          r"MPS; generators.mps is false"):  # fmt: skip
         on(H100, monkeypatch, model=ModelSection(size="1b"),
            generators=GeneratorsSection(mps_percent=40))  # fmt: skip
 
