@@ -238,6 +238,9 @@ def main() -> int:
             "publish.directories": c.publish.directories,
             "learner.lora.rank": c.learner.lora.rank,
             "generators.placement": c.generators.placement,
+            "generators.decode_chunk": c.generators.decode_chunk,
+            "generators.mps": c.generators.mps,
+            "generators.learner_mps_percent": c.generators.learner_mps_percent,
         }  # fmt: skip
     if rows:
         step = statistics.median(float(r["step_s"]) for r in rows)
