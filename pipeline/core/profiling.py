@@ -8,7 +8,8 @@ and writes ``RUN_DIR/profile/``:
 
 - ``trace.json.gz``: the Chrome trace (chrome://tracing, Perfetto): host ops of the learner
   process and every CUDA kernel and copy the process ran, on every stream;
-- ``kernels.txt``: torch.profiler's table of the window's ops and kernels by device time;
+- ``kernels.txt``: the window's kernels and copies by device time, then its host ops
+  (``op_table``);
 - ``summary.json``: ``window_s`` (wall seconds profiled), ``steps``, per CUDA stream its busy
   seconds (the union of its kernels' and copies' intervals), kernel count and top kernels by
   time, ``busy_s`` (the union over streams: the card doing anything), ``overlap_s`` (seconds
@@ -31,6 +32,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -156,6 +158,37 @@ def host_threads(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def op_table(events: list[dict[str, Any]], rows: int = 60) -> str:
+    """``kernels.txt``: the trace's device work (kernels, copies, sets) by total time, then its
+    host ops (``cpu_op``, inclusive time), each name with its calls, total and mean; from the
+    exported events in one pass (torch.profiler's own table took tens of seconds at ~500,000
+    events, the process's thread stopped meanwhile)."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        cat = e.get("cat")
+        if e.get("ph") != "X" or (cat not in DEVICE_CATS and cat != "cpu_op"):
+            continue
+        kind = "host" if cat == "cpu_op" else "device"
+        g = groups.setdefault((kind, str(e.get("name", "?"))), [0.0, 0.0])
+        g[0] += 1
+        g[1] += float(e.get("dur", 0.0))
+    lines = []
+    for kind in ("device", "host"):
+        ranked = sorted(((n, c, t) for (k, n), (c, t) in groups.items() if k == kind),
+                        key=lambda r: -r[2])[:rows]  # fmt: skip
+        if not ranked:
+            continue
+        total = sum(t for (k, _), (_, t) in groups.items() if k == kind)
+        lines.append(f"{kind} ({'kernels, copies, sets' if kind == 'device' else 'torch ops, inclusive'})"
+                     f": {total / 1e6:.3f} s in all")  # fmt: skip
+        lines.append(f"{'total ms':>12} {'%':>6} {'calls':>9} {'mean us':>10}  name")
+        for name, calls, t in ranked:
+            lines.append(f"{t / 1e3:12.3f} {100 * t / max(total, 1e-9):6.2f} {int(calls):9d} "
+                         f"{t / calls:10.2f}  {name[:160]}")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _all_threads() -> Any:
     """Kineto's options for a process of several threads (the trainer's, a generator thread's):
     host ops of every thread, and CUDA's synchronizations (a thread waiting for the card); None
@@ -180,6 +213,7 @@ class StepProfiler:
         """What is counted: ``steps`` (the learner's), ``batches`` (a generator's engine
         batches); the summary's key for the window."""
         self._prof: Any = None
+        self._writer: threading.Thread | None = None
         self._t0 = 0.0
         self.summary: dict[str, Any] | None = None
 
@@ -198,9 +232,13 @@ class StepProfiler:
             self._stop()
 
     def close(self) -> None:
-        """The run ended inside the window: what was profiled is written."""
+        """The run ends: a window still open is closed, and the files are written before this
+        returns."""
         if self._prof is not None:
             self._stop()
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
 
     def _start(self) -> None:
         import torch
@@ -215,23 +253,34 @@ class StepProfiler:
         log.info("profile: %s %d..%d under torch.profiler", self.unit, self.first, self.last)
 
     def _stop(self) -> None:
+        """Stop the profiler (on the thread that runs the steps: torch's stop), then write the
+        files on a thread of their own so the steps go on (a learner that stops answering for
+        the seconds a large trace takes to export looks gone to its generators); ``close``
+        waits for it."""
         prof, self._prof = self._prof, None
         window = time.perf_counter() - self._t0
         prof.__exit__(None, None, None)
-        self.out.mkdir(parents=True, exist_ok=True)
-        raw = self.out / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        events = json.loads(raw.read_text()).get("traceEvents", [])
-        with raw.open("rb") as src, gzip.open(self.out / "trace.json.gz", "wb") as dst:
-            dst.write(src.read())
-        raw.unlink()
-        sort = "self_cuda_time_total" if any(
-            e.get("cat") == "kernel" for e in events) else "self_cpu_time_total"  # fmt: skip
-        (self.out / "kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
-        self.summary = {self.unit: [self.first, self.last], **trace_summary(events, window)}
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
-        log.info("profile: %.2f s profiled, card busy %.2f s, two streams at once %.2f s: %s",
-                 window, self.summary["busy_s"], self.summary["overlap_s"], self.out)  # fmt: skip
+        self._writer = threading.Thread(target=self._write, args=(prof, window),
+                                        name="profile-writer", daemon=True)  # fmt: skip
+        self._writer.start()
+
+    def _write(self, prof: Any, window: float) -> None:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            raw = self.out / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            events = json.loads(raw.read_text()).get("traceEvents", [])
+            with raw.open("rb") as src, gzip.open(self.out / "trace.json.gz", "wb") as dst:
+                dst.write(src.read())
+            raw.unlink()
+            (self.out / "kernels.txt").write_text(op_table(events))
+            summary = {self.unit: [self.first, self.last], **trace_summary(events, window)}
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.summary = summary
+            log.info("profile: %.2f s profiled, card busy %.2f s, two streams at once %.2f s: "
+                     "%s", window, summary["busy_s"], summary["overlap_s"], self.out)  # fmt: skip
+        except Exception:  # a profile that cannot be written does not stop the run
+            log.exception("profile: writing %s failed", self.out)
 
 
-__all__ = ["StepProfiler", "at_least_two_s", "host_threads", "trace_summary", "union_s"]
+__all__ = ["StepProfiler", "at_least_two_s", "host_threads", "op_table", "trace_summary", "union_s"]

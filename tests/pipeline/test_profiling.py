@@ -91,3 +91,54 @@ def test_timeline_bins_each_streams_busy_fraction() -> None:
     assert s["bin_s"] == 0.1
     assert s["timeline"] == {"0:7": [1.0, 0.5], "0:13": [0.0, 0.3, 0.1]}
     assert trace_summary([], window_s=1.0)["timeline"] == {}
+
+
+def test_op_table_ranks_device_work_then_host_ops() -> None:
+    from pipeline.core.profiling import op_table
+
+    events = [
+        _kernel(7, 0, 300, "gemm"), _kernel(7, 400, 100, "gemm"),
+        _kernel(13, 0, 600, "decode_attention"), _kernel(13, 700, 50, "copy", cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 2_000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 10},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0},  # not a span: left out
+    ]  # fmt: skip
+    lines = op_table(events).splitlines()
+    assert lines[0] == "device (kernels, copies, sets): 0.001 s in all"
+    body = [ln.split() for ln in lines[2:5]]
+    # by total: the attention (600 us), the two gemms (400 us, mean 200), the copy (50 us)
+    assert [r[-1] for r in body] == ["decode_attention", "gemm", "copy"]
+    assert body[1][:4] == ["0.400", "38.10", "2", "200.00"]
+    host = lines.index("host (torch ops, inclusive): 0.002 s in all")
+    assert lines[host + 2].split()[-1] == "aten::mm" and lines[host + 3].split()[-1] == "aten::add"
+    assert "instant" not in op_table(events)
+    assert op_table([]) == ""
+
+
+def test_a_window_is_written_off_the_steps_thread(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The steps' thread stops the profiler and goes on; the files come from a thread of their
+    own, and ``close`` returns once they are written."""
+    import json
+    import threading
+
+    import torch
+
+    from pipeline.core.profiling import StepProfiler
+
+    prof = StepProfiler([1, 1], tmp_path / "p", unit="batches")
+    prof.observe(0)  # opens before batch 1
+    x = torch.randn(32, 32)
+    for _ in range(200):
+        x = torch.tanh(x @ x)
+    prof.observe(1)  # closes: the writer runs on
+    writer = prof._writer
+    assert writer is not None and writer is not threading.current_thread()
+    prof.close()
+    assert not writer.is_alive()
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert summary["batches"] == [1, 1] and summary == prof.summary
+    table = (tmp_path / "p" / "kernels.txt").read_text()
+    assert "aten::mm" in table and table.startswith("host (torch ops, inclusive)")
+    assert (tmp_path / "p" / "trace.json.gz").exists() and not (
+        tmp_path / "p" / "trace.json"
+    ).exists()
