@@ -303,7 +303,8 @@ def rope_half(x: Tensor, cos_sin: Tensor, mode: str = "fast") -> Tensor:
     return (xd * cos + rot * sin).float().to(x.dtype)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast") -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast",
+              ends: Tensor | None = None) -> Tensor:  # fmt: skip
     """Softmax attention with an explicit boolean mask and grouped key/value heads.
 
     q: [B, S, H, D]; k, v: [B, T, G, D] with H % G == 0, query head j reads kv head
@@ -320,13 +321,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mode: str = "fast")
       5. round out to fp32.
     fast: `F.scaled_dot_product_attention` in fp32 with the boolean mask; one query position
     on CUDA inside `fused_generation` (the torch engine's decode): the Triton kernel of
-    `models.engine.attention` (reads each cached key and value once, in the cache's layout).
+    `models.engine.attention` (reads each cached key and value once, in the cache's layout;
+    ``ends``: its `key_ends(mask)` when the caller computed it once for several calls, else
+    None; no other path reads it).
     """
     if mode != "exact" and q.shape[1] == 1 and DECODE_KERNEL and _fused_inference(q):
         from models.engine import attention as ea  # (Triton: imported on CUDA only)
 
         if ea.available(q, k, v, mask):
-            return ea.decode_attention(q, k, v, mask)
+            return ea.decode_attention(q, k, v, mask, ends=ends)
     heads, groups, dim = q.shape[2], k.shape[2], q.shape[3]
     rep = heads // groups
     qh = q.transpose(1, 2)  # [B, H, S, D]

@@ -58,6 +58,7 @@ replay bit-identical (`models.numerics`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -166,6 +167,17 @@ class _Rows:
     """Compiled (qkv, post) callables in place of `_qkv` / `Block.post` (the fixed-depth CUDA
     graph decode, `models.engine.graph.compiled_regions`); None: eager."""
 
+    @functools.cached_property
+    def ends(self) -> Tensor | None:
+        """One query a row on CUDA: each row's last visible key + 1 for the fused decode
+        attention, computed at the first layer and shared by the step's others
+        (`models.engine.attention.key_ends`); else None."""
+        if self.seq != 1 or not self.kmask.is_cuda:
+            return None
+        from models.engine.attention import key_ends
+
+        return key_ends(self.kmask)
+
 
 def _qkv(blk: Block, x: Tensor, rope: Tensor, mode: str) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v of a block in x's dtype (RoPE tables are fp32: bf16 q / k come back fp32)."""
@@ -196,7 +208,7 @@ def _stack(
         slots[layer, 0, wb, wp] = k if write is None else k[write]
         slots[layer, 1, wb, wp] = v if write is None else v[write]
         q = q.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
-        attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
+        attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode, r.ends)
         x = post_fn(blk, x, attn.reshape(x.shape[0], -1), r.mode)
     return x
 
@@ -215,7 +227,7 @@ def _stack_at(blocks: Sequence[Block], slots: Tensor, x: Tensor, idx: Tensor, r:
         slots[layer, 1, wb, wp] = v
         qf = q.new_zeros((n, *q.shape[1:])).index_copy_(0, idx, q)
         qf = qf.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
-        attn = nx.attention(qf, slots[layer, 0], slots[layer, 1], r.kmask, r.mode)
+        attn = nx.attention(qf, slots[layer, 0], slots[layer, 1], r.kmask, r.mode, r.ends)
         x = blk.post(x, attn.reshape(n, -1).index_select(0, idx), r.mode)
     return x
 

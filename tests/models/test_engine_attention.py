@@ -74,6 +74,16 @@ kn[1, 31:], vn[1, 31:] = float("nan"), float("nan")  # row 1 sees 20..30
 kn[2, 36:], vn[2, 36:] = float("nan"), float("nan")  # row 2's last visible key is 35
 got = decode_attention(q, kn, vn, mask, block_t=16)
 out["past_end"] = float((got - ref).abs().max())
+# the step's ends given (computed once for its layers): the same bits as computed here
+from models.engine.attention import key_ends
+ends = key_ends(mask)
+out["ends"] = ends.tolist()
+out["ends_given"] = bool(torch.equal(decode_attention(q, kn, vn, mask, block_t=16, ends=ends), got))
+try:
+    decode_attention(q, k, v, mask, ends=ends.long())
+    out["ends_refused"] = ""
+except ValueError as e:
+    out["ends_refused"] = str(e)
 print(json.dumps(out))
 """
 
@@ -92,6 +102,27 @@ def test_decode_kernel_under_the_interpreter() -> None:
     assert res["rows"] <= 2e-6, res  # each query read its own cache row
     assert res["slots"] <= 2e-6, res  # ... of its own slot
     assert res["past_end"] <= 2e-6, res  # NaN past a row's last key: not read (finite, equal)
+    assert res["ends"] == [37, 31, 36]  # each row's last visible key + 1
+    assert res["ends_given"] is True
+    assert res["ends_refused"] == "ends must be int32 [3] (key_ends of the mask)"
+
+
+def test_a_decode_step_computes_its_key_ends_once() -> None:
+    """`_Rows.ends`: None off CUDA or with several queries a row (the fused decode does not
+    run there); on CUDA computed at the first layer's call and the same tensor for the rest."""
+    from models.engine.chunk import _Rows
+
+    mask = torch.ones(2, 1, 5, dtype=torch.bool)
+    rows = _Rows(2, 1, torch.arange(2), torch.zeros(2, dtype=torch.long), mask, torch.zeros(1),
+                 "fast")  # fmt: skip
+    assert rows.ends is None
+    several = _Rows(2, 3, torch.arange(2), torch.zeros(2, dtype=torch.long),
+                    torch.ones(2, 3, 5, dtype=torch.bool), torch.zeros(1), "fast")  # fmt: skip
+    assert several.ends is None
+    if torch.cuda.is_available():
+        on = _Rows(2, 1, torch.arange(2), torch.zeros(2, dtype=torch.long), mask.cuda(),
+                   torch.zeros(1), "fast")  # fmt: skip
+        assert on.ends is on.ends and on.ends.tolist() == [5, 5]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
