@@ -322,7 +322,8 @@ fi
 if has chunk; then  # generators.decode_chunk: the CUDA test, then one step's generation alone at
     # 1b 256 x 512 per chunk size (CHUNKS, default "1 8"; gpu_system.py --generation-only)
     timeout "${T_CHUNK_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
-        tests/generator/test_decode_chunk.py tests/models/test_engine_attention.py 2>&1 |
+        tests/generator/test_decode_chunk.py tests/models/test_engine_attention.py \
+        tests/models/test_engine_kv.py 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 12 | tee "$LOG/chunk_tests.txt"
     for c in ${CHUNKS:-1 8}; do

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor, nn
 
 from models import numerics as nx
+from models.engine.kv import write_kv
 from models.exits import (
     ExitCarry,
     ExitPolicy,
@@ -205,8 +206,11 @@ def _stack(
     qkv_fn, post_fn = r.regions if r.regions is not None else (_qkv, _post)
     for layer, blk in enumerate(blocks):
         q, k, v = qkv_fn(blk, x, r.rope, r.mode)
-        slots[layer, 0, wb, wp] = k if write is None else k[write]
-        slots[layer, 1, wb, wp] = v if write is None else v[write]
+        if write is None:  # every row: one copy kernel for both on CUDA (models.engine.kv)
+            write_kv(slots[layer], wb, wp, k, v)
+        else:
+            slots[layer, 0, wb, wp] = k[write]
+            slots[layer, 1, wb, wp] = v[write]
         q = q.view(r.batch, r.seq, blk.n_heads, blk.head_dim)
         attn = nx.attention(q, slots[layer, 0], slots[layer, 1], r.kmask, r.mode, r.ends)
         x = post_fn(blk, x, attn.reshape(x.shape[0], -1), r.mode)

@@ -1,5 +1,6 @@
-"""K/V cache writes of the fixed-shape tick decode (`models.engine.tickgraph`), as Triton kernels
-on CUDA: one program per row (and kv head), no advanced-index kernels.
+"""K/V cache writes of the fixed-shape decodes (the ticks of `models.engine.tickgraph`, the
+fixed-depth step of `models.engine.chunk._stack`), as Triton kernels on CUDA: one program per
+row (and kv head), no advanced-index kernels.
 
 The ticks write one position per row per layer into a slot that differs per row, and a readout
 copies an exited row's K/V of its exit iteration into every later slot (docs/CONTRACTS.md 3,
@@ -53,6 +54,21 @@ if triton is not None:
         tl.store(Dst + sl * s_ds + r * s_dr + p * s_dt + g * s_dg + d, v, mask=m)
 
     @triton.jit
+    def _kv_kernel(
+        Dst, K, V, R, P, s_dk, s_dr, s_dt, s_dg, s_kb, s_kg, s_vb, s_vg,
+        D: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        d = tl.arange(0, BLOCK_D)
+        m = d < D
+        r = tl.load(R + b)
+        p = tl.load(P + b)
+        at = Dst + r * s_dr + p * s_dt + g * s_dg + d
+        tl.store(at, tl.load(K + b * s_kb + g * s_kg + d, mask=m), mask=m)
+        tl.store(at + s_dk, tl.load(V + b * s_vb + g * s_vg + d, mask=m), mask=m)
+
+    @triton.jit
     def _carry_kernel(
         C, W, E, R, P, s_cs, s_cl, s_ck, s_cr, s_ct, s_cg, G, DEPTH,
         D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -87,6 +103,23 @@ def write_rows(dst: Tensor, slot: Tensor, rows: Tensor, pos: Tensor, x: Tensor) 
     )  # fmt: skip
 
 
+def write_kv(dst: Tensor, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    """dst[0, rows[b], pos[b]] = k[b] and dst[1, rows[b], pos[b]] = v[b] for every b, in one
+    launch: dst [2, R, T, G, Dh] (one layer's K and V slots), k / v [B, G, Dh] in dst's dtype;
+    rows, pos int64 [B]. The fixed-depth decode's write of every row at every layer pass (two
+    torch index kernels before: 2 x 10,400 a 3.8 s batch on the H100 at 1b, 0.13 s)."""
+    if not _kernel_ok(dst, k, v) or k.dtype != dst.dtype or v.dtype != dst.dtype:
+        dst[0, rows, pos] = k
+        dst[1, rows, pos] = v
+        return
+    bsz, groups, dim = k.shape
+    _kv_kernel[(bsz, groups)](
+        dst, k, v, rows, pos, dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), D=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+    )  # fmt: skip
+
+
 def carry_exits(core: Tensor, w: Tensor, exit_at: Tensor, rows: Tensor, pos: Tensor,
                 depth: int) -> None:  # fmt: skip
     """last_exited's copies of the rows ``w`` that exited after iteration ``exit_at`` [B]:
@@ -108,4 +141,4 @@ def carry_exits(core: Tensor, w: Tensor, exit_at: Tensor, rows: Tensor, pos: Ten
     )  # fmt: skip
 
 
-__all__ = ["carry_exits", "write_rows"]
+__all__ = ["carry_exits", "write_kv", "write_rows"]

@@ -53,6 +53,21 @@ def check(device: str) -> dict[str, bool]:
     )
     # row 2 did not exit: nothing copied into its slots (its layer-0 K/V, not written, as before)
     out["untouched"] = bool(torch.equal(got[:, 0, :, 2], core[:, 0, :, 2]))
+    # write_kv: one layer's K and V of every row at its position (k a strided view, as a
+    # compiled projection hands it over)
+    layer = torch.randn(2, 6, 9, 2, 24, generator=g).to(device)
+    both = torch.randn(6, 2, 2, 24, generator=g).to(device)
+    k, v = both[:, 0], both[:, 1]
+    got, want = layer.clone(), layer.clone()
+    kv.INTERPRET[0] = device == "cpu"
+    kv.write_kv(got, rows, pos, k, v)
+    kv.INTERPRET[0] = False
+    want[0, rows, pos] = k
+    want[1, rows, pos] = v
+    out["kv_equal"] = bool(torch.equal(got, want)) and not bool(torch.equal(got, layer))
+    kept = torch.ones(2, 6, 9, dtype=torch.bool, device=device)
+    kept[:, rows, pos] = False
+    out["kv_only_those"] = bool(torch.equal(got[kept], layer[kept]))
     return out
 
 
@@ -70,9 +85,11 @@ def test_kv_kernels_under_the_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res == {"equal": True, "changed": True, "copied": True, "untouched": True}, res
+    assert res == {"equal": True, "changed": True, "copied": True, "untouched": True,
+                   "kv_equal": True, "kv_only_those": True}, res  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kv_kernels_on_cuda() -> None:
-    assert check("cuda") == {"equal": True, "changed": True, "copied": True, "untouched": True}
+    assert check("cuda") == {"equal": True, "changed": True, "copied": True, "untouched": True,
+                             "kv_equal": True, "kv_only_those": True}  # fmt: skip
