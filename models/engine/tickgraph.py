@@ -402,6 +402,11 @@ class GraphTicker(Ticker):
         kernel = _slot_kernel(self.state, mode)
         x = m.core_in(self.state, self.e, mode)
         keep = running[:, None, None]
+        ends = None
+        if kernel is not None:  # the tick's layers share its mask: its key ends computed once
+            from models.engine.attention import key_ends
+
+            ends = key_ends(self.kmask)
         for layer, blk in enumerate(m.core_blocks()):
             q, k, v = qkv_fn(blk, x, self.rope_rows, mode)
             kv = cache.core[:, layer]  # [D (+ 1), 2, B, T, G, Dh]
@@ -413,7 +418,8 @@ class GraphTicker(Ticker):
                 kv[slot, 1, rows, pos] = torch.where(keep, v, kv[slot, 1, rows, pos])
             q4 = q.view(bsz, 1, blk.n_heads, blk.head_dim)
             if kernel is not None:
-                attn = kernel(q4, kv[:, 0], kv[:, 1], self.kmask, rows=rows, slots=slot)
+                attn = kernel(q4, kv[:, 0], kv[:, 1], self.kmask, rows=rows, slots=slot,
+                              ends=ends)  # fmt: skip
             else:
                 attn = nx.attention(q4, kv[slot, 0, rows], kv[slot, 1, rows], self.kmask, mode)
             x = post_fn(blk, x, attn.reshape(bsz, -1), mode)
