@@ -47,8 +47,9 @@ def generator_config(cfg: RunConfig, control: str, weights: str, model: Path,
             key_name = names[index]
         elif len(names) != 1:  # one keypair: the generator finds it itself
             key_name = "|".join(names) or "NAME"
-    p = cfg.metrics.profile_steps
-    profile = f"{p[0]}:{p[1]}" if p else ""  # the generator's batches, a batch a step
+    p = cfg.metrics.profile_steps  # the generator's batches, a batch a step (its own files)
+    profile = f"{p[0]}:{p[1]}" if p and index is not None else ""
+    profile_dir = str(Path(cfg.run_dir) / "profile" / f"gen{index}") if profile else ""
     managed: dict[str, Any] = {
         "learner": control,
         "weights_endpoint": weights,
@@ -68,10 +69,8 @@ def generator_config(cfg: RunConfig, control: str, weights: str, model: Path,
         "max_turns": cfg.rollout.max_turns,
         "max_env_tokens": cfg.rollout.max_env_tokens,
         "template": cfg.task.template,
-        "profile_batches": profile if index is not None else "",
-        "profile_dir": str(Path(cfg.run_dir) / "profile" / f"gen{index}")
-        if profile and index is not None
-        else "",
+        "profile_batches": profile,
+        "profile_dir": profile_dir,
     }
     if managed.keys() != RUN_MANAGED.keys():  # a new run-managed key needs its source here
         raise RuntimeError(f"generator_config sets {sorted(managed)}, RUN_MANAGED names "
