@@ -8,7 +8,8 @@ training by arithmetic). A process joins MPS when it first initializes CUDA, and
 process has by the time the run config is built (the auto keys read the card's free memory), so
 ``looprl run`` with ``generators.mps`` true and no daemon yet starts one of its own
 (``nvidia-cuda-mps-control -f``, pipe directory a fresh /tmp/looprl-mps-*, its log in
-RUN_DIR/logs/mps.log) and re-executes itself under it, same pid and arguments; the generator
+RUN_DIR/logs/mps.log), checks that a CUDA process can join it (a host may forbid the MPS
+server; ``joins``), and re-executes itself under it, same pid and arguments; the generator
 processes inherit the pipe directory. ``generators.learner_mps_percent`` /
 ``generators.mps_percent`` set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the learner / each
 generator. At the end the run asks the daemon to quit; it exits once its last client (this
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,10 @@ LOGS = "CUDA_MPS_LOG_DIRECTORY"
 PERCENT = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 OURS = "LOOPRL_MPS_DAEMON_PID"
 """Set in the re-executed run: the pid of the daemon this run started (its pipe: PIPE)."""
+PROBE = "LOOPRL_MPS_PROBE"
+"""A command (shell words) run under a new daemon to see a CUDA process join it; unset: this
+Python initializing CUDA (tests put a stand-in for the stand-in daemon)."""
+JOIN_TIMEOUT_S = 120.0
 
 
 def serving() -> Path | None:
@@ -52,9 +58,9 @@ def ours() -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def start_daemon(log_path: Path, timeout_s: float = 15.0) -> tuple[int, Path]:
-    """Start ``nvidia-cuda-mps-control -f`` with a fresh pipe directory; returns (pid, pipe)
-    once its control socket exists. Raises RuntimeError (the log's tail) if it exits or does
+def start_daemon(log_path: Path, timeout_s: float = 15.0) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``nvidia-cuda-mps-control -f`` with a fresh pipe directory; returns (the daemon's
+    process, pipe) once its control socket exists. Raises RuntimeError (the log's tail) if it exits or does
     not come up in ``timeout_s``."""
     exe = shutil.which(CONTROL)
     if exe is None:
@@ -78,14 +84,47 @@ def start_daemon(log_path: Path, timeout_s: float = 15.0) -> tuple[int, Path]:
             raise RuntimeError(f"{CONTROL} -f exited with {proc.returncode} before its control "
                                f"socket appeared (log {log_path}: {' | '.join(tail) or 'empty'})")  # fmt: skip
         time.sleep(0.05)
-    return proc.pid, pipe
+    return proc, pipe
+
+
+def joins(env: dict[str, str]) -> str:
+    """'' when a CUDA process comes up under the daemon ``env`` names (its first client starts
+    the MPS server: where the host forbids it, or the card is another's in exclusive mode, the
+    learner would fail at its first CUDA call), else why not."""
+    cmd = (shlex.split(os.environ[PROBE]) if os.environ.get(PROBE) else
+           [sys.executable, "-c", "import torch; torch.cuda.mem_get_info()"])  # fmt: skip
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"a CUDA process did not come up under it in {JOIN_TIMEOUT_S:.0f} s"
+    if done.returncode == 0:
+        return ""
+    tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
+    return f"a CUDA process could not join it (exit {done.returncode}: {' | '.join(tail)})"
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], pipe: Path, timeout_s: float = 10.0) -> None:
+    """Quit a daemon that has no clients and wait for it by its pid (SIGKILL past
+    ``timeout_s``); its pipe directory removed."""
+    try:
+        subprocess.run([shutil.which(CONTROL) or CONTROL], input=b"quit\n", capture_output=True,
+                       env={**os.environ, PIPE: str(pipe)}, timeout=timeout_s, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(pipe, ignore_errors=True)
 
 
 def enter(run_dir: Path, learner_percent: int, explicit: bool) -> None:
     """Put this run (generators.mps true) under MPS before it goes on: nothing if it already is
     (this run's daemon, or the host's with the learner's share as set); else start a daemon of
     its own (none where the host's serves) and replace this process with the same command
-    under it (then it does not return). If the daemon cannot start: ``explicit``
+    under it (then it does not return). If the daemon cannot start, or a CUDA process cannot
+    join it (``joins``; the daemon is then stopped): ``explicit``
     (generators.mps=true was set) raises ConfigError; under auto it logs why and returns (the
     run goes on time-sliced)."""
     share = str(learner_percent) if learner_percent else None
@@ -94,15 +133,20 @@ def enter(run_dir: Path, learner_percent: int, explicit: bool) -> None:
     env = dict(os.environ)
     if serving() is None:
         try:
-            pid, pipe = start_daemon(run_dir / "logs" / "mps.log")
+            proc, pipe = start_daemon(run_dir / "logs" / "mps.log")
+            env.update({PIPE: str(pipe), LOGS: str(run_dir / "logs" / "mps")})
+            why = joins(env)
+            if why:
+                stop_daemon(proc, pipe)
+                raise RuntimeError(why)
         except RuntimeError as e:
             if explicit:
                 raise ConfigError("run config generators.mps=true: the MPS daemon did not "
-                                  f"start: {e}") from None  # fmt: skip
+                                  f"serve: {e}") from None  # fmt: skip
             log.warning("generators.mps auto: no MPS daemon (%s); the learner and generators "
                         "take turns on the card", e)  # fmt: skip
             return
-        env.update({PIPE: str(pipe), LOGS: str(run_dir / "logs" / "mps"), OURS: str(pid)})
+        env[OURS] = str(proc.pid)
     if share:
         env[PERCENT] = share
     else:

@@ -47,6 +47,10 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     for key in (mps.PIPE, mps.OURS, mps.PERCENT):
         monkeypatch.delenv(key, raising=False)
+    # the stand-in of a CUDA process joining: the daemon's control socket is there
+    monkeypatch.setenv(mps.PROBE, f"{sys.executable} -c " + repr(
+        "import os, sys; sys.exit(0 if os.path.exists(os.environ['CUDA_MPS_PIPE_DIRECTORY'] + "
+        "'/control') else 3)"))  # fmt: skip
     return exe
 
 
@@ -69,7 +73,7 @@ def test_a_daemon_that_dies_at_start_is_named_with_its_log(
                                            r".*already running"):  # fmt: skip
         mps.start_daemon(log)
     # generators.mps=on set by the user: refused by name; auto: the run goes on without it
-    with pytest.raises(ConfigError, match=r"generators.mps=true: the MPS daemon did not start"):
+    with pytest.raises(ConfigError, match=r"generators.mps=true: the MPS daemon did not serve"):
         mps.enter(tmp_path / "run", 0, explicit=True)
     mps.enter(tmp_path / "run", 0, explicit=False)  # returns: no exec, no daemon
     assert mps.ours() is None
@@ -78,7 +82,8 @@ def test_a_daemon_that_dies_at_start_is_named_with_its_log(
 def test_a_daemon_comes_up_on_its_own_pipe_and_quits_when_asked(
     standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pid, pipe = mps.start_daemon(tmp_path / "logs" / "mps.log")
+    proc, pipe = mps.start_daemon(tmp_path / "logs" / "mps.log")
+    pid = proc.pid
     try:
         assert (pipe / "control").exists() and pipe.name.startswith("looprl-mps-")
         assert "daemon up" in (tmp_path / "logs" / "mps.log").read_text()
@@ -94,6 +99,37 @@ def test_a_daemon_comes_up_on_its_own_pipe_and_quits_when_asked(
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def test_a_daemon_no_cuda_process_can_join_is_stopped(
+    standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that starts but whose server a CUDA process cannot join (a host that forbids
+    MPS): stopped by its pid, its pipe removed; generators.mps=true refused with the client's
+    last lines, auto goes on time-sliced."""
+    import subprocess
+
+    monkeypatch.setenv(mps.PROBE, f"{sys.executable} -c " + repr(
+        "import sys; print('CUDA error: all CUDA-capable devices are busy or unavailable'); "
+        "sys.exit(1)"))  # fmt: skip
+    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+    real = mps.start_daemon
+
+    def spy(log_path: Path, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]
+        proc, pipe = real(log_path, timeout_s)
+        started.append((proc, pipe))
+        return proc, pipe
+
+    monkeypatch.setattr(mps, "start_daemon", spy)
+    with pytest.raises(ConfigError, match=r"generators.mps=true: the MPS daemon did not serve: a "
+                       r"CUDA process could not join it \(exit 1: CUDA error: all CUDA-capable "
+                       r"devices are busy or unavailable\)"):  # fmt: skip
+        mps.enter(tmp_path / "run", 0, explicit=True)
+    mps.enter(tmp_path / "run", 0, explicit=False)  # auto: returns, no exec
+    assert len(started) == 2 and mps.ours() is None
+    for proc, pipe in started:
+        assert proc.poll() is not None  # stopped, reaped by its pid
+        assert not pipe.exists()
 
 
 def test_a_host_daemon_is_used_as_it_is(standin: Path, tmp_path: Path,
@@ -141,7 +177,7 @@ def test_a_run_with_mps_on_reexecutes_under_its_daemon_and_lets_it_go(
     from tests.cli.test_run_llama import ENV, QUIET, REPO
 
     run_dir = tmp_path / "run"
-    env = {**ENV, "PATH": os.environ["PATH"]}
+    env = {**ENV, "PATH": os.environ["PATH"], mps.PROBE: os.environ[mps.PROBE]}
     for key in (mps.PIPE, mps.OURS, mps.PERCENT):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "pipeline.cli", "run", f"run_dir={run_dir}", *QUIET, "steps=2",
@@ -174,5 +210,5 @@ def test_mps_on_without_the_daemon_is_refused_by_name(tmp_path: Path,
                            "generators.mps=on"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("looprl run: error: run config generators.mps=true: the MPS daemon did not start: "
+    assert ("looprl run: error: run config generators.mps=true: the MPS daemon did not serve: "
             "nvidia-cuda-mps-control is not on PATH") in proc.stderr  # fmt: skip
