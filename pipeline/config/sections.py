@@ -282,7 +282,8 @@ class GeneratorsSection(GeneratorConfig):
     """true: `looprl run` starts a CUDA MPS control daemon of its own (pipe directory under
     /tmp, its log in RUN_DIR/logs/mps.log) before the learner touches the card, so the learner
     and its generator processes run kernels at once on one GPU instead of taking turns (the
-    driver time-slices separate processes); asked to quit at the end (it exits after the run's
+    driver time-slices separate processes; used once a CUDA process has joined it, else stopped
+    and refused, or under auto the run goes on time-sliced); asked to quit at the end (it exits after the run's
     last process; a SIGKILLed run leaves it: ``echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/looprl-mps-*
     nvidia-cuda-mps-control``). A host whose MPS
     daemon already serves this process is used as it is. auto: true for generator processes
