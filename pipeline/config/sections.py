@@ -282,12 +282,13 @@ class GeneratorsSection(GeneratorConfig):
     """true: `looprl run` starts a CUDA MPS control daemon of its own (pipe directory under
     /tmp, its log in RUN_DIR/logs/mps.log) before the learner touches the card, so the learner
     and its generator processes run kernels at once on one GPU instead of taking turns (the
-    driver time-slices separate processes; used once a CUDA process has joined it, else stopped
-    and refused, or under auto the run goes on time-sliced); asked to quit at the end (it exits after the run's
-    last process; a SIGKILLed run leaves it: ``echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/looprl-mps-*
-    nvidia-cuda-mps-control``). A host whose MPS
-    daemon already serves this process is used as it is. auto: true for generator processes
+    driver time-slices separate processes). It is used once a CUDA process has joined it (else
+    stopped: refused under true, time-sliced under auto) and asked to quit at the end (it exits
+    after the run's last process; a SIGKILLed run leaves it: ``echo quit |
+    CUDA_MPS_PIPE_DIRECTORY=/tmp/looprl-mps-XXXX nvidia-cuda-mps-control``). A host's MPS
+    daemon that already serves the run is used as it is. auto: true for generator processes
     beside a GPU learner where ``nvidia-cuda-mps-control`` is on PATH; false: time-sliced.
+    `looprl learner` and `looprl generator` started by hand join a daemon the user runs.
     pipeline.commands.mps."""
     mps_percent: int = 0
     """Under MPS: the share of the GPU's SMs each generator process may use
