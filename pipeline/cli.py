@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:  # every command with --config (run, learner, replay, eval, sft, ...)
         print(f"looprl {args.command}: error: {problem}", file=sys.stderr)
         return 2
+    args.own_process = argv is None  # (looprl run may re-execute itself then: generators.mps)
     try:
         rc = int(args.func(args))
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, exit 2

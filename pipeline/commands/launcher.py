@@ -165,7 +165,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.generators.mps is True:  # before anything is printed: this may re-execute the run
         explicit = not any(c.startswith("generators.mps=") for c in cfg.device_choices)
         try:
-            mps.enter(Path(cfg.run_dir), cfg.generators.learner_mps_percent, explicit)
+            if getattr(args, "own_process", False):
+                mps.enter(Path(cfg.run_dir), cfg.generators.learner_mps_percent, explicit)
+            elif explicit:  # main([...]) from Python: the caller's process is not replaced
+                raise ConfigError("run config generators.mps=true: needs `looprl run` as a "
+                                  "process of its own (it re-executes itself under the daemon)")  # fmt: skip
+            else:
+                log.warning("generators.mps auto: looprl run inside another program; no MPS")
         except ConfigError as e:
             print(f"looprl run: error: {e}", file=sys.stderr)
             return 2

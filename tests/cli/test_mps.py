@@ -212,3 +212,16 @@ def test_mps_on_without_the_daemon_is_refused_by_name(tmp_path: Path,
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert ("looprl run: error: run config generators.mps=true: the MPS daemon did not serve: "
             "nvidia-cuda-mps-control is not on PATH") in proc.stderr  # fmt: skip
+
+
+def test_mps_true_from_python_is_refused_not_reexecuted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pipeline.cli.main([...])` from another program: its process is the caller's, so the
+    run does not replace it with itself under a daemon; generators.mps=true is refused."""
+    from pipeline.cli import main
+
+    rc = main(["run", f"run_dir={tmp_path / 'r'}", "generators.mps=true"])
+    assert rc == 2
+    assert ("looprl run: error: run config generators.mps=true: needs `looprl run` as a process "
+            "of its own") in capsys.readouterr().err  # fmt: skip
