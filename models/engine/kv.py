@@ -37,36 +37,23 @@ def _kernel_ok(*ts: Tensor) -> bool:
 
 
 if triton is not None:
-
+    # row b's [G, Dh] block of X at (slot S[b] if SLOT, else 0; row R[b]; position P[b]) of
+    # Dst, and with NEXT its block of Y at the next slot (a layer's K, then its V)
     @triton.jit
     def _write_kernel(
-        Dst, X, S, R, P, s_ds, s_dr, s_dt, s_dg, s_xb, s_xg,
-        D: tl.constexpr, BLOCK_D: tl.constexpr,
+        Dst, X, Y, S, R, P, s_ds, s_dr, s_dt, s_dg, s_xb, s_xg, s_yb, s_yg,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, SLOT: tl.constexpr, NEXT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         g = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         m = d < D
-        sl = tl.load(S + b)
-        r = tl.load(R + b)
-        p = tl.load(P + b)
-        v = tl.load(X + b * s_xb + g * s_xg + d, mask=m)
-        tl.store(Dst + sl * s_ds + r * s_dr + p * s_dt + g * s_dg + d, v, mask=m)
-
-    @triton.jit
-    def _kv_kernel(
-        Dst, K, V, R, P, s_dk, s_dr, s_dt, s_dg, s_kb, s_kg, s_vb, s_vg,
-        D: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        g = tl.program_id(1)
-        d = tl.arange(0, BLOCK_D)
-        m = d < D
-        r = tl.load(R + b)
-        p = tl.load(P + b)
-        at = Dst + r * s_dr + p * s_dt + g * s_dg + d
-        tl.store(at, tl.load(K + b * s_kb + g * s_kg + d, mask=m), mask=m)
-        tl.store(at + s_dk, tl.load(V + b * s_vb + g * s_vg + d, mask=m), mask=m)
+        at = Dst + tl.load(R + b) * s_dr + tl.load(P + b) * s_dt + g * s_dg + d
+        if SLOT:
+            at += tl.load(S + b) * s_ds
+        tl.store(at, tl.load(X + b * s_xb + g * s_xg + d, mask=m), mask=m)
+        if NEXT:
+            tl.store(at + s_ds, tl.load(Y + b * s_yb + g * s_yg + d, mask=m), mask=m)
 
     @triton.jit
     def _carry_kernel(
@@ -98,8 +85,9 @@ def write_rows(dst: Tensor, slot: Tensor, rows: Tensor, pos: Tensor, x: Tensor) 
         return
     bsz, groups, dim = x.shape
     _write_kernel[(bsz, groups)](
-        dst, x, slot, rows, pos, dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3),
-        x.stride(0), x.stride(1), D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        dst, x, x, slot, rows, pos, dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3),
+        x.stride(0), x.stride(1), 0, 0, D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        SLOT=True, NEXT=False,
     )  # fmt: skip
 
 
@@ -113,10 +101,10 @@ def write_kv(dst: Tensor, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> No
         dst[1, rows, pos] = v
         return
     bsz, groups, dim = k.shape
-    _kv_kernel[(bsz, groups)](
-        dst, k, v, rows, pos, dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3),
+    _write_kernel[(bsz, groups)](
+        dst, k, v, rows, rows, pos, dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), D=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), SLOT=False, NEXT=True,
     )  # fmt: skip
 
 
