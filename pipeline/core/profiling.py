@@ -48,13 +48,7 @@ BIN_S = 0.1
 
 def union_s(intervals: Iterable[tuple[float, float]]) -> float:
     """Seconds covered by ``intervals`` (start, end) in microseconds, overlaps counted once."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total / 1e6
+    return sum(b - a for a, b in _merged(intervals)) / 1e6
 
 
 def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -161,8 +155,8 @@ def host_threads(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def op_table(events: list[dict[str, Any]], rows: int = 60) -> str:
     """``kernels.txt``: the trace's device work (kernels, copies, sets) by total time, then its
     host ops (``cpu_op``, inclusive time), each name with its calls, total and mean; from the
-    exported events in one pass (torch.profiler's own table took tens of seconds at ~500,000
-    events, the process's thread stopped meanwhile)."""
+    exported events in one pass (torch.profiler's own table took 36 s at 550,000 events, the
+    process's thread stopped meanwhile; this 0.3 s: benchmarks/profile_write.py)."""
     groups: dict[tuple[str, str], list[float]] = {}
     for e in events:
         cat = e.get("cat")
