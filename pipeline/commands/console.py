@@ -17,6 +17,10 @@ untrusted text goes in arguments (``log.warning("... %s", text)``), never in the
 The file is written with ``errors="backslashreplace"``: a message that still holds a lone
 surrogate (a traceback's text) is written escaped instead of failing.
 
+A record the log file cannot take (its disk full, its file system gone) is not a traceback on
+the terminal (logging's default): ``LogFile`` says so in one line, once per file, and goes on
+trying (a record that fits later is written); the terminal still gets what it would.
+
 The progress bar (tqdm) writes to stderr itself and is not affected.
 
 ``last_error_line(log)``: the line a log ends on for the terminal; ``generators_exited``: the
@@ -25,9 +29,11 @@ line a run stops on when every generator exited (pipeline.commands.launcher, gen
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +57,38 @@ def is_own(record: logging.LogRecord) -> bool:
     return record.name.split(".", 1)[0] in OWN_PACKAGES
 
 
+class LogFile(logging.FileHandler):
+    """A FileHandler that reports a failed write (an OSError: ENOSPC, EIO, ...) in one stderr
+    line, once, instead of logging's traceback per record; other errors as logging does."""
+
+    _told = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            self._tell(err)
+        else:
+            super().handleError(record)
+
+    def close(self) -> None:
+        """Closed even when its last buffered bytes cannot be written (told as above)."""
+        try:
+            super().close()
+        except OSError as err:
+            self._tell(err)
+
+    def _tell(self, err: OSError) -> None:
+        if not self._told:
+            self._told = True
+            code = errno.errorcode.get(err.errno or 0, "an OSError")
+            print(
+                f"looprl: warning: the log file {self.baseFilename} could not take a record "
+                f"({code}); its later records are tried again, some may be missing",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 class _Terminal(logging.Filter):
     def __init__(self, level: int) -> None:
         super().__init__()
@@ -72,7 +110,7 @@ def setup(log_file: str | Path, *, verbose: bool = False, level: int = logging.I
             root.removeHandler(h)
             h.close()
     fmt = logging.Formatter(_FORMAT)
-    to_file = logging.FileHandler(path, encoding="utf-8", errors="backslashreplace")
+    to_file = LogFile(path, encoding="utf-8", errors="backslashreplace")
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.INFO)
     to_term = logging.StreamHandler()

@@ -40,7 +40,7 @@ from typing import Any
 from generator.config import for_this_host
 from generator.loop import GeneratorLoop
 from models.errors import ConfigError
-from pipeline.commands.console import generators_exited
+from pipeline.commands.console import LogFile, generators_exited
 from pipeline.commands.generator_cli import serve
 from pipeline.commands.generator_flags import generator_config
 from pipeline.config.run import RunConfig
@@ -92,7 +92,7 @@ class GeneratorThreads:
         fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         for i in range(self.cfg.generators.count):
             gen = _Gen(f"gen{i}")
-            gen.handler = logging.FileHandler(self.logs / f"{gen.name}.log")
+            gen.handler = LogFile(self.logs / f"{gen.name}.log")
             gen.handler.setFormatter(fmt)
             gen.handler.addFilter(_ThreadLog(gen.name))
             logging.getLogger().addHandler(gen.handler)

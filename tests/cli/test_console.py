@@ -49,3 +49,31 @@ def test_verbose_shows_everything(
     err = capsys.readouterr().err
     assert "third-party info line" in err and "UserWarning: Apex" in err
     assert err.count("own info line") == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_log_file_is_one_line_not_a_traceback_per_record(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every write to /dev/full fails with ENOSPC, as a log file on a full disk does (the
+    disk-full checkpoint test met logging's "--- Logging error ---" traceback there): one
+    warning line for the file, whatever the number of records; a record that is not an
+    OSError's victim still goes through logging's own report."""
+    handler = console.LogFile("/dev/full")
+    lg = logging.getLogger("test_console.full")
+    lg.propagate = False
+    lg.addHandler(handler)
+    try:
+        for i in range(3):
+            lg.error("record %d", i)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "Logging error" not in err, err
+        lines = err.splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith("looprl: warning: the log file /dev/full could not take")
+        assert "(ENOSPC)" in lines[0], lines[0]
+        lg.error("bad %d", "not a number")  # a formatting error: logging's own report
+        assert "Logging error" in capsys.readouterr().err
+    finally:
+        lg.removeHandler(handler)
+        handler.close()

@@ -25,7 +25,7 @@ import pytest
 from pipeline.core.recorder import read_rollouts
 from pipeline.net.transport.zmq import ZmqLearnerEndpoint
 from proto.records import Hello, Welcome
-from tests.pipeline.e2e_utils import SMALL, check_run, run, small_config, wait_until
+from tests.pipeline.e2e_utils import SMALL, check_run, run, small_config, wait_until, welcomed
 from tests.pipeline.pause_peer import CFG
 
 PEER = Path(__file__).with_name("pause_peer.py")
@@ -115,7 +115,12 @@ def test_real_generator_paused_past_the_timeout_carries_on(tmp_path: Path) -> No
         return "rejoined_at" in state and steps >= state["rejoined_at"] + rejoin_steps
 
     def hook(steps: int, gens) -> None:  # type: ignore[no-untyped-def]
-        if steps >= 2 and "paused" not in state:
+        # Paused once the learner knows it: on a slow host gen1 alone made steps 1-2 while gen0
+        # was still starting; paused before its Hello, gen0 was never declared gone, its first
+        # Hello came after the pause and the test saw one welcome (failed in CI).
+        if steps >= 2 and "paused" not in state and not welcomed(gens, 0):
+            time.sleep(step_floor_s)  # the run waits for gen0 (still starting)
+        elif steps >= 2 and "paused" not in state:
             state["paused"], state["paused_step"] = time.time(), steps
             _pause(gens.procs[0].pid, pause_s)
         elif ("paused" in state and time.time() < state["paused"] + pause_s + rejoin_s
