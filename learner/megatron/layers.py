@@ -225,6 +225,14 @@ def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, mode: str) -> Ten
     return out.transpose(1, 2).flatten(2)
 
 
+def _put_rows(full: Tensor, rows: Tensor, part: Tensor) -> Tensor:
+    """``full`` [B, S, ...] with the flat positions ``rows`` replaced by ``part`` [1, M, ...]
+    (out of place: the gradient reaches both)."""
+    b, s = full.shape[:2]
+    flat = full.reshape(b * s, *full.shape[2:])
+    return flat.index_copy(0, rows, part[0].to(full.dtype)).view(full.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rope:
     """RoPE rows of a batch: `adjacent` (Huginn, table [B, S, D/2, 2]) or `half` (split-half,
@@ -232,6 +240,13 @@ class Rope:
 
     kind: str
     table: Tensor
+
+    def rows(self, index: Tensor) -> Rope:
+        """The rows of the flat positions ``index`` ([M]), as a batch [1, M]."""
+        if self.kind == "adjacent":
+            t = self.table
+            return Rope(self.kind, t.reshape(-1, *t.shape[2:]).index_select(0, index)[None])
+        return Rope(self.kind, self.table.index_select(0, index))
 
     def __call__(self, x: Tensor, mode: str) -> Tensor:
         if self.kind == "adjacent":
@@ -363,11 +378,21 @@ class LoopedBlock(nn.Module):
         prev_kv: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
         frozen: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(x out, k, v). With `prev_kv` and `active` ([B, S] bool), inactive positions attend
         with (and return) their previous K/V: the last-exited rule. `frozen` ([B, S] bool):
         positions whose computation here carries no gradient (truncated depth backprop):
-        their K/V are detached before attention and their output is detached (values equal)."""
+        their K/V are detached before attention and their output is detached (values equal).
+
+        Depth batching (`rows`, [M] int64 with `prev_kv` [B, S, G_l, D]): x [1, M, h] holds
+        only the active positions, at these flat indices of the [B, S] layout (rope's table
+        and `frozen`, [1, M], likewise); their projections and MLP run on M rows, their K/V
+        are written into `prev_kv`'s at those indices (the others keep theirs: the
+        last-exited rule) and their queries attend the whole [B, S] layout, the rest's
+        queries zero (their outputs are never read). Returns x [1, M, h] and the [B, S] K/V."""
+        if rows is not None:
+            return self._rows(x, rope, mask, mode, prev_kv, frozen, rows)
         q, k, v = self.qkv(x, rope, mode)
         if prev_kv is not None:
             assert active is not None
@@ -378,6 +403,25 @@ class LoopedBlock(nn.Module):
             f4 = frozen[:, :, None, None]
             k, v = torch.where(f4, k.detach(), k), torch.where(f4, v.detach(), v)
         out = self.post(x, core_attention(q, k, v, mask, mode), mode)
+        if frozen is not None:
+            out = torch.where(frozen[:, :, None], out.detach(), out)
+        return out, k, v
+
+    def _rows(self, x: Tensor, rope: Rope, mask: Any, mode: str,
+              prev_kv: tuple[Tensor, Tensor] | None, frozen: Tensor | None,
+              rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """`forward` of the active rows only (its docstring)."""
+        assert prev_kv is not None, "depth batching needs the [B, S] K/V the rows write into"
+        q, k, v = self.qkv(x, rope, mode)
+        if frozen is not None:
+            f4 = frozen[:, :, None, None]
+            k, v = torch.where(f4, k.detach(), k), torch.where(f4, v.detach(), v)
+        b, s = prev_kv[0].shape[:2]
+        k, v = _put_rows(prev_kv[0], rows, k), _put_rows(prev_kv[1], rows, v)
+        queries = _put_rows(q.new_zeros(b, s, *q.shape[2:]), rows, q)
+        attn = core_attention(queries, k, v, mask, mode)
+        attn = attn.reshape(b * s, -1).index_select(0, rows)[None]
+        out = self.post(x, attn, mode)
         if frozen is not None:
             out = torch.where(frozen[:, :, None], out.detach(), out)
         return out, k, v

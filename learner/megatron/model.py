@@ -261,17 +261,18 @@ class LoopedGPT(MegatronModule):
         prev: tuple[Tensor, Tensor] | None = None,
         active: Tensor | None = None,
         frozen: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if self.options.recompute == "none" or not torch.is_grad_enabled():
-            return blk(x, rope, mask, mode, prev, active, frozen)  # type: ignore[no-any-return]
+            return blk(x, rope, mask, mode, prev, active, frozen, rows)  # type: ignore[no-any-return]
         # megatron's checkpoint takes tensors only: the optional ones travel as a flat tuple
         # (a packed row's mask rides in the closure). Its output needs an input that
         # requires grad, or the block's weights get none (the first iteration after no-grad
         # ones, when nothing but the state enters the core).
         if not x.requires_grad:
             x = x.detach().requires_grad_(True)
-        has = (prev is not None, active is not None, frozen is not None)
-        opt = [*(prev or ()), *(t for t in (active, frozen) if t is not None)]
+        has = (prev is not None, active is not None, frozen is not None, rows is not None)
+        opt = [*(prev or ()), *(t for t in (active, frozen, rows) if t is not None)]
         doc = None if isinstance(mask, Tensor) else mask  # a DocMask or FlexAttention BlockMask
 
         def run(x_: Tensor, table: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
@@ -280,7 +281,8 @@ class LoopedGPT(MegatronModule):
             pkv = (next(it), next(it)) if has[0] else None
             act = next(it) if has[1] else None
             fr = next(it) if has[2] else None
-            return blk(x_, Rope(rope.kind, table), mask_, mode, pkv, act, fr)  # type: ignore[no-any-return]
+            at = next(it) if has[3] else None
+            return blk(x_, Rope(rope.kind, table), mask_, mode, pkv, act, fr, at)  # type: ignore[no-any-return]
 
         lead = [] if doc is not None else [mask]
         return tensor_parallel.checkpoint(run, False, x, rope.table, *lead, *opt)  # type: ignore[no-any-return]
@@ -381,16 +383,23 @@ class LoopedGPT(MegatronModule):
         for i in range(n_iter):
             active = valid & (run_to > i)
             frozen = valid & (depths - k_bp > i) if lo <= i < hi else None
+            h_active = h.valid & (h_run_to > i)
+            n_active = int(h_active.sum())
             with torch.no_grad() if i < lo else contextlib.nullcontext():
-                x = self._core_in(state, e, mode)
-                for layer, blk in enumerate(_blocks(self.core)):
-                    x, k, v = self._block(blk, x, rope, attn_mask, mode, prev[layer], active,
-                                          frozen)  # fmt: skip
-                    prev[layer] = (k, v)
-                new = self._core_out(x, mode)
-                if frozen is not None:
-                    new = torch.where(frozen[:, :, None], new.detach(), new)
-                state = torch.where(active[:, :, None], new, state)
+                if self.options.compact and n_active < bsz * seq:
+                    state = self._rows_iteration(state, e, rope, attn_mask, mode, prev,
+                                                 to_device(flat_index(h_active), dev),
+                                                 frozen)  # fmt: skip
+                else:
+                    x = self._core_in(state, e, mode)
+                    for layer, blk in enumerate(_blocks(self.core)):
+                        x, k, v = self._block(blk, x, rope, attn_mask, mode, prev[layer],
+                                              active, frozen)  # fmt: skip
+                        prev[layer] = (k, v)
+                    new = self._core_out(x, mode)
+                    if frozen is not None:
+                        new = torch.where(frozen[:, :, None], new.detach(), new)
+                    state = torch.where(active[:, :, None], new, state)
                 if full:
                     out_state = torch.where((depths == i + 1)[:, :, None], state, out_state)
             if loop_fn is not None:
@@ -406,6 +415,35 @@ class LoopedGPT(MegatronModule):
                            hidden.device)  # fmt: skip
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
         return LoopedOutput(self.head_logits(rows, mode), hidden, None)
+
+    def _rows_iteration(self, state: Tensor, e: Tensor, rope: Rope, attn_mask: Any, mode: str,
+                        prev: list[tuple[Tensor, Tensor] | None], rows: Tensor,
+                        frozen: Tensor | None) -> Tensor:  # fmt: skip
+        """One core iteration of the positions at the flat indices ``rows`` (depth batching,
+        `MegatronOptions.compact`): their states gathered into [1, M, h], the core stack on
+        them (LoopedBlock's ``rows``: every other position attends and is attended with its
+        K/V of ``prev``), the new states written back; ``prev`` updated in place. The values
+        of the positions computed are the uncompacted iteration's (row-wise operations)."""
+        bsz, seq, hidden = state.shape
+
+        def take(t: Tensor) -> Tensor:
+            return t.reshape(bsz * seq, *t.shape[2:]).index_select(0, rows)[None]
+
+        at = rope.rows(rows)
+        fr = None if frozen is None else take(frozen)
+        x = self._core_in(take(state), take(e), mode)
+        for layer, blk in enumerate(_blocks(self.core)):
+            kv = prev[layer]
+            if kv is None:  # the first iteration: padding positions have no K/V (never read)
+                shape = (bsz, seq, blk.groups_local, blk.head_dim)
+                kv = (x.new_zeros(shape), x.new_zeros(shape))
+            x, k, v = self._block(blk, x, at, attn_mask, mode, kv, None, fr, rows)
+            prev[layer] = (k, v)
+        new = self._core_out(x, mode)
+        if fr is not None:
+            new = torch.where(fr[:, :, None], new.detach(), new)
+        flat = state.reshape(bsz * seq, hidden)
+        return flat.index_copy(0, rows, new[0].to(state.dtype)).view(bsz, seq, hidden)
 
 
 class HostView(NamedTuple):

@@ -41,6 +41,13 @@ class MegatronOptions:
     (Huginn; others 0), 0 = all iterations. Log-probs are unchanged."""
     compile: bool = False
     """torch.compile every block (fast numerics only)."""
+    compact: bool = True
+    """Depth batching in the replay forward: at core iteration d only the positions still
+    running (valid, not yet exited) go through the core's projections and MLPs, gathered into
+    one [1, M, h] batch (attention keeps the [B, S] layout); False runs every position of the
+    batch at every iteration and masks. Same values either way (row-wise operations: bit for
+    bit in exact numerics); compact saves the core FLOPs of exited positions and padding, as
+    the reference backend's and the torch engine's `models.engine.chunk.run_chunk` do."""
     kv: str | None = None
     """KV semantics of exited tokens replayed by forward (docs/CONTRACTS.md 3): 'full' |
     'last_exited'; None = the family's default (`models.exits.default_kv`). The run's exit

@@ -109,7 +109,9 @@ def body() -> dict[str, Any]:
             res: dict[str, Any] = {}
             for name, k in (("truncated", K), ("hooks", 0), ("full", 0), ("recompute", K)):
                 rc = "block" if name == "recompute" else "none"
-                opts = MegatronOptions(init_seed=3, backprop_depth=k, recompute=rc)
+                # the hooks see the [B, S] layout: that model runs without depth batching
+                opts = MegatronOptions(init_seed=3, backprop_depth=k, recompute=rc,
+                                       compact=name != "hooks")  # fmt: skip
                 model = build_policy(cfg, opts)
                 seen = _grad_mode_per_iteration(model) if name == "truncated" else []
                 if name == "hooks":
