@@ -4,6 +4,8 @@
     python benchmarks/trainer_gpu.py --shape huginn_0125       # Huginn-0125: r = 32, k = 8
     python benchmarks/trainer_gpu.py --shape ouro_1b --tp 2    # Ouro-1.4B shape (torchrun, 2 GPUs)
     python benchmarks/trainer_gpu.py --device cpu --tiny       # CPU smoke test (tests/learner)
+    python benchmarks/trainer_gpu.py --device cpu --shape small --exit-depths uniform [--no-compact]
+                                            # a learned exit's depths: depth batching vs masked
     python benchmarks/trainer_gpu.py --shape huginn_0125 --compile --layout packed --batch 16
                                             # packed rows on responses U(256, 4096)
     torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py ...   # DP = 2 (or --tp 2)
@@ -146,27 +148,31 @@ def init_state(c: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]
     return state
 
 
-def rollouts(s: dict[str, Any], step: int, version: int, seed: int) -> list[Any]:
+def rollouts(s: dict[str, Any], step: int, version: int, seed: int,
+             exits: str = "full") -> list[Any]:  # fmt: skip
     """Full-length rollouts: every row prompt + response[:-1] = the shape's seq positions."""
     import numpy as np
 
     t = s["seq"] - prompt_len(s) + 1  # the model sees prompt + completion[:-1]: seq positions
-    return _rollouts(s, step, version, np.random.default_rng(seed * 1000 + step), lambda _: t)
+    rng = np.random.default_rng(seed * 1000 + step)
+    return _rollouts(s, step, version, rng, lambda _: t, exits)
 
 
 def spread_rollouts(s: dict[str, Any], step: int, version: int, seed: int, lo: int,
-                    hi: int) -> list[Any]:  # fmt: skip
+                    hi: int, exits: str = "full") -> list[Any]:  # fmt: skip
     """`rollouts` with response lengths uniform in [lo, hi] (the realistic spread)."""
     import numpy as np
 
     rng = np.random.default_rng(seed * 1000 + step + 7)
-    return _rollouts(s, step, version, rng, lambda r: int(r.integers(lo, hi + 1)))
+    return _rollouts(s, step, version, rng, lambda r: int(r.integers(lo, hi + 1)), exits)
 
 
 def _rollouts(s: dict[str, Any], step: int, version: int, rng: Any,
-              length: Callable[[Any], int]) -> list[Any]:  # fmt: skip
+              length: Callable[[Any], int], exits: str = "full") -> list[Any]:  # fmt: skip
     """batch / n groups of n rollouts of random tokens, each response ``length(rng)`` long
-    (drawn before the row's other draws), full depth, rewards alternating 0/1."""
+    (drawn before the row's other draws), rewards alternating 0/1; every token at the full
+    depth r (``exits`` "full"), or each response token's exit depth uniform in 1..r
+    ("uniform": a learned exit's spread, mean (r + 1) / 2; drawn after the row's others)."""
     import numpy as np
 
     from proto.records import Rollout
@@ -186,6 +192,9 @@ def _rollouts(s: dict[str, Any], step: int, version: int, rng: Any,
                 exit_depths=np.full(t, s["recurrence"], dtype=np.uint8),
                 weight_version=version, reward=float((i + g) % 2),
             ))  # fmt: skip
+            if exits == "uniform":
+                r = s["recurrence"]
+                out[-1].exit_depths[:] = rng.integers(1, r + 1, size=t).astype(np.uint8)
     return out
 
 
@@ -285,6 +294,16 @@ def main() -> None:
     ap.add_argument("--pack-multiple", type=int, default=1,
                     help="round each packed row up to a multiple (fewer compiled shapes)")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RunConfig keys")
+    ap.add_argument("--exit-depths", choices=("full", "uniform"), default="full",
+                    help="response tokens' exit depths: all r (fixed recurrence), or uniform "
+                    "in 1..r (a learned exit's spread; the MFU fields are then left out: "
+                    "their formula counts r iterations a token)")  # fmt: skip
+    ap.add_argument(
+        "--no-compact",
+        action="store_true",
+        help="the policy without depth batching (MegatronOptions.compact off: "
+        "every position through every core iteration, masked), to compare",
+    )
     ap.add_argument("--syncs", action="store_true",
                     help="one more step under torch's CUDA sync debug mode: how many times the "
                     "step read the card, and where (`syncs`, `sync_sites`)")  # fmt: skip
@@ -339,18 +358,27 @@ def main() -> None:
 
         trainer.cfg = dataclasses.replace(trainer.cfg, pad_to_multiple=a.pack_multiple)
     build_s = time.perf_counter() - t0
+    if a.no_compact:  # not a run-config key: the policy's MegatronOptions
+        import dataclasses
+
+        from learner.replay import unwrap
+
+        pm = unwrap(trainer.policy_model)
+        pm.options = dataclasses.replace(pm.options, compact=False)
     from learner.batching import build_batch
 
     real, computed, step_flops, cpu_times = [], [], [], []
     k_used = trainer.policy_model.backprop_depth
     params = sum(p.numel() for p in trainer.policy_model.parameters())
     times, losses, norms, metrics = [], [], [], {}
+    depths: list[float] = []
     for i in range(a.warmup + a.steps):
         if spread:
             batch = spread_rollouts(s, i, trainer.weight_version, cfg.seed, a.resp_min,
-                                    a.resp_max)  # fmt: skip
+                                    a.resp_max, a.exit_depths)  # fmt: skip
         else:
-            batch = rollouts(s, i, trainer.weight_version, cfg.seed)
+            batch = rollouts(s, i, trainer.weight_version, cfg.seed, a.exit_depths)
+        depths.extend(float(d) for r in batch for d in r.exit_depths)
         lens = build_batch(batch).seq_lens.tolist()  # the step's order (sorted)
         if i >= a.warmup:
             real.append(sum(lens))
@@ -458,6 +486,15 @@ def main() -> None:
         res.update(tokens_per_step=res["real_tokens_per_step"],
                    tokens_per_s=res["real_tokens_per_s"], mfu=res["mfu_real_tokens"],
                    mfu_head_every_position=None)  # fmt: skip
+    from learner.replay import unwrap
+
+    res.update(
+        exit_depths=a.exit_depths,
+        compact=unwrap(trainer.policy_model).options.compact,
+        mean_exit_depth=round(statistics.fmean(depths), 3) if depths else None,
+    )
+    if a.exit_depths != "full":  # the FLOP formula counts r iterations a token: not these
+        res.update(mfu=None, mfu_head_every_position=None, mfu_real_tokens=None)
     if rank0:
         print(json.dumps(res), flush=True)
     from learner.parallel import destroy_distributed

@@ -386,7 +386,7 @@ class LoopedGPT(MegatronModule):
             h_active = h.valid & (h_run_to > i)
             n_active = int(h_active.sum())
             with torch.no_grad() if i < lo else contextlib.nullcontext():
-                if self.options.compact and n_active < bsz * seq:
+                if self.options.compact and n_active <= COMPACT_AT * bsz * seq:
                     state = self._rows_iteration(state, e, rope, attn_mask, mode, prev,
                                                  to_device(flat_index(h_active), dev),
                                                  frozen)  # fmt: skip
@@ -444,6 +444,14 @@ class LoopedGPT(MegatronModule):
             new = torch.where(fr[:, :, None], new.detach(), new)
         flat = state.reshape(bsz * seq, hidden)
         return flat.index_copy(0, rows, new[0].to(state.dtype)).view(bsz, seq, hidden)
+
+
+COMPACT_AT = 0.875
+"""Depth batching (`MegatronOptions.compact`) runs an iteration on its active positions alone
+when they are at most this share of the batch's positions: the gathers and scatters cost a few
+passes over [B, S, h] a layer whatever M is, so a batch that is nearly all active (a fixed
+depth on packed rows: fill 0.88-0.96) keeps the masked iteration and its static shapes (compiled
+blocks compile once for them)."""
 
 
 class HostView(NamedTuple):

@@ -125,6 +125,30 @@ def test_trainer_benchmark_cpu_smoke() -> None:
     assert res["health"]["verdict"] == "ok", res
 
 
+def test_trainer_benchmark_exit_depths_with_and_without_depth_batching() -> None:
+    """``--exit-depths uniform`` (each response token's depth in 1..r) with depth batching and
+    with ``--no-compact``: the same rollouts (mean depth ~(r + 1) / 2), the same training
+    within bf16 rounding, the JSON says which ran and leaves the full-depth MFU out."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = {}
+    for flags in ([], ["--no-compact"]):
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/trainer_gpu.py", "--device", "cpu", "--tiny",
+             "--exit-depths", "uniform", *flags],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[bool(flags)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    on, off = out[False], out[True]
+    assert on["compact"] is True and off["compact"] is False
+    assert on["exit_depths"] == off["exit_depths"] == "uniform"
+    assert 2.0 < on["mean_exit_depth"] == off["mean_exit_depth"] < 3.0  # r = 4
+    assert on["mfu"] is None and on["mfu_real_tokens"] is None
+    for a, b in zip(on["losses"], off["losses"], strict=True):
+        assert abs(a - b) <= 1e-2 * max(1.0, abs(b)), (on["losses"], off["losses"])
+    assert on["health"]["verdict"] == off["health"]["verdict"] == "ok"
+
+
 def test_trainer_benchmark_flags_a_collapse_not_only_nonfinite() -> None:
     """The verdict of benchmarks/trainer_gpu.py: the collapse once seen (compiled
     Huginn-0125 at lr 3e-3: loss exactly 0.282842 with gradient norms ~1e-8 between spikes)
