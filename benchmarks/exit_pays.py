@@ -61,7 +61,10 @@ What this task leaves the exit to save: a completion is 2 tokens (the digit + EO
 prompt of at most 18 that runs at the full depth; token 0 (the prompt's last position)
 follows the exit policy in the prefill's chunk, whose iterations the deepest of its rows sets,
 and token 1 is the one decoded by ticks, so a batch still takes as many ticks as its deepest
-row's exit; the learner's forward runs every position to the full depth in both arms. So
+row's exit; the learner's forward runs every position to its row's full depth under kv full
+(each learner backend batches by depth: from fea5725 the megatron one too, so under kv
+last_exited an exited position costs it no more core FLOPs, but here a completion's 2 tokens
+are a small part of a row). So
 the exit can shorten only a small part of a step here (the verdict's generation-only ratio
 isolates the engine's part); a saving needs completions of many tokens a row.
 
