@@ -83,6 +83,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                     n=4, micro=1, lr=1e-5),
     "small": dict(hidden=256, heads=4, prelude=1, core=2, coda=1, ffn=768, vocab=2048,
                   recurrence=4, backprop_depth=2, seq=512, batch=16, n=4, micro=4, lr=1e-4),
+    "ouro_small": dict(family="ouro", hidden=256, heads=4, prelude=0, core=4, coda=0, ffn=768,
+                       vocab=2048, recurrence=4, backprop_depth=0, seq=512, batch=16, n=4,
+                       micro=4, lr=1e-4),
     "tiny": dict(hidden=64, heads=2, prelude=1, core=2, coda=1, ffn=128, vocab=512,
                  recurrence=4, backprop_depth=2, seq=32, batch=4, n=2, micro=2, lr=1e-4),
 }  # fmt: skip

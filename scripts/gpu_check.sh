@@ -6,7 +6,7 @@
 # One JSON line per benchmark in $LOG/*.jsonl; a summary table last.
 #
 #   bash scripts/gpu_check.sh                       # from the repository root
-#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement chunk syncs learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu
+#   PARTS="tests trainer" bash scripts/gpu_check.sh # choose parts: tests trainer ipc attn dp standin decode depth depth_big torch_depth torchgen digest e2e system placement chunk syncs learnerproc shm packed loop_credit loop_credit_gpu exit_pays_gpu depthlearn
 #
 # Wheels in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0, antlr4-python3-runtime 4.9.3,
 # zstandard, pyzmq: see docs/PERFORMANCE.md, "GPU") are installed to /tmp/site first; the host
@@ -82,6 +82,20 @@ if has trainer; then
     # per-loop credit (objective.loop_weighting): peak memory and step time vs last
     bench 0125_eager_uniform 260 --shape huginn_0125 --steps "$STEPS" --micro "${HUGINN_MICRO:-1}" \
         --loop-weighting uniform
+fi
+if has depthlearn; then  # the learner's depth batching (fea5725) on the card: a learned exit's
+    # depths (uniform in 1..4 a response token) with and without it, and the full depth beside
+    # them (issue 47: what an exit saves the learner); compiled, as looprl run on a CUDA host
+    # (Ouro's own kv is full: each row runs its prompt's depth; the exit arm's is last_exited)
+    LX="rollout.exit_policy={kind: ouro_gate, q: 0.8, kv: last_exited}"
+    bench ouro_full 200 --shape ouro_1b --steps 6 --warmup 3 --compile --set "$LX"
+    bench ouro_exits 200 --shape ouro_1b --steps 6 --warmup 3 --compile --exit-depths uniform \
+        --set "$LX"
+    bench ouro_exits_masked 200 --shape ouro_1b --steps 6 --warmup 3 --compile \
+        --exit-depths uniform --no-compact --set "$LX"
+    bench 1b_exits 160 --shape huginn_1b --steps 6 --warmup 3 --compile --exit-depths uniform
+    bench 1b_exits_masked 160 --shape huginn_1b --steps 6 --warmup 3 --compile \
+        --exit-depths uniform --no-compact
 fi
 if has dp; then  # two GPUs (NCCL): TP=2 / DP=2 equal one GPU, then throughput
     timeout "${T_DP_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA \
