@@ -351,7 +351,8 @@ def run_learner(cfg: RunConfig, *, resume: bool = False, on_bound: OnBound | Non
             depths=e.depths,
         )  # fmt: skip
     efficiency = Efficiency.for_run(model, backprop_depth=cfg.learner.backprop_depth,
-                                    ranks=getattr(trainer, "world_size", 1))  # fmt: skip
+                                    ranks=getattr(trainer, "world_size", 1),
+                                    policy=cfg.rollout.parsed_policy)  # fmt: skip
     coord = Coordinator(cfg, endpoint=endpoint, trainer=trainer, prompts=prompts,
                         run_dir=run_dir, limits=limits, on_step=on_step, background=True,
                         evals=evals, efficiency=efficiency)  # fmt: skip

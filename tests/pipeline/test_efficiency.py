@@ -70,3 +70,30 @@ def test_a_cpu_row_leaves_the_card_keys_out_and_empty_steps_are_safe() -> None:
     assert Efficiency(shape).row([], train_s=0.0, step_s=0.0) == {}
     zero = Efficiency(shape).row(rows(2, 0), train_s=0.1, step_s=0.2)  # empty responses
     assert zero["perf/tokens_per_s"] == 0.0 and zero["perf/train_tflops"] > 0
+
+
+def test_the_learners_flops_follow_each_positions_replay_depth() -> None:
+    """A learned exit's rollouts: under kv last_exited the learner's replay (depth batching)
+    runs the prompt's positions at the full depth and each response position at its exit
+    depth, so the FLOPs counted are those, rollout by rollout; under kv full every position
+    runs the row's full depth."""
+    import dataclasses
+
+    import numpy as np
+
+    shape = LoopShape.of(model_config(SHAPES["huginn_1b"]))  # recurrence 4
+    a, b = rows(2, 6)  # prompts of 2 tokens: positions 0 (full depth) and 1..6 (exits)
+    a = dataclasses.replace(a, exit_depths=np.array([1, 1, 2, 1, 1, 2], np.uint8), full_depth=4)
+    b = dataclasses.replace(b, exit_depths=np.array([4, 3, 4, 4, 2, 4], np.uint8), full_depth=4)
+    last = Efficiency(shape, backprop_depth=8, peaks=(989e12, 3.35e12))
+    assert last.replay_depth(a) == (4 + 8) / 7 and last.replay_depth(b) == (4 + 21) / 7
+    out = last.row([a, b], train_s=1.0, step_s=1.0)
+    want = sum(train_flops(shape, [(7, 6)], depth=d, backprop_depth=8)
+               for d in (12 / 7, 25 / 7))  # fmt: skip
+    assert out["perf/train_tflops"] == pytest.approx(want / 1e12)
+    full = dataclasses.replace(last, kv="full")
+    assert full.replay_depth(a) == full.replay_depth(b) == 4.0
+    at_four = train_flops(shape, [(7, 6)] * 2, depth=4, backprop_depth=8)
+    assert full.row([a, b], train_s=1.0, step_s=1.0)["perf/train_tflops"] == pytest.approx(
+        at_four / 1e12)  # fmt: skip
+    assert want < 0.8 * at_four  # what the exits save the learner here (0.753 of it)
