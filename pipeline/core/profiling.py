@@ -9,7 +9,8 @@ and writes ``RUN_DIR/profile/``:
 - ``trace.json.gz``: the Chrome trace (chrome://tracing, Perfetto): host ops of the learner
   process and every CUDA kernel and copy the process ran, on every stream;
 - ``kernels.txt``: the window's kernels and copies by device time, then its host ops
-  (``op_table``);
+  (``op_table``), then the kernels between two launches of the top kernel in time order
+  (``repeat_view``: a decode's layer pass, kernel by kernel, by full name);
 - ``summary.json``: ``window_s`` (wall seconds profiled), ``steps``, per CUDA stream its busy
   seconds (the union of its kernels' and copies' intervals), kernel count and top kernels by
   time, ``busy_s`` (the union over streams: the card doing anything), ``overlap_s`` (seconds
@@ -183,6 +184,53 @@ def op_table(events: list[dict[str, Any]], rows: int = 60) -> str:
     return "\n".join(lines)
 
 
+def repeat_view(events: list[dict[str, Any]], rows: int = 80) -> str:
+    """``kernels.txt``'s last part: what the device ran between two launches of its top kernel
+    (by total time, on its busiest stream), kernel by kernel in time order: the middle such
+    repeat (a decode's layer pass between two attention calls: which kernels a pass costs, by
+    full name) and the longest one in the middle half of the window (the pass that also holds
+    a step's end: head, sampling, ...). Each line: start offset, duration and the idle gap
+    before it, in microseconds. Empty when the top kernel ran fewer than 3 times."""
+    per_stream: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS:
+            args = e.get("args") or {}
+            key = f"{args.get('device', 0)}:{args.get('stream', e.get('tid', '?'))}"
+            per_stream.setdefault(key, []).append(e)
+    if not per_stream:
+        return ""
+    key = max(per_stream, key=lambda k: sum(float(e.get("dur", 0.0)) for e in per_stream[k]))
+    work = sorted(per_stream[key], key=lambda e: float(e["ts"]))
+    total: dict[str, float] = {}
+    for e in work:
+        total[str(e.get("name", "?"))] = total.get(str(e.get("name", "?")), 0.0) + float(
+            e.get("dur", 0.0))  # fmt: skip
+    top = max(total, key=lambda n: total[n])
+    at = [i for i, e in enumerate(work) if str(e.get("name", "?")) == top]
+    if len(at) < 3:
+        return ""
+    mid = len(at) // 2
+    pairs = list(zip(at[len(at) // 4 : 3 * len(at) // 4], at[len(at) // 4 + 1 :], strict=False))
+    longest = max(pairs, key=lambda p: float(work[p[1]]["ts"]) - float(work[p[0]]["ts"]))
+    out = []
+    for title, (a, b) in (("the middle repeat", (at[mid - 1], at[mid])),
+                          ("the longest repeat of the middle half", longest)):  # fmt: skip
+        t0 = float(work[a]["ts"])
+        span = float(work[b]["ts"]) - t0
+        out.append(f"{title} of {top[:80]} on stream {key}: {b - a} kernels, {span:.1f} us")
+        out.append(f"{'at us':>10} {'dur us':>9} {'idle us':>8}  name")
+        end = t0
+        for e in work[a:b][:rows]:
+            ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            out.append(f"{ts - t0:10.1f} {dur:9.2f} {max(0.0, ts - end):8.2f}  "
+                       f"{str(e.get('name', '?'))[:200]}")  # fmt: skip
+            end = max(end, ts + dur)
+        if b - a > rows:
+            out.append(f"... {b - a - rows} more")
+        out.append("")
+    return "\n".join(out)
+
+
 def _all_threads() -> Any:
     """Kineto's options for a process of several threads (the trainer's, a generator thread's):
     host ops of every thread, and CUDA's synchronizations (a thread waiting for the card); None
@@ -267,7 +315,7 @@ class StepProfiler:
             with raw.open("rb") as src, gzip.open(self.out / "trace.json.gz", "wb") as dst:
                 dst.write(src.read())
             raw.unlink()
-            (self.out / "kernels.txt").write_text(op_table(events))
+            (self.out / "kernels.txt").write_text(op_table(events) + "\n" + repeat_view(events))
             summary = {self.unit: [self.first, self.last], **trace_summary(events, window)}
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             self.summary = summary
@@ -277,4 +325,12 @@ class StepProfiler:
             log.exception("profile: writing %s failed", self.out)
 
 
-__all__ = ["StepProfiler", "at_least_two_s", "host_threads", "op_table", "trace_summary", "union_s"]
+__all__ = [
+    "StepProfiler",
+    "at_least_two_s",
+    "host_threads",
+    "op_table",
+    "repeat_view",
+    "trace_summary",
+    "union_s",
+]

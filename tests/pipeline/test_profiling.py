@@ -115,6 +115,37 @@ def test_op_table_ranks_device_work_then_host_ops() -> None:
     assert op_table([]) == ""
 
 
+def test_repeat_view_lists_a_layer_pass_kernel_by_kernel() -> None:
+    """Six layer passes of (attention 100 us, norm 5, gemm 20) on stream 7, the fourth
+    followed by a step's end (head 50, sample 30) after an idle 8 us; a busier-by-count but
+    lighter stream 9 is not the one shown."""
+    from pipeline.core.profiling import repeat_view
+
+    events, t = [], 0.0
+    for i in range(6):
+        for name, dur, idle in (("attention", 100, 0), ("norm", 5, 1), ("gemm", 20, 0)):
+            t += idle
+            events.append(_kernel(7, t, dur, name))
+            t += dur
+        if i == 3:
+            events += [_kernel(7, t + 8, 50, "head"), _kernel(7, t + 58, 30, "sample")]
+            t += 88
+    events += [_kernel(9, 5.0 * j, 1, "tiny") for j in range(40)]
+    text = repeat_view(events)
+    mid, longest = text.split("\n\n")[:2]
+    head = mid.splitlines()
+    assert head[0] == "the middle repeat of attention on stream 0:7: 3 kernels, 126.0 us"
+    assert [ln.split()[-1] for ln in head[2:]] == ["attention", "norm", "gemm"]
+    assert head[3].split()[:3] == ["101.0", "5.00", "1.00"]  # at, dur, idle before it
+    rows = longest.splitlines()
+    assert rows[0].startswith("the longest repeat of the middle half of attention")
+    assert "5 kernels, 214.0 us" in rows[0]
+    assert [ln.split()[-1] for ln in rows[2:]] == ["attention", "norm", "gemm", "head", "sample"]
+    assert rows[5].split()[2] == "8.00"  # the idle gap before the head
+    assert repeat_view(events[:6]) == ""  # the top kernel twice: no repeat to show
+    assert repeat_view([]) == ""
+
+
 def test_a_window_is_written_off_the_steps_thread(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The steps' thread stops the profiler and goes on; the files come from a thread of their
     own, and ``close`` returns once they are written."""
