@@ -318,6 +318,7 @@ def main() -> None:
     import torch
 
     from learner.parallel import init_distributed
+    from learner.replay import unwrap
     from pipeline.backends.megatron_adapter import build_learner_trainer
     from pipeline.config.run import load_config
 
@@ -361,13 +362,11 @@ def main() -> None:
 
         trainer.cfg = dataclasses.replace(trainer.cfg, pad_to_multiple=a.pack_multiple)
     build_s = time.perf_counter() - t0
+    policy = unwrap(trainer.policy_model)
     if a.no_compact:  # not a run-config key: the policy's MegatronOptions
         import dataclasses
 
-        from learner.replay import unwrap
-
-        pm = unwrap(trainer.policy_model)
-        pm.options = dataclasses.replace(pm.options, compact=False)
+        policy.options = dataclasses.replace(policy.options, compact=False)
     from learner.batching import build_batch
 
     real, computed, step_flops, cpu_times = [], [], [], []
@@ -489,11 +488,9 @@ def main() -> None:
         res.update(tokens_per_step=res["real_tokens_per_step"],
                    tokens_per_s=res["real_tokens_per_s"], mfu=res["mfu_real_tokens"],
                    mfu_head_every_position=None)  # fmt: skip
-    from learner.replay import unwrap
-
     res.update(
         exit_depths=a.exit_depths,
-        compact=unwrap(trainer.policy_model).options.compact,
+        compact=policy.options.compact,
         mean_exit_depth=round(statistics.fmean(depths), 3) if depths else None,
     )
     if a.exit_depths != "full":  # the FLOP formula counts r iterations a token: not these

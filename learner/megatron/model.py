@@ -381,16 +381,15 @@ class LoopedGPT(MegatronModule):
         lo = int(h.depths[h.valid].min()) - k_bp if k_bp and n_iter else 0
         hi = n_iter - k_bp if k_bp else 0
         for i in range(n_iter):
-            active = valid & (run_to > i)
             frozen = valid & (depths - k_bp > i) if lo <= i < hi else None
             h_active = h.valid & (h_run_to > i)
-            n_active = int(h_active.sum())
             with torch.no_grad() if i < lo else contextlib.nullcontext():
-                if self.options.compact and n_active <= COMPACT_AT * bsz * seq:
+                if self.options.compact and int(h_active.sum()) <= COMPACT_AT * bsz * seq:
                     state = self._rows_iteration(state, e, rope, attn_mask, mode, prev,
                                                  to_device(flat_index(h_active), dev),
                                                  frozen)  # fmt: skip
                 else:
+                    active = valid & (run_to > i)
                     x = self._core_in(state, e, mode)
                     for layer, blk in enumerate(_blocks(self.core)):
                         x, k, v = self._block(blk, x, rope, attn_mask, mode, prev[layer],

@@ -80,15 +80,20 @@ def at_least_two_s(per_stream: dict[Any, list[tuple[float, float]]]) -> float:
     return total / 1e6
 
 
+def _device_work(events: list[dict[str, Any]]) -> Iterable[tuple[str, dict[str, Any]]]:
+    """The trace's device spans (kernels, copies, sets), each with its stream's key
+    ("device:stream")."""
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS:
+            args = e.get("args") or {}
+            yield f"{args.get('device', 0)}:{args.get('stream', e.get('tid', '?'))}", e
+
+
 def trace_summary(events: list[dict[str, Any]], window_s: float, top: int = 8) -> dict[str, Any]:
     """``summary.json``'s figures (module doc) from a Chrome trace's ``traceEvents``."""
     per_stream: dict[str, list[tuple[float, float]]] = {}
     names: dict[str, dict[str, float]] = {}
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATS:
-            continue
-        args = e.get("args") or {}
-        key = f"{args.get('device', 0)}:{args.get('stream', e.get('tid', '?'))}"
+    for key, e in _device_work(events):
         a = float(e["ts"])
         b = a + float(e.get("dur", 0.0))
         per_stream.setdefault(key, []).append((a, b))
@@ -192,19 +197,16 @@ def repeat_view(events: list[dict[str, Any]], rows: int = 80) -> str:
     a step's end: head, sampling, ...). Each line: start offset, duration and the idle gap
     before it, in microseconds. Empty when the top kernel ran fewer than 3 times."""
     per_stream: dict[str, list[dict[str, Any]]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS:
-            args = e.get("args") or {}
-            key = f"{args.get('device', 0)}:{args.get('stream', e.get('tid', '?'))}"
-            per_stream.setdefault(key, []).append(e)
+    for key, e in _device_work(events):
+        per_stream.setdefault(key, []).append(e)
     if not per_stream:
         return ""
     key = max(per_stream, key=lambda k: sum(float(e.get("dur", 0.0)) for e in per_stream[k]))
     work = sorted(per_stream[key], key=lambda e: float(e["ts"]))
     total: dict[str, float] = {}
     for e in work:
-        total[str(e.get("name", "?"))] = total.get(str(e.get("name", "?")), 0.0) + float(
-            e.get("dur", 0.0))  # fmt: skip
+        name = str(e.get("name", "?"))
+        total[name] = total.get(name, 0.0) + float(e.get("dur", 0.0))
     top = max(total, key=lambda n: total[n])
     at = [i for i, e in enumerate(work) if str(e.get("name", "?")) == top]
     if len(at) < 3:
