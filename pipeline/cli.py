@@ -123,9 +123,26 @@ def config_path_problem(path: str | None) -> str | None:
     return f"--config {path} is a directory; expected a YAML file (e.g. --config my.yaml){hint}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments. KEY=VALUE overrides may come in several runs between
+    options (`looprl sft model.size=400m --lr 1e-3 warm_start.gate_lr=3e-4`): argparse fills
+    a positional list from one run of tokens and leaves the later runs unparsed; they join the
+    overrides. Anything else left over is argparse's own error (exit 2)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all(_override(t) for t in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.parse_args(argv)  # the error for what is not KEY=VALUE
+    return args
+
+
+def _override(token: str) -> bool:
+    return "=" in token and not token.startswith("-")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
     problem = config_path_problem(getattr(args, "config", None))
     if problem is not None:  # every command with --config (run, learner, replay, eval, sft, ...)
         print(f"looprl {args.command}: error: {problem}", file=sys.stderr)

@@ -54,7 +54,7 @@ fi
 
 if has tests; then
     timeout "${T_TESTS:-240}" "$PY" -m pytest -q -p no:cacheprovider \
-        tests/learner/test_device_noise.py tests/learner/test_kernels_noise.py \
+        tests/learner/test_device_noise.py tests/models/test_kernels_noise.py \
         tests/learner/test_backprop_depth.py tests/learner/test_kernels_token_stats.py \
         tests/models/test_sampling.py -rA 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 40 | tee "$LOG/tests.txt"
@@ -366,6 +366,10 @@ if has system; then  # looprl run at a shape users run, against its parts alone 
         tail -n 5 "$LOG/system_$job.err"
         run=/tmp/gpu_system/run_${SYSTEM_SIZE:-1b}_${sp}x${sn}x${st}
         [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$LOG/system_$job.metrics.jsonl"
+        # metrics.profile_steps in SYSTEM_ARGS: each process's summary and kernel tables come back
+        for g in "$run"/profile/*.json "$run"/profile/*.txt "$run"/profile/*/*.json "$run"/profile/*/*.txt; do
+            [ -f "$g" ] && cp "$g" "$LOG/system_${job}_$(basename "$(dirname "$g")")_$(basename "$g")"
+        done
         tail -n 15 /tmp/gpu_system/run_${SYSTEM_SIZE:-1b}_${sp}x${sn}x${st}.out 2>/dev/null
     done
 fi

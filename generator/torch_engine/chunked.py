@@ -14,7 +14,7 @@ host work between them:
     for each of the chunk's steps (all on the device, captured once):
         p      = min(position, length - 1)               (a row past its end stays in its row)
         rope   = the RoPE table [length] at p             (models' rope of every position, once)
-        noise  = latent_noise_torch(seed, p, check=False)  (Huginn: the spec's bits)
+        noise  = latent_noise_cuda(seed, p, check=False)  (Huginn: the spec's bits)
         logits = decode_step(token, p, rope, noise)       (models.engine.graph: the 1-step graph's)
         token, log-prob = the draw (every row, one temperature and top_p; step + 1)
         position + 1
@@ -45,7 +45,7 @@ from torch import Tensor
 from generator.torch_engine.ahead import Flight, file_tokens, refill
 from models.engine.chunk import KVCache, _seed_tensor
 from models.engine.graph import captured_or_eager, compiled_regions, decode_step, warm_on_side
-from models.noise import latent_noise_torch
+from models.kernels.noise import latent_noise_cuda
 from models.reference import behaviour_logprobs
 from models.sampling import draw_keys
 from models.seeds import seed_to_i64
@@ -99,7 +99,7 @@ class ChunkGraph:
         noisy = bool(getattr(self.model, "draws_latent_noise", False))
         for j in range(self.chunk):
             p = pos.clamp(max=self.length - 1)
-            noise = (latent_noise_torch(self.seeds, p, self.model.hidden_size, check=False)
+            noise = (latent_noise_cuda(self.seeds, p, self.model.hidden_size, check=False)
                      if noisy else None)  # fmt: skip
             out = decode_step(self.model, self.cache, tok, p, self.table[p], [0] * tok.shape[0],
                               depth=self.depth, mode=self.mode, noise=noise,

@@ -43,7 +43,6 @@ from torch import Tensor, nn
 
 from learner.batching import flat_index, to_device
 from learner.hf_convert import load_hf_state
-from learner.kernels.noise import latent_noise_cuda
 from learner.megatron.layers import (
     DocMask,
     LoopedBlock,
@@ -58,6 +57,7 @@ from learner.megatron.options import MegatronOptions, padded_rows, transformer_c
 from models import numerics as nx
 from models.config import HuginnConfig, LlamaConfig, ModelConfig, OuroConfig
 from models.exits import check_kv, default_kv
+from models.kernels.noise import latent_noise_cuda
 from models.noise import latent_noise
 from models.seeds import seed_to_i64
 from proto.records import MAX_DEPTH
@@ -215,7 +215,7 @@ class LoopedGPT(MegatronModule):
         c = self.family_config
         b, s = positions.shape
         h = c.n_embd  # type: ignore[union-attr]
-        if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: learner.kernels.noise)
+        if e.is_cuda:  # same bits as the CPU spec (one Triton kernel: models.kernels.noise)
             per = to_device(seeds, e.device)
             per = per.reshape(-1) if per.dim() == 2 else per.repeat_interleave(s)
             z = latent_noise_cuda(per, positions.reshape(-1), h, nonnegative)
@@ -436,6 +436,8 @@ class LoopedGPT(MegatronModule):
             if kv is None:  # the first iteration: padding positions have no K/V (never read)
                 shape = (bsz, seq, blk.groups_local, blk.head_dim)
                 kv = (x.new_zeros(shape), x.new_zeros(shape))
+            if self.options.compile:
+                _rows_dynamic(x, rows, at, fr)
             x, k, v = self._block(blk, x, at, attn_mask, mode, kv, None, fr, rows)
             prev[layer] = (k, v)
         new = self._core_out(x, mode)
@@ -443,6 +445,20 @@ class LoopedGPT(MegatronModule):
             new = torch.where(fr[:, :, None], new.detach(), new)
         flat = state.reshape(bsz * seq, hidden)
         return flat.index_copy(0, rows, new[0].to(state.dtype)).view(bsz, seq, hidden)
+
+
+def _rows_dynamic(x: Tensor, rows: Tensor, rope: Rope, frozen: Tensor | None) -> None:
+    """Mark M, the active positions' count, dynamic in a compiled block's inputs (x [1, M, h],
+    rows [M], the RoPE rows, frozen [1, M]) from its first call. Left to torch.compile, each
+    argument pattern's first two Ms compiled static graphs before dynamo made M dynamic (10
+    graphs against 6 on the tiny Ouro of tests/learner/test_megatron_depth_batching.py; each
+    graph more is a compile, and a guard to check at every one of a step's block calls)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(x, 1)
+    mark(rows, 0)
+    mark(rope.table, 0 if rope.kind == "half" else 1)
+    if frozen is not None:
+        mark(frozen, 1)
 
 
 COMPACT_AT = 0.875

@@ -10,7 +10,8 @@ row's cache. A chunk runs, for every position at once:
     readout: coda stack (KV slot per coda layer) on each position's final state -> head
 
 On a device other than the CPU, Huginn's latent noise (contract 1) is computed there by
-`models.noise.latent_noise_torch` (the spec's bits), not drawn on the CPU and copied.
+`models.kernels.noise.latent_noise_cuda` (the spec's bits: one Triton kernel on CUDA, the torch
+ops of `models.noise.latent_noise_torch` elsewhere), not drawn on the CPU and copied.
 
 Exited positions follow one of the two KV semantics of docs/CONTRACTS.md 3 (`kv`):
 
@@ -79,8 +80,9 @@ from models.exits import (
     needs_logits,
     should_exit,
 )
+from models.kernels.noise import latent_noise_cuda
 from models.layers import Block
-from models.noise import exit_uniform, latent_noise_torch
+from models.noise import exit_uniform
 
 
 class EngineModel(Protocol):
@@ -332,7 +334,7 @@ def run_chunk(
     e = _stack(model.prelude_blocks(), cache.prelude, x0, val, r)  # (Huginn embeds in fp32)
     noise = None
     if dev.type != "cpu" and getattr(model, "draws_latent_noise", False):  # the spec's bits
-        noise = latent_noise_torch(_seed_tensor(row_seeds, dev), pos, e.shape[-1])
+        noise = latent_noise_cuda(_seed_tensor(row_seeds, dev), pos, e.shape[-1])
     state = model.initial_state(e, pos, row_seeds, noise).to(e.dtype)  # (noise fp32, cast)
     done = ~val
     ran = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -23,11 +23,10 @@ replay, then copied into the static buffers:
 - the RoPE rows: `model.rope(positions)` on the device positions, as run_chunk computes them
   (Huginn's bounds check reads the positions on the host, and exact-mode split-half RoPE builds
   its fp64 table on the CPU: neither can live in a graph);
-- Huginn's latent noise z (docs/CONTRACTS.md 1): on CUDA `models.noise.latent_noise_torch` on
-  the device positions (the spec's bits; its argument checks sync, so it runs before the
-  replay, not in the graph), on the CPU `models.noise.latent_noise`, the spec, as run_chunk
-  draws them; the graph computes s_0 = (z std) scale from the buffer. (The learner's Triton
-  kernel is learner-only by the layout rules.)
+- Huginn's latent noise z (docs/CONTRACTS.md 1): on CUDA `models.kernels.noise.latent_noise_cuda`
+  on the device positions (the spec's bits in one Triton kernel; its argument checks sync, so
+  it runs before the replay, not in the graph), on the CPU `models.noise.latent_noise`, the
+  spec, as run_chunk draws them; the graph computes s_0 = (z std) scale from the buffer.
 
 The step's outputs are the graph's static output tensors: read (or clone) them before the next
 step. The graph reads the cache and the parameters by address: keep the cache's tensors (write
@@ -58,7 +57,8 @@ from models.engine.chunk import (
     _seed_tensor,
     _stack,
 )
-from models.noise import latent_noise, latent_noise_torch
+from models.kernels.noise import latent_noise_cuda
+from models.noise import latent_noise
 from models.untraced import untraced
 
 T = TypeVar("T")
@@ -209,7 +209,7 @@ class GraphDecoder:
 
     graph: None = a graph exactly when the cache is on CUDA; False = eager on any device
     (the benchmark's comparison); True = a graph (CUDA only). device_noise: Huginn's latent
-    noise by `models.noise.latent_noise_torch` on the cache's device (None: when that is not
+    noise by `models.kernels.noise.latent_noise_cuda` on the cache's device (None: when that is not
     the CPU; the same bits as the CPU spec), else drawn on the CPU and copied. `seeds` (a list,
     one per row) may be reassigned between steps (a slot taking another request). warmup:
     eager runs of the step on a side stream before the capture (they rewrite the first step's
@@ -301,7 +301,7 @@ class GraphDecoder:
         self.rope.copy_(self.model.rope(self.positions, self.mode))
         if self.noise is not None and self.device_noise:  # the spec's bits, on the device
             seeds = _seed_tensor(self.seeds, self.noise.device)
-            self.noise.copy_(latent_noise_torch(seeds, self.positions, self.noise.shape[1]))
+            self.noise.copy_(latent_noise_cuda(seeds, self.positions, self.noise.shape[1]))
         elif self.noise is not None:
             self.noise.copy_(latent_noise(self.seeds, pos, self.noise.shape[1]))
         if not self.graphed:

@@ -68,8 +68,8 @@ from models.engine.kv import carry_exits, write_rows
 from models.engine.tickdecide import compiled_decide, decide, first_rows
 from models.engine.ticks import Ticker
 from models.exits import ExitPolicy, OuroGate, needs_gate, needs_logits
+from models.kernels.noise import latent_noise_cuda
 from models.layers import Block
-from models.noise import latent_noise_torch
 
 
 def graph_policy(policy: ExitPolicy | None) -> bool:
@@ -362,7 +362,7 @@ class GraphTicker(Ticker):
         x0 = m.embed(self.tok).to(cache.core.dtype)
         en = _masked_stack(m.prelude_blocks(), cache.prelude, x0, w, rows, new_pos, self.kmask,
                            self.rope_rows, mode)  # fmt: skip
-        noise = (latent_noise_torch(self.seed_t, new_pos, en.shape[-1], check=False)
+        noise = (latent_noise_cuda(self.seed_t, new_pos, en.shape[-1], check=False)
                  if self.noise_here else None)  # fmt: skip
         s0 = m.initial_state(en, new_pos, self.seeds, noise).to(en.dtype)
         self.e.copy_(torch.where(w[:, None], en, self.e))

@@ -46,8 +46,9 @@ from models.exits import (
     needs_logits,
     should_exit,
 )
+from models.kernels.noise import latent_noise_cuda
 from models.layers import Block
-from models.noise import exit_uniform, latent_noise_torch
+from models.noise import exit_uniform
 
 
 @dataclasses.dataclass
@@ -207,7 +208,7 @@ class Ticker:
         en = _stack_rows(m.prelude_blocks(), lambda i: cache.prelude[i], x0, new, p,
                          None, kmask, m.rope(p, mode), mode)  # fmt: skip
         sd = [self.seeds[i] for i in new.tolist()]
-        noise = (latent_noise_torch(self.seed_t[new], p, en.shape[-1])
+        noise = (latent_noise_cuda(self.seed_t[new], p, en.shape[-1])
                  if self.noise_here else None)  # fmt: skip
         self.e[new] = en
         self.state[new] = m.initial_state(en, p, sd, noise).to(en.dtype)

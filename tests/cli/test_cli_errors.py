@@ -227,3 +227,20 @@ def test_printed_generator_command_has_keys_and_a_reachable_address(tmp_path: Pa
     loop = load_config(None, ["endpoints.host=127.0.0.1"])
     plain = generator_hint(loop, "tcp://127.0.0.1:7", "tcp://127.0.0.1:8", tmp_path)
     assert "--learner tcp://127.0.0.1:7 " in plain and "--keys" not in plain
+
+
+def test_overrides_between_options_all_reach_the_command(capsys: pytest.CaptureFixture) -> None:
+    """KEY=VALUE overrides in two runs around options (benchmarks/exit_pays.py's `looprl sft`
+    call): both runs reach the config; a stray option is still argparse's error."""
+    from pipeline.cli import parse
+
+    a = parse(["sft", "--config", "c.yaml", "--out", "o", "model.size=tiny", "--lr=0.1",
+               "warm_start.gate_lr=0.0003", "--steps", "2", "seed=4"])  # fmt: skip
+    assert a.overrides == ["model.size=tiny", "warm_start.gate_lr=0.0003", "seed=4"]
+    assert (a.lr, a.steps) == (0.1, 2)
+    with pytest.raises(SystemExit) as e:
+        parse(["sft", "--out", "o", "model.size=tiny", "--bogus", "seed=4"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a command without overrides takes none
+        parse(["model", "init", "--family", "llama", "out", "a=b"])

@@ -131,3 +131,47 @@ def test_depth_batching_runs_only_the_running_positions(runs: dict, case: str) -
     # padding (5 of 36 positions) and exits: last_exited 0.338 (Huginn), 0.271 (Ouro); full
     # 0.139 (the padding alone: each row runs its full depth)
     assert saved >= 0.13, saved
+
+
+def compiled_body() -> dict[str, Any]:
+    """Compiled blocks (dynamo's graphs; the eager backend: the graphs, not inductor's code,
+    are what is counted) over eight batches whose active positions differ at every iteration."""
+    from torch._dynamo.utils import counters
+
+    from learner.megatron.model import build_policy
+    from learner.megatron.options import MegatronOptions
+    from learner.parallel import destroy_distributed, init_distributed
+    from learner.replay import make_replay_batch, replay_forward
+    from models.config import tiny_config
+
+    compile_module = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, *a, **k: compile_module(self, *a, backend="eager", **k)  # type: ignore[method-assign]
+    init_distributed(tp=1, seed=0)
+    cfg = tiny_config("ouro")
+    opts = MegatronOptions(init_seed=3, numerics="fast", kv="last_exited", compile=True)
+    model = build_policy(cfg, opts)
+    graphs, actives = [], []
+    for seed in range(5, 13):
+        batch = make_replay_batch(make_items(cfg, seed))
+        o = replay_forward(model, batch, temperature=0.8)
+        (-(o.logprobs[batch.loss_mask]).mean()).backward()
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+        run_to = torch.where(batch.valid, batch.depths, 0)
+        actives.append([int((run_to > i).sum()) for i in range(int(run_to.max()))])
+    destroy_distributed()
+    torch.nn.Module.compile = compile_module  # type: ignore[method-assign]
+    return {"graphs": graphs, "actives": actives}
+
+
+def test_compiled_depth_batching_compiles_once_for_every_count_of_active_positions() -> None:
+    """M, the running positions an iteration, changes with every batch and iteration: the
+    compiled core blocks take it as a dynamic size from the first call
+    (learner.megatron.model._rows_dynamic), so the graphs are one per argument pattern (masked
+    or rows; no K/V yet, zeros or the last iteration's; frozen or not): 6 here. Left to
+    dynamo, each pattern's first Ms compiled static graphs (10 here, the same 8 batches)."""
+    r = run_distributed(compiled_body, 1, torchrun_env=False, timeout_s=600)[0]
+    ms = {m for a in r["actives"] for m in a[1:]}
+    assert len(ms) >= 10, r["actives"]  # many counts of running positions
+    graphs = r["graphs"]
+    assert 0 < graphs[-1] <= 7, graphs
+    assert graphs[-4:] == [graphs[-1]] * 4, graphs  # none new over the last four batches

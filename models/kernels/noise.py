@@ -8,7 +8,7 @@ the fp32 result. What keeps the bits: every float64 operation is one correctly r
 operation (add, sub, mul, div.rn, sqrt.rn), FMA contraction is off (`enable_fp_fusion=False`),
 the float64 constants are read from a float64 table (a Python float literal in a Triton kernel
 may be typed fp32), the integer hash wraps mod 2^64 like torch's int64, and the final
-fp64 -> fp32 conversion rounds to nearest even. tests/learner/test_kernels_noise.py checks the
+fp64 -> fp32 conversion rounds to nearest even. tests/models/test_kernels_noise.py checks the
 docs/NOISE.md vectors and random seeds / positions bit for bit on CUDA (scripts/gpu_check.sh).
 
     z = latent_noise_cuda(seeds, positions, hidden)   # == latent_noise_torch(...) bit for bit
@@ -115,14 +115,17 @@ if HAVE_TRITON:
 
 
 def latent_noise_cuda(seeds: Tensor, positions: Tensor, hidden_size: int,
-                      nonnegative: bool = False) -> Tensor:  # fmt: skip
+                      nonnegative: bool = False, *, check: bool = True) -> Tensor:  # fmt: skip
     """`models.noise.latent_noise_torch(seeds, positions, hidden_size)` (same arguments and
     checks, fp32 [T, hidden_size] on the tensors' CUDA device) in one Triton kernel; falls back
     to latent_noise_torch off CUDA or without Triton. ``nonnegative``: the caller knows the
-    positions are >= 0 (`models.noise.check_noise_args`: no read of the card)."""
+    positions are >= 0 (`models.noise.check_noise_args`: no read of the card); ``check=False``:
+    no argument checks at all (latent_noise_torch's: a CUDA graph's decode step, which the
+    torch engine captures after eager warm-up calls have compiled the kernel)."""
     if not (HAVE_TRITON and seeds.is_cuda):
-        return spec.latent_noise_torch(seeds, positions, hidden_size)
-    spec.check_noise_args(seeds, positions, hidden_size, nonnegative)
+        return spec.latent_noise_torch(seeds, positions, hidden_size, check=check)
+    if check:
+        spec.check_noise_args(seeds, positions, hidden_size, nonnegative)
     assert spec.TRUNCATION == 3.0  # the kernel's clamp
     row = spec._mix_t(spec._mix_t(seeds ^ spec.NOISE_DOMAIN) ^ positions).contiguous()
     out = torch.empty((seeds.numel(), hidden_size), dtype=torch.float32, device=seeds.device)

@@ -1,4 +1,4 @@
-"""learner.kernels.noise.latent_noise_cuda: Huginn's latent noise in one Triton kernel, bit for
+"""models.kernels.noise.latent_noise_cuda: Huginn's latent noise in one Triton kernel, bit for
 bit the CPU specification (`models.noise.latent_noise`, docs/NOISE.md) and the torch-op version
 (`latent_noise_torch`). CUDA only (scripts/gpu_check.sh runs it on the H200); on the CPU the
 function is latent_noise_torch itself, which tests/learner/test_device_noise.py covers."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.kernels.noise import HAVE_TRITON, latent_noise_cuda
+from models.kernels.noise import HAVE_TRITON, latent_noise_cuda
 from models.noise import latent_noise, latent_noise_torch
 from tests.models.test_noise_contract import BLOCK_SHA256, ELEMENTS, ROW_SHA256, VECTORS
 
