@@ -333,13 +333,18 @@ if has syncs; then  # the learner's reads of the card (learner.batching "No devi
         tail -n 2 "$LOG/syncs.err"
     done
 fi
-if has chunk; then  # generators.decode_chunk: the CUDA test, then one step's generation alone at
-    # 1b 256 x 512 per chunk size (CHUNKS, default "1 8"; gpu_system.py --generation-only)
-    timeout "${T_CHUNK_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider -rA \
+if has chunk; then  # generators.decode_chunk: the CUDA tests (and the draw's microbenchmark),
+    # then one step's generation alone at 1b 256 x 512 per chunk size (CHUNKS, default "1 8";
+    # gpu_system.py --generation-only)
+    # (150 s ran out on the H100 before the summary: 300; the draw and noise kernels' tests too)
+    timeout "${T_CHUNK_TESTS:-300}" "$PY" -m pytest -q -p no:cacheprovider -rA \
         tests/generator/test_decode_chunk.py tests/models/test_engine_attention.py \
-        tests/models/test_engine_kv.py 2>&1 |
+        tests/models/test_engine_kv.py tests/models/test_kernels_draw.py \
+        tests/models/test_kernels_noise.py 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
-        tail -n 12 | tee "$LOG/chunk_tests.txt"
+        tail -n 20 | tee "$LOG/chunk_tests.txt"
+    timeout 120 "$PY" benchmarks/draw_gpu.py 2>"$LOG/draw.err" | tee "$LOG/draw.jsonl"
+    tail -n 3 "$LOG/draw.err"
     for c in ${CHUNKS:-1 8}; do
         timeout "${T_CHUNK:-200}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
             --prompts 32 --n 8 --tokens 512 --generation-only --out "/tmp/gpu_chunk_$c" \

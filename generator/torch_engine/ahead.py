@@ -33,8 +33,7 @@ import torch
 
 from models.engine.chunk import KVCache
 from models.engine.graph import GraphDecoder
-from models.reference import behaviour_logprobs
-from models.sampling import draw_keys
+from models.kernels.draw import draw_step
 from models.seeds import seed_to_i64
 
 __all__ = ["Flight", "decode_ahead", "file_tokens", "refill"]
@@ -134,12 +133,8 @@ def _draw(eng: Any, logits: torch.Tensor, smp: _Sampler) -> tuple[torch.Tensor, 
     picked = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
     for temp, top_p, idx, greedy in smp.groups:
         part = logits if idx is None else logits[idx]
-        lp = behaviour_logprobs(part, vocab, temp, top_p, eng.numerics)
         keys, steps = (smp.keys, smp.steps) if idx is None else (smp.keys[idx], smp.steps[idx])
-        t = draw_keys(lp, keys, steps)
-        if greedy is not None:
-            t = torch.where(greedy, lp.argmax(dim=-1), t)
-        p = lp.gather(1, t[:, None])[:, 0]
+        t, p = draw_step(part, vocab, temp, top_p, eng.numerics, keys, steps, greedy)
         if idx is None:
             toks, picked = t, p
         else:

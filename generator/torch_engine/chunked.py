@@ -45,9 +45,8 @@ from torch import Tensor
 from generator.torch_engine.ahead import Flight, file_tokens, refill
 from models.engine.chunk import KVCache, _seed_tensor
 from models.engine.graph import captured_or_eager, compiled_regions, decode_step, warm_on_side
+from models.kernels.draw import draw_step
 from models.kernels.noise import latent_noise_cuda
-from models.reference import behaviour_logprobs
-from models.sampling import draw_keys
 from models.seeds import seed_to_i64
 
 __all__ = ["ChunkGraph", "decode_chunks", "uniform_sampling"]
@@ -89,10 +88,10 @@ class ChunkGraph:
 
     def _draw(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         temp, top_p, greedy = self.sampling
-        lp = behaviour_logprobs(logits, self.vocab, temp, top_p, self.mode)
-        tok = lp.argmax(dim=-1) if greedy else draw_keys(lp, self.keys, self.steps)
+        tok, picked = draw_step(logits, self.vocab, temp, top_p, self.mode,
+                                None if greedy else self.keys, None if greedy else self.steps)  # fmt: skip
         self.steps.add_(1)
-        return tok, lp.gather(1, tok[:, None])[:, 0]
+        return tok, picked
 
     def _run(self) -> None:
         tok, pos = self.tokens, self.positions

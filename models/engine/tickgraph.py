@@ -300,8 +300,7 @@ class GraphTicker(Ticker):
         last_exited's K/V copies, the readout (coda, head) and the draw
         (`models.sampling.draw_keys`) on those ``n_rows`` rows, and their next token fed
         (position + 1, prelude, initial state, RoPE rows, key mask); `out` says which."""
-        from models.reference import behaviour_logprobs
-        from models.sampling import draw_keys
+        from models.kernels.draw import draw_step
 
         m, cache, mode, rows, dmax = self.model, self.cache, self.mode, self.rows, self.max_depth
         assert self.sampling is not None and self.rope_table is not None
@@ -323,11 +322,9 @@ class GraphTicker(Ticker):
                           idx, sub(pos), sub(self.kmask), sub(self.rope_rows), mode)  # fmt: skip
         logits = m.head(m.readout_out(x, mode), mode)
         greedy = temp == 0.0
-        lp = behaviour_logprobs(logits, self.vocab, 1.0 if greedy else temp,
-                                1.0 if greedy else top_p, mode)  # fmt: skip
-        tok = draw_keys(lp, None if greedy else sub(self.keys),
-                        None if greedy else sub(self.steps))  # fmt: skip
-        picked = lp.gather(1, tok[:, None])[:, 0]
+        tok, picked = draw_step(logits, self.vocab, 1.0 if greedy else temp,
+                                1.0 if greedy else top_p, mode, None if greedy else sub(self.keys),
+                                None if greedy else sub(self.steps))  # fmt: skip
         if compact:  # back to the batch's rows (rows not read out: zeros, unused)
             tok = torch.zeros_like(self.tok).index_copy_(0, idx, tok)
             picked = picked.new_zeros(rows.shape[0]).index_copy_(0, idx, picked)
