@@ -96,7 +96,7 @@ def draw_triton(logits: Tensor, vocab: int, temperature: float, keys: Tensor | N
     _split_kernel[(n, s)](
         logits, logits.stride(0), vocab, float(temperature), k, st, g, part_m, part_s, part_b,
         part_i, span, s, _M1, _M2, _GOLD, seed_to_i64(SAMPLE_DOMAIN), all_greedy,
-        greedy is not None, block=block, num_warps=4,
+        greedy is not None, block=block, tiles=span // block, num_warps=4,
     )  # fmt: skip
     _row_kernel[(n,)](
         logits, logits.stride(0), float(temperature), part_m, part_s, part_b, part_i, tok, lp, s,
@@ -112,7 +112,7 @@ if HAVE_TRITON:
                       ps_ptr, pb_ptr, pi_ptr, span, n_splits, m1: tl.constexpr,
                       m2: tl.constexpr, gold: tl.constexpr, domain: tl.constexpr,
                       all_greedy: tl.constexpr, some_greedy: tl.constexpr,
-                      block: tl.constexpr):  # fmt: skip
+                      block: tl.constexpr, tiles: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         sid = tl.program_id(1)
         start = sid * span
@@ -128,8 +128,9 @@ if HAVE_TRITON:
         acc = tl.zeros((), tl.float32)
         best = tl.full((), float("-inf"), tl.float64)
         best_i = tl.full((), 2**62, tl.int64)
-        for off in range(0, span, block):
-            v = start + off + tl.arange(0, block)
+        for t in range(tiles):  # (a constexpr count: numpy >= 2.4's interpreter takes no
+            # runtime bound, a one-element array, in Python's range)
+            v = start + t * block + tl.arange(0, block)
             live = v < vocab
             z = tl.load(x_ptr + r * row_stride + v, mask=live, other=float("-inf")).to(tl.float32)
             z = z / temp
