@@ -6,6 +6,7 @@ how many of the rows' tokens the two agree on (the spec's eager race is the refe
 
     python benchmarks/draw_gpu.py                    # 256 x 65,536
     python benchmarks/draw_gpu.py --rows 64 --vocab 65536
+    python benchmarks/draw_gpu.py --sweep            # + "sweep": us per (block, splits, warps)
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=65536)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the kernel at other tiles, splits and warps")  # fmt: skip
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(a.rows, a.vocab, generator=gen) * 3).to(torch.bfloat16).cuda()
@@ -60,6 +63,12 @@ def main() -> None:
         spec_us = timed(lambda: spec_draw(logits, a.vocab, a.temperature, keys, steps), a.reps)
         fused_us = timed(lambda: draw_triton(logits, a.vocab, a.temperature, keys, steps), a.reps)
         tok, _ = draw_step(logits, a.vocab, a.temperature, 1.0, "fast", keys, steps)
+        sweep = {}
+        for block, splits, warps in ([(b, s, w) for b in (512, 1024, 2048) for s in (8, 16, 32)
+                                      for w in (4, 8)] if a.sweep else []):  # fmt: skip
+            sweep[f"{block}/{splits}/{warps}"] = round(timed(lambda b=block, s=splits, w=warps: (
+                draw_triton(logits, a.vocab, a.temperature, keys, steps, block=b, splits=s,
+                            warps=w)), a.reps), 1)  # fmt: skip
     lp = behaviour_logprobs(logits, a.vocab, a.temperature, 1.0, "fast")
     want = draw_keys(lp, keys, steps)  # eager: the spec's race
     print(json.dumps({
@@ -68,6 +77,7 @@ def main() -> None:
         "speedup": round(spec_us / fused_us, 2),
         "same_tokens": int((tok == want).sum()), "logit_bytes_gb_s": round(
             logits.numel() * 2 / (fused_us * 1e-6) / 1e9, 1),
+        **({"sweep": sweep} if sweep else {}),
     }))  # fmt: skip
 
 

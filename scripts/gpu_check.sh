@@ -343,7 +343,7 @@ if has chunk; then  # generators.decode_chunk: the CUDA tests (and the draw's mi
         tests/models/test_kernels_noise.py 2>&1 |
         grep -E "PASSED|FAILED|ERROR|passed|failed|^E " |
         tail -n 20 | tee "$LOG/chunk_tests.txt"
-    timeout 120 "$PY" benchmarks/draw_gpu.py 2>"$LOG/draw.err" | tee "$LOG/draw.jsonl"
+    timeout 120 "$PY" benchmarks/draw_gpu.py --sweep 2>"$LOG/draw.err" | tee "$LOG/draw.jsonl"
     tail -n 3 "$LOG/draw.err"
     for c in ${CHUNKS:-1 8}; do
         timeout "${T_CHUNK:-200}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \

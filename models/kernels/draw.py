@@ -69,10 +69,12 @@ def draw_step(logits: Tensor, vocab: int, temperature: float, top_p: float, mode
 
 def draw_triton(logits: Tensor, vocab: int, temperature: float, keys: Tensor | None,
                 steps: Tensor | None, greedy: Tensor | None = None, *,
-                block: int = 1024, splits: int | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+                block: int = 1024, splits: int | None = None,
+                warps: int = 4) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`draw_step`'s kernel pair on any tensors Triton takes (CUDA; the CPU under
     TRITON_INTERPRET=1). ``block``: columns a tile; ``splits``: programs a row (default: one
-    per 4,096 columns, at most 64)."""
+    per 4,096 columns, at most 64); ``warps``: the first kernel's (`benchmarks/draw_gpu.py
+    --sweep` times the choices on a card)."""
     n = logits.shape[0]
     dev = logits.device
     if logits.dim() != 2 or logits.stride(1) != 1 or not 0 < vocab <= logits.shape[1]:
@@ -96,7 +98,7 @@ def draw_triton(logits: Tensor, vocab: int, temperature: float, keys: Tensor | N
     _split_kernel[(n, s)](
         logits, logits.stride(0), vocab, float(temperature), k, st, g, part_m, part_s, part_b,
         part_i, span, s, _M1, _M2, _GOLD, seed_to_i64(SAMPLE_DOMAIN), all_greedy,
-        greedy is not None, block=block, tiles=span // block, num_warps=4,
+        greedy is not None, block=block, tiles=span // block, num_warps=warps,
     )  # fmt: skip
     _row_kernel[(n,)](
         logits, logits.stride(0), float(temperature), part_m, part_s, part_b, part_i, tok, lp, s,
