@@ -97,7 +97,7 @@ def draw_triton(logits: Tensor, vocab: int, temperature: float, keys: Tensor | N
     g = greedy if greedy is not None else tok
     _split_kernel[(n, s)](
         logits, logits.stride(0), vocab, float(temperature), k, st, g, part_m, part_s, part_b,
-        part_i, span, s, _M1, _M2, _GOLD, seed_to_i64(SAMPLE_DOMAIN), all_greedy,
+        part_i, s, _M1, _M2, _GOLD, seed_to_i64(SAMPLE_DOMAIN), all_greedy,
         greedy is not None, block=block, tiles=span // block, num_warps=warps,
     )  # fmt: skip
     _row_kernel[(n,)](
@@ -111,13 +111,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _split_kernel(x_ptr, row_stride, vocab, temp, key_ptr, step_ptr, greedy_ptr, pm_ptr,
-                      ps_ptr, pb_ptr, pi_ptr, span, n_splits, m1: tl.constexpr,
+                      ps_ptr, pb_ptr, pi_ptr, n_splits, m1: tl.constexpr,
                       m2: tl.constexpr, gold: tl.constexpr, domain: tl.constexpr,
                       all_greedy: tl.constexpr, some_greedy: tl.constexpr,
                       block: tl.constexpr, tiles: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         sid = tl.program_id(1)
-        start = sid * span
+        start = sid * (tiles * block)  # a split's first column
         row = tl.zeros((), tl.int64)
         is_greedy = tl.zeros((), tl.int1)
         if not all_greedy:
