@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the rates")
     ap.add_argument("--engine", default=None, help="generators.engine (default: auto)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                     help="more run keys (the default run sets none)")  # fmt: skip
     ap.add_argument("--out", default="/tmp/gpu_system")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the run")

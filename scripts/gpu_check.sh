@@ -360,22 +360,33 @@ if has attn; then  # the decode-attention kernel at the 1b run's shape, per laun
     tail -n 3 "$LOG/attn.err"
 fi
 if has system; then  # looprl run at a shape users run, against its parts alone (gpu_system.py)
-    # SYSTEM_JOBS: "PROMPTSxNxTOKENS ..." (default the 1b 256 x 512 job); one JSON line each
+    # SYSTEM_JOBS: "PROMPTSxNxTOKENS ..." (default the 1b 256 x 512 job); one JSON line each.
+    # SYSTEM_SETS: variants separated by ";", each a run of KEY=VALUE overrides given to --set
+    # (an empty variant, which must come first: none), e.g. ";generators.mps_percent=60
+    # generators.learner_mps_percent=40" runs the defaults, then that split of the SMs
+    IFS=';' read -r -a sets <<<"${SYSTEM_SETS:-}"
+    [ ${#sets[@]} -gt 0 ] || sets=("")
     for job in ${SYSTEM_JOBS:-32x8x512}; do
-        IFS=x read -r sp sn st <<<"$job"
+      IFS=x read -r sp sn st <<<"$job"
+      for v in "${!sets[@]}"; do
+        set_args=()
+        [ -n "${sets[$v]// /}" ] && set_args=(--set ${sets[$v]})
+        tag=$job; [ ${#sets[@]} -gt 1 ] && tag="${job}_v$v"
+        echo "system $tag: ${sets[$v]:-no variant keys}"
         timeout "${T_SYSTEM:-560}" "$PY" benchmarks/gpu_system.py --size "${SYSTEM_SIZE:-1b}" \
             --prompts "$sp" --n "$sn" --tokens "$st" --steps "${SYSTEM_STEPS:-10}" \
             --warmup "${SYSTEM_WARMUP:-3}" --timeout "${SYSTEM_TIMEOUT:-420}" ${SYSTEM_ARGS:-} \
-            2>"$LOG/system_$job.err" | tee -a "$LOG/system.jsonl"
-        echo "system $job rc=${PIPESTATUS[0]}"
-        tail -n 5 "$LOG/system_$job.err"
+            "${set_args[@]}" 2>"$LOG/system_$tag.err" | tee -a "$LOG/system.jsonl"
+        echo "system $tag rc=${PIPESTATUS[0]}"
+        tail -n 5 "$LOG/system_$tag.err"
         run=/tmp/gpu_system/run_${SYSTEM_SIZE:-1b}_${sp}x${sn}x${st}
-        [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$LOG/system_$job.metrics.jsonl"
+        [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$LOG/system_$tag.metrics.jsonl"
         # metrics.profile_steps in SYSTEM_ARGS: each process's summary and kernel tables come back
         for g in "$run"/profile/*.json "$run"/profile/*.txt "$run"/profile/*/*.json "$run"/profile/*/*.txt; do
-            [ -f "$g" ] && cp "$g" "$LOG/system_${job}_$(basename "$(dirname "$g")")_$(basename "$g")"
+            [ -f "$g" ] && cp "$g" "$LOG/system_${tag}_$(basename "$(dirname "$g")")_$(basename "$g")"
         done
-        tail -n 15 /tmp/gpu_system/run_${SYSTEM_SIZE:-1b}_${sp}x${sn}x${st}.out 2>/dev/null
+        tail -n 15 "$run.out" 2>/dev/null
+      done
     done
 fi
 if has learnerproc; then  # the real `looprl learner` process at Huginn-0125
