@@ -241,6 +241,7 @@ def main() -> int:
             "generators.decode_chunk": c.generators.decode_chunk,
             "generators.mps": c.generators.mps,
             "generators.learner_mps_percent": c.generators.learner_mps_percent,
+            "generators.mps_percent": c.generators.mps_percent,
         }  # fmt: skip
     if rows:
         step = statistics.median(float(r["step_s"]) for r in rows)

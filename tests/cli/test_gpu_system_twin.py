@@ -30,7 +30,7 @@ def test_gpu_system_cpu_twin(tmp_path: Path) -> None:
         "generators.kv_cache_mb": 64, "generators.max_inflight": 16,
         "publish.transport": "shared_fs", "publish.directories": "every", "learner.lora.rank": 0,
         "generators.placement": "process", "generators.decode_chunk": 1, "generators.mps": False,
-        "generators.learner_mps_percent": 0,
+        "generators.learner_mps_percent": 0, "generators.mps_percent": 0,
     }  # fmt: skip
     # 4 x 2 rollouts a step of at most 8 tokens
     assert res["samples_per_s"] > 0  # (rounded to 1e-4: the ratio within 1e-3)
