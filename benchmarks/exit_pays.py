@@ -93,6 +93,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -423,19 +424,46 @@ def seeds_in_budget(args: argparse.Namespace, t0: float,
         yield seed
 
 
+SEED_LINE = re.compile(r"^# (full|exit) seed (\d+): (\{.*\})$")
+"""`one_run`'s stderr line: its arm, seed and figures."""
+
+
+def _seed_lines(text: str) -> tuple[dict[str, list[dict[str, float]]], list[int]]:
+    """The runs of a call's stderr log (`one_run`'s lines): the seeds with both arms done, in
+    order (a call cut off mid-seed leaves that seed's first arm alone: left out)."""
+    done: dict[int, dict[str, dict[str, float]]] = {}
+    for line in text.splitlines():
+        if m := SEED_LINE.match(line.strip()):
+            done.setdefault(int(m[2]), {})[m[1]] = json.loads(m[3])
+    seeds = sorted(s for s, arms in done.items() if len(arms) == 2)
+    return {arm: [done[s][arm] for s in seeds] for arm in ("full", "exit")}, seeds
+
+
 def merge(paths: list[str]) -> tuple[dict[str, list[dict[str, float]]], list[int]]:
-    """The per-seed runs of earlier calls' outputs (each file's first line, `main`'s
-    {"arms": ...}: every figure's per-seed values), concatenated in file order, and their
-    seeds."""
+    """The per-seed runs of earlier calls' outputs, concatenated in file order, and their
+    seeds. A file is a call's output (its first line `main`'s {"arms": ...}: every figure's
+    per-seed values) or, for a call cut off before it printed (a device's time limit), its
+    stderr log, whose per-run lines give the seeds both arms finished."""
     runs: dict[str, list[dict[str, float]]] = {"full": [], "exit": []}
     seeds: list[int] = []
     for path in paths:
-        res = json.loads(Path(path).read_text().strip().splitlines()[0])
-        for arm, fig in res["arms"].items():
-            keys = [k.removesuffix("_seeds") for k in fig if k.endswith("_seeds")]
-            n = len(fig[f"{keys[0]}_seeds"])
-            runs[arm] += [{k: fig[f"{k}_seeds"][i] for k in keys} for i in range(n)]
-        seeds += res.get("seeds_run", [])
+        text = Path(path).read_text()
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        if first.startswith("{"):
+            res = json.loads(first)
+            for arm, fig in res["arms"].items():
+                keys = [k.removesuffix("_seeds") for k in fig if k.endswith("_seeds")]
+                n = len(fig[f"{keys[0]}_seeds"])
+                runs[arm] += [{k: fig[f"{k}_seeds"][i] for k in keys} for i in range(n)]
+            seeds += res.get("seeds_run", [])
+            continue
+        got, got_seeds = _seed_lines(text)
+        if not got_seeds:
+            raise SystemExit(f"--merge: {path} is neither an output of this benchmark nor a "
+                             "log with a seed both arms finished")  # fmt: skip
+        for arm in runs:
+            runs[arm] += got[arm]
+        seeds += got_seeds
     if len(runs["full"]) != len(runs["exit"]) or not runs["full"]:
         raise SystemExit(f"--merge: {len(runs['full'])} full and {len(runs['exit'])} exit runs")
     return runs, seeds
@@ -464,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(--task long: 16)")  # fmt: skip
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
                    help="no run: the summary and the verdict of earlier calls' outputs together "
-                   "(calls of other seeds, --first-seed)")  # fmt: skip
+                   "(calls of other seeds, --first-seed), or their stderr logs (a call cut off: the "
+                   "seeds both arms finished)")  # fmt: skip
     args = p.parse_args(argv)
     if args.merge:
         merged, seeds = merge(args.merge)

@@ -257,7 +257,8 @@ if has exit_pays_gpu; then  # does the learned exit pay, the GPU mode (issue 47)
     # GPU. --budget-s: no seed is started that would not end inside T_EXITG. The work directory
     # (runs/, ignored: kept while this machine stays warm) holds the warm start for a later
     # call: EXITG_ARGS="--warm runs/exit_pays_gpu/warm --first-seed 3 --seeds 2"; the calls'
-    # outputs combine with `python benchmarks/exit_pays.py --merge A.jsonl B.jsonl` (no GPU).
+    # outputs combine with `python benchmarks/exit_pays.py --merge A.jsonl B.jsonl` (no GPU); a
+    # call cut off before its summary: pass its exit_pays_gpu.err (the seeds both arms finished).
     # EXITG_ARGS: flags appended (a later flag wins); EXITG_OUT: the work directory.
     TX=${T_EXITG:-580}
     timeout "$TX" "$PY" benchmarks/exit_pays.py --device cuda --out "${EXITG_OUT:-runs/exit_pays_gpu}" \

@@ -96,6 +96,42 @@ def test_merge_pairs_the_calls_seeds(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert verdict["mean_depth"] == [4.0, 3.0] and verdict["accuracy_diff"][0] == 0.0
 
 
+def test_merge_takes_the_finished_seeds_of_a_cut_off_calls_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call killed by the device's limit printed no summary; its stderr's per-run lines still
+    give the seeds both arms finished (seed 4's full arm alone is left out), merged after a
+    whole call's output."""
+
+    def fig(sps: float, acc: float) -> str:
+        return json.dumps({"samples_per_s": sps, "accuracy": acc, "gen_samples_per_s": 10.0,
+                           "mean_depth": 4.0 if sps < 150 else 2.0})  # fmt: skip
+
+    log = tmp_path / "cut.err"
+    log.write_text("\n".join([
+        "# warm start: {}", f"# full seed 3: {fig(100.0, 0.5)}",
+        f"# exit seed 3: {fig(160.0, 0.48)}", "[W some warning]",
+        f"# full seed 4: {fig(110.0, 0.5)}", "Terminated",
+    ]) + "\n")  # fmt: skip
+    whole = tmp_path / "whole.json"
+    runs = {"full": [{"samples_per_s": 100.0, "accuracy": 0.5, "gen_samples_per_s": 10.0,
+                      "mean_depth": 4.0}],
+            "exit": [{"samples_per_s": 200.0, "accuracy": 0.5, "gen_samples_per_s": 10.0,
+                      "mean_depth": 2.0}]}  # fmt: skip
+    whole.write_text(json.dumps({"arms": {a: ep.summarise(r) for a, r in runs.items()},
+                                 "seeds_run": [0]}) + "\n")  # fmt: skip
+    assert ep.main(["--merge", str(whole), str(log)]) == 0
+    res, verdict = (json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines())
+    assert res["seeds_run"] == [0, 3] and verdict["seeds"] == 2
+    assert res["arms"]["exit"]["samples_per_s_seeds"] == [200.0, 160.0]
+    assert verdict["samples_per_s_ratio"][0] == pytest.approx((2.0 + 1.6) / 2)
+    assert verdict["accuracy_diff"][0] == pytest.approx(-0.01)
+    empty = tmp_path / "empty.err"
+    empty.write_text(f"# full seed 0: {fig(1.0, 0.1)}\n")
+    with pytest.raises(SystemExit, match="neither an output of this benchmark nor a log"):
+        ep.main(["--merge", str(empty)])
+
+
 def test_sft_trains_on_the_device_named() -> None:
     """`looprl sft --device`: the module moved there (cpu: as before); a CUDA device this host
     lacks is refused in one line, and an unknown one too."""
