@@ -81,7 +81,7 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
             exits.add(k, core.gate_logit(side, mode))
         return state
 
-    assert not mb.packed, "the per-loop and sampled-exit forwards do not pack"
+    assert not mb.packed, "the per-loop forward does not pack"
     args, kw, _ = looped_inputs(mb, head=True)
     out = model(*args, **kw, loop_fn=at_loop)
     with torch.no_grad():  # the exit readout: behaviour mismatch, the correction's base
@@ -99,22 +99,25 @@ def exit_forward(model: Any, mb: TrainBatch, min_depth: int) -> dict[str, Tensor
     each response token's exit log-prob and exit entropy [B, L] from the gate logit after
     every core iteration it ran (LoopedGPT.forward's loop_fn), summed per token in iteration
     order with models.exits.exit_step_logprob / exit_step_entropy: the operations of
-    models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit."""
+    models.engine.chunk.run_chunk, so exact numerics give the generator's claims bit for bit.
+    A packed micro-batch (learner.max_tokens_per_micro) runs packed; each loop's gate logits
+    go back to the rows' layout before they are summed (the same values: a logit is a
+    position's own)."""
     from learner.model_specs import looped_inputs
 
     core = unwrap(model)
     mode = nx.check_mode(core.options.numerics)
     sel, e, n_loops = response_depths(mb)
     exits = ExitSum(sel, e, row_full_depths(mb), min_depth, mode)
+    args, kw, packed = looped_inputs(mb, head=True)
 
     def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> Tensor | None:
         if k > n_loops:
             return None
         state, side = tap(state)
-        exits.add(k, core.gate_logit(side, mode))
+        gate = core.gate_logit(side, mode)  # [B, L], or [1, N] packed: back to the rows
+        exits.add(k, gate if packed is None else packed.unpack(gate))
         return state
 
-    assert not mb.packed, "the per-loop and sampled-exit forwards do not pack"
-    args, kw, _ = looped_inputs(mb, head=True)
     out = model(*args, **kw, loop_fn=at_loop)
     return {"mask_logits": full_vocab_logits(core, out.logits)} | exits.result()

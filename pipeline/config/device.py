@@ -137,15 +137,14 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     shape = _shape(cfg) if host.cuda else None
     budget = 0
     if lr.max_tokens_per_micro == AUTO:
-        packs = (cfg.objective.loop_weighting == "last" and not _sampled_exit(cfg)
-                 and not lr.micro_batch_size)  # fmt: skip
+        packs = cfg.objective.loop_weighting == "last" and not lr.micro_batch_size
         if gpu_learner and packs and shape is not None:
             budget = _token_budget(cfg, host, shape)
             choose("learner", "max_tokens_per_micro", budget,
                    f"packed rows, {budget} tokens a micro-batch from {where}")  # fmt: skip
         else:
             reason = ("learner.micro_batch_size is set" if lr.micro_batch_size
-                      else "the forward does not pack (per-loop credit or a sampled exit)"
+                      else "the per-loop forward does not pack (objective.loop_weighting)"
                       if gpu_learner else _why_not(host, megatron, fast))  # fmt: skip
             choose("learner", "max_tokens_per_micro", 0, f"padded rows: {reason}")
     if gens.engine == AUTO:
@@ -230,12 +229,6 @@ def _why_not(host: Host, megatron: bool, fast: bool) -> str:
     if not megatron:
         return "backend reference"
     return "numerics exact" if not fast else "not a GPU learner"
-
-
-def _sampled_exit(cfg: Any) -> bool:
-    from models.exits import is_sampled
-
-    return bool(is_sampled(cfg.rollout.parsed_policy))
 
 
 def _shape(cfg: Any) -> Any:

@@ -257,6 +257,68 @@ def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path
     assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
 
 
+@pytest.mark.megatron
+def test_a_sampled_exit_packs(tmp_path: Path) -> None:
+    """A sampled exit's forward (learner.loop_forward.exit_forward) on packed rows: the tiny Ouro
+    of tests/learner/test_policies_ragged.py (rollouts of 7, 3, 1 and 5 tokens after prompts of
+    1-4, exits drawn from its gate), padded rows (learner.micro_batch_size=4) vs packed
+    (learner.max_tokens_per_micro=4096), exact numerics: the token and exit log-probs and
+    entropies, every step metric (the exit term's included) and every weight after one step are
+    the same bits."""
+    from learner.loop_forward import exit_forward
+    from models.checkpoint import load_checkpoint, save_checkpoint, state_dict_for_save
+    from models.config import tiny_config
+    from models.reference import build_model
+    from models.ties import tied_from_module
+    from pipeline.backends.megatron_adapter import MegatronTrainer
+    from pipeline.config.run import load_config
+    from tests.learner.test_policies_ragged import _rollouts as ragged_rollouts
+
+    root = tmp_path / "ouro"
+    m: Any = build_model(tiny_config("ouro"), seed=5)
+    with torch.no_grad():
+        m.model.early_exit_gate.bias.fill_(-0.3)
+    save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
+    rolls = ragged_rollouts(m)
+    assert len({int(d) for r in rolls for d in r.exit_depths}) >= 3  # exits at several loops
+    res: dict[str, Any] = {}
+    for name, over in (("padded", "learner.micro_batch_size=4"),
+                       ("packed", "learner.max_tokens_per_micro=4096")):  # fmt: skip
+        cfg = load_config(None, [
+            "backend=megatron", "numerics=exact", "rollout.n=2", "rollout.prompts_per_step=2",
+            "rollout.temperature=1.0", "rollout.exit_policy={kind: sampled_gate}",
+            "objective.exit_coef=0.5", "objective.exit_entropy_coef=0.02", "objective.kind=grpo",
+            "optimizer.lr=1e-3", "learner.backprop_depth=0", over,
+        ])  # fmt: skip
+        t = MegatronTrainer(cfg, root)
+        try:
+            meg = t.trainer.megatron
+            mb = build_batch(rolls).rows(0, 4).to(meg.device)
+            mb.packed = name == "packed"
+            with torch.no_grad():
+                out = exit_forward(meg.policy.module, mb, meg.cfg.exit_min_depth)
+                stats = meg.policy_stats(mb, None)
+            step = t.step(rolls, [False] * len(rolls))
+            t.publish(tmp_path / name, 1)
+            res[name] = (out, stats, dict(step.metrics), list(step.mismatch),
+                         load_checkpoint(tmp_path / name)[1])  # fmt: skip
+        finally:
+            t.close()
+    (o_a, s_a, m_a, x_a, w_a), (o_b, s_b, m_b, x_b, w_b) = res["padded"], res["packed"]
+    sel = build_batch(rolls).mask > 0
+    assert bool((o_a["exit_logp"].cpu()[sel] < 0).any())  # real exit log-probs, not zeros
+    for key in ("exit_logp", "exit_entropy", "mask_logits"):
+        assert torch.equal(o_a[key], o_b[key]), key
+    for key in ("logp", "entropy", "exit_logp", "exit_entropy"):
+        assert torch.equal(s_a[key], s_b[key]), key
+    assert m_a["exit_loss"] != 0 and m_a["exit_logp"] < 0 and m_a["exit_entropy"] > 0
+    assert m_a == m_b, {k: (m_a[k], m_b[k]) for k in m_a if m_a[k] != m_b[k]}
+    assert x_a == x_b
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a), [
+        k for k in w_a if not torch.equal(w_a[k], w_b[k])
+    ]
+
+
 @pytest.mark.parametrize(
     ("over", "match"),
     [
@@ -264,7 +326,7 @@ def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path
         (["learner.max_tokens_per_micro=4096", "learner.micro_batch_size=4"],
          "leave learner.micro_batch_size"),
         (["learner.max_tokens_per_micro=4096", "objective.loop_weighting=uniform",
-          "objective.kind=dppo"], "do not pack yet"),
+          "objective.kind=dppo"], "does not pack the per-loop forward"),
         (["learner.max_tokens_per_micro=100", "rollout.max_tokens=200"], "longest row"),
     ],
 )  # fmt: skip

@@ -160,6 +160,7 @@ def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.Monk
     sampled = load_config(None, ["rollout.exit_policy={kind: sampled_gate}", "model.family=ouro",
                                  "model.size=400m"])  # fmt: skip
     assert sampled.generators.decode_chunk == 1  # an exit policy: not one fixed depth
+    assert sampled.learner.max_tokens_per_micro > 0  # the sampled exit's forward packs
     one = load_config(None, ["generators.decode_chunk=1", "model.size=1b"])
     assert one.generators.decode_chunk == 1
     off = load_config(None, ["generators.inflight_updates=false", "model.size=1b"])
