@@ -252,6 +252,18 @@ class PackedInputs:
         out.index_copy_(0, dst, flat.index_select(0, src))
         return out.view(self.rows, self.width, *x.shape[2:])
 
+    def packed_of(self, flat: Tensor) -> Tensor:
+        """[M] the packed positions of ``flat`` [M], flat indices b * L + p into the [B, L]
+        rows (host tensors, no sync); each must be a real position of the micro-batch."""
+        index = (self.host or self).index.cpu()
+        where = torch.full((self.rows * self.width,), -1, dtype=torch.int64)
+        real = flat_index(index >= 0)
+        where[index[real]] = real
+        out = where[flat.cpu()]
+        if not bool((out >= 0).all()):
+            raise ValueError("packed_of: a flat index of a padded position (not packed)")
+        return out
+
 
 def packed_inputs(mb: TrainBatch) -> PackedInputs:
     """`mb`'s rows end to end (module docstring; models.token_rows.pack_rows), laid out on the

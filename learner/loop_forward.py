@@ -15,6 +15,11 @@ loop's state, so one loop's [tokens, vocab] logits (and one readout) live at a t
 [loops, tokens, vocab]. Gradients reach the core only where the forward keeps them
 (learner.backprop_depth: token t's iterations i < e_t - k carry none); the readout and head get
 the gradient of every loop.
+
+A packed micro-batch (learner.max_tokens_per_micro) runs packed: a loop's rows are found at
+their packed positions (`PackedInputs.packed_of`) and its gate logits go back to the rows'
+layout (`PackedInputs.unpack`), so every output keeps the padded rows' layout and, in exact
+numerics, their bits (tests/learner/test_packed_rows.py).
 """
 
 from __future__ import annotations
@@ -60,29 +65,36 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
     cols: dict[str, list[Tensor]] = {"loop_logp": [], "loop_entropy": [], "loop_gate": []}
     full = row_full_depths(mb)
     exits = None if exit_min_depth is None else ExitSum(sel, e, full, exit_min_depth, mode)
+    args, kw, packed = looped_inputs(mb, head=True)
+
+    def rows_of(x: Tensor) -> Tensor:  # a per-position value back in the rows' layout
+        return x if packed is None else packed.unpack(x)
+
+    def gate_of(s: Tensor) -> Tensor:
+        return rows_of(core.gate_logit(s, mode))
 
     def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> Tensor | None:
         if k > n_loops:
             return None
         state, side = tap(state)
         sel_k = sel & (e >= k)
-        at = to_device(flat_index(h_sel & (h_e >= k)), sel.device)  # the rows sel_k takes
+        flat = flat_index(h_sel & (h_e >= k))  # the rows sel_k takes, in the rows' layout
+        at = to_device(flat, sel.device)
+        # their positions in the state: the same rows, packed positions when packed
+        at_state = at if packed is None else to_device(packed.packed_of(flat), sel.device)
 
         def stats(s: Tensor) -> tuple[Tensor, Tensor]:
             r = readout(s)
-            rows = r.reshape(-1, r.shape[-1]).index_select(0, at)
+            rows = r.reshape(-1, r.shape[-1]).index_select(0, at_state)
             st = row_stats(full_vocab_logits(core, core.head_logits(rows, mode)),
                            targets.index_select(0, at))  # fmt: skip
             return st["logp"], st["entropy"]
 
-        add_loop_columns(cols, sel_k, side, stats,
-                         (lambda s: core.gate_logit(s, mode)) if gate else None, gate_grad)  # fmt: skip
+        add_loop_columns(cols, sel_k, side, stats, gate_of if gate else None, gate_grad)
         if exits is not None:
-            exits.add(k, core.gate_logit(side, mode))
+            exits.add(k, gate_of(side))
         return state
 
-    assert not mb.packed, "the per-loop forward does not pack"
-    args, kw, _ = looped_inputs(mb, head=True)
     out = model(*args, **kw, loop_fn=at_loop)
     with torch.no_grad():  # the exit readout: behaviour mismatch, the correction's base
         ex = row_stats(full_vocab_logits(core, out.logits.detach()),

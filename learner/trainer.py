@@ -84,9 +84,6 @@ class MegatronPolicy:
         self.device = next(self.policy.module.parameters()).device
         self.loops = cfg.objective.loop_weighting != "last"
         """Per-loop credit: the forwards add per-loop statistics (learner.loop_forward)."""
-        if cfg.max_tokens_per_micro and self.loops:
-            raise ValueError("max_tokens_per_micro: the per-loop forward "
-                             "(learner.loop_forward) does not pack yet; use 0 with it")  # fmt: skip
         if self.loops:
             core = unwrap(self.policy.module)
             check_gate(cfg.objective.loop_weighting, hasattr(core, "exit_gate"),

@@ -10,7 +10,7 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 |---|---|---|
 | learner.precision | bf16 (numerics fast, backend megatron) | fp32 |
 | learner.compile | true (numerics fast, backend megatron) | false |
-| learner.max_tokens_per_micro | packed rows, a token budget from the card's free memory (megatron, learner.micro_batch_size 0, a forward that packs) | 0 (padded rows) |
+| learner.max_tokens_per_micro | packed rows, a token budget from the card's free memory (megatron, learner.micro_batch_size 0) | 0 (padded rows) |
 | generators.engine | torch (the GPU path that is tested; vLLM's plugin on a GPU is not) | vllm |
 | generators.max_inflight | a whole step's prompts x (max_staleness + 1), split between the local generators (the engine batch is that x rollout.n rows) | 16 |
 | generators.kv_cache_mb | what the learner leaves on the card, split between the local generators | 64 |
@@ -137,15 +137,14 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     shape = _shape(cfg) if host.cuda else None
     budget = 0
     if lr.max_tokens_per_micro == AUTO:
-        packs = cfg.objective.loop_weighting == "last" and not lr.micro_batch_size
-        if gpu_learner and packs and shape is not None:
+        if gpu_learner and not lr.micro_batch_size and shape is not None:
             budget = _token_budget(cfg, host, shape)
             choose("learner", "max_tokens_per_micro", budget,
                    f"packed rows, {budget} tokens a micro-batch from {where}")  # fmt: skip
         else:
             reason = ("learner.micro_batch_size is set" if lr.micro_batch_size
-                      else "the per-loop forward does not pack (objective.loop_weighting)"
-                      if gpu_learner else _why_not(host, megatron, fast))  # fmt: skip
+                      else "the model's shape is unknown" if gpu_learner
+                      else _why_not(host, megatron, fast))  # fmt: skip
             choose("learner", "max_tokens_per_micro", 0, f"padded rows: {reason}")
     if gens.engine == AUTO:
         if gens.placement == "thread":

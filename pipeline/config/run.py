@@ -198,11 +198,6 @@ class RunConfig:
                    lr.max_tokens_per_micro,
                    f"packed micro-batches are sized by tokens: leave learner.micro_batch_size "
                    f"0 (got {lr.micro_batch_size})")  # fmt: skip
-            if self.backend != "reference":
-                _check(self.objective.loop_weighting == "last",
-                       "learner.max_tokens_per_micro", lr.max_tokens_per_micro,
-                       "backend megatron does not pack the per-loop forward "
-                       "(objective.loop_weighting, learner.loop_forward) yet; use 0 there")  # fmt: skip
         if self.numerics == "exact":  # exact keeps its own rules: fp32, its own kernels
             _check(lr.precision == "fp32", "learner.precision", lr.precision,
                    "numerics=exact needs fp32")  # fmt: skip

@@ -26,11 +26,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 COST = 0.3
 
 
-@pytest.mark.parametrize(("backend", "weighting", "cost_in"), [
-    ("megatron", "exit_pdf", "reward"), ("reference", "learned", "advantage")])  # fmt: skip
+@pytest.mark.parametrize(("backend", "weighting", "cost_in", "packed"), [
+    ("megatron", "exit_pdf", "reward", 512), ("reference", "learned", "advantage", 0)])  # fmt: skip
 def test_loop_credit_with_a_sampled_exit_and_a_depth_cost(
-    tmp_path: Path, backend: str, weighting: str, cost_in: str
+    tmp_path: Path, backend: str, weighting: str, cost_in: str, packed: int
 ) -> None:
+    """``packed``: learner.max_tokens_per_micro (megatron: the per-loop and sampled-exit
+    forwards on packed rows, in the run and in its replay)."""
     model = init_checkpoint("ouro", "tiny", tmp_path / "ouro")
     live = tmp_path / "live"
     cfg = small_config(live, f"model.path={model}", "steps=3", "generators.count=1",
@@ -39,7 +41,8 @@ def test_loop_credit_with_a_sampled_exit_and_a_depth_cost(
                        "objective.exit_entropy_coef=0.01", f"objective.depth_cost={COST}",
                        f"objective.loop_weighting={weighting}", "objective.kl_coef=0.01",
                        f"objective.depth_cost_in={cost_in}",
-                       "learner.backprop_depth=0")  # fmt: skip
+                       "learner.backprop_depth=0",
+                       f"learner.max_tokens_per_micro={packed}")  # fmt: skip
     run(cfg)
     rows = check_run(live, 4, 3, max_staleness=1)
     by_id = {r.rollout_id: r for _, r in read_rollouts(live / "stream")}

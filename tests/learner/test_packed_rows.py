@@ -258,14 +258,22 @@ def test_packed_over_several_micro_batches(models_dir: dict[str, Path], tmp_path
 
 
 @pytest.mark.megatron
-def test_a_sampled_exit_packs(tmp_path: Path) -> None:
-    """A sampled exit's forward (learner.loop_forward.exit_forward) on packed rows: the tiny Ouro
-    of tests/learner/test_policies_ragged.py (rollouts of 7, 3, 1 and 5 tokens after prompts of
-    1-4, exits drawn from its gate), padded rows (learner.micro_batch_size=4) vs packed
-    (learner.max_tokens_per_micro=4096), exact numerics: the token and exit log-probs and
-    entropies, every step metric (the exit term's included) and every weight after one step are
-    the same bits."""
-    from learner.loop_forward import exit_forward
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["objective.loop_weighting=exit_pdf", "objective.exit_pdf_gradient=true"],
+     ["objective.loop_weighting=progressive", "objective.progressive_alpha=2.0",
+      "objective.kl_coef=0.05"]],
+    ids=["sampled_exit", "exit_pdf_grad", "progressive_kl"],
+)  # fmt: skip
+def test_a_sampled_exit_and_per_loop_credit_pack(tmp_path: Path, extra: list[str]) -> None:
+    """The forwards of learner.loop_forward on packed rows: a sampled exit's (exit_forward) and
+    per-loop credit's (loop_forward: exit_pdf with the gate's gradient; progressive with a KL to
+    the reference, whose per-loop pass packs too), on the tiny Ouro of
+    tests/learner/test_policies_ragged.py (rollouts of 7, 3, 1 and 5 tokens after prompts of 1-4,
+    exits drawn from its gate), padded rows (learner.micro_batch_size=4) vs packed
+    (learner.max_tokens_per_micro=4096), exact numerics: the forward's every output (token,
+    exit and per-loop log-probs, entropies, gate logits), every step metric, the measured
+    mismatch and every weight after one step are the same bits."""
     from models.checkpoint import load_checkpoint, save_checkpoint, state_dict_for_save
     from models.config import tiny_config
     from models.reference import build_model
@@ -288,7 +296,7 @@ def test_a_sampled_exit_packs(tmp_path: Path) -> None:
             "backend=megatron", "numerics=exact", "rollout.n=2", "rollout.prompts_per_step=2",
             "rollout.temperature=1.0", "rollout.exit_policy={kind: sampled_gate}",
             "objective.exit_coef=0.5", "objective.exit_entropy_coef=0.02", "objective.kind=grpo",
-            "optimizer.lr=1e-3", "learner.backprop_depth=0", over,
+            "optimizer.lr=1e-3", "learner.backprop_depth=0", over, *extra,
         ])  # fmt: skip
         t = MegatronTrainer(cfg, root)
         try:
@@ -296,21 +304,25 @@ def test_a_sampled_exit_packs(tmp_path: Path) -> None:
             mb = build_batch(rolls).rows(0, 4).to(meg.device)
             mb.packed = name == "packed"
             with torch.no_grad():
-                out = exit_forward(meg.policy.module, mb, meg.cfg.exit_min_depth)
                 stats = meg.policy_stats(mb, None)
+                ref = meg.reference_loop_logp(mb) if meg.has_reference else None
             step = t.step(rolls, [False] * len(rolls))
             t.publish(tmp_path / name, 1)
-            res[name] = (out, stats, dict(step.metrics), list(step.mismatch),
+            res[name] = (stats, ref, dict(step.metrics), list(step.mismatch),
                          load_checkpoint(tmp_path / name)[1])  # fmt: skip
         finally:
             t.close()
-    (o_a, s_a, m_a, x_a, w_a), (o_b, s_b, m_b, x_b, w_b) = res["padded"], res["packed"]
+    (s_a, r_a, m_a, x_a, w_a), (s_b, r_b, m_b, x_b, w_b) = res["padded"], res["packed"]
     sel = build_batch(rolls).mask > 0
-    assert bool((o_a["exit_logp"].cpu()[sel] < 0).any())  # real exit log-probs, not zeros
-    for key in ("exit_logp", "exit_entropy", "mask_logits"):
-        assert torch.equal(o_a[key], o_b[key]), key
-    for key in ("logp", "entropy", "exit_logp", "exit_entropy"):
+    assert bool((s_a["exit_logp"].cpu()[sel] < 0).any())  # real exit log-probs, not zeros
+    expect = {"logp", "entropy", "exit_logp", "exit_entropy"} | (
+        {"loop_logp", "loop_entropy"} if extra else set()) | (
+        {"loop_gate"} if "exit_pdf" in " ".join(extra) else set())  # fmt: skip
+    assert expect <= set(s_a) and set(s_a) == set(s_b), (sorted(s_a), sorted(s_b))
+    for key in s_a:
         assert torch.equal(s_a[key], s_b[key]), key
+    assert (r_a is None) == ("objective.kl_coef=0.05" not in extra)
+    assert r_a is None or torch.equal(r_a, r_b)
     assert m_a["exit_loss"] != 0 and m_a["exit_logp"] < 0 and m_a["exit_entropy"] > 0
     assert m_a == m_b, {k: (m_a[k], m_b[k]) for k in m_a if m_a[k] != m_b[k]}
     assert x_a == x_b
@@ -319,19 +331,34 @@ def test_a_sampled_exit_packs(tmp_path: Path) -> None:
     ]
 
 
+def test_packed_of_finds_the_rows_positions() -> None:
+    """PackedInputs.packed_of: flat row indices b * L + p to their packed positions (the
+    inverse of PackedInputs.index); a padded position is refused."""
+    rolls = _rollouts([3, 1, 5, 2, 4, 1, 2, 3])
+    mb = build_batch(rolls)
+    p = packed_inputs(mb)
+    assert p.host is not None
+    index = p.host.index
+    real = torch.nonzero(index >= 0).reshape(-1)
+    assert torch.equal(p.packed_of(index[real]), real)
+    flat = torch.nonzero((mb.mask > 0).reshape(-1)).reshape(-1)
+    assert torch.equal(index[p.packed_of(flat)], flat)
+    pad = torch.nonzero((mb.position_ids >= mb.seq_lens[:, None]).reshape(-1)).reshape(-1)[:1]
+    with pytest.raises(ValueError, match="a flat index of a padded position"):
+        p.packed_of(pad)
+
+
 @pytest.mark.parametrize(
     ("over", "match"),
     [
         (["learner.max_tokens_per_micro=-1"], "must be >= 0"),
         (["learner.max_tokens_per_micro=4096", "learner.micro_batch_size=4"],
          "leave learner.micro_batch_size"),
-        (["learner.max_tokens_per_micro=4096", "objective.loop_weighting=uniform",
-          "objective.kind=dppo"], "does not pack the per-loop forward"),
         (["learner.max_tokens_per_micro=100", "rollout.max_tokens=200"], "longest row"),
     ],
 )  # fmt: skip
 def test_refusals(over: list[str], match: str) -> None:
-    """Bad values, and what the megatron backend does not pack, refused naming the key."""
+    """Bad values refused naming the key."""
     from pipeline.backends.learner_configs import train_config
     from pipeline.config.run import load_config
 

@@ -147,9 +147,11 @@ def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.Monk
     exact = load_config(None, ["numerics=exact", "model.size=1b"])
     assert exact.learner.precision == "fp32" and exact.learner.compile is False
     assert exact.learner.max_tokens_per_micro == 0
-    # a forward that does not pack (per-loop credit) keeps padded rows
+    # per-loop credit's forward packs too; a micro_batch_size set keeps padded rows
     credit = load_config(None, ["objective.loop_weighting=uniform", "model.size=1b"])
-    assert credit.learner.max_tokens_per_micro == 0 and credit.learner.precision == "bf16"
+    assert credit.learner.max_tokens_per_micro > 0 and credit.learner.precision == "bf16"
+    rows = load_config(None, ["learner.micro_batch_size=4", "model.size=1b"])
+    assert rows.learner.max_tokens_per_micro == 0
     # backend reference implements none of them
     ref = load_config(None, ["backend=reference", "model.size=1b"])
     assert ref.learner.precision == "fp32" and ref.learner.compile is False
