@@ -44,7 +44,9 @@ parameters; a decode step reads its bf16 weights once per loop, 3.3 GB at depth 
 (`looprl sft --device cuda`: fp32, TF32 matmuls; --warm-lr, --warm-batch, --gate-lr; stage I
 as on the CPU) and is evaluated there (its "eval": accuracy at each fixed depth by hops, and
 under the exit arm's sampled gate). Each run (`device_overrides`): the megatron learner in
-bf16 (uncompiled unless ``--compile``; the engine's blocks compiled unless
+bf16 on packed rows in both arms (learner.max_tokens_per_micro auto: the sampled exit's
+forward packs since 2026-12-07; before, the exit arm alone trained on padded rows)
+(uncompiled unless ``--compile``; the engine's blocks compiled unless
 ``--engine-eager``, a compile in every run's start), the torch engine in bf16 with the GPU's
 auto batch (generators.max_inflight auto: a step's prompts x 2), two versions kept on disk
 (each run's weights deleted after its evaluation), the task's longest prompt as
