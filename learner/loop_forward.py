@@ -67,11 +67,9 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
     exits = None if exit_min_depth is None else ExitSum(sel, e, full, exit_min_depth, mode)
     args, kw, packed = looped_inputs(mb, head=True)
 
-    def rows_of(x: Tensor) -> Tensor:  # a per-position value back in the rows' layout
-        return x if packed is None else packed.unpack(x)
-
-    def gate_of(s: Tensor) -> Tensor:
-        return rows_of(core.gate_logit(s, mode))
+    def gate_of(s: Tensor) -> Tensor:  # [B, L] exit-gate logits (packed: back to the rows)
+        g = core.gate_logit(s, mode)
+        return g if packed is None else packed.unpack(g)
 
     def at_loop(k: int, state: Tensor, readout: Callable[[Tensor], Tensor]) -> Tensor | None:
         if k > n_loops:
