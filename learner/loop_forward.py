@@ -66,6 +66,10 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
     full = row_full_depths(mb)
     exits = None if exit_min_depth is None else ExitSum(sel, e, full, exit_min_depth, mode)
     args, kw, packed = looped_inputs(mb, head=True)
+    # the response positions in the state (packed: found once, a loop takes its subset)
+    resp = flat_index(h_sel)
+    resp_state = resp if packed is None else packed.packed_of(resp)
+    resp_e = h_e.reshape(-1).index_select(0, resp)
 
     def gate_of(s: Tensor) -> Tensor:  # [B, L] exit-gate logits (packed: back to the rows)
         g = core.gate_logit(s, mode)
@@ -76,10 +80,9 @@ def loop_forward(model: Any, mb: TrainBatch, row_stats: RowStats, *, gate: bool,
             return None
         state, side = tap(state)
         sel_k = sel & (e >= k)
-        flat = flat_index(h_sel & (h_e >= k))  # the rows sel_k takes, in the rows' layout
-        at = to_device(flat, sel.device)
-        # their positions in the state: the same rows, packed positions when packed
-        at_state = at if packed is None else to_device(packed.packed_of(flat), sel.device)
+        ran = resp_e >= k  # the rows sel_k takes: in the rows' layout, and in the state's
+        at = to_device(resp[ran], sel.device)
+        at_state = at if packed is None else to_device(resp_state[ran], sel.device)
 
         def stats(s: Tensor) -> tuple[Tensor, Tensor]:
             r = readout(s)

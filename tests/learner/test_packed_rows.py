@@ -274,20 +274,13 @@ def test_a_sampled_exit_and_per_loop_credit_pack(tmp_path: Path, extra: list[str
     (learner.max_tokens_per_micro=4096), exact numerics: the forward's every output (token,
     exit and per-loop log-probs, entropies, gate logits), every step metric, the measured
     mismatch and every weight after one step are the same bits."""
-    from models.checkpoint import load_checkpoint, save_checkpoint, state_dict_for_save
-    from models.config import tiny_config
-    from models.reference import build_model
-    from models.ties import tied_from_module
+    from models.checkpoint import load_checkpoint
     from pipeline.backends.megatron_adapter import MegatronTrainer
     from pipeline.config.run import load_config
-    from tests.learner.test_policies_ragged import _rollouts as ragged_rollouts
+    from tests.learner.test_policies_ragged import ragged_ouro
 
     root = tmp_path / "ouro"
-    m: Any = build_model(tiny_config("ouro"), seed=5)
-    with torch.no_grad():
-        m.model.early_exit_gate.bias.fill_(-0.3)
-    save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
-    rolls = ragged_rollouts(m)
+    rolls = ragged_ouro(root)
     assert len({int(d) for r in rolls for d in r.exit_depths}) >= 3  # exits at several loops
     res: dict[str, Any] = {}
     for name, over in (("padded", "learner.micro_batch_size=4"),

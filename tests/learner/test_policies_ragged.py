@@ -46,22 +46,30 @@ def _rollouts(m: Any) -> list[Rollout]:
     return out
 
 
+def ragged_ouro(root: Path) -> list[Rollout]:
+    """The tiny Ouro of this module (seed 5, exit gate's bias -0.3) saved at ``root``, and its
+    ragged sampled-exit rollouts (`_rollouts`)."""
+    from models.checkpoint import save_checkpoint, state_dict_for_save
+    from models.ties import tied_from_module
+
+    m: Any = build_model(tiny_config("ouro"), seed=5)
+    with torch.no_grad():
+        m.model.early_exit_gate.bias.fill_(-0.3)
+    save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
+    return _rollouts(m)
+
+
 def _both(root_s: str, weightings: list[str]) -> dict[str, Any]:
     """The cases in one process of its own (run_distributed): a megatron trainer in exact
     numerics leaves state in the process that moves a later fast-numerics run's gradients
     (tests/learner/test_exit_term.py)."""
-    from models.checkpoint import load_checkpoint, save_checkpoint, state_dict_for_save
-    from models.ties import tied_from_module
+    from models.checkpoint import load_checkpoint
     from pipeline.backends.megatron_adapter import MegatronTrainer
     from pipeline.backends.reference_trainer import ReferenceTrainer
     from pipeline.config.run import load_config
 
     root = Path(root_s) / "ouro"
-    m: Any = build_model(tiny_config("ouro"), seed=5)
-    with torch.no_grad():
-        m.model.early_exit_gate.bias.fill_(-0.3)
-    save_checkpoint(state_dict_for_save(m), m.config.to_hf_dict(), root, tied=tied_from_module(m))
-    rolls = _rollouts(m)
+    rolls = ragged_ouro(root)
     out: dict[str, Any] = {"depths": sorted({int(d) for r in rolls for d in r.exit_depths}),
                            "full": [r.full_depth for r in rolls], "cases": {}}  # fmt: skip
     for w in weightings:
