@@ -32,7 +32,10 @@ Per run, from its metrics rows after the first step (the first waits on the gene
 and its stream: ``samples_per_s`` and ``tokens_per_s`` = the steps' rollouts and generated
 tokens over the sum of their walls (``step_s``: the run's throughput, learner included);
 ``gen_samples_per_s`` = an engine batch's samples (generators.max_inflight prompts x n) over
-its mean engine time (the rows' ``time/generation``: generation alone, batches taken as full); ``mean_depth`` = the trained rollouts' token-mean exit depth; ``accuracy`` (the arm's
+its mean engine time (the rows' ``time/generation``: generation alone, batches taken as full); ``mean_depth`` = the trained rollouts' token-mean exit depth; ``loop_share`` and
+``decode_loop_share`` = the position-loops those rollouts ran (prompt positions at the full
+depth, each token's at its exit) over the same rows at the full depth, whole rows and the decode
+alone (`loop_shares`: 1 / loop_share bounds what the exit can save of a step's compute); ``accuracy`` (the arm's
 policy), ``accuracy/hops=h`` and ``accuracy@d`` (fixed depth d). Per arm: the mean over seeds,
 the sample standard deviation (``_std``) and the 95% t-interval of the mean (``_ci95``).
 
@@ -86,7 +89,8 @@ Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, f
 "load_1m", "device": the card};
 last, the verdict: {"samples_per_s_ratio": exit / full paired by seed (mean, [95% CI]),
 "gen_samples_per_s_ratio", "accuracy_diff": exit - full paired by seed (mean, [95% CI]),
-"mean_depth": [full, exit], "seeds", "verdict": one sentence}.
+"mean_depth": [full, exit], "seeds", "loop_share": the exit arm's [whole rows, decode],
+"verdict": one sentence}.
 """
 
 from __future__ import annotations
@@ -279,7 +283,8 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
     wall = sum(r["step_s"] for r in rows)
     samples = sum(r["perf/samples_per_s"] * r["step_s"] for r in rows)
     batch_s = statistics.fmean(r.get("time/generation", 0.0) for r in rows)
-    depths = [int(d) for _, ro in read_rollouts(live / "stream") for d in ro.exit_depths]
+    rollouts = [ro for _, ro in read_rollouts(live / "stream")]
+    depths = [int(d) for ro in rollouts for d in ro.exit_depths]
     weights = max((live / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
     cfg = load_config(config, [f"run_dir={live}", *common])
     held = cfg.generators.max_inflight  # prompts per engine batch (the config's 2)
@@ -290,15 +295,35 @@ def one_run(root: Path, arm: str, seed: int, args: argparse.Namespace,
     out = {"samples_per_s": samples / wall, "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
            "gen_samples_per_s": batch_rows / batch_s if batch_s else 0.0,
            "mean_depth": statistics.fmean(depths), "eval_mean_depth": ev.pop("mean_depth"),
+           **dict(zip(("loop_share", "decode_loop_share"), loop_shares(rollouts))),
            "run_s": run_s, **ev}  # fmt: skip
     print(f"# {arm} seed {seed}: {json.dumps(out)}", file=sys.stderr, flush=True)
     return out
 
 
+def loop_shares(rollouts: list[Any]) -> tuple[float, float]:
+    """The position-loops ``rollouts`` ran over those of the same rows at the full depth: a
+    row's positions before token 0's at its full depth and each token's position at its exit
+    depth (what the learner's depth-batched forward and the engine's prefill + decode run under
+    kv last_exited), then the decode's alone (tokens 1.., the tick decode's). So 1 / share is
+    the most a step's compute can shrink: prompts run at the full depth whatever the exit."""
+    ran = full = dec = dec_full = 0
+    for ro in rollouts:
+        depth = int(ro.full_depth) or DEPTHS[-1]  # (0: a stream before the field)
+        exits = [int(d) for d in ro.exit_depths]
+        before = len(ro.prompt_tokens) - 1
+        ran += before * depth + sum(exits)
+        full += (before + len(exits)) * depth
+        dec += sum(exits[1:])
+        dec_full += max(len(exits) - 1, 0) * depth
+    return (ran / full if full else 1.0), (dec / dec_full if dec_full else 1.0)
+
+
 def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
-    """Mean, sample standard deviation, 95% t-interval and per-seed values of each figure."""
+    """Mean, sample standard deviation, 95% t-interval and per-seed values of each figure
+    (each figure every run has: --merge may join outputs from before a figure existed)."""
     out: dict[str, Any] = {}
-    for key in runs[0]:
+    for key in [k for k in runs[0] if all(k in r for r in runs)]:
         vals = [r[key] for r in runs]
         out[key] = statistics.fmean(vals)
         out[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -318,13 +343,20 @@ def verdict(full: list[dict[str, float]], exit_: list[dict[str, float]]) -> dict
     g = t_interval(gen) if gen else (0.0, 0.0, 0.0)
     depth = [statistics.fmean(x["mean_depth"] for x in arm) for arm in (full, exit_)]
     n = len(ratio)
-    return {"samples_per_s_ratio": [r[0], [r[1], r[2]]],
-            "gen_samples_per_s_ratio": [g[0], [g[1], g[2]]],
-            "accuracy_diff": [d[0], [d[1], d[2]]], "mean_depth": depth, "seeds": n,
-            "verdict": (f"exit vs full: samples/s x{r[0]:.3f} (95% CI {r[1]:.3f}..{r[2]:.3f}), "
-                        f"generation-only x{g[0]:.3f} ({g[1]:.3f}..{g[2]:.3f}), accuracy "
-                        f"{d[0]:+.3f} ({d[1]:+.3f}..{d[2]:+.3f}), mean exit depth "
-                        f"{depth[1]:.2f} vs {depth[0]:.2f}, {n} seed(s)")}  # fmt: skip
+    out = {"samples_per_s_ratio": [r[0], [r[1], r[2]]],
+           "gen_samples_per_s_ratio": [g[0], [g[1], g[2]]],
+           "accuracy_diff": [d[0], [d[1], d[2]]], "mean_depth": depth, "seeds": n,
+           "verdict": (f"exit vs full: samples/s x{r[0]:.3f} (95% CI {r[1]:.3f}..{r[2]:.3f}), "
+                       f"generation-only x{g[0]:.3f} ({g[1]:.3f}..{g[2]:.3f}), accuracy "
+                       f"{d[0]:+.3f} ({d[1]:+.3f}..{d[2]:+.3f}), mean exit depth "
+                       f"{depth[1]:.2f} vs {depth[0]:.2f}, {n} seed(s)")}  # fmt: skip
+    if all("loop_share" in x for x in exit_):  # (outputs before the field: no ceiling)
+        share = [statistics.fmean(x[k] for x in exit_) for k in ("loop_share", "decode_loop_share")]
+        out["loop_share"] = share
+        out["verdict"] += (f"; its rollouts ran {share[0]:.3f} of the full depth's position-loops "
+                           f"({share[1]:.3f} of the decode's): compute can shrink at most "
+                           f"x{1 / share[0]:.2f}")  # fmt: skip
+    return out
 
 
 GPU = {"size": "400m", "steps": 12, "seeds": 5, "warm_lr": 3e-4, "warm_batch": 64,

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace as Row
 
+import numpy as np
 import pytest
 
 from tests.bench_import import load_benchmark
@@ -130,6 +132,37 @@ def test_merge_takes_the_finished_seeds_of_a_cut_off_calls_log(
     empty.write_text(f"# full seed 0: {fig(1.0, 0.1)}\n")
     with pytest.raises(SystemExit, match="neither an output of this benchmark nor a log"):
         ep.main(["--merge", str(empty)])
+
+
+def test_loop_shares_count_prompt_positions_at_full_depth() -> None:
+    """Two rows of a 4-loop model: prompts of 5 and 3 tokens (4 and 2 positions before token
+    0's, at depth 4), exits (4, 1, 2) and (2, 1). Whole rows: (16 + 7) + (8 + 3) = 34 of
+    (7 + 4) x 4 = 44 position-loops; the decode (tokens 1..): (1 + 2) + 1 = 4 of 3 x 4 = 12. A
+    full-depth row is 1.0; a stream without full_depth takes the model's 4."""
+    rows = [Row(prompt_tokens=np.zeros(5), exit_depths=np.array([4, 1, 2], np.uint8), full_depth=4),
+            Row(prompt_tokens=np.zeros(3), exit_depths=np.array([2, 1], np.uint8), full_depth=0)]  # fmt: skip
+    assert ep.loop_shares(rows) == (pytest.approx(34 / 44), pytest.approx(4 / 12))
+    full = [Row(prompt_tokens=np.zeros(5), exit_depths=np.full(3, 4, np.uint8), full_depth=4)]
+    assert ep.loop_shares(full) == (1.0, 1.0)
+    one = [Row(prompt_tokens=np.zeros(5), exit_depths=np.array([3], np.uint8), full_depth=4)]
+    assert ep.loop_shares(one) == (pytest.approx(19 / 20), 1.0)  # no decode: nothing to save
+
+
+def test_verdict_states_the_compute_ceiling() -> None:
+    """The exit arm's loop share goes into the verdict as the most its compute can shrink; runs
+    without the figure (outputs from before it) give no ceiling and still merge."""
+
+    def run(sps: float, share: float | None) -> dict[str, float]:
+        out = {"samples_per_s": sps, "accuracy": 0.5, "gen_samples_per_s": 10.0, "mean_depth": 3.0}
+        return out | ({"loop_share": share, "decode_loop_share": share / 2} if share else {})
+
+    v = ep.verdict([run(100.0, 1.0)] * 2, [run(110.0, 0.8), run(120.0, 0.9)])
+    assert v["loop_share"] == [pytest.approx(0.85), pytest.approx(0.425)]
+    assert "compute can shrink at most x1.18" in v["verdict"]
+    old = ep.verdict([run(100.0, None)], [run(110.0, None)])
+    assert "loop_share" not in old and "ceiling" not in old["verdict"]
+    summary = ep.summarise([run(100.0, 0.8), run(100.0, None)])
+    assert "loop_share" not in summary and summary["samples_per_s_seeds"] == [100.0, 100.0]
 
 
 def test_sft_trains_on_the_device_named() -> None:
