@@ -7,6 +7,7 @@ last line the verdict.
     python benchmarks/exit_pays.py --smoke            # the CPU smoke: 1 seed, 3 steps, ~1 min
     python benchmarks/exit_pays.py --device cuda --budget-s 550   # GPU: Ouro 400m, 5 seeds
     python benchmarks/exit_pays.py --task long --smoke  # the long completions (below), ~2-3 min
+    python benchmarks/exit_pays.py --task pairs --smoke  # the same answered NAME=DIGIT
 
 Order: ONE warm start for both arms, the product's (`looprl sft --config
 configs/depth_mix.yaml --steps --warm-steps --gate-steps --gate-steps`: the config's
@@ -84,6 +85,13 @@ CPU (ticks 0) a batch's decode step still runs its deepest row's loops, so an ex
 where the whole batch takes it; with ticks (``--depth-ticks``, the GPU mode's default 2) each
 row moves on when its own token exits.
 
+``--task pairs`` (configs/depth_mix_pairs.yaml, docs/TASKS.md "Mixed depth, answers in pairs"):
+the long task's questions and digits, each digit written after its query's name
+("F=3,I=9,...", 64 tokens with EOS), accuracy as in long. The long task's completion is 17 of
+a row's 65 positions, so an exit that halves its depth leaves the step's compute at best
+~1.14x smaller (`loop_shares`: the prompt runs at the full depth); here it is 64 of 112, 48 of
+them names and format that one loop should answer.
+
 Output, two JSON lines: {"arms": {arm: {figure: mean, figure_std, figure_ci95, figure_seeds}},
 "warm_start": the warm start's stats, "settings", "seeds_run", "samples_per_run", "wall_s",
 "load_1m", "device": the card};
@@ -122,8 +130,10 @@ REPO = Path(__file__).resolve().parents[1]
 TASKS = {
     "mix": REPO / "configs" / "depth_mix.yaml",
     "long": REPO / "configs" / "depth_mix_long.yaml",
+    "pairs": REPO / "configs" / "depth_mix_pairs.yaml",
 }
-"""``--task``'s run config: mix, the one-digit answers; long, 16 digits a completion."""
+"""``--task``'s run config: mix, the one-digit answers; long, 16 digits a completion; pairs,
+the long task's questions answered in 16 NAME=DIGIT items."""
 CONFIG = TASKS["mix"]
 QUIET = ["metrics.progress=false", "metrics.plot=false", "metrics.tensorboard=false",
          "checkpoint.every=0", "checkpoint.final=false"]  # fmt: skip
@@ -184,9 +194,9 @@ def warm_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 def warm_eval(root: Path, args: argparse.Namespace) -> dict[str, float]:
     """The warm start's held-out figures (`looprl eval` on ``args.device``, by hops): accuracy
     at each fixed depth, and under the exit arm's sampled gate its accuracy and mean depth
-    (task long: `held_out`'s figures)."""
+    (tasks long and pairs: `held_out`'s figures)."""
     over = arm_overrides("exit", args.depth_cost, args.depth_ticks) + ["generators.engine=torch"]
-    if args.task == "long":
+    if args.task != "mix":
         return held_out(args, over, root / "warm", root / "warm")
     ev = evaluate(load_config(CONFIG, over), root / "warm", depths=DEPTHS, by="hops",
                   limit=args.eval_limit, device=args.device)  # fmt: skip
@@ -390,7 +400,9 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
                    help="cpu, or cuda: the GPU mode (module doc; defaults GPU)")  # fmt: skip
     p.add_argument("--task", default="mix", choices=tuple(TASKS),
                    help="mix: configs/depth_mix.yaml (one digit a completion); long: "
-                   "configs/depth_mix_long.yaml (16 digits, the class varying by token)")  # fmt: skip
+                   "configs/depth_mix_long.yaml (16 digits, the class varying by token); pairs: "
+                   "configs/depth_mix_pairs.yaml (the long questions, answered NAME=DIGIT: 64 "
+                   "tokens, most of them one loop's)")  # fmt: skip
     p.add_argument("--size", default=None,
                    help="model.size of the warm start's fresh Ouro (tiny; GPU 400m)")  # fmt: skip
     p.add_argument("--warm-steps", type=int, default=600, help="warm-start SFT steps")
@@ -421,7 +433,7 @@ def add_warm_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """The device's defaults into ``args`` (`GPU`, `CPU`: a flag given wins), --smoke's shape
-    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts; task long 16), then
+    (1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts; tasks long and pairs 16), then
     the checks of --seeds, --steps and --device."""
     for key, value in (GPU if args.device == "cuda" else CPU).items():
         if getattr(args, key, None) is None:
@@ -429,7 +441,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.smoke:
         args.seeds, args.steps, args.prompts, args.n = 1, 3, 4, 4
         args.warm_steps, args.gate_steps = 40, 5
-        args.eval_limit = 40 if args.task == "mix" else 16  # long: 3 evaluations of 17 tokens
+        args.eval_limit = 40 if args.task == "mix" else 16  # long, pairs: 3 evaluations each
     if args.seeds < 1 or args.steps < 2:
         raise SystemExit("--seeds must be >= 1 and --steps >= 2 (the first step is not timed)")
     if args.device == "cuda":
@@ -523,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     add_warm_arguments(p)
     p.add_argument("--smoke", action="store_true",
                    help="1 seed, 3 steps of 4 x 4, 40 + 5 warm-start steps, 40 eval prompts "
-                   "(--task long: 16)")  # fmt: skip
+                   "(--task long or pairs: 16)")  # fmt: skip
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE",
                    help="no run: the summary and the verdict of earlier calls' outputs together "
                    "(calls of other seeds, --first-seed), or their stderr logs (a call cut off: the "

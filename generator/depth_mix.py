@@ -2,7 +2,7 @@
 answers need one lookup and others every hop (docs/TASKS.md, "Mixed depth").
 
     python -m generator.depth_mix OUT_DIR [--train 4000] [--test 200] [--mix 1:0.5,2:0.5]
-                                  [--seed 0] [--queries 1] [--chains 4]
+                                  [--seed 0] [--queries 1] [--chains 4] [--answer digits]
 
 writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl, one question a row:
 
@@ -39,6 +39,12 @@ completions"), where the class varies per generated token rather than per questi
              class h names the h-th name of its chain (h = 1: the name holds its digit, a
              copy; h > 1: h - 1 pointers to follow)
 
+With ``--answer pairs`` the answer names each query before its digit, "A=4,A=4,D=7,C=7" for
+the prompt above ("NAME=DIGIT" in query order, comma-separated; the same prompts and digits
+as ``--answer digits``, the default): of its 4K - 1 characters only the K digits need a
+lookup; a name copies its query from the prompt and "=" and "," are the format, so most of a
+completion is tokens one loop should answer (docs/TASKS.md "Mixed depth, answers in pairs").
+
 Of each row's K queries exactly round(K x share) are of each class but the last (the rest), in
 a seeded order, each of a chain drawn uniformly. Capital letters because the tiny tokenizer
 (models/tokenizer.py) merges no two of them: every character of a prompt is one token, so
@@ -46,7 +52,8 @@ query j sits exactly K - 1 positions before the position that predicts answer di
 Rows are again a pure function of (seed, split, row, K, C). Reward (`reward_multi`,
 task.reward ``generator.depth_mix:reward_multi``, with ``hops`` in task.metadata_columns):
 the fraction of the K digits right (partial credit), ``correct`` when all are; 0 and
-``malformed`` when the completion, whitespace stripped, is not exactly K digits. With
+``malformed`` when the completion, whitespace stripped, is not exactly K digits (pairs: not K
+comma-separated "NAME=DIGIT" items; an item's digit counts only under its query's name). With
 task.reward_args ``score_hops: h`` it scores only the queries of class h, so that
 ``looprl eval ... --depths 1,2,3,4 'task.reward_args={score_hops: h}'`` gives that class's
 per-digit accuracy at each fixed depth (``eval/reward_mean@d``): `--by` needs one class a row.
@@ -66,6 +73,7 @@ __all__ = [
     "depth_mix_multi_row",
     "depth_mix_row",
     "depth_mix_rows",
+    "pairs",
     "parse_mix",
     "reward",
     "reward_multi",
@@ -76,6 +84,8 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CAPITALS = LETTERS.upper()
 """The long variant's names: one token each, however they are strung together (module doc)."""
 DIGITS = "0123456789"
+ANSWERS = ("digits", "pairs")
+"""The long variant's answer formats (``--answer``): the K digits, or K NAME=DIGIT items."""
 
 
 def depth_mix_row(rng: random.Random, hops: int, distractor: int) -> tuple[str, str]:
@@ -142,15 +152,23 @@ def _classes(n: int, mix: dict[int, float], rng: random.Random) -> list[int]:
 
 
 def depth_mix_rows(n: int, mix: dict[int, float], seed: int, split: str,
-                   avoid: set[str] | None = None, queries: int = 1,
-                   chains: int = 4) -> list[dict[str, Any]]:  # fmt: skip
+                   avoid: set[str] | None = None, queries: int = 1, chains: int = 4,
+                   answer: str = "digits") -> list[dict[str, Any]]:  # fmt: skip
     """``n`` distinct questions of the mix (module doc) not in ``avoid``: {"prompt", "answer",
     "hops"} rows; ``queries`` >= 2: the long variant's, of ``chains`` chains (``hops`` a string
-    of the queries' classes)."""
+    of the queries' classes), its answer the digits or (``answer`` "pairs") NAME=DIGIT items."""
+    if answer not in ANSWERS:
+        raise ValueError(f"depth_mix: --answer {answer!r}: expected one of {', '.join(ANSWERS)}")
     if queries >= 2:
-        return _multi_rows(n, mix, seed, split, avoid, queries, chains)
+        rows = _multi_rows(n, mix, seed, split, avoid, queries, chains)
+        if answer == "pairs":
+            for r in rows:
+                r["answer"] = pairs(r["prompt"].partition("?")[2], r["answer"])
+        return rows
     if queries != 1:
         raise ValueError(f"depth_mix: --queries {queries} must be >= 1")
+    if answer != "digits":
+        raise ValueError("depth_mix: --answer pairs needs the long variant (--queries >= 2)")
     rng = random.Random(f"depth_mix/{seed}/{split}")
     distractor = max(mix)
     rows: list[dict[str, Any]] = []
@@ -165,6 +183,11 @@ def depth_mix_rows(n: int, mix: dict[int, float], seed: int, split: str,
         seen.add(q)
         rows.append({"prompt": q, "answer": a, "hops": hops})
     return rows
+
+
+def pairs(names: str, digits: str) -> str:
+    """The pairs answer of queried ``names`` and their ``digits``: "AB", "47" -> "A=4,B=7"."""
+    return ",".join(f"{q}={d}" for q, d in zip(names, digits, strict=True))
 
 
 def _multi_rows(n: int, mix: dict[int, float], seed: int, split: str, avoid: set[str] | None,
@@ -195,11 +218,12 @@ def _multi_rows(n: int, mix: dict[int, float], seed: int, split: str, avoid: set
 
 
 def write_depth_mix(out: Path, train: int, test: int, mix: dict[int, float], seed: int,
-                    queries: int = 1, chains: int = 4) -> None:  # fmt: skip
+                    queries: int = 1, chains: int = 4, answer: str = "digits") -> None:  # fmt: skip
     """OUT/train.jsonl and OUT/test.jsonl (module doc)."""
     out.mkdir(parents=True, exist_ok=True)
-    tr = depth_mix_rows(train, mix, seed, "train", queries=queries, chains=chains)
-    te = depth_mix_rows(test, mix, seed, "test", {r["prompt"] for r in tr}, queries, chains)
+    tr = depth_mix_rows(train, mix, seed, "train", queries=queries, chains=chains, answer=answer)
+    te = depth_mix_rows(test, mix, seed, "test", {r["prompt"] for r in tr}, queries, chains,
+                        answer)  # fmt: skip
     for name, rows in (("train", tr), ("test", te)):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -218,27 +242,46 @@ def reward_multi(text: str, tokens: list[int],
     """The long variant's reward (module doc): the fraction of the scored queries whose digit
     the completion (whitespace stripped) has right, the scored queries all of task["answer"]'s
     or, with task["score_hops"], those whose class in task["hops"] is it; info ``correct`` (all
-    scored right), ``malformed`` (not exactly as many digits as the answer: reward 0) and
-    ``right`` (how many scored right)."""
-    answer = str(task["answer"]).strip()
-    got = text.strip()
-    if not answer or not all(c in DIGITS for c in answer):
-        raise ValueError(f"depth_mix: answer {answer!r} is not one or more digits")
-    well = len(got) == len(answer) and all(c in DIGITS for c in got)
+    scored right), ``malformed`` (not exactly as many digits as the answer, or in the pairs
+    format as many NAME=DIGIT items: reward 0) and ``right`` (how many scored right). A pairs
+    answer ("A=4,B=7") asks the pairs format; an item's digit counts only under its query's
+    name."""
+    answer, got = _items(str(task["answer"]).strip()), _items(text.strip())
+    if not answer or not all(d in DIGITS and len(d) == 1 for _, d in answer):
+        raise ValueError(f"depth_mix: answer {task['answer']!r} is not one or more digits or "
+                         "NAME=DIGIT items")  # fmt: skip
+    if answer[0][0]:  # pairs: K items of one letter, "=", one digit
+        well = len(got) == len(answer) and all(len(q) == 1 and q in CAPITALS for q, _ in got)
+    else:
+        well = len(got) == len(answer) and not got[0][0]
+    well = well and all(len(d) == 1 and d in DIGITS for _, d in got)
     scored = list(range(len(answer)))
     if task.get("score_hops") is not None:
         classes = str(task["hops"])
         if len(classes) != len(answer):
             raise ValueError(f"depth_mix: hops {classes!r} has {len(classes)} classes for the "
-                             f"{len(answer)} answer digits {answer!r}")  # fmt: skip
+                             f"{len(answer)} answer digits {task['answer']!r}")  # fmt: skip
         scored = [j for j, h in enumerate(classes) if h == str(task["score_hops"])]
         if not scored:
             raise ValueError(f"depth_mix: score_hops {task['score_hops']}: no query of that "
                              f"class in hops {classes!r}")  # fmt: skip
-    right = sum(got[j] == answer[j] for j in scored) if well else 0
+    right = sum(got[j] == answer[j] for j in scored) if well else 0  # (name and digit)
     frac = right / len(scored)
     return frac, {"correct": well and right == len(scored), "malformed": not well,
                   "right": right}  # fmt: skip
+
+
+def _items(text: str) -> list[tuple[str, str]]:
+    """A long-variant answer's (name, digit) items: "A=4,B=7" -> [("A", "4"), ("B", "7")];
+    digits alone ("47") -> [("", "4"), ("", "7")]; a pairs item without one "=" -> ("?", it),
+    which no answer's item equals."""
+    if "=" not in text and "," not in text:
+        return [("", c) for c in text]
+    out = []
+    for item in text.split(","):
+        name, eq, digit = item.partition("=")
+        out.append((name, digit) if eq and "=" not in digit else ("?", item))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -254,13 +297,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "variant, K digits)")  # fmt: skip
     p.add_argument("--chains", type=int, default=None,
                    help="the long variant's chains a question (default 4)")  # fmt: skip
+    p.add_argument("--answer", default="digits", choices=ANSWERS,
+                   help="the long variant's answer: the K digits (default) or K NAME=DIGIT "
+                   "items, comma-separated")  # fmt: skip
     a = p.parse_args(argv)
     try:
         if a.chains is not None and a.queries < 2:
             raise ValueError(f"--chains {a.chains}: only the long variant (--queries >= 2) has "
                              "chains to count; a single query has its chain and one distractor")  # fmt: skip
         write_depth_mix(a.out, a.train, a.test, parse_mix(a.mix), a.seed, a.queries,
-                        4 if a.chains is None else a.chains)  # fmt: skip
+                        4 if a.chains is None else a.chains, a.answer)  # fmt: skip
     except ValueError as e:
         print(f"python -m generator.depth_mix: error: {e}", file=sys.stderr)
         return 2

@@ -53,5 +53,9 @@ def test_smoke_long(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         for key in ("accuracy", "exact", "accuracy@1", "accuracy/hops=1", "accuracy@4/hops=2"):
             assert 0.0 <= arm[key] <= 1.0, key
     assert verdict["verdict"].startswith("exit vs full: samples/s x")
+    # the position-loops: the full arm all of them; the exit arm's prompts at the full depth
+    assert full["loop_share"] == full["decode_loop_share"] == 1.0
+    least = (48 * 4 + 17 * 1) / ((48 + 17) * 4)  # every one of 17 tokens at one loop
+    assert least <= exit_["loop_share"] < 1.0 and "at most x" in verdict["verdict"]
     for arm in ("full", "exit"):
         assert "depth_mix_long" in (tmp_path / f"{arm}-0" / "config.yaml").read_text()

@@ -182,27 +182,31 @@ def test_sft_trains_on_the_device_named() -> None:
         on_device(module, "meta")
 
 
-def test_long_task_selects_its_config_and_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--task long: configs/depth_mix_long.yaml in every call, the GPU mode's cache rows the
-    longest prompt + 17 (16 digits + EOS), its query classes read from the data."""
+@pytest.mark.parametrize(("task", "completion"), [("long", 17), ("pairs", 64)])
+def test_long_task_selects_its_config_and_budgets(monkeypatch: pytest.MonkeyPatch, task: str,
+                                                  completion: int) -> None:  # fmt: skip
+    """--task long / pairs: configs/depth_mix_long.yaml / depth_mix_pairs.yaml in every call,
+    the GPU mode's cache rows the longest prompt + the completion (16 digits + EOS; 16 NAME=DIGIT
+    items + EOS), the query classes read from the data."""
     import torch
 
     from pipeline.config.run import load_config
 
-    args = _args(["--task", "long"])
+    args = _args(["--task", task])
     ep.check_args(args)
-    assert ep.TASKS[args.task].name == "depth_mix_long.yaml" and _args([]).task == "mix"
+    assert ep.TASKS[args.task].name == f"depth_mix_{task}.yaml" and _args([]).task == "mix"
     assert ep.query_classes(args) == ["1", "2"]
-    assert ep.longest_prompt(ep.TASKS["long"]) == 50  # 48 one-byte characters + BOS + 1
-    args = _args(["--task", "long", "--device", "cuda"])
+    assert ep.longest_prompt(ep.TASKS[task]) == 50  # 48 one-byte characters + BOS + 1
+    args = _args(["--task", task, "--device", "cuda"])
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)
         ep.check_args(args)
     over = ep.device_overrides(args)
-    assert "task.max_prompt_tokens=50" in over and "generators.max_model_len=67" in over
+    want = f"generators.max_model_len={50 + completion}"
+    assert "task.max_prompt_tokens=50" in over and want in over
     base = ["generators.engine=torch", "generators.count=1", *over]
-    exit_ = load_config(ep.TASKS["long"], base + ep.arm_overrides("exit", 0.05, 2))
-    assert exit_.rollout.max_tokens == 17 and exit_.generators.depth_ticks == 2
+    exit_ = load_config(ep.TASKS[task], base + ep.arm_overrides("exit", 0.05, 2))
+    assert exit_.rollout.max_tokens == completion and exit_.generators.depth_ticks == 2
     assert exit_.task.reward == "generator.depth_mix:reward_multi"
-    scored = load_config(ep.TASKS["long"], [*base, "task.reward_args={score_hops: 2}"])
+    scored = load_config(ep.TASKS[task], [*base, "task.reward_args={score_hops: 2}"])
     assert scored.task.reward_args == {"score_hops": 2}

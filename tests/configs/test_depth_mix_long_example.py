@@ -1,12 +1,15 @@
-"""The long mixed-depth example (configs/depth_mix_long.yaml, generator.depth_mix --queries
-16): its committed data is what `python -m generator.depth_mix configs/data/depth_mix_long
---queries 16` writes, every row asking each class in the stated share; the config names the
-partial-credit reward and its class column, and the prompts fit its budgets exactly."""
+"""The long mixed-depth examples (configs/depth_mix_long.yaml, generator.depth_mix --queries 16;
+configs/depth_mix_pairs.yaml, the same with --answer pairs): their committed data is what
+`python -m generator.depth_mix DIR --queries 16 [--answer pairs]` writes, every row asking each
+class in the stated share; each config names the partial-credit reward and its class column,
+and the prompts and completions fit its budgets exactly."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from generator.depth_mix import main
 from generator.rewards import resolve_reward
@@ -15,30 +18,37 @@ from pipeline.config.run import load_config
 from pipeline.core.tasks import dataset_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "depth_mix_long.yaml"
+EXAMPLES = {  # config: (the command's extra flags, the answer's characters, right answer, task)
+    "depth_mix_long.yaml": ([], 16, "4719", {"answer": "4719", "hops": "1221"}),
+    "depth_mix_pairs.yaml": (["--answer", "pairs"], 63, "A=4,B=7,B=1,C=9",
+                             {"answer": "A=4,B=7,B=1,C=9", "hops": "1221"}),
+}  # fmt: skip
 
 
-def test_committed_data_is_what_the_command_writes(tmp_path: Path) -> None:
-    data = REPO / load_config(CONFIG).task.path
-    assert main([str(tmp_path), "--queries", "16"]) == 0
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_committed_data_is_what_the_command_writes(tmp_path: Path, name: str) -> None:
+    flags, chars, _, _ = EXAMPLES[name]
+    data = REPO / load_config(REPO / "configs" / name).task.path
+    assert main([str(tmp_path), "--queries", "16", *flags]) == 0
     for split, n in (("train", 4000), ("test", 200)):
         committed = (data / f"{split}.jsonl").read_text()
         assert committed == (tmp_path / f"{split}.jsonl").read_text()
         rows = [json.loads(x) for x in committed.splitlines()]
         assert len(rows) == n
-        assert all(len(r["answer"]) == 16 and sorted(r["hops"]) == ["1"] * 8 + ["2"] * 8
+        assert all(len(r["answer"]) == chars and sorted(r["hops"]) == ["1"] * 8 + ["2"] * 8
                    for r in rows)  # fmt: skip
 
 
-def test_config_wires_the_task(tmp_path: Path) -> None:
-    cfg = load_config(CONFIG)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_config_wires_the_task(tmp_path: Path, name: str) -> None:
+    _, chars, right, task = EXAMPLES[name]
+    cfg = load_config(REPO / "configs" / name)
     assert cfg.task.metadata_columns == ["hops"] and cfg.eval.depths == [1, 2, 3, 4]
-    assert cfg.rollout.max_tokens == 17  # the 16 digits + EOS
+    assert cfg.rollout.max_tokens == chars + 1  # the answer (one token a character) + EOS
     fn = resolve_reward(cfg.task.reward)
-    task = {"answer": "4719", "hops": "1221"}
-    assert fn("4719", [], task)[0] == 1.0 and fn("4710", [], task)[0] == 0.75
+    assert fn(right, [], task)[0] == 1.0 and fn(right[:-1] + "0", [], task)[0] == 0.75
     tiny = init_checkpoint(cfg.model.family, cfg.model.size, tmp_path / "m")
-    cfg = load_config(CONFIG, [f"task.path={REPO / cfg.task.path}"])
+    cfg = load_config(REPO / "configs" / name, [f"task.path={REPO / cfg.task.path}"])
     for split in ("train", "test"):
         prompts, _ = dataset_prompts(cfg.task, tiny, 10_000, split=split)
         assert len(prompts) == {"train": 4000, "test": 200}[split]

@@ -119,6 +119,52 @@ def test_reward_partial_credit_one_class_and_malformed() -> None:
         reward_multi("4719", [], {**task, "hops": "122", "score_hops": 1})
 
 
+def test_pairs_answer_the_same_questions_name_by_name() -> None:
+    """--answer pairs: the digits variant's prompts and digits, each digit after its query's
+    name ("A=4,B=7"): 4K - 1 characters, each one token of the tiny tokenizer."""
+    from tokenizers import Tokenizer
+
+    from models.tokenizer import tokenizer_files
+
+    tok = Tokenizer.from_str(tokenizer_files(512)["tokenizer.json"].decode())
+    mix = {1: 0.5, 2: 0.5}
+    digits = depth_mix_rows(40, mix, 0, "test", queries=16)
+    named = depth_mix_rows(40, mix, 0, "test", queries=16, answer="pairs")
+    for d, r in zip(digits, named, strict=True):
+        asked = r["prompt"].partition("?")[2]
+        assert (r["prompt"], r["hops"]) == (d["prompt"], d["hops"])
+        assert r["answer"] == ",".join(f"{q}={a}" for q, a in zip(asked, d["answer"]))
+        assert len(tok.encode(r["answer"], add_special_tokens=False).ids) == len(r["answer"]) == 63
+        assert reward_multi(r["answer"], [], r) == (1.0, {"correct": True, "malformed": False,
+                                                         "right": 16})  # fmt: skip
+    with pytest.raises(ValueError, match="needs the long variant"):
+        depth_mix_rows(5, mix, 0, "test", answer="pairs")
+    with pytest.raises(ValueError, match="expected one of digits, pairs"):
+        depth_mix_rows(5, mix, 0, "test", queries=16, answer="names")
+
+
+def test_pairs_reward_counts_a_digit_under_its_querys_name() -> None:
+    task = {"answer": "A=4,B=7,B=7,C=9", "hops": "1221"}
+    assert reward_multi(" A=4,B=7,B=7,C=9\n", [], task)[0] == 1.0
+    assert reward_multi("A=4,B=7,B=7,C=0", [], task) == (0.75, {"correct": False,
+                                                                "malformed": False, "right": 3})  # fmt: skip
+    assert reward_multi("A=4,C=7,B=7,C=9", [], task)[0] == 0.75  # the right digit, a wrong name
+    assert reward_multi("D=1,D=1,D=1,D=1", [], task) == (0.0, {"correct": False,
+                                                               "malformed": False, "right": 0})  # fmt: skip
+    for text in ("", "4779", "A=4,B=7,B=7", "A=4,B=7,B=7,C=9,", "A=4,B=7,B=7,C=99",
+                 "A4,B=7,B=7,C=9", "a=4,B=7,B=7,C=9", "AB=4,B=7,B=7,C=9", "A=4,B=7,B=7,C==9",
+                 "A=4;B=7,B=7,C=9", "A=4,B=7,B=7,C=x"):  # fmt: skip
+        assert reward_multi(text, [], task) == (0.0, {"correct": False, "malformed": True,
+                                                      "right": 0}), text  # fmt: skip
+    # one class's queries: 1 at items 0 and 3, 2 at items 1 and 2
+    assert reward_multi("A=4,B=0,B=0,C=9", [], {**task, "score_hops": 1}) == (
+        1.0, {"correct": True, "malformed": False, "right": 2})  # fmt: skip
+    assert reward_multi("A=4,B=0,B=7,C=9", [], {**task, "score_hops": 2})[0] == 0.5
+    # a digits completion against a pairs answer (and the reverse) is malformed
+    assert reward_multi("4779", [], {"answer": "4779", "hops": "1221"})[0] == 1.0
+    assert reward_multi("A=4,B=7,B=7,C=9", [], {"answer": "4779", "hops": "1221"})[1]["malformed"]
+
+
 def test_bad_settings_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv, msg in (
         (["--chains", "3"], "only the long variant"),
