@@ -259,7 +259,10 @@ if has exit_pays_gpu; then  # does the learned exit pay, the GPU mode (issue 47)
     # call: EXITG_ARGS="--warm runs/exit_pays_gpu/warm --first-seed 3 --seeds 2"; the calls'
     # outputs combine with `python benchmarks/exit_pays.py --merge A.jsonl B.jsonl` (no GPU); a
     # call cut off before its summary: pass its exit_pays_gpu.err (the seeds both arms finished).
-    # EXITG_ARGS: flags appended (a later flag wins); EXITG_OUT: the work directory.
+    # EXITG_ARGS: flags appended (a later flag wins); EXITG_OUT: the work directory. The task
+    # whose completion is most of a row (an exit can save most of a step): EXITG_ARGS="--task
+    # pairs --engine-eager" (docs/PERFORMANCE.md "The ceiling a task leaves"; its warm start
+    # trains 112-position rows: budget ~5-7 min of T_EXITG for it, then a seed a run pair).
     TX=${T_EXITG:-580}
     timeout "$TX" "$PY" benchmarks/exit_pays.py --device cuda --out "${EXITG_OUT:-runs/exit_pays_gpu}" \
         --budget-s $((TX - 30)) ${EXITG_ARGS:-} 2>"$LOG/exit_pays_gpu.err" | tee "$LOG/exit_pays_gpu.jsonl"
