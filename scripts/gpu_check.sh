@@ -262,7 +262,7 @@ if has exit_pays_gpu; then  # does the learned exit pay, the GPU mode (issue 47)
     # EXITG_ARGS: flags appended (a later flag wins); EXITG_OUT: the work directory. The task
     # whose completion is most of a row (an exit can save most of a step): EXITG_ARGS="--task
     # pairs --engine-eager" (docs/PERFORMANCE.md "The ceiling a task leaves"; its warm start
-    # trains 112-position rows: budget ~5-7 min of T_EXITG for it, then a seed a run pair).
+    # trains 112-position rows: estimated, not measured, 5-7 min of T_EXITG before a seed).
     TX=${T_EXITG:-580}
     timeout "$TX" "$PY" benchmarks/exit_pays.py --device cuda --out "${EXITG_OUT:-runs/exit_pays_gpu}" \
         --budget-s $((TX - 30)) ${EXITG_ARGS:-} 2>"$LOG/exit_pays_gpu.err" | tee "$LOG/exit_pays_gpu.jsonl"
