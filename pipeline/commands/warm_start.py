@@ -1,7 +1,7 @@
 """A short supervised warm start: fine-tune a checkpoint on the train split's reference answers.
 
     looprl sft --config FILE --out DIR [--model DIR] [--steps 60] [--lr 3e-3] [--batch 32]
-               [--seed 0] [--embed-std S] [--gate-steps G] [--device cpu] [key=value ...]
+               [--seed 0] [--embed-std S] [--gate-steps G] [--device D] [key=value ...]
 
 RL needs a policy that already answers in the task's format now and then: a randomly
 initialised model spreads its first token over the whole vocabulary, so it almost never
@@ -25,7 +25,9 @@ data, steps, lr, batch, seed) on one machine. Two more parts, as the run config'
 embedding before the first step (`rescale_embedding`), and ``gate_steps`` trains every loop's
 readout and the exit gate after the last (Ouro's stages: pipeline/commands/exit_stages.py).
 ``--device cuda`` trains on the GPU (fp32 weights and AdamW, matmuls in TF32: `on_device`;
-benchmarks/exit_pays.py's GPU mode at model.size 400m), the checkpoint written as on the CPU.
+benchmarks/exit_pays.py's GPU mode at model.size 400m), the checkpoint written as on the CPU;
+without it the config's ``warm_start.device`` (auto: cuda on a CUDA host, else cpu), which is
+also where `looprl run`'s warm start trains (`warm_start_chain`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from models.chat import ChatRenderer, _compile, eos_token_ids
 from models.checkpoint import load_model, read_config, save_checkpoint, state_dict_for_save
 from models.errors import ConfigError
 from models.random_init import init_checkpoint
+from models.settings import AUTO
 from models.ties import tied_from_module as tied_of
 from pipeline.commands.exit_stages import gate_steps
 from pipeline.config.run import RunConfig, load_config
@@ -181,6 +184,15 @@ def on_device(module: Any, device: str) -> Any:
     return module.to(dev)
 
 
+def has_device(device: str, key: str) -> str:
+    """``device`` (``key``'s value) when this host has it; ConfigError naming ``key`` for a
+    CUDA device on a host without one (auto resolves for the host: cpu there)."""
+    if device != "cpu" and device != AUTO and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={device}: this host has no CUDA device (cpu, or auto: "
+                          "chosen for the host)")  # fmt: skip
+    return "cpu" if device == AUTO else device
+
+
 def rescale_embedding(module: Any, std: float) -> None:
     """``module``'s input embedding scaled to standard deviation ``std`` (warm_start.embed_std;
     Llama-like families: ``model.embed_tokens``, untied from the head); ConfigError for a model
@@ -281,21 +293,27 @@ def warm_start_chain(cfg: RunConfig, model: Path, out: Path) -> list[dict[str, A
     `looprl sft --steps S --seed <steps so far> --gate-steps 0` calls, those after the first
     with --embed-std 0), then with ``warm_start.gate_steps``
     the exit-gate stage (`gate_stage`, seed 0), the last one renamed to ``out`` at the end (so
-    ``out`` exists only when the whole chain is done). Returns each part's stats."""
+    ``out`` exists only when the whole chain is done), every part on ``warm_start.device``.
+    Returns each part's stats."""
 
     w, work = cfg.warm_start, out.parent / f".{out.name}-warm-start"
+    device = "cpu" if w.device == AUTO else w.device  # (a config built without resolving)
+    if w.segments:
+        has_device(device, "warm_start.device")
     shutil.rmtree(work, ignore_errors=True)
     cur, done, stats = model, 0, []
     for k, steps in enumerate(w.segments):
         nxt = work / f"s{done + steps}"
         stats.append(warm_start(cfg, cur, nxt, steps=steps, lr=w.lr, batch=w.batch, seed=done,
-                                embed_std=w.embed_std if k == 0 else 0.0))  # fmt: skip
+                                embed_std=w.embed_std if k == 0 else 0.0, device=device))  # fmt: skip
         cur, done = nxt, done + steps
         log.info("warm start: segment %d of %d done (%d steps)", k + 1, len(w.segments), done)
     if w.gate_steps:
         nxt = work / f"gate{w.gate_steps}"
-        stats.append(gate_stage(cfg, cur, nxt, w.gate_steps, seed=0))
+        stats.append(gate_stage(cfg, cur, nxt, w.gate_steps, seed=0, device=device))
         cur = nxt
+    if torch.device(device).type == "cuda":  # the learner builds on this card next
+        torch.cuda.empty_cache()
     shutil.rmtree(out, ignore_errors=True)
     os.replace(cur, out)
     shutil.rmtree(work, ignore_errors=True)
@@ -320,8 +338,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-steps", type=int, default=None,
                    help="exit-gate stage steps after the SFT steps (default: the config's "
                         "warm_start.gate_steps; its gate_* keys set the stage)")  # fmt: skip
-    p.add_argument("--device", default="cpu",
-                   help="where to train: cpu (default) or cuda[:N] (fp32, matmuls in TF32)")  # fmt: skip
+    p.add_argument("--device", default=None,
+                   help="where to train: cpu or cuda[:N] (fp32, matmuls in TF32); default: the "
+                        "config's warm_start.device (auto: cuda on a CUDA host, else cpu)")  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -351,10 +370,13 @@ def run(a: argparse.Namespace) -> int:
             raise ConfigError(f"--gate-steps and --embed-std must be >= 0, got {gate} and "
                               f"{a.embed_std}")  # fmt: skip
         sft_out = out.parent / f".{out.name}-sft" if gate else out
+        device = has_device(
+            a.device or cfg.warm_start.device, "--device" if a.device else "warm_start.device"
+        )
         stats = warm_start(cfg, model, sft_out, steps=a.steps, lr=a.lr, batch=a.batch,
-                           seed=a.seed, embed_std=a.embed_std, device=a.device)  # fmt: skip
+                           seed=a.seed, embed_std=a.embed_std, device=device)  # fmt: skip
         if gate:
-            stats["gate"] = gate_stage(cfg, sft_out, out, gate, seed=a.seed, device=a.device)
+            stats["gate"] = gate_stage(cfg, sft_out, out, gate, seed=a.seed, device=device)
             shutil.rmtree(sft_out, ignore_errors=True)
     except (ConfigError, ValueError) as e:
         print(f"looprl sft: error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.decode_chunk | 8 with the torch engine at a fixed full depth (no exit policy, depth_ticks 0): 8 tokens a CUDA graph replay | 1 |
 | generators.mps | true (generator processes beside a GPU learner, `nvidia-cuda-mps-control` on PATH): `looprl run` starts an MPS daemon of its own so both run kernels at once | false |
 | publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
+| warm_start.device | cuda (the warm start's segments and gate stage on the card, before the learner builds) | cpu |
 | publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; an adapter version as its adapter set on a base packed once), else every | every |
 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
@@ -109,11 +110,12 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
     lr, gens, pub = cfg.learner, cfg.generators, cfg.publish
     autos = [lr.precision, lr.compile, lr.max_tokens_per_micro, gens.engine, gens.kv_cache_mb,
              gens.max_inflight, gens.inflight_updates, gens.decode_chunk, pub.transport,
-             pub.directories, gens.mps]  # fmt: skip
+             pub.directories, gens.mps, cfg.warm_start.device]  # fmt: skip
     if AUTO not in autos:
         return {}, []
     host = host or Host.here()
-    out: dict[str, dict[str, Any]] = {"learner": {}, "generators": {}, "publish": {}}
+    out: dict[str, dict[str, Any]] = {"learner": {}, "generators": {}, "publish": {},
+                                      "warm_start": {}}  # fmt: skip
     why: list[str] = [f"host: {host.describe()}"]
 
     def choose(section: str, key: str, value: Any, reason: str) -> None:
@@ -189,6 +191,9 @@ def resolve(cfg: Any, host: Host | None = None) -> tuple[dict[str, dict[str, Any
         choose("generators", "decode_chunk", *chunk_for(host.cuda, engine, gens.depth_ticks, fixed))
     if gens.mps == AUTO:
         choose("generators", "mps", *_auto_mps(host, gens, gpu_learner))
+    if cfg.warm_start.device == AUTO:
+        choose("warm_start", "device", *(("cuda", f"{where}: the warm start on the card")
+                                          if host.cuda else ("cpu", "a CPU host")))  # fmt: skip
     if pub.transport == AUTO:
         choose("publish", "transport", *_auto_transport(host, local, megatron))
     if pub.directories == AUTO:

@@ -487,6 +487,10 @@ class WarmStartSection:
     """adaptive: k of the ideal continue probability sigmoid(k (gain - gate_margin))."""
     gate_margin: float = 0.005
     """adaptive: gamma, the loss gain below which the next loop is not worth it."""
+    device: str = AUTO
+    """Where the warm start trains (its segments and the gate stage, in the learner's rank-0
+    process before the first step): cpu, cuda or cuda:N (fp32 weights and AdamW, matmuls in
+    TF32); auto: cuda on a CUDA host, cpu otherwise (pipeline.config.device)."""
 
     def __post_init__(self) -> None:
         _check(all(s >= 1 for s in self.segments), "warm_start.segments", self.segments,
@@ -504,6 +508,8 @@ class WarmStartSection:
         _check(self.gate_slope > 0, "warm_start.gate_slope", self.gate_slope, "must be > 0")
         _check(math.isfinite(self.gate_margin) and self.gate_margin >= 0, "warm_start.gate_margin",
                self.gate_margin, "must be a finite number >= 0")  # fmt: skip
+        _check(self.device in (AUTO, "cpu", "cuda") or bool(re.fullmatch(r"cuda:\d+", self.device)),
+               "warm_start.device", self.device, "must be auto, cpu, cuda or cuda:N")  # fmt: skip
         _check(not (self.embed_std or self.gate_steps) or bool(self.segments),
                "warm_start.segments", self.segments,
                "embed_std and gate_steps are parts of a warm start: give it >= 1 segment")  # fmt: skip

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from generator.math_reward import hash_answer, math
@@ -97,6 +98,25 @@ def test_sft_cli_refuses_a_task_without_answers(capsys: pytest.CaptureFixture[st
     assert "needs a dataset task with an answer column" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA refuses it")
+def test_sft_cli_device_defaults_to_the_configs(tiny: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Without --device, `looprl sft` trains where warm_start.device says; a CUDA device this
+    host lacks is refused naming the flag or the key that asked for it (exit 2, nothing
+    written)."""
+    data = tmp_path / "data"
+    assert make_data([str(data), "--level", "copy", "--train", "6", "--test", "2"]) == 0
+    base = ["--config", str(CONFIG), "--model", str(tiny), "--steps", "1"]
+    for extra, key in ((["warm_start.device=cuda"], "warm_start.device"), (["--device", "cuda:0"],
+                       "--device")):  # fmt: skip
+        assert sft_main([*base, "--out", str(tmp_path / "o"), *extra, f"task.path={data}"]) == 2
+        assert f"{key}={'cuda' if key != '--device' else 'cuda:0'}: this host has no CUDA" in (
+            capsys.readouterr().err)  # fmt: skip
+        assert not (tmp_path / "o").exists()
+    assert sft_main([*base, "--out", str(tmp_path / "o"), f"task.path={data}"]) == 0  # auto: cpu
+    assert (tmp_path / "o" / "config.json").is_file()
+
+
 def test_run_config_warm_start_is_the_chained_sft_calls(tiny: Path, tmp_path: Path) -> None:
     """warm_start.segments [2, 1] writes exactly what `looprl sft --steps 2 --seed 0` then
     `--steps 1 --seed 2` from its output write; bad settings name the key."""
@@ -119,3 +139,12 @@ def test_run_config_warm_start_is_the_chained_sft_calls(tiny: Path, tmp_path: Pa
         load_config(None, ["warm_start.segments=[5]"])
     with pytest.raises(ConfigError, match="warm_start.segments.*>= 1 step"):
         load_config(CONFIG, ["warm_start.segments=[5,0]"])
+    # warm_start.device: auto is this CPU host's cpu (above); a CUDA device it lacks is refused
+    # by the key's name, before a step, in the run's chain and in `looprl sft` alike
+    assert cfg.warm_start.device == "cpu"
+    on_card = load_config(CONFIG, [f"task.path={data}", "warm_start.segments=[2]",
+                                   "warm_start.device=cuda"])  # fmt: skip
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="warm_start.device=cuda: this host has no CUDA"):
+            warm_start_chain(on_card, tiny, tmp_path / "init2")
+        assert not (tmp_path / "init2").exists()

@@ -14,6 +14,7 @@ import yaml
 from generator.config import GeneratorConfig, for_this_host
 from learner.config import LearnerConfig, LoraConfig
 from models.cost import GIB, Host, LoopShape
+from models.errors import ConfigError
 from models.random_init import model_config
 from pipeline.config import device as device_defaults
 from pipeline.config.run import RunConfig, load_config, to_yaml
@@ -35,8 +36,8 @@ def test_a_cpu_host_keeps_todays_defaults() -> None:
     assert cfg.generators.engine == "vllm" and cfg.generators.kv_cache_mb == 64
     assert cfg.publish.transport == "shared_fs" and cfg.generators.max_inflight == 16
     assert cfg.generators.inflight_updates is False and cfg.generators.decode_chunk == 1
-    assert cfg.generators.mps is False
-    assert len(cfg.device_choices) == 12 and all("a CPU host" in x for x in cfg.device_choices)
+    assert cfg.generators.mps is False and cfg.warm_start.device == "cpu"
+    assert len(cfg.device_choices) == 13 and all("a CPU host" in x for x in cfg.device_choices)
     assert device_defaults.summary(cfg.device_choices) is None  # nothing new to print on a CPU
 
 
@@ -62,6 +63,7 @@ def test_a_cuda_host_gets_the_gpu_path_sized_from_its_memory(
     assert gens.engine == "torch" and cfg.publish.transport == "cuda_ipc"
     assert gens.inflight_updates is True  # a version swapped in between decode steps
     assert gens.decode_chunk == 8  # 8 tokens a graph replay at the fixed full depth
+    assert cfg.warm_start.device == "cuda"  # `looprl run`'s warm start on the card
     # a whole step's prompts, and the next one's (max_staleness 1), held by the one generator
     assert gens.max_inflight == cfg.rollout.prompts_per_step * 2
     assert cfg.device_choices[0] == f"host: {H100.describe()}"
@@ -167,6 +169,11 @@ def test_a_set_key_is_kept_and_exact_numerics_stay_fp32(monkeypatch: pytest.Monk
     assert one.generators.decode_chunk == 1
     off = load_config(None, ["generators.inflight_updates=false", "model.size=1b"])
     assert off.generators.inflight_updates is False
+    here = load_config(None, ["warm_start.device=cpu", "model.size=1b"])
+    assert here.warm_start.device == "cpu"  # a warm start kept on the host's CPU
+    assert load_config(None, ["warm_start.device=cuda:1"]).warm_start.device == "cuda:1"
+    with pytest.raises(ConfigError, match="warm_start.device.*auto, cpu, cuda or cuda:N"):
+        load_config(None, ["warm_start.device=gpu"])
 
 
 def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -182,12 +189,14 @@ def test_the_choice_is_recorded_for_replay(monkeypatch: pytest.MonkeyPatch, tmp_
     assert "auto" not in recorded.values(), recorded  # the chosen values, not "auto"
     assert recorded["learner.precision"] == "bf16" and recorded["publish.transport"] == "cuda_ipc"
     assert recorded["generators.inflight_updates"] is True
+    assert doc["warm_start"]["device"] == "cuda"
     monkeypatch.undo()  # replayed on a CPU host: the recorded values, not the CPU's
     path = tmp_path / "config.yaml"
     path.write_text(text)
     again = load_config(path, [])
     assert again.learner == cfg.learner and again.generators == cfg.generators
     assert again.publish == cfg.publish and again.device_choices == []
+    assert again.warm_start == cfg.warm_start
 
 
 def test_a_standalone_generator_chooses_for_its_own_host(tmp_path: Any) -> None:
