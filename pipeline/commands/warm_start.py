@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -171,26 +172,26 @@ def save_like(module: Any, source: Path, out: Path, dtype: torch.dtype | None = 
 
 
 def on_device(module: Any, device: str) -> Any:
-    """``module`` on ``device`` (cpu, cuda, cuda:N) to train there: on CUDA its fp32 matmuls
-    in TF32 (torch's "high" float32 precision; a CPU run is unchanged); ConfigError for a
-    device this host lacks."""
-    dev = torch.device(device)
+    """``module`` on ``device`` (cpu, cuda, cuda:N; `check_device`) to train there: on CUDA its
+    fp32 matmuls in TF32 (torch's "high" float32 precision; a CPU run is unchanged)."""
+    dev = torch.device(check_device(device))
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: this host has no CUDA device")
         torch.set_float32_matmul_precision("high")
-    elif dev.type != "cpu":
-        raise ConfigError(f"--device {device!r}: expected cpu or cuda[:N]")
     return module.to(dev)
 
 
-def has_device(device: str, key: str) -> str:
-    """``device`` (``key``'s value) when this host has it; ConfigError naming ``key`` for a
-    CUDA device on a host without one (auto resolves for the host: cpu there)."""
-    if device != "cpu" and device != AUTO and not torch.cuda.is_available():
+def check_device(device: str, key: str = "--device") -> str:
+    """``device`` (``key``'s value) when this host can train there: cpu, or cuda[:N] on a host
+    with CUDA; auto (a config built without resolving it) is cpu. ConfigError naming ``key``
+    otherwise, before anything is trained or written."""
+    if device == AUTO:
+        return "cpu"
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ConfigError(f"{key}={device!r}: expected cpu or cuda[:N]")
+    if device != "cpu" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={device}: this host has no CUDA device (cpu, or auto: "
                           "chosen for the host)")  # fmt: skip
-    return "cpu" if device == AUTO else device
+    return device
 
 
 def rescale_embedding(module: Any, std: float) -> None:
@@ -297,9 +298,7 @@ def warm_start_chain(cfg: RunConfig, model: Path, out: Path) -> list[dict[str, A
     Returns each part's stats."""
 
     w, work = cfg.warm_start, out.parent / f".{out.name}-warm-start"
-    device = "cpu" if w.device == AUTO else w.device  # (a config built without resolving)
-    if w.segments:
-        has_device(device, "warm_start.device")
+    device = check_device(w.device, "warm_start.device")
     shutil.rmtree(work, ignore_errors=True)
     cur, done, stats = model, 0, []
     for k, steps in enumerate(w.segments):
@@ -370,9 +369,8 @@ def run(a: argparse.Namespace) -> int:
             raise ConfigError(f"--gate-steps and --embed-std must be >= 0, got {gate} and "
                               f"{a.embed_std}")  # fmt: skip
         sft_out = out.parent / f".{out.name}-sft" if gate else out
-        device = has_device(
-            a.device or cfg.warm_start.device, "--device" if a.device else "warm_start.device"
-        )
+        device = check_device(a.device or cfg.warm_start.device,
+                              "--device" if a.device else "warm_start.device")  # fmt: skip
         stats = warm_start(cfg, model, sft_out, steps=a.steps, lr=a.lr, batch=a.batch,
                            seed=a.seed, embed_std=a.embed_std, device=device)  # fmt: skip
         if gate:

@@ -18,8 +18,8 @@ Any of them set to a value is kept as it is. The choices, with why, are printed 
 | generators.decode_chunk | 8 with the torch engine at a fixed full depth (no exit policy, depth_ticks 0): 8 tokens a CUDA graph replay | 1 |
 | generators.mps | true (generator processes beside a GPU learner, `nvidia-cuda-mps-control` on PATH): `looprl run` starts an MPS daemon of its own so both run kernels at once | false |
 | publish.transport | cuda_ipc (local generators, backend megatron: each version copied from the learner's GPU memory and checked on the device; shm under backend reference) | shared_fs |
-| warm_start.device | cuda (the warm start's segments and gate stage on the card, before the learner builds) | cpu |
 | publish.directories | when_free under cuda_ipc (a version announced from the GPU, its directory written when the writer is free; an adapter version as its adapter set on a base packed once), else every | every |
+| warm_start.device | cuda (the warm start's segments and gate stage on the card, before the learner builds) | cpu |
 
 The budget arithmetic (``learner_gib``, ``token_bytes``) is a planning estimate from the
 model's shape, not a measurement: bf16 weights + fp32 main weights, gradients and Adam's two

@@ -176,7 +176,7 @@ def test_sft_trains_on_the_device_named() -> None:
     module = torch.nn.Linear(2, 2)
     assert on_device(module, "cpu") is module
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="--device cuda: this host has no CUDA device"):
+        with pytest.raises(ConfigError, match="--device=cuda: this host has no CUDA device"):
             on_device(module, "cuda")
     with pytest.raises(ConfigError, match="expected cpu or cuda"):
         on_device(module, "meta")
